@@ -1,0 +1,60 @@
+"""The `starfed` command line: one entry point, one subcommand per user task.
+
+Each subcommand lives next to the code it drives (``starfed.simulations.train_local``,
+``starfed.shared.codebook_cli``, ...) and registers itself through ``add_parser``; this
+module only assembles them, importing heavy modules lazily so ``starfed --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+# (subcommand, module that defines `add_parser(subparsers)`), in help order.
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("train-local", "starfed.simulations.train_local"),
+    ("codebook", "starfed.shared.codebook_cli"),
+)
+
+
+def package_version() -> str:
+    try:
+        return version("starfed")
+    except PackageNotFoundError:  # running from a source tree without installing
+        return "0+unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="starfed",
+        description=(
+            "Federated STAR-Prompt continual learning on Flower. Sites learn new classes as they "
+            "arrive and share only per-class prompts, head rows and feature statistics."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"starfed {package_version()}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for _name, module_name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            continue  # subcommand not built yet
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Site client: the ClientApp, its on-disk continual-learning state and its command line."""

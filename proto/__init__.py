@@ -1,0 +1,1 @@
+"""Protobuf schema of the codebook (wire and disk) and its generated Python modules."""

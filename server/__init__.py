@@ -1,0 +1,1 @@
+"""Aggregation server: the ServerApp phase loop, per-class merging and server-side replay."""

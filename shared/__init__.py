@@ -1,0 +1,1 @@
+"""Code shared by client, server and simulation: the STAR-Prompt model, replay, data, codebook."""

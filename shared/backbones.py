@@ -1,0 +1,301 @@
+"""The two frozen pre-trained networks of STAR-Prompt, built from one config-driven factory.
+
+A backbone pair is CLIP (open_clip: image and text towers) plus an ImageNet ViT (timm). Presets:
+
+* ``paper`` — open_clip ``ViT-L-14``/``openai`` and timm ``vit_base_patch16_224`` with in21k
+  weights (``augreg_in21k``; the reference actually ran ``augreg2_in21k_ft_in1k``, selectable
+  with ``vit_tag``). Weights are downloaded only when ``download=True``; otherwise the same
+  architectures are built with random weights (useful for sizes) or filled from local files.
+* ``tiny`` — small CLIP and ViT with seeded random weights at 64×64 (the bundled images), so a
+  whole continual run fits a 2-core CPU. Used by the tests and the default demo.
+* a JSON config file (``config_path``) giving either open_clip/timm model names or explicit
+  sizes, plus local weight files — for sites without a model hub.
+
+Every pair has a ``fingerprint``: sha256 over the canonical config and every weight tensor.
+Clients and servers exchange it so that codebooks trained on different backbones never mix.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import open_clip
+import timm
+import torch
+from open_clip.model import CLIP
+from safetensors.torch import load_file
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from starfed.shared.class_bank import ModelDims
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+PRESETS = ("tiny", "paper")
+PAPER_VIT_TAGS = ("augreg_in21k", "augreg2_in21k_ft_in1k")
+
+
+class BackboneError(ValueError):
+    """A backbone config or weight file that cannot be used (wrong keys, shapes, missing file)."""
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """What to build. ``clip``/``vit`` hold either ``{"model_name": ...}`` or explicit sizes.
+
+    Explicit CLIP sizes are ``open_clip.CLIP`` arguments (``embed_dim``, ``vision_cfg``,
+    ``text_cfg``, ``quick_gelu``); explicit ViT sizes are timm ``VisionTransformer`` arguments.
+    """
+
+    name: str
+    clip: dict[str, Any]
+    vit: dict[str, Any]
+    image_size: int
+    vit_mean: tuple[float, float, float] = IMAGENET_MEAN
+    vit_std: tuple[float, float, float] = IMAGENET_STD
+    clip_mean: tuple[float, float, float] = CLIP_MEAN
+    clip_std: tuple[float, float, float] = CLIP_STD
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True, default=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BackboneConfig:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise BackboneError(f"unknown backbone config keys: {sorted(unknown)}")
+        try:
+            values = {k: tuple(v) if k.endswith(("_mean", "_std")) else v for k, v in data.items()}
+            return cls(**values)
+        except TypeError as err:
+            raise BackboneError(f"incomplete backbone config: {err}") from None
+
+
+def preset_config(preset: str) -> BackboneConfig:
+    """The config of a named preset (sizes only; weights come from ``create_backbones``)."""
+    if preset == "tiny":
+        return BackboneConfig(
+            name="tiny",
+            clip={
+                "embed_dim": 64,
+                "vision_cfg": {
+                    "image_size": 64,
+                    "layers": 2,
+                    "width": 64,
+                    "head_width": 32,
+                    "patch_size": 8,
+                },
+                "text_cfg": {
+                    "context_length": 77,
+                    "vocab_size": 49408,
+                    "width": 64,
+                    "heads": 4,
+                    "layers": 2,
+                },
+                "quick_gelu": True,
+            },
+            vit={"img_size": 64, "patch_size": 8, "embed_dim": 96, "depth": 4, "num_heads": 4},
+            image_size=64,
+        )
+    if preset == "paper":
+        return BackboneConfig(
+            name="paper",
+            clip={"model_name": "ViT-L-14"},
+            vit={"model_name": "vit_base_patch16_224"},
+            image_size=224,
+        )
+    raise BackboneError(f"unknown preset {preset!r}; choose one of {PRESETS} or give a config file")
+
+
+class Backbones(nn.Module):
+    """A frozen CLIP + ViT pair, its dims, normalisation statistics and fingerprint."""
+
+    def __init__(self, config: BackboneConfig, clip: CLIP, vit: VisionTransformer) -> None:
+        super().__init__()
+        self.config = config
+        self.clip = clip
+        self.vit = vit
+        self.requires_grad_(False)
+        self.eval()
+        check_prompting_support(vit)
+        self.dims = ModelDims(
+            d_txt=int(clip.token_embedding.weight.shape[1]),
+            d_clip=int(clip.visual.output_dim),
+            d_vit=int(vit.embed_dim),
+            n_layers=len(vit.blocks),
+        )
+        self._fingerprint: str | None = None
+
+    def train(self, mode: bool = True) -> Backbones:
+        """Backbones stay in eval mode: they are frozen feature extractors."""
+        return super().train(False)
+
+    @torch.no_grad()
+    def clip_image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Raw (un-normalised) CLIP image embeddings z [B, d_clip] of CLIP-normalised images."""
+        return self.clip.encode_image(images).float()
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the config and every weight; computed once (hashing ViT-L takes seconds)."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256(self.config.to_json().encode())
+            for prefix, module in (("clip.", self.clip), ("vit.", self.vit)):
+                for key, tensor in sorted(module.state_dict().items()):
+                    t = tensor.detach().to("cpu").contiguous()
+                    digest.update(f"{prefix}{key}:{t.dtype}:{tuple(t.shape)}".encode())
+                    digest.update(t.view(torch.uint8).numpy().tobytes())
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
+
+
+def check_prompting_support(vit: VisionTransformer) -> None:
+    """Refuse ViT variants where "add R to the attention values" is not "add W_o·R to the block".
+
+    The residual is applied after attention, before the output projection; a gate or a norm
+    between them (some timm variants) would change that identity.
+    """
+    for i, block in enumerate(vit.blocks):
+        attn = block.attn
+        if getattr(attn, "gate", None) is not None or not isinstance(
+            getattr(attn, "norm", nn.Identity()), nn.Identity
+        ):
+            raise BackboneError(f"ViT block {i} has a gated or normalised attention output")
+    if vit.cls_token is None or vit.global_pool != "token":
+        raise BackboneError("the ViT must have a class token and global_pool='token'")
+
+
+def _build_clip(spec: dict[str, Any], download_tag: str | None) -> CLIP:
+    spec = copy.deepcopy(spec)
+    if "model_name" in spec:
+        model = open_clip.create_model(
+            spec["model_name"],
+            pretrained=download_tag,
+            force_quick_gelu=spec.get("quick_gelu", True),
+            load_weights=download_tag is not None,
+        )
+    else:
+        from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+
+        model = CLIP(
+            embed_dim=spec["embed_dim"],
+            vision_cfg=CLIPVisionCfg(**spec["vision_cfg"]),
+            text_cfg=CLIPTextCfg(**spec["text_cfg"]),
+            quick_gelu=spec.get("quick_gelu", True),
+        )
+    if not isinstance(model, CLIP):
+        raise BackboneError(f"open_clip built {type(model).__name__}, STAR-Prompt needs a CLIP")
+    return model
+
+
+def _build_vit(spec: dict[str, Any], download_tag: str | None) -> VisionTransformer:
+    spec = copy.deepcopy(spec)
+    if "model_name" in spec:
+        name = spec.pop("model_name")
+        if download_tag:
+            name = f"{name}.{download_tag}"
+        model = timm.create_model(name, pretrained=download_tag is not None, num_classes=0, **spec)
+    else:
+        model = VisionTransformer(num_classes=0, **spec)
+    if not isinstance(model, VisionTransformer):
+        raise BackboneError(f"timm built {type(model).__name__}, STAR-Prompt needs a ViT")
+    return model
+
+
+def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read weights from safetensors, or a torch file with ``weights_only=True`` (no pickles)."""
+    path = Path(path)
+    if not path.is_file():
+        raise BackboneError(f"weight file not found: {path}")
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and "state_dict" in state:
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise BackboneError(f"{path} does not hold a state dict")
+    return state
+
+
+def _load_into(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    # Classifier heads of pre-trained ViTs are not part of STAR-Prompt (it has its own head).
+    state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        first_line = str(err).splitlines()[0]
+        raise BackboneError(
+            f"{what} weights do not fit the configured model: {first_line}"
+        ) from None
+
+
+def create_backbones(
+    preset: str = "tiny",
+    *,
+    config_path: str | Path | None = None,
+    clip_weights: str | Path | None = None,
+    vit_weights: str | Path | None = None,
+    download: bool = False,
+    vit_tag: str = "augreg_in21k",
+    seed: int = 0,
+) -> Backbones:
+    """Build a frozen backbone pair (the one factory every part of starfed uses).
+
+    ``config_path`` (JSON of ``BackboneConfig``) overrides ``preset``. Weights come, in order of
+    precedence, from local files, from the hub (``download=True``, ``paper`` only), or from a
+    seeded random initialisation.
+    """
+    if config_path is not None:
+        path = Path(config_path)
+        if not path.is_file():
+            raise BackboneError(f"backbone config not found: {path}")
+        config = BackboneConfig.from_dict(json.loads(path.read_text()))
+    else:
+        config = preset_config(preset)
+    if download and config.name != "paper":
+        raise BackboneError("download=True only applies to the 'paper' preset")
+    if vit_tag not in PAPER_VIT_TAGS:
+        raise BackboneError(f"vit_tag must be one of {PAPER_VIT_TAGS}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        clip = _build_clip(config.clip, "openai" if download else None)
+        vit = _build_vit(config.vit, vit_tag if download else None)
+    if clip_weights is not None:
+        _load_into(clip, load_state_dict_file(clip_weights), "CLIP")
+    if vit_weights is not None:
+        _load_into(vit, load_state_dict_file(vit_weights), "ViT")
+    return Backbones(config, clip, vit)
+
+
+@dataclass
+class SavedBackbones:
+    """Where ``save_backbones`` wrote a pair: hand these to ``create_backbones``."""
+
+    config_path: Path
+    clip_weights: Path
+    vit_weights: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def save_backbones(backbones: Backbones, directory: str | Path) -> SavedBackbones:
+    """Write config + safetensors weights, e.g. to carry the paper weights to an offline site."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config_path = directory / "backbone.json"
+    config_path.write_text(json.dumps(json.loads(backbones.config.to_json()), indent=2))
+    clip_path, vit_path = directory / "clip.safetensors", directory / "vit.safetensors"
+    for module, path in ((backbones.clip, clip_path), (backbones.vit, vit_path)):
+        state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+        save_file(state, str(path))
+    return SavedBackbones(config_path, clip_path, vit_path)

@@ -1,0 +1,120 @@
+"""Generative replay: re-align first-level prompts and the head on features sampled from MoGs.
+
+After each task, features of every seen class are sampled from its mixture (256 per class per
+epoch, redrawn every epoch, shuffled, batches of 128) and used to
+
+* first level: train the *current* prompts p_c against the keys of all seen classes (past keys
+  fixed), so new keys do not steal past classes' images; the keys are then frozen;
+* second level: train a copy of the head on LogitNorm-ed logits for 10 + 5·t epochs; the
+  aligned copy is used for prediction while the next task resumes from the real-data head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from rich.progress import Progress
+
+from starfed.shared.first_level import TextKeyEncoder, first_level_logits
+from starfed.shared.losses import logit_norm
+from starfed.shared.mixture import GaussianMixture, sample_replay_features
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    epochs: int
+    lr: float
+    samples_per_class: int = 256
+    batch_size: int = 128
+
+
+def first_level_replay_loss(
+    encoder: TextKeyEncoder,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    past_keys: torch.Tensor,
+    current_prompts: torch.Tensor,
+    current_embeds: torch.Tensor,
+    current_eot: torch.Tensor,
+) -> torch.Tensor:
+    """CE of normalised synthetic CLIP features against all seen keys (past ones fixed)."""
+    keys = torch.cat([past_keys.detach(), encoder(current_prompts, current_embeds, current_eot)])
+    logits = first_level_logits(F.normalize(features, dim=-1), keys, encoder.logit_scale)
+    return F.cross_entropy(logits, labels)
+
+
+def head_replay_loss(
+    features: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """CE of LogitNorm-ed head logits on synthetic ViT features."""
+    return F.cross_entropy(logit_norm(F.linear(features, weight, bias)), labels)
+
+
+def _replay_epochs(
+    mixtures: list[GaussianMixture],
+    config: ReplayConfig,
+    params: list[torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    generator: torch.Generator,
+    description: str,
+    progress: Progress | None,
+) -> None:
+    """SGD (no momentum, no weight decay) over freshly sampled features each epoch."""
+    optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0.0, weight_decay=0.0)
+    task = progress.add_task(description, total=config.epochs) if progress else None
+    for _ in range(config.epochs):
+        features, labels = sample_replay_features(mixtures, config.samples_per_class, generator)
+        order = torch.randperm(len(labels), generator=generator)
+        for batch in order.split(config.batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(features[batch], labels[batch]).backward()
+            optimizer.step()
+        if progress is not None and task is not None:
+            progress.advance(task)
+    if progress is not None and task is not None:
+        progress.remove_task(task)
+
+
+def align_first_level(
+    encoder: TextKeyEncoder,
+    mixtures: list[GaussianMixture],
+    past_keys: torch.Tensor,
+    current_prompts: torch.Tensor,
+    current_embeds: torch.Tensor,
+    current_eot: torch.Tensor,
+    config: ReplayConfig,
+    generator: torch.Generator,
+    progress: Progress | None = None,
+) -> torch.Tensor:
+    """Replay-aligned current prompts (mixtures ordered like ``cat(past_keys, current)``)."""
+    prompts = current_prompts.detach().clone().requires_grad_(True)
+
+    def loss_fn(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return first_level_replay_loss(
+            encoder, features, labels, past_keys, prompts, current_embeds, current_eot
+        )
+
+    _replay_epochs(mixtures, config, [prompts], loss_fn, generator, "replay: prompts", progress)
+    return prompts.detach()
+
+
+def align_head(
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    mixtures: list[GaussianMixture],
+    config: ReplayConfig,
+    generator: torch.Generator,
+    progress: Progress | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A replay-aligned copy of the head rows of all seen classes (inputs are not changed)."""
+    w = weight.detach().clone().requires_grad_(True)
+    b = bias.detach().clone().requires_grad_(True)
+
+    def loss_fn(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return head_replay_loss(features, labels, w, b)
+
+    _replay_epochs(mixtures, config, [w, b], loss_fn, generator, "replay: head", progress)
+    return w.detach(), b.detach()

@@ -1,0 +1,1 @@
+"""Scenarios (partitions, task streams), single-site training and the `flwr run` defaults."""
