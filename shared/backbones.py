@@ -33,11 +33,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from starfed.shared.class_bank import ModelDims
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+from starfed.shared.data import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
 
 PRESETS = ("tiny", "paper")
 PAPER_VIT_TAGS = ("augreg_in21k", "augreg2_in21k_ft_in1k")
@@ -151,8 +147,8 @@ class Backbones(nn.Module):
             digest = hashlib.sha256(self.config.to_json().encode())
             for prefix, module in (("clip.", self.clip), ("vit.", self.vit)):
                 for key, tensor in sorted(module.state_dict().items()):
-                    t = tensor.detach().to("cpu").contiguous()
-                    digest.update(f"{prefix}{key}:{t.dtype}:{tuple(t.shape)}".encode())
+                    t = tensor.detach().to("cpu").contiguous().reshape(-1)
+                    digest.update(f"{prefix}{key}:{t.dtype}:{tuple(tensor.shape)}".encode())
                     digest.update(t.view(torch.uint8).numpy().tobytes())
             self._fingerprint = digest.hexdigest()
         return self._fingerprint

@@ -21,6 +21,7 @@ from rich.progress import Progress
 from starfed.shared.first_level import TextKeyEncoder, first_level_logits
 from starfed.shared.losses import logit_norm
 from starfed.shared.mixture import GaussianMixture, sample_replay_features
+from starfed.shared.progress import progress_task
 
 
 @dataclass(frozen=True)
@@ -64,18 +65,15 @@ def _replay_epochs(
 ) -> None:
     """SGD (no momentum, no weight decay) over freshly sampled features each epoch."""
     optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0.0, weight_decay=0.0)
-    task = progress.add_task(description, total=config.epochs) if progress else None
-    for _ in range(config.epochs):
-        features, labels = sample_replay_features(mixtures, config.samples_per_class, generator)
-        order = torch.randperm(len(labels), generator=generator)
-        for batch in order.split(config.batch_size):
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(features[batch], labels[batch]).backward()
-            optimizer.step()
-        if progress is not None and task is not None:
-            progress.advance(task)
-    if progress is not None and task is not None:
-        progress.remove_task(task)
+    with progress_task(progress, description, config.epochs) as advance:
+        for _ in range(config.epochs):
+            features, labels = sample_replay_features(mixtures, config.samples_per_class, generator)
+            order = torch.randperm(len(labels), generator=generator)
+            for batch in order.split(config.batch_size):
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(features[batch], labels[batch]).backward()
+                optimizer.step()
+            advance()
 
 
 def align_first_level(

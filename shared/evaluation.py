@@ -1,0 +1,55 @@
+"""Per-task test accuracy and prompt-selection accuracy of a model on a labelled test set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from starfed.shared.data import to_unit
+from starfed.shared.model import StarPrompt
+from starfed.shared.training import EVAL_BATCH_SIZE, Views
+
+
+@dataclass
+class TaskScores:
+    accuracy: list[float]  # % correct per task
+    selection_accuracy: list[float]  # % of (image, block) choices whose key is of the image's task
+
+
+@torch.no_grad()
+def evaluate_tasks(
+    model: StarPrompt,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    image_features: torch.Tensor,
+    task_of_row: torch.Tensor,
+    n_tasks: int,
+    use_keys: bool = False,
+) -> TaskScores:
+    """Accuracy over all bank classes, split by the task of each test image.
+
+    ``labels`` are bank rows; ``task_of_row[r]`` is the task that introduced row r; the test
+    set covers tasks ``0 .. n_tasks-1``. Prediction is class-incremental: no task id is given.
+    """
+    views = Views.of(model)
+    correct, selected_ok = [], []
+    for i in range(0, len(labels), EVAL_BATCH_SIZE):
+        chunk = slice(i, i + EVAL_BATCH_SIZE)
+        vit_in, _ = views.pair(to_unit(images[chunk]))
+        prediction = model.predict(vit_in, image_features[chunk], use_keys=use_keys)
+        target = labels[chunk]
+        correct.append(prediction.logits.argmax(-1) == target)
+        selected_ok.append(
+            (task_of_row[prediction.selected] == task_of_row[target][:, None]).float().mean(1)
+        )
+    hits, selection = torch.cat(correct).float(), torch.cat(selected_ok)
+    tasks = task_of_row[labels]
+    accuracy, selection_accuracy = [], []
+    for t in range(n_tasks):
+        mask = tasks == t
+        accuracy.append(100.0 * float(hits[mask].mean()) if mask.any() else float("nan"))
+        selection_accuracy.append(
+            100.0 * float(selection[mask].mean()) if mask.any() else float("nan")
+        )
+    return TaskScores(accuracy, selection_accuracy)

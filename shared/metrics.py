@@ -1,0 +1,50 @@
+"""Continual-learning metrics: the accuracy matrix, FAA, forgetting, and their plot.
+
+``matrix[i][j]`` is the accuracy (in %) on task j's test set after training task i (j ≤ i).
+Final average accuracy (FAA) is the mean of the last row; forgetting averages, over all tasks
+but the last, the drop from a task's best earlier accuracy to its final one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure  # no pyplot: files only, no display or global state
+
+AccuracyMatrix = list[list[float]]  # row i has i + 1 entries
+
+
+def final_average_accuracy(matrix: AccuracyMatrix) -> float:
+    return float(np.mean(matrix[-1])) if matrix else float("nan")
+
+
+def final_forgetting(matrix: AccuracyMatrix) -> float:
+    """Mean over tasks j < T−1 of max_{i<T−1} acc[i][j] − acc[T−1][j]; 0 for one task."""
+    if len(matrix) < 2:
+        return 0.0
+    last = matrix[-1]
+    drops = [max(row[j] for row in matrix[j:-1]) - last[j] for j in range(len(matrix) - 1)]
+    return float(np.mean(drops))
+
+
+def plot_accuracy_matrix(matrix: AccuracyMatrix, path: Path, title: str) -> None:
+    """Heat map of the accuracy matrix with the values written in the cells."""
+    n = len(matrix)
+    grid = np.full((n, n), np.nan)
+    for i, row in enumerate(matrix):
+        grid[i, : len(row)] = row
+    fig = Figure(figsize=(1.0 + 0.75 * n, 0.8 + 0.65 * n))
+    ax = fig.subplots()
+    image = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis")
+    for i in range(n):
+        for j in range(len(matrix[i])):
+            color = "black" if grid[i, j] > 60 else "white"
+            ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", color=color, fontsize=8)
+    ax.set_xticks(range(n), [f"T{j + 1}" for j in range(n)])
+    ax.set_yticks(range(n), [f"after T{i + 1}" for i in range(n)])
+    ax.set_xlabel("evaluated task")
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(image, ax=ax, label="accuracy (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,141 @@
+"""The two-level STAR-Prompt model: frozen backbones plus a growing bank of per-class tensors.
+
+The same object serves a single site, a federated client, the server (which only needs the
+text tower and the head) and inference. It knows how to register classes with deterministic
+initial values, compute keys, classify, and report which key each image selected; the
+training loops that change the bank live in ``starfed.shared.training``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from starfed.shared.backbones import Backbones
+from starfed.shared.class_bank import ClassBank
+from starfed.shared.first_level import TextKeyEncoder, first_level_logits, init_prompts
+from starfed.shared.second_level import (
+    PromptedViT,
+    SecondLevelOutput,
+    init_query_prompts,
+    init_query_weights,
+    second_level_forward,
+)
+
+HEAD_INIT_STD = 0.02
+
+
+def class_init_generator(seed: int, names: list[str]) -> torch.Generator:
+    """A generator seeded by (seed, class names): every site initialises a class identically."""
+    digest = hashlib.sha256(json.dumps([seed, names]).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def init_class_rows(
+    model: StarPrompt, names: list[str], texts: list[str], seed: int
+) -> dict[str, torch.Tensor]:
+    """Initial per-class tensors for new classes, as the reference initialises them."""
+    d = model.bank.dims
+    n = len(names)
+    g = class_init_generator(seed, names)
+    prompts = init_prompts(n, d.d_txt, g)
+    head_weight = torch.nn.init.trunc_normal_(
+        torch.empty(n, d.d_vit), std=HEAD_INIT_STD, generator=g
+    )
+    with torch.no_grad():
+        embeds, eot = model.encoder.embed_texts(texts)
+        keys = model.encoder(prompts, embeds, eot)
+    return {
+        "prompts": prompts,
+        "keys": keys,
+        "query_prompts": init_query_prompts(n, d.n_layers, d.d_vit, g),
+        "query_weights": init_query_weights(n, d.n_layers, d.d_clip, g),
+        "head_weight": head_weight,
+        "head_bias": torch.zeros(n),
+        "aligned_head_weight": head_weight.clone(),
+        "aligned_head_bias": torch.zeros(n),
+    }
+
+
+@dataclass
+class Prediction:
+    logits: torch.Tensor  # [B, C] over the bank's classes
+    selected: torch.Tensor  # c* [B, L] (row indices), or the first-level argmax [B, 1]
+
+
+class StarPrompt:
+    """Backbones + per-class bank; rows of the bank are the model's label space."""
+
+    def __init__(self, backbones: Backbones, confidence_modulation: bool = True) -> None:
+        self.backbones = backbones
+        self.encoder = TextKeyEncoder(backbones.clip)
+        self.vit = PromptedViT(backbones.vit)
+        self.bank = ClassBank(backbones.dims)
+        self.class_texts: list[str] = []
+        self.confidence_modulation = confidence_modulation
+        d = backbones.dims
+        self._token_embeds = torch.zeros(0, 1, d.d_txt)
+        self._eot = torch.zeros(0, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.bank)
+
+    def add_classes(self, names: list[str], texts: list[str], seed: int, version: int = 0) -> None:
+        """Register new classes (appended; existing rows never move)."""
+        if len(names) != len(texts):
+            raise ValueError("one text per class name is needed")
+        rows = init_class_rows(self, names, texts, seed)
+        self.bank.append(names, rows, version)
+        self.class_texts.extend(texts)
+        self._cache_text_inputs()
+
+    def _cache_text_inputs(self) -> None:
+        """Token embeddings of all class texts (frozen, so computed once per class set)."""
+        self._token_embeds, self._eot = self.encoder.embed_texts(self.class_texts)
+
+    def text_inputs(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._token_embeds[rows], self._eot[rows]
+
+    def compute_keys(self, prompts: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Keys of the classes in ``rows`` for the given prompts (differentiable)."""
+        embeds, eot = self.text_inputs(rows)
+        return self.encoder(prompts, embeds, eot)
+
+    def second_level(
+        self,
+        images: torch.Tensor,
+        image_features: torch.Tensor,
+        query_weights: torch.Tensor | None = None,
+        query_prompts: torch.Tensor | None = None,
+    ) -> SecondLevelOutput:
+        """Prompted ViT forward over all bank classes (optionally with trainable A/Q)."""
+        bank = self.bank
+        return second_level_forward(
+            self.vit,
+            images,
+            image_features,
+            bank.keys,
+            bank.query_weights if query_weights is None else query_weights,
+            bank.query_prompts if query_prompts is None else query_prompts,
+            self.confidence_modulation,
+        )
+
+    @torch.no_grad()
+    def predict(
+        self, images: torch.Tensor, image_features: torch.Tensor, use_keys: bool = False
+    ) -> Prediction:
+        """Logits over all bank classes with the replay-aligned head.
+
+        ``use_keys`` classifies with the first-level keys alone (the paper's ablation).
+        """
+        bank = self.bank
+        if use_keys:
+            logits = first_level_logits(image_features, bank.keys, self.encoder.logit_scale)
+            return Prediction(logits, logits.argmax(-1, keepdim=True))
+        out = self.second_level(images, image_features)
+        logits = F.linear(out.features, bank.aligned_head_weight, bank.aligned_head_bias)
+        return Prediction(logits, out.selected)
