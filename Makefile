@@ -1,0 +1,40 @@
+# Two entry points (README quick start): `make run` and `make test`. Each creates the virtual
+# environment on first use, so either works on a fresh machine with Python 3.11.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.starfed-installed
+
+# Flower/Ray settings for local runs and tests: no telemetry, no update checks, no per-run
+# dependency installs, state under the run's own directory.
+export FLWR_TELEMETRY_ENABLED := 0
+export FLWR_DISABLE_UPDATE_CHECK := 1
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: run test test-all lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)  ## the default job: continual training on the bundled data
+	$(BIN)/starfed train-local --cache-dir .cache/images
+
+test: $(STAMP)  ## lint + the fast suite (what CI runs)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -m "not slow"
+
+test-all: $(STAMP)  ## every test, including the long ones
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench: $(STAMP)  ## speed benchmarks (numbers are recorded in docs/benchmarks.md)
+	$(BIN)/python bench/train_local.py
+
+clean:
+	rm -rf $(VENV) .cache results .pytest_cache .ruff_cache
