@@ -9,6 +9,7 @@ augmented views, which change every epoch.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -77,6 +78,16 @@ class Views:
             normalize(unit_images, self.vit_mean, self.vit_std),
             normalize(unit_images, self.clip_mean, self.clip_std),
         )
+
+
+def phase_generator(seed: int, task: int, phase: str, round_index: int = 0) -> torch.Generator:
+    """The random stream of one phase of one task: independent of where the phase runs.
+
+    A single site and a federation (client phases on clients, replay on the server) draw the
+    same numbers for the same phase, so their results can be compared exactly.
+    """
+    digest = hashlib.sha256(f"{seed}/{task}/{phase}/{round_index}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def _batches(n: int, batch_size: int, generator: torch.Generator | None) -> list[torch.Tensor]:
@@ -279,32 +290,40 @@ def learn_task(
     n_past: int,
     task_index: int,
     config: TrainConfig,
-    generator: torch.Generator,
     progress: Progress | None = None,
 ) -> None:
-    """Everything a site does for one task, in the reference's order.
+    """Everything a single site does for one task, in the reference's order.
 
     Stage 1 → G_c fit → first-level replay → key freezing → stage 2 → H_c fit → head replay
     (from the second task on). ``labels`` are bank rows in ``[n_past, len(model))``;
     ``image_features`` are the cached CLIP features of the un-augmented ``images``.
     """
     bank, rows = model.bank, range(n_past, len(model))
-    seed = config.seed + 1000 * task_index
-    train_first_level(model, image_features, labels, n_past, config, generator, progress)
+    seed, task = config.seed, task_index
+
+    def gen(phase: str) -> torch.Generator:
+        return phase_generator(seed, task, phase)
+
+    train_first_level(model, image_features, labels, n_past, config, gen("stage1"), progress)
     bank.clip_mixtures[n_past:] = fit_mixtures(
-        image_features, labels, rows, config.mixture_components, seed
+        image_features, labels, rows, config.mixture_components, mixture_seed(seed, task)
     )
     if config.generative_replay:
-        replay_first_level(model, n_past, config, generator, progress)
+        replay_first_level(model, n_past, config, gen("replay1"), progress)
     freeze_keys(model, n_past)
-    train_second_level(model, images, labels, n_past, config, generator, progress)
-    features = vit_features(model, images, generator)
+    train_second_level(model, images, labels, n_past, config, gen("stage2"), progress)
+    features = vit_features(model, images, gen("stage2_stats"))
     bank.vit_mixtures[n_past:] = fit_mixtures(
-        features, labels, rows, config.mixture_components, seed
+        features, labels, rows, config.mixture_components, mixture_seed(seed, task)
     )
     if config.generative_replay and task_index > 0:
-        replay_head(model, task_index, config, generator, progress)
+        replay_head(model, task_index, config, gen("replay2"), progress)
     else:
         use_real_head(model)
     for row in rows:
         bank.counts[row] += int((labels == row).sum())
+
+
+def mixture_seed(seed: int, task: int) -> int:
+    """k-means seed of the mixtures fitted in one task."""
+    return seed + 1000 * task

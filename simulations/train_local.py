@@ -89,7 +89,6 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     if train.n_skipped or test.n_skipped:
         console.print(f"[yellow]skipped {train.n_skipped + test.n_skipped} unreadable images")
     task_of_row = torch.tensor([split.task_of_label(r) for r in range(split.n_classes)])
-    generator = torch.Generator().manual_seed(config.seed)
 
     matrix: list[list[float]] = []
     selection: list[list[float]] = []
@@ -109,7 +108,7 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
             in_task = torch.isin(train.labels, torch.tensor(labels))
             images, targets = train.images[in_task], train.labels[in_task]
             features = clip_features(model, images)
-            learn_task(model, images, targets, features, n_past, t, config, generator, progress)
+            learn_task(model, images, targets, features, n_past, t, config, progress)
 
             seen = task_of_row[test.labels] <= t
             if test_features is None:  # frozen CLIP: test features are computed once
