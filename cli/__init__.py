@@ -2,7 +2,7 @@
 
 Each subcommand lives next to the code it drives (``starfed.simulations.train_local``,
 ``starfed.shared.codebook_cli``, ...) and registers itself through ``add_parser``; this
-module only assembles them, importing heavy modules lazily so ``starfed --help`` is fast.
+module only assembles them.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import importlib
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-# (subcommand, module that defines `add_parser(subparsers)`), in help order.
-SUBCOMMANDS: tuple[tuple[str, str], ...] = (
-    ("train-local", "starfed.simulations.train_local"),
-    ("codebook", "starfed.shared.codebook_cli"),
+# Modules that define `add_parser(subparsers)`, in help order.
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "starfed.simulations.train_local",
+    "starfed.shared.codebook_cli",
 )
 
 
@@ -36,14 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"starfed {package_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for _name, module_name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name != module_name:
-                raise
-            continue  # subcommand not built yet
-        module.add_parser(subparsers)
+    for module_name in SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).add_parser(subparsers)
     return parser
 
 

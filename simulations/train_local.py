@@ -1,8 +1,8 @@
 """`starfed train-local`: single-site continual STAR-Prompt over Split CropDiseases.
 
 The baseline every federated run is compared with: one site holds all the data and learns
-the tasks in order. Writes ``metrics.json`` and ``accuracy_matrix.png`` into the results
-directory and prints one table row per task.
+the tasks in order. Writes ``metrics.json``, ``accuracy_matrix.png`` and the final codebook
+(``codebook.bin``) into the results directory and prints one table row per task.
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from starfed.shared.backbones import PAPER_VIT_TAGS, PRESETS, create_backbones
+from starfed.shared.codebook import Codebook
 from starfed.shared.data import SplitCropDiseases, bundled_dataset_root, decode_images
 from starfed.shared.evaluation import evaluate_tasks
 from starfed.shared.metrics import final_average_accuracy, final_forgetting, plot_accuracy_matrix
 from starfed.shared.model import StarPrompt
 from starfed.shared.training import TrainConfig, clip_features, learn_task
+
+CODEBOOK_FILE = "codebook.bin"
 
 
 @dataclass
@@ -162,6 +165,13 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    Codebook.from_bank(
+        model.bank,
+        backbones.fingerprint,
+        version=split.n_tasks,
+        frozen=model.bank.names,
+        metadata={"producer": "starfed train-local", "seed": str(config.seed)},
+    ).save(run_dir / CODEBOOK_FILE)
     plot_accuracy_matrix(
         matrix,
         run_dir / "accuracy_matrix.png",

@@ -1,0 +1,198 @@
+"""``starfed codebook inspect|diff``: look into codebook files (checkpoints, exports, broadcasts).
+
+A file that is missing, corrupt or invalid gives one line on stderr and exit code 2, so scripts
+can tell "bad input" from a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from starfed.proto import codebook_pb2 as pb
+from starfed.shared.class_bank import ClassBank, ModelDims
+from starfed.shared.codebook import CODEBOOK_MAGIC, Codebook, CodebookError, read_payload
+from starfed.shared.mixture import GaussianMixture
+
+EXIT_BAD_INPUT = 2
+
+# Parts of an entry the size report groups, as ClassEntry fields.
+_PARTS = {
+    "prompts (p)": ("prompt",),
+    "keys (w)": ("key",),
+    "query prompts (Q)": ("query_prompt",),
+    "query weights (A)": ("query_weight",),
+    "heads (θ, aligned θ)": (
+        "head_weight",
+        "head_bias",
+        "aligned_head_weight",
+        "aligned_head_bias",
+    ),
+    "mixtures (G, H)": ("clip_mixture", "vit_mixture"),
+}
+_SHORT = {
+    "prompts": "p",
+    "keys": "w",
+    "query_prompts": "Q",
+    "query_weights": "A",
+    "head_weight": "head",
+    "head_bias": "head bias",
+    "aligned_head_weight": "aligned head",
+    "aligned_head_bias": "aligned bias",
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``codebook`` and its actions on the root CLI."""
+    parser = subparsers.add_parser(
+        "codebook",
+        help="inspect or compare codebook files",
+        description="Inspect or compare codebook files (checkpoints, exports, broadcasts).",
+    )
+    actions = parser.add_subparsers(dest="codebook_action", metavar="ACTION", required=True)
+    inspect = actions.add_parser(
+        "inspect", help="classes, counts, versions and sizes of one codebook"
+    )
+    inspect.add_argument("file", type=Path, help="codebook file")
+    inspect.set_defaults(func=run_inspect)
+    diff = actions.add_parser("diff", help="what changed between two codebooks")
+    diff.add_argument("a", type=Path, help="older codebook file")
+    diff.add_argument("b", type=Path, help="newer codebook file")
+    diff.set_defaults(func=run_diff)
+
+
+def _load(path: Path) -> tuple[Codebook, pb.Codebook]:
+    payload = read_payload(path, CODEBOOK_MAGIC)
+    return Codebook.from_bytes(payload), pb.Codebook.FromString(payload)
+
+
+def _fail(error: Exception) -> int:
+    print(f"starfed codebook: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _mixture_label(mixture: GaussianMixture | None) -> str:
+    return "—" if mixture is None else f"M={mixture.n_components}, n={mixture.count}"
+
+
+def _dims_text(dims: ModelDims) -> str:
+    return f"d_txt={dims.d_txt} d_clip={dims.d_clip} d_vit={dims.d_vit} n_layers={dims.n_layers}"
+
+
+def _say(console: Console, line: str) -> None:
+    """Print user data verbatim (no rich markup or highlighting inside names and paths)."""
+    console.print(line, markup=False, highlight=False)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    try:
+        codebook, message = _load(args.file)
+    except (OSError, CodebookError) as error:
+        return _fail(error)
+    bank = codebook.bank
+    console = Console()
+    _say(console, str(args.file))
+    _say(console, f"fingerprint  {codebook.fingerprint}")
+    _say(console, f"dims         {_dims_text(codebook.dims)}")
+    _say(console, f"version      {codebook.version}")
+    _say(console, f"classes      {len(bank)} ({len(codebook.frozen)} frozen)")
+    for key, value in sorted(codebook.metadata.items()):
+        _say(console, f"metadata     {key} = {value}")
+
+    classes = Table(title="classes")
+    for column in ("#", "class", "count", "version", "frozen", "G (CLIP)", "H (ViT)"):
+        classes.add_column(column, justify="right" if column in ("#", "count", "version") else None)
+    for i, name in enumerate(bank.names):
+        classes.add_row(
+            str(i),
+            Text(name),
+            str(bank.counts[i]),
+            str(bank.versions[i]),
+            "yes" if name in codebook.frozen else "",
+            _mixture_label(bank.clip_mixtures[i]),
+            _mixture_label(bank.vit_mixtures[i]),
+        )
+    console.print(classes)
+
+    total = message.ByteSize()
+    sizes = {
+        part: sum(getattr(e, f).ByteSize() for e in message.entries for f in fields)
+        for part, fields in _PARTS.items()
+    }
+    sizes["other (names, counts, framing)"] = total - sum(sizes.values())
+    parts = Table(title="bytes per part")
+    parts.add_column("part")
+    parts.add_column("bytes", justify="right")
+    parts.add_column("share", justify="right")
+    for part, size in {**sizes, "total": total}.items():
+        parts.add_row(part, f"{size:,}", f"{size / max(total, 1):.1%}")
+    console.print(parts)
+    return 0
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.to(torch.float64) - b.to(torch.float64)).abs().max())
+
+
+def _changes(old: Codebook, i: int, new: Codebook, j: int) -> str:
+    """Non-zero max |b − a| per tensor of one class; mixtures compare their overall means."""
+    parts = []
+    for f in ClassBank.TENSOR_FIELDS:
+        value = _max_abs(getattr(old.bank, f)[i], getattr(new.bank, f)[j])
+        if value:
+            parts.append(f"{_SHORT[f]} {value:.2e}")
+    for f, label in (("clip_mixtures", "G"), ("vit_mixtures", "H")):
+        a, b = getattr(old.bank, f)[i], getattr(new.bank, f)[j]
+        if a is None or b is None:
+            if a is not b:
+                parts.append(f"{label} {'added' if a is None else 'removed'}")
+        elif value := _max_abs(a.mean(), b.mean()):
+            parts.append(f"{label} mean {value:.2e}")
+    return ", ".join(parts) or "unchanged"
+
+
+def _change(a: object, b: object) -> str:
+    return str(a) if a == b else f"{a} → {b}"
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    try:
+        old, _ = _load(args.a)
+        new, _ = _load(args.b)
+    except (OSError, CodebookError) as error:
+        return _fail(error)
+    console = Console()
+    _say(console, f"{args.a} → {args.b}")
+    _say(console, f"version      {_change(old.version, new.version)}")
+    same_backbone = old.fingerprint == new.fingerprint
+    _say(console, f"fingerprint  {'same' if same_backbone else 'DIFFERENT'}")
+    _say(console, f"dims         {_change(_dims_text(old.dims), _dims_text(new.dims))}")
+    old_names, new_names = set(old.bank.names), set(new.bank.names)
+    added = [n for n in new.bank.names if n not in old_names]
+    removed = [n for n in old.bank.names if n not in new_names]
+    _say(console, f"added        {', '.join(added) or '—'}")
+    _say(console, f"removed      {', '.join(removed) or '—'}")
+    if old.dims != new.dims:
+        _say(console, "tensors not compared: the dims differ")
+        return 0
+
+    table = Table(title="per class: max |b − a| of each tensor that changed")
+    for column in ("class", "count", "version", "frozen", "changes"):
+        table.add_column(column)
+    for name in (n for n in old.bank.names if n in new_names):
+        i, j = old.bank.index(name), new.bank.index(name)
+        table.add_row(
+            Text(name),
+            _change(old.bank.counts[i], new.bank.counts[j]),
+            _change(old.bank.versions[i], new.bank.versions[j]),
+            _change(*("yes" if name in c.frozen else "no" for c in (old, new))),
+            _changes(old, i, new, j),
+        )
+    console.print(table)
+    return 0

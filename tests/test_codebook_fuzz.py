@@ -1,0 +1,245 @@
+"""Damaged messages either decode to something sound or raise CodebookError, nothing else.
+
+"Sound" is checked here independently of the validator: the invariants of DESIGN.md §2 are
+recomputed on the decoded objects, so a validator that forgot a rule would fail these tests.
+Structured damage (NaN, wrong shapes, unknown dtypes) must always be rejected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from starfed.proto import codebook_pb2 as pb
+from starfed.shared.class_bank import ClassBank, ModelDims
+from starfed.shared.codebook import ClientUpdate, Codebook, CodebookError, Phase, row_shape
+from starfed.shared.mixture import GaussianMixture
+
+FUZZ = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+TENSOR_ENTRY_FIELDS = (
+    "prompt",
+    "key",
+    "query_prompt",
+    "query_weight",
+    "head_weight",
+    "head_bias",
+    "aligned_head_weight",
+    "aligned_head_bias",
+)
+MIXTURE_PARTS = [(m, p) for m in ("clip_mixture", "vit_mixture") for p in ("weights", "means")]
+
+
+def assert_sound_mixture(mixture: GaussianMixture, dim: int) -> None:
+    m = mixture.weights.shape[0]
+    assert m >= 1 and mixture.count >= 1
+    assert mixture.means.shape == mixture.variances.shape == (m, dim)
+    for value in (mixture.weights, mixture.means, mixture.variances):
+        assert value.dtype == torch.float64 and torch.isfinite(value).all()
+    assert (mixture.weights >= 0).all() and abs(float(mixture.weights.sum()) - 1) <= 1e-6
+    assert (mixture.variances > 0).all()
+
+
+def assert_sound_name(name: str) -> None:
+    assert 0 < len(name) <= 256 and name.isprintable()
+
+
+def assert_sound_codebook(codebook: Codebook, fingerprint: str, dims: ModelDims) -> None:
+    assert codebook.fingerprint == fingerprint and codebook.dims == dims
+    bank = codebook.bank
+    for name in bank.names:
+        assert_sound_name(name)
+    assert len(set(bank.names)) == len(bank.names)
+    for field_name in ClassBank.TENSOR_FIELDS:
+        value = getattr(bank, field_name)
+        assert value.shape == (len(bank), *row_shape(field_name, dims))
+        assert value.dtype == torch.float32 and torch.isfinite(value).all()
+    for i, name in enumerate(bank.names):
+        has_mixture = bank.clip_mixtures[i] is not None or bank.vit_mixtures[i] is not None
+        trained = has_mixture or name in codebook.frozen
+        assert bank.counts[i] >= (1 if trained else 0)
+        assert 0 <= bank.versions[i] <= codebook.version
+        for mixture, dim in (
+            (bank.clip_mixtures[i], dims.d_clip),
+            (bank.vit_mixtures[i], dims.d_vit),
+        ):
+            if mixture is not None:
+                assert_sound_mixture(mixture, dim)
+    assert codebook.frozen <= set(bank.names)
+
+
+def assert_sound_update(update: ClientUpdate, fingerprint: str, dims: ModelDims) -> None:
+    assert update.fingerprint == fingerprint and update.dims == dims
+    assert isinstance(update.phase, Phase) and update.base_version >= 0
+    assert len({e.name for e in update.entries}) == len(update.entries)
+    for entry in update.entries:
+        assert_sound_name(entry.name)
+        assert entry.count >= 1
+        for field_name, value in entry.tensors.items():
+            assert value.shape == row_shape(field_name, dims) and torch.isfinite(value).all()
+        for field_name, mixture in entry.mixtures.items():
+            assert_sound_mixture(
+                mixture, dims.d_clip if field_name == "clip_mixtures" else dims.d_vit
+            )
+
+
+@pytest.fixture(scope="module")
+def valid(
+    make_bank: Callable[..., ClassBank], fingerprint: str
+) -> tuple[pb.Codebook, bytes, bytes]:
+    """A valid codebook message, its bytes, and the bytes of a valid stage-2 update."""
+    bank = make_bank(n_classes=3)
+    codebook = Codebook.from_bank(
+        bank, fingerprint, version=3, frozen={"class_0"}, metadata={"k": "v"}
+    )
+    update = ClientUpdate.from_bank(
+        bank, fingerprint=fingerprint, phase=Phase.STAGE2_STATS, base_version=3
+    )
+    update.entries[0].tensors["prompts"] = bank.prompts[0].clone()
+    return codebook.to_proto(), codebook.to_bytes(), update.to_bytes()
+
+
+def decode_codebook(data: bytes, fingerprint: str, dims: ModelDims) -> None:
+    """Decode with and without the expected fingerprint/dims; either sound or CodebookError."""
+    for expected in ({"fingerprint": fingerprint, "dims": dims}, {}):
+        try:
+            codebook = Codebook.from_bytes(data, **expected)
+        except CodebookError:
+            continue
+        assert_sound_codebook(codebook, codebook.fingerprint, codebook.dims)
+        if expected:
+            assert_sound_codebook(codebook, fingerprint, dims)
+
+
+def decode_update(data: bytes, fingerprint: str, dims: ModelDims) -> None:
+    try:
+        update = ClientUpdate.from_bytes(data, fingerprint=fingerprint, dims=dims)
+    except CodebookError:
+        return
+    assert_sound_update(update, fingerprint, dims)
+
+
+def pick_tensor(message: pb.Codebook, entry: int, field: str | tuple[str, str]) -> pb.Tensor:
+    """A tensor of an entry: a ClassEntry field, or (mixture field, part) of a mixture."""
+    if isinstance(field, tuple):
+        return getattr(getattr(message.entries[entry], field[0]), field[1])
+    return getattr(message.entries[entry], field)
+
+
+def flip_bits(data: bytes, positions: list[int]) -> bytes:
+    damaged = bytearray(data)
+    for position in positions:
+        damaged[(position // 8) % len(damaged)] ^= 1 << (position % 8)
+    return bytes(damaged)
+
+
+@FUZZ
+@given(cut=st.integers(min_value=0, max_value=10**6))
+def test_truncated_codebooks(valid, fingerprint: str, tiny_dims: ModelDims, cut: int) -> None:
+    _, data, _ = valid
+    decode_codebook(data[: cut % len(data)], fingerprint, tiny_dims)
+
+
+@FUZZ
+@given(positions=st.lists(st.integers(min_value=0, max_value=10**7), min_size=1, max_size=8))
+def test_bit_flipped_codebooks(valid, fingerprint: str, tiny_dims: ModelDims, positions) -> None:
+    _, data, _ = valid
+    decode_codebook(flip_bits(data, positions), fingerprint, tiny_dims)
+
+
+@FUZZ
+@given(
+    start=st.integers(min_value=0, max_value=10**6),
+    junk=st.binary(min_size=1, max_size=64),
+)
+def test_spliced_codebooks(valid, fingerprint: str, tiny_dims: ModelDims, start, junk) -> None:
+    _, data, _ = valid
+    start %= len(data)
+    decode_codebook(data[:start] + junk + data[start + len(junk) :], fingerprint, tiny_dims)
+
+
+@FUZZ
+@given(
+    cut=st.integers(min_value=0, max_value=10**6),
+    positions=st.lists(st.integers(min_value=0, max_value=10**7), max_size=4),
+)
+def test_damaged_updates(valid, fingerprint: str, tiny_dims: ModelDims, cut, positions) -> None:
+    _, _, data = valid
+    decode_update(
+        flip_bits(data[: cut % len(data) or len(data)], positions), fingerprint, tiny_dims
+    )
+
+
+@FUZZ
+@given(
+    entry=st.integers(min_value=0, max_value=2),
+    field=st.sampled_from(TENSOR_ENTRY_FIELDS + tuple(MIXTURE_PARTS)),
+    index=st.integers(min_value=0, max_value=10**6),
+    value=st.sampled_from([np.nan, np.inf, -np.inf]),
+)
+def test_injected_non_finite_values_are_rejected(valid, entry, field, index, value) -> None:
+    message = pb.Codebook()
+    message.CopyFrom(valid[0])
+    tensor = pick_tensor(message, entry, field)
+    dtype = "<f8" if tensor.dtype == pb.DTYPE_FLOAT64 else "<f4"
+    array = np.frombuffer(tensor.data, dtype=dtype).copy()
+    array[index % array.size] = value
+    tensor.data = array.tobytes()
+    with pytest.raises(CodebookError):
+        Codebook.from_bytes(message.SerializeToString())
+
+
+@FUZZ
+@given(
+    entry=st.integers(min_value=0, max_value=2),
+    field=st.sampled_from(TENSOR_ENTRY_FIELDS + tuple(MIXTURE_PARTS)),
+    shape=st.lists(st.integers(min_value=-2, max_value=24), max_size=3),
+    dtype=st.integers(min_value=0, max_value=5),
+)
+def test_wrong_shapes_and_dtypes_are_rejected(valid, entry, field, shape, dtype) -> None:
+    message = pb.Codebook()
+    message.CopyFrom(valid[0])
+    tensor = pick_tensor(message, entry, field)
+    # Any other dtype changes the byte length, so only the untouched tensor is valid.
+    assume(list(tensor.shape) != shape or tensor.dtype != dtype)
+    tensor.ClearField("shape")
+    tensor.shape.extend(shape)
+    tensor.dtype = dtype
+    with pytest.raises(CodebookError):
+        Codebook.from_bytes(message.SerializeToString())
+
+
+@FUZZ
+@given(
+    dims=st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), min_size=4, max_size=4),
+    keep_entries=st.booleans(),
+)
+def test_arbitrary_dims(valid, fingerprint: str, dims: list[int], keep_entries: bool) -> None:
+    message = pb.Codebook()
+    message.CopyFrom(valid[0])
+    if not keep_entries:
+        message.ClearField("entries")
+        message.ClearField("version")
+    message.dims.CopyFrom(
+        pb.ModelDims(d_txt=dims[0], d_clip=dims[1], d_vit=dims[2], n_layers=dims[3])
+    )
+    try:
+        codebook = Codebook.from_bytes(message.SerializeToString())
+    except CodebookError:
+        return
+    assert_sound_codebook(codebook, fingerprint, ModelDims(*dims))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=256))
+def test_random_bytes(data: bytes) -> None:
+    for decode in (Codebook.from_bytes, ClientUpdate.from_bytes):
+        with contextlib.suppress(CodebookError):
+            decode(data)

@@ -1,0 +1,36 @@
+"""`starfed train-local` end to end on the bundled images (2 short tasks), then its codebook."""
+
+from __future__ import annotations
+
+import json
+
+from starfed.cli import main
+from starfed.shared.codebook import Codebook
+
+
+def test_train_local_writes_results_and_a_valid_codebook(tmp_path, capsys) -> None:
+    argv = [
+        "train-local",
+        "--tasks", "2", "--classes-per-task", "2", "--epochs", "1", "--replay-epochs", "1",
+        "--results-dir", str(tmp_path), "--run-name", "run", "--cache-dir", str(tmp_path / "c"),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    run = tmp_path / "run"
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert len(metrics["accuracy_matrix"]) == 2 and len(metrics["accuracy_matrix"][1]) == 2
+    assert all(0 <= a <= 100 for row in metrics["accuracy_matrix"] for a in row)
+    assert 0 <= metrics["final_average_accuracy"] <= 100
+    assert len(metrics["prompt_selection_accuracy"]) == 2
+    assert metrics["n_train_images"] > 0 and metrics["n_skipped_images"] == 0
+    assert (run / "accuracy_matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    codebook = Codebook.load(run / "codebook.bin", fingerprint=metrics["backbone_fingerprint"])
+    assert codebook.bank.names == metrics["class_order"][:4]
+    assert codebook.frozen == set(codebook.bank.names)
+    assert all(m is not None for m in codebook.bank.vit_mixtures)
+
+    capsys.readouterr()
+    assert main(["codebook", "inspect", str(run / "codebook.bin")]) == 0
+    shown = capsys.readouterr().out
+    assert metrics["backbone_fingerprint"][:12] in shown
+    assert main(["codebook", "diff", str(run / "codebook.bin"), str(run / "codebook.bin")]) == 0
