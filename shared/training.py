@@ -282,46 +282,119 @@ def use_real_head(model: StarPrompt) -> None:
     bank.aligned_head_bias = bank.head_bias.clone()
 
 
+# --- The phases of one task. A single site runs them in order (``learn_task``); in a
+# federation the client runs stage 1/2 and their statistics, the server the alignments. Each
+# phase draws from its own ``phase_generator`` stream, so both paths compute the same thing.
+
+
+def stage1(
+    model: StarPrompt,
+    image_features: torch.Tensor,
+    labels: torch.Tensor,
+    n_past: int,
+    config: TrainConfig,
+    task: int,
+    round_index: int = 0,
+    progress: Progress | None = None,
+) -> None:
+    generator = phase_generator(config.seed, task, "stage1", round_index)
+    train_first_level(model, image_features, labels, n_past, config, generator, progress)
+
+
+def stage1_statistics(
+    model: StarPrompt,
+    image_features: torch.Tensor,
+    labels: torch.Tensor,
+    n_past: int,
+    config: TrainConfig,
+    task: int,
+) -> None:
+    """Fit G_c of the current classes on their (un-augmented) CLIP features."""
+    rows = range(n_past, len(model))
+    model.bank.clip_mixtures[n_past:] = fit_mixtures(
+        image_features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
+    )
+
+
+def first_level_alignment(
+    model: StarPrompt, n_past: int, config: TrainConfig, task: int, progress: Progress | None = None
+) -> None:
+    """First-level replay (unless disabled), then freeze the current classes' keys."""
+    if config.generative_replay:
+        generator = phase_generator(config.seed, task, "replay1")
+        replay_first_level(model, n_past, config, generator, progress)
+    freeze_keys(model, n_past)
+
+
+def stage2(
+    model: StarPrompt,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    n_past: int,
+    config: TrainConfig,
+    task: int,
+    round_index: int = 0,
+    progress: Progress | None = None,
+) -> None:
+    generator = phase_generator(config.seed, task, "stage2", round_index)
+    train_second_level(model, images, labels, n_past, config, generator, progress)
+
+
+def stage2_statistics(
+    model: StarPrompt,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    n_past: int,
+    config: TrainConfig,
+    task: int,
+) -> None:
+    """Fit H_c of the current classes on prompted CLS features of augmented views."""
+    features = vit_features(model, images, phase_generator(config.seed, task, "stage2_stats"))
+    rows = range(n_past, len(model))
+    model.bank.vit_mixtures[n_past:] = fit_mixtures(
+        features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
+    )
+
+
+def head_alignment(
+    model: StarPrompt, config: TrainConfig, task: int, progress: Progress | None = None
+) -> None:
+    """Head replay from the second task on (unless disabled); otherwise the real-data head."""
+    if config.generative_replay and task > 0:
+        replay_head(model, task, config, phase_generator(config.seed, task, "replay2"), progress)
+    else:
+        use_real_head(model)
+
+
 def learn_task(
     model: StarPrompt,
     images: torch.Tensor,
     labels: torch.Tensor,
     image_features: torch.Tensor,
     n_past: int,
-    task_index: int,
+    task: int,
     config: TrainConfig,
     progress: Progress | None = None,
 ) -> None:
     """Everything a single site does for one task, in the reference's order.
 
-    Stage 1 → G_c fit → first-level replay → key freezing → stage 2 → H_c fit → head replay
-    (from the second task on). ``labels`` are bank rows in ``[n_past, len(model))``;
-    ``image_features`` are the cached CLIP features of the un-augmented ``images``.
+    Stage 1 → G_c fit → first-level replay → key freezing → stage 2 → H_c fit → head replay.
+    ``labels`` are bank rows in ``[n_past, len(model))``; ``image_features`` are the cached
+    CLIP features of the un-augmented ``images``.
     """
-    bank, rows = model.bank, range(n_past, len(model))
-    seed, task = config.seed, task_index
+    stage1(model, image_features, labels, n_past, config, task, progress=progress)
+    stage1_statistics(model, image_features, labels, n_past, config, task)
+    first_level_alignment(model, n_past, config, task, progress)
+    stage2(model, images, labels, n_past, config, task, progress=progress)
+    stage2_statistics(model, images, labels, n_past, config, task)
+    head_alignment(model, config, task, progress)
+    add_counts(model, labels, n_past)
 
-    def gen(phase: str) -> torch.Generator:
-        return phase_generator(seed, task, phase)
 
-    train_first_level(model, image_features, labels, n_past, config, gen("stage1"), progress)
-    bank.clip_mixtures[n_past:] = fit_mixtures(
-        image_features, labels, rows, config.mixture_components, mixture_seed(seed, task)
-    )
-    if config.generative_replay:
-        replay_first_level(model, n_past, config, gen("replay1"), progress)
-    freeze_keys(model, n_past)
-    train_second_level(model, images, labels, n_past, config, gen("stage2"), progress)
-    features = vit_features(model, images, gen("stage2_stats"))
-    bank.vit_mixtures[n_past:] = fit_mixtures(
-        features, labels, rows, config.mixture_components, mixture_seed(seed, task)
-    )
-    if config.generative_replay and task_index > 0:
-        replay_head(model, task_index, config, gen("replay2"), progress)
-    else:
-        use_real_head(model)
-    for row in rows:
-        bank.counts[row] += int((labels == row).sum())
+def add_counts(model: StarPrompt, labels: torch.Tensor, n_past: int) -> None:
+    """Record how many training examples each current class had."""
+    for row in range(n_past, len(model)):
+        model.bank.counts[row] += int((labels == row).sum())
 
 
 def mixture_seed(seed: int, task: int) -> int:
