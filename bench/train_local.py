@@ -30,9 +30,7 @@ def stage2_throughput(n_images: int, epochs: int, seed: int) -> float:
     data = decode_images(split.samples("train", [0]), backbones.config.image_size, progress=False)
     model = StarPrompt(backbones)
     labels = split.task_labels(0)
-    model.add_classes(
-        [split.class_folders[r] for r in labels], [split.class_texts[r] for r in labels], seed
-    )
+    model.add_classes([split.class_folders[r] for r in labels], seed)
     images = data.images[:n_images]
     targets = data.labels[:n_images]
     config = TrainConfig(stage2_epochs=1)

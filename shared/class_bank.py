@@ -104,3 +104,15 @@ class ClassBank:
         """Overwrite rows ``start : start + len(value)`` of one tensor field."""
         target = getattr(self, field_name)
         target[start : start + value.shape[0]] = value.detach().to(target.dtype)
+
+    def select(self, names: list[str]) -> ClassBank:
+        """A new bank holding copies of the rows of ``names``, in that order."""
+        rows = [self.index(name) for name in names]
+        picked = ClassBank(self.dims)
+        index = torch.tensor(rows, dtype=torch.long)
+        picked.append(list(names), {f: getattr(self, f)[index].clone() for f in self.TENSOR_FIELDS})
+        picked.clip_mixtures = [self.clip_mixtures[r] for r in rows]
+        picked.vit_mixtures = [self.vit_mixtures[r] for r in rows]
+        picked.counts = [self.counts[r] for r in rows]
+        picked.versions = [self.versions[r] for r in rows]
+        return picked

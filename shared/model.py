@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from starfed.shared.backbones import Backbones
 from starfed.shared.class_bank import ClassBank
+from starfed.shared.data import class_name_to_text
 from starfed.shared.first_level import TextKeyEncoder, first_level_logits, init_prompts
 from starfed.shared.second_level import (
     PromptedViT,
@@ -84,13 +85,23 @@ class StarPrompt:
     def __len__(self) -> int:
         return len(self.bank)
 
-    def add_classes(self, names: list[str], texts: list[str], seed: int, version: int = 0) -> None:
-        """Register new classes (appended; existing rows never move)."""
-        if len(names) != len(texts):
-            raise ValueError("one text per class name is needed")
+    def add_classes(self, names: list[str], seed: int, version: int = 0) -> None:
+        """Register new classes (appended; existing rows never move).
+
+        The CLIP text of a class is derived from its name (``class_name_to_text``).
+        """
+        texts = [class_name_to_text(name) for name in names]
         rows = init_class_rows(self, names, texts, seed)
         self.bank.append(names, rows, version)
         self.class_texts.extend(texts)
+        self._cache_text_inputs()
+
+    def load_bank(self, bank: ClassBank) -> None:
+        """Use ``bank`` (e.g. decoded from a codebook) as the model's per-class state."""
+        if bank.dims != self.backbones.dims:
+            raise ValueError(f"bank dims {bank.dims} do not match backbones {self.backbones.dims}")
+        self.bank = bank
+        self.class_texts = [class_name_to_text(name) for name in bank.names]
         self._cache_text_inputs()
 
     def _cache_text_inputs(self) -> None:

@@ -103,11 +103,7 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
             task_start = time.perf_counter()
             labels = split.task_labels(t)
             n_past = len(model)
-            model.add_classes(
-                [split.class_folders[r] for r in labels],
-                [split.class_texts[r] for r in labels],
-                seed=config.seed,
-            )
+            model.add_classes([split.class_folders[r] for r in labels], seed=config.seed)
             in_task = torch.isin(train.labels, torch.tensor(labels))
             images, targets = train.images[in_task], train.labels[in_task]
             features = clip_features(model, images)

@@ -88,8 +88,8 @@ def test_wrong_weights_and_configs_are_clear_errors(backbones, tmp_path) -> None
 def test_class_initialisation_is_deterministic_and_reference_shaped(backbones) -> None:
     a, b = StarPrompt(backbones), StarPrompt(backbones)
     names = ["leaf a", "leaf b", "leaf c"]
-    a.add_classes(names, names, seed=3)
-    b.add_classes(names, names, seed=3)
+    a.add_classes(names, seed=3)
+    b.add_classes(names, seed=3)
     for field in a.bank.TENSOR_FIELDS:
         assert torch.equal(getattr(a.bank, field), getattr(b.bank, field)), field
     d = backbones.dims
@@ -101,17 +101,17 @@ def test_class_initialisation_is_deterministic_and_reference_shaped(backbones) -
     assert (q.norm(dim=-1) < 1).all()
     torch.testing.assert_close(a.bank.keys.norm(dim=-1), torch.ones(3))
     c = StarPrompt(backbones)
-    c.add_classes(names, names, seed=4)
+    c.add_classes(names, seed=4)
     assert not torch.equal(c.bank.prompts, a.bank.prompts)
     with pytest.raises(ValueError, match="already in the bank"):
-        a.add_classes(["leaf a"], ["leaf a"], seed=3)
+        a.add_classes(["leaf a"], seed=3)
 
 
 def test_two_tasks_train_only_current_rows(backbones) -> None:
     """Past classes are frozen: a second task changes none of their rows, only adds its own."""
     torch.manual_seed(0)
     model = StarPrompt(backbones)
-    model.add_classes(["a", "b"], ["a", "b"], seed=0)
+    model.add_classes(["a", "b"], seed=0)
     images, labels = synthetic_task(2, 6, 0, seed=1)
     initial = {f: getattr(model.bank, f).clone() for f in model.bank.TENSOR_FIELDS}
     learn_task(model, images, labels, clip_features(model, images), 0, 0, FAST)
@@ -121,7 +121,7 @@ def test_two_tasks_train_only_current_rows(backbones) -> None:
     assert all(isinstance(m, GaussianMixture) for m in model.bank.clip_mixtures)
     assert model.bank.counts == [6, 6]
 
-    model.add_classes(["c", "d"], ["c", "d"], seed=0)
+    model.add_classes(["c", "d"], seed=0)
     images, labels = synthetic_task(2, 6, 2, seed=2)
     learn_task(model, images, labels, clip_features(model, images), 2, 1, FAST)
     for field in ("prompts", "keys", "query_prompts", "query_weights", "head_weight", "head_bias"):
@@ -133,7 +133,7 @@ def test_two_tasks_train_only_current_rows(backbones) -> None:
 
 def test_prediction_and_key_ablation(backbones) -> None:
     model = StarPrompt(backbones)
-    model.add_classes(["a", "b", "c"], ["a", "b", "c"], seed=0)
+    model.add_classes(["a", "b", "c"], seed=0)
     images, _ = synthetic_task(3, 2, 0, seed=5)
     unit = images.float() / 255
     z = model.backbones.clip_image_features(unit)
