@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from starfed.shared.data import to_unit
+from starfed.shared.data import DecodedImages, SplitCropDiseases, to_unit
 from starfed.shared.model import StarPrompt
-from starfed.shared.training import EVAL_BATCH_SIZE, Views
+from starfed.shared.training import EVAL_BATCH_SIZE, Views, clip_features
 
 
 @dataclass
@@ -53,3 +53,23 @@ def evaluate_tasks(
             100.0 * float(selection[mask].mean()) if mask.any() else float("nan")
         )
     return TaskScores(accuracy, selection_accuracy)
+
+
+def evaluate_decoded(
+    model: StarPrompt, test: DecodedImages, split: SplitCropDiseases, n_tasks: int
+) -> TaskScores:
+    """``evaluate_tasks`` on decoded test images labelled with the split's global labels.
+
+    Bank rows are matched to the split by class name, so the bank may be in any order (a
+    codebook's). Images of classes the bank does not hold (a class no site could register)
+    are left out.
+    """
+    row_of = {name: row for row, name in enumerate(model.bank.names)}
+    folders = split.class_folders
+    rows = torch.tensor([row_of.get(folders[int(label)], -1) for label in test.labels])
+    task_of_row = torch.tensor([split.task_of_label(folders.index(n)) for n in model.bank.names])
+    known = rows >= 0
+    images = test.images[known]
+    return evaluate_tasks(
+        model, images, rows[known], clip_features(model, images), task_of_row, n_tasks
+    )

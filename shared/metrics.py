@@ -48,3 +48,26 @@ def plot_accuracy_matrix(matrix: AccuracyMatrix, path: Path, title: str) -> None
     fig.colorbar(image, ax=ax, label="accuracy (%)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_accuracy_over_time(matrix: AccuracyMatrix, path: Path, title: str) -> None:
+    """One line per task: its accuracy at every step after it was learned."""
+    fig = Figure(figsize=(6.5, 4))
+    ax = fig.subplots()
+    n = len(matrix)
+    for task in range(max(len(row) for row in matrix)):
+        steps = [i for i in range(n) if len(matrix[i]) > task]
+        ax.plot(
+            [s + 1 for s in steps],
+            [matrix[s][task] for s in steps],
+            marker="o",
+            label=f"T{task + 1}",
+        )
+    ax.plot(range(1, n + 1), [float(np.mean(row)) for row in matrix], "k--", lw=2, label="mean")
+    ax.set_xlabel("after step")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

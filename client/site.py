@@ -1,0 +1,208 @@
+"""The client side of every protocol phase, without Flower: one site's data, caches and training.
+
+A ``Site`` answers the server's phases for one global step. Its task stream (which classes it
+holds now) comes from the scenario; its memory across messages and runs lives on disk under
+``cache_dir`` (decoded images, CLIP features), because in deployment every message starts a
+fresh process. Only codebook updates leave it: prompts, head rows and mixture statistics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from starfed.shared.backbones import Backbones
+from starfed.shared.codebook import ClientUpdate, Codebook, Phase
+from starfed.shared.data import DecodedImages, decode_images
+from starfed.shared.evaluation import TaskScores, evaluate_decoded
+from starfed.shared.model import StarPrompt
+from starfed.shared.training import (
+    TrainConfig,
+    clip_features,
+    stage1,
+    stage1_statistics,
+    stage2,
+    stage2_statistics,
+)
+from starfed.simulations.scenario import Scenario
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TaskData:
+    """A site's training images of one task, with cached CLIP features."""
+
+    images: torch.Tensor  # uint8 [N, 3, S, S]
+    names: list[str]  # class name of each image
+    features: torch.Tensor  # raw CLIP features of the un-augmented images
+
+
+@dataclass
+class LocalView:
+    """The codebook re-ordered for local training: context classes first, own classes last."""
+
+    model: StarPrompt
+    n_past: int
+    own: list[str]
+    labels: torch.Tensor  # local row of each training image
+
+
+class Site:
+    """One client: a partition of the scenario, frozen backbones and on-disk caches."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        client: int,
+        backbones: Backbones,
+        config: TrainConfig,
+        cache_dir: Path,
+    ) -> None:
+        self.scenario = scenario
+        self.client = client
+        self.backbones = backbones
+        self.config = config
+        self.cache_dir = Path(cache_dir)
+        self._tasks: dict[int, TaskData] = {}
+
+    @property
+    def fingerprint(self) -> str:
+        return self.backbones.fingerprint
+
+    # --- data -------------------------------------------------------------------------------
+
+    def task_at(self, step: int) -> int | None:
+        return self.scenario.task_at(self.client, step)
+
+    def class_counts(self, step: int) -> dict[str, int]:
+        """Classes this site holds training images of at ``step``, with their counts."""
+        task = self.task_at(step)
+        if task is None:
+            return {}
+        names = self.task_data(task).names
+        return {name: names.count(name) for name in dict.fromkeys(names)}
+
+    def _decode(self, samples: list[tuple[str, int]]) -> DecodedImages:
+        return decode_images(
+            samples, self.backbones.config.image_size, self.cache_dir / "images", progress=False
+        )
+
+    def task_data(self, task: int) -> TaskData:
+        if task not in self._tasks:
+            decoded = self._decode(self.scenario.train_samples(self.client, task))
+            folders = self.scenario.split.class_folders
+            names = [folders[int(label)] for label in decoded.labels]
+            features = self._cached_features(decoded)
+            self._tasks[task] = TaskData(decoded.images, names, features)
+        return self._tasks[task]
+
+    def _cached_features(self, decoded: DecodedImages) -> torch.Tensor:
+        """CLIP features of un-augmented images, computed once per backbone and image set."""
+        key = hashlib.sha256("\n".join([self.fingerprint, *decoded.paths]).encode()).hexdigest()
+        path = self.cache_dir / "features" / f"{key[:32]}.npy"
+        if path.is_file():
+            return torch.from_numpy(np.load(path, allow_pickle=False))
+        features = clip_features(StarPrompt(self.backbones), decoded.images)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npy")
+        np.save(tmp, features.numpy(), allow_pickle=False)
+        tmp.replace(path)
+        return features
+
+    # --- phases -----------------------------------------------------------------------------
+
+    def _view(self, codebook: Codebook, step: int, with_in_progress: bool) -> LocalView | None:
+        """Local model: frozen classes (and, in stage 2, other sites' current classes) as
+        fixed context, then this site's trainable classes. None when it has nothing to train."""
+        task = self.task_at(step)
+        if task is None:
+            return None
+        data = self.task_data(task)
+        registered = set(codebook.bank.names)
+        own = [
+            name
+            for name in codebook.bank.names
+            if name in set(data.names) and name not in codebook.frozen
+        ]
+        unknown = set(data.names) - registered
+        if unknown:
+            logger.info("site %d: classes not registered by the server: %s", self.client, unknown)
+        if not own:
+            return None
+        context = [
+            name
+            for name in codebook.bank.names
+            if name not in own and (name in codebook.frozen or with_in_progress)
+        ]
+        model = StarPrompt(self.backbones, confidence_modulation=self.config.confidence_modulation)
+        model.load_bank(codebook.bank.select(context + own))
+        row = {name: i for i, name in enumerate(model.bank.names)}
+        keep = [i for i, name in enumerate(data.names) if name in row]
+        labels = torch.tensor([row[data.names[i]] for i in keep])
+        for name in own:
+            model.bank.counts[row[name]] = data.names.count(name)
+        return LocalView(model, len(context), own, labels)
+
+    def _training_inputs(self, step: int, view: LocalView) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.task_data(self.task_at(step))
+        keep = torch.tensor([name in set(view.own) for name in data.names])
+        return data.images[keep], data.features[keep]
+
+    def _update(self, view: LocalView | None, codebook: Codebook, phase: Phase) -> ClientUpdate:
+        if view is None:
+            return ClientUpdate(self.fingerprint, codebook.dims, phase, codebook.version)
+        return ClientUpdate.from_bank(
+            view.model.bank,
+            fingerprint=self.fingerprint,
+            phase=phase,
+            base_version=codebook.version,
+            classes=view.own,
+        )
+
+    def run_phase(self, phase: Phase, codebook: Codebook, step: int, round_index: int = 0):
+        """Train or fit statistics for ``phase``; the update carries this site's classes."""
+        if phase not in PHASE_HANDLERS:
+            raise ValueError(f"a site does not run phase {phase.name}")
+        in_stage2 = phase in (Phase.STAGE2, Phase.STAGE2_STATS)
+        view = self._view(codebook, step, with_in_progress=in_stage2)
+        if view is not None:
+            images, features = self._training_inputs(step, view)
+            task = self.task_at(step)
+            PHASE_HANDLERS[phase](self, view, images, features, task, round_index)
+        return self._update(view, codebook, phase)
+
+    def _stage1(self, view, images, features, task, round_index) -> None:
+        stage1(view.model, features, view.labels, view.n_past, self.config, task, round_index)
+
+    def _stage1_stats(self, view, images, features, task, round_index) -> None:
+        stage1_statistics(view.model, features, view.labels, view.n_past, self.config, task)
+
+    def _stage2(self, view, images, features, task, round_index) -> None:
+        stage2(view.model, images, view.labels, view.n_past, self.config, task, round_index)
+
+    def _stage2_stats(self, view, images, features, task, round_index) -> None:
+        stage2_statistics(view.model, images, view.labels, view.n_past, self.config, task)
+
+    def evaluate(self, codebook: Codebook, step: int) -> TaskScores | None:
+        """Accuracy on the site's own test images of every task it has seen so far."""
+        task = self.task_at(step)
+        if task is None or len(codebook.bank) == 0:
+            return None
+        model = StarPrompt(self.backbones, confidence_modulation=self.config.confidence_modulation)
+        model.load_bank(codebook.to_bank())
+        samples = self.scenario.test_samples(self.client, range(task + 1))
+        return evaluate_decoded(model, self._decode(samples), self.scenario.split, task + 1)
+
+
+PHASE_HANDLERS = {
+    Phase.STAGE1: Site._stage1,
+    Phase.STAGE1_STATS: Site._stage1_stats,
+    Phase.STAGE2: Site._stage2,
+    Phase.STAGE2_STATS: Site._stage2_stats,
+}

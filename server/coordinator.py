@@ -1,0 +1,342 @@
+"""The server's phase loop (DESIGN §3): sync, stage-1 rounds, stage-1 statistics + first-level
+replay, stage-2 rounds, stage-2 statistics + head replay, evaluation — for every global step.
+
+It talks to clients only through a Flower ``Grid`` (``get_node_ids``, ``create_message``,
+``send_and_receive``), so tests can drive it with an in-process grid. Every send has a
+timeout; error replies and missing replies are logged with node and phase and the round goes
+on with the rest. Every update is validated before it is merged; a bad one is dropped, never
+half-applied. After every phase the codebook and the protocol position are saved atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from rich.console import Console
+
+from starfed.shared.backbones import Backbones
+from starfed.shared.codebook import ClientUpdate, Codebook, CodebookError, Phase
+from starfed.shared.data import decode_images
+from starfed.shared.evaluation import evaluate_decoded
+from starfed.shared.merge import check_update, merge_updates
+from starfed.shared.model import StarPrompt
+from starfed.shared.run_config import ProtocolOptions
+from starfed.shared.training import TrainConfig, first_level_alignment, head_alignment
+from starfed.simulations.scenario import Scenario
+
+logger = logging.getLogger(__name__)
+
+CODEBOOK_FILE = "codebook.bin"
+STATE_FILE = "state.json"
+
+# Flower message type of each phase: "<train|query|evaluate>.<action>" (ClientApp handlers).
+MESSAGE_TYPES = {
+    Phase.SYNC: "query.sync",
+    Phase.STAGE1: "train.stage1",
+    Phase.STAGE1_STATS: "query.stage1_stats",
+    Phase.STAGE2: "train.stage2",
+    Phase.STAGE2_STATS: "query.stage2_stats",
+    Phase.EVALUATE: "evaluate",
+}
+
+
+@dataclass
+class Exchange:
+    """One message to one node and its answer: what the wire carried and what came back."""
+
+    step: int
+    phase: str
+    round: int
+    node_id: int
+    bytes_down: int
+    bytes_up: int = 0
+    status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason>
+
+
+@dataclass
+class RunLog:
+    exchanges: list[Exchange] = field(default_factory=list)
+    phase_seconds: list[dict] = field(default_factory=list)
+    client_reports: list[dict] = field(default_factory=list)
+    accuracy_matrix: list[list[float]] = field(default_factory=list)
+    selection_matrix: list[list[float]] = field(default_factory=list)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Temporary file in the same folder, fsync, rename: readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Coordinator:
+    """Drives all phases of all steps and owns the global codebook."""
+
+    def __init__(
+        self,
+        grid,
+        backbones: Backbones,
+        train: TrainConfig,
+        protocol: ProtocolOptions,
+        n_steps: int,
+        run_dir: Path,
+        scenario: Scenario | None = None,
+        console: Console | None = None,
+    ) -> None:
+        self.grid = grid
+        self.backbones = backbones
+        self.train = train
+        self.protocol = protocol
+        self.n_steps = n_steps
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.scenario = scenario  # for the server's global test set (simulation only)
+        self.console = console or Console(stderr=True)
+        self.model = StarPrompt(backbones, confidence_modulation=train.confidence_modulation)
+        self.codebook = Codebook.from_bank(self.model.bank, backbones.fingerprint)
+        self.log = RunLog()
+        self._node_ids: list[int] = []
+
+    # --- messaging --------------------------------------------------------------------------
+
+    def _exchange(
+        self, phase: Phase, step: int, round_index: int = 0, with_codebook: bool = True
+    ) -> list[tuple[int, Message]]:
+        """Send one phase to every node; return the good replies as (node, message)."""
+        config = ConfigRecord(
+            {"step": step, "round": round_index, "wire-dtype": self.protocol.wire_dtype}
+        )
+        payload = self.codebook.to_bytes(self.protocol.wire_dtype) if with_codebook else b""
+        messages, exchanges = [], []
+        for node in self._node_ids:
+            content = RecordDict({"config": config})
+            if with_codebook:
+                content["codebook"] = ConfigRecord({"data": payload})
+            group = f"{step}/{phase.name}/{round_index}"
+            messages.append(Message(content, node, MESSAGE_TYPES[phase], group_id=group))
+            exchanges.append(Exchange(step, phase.name, round_index, node, len(payload)))
+        replies = self.grid.send_and_receive(messages, timeout=self.protocol.timeout_s)
+        # Grids fill in each message's id when they push it; replies point back to it.
+        logs = {m.metadata.message_id: e for m, e in zip(messages, exchanges, strict=True)}
+        good, answered = [], set()
+        for reply in replies:
+            entry = logs.get(reply.metadata.reply_to_message_id)
+            if entry is None:
+                logger.warning(
+                    "reply to an unknown message from node %s", reply.metadata.src_node_id
+                )
+                continue
+            answered.add(entry.node_id)
+            if reply.has_error():
+                entry.status = f"error: {reply.error.reason}"
+                logger.warning(
+                    "node %s failed %s: %s", entry.node_id, phase.name, reply.error.reason
+                )
+                continue
+            entry.bytes_up = _content_bytes(reply.content)
+            good.append((entry.node_id, reply))
+        for entry in logs.values():
+            if entry.node_id not in answered:
+                entry.status = "no reply"
+                logger.warning(
+                    "node %s sent no %s reply within %.0fs",
+                    entry.node_id,
+                    phase.name,
+                    self.protocol.timeout_s,
+                )
+        self.log.exchanges.extend(logs.values())
+        return good
+
+    def _updates(
+        self, replies: list[tuple[int, Message]], phase: Phase, allowed: set[str]
+    ) -> list[ClientUpdate]:
+        """Decode and validate each update; drop bad ones and rows of classes not in play."""
+        updates = []
+        for node, reply in sorted(replies, key=lambda r: r[0]):
+            entry = self._exchange_entry(node, phase)
+            try:
+                update = ClientUpdate.from_bytes(
+                    reply.content["update"]["data"],
+                    fingerprint=self.codebook.fingerprint,
+                    dims=self.codebook.dims,
+                )
+                if update.phase != phase:
+                    raise CodebookError(f"update answers {update.phase.name}, not {phase.name}")
+                check_update(self.codebook, update)
+            except (CodebookError, KeyError, TypeError) as err:
+                reason = str(err) if isinstance(err, CodebookError) else f"malformed reply ({err})"
+                logger.warning("rejected %s update of node %s: %s", phase.name, node, reason)
+                entry.status = f"rejected: {reason}"
+                continue
+            stray = [e.name for e in update.entries if e.name not in allowed]
+            if stray:
+                logger.warning("node %s sent rows of classes not in play: %s", node, stray)
+                update.entries = [e for e in update.entries if e.name in allowed]
+            updates.append(update)
+        return updates
+
+    def _exchange_entry(self, node: int, phase: Phase) -> Exchange:
+        for entry in reversed(self.log.exchanges):
+            if entry.node_id == node and entry.phase == phase.name:
+                return entry
+        raise KeyError(node)
+
+    # --- phases -----------------------------------------------------------------------------
+
+    def _set_codebook(self, codebook: Codebook) -> None:
+        self.codebook = codebook
+        self.model.load_bank(codebook.to_bank())
+
+    def _from_model(self) -> None:
+        self.codebook = Codebook.from_bank(
+            self.model.bank,
+            self.codebook.fingerprint,
+            version=self.codebook.version + 1,
+            frozen=self.codebook.frozen,
+            metadata=self.codebook.metadata,
+        )
+
+    def _sync(self, step: int) -> list[str]:
+        """Register the classes sites hold now; new ones get deterministic initial rows."""
+        replies = self._exchange(Phase.SYNC, step, with_codebook=False)
+        new: list[str] = []
+        for node, reply in sorted(replies, key=lambda r: r[0]):
+            record = reply.content["sync"]
+            if record["fingerprint"] != self.codebook.fingerprint:
+                self._exchange_entry(node, Phase.SYNC).status = "rejected: backbone fingerprint"
+                logger.warning("node %s runs other backbones; left out of step %d", node, step)
+                continue
+            for name in record["classes"]:
+                if name not in self.codebook.bank.names and name not in new:
+                    new.append(name)
+        if new:
+            self.model.add_classes(new, seed=self.train.seed, version=self.codebook.version + 1)
+            self._from_model()
+        return new
+
+    def _train_round(self, phase: Phase, step: int, round_index: int, in_play: set[str]) -> None:
+        replies = self._exchange(phase, step, round_index)
+        updates = self._updates(replies, phase, in_play)
+        self._set_codebook(
+            merge_updates(self.codebook, updates, n_components=self.train.mixture_components)
+        )
+
+    def _drop_untrained(self, in_play: list[str], mixture_field: str) -> list[str]:
+        """Classes no site sent statistics for cannot be replayed: unregister them."""
+        bank = self.codebook.bank
+        missing = [n for n in in_play if getattr(bank, mixture_field)[bank.index(n)] is None]
+        if missing:
+            logger.warning("no statistics for %s; unregistering them", missing)
+            keep = [n for n in bank.names if n not in missing]
+            self.model.load_bank(bank.select(keep))
+            self._from_model()
+        return [n for n in in_play if n not in missing]
+
+    def _timed(self, step: int, phase: str, started: float) -> None:
+        self.log.phase_seconds.append(
+            {"step": step, "phase": phase, "seconds": time.perf_counter() - started}
+        )
+        self._checkpoint(step, phase)
+
+    def run_step(self, step: int) -> None:
+        started = time.perf_counter()
+        self._node_ids = sorted(self.grid.get_node_ids())
+        in_play = self._sync(step)
+        self._timed(step, "sync", started)
+        n_past = len(self.codebook.frozen)
+        for r in range(self.protocol.stage1_rounds):
+            started = time.perf_counter()
+            self._train_round(Phase.STAGE1, step, r, set(in_play))
+            self._timed(step, f"stage1/{r}", started)
+
+        started = time.perf_counter()
+        self._train_round(Phase.STAGE1_STATS, step, 0, set(in_play))
+        in_play = self._drop_untrained(in_play, "clip_mixtures")
+        first_level_alignment(self.model, n_past, self.train, step)
+        self._from_model()
+        self._timed(step, "stage1_stats+replay", started)
+
+        for r in range(self.protocol.stage2_rounds):
+            started = time.perf_counter()
+            self._train_round(Phase.STAGE2, step, r, set(in_play))
+            self._timed(step, f"stage2/{r}", started)
+
+        started = time.perf_counter()
+        self._train_round(Phase.STAGE2_STATS, step, 0, set(in_play))
+        in_play = self._drop_untrained(in_play, "vit_mixtures")
+        head_alignment(self.model, self.train, step)
+        self.codebook.frozen |= set(in_play)
+        self._from_model()
+        self._timed(step, "stage2_stats+replay", started)
+
+        started = time.perf_counter()
+        self._evaluate(step)
+        self._timed(step, "evaluate", started)
+
+    def _evaluate(self, step: int) -> None:
+        replies = self._exchange(Phase.EVALUATE, step)
+        for node, reply in replies:
+            metrics = dict(reply.content["metrics"])
+            self.log.client_reports.append({"step": step, "node_id": node, **metrics})
+        if self.scenario is None or len(self.codebook.bank) == 0:
+            return
+        n_tasks = min(step, self.scenario.n_tasks - 1) + 1
+        test = decode_images(
+            self.scenario.global_test_samples(range(n_tasks)),
+            self.backbones.config.image_size,
+            progress=False,
+        )
+        scores = evaluate_decoded(self.model, test, self.scenario.split, n_tasks)
+        self.log.accuracy_matrix.append(scores.accuracy)
+        self.log.selection_matrix.append(scores.selection_accuracy)
+        mean = sum(scores.accuracy) / len(scores.accuracy)
+        self.console.print(
+            f"step {step + 1}/{self.n_steps}: {len(self.codebook.bank)} classes · "
+            f"global accuracy {mean:.1f}% · " + " ".join(f"{a:.0f}" for a in scores.accuracy)
+        )
+
+    def _checkpoint(self, step: int, phase: str) -> None:
+        self.codebook.save(self.run_dir / CODEBOOK_FILE)
+        state = {
+            "step": step,
+            "phase": phase,
+            "codebook_version": self.codebook.version,
+            "frozen": sorted(self.codebook.frozen),
+            "time": time.time(),
+        }
+        write_atomic(self.run_dir / STATE_FILE, json.dumps(state, indent=2).encode())
+
+    def run(self, steps: Iterable[int] | None = None) -> RunLog:
+        for step in steps if steps is not None else range(self.n_steps):
+            self.run_step(step)
+        return self.log
+
+    def exchanges_as_dicts(self) -> list[dict]:
+        return [asdict(e) for e in self.log.exchanges]
+
+
+def _content_bytes(content: RecordDict) -> int:
+    """Payload bytes of a reply: serialised updates count fully, other records by their values."""
+    total = 0
+    for record in content.values():
+        for value in record.values():
+            if isinstance(value, bytes):
+                total += len(value)
+            else:
+                total += len(str(value).encode())
+    return total

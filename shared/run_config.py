@@ -1,0 +1,122 @@
+"""Typed views of a Flower run config (``[tool.flwr.app.config]`` plus ``--run-config``).
+
+Client and server read the same keys, so parsing lives here once. Keys use dashes, as in
+Flower's TOML; an empty string means "not set" for optional paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from starfed.shared.backbones import Backbones, create_backbones
+from starfed.shared.training import TrainConfig
+
+RunConfig = Mapping[str, Any]
+
+
+def get(run_config: RunConfig, key: str, kind: type, default: Any) -> Any:
+    """``run_config[key]`` converted to ``kind``; a clear ValueError names a bad key."""
+    if key not in run_config:
+        return default
+    raw = run_config[key]
+    try:
+        if kind is bool:
+            if isinstance(raw, str):
+                if raw.lower() not in {"true", "false", "1", "0"}:
+                    raise ValueError
+                return raw.lower() in {"true", "1"}
+            return bool(raw)
+        if kind is int and isinstance(raw, float) and not raw.is_integer():
+            raise ValueError
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"run config {key!r}: expected {kind.__name__}, got {raw!r}") from None
+
+
+def optional_path(run_config: RunConfig, key: str) -> str | None:
+    value = get(run_config, key, str, "")
+    return value or None
+
+
+@dataclass(frozen=True)
+class BackboneOptions:
+    """Which frozen backbone pair every participant loads (their fingerprints must match)."""
+
+    preset: str = "tiny"
+    config_path: str | None = None
+    clip_weights: str | None = None
+    vit_weights: str | None = None
+
+    @classmethod
+    def from_run_config(cls, run_config: RunConfig) -> BackboneOptions:
+        return cls(
+            preset=get(run_config, "preset", str, "tiny"),
+            config_path=optional_path(run_config, "backbone-config"),
+            clip_weights=optional_path(run_config, "clip-weights"),
+            vit_weights=optional_path(run_config, "vit-weights"),
+        )
+
+    def load(self) -> Backbones:
+        return _load_backbones(self)
+
+
+@cache
+def _load_backbones(options: BackboneOptions) -> Backbones:
+    """One backbone pair per process: simulation actors and a long-lived client reuse it."""
+    return create_backbones(
+        options.preset,
+        config_path=options.config_path,
+        clip_weights=options.clip_weights,
+        vit_weights=options.vit_weights,
+    )
+
+
+def train_config(run_config: RunConfig) -> TrainConfig:
+    """TrainConfig from run-config keys; per-round epochs for the federated stages."""
+    d = TrainConfig()
+    return TrainConfig(
+        batch_size=get(run_config, "batch-size", int, d.batch_size),
+        stage1_epochs=get(run_config, "stage1-epochs", int, d.stage1_epochs),
+        stage2_epochs=get(run_config, "stage2-epochs", int, d.stage2_epochs),
+        replay1_epochs=get(run_config, "replay1-epochs", int, d.replay1_epochs),
+        replay2_epochs=get(run_config, "replay2-epochs", int, d.replay2_epochs),
+        generative_replay=get(run_config, "generative-replay", bool, d.generative_replay),
+        mixture_components=get(run_config, "mixture-components", int, d.mixture_components),
+        confidence_modulation=get(
+            run_config, "confidence-modulation", bool, d.confidence_modulation
+        ),
+        seed=get(run_config, "seed", int, d.seed),
+    )
+
+
+@dataclass(frozen=True)
+class ProtocolOptions:
+    """How the server drives the phases."""
+
+    stage1_rounds: int = 1
+    stage2_rounds: int = 1
+    timeout_s: float = 600.0
+    wire_dtype: str = "float32"
+    results_dir: str = "results"
+    run_name: str | None = None
+    server_eval: bool = True
+
+    @classmethod
+    def from_run_config(cls, run_config: RunConfig) -> ProtocolOptions:
+        options = cls(
+            stage1_rounds=get(run_config, "stage1-rounds", int, 1),
+            stage2_rounds=get(run_config, "stage2-rounds", int, 1),
+            timeout_s=get(run_config, "timeout-s", float, 600.0),
+            wire_dtype=get(run_config, "wire-dtype", str, "float32"),
+            results_dir=get(run_config, "results-dir", str, "results"),
+            run_name=optional_path(run_config, "run-name"),
+            server_eval=get(run_config, "server-eval", bool, True),
+        )
+        if options.wire_dtype not in {"float32", "float16"}:
+            raise ValueError("run config 'wire-dtype' must be float32 or float16")
+        if options.stage1_rounds < 1 or options.stage2_rounds < 1:
+            raise ValueError("run config stage rounds must be >= 1")
+        return options

@@ -1,0 +1,280 @@
+"""The federated Split CropDiseases scenario: which images each simulated site holds, and when.
+
+Every site learns the same task sequence (local task ``t`` holds the classes of global task ``t``
+of the split), but each task's training images are spread over the sites by a Dirichlet
+distribution over classes (flwr-datasets' :class:`DirichletPartitioner`), so sites see skewed
+class mixes. Sites may join late: site ``i`` starts its stream ``i * arrival_offset`` global steps
+after site 0, so sites in different tasks share rounds. Each site's test set follows its own
+class mix; the global test set (the split's) is what the server scores in simulation.
+
+Partitions are computed per task on first use and kept on the instance, so building a scenario
+only scans the dataset folder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import datasets
+import numpy as np
+from flwr_datasets.partitioner import DirichletPartitioner
+from rich.table import Table
+
+from starfed.shared.data import SplitCropDiseases, bundled_dataset_root
+
+Sample = tuple[str, int]
+
+#: Flower run-config key -> ScenarioConfig field.
+RUN_CONFIG_KEYS: dict[str, str] = {
+    "data-root": "data_root",
+    "num-tasks": "n_tasks",
+    "classes-per-task": "classes_per_task",
+    "seed": "seed",
+    "num-clients": "n_clients",
+    "alpha": "alpha",
+    "arrival-offset": "arrival_offset",
+    "min-partition-size": "min_partition_size",
+}
+
+
+def _problem(name: str, value: object) -> str | None:
+    """Why ``value`` is not valid for field ``name``, or None when it is."""
+    if name == "data_root":
+        return None if isinstance(value, str) else "must be a string"
+    if name == "alpha":
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if ok and math.isfinite(value) and value > 0 else "must be a finite number > 0"
+    if name == "classes_per_task" and value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        return "must be an integer"
+    low, high = {
+        "n_tasks": (1, None),
+        "classes_per_task": (1, None),
+        "seed": (0, 2**32 - 1),  # what np.random.RandomState (the class order) accepts
+        "n_clients": (1, None),
+        "arrival_offset": (0, None),
+        "min_partition_size": (0, None),
+    }[name]
+    if value < low or (high is not None and value > high):
+        return f"must be >= {low}" + ("" if high is None else f" and <= {high}")
+    return None
+
+
+def _number(raw: str | int | float | bool, as_float: bool) -> int | float | None:
+    """``raw`` as a float or an integer (an integral float counts), or None when it is not one."""
+    if isinstance(raw, bool):  # TOML booleans are no numbers, although bool subclasses int
+        return None
+    try:
+        if as_float:
+            return float(raw)
+        if isinstance(raw, float):
+            return int(raw) if raw.is_integer() else None
+        return int(raw)
+    except ValueError:
+        return None
+
+
+def _parse(key: str, raw: str | int | float | bool) -> object:
+    """A run-config value as its field expects it; strings are accepted for CLI overrides."""
+    name = RUN_CONFIG_KEYS[key]
+    if name == "data_root":
+        if not isinstance(raw, str):
+            raise ValueError(f"run config {key!r} must be a string, got {raw!r}")
+        return raw or str(bundled_dataset_root())
+    value = _number(raw, as_float=name == "alpha")
+    if value is None:
+        kind = "a number" if name == "alpha" else "an integer"
+        raise ValueError(f"run config {key!r} must be {kind}, got {raw!r}")
+    if name == "classes_per_task" and value == 0:
+        return None
+    problem = _problem(name, value)
+    if problem is not None:
+        raise ValueError(f"run config {key!r} {problem}, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ScenarioConfig:
+    """What defines a federated scenario; equal configs give identical partitions."""
+
+    data_root: str = field(default_factory=lambda: str(bundled_dataset_root()))
+    n_tasks: int = 7
+    classes_per_task: int | None = None  # None: all classes spread evenly over the tasks
+    seed: int = 1993  # class order and partition
+    n_clients: int = 5
+    alpha: float = 0.5  # Dirichlet concentration: small = each site sees few classes
+    arrival_offset: int = 0  # site i starts i * arrival_offset steps after site 0
+    min_partition_size: int = 0  # per task: resample the Dirichlet until every site has this many
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            problem = _problem(name, getattr(self, name))
+            if problem is not None:
+                raise ValueError(f"ScenarioConfig.{name} {problem}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, str | int | float | bool]) -> ScenarioConfig:
+        """Read the scenario keys of a Flower run config (see :data:`RUN_CONFIG_KEYS`).
+
+        Other keys are ignored: the run config also holds training settings. ``data-root = ""``
+        means the bundled dataset and ``classes-per-task = 0`` the even default.
+        """
+        values = {
+            RUN_CONFIG_KEYS[key]: _parse(key, raw)
+            for key, raw in run_config.items()
+            if key in RUN_CONFIG_KEYS
+        }
+        return cls(**values)
+
+
+def _task_seed(seed: int, task: int) -> int:
+    """Independent partition seed per task, so adding tasks never reshuffles earlier ones."""
+    return int(np.random.SeedSequence([seed, task]).generate_state(1)[0])
+
+
+def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
+    """Split ``total`` items in proportion to integer ``weights``; exact, ties to lower index.
+
+    A zero weight always gets zero: the ``total - sum(floors)`` extras go to the largest
+    remainders, and fewer extras exist than positive remainders.
+    """
+    denominator = int(weights.sum())
+    if denominator == 0:
+        return np.zeros_like(weights)
+    floors, remainders = np.divmod(total * weights, denominator)
+    extra = total - int(floors.sum())
+    floors[np.argsort(-remainders, kind="stable")[:extra]] += 1
+    return floors
+
+
+class Scenario:
+    """The images of every simulated site (client) for every task, and the task streams."""
+
+    def __init__(self, config: ScenarioConfig) -> None:
+        self.config = config
+        self.split = SplitCropDiseases.from_root(
+            config.data_root,
+            n_tasks=config.n_tasks,
+            classes_per_task=config.classes_per_task,
+            seed=config.seed,
+        )
+        self._train: dict[int, list[list[Sample]]] = {}  # task -> per-client samples
+        self._test: dict[int, list[list[Sample]]] = {}
+        self._counts: dict[int, np.ndarray] = {}
+
+    @property
+    def n_clients(self) -> int:
+        return self.config.n_clients
+
+    @property
+    def n_tasks(self) -> int:
+        return self.split.n_tasks
+
+    @property
+    def n_steps(self) -> int:
+        """Global steps until the last-arriving site has finished its last task."""
+        return self.n_tasks + (self.n_clients - 1) * self.config.arrival_offset
+
+    def task_at(self, client: int, step: int) -> int | None:
+        """The client's local task at a global step; None before it joins or after it ends."""
+        task = step - self._check_client(client) * self.config.arrival_offset
+        return task if 0 <= task < self.n_tasks else None
+
+    def train_samples(self, client: int, task: int) -> list[Sample]:
+        """The client's share of ``task``'s training images, in ``split.samples`` order."""
+        return list(self._train_partition(task)[self._check_client(client)])
+
+    def test_samples(self, client: int, tasks: Iterable[int]) -> list[Sample]:
+        """The client's local test images of ``tasks``, in ``split.samples`` order.
+
+        Each class's test images are shared out in proportion to the clients' training images of
+        that class, so a site is tested on the class mix it trained on.
+        """
+        client = self._check_client(client)
+        out: list[Sample] = []
+        for task in sorted(set(tasks)):  # tasks hold consecutive labels: this keeps split order
+            out.extend(self._test_partition(task)[client])
+        return out
+
+    def global_test_samples(self, tasks: Iterable[int]) -> list[Sample]:
+        """Every test image of ``tasks`` (what the server scores in simulation)."""
+        return self.split.samples("test", tasks)
+
+    def class_counts(self, task: int) -> np.ndarray:
+        """Training images per client and class of ``task``: int ``[n_clients, classes]``."""
+        if task not in self._counts:
+            first = self.split.task_labels(task)[0]
+            counts = np.zeros((self.n_clients, self.split.classes_per_task), dtype=np.int64)
+            for client, samples in enumerate(self._train_partition(task)):
+                for _, label in samples:
+                    counts[client, label - first] += 1
+            self._counts[task] = counts
+        return self._counts[task].copy()
+
+    def summary_table(self, task: int) -> Table:
+        """Clients x classes (global labels) image counts of ``task``, for progress printing."""
+        labels = self.split.task_labels(task)
+        counts = self.class_counts(task)
+        table = Table(title=f"Task {task} train images")
+        table.add_column("client")
+        for label in labels:
+            table.add_column(str(label), justify="right")
+        table.add_column("total", justify="right", style="bold")
+        for client, row in enumerate(counts):
+            table.add_row(str(client), *map(str, row.tolist()), str(int(row.sum())))
+        table.add_section()
+        totals = counts.sum(axis=0)
+        table.add_row("all", *map(str, totals.tolist()), str(int(totals.sum())), style="bold")
+        return table
+
+    def _check_client(self, client: int) -> int:
+        if not 0 <= client < self.n_clients:
+            raise ValueError(f"client must be in [0, {self.n_clients}), got {client}")
+        return client
+
+    def _train_partition(self, task: int) -> list[list[Sample]]:
+        if task not in self._train:
+            samples = self.split.samples("train", [task])
+            partitioner = DirichletPartitioner(
+                num_partitions=self.n_clients,
+                partition_by="label",
+                alpha=self.config.alpha,
+                min_partition_size=self.config.min_partition_size,
+                self_balancing=False,
+                shuffle=False,  # the order is restored below anyway
+                seed=_task_seed(self.config.seed, task),
+            )
+            partitioner.dataset = datasets.Dataset.from_dict(
+                {"index": list(range(len(samples))), "label": [label for _, label in samples]}
+            )
+            try:
+                parts = [
+                    sorted(partitioner.load_partition(c)["index"]) for c in range(self.n_clients)
+                ]
+            except ValueError as err:  # too few images, or min_partition_size never met
+                raise ValueError(f"cannot partition task {task}: {err}") from err
+            self._train[task] = [[samples[i] for i in part] for part in parts]
+        return self._train[task]
+
+    def _test_partition(self, task: int) -> list[list[Sample]]:
+        if task not in self._test:
+            counts = self.class_counts(task)
+            parts: list[list[Sample]] = [[] for _ in range(self.n_clients)]
+            by_label: dict[int, list[Sample]] = {}
+            for sample in self.split.samples("test", [task]):
+                by_label.setdefault(sample[1], []).append(sample)
+            for col, label in enumerate(self.split.task_labels(task)):
+                images = by_label.get(label, [])
+                # A seeded shuffle, so a site's share does not follow the file-name order.
+                rng = np.random.default_rng([self.config.seed, label])
+                order = rng.permutation(len(images))
+                sizes = _largest_remainder(len(images), counts[:, col])
+                bounds = np.concatenate([[0], np.cumsum(sizes)])
+                for client in range(self.n_clients):
+                    chosen = np.sort(order[bounds[client] : bounds[client + 1]])
+                    parts[client].extend(images[i] for i in chosen)
+            self._test[task] = parts
+        return self._test[task]

@@ -1,0 +1,224 @@
+"""The federated scenario on the bundled dataset: partitions, task streams, local test sets."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from rich.console import Console
+from rich.table import Table
+
+from starfed.shared.data import bundled_dataset_root
+from starfed.simulations.scenario import Scenario, ScenarioConfig
+
+
+@pytest.fixture(scope="module")
+def scenario() -> Scenario:
+    return Scenario(ScenarioConfig())
+
+
+def _mean_client_entropy(scenario: Scenario) -> float:
+    """Mean (over tasks and non-empty clients) entropy of a client's class distribution."""
+    entropies = []
+    for task in range(scenario.n_tasks):
+        for row in scenario.class_counts(task):
+            if row.sum() == 0:
+                continue
+            p = row[row > 0] / row.sum()
+            entropies.append(float(-(p * np.log(p)).sum()))
+    return float(np.mean(entropies))
+
+
+def _counts_by_folder(scenario: Scenario) -> dict[str, list[int]]:
+    """Per-client training counts of each class folder (independent of the label order)."""
+    out = {}
+    for task in range(scenario.n_tasks):
+        counts = scenario.class_counts(task)
+        for col, label in enumerate(scenario.split.task_labels(task)):
+            out[scenario.split.class_folders[label]] = counts[:, col].tolist()
+    return out
+
+
+def test_train_partitions_are_disjoint_and_cover_each_task(scenario: Scenario) -> None:
+    for task in range(scenario.n_tasks):
+        expected = scenario.split.samples("train", [task])
+        parts = [scenario.train_samples(c, task) for c in range(scenario.n_clients)]
+        merged = [s for part in parts for s in part]
+        assert len(merged) == len(set(merged)) == len(expected)
+        assert set(merged) == set(expected)
+        order = {s: i for i, s in enumerate(expected)}
+        for part in parts:
+            assert [order[s] for s in part] == sorted(order[s] for s in part)
+        counts = scenario.class_counts(task)
+        assert counts.shape == (scenario.n_clients, scenario.split.classes_per_task)
+        assert counts.sum(axis=1).tolist() == [len(p) for p in parts]
+
+
+def test_one_client_sees_exactly_the_single_site_data() -> None:
+    single = Scenario(ScenarioConfig(n_clients=1, alpha=0.1))
+    for task in range(single.n_tasks):
+        assert single.train_samples(0, task) == single.split.samples("train", [task])
+    tasks = [0, 3, 6]
+    assert single.test_samples(0, tasks) == single.split.samples("test", tasks)
+
+
+def test_small_alpha_skews_class_mixes_more_than_large_alpha() -> None:
+    skewed = _mean_client_entropy(Scenario(ScenarioConfig(alpha=0.1)))
+    even = _mean_client_entropy(Scenario(ScenarioConfig(alpha=100.0)))
+    assert even > np.log(4) - 0.05  # near-uniform over the 4 classes of a task
+    assert skewed < even - 0.5
+
+
+def test_partition_is_deterministic_and_seed_sensitive(scenario: Scenario) -> None:
+    again = Scenario(ScenarioConfig())
+    for task in range(scenario.n_tasks):
+        for c in range(scenario.n_clients):
+            assert again.train_samples(c, task) == scenario.train_samples(c, task)
+            assert again.test_samples(c, [task]) == scenario.test_samples(c, [task])
+    other = Scenario(ScenarioConfig(seed=1996))
+    assert other.split.class_folders != scenario.split.class_folders
+    # Not just relabelled: the clients' counts of each class folder change with the seed.
+    assert _counts_by_folder(other) != _counts_by_folder(scenario)
+
+
+def test_task_stream_with_asynchronous_arrival() -> None:
+    s = Scenario(ScenarioConfig(arrival_offset=1))
+    assert s.n_steps == 7 + 4
+    assert s.task_at(2, 1) is None
+    assert s.task_at(2, 2) == 0
+    assert s.task_at(2, 8) == 6
+    assert s.task_at(2, 9) is None
+    assert s.task_at(0, 0) == 0 and s.task_at(0, 7) is None
+    assert s.task_at(4, s.n_steps - 1) == s.n_tasks - 1
+    assert [s.task_at(c, 3) for c in range(5)] == [3, 2, 1, 0, None]
+    with pytest.raises(ValueError, match="client"):
+        s.task_at(5, 0)
+
+
+def test_synchronous_stream(scenario: Scenario) -> None:
+    assert scenario.n_steps == scenario.n_tasks
+    assert all(scenario.task_at(c, 4) == 4 for c in range(scenario.n_clients))
+
+
+def test_local_test_sets_follow_training_shares(scenario: Scenario) -> None:
+    for task in range(scenario.n_tasks):
+        counts = scenario.class_counts(task)
+        labels = scenario.split.task_labels(task)
+        test = scenario.global_test_samples([task])
+        parts = [scenario.test_samples(c, [task]) for c in range(scenario.n_clients)]
+        merged = [s for part in parts for s in part]
+        assert len(merged) == len(set(merged))
+        trained = {lab for col, lab in enumerate(labels) if counts[:, col].sum() > 0}
+        assert set(merged) == {s for s in test if s[1] in trained}
+        for col, label in enumerate(labels):
+            n_test = sum(1 for _, lab in test if lab == label)
+            share = counts[:, col] / counts[:, col].sum()
+            got = np.array([sum(1 for _, lab in p if lab == label) for p in parts])
+            assert got[counts[:, col] == 0].sum() == 0
+            assert np.all(np.abs(got - n_test * share) < 1)  # largest-remainder rounding
+
+
+def test_test_samples_keep_split_order_over_several_tasks(scenario: Scenario) -> None:
+    tasks = [5, 1, 3]
+    order = {s: i for i, s in enumerate(scenario.global_test_samples(tasks))}
+    assert scenario.global_test_samples(tasks) == scenario.split.samples("test", tasks)
+    for c in range(scenario.n_clients):
+        local = scenario.test_samples(c, tasks)
+        assert all(s in order for s in local)
+        assert [order[s] for s in local] == sorted(order[s] for s in local)
+        assert local == [s for t in sorted(tasks) for s in scenario.test_samples(c, [t])]
+
+
+def test_a_class_without_training_images_gets_no_local_test_images() -> None:
+    # alpha = 0.05 leaves most clients without most classes.
+    s = Scenario(ScenarioConfig(alpha=0.05))
+    counts = s.class_counts(0)
+    missing = [(c, lab) for c in range(5) for lab in range(4) if counts[c, lab] == 0]
+    assert missing
+    for c, lab in missing:
+        assert all(label != lab for _, label in s.test_samples(c, [0]))
+
+
+def test_min_partition_size() -> None:
+    s = Scenario(ScenarioConfig(alpha=1.0, min_partition_size=30))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the partitioner warns when it resamples
+        for task in range(s.n_tasks):
+            assert s.class_counts(task).sum(axis=1).min() >= 30
+        impossible = Scenario(ScenarioConfig(min_partition_size=100))  # 5 x 100 > ~320 images
+        with pytest.raises(ValueError, match="task 0"):
+            impossible.train_samples(0, 0)
+
+
+def test_summary_table(scenario: Scenario) -> None:
+    table = scenario.summary_table(2)
+    assert isinstance(table, Table)
+    assert [c.header for c in table.columns] == [
+        "client",
+        *map(str, scenario.split.task_labels(2)),
+        "total",
+    ]
+    assert table.row_count == scenario.n_clients + 1
+    console = Console(width=120, record=True)
+    console.print(table)
+    assert str(int(scenario.class_counts(2).sum())) in console.export_text()
+
+
+def test_from_run_config_reads_dashed_keys_and_ignores_others() -> None:
+    config = ScenarioConfig.from_run_config(
+        {
+            "data-root": "",
+            "num-tasks": 4,
+            "classes-per-task": 0,
+            "seed": 1996,
+            "num-clients": 3,
+            "alpha": 1,
+            "arrival-offset": 2,
+            "min-partition-size": 5,
+            "num-server-rounds": 10,
+            "lr": 0.01,
+        }
+    )
+    assert config == ScenarioConfig(
+        data_root=str(bundled_dataset_root()),
+        n_tasks=4,
+        classes_per_task=None,
+        seed=1996,
+        n_clients=3,
+        alpha=1.0,
+        arrival_offset=2,
+        min_partition_size=5,
+    )
+    assert ScenarioConfig.from_run_config({}) == ScenarioConfig()
+    assert ScenarioConfig.from_run_config({"classes-per-task": 2}).classes_per_task == 2
+    assert ScenarioConfig.from_run_config({"data-root": "/data/pv"}).data_root == "/data/pv"
+    assert ScenarioConfig.from_run_config({"num-clients": "7"}).n_clients == 7
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("num-clients", 0),
+        ("num-clients", 2.5),
+        ("num-clients", True),
+        ("num-tasks", "many"),
+        ("classes-per-task", -1),
+        ("seed", -3),
+        ("alpha", 0),
+        ("alpha", float("nan")),
+        ("alpha", "x"),
+        ("arrival-offset", -1),
+        ("data-root", 3),
+    ],
+)
+def test_from_run_config_rejects_bad_values(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=key):
+        ScenarioConfig.from_run_config({key: value})  # type: ignore[dict-item]
+
+
+def test_config_validates_direct_construction() -> None:
+    with pytest.raises(ValueError, match="n_clients"):
+        ScenarioConfig(n_clients=0)
+    with pytest.raises(ValueError, match="alpha"):
+        ScenarioConfig(alpha=-1.0)
