@@ -83,6 +83,9 @@ def train_config(run_config: RunConfig) -> TrainConfig:
         stage2_epochs=get(run_config, "stage2-epochs", int, d.stage2_epochs),
         replay1_epochs=get(run_config, "replay1-epochs", int, d.replay1_epochs),
         replay2_epochs=get(run_config, "replay2-epochs", int, d.replay2_epochs),
+        replay2_epochs_per_task=get(
+            run_config, "replay2-epochs-per-task", int, d.replay2_epochs_per_task
+        ),
         generative_replay=get(run_config, "generative-replay", bool, d.generative_replay),
         mixture_components=get(run_config, "mixture-components", int, d.mixture_components),
         confidence_modulation=get(

@@ -1,0 +1,99 @@
+"""One client holding all the data, one round per stage = `starfed train-local`, same seed.
+
+The federated path splits each task across processes (client: stage 1/2 and statistics;
+server: registration, merging, both replays); with a single client and one round per stage it
+must compute the same per-class parameters and the same accuracy matrix as a single site.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from inprocess_grid import InProcessGrid
+from rich.console import Console
+
+from starfed.client.app import app as client_app
+from starfed.server.app import run_server
+from starfed.shared.codebook import Codebook
+from starfed.shared.training import TrainConfig
+from starfed.simulations.train_local import LocalRunOptions, run_local
+
+TRAIN = TrainConfig(
+    stage1_epochs=2,
+    stage2_epochs=2,
+    replay1_epochs=2,
+    replay2_epochs=1,
+    replay2_epochs_per_task=1,
+    batch_size=64,
+    seed=1996,
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("equivalence")
+    quiet = Console(quiet=True)
+    local = run_local(
+        LocalRunOptions(
+            n_tasks=3,
+            classes_per_task=2,
+            results_dir=str(out),
+            run_name="local",
+            cache_dir=str(out / "cache"),
+            train=TRAIN,
+        ),
+        quiet,
+    )
+    run_config = {
+        "num-tasks": 3,
+        "classes-per-task": 2,
+        "num-clients": 1,
+        "seed": TRAIN.seed,
+        "stage1-epochs": TRAIN.stage1_epochs,
+        "stage2-epochs": TRAIN.stage2_epochs,
+        "replay1-epochs": TRAIN.replay1_epochs,
+        "replay2-epochs": TRAIN.replay2_epochs,
+        "replay2-epochs-per-task": TRAIN.replay2_epochs_per_task,
+        "batch-size": TRAIN.batch_size,
+        "results-dir": str(out),
+        "run-name": "federated",
+        "timeout-s": 120,
+    }
+    grid = InProcessGrid(
+        client_app,
+        run_config,
+        {7: {"partition-id": 0, "num-partitions": 1, "cache-dir": str(out / "cache")}},
+    )
+    federated = run_server(grid, run_config, quiet)
+    return out, local, federated
+
+
+def test_same_per_class_parameters(runs) -> None:
+    out, _, _ = runs
+    a = Codebook.load(out / "local" / "codebook.bin").bank
+    b = Codebook.load(out / "federated" / "codebook.bin").bank
+    assert a.names == b.names and a.counts == b.counts
+    for field in a.TENSOR_FIELDS:
+        torch.testing.assert_close(
+            getattr(b, field), getattr(a, field), atol=1e-5, rtol=1e-4, msg=field
+        )
+    for field in ("clip_mixtures", "vit_mixtures"):
+        for ma, mb in zip(getattr(a, field), getattr(b, field), strict=True):
+            torch.testing.assert_close(mb.means, ma.means, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(mb.variances, ma.variances, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(mb.weights, ma.weights, atol=1e-6, rtol=0)
+
+
+def test_same_accuracy(runs) -> None:
+    _, local, federated = runs
+    assert len(federated["accuracy_matrix"]) == len(local["accuracy_matrix"]) == 3
+    for fed_row, local_row in zip(
+        federated["accuracy_matrix"], local["accuracy_matrix"], strict=True
+    ):
+        assert fed_row == pytest.approx(local_row, abs=1e-6)
+    assert federated["final_average_accuracy"] == pytest.approx(
+        local["final_average_accuracy"], abs=1e-6
+    )
+    assert federated["prompt_selection_accuracy"] == pytest.approx(
+        local["prompt_selection_accuracy"], abs=1e-6
+    )
