@@ -18,7 +18,8 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
-from starfed.server.coordinator import Coordinator, write_atomic
+from starfed.server.coordinator import Coordinator
+from starfed.shared.files import write_atomic
 from starfed.shared.metrics import (
     final_average_accuracy,
     final_forgetting,

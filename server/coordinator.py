@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -26,6 +24,7 @@ from starfed.shared.backbones import Backbones
 from starfed.shared.codebook import ClientUpdate, Codebook, CodebookError, Phase
 from starfed.shared.data import decode_images
 from starfed.shared.evaluation import evaluate_decoded
+from starfed.shared.files import write_atomic
 from starfed.shared.merge import check_update, merge_updates
 from starfed.shared.model import StarPrompt
 from starfed.shared.run_config import ProtocolOptions
@@ -68,20 +67,6 @@ class RunLog:
     client_reports: list[dict] = field(default_factory=list)
     accuracy_matrix: list[list[float]] = field(default_factory=list)
     selection_matrix: list[list[float]] = field(default_factory=list)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Temporary file in the same folder, fsync, rename: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Coordinator:

@@ -29,24 +29,22 @@ Decoding always yields float32.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import enum
 import hashlib
 import math
 import os
 import struct
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TypeVar
+from typing import ClassVar, Self, TypeVar
 
 import numpy as np
 import torch
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.shared.class_bank import ClassBank, ModelDims
+from starfed.shared.files import write_atomic
 from starfed.shared.mixture import GaussianMixture
 
 SCHEMA_VERSION = 1
@@ -361,27 +359,9 @@ def _parse(message_type: type[_Message], data: bytes, max_bytes: int) -> _Messag
 
 
 def _write_file(path: str | os.PathLike[str], magic: bytes, payload: bytes) -> None:
-    """Atomically replace ``path`` with header + payload (temp file, fsync, rename, fsync dir)."""
-    path = Path(path)
-    directory = path.parent
+    """Atomically replace ``path`` with header (magic, length, sha256) + payload."""
     header = _HEADER.pack(magic, len(payload), hashlib.sha256(payload).digest())
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(header)
-            file.write(payload)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomic(path, header + payload)
 
 
 def read_payload(
@@ -412,12 +392,59 @@ def read_payload(
     return payload
 
 
+# --- bytes and files, the same for both message kinds ---------------------------------------------
+
+
+class _Serialised:
+    """Bytes and file conversions for a class with ``to_proto``/``from_proto`` (one message)."""
+
+    _PROTO: ClassVar[type]
+    _MAGIC: ClassVar[bytes]
+
+    def to_bytes(self, dtype: str = "float32") -> bytes:
+        """Deterministic serialisation (same value, same bytes)."""
+        return self.to_proto(dtype).SerializeToString(deterministic=True)
+
+    @classmethod
+    def from_bytes(
+        cls,
+        data: bytes,
+        *,
+        fingerprint: str | None = None,
+        dims: ModelDims | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> Self:
+        """Parse (size-checked first), decode and validate; ``CodebookError`` if anything is off."""
+        message = _parse(cls._PROTO, data, max_bytes)
+        return cls.from_proto(message, fingerprint=fingerprint, dims=dims)
+
+    def save(self, path: str | os.PathLike[str], dtype: str = "float32") -> None:
+        """Write atomically with a checksum (see the module docstring for the layout)."""
+        _write_file(path, self._MAGIC, self.to_bytes(dtype))
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        fingerprint: str | None = None,
+        dims: ModelDims | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> Self:
+        """Read, verify the checksum, decode and validate (``OSError`` if unreadable)."""
+        payload = read_payload(path, cls._MAGIC, max_bytes)
+        return cls.from_bytes(payload, fingerprint=fingerprint, dims=dims, max_bytes=max_bytes)
+
+
 # --- the codebook ---------------------------------------------------------------------------------
 
 
 @dataclass(eq=False)  # tensors have no single truth value: compare encodings, not objects
-class Codebook:
+class Codebook(_Serialised):
     """A ClassBank with its backbone fingerprint, version, frozen classes and metadata."""
+
+    _PROTO: ClassVar[type] = pb.Codebook
+    _MAGIC: ClassVar[bytes] = CODEBOOK_MAGIC
 
     fingerprint: str
     bank: ClassBank
@@ -535,40 +562,6 @@ class Codebook:
         codebook.validate()
         return codebook
 
-    def to_bytes(self, dtype: str = "float32") -> bytes:
-        """Deterministic serialisation (same codebook, same bytes)."""
-        return self.to_proto(dtype).SerializeToString(deterministic=True)
-
-    @classmethod
-    def from_bytes(
-        cls,
-        data: bytes,
-        *,
-        fingerprint: str | None = None,
-        dims: ModelDims | None = None,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-    ) -> Codebook:
-        return cls.from_proto(
-            _parse(pb.Codebook, data, max_bytes), fingerprint=fingerprint, dims=dims
-        )
-
-    def save(self, path: str | os.PathLike[str], dtype: str = "float32") -> None:
-        """Write atomically with a checksum (see the module docstring for the layout)."""
-        _write_file(path, CODEBOOK_MAGIC, self.to_bytes(dtype))
-
-    @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        fingerprint: str | None = None,
-        dims: ModelDims | None = None,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-    ) -> Codebook:
-        """Read, verify the checksum, decode and validate (``OSError`` if unreadable)."""
-        payload = read_payload(path, CODEBOOK_MAGIC, max_bytes)
-        return cls.from_bytes(payload, fingerprint=fingerprint, dims=dims, max_bytes=max_bytes)
-
 
 # --- client updates ------------------------------------------------------------------------------
 
@@ -584,8 +577,11 @@ class ClassUpdate:
 
 
 @dataclass(eq=False)
-class ClientUpdate:
+class ClientUpdate(_Serialised):
     """What one client sends back for one phase, relative to codebook ``base_version``."""
+
+    _PROTO: ClassVar[type] = pb.ClientUpdate
+    _MAGIC: ClassVar[bytes] = UPDATE_MAGIC
 
     fingerprint: str
     dims: ModelDims
@@ -698,34 +694,3 @@ class ClientUpdate:
         )
         update.validate()
         return update
-
-    def to_bytes(self, dtype: str = "float32") -> bytes:
-        return self.to_proto(dtype).SerializeToString(deterministic=True)
-
-    @classmethod
-    def from_bytes(
-        cls,
-        data: bytes,
-        *,
-        fingerprint: str | None = None,
-        dims: ModelDims | None = None,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-    ) -> ClientUpdate:
-        return cls.from_proto(
-            _parse(pb.ClientUpdate, data, max_bytes), fingerprint=fingerprint, dims=dims
-        )
-
-    def save(self, path: str | os.PathLike[str], dtype: str = "float32") -> None:
-        _write_file(path, UPDATE_MAGIC, self.to_bytes(dtype))
-
-    @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        fingerprint: str | None = None,
-        dims: ModelDims | None = None,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-    ) -> ClientUpdate:
-        payload = read_payload(path, UPDATE_MAGIC, max_bytes)
-        return cls.from_bytes(payload, fingerprint=fingerprint, dims=dims, max_bytes=max_bytes)
