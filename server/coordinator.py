@@ -21,7 +21,13 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from rich.console import Console
 
 from starfed.shared.backbones import Backbones
-from starfed.shared.codebook import ClientUpdate, Codebook, CodebookError, Phase
+from starfed.shared.codebook import (
+    MAX_NAME_LENGTH,
+    ClientUpdate,
+    Codebook,
+    CodebookError,
+    Phase,
+)
 from starfed.shared.data import decode_images
 from starfed.shared.evaluation import evaluate_decoded
 from starfed.shared.files import write_atomic
@@ -197,18 +203,37 @@ class Coordinator:
         )
 
     def _sync(self, step: int) -> list[str]:
-        """Register the classes sites hold now; new ones get deterministic initial rows."""
+        """Register the classes sites hold now; new ones get deterministic initial rows.
+
+        Only nodes whose sync was accepted take part in the rest of the step: a silent node
+        costs one timeout per step, not one per phase, and a node with other backbones or a
+        malformed reply is not asked again until the next step.
+        """
         replies = self._exchange(Phase.SYNC, step, with_codebook=False)
         new: list[str] = []
+        accepted: list[int] = []
         for node, reply in sorted(replies, key=lambda r: r[0]):
-            record = reply.content["sync"]
-            if record["fingerprint"] != self.codebook.fingerprint:
-                self._exchange_entry(node, Phase.SYNC).status = "rejected: backbone fingerprint"
+            entry = self._exchange_entry(node, Phase.SYNC)
+            try:
+                record = reply.content["sync"]
+                fingerprint, classes = record["fingerprint"], record["classes"]
+            except (KeyError, TypeError) as err:
+                entry.status = f"rejected: malformed reply ({err})"
+                logger.warning("rejected SYNC reply of node %s: %s", node, entry.status)
+                continue
+            if fingerprint != self.codebook.fingerprint:
+                entry.status = "rejected: backbone fingerprint"
                 logger.warning("node %s runs other backbones; left out of step %d", node, step)
                 continue
-            for name in record["classes"]:
+            if not isinstance(classes, list) or not all(map(_valid_name, classes)):
+                entry.status = "rejected: invalid class names"
+                logger.warning("rejected SYNC reply of node %s: invalid class names", node)
+                continue
+            accepted.append(node)
+            for name in classes:
                 if name not in self.codebook.bank.names and name not in new:
                     new.append(name)
+        self._node_ids = accepted
         if new:
             self.model.add_classes(new, seed=self.train.seed, version=self.codebook.version + 1)
             self._from_model()
@@ -276,7 +301,13 @@ class Coordinator:
     def _evaluate(self, step: int) -> None:
         replies = self._exchange(Phase.EVALUATE, step)
         for node, reply in replies:
-            metrics = dict(reply.content["metrics"])
+            try:
+                metrics = dict(reply.content["metrics"])
+            except (KeyError, TypeError) as err:
+                status = f"rejected: malformed reply ({err})"
+                self._exchange_entry(node, Phase.EVALUATE).status = status
+                logger.warning("rejected EVALUATE reply of node %s: %s", node, status)
+                continue
             self.log.client_reports.append({"step": step, "node_id": node, **metrics})
         if self.scenario is None or len(self.codebook.bank) == 0:
             return
@@ -313,6 +344,11 @@ class Coordinator:
 
     def exchanges_as_dicts(self) -> list[dict]:
         return [asdict(e) for e in self.log.exchanges]
+
+
+def _valid_name(name: object) -> bool:
+    """A class name the codebook accepts (its rules): registering any other would crash."""
+    return isinstance(name, str) and 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable()
 
 
 def _content_bytes(content: RecordDict) -> int:

@@ -1,0 +1,637 @@
+"""Protocol tests: the real ServerApp logic against the real ClientApp, in process.
+
+Every run goes through ``InProcessGrid`` (``tests/inprocess_grid.py``), which calls the real
+ClientApp handlers for each node; faults tamper with, replace or drop one node's replies.
+Sizes are the smallest that exercise the protocol: tiny backbones, the bundled mini dataset,
+2 tasks x 2 classes, one epoch everywhere. All runs share one on-disk cache (decoded images,
+CLIP features), so only the first run pays for decoding.
+
+What the server merged at each phase is read back from what it broadcast next: the codebook in
+the ``query.stage1_stats`` message is the stage-1 merge, the one in ``query.stage2_stats`` the
+stage-2 merge (nothing runs between the merge and that broadcast).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from starfed.client import app as client_app
+from starfed.client.site import Site
+from starfed.proto import codebook_pb2 as pb
+from starfed.server.app import run_server
+from starfed.server.coordinator import CODEBOOK_FILE, STATE_FILE, Coordinator
+from starfed.shared.backbones import create_backbones
+from starfed.shared.class_bank import ClassBank
+from starfed.shared.codebook import MIXTURE_FIELDS, ClientUpdate, Codebook, Phase
+from starfed.shared.run_config import BackboneOptions, ProtocolOptions, train_config
+from starfed.simulations.scenario import Scenario, ScenarioConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inprocess_grid import InProcessGrid
+
+BASE_CONFIG = {
+    "preset": "tiny",
+    "num-tasks": 2,
+    "classes-per-task": 2,
+    "seed": 1993,
+    "stage1-epochs": 1,
+    "stage2-epochs": 1,
+    "replay1-epochs": 1,
+    "replay2-epochs": 1,
+    "timeout-s": 5,
+}
+UPDATE_TYPES = ("train.stage1", "query.stage1_stats", "train.stage2", "query.stage2_stats")
+ALL_TYPES = ("query.sync", *UPDATE_TYPES, "evaluate")
+PHASES_PER_STEP = len(ALL_TYPES)
+STAGE2_FIELDS = ("query_prompts", "query_weights", "head_weight", "head_bias")
+# The server re-aligns the prediction head over all seen classes at every step (head replay,
+# DESIGN §1); every other part of a frozen class is final.
+FINAL_FIELDS = tuple(f for f in ClassBank.TENSOR_FIELDS if not f.startswith("aligned_"))
+
+_run_ids = itertools.count(1000)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Recorded:
+    """Replies captured by recording faults, keyed by (step, message type, node)."""
+
+    updates: dict[tuple[int, str, int], bytes] = field(default_factory=dict)
+    syncs: dict[tuple[int, int], dict] = field(default_factory=dict)
+
+    def update(self, step: int, message_type: str, node: int) -> ClientUpdate:
+        return ClientUpdate.from_bytes(self.updates[(step, message_type, node)])
+
+
+def make_grid(cache_dir: Path, n_clients: int, **overrides) -> InProcessGrid:
+    run_config = {**BASE_CONFIG, "num-clients": n_clients, **overrides}
+    nodes = {
+        i + 1: {"partition-id": i, "num-partitions": n_clients, "cache-dir": str(cache_dir)}
+        for i in range(n_clients)
+    }
+    return InProcessGrid(client_app.app, run_config, nodes, run_id=next(_run_ids))
+
+
+def sent_config(grid: InProcessGrid) -> tuple[int, int]:
+    """(step, node) of the message the grid is answering now (faults run right after it)."""
+    message = grid.sent[-1]
+    return int(message.content["config"]["step"]), message.metadata.dst_node_id
+
+
+def recording(grid: InProcessGrid, recorded: Recorded):
+    """A fault that stores the reply and passes it on unchanged."""
+
+    def fault(reply: Message) -> Message | None:
+        step, node = sent_config(grid)
+        message_type = grid.sent[-1].metadata.message_type
+        if not reply.has_error():
+            if message_type == "query.sync":
+                recorded.syncs[(step, node)] = dict(reply.content["sync"])
+            elif "update" in reply.content:
+                recorded.updates[(step, message_type, node)] = reply.content["update"]["data"]
+        return reply
+
+    return fault
+
+
+def record_all(grid: InProcessGrid, nodes: list[int] | None = None) -> Recorded:
+    recorded = Recorded()
+    for node in nodes if nodes is not None else list(grid.node_configs):
+        for message_type in ("query.sync", *UPDATE_TYPES):
+            grid.faults[(node, message_type)] = recording(grid, recorded)
+    return recorded
+
+
+def broadcast(grid: InProcessGrid, step: int, message_type: str) -> Codebook:
+    """The codebook the server sent with ``message_type`` at ``step`` (same for every node)."""
+    for message in grid.sent:
+        config = message.content["config"]
+        if message.metadata.message_type == message_type and int(config["step"]) == step:
+            return Codebook.from_bytes(message.content["codebook"]["data"])
+    raise AssertionError(f"no {message_type} broadcast at step {step}")
+
+
+def run(grid: InProcessGrid, results: Path, name: str = "run") -> dict:
+    config = {**grid.run_config, "results-dir": str(results), "run-name": name}
+    grid.run_config = config
+    return run_server(grid, config)
+
+
+def exchanges(metrics: dict, node: int | None = None, phase: str | None = None) -> list[dict]:
+    return [
+        e
+        for e in metrics["exchanges"]
+        if (node is None or e["node_id"] == node) and (phase is None or e["phase"] == phase)
+    ]
+
+
+def entry(update: ClientUpdate, name: str):
+    (found,) = [e for e in update.entries if e.name == name]
+    return found
+
+
+def row(codebook: Codebook, field_name: str, name: str) -> torch.Tensor:
+    return getattr(codebook.bank, field_name)[codebook.bank.index(name)]
+
+
+def row_count(codebook: Codebook, name: str) -> int:
+    return codebook.bank.counts[codebook.bank.index(name)]
+
+
+def weighted_mean(rows: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    total = sum(counts)
+    return sum(r.double() * (c / total) for r, c in zip(rows, counts, strict=True)).float()
+
+
+def class_counts(scenario: Scenario, task: int) -> dict[str, list[int]]:
+    """Training images per client of each class of ``task``: name -> [count per client]."""
+    folders = scenario.split.class_folders
+    labels = scenario.split.task_labels(task)
+    counts = scenario.class_counts(task)
+    return {folders[label]: counts[:, col].tolist() for col, label in enumerate(labels)}
+
+
+def scenario_of(grid: InProcessGrid) -> Scenario:
+    return Scenario(ScenarioConfig.from_run_config(grid.run_config))
+
+
+def assert_finite(codebook: Codebook) -> None:
+    for field_name in ClassBank.TENSOR_FIELDS:
+        assert torch.isfinite(getattr(codebook.bank, field_name)).all(), field_name
+    for field_name in MIXTURE_FIELDS:
+        for mixture in getattr(codebook.bank, field_name):
+            if mixture is not None:
+                assert (
+                    torch.isfinite(mixture.means).all() and torch.isfinite(mixture.variances).all()
+                )
+
+
+def assert_completed(metrics: dict, run_dir: Path, n_classes: int = 4) -> Codebook:
+    """The run went through every step and left a complete, fully frozen codebook."""
+    assert len(metrics["classes"]) == n_classes
+    assert len(metrics["accuracy_matrix"]) == metrics["n_steps"]
+    codebook = Codebook.load(run_dir / CODEBOOK_FILE, fingerprint=metrics["backbone_fingerprint"])
+    assert codebook.bank.names == metrics["classes"]
+    assert codebook.frozen == set(metrics["classes"])
+    assert all(m is not None for m in codebook.bank.clip_mixtures + codebook.bank.vit_mixtures)
+    assert_finite(codebook)
+    return codebook
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("site-cache")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """One intra-op thread: these runs are tiny, and on a shared 2-core machine two threads
+    contending with other processes made the module 3-6x slower (one thread: ~16 s either way)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_sites() -> Iterator[None]:
+    """Drop the sites this module's runs built from the ClientApp's process-wide cache."""
+    first = next(_run_ids)
+    yield
+    for key in [k for k in client_app._SITES if k[0] >= first]:
+        del client_app._SITES[key]
+
+
+@dataclass
+class BaselineRun:
+    grid: InProcessGrid
+    recorded: Recorded
+    metrics: dict
+    run_dir: Path
+    counts: dict[int, dict[str, list[int]]]  # task -> class -> per-client counts
+
+
+@pytest.fixture(scope="module")
+def baseline(cache_dir, tmp_path_factory) -> BaselineRun:
+    """3 clients, alpha 0.1: in task 0 one class is held by all three, the other by one."""
+    grid = make_grid(cache_dir, 3, alpha=0.1)
+    recorded = record_all(grid)
+    results = tmp_path_factory.mktemp("results")
+    metrics = run(grid, results, "baseline")
+    scenario = scenario_of(grid)
+    counts = {task: class_counts(scenario, task) for task in range(2)}
+    return BaselineRun(grid, recorded, metrics, results / "baseline", counts)
+
+
+def holders(counts: dict[str, list[int]], name: str) -> list[int]:
+    """Node ids (partition + 1) holding training images of ``name``."""
+    return [client + 1 for client, n in enumerate(counts[name]) if n > 0]
+
+
+# --- merging ----------------------------------------------------------------------------------
+
+
+def test_baseline_exchanges_all_ok(baseline):
+    metrics = baseline.metrics
+    n_nodes = len(baseline.grid.node_configs)
+    assert metrics["n_steps"] == 2
+    assert len(metrics["exchanges"]) == 2 * PHASES_PER_STEP * n_nodes
+    assert {e["status"] for e in metrics["exchanges"]} == {"ok"}
+    for e in metrics["exchanges"]:
+        assert e["bytes_up"] > 0
+        assert (e["bytes_down"] == 0) == (e["phase"] == "SYNC")
+    # Each node reports its own classes at sync, with its own counts.
+    for step in range(2):
+        for node in baseline.grid.node_configs:
+            sync = baseline.recorded.syncs[(step, node)]
+            expected = {
+                name: per_client[node - 1]
+                for name, per_client in baseline.counts[step].items()
+                if per_client[node - 1] > 0
+            }
+            assert dict(zip(sync["classes"], sync["counts"], strict=True)) == expected
+            assert sync["task"] == step
+    assert len(metrics["client_reports"]) == 2 * n_nodes
+    assert 0.0 <= metrics["final_average_accuracy"] <= 100.0
+
+
+def test_shared_class_row_is_count_weighted_average(baseline):
+    grid, recorded = baseline.grid, baseline.recorded
+    shared = [n for n, c in baseline.counts[0].items() if len(holders(baseline.counts[0], n)) > 1]
+    assert shared, "the scenario must have a class several clients hold"
+    name = shared[0]
+    nodes = holders(baseline.counts[0], name)
+    for message_type, merged_at, fields in (
+        ("train.stage1", "query.stage1_stats", ("prompts",)),
+        ("train.stage2", "query.stage2_stats", STAGE2_FIELDS),
+    ):
+        merged = broadcast(grid, 0, merged_at)
+        entries = [entry(recorded.update(0, message_type, node), name) for node in nodes]
+        counts = [e.count for e in entries]
+        assert counts == [baseline.counts[0][name][node - 1] for node in nodes]
+        assert row_count(merged, name) == sum(counts)
+        for field_name in fields:
+            rows = [e.tensors[field_name] for e in entries]
+            expected = weighted_mean(rows, counts)
+            torch.testing.assert_close(
+                row(merged, field_name, name), expected, rtol=1e-6, atol=1e-7
+            )
+            if field_name in ("prompts", "query_prompts"):
+                # A real average: no single client's row, not the unweighted mean.
+                for r in rows:
+                    assert not torch.equal(row(merged, field_name, name), r)
+                unweighted = torch.stack(rows).mean(dim=0)
+                assert (unweighted - expected).abs().max() > 1e-5
+    # Mixtures: the merged G keeps the total count and the union's count-weighted mean.
+    merged = broadcast(grid, 0, "train.stage2")
+    mixtures = [
+        entry(recorded.update(0, "query.stage1_stats", node), name).mixtures["clip_mixtures"]
+        for node in nodes
+    ]
+    g = merged.bank.clip_mixtures[merged.bank.index(name)]
+    total = sum(m.count for m in mixtures)
+    assert g.count == total
+    expected_mean = sum((m.count / total) * (m.weights @ m.means) for m in mixtures)
+    torch.testing.assert_close(g.weights @ g.means, expected_mean, rtol=1e-9, atol=1e-9)
+
+
+def test_single_holder_class_row_is_that_clients_row(baseline):
+    grid, recorded = baseline.grid, baseline.recorded
+    single = [n for n, c in baseline.counts[0].items() if len(holders(baseline.counts[0], n)) == 1]
+    assert single, "the scenario must have a class only one client holds"
+    name = single[0]
+    (node,) = holders(baseline.counts[0], name)
+    for message_type, merged_at, fields in (
+        ("train.stage1", "query.stage1_stats", ("prompts",)),
+        ("train.stage2", "query.stage2_stats", STAGE2_FIELDS),
+    ):
+        merged = broadcast(grid, 0, merged_at)
+        own = entry(recorded.update(0, message_type, node), name)
+        assert row_count(merged, name) == own.count == baseline.counts[0][name][node - 1]
+        for field_name in fields:
+            assert torch.equal(row(merged, field_name, name), own.tensors[field_name])
+        # Other clients sent no row for it.
+        for other in grid.node_configs:
+            if other != node:
+                update = recorded.update(0, message_type, other)
+                assert name not in [e.name for e in update.entries]
+    own_g = entry(recorded.update(0, "query.stage1_stats", node), name).mixtures["clip_mixtures"]
+    merged = broadcast(grid, 0, "train.stage2")
+    g = merged.bank.clip_mixtures[merged.bank.index(name)]
+    assert g.count == own_g.count
+    torch.testing.assert_close(g.means, own_g.means)
+    torch.testing.assert_close(g.weights, own_g.weights)
+    # Stage-2 rows are final: the frozen class ends the run with exactly the merged values.
+    final = Codebook.load(baseline.run_dir / CODEBOOK_FILE)
+    own = entry(recorded.update(0, "train.stage2", node), name)
+    for field_name in STAGE2_FIELDS:
+        assert torch.equal(row(final, field_name, name), own.tensors[field_name])
+
+
+def test_checkpoint_files(baseline):
+    metrics, run_dir = baseline.metrics, baseline.run_dir
+    codebook = assert_completed(metrics, run_dir)
+    assert codebook.version == metrics["codebook_version"]
+    assert codebook.fingerprint == metrics["backbone_fingerprint"]
+    expected_counts = {
+        name: sum(per_client)
+        for task in range(2)
+        for name, per_client in baseline.counts[task].items()
+    }
+    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == expected_counts
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    assert state["step"] == 1
+    assert state["phase"] == "evaluate"
+    assert state["codebook_version"] == codebook.version
+    assert state["frozen"] == sorted(codebook.bank.names)
+    saved = json.loads((run_dir / "metrics.json").read_text())
+    assert saved["classes"] == metrics["classes"]
+    assert len(saved["exchanges"]) == len(metrics["exchanges"])
+
+
+# --- failing and misbehaving clients ------------------------------------------------------------
+
+
+@pytest.fixture
+def pair(cache_dir) -> InProcessGrid:
+    """2 clients, alpha 0.5: both hold every class of both tasks, so either alone completes
+    the run and the other's contribution is visible in every merge."""
+    grid = make_grid(cache_dir, 2, alpha=0.5)
+    scenario = scenario_of(grid)
+    for task in range(2):
+        assert all(c[0] > 0 and c[1] > 0 for c in class_counts(scenario, task).values())
+    return grid
+
+
+def node1_counts(grid: InProcessGrid) -> dict[str, int]:
+    scenario = scenario_of(grid)
+    return {
+        name: per_client[0]
+        for task in range(2)
+        for name, per_client in class_counts(scenario, task).items()
+    }
+
+
+def total_counts(grid: InProcessGrid) -> dict[str, int]:
+    scenario = scenario_of(grid)
+    return {
+        name: sum(per_client)
+        for task in range(2)
+        for name, per_client in class_counts(scenario, task).items()
+    }
+
+
+def test_client_raising_in_stage2(pair, tmp_path, monkeypatch):
+    original = Site.run_phase
+
+    def failing(self, phase, codebook, step, round_index=0):
+        if self.client == 1 and phase == Phase.STAGE2:
+            raise RuntimeError("boom")
+        return original(self, phase, codebook, step, round_index)
+
+    monkeypatch.setattr(Site, "run_phase", failing)
+    recorded = record_all(pair, [1])
+    metrics = run(pair, tmp_path)
+
+    for e in exchanges(metrics, node=2):
+        if e["phase"] == "STAGE2":
+            assert e["status"].startswith("error")
+            assert "boom" in e["status"]
+            assert e["bytes_up"] == 0
+        else:
+            assert e["status"] == "ok"
+    assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
+    assert len(exchanges(metrics, node=2, phase="STAGE2")) == 2
+    # Stage 2 merged node 1 alone; the other phases still merged both clients.
+    for step in range(2):
+        merged = broadcast(pair, step, "query.stage2_stats")
+        update = recorded.update(step, "train.stage2", 1)
+        assert update.entries
+        for e in update.entries:
+            assert row_count(merged, e.name) == e.count
+            for field_name in STAGE2_FIELDS:
+                assert torch.equal(row(merged, field_name, e.name), e.tensors[field_name])
+    # The stage-2 statistics of both clients still count: the class sums both.
+    codebook = assert_completed(metrics, tmp_path / "run")
+    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == total_counts(pair)
+
+
+def test_silent_client(pair, tmp_path):
+    for message_type in ALL_TYPES:
+        pair.faults[(2, message_type)] = lambda reply: None
+    metrics = run(pair, tmp_path)
+
+    silent = exchanges(metrics, node=2)
+    # a node that misses the sync is left out of the rest of the step (one timeout per step)
+    assert [e["phase"] for e in silent] == ["SYNC", "SYNC"]
+    assert all(e["status"] == "no reply" and e["bytes_up"] == 0 for e in silent)
+    assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
+    assert {r["node_id"] for r in metrics["client_reports"]} == {1}
+    codebook = assert_completed(metrics, tmp_path / "run")
+    # Every count is node 1's alone: nothing of node 2 reached the codebook.
+    expected = node1_counts(pair)
+    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == expected
+
+
+def garbage_update(reply: Message) -> Message:
+    reply.content["update"]["data"] = b"garbage: not a ClientUpdate \xff\xfe"
+    return reply
+
+
+def nan_update(reply: Message) -> Message:
+    """Put a NaN into the first tensor of the real update, bypassing the encoder's checks."""
+    message = pb.ClientUpdate()
+    message.ParseFromString(reply.content["update"]["data"])
+    assert message.entries, "the node must have rows to poison"
+    tensor = message.entries[0].query_prompt
+    values = np.frombuffer(tensor.data, dtype="<f4").copy()
+    values[3] = np.nan
+    tensor.data = values.tobytes()
+    reply.content["update"]["data"] = message.SerializeToString()
+    return reply
+
+
+def test_malformed_and_nan_updates_are_rejected(pair, tmp_path):
+    recorded = record_all(pair, [1])
+    pair.faults[(2, "train.stage1")] = garbage_update
+    pair.faults[(2, "train.stage2")] = nan_update
+    metrics = run(pair, tmp_path)
+
+    stage1 = exchanges(metrics, node=2, phase="STAGE1")
+    stage2 = exchanges(metrics, node=2, phase="STAGE2")
+    assert len(stage1) == len(stage2) == 2
+    for e in stage1:
+        assert e["status"].startswith("rejected: ")
+        assert "not a valid ClientUpdate" in e["status"]
+    for e in stage2:
+        assert e["status"].startswith("rejected: ")
+        assert "NaN" in e["status"]
+    others = [
+        e
+        for e in metrics["exchanges"]
+        if e["node_id"] == 1 or e["phase"] not in ("STAGE1", "STAGE2")
+    ]
+    assert {e["status"] for e in others} == {"ok"}
+
+    # The rejected updates left no trace: each merge equals node 1's rows exactly.
+    for step in range(2):
+        for message_type, merged_at, fields in (
+            ("train.stage1", "query.stage1_stats", ("prompts",)),
+            ("train.stage2", "query.stage2_stats", STAGE2_FIELDS),
+        ):
+            merged = broadcast(pair, step, merged_at)
+            assert_finite(merged)
+            update = recorded.update(step, message_type, 1)
+            assert update.entries
+            for e in update.entries:
+                assert row_count(merged, e.name) == e.count
+                for field_name in fields:
+                    assert torch.equal(row(merged, field_name, e.name), e.tensors[field_name])
+    assert_completed(metrics, tmp_path / "run")
+
+
+def test_malformed_sync_replies_are_rejected(pair, tmp_path):
+    """A sync without the expected record, or naming classes the codebook cannot hold, is
+    rejected; the node sits out that step and none of its names is registered."""
+
+    def bad_sync(reply: Message) -> Message:
+        step, _ = sent_config(pair)
+        if step == 0:  # no "sync" record at all
+            return Message(RecordDict({"other": ConfigRecord({"x": 1})}), reply_to=pair.sent[-1])
+        reply.content["sync"]["classes"] = ["", "x" * 300, "bell\x07"]
+        reply.content["sync"]["counts"] = [1, 1, 1]
+        return reply
+
+    pair.faults[(2, "query.sync")] = bad_sync
+    metrics = run(pair, tmp_path)
+
+    node2 = exchanges(metrics, node=2)
+    assert [e["phase"] for e in node2] == ["SYNC", "SYNC"]
+    assert [e["status"] for e in node2] == [
+        "rejected: malformed reply ('sync')",
+        "rejected: invalid class names",
+    ]
+    assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
+    codebook = assert_completed(metrics, tmp_path / "run")
+    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == node1_counts(pair)
+
+
+def test_malformed_evaluate_reply_is_rejected(pair, tmp_path):
+    def bad_metrics(reply: Message) -> Message:
+        return Message(RecordDict({"other": ConfigRecord({"x": 1})}), reply_to=pair.sent[-1])
+
+    pair.faults[(2, "evaluate")] = bad_metrics
+    metrics = run(pair, tmp_path)
+
+    for e in exchanges(metrics, node=2, phase="EVALUATE"):
+        assert e["status"].startswith("rejected: malformed reply")
+    assert {r["node_id"] for r in metrics["client_reports"]} == {1}
+    # node 2's training replies still count
+    trained = [e for e in exchanges(metrics, node=2) if e["phase"] != "EVALUATE"]
+    assert {e["status"] for e in trained} == {"ok"}
+    codebook = assert_completed(metrics, tmp_path / "run")
+    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == total_counts(pair)
+
+
+def test_client_with_other_backbones(pair, tmp_path, cache_dir):
+    foreign = create_backbones("tiny", seed=1)
+    own = BackboneOptions.from_run_config(pair.run_config).load()
+    assert foreign.fingerprint != own.fingerprint
+    client_app._SITES[(pair.run_id, 2)] = Site(
+        scenario_of(pair), 1, foreign, train_config(pair.run_config), cache_dir
+    )
+    metrics = run(pair, tmp_path)
+
+    # rejected at sync, the node is not asked again in that step
+    foreign_exchanges = exchanges(metrics, node=2)
+    assert [e["phase"] for e in foreign_exchanges] == ["SYNC", "SYNC"]
+    assert {e["status"] for e in foreign_exchanges} == {"rejected: backbone fingerprint"}
+    assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
+    codebook = assert_completed(metrics, tmp_path / "run")
+    assert codebook.fingerprint == own.fingerprint
+    expected = node1_counts(pair)
+    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == expected
+
+
+# --- clients in different tasks -----------------------------------------------------------------
+
+
+def test_clients_in_different_tasks(cache_dir, tmp_path):
+    grid = make_grid(cache_dir, 2, alpha=0.5, **{"arrival-offset": 1})
+    recorded = record_all(grid)
+    config = grid.run_config
+    scenario = scenario_of(grid)
+    assert scenario.n_steps == 3
+    task_classes = [list(class_counts(scenario, task)) for task in range(2)]
+    coordinator = Coordinator(
+        grid,
+        BackboneOptions.from_run_config(config).load(),
+        train_config(config),
+        ProtocolOptions.from_run_config(config),
+        scenario.n_steps,
+        tmp_path / "run",
+        scenario=scenario,
+    )
+    snapshots = []
+    for step in range(scenario.n_steps):
+        coordinator.run_step(step)
+        snapshots.append(Codebook.load(tmp_path / "run" / CODEBOOK_FILE))
+        assert snapshots[-1].version == coordinator.codebook.version
+
+    # Which task each node said it was on: node 1 runs ahead of node 2 by one step.
+    tasks = {(s, n): recorded.syncs[(s, n)]["task"] for s in range(3) for n in (1, 2)}
+    assert tasks == {(0, 1): 0, (0, 2): -1, (1, 1): 1, (1, 2): 0, (2, 1): -1, (2, 2): 1}
+    assert snapshots[0].bank.names == task_classes[0]
+    assert snapshots[1].bank.names == task_classes[0] + task_classes[1]
+    assert snapshots[2].bank.names == snapshots[1].bank.names
+    assert snapshots[0].frozen == set(task_classes[0])
+    assert snapshots[1].frozen == set(task_classes[0] + task_classes[1])
+
+    # A node sends rows only for classes in play: at step 1 node 1 trains task 1 while node 2,
+    # on task 0 whose classes are frozen, sends none; at step 2 nothing is left to train.
+    for message_type in UPDATE_TYPES:
+        assert [e.name for e in recorded.update(0, message_type, 1).entries] == task_classes[0]
+        assert recorded.update(0, message_type, 2).entries == []
+        assert [e.name for e in recorded.update(1, message_type, 1).entries] == task_classes[1]
+        assert recorded.update(1, message_type, 2).entries == []
+        assert recorded.update(2, message_type, 1).entries == []
+        assert recorded.update(2, message_type, 2).entries == []
+
+    # Frozen classes never change after their step (the server's aligned head aside).
+    def same(a: Codebook, b: Codebook, names: list[str]) -> None:
+        for name in names:
+            i, j = a.bank.index(name), b.bank.index(name)
+            for field_name in FINAL_FIELDS:
+                assert torch.equal(getattr(a.bank, field_name)[i], getattr(b.bank, field_name)[j])
+            for field_name in MIXTURE_FIELDS:
+                ma, mb = getattr(a.bank, field_name)[i], getattr(b.bank, field_name)[j]
+                assert torch.equal(ma.means, mb.means) and ma.count == mb.count
+            assert a.bank.counts[i] == b.bank.counts[j]
+            assert a.bank.versions[i] == b.bank.versions[j]
+
+    same(snapshots[0], snapshots[1], task_classes[0])
+    same(snapshots[0], snapshots[2], task_classes[0])
+    same(snapshots[1], snapshots[2], task_classes[1])
+    # Counts of task 0 are node 1's alone (node 2 reached task 0 after it was frozen).
+    for name in task_classes[0]:
+        assert row_count(snapshots[2], name) == class_counts(scenario, 0)[name][0]
+    statuses = {e.status for e in coordinator.log.exchanges}
+    assert statuses == {"ok"}
+    assert len(coordinator.log.accuracy_matrix) == 3
+    assert all(math.isfinite(a) for row_ in coordinator.log.accuracy_matrix for a in row_)
