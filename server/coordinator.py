@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -257,46 +258,59 @@ class Coordinator:
             self._from_model()
         return [n for n in in_play if n not in missing]
 
-    def _timed(self, step: int, phase: str, started: float) -> None:
-        self.log.phase_seconds.append(
-            {"step": step, "phase": phase, "seconds": time.perf_counter() - started}
-        )
-        self._checkpoint(step, phase)
+    @contextmanager
+    def _phase(self, step: int, name: str) -> Iterator[None]:
+        """Time a phase, then checkpoint the codebook and the protocol position."""
+        started = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - started
+        self.log.phase_seconds.append({"step": step, "phase": name, "seconds": seconds})
+        self._checkpoint(step, name)
+
+    def _stage(
+        self,
+        step: int,
+        train_phase: Phase,
+        rounds: int,
+        stats_phase: Phase,
+        mixture_field: str,
+        align: Callable[[list[str]], None],
+        in_play: list[str],
+    ) -> list[str]:
+        """Training rounds, then statistics and the server-side replay of one level."""
+        for r in range(rounds):
+            with self._phase(step, f"{train_phase.name.lower()}/{r}"):
+                self._train_round(train_phase, step, r, set(in_play))
+        with self._phase(step, f"{stats_phase.name.lower()}+replay"):
+            self._train_round(stats_phase, step, 0, set(in_play))
+            in_play = self._drop_untrained(in_play, mixture_field)
+            align(in_play)
+            self._from_model()
+        return in_play
 
     def run_step(self, step: int) -> None:
-        started = time.perf_counter()
-        self._node_ids = sorted(self.grid.get_node_ids())
-        in_play = self._sync(step)
-        self._timed(step, "sync", started)
+        with self._phase(step, "sync"):
+            self._node_ids = sorted(self.grid.get_node_ids())
+            in_play = self._sync(step)
         n_past = len(self.codebook.frozen)
-        for r in range(self.protocol.stage1_rounds):
-            started = time.perf_counter()
-            self._train_round(Phase.STAGE1, step, r, set(in_play))
-            self._timed(step, f"stage1/{r}", started)
 
-        started = time.perf_counter()
-        self._train_round(Phase.STAGE1_STATS, step, 0, set(in_play))
-        in_play = self._drop_untrained(in_play, "clip_mixtures")
-        first_level_alignment(self.model, n_past, self.train, step)
-        self._from_model()
-        self._timed(step, "stage1_stats+replay", started)
+        def align_first_level(_: list[str]) -> None:
+            first_level_alignment(self.model, n_past, self.train, step)
 
-        for r in range(self.protocol.stage2_rounds):
-            started = time.perf_counter()
-            self._train_round(Phase.STAGE2, step, r, set(in_play))
-            self._timed(step, f"stage2/{r}", started)
+        def align_head_and_freeze(trained: list[str]) -> None:
+            head_alignment(self.model, self.train, step)
+            self.codebook.frozen |= set(trained)
 
-        started = time.perf_counter()
-        self._train_round(Phase.STAGE2_STATS, step, 0, set(in_play))
-        in_play = self._drop_untrained(in_play, "vit_mixtures")
-        head_alignment(self.model, self.train, step)
-        self.codebook.frozen |= set(in_play)
-        self._from_model()
-        self._timed(step, "stage2_stats+replay", started)
-
-        started = time.perf_counter()
-        self._evaluate(step)
-        self._timed(step, "evaluate", started)
+        in_play = self._stage(
+            step, Phase.STAGE1, self.protocol.stage1_rounds, Phase.STAGE1_STATS,
+            "clip_mixtures", align_first_level, in_play,
+        )  # fmt: skip
+        self._stage(
+            step, Phase.STAGE2, self.protocol.stage2_rounds, Phase.STAGE2_STATS,
+            "vit_mixtures", align_head_and_freeze, in_play,
+        )  # fmt: skip
+        with self._phase(step, "evaluate"):
+            self._evaluate(step)
 
     def _evaluate(self, step: int) -> None:
         replies = self._exchange(Phase.EVALUATE, step)
