@@ -16,6 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "starfed.simulations.train_local",
     "starfed.shared.codebook_cli",
+    "starfed.simulations.simulate",
 )
 
 
