@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-run: $(STAMP)  ## the default job: continual training on the bundled data
-	$(BIN)/starfed train-local --cache-dir .cache/images
+run: $(STAMP)  ## the default job: a federated simulation on the bundled data
+	$(BIN)/starfed simulate
 
 test: $(STAMP)  ## lint + the fast suite (what CI runs)
 	$(BIN)/ruff check .

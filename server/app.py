@@ -38,7 +38,12 @@ def run_server(grid: Grid, run_config: dict, console: Console | None = None) -> 
     started = time.perf_counter()
     protocol = ProtocolOptions.from_run_config(run_config)
     train = train_config(run_config)
-    scenario_config = ScenarioConfig.from_run_config(run_config)
+    # The federation decides how many sites there are (in simulation, its SuperNodes); the
+    # run config's num-clients only matters when nobody has connected yet.
+    n_nodes = len(list(grid.get_node_ids()))
+    scenario_config = ScenarioConfig.from_run_config(
+        {**run_config, "num-clients": n_nodes or run_config.get("num-clients", 1)}
+    )
     scenario = Scenario(scenario_config) if protocol.server_eval else None
     n_steps = scenario_config.n_tasks + (scenario_config.n_clients - 1) * (
         scenario_config.arrival_offset
