@@ -113,7 +113,8 @@ class Coordinator:
         config = ConfigRecord(
             {"step": step, "round": round_index, "wire-dtype": self.protocol.wire_dtype}
         )
-        payload = self.codebook.to_bytes(self.protocol.wire_dtype) if with_codebook else b""
+        broadcast = self.codebook.without_mixtures()  # sites never read the mixtures
+        payload = broadcast.to_bytes(self.protocol.wire_dtype) if with_codebook else b""
         messages, exchanges = [], []
         for node in self._node_ids:
             content = RecordDict({"config": config})

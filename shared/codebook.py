@@ -473,6 +473,17 @@ class Codebook(_Serialised):
         """A copy of the bank, exactly as stored, for a model to compute with."""
         return copy.deepcopy(self.bank)
 
+    def without_mixtures(self) -> Codebook:
+        """The same codebook minus the mixtures (shares the tensors; cheap).
+
+        Mixtures are the server's replay memory; sites never read them, and they are most of a
+        codebook's bytes (two float64 mixtures per class), so broadcasts leave them out.
+        """
+        bank = copy.copy(self.bank)
+        bank.clip_mixtures = [None] * len(bank)
+        bank.vit_mixtures = [None] * len(bank)
+        return Codebook(self.fingerprint, bank, self.version, set(self.frozen), dict(self.metadata))
+
     def validate(self, *, fingerprint: str | None = None, dims: ModelDims | None = None) -> None:
         """Raise CodebookError unless every invariant of DESIGN.md §2 holds."""
         _check_fingerprint(self.fingerprint, fingerprint)

@@ -141,6 +141,17 @@ def test_encoding_refuses_invalid_values(codebook: Codebook) -> None:
 # --- files ---------------------------------------------------------------------------------------
 
 
+def test_broadcast_copy_leaves_out_only_the_mixtures(codebook: Codebook) -> None:
+    lean = codebook.without_mixtures()
+    decoded = Codebook.from_bytes(lean.to_bytes())
+    assert decoded.bank.names == codebook.bank.names and decoded.frozen == codebook.frozen
+    for name in ClassBank.TENSOR_FIELDS:
+        assert torch.equal(getattr(decoded.bank, name), getattr(codebook.bank, name))
+    assert all(m is None for m in decoded.bank.clip_mixtures + decoded.bank.vit_mixtures)
+    assert any(m is not None for m in codebook.bank.clip_mixtures)  # the original is untouched
+    assert len(lean.to_bytes()) < len(codebook.to_bytes())
+
+
 def test_file_round_trip(codebook: Codebook, tmp_path: Path) -> None:
     path = tmp_path / "model.codebook"
     codebook.save(path)
