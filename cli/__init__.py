@@ -20,6 +20,15 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors that describe bad input (paths, configs, files) rather than a bug."""
+    from starfed.shared.backbones import BackboneError
+    from starfed.shared.codebook import CodebookError
+    from starfed.shared.data import DatasetError
+
+    return (BackboneError, CodebookError, DatasetError, FileNotFoundError)
+
+
 def package_version() -> str:
     try:
         return version("starfed")
@@ -48,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as err:  # bad input: one line, no traceback
+        print(f"starfed {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

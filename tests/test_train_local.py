@@ -34,3 +34,11 @@ def test_train_local_writes_results_and_a_valid_codebook(tmp_path, capsys) -> No
     shown = capsys.readouterr().out
     assert metrics["backbone_fingerprint"][:12] in shown
     assert main(["codebook", "diff", str(run / "codebook.bin"), str(run / "codebook.bin")]) == 0
+
+
+def test_bad_paths_are_one_line_errors(tmp_path, capsys) -> None:
+    assert main(["train-local", "--data-root", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("starfed train-local: error:") and "missing" in err and "\n" not in err
+    assert main(["train-local", "--clip-weights", str(tmp_path / "nope.safetensors")]) == 2
+    assert "weight file not found" in capsys.readouterr().err
