@@ -136,7 +136,7 @@ class Coordinator:
                 continue
             answered.add(entry.node_id)
             if reply.has_error():
-                entry.status = f"error: {reply.error.reason}"
+                entry.status = f"error: {_short_reason(reply.error.reason)}"
                 logger.warning(
                     "node %s failed %s: %s", entry.node_id, phase.name, reply.error.reason
                 )
@@ -364,6 +364,13 @@ class Coordinator:
 def _valid_name(name: object) -> bool:
     """A class name the codebook accepts (its rules): registering any other would crash."""
     return isinstance(name, str) and 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable()
+
+
+def _short_reason(reason: str | None, limit: int = 300) -> str:
+    """The informative line of an error reason (runtimes wrap a traceback around it)."""
+    lines = [line.strip() for line in (reason or "").splitlines() if line.strip()]
+    fallback = lines[-1] if lines else ""
+    return next((line for line in reversed(lines) if "Message:" in line), fallback)[:limit]
 
 
 def _content_bytes(content: RecordDict) -> int:

@@ -172,3 +172,15 @@ def test_accuracy_matrix_metrics() -> None:
     # task 1: best 90 → 60 (30); task 2: best 70 → 65 (5)
     assert final_forgetting(matrix) == pytest.approx(17.5)
     assert final_forgetting([[50.0]]) == 0.0
+
+
+def test_evaluation_of_an_empty_test_set_is_nan_not_a_crash(backbones) -> None:
+    from starfed.shared.evaluation import evaluate_tasks
+
+    model = StarPrompt(backbones)
+    model.add_classes(["a", "b"], seed=0)
+    empty = torch.zeros(0, 3, 64, 64, dtype=torch.uint8)
+    scores = evaluate_tasks(
+        model, empty, torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), torch.tensor([0, 0]), 1
+    )
+    assert len(scores.accuracy) == 1 and scores.accuracy[0] != scores.accuracy[0]  # NaN

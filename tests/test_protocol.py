@@ -298,8 +298,10 @@ def test_shared_class_row_is_count_weighted_average(baseline):
                     assert not torch.equal(row(merged, field_name, name), r)
                 unweighted = torch.stack(rows).mean(dim=0)
                 assert (unweighted - expected).abs().max() > 1e-5
-    # Mixtures: the merged G keeps the total count and the union's count-weighted mean.
-    merged = broadcast(grid, 0, "train.stage2")
+    # Mixtures stay on the server (broadcasts leave them out); the checkpoint holds them. The
+    # merged G keeps the total count and the union's count-weighted mean.
+    assert all(m is None for m in broadcast(grid, 0, "train.stage2").bank.clip_mixtures)
+    merged = Codebook.load(baseline.run_dir / CODEBOOK_FILE)
     mixtures = [
         entry(recorded.update(0, "query.stage1_stats", node), name).mixtures["clip_mixtures"]
         for node in nodes
@@ -332,7 +334,7 @@ def test_single_holder_class_row_is_that_clients_row(baseline):
                 update = recorded.update(0, message_type, other)
                 assert name not in [e.name for e in update.entries]
     own_g = entry(recorded.update(0, "query.stage1_stats", node), name).mixtures["clip_mixtures"]
-    merged = broadcast(grid, 0, "train.stage2")
+    merged = Codebook.load(baseline.run_dir / CODEBOOK_FILE)
     g = merged.bank.clip_mixtures[merged.bank.index(name)]
     assert g.count == own_g.count
     torch.testing.assert_close(g.means, own_g.means)
