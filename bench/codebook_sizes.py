@@ -66,15 +66,18 @@ def main() -> None:
     args = parser.parse_args()
     dims_list = args.dims or [PAPER, TINY]
 
-    print(f"{'dims (d_txt,d_clip,d_vit,L)':<28} {'dtype':<8} {'entry':>12} {'codebook':>14}")
+    header = f"{'dims (d_txt,d_clip,d_vit,L)':<28} {'dtype':<8} {'what':<22}"
+    print(f"{header} {'entry':>12} {'codebook':>14}")
     for dims in dims_list:
-        codebook = random_codebook(dims, args.classes, args.components)
+        full = random_codebook(dims, args.classes, args.components)
         label = f"{dims.d_txt},{dims.d_clip},{dims.d_vit},{dims.n_layers}"
-        for dtype in ("float32", "float16"):
-            message = codebook.to_proto(dtype)
-            entry = message.entries[0].ByteSize()
-            total = len(codebook.to_bytes(dtype))
-            print(f"{label:<28} {dtype:<8} {entry:>12,} {total:>14,}  ({args.classes} classes)")
+        # the broadcast (what sites download) leaves the server-only mixtures out
+        for what, codebook in (("with mixtures", full), ("broadcast", full.without_mixtures())):
+            for dtype in ("float32", "float16"):
+                entry = codebook.to_proto(dtype).entries[0].ByteSize()
+                total = len(codebook.to_bytes(dtype))
+                row = f"{label:<28} {dtype:<8} {what:<22}"
+                print(f"{row} {entry:>12,} {total:>14,}  ({args.classes} classes)")
     vit_bytes = VIT_B16_PARAMS * 4
     print(f"full ViT-B/16 weights, float32: {vit_bytes:,.0f} bytes (86.6M parameters x 4)")
 
