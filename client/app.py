@@ -4,7 +4,8 @@ Message contents (``RecordDict``):
 
 * in: ``config`` (ConfigRecord: ``step``, ``round``) and, except for sync, ``codebook``
   (ConfigRecord ``data``: the serialised codebook the phase starts from);
-* out: ``sync`` (classes and counts the site holds now, its backbone fingerprint), ``update``
+* out: ``sync`` (classes and counts the site holds now, their positions in the class order —
+  which fixes the server's registration order —, its backbone fingerprint), ``update``
   (ConfigRecord ``data``: a serialised ``ClientUpdate``) or ``metrics`` (MetricRecord).
 
 Anything decoded is validated against this site's backbones; a bad codebook raises, which
@@ -93,6 +94,7 @@ def sync(message: Message, context: Context) -> Message:
         {
             "classes": list(counts),
             "counts": list(counts.values()),
+            "labels": [site.scenario.split.class_folders.index(name) for name in counts],
             "fingerprint": site.fingerprint,
             "task": -1 if task is None else task,
         }

@@ -10,8 +10,10 @@ half-applied. After every phase the codebook and the protocol position are saved
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -160,7 +162,8 @@ class Coordinator:
     ) -> list[ClientUpdate]:
         """Decode and validate each update; drop bad ones and rows of classes not in play."""
         updates = []
-        for node, reply in sorted(replies, key=lambda r: r[0]):
+        # Merge order changes float rounding: order by content, not by node id (random per run).
+        for node, reply in sorted(replies, key=lambda r: _update_digest(r[1])):
             entry = self._exchange_entry(node, phase)
             try:
                 update = ClientUpdate.from_bytes(
@@ -212,7 +215,7 @@ class Coordinator:
         malformed reply is not asked again until the next step.
         """
         replies = self._exchange(Phase.SYNC, step, with_codebook=False)
-        new: list[str] = []
+        new: dict[str, float] = {}  # class name -> its position in the sites' class order
         accepted: list[int] = []
         for node, reply in sorted(replies, key=lambda r: r[0]):
             entry = self._exchange_entry(node, Phase.SYNC)
@@ -232,14 +235,20 @@ class Coordinator:
                 logger.warning("rejected SYNC reply of node %s: invalid class names", node)
                 continue
             accepted.append(node)
-            for name in classes:
-                if name not in self.codebook.bank.names and name not in new:
-                    new.append(name)
+            labels = record.get("labels")
+            if not isinstance(labels, list) or len(labels) != len(classes):
+                labels = [math.inf] * len(classes)
+            for name, label in zip(classes, labels, strict=True):
+                if name not in self.codebook.bank.names:
+                    new[name] = min(new.get(name, math.inf), float(label))
         self._node_ids = accepted
-        if new:
-            self.model.add_classes(new, seed=self.train.seed, version=self.codebook.version + 1)
+        # Registration order fixes the initial values (they are seeded by the ordered names),
+        # so it must not depend on node ids, which differ from run to run.
+        names = sorted(new, key=lambda name: (new[name], name))
+        if names:
+            self.model.add_classes(names, seed=self.train.seed, version=self.codebook.version + 1)
             self._from_model()
-        return new
+        return names
 
     def _train_round(self, phase: Phase, step: int, round_index: int, in_play: set[str]) -> None:
         replies = self._exchange(phase, step, round_index)
@@ -364,6 +373,13 @@ class Coordinator:
 def _valid_name(name: object) -> bool:
     """A class name the codebook accepts (its rules): registering any other would crash."""
     return isinstance(name, str) and 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable()
+
+
+def _update_digest(reply: Message) -> str:
+    try:
+        return hashlib.sha256(reply.content["update"]["data"]).hexdigest()
+    except (KeyError, TypeError):
+        return ""  # malformed: rejected in _updates anyway
 
 
 def _short_reason(reason: str | None, limit: int = 300) -> str:

@@ -97,3 +97,32 @@ def test_same_accuracy(runs) -> None:
     assert federated["prompt_selection_accuracy"] == pytest.approx(
         local["prompt_selection_accuracy"], abs=1e-6
     )
+
+
+def test_results_do_not_depend_on_node_ids(tmp_path) -> None:
+    """Flower assigns random node ids; registration and merge order must not follow them."""
+    run_config = {
+        "num-tasks": 2,
+        "classes-per-task": 2,
+        "num-clients": 2,
+        "alpha": 0.3,
+        "stage1-epochs": 1,
+        "stage2-epochs": 1,
+        "replay1-epochs": 1,
+        "replay2-epochs": 1,
+        "results-dir": str(tmp_path),
+        "timeout-s": 120,
+        "server-eval": False,
+    }
+    codebooks = []
+    for run_id, ids in ((11, (5, 9)), (12, (9, 5))):
+        nodes = {
+            node: {"partition-id": p, "num-partitions": 2, "cache-dir": str(tmp_path / "cache")}
+            for p, node in enumerate(ids)
+        }
+        config = {**run_config, "run-name": f"ids-{run_id}"}
+        run_server(
+            InProcessGrid(client_app, config, nodes, run_id=run_id), config, Console(quiet=True)
+        )
+        codebooks.append((tmp_path / f"ids-{run_id}" / "codebook.bin").read_bytes())
+    assert codebooks[0] == codebooks[1]
