@@ -184,3 +184,11 @@ def test_evaluation_of_an_empty_test_set_is_nan_not_a_crash(backbones) -> None:
         model, empty, torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), torch.tensor([0, 0]), 1
     )
     assert len(scores.accuracy) == 1 and scores.accuracy[0] != scores.accuracy[0]  # NaN
+
+
+@pytest.mark.slow
+def test_paper_preset_builds_offline_with_the_paper_dims() -> None:
+    """open_clip ViT-L-14 + timm ViT-B/16 architectures, random weights (no download)."""
+    paper = create_backbones("paper")
+    assert paper.dims.d_txt == paper.dims.d_clip == paper.dims.d_vit == 768
+    assert paper.dims.n_layers == 12 and paper.config.image_size == 224
