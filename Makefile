@@ -35,6 +35,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)  ## speed benchmarks (numbers are recorded in docs/benchmarks.md)
 	$(BIN)/python bench/train_local.py
+	$(BIN)/python bench/codebook_sizes.py
 
 clean:
 	rm -rf $(VENV) .cache results .pytest_cache .ruff_cache
