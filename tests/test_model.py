@@ -186,7 +186,6 @@ def test_evaluation_of_an_empty_test_set_is_nan_not_a_crash(backbones) -> None:
     assert len(scores.accuracy) == 1 and scores.accuracy[0] != scores.accuracy[0]  # NaN
 
 
-@pytest.mark.slow
 def test_paper_preset_builds_offline_with_the_paper_dims() -> None:
     """open_clip ViT-L-14 + timm ViT-B/16 architectures, random weights (no download)."""
     paper = create_backbones("paper")
