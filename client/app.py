@@ -43,16 +43,14 @@ def site_for(context: Context) -> Site:
     key = (context.run_id, context.node_id)
     if key not in _SITES:
         run_config, node_config = context.run_config, context.node_config
-        scenario_config = ScenarioConfig.from_run_config(run_config)
         if "data-root" in node_config:
             partition = 0
-            scenario_config = ScenarioConfig.from_run_config(
-                {**run_config, "data-root": node_config["data-root"], "num-clients": 1}
-            )
+            site_keys = {"data-root": node_config["data-root"], "num-clients": 1}
         else:
             partition = get(node_config, "partition-id", int, 0)
-            clients = get(node_config, "num-partitions", int, scenario_config.n_clients)
-            scenario_config = ScenarioConfig.from_run_config({**run_config, "num-clients": clients})
+            clients = get(node_config, "num-partitions", int, run_config.get("num-clients", 1))
+            site_keys = {"num-clients": clients}
+        scenario_config = ScenarioConfig.from_run_config({**run_config, **site_keys})
         cache_dir = Path(get(node_config, "cache-dir", str, "") or default_cache_dir())
         _SITES[key] = Site(
             Scenario(scenario_config),

@@ -9,7 +9,9 @@ fresh process. Only codebook updates leave it: prompts, head rows and mixture st
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from starfed.shared.backbones import Backbones
 from starfed.shared.codebook import ClientUpdate, Codebook, Phase
 from starfed.shared.data import DecodedImages, decode_images
 from starfed.shared.evaluation import TaskScores, evaluate_decoded
+from starfed.shared.files import write_atomic
 from starfed.shared.model import StarPrompt
 from starfed.shared.training import (
     TrainConfig,
@@ -41,6 +44,7 @@ class TaskData:
     images: torch.Tensor  # uint8 [N, 3, S, S]
     names: list[str]  # class name of each image
     features: torch.Tensor  # raw CLIP features of the un-augmented images
+    counts: Counter[str]  # images per class
 
 
 @dataclass
@@ -50,7 +54,8 @@ class LocalView:
     model: StarPrompt
     n_past: int
     own: list[str]
-    labels: torch.Tensor  # local row of each training image
+    labels: torch.Tensor  # local row of each training image this site trains on
+    mine: torch.Tensor  # bool mask over the task's images: those of the own classes
 
 
 class Site:
@@ -85,8 +90,7 @@ class Site:
         task = self.task_at(step)
         if task is None:
             return {}
-        names = self.task_data(task).names
-        return {name: names.count(name) for name in dict.fromkeys(names)}
+        return dict(self.task_data(task).counts)
 
     def _decode(self, samples: list[tuple[str, int]]) -> DecodedImages:
         return decode_images(
@@ -99,7 +103,7 @@ class Site:
             folders = self.scenario.split.class_folders
             names = [folders[int(label)] for label in decoded.labels]
             features = self._cached_features(decoded)
-            self._tasks[task] = TaskData(decoded.images, names, features)
+            self._tasks[task] = TaskData(decoded.images, names, features, Counter(names))
         return self._tasks[task]
 
     def _cached_features(self, decoded: DecodedImages) -> torch.Tensor:
@@ -108,11 +112,11 @@ class Site:
         path = self.cache_dir / "features" / f"{key[:32]}.npy"
         if path.is_file():
             return torch.from_numpy(np.load(path, allow_pickle=False))
-        features = clip_features(StarPrompt(self.backbones), decoded.images)
+        features = clip_features(self.backbones, decoded.images)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npy")
-        np.save(tmp, features.numpy(), allow_pickle=False)
-        tmp.replace(path)
+        buffer = io.BytesIO()
+        np.save(buffer, features.numpy(), allow_pickle=False)
+        write_atomic(path, buffer.getvalue())
         return features
 
     # --- phases -----------------------------------------------------------------------------
@@ -124,13 +128,12 @@ class Site:
         if task is None:
             return None
         data = self.task_data(task)
-        registered = set(codebook.bank.names)
         own = [
             name
             for name in codebook.bank.names
-            if name in set(data.names) and name not in codebook.frozen
+            if name in data.counts and name not in codebook.frozen
         ]
-        unknown = set(data.names) - registered
+        unknown = set(data.counts) - set(codebook.bank.names)
         if unknown:
             logger.info("site %d: classes not registered by the server: %s", self.client, unknown)
         if not own:
@@ -143,16 +146,12 @@ class Site:
         model = StarPrompt(self.backbones, confidence_modulation=self.config.confidence_modulation)
         model.load_bank(codebook.bank.select(context + own))
         row = {name: i for i, name in enumerate(model.bank.names)}
-        keep = [i for i, name in enumerate(data.names) if name in row]
-        labels = torch.tensor([row[data.names[i]] for i in keep])
+        own_set = set(own)
+        mine = torch.tensor([name in own_set for name in data.names])
+        labels = torch.tensor([row[name] for name in data.names if name in own_set])
         for name in own:
-            model.bank.counts[row[name]] = data.names.count(name)
-        return LocalView(model, len(context), own, labels)
-
-    def _training_inputs(self, step: int, view: LocalView) -> tuple[torch.Tensor, torch.Tensor]:
-        data = self.task_data(self.task_at(step))
-        keep = torch.tensor([name in set(view.own) for name in data.names])
-        return data.images[keep], data.features[keep]
+            model.bank.counts[row[name]] = data.counts[name]
+        return LocalView(model, len(context), own, labels, mine)
 
     def _update(self, view: LocalView | None, codebook: Codebook, phase: Phase) -> ClientUpdate:
         if view is None:
@@ -172,8 +171,9 @@ class Site:
         in_stage2 = phase in (Phase.STAGE2, Phase.STAGE2_STATS)
         view = self._view(codebook, step, with_in_progress=in_stage2)
         if view is not None:
-            images, features = self._training_inputs(step, view)
             task = self.task_at(step)
+            data = self.task_data(task)
+            images, features = data.images[view.mine], data.features[view.mine]
             PHASE_HANDLERS[phase](self, view, images, features, task, round_index)
         return self._update(view, codebook, phase)
 
@@ -196,8 +196,9 @@ class Site:
             return None
         model = StarPrompt(self.backbones, confidence_modulation=self.config.confidence_modulation)
         model.load_bank(codebook.to_bank())
-        samples = self.scenario.test_samples(self.client, range(task + 1))
-        return evaluate_decoded(model, self._decode(samples), self.scenario.split, task + 1)
+        test = self._decode(self.scenario.test_samples(self.client, range(task + 1)))
+        features = clip_features(self.backbones, test.images)
+        return evaluate_decoded(model, test, features, self.scenario.split, task + 1)
 
 
 PHASE_HANDLERS = {

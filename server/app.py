@@ -45,9 +45,7 @@ def run_server(grid: Grid, run_config: dict, console: Console | None = None) -> 
         {**run_config, "num-clients": n_nodes or run_config.get("num-clients", 1)}
     )
     scenario = Scenario(scenario_config) if protocol.server_eval else None
-    n_steps = scenario_config.n_tasks + (scenario_config.n_clients - 1) * (
-        scenario_config.arrival_offset
-    )
+    n_steps = scenario_config.n_steps
     backbones = BackboneOptions.from_run_config(run_config).load()
     run_name = protocol.run_name or datetime.now(UTC).strftime("fed-%Y%m%d-%H%M%S")
     run_dir = Path(protocol.results_dir) / run_name

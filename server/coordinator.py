@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from rich.console import Console
 
@@ -31,13 +32,18 @@ from starfed.shared.codebook import (
     CodebookError,
     Phase,
 )
-from starfed.shared.data import decode_images
+from starfed.shared.data import DecodedImages, decode_images
 from starfed.shared.evaluation import evaluate_decoded
 from starfed.shared.files import write_atomic
 from starfed.shared.merge import check_update, merge_updates
 from starfed.shared.model import StarPrompt
 from starfed.shared.run_config import ProtocolOptions
-from starfed.shared.training import TrainConfig, first_level_alignment, head_alignment
+from starfed.shared.training import (
+    TrainConfig,
+    clip_features,
+    first_level_alignment,
+    head_alignment,
+)
 from starfed.simulations.scenario import Scenario
 
 logger = logging.getLogger(__name__)
@@ -105,13 +111,14 @@ class Coordinator:
         self.codebook = Codebook.from_bank(self.model.bank, backbones.fingerprint)
         self.log = RunLog()
         self._node_ids: list[int] = []
+        self._global_test: tuple[DecodedImages, torch.Tensor] | None = None
 
     # --- messaging --------------------------------------------------------------------------
 
     def _exchange(
         self, phase: Phase, step: int, round_index: int = 0, with_codebook: bool = True
-    ) -> list[tuple[int, Message]]:
-        """Send one phase to every node; return the good replies as (node, message)."""
+    ) -> list[tuple[Exchange, Message]]:
+        """Send one phase to every node; return the good replies with their log entries."""
         config = ConfigRecord(
             {"step": step, "round": round_index, "wire-dtype": self.protocol.wire_dtype}
         )
@@ -144,7 +151,7 @@ class Coordinator:
                 )
                 continue
             entry.bytes_up = _content_bytes(reply.content)
-            good.append((entry.node_id, reply))
+            good.append((entry, reply))
         for entry in logs.values():
             if entry.node_id not in answered:
                 entry.status = "no reply"
@@ -158,13 +165,12 @@ class Coordinator:
         return good
 
     def _updates(
-        self, replies: list[tuple[int, Message]], phase: Phase, allowed: set[str]
+        self, replies: list[tuple[Exchange, Message]], phase: Phase, allowed: set[str]
     ) -> list[ClientUpdate]:
         """Decode and validate each update; drop bad ones and rows of classes not in play."""
         updates = []
         # Merge order changes float rounding: order by content, not by node id (random per run).
-        for node, reply in sorted(replies, key=lambda r: _update_digest(r[1])):
-            entry = self._exchange_entry(node, phase)
+        for entry, reply in sorted(replies, key=lambda r: _update_digest(r[1])):
             try:
                 update = ClientUpdate.from_bytes(
                     reply.content["update"]["data"],
@@ -175,22 +181,14 @@ class Coordinator:
                     raise CodebookError(f"update answers {update.phase.name}, not {phase.name}")
                 check_update(self.codebook, update)
             except (CodebookError, KeyError, TypeError) as err:
-                reason = str(err) if isinstance(err, CodebookError) else f"malformed reply ({err})"
-                logger.warning("rejected %s update of node %s: %s", phase.name, node, reason)
-                entry.status = f"rejected: {reason}"
+                _reject(entry, str(err) if isinstance(err, CodebookError) else _malformed(err))
                 continue
             stray = [e.name for e in update.entries if e.name not in allowed]
             if stray:
-                logger.warning("node %s sent rows of classes not in play: %s", node, stray)
+                logger.warning("node %s sent rows of classes not in play: %s", entry.node_id, stray)
                 update.entries = [e for e in update.entries if e.name in allowed]
             updates.append(update)
         return updates
-
-    def _exchange_entry(self, node: int, phase: Phase) -> Exchange:
-        for entry in reversed(self.log.exchanges):
-            if entry.node_id == node and entry.phase == phase.name:
-                return entry
-        raise KeyError(node)
 
     # --- phases -----------------------------------------------------------------------------
 
@@ -217,26 +215,22 @@ class Coordinator:
         replies = self._exchange(Phase.SYNC, step, with_codebook=False)
         new: dict[str, float] = {}  # class name -> its position in the sites' class order
         accepted: list[int] = []
-        for node, reply in sorted(replies, key=lambda r: r[0]):
-            entry = self._exchange_entry(node, Phase.SYNC)
+        for entry, reply in sorted(replies, key=lambda r: r[0].node_id):
             try:
                 record = reply.content["sync"]
                 fingerprint, classes = record["fingerprint"], record["classes"]
             except (KeyError, TypeError) as err:
-                entry.status = f"rejected: malformed reply ({err})"
-                logger.warning("rejected SYNC reply of node %s: %s", node, entry.status)
+                _reject(entry, _malformed(err))
                 continue
             if fingerprint != self.codebook.fingerprint:
-                entry.status = "rejected: backbone fingerprint"
-                logger.warning("node %s runs other backbones; left out of step %d", node, step)
+                _reject(entry, "backbone fingerprint")
                 continue
             if not isinstance(classes, list) or not all(map(_valid_name, classes)):
-                entry.status = "rejected: invalid class names"
-                logger.warning("rejected SYNC reply of node %s: invalid class names", node)
+                _reject(entry, "invalid class names")
                 continue
-            accepted.append(node)
+            accepted.append(entry.node_id)
             labels = record.get("labels")
-            if not isinstance(labels, list) or len(labels) != len(classes):
+            if not _valid_labels(labels, len(classes)):
                 labels = [math.inf] * len(classes)
             for name, label in zip(classes, labels, strict=True):
                 if name not in self.codebook.bank.names:
@@ -324,24 +318,25 @@ class Coordinator:
 
     def _evaluate(self, step: int) -> None:
         replies = self._exchange(Phase.EVALUATE, step)
-        for node, reply in replies:
+        for entry, reply in replies:
             try:
                 metrics = dict(reply.content["metrics"])
             except (KeyError, TypeError) as err:
-                status = f"rejected: malformed reply ({err})"
-                self._exchange_entry(node, Phase.EVALUATE).status = status
-                logger.warning("rejected EVALUATE reply of node %s: %s", node, status)
+                _reject(entry, _malformed(err))
                 continue
-            self.log.client_reports.append({"step": step, "node_id": node, **metrics})
+            self.log.client_reports.append({"step": step, "node_id": entry.node_id, **metrics})
         if self.scenario is None or len(self.codebook.bank) == 0:
             return
+        if self._global_test is None:  # frozen CLIP: decode and encode the test set once
+            test = decode_images(
+                self.scenario.global_test_samples(range(self.scenario.n_tasks)),
+                self.backbones.config.image_size,
+                progress=False,
+            )
+            self._global_test = test, clip_features(self.backbones, test.images)
         n_tasks = min(step, self.scenario.n_tasks - 1) + 1
-        test = decode_images(
-            self.scenario.global_test_samples(range(n_tasks)),
-            self.backbones.config.image_size,
-            progress=False,
-        )
-        scores = evaluate_decoded(self.model, test, self.scenario.split, n_tasks)
+        # Images of classes not learned yet are left out by evaluate_decoded.
+        scores = evaluate_decoded(self.model, *self._global_test, self.scenario.split, n_tasks)
         self.log.accuracy_matrix.append(scores.accuracy)
         self.log.selection_matrix.append(scores.selection_accuracy)
         mean = sum(scores.accuracy) / len(scores.accuracy)
@@ -368,6 +363,24 @@ class Coordinator:
 
     def exchanges_as_dicts(self) -> list[dict]:
         return [asdict(e) for e in self.log.exchanges]
+
+
+def _reject(entry: Exchange, reason: str) -> None:
+    entry.status = f"rejected: {reason}"
+    logger.warning("rejected %s reply of node %s: %s", entry.phase, entry.node_id, reason)
+
+
+def _malformed(err: Exception) -> str:
+    return f"malformed reply ({err})"
+
+
+def _valid_labels(labels: object, n: int) -> bool:
+    """Class-order positions sent with a sync: integers, one per class."""
+    return (
+        isinstance(labels, list)
+        and len(labels) == n
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in labels)
+    )
 
 
 def _valid_name(name: object) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -279,7 +279,6 @@ class SavedBackbones:
     config_path: Path
     clip_weights: Path
     vit_weights: Path
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def save_backbones(backbones: Backbones, directory: str | Path) -> SavedBackbones:

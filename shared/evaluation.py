@@ -8,7 +8,7 @@ import torch
 
 from starfed.shared.data import DecodedImages, SplitCropDiseases, to_unit
 from starfed.shared.model import StarPrompt
-from starfed.shared.training import EVAL_BATCH_SIZE, Views, clip_features
+from starfed.shared.training import EVAL_BATCH_SIZE, Views
 
 
 @dataclass
@@ -34,7 +34,7 @@ def evaluate_tasks(
     """
     if len(labels) == 0:  # e.g. a site holding no test images of its classes
         return TaskScores([float("nan")] * n_tasks, [float("nan")] * n_tasks)
-    views = Views.of(model)
+    views = Views.of(model.backbones)
     correct, selected_ok = [], []
     for i in range(0, len(labels), EVAL_BATCH_SIZE):
         chunk = slice(i, i + EVAL_BATCH_SIZE)
@@ -58,20 +58,32 @@ def evaluate_tasks(
 
 
 def evaluate_decoded(
-    model: StarPrompt, test: DecodedImages, split: SplitCropDiseases, n_tasks: int
+    model: StarPrompt,
+    test: DecodedImages,
+    image_features: torch.Tensor,
+    split: SplitCropDiseases,
+    n_tasks: int,
+    use_keys: bool = False,
 ) -> TaskScores:
     """``evaluate_tasks`` on decoded test images labelled with the split's global labels.
 
-    Bank rows are matched to the split by class name, so the bank may be in any order (a
-    codebook's). Images of classes the bank does not hold (a class no site could register)
-    are left out.
+    ``image_features`` are the CLIP features of ``test.images`` (``clip_features``; frozen, so
+    a caller evaluating the same images repeatedly computes them once). Bank rows are matched
+    to the split by class name, so the bank may be in any order (a codebook's). Images of
+    classes the bank does not hold (not learned yet, or no site could register them) are left
+    out.
     """
     row_of = {name: row for row, name in enumerate(model.bank.names)}
     folders = split.class_folders
     rows = torch.tensor([row_of.get(folders[int(label)], -1) for label in test.labels])
     task_of_row = torch.tensor([split.task_of_label(folders.index(n)) for n in model.bank.names])
     known = rows >= 0
-    images = test.images[known]
     return evaluate_tasks(
-        model, images, rows[known], clip_features(model, images), task_of_row, n_tasks
+        model,
+        test.images[known],
+        rows[known],
+        image_features[known],
+        task_of_row,
+        n_tasks,
+        use_keys=use_keys,
     )

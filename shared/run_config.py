@@ -18,7 +18,11 @@ RunConfig = Mapping[str, Any]
 
 
 def get(run_config: RunConfig, key: str, kind: type, default: Any) -> Any:
-    """``run_config[key]`` converted to ``kind``; a clear ValueError names a bad key."""
+    """``run_config[key]`` converted to ``kind``; a clear ValueError names a bad key.
+
+    Numbers may come as strings (command-line overrides); booleans are not numbers and
+    nothing but a string is a string.
+    """
     if key not in run_config:
         return default
     raw = run_config[key]
@@ -29,7 +33,13 @@ def get(run_config: RunConfig, key: str, kind: type, default: Any) -> Any:
                     raise ValueError
                 return raw.lower() in {"true", "1"}
             return bool(raw)
-        if kind is int and isinstance(raw, float) and not raw.is_integer():
+        if kind is str:
+            if not isinstance(raw, str):
+                raise TypeError
+            return raw
+        if isinstance(raw, bool) or (
+            kind is int and isinstance(raw, float) and not raw.is_integer()
+        ):
             raise ValueError
         return kind(raw)
     except (TypeError, ValueError):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
+from starfed.shared.backbones import Backbones
 from starfed.shared.data import augment, normalize, to_unit
 from starfed.shared.first_level import first_level_logits
 from starfed.shared.losses import (
@@ -68,8 +69,8 @@ class Views:
     clip_std: tuple[float, ...]
 
     @classmethod
-    def of(cls, model: StarPrompt) -> Views:
-        c = model.backbones.config
+    def of(cls, backbones: Backbones) -> Views:
+        c = backbones.config
         return cls(c.vit_mean, c.vit_std, c.clip_mean, c.clip_std)
 
     def pair(self, unit_images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,20 +91,19 @@ def phase_generator(seed: int, task: int, phase: str, round_index: int = 0) -> t
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _batches(n: int, batch_size: int, generator: torch.Generator | None) -> list[torch.Tensor]:
-    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    return list(order.split(batch_size))
+def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    return list(torch.randperm(n, generator=generator).split(batch_size))
 
 
 @torch.no_grad()
-def clip_features(model: StarPrompt, images: torch.Tensor) -> torch.Tensor:
+def clip_features(backbones: Backbones, images: torch.Tensor) -> torch.Tensor:
     """Raw CLIP features of un-augmented uint8 images (compute once, then cache)."""
-    views = Views.of(model)
+    views = Views.of(backbones)
     out = [
-        model.backbones.clip_image_features(views.pair(to_unit(images[i : i + EVAL_BATCH_SIZE]))[1])
+        backbones.clip_image_features(views.pair(to_unit(images[i : i + EVAL_BATCH_SIZE]))[1])
         for i in range(0, len(images), EVAL_BATCH_SIZE)
     ]
-    return torch.cat(out) if out else torch.zeros(0, model.bank.dims.d_clip)
+    return torch.cat(out) if out else torch.zeros(0, backbones.dims.d_clip)
 
 
 def train_first_level(
@@ -201,7 +201,7 @@ def train_second_level(
     progress: Progress | None = None,
 ) -> None:
     """Stage 2: fit current A_c, Q_c and head rows with CE (past masked) + λ₂·L_OQ."""
-    bank, views = model.bank, Views.of(model)
+    bank, views = model.bank, Views.of(model.backbones)
     current = {
         name: getattr(bank, name)[n_past:].clone().requires_grad_(True)
         for name in ("query_weights", "query_prompts", "head_weight", "head_bias")
@@ -241,7 +241,7 @@ def vit_features(
 ) -> torch.Tensor:
     """Prompted final-LN CLS features; augmented views when a generator is given (as the
     reference fits H_c on its training loader, which augments)."""
-    views = Views.of(model)
+    views = Views.of(model.backbones)
     out = []
     for i in range(0, len(images), EVAL_BATCH_SIZE):
         chunk = images[i : i + EVAL_BATCH_SIZE]

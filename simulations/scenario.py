@@ -23,6 +23,7 @@ from flwr_datasets.partitioner import DirichletPartitioner
 from rich.table import Table
 
 from starfed.shared.data import SplitCropDiseases, bundled_dataset_root
+from starfed.shared.run_config import get
 
 Sample = tuple[str, int]
 
@@ -63,31 +64,13 @@ def _problem(name: str, value: object) -> str | None:
     return None
 
 
-def _number(raw: str | int | float | bool, as_float: bool) -> int | float | None:
-    """``raw`` as a float or an integer (an integral float counts), or None when it is not one."""
-    if isinstance(raw, bool):  # TOML booleans are no numbers, although bool subclasses int
-        return None
-    try:
-        if as_float:
-            return float(raw)
-        if isinstance(raw, float):
-            return int(raw) if raw.is_integer() else None
-        return int(raw)
-    except ValueError:
-        return None
-
-
 def _parse(key: str, raw: str | int | float | bool) -> object:
     """A run-config value as its field expects it; strings are accepted for CLI overrides."""
     name = RUN_CONFIG_KEYS[key]
+    kind = {"data_root": str, "alpha": float}.get(name, int)
+    value = get({key: raw}, key, kind, None)
     if name == "data_root":
-        if not isinstance(raw, str):
-            raise ValueError(f"run config {key!r} must be a string, got {raw!r}")
-        return raw or str(bundled_dataset_root())
-    value = _number(raw, as_float=name == "alpha")
-    if value is None:
-        kind = "a number" if name == "alpha" else "an integer"
-        raise ValueError(f"run config {key!r} must be {kind}, got {raw!r}")
+        return value or str(bundled_dataset_root())
     if name == "classes_per_task" and value == 0:
         return None
     problem = _problem(name, value)
@@ -114,6 +97,11 @@ class ScenarioConfig:
             problem = _problem(name, getattr(self, name))
             if problem is not None:
                 raise ValueError(f"ScenarioConfig.{name} {problem}, got {getattr(self, name)!r}")
+
+    @property
+    def n_steps(self) -> int:
+        """Global steps until the last-arriving site has finished its last task."""
+        return self.n_tasks + (self.n_clients - 1) * self.arrival_offset
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, str | int | float | bool]) -> ScenarioConfig:
@@ -175,8 +163,7 @@ class Scenario:
 
     @property
     def n_steps(self) -> int:
-        """Global steps until the last-arriving site has finished its last task."""
-        return self.n_tasks + (self.n_clients - 1) * self.config.arrival_offset
+        return self.config.n_steps
 
     def task_at(self, client: int, step: int) -> int | None:
         """The client's local task at a global step; None before it joins or after it ends."""

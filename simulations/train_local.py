@@ -24,7 +24,7 @@ from rich.table import Table
 from starfed.shared.backbones import PAPER_VIT_TAGS, PRESETS, create_backbones
 from starfed.shared.codebook import Codebook
 from starfed.shared.data import SplitCropDiseases, bundled_dataset_root, decode_images
-from starfed.shared.evaluation import evaluate_tasks
+from starfed.shared.evaluation import evaluate_decoded
 from starfed.shared.metrics import final_average_accuracy, final_forgetting, plot_accuracy_matrix
 from starfed.shared.model import StarPrompt
 from starfed.shared.training import TrainConfig, clip_features, learn_task
@@ -91,12 +91,11 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     test = decode_images(split.samples("test", range(split.n_tasks)), size, options.cache_dir)
     if train.n_skipped or test.n_skipped:
         console.print(f"[yellow]skipped {train.n_skipped + test.n_skipped} unreadable images")
-    task_of_row = torch.tensor([split.task_of_label(r) for r in range(split.n_classes)])
+    test_features = clip_features(backbones, test.images)  # frozen CLIP: computed once
 
     matrix: list[list[float]] = []
     selection: list[list[float]] = []
     task_seconds: list[float] = []
-    test_features = None
     table = Table("task", "accuracy per seen task (%)", "avg", "selection (%)", "s")
     with _progress(console) as progress:
         for t in range(split.n_tasks):
@@ -106,35 +105,25 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
             model.add_classes([split.class_folders[r] for r in labels], seed=config.seed)
             in_task = torch.isin(train.labels, torch.tensor(labels))
             images, targets = train.images[in_task], train.labels[in_task]
-            features = clip_features(model, images)
+            features = clip_features(backbones, images)
             learn_task(model, images, targets, features, n_past, t, config, progress)
 
-            seen = task_of_row[test.labels] <= t
-            if test_features is None:  # frozen CLIP: test features are computed once
-                test_features = clip_features(model, test.images)
-            scores = evaluate_tasks(
-                model,
-                test.images[seen],
-                test.labels[seen],
-                test_features[seen],
-                task_of_row,
-                t + 1,
-                use_keys=options.classify_with_keys,
+            scores = evaluate_decoded(
+                model, test, test_features, split, t + 1, use_keys=options.classify_with_keys
             )
             matrix.append(scores.accuracy)
             selection.append(scores.selection_accuracy)
             task_seconds.append(time.perf_counter() - task_start)
-            row_text = " ".join(f"{a:5.1f}" for a in scores.accuracy)
-            mean_selection = sum(scores.selection_accuracy) / len(scores.selection_accuracy)
+            mean_accuracy = final_average_accuracy(matrix)  # of the row just added
             table.add_row(
                 str(t + 1),
-                row_text,
-                f"{sum(scores.accuracy) / len(scores.accuracy):.1f}",
-                f"{mean_selection:.1f}",
+                " ".join(f"{a:5.1f}" for a in scores.accuracy),
+                f"{mean_accuracy:.1f}",
+                f"{final_average_accuracy(selection):.1f}",
                 f"{task_seconds[-1]:.0f}",
             )
             console.print(
-                f"task {t + 1}/{split.n_tasks}: avg acc {sum(scores.accuracy) / (t + 1):.1f}% "
+                f"task {t + 1}/{split.n_tasks}: avg acc {mean_accuracy:.1f}% "
                 f"({task_seconds[-1]:.0f}s)"
             )
     console.print(table)

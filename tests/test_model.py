@@ -114,7 +114,7 @@ def test_two_tasks_train_only_current_rows(backbones) -> None:
     model.add_classes(["a", "b"], seed=0)
     images, labels = synthetic_task(2, 6, 0, seed=1)
     initial = {f: getattr(model.bank, f).clone() for f in model.bank.TENSOR_FIELDS}
-    learn_task(model, images, labels, clip_features(model, images), 0, 0, FAST)
+    learn_task(model, images, labels, clip_features(backbones, images), 0, 0, FAST)
     for field in ("prompts", "query_prompts", "query_weights", "head_weight"):
         assert not torch.equal(getattr(model.bank, field), initial[field]), f"{field} not trained"
     after_first = {f: getattr(model.bank, f).clone() for f in model.bank.TENSOR_FIELDS}
@@ -123,7 +123,7 @@ def test_two_tasks_train_only_current_rows(backbones) -> None:
 
     model.add_classes(["c", "d"], seed=0)
     images, labels = synthetic_task(2, 6, 2, seed=2)
-    learn_task(model, images, labels, clip_features(model, images), 2, 1, FAST)
+    learn_task(model, images, labels, clip_features(backbones, images), 2, 1, FAST)
     for field in ("prompts", "keys", "query_prompts", "query_weights", "head_weight", "head_bias"):
         assert torch.equal(getattr(model.bank, field)[:2], after_first[field]), field
     # the head replay realigned every seen row, the real-data head is kept for the next task
