@@ -13,9 +13,9 @@ import argparse
 
 import torch
 
-from starfed.shared.class_bank import ClassBank, ModelDims
-from starfed.shared.codebook import Codebook, row_shape
-from starfed.shared.mixture import GaussianMixture
+from starfed.shared.codebook.codebook import Codebook, row_shape
+from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook.mixture import GaussianMixture
 
 PAPER = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
 TINY = ModelDims(d_txt=64, d_clip=64, d_vit=96, n_layers=3)

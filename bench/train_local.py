@@ -16,10 +16,10 @@ import time
 import torch
 from rich.console import Console
 
-from starfed.shared.backbones import create_backbones
-from starfed.shared.data import SplitCropDiseases, bundled_dataset_root, decode_images
-from starfed.shared.model import StarPrompt
-from starfed.shared.training import TrainConfig, train_second_level
+from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root, decode_images
+from starfed.shared.model.backbones import create_backbones
+from starfed.shared.model.star_prompt import StarPrompt
+from starfed.shared.model.training import TrainConfig, train_second_level
 from starfed.simulations.train_local import LocalRunOptions, run_local
 
 

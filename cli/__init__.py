@@ -1,7 +1,7 @@
 """The `starfed` command line: one entry point, one subcommand per user task.
 
 Each subcommand lives next to the code it drives (``starfed.simulations.train_local``,
-``starfed.shared.codebook_cli``, ...) and registers itself through ``add_parser``; this
+``starfed.cli.codebook``, ...) and registers itself through ``add_parser``; this
 module only assembles them.
 """
 
@@ -15,16 +15,16 @@ from importlib.metadata import PackageNotFoundError, version
 # Modules that define `add_parser(subparsers)`, in help order.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "starfed.simulations.train_local",
-    "starfed.shared.codebook_cli",
+    "starfed.cli.codebook",
     "starfed.simulations.simulate",
 )
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that describe bad input (paths, configs, files) rather than a bug."""
-    from starfed.shared.backbones import BackboneError
-    from starfed.shared.codebook import CodebookError
-    from starfed.shared.data import DatasetError
+    from starfed.shared.codebook.codebook import CodebookError
+    from starfed.shared.data.cropdiseases import DatasetError
+    from starfed.shared.model.backbones import BackboneError
 
     return (BackboneError, CodebookError, DatasetError, FileNotFoundError)
 

@@ -21,9 +21,9 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from starfed.client.site import Site
-from starfed.shared.codebook import Codebook, Phase
+from starfed.shared.codebook.codebook import Codebook, Phase
+from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.run_config import BackboneOptions, get, train_config
-from starfed.simulations.scenario import Scenario, ScenarioConfig
 
 app = ClientApp()
 

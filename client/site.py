@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from starfed.shared.backbones import Backbones
-from starfed.shared.codebook import ClientUpdate, Codebook, Phase
-from starfed.shared.data import DecodedImages, decode_images
-from starfed.shared.evaluation import TaskScores, evaluate_decoded
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook, Phase
+from starfed.shared.data.cropdiseases import DecodedImages, decode_images
+from starfed.shared.data.scenario import Scenario
 from starfed.shared.files import write_atomic
-from starfed.shared.model import StarPrompt
-from starfed.shared.training import (
+from starfed.shared.model.backbones import Backbones
+from starfed.shared.model.evaluation import TaskScores, evaluate_decoded
+from starfed.shared.model.star_prompt import StarPrompt
+from starfed.shared.model.training import (
     TrainConfig,
     clip_features,
     stage1,
@@ -32,7 +33,6 @@ from starfed.shared.training import (
     stage2,
     stage2_statistics,
 )
-from starfed.simulations.scenario import Scenario
 
 logger = logging.getLogger(__name__)
 

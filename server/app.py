@@ -19,6 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
 from starfed.server.coordinator import Coordinator
+from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.files import write_atomic
 from starfed.shared.metrics import (
     final_average_accuracy,
@@ -27,7 +28,6 @@ from starfed.shared.metrics import (
     plot_accuracy_over_time,
 )
 from starfed.shared.run_config import BackboneOptions, ProtocolOptions, train_config
-from starfed.simulations.scenario import Scenario, ScenarioConfig
 
 app = ServerApp()
 

@@ -24,27 +24,27 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from rich.console import Console
 
-from starfed.shared.backbones import Backbones
-from starfed.shared.codebook import (
+from starfed.shared.codebook.codebook import (
     MAX_NAME_LENGTH,
     ClientUpdate,
     Codebook,
     CodebookError,
     Phase,
 )
-from starfed.shared.data import DecodedImages, decode_images
-from starfed.shared.evaluation import evaluate_decoded
+from starfed.shared.codebook.merge import check_update, merge_updates
+from starfed.shared.data.cropdiseases import DecodedImages, decode_images
+from starfed.shared.data.scenario import Scenario
 from starfed.shared.files import write_atomic
-from starfed.shared.merge import check_update, merge_updates
-from starfed.shared.model import StarPrompt
-from starfed.shared.run_config import ProtocolOptions
-from starfed.shared.training import (
+from starfed.shared.model.backbones import Backbones
+from starfed.shared.model.evaluation import evaluate_decoded
+from starfed.shared.model.star_prompt import StarPrompt
+from starfed.shared.model.training import (
     TrainConfig,
     clip_features,
     first_level_alignment,
     head_alignment,
 )
-from starfed.simulations.scenario import Scenario
+from starfed.shared.run_config import ProtocolOptions
 
 logger = logging.getLogger(__name__)
 

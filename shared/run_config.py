@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from starfed.shared.backbones import Backbones, create_backbones
-from starfed.shared.training import TrainConfig
+from starfed.shared.model.backbones import Backbones, create_backbones
+from starfed.shared.model.training import TrainConfig
 
 RunConfig = Mapping[str, Any]
 

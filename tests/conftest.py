@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from starfed.shared.class_bank import ClassBank, ModelDims
-from starfed.shared.codebook import row_shape
-from starfed.shared.mixture import GaussianMixture
+from starfed.shared.codebook.codebook import row_shape
+from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook.mixture import GaussianMixture
 
 TINY_DIMS = ModelDims(d_txt=8, d_clip=6, d_vit=10, n_layers=2)
 FINGERPRINT = "ab" * 32

@@ -13,8 +13,7 @@ import torch
 
 from starfed.cli import main as cli_main
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.class_bank import ClassBank, ModelDims
-from starfed.shared.codebook import (
+from starfed.shared.codebook.codebook import (
     MIXTURE_FIELDS,
     PHASE_FIELDS,
     ClientUpdate,
@@ -22,7 +21,8 @@ from starfed.shared.codebook import (
     CodebookError,
     Phase,
 )
-from starfed.shared.mixture import GaussianMixture
+from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook.mixture import GaussianMixture
 
 
 def assert_mixtures_equal(a: GaussianMixture | None, b: GaussianMixture | None) -> None:

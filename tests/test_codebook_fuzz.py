@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.class_bank import ClassBank, ModelDims
-from starfed.shared.codebook import ClientUpdate, Codebook, CodebookError, Phase, row_shape
-from starfed.shared.mixture import GaussianMixture
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Phase, row_shape
+from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook.mixture import GaussianMixture
 
 FUZZ = settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

@@ -18,16 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from starfed.shared.backbones import Backbones, create_backbones
-from starfed.shared.first_level import TextKeyEncoder, first_level_logits
-from starfed.shared.losses import (
+from starfed.shared.model.backbones import Backbones, create_backbones
+from starfed.shared.model.first_level import TextKeyEncoder, first_level_logits
+from starfed.shared.model.losses import (
     mask_past,
     masked_cross_entropy,
     prompt_orthogonality_loss,
     query_orthogonality_loss,
 )
-from starfed.shared.replay import first_level_replay_loss, head_replay_loss
-from starfed.shared.second_level import PromptedViT, second_level_forward
+from starfed.shared.model.replay import first_level_replay_loss, head_replay_loss
+from starfed.shared.model.second_level import PromptedViT, second_level_forward
 
 GOLDEN_DIR = Path(__file__).parent / "data" / "golden"
 

@@ -1,4 +1,4 @@
-"""Tests for the Split CropDiseases data pipeline (starfed.shared.data)."""
+"""Tests for the Split CropDiseases data pipeline (starfed.shared.data.cropdiseases)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torchvision.transforms.v2.functional as TF2
 from PIL import Image
 from torchvision.transforms import InterpolationMode
 
-from starfed.shared import data
-from starfed.shared.data import (
+from starfed.shared.data import cropdiseases as data
+from starfed.shared.data.cropdiseases import (
     CLIP_MEAN,
     CLIP_STD,
     IMAGENET_MEAN,

@@ -14,8 +14,8 @@ from rich.console import Console
 
 from starfed.client.app import app as client_app
 from starfed.server.app import run_server
-from starfed.shared.codebook import Codebook
-from starfed.shared.training import TrainConfig
+from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.model.training import TrainConfig
 from starfed.simulations.train_local import LocalRunOptions, run_local
 
 TRAIN = TrainConfig(

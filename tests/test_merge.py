@@ -8,10 +8,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from starfed.shared.class_bank import ClassBank, ModelDims
-from starfed.shared.codebook import ClassUpdate, ClientUpdate, Codebook, CodebookError, Phase
-from starfed.shared.merge import check_update, merge_mixtures, merge_updates
-from starfed.shared.mixture import GaussianMixture
+from starfed.shared.codebook.codebook import (
+    ClassUpdate,
+    ClientUpdate,
+    Codebook,
+    CodebookError,
+    Phase,
+)
+from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook.merge import check_update, merge_mixtures, merge_updates
+from starfed.shared.codebook.mixture import GaussianMixture
 
 
 def union_moments(mixtures: list[GaussianMixture]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +206,7 @@ def test_frozen_rows_are_ignored(
     site = make_bank(n_classes=3, seed=9)
     update = site_update(codebook, site, Phase.STAGE2, {"class_0": 50, "class_1": 5})
     stats = site_update(codebook, site, Phase.STAGE2_STATS, {"class_0": 50})
-    with caplog.at_level(logging.INFO, logger="starfed.shared.merge"):
+    with caplog.at_level(logging.INFO, logger="starfed.shared.codebook.merge"):
         merged = merge_updates(codebook, [update, stats])
     assert "class_0" in caplog.text
     for field_name in ClassBank.TENSOR_FIELDS:

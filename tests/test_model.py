@@ -7,17 +7,17 @@ import json
 import pytest
 import torch
 
-from starfed.shared.backbones import (
+from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.metrics import final_average_accuracy, final_forgetting
+from starfed.shared.model.backbones import (
     BackboneError,
     create_backbones,
     load_state_dict_file,
     preset_config,
     save_backbones,
 )
-from starfed.shared.metrics import final_average_accuracy, final_forgetting
-from starfed.shared.mixture import GaussianMixture
-from starfed.shared.model import StarPrompt
-from starfed.shared.training import TrainConfig, clip_features, learn_task
+from starfed.shared.model.star_prompt import StarPrompt
+from starfed.shared.model.training import TrainConfig, clip_features, learn_task
 
 FAST = TrainConfig(
     stage1_epochs=1,
@@ -175,7 +175,7 @@ def test_accuracy_matrix_metrics() -> None:
 
 
 def test_evaluation_of_an_empty_test_set_is_nan_not_a_crash(backbones) -> None:
-    from starfed.shared.evaluation import evaluate_tasks
+    from starfed.shared.model.evaluation import evaluate_tasks
 
     model = StarPrompt(backbones)
     model.add_classes(["a", "b"], seed=0)

@@ -31,11 +31,11 @@ from starfed.client.site import Site
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import run_server
 from starfed.server.coordinator import CODEBOOK_FILE, STATE_FILE, Coordinator
-from starfed.shared.backbones import create_backbones
-from starfed.shared.class_bank import ClassBank
-from starfed.shared.codebook import MIXTURE_FIELDS, ClientUpdate, Codebook, Phase
+from starfed.shared.codebook.codebook import MIXTURE_FIELDS, ClientUpdate, Codebook, Phase
+from starfed.shared.codebook.entry import ClassBank
+from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.shared.model.backbones import create_backbones
 from starfed.shared.run_config import BackboneOptions, ProtocolOptions, train_config
-from starfed.simulations.scenario import Scenario, ScenarioConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inprocess_grid import InProcessGrid

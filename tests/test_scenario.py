@@ -9,8 +9,8 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 
-from starfed.shared.data import bundled_dataset_root
-from starfed.simulations.scenario import Scenario, ScenarioConfig
+from starfed.shared.data.cropdiseases import bundled_dataset_root
+from starfed.shared.data.scenario import Scenario, ScenarioConfig
 
 
 @pytest.fixture(scope="module")

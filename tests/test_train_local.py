@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from starfed.cli import main
-from starfed.shared.codebook import Codebook
+from starfed.shared.codebook.codebook import Codebook
 
 
 def test_train_local_writes_results_and_a_valid_codebook(tmp_path, capsys) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from flwr_datasets.partitioner import DirichletPartitioner
 from rich.table import Table
 
-from starfed.shared.data import SplitCropDiseases, bundled_dataset_root
+from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root
 from starfed.shared.run_config import get
 
 Sample = tuple[str, int]

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
-from starfed.shared.first_level import TextKeyEncoder, first_level_logits
-from starfed.shared.losses import logit_norm
-from starfed.shared.mixture import GaussianMixture, sample_replay_features
+from starfed.shared.codebook.mixture import GaussianMixture, sample_replay_features
+from starfed.shared.model.first_level import TextKeyEncoder, first_level_logits
+from starfed.shared.model.losses import logit_norm
 from starfed.shared.progress import progress_task
 
 

@@ -3,7 +3,7 @@
 The same object serves a single site, a federated client, the server (which only needs the
 text tower and the head) and inference. It knows how to register classes with deterministic
 initial values, compute keys, classify, and report which key each image selected; the
-training loops that change the bank live in ``starfed.shared.training``.
+training loops that change the bank live in ``starfed.shared.model.training``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from starfed.shared.backbones import Backbones
-from starfed.shared.class_bank import ClassBank
-from starfed.shared.data import class_name_to_text
-from starfed.shared.first_level import TextKeyEncoder, first_level_logits, init_prompts
-from starfed.shared.second_level import (
+from starfed.shared.codebook.entry import ClassBank
+from starfed.shared.data.cropdiseases import class_name_to_text
+from starfed.shared.model.backbones import Backbones
+from starfed.shared.model.first_level import TextKeyEncoder, first_level_logits, init_prompts
+from starfed.shared.model.second_level import (
     PromptedViT,
     SecondLevelOutput,
     init_query_prompts,

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from starfed.shared.data import DecodedImages, SplitCropDiseases, to_unit
-from starfed.shared.model import StarPrompt
-from starfed.shared.training import EVAL_BATCH_SIZE, Views
+from starfed.shared.data.cropdiseases import DecodedImages, SplitCropDiseases, to_unit
+from starfed.shared.model.star_prompt import StarPrompt
+from starfed.shared.model.training import EVAL_BATCH_SIZE, Views
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The per-class learned state of the two-level model, stacked by class.
 
 Row ``i`` of every tensor belongs to ``names[i]``. The model computes with stacked tensors (one
-matmul over all classes instead of a loop); the codebook (``starfed.shared.codebook``) stores the
+matmul over all classes instead of a loop); the codebook stores the
 same rows one class entry at a time. Classes are appended, never removed or reordered, so a row
 index is stable for the life of a bank.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from starfed.shared.mixture import GaussianMixture
+from starfed.shared.codebook.mixture import GaussianMixture
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,9 @@ import numpy as np
 import torch
 
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.class_bank import ClassBank, ModelDims
+from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.files import write_atomic
-from starfed.shared.mixture import GaussianMixture
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_BYTES = 64 * 2**20

@@ -16,18 +16,18 @@ import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
-from starfed.shared.backbones import Backbones
-from starfed.shared.data import augment, normalize, to_unit
-from starfed.shared.first_level import first_level_logits
-from starfed.shared.losses import (
+from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.data.cropdiseases import augment, normalize, to_unit
+from starfed.shared.model.backbones import Backbones
+from starfed.shared.model.first_level import first_level_logits
+from starfed.shared.model.losses import (
     masked_cross_entropy,
     prompt_orthogonality_loss,
     query_orthogonality_loss,
 )
-from starfed.shared.mixture import GaussianMixture
-from starfed.shared.model import StarPrompt
+from starfed.shared.model.replay import ReplayConfig, align_first_level, align_head
+from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.progress import progress_task
-from starfed.shared.replay import ReplayConfig, align_first_level, align_head
 
 EVAL_BATCH_SIZE = 256
 

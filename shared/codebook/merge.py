@@ -13,8 +13,7 @@ import numpy as np
 import torch
 from sklearn.cluster import KMeans
 
-from starfed.shared.class_bank import ClassBank
-from starfed.shared.codebook import (
+from starfed.shared.codebook.codebook import (
     MIXTURE_FIELDS,
     ClassUpdate,
     ClientUpdate,
@@ -22,7 +21,8 @@ from starfed.shared.codebook import (
     CodebookError,
     row_shape,
 )
-from starfed.shared.mixture import DEFAULT_COMPONENTS, GaussianMixture
+from starfed.shared.codebook.entry import ClassBank
+from starfed.shared.codebook.mixture import DEFAULT_COMPONENTS, GaussianMixture
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from rich.table import Table
 from rich.text import Text
 
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.class_bank import ClassBank, ModelDims
-from starfed.shared.codebook import CODEBOOK_MAGIC, Codebook, CodebookError, read_payload
-from starfed.shared.mixture import GaussianMixture
+from starfed.shared.codebook.codebook import CODEBOOK_MAGIC, Codebook, CodebookError, read_payload
+from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook.mixture import GaussianMixture
 
 EXIT_BAD_INPUT = 2
 

@@ -32,8 +32,8 @@ from safetensors.torch import load_file
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from starfed.shared.class_bank import ModelDims
-from starfed.shared.data import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
+from starfed.shared.codebook.entry import ModelDims
+from starfed.shared.data.cropdiseases import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
 
 PRESETS = ("tiny", "paper")
 PAPER_VIT_TAGS = ("augreg_in21k", "augreg2_in21k_ft_in1k")
