@@ -1,12 +1,11 @@
-"""The Flower ClientApp: one typed handler per protocol phase, all delegating to ``Site``.
+"""The Flower ClientApp: a handler for each phase of the protocol table, delegating to ``Site``.
 
 Message contents (``RecordDict``):
 
-* in: ``config`` (ConfigRecord: ``step``, ``round``) and, except for sync, ``codebook``
-  (ConfigRecord ``data``: the serialised codebook the phase starts from);
-* out: ``sync`` (classes and counts the site holds now, their positions in the class order —
-  which fixes the server's registration order —, its backbone fingerprint), ``update``
-  (ConfigRecord ``data``: a serialised ``ClientUpdate``) or ``metrics`` (MetricRecord).
+* in: ``config`` (ConfigRecord: ``step``, ``round``, ``wire-dtype``) and, where the phase sends
+  it, ``codebook`` (ConfigRecord ``data``: the serialised codebook the phase starts from);
+* out: ``update`` (ConfigRecord ``data``: a serialised ``ClientUpdate``, for sync the classes the
+  site holds now) or, for evaluation, ``metrics`` (MetricRecord).
 
 Anything decoded is validated against this site's backbones; a bad codebook raises, which
 Flower turns into an error reply the server logs. Raw images and features never leave.
@@ -19,10 +18,12 @@ from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.client_app import DEFAULT_ACTION
 
 from starfed.client.site import Site
-from starfed.shared.codebook.codebook import Codebook, Phase
+from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.shared.protocol import PHASES, Phase, PhaseSpec
 from starfed.shared.run_config import BackboneOptions, get, train_config
 
 app = ClientApp()
@@ -72,67 +73,46 @@ def _codebook(message: Message, site: Site) -> Codebook:
     return Codebook.from_bytes(data, fingerprint=site.fingerprint, dims=site.backbones.dims)
 
 
-def _update_reply(message: Message, context: Context, phase: Phase) -> Message:
+def _answer(phase: Phase, message: Message, context: Context) -> Message:
+    """The reply to one phase's message: an update, or for evaluation the site's scores."""
     site = site_for(context)
     step, round_index = _step_and_round(message)
-    update = site.run_phase(phase, _codebook(message, site), step, round_index)
+    if phase is Phase.EVALUATE:
+        return Message(
+            RecordDict({"metrics": _scores(site, _codebook(message, site), step)}), reply_to=message
+        )
+    if phase is Phase.SYNC:
+        update = site.sync(step)
+    else:
+        update = site.run_phase(phase, _codebook(message, site), step, round_index)
     wire = str(message.content["config"].get("wire-dtype", "float32"))
     content = RecordDict({"update": ConfigRecord({"data": update.to_bytes(wire)})})
     return Message(content, reply_to=message)
 
 
-@app.query("sync")
-def sync(message: Message, context: Context) -> Message:
-    """Report the classes this site holds at the step (its task stream decides)."""
-    site = site_for(context)
-    step, _ = _step_and_round(message)
-    counts = site.class_counts(step)
-    task = site.task_at(step)
-    record = ConfigRecord(
+def _scores(site: Site, codebook: Codebook, step: int) -> MetricRecord:
+    """Accuracy on this site's test images of every task it has seen."""
+    scores = site.evaluate(codebook, step)
+    if scores is None:
+        return MetricRecord({"task": -1})
+    return MetricRecord(
         {
-            "classes": list(counts),
-            "counts": list(counts.values()),
-            "labels": [site.scenario.split.class_folders.index(name) for name in counts],
-            "fingerprint": site.fingerprint,
-            "task": -1 if task is None else task,
+            "task": len(scores.accuracy) - 1,
+            "accuracy": scores.accuracy,
+            "selection-accuracy": scores.selection_accuracy,
         }
     )
-    return Message(RecordDict({"sync": record}), reply_to=message)
 
 
-@app.train("stage1")
-def train_stage1(message: Message, context: Context) -> Message:
-    return _update_reply(message, context, Phase.STAGE1)
+def _register(spec: PhaseSpec) -> None:
+    """Route the phase's Flower message type ("<category>[.<action>]") to ``_answer``."""
+    category, _, action = spec.message_type.partition(".")
+
+    def handler(message: Message, context: Context) -> Message:
+        return _answer(spec.phase, message, context)
+
+    getattr(app, category)(action or DEFAULT_ACTION)(handler)
 
 
-@app.query("stage1_stats")
-def stage1_stats(message: Message, context: Context) -> Message:
-    return _update_reply(message, context, Phase.STAGE1_STATS)
-
-
-@app.train("stage2")
-def train_stage2(message: Message, context: Context) -> Message:
-    return _update_reply(message, context, Phase.STAGE2)
-
-
-@app.query("stage2_stats")
-def stage2_stats(message: Message, context: Context) -> Message:
-    return _update_reply(message, context, Phase.STAGE2_STATS)
-
-
-@app.evaluate()
-def evaluate(message: Message, context: Context) -> Message:
-    """Accuracy on this site's test images of every task it has seen."""
-    site = site_for(context)
-    step, _ = _step_and_round(message)
-    scores = site.evaluate(_codebook(message, site), step)
-    record = MetricRecord({"task": -1})
-    if scores is not None:
-        record = MetricRecord(
-            {
-                "task": len(scores.accuracy) - 1,
-                "accuracy": scores.accuracy,
-                "selection-accuracy": scores.selection_accuracy,
-            }
-        )
-    return Message(RecordDict({"metrics": record}), reply_to=message)
+for _spec in PHASES:
+    _register(_spec)

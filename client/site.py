@@ -1,7 +1,8 @@
-"""The client side of every protocol phase, without Flower: one site's data, caches and training.
+"""The site side of every protocol phase, without Flower: one site's data, caches and training.
 
-A ``Site`` answers the server's phases for one global step. Its task stream (which classes it
-holds now) comes from the scenario; its memory across messages and runs lives on disk under
+A ``Site`` answers the server's phases for one global step; ``HANDLERS`` maps each training or
+statistics phase to its step (``starfed.shared.model.training``). Its task stream (which classes
+it holds now) comes from the scenario; its memory across messages and runs lives on disk under
 ``cache_dir`` (decoded images, CLIP features), because in deployment every message starts a
 fresh process. Only codebook updates leave it: prompts, head rows and mixture statistics.
 """
@@ -12,27 +13,25 @@ import hashlib
 import io
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from starfed.shared.codebook.codebook import ClientUpdate, Codebook, Phase
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.data.cropdiseases import DecodedImages, decode_images
 from starfed.shared.data.scenario import Scenario
 from starfed.shared.files import write_atomic
+from starfed.shared.model import training
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.evaluation import TaskScores, evaluate_decoded
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import (
-    TrainConfig,
-    clip_features,
-    stage1,
-    stage1_statistics,
-    stage2,
-    stage2_statistics,
-)
+from starfed.shared.model.training import TrainConfig, clip_features
+from starfed.shared.protocol import Phase
 
 logger = logging.getLogger(__name__)
 
@@ -128,23 +127,20 @@ class Site:
         if task is None:
             return None
         data = self.task_data(task)
-        own = [
-            name
-            for name in codebook.bank.names
-            if name in data.counts and name not in codebook.frozen
-        ]
-        unknown = set(data.counts) - set(codebook.bank.names)
+        frozen = codebook.frozen
+        own = [name for name in codebook.names if name in data.counts and name not in frozen]
+        unknown = set(data.counts) - set(codebook.names)
         if unknown:
             logger.info("site %d: classes not registered by the server: %s", self.client, unknown)
         if not own:
             return None
         context = [
             name
-            for name in codebook.bank.names
-            if name not in own and (name in codebook.frozen or with_in_progress)
+            for name in codebook.names
+            if name not in own and (name in frozen or with_in_progress)
         ]
         model = StarPrompt(self.backbones, confidence_modulation=self.config.confidence_modulation)
-        model.load_bank(codebook.bank.select(context + own))
+        model.load_bank(codebook.bank(context + own))
         row = {name: i for i, name in enumerate(model.bank.names)}
         own_set = set(own)
         mine = torch.tensor([name in own_set for name in data.names])
@@ -153,57 +149,60 @@ class Site:
             model.bank.counts[row[name]] = data.counts[name]
         return LocalView(model, len(context), own, labels, mine)
 
-    def _update(self, view: LocalView | None, codebook: Codebook, phase: Phase) -> ClientUpdate:
-        if view is None:
-            return ClientUpdate(self.fingerprint, codebook.dims, phase, codebook.version)
-        return ClientUpdate.from_bank(
-            view.model.bank,
-            fingerprint=self.fingerprint,
-            phase=phase,
-            base_version=codebook.version,
-            classes=view.own,
+    def sync(self, step: int) -> ClientUpdate:
+        """The classes of the site's task at ``step``: names, counts and class-order positions
+        (the server registers new classes in this order)."""
+        counts = self.class_counts(step)
+        folders = self.scenario.split.class_folders
+        task = self.task_at(step)
+        return ClientUpdate(
+            self.fingerprint,
+            self.backbones.dims,
+            Phase.SYNC,
+            base_version=0,
+            entries=[ClassEntry(name, count) for name, count in counts.items()],
+            class_order=[folders.index(name) for name in counts],
+            metadata={"task": str(-1 if task is None else task)},
         )
 
     def run_phase(self, phase: Phase, codebook: Codebook, step: int, round_index: int = 0):
         """Train or fit statistics for ``phase``; the update carries this site's classes."""
-        if phase not in PHASE_HANDLERS:
-            raise ValueError(f"a site does not run phase {phase.name}")
         in_stage2 = phase in (Phase.STAGE2, Phase.STAGE2_STATS)
         view = self._view(codebook, step, with_in_progress=in_stage2)
+        entries = []
         if view is not None:
             task = self.task_at(step)
             data = self.task_data(task)
             images, features = data.images[view.mine], data.features[view.mine]
-            PHASE_HANDLERS[phase](self, view, images, features, task, round_index)
-        return self._update(view, codebook, phase)
-
-    def _stage1(self, view, images, features, task, round_index) -> None:
-        stage1(view.model, features, view.labels, view.n_past, self.config, task, round_index)
-
-    def _stage1_stats(self, view, images, features, task, round_index) -> None:
-        stage1_statistics(view.model, features, view.labels, view.n_past, self.config, task)
-
-    def _stage2(self, view, images, features, task, round_index) -> None:
-        stage2(view.model, images, view.labels, view.n_past, self.config, task, round_index)
-
-    def _stage2_stats(self, view, images, features, task, round_index) -> None:
-        stage2_statistics(view.model, images, view.labels, view.n_past, self.config, task)
+            HANDLERS[phase](view, images, features, self.config, task, round_index)
+            entries = view.model.bank.entries(view.own, fields=schema.trained_in(phase))
+        return ClientUpdate(self.fingerprint, codebook.dims, phase, codebook.version, entries)
 
     def evaluate(self, codebook: Codebook, step: int) -> TaskScores | None:
         """Accuracy on the site's own test images of every task it has seen so far."""
         task = self.task_at(step)
-        if task is None or len(codebook.bank) == 0:
+        if task is None or len(codebook) == 0:
             return None
         model = StarPrompt(self.backbones, confidence_modulation=self.config.confidence_modulation)
-        model.load_bank(codebook.to_bank())
+        model.load_bank(codebook.bank())
         test = self._decode(self.scenario.test_samples(self.client, range(task + 1)))
         features = clip_features(self.backbones, test.images)
         return evaluate_decoded(model, test, features, self.scenario.split, task + 1)
 
 
-PHASE_HANDLERS = {
-    Phase.STAGE1: Site._stage1,
-    Phase.STAGE1_STATS: Site._stage1_stats,
-    Phase.STAGE2: Site._stage2,
-    Phase.STAGE2_STATS: Site._stage2_stats,
+# The site's step of each training or statistics phase: (view, images of its classes, their
+# CLIP features, config, task, round) -> None, training the view's model in place.
+HANDLERS: dict[Phase, Callable[..., None]] = {
+    Phase.STAGE1: lambda view, images, features, config, task, round_index: training.stage1(
+        view.model, features, view.labels, view.n_past, config, task, round_index
+    ),
+    Phase.STAGE1_STATS: lambda view, images, features, config, task, _: training.stage1_stats(
+        view.model, features, view.labels, view.n_past, config, task
+    ),
+    Phase.STAGE2: lambda view, images, features, config, task, round_index: training.stage2(
+        view.model, images, view.labels, view.n_past, config, task, round_index
+    ),
+    Phase.STAGE2_STATS: lambda view, images, features, config, task, _: training.stage2_stats(
+        view.model, images, view.labels, view.n_past, config, task
+    ),
 }

@@ -125,7 +125,7 @@ class Codebook(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., backbone_fingerprint: _Optional[str] = ..., dims: _Optional[_Union[ModelDims, _Mapping]] = ..., version: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[ClassEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ClientUpdate(_message.Message):
-    __slots__ = ("schema_version", "base_version", "phase", "backbone_fingerprint", "dims", "entries", "metadata")
+    __slots__ = ("schema_version", "base_version", "phase", "backbone_fingerprint", "dims", "entries", "metadata", "class_order")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class ClientUpdate(_message.Message):
     DIMS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    CLASS_ORDER_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     base_version: int
     phase: Phase
@@ -147,4 +148,5 @@ class ClientUpdate(_message.Message):
     dims: ModelDims
     entries: _containers.RepeatedCompositeFieldContainer[ClassEntry]
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, schema_version: _Optional[int] = ..., base_version: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., backbone_fingerprint: _Optional[str] = ..., dims: _Optional[_Union[ModelDims, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[ClassEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    class_order: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, schema_version: _Optional[int] = ..., base_version: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., backbone_fingerprint: _Optional[str] = ..., dims: _Optional[_Union[ModelDims, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[ClassEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., class_order: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -3,7 +3,7 @@
 Results go to ``<results-dir>/<run-name>/``: ``metrics.json`` (accuracy matrix from the global
 test set, clients' own reports, FAA, forgetting, prompt-selection accuracy, bytes per client per
 round, wall time per phase, config, fingerprint), ``accuracy_matrix.png``,
-``accuracy_over_time.png``, the final ``codebook.bin`` and ``state.json``.
+``accuracy_over_time.png`` and the final ``codebook.bin``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def run_server(grid: Grid, run_config: dict, console: Console | None = None) -> 
         "phase_wall_time_s": log.phase_seconds,
         "wall_time_s": time.perf_counter() - started,
         "n_steps": n_steps,
-        "classes": coordinator.codebook.bank.names,
+        "classes": coordinator.codebook.names,
         "codebook_version": coordinator.codebook.version,
         "backbone_fingerprint": backbones.fingerprint,
         "config": {

@@ -1,21 +1,24 @@
-"""The server's phase loop (DESIGN §3): sync, stage-1 rounds, stage-1 statistics + first-level
-replay, stage-2 rounds, stage-2 statistics + head replay, evaluation — for every global step.
+"""The server's aggregation step: the phases of ``starfed.shared.protocol.PHASES``, in order.
 
-It talks to clients only through a Flower ``Grid`` (``get_node_ids``, ``create_message``,
-``send_and_receive``), so tests can drive it with an in-process grid. Every send has a
-timeout; error replies and missing replies are logged with node and phase and the round goes
-on with the rest. Every update is validated before it is merged; a bad one is dropped, never
-half-applied. After every phase the codebook and the protocol position are saved atomically.
+For each phase the ``Coordinator`` sends one message to every participating site and hands the
+replies to the phase's reducer (``REDUCERS``): sync registers the classes sites bring, training
+phases merge, statistics phases merge and replay (``starfed.server.replay``), evaluation
+collects scores. The codebook is the single source of truth: every reducer replaces it with a
+new value, and it is checkpointed after every phase.
+
+It talks to sites only through a Flower ``Grid`` (``get_node_ids``, ``send_and_receive``), so
+tests drive it with an in-process grid. Every send has a timeout; error replies and missing
+replies are logged with node and phase, and the round goes on with the rest. Replies are
+decoded (= validated) once, at this boundary; a bad one is rejected, never half-applied.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,42 +27,21 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from rich.console import Console
 
-from starfed.shared.codebook.codebook import (
-    MAX_NAME_LENGTH,
-    ClientUpdate,
-    Codebook,
-    CodebookError,
-    Phase,
-)
-from starfed.shared.codebook.merge import check_update, merge_updates
+from starfed.server import replay
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
+from starfed.shared.codebook.merge import merge_updates
 from starfed.shared.data.cropdiseases import DecodedImages, decode_images
 from starfed.shared.data.scenario import Scenario
-from starfed.shared.files import write_atomic
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.evaluation import evaluate_decoded
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import (
-    TrainConfig,
-    clip_features,
-    first_level_alignment,
-    head_alignment,
-)
+from starfed.shared.model.training import TrainConfig, clip_features
+from starfed.shared.protocol import PHASES, Phase, PhaseSpec
 from starfed.shared.run_config import ProtocolOptions
 
 logger = logging.getLogger(__name__)
 
 CODEBOOK_FILE = "codebook.bin"
-STATE_FILE = "state.json"
-
-# Flower message type of each phase: "<train|query|evaluate>.<action>" (ClientApp handlers).
-MESSAGE_TYPES = {
-    Phase.SYNC: "query.sync",
-    Phase.STAGE1: "train.stage1",
-    Phase.STAGE1_STATS: "query.stage1_stats",
-    Phase.STAGE2: "train.stage2",
-    Phase.STAGE2_STATS: "query.stage2_stats",
-    Phase.EVALUATE: "evaluate",
-}
 
 
 @dataclass
@@ -84,8 +66,11 @@ class RunLog:
     selection_matrix: list[list[float]] = field(default_factory=list)
 
 
+Reply = tuple[Exchange, Message]
+
+
 class Coordinator:
-    """Drives all phases of all steps and owns the global codebook."""
+    """Drives the phases of every step; owns the codebook."""
 
     def __init__(
         self,
@@ -107,31 +92,48 @@ class Coordinator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.scenario = scenario  # for the server's global test set (simulation only)
         self.console = console or Console(stderr=True)
-        self.model = StarPrompt(backbones, confidence_modulation=train.confidence_modulation)
-        self.codebook = Codebook.from_bank(self.model.bank, backbones.fingerprint)
+        self.codebook = Codebook(backbones.fingerprint, backbones.dims)
         self.log = RunLog()
+        self.in_play: list[str] = []  # classes the current step trains
         self._node_ids: list[int] = []
         self._global_test: tuple[DecodedImages, torch.Tensor] | None = None
 
+    def run(self) -> RunLog:
+        for step in range(self.n_steps):
+            self.run_step(step)
+        return self.log
+
+    def run_step(self, step: int) -> None:
+        """One aggregation step: every phase of the protocol table, in order."""
+        self._node_ids = sorted(self.grid.get_node_ids())
+        rounds = {
+            Phase.STAGE1: self.protocol.stage1_rounds,
+            Phase.STAGE2: self.protocol.stage2_rounds,
+        }
+        for spec in PHASES:
+            for round_index in range(rounds.get(spec.phase, 1)):
+                with self._phase(step, spec, round_index):
+                    replies = self._exchange(spec, step, round_index)
+                    REDUCERS[spec.phase](self, spec.phase, step, replies)
+
     # --- messaging --------------------------------------------------------------------------
 
-    def _exchange(
-        self, phase: Phase, step: int, round_index: int = 0, with_codebook: bool = True
-    ) -> list[tuple[Exchange, Message]]:
+    def _exchange(self, spec: PhaseSpec, step: int, round_index: int) -> list[Reply]:
         """Send one phase to every node; return the good replies with their log entries."""
         config = ConfigRecord(
             {"step": step, "round": round_index, "wire-dtype": self.protocol.wire_dtype}
         )
-        broadcast = self.codebook.without_mixtures()  # sites never read the mixtures
-        payload = broadcast.to_bytes(self.protocol.wire_dtype) if with_codebook else b""
+        payload = b""
+        if spec.sends_codebook:  # sites never read the mixtures
+            payload = self.codebook.without_mixtures().to_bytes(self.protocol.wire_dtype)
         messages, exchanges = [], []
         for node in self._node_ids:
             content = RecordDict({"config": config})
-            if with_codebook:
+            if spec.sends_codebook:
                 content["codebook"] = ConfigRecord({"data": payload})
-            group = f"{step}/{phase.name}/{round_index}"
-            messages.append(Message(content, node, MESSAGE_TYPES[phase], group_id=group))
-            exchanges.append(Exchange(step, phase.name, round_index, node, len(payload)))
+            group = f"{step}/{spec.phase.key}/{round_index}"
+            messages.append(Message(content, node, spec.message_type, group_id=group))
+            exchanges.append(Exchange(step, spec.phase.key, round_index, node, len(payload)))
         replies = self.grid.send_and_receive(messages, timeout=self.protocol.timeout_s)
         # Grids fill in each message's id when they push it; replies point back to it.
         logs = {m.metadata.message_id: e for m, e in zip(messages, exchanges, strict=True)}
@@ -147,7 +149,7 @@ class Coordinator:
             if reply.has_error():
                 entry.status = f"error: {_short_reason(reply.error.reason)}"
                 logger.warning(
-                    "node %s failed %s: %s", entry.node_id, phase.name, reply.error.reason
+                    "node %s failed %s: %s", entry.node_id, spec.phase.key, reply.error.reason
                 )
                 continue
             entry.bytes_up = _content_bytes(reply.content)
@@ -158,166 +160,85 @@ class Coordinator:
                 logger.warning(
                     "node %s sent no %s reply within %.0fs",
                     entry.node_id,
-                    phase.name,
+                    spec.phase.key,
                     self.protocol.timeout_s,
                 )
         self.log.exchanges.extend(logs.values())
         return good
 
     def _updates(
-        self, replies: list[tuple[Exchange, Message]], phase: Phase, allowed: set[str]
-    ) -> list[ClientUpdate]:
-        """Decode and validate each update; drop bad ones and rows of classes not in play."""
+        self, replies: list[Reply], phase: Phase
+    ) -> list[tuple[Exchange, ClientUpdate]]:
+        """Decode (= validate) each update against the codebook the phase was sent with; drop
+        bad ones and rows of classes not in play."""
         updates = []
         # Merge order changes float rounding: order by content, not by node id (random per run).
         for entry, reply in sorted(replies, key=lambda r: _update_digest(r[1])):
             try:
-                update = ClientUpdate.from_bytes(
-                    reply.content["update"]["data"],
-                    fingerprint=self.codebook.fingerprint,
-                    dims=self.codebook.dims,
-                )
-                if update.phase != phase:
-                    raise CodebookError(f"update answers {update.phase.name}, not {phase.name}")
-                check_update(self.codebook, update)
+                data = reply.content["update"]["data"]
+                update = ClientUpdate.from_bytes(data, against=self.codebook, phase=phase)
             except (CodebookError, KeyError, TypeError) as err:
                 _reject(entry, str(err) if isinstance(err, CodebookError) else _malformed(err))
                 continue
-            stray = [e.name for e in update.entries if e.name not in allowed]
-            if stray:
-                logger.warning("node %s sent rows of classes not in play: %s", entry.node_id, stray)
-                update.entries = [e for e in update.entries if e.name in allowed]
-            updates.append(update)
+            if phase is not Phase.SYNC:
+                in_play = set(self.in_play)
+                stray = [e.name for e in update.entries if e.name not in in_play]
+                if stray:
+                    logger.warning(
+                        "node %s sent rows of classes not in play: %s", entry.node_id, stray
+                    )
+                    update.entries = [e for e in update.entries if e.name in in_play]
+            updates.append((entry, update))
         return updates
 
-    # --- phases -----------------------------------------------------------------------------
+    # --- reducers, one per phase ------------------------------------------------------------
 
-    def _set_codebook(self, codebook: Codebook) -> None:
-        self.codebook = codebook
-        self.model.load_bank(codebook.to_bank())
-
-    def _from_model(self) -> None:
-        self.codebook = Codebook.from_bank(
-            self.model.bank,
-            self.codebook.fingerprint,
-            version=self.codebook.version + 1,
-            frozen=self.codebook.frozen,
-            metadata=self.codebook.metadata,
-        )
-
-    def _sync(self, step: int) -> list[str]:
-        """Register the classes sites hold now; new ones get deterministic initial rows.
+    def _sync(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        """Register the classes sites hold now; new ones get deterministic initial values.
 
         Only nodes whose sync was accepted take part in the rest of the step: a silent node
         costs one timeout per step, not one per phase, and a node with other backbones or a
         malformed reply is not asked again until the next step.
         """
-        replies = self._exchange(Phase.SYNC, step, with_codebook=False)
-        new: dict[str, float] = {}  # class name -> its position in the sites' class order
+        new: dict[str, float] = {}  # class name -> its first position in the sites' class order
         accepted: list[int] = []
-        for entry, reply in sorted(replies, key=lambda r: r[0].node_id):
-            try:
-                record = reply.content["sync"]
-                fingerprint, classes = record["fingerprint"], record["classes"]
-            except (KeyError, TypeError) as err:
-                _reject(entry, _malformed(err))
-                continue
-            if fingerprint != self.codebook.fingerprint:
-                _reject(entry, "backbone fingerprint")
-                continue
-            if not isinstance(classes, list) or not all(map(_valid_name, classes)):
-                _reject(entry, "invalid class names")
-                continue
+        for entry, update in sorted(self._updates(replies, phase), key=lambda r: r[0].node_id):
             accepted.append(entry.node_id)
-            labels = record.get("labels")
-            if not _valid_labels(labels, len(classes)):
-                labels = [math.inf] * len(classes)
-            for name, label in zip(classes, labels, strict=True):
-                if name not in self.codebook.bank.names:
-                    new[name] = min(new.get(name, math.inf), float(label))
+            for class_entry, position in zip(update.entries, update.class_order, strict=True):
+                if class_entry.name not in self.codebook:
+                    new[class_entry.name] = min(new.get(class_entry.name, math.inf), position)
         self._node_ids = accepted
         # Registration order fixes the initial values (they are seeded by the ordered names),
         # so it must not depend on node ids, which differ from run to run.
-        names = sorted(new, key=lambda name: (new[name], name))
-        if names:
-            self.model.add_classes(names, seed=self.train.seed, version=self.codebook.version + 1)
-            self._from_model()
-        return names
+        self.in_play = sorted(new, key=lambda name: (new[name], name))
+        if self.in_play:
+            self.codebook = replay.register(self.codebook, self.in_play, self.backbones, self.train)
 
-    def _train_round(self, phase: Phase, step: int, round_index: int, in_play: set[str]) -> None:
-        replies = self._exchange(phase, step, round_index)
-        updates = self._updates(replies, phase, in_play)
-        self._set_codebook(
-            merge_updates(self.codebook, updates, n_components=self.train.mixture_components)
+    def _merge(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        updates = [update for _, update in self._updates(replies, phase)]
+        self.codebook = merge_updates(
+            self.codebook, updates, n_components=self.train.mixture_components
         )
 
-    def _drop_untrained(self, in_play: list[str], mixture_field: str) -> list[str]:
+    def _drop_unfitted(self, field_name: str) -> None:
         """Classes no site sent statistics for cannot be replayed: unregister them."""
-        bank = self.codebook.bank
-        missing = [n for n in in_play if getattr(bank, mixture_field)[bank.index(n)] is None]
+        missing = [n for n in self.in_play if field_name not in self.codebook[n].values]
         if missing:
             logger.warning("no statistics for %s; unregistering them", missing)
-            keep = [n for n in bank.names if n not in missing]
-            self.model.load_bank(bank.select(keep))
-            self._from_model()
-        return [n for n in in_play if n not in missing]
+            self.codebook = self.codebook.without(missing)
+            self.in_play = [n for n in self.in_play if n not in missing]
 
-    @contextmanager
-    def _phase(self, step: int, name: str) -> Iterator[None]:
-        """Time a phase, then checkpoint the codebook and the protocol position."""
-        started = time.perf_counter()
-        yield
-        seconds = time.perf_counter() - started
-        self.log.phase_seconds.append({"step": step, "phase": name, "seconds": seconds})
-        self._checkpoint(step, name)
+    def _stage1_stats(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        self._merge(phase, step, replies)
+        self._drop_unfitted("clip_mixture")
+        self.codebook = replay.replay_first_level(self.codebook, self.backbones, self.train, step)
 
-    def _stage(
-        self,
-        step: int,
-        train_phase: Phase,
-        rounds: int,
-        stats_phase: Phase,
-        mixture_field: str,
-        align: Callable[[list[str]], None],
-        in_play: list[str],
-    ) -> list[str]:
-        """Training rounds, then statistics and the server-side replay of one level."""
-        for r in range(rounds):
-            with self._phase(step, f"{train_phase.name.lower()}/{r}"):
-                self._train_round(train_phase, step, r, set(in_play))
-        with self._phase(step, f"{stats_phase.name.lower()}+replay"):
-            self._train_round(stats_phase, step, 0, set(in_play))
-            in_play = self._drop_untrained(in_play, mixture_field)
-            align(in_play)
-            self._from_model()
-        return in_play
+    def _stage2_stats(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        self._merge(phase, step, replies)
+        self._drop_unfitted("vit_mixture")
+        self.codebook = replay.replay_head(self.codebook, self.train, step, freeze=self.in_play)
 
-    def run_step(self, step: int) -> None:
-        with self._phase(step, "sync"):
-            self._node_ids = sorted(self.grid.get_node_ids())
-            in_play = self._sync(step)
-        n_past = len(self.codebook.frozen)
-
-        def align_first_level(_: list[str]) -> None:
-            first_level_alignment(self.model, n_past, self.train, step)
-
-        def align_head_and_freeze(trained: list[str]) -> None:
-            head_alignment(self.model, self.train, step)
-            self.codebook.frozen |= set(trained)
-
-        in_play = self._stage(
-            step, Phase.STAGE1, self.protocol.stage1_rounds, Phase.STAGE1_STATS,
-            "clip_mixtures", align_first_level, in_play,
-        )  # fmt: skip
-        self._stage(
-            step, Phase.STAGE2, self.protocol.stage2_rounds, Phase.STAGE2_STATS,
-            "vit_mixtures", align_head_and_freeze, in_play,
-        )  # fmt: skip
-        with self._phase(step, "evaluate"):
-            self._evaluate(step)
-
-    def _evaluate(self, step: int) -> None:
-        replies = self._exchange(Phase.EVALUATE, step)
+    def _evaluate(self, phase: Phase, step: int, replies: list[Reply]) -> None:
         for entry, reply in replies:
             try:
                 metrics = dict(reply.content["metrics"])
@@ -325,7 +246,7 @@ class Coordinator:
                 _reject(entry, _malformed(err))
                 continue
             self.log.client_reports.append({"step": step, "node_id": entry.node_id, **metrics})
-        if self.scenario is None or len(self.codebook.bank) == 0:
+        if self.scenario is None or len(self.codebook) == 0:
             return
         if self._global_test is None:  # frozen CLIP: decode and encode the test set once
             test = decode_images(
@@ -335,34 +256,43 @@ class Coordinator:
             )
             self._global_test = test, clip_features(self.backbones, test.images)
         n_tasks = min(step, self.scenario.n_tasks - 1) + 1
+        model = StarPrompt(self.backbones, confidence_modulation=self.train.confidence_modulation)
+        model.load_bank(self.codebook.bank())
         # Images of classes not learned yet are left out by evaluate_decoded.
-        scores = evaluate_decoded(self.model, *self._global_test, self.scenario.split, n_tasks)
+        scores = evaluate_decoded(model, *self._global_test, self.scenario.split, n_tasks)
         self.log.accuracy_matrix.append(scores.accuracy)
         self.log.selection_matrix.append(scores.selection_accuracy)
         mean = sum(scores.accuracy) / len(scores.accuracy)
         self.console.print(
-            f"step {step + 1}/{self.n_steps}: {len(self.codebook.bank)} classes · "
+            f"step {step + 1}/{self.n_steps}: {len(self.codebook)} classes · "
             f"global accuracy {mean:.1f}% · " + " ".join(f"{a:.0f}" for a in scores.accuracy)
         )
 
-    def _checkpoint(self, step: int, phase: str) -> None:
-        self.codebook.save(self.run_dir / CODEBOOK_FILE)
-        state = {
-            "step": step,
-            "phase": phase,
-            "codebook_version": self.codebook.version,
-            "frozen": sorted(self.codebook.frozen),
-            "time": time.time(),
-        }
-        write_atomic(self.run_dir / STATE_FILE, json.dumps(state, indent=2).encode())
+    # --- bookkeeping ------------------------------------------------------------------------
 
-    def run(self, steps: Iterable[int] | None = None) -> RunLog:
-        for step in steps if steps is not None else range(self.n_steps):
-            self.run_step(step)
-        return self.log
+    @contextmanager
+    def _phase(self, step: int, spec: PhaseSpec, round_index: int) -> Iterator[None]:
+        """Time a phase, then checkpoint the codebook."""
+        started = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - started
+        self.log.phase_seconds.append(
+            {"step": step, "phase": spec.phase.key, "round": round_index, "seconds": seconds}
+        )
+        self.codebook.save(self.run_dir / CODEBOOK_FILE)
 
     def exchanges_as_dicts(self) -> list[dict]:
         return [asdict(e) for e in self.log.exchanges]
+
+
+REDUCERS: dict[Phase, Callable[[Coordinator, Phase, int, list[Reply]], None]] = {
+    Phase.SYNC: Coordinator._sync,
+    Phase.STAGE1: Coordinator._merge,
+    Phase.STAGE1_STATS: Coordinator._stage1_stats,
+    Phase.STAGE2: Coordinator._merge,
+    Phase.STAGE2_STATS: Coordinator._stage2_stats,
+    Phase.EVALUATE: Coordinator._evaluate,
+}
 
 
 def _reject(entry: Exchange, reason: str) -> None:
@@ -372,20 +302,6 @@ def _reject(entry: Exchange, reason: str) -> None:
 
 def _malformed(err: Exception) -> str:
     return f"malformed reply ({err})"
-
-
-def _valid_labels(labels: object, n: int) -> bool:
-    """Class-order positions sent with a sync: integers, one per class."""
-    return (
-        isinstance(labels, list)
-        and len(labels) == n
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in labels)
-    )
-
-
-def _valid_name(name: object) -> bool:
-    """A class name the codebook accepts (its rules): registering any other would crash."""
-    return isinstance(name, str) and 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable()
 
 
 def _update_digest(reply: Message) -> str:

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -150,11 +150,12 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    Codebook.from_bank(
-        model.bank,
+    finished = {entry.name: replace(entry, frozen=True) for entry in model.bank.entries()}
+    Codebook(
         backbones.fingerprint,
+        backbones.dims,
+        finished,
         version=split.n_tasks,
-        frozen=model.bank.names,
         metadata={"producer": "starfed train-local", "seed": str(config.seed)},
     ).save(run_dir / CODEBOOK_FILE)
     plot_accuracy_matrix(

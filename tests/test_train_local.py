@@ -25,9 +25,9 @@ def test_train_local_writes_results_and_a_valid_codebook(tmp_path, capsys) -> No
     assert (run / "accuracy_matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     codebook = Codebook.load(run / "codebook.bin", fingerprint=metrics["backbone_fingerprint"])
-    assert codebook.bank.names == metrics["class_order"][:4]
-    assert codebook.frozen == set(codebook.bank.names)
-    assert all(m is not None for m in codebook.bank.vit_mixtures)
+    assert codebook.names == metrics["class_order"][:4]
+    assert codebook.frozen == set(codebook.names)
+    assert all("vit_mixture" in entry.values for entry in codebook.entries.values())
 
     capsys.readouterr()
     assert main(["codebook", "inspect", str(run / "codebook.bin")]) == 0

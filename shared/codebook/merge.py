@@ -1,7 +1,8 @@
-"""Per-class merging of client updates into the codebook (DESIGN.md §2), without Flower.
+"""Per-class merging of site updates into the codebook, without Flower.
 
-Built-in FedAvg needs identical arrays from every client; here every client sends the classes it
-holds, so aggregation is per class: each class is averaged over the updates that carry it.
+Built-in FedAvg needs identical arrays from every site; here every site sends the classes it
+holds, so aggregation is per class: each class is averaged over the updates that carry it
+(docs/design.md#the-codebook).
 """
 
 from __future__ import annotations
@@ -13,31 +14,12 @@ import numpy as np
 import torch
 from sklearn.cluster import KMeans
 
-from starfed.shared.codebook.codebook import (
-    MIXTURE_FIELDS,
-    ClassUpdate,
-    ClientUpdate,
-    Codebook,
-    CodebookError,
-    row_shape,
-)
-from starfed.shared.codebook.entry import ClassBank
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import DEFAULT_COMPONENTS, GaussianMixture
 
 logger = logging.getLogger(__name__)
-
-
-def check_update(codebook: Codebook, update: ClientUpdate) -> None:
-    """Raise CodebookError unless ``update`` is valid and answers this codebook version.
-
-    The server can call it per reply to drop a bad one; ``merge_updates`` calls it for all.
-    """
-    update.validate(fingerprint=codebook.fingerprint, dims=codebook.dims)
-    if update.base_version != codebook.version:
-        raise CodebookError(
-            f"update starts from codebook version {update.base_version}, "
-            f"the codebook is at {codebook.version} (stale or foreign reply)"
-        )
 
 
 def merge_mixtures(
@@ -107,66 +89,42 @@ def merge_updates(
 ) -> Codebook:
     """A new codebook, one version later, with the updates merged class by class.
 
-    - Every update is checked first (``check_update``); one invalid update raises
-      ``CodebookError`` and nothing is merged.
-    - Per class and per part (tensor or mixture), the new value is the average over the updates
-      that carry that part, weighted by their example counts (FedAvg per class: the previous
-      value does not take part). Mixtures are merged with ``merge_mixtures``. Parts no update
-      carries keep their value.
+    The updates were validated when they were decoded (``wire.decode_update``), so they name
+    registered classes and carry their phase's fields.
+
+    - Per class and per field, the new value is the average over the updates that carry that
+      class, weighted by their example counts (FedAvg per class: the previous value does not
+      take part). Mixtures are merged with ``merge_mixtures``.
     - A class's count becomes the sum of the counts of the updates carrying it: the examples
       behind the merged values. It is not added to the previous count, because every round
       re-reports the same examples.
-    - Classes seen for the first time are appended in order of first appearance (so pass the
-      updates in a deterministic order); parts no update carries start at zero until the
-      server sets them.
     - Frozen classes are never changed. Rows for them are ignored (logged), not rejected: a
       site whose task stream reaches a class after it was finished elsewhere is legitimate,
       and rejecting would fail the whole round for it.
-    - Touched classes get the new version as their version.
-
-    The input codebook and updates are not modified.
+    - Changed classes get the new version as their version. Inputs are not modified.
     """
-    for update in updates:
-        check_update(codebook, update)
-    carriers: dict[str, list[ClassUpdate]] = {}
+    carriers: dict[str, list[ClassEntry]] = {}
     ignored: list[str] = []
     for update in updates:
         for entry in update.entries:
-            if entry.name in codebook.frozen:
+            if codebook[entry.name].frozen:
                 ignored.append(entry.name)
             else:
                 carriers.setdefault(entry.name, []).append(entry)
     if ignored:
         logger.info("ignored update rows of frozen classes: %s", sorted(set(ignored)))
-
-    version = codebook.version + 1
-    merged = Codebook.from_bank(
-        codebook.bank,
-        codebook.fingerprint,
-        version=version,
-        frozen=codebook.frozen,
-        metadata=codebook.metadata,
-    )
-    bank = merged.bank
-    known = set(bank.names)
-    new = [name for name in carriers if name not in known]
-    if new:
-        zeros = {
-            f: torch.zeros(len(new), *row_shape(f, bank.dims)) for f in ClassBank.TENSOR_FIELDS
-        }
-        bank.append(new, zeros, version=version)
+    values: dict[str, dict] = {}
     for name, entries in carriers.items():
-        i = bank.index(name)
-        for field_name in ClassBank.TENSOR_FIELDS:
-            having = [e for e in entries if field_name in e.tensors]
-            if having:
-                rows = [e.tensors[field_name] for e in having]
-                value = _weighted_mean(rows, [e.count for e in having])
-                bank.set_rows(field_name, i, value.unsqueeze(0))
-        for field_name in MIXTURE_FIELDS:
-            mixtures = [e.mixtures[field_name] for e in entries if field_name in e.mixtures]
-            if mixtures:
-                getattr(bank, field_name)[i] = merge_mixtures(mixtures, n_components, seed)
-        bank.counts[i] = sum(e.count for e in entries)
-        bank.versions[i] = version
-    return merged
+        values[name] = {}
+        for f in schema.FIELDS:
+            having = [e for e in entries if f.name in e.values]
+            if not having:
+                continue
+            if f.kind is schema.Kind.MIXTURE:
+                mixtures = [e.values[f.name] for e in having]
+                values[name][f.name] = merge_mixtures(mixtures, n_components, seed)
+            else:
+                rows = [e.values[f.name] for e in having]
+                values[name][f.name] = _weighted_mean(rows, [e.count for e in having])
+    counts = {name: sum(e.count for e in entries) for name, entries in carriers.items()}
+    return codebook.set_values(values, counts)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from starfed.shared.codebook.entry import ClassBank
+from starfed.shared.codebook.entry import ClassBank, ClassEntry
 from starfed.shared.data.cropdiseases import class_name_to_text
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.first_level import TextKeyEncoder, first_level_logits, init_prompts
@@ -51,10 +51,10 @@ def init_class_rows(
         embeds, eot = model.encoder.embed_texts(texts)
         keys = model.encoder(prompts, embeds, eot)
     return {
-        "prompts": prompts,
-        "keys": keys,
-        "query_prompts": init_query_prompts(n, d.n_layers, d.d_vit, g),
-        "query_weights": init_query_weights(n, d.n_layers, d.d_clip, g),
+        "prompt": prompts,
+        "key": keys,
+        "query_prompt": init_query_prompts(n, d.n_layers, d.d_vit, g),
+        "query_weight": init_query_weights(n, d.n_layers, d.d_clip, g),
         "head_weight": head_weight,
         "head_bias": torch.zeros(n),
         "aligned_head_weight": head_weight.clone(),
@@ -85,15 +85,21 @@ class StarPrompt:
     def __len__(self) -> int:
         return len(self.bank)
 
-    def add_classes(self, names: list[str], seed: int, version: int = 0) -> None:
-        """Register new classes (appended; existing rows never move).
+    def new_entries(self, names: list[str], seed: int) -> list[ClassEntry]:
+        """Initial entries of new classes, identical wherever they are made (seeded by names).
 
         The CLIP text of a class is derived from its name (``class_name_to_text``).
         """
         texts = [class_name_to_text(name) for name in names]
         rows = init_class_rows(self, names, texts, seed)
-        self.bank.append(names, rows, version)
-        self.class_texts.extend(texts)
+        return [
+            ClassEntry(name, values={f: rows[f][i] for f in rows}) for i, name in enumerate(names)
+        ]
+
+    def add_classes(self, names: list[str], seed: int) -> None:
+        """Register new classes (appended; existing rows never move)."""
+        self.bank.append(self.new_entries(names, seed))
+        self.class_texts.extend(class_name_to_text(name) for name in names)
         self._cache_text_inputs()
 
     def load_bank(self, bank: ClassBank) -> None:
@@ -129,9 +135,9 @@ class StarPrompt:
             self.vit,
             images,
             image_features,
-            bank.keys,
-            bank.query_weights if query_weights is None else query_weights,
-            bank.query_prompts if query_prompts is None else query_prompts,
+            bank["key"],
+            bank["query_weight"] if query_weights is None else query_weights,
+            bank["query_prompt"] if query_prompts is None else query_prompts,
             self.confidence_modulation,
         )
 
@@ -145,8 +151,8 @@ class StarPrompt:
         """
         bank = self.bank
         if use_keys:
-            logits = first_level_logits(image_features, bank.keys, self.encoder.logit_scale)
+            logits = first_level_logits(image_features, bank["key"], self.encoder.logit_scale)
             return Prediction(logits, logits.argmax(-1, keepdim=True))
         out = self.second_level(images, image_features)
-        logits = F.linear(out.features, bank.aligned_head_weight, bank.aligned_head_bias)
+        logits = F.linear(out.features, bank["aligned_head_weight"], bank["aligned_head_bias"])
         return Prediction(logits, out.selected)
