@@ -6,8 +6,6 @@ import warnings
 
 import numpy as np
 import pytest
-from rich.console import Console
-from rich.table import Table
 
 from starfed.shared.data.cropdiseases import bundled_dataset_root
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
@@ -149,20 +147,6 @@ def test_min_partition_size() -> None:
         impossible = Scenario(ScenarioConfig(min_partition_size=100))  # 5 x 100 > ~320 images
         with pytest.raises(ValueError, match="task 0"):
             impossible.train_samples(0, 0)
-
-
-def test_summary_table(scenario: Scenario) -> None:
-    table = scenario.summary_table(2)
-    assert isinstance(table, Table)
-    assert [c.header for c in table.columns] == [
-        "client",
-        *map(str, scenario.split.task_labels(2)),
-        "total",
-    ]
-    assert table.row_count == scenario.n_clients + 1
-    console = Console(width=120, record=True)
-    console.print(table)
-    assert str(int(scenario.class_counts(2).sum())) in console.export_text()
 
 
 def test_from_run_config_reads_dashed_keys_and_ignores_others() -> None:

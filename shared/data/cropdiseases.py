@@ -209,11 +209,6 @@ class SplitCropDiseases:
         """Classes over all tasks."""
         return len(self.class_folders)
 
-    @property
-    def class_texts(self) -> list[str]:
-        """Text of each global label, for CLIP prompts."""
-        return [class_name_to_text(f) for f in self.class_folders]
-
     def task_labels(self, task: int) -> list[int]:
         """Global labels introduced by ``task``."""
         if not 0 <= task < self.n_tasks:

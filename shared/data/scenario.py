@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import datasets
 import numpy as np
 from flwr_datasets.partitioner import DirichletPartitioner
-from rich.table import Table
 
 from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root
 from starfed.shared.run_config import get
@@ -200,22 +199,6 @@ class Scenario:
                     counts[client, label - first] += 1
             self._counts[task] = counts
         return self._counts[task].copy()
-
-    def summary_table(self, task: int) -> Table:
-        """Clients x classes (global labels) image counts of ``task``, for progress printing."""
-        labels = self.split.task_labels(task)
-        counts = self.class_counts(task)
-        table = Table(title=f"Task {task} train images")
-        table.add_column("client")
-        for label in labels:
-            table.add_column(str(label), justify="right")
-        table.add_column("total", justify="right", style="bold")
-        for client, row in enumerate(counts):
-            table.add_row(str(client), *map(str, row.tolist()), str(int(row.sum())))
-        table.add_section()
-        totals = counts.sum(axis=0)
-        table.add_row("all", *map(str, totals.tolist()), str(int(totals.sum())), style="bold")
-        return table
 
     def _check_client(self, client: int) -> int:
         if not 0 <= client < self.n_clients:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
+from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.data.cropdiseases import augment, normalize, to_unit
@@ -219,9 +220,9 @@ def stage2(
     """Fit the current A_c, Q_c and head rows with CE (past masked) + λ₂·L_OQ."""
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2].site_stream, round_index)
     bank, views = model.bank, Views.of(model.backbones)
-    current = {
+    current = {  # the fields stage 2 trains, as the schema lists them
         name: bank[name][n_past:].clone().requires_grad_(True)
-        for name in ("query_weight", "query_prompt", "head_weight", "head_bias")
+        for name in schema.trained_in(Phase.STAGE2)
     }
     past = {name: bank[name][:n_past] for name in current}
     optimizer = torch.optim.Adam(current.values(), lr=config.stage2_lr)
