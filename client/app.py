@@ -1,11 +1,18 @@
 """The Flower ClientApp: a handler for each phase of the protocol table, delegating to ``Site``.
 
+A node is a site when its node config names its folders (``data-dir``, ``state-dir``, and
+``site-name``; ``starfed site start`` writes them); in a simulation (``partition-id``) the
+scenario fills a data folder per simulated site inside the run folder, which the same site code
+then reads. A node with neither refuses every message: it must not train on data it was never
+given.
+
 Message contents (``RecordDict``):
 
-* in: ``config`` (ConfigRecord: ``step``, ``round``, ``wire-dtype``) and, where the phase sends
-  it, ``codebook`` (ConfigRecord ``data``: the serialised codebook the phase starts from);
-* out: ``update`` (ConfigRecord ``data``: a serialised ``ClientUpdate``, for sync the classes the
-  site holds now) or, for evaluation, ``metrics`` (MetricRecord).
+* in: ``config`` (ConfigRecord: ``step``, ``round``, ``wire-dtype``, ``federation``; for sync
+  the ``frozen`` class names, for evaluation the ``class-steps``) and, where the phase sends it,
+  ``codebook`` (ConfigRecord ``data``: the codebook, or a delta from the one the site holds);
+* out: ``update`` (ConfigRecord ``data``: a serialised ``ClientUpdate``, for sync the classes
+  of the site's current task) or, for evaluation, ``report`` (an ``EvaluationReport``).
 
 Anything decoded is validated against this site's backbones; a bad codebook raises, which
 Flower turns into an error reply the server logs. Raw images and features never leave.
@@ -16,19 +23,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.client_app import DEFAULT_ACTION
 
+from starfed.client.memory import SiteMemory
 from starfed.client.site import Site
-from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.protocol import PHASES, Phase, PhaseSpec
-from starfed.shared.run_config import BackboneOptions, get, train_config
+from starfed.shared.run_config import BackboneOptions, get, run_dir, train_config
 
 app = ClientApp()
 
 _SITES: dict[tuple[int, int], Site] = {}
+
+
+class NoDataError(RuntimeError):
+    """A node that is neither a configured site nor a simulated one."""
 
 
 def default_cache_dir() -> Path:
@@ -36,72 +47,63 @@ def default_cache_dir() -> Path:
 
 
 def site_for(context: Context) -> Site:
-    """The site of this node in this run (built once per process; backbones cached too).
-
-    In simulation the node config gives ``partition-id``/``num-partitions``; a deployed site
-    gives ``data-root`` (its own images, all of them this site's) and optionally ``cache-dir``.
-    """
+    """The site of this node in this run (built once per process; backbones cached too)."""
     key = (context.run_id, context.node_id)
     if key not in _SITES:
         run_config, node_config = context.run_config, context.node_config
-        if "data-root" in node_config:
-            partition = 0
-            site_keys = {"data-root": node_config["data-root"], "num-clients": 1}
-        else:
+        backbones = BackboneOptions.from_run_config(run_config).load()
+        before_scan = None
+        if "data-dir" in node_config:
+            name = get(node_config, "site-name", str, "") or f"node-{context.node_id}"
+            data_dir = Path(get(node_config, "data-dir", str, ""))
+            state_dir = Path(get(node_config, "state-dir", str, "") or data_dir / ".starfed")
+            cache_dir = Path(get(node_config, "cache-dir", str, "") or state_dir / "cache")
+        elif "partition-id" in node_config:
             partition = get(node_config, "partition-id", int, 0)
             clients = get(node_config, "num-partitions", int, run_config.get("num-clients", 1))
-            site_keys = {"num-clients": clients}
-        scenario_config = ScenarioConfig.from_run_config({**run_config, **site_keys})
-        cache_dir = Path(get(node_config, "cache-dir", str, "") or default_cache_dir())
+            scenario = Scenario(
+                ScenarioConfig.from_run_config({**run_config, "num-clients": clients})
+            )
+            name = f"site-{partition}"
+            root = run_dir(run_config, context.run_id) / "sites" / name
+            data_dir, state_dir = root / "data", root / "state"
+            cache_dir = Path(get(node_config, "cache-dir", str, "") or default_cache_dir())
+
+            def before_scan(step: int) -> None:
+                scenario.write_site(partition, data_dir, step)
+
+        else:
+            raise NoDataError(
+                "this SuperNode has no data folder: start it with `starfed site start --data "
+                "DIR` (node config data-dir), so it never trains on data it was not given"
+            )
+        memory = SiteMemory(state_dir, backbones.fingerprint, backbones.dims)
         _SITES[key] = Site(
-            Scenario(scenario_config),
-            partition,
-            BackboneOptions.from_run_config(run_config).load(),
-            train_config(run_config),
-            cache_dir,
+            name, data_dir, memory, backbones, train_config(run_config), cache_dir, before_scan
         )
     return _SITES[key]
 
 
-def _step_and_round(message: Message) -> tuple[int, int]:
-    config = message.content["config"]
-    return int(config["step"]), int(config.get("round", 0))
-
-
-def _codebook(message: Message, site: Site) -> Codebook:
-    data = message.content["codebook"]["data"]
-    return Codebook.from_bytes(data, fingerprint=site.fingerprint, dims=site.backbones.dims)
-
-
 def _answer(phase: Phase, message: Message, context: Context) -> Message:
-    """The reply to one phase's message: an update, or for evaluation the site's scores."""
+    """The reply to one phase's message: an update, or for evaluation the site's report."""
     site = site_for(context)
-    step, round_index = _step_and_round(message)
-    if phase is Phase.EVALUATE:
-        return Message(
-            RecordDict({"metrics": _scores(site, _codebook(message, site), step)}), reply_to=message
-        )
+    config = message.content["config"]
+    step, round_index = int(config["step"]), int(config.get("round", 0))
+    federation = str(config["federation"])
     if phase is Phase.SYNC:
-        update = site.sync(step)
+        frozen = [str(name) for name in config.get("frozen", [])]
+        update = site.sync(step, frozen, federation, str(config["epoch"]))
     else:
-        update = site.run_phase(phase, _codebook(message, site), step, round_index)
-    wire = str(message.content["config"].get("wire-dtype", "float32"))
+        site.memory.join(federation)
+        codebook = site.memory.receive(message.content["codebook"]["data"])
+        if phase is Phase.EVALUATE:
+            report = site.evaluate(codebook, [int(s) for s in config["class-steps"]])
+            content = RecordDict({"report": ConfigRecord({"data": report.to_bytes()})})
+            return Message(content, reply_to=message)
+        update = site.run_phase(phase, codebook, step, round_index)
+    wire = str(config.get("wire-dtype", "float32"))
     content = RecordDict({"update": ConfigRecord({"data": update.to_bytes(wire)})})
     return Message(content, reply_to=message)
-
-
-def _scores(site: Site, codebook: Codebook, step: int) -> MetricRecord:
-    """Accuracy on this site's test images of every task it has seen."""
-    scores = site.evaluate(codebook, step)
-    if scores is None:
-        return MetricRecord({"task": -1})
-    return MetricRecord(
-        {
-            "task": len(scores.accuracy) - 1,
-            "accuracy": scores.accuracy,
-            "selection-accuracy": scores.selection_accuracy,
-        }
-    )
 
 
 def _register(spec: PhaseSpec) -> None:

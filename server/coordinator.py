@@ -1,47 +1,53 @@
-"""The server's aggregation step: the phases of ``starfed.shared.protocol.PHASES``, in order.
+"""The server's aggregation steps: the phases of ``starfed.shared.protocol.PHASES``, in order.
 
 For each phase the ``Coordinator`` sends one message to every participating site and hands the
 replies to the phase's reducer (``REDUCERS``): sync registers the classes sites bring, training
-phases merge, statistics phases merge and replay (``starfed.server.replay``), evaluation
-collects scores. The codebook is the single source of truth: every reducer replaces it with a
-new value, and it is checkpointed after every phase.
+phases merge, statistics phases merge and replay (``starfed.server.replay``), evaluation adds up
+the sites' scores. The codebook is the single source of truth: every reducer replaces it with a
+new value, and it is checkpointed in the federation folder after every phase, with the protocol
+position, so an interrupted step can resume (``server.federation``).
+
+A run performs steps until no site brings a new class (or ``max_steps``). A phase in which no
+class in play gets an update fails the step (rolled back); a step in which some site failed or
+was rejected completes ``degraded``. Sites that keep the last codebook receive deltas.
 
 It talks to sites only through a Flower ``Grid`` (``get_node_ids``, ``send_and_receive``), so
 tests drive it with an in-process grid. Every send has a timeout; error replies and missing
-replies are logged with node and phase, and the round goes on with the rest. Replies are
-decoded (= validated) once, at this boundary; a bad one is rejected, never half-applied.
+replies are logged with node and phase. Replies are decoded (= validated) once, at this
+boundary; a bad one is rejected, never half-applied.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 
-import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from rich.console import Console
 
 from starfed.server import replay
+from starfed.server.federation import EPOCH_KEY, Federation, Position
+from starfed.server.scores import StepScores, aggregate
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
 from starfed.shared.codebook.merge import merge_updates
-from starfed.shared.data.cropdiseases import DecodedImages, decode_images
-from starfed.shared.data.scenario import Scenario
+from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import Backbones
-from starfed.shared.model.evaluation import evaluate_decoded
-from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, clip_features
+from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import PHASES, Phase, PhaseSpec
+from starfed.shared.report import EvaluationReport
 from starfed.shared.run_config import ProtocolOptions
 
 logger = logging.getLogger(__name__)
 
-CODEBOOK_FILE = "codebook.bin"
+COMPLETED, DEGRADED, FAILED = "completed", "degraded", "failed"
+WAIT_POLL_S = 1.0
+
+
+class StepFailed(RuntimeError):
+    """A phase in which no class in play got an update: the step cannot finish."""
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Exchange:
     phase: str
     round: int
     node_id: int
+    site: str
     bytes_down: int
     bytes_up: int = 0
     status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason>
@@ -59,18 +66,19 @@ class Exchange:
 
 @dataclass
 class RunLog:
+    """What one server run did."""
+
+    steps: list[dict] = field(default_factory=list)  # the records it wrote to the history
     exchanges: list[Exchange] = field(default_factory=list)
-    phase_seconds: list[dict] = field(default_factory=list)
-    client_reports: list[dict] = field(default_factory=list)
-    accuracy_matrix: list[list[float]] = field(default_factory=list)
-    selection_matrix: list[list[float]] = field(default_factory=list)
+    status: str = COMPLETED
+    reason: str = ""
 
 
 Reply = tuple[Exchange, Message]
 
 
 class Coordinator:
-    """Drives the phases of every step; owns the codebook."""
+    """Drives the phases of every step of one server run; owns the codebook."""
 
     def __init__(
         self,
@@ -78,62 +86,176 @@ class Coordinator:
         backbones: Backbones,
         train: TrainConfig,
         protocol: ProtocolOptions,
-        n_steps: int,
-        run_dir: Path,
-        scenario: Scenario | None = None,
+        federation: Federation,
         console: Console | None = None,
+        server_eval: Callable[[Codebook, dict[str, int], int], dict] | None = None,
     ) -> None:
         self.grid = grid
         self.backbones = backbones
         self.train = train
         self.protocol = protocol
-        self.n_steps = n_steps
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.scenario = scenario  # for the server's global test set (simulation only)
+        self.federation = federation
         self.console = console or Console(stderr=True)
-        self.codebook = Codebook(backbones.fingerprint, backbones.dims)
+        self.server_eval = server_eval  # a simulation's scores on a global test set
+        self.codebook = federation.codebook()
+        self.position = federation.position(self.codebook)
         self.log = RunLog()
-        self.in_play: list[str] = []  # classes the current step trains
+        self.in_play: list[str] = list(self.position.in_play)
+        self.sites: dict[int, str] = {}  # node id -> site name (from its sync)
         self._node_ids: list[int] = []
-        self._global_test: tuple[DecodedImages, torch.Tensor] | None = None
+        self._held: dict[int, int] = {}  # node id -> codebook version it holds (when known)
+        self._steps: list[Exchange] = []
+        self._scores: StepScores | None = None
 
-    def run(self) -> RunLog:
-        for step in range(self.n_steps):
-            self.run_step(step)
+    # --- runs and steps ---------------------------------------------------------------------
+
+    def run(self, max_steps: int | None = None) -> RunLog:
+        """Steps until no site brings a new class, a step fails, or ``max_steps`` ran."""
+        if not self._wait_for_sites():
+            return self.log
+        while max_steps is None or len(self.log.steps) < max_steps:
+            record = self.run_step()
+            if record is None:
+                self.console.print("no site brings a new class: the run is over")
+                break
+            if record["status"] == FAILED:
+                break
+        statuses = {record["status"] for record in self.log.steps}
+        if FAILED in statuses:
+            self.log.status = FAILED
+            self.log.reason = next(r["reason"] for r in self.log.steps if r["status"] == FAILED)
+        elif DEGRADED in statuses:
+            self.log.status = DEGRADED
         return self.log
 
-    def run_step(self, step: int) -> None:
-        """One aggregation step: every phase of the protocol table, in order."""
+    def _wait_for_sites(self) -> bool:
+        """Wait up to ``wait-s`` for ``min-sites`` connected sites."""
+        deadline = time.monotonic() + self.protocol.wait_s
+        while True:
+            online = list(self.grid.get_node_ids())
+            if len(online) >= self.protocol.min_sites:
+                return True
+            if time.monotonic() >= deadline:
+                self.log.status = FAILED
+                self.log.reason = (
+                    f"{len(online)} site(s) connected, {self.protocol.min_sites} needed "
+                    f"(waited {self.protocol.wait_s:.0f}s)"
+                )
+                self.console.print(f"[red]{self.log.reason}")
+                return False
+            time.sleep(WAIT_POLL_S)
+
+    def run_step(self) -> dict | None:
+        """One aggregation step, or the rest of an interrupted one; its history record, or
+        None when no site brings anything new (nothing is recorded then)."""
+        resume = self.position.running
+        step = self.position.step
+        if not resume:
+            self.codebook = self.federation.begin_step(self.codebook, step)
+            self.position = self.federation.position(self.codebook)
+        started, status, reason = time.time(), COMPLETED, ""
+        self._steps, self._scores = [], None
         self._node_ids = sorted(self.grid.get_node_ids())
-        rounds = {
-            Phase.STAGE1: self.protocol.stage1_rounds,
-            Phase.STAGE2: self.protocol.stage2_rounds,
-        }
-        for spec in PHASES:
-            for round_index in range(rounds.get(spec.phase, 1)):
-                with self._phase(step, spec, round_index):
+        rounds = {Phase.STAGE1: self.protocol.stage1_rounds,
+                  Phase.STAGE2: self.protocol.stage2_rounds}  # fmt: skip
+        phase_seconds = []
+        try:
+            for spec in PHASES:
+                for round_index in range(rounds.get(spec.phase, 1)):
+                    done = f"{spec.phase.key}/{round_index}"
+                    if done in self.position.done and spec.phase is not Phase.SYNC:
+                        continue
+                    t0 = time.perf_counter()
                     replies = self._exchange(spec, step, round_index)
-                    REDUCERS[spec.phase](self, spec.phase, step, replies)
+                    if spec.phase is Phase.SYNC and resume:
+                        self._participants(replies)  # who is here; nothing is registered again
+                    else:
+                        REDUCERS[spec.phase](self, spec.phase, step, replies)
+                    if spec.phase is Phase.SYNC and not self.in_play:  # nothing new: no step
+                        self.position = Position(step)
+                        self.codebook = self.federation.checkpoint(self.codebook, self.position)
+                        return None
+                    finished = tuple(dict.fromkeys((*self.position.done, done)))
+                    self.position = replace(self.position, done=finished,
+                                            in_play=tuple(self.in_play))  # fmt: skip
+                    self.codebook = self.federation.checkpoint(self.codebook, self.position)
+                    phase_seconds.append({"phase": spec.phase.key, "round": round_index,
+                                          "seconds": time.perf_counter() - t0})  # fmt: skip
+        except StepFailed as err:
+            status, reason = FAILED, str(err)
+            self.console.print(f"[red]step {step + 1} failed: {reason}; rolled back")
+        if status != FAILED and any(e.status != "ok" for e in self._steps):
+            status = DEGRADED
+        record = self._record(step, status, reason, started, phase_seconds)
+        kept = None if status == FAILED else self.codebook
+        self.codebook = self.federation.end_step(record, kept)
+        self.position = self.federation.position(self.codebook)
+        self.in_play = []
+        self.log.steps.append(record)
+        return record
+
+    def _record(self, step: int, status: str, reason: str, started: float, seconds: list) -> dict:
+        attempts = sum(r["step"] == step for r in self.federation.history())
+        exchanges = [asdict(e) for e in self._steps]
+        record = {
+            "step": step, "attempt": attempts, "status": status, "reason": reason,
+            "started": started, "wall_s": time.time() - started,
+            "classes": list(self.in_play), "sites": sorted(set(self.sites.values())),
+            "phase_seconds": seconds, "exchanges": exchanges,
+            "codebook_version": self.codebook.version,
+        }  # fmt: skip
+        if self._scores is not None:
+            record["scores"] = asdict(self._scores)
+        if self.server_eval is not None and status != FAILED:
+            steps = {name: self.federation.registry[name].step for name in self.codebook.names}
+            record["server_eval"] = self.server_eval(self.codebook, steps, step)
+        return record
 
     # --- messaging --------------------------------------------------------------------------
 
+    def _config(self, spec: PhaseSpec, step: int, round_index: int) -> dict:
+        config = {
+            "step": step, "round": round_index, "wire-dtype": self.protocol.wire_dtype,
+            "federation": self.federation.id, "epoch": self.codebook.metadata[EPOCH_KEY],
+        }  # fmt: skip
+        if spec.phase is Phase.SYNC:
+            config["frozen"] = sorted(self.codebook.frozen)
+        if spec.phase is Phase.EVALUATE:
+            registry = self.federation.registry
+            config["class-steps"] = [registry[name].step for name in self.codebook.names]
+        return config
+
+    def _payloads(self) -> Callable[[int], bytes]:
+        """The broadcast for each node: a delta from the version it holds, else the whole
+        codebook (computed once per distinct base version)."""
+        metadata = {k: self.codebook.metadata[k] for k in ("federation", EPOCH_KEY)}
+        full = replace(self.codebook.broadcast(), metadata=metadata)
+        cache: dict[int, bytes] = {}
+
+        def payload(node: int) -> bytes:
+            since = self._held.get(node, 0)
+            if since not in cache:
+                value = full if not 0 < since < full.version else self.codebook.delta(since)
+                value.metadata = dict(full.metadata)
+                cache[since] = value.to_bytes(self.protocol.wire_dtype)
+            return cache[since]
+
+        return payload
+
     def _exchange(self, spec: PhaseSpec, step: int, round_index: int) -> list[Reply]:
         """Send one phase to every node; return the good replies with their log entries."""
-        config = ConfigRecord(
-            {"step": step, "round": round_index, "wire-dtype": self.protocol.wire_dtype}
-        )
-        payload = b""
-        if spec.sends_codebook:  # sites never read the mixtures
-            payload = self.codebook.without_mixtures().to_bytes(self.protocol.wire_dtype)
+        config = ConfigRecord(self._config(spec, step, round_index))
+        payload = self._payloads() if spec.sends_codebook else None
         messages, exchanges = [], []
         for node in self._node_ids:
             content = RecordDict({"config": config})
-            if spec.sends_codebook:
-                content["codebook"] = ConfigRecord({"data": payload})
+            data = payload(node) if payload else b""
+            if payload:
+                content["codebook"] = ConfigRecord({"data": data})
             group = f"{step}/{spec.phase.key}/{round_index}"
             messages.append(Message(content, node, spec.message_type, group_id=group))
-            exchanges.append(Exchange(step, spec.phase.key, round_index, node, len(payload)))
+            site = self.sites.get(node, "")
+            exchanges.append(Exchange(step, spec.phase.key, round_index, node, site, len(data)))
         replies = self.grid.send_and_receive(messages, timeout=self.protocol.timeout_s)
         # Grids fill in each message's id when they push it; replies point back to it.
         logs = {m.metadata.message_id: e for m, e in zip(messages, exchanges, strict=True)}
@@ -141,37 +263,36 @@ class Coordinator:
         for reply in replies:
             entry = logs.get(reply.metadata.reply_to_message_id)
             if entry is None:
-                logger.warning(
-                    "reply to an unknown message from node %s", reply.metadata.src_node_id
-                )
+                logger.warning("reply to an unknown message from node %s",
+                               reply.metadata.src_node_id)  # fmt: skip
                 continue
             answered.add(entry.node_id)
             if reply.has_error():
                 entry.status = f"error: {_short_reason(reply.error.reason)}"
-                logger.warning(
-                    "node %s failed %s: %s", entry.node_id, spec.phase.key, reply.error.reason
-                )
+                logger.warning("node %s failed %s: %s", entry.node_id, spec.phase.key,
+                               reply.error.reason)  # fmt: skip
                 continue
             entry.bytes_up = _content_bytes(reply.content)
             good.append((entry, reply))
         for entry in logs.values():
             if entry.node_id not in answered:
                 entry.status = "no reply"
-                logger.warning(
-                    "node %s sent no %s reply within %.0fs",
-                    entry.node_id,
-                    spec.phase.key,
-                    self.protocol.timeout_s,
-                )
+                logger.warning("node %s sent no %s reply within %.0fs", entry.node_id,
+                               spec.phase.key, self.protocol.timeout_s)  # fmt: skip
+        for entry in logs.values():  # a site that answered holds what it was sent
+            if payload and entry.status == "ok":
+                self._held[entry.node_id] = self.codebook.version
+            elif payload:
+                self._held.pop(entry.node_id, None)
         self.log.exchanges.extend(logs.values())
+        self._steps.extend(logs.values())
         return good
 
-    def _updates(
-        self, replies: list[Reply], phase: Phase
-    ) -> list[tuple[Exchange, ClientUpdate]]:
+    def _updates(self, replies: list[Reply], phase: Phase) -> list[tuple[Exchange, ClientUpdate]]:
         """Decode (= validate) each update against the codebook the phase was sent with; drop
         bad ones and rows of classes not in play."""
         updates = []
+        in_play = set(self.in_play)
         # Merge order changes float rounding: order by content, not by node id (random per run).
         for entry, reply in sorted(replies, key=lambda r: _update_digest(r[1])):
             try:
@@ -181,41 +302,65 @@ class Coordinator:
                 _reject(entry, str(err) if isinstance(err, CodebookError) else _malformed(err))
                 continue
             if phase is not Phase.SYNC:
-                in_play = set(self.in_play)
                 stray = [e.name for e in update.entries if e.name not in in_play]
                 if stray:
-                    logger.warning(
-                        "node %s sent rows of classes not in play: %s", entry.node_id, stray
-                    )
+                    logger.info("node %s sent rows of classes not in play: %s",
+                                entry.node_id, stray)  # fmt: skip
                     update.entries = [e for e in update.entries if e.name in in_play]
             updates.append((entry, update))
         return updates
 
     # --- reducers, one per phase ------------------------------------------------------------
 
-    def _sync(self, phase: Phase, step: int, replies: list[Reply]) -> None:
-        """Register the classes sites hold now; new ones get deterministic initial values.
+    def _participants(self, replies: list[Reply]) -> list[tuple[Exchange, ClientUpdate]]:
+        """Accepted syncs: the nodes that take part in the rest of the step, their site names
+        and the codebook version each holds. A silent node costs one timeout per step, not
+        one per phase; a node with other backbones or a malformed reply sits the step out."""
+        accepted = sorted(self._updates(replies, Phase.SYNC), key=lambda r: r[0].node_id)
+        self._node_ids = [entry.node_id for entry, _ in accepted]
+        for entry, update in accepted:
+            site = update.metadata.get("site") or f"node-{entry.node_id}"
+            self.sites[entry.node_id] = entry.site = site
+            held = update.base_version
+            if 0 < held <= self.codebook.version:
+                self._held[entry.node_id] = held
+            else:
+                self._held.pop(entry.node_id, None)
+        return accepted
 
-        Only nodes whose sync was accepted take part in the rest of the step: a silent node
-        costs one timeout per step, not one per phase, and a node with other backbones or a
-        malformed reply is not asked again until the next step.
-        """
-        new: dict[str, float] = {}  # class name -> its first position in the sites' class order
-        accepted: list[int] = []
-        for entry, update in sorted(self._updates(replies, phase), key=lambda r: r[0].node_id):
-            accepted.append(entry.node_id)
-            for class_entry, position in zip(update.entries, update.class_order, strict=True):
-                if class_entry.name not in self.codebook:
-                    new[class_entry.name] = min(new.get(class_entry.name, math.inf), position)
-        self._node_ids = accepted
-        # Registration order fixes the initial values (they are seeded by the ordered names),
-        # so it must not depend on node ids, which differ from run to run.
-        self.in_play = sorted(new, key=lambda name: (new[name], name))
+    def _sync(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        """Register the classes sites bring that the federation does not know yet, in the
+        order of their class keys (``class_key``); they start from the same values everywhere.
+        A class known under another spelling is the same class; a finished (frozen) class
+        brought again is logged and stays frozen."""
+        known = {class_key(name): name for name in self.codebook.names}
+        new: dict[str, str] = {}  # key -> the first spelling in name order
+        brought: dict[str, list[str]] = {}
+        for entry, update in self._participants(replies):
+            for class_entry in update.entries:
+                key = class_key(class_entry.name)
+                if key in known and self.codebook[known[key]].frozen:
+                    logger.info("site %s brings %r again: it is finished and stays frozen",
+                                entry.site, known[key])  # fmt: skip
+                name = known.get(key) or min(new.get(key, class_entry.name), class_entry.name)
+                if key not in known:
+                    new[key] = name
+                brought.setdefault(name, []).append(entry.site)
+        self.in_play = [new[key] for key in sorted(new)]
         if self.in_play:
             self.codebook = replay.register(self.codebook, self.in_play, self.backbones, self.train)
+            self.federation.register(self.in_play, step, brought)
+            self.console.print(
+                f"step {step + 1}: {len(self.in_play)} new classes from "
+                f"{len({s for n in self.in_play for s in brought[n]})} site(s) · "
+                f"{len(self._node_ids)} site(s) take part"
+            )
 
     def _merge(self, phase: Phase, step: int, replies: list[Reply]) -> None:
         updates = [update for _, update in self._updates(replies, phase)]
+        carried = {e.name for update in updates for e in update.entries}
+        if not carried & set(self.in_play):
+            raise StepFailed(f"no site's {phase.key} update arrived for any class in play")
         self.codebook = merge_updates(
             self.codebook, updates, n_components=self.train.mixture_components
         )
@@ -239,50 +384,22 @@ class Coordinator:
         self.codebook = replay.replay_head(self.codebook, self.train, step, freeze=self.in_play)
 
     def _evaluate(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        reports = []
         for entry, reply in replies:
             try:
-                metrics = dict(reply.content["metrics"])
-            except (KeyError, TypeError) as err:
-                _reject(entry, _malformed(err))
-                continue
-            self.log.client_reports.append({"step": step, "node_id": entry.node_id, **metrics})
-        if self.scenario is None or len(self.codebook) == 0:
-            return
-        if self._global_test is None:  # frozen CLIP: decode and encode the test set once
-            test = decode_images(
-                self.scenario.global_test_samples(range(self.scenario.n_tasks)),
-                self.backbones.config.image_size,
-                progress=False,
-            )
-            self._global_test = test, clip_features(self.backbones, test.images)
-        n_tasks = min(step, self.scenario.n_tasks - 1) + 1
-        model = StarPrompt(self.backbones, confidence_modulation=self.train.confidence_modulation)
-        model.load_bank(self.codebook.bank())
-        # Images of classes not learned yet are left out by evaluate_decoded.
-        scores = evaluate_decoded(model, *self._global_test, self.scenario.split, n_tasks)
-        self.log.accuracy_matrix.append(scores.accuracy)
-        self.log.selection_matrix.append(scores.selection_accuracy)
-        mean = sum(scores.accuracy) / len(scores.accuracy)
+                data = reply.content["report"]["data"]
+                report = EvaluationReport.from_bytes(data, against=self.codebook)
+                reports.append((entry.site, report))
+            except (CodebookError, KeyError, TypeError) as err:
+                _reject(entry, str(err) if isinstance(err, CodebookError) else _malformed(err))
+        registry = self.federation.registry
+        class_steps = {name: registry[name].step for name in self.codebook.names}
+        self._scores = aggregate(reports, class_steps, step, self.codebook.dims.n_layers)
+        row = " ".join(f"{a:.0f}" for a in self._scores.accuracy)
         self.console.print(
-            f"step {step + 1}/{self.n_steps}: {len(self.codebook)} classes · "
-            f"global accuracy {mean:.1f}% · " + " ".join(f"{a:.0f}" for a in scores.accuracy)
+            f"step {step + 1}: {len(self.codebook)} classes · federation accuracy "
+            f"{self._scores.mean_accuracy:.1f}% by arrival step: {row}"
         )
-
-    # --- bookkeeping ------------------------------------------------------------------------
-
-    @contextmanager
-    def _phase(self, step: int, spec: PhaseSpec, round_index: int) -> Iterator[None]:
-        """Time a phase, then checkpoint the codebook."""
-        started = time.perf_counter()
-        yield
-        seconds = time.perf_counter() - started
-        self.log.phase_seconds.append(
-            {"step": step, "phase": spec.phase.key, "round": round_index, "seconds": seconds}
-        )
-        self.codebook.save(self.run_dir / CODEBOOK_FILE)
-
-    def exchanges_as_dicts(self) -> list[dict]:
-        return [asdict(e) for e in self.log.exchanges]
 
 
 REDUCERS: dict[Phase, Callable[[Coordinator, Phase, int, list[Reply]], None]] = {
@@ -323,8 +440,5 @@ def _content_bytes(content: RecordDict) -> int:
     total = 0
     for record in content.values():
         for value in record.values():
-            if isinstance(value, bytes):
-                total += len(value)
-            else:
-                total += len(str(value).encode())
+            total += len(value) if isinstance(value, bytes) else len(str(value).encode())
     return total

@@ -31,7 +31,7 @@ def register(
 ) -> Codebook:
     """``names`` appended with the initial values every site would compute for them."""
     model = StarPrompt(backbones, confidence_modulation=config.confidence_modulation)
-    return codebook.evolve(model.new_entries(names, seed=config.seed))
+    return codebook.register(model.new_entries(names, seed=config.seed))
 
 
 def replay_first_level(

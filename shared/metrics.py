@@ -1,8 +1,9 @@
 """Continual-learning metrics: the accuracy matrix, FAA, forgetting, and their plot.
 
-``matrix[i][j]`` is the accuracy (in %) on task j's test set after training task i (j ≤ i).
-Final average accuracy (FAA) is the mean of the last row; forgetting averages, over all tasks
-but the last, the drop from a task's best earlier accuracy to its final one.
+``matrix[i][j]`` is the accuracy (in %) on task j's test set after training task i (j ≤ i);
+in a federation, tasks are the classes each step registered. Final average accuracy (FAA) is the
+mean of the last row; forgetting averages, over all tasks but the last, the drop from a task's
+best earlier accuracy to its final one. A NaN (no test images of a task anywhere) is left out.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from matplotlib.figure import Figure  # no pyplot: files only, no display or glo
 AccuracyMatrix = list[list[float]]  # row i has i + 1 entries
 
 
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if not np.isnan(v)]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
 def final_average_accuracy(matrix: AccuracyMatrix) -> float:
-    return float(np.mean(matrix[-1])) if matrix else float("nan")
+    return _nanmean(matrix[-1]) if matrix else float("nan")
 
 
 def final_forgetting(matrix: AccuracyMatrix) -> float:
@@ -24,8 +30,12 @@ def final_forgetting(matrix: AccuracyMatrix) -> float:
     if len(matrix) < 2:
         return 0.0
     last = matrix[-1]
-    drops = [max(row[j] for row in matrix[j:-1]) - last[j] for j in range(len(matrix) - 1)]
-    return float(np.mean(drops))
+    drops = []
+    for j in range(len(matrix) - 1):
+        earlier = [row[j] for row in matrix[j:-1] if not np.isnan(row[j])]
+        if earlier and not np.isnan(last[j]):
+            drops.append(max(earlier) - last[j])
+    return _nanmean(drops)
 
 
 def plot_accuracy_matrix(matrix: AccuracyMatrix, path: Path, title: str) -> None:

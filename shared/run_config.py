@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from starfed.shared.model.backbones import Backbones, create_backbones
@@ -44,6 +45,13 @@ def get(run_config: RunConfig, key: str, kind: type, default: Any) -> Any:
         return kind(raw)
     except (TypeError, ValueError):
         raise ValueError(f"run config {key!r}: expected {kind.__name__}, got {raw!r}") from None
+
+
+def run_dir(run_config: RunConfig, run_id: int) -> Path:
+    """The folder of a run: ``<results-dir>/<run-name>``, where an empty run name becomes
+    ``fed-<run id>`` — the server and the simulated sites derive the same folder."""
+    name = get(run_config, "run-name", str, "") or f"fed-{run_id}"
+    return Path(get(run_config, "results-dir", str, "results")) / name
 
 
 def optional_path(run_config: RunConfig, key: str) -> str | None:
@@ -107,7 +115,7 @@ def train_config(run_config: RunConfig) -> TrainConfig:
 
 @dataclass(frozen=True)
 class ProtocolOptions:
-    """How the server drives the phases."""
+    """How the server drives the phases, and where a run keeps its federation."""
 
     stage1_rounds: int = 1
     stage2_rounds: int = 1
@@ -115,7 +123,11 @@ class ProtocolOptions:
     wire_dtype: str = "float32"
     results_dir: str = "results"
     run_name: str | None = None
-    server_eval: bool = True
+    federation_dir: str | None = None  # None: the run's folder (a simulation's own federation)
+    max_steps: int = 0  # 0: until no site brings a new class
+    min_sites: int = 1
+    wait_s: float = 120.0  # for min_sites to connect
+    server_test_dir: str | None = None  # an optional test set on the server
 
     @classmethod
     def from_run_config(cls, run_config: RunConfig) -> ProtocolOptions:
@@ -126,7 +138,11 @@ class ProtocolOptions:
             wire_dtype=get(run_config, "wire-dtype", str, "float32"),
             results_dir=get(run_config, "results-dir", str, "results"),
             run_name=optional_path(run_config, "run-name"),
-            server_eval=get(run_config, "server-eval", bool, True),
+            federation_dir=optional_path(run_config, "federation-dir"),
+            max_steps=get(run_config, "max-steps", int, 0),
+            min_sites=get(run_config, "min-sites", int, 1),
+            wait_s=get(run_config, "wait-s", float, 120.0),
+            server_test_dir=optional_path(run_config, "server-test-dir"),
         )
         if options.wire_dtype not in {"float32", "float16"}:
             raise ValueError("run config 'wire-dtype' must be float32 or float16")

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root, decode_images
+from starfed.shared.data.site_folder import class_key
 from starfed.shared.metrics import final_average_accuracy, final_forgetting, plot_accuracy_matrix
 from starfed.shared.model.backbones import PAPER_VIT_TAGS, PRESETS, create_backbones
 from starfed.shared.model.evaluation import evaluate_decoded
@@ -102,9 +103,15 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
             task_start = time.perf_counter()
             labels = split.task_labels(t)
             n_past = len(model)
-            model.add_classes([split.class_folders[r] for r in labels], seed=config.seed)
-            in_task = torch.isin(train.labels, torch.tensor(labels))
-            images, targets = train.images[in_task], train.labels[in_task]
+            # A task's classes are registered in class-key order, as a federation does.
+            names = sorted((split.class_folders[label] for label in labels), key=class_key)
+            model.add_classes(names, seed=config.seed)
+            row_of = {split.class_folders.index(name): n_past + i for i, name in enumerate(names)}
+            # Images in class-row then file order: the order a site reads its task folder in.
+            in_task = torch.isin(train.labels, torch.tensor(labels)).nonzero().flatten().tolist()
+            in_task.sort(key=lambda i: (row_of[int(train.labels[i])], train.paths[i]))
+            images = train.images[in_task]
+            targets = torch.tensor([row_of[int(train.labels[i])] for i in in_task])
             features = clip_features(backbones, images)
             learn_task(model, images, targets, features, n_past, t, config, progress)
 

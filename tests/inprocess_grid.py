@@ -16,6 +16,9 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
+from starfed.shared.codebook.codebook import Codebook, Delta
+from starfed.shared.codebook.wire import decode_broadcast
+
 Fault = Callable[[Message], Message | None]  # gets the reply; None = the node stays silent
 
 
@@ -36,6 +39,21 @@ class InProcessGrid:
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.node_configs)
+
+    def codebooks_sent(self) -> dict[str, Codebook]:
+        """The codebook each sent message carried, keyed by message id: deltas are applied to
+        what the same node was sent before, as the site does."""
+        held: dict[int, Codebook] = {}
+        out = {}
+        for message in self.sent:
+            if "codebook" not in message.content:
+                continue
+            node = message.metadata.dst_node_id
+            received = decode_broadcast(message.content["codebook"]["data"])
+            if isinstance(received, Delta):
+                received = held[node].apply(received)
+            held[node] = out[message.metadata.message_id] = received
+        return out
 
     def _context(self, node_id: int) -> Context:
         return Context(

@@ -27,16 +27,18 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from starfed.client import app as client_app
+from starfed.client.memory import SiteMemory
 from starfed.client.site import Site
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import run_server
-from starfed.server.coordinator import CODEBOOK_FILE, Coordinator
+from starfed.server.federation import CODEBOOK_FILE
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.protocol import PHASES, Phase
-from starfed.shared.run_config import BackboneOptions, ProtocolOptions, train_config
+from starfed.shared.run_config import BackboneOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inprocess_grid import InProcessGrid
@@ -71,13 +73,15 @@ _run_ids = itertools.count(1000)
 @dataclass
 class Recorded:
     """Replies captured by recording faults, keyed by (step, message type, node), each with the
-    codebook its message carried."""
+    id of the message it answers."""
 
-    updates: dict[tuple[int, str, int], tuple[bytes, Codebook]] = field(default_factory=dict)
+    grid: InProcessGrid
+    updates: dict[tuple[int, str, int], tuple[bytes, str]] = field(default_factory=dict)
     syncs: dict[tuple[int, int], ClientUpdate] = field(default_factory=dict)
 
     def update(self, step: int, message_type: str, node: int) -> ClientUpdate:
-        data, against = self.updates[(step, message_type, node)]
+        data, message_id = self.updates[(step, message_type, node)]
+        against = self.grid.codebooks_sent()[message_id]
         return ClientUpdate.from_bytes(data, against=against, phase=PHASE_OF[message_type])
 
 
@@ -111,15 +115,14 @@ def recording(grid: InProcessGrid, recorded: Recorded):
                 sync = ClientUpdate.from_bytes(data, against=against, phase=Phase.SYNC)
                 recorded.syncs[(step, node)] = sync
             else:
-                against = Codebook.from_bytes(sent.content["codebook"]["data"])
-                recorded.updates[(step, message_type, node)] = (data, against)
+                recorded.updates[(step, message_type, node)] = (data, sent.metadata.message_id)
         return reply
 
     return fault
 
 
 def record_all(grid: InProcessGrid, nodes: list[int] | None = None) -> Recorded:
-    recorded = Recorded()
+    recorded = Recorded(grid)
     for node in nodes if nodes is not None else list(grid.node_configs):
         for message_type in ("query.sync", *UPDATE_TYPES):
             grid.faults[(node, message_type)] = recording(grid, recorded)
@@ -128,17 +131,18 @@ def record_all(grid: InProcessGrid, nodes: list[int] | None = None) -> Recorded:
 
 def broadcast(grid: InProcessGrid, step: int, message_type: str) -> Codebook:
     """The codebook the server sent with ``message_type`` at ``step`` (same for every node)."""
+    sent = grid.codebooks_sent()
     for message in grid.sent:
         config = message.content["config"]
         if message.metadata.message_type == message_type and int(config["step"]) == step:
-            return Codebook.from_bytes(message.content["codebook"]["data"])
+            return sent[message.metadata.message_id]
     raise AssertionError(f"no {message_type} broadcast at step {step}")
 
 
 def run(grid: InProcessGrid, results: Path, name: str = "run") -> dict:
     config = {**grid.run_config, "results-dir": str(results), "run-name": name}
     grid.run_config = config
-    return run_server(grid, config)
+    return run_server(grid, config, grid.run_id)
 
 
 def exchanges(metrics: dict, node: int | None = None, phase: str | None = None) -> list[dict]:
@@ -195,9 +199,9 @@ def assert_finite(codebook: Codebook) -> None:
 def assert_completed(metrics: dict, run_dir: Path, n_classes: int = 4) -> Codebook:
     """The run went through every step and left a complete, fully frozen codebook."""
     assert len(metrics["classes"]) == n_classes
-    assert len(metrics["accuracy_matrix"]) == metrics["n_steps"]
+    assert len(metrics["accuracy_matrix"]) == metrics["steps"] == 2
     codebook = Codebook.load(run_dir / CODEBOOK_FILE, fingerprint=metrics["backbone_fingerprint"])
-    assert codebook.names == metrics["classes"]
+    assert codebook.names == list(metrics["classes"])
     assert codebook.frozen == set(metrics["classes"])
     assert all(set(schema.MIXTURES) <= set(e.values) for e in codebook.entries.values())
     assert_finite(codebook)
@@ -263,8 +267,9 @@ def holders(counts: dict[str, list[int]], name: str) -> list[int]:
 def test_baseline_exchanges_all_ok(baseline):
     metrics = baseline.metrics
     n_nodes = len(baseline.grid.node_configs)
-    assert metrics["n_steps"] == 2
-    assert len(metrics["exchanges"]) == 2 * PHASES_PER_STEP * n_nodes
+    assert metrics["steps"] == 2 and metrics["status"] == "completed"
+    # two steps, then a sync that finds nothing new and ends the run
+    assert len(metrics["exchanges"]) == (2 * PHASES_PER_STEP + 1) * n_nodes
     assert {e["status"] for e in metrics["exchanges"]} == {"ok"}
     for e in metrics["exchanges"]:
         assert e["bytes_up"] > 0
@@ -279,8 +284,9 @@ def test_baseline_exchanges_all_ok(baseline):
                 if per_client[node - 1] > 0
             }
             assert {e.name: e.count for e in sync.entries} == expected
-            assert sync.metadata["task"] == str(step)
-    assert len(metrics["client_reports"]) == 2 * n_nodes
+            assert sync.metadata["task"] == (f"task-{step:02d}" if expected else "")
+            assert sync.metadata["site"] == f"site-{node - 1}"
+    assert sorted(metrics["site_accuracy"]) == [f"site-{i}" for i in range(n_nodes)]
     assert 0.0 <= metrics["final_average_accuracy"] <= 100.0
 
 
@@ -412,7 +418,7 @@ def test_client_raising_in_stage2(pair, tmp_path, monkeypatch):
     original = Site.run_phase
 
     def failing(self, phase, codebook, step, round_index=0):
-        if self.client == 1 and phase == Phase.STAGE2:
+        if self.name == "site-1" and phase == Phase.STAGE2:
             raise RuntimeError("boom")
         return original(self, phase, codebook, step, round_index)
 
@@ -429,6 +435,7 @@ def test_client_raising_in_stage2(pair, tmp_path, monkeypatch):
             assert e["status"] == "ok"
     assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
     assert len(exchanges(metrics, node=2, phase="stage2")) == 2
+    assert metrics["status"] == "degraded"
     # Stage 2 merged node 1 alone; the other phases still merged both clients.
     for step in range(2):
         merged = broadcast(pair, step, "query.stage2_stats")
@@ -450,10 +457,11 @@ def test_silent_client(pair, tmp_path):
 
     silent = exchanges(metrics, node=2)
     # a node that misses the sync is left out of the rest of the step (one timeout per step)
-    assert [e["phase"] for e in silent] == ["sync", "sync"]
+    assert [e["phase"] for e in silent] == ["sync", "sync", "sync"]
     assert all(e["status"] == "no reply" and e["bytes_up"] == 0 for e in silent)
     assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
-    assert {r["node_id"] for r in metrics["client_reports"]} == {1}
+    assert set(metrics["site_accuracy"]) == {"site-0"}
+    assert metrics["status"] == "degraded"
     codebook = assert_completed(metrics, tmp_path / "run")
     # Every count is node 1's alone: nothing of node 2 reached the codebook.
     assert counts_of(codebook) == node1_counts(pair)
@@ -534,10 +542,11 @@ def test_malformed_sync_replies_are_rejected(pair, tmp_path):
     metrics = run(pair, tmp_path)
 
     node2 = exchanges(metrics, node=2)
-    assert [e["phase"] for e in node2] == ["sync", "sync"]
+    assert [e["phase"] for e in node2] == ["sync", "sync", "sync"]
     assert [e["status"] for e in node2] == [
         "rejected: malformed reply ('update')",
         "rejected: a class name is empty",
+        "ok",  # the closing sync, when node 2 has nothing left to bring
     ]
     assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
     codebook = assert_completed(metrics, tmp_path / "run")
@@ -553,7 +562,7 @@ def test_malformed_evaluate_reply_is_rejected(pair, tmp_path):
 
     for e in exchanges(metrics, node=2, phase="evaluate"):
         assert e["status"].startswith("rejected: malformed reply")
-    assert {r["node_id"] for r in metrics["client_reports"]} == {1}
+    assert set(metrics["site_accuracy"]) == {"site-0"}
     # node 2's training replies still count
     trained = [e for e in exchanges(metrics, node=2) if e["phase"] != "evaluate"]
     assert {e["status"] for e in trained} == {"ok"}
@@ -565,14 +574,15 @@ def test_client_with_other_backbones(pair, tmp_path, cache_dir):
     foreign = create_backbones("tiny", seed=1)
     own = BackboneOptions.from_run_config(pair.run_config).load()
     assert foreign.fingerprint != own.fingerprint
-    client_app._SITES[(pair.run_id, 2)] = Site(
-        scenario_of(pair), 1, foreign, train_config(pair.run_config), cache_dir
-    )
+    pair.run_config = {**pair.run_config, "results-dir": str(tmp_path), "run-name": "run"}
+    site = client_app.site_for(pair._context(2))  # node 2's site, then with other backbones
+    site.backbones = foreign
+    site.memory = SiteMemory(site.memory.root, foreign.fingerprint, foreign.dims)
     metrics = run(pair, tmp_path)
 
     # rejected at sync, the node is not asked again in that step
     foreign_exchanges = exchanges(metrics, node=2)
-    assert [e["phase"] for e in foreign_exchanges] == ["sync", "sync"]
+    assert [e["phase"] for e in foreign_exchanges] == ["sync", "sync", "sync"]
     for e in foreign_exchanges:
         assert e["status"].startswith("rejected: backbone fingerprint")
     assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
@@ -585,64 +595,40 @@ def test_client_with_other_backbones(pair, tmp_path, cache_dir):
 
 
 def test_clients_in_different_tasks(cache_dir, tmp_path):
+    """Site 2 joins one step late: its first task is finished by then, so it brings nothing new
+    (its classes stay frozen), trains nothing, and the run ends when no site brings a class."""
     grid = make_grid(cache_dir, 2, alpha=0.5, **{"arrival-offset": 1})
     recorded = record_all(grid)
-    config = grid.run_config
     scenario = scenario_of(grid)
-    assert scenario.n_steps == 3
-    task_classes = [list(class_counts(scenario, task)) for task in range(2)]
-    coordinator = Coordinator(
-        grid,
-        BackboneOptions.from_run_config(config).load(),
-        train_config(config),
-        ProtocolOptions.from_run_config(config),
-        scenario.n_steps,
-        tmp_path / "run",
-        scenario=scenario,
-    )
-    snapshots = []
-    for step in range(scenario.n_steps):
-        coordinator.run_step(step)
-        snapshots.append(Codebook.load(tmp_path / "run" / CODEBOOK_FILE))
-        assert snapshots[-1].version == coordinator.codebook.version
+    task_classes = [sorted(class_counts(scenario, task), key=class_key) for task in range(2)]
+    metrics = run(grid, tmp_path)
+    run_dir = tmp_path / "run"
 
-    # Which task each node said it was on: node 1 runs ahead of node 2 by one step.
-    tasks = {(s, n): int(recorded.syncs[(s, n)].metadata["task"]) for s in range(3) for n in (1, 2)}
-    assert tasks == {(0, 1): 0, (0, 2): -1, (1, 1): 1, (1, 2): 0, (2, 1): -1, (2, 2): 1}
-    assert snapshots[0].names == task_classes[0]
-    assert snapshots[1].names == task_classes[0] + task_classes[1]
-    assert snapshots[2].names == snapshots[1].names
-    assert snapshots[0].frozen == set(task_classes[0])
-    assert snapshots[1].frozen == set(task_classes[0] + task_classes[1])
-
-    # A node sends rows only for classes in play: at step 1 node 1 trains task 1 while node 2,
-    # on task 0 whose classes are frozen, sends none; at step 2 nothing is left to train.
+    # Which task each site was on: site 2 saw nothing at step 0 and only finished tasks later.
+    tasks = {(s, n): recorded.syncs[(s, n)].metadata["task"] for s in range(3) for n in (1, 2)}
+    assert tasks == {
+        (0, 1): "task-00", (0, 2): "",
+        (1, 1): "task-01", (1, 2): "",
+        (2, 1): "", (2, 2): "",
+    }  # fmt: skip
+    assert metrics["steps"] == 2 and metrics["status"] == "completed"
+    assert list(metrics["classes"]) == task_classes[0] + task_classes[1]
+    assert {name: c["step"] for name, c in metrics["classes"].items()} == {
+        **dict.fromkeys(task_classes[0], 0), **dict.fromkeys(task_classes[1], 1)
+    }
+    # Site 2 sent no rows: at step 1 its task 0 is finished, and task 1 arrives at step 2.
     for message_type in UPDATE_TYPES:
         assert [e.name for e in recorded.update(0, message_type, 1).entries] == task_classes[0]
         assert recorded.update(0, message_type, 2).entries == []
         assert [e.name for e in recorded.update(1, message_type, 1).entries] == task_classes[1]
         assert recorded.update(1, message_type, 2).entries == []
-        assert recorded.update(2, message_type, 1).entries == []
-        assert recorded.update(2, message_type, 2).entries == []
-
-    # Frozen classes never change after their step (the server's aligned head aside).
-    def same(a: Codebook, b: Codebook, names: list[str]) -> None:
-        for name in names:
-            x, y = a[name].values, b[name].values
-            for field_name in FINAL_FIELDS:
-                assert torch.equal(x[field_name], y[field_name])
-            for field_name in schema.MIXTURES:
-                assert torch.equal(x[field_name].means, y[field_name].means)
-                assert x[field_name].count == y[field_name].count
-            assert a[name].count == b[name].count
-
-    same(snapshots[0], snapshots[1], task_classes[0])
-    same(snapshots[0], snapshots[2], task_classes[0])
-    same(snapshots[1], snapshots[2], task_classes[1])
-    # Counts of task 0 are node 1's alone (node 2 reached task 0 after it was frozen).
+    # Counts of task 0 are site 1's alone (site 2 reached task 0 after it was frozen).
+    codebook = Codebook.load(run_dir / CODEBOOK_FILE)
     for name in task_classes[0]:
-        assert row_count(snapshots[2], name) == class_counts(scenario, 0)[name][0]
-    statuses = {e.status for e in coordinator.log.exchanges}
+        assert row_count(codebook, name) == class_counts(scenario, 0)[name][0]
+    # Site 2 still evaluates every class it holds: its accuracy is reported.
+    assert set(metrics["site_accuracy"]) == {"site-0", "site-1"}
+    assert len(metrics["accuracy_matrix"]) == 2
+    assert all(math.isfinite(a) for row_ in metrics["accuracy_matrix"] for a in row_)
+    statuses = {e["status"] for e in metrics["exchanges"]}
     assert statuses == {"ok"}
-    assert len(coordinator.log.accuracy_matrix) == 3
-    assert all(math.isfinite(a) for row_ in coordinator.log.accuracy_matrix for a in row_)

@@ -3,8 +3,9 @@
 A ``Codebook`` is the unit every part of starfed exchanges: server broadcasts, checkpoints and
 exports. It is a value: the functions that evolve it (registration, merging, replay, freezing)
 return a new codebook and share the unchanged entries' tensors, which nobody modifies in place.
-A ``ClientUpdate`` is what one site returns for one phase: entries restricted to the fields the
-phase trains (``schema.trained_in``), or for sync, names and counts only.
+A ``Delta`` is what changed between two versions, which is all a site that keeps the last
+codebook needs. A ``ClientUpdate`` is what one site returns for one phase: entries restricted to
+the fields the phase trains (``schema.trained_in``), or for sync, names and counts only.
 
 Bytes and files go through ``starfed.shared.codebook.wire``, where decoding validates; a value
 built in memory by this code is trusted.
@@ -74,12 +75,19 @@ class Codebook(_Serialised):
         chosen = self.entries.values() if names is None else (self.entries[n] for n in names)
         return ClassBank.from_entries(self.dims, chosen)
 
-    def evolve(self, entries: Iterable[ClassEntry], **changes) -> Codebook:
-        """A new codebook one version later with ``entries`` replacing or appending by name."""
-        merged = dict(self.entries)
+    # --- evolution: each returns a new codebook one version later; entries it does not
+    # change are shared, and the changed entries and fields carry the new version.
+
+    def register(self, entries: Iterable[ClassEntry]) -> Codebook:
+        """New classes appended (names must be new)."""
+        version = self.version + 1
+        added = {}
         for entry in entries:
-            merged[entry.name] = entry
-        return replace(self, entries=merged, version=self.version + 1, **changes)
+            if entry.name in self.entries or entry.name in added:
+                raise ValueError(f"class {entry.name!r} is already registered")
+            stamps = dict.fromkeys(entry.values, version)
+            added[entry.name] = replace(entry, version=version, field_versions=stamps)
+        return replace(self, entries={**self.entries, **added}, version=version)
 
     def set_values(
         self,
@@ -87,38 +95,83 @@ class Codebook(_Serialised):
         counts: Mapping[str, int] | None = None,
         freeze: Iterable[str] = (),
     ) -> Codebook:
-        """One version later, with new values (and counts) for some classes and the classes
-        ``freeze`` frozen; see ``evolve``."""
+        """New values (and counts) for some classes, and the classes ``freeze`` frozen."""
         version = self.version + 1
         counts, freeze = counts or {}, set(freeze)
-        changed = [
-            replace(
-                self.entries[name],
-                values={**self.entries[name].values, **values.get(name, {})},
-                count=counts.get(name, self.entries[name].count),
+        entries = dict(self.entries)
+        for name in {**values, **dict.fromkeys(freeze)}:
+            old, new = self.entries[name], values.get(name, {})
+            entries[name] = replace(
+                old,
+                values={**old.values, **new},
+                count=counts.get(name, old.count),
                 version=version,
-                frozen=self.entries[name].frozen or name in freeze,
+                frozen=old.frozen or name in freeze,
+                field_versions={**old.field_versions, **dict.fromkeys(new, version)},
             )
-            for name in {**values, **dict.fromkeys(freeze)}
-        ]
-        return self.evolve(changed)
+        return replace(self, entries=entries, version=version)
 
     def without(self, names: Iterable[str]) -> Codebook:
-        """One version later, without the classes ``names``."""
+        """Without the classes ``names``."""
         gone = set(names)
         kept = {n: e for n, e in self.entries.items() if n not in gone}
         return replace(self, entries=kept, version=self.version + 1)
 
-    def without_mixtures(self) -> Codebook:
-        """The broadcast form: only the fields sites read (``schema.BROADCAST``), same version.
+    # --- what sites receive
 
-        Mixtures are the server's replay memory and most of a codebook's bytes.
-        """
+    def broadcast(self) -> Codebook:
+        """The form sites receive: only the fields they read (``schema.BROADCAST``), no server
+        bookkeeping; same version. Mixtures are the server's replay memory and most of a
+        codebook's bytes."""
         entries = {
-            name: replace(e, values={f: v for f, v in e.values.items() if f in schema.BROADCAST})
+            name: replace(
+                e,
+                values={f: v for f, v in e.values.items() if f in schema.BROADCAST},
+                field_versions={},
+            )
             for name, e in self.entries.items()
         }
         return replace(self, entries=entries)
+
+    def delta(self, since: int) -> Delta:
+        """What changed since version ``since``, in broadcast form (see ``Delta``)."""
+        if not 0 < since <= self.version:
+            raise ValueError(f"no delta from version {since} to {self.version}")
+        changed = {}
+        for name, entry in self.broadcast().entries.items():
+            stamps = self.entries[name].field_versions
+            if entry.version > since:
+                fields = {f: v for f, v in entry.values.items() if stamps.get(f, 0) > since}
+                changed[name] = replace(entry, values=fields)
+        return Delta(
+            self.fingerprint, self.dims, self.version, since, self.names, changed, self.metadata
+        )
+
+    def apply(self, delta: Delta) -> Codebook:
+        """The codebook ``delta`` leads to from this one (a site's held codebook).
+
+        Raises CodebookError if the delta starts from another version or backbone, or leaves a
+        class without a value it must have.
+        """
+        if delta.base_version != self.version or delta.fingerprint != self.fingerprint:
+            raise CodebookError(
+                f"a delta from version {delta.base_version} cannot apply to version "
+                f"{self.version} of this codebook"
+            )
+        entries = {}
+        for name in delta.names:
+            old, new = self.entries.get(name), delta.entries.get(name)
+            if new is None:
+                if old is None:
+                    raise CodebookError(f"the delta names class {name!r} but carries no values")
+                entries[name] = old
+                continue
+            values = {**(old.values if old else {}), **new.values}
+            missing = [f for f in schema.BROADCAST if f not in values]
+            if missing:
+                raise CodebookError(f"class {name!r} lacks {missing[0]} after the delta")
+            entries[name] = replace(new, values=values)
+        return Codebook(self.fingerprint, self.dims, entries, delta.version, delta.metadata)
 
     @classmethod
     def from_bytes(
@@ -146,12 +199,27 @@ class Codebook(_Serialised):
 
 
 @dataclass(eq=False)
+class Delta(_Serialised):
+    """The changes from codebook version ``base_version`` to ``version``: the entries that
+    changed, each with only the fields that changed, and every class name in the new order.
+    A receiver that holds version ``base_version`` rebuilds the new codebook with
+    ``Codebook.apply``; the server sends one to every site whose held version it knows."""
+
+    fingerprint: str
+    dims: ModelDims
+    version: int
+    base_version: int
+    names: list[str]
+    entries: dict[str, ClassEntry] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
 class ClientUpdate(_Serialised):
     """What one site returns for one phase, answering codebook version ``base_version``.
 
     For sync, ``entries`` are the classes of the site's current task (names and counts) and
-    ``class_order`` gives each one's position in the site's class order, which fixes the order
-    in which the server registers new classes.
+    ``base_version`` is the version of the codebook the site holds (0: none).
     """
 
     fingerprint: str
@@ -159,7 +227,6 @@ class ClientUpdate(_Serialised):
     phase: Phase
     base_version: int
     entries: list[ClassEntry] = field(default_factory=list)
-    class_order: list[int] = field(default_factory=list)  # sync only
     metadata: dict[str, str] = field(default_factory=dict)
 
     @classmethod

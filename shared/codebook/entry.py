@@ -28,8 +28,9 @@ class ClassEntry:
     name: str
     count: int = 0  # training examples behind the values
     values: dict[str, Value] = field(default_factory=dict)
-    version: int = 0  # codebook version at which a value last changed (server bookkeeping)
+    version: int = 0  # codebook version at which the entry last changed (server bookkeeping)
     frozen: bool = False  # the class's task is finished: merges never change it
+    field_versions: dict[str, int] = field(default_factory=dict)  # version of each value
 
 
 class ClassBank:

@@ -32,7 +32,7 @@ import torch
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema
-from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassEntry, Value
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
@@ -187,7 +187,7 @@ def _decode_header(message: pb.Codebook | pb.ClientUpdate, fingerprint, dims) ->
     return decoded
 
 
-def _parse(message_type: type, data: bytes, max_bytes: int):
+def parse(message_type: type, data: bytes, max_bytes: int):
     """Parse with the size limit checked first; every parser failure becomes CodebookError."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise CodebookError(f"expected bytes, got {type(data).__name__}")
@@ -201,6 +201,30 @@ def _parse(message_type: type, data: bytes, max_bytes: int):
     return message
 
 
+def _decode_entries(message: pb.Codebook, dims: ModelDims, full: bool) -> dict[str, ClassEntry]:
+    """Entries of a codebook (every tensor field required) or a delta (any subset)."""
+    _check_names([e.name for e in message.entries])
+    entries = {}
+    for msg in message.entries:
+        values = _decode_values(msg, dims)
+        missing = [name for name in schema.TENSORS if name not in values]
+        if full and missing:
+            raise CodebookError(f"{label(msg.name)}: {missing[0]}: missing")
+        trained = msg.frozen or any(name in values for name in schema.MIXTURES)
+        _check_count(msg.count, 1 if trained and full else 0, label(msg.name))
+        if not 0 <= msg.version <= message.version:
+            raise CodebookError(
+                f"{label(msg.name)}: version {msg.version!r} outside [0, {message.version}]"
+            )
+        stamps = dict(msg.field_versions)
+        if not set(stamps) <= set(values) or not all(
+            0 <= v <= msg.version for v in stamps.values()
+        ):
+            raise CodebookError(f"{label(msg.name)}: field versions do not match its fields")
+        entries[msg.name] = ClassEntry(msg.name, msg.count, values, msg.version, msg.frozen, stamps)
+    return entries
+
+
 def decode_codebook(
     data: bytes,
     *,
@@ -209,26 +233,44 @@ def decode_codebook(
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Codebook:
     """A validated codebook; ``fingerprint``/``dims`` are the receiver's, when it has them."""
-    message = _parse(pb.Codebook, data, max_bytes)
+    received = decode_broadcast(data, fingerprint=fingerprint, dims=dims, max_bytes=max_bytes)
+    if isinstance(received, Delta):
+        raise CodebookError("a delta, not a whole codebook")
+    return received
+
+
+def decode_broadcast(
+    data: bytes,
+    *,
+    fingerprint: str | None = None,
+    dims: ModelDims | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Codebook | Delta:
+    """A validated codebook, or a delta when the message has a base version."""
+    message = parse(pb.Codebook, data, max_bytes)
     model_dims = _decode_header(message, fingerprint, dims)
-    _check_names([e.name for e in message.entries])
     _check_count(message.version, 0, "codebook version")
-    entries = {}
-    for msg in message.entries:
-        values = _decode_values(msg, model_dims)
-        missing = [name for name in schema.TENSORS if name not in values]
-        if missing:
-            raise CodebookError(f"{label(msg.name)}: {missing[0]}: missing")
-        trained = msg.frozen or any(name in values for name in schema.MIXTURES)
-        _check_count(msg.count, 1 if trained else 0, label(msg.name))
-        if not 0 <= msg.version <= message.version:
-            raise CodebookError(
-                f"{label(msg.name)}: version {msg.version!r} outside [0, {message.version}]"
-            )
-        entries[msg.name] = ClassEntry(msg.name, msg.count, values, msg.version, msg.frozen)
-    return Codebook(
-        message.backbone_fingerprint, model_dims, entries, message.version, dict(message.metadata)
-    )
+    metadata = dict(message.metadata)
+    if message.base_version == 0:
+        if message.names:
+            raise CodebookError("a whole codebook lists no names")
+        entries = _decode_entries(message, model_dims, full=True)
+        return Codebook(
+            message.backbone_fingerprint, model_dims, entries, message.version, metadata
+        )
+    if not 0 < message.base_version < message.version:
+        raise CodebookError(
+            f"a delta from version {message.base_version} to {message.version} goes backwards"
+        )
+    names = list(message.names)
+    _check_names(names)
+    entries = _decode_entries(message, model_dims, full=False)
+    if not set(entries) <= set(names):
+        raise CodebookError("a delta carries a class its name list leaves out")
+    return Delta(
+        message.backbone_fingerprint, model_dims, message.version, message.base_version,
+        names, entries, metadata,
+    )  # fmt: skip
 
 
 def decode_update(
@@ -236,11 +278,12 @@ def decode_update(
 ) -> ClientUpdate:
     """A validated update answering ``phase`` of the codebook ``against`` (what was sent).
 
-    Sync answers no codebook: its classes may be new, and it carries names and counts only.
-    Every other phase must start from ``against``'s version, name registered classes only, and
-    carry exactly the fields its phase trains for each of them.
+    Sync answers no codebook: its classes may be new, it carries names and counts only, and its
+    base version is the version of the codebook the site holds. Every other phase must start
+    from ``against``'s version, name registered classes only, and carry exactly the fields its
+    phase trains for each of them.
     """
-    message = _parse(pb.ClientUpdate, data, max_bytes)
+    message = parse(pb.ClientUpdate, data, max_bytes)
     dims = _decode_header(message, against.fingerprint, against.dims)
     if message.phase != phase:
         found = pb.Phase.Name(message.phase) if message.phase in pb.Phase.values() else "?"
@@ -262,20 +305,15 @@ def decode_update(
         if phase is not Phase.SYNC and msg.name not in against:
             raise CodebookError(f"{what} is not registered")
         entries.append(ClassEntry(msg.name, msg.count, values))
-    if phase is Phase.SYNC:
-        if len(message.class_order) != len(entries):
-            raise CodebookError("sync: class_order must give one position per class")
-    else:
-        if message.class_order:
-            raise CodebookError(f"{phase.key}: class_order is for sync only")
-        if message.base_version != against.version:
-            raise CodebookError(
-                f"update starts from codebook version {message.base_version}, "
-                f"the codebook is at {against.version} (stale or foreign reply)"
-            )
+    if phase is not Phase.SYNC and message.base_version != against.version:
+        raise CodebookError(
+            f"update starts from codebook version {message.base_version}, "
+            f"the codebook is at {against.version} (stale or foreign reply)"
+        )
+    _check_count(message.base_version, 0, "base version")
     return ClientUpdate(
         message.backbone_fingerprint, dims, phase, message.base_version, entries,
-        list(message.class_order), dict(message.metadata),
+        dict(message.metadata),
     )  # fmt: skip
 
 
@@ -295,6 +333,8 @@ def _fill_tensor(target: pb.Tensor, value: np.ndarray, dtype: int, what: str) ->
 def _fill_entry(target: pb.ClassEntry, entry: ClassEntry, dtype: int) -> None:
     target.name = entry.name
     target.count = entry.count
+    for name, version in entry.field_versions.items():
+        target.field_versions[name] = version
     for name, value in entry.values.items():
         what = f"{entry.name}/{name}"
         if isinstance(value, GaussianMixture):
@@ -313,7 +353,7 @@ def _dims_proto(dims: ModelDims) -> pb.ModelDims:
     )
 
 
-def to_proto(value: Codebook | ClientUpdate, dtype: str = "float32"):
+def to_proto(value: Codebook | Delta | ClientUpdate, dtype: str = "float32"):
     """The protobuf message: per-class tensors in ``dtype`` (float32/float16), mixtures float64."""
     if dtype not in WIRE_DTYPES:
         raise ValueError(f"wire dtype must be one of {sorted(WIRE_DTYPES)}, got {dtype!r}")
@@ -324,24 +364,22 @@ def to_proto(value: Codebook | ClientUpdate, dtype: str = "float32"):
         "dims": _dims_proto(value.dims),
         "metadata": value.metadata,
     }
-    if isinstance(value, Codebook):
+    if isinstance(value, Codebook | Delta):
         message = pb.Codebook(version=value.version, **header)
+        if isinstance(value, Delta):
+            message.base_version = value.base_version
+            message.names[:] = value.names
         for entry in value.entries.values():
             target = message.entries.add(version=entry.version, frozen=entry.frozen)
             _fill_entry(target, entry, wire)
     else:
-        message = pb.ClientUpdate(
-            base_version=value.base_version,
-            phase=int(value.phase),
-            class_order=value.class_order,
-            **header,
-        )
+        message = pb.ClientUpdate(base_version=value.base_version, phase=int(value.phase), **header)
         for entry in value.entries:
             _fill_entry(message.entries.add(), entry, wire)
     return message
 
 
-def encode(value: Codebook | ClientUpdate, dtype: str = "float32") -> bytes:
+def encode(value: Codebook | Delta | ClientUpdate, dtype: str = "float32") -> bytes:
     """Deterministic serialisation (same value, same bytes)."""
     return to_proto(value, dtype).SerializeToString(deterministic=True)
 

@@ -328,7 +328,10 @@ def decode_images(
 
     With ``cache_dir`` the array is kept as ``.npy`` keyed by the files (paths, sizes, mtimes) and
     ``image_size``; labels are not cached but taken from ``samples``, so one cache serves any seed.
+    Files are known by their real paths (``paths`` holds those), so a folder of links — a
+    simulated site — shares the cache of the files it links to.
     """
+    samples = [(os.path.realpath(p), label) for p, label in samples]
     unique = list(dict.fromkeys(p for p, _ in samples))
     npy = None
     if cache_dir is not None:

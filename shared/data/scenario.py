@@ -14,8 +14,11 @@ only scans the dataset folder.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -200,6 +203,30 @@ class Scenario:
             self._counts[task] = counts
         return self._counts[task].copy()
 
+    def write_site(self, client: int, data_dir: str | os.PathLike[str], step: int) -> None:
+        """Fill a simulated site's data folder as a deployed site's would look at ``step``.
+
+        Each task that has arrived by ``step`` is a folder ``task-NN/<class>/`` of links to the
+        site's training images, and ``test/<class>/`` links to its test images of those tasks
+        (docs/sites.md); a task folder appears whole (written aside, then renamed), so the site
+        code that reads it is the deployed site's. Idempotent.
+        """
+        root = Path(data_dir)
+        root.mkdir(parents=True, exist_ok=True)  # a site that has not joined yet: no tasks
+        latest = self.task_at(client, step)
+        if latest is None and step >= client * self.config.arrival_offset:
+            latest = self.n_tasks - 1  # the stream has ended: every task has arrived
+        for task in range(0 if latest is None else latest + 1):
+            target = root / f"task-{task:02d}"
+            if not target.exists():
+                staging = root / f".{target.name}.tmp"
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)  # an empty task is still a task folder
+                _write_class_folders(staging, self.train_samples(client, task), self.split)
+                staging.rename(target)
+            # test images of a class appear with its task
+            _write_class_folders(root / "test", self.test_samples(client, [task]), self.split)
+
     def _check_client(self, client: int) -> int:
         if not 0 <= client < self.n_clients:
             raise ValueError(f"client must be in [0, {self.n_clients}), got {client}")
@@ -248,3 +275,21 @@ class Scenario:
                     parts[client].extend(images[i] for i in chosen)
             self._test[task] = parts
         return self._test[task]
+
+
+def _write_class_folders(parent: Path, samples: list[Sample], split: SplitCropDiseases) -> None:
+    """``parent/<class>/<file>`` links to ``samples``; each class folder is written aside and
+    renamed into place, so a reader never sees half of one. Existing class folders are kept."""
+    by_class: dict[str, list[str]] = {}
+    for path, label in samples:
+        by_class.setdefault(split.class_folders[label], []).append(path)
+    for name, paths in by_class.items():
+        target = parent / name
+        if target.exists():
+            continue
+        staging = parent / f".{name}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for path in paths:
+            (staging / Path(path).name).symlink_to(Path(path).resolve())
+        staging.rename(target)
