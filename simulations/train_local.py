@@ -24,7 +24,8 @@ from rich.table import Table
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root, decode_images
 from starfed.shared.metrics import final_average_accuracy, final_forgetting, plot_accuracy_matrix
-from starfed.shared.model.backbones import PAPER_VIT_TAGS, PRESETS, create_backbones
+from starfed.shared.model.backbone_config import PAPER_VIT_TAGS, PRESETS
+from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.evaluation import evaluate_decoded
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig, clip_features, learn_task

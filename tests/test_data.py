@@ -14,10 +14,6 @@ from torchvision.transforms import InterpolationMode
 
 from starfed.shared.data import cropdiseases as data
 from starfed.shared.data.cropdiseases import (
-    CLIP_MEAN,
-    CLIP_STD,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     PAPER_DROPPED_CLASSES,
     DatasetError,
     SplitCropDiseases,
@@ -29,6 +25,7 @@ from starfed.shared.data.cropdiseases import (
     renormalize,
     to_unit,
 )
+from starfed.shared.model.backbone_config import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
 
 KEPT = [
     "Apple___Apple_scab",

@@ -42,10 +42,6 @@ PAPER_DROPPED_CLASSES: tuple[str, ...] = (
     "Apple___Cedar_apple_rust",
     "Peach___healthy",
 )
-IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
-IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
-CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
 
 #: Seed of the per-class train/test split of an unsplit root (mixed with each folder name).
 SPLIT_SEED = 0
