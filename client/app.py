@@ -22,8 +22,9 @@ from flwr.clientapp import ClientApp
 
 from starfed.client.site import Site
 from starfed.shared.codebook.codebook import Codebook, Phase
+from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
-from starfed.shared.run_config import BackboneOptions, get, train_config
+from starfed.shared.model.training import TrainConfig
 
 app = ClientApp()
 
@@ -39,24 +40,24 @@ def site_for(context: Context) -> Site:
 
     In simulation the node config gives ``partition-id``/``num-partitions``; a deployed site
     gives ``data-root`` (its own images, all of them this site's) and optionally ``cache-dir``.
+    Both configs are checked against the schema (``starfed.shared.config``) first.
     """
     key = (context.run_id, context.node_id)
     if key not in _SITES:
-        run_config, node_config = context.run_config, context.node_config
-        if "data-root" in node_config:
+        values, node = parse(context.run_config), parse(context.node_config, "node-config")
+        if node["data-root"]:
             partition = 0
-            site_keys = {"data-root": node_config["data-root"], "num-clients": 1}
+            site_values = {**values, "data-root": node["data-root"], "num-clients": 1}
         else:
-            partition = get(node_config, "partition-id", int, 0)
-            clients = get(node_config, "num-partitions", int, run_config.get("num-clients", 1))
-            site_keys = {"num-clients": clients}
-        scenario_config = ScenarioConfig.from_run_config({**run_config, **site_keys})
-        cache_dir = Path(get(node_config, "cache-dir", str, "") or default_cache_dir())
+            partition = node["partition-id"]
+            site_values = {**values, "num-clients": node["num-partitions"] or values["num-clients"]}
+        scenario_config = ScenarioConfig.from_config(site_values)
+        cache_dir = Path(node["cache-dir"] or default_cache_dir())
         _SITES[key] = Site(
             Scenario(scenario_config),
             partition,
-            BackboneOptions.from_run_config(run_config).load(),
-            train_config(run_config),
+            BackboneOptions.from_config(values).load(),
+            TrainConfig.from_config(values),
             cache_dir,
         )
     return _SITES[key]

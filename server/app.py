@@ -19,6 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
 from starfed.server.coordinator import Coordinator
+from starfed.shared.config import BackboneOptions, ProtocolOptions, parse, writable_dir
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.files import write_atomic
 from starfed.shared.metrics import (
@@ -27,26 +28,31 @@ from starfed.shared.metrics import (
     plot_accuracy_matrix,
     plot_accuracy_over_time,
 )
-from starfed.shared.run_config import BackboneOptions, ProtocolOptions, train_config
+from starfed.shared.model.training import TrainConfig
 
 app = ServerApp()
 
 
 def run_server(grid: Grid, run_config: dict, console: Console | None = None) -> dict:
-    """Everything the ServerApp does, callable without Flower's runtime (tests use it)."""
+    """Everything the ServerApp does, callable without Flower's runtime (tests use it).
+
+    A bad run config fails here at once, with the one-line ConfigError, before anything loads.
+    """
     console = console or Console(stderr=True)
     started = time.perf_counter()
-    protocol = ProtocolOptions.from_run_config(run_config)
-    train = train_config(run_config)
+    values = parse(run_config)
+    protocol = ProtocolOptions.from_config(values)
+    writable_dir(protocol.results_dir, "results-dir")
+    train = TrainConfig.from_config(values)
     # The federation decides how many sites there are (in simulation, its SuperNodes); the
     # run config's num-clients only matters when nobody has connected yet.
     n_nodes = len(list(grid.get_node_ids()))
-    scenario_config = ScenarioConfig.from_run_config(
-        {**run_config, "num-clients": n_nodes or run_config.get("num-clients", 1)}
+    scenario_config = ScenarioConfig.from_config(
+        {**values, "num-clients": n_nodes or values["num-clients"]}
     )
     scenario = Scenario(scenario_config) if protocol.server_eval else None
     n_steps = scenario_config.n_steps
-    backbones = BackboneOptions.from_run_config(run_config).load()
+    backbones = BackboneOptions.from_config(values).load()
     run_name = protocol.run_name or datetime.now(UTC).strftime("fed-%Y%m%d-%H%M%S")
     run_dir = Path(protocol.results_dir) / run_name
     console.print(

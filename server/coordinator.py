@@ -32,6 +32,7 @@ from starfed.shared.codebook.codebook import (
     Phase,
 )
 from starfed.shared.codebook.merge import check_update, merge_updates
+from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.cropdiseases import DecodedImages, decode_images
 from starfed.shared.data.scenario import Scenario
 from starfed.shared.files import write_atomic
@@ -44,7 +45,6 @@ from starfed.shared.model.training import (
     first_level_alignment,
     head_alignment,
 )
-from starfed.shared.run_config import ProtocolOptions
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,10 @@ from starfed.server.app import run_server
 from starfed.server.coordinator import CODEBOOK_FILE, STATE_FILE, Coordinator
 from starfed.shared.codebook.codebook import MIXTURE_FIELDS, ClientUpdate, Codebook, Phase
 from starfed.shared.codebook.entry import ClassBank
+from starfed.shared.config import BackboneOptions, ProtocolOptions, parse
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.model.backbones import create_backbones
-from starfed.shared.run_config import BackboneOptions, ProtocolOptions, train_config
+from starfed.shared.model.training import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inprocess_grid import InProcessGrid
@@ -165,7 +166,7 @@ def class_counts(scenario: Scenario, task: int) -> dict[str, list[int]]:
 
 
 def scenario_of(grid: InProcessGrid) -> Scenario:
-    return Scenario(ScenarioConfig.from_run_config(grid.run_config))
+    return Scenario(ScenarioConfig.from_config(parse(grid.run_config)))
 
 
 def assert_finite(codebook: Codebook) -> None:
@@ -553,10 +554,11 @@ def test_malformed_evaluate_reply_is_rejected(pair, tmp_path):
 
 def test_client_with_other_backbones(pair, tmp_path, cache_dir):
     foreign = create_backbones("tiny", seed=1)
-    own = BackboneOptions.from_run_config(pair.run_config).load()
+    values = parse(pair.run_config)
+    own = BackboneOptions.from_config(values).load()
     assert foreign.fingerprint != own.fingerprint
     client_app._SITES[(pair.run_id, 2)] = Site(
-        scenario_of(pair), 1, foreign, train_config(pair.run_config), cache_dir
+        scenario_of(pair), 1, foreign, TrainConfig.from_config(values), cache_dir
     )
     metrics = run(pair, tmp_path)
 
@@ -577,15 +579,15 @@ def test_client_with_other_backbones(pair, tmp_path, cache_dir):
 def test_clients_in_different_tasks(cache_dir, tmp_path):
     grid = make_grid(cache_dir, 2, alpha=0.5, **{"arrival-offset": 1})
     recorded = record_all(grid)
-    config = grid.run_config
+    values = parse(grid.run_config)
     scenario = scenario_of(grid)
     assert scenario.n_steps == 3
     task_classes = [list(class_counts(scenario, task)) for task in range(2)]
     coordinator = Coordinator(
         grid,
-        BackboneOptions.from_run_config(config).load(),
-        train_config(config),
-        ProtocolOptions.from_run_config(config),
+        BackboneOptions.from_config(values).load(),
+        TrainConfig.from_config(values),
+        ProtocolOptions.from_config(values),
         scenario.n_steps,
         tmp_path / "run",
         scenario=scenario,

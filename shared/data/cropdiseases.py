@@ -65,6 +65,11 @@ def bundled_dataset_root() -> Path:
     return (Path(__file__).parent / "datasets" / "cropdiseases-mini").resolve()
 
 
+def dataset_root(configured: str = "") -> str:
+    """The folder a ``data-root`` setting names: "" is the bundled set."""
+    return configured or str(bundled_dataset_root())
+
+
 def class_name_to_text(folder_name: str) -> str:
     """Class text as the reference writes it: its label name with every ``_`` made a space."""
     name = _TEXT_NAMES.get(folder_name, folder_name)
