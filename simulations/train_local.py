@@ -108,7 +108,9 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
         f"from {split.root} · backbones {backbones.config.name} "
         f"({backbones.fingerprint[:12]}) · seed {config.seed}"
     )
-    train = decode_images(split.samples("train", range(split.n_tasks)), size, options.cache_dir)
+    train = decode_images(
+        split.samples("train", range(split.n_tasks)), size, options.cache_dir, every_class=True
+    )
     test = decode_images(split.samples("test", range(split.n_tasks)), size, options.cache_dir)
     if train.n_skipped or test.n_skipped:
         console.print(f"[yellow]skipped {train.n_skipped + test.n_skipped} unreadable images")

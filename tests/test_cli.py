@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 import starfed.shared.model.backbones
 import starfed.simulations.train_local
@@ -178,3 +180,22 @@ def test_a_fresh_process_reports_bad_input_without_loading_torch_or_flower(bad_f
         )
         assert result.stdout.split() == ["2"], (argv, result.stdout, result.stderr)
         assert result.stderr.count("\n") == 1 and "error:" in result.stderr, result.stderr
+
+
+def test_a_class_without_readable_training_images_is_one_line(tmp_path: Path, capsys) -> None:
+    rng = np.random.default_rng(0)
+    for name in ("good", "bad"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for i in range(3):
+            path = tmp_path / "data" / name / f"{i}.jpg"
+            if name == "bad":
+                path.write_bytes(b"garbage bytes, not a jpeg")
+            else:
+                Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(path)
+    argv = ["train-local", "--data-root", str(tmp_path / "data"), "--tasks", "1"]
+    assert main([*argv, "--results-dir", str(tmp_path / "results")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (
+        f"starfed train-local: error: class folder {tmp_path / 'data' / 'bad'} has no readable "
+        "image (2 unreadable files)"
+    )

@@ -211,6 +211,19 @@ def test_corrupt_images_are_skipped_with_a_warning(tmp_path: Path) -> None:
     assert decoded.images.shape == (2, 3, 24, 24)
 
 
+def test_a_class_without_readable_images_is_an_error_when_every_class_counts(
+    tmp_path: Path,
+) -> None:
+    root = _image_folder(tmp_path / "ds", ["good", "bad"], per_class=2)
+    for path in (root / "bad").iterdir():
+        path.write_bytes(b"garbage")
+    samples = [(str(p), int(p.parent.name == "bad")) for p in sorted(root.rglob("*.jpg"))]
+    with pytest.warns(RuntimeWarning, match="skipped 2"):  # a site simply lacks the class
+        assert decode_images(samples, image_size=8, progress=False).labels.tolist() == [0, 0]
+    with pytest.raises(DatasetError, match=r"class folder .*bad has no readable image \(2 "):
+        decode_images(samples, image_size=8, progress=False, every_class=True)
+
+
 def test_decode_matches_reference_test_view(tmp_path: Path) -> None:
     path = tmp_path / "wide.png"
     rng = np.random.default_rng(0)

@@ -324,16 +324,28 @@ def _decode_all(paths: list[str], size: int, progress: bool) -> tuple[np.ndarray
     return (out if ok.all() else out[ok]), failed
 
 
+def _check_every_class(samples: Sequence[tuple[str, int]], readable: set[int]) -> None:
+    for path, label in samples:
+        if label not in readable:
+            n = sum(1 for _, other in samples if other == label)
+            raise DatasetError(
+                f"class folder {Path(path).parent} has no readable image ({n} unreadable files)"
+            )
+
+
 def decode_images(
     samples: Sequence[tuple[str, int]],
     image_size: int,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    every_class: bool = False,
 ) -> DecodedImages:
     """Decode every sample once into uint8 ``[N, 3, S, S]``, skipping unreadable files.
 
     With ``cache_dir`` the array is kept as ``.npy`` keyed by the files (paths, sizes, mtimes) and
     ``image_size``; labels are not cached but taken from ``samples``, so one cache serves any seed.
+    ``every_class``: a label of ``samples`` left without any readable image is a DatasetError
+    (a single site cannot learn such a class; a federated site simply does not hold it).
     """
     unique = list(dict.fromkeys(p for p, _ in samples))
     npy = None
@@ -351,6 +363,8 @@ def decode_images(
 
     row_of = {p: i for i, p in enumerate(stored_paths)}
     kept = [(p, label) for p, label in samples if p in row_of]
+    if every_class:
+        _check_every_class(samples, {label for _, label in kept})
     rows = np.fromiter((row_of[p] for p, _ in kept), dtype=np.int64, count=len(kept))
     in_place = len(rows) == len(stored) and bool((rows == np.arange(len(rows))).all())
     # A fresh array already in sample order is used as is; a read-only memmap is always copied.
