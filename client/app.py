@@ -29,9 +29,10 @@ from flwr.clientapp.client_app import DEFAULT_ACTION
 
 from starfed.client.memory import SiteMemory
 from starfed.client.site import Site
+from starfed.shared.config import BackboneOptions, parse, run_dir
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import PHASES, Phase, PhaseSpec
-from starfed.shared.run_config import BackboneOptions, get, run_dir, train_config
 
 app = ClientApp()
 
@@ -47,27 +48,28 @@ def default_cache_dir() -> Path:
 
 
 def site_for(context: Context) -> Site:
-    """The site of this node in this run (built once per process; backbones cached too)."""
+    """The site of this node in this run (built once per process; backbones cached too).
+
+    Run and node config are checked against the schema (``starfed.shared.config``) first.
+    """
     key = (context.run_id, context.node_id)
     if key not in _SITES:
-        run_config, node_config = context.run_config, context.node_config
-        backbones = BackboneOptions.from_run_config(run_config).load()
+        values, node = parse(context.run_config), parse(context.node_config, "node-config")
+        backbones = BackboneOptions.from_config(values).load()
         before_scan = None
-        if "data-dir" in node_config:
-            name = get(node_config, "site-name", str, "") or f"node-{context.node_id}"
-            data_dir = Path(get(node_config, "data-dir", str, ""))
-            state_dir = Path(get(node_config, "state-dir", str, "") or data_dir / ".starfed")
-            cache_dir = Path(get(node_config, "cache-dir", str, "") or state_dir / "cache")
-        elif "partition-id" in node_config:
-            partition = get(node_config, "partition-id", int, 0)
-            clients = get(node_config, "num-partitions", int, run_config.get("num-clients", 1))
-            scenario = Scenario(
-                ScenarioConfig.from_run_config({**run_config, "num-clients": clients})
-            )
+        if node["data-dir"]:
+            name = node["site-name"] or f"node-{context.node_id}"
+            data_dir = Path(node["data-dir"])
+            state_dir = Path(node["state-dir"] or data_dir / ".starfed")
+            cache_dir = Path(node["cache-dir"] or state_dir / "cache")
+        elif "partition-id" in context.node_config:
+            partition = node["partition-id"]
+            clients = node["num-partitions"] or values["num-clients"]
+            scenario = Scenario(ScenarioConfig.from_config({**values, "num-clients": clients}))
             name = f"site-{partition}"
-            root = run_dir(run_config, context.run_id) / "sites" / name
+            root = run_dir(values, context.run_id) / "sites" / name
             data_dir, state_dir = root / "data", root / "state"
-            cache_dir = Path(get(node_config, "cache-dir", str, "") or default_cache_dir())
+            cache_dir = Path(node["cache-dir"] or default_cache_dir())
 
             def before_scan(step: int) -> None:
                 scenario.write_site(partition, data_dir, step)
@@ -79,7 +81,8 @@ def site_for(context: Context) -> Site:
             )
         memory = SiteMemory(state_dir, backbones.fingerprint, backbones.dims)
         _SITES[key] = Site(
-            name, data_dir, memory, backbones, train_config(run_config), cache_dir, before_scan
+            name, data_dir, memory, backbones, TrainConfig.from_config(values), cache_dir,
+            before_scan,
         )
     return _SITES[key]
 

@@ -39,15 +39,20 @@ class SiteMemory:
         self.dims = dims
         self.federation = ""  # id of the federation whose codebook is held
         self.completed: dict[str, int] = {}  # task folder name -> federation step
+        self._held: Codebook | None = None
+        self._stamp: tuple[int, int] = (0, 0)  # the held file's mtime and size when read
+
+    def _read_state(self) -> None:
+        """site.json as it is now (another worker process of a simulation may have written)."""
         path = self.root / STATE_FILE
         if path.is_file():
             state = json.loads(path.read_text())
             self.federation = str(state.get("federation", ""))
             self.completed = {str(k): int(v) for k, v in state.get("completed", {}).items()}
-        self._held: Codebook | None = None
 
     def join(self, federation: str) -> None:
         """Follow ``federation``; a site that moves to another one starts its memory afresh."""
+        self._read_state()
         if federation != self.federation:
             if self.federation:
                 logger.warning("state of federation %s replaced by %s", self.federation, federation)
@@ -61,9 +66,19 @@ class SiteMemory:
         return held.version if held and held.metadata.get(EPOCH) == epoch else 0
 
     def held(self) -> Codebook | None:
-        """The last codebook received from this federation, if it is intact."""
+        """The last codebook received from this federation, if it is intact.
+
+        Read again whenever the file changed: in a simulation several worker processes may
+        answer for the same site.
+        """
         path = self.root / CODEBOOK_FILE
-        if self._held is None and path.is_file():
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            self._held = None
+            return None
+        if self._held is None or self._stamp != (stat.st_mtime_ns, stat.st_size):
+            self._held, self._stamp = None, (stat.st_mtime_ns, stat.st_size)
             try:
                 self._held = Codebook.load(path, fingerprint=self.fingerprint, dims=self.dims)
             except (OSError, CodebookError) as err:  # a damaged copy costs one full download
@@ -83,10 +98,12 @@ class SiteMemory:
             received = held.apply(received)
         if self._held is None or received.version != self._held.version:
             received.save(self.root / CODEBOOK_FILE)
-            self._held = received
+            stat = (self.root / CODEBOOK_FILE).stat()
+            self._held, self._stamp = received, (stat.st_mtime_ns, stat.st_size)
         return received
 
     def complete(self, task: str, step: int) -> None:
+        self._read_state()
         if task not in self.completed:
             self.completed[task] = step
             self._save()

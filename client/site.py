@@ -81,7 +81,6 @@ class Site:
         self.config = config
         self.cache_dir = Path(cache_dir)
         self.before_scan = before_scan  # a simulation fills the data folder up to a step here
-        self._folder: SiteFolder | None = None
         self._data: dict[str, TaskData] = {}
 
     @property
@@ -90,22 +89,17 @@ class Site:
 
     # --- tasks ------------------------------------------------------------------------------
 
-    def scan(self, step: int) -> SiteFolder:
-        """Read the data folder again: new task folders are new tasks."""
-        if self.before_scan is not None:
-            self.before_scan(step)
-        self._folder = SiteFolder.scan(self.data_dir)
-        return self._folder
+    def scan(self) -> SiteFolder:
+        """The data folder as it is now (read at every message: it may grow, and in a
+        simulation another worker process may have filled it)."""
+        return SiteFolder.scan(self.data_dir)
 
-    @property
-    def folder(self) -> SiteFolder:
-        return self._folder if self._folder is not None else SiteFolder.scan(self.data_dir)
-
-    def current(self, frozen: Iterable[str]) -> tuple[int, SiteTask] | None:
+    @staticmethod
+    def current(folder: SiteFolder, frozen: Iterable[str]) -> tuple[int, SiteTask] | None:
         """The first task with a class that is not finished, with its index; tasks without
         images are skipped. None when every task is completed."""
         finished = {class_key(name) for name in frozen}
-        for index, task in enumerate(self.folder.tasks):
+        for index, task in enumerate(folder.tasks):
             if task.keys and not task.keys <= finished:
                 return index, task
         return None
@@ -144,9 +138,11 @@ class Site:
         """The classes of the current task with their image counts; the base version is the
         version of the codebook the site holds of the federation's line ``epoch`` (0: none)."""
         self.memory.join(federation)
-        self.scan(step)
-        current = self.current(frozen)
-        for task in self.folder.tasks[: None if current is None else current[0]]:
+        if self.before_scan is not None:
+            self.before_scan(step)
+        folder = self.scan()
+        current = self.current(folder, frozen)
+        for task in folder.tasks[: None if current is None else current[0]]:
             self.memory.complete(task.name, step)
         entries, metadata = [], {"site": self.name, "task": ""}
         if current is not None:
@@ -185,7 +181,7 @@ class Site:
         self, phase: Phase, codebook: Codebook, step: int, round_index: int = 0
     ) -> ClientUpdate:
         """Train or fit statistics for ``phase``; the update carries this site's classes."""
-        current = self.current(codebook.frozen)
+        current = self.current(self.scan(), codebook.frozen)
         entries: list[ClassEntry] = []
         if current is not None:
             index, task = current
@@ -204,12 +200,13 @@ class Site:
         are the steps that registered the codebook's classes (a prompt selection is right when
         it picks a key of the image class's step)."""
         row_of = {class_key(name): i for i, name in enumerate(codebook.names)}
-        tasks = self.folder.tasks
-        known = [i for i, task in enumerate(tasks) if task.keys & row_of.keys()]
-        held = set().union(*(task.keys for task in tasks[: known[-1] + 1])) if known else set()
+        folder = self.scan()
+        known = [i for i, task in enumerate(folder.tasks) if task.keys & row_of.keys()]
+        tasks = folder.tasks[: known[-1] + 1] if known else []
+        held = set().union(*(task.keys for task in tasks))
         samples = [
             (path, row_of[key])
-            for key, paths in self.folder.test.items()
+            for key, paths in folder.test.items()
             if key in held and key in row_of
             for path in paths
         ]

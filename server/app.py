@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -27,6 +26,7 @@ from starfed.server.coordinator import FAILED, Coordinator, RunLog
 from starfed.server.federation import Federation
 from starfed.server.scores import accuracy_matrix
 from starfed.server.test_set import ServerTestSet
+from starfed.shared.config import BackboneOptions, ProtocolOptions, parse, run_dir, writable_dir
 from starfed.shared.files import write_atomic
 from starfed.shared.metrics import (
     final_average_accuracy,
@@ -34,7 +34,7 @@ from starfed.shared.metrics import (
     plot_accuracy_matrix,
     plot_accuracy_over_time,
 )
-from starfed.shared.run_config import BackboneOptions, ProtocolOptions, run_dir, train_config
+from starfed.shared.model.training import TrainConfig
 
 app = ServerApp()
 METRICS_FILE = "metrics.json"
@@ -45,13 +45,17 @@ class RunFailed(RuntimeError):
 
 
 def run_server(grid: Grid, run_config: dict, run_id: int = 0, console: Console | None = None):
-    """Everything the ServerApp does, callable without Flower's runtime (tests use it)."""
+    """Everything the ServerApp does, callable without Flower's runtime (tests use it).
+
+    A bad run config fails here at once, with the one-line ConfigError, before anything loads.
+    """
     console = console or Console(stderr=True)
     started = time.perf_counter()
-    protocol = ProtocolOptions.from_run_config(run_config)
-    train = train_config(run_config)
-    backbones = BackboneOptions.from_run_config(run_config).load()
-    folder = Path(protocol.federation_dir or run_dir(run_config, run_id))
+    values = parse(run_config)
+    protocol = ProtocolOptions.from_config(values)
+    folder = writable_dir(protocol.federation_dir or run_dir(values, run_id), "federation-dir")
+    train = TrainConfig.from_config(values)
+    backbones = BackboneOptions.from_config(values).load()
     federation = Federation(folder, backbones.fingerprint, backbones.dims)
     server_eval = None
     if protocol.server_test_dir:

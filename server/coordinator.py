@@ -33,12 +33,12 @@ from starfed.server.federation import EPOCH_KEY, Federation, Position
 from starfed.server.scores import StepScores, aggregate
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
 from starfed.shared.codebook.merge import merge_updates
+from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import PHASES, Phase, PhaseSpec
 from starfed.shared.report import EvaluationReport
-from starfed.shared.run_config import ProtocolOptions
 
 logger = logging.getLogger(__name__)
 

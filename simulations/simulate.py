@@ -5,14 +5,14 @@ per run, reports telemetry and leaves a detached SuperLink behind that later run
 (DESIGN §6). This command owns the whole life cycle instead: a Flower home inside the run's
 results folder, a SuperLink it starts itself on a free localhost port, the run submitted with
 ``flwr run``, progress from ``flwr log``, status from ``flwr ls --format json``, and at the end
-every process it started stopped by PID and checked gone.
+every process it started stopped by PID and checked gone. The command line, which checks the
+run config before anything starts, is ``starfed.cli.simulate``.
 
 Linux only: processes are tracked through ``/proc``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -26,7 +26,6 @@ import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 
 import starfed.simulations
@@ -34,6 +33,7 @@ import starfed.simulations
 CONNECTION = "starfed"  # the SuperLink connection's name in the run's own Flower config
 FINISHED = "finished"
 COMPLETED = "finished:completed"
+EXIT_DEGRADED = 3  # the run finished, but some site failed, went silent or was rejected
 POLL_S = 3.0
 STARTUP_TIMEOUT_S = 60.0
 STOP_GRACE_S = 20.0
@@ -89,7 +89,7 @@ def load_app_config(project_dir: Path) -> dict:
         return _app_config(tomllib.load(f))
 
 
-# --- run-config overrides ------------------------------------------------------------------
+# --- run config ----------------------------------------------------------------------------
 
 
 def toml_value(value: object) -> str:
@@ -102,57 +102,6 @@ def toml_value(value: object) -> str:
     if '"' in text:  # Flower's override parser ends a quoted value at the first quote
         raise SimulationError(f"run-config values cannot contain '\"': {text!r}")
     return json.dumps(text)
-
-
-def parse_override(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with a TOML value; a bare word that is no TOML value counts as a string."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise SimulationError(f"--run-config expects KEY=VALUE, got {text!r}")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return key.strip(), value
-
-
-def build_overrides(args: argparse.Namespace, defaults: Mapping[str, object]) -> dict:
-    """The run config to submit: pass-through ``--run-config`` first, named options win.
-
-    ``results-dir`` becomes absolute (the ServerApp runs with the SuperLink's working
-    directory) and ``run-name`` is fixed here, so this command knows where results land.
-    """
-    overrides: dict[str, object] = dict(parse_override(item) for item in args.run_config)
-    named = {
-        "num-clients": args.clients,
-        "num-tasks": args.tasks,
-        "classes-per-task": args.classes_per_task,
-        "alpha": args.alpha,
-        "seed": args.seed,
-        "arrival-offset": args.arrival_offset,
-        "stage1-rounds": args.stage1_rounds,
-        "stage2-rounds": args.stage2_rounds,
-        "stage1-epochs": args.epochs,
-        "stage2-epochs": args.epochs,
-        "results-dir": args.results_dir,
-        "run-name": args.run_name,
-    }
-    overrides |= {key: value for key, value in named.items() if value is not None}
-    unknown = sorted(set(overrides) - set(defaults))
-    if unknown:
-        raise SimulationError(
-            f"unknown run-config key(s) {', '.join(unknown)}; known: {', '.join(defaults)}"
-        )
-    merged = {**defaults, **overrides}
-    clients = merged["num-clients"]
-    if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
-        raise SimulationError(f"num-clients must be an integer >= 1, got {clients!r}")
-    overrides["num-clients"] = clients  # also the SuperNode count: always sent explicitly
-    overrides["results-dir"] = str(Path(str(merged["results-dir"])).expanduser().resolve())
-    overrides["run-name"] = str(merged["run-name"]) or datetime.now(UTC).strftime(
-        "fed-%Y%m%d-%H%M%S"
-    )
-    return overrides
 
 
 # --- processes -----------------------------------------------------------------------------
@@ -393,10 +342,10 @@ def stream_logs(run_id: int, env: Mapping[str, str]) -> subprocess.Popen:
     )
 
 
-def summarize(run_dir: Path) -> str:
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+def summarize(metrics: dict) -> str:
     faa = metrics.get("final_average_accuracy")
-    parts = [f"FAA {faa:.2f}%" if isinstance(faa, int | float) else "FAA n/a"]
+    parts = [f"{metrics.get('status', '?')} · {metrics.get('steps', 0)} steps"]
+    parts.append(f"FAA {faa:.2f}%" if isinstance(faa, int | float) else "FAA n/a")
     forgetting = metrics.get("final_forgetting")
     if isinstance(forgetting, int | float):
         parts.append(f"forgetting {forgetting:.2f}")
@@ -409,7 +358,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def simulate(project_dir: Path, overrides: dict, timeout: float) -> int:
-    """Run one simulation to its end; 0 when it finished:completed with a metrics.json.
+    """Run one simulation to its end. Exit code: 0 when it finished:completed with a
+    metrics.json and every step completed, 3 when it completed degraded (some site failed,
+    went silent or was rejected), 1 otherwise.
 
     SIGTERM is handled like Ctrl-C (stop the run, then every process), so a CI or test
     timeout that terminates this command leaves nothing behind.
@@ -474,57 +425,9 @@ def _simulate(project_dir: Path, overrides: dict, timeout: float) -> int:
             file=sys.stderr,
         )
         return 1
-    print(f"{status} in {wall:.0f}s · {summarize(run_dir)}")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    print(f"{status} in {wall:.0f}s · {summarize(metrics)}")
     print(f"results: {run_dir} (metrics.json, accuracy_matrix.png, codebook.bin)")
-    return 1 if survivors else 0
-
-
-# --- command line --------------------------------------------------------------------------
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "simulate",
-        help="federated simulation with `flwr run` on this machine (Ray), start to finish",
-        description=(
-            "Run the federated scenario as a real Flower simulation: start a private "
-            "localhost SuperLink, submit the app with `flwr run`, follow it until it "
-            "finishes, stop every process it started. Unset options keep the defaults of "
-            "[tool.flwr.app.config] in pyproject.toml; the number of simulated SuperNodes "
-            "always equals num-clients."
-        ),
-    )
-    sc = p.add_argument_group("scenario")
-    sc.add_argument("--clients", type=int, help="simulated clients (= SuperNodes)")
-    sc.add_argument("--tasks", type=int, help="number of tasks")
-    sc.add_argument("--classes-per-task", type=int, help="0: all classes / tasks")
-    sc.add_argument("--alpha", type=float, help="Dirichlet concentration of the partition")
-    sc.add_argument("--seed", type=int, help="class order, partition and training")
-    sc.add_argument("--arrival-offset", type=int, help="client i joins i*offset steps late")
-    tr = p.add_argument_group("protocol")
-    tr.add_argument("--stage1-rounds", type=int, help="federated rounds of stage 1 per task")
-    tr.add_argument("--stage2-rounds", type=int, help="federated rounds of stage 2 per task")
-    tr.add_argument("--epochs", type=int, help="local stage-1 and stage-2 epochs per round")
-    out = p.add_argument_group("run")
-    out.add_argument("--results-dir", help="default: results (relative to this directory)")
-    out.add_argument("--run-name", help="default: fed-<UTC timestamp>")
-    out.add_argument(
-        "--run-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any [tool.flwr.app.config] key, TOML value (repeatable)",
-    )
-    out.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
-    out.add_argument("--project-dir", help="starfed checkout (default: this installation's)")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    try:
-        project_dir = find_project_dir(args.project_dir)
-        overrides = build_overrides(args, load_app_config(project_dir))
-        return simulate(project_dir, overrides, args.timeout)
-    except SimulationError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if survivors:
+        return 1
+    return EXIT_DEGRADED if metrics.get("status") == "degraded" else 0

@@ -15,7 +15,7 @@ import torch
 from starfed.cli import main as cli_main
 from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema, wire
-from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassBank, ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
@@ -51,8 +51,12 @@ def codebook(make_codebook: Callable[..., Codebook]) -> Codebook:
     codebook = make_codebook(version=5, metadata={"seed": "1993", "task": "2"})
     last = codebook["class_3"]
     unfitted = {f: v for f, v in last.values.items() if f not in schema.MIXTURES}
-    changed = [replace(codebook["class_0"], frozen=True), replace(last, values=unfitted)]
-    return replace(codebook.evolve(changed), version=5)
+    entries = {
+        **codebook.entries,
+        "class_0": replace(codebook["class_0"], frozen=True),
+        "class_3": replace(last, values=unfitted),
+    }
+    return replace(codebook, entries=entries)
 
 
 # --- round trips ---------------------------------------------------------------------------------
@@ -104,6 +108,40 @@ def test_evolving_returns_new_values(codebook: Codebook) -> None:
     assert newer["class_0"] is codebook["class_0"]  # untouched entries are shared
     smaller = newer.without(["class_1"])
     assert smaller.names == ["class_0", "class_2", "class_3"] and smaller.version == 7
+    assert newer["class_1"].field_versions["key"] == 6
+    assert "prompt" not in newer["class_1"].field_versions  # unchanged: no new stamp
+
+
+def test_a_delta_carries_what_changed_and_rebuilds_the_codebook(codebook: Codebook) -> None:
+    held = codebook.broadcast()  # what a site keeps
+    key = torch.ones(codebook.dims.d_clip)
+    newer = codebook.set_values({"class_1": {"key": key}}, freeze=["class_2"])
+    newer = newer.register([replace(codebook["class_0"], name="class_9", frozen=False)])
+    newer = newer.without(["class_3"])
+    delta = newer.delta(since=codebook.version)
+    assert delta.names == ["class_0", "class_1", "class_2", "class_9"]
+    assert set(delta.entries) == {"class_1", "class_2", "class_9"}
+    assert set(delta.entries["class_1"].values) == {"key"}  # only the changed field
+    assert delta.entries["class_2"].values == {}  # frozen, nothing else changed
+    assert set(delta.entries["class_9"].values) == set(schema.BROADCAST)
+    decoded = wire.decode_broadcast(delta.to_bytes())
+    assert isinstance(decoded, Delta)
+    rebuilt = held.apply(decoded)
+    assert_entries_equal(rebuilt, replace(newer.broadcast(), metadata=rebuilt.metadata))
+    assert len(delta.to_bytes()) < len(newer.broadcast().to_bytes()) / 2
+
+
+def test_a_delta_applies_only_to_its_base(codebook: Codebook) -> None:
+    newer = codebook.set_values({"class_1": {"key": torch.ones(codebook.dims.d_clip)}})
+    newest = newer.set_values({"class_2": {"key": torch.ones(codebook.dims.d_clip)}})
+    with pytest.raises(CodebookError, match="cannot apply to version"):
+        codebook.broadcast().apply(newest.delta(since=newer.version))
+    with pytest.raises(CodebookError, match="a delta, not a whole codebook"):
+        Codebook.from_bytes(newest.delta(since=newer.version).to_bytes())
+    lost = newest.delta(since=codebook.version)
+    lost.names.append("ghost")  # a class the receiver does not have and the delta lacks
+    with pytest.raises(CodebookError, match="ghost"):
+        codebook.broadcast().apply(lost)
 
 
 def test_float16_halves_tensors_within_documented_error(codebook: Codebook) -> None:
@@ -146,7 +184,7 @@ def test_encoding_refuses_non_finite_values(codebook: Codebook) -> None:
 
 
 def test_broadcast_copy_leaves_out_only_the_mixtures(codebook: Codebook) -> None:
-    lean = codebook.without_mixtures()
+    lean = codebook.broadcast()
     decoded = Codebook.from_bytes(lean.to_bytes())
     assert decoded.names == codebook.names and decoded.frozen == codebook.frozen
     for x, y in zip(codebook.entries.values(), decoded.entries.values(), strict=True):
@@ -321,9 +359,8 @@ def test_untrained_entry_may_have_count_zero(codebook: Codebook) -> None:
 def site_update(codebook: Codebook, phase: Phase, names=("class_1", "class_2")) -> ClientUpdate:
     """What a site holding ``names`` returns for ``phase``: the phase's fields, its counts."""
     entries = codebook.bank().entries(names, fields=schema.trained_in(phase))
-    order = list(range(len(entries))) if phase is Phase.SYNC else []
     return ClientUpdate(
-        codebook.fingerprint, codebook.dims, phase, codebook.version, entries, order, {"node": "7"}
+        codebook.fingerprint, codebook.dims, phase, codebook.version, entries, {"node": "7"}
     )
 
 
@@ -336,7 +373,7 @@ def test_update_round_trip_per_phase(codebook: Codebook, phase: Phase, tmp_path:
             assert entry.HasField(f.name) == (f.trained_in is phase)
     decoded = ClientUpdate.from_bytes(update.to_bytes(), against=codebook, phase=phase)
     assert decoded.phase == phase and decoded.base_version == codebook.version
-    assert decoded.metadata == {"node": "7"} and decoded.class_order == update.class_order
+    assert decoded.metadata == {"node": "7"}
     assert [e.name for e in decoded.entries] == ["class_1", "class_2"]
     for entry in decoded.entries:
         assert entry.count == codebook[entry.name].count
@@ -353,12 +390,12 @@ def test_update_round_trip_per_phase(codebook: Codebook, phase: Phase, tmp_path:
 
 def test_sync_may_name_new_classes(codebook: Codebook) -> None:
     sync = ClientUpdate(
-        codebook.fingerprint, codebook.dims, Phase.SYNC, 0,
-        [ClassEntry("brand new", 3), ClassEntry("class_1", 4)], [5, 2],
+        codebook.fingerprint, codebook.dims, Phase.SYNC, 3,
+        [ClassEntry("brand new", 3), ClassEntry("class_1", 4)],
     )  # fmt: skip
     decoded = ClientUpdate.from_bytes(sync.to_bytes(), against=codebook, phase=Phase.SYNC)
     assert [(e.name, e.count) for e in decoded.entries] == [("brand new", 3), ("class_1", 4)]
-    assert decoded.class_order == [5, 2]
+    assert decoded.base_version == 3  # the version the site holds
 
 
 UPDATE_MUTATIONS: dict[str, tuple[Callable[[pb.ClientUpdate], None], str]] = {
@@ -373,7 +410,6 @@ UPDATE_MUTATIONS: dict[str, tuple[Callable[[pb.ClientUpdate], None], str]] = {
     "missing field": (lambda m: m.entries[1].ClearField("head_bias"), "stage2 carries"),
     "extra field": (lambda m: m.entries[0].key.CopyFrom(m.entries[0].head_weight), "carries"),
     "unregistered class": (lambda m: setattr(m.entries[0], "name", "ghost"), "not registered"),
-    "class order": (lambda m: m.class_order.append(1), "sync only"),
     "other backbones": (lambda m: setattr(m, "backbone_fingerprint", "cd" * 32), "fingerprint"),
     "duplicate class": (lambda m: setattr(m.entries[1], "name", "class_1"), "twice"),
 }
@@ -386,13 +422,6 @@ def test_invalid_updates_are_rejected(codebook: Codebook, mutation: str) -> None
     mutate(message)
     with pytest.raises(CodebookError, match=reason):
         ClientUpdate.from_bytes(message.SerializeToString(), against=codebook, phase=Phase.STAGE2)
-
-
-def test_sync_needs_one_position_per_class(codebook: Codebook) -> None:
-    message = wire.to_proto(site_update(codebook, Phase.SYNC))
-    message.class_order.pop()
-    with pytest.raises(CodebookError, match="one position per class"):
-        ClientUpdate.from_bytes(message.SerializeToString(), against=codebook, phase=Phase.SYNC)
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -428,7 +457,7 @@ def test_cli_diff(codebook: Codebook, tmp_path: Path, capsys: pytest.CaptureFixt
     key[0] += 0.5
     newer = codebook.set_values({"class_1": {"key": key}})
     renamed = replace(newer["class_2"], name="renamed")
-    newer = newer.without(["class_2"]).evolve([renamed])
+    newer = newer.without(["class_2"]).register([renamed])
     newer.save(tmp_path / "b")
     assert cli_main(["codebook", "diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from starfed.cli import build_parser
+from starfed.cli.simulate import build_overrides
+from starfed.shared.config import ConfigError
 from starfed.simulations.simulate import (
     SimulationError,
-    build_overrides,
     find_project_dir,
     load_app_config,
     toml_value,
@@ -92,14 +93,19 @@ def test_overrides_keep_supernodes_and_clients_together(tmp_path: Path) -> None:
     assert overrides["generative-replay"] is False
     assert overrides["preset"] == "tiny"
     assert _overrides("--clients=3", "--run-config=num-clients=4")["num-clients"] == 3
+    # values are typed by the schema; paths become absolute (the apps run elsewhere)
+    overrides = _overrides("--run-config=alpha=1", '--run-config=run-name="a b"', "--seed=7")
+    assert overrides["alpha"] == 1.0 and isinstance(overrides["alpha"], float)
+    assert overrides["run-name"] == "a b" and overrides["seed"] == 7
+    assert _overrides("--run-config=data-root=.")["data-root"] == str(Path.cwd())
 
 
 def test_bad_overrides_are_rejected_before_anything_starts() -> None:
-    with pytest.raises(SimulationError, match="unknown run-config"):
+    with pytest.raises(ConfigError, match="unknown run-config"):
         _overrides("--run-config=no-such-key=1")
-    with pytest.raises(SimulationError, match="num-clients"):
+    with pytest.raises(ConfigError, match="--clients 0"):
         _overrides("--clients=0")
-    with pytest.raises(SimulationError, match="KEY=VALUE"):
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
         _overrides("--run-config=seed")
 
 

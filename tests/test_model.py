@@ -176,15 +176,36 @@ def test_accuracy_matrix_metrics() -> None:
 
 
 def test_evaluation_of_an_empty_test_set_is_nan_not_a_crash(backbones) -> None:
-    from starfed.shared.model.evaluation import evaluate_tasks
+    from starfed.shared.model.evaluation import group_scores, score_classes
 
     model = StarPrompt(backbones)
     model.add_classes(["a", "b"], seed=0)
     empty = torch.zeros(0, 3, 64, 64, dtype=torch.uint8)
-    scores = evaluate_tasks(
-        model, empty, torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), torch.tensor([0, 0]), 1
+    groups = torch.tensor([0, 0])
+    counts = score_classes(
+        model, empty, torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), groups
     )
+    assert counts.images.tolist() == [0, 0]
+    scores = group_scores(counts, groups, 1)
     assert len(scores.accuracy) == 1 and scores.accuracy[0] != scores.accuracy[0]  # NaN
+
+
+def test_scores_count_per_class_and_group(backbones) -> None:
+    """Per-class counts add up per group; selection counts one choice per image and block."""
+    from starfed.shared.model.evaluation import group_scores, score_classes
+
+    model = StarPrompt(backbones)
+    model.add_classes(["a", "b", "c"], seed=0)
+    images, rows = synthetic_task(3, 4, 0, seed=3)
+    features = clip_features(backbones, images)
+    groups = torch.tensor([0, 0, 1])
+    counts = score_classes(model, images, rows, features, groups)
+    assert counts.images.tolist() == [4, 4, 4]
+    assert (counts.selections == 4 * backbones.dims.n_layers).all()
+    assert (counts.correct <= counts.images).all()
+    scores = group_scores(counts, groups, 2)
+    expected = 100 * int(counts.correct[:2].sum()) / 8
+    assert scores.accuracy[0] == pytest.approx(expected)
 
 
 def test_paper_preset_builds_offline_with_the_paper_dims() -> None:

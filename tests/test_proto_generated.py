@@ -32,4 +32,4 @@ def test_field_numbers_are_kept_for_the_distribution_service() -> None:
     file = descriptor_pb2.FileDescriptorProto()
     pb.DESCRIPTOR.CopyToProto(file)
     codebook = next(m for m in file.message_type if m.name == "Codebook")
-    assert [(r.start, r.end) for r in codebook.reserved_range] == [(16, 32)]
+    assert [(r.start, r.end) for r in codebook.reserved_range] == [(18, 32)]

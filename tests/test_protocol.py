@@ -34,11 +34,11 @@ from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.protocol import PHASES, Phase
-from starfed.shared.run_config import BackboneOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inprocess_grid import InProcessGrid
@@ -110,7 +110,7 @@ def recording(grid: InProcessGrid, recorded: Recorded):
         if not reply.has_error() and "update" in reply.content:
             data = reply.content["update"]["data"]
             if message_type == "query.sync":
-                own = BackboneOptions.from_run_config(grid.run_config).load()
+                own = BackboneOptions.from_config(parse(grid.run_config)).load()
                 against = Codebook(own.fingerprint, own.dims)
                 sync = ClientUpdate.from_bytes(data, against=against, phase=Phase.SYNC)
                 recorded.syncs[(step, node)] = sync
@@ -184,7 +184,7 @@ def class_counts(scenario: Scenario, task: int) -> dict[str, list[int]]:
 
 
 def scenario_of(grid: InProcessGrid) -> Scenario:
-    return Scenario(ScenarioConfig.from_run_config(grid.run_config))
+    return Scenario(ScenarioConfig.from_config(parse(grid.run_config)))
 
 
 def assert_finite(codebook: Codebook) -> None:
@@ -572,7 +572,8 @@ def test_malformed_evaluate_reply_is_rejected(pair, tmp_path):
 
 def test_client_with_other_backbones(pair, tmp_path, cache_dir):
     foreign = create_backbones("tiny", seed=1)
-    own = BackboneOptions.from_run_config(pair.run_config).load()
+    values = parse(pair.run_config)
+    own = BackboneOptions.from_config(values).load()
     assert foreign.fingerprint != own.fingerprint
     pair.run_config = {**pair.run_config, "results-dir": str(tmp_path), "run-name": "run"}
     site = client_app.site_for(pair._context(2))  # node 2's site, then with other backbones

@@ -13,10 +13,9 @@ only scans the dataset folder.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,68 +23,17 @@ import datasets
 import numpy as np
 from flwr_datasets.partitioner import DirichletPartitioner
 
-from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root
-from starfed.shared.run_config import get
+from starfed.shared.config import Values
+from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root
 
 Sample = tuple[str, int]
-
-#: Flower run-config key -> ScenarioConfig field.
-RUN_CONFIG_KEYS: dict[str, str] = {
-    "data-root": "data_root",
-    "num-tasks": "n_tasks",
-    "classes-per-task": "classes_per_task",
-    "seed": "seed",
-    "num-clients": "n_clients",
-    "alpha": "alpha",
-    "arrival-offset": "arrival_offset",
-    "min-partition-size": "min_partition_size",
-}
-
-
-def _problem(name: str, value: object) -> str | None:
-    """Why ``value`` is not valid for field ``name``, or None when it is."""
-    if name == "data_root":
-        return None if isinstance(value, str) else "must be a string"
-    if name == "alpha":
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return None if ok and math.isfinite(value) and value > 0 else "must be a finite number > 0"
-    if name == "classes_per_task" and value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        return "must be an integer"
-    low, high = {
-        "n_tasks": (1, None),
-        "classes_per_task": (1, None),
-        "seed": (0, 2**32 - 1),  # what np.random.RandomState (the class order) accepts
-        "n_clients": (1, None),
-        "arrival_offset": (0, None),
-        "min_partition_size": (0, None),
-    }[name]
-    if value < low or (high is not None and value > high):
-        return f"must be >= {low}" + ("" if high is None else f" and <= {high}")
-    return None
-
-
-def _parse(key: str, raw: str | int | float | bool) -> object:
-    """A run-config value as its field expects it; strings are accepted for CLI overrides."""
-    name = RUN_CONFIG_KEYS[key]
-    kind = {"data_root": str, "alpha": float}.get(name, int)
-    value = get({key: raw}, key, kind, None)
-    if name == "data_root":
-        return value or str(bundled_dataset_root())
-    if name == "classes_per_task" and value == 0:
-        return None
-    problem = _problem(name, value)
-    if problem is not None:
-        raise ValueError(f"run config {key!r} {problem}, got {raw!r}")
-    return value
 
 
 @dataclass(frozen=True)
 class ScenarioConfig:
     """What defines a federated scenario; equal configs give identical partitions."""
 
-    data_root: str = field(default_factory=lambda: str(bundled_dataset_root()))
+    data_root: str = field(default_factory=dataset_root)
     n_tasks: int = 7
     classes_per_task: int | None = None  # None: all classes spread evenly over the tasks
     seed: int = 1993  # class order and partition
@@ -94,30 +42,24 @@ class ScenarioConfig:
     arrival_offset: int = 0  # site i starts i * arrival_offset steps after site 0
     min_partition_size: int = 0  # per task: resample the Dirichlet until every site has this many
 
-    def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
-            problem = _problem(name, getattr(self, name))
-            if problem is not None:
-                raise ValueError(f"ScenarioConfig.{name} {problem}, got {getattr(self, name)!r}")
-
     @property
     def n_steps(self) -> int:
         """Global steps until the last-arriving site has finished its last task."""
         return self.n_tasks + (self.n_clients - 1) * self.arrival_offset
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, str | int | float | bool]) -> ScenarioConfig:
-        """Read the scenario keys of a Flower run config (see :data:`RUN_CONFIG_KEYS`).
-
-        Other keys are ignored: the run config also holds training settings. ``data-root = ""``
-        means the bundled dataset and ``classes-per-task = 0`` the even default.
-        """
-        values = {
-            RUN_CONFIG_KEYS[key]: _parse(key, raw)
-            for key, raw in run_config.items()
-            if key in RUN_CONFIG_KEYS
-        }
-        return cls(**values)
+    def from_config(cls, values: Values) -> ScenarioConfig:
+        """The scenario knobs of a parsed config (``starfed.shared.config``)."""
+        return cls(
+            data_root=dataset_root(values["data-root"]),
+            n_tasks=values["num-tasks"],
+            classes_per_task=values["classes-per-task"] or None,
+            seed=values["seed"],
+            n_clients=values["num-clients"],
+            alpha=values["alpha"],
+            arrival_offset=values["arrival-offset"],
+            min_partition_size=values["min-partition-size"],
+        )
 
 
 def _task_seed(seed: int, task: int) -> int:

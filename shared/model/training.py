@@ -14,7 +14,7 @@ features of augmented views, which change every epoch.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from rich.progress import Progress
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.config import Values
 from starfed.shared.data.cropdiseases import augment, normalize, to_unit
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.first_level import first_level_logits
@@ -66,6 +67,13 @@ class TrainConfig:
     generative_replay: bool = True
     confidence_modulation: bool = True
     seed: int = 1993
+
+    @classmethod
+    def from_config(cls, values: Values) -> TrainConfig:
+        """The training knobs (and the seed) of a parsed config; a knob's key is its field's
+        name with dashes. The other fields keep the reference values."""
+        dashed = {f.name: f.name.replace("_", "-") for f in fields(cls)}
+        return cls(**{name: values[key] for name, key in dashed.items() if key in values})
 
     def to_dict(self) -> dict:
         return asdict(self)
