@@ -15,10 +15,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
+from process_sampler import ProcessSampler, alive
 
 from starfed.cli import build_parser
 from starfed.cli.simulate import build_overrides
@@ -31,45 +31,6 @@ from starfed.simulations.simulate import (
 )
 
 TIMEOUT_S = 170
-
-
-def _state(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time) of a process, or None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return fields[0], int(fields[19])
-
-
-def _alive(pid: int, started: int) -> bool:
-    state = _state(pid)
-    return state is not None and state[0] != "Z" and state[1] == started
-
-
-class ProcessSampler(threading.Thread):
-    """Collects pid -> (start time, command line) of processes whose env holds ``marker``."""
-
-    def __init__(self, marker: str) -> None:
-        super().__init__(daemon=True)
-        self.marker = marker.encode()
-        self.seen: dict[int, tuple[int, str]] = {}
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(0.3):
-            for entry in os.scandir("/proc"):
-                if not entry.name.isdigit() or int(entry.name) in self.seen:
-                    continue
-                try:
-                    environ = Path(entry.path, "environ").read_bytes().split(b"\0")
-                    cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ")
-                except OSError:
-                    continue
-                state = _state(int(entry.name))
-                if self.marker in environ and state is not None:
-                    self.seen[int(entry.name)] = (state[1], cmdline.decode(errors="replace"))
 
 
 def _overrides(*argv: str) -> dict:
@@ -161,7 +122,7 @@ def test_flwr_run_end_to_end(tmp_path: Path) -> None:
     finally:
         sampler.done.set()
         sampler.join()
-        leftovers = {p: cmd for p, (t, cmd) in sampler.seen.items() if _alive(p, t)}
+        leftovers = {p: cmd for p, (t, cmd) in sampler.seen.items() if alive(p, t)}
         for pid in leftovers:  # never leak into the rest of the session, even on failure
             os.kill(pid, signal.SIGKILL)
 

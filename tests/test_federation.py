@@ -22,11 +22,11 @@ from starfed.client import app as client_app
 from starfed.server.app import RunFailed, run_server
 from starfed.server.federation import CODEBOOK_FILE
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.data.cropdiseases import bundled_dataset_root
 from starfed.shared.data.site_folder import class_key
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inprocess_grid import InProcessGrid
+from site_folders import CLASSES, site_folder
 
 CONFIG = {
     "preset": "tiny",
@@ -38,28 +38,7 @@ CONFIG = {
     "timeout-s": 5,
     "wait-s": 0.5,
 }
-BUNDLED = bundled_dataset_root()
-CLASSES = sorted(p.name for p in (BUNDLED / "train").iterdir())
 _run_ids = itertools.count(5000)
-
-
-def site_folder(root: Path, tasks: dict[str, list[str]], train: int = 10, test: int = 4) -> Path:
-    """A site's data folder: ``tasks`` maps task folder -> bundled class folders (a name may
-    be respelled with ``folder=spelling``); each class gets links to a few bundled images."""
-    for task, classes in tasks.items():
-        for spec in classes:
-            source, _, spelling = spec.partition("=")
-            for split, n in (("train", train), ("test", test)):
-                target = root / task / (spelling or source) if split == "train" else (
-                    root / "test" / (spelling or source)
-                )  # fmt: skip
-                target.mkdir(parents=True, exist_ok=True)
-                for image in sorted((BUNDLED / split / source).iterdir())[:n]:
-                    link = target / image.name
-                    if not link.exists():
-                        link.symlink_to(image)
-    (root / "test").mkdir(parents=True, exist_ok=True)
-    return root
 
 
 @pytest.fixture(autouse=True)
@@ -144,7 +123,8 @@ def test_disjoint_sites_then_a_new_task_in_a_second_run(fed):
     assert after.names == before.names + sorted(CLASSES[4:6], key=class_key)
     assert after.frozen == set(after.names)
     assert {name: c["step"] for name, c in second["classes"].items()} == {
-        **dict.fromkeys(CLASSES[0:4], 0), **dict.fromkeys(CLASSES[4:6], 1)
+        **dict.fromkeys(CLASSES[0:4], 0),
+        **dict.fromkeys(CLASSES[4:6], 1),
     }
     # Only the new classes trained: the first step's classes kept every final value.
     for name in before.names:
