@@ -17,6 +17,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "starfed.simulations.train_local",
     "starfed.cli.codebook",
     "starfed.simulations.simulate",
+    "starfed.cli.server",
+    "starfed.cli.site",
 )
 
 
