@@ -14,9 +14,11 @@ exactly ``POST /v1/fleet/<method>`` to the SuperLink; every other method, path, 
 (docs/deployment.md, "What is exposed").
 
 Robustness: request bodies stream through with a size limit (413 past it, checked from
-Content-Length before anything is forwarded), every read has a timeout, a client that sends
-garbage gets an HTTP error and never stops the gateway, and every refusal and forwarded call is
-one line in the log file. Built on uvicorn and httpx, which Flower itself runs on.
+Content-Length before anything is forwarded), body reads and upstream calls have timeouts, a
+client that sends garbage gets an HTTP error and never stops the gateway, at most 512
+connections are served at once (503 beyond), and every refusal and every forwarded call that
+did not succeed is one line in the log file (all calls with ``--debug``). Built on uvicorn and
+httpx, which Flower itself runs on.
 
 Run: ``python -m starfed.server.gateway --listen 0.0.0.0:9092 --upstream https://127.0.0.1:9093
 --ca ca.pem --cert server.pem --key server.key --log-file gateway.log`` (``starfed server start``
@@ -210,7 +212,8 @@ class FleetGateway:
             log.error("%s from %s: upstream failed mid-response (%s)", path, client, err)
         finally:
             await response.aclose()
-        log.info(
+        log.log(
+            logging.DEBUG if response.status_code < 400 else logging.INFO,
             "%s %s %d in=%d out=%d %.0fms",
             client,
             path,
@@ -277,7 +280,7 @@ async def _reply(send: Send, status: int, body: bytes) -> None:
 # --- the process ---------------------------------------------------------------------------
 
 
-def _setup_logging(log_file: Path | None) -> None:
+def _setup_logging(log_file: Path | None, debug: bool = False) -> None:
     handler: logging.Handler
     if log_file is None:
         handler = logging.StreamHandler(sys.stderr)
@@ -290,7 +293,7 @@ def _setup_logging(log_file: Path | None) -> None:
     for name in ("starfed.gateway", "uvicorn", "uvicorn.error"):
         logger = logging.getLogger(name)
         logger.handlers = [handler]
-        logger.setLevel(logging.INFO)
+        logger.setLevel(logging.DEBUG if debug else logging.INFO)
         logger.propagate = False
 
 
@@ -376,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=UPSTREAM_TIMEOUT_S, help="upstream, seconds")
     p.add_argument("--max-connections", type=int, default=512, help="then 503")
     p.add_argument("--exit-with", type=int, help="PID: stop when this process ends")
+    p.add_argument("--debug", action="store_true", help="log every forwarded call too")
     return p
 
 
@@ -390,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_address(args.listen)
     except ValueError as err:
         parser.error(str(err))
-    _setup_logging(args.log_file)
+    _setup_logging(args.log_file, args.debug)
     serve(args)
     return 0
 
