@@ -227,6 +227,9 @@ def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
         except FAILURES as err:
             _error(args, err, EXIT_FAILED)
             return EXIT_FAILED
+        except KeyboardInterrupt:  # start cleans up after itself; say so in one line
+            _error(args, RuntimeError("interrupted"), EXIT_FAILED)
+            return EXIT_FAILED
 
     wrapped.__doc__ = func.__doc__
     return wrapped
@@ -270,27 +273,24 @@ def run_certs(args: argparse.Namespace) -> int:
             }
         )
         return EXIT_OK
-    out = _console()
     for path in report.written:
-        out.print(f"wrote {path}", markup=False)
+        print(f"wrote {path}")
     for path in report.kept:
-        out.print(f"kept  {path}", markup=False)
-    out.print(f"server certificate valid for: {', '.join(report.sans)}", markup=False)
+        print(f"kept  {path}")
+    print(f"server certificate valid for: {', '.join(report.sans)}")
     if not [s for s in report.sans if s not in certs.LOCAL_NAMES]:
-        out.print(
+        print(
             "note: only local names; remote sites need --host <the name they dial> "
-            "(then --renew-server)",
-            markup=False,
+            "(with --renew-server once a certificate exists)"
         )
-    out.print(f"every site needs: {folder.ca_cert}", markup=False)
+    print(f"every site needs: {folder.ca_cert}")
     for name, key in report.sites.items():
-        out.print(
-            f"site {name}: send {folder.site_key(name)} (private, over a safe channel) "
-            f"and ca.pem; key {key.fingerprint}; then "
-            f"`starfed server sites add {name} {pki.public_key_path(folder.site_key(name))}`",
-            markup=False,
+        public = pki.public_key_path(folder.site_key(name))
+        print(
+            f"site {name}: key {key.fingerprint}; send it {folder.site_key(name)} (private: over "
+            f"a safe channel) and ca.pem; register it: starfed server sites add {name} {public}"
         )
-    out.print(f"keep {folder.ca_key} private (an offline copy is best)", markup=False)
+    print(f"keep {folder.ca_key} private (an offline copy is best)")
     return EXIT_OK
 
 
@@ -351,7 +351,7 @@ def run_start(args: argparse.Namespace) -> int:
         _print_started(folder, options, names, record)
     if not args.foreground:
         return EXIT_OK
-    reason = superlink.wait_foreground(folder, record)
+    reason = superlink.wait_foreground(record)
     report = superlink.stop(folder)
     print(f"stopping ({reason}): {', '.join(report.stopped) or 'nothing was running'}")
     return EXIT_FAILED if report.survivors or not reason.startswith("SIG") else EXIT_OK

@@ -234,6 +234,28 @@ class SiteRun:
         return 0 if self.stopped_by and not (self.failure or self.survivors) else 1
 
 
+def _supervise(
+    popen: subprocess.Popen, seen: set[ProcessId], outcome: SiteRun, stop_reason: list[str]
+) -> str | None:
+    """Wait until the SuperNode ends, a stop signal arrives or a failure line was seen (then
+    give Flower 10 s to exit by itself); SIGTERM it if it still runs. Records its process tree
+    in ``seen`` as it grows; returns the signal that stopped it, if any."""
+    fatal_since: float | None = None
+    while popen.poll() is None and not stop_reason:
+        seen |= processes.descendants(seen)
+        if outcome.failure and fatal_since is None:
+            fatal_since = time.monotonic()
+        if fatal_since and time.monotonic() - fatal_since > 10:
+            break
+        time.sleep(0.2)
+    if popen.poll() is not None:
+        return None
+    popen.send_signal(signal.SIGTERM)  # the SuperNode tells the SuperLink it goes offline
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        popen.wait(STOP_GRACE_S)
+    return stop_reason[0] if stop_reason else None
+
+
 @contextlib.contextmanager
 def _state_lock(state: Path) -> Iterator[None]:
     """One SuperNode per state folder: two with one key would fight over one node id."""
@@ -250,12 +272,15 @@ def _pump(stream: IO[bytes], log: IO[str], echo: IO[str] | None, on_line: Callab
     """Copy the SuperNode's output line by line to the log (and terminal), classifying it."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
-        log.write(line)
-        log.flush()
-        if echo is not None:
-            echo.write(line)
-            echo.flush()
         on_line(line)
+        try:
+            log.write(line)
+            log.flush()
+            if echo is not None:
+                echo.write(line)
+                echo.flush()
+        except (OSError, ValueError):  # closed after we gave up waiting: drop the rest
+            return
 
 
 def run(options: SiteOptions, echo: IO[str] | None = sys.stdout) -> SiteRun:
@@ -292,33 +317,29 @@ def _run(options: SiteOptions, echo: IO[str] | None) -> SiteRun:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     seen: set[ProcessId] = set()
+    popen: subprocess.Popen | None = None
+    pump: threading.Thread | None = None
     try:
-        command = supernode_command(options, node_config, processes.free_port())
-        popen = processes.spawn(command, env=env, cwd=state)
-        root = ProcessId.of(popen.pid)
-        seen |= {root} if root else set()
         with log_file.open("a") as log:
-            pump = threading.Thread(
-                target=_pump, args=(popen.stdout, log, echo, on_line), daemon=True
-            )
-            pump.start()
-            fatal_since: float | None = None
-            while popen.poll() is None and not stop_reason:
-                seen |= processes.descendants(seen)
-                if outcome.failure and fatal_since is None:
-                    fatal_since = time.monotonic()
-                if fatal_since and time.monotonic() - fatal_since > 10:
-                    break  # Flower said it cannot go on but did not exit: we end it
-                time.sleep(0.2)
-            if popen.poll() is None:
-                outcome.stopped_by = stop_reason[0] if stop_reason else None
-                popen.send_signal(signal.SIGTERM)  # the SuperNode goes offline at once
-                with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL below
-                    popen.wait(STOP_GRACE_S)
-            outcome.survivors = processes.terminate(seen, grace=5.0)
-            popen.wait()
-            pump.join(5.0)
-        outcome.returncode = popen.returncode
+            try:
+                command = supernode_command(options, node_config, processes.free_port())
+                popen = processes.spawn(command, env=env, cwd=state)
+                seen |= {root} if (root := ProcessId.of(popen.pid)) else set()
+                pump = threading.Thread(
+                    target=_pump, args=(popen.stdout, log, echo, on_line), daemon=True
+                )
+                pump.start()
+                outcome.stopped_by = _supervise(popen, seen, outcome, stop_reason)
+            finally:  # whatever happened: nothing of the SuperNode outlives us
+                if popen is not None:
+                    if popen.poll() is None:
+                        popen.kill()
+                    popen.wait()  # reaped: its SuperExec sees the parent gone and ends too
+                    outcome.returncode = popen.returncode
+                    left = processes.wait_gone(seen, 5.0)
+                    outcome.survivors = processes.terminate(left, grace=5.0)
+                if pump is not None:
+                    pump.join(5.0)  # the rest of the output, until the pipe closes
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -253,14 +253,14 @@ def _check_ready_to_start(folder: ServerFolder, options: ServerOptions) -> None:
                 f"missing {', '.join(p.name for p in missing)} in {folder.certs}; "
                 "run `starfed server certs --host <public name>` first"
             )
+    if options.internal_port == options.listen_port:
+        raise ServerError("--internal-port must differ from the --listen port")
     for host, port, what in (
         ("127.0.0.1", options.internal_port, "--internal-port"),
         (options.listen_host, options.listen_port, "--listen"),
     ):
         if not processes.port_is_free(host, port):
             raise ServerError(f"{format_address(host, port)} is in use; choose another {what}")
-    if options.internal_port == options.listen_port:
-        raise ServerError("--internal-port must differ from the --listen port")
 
 
 def _tail(path: Path, lines: int = 5) -> str:
@@ -271,8 +271,16 @@ def _tail(path: Path, lines: int = 5) -> str:
     return " | ".join(line.strip() for line in text[-lines:])
 
 
-def _ssl_context(folder: ServerFolder, options: ServerOptions) -> ssl.SSLContext | bool:
-    return False if options.insecure else ssl.create_default_context(cafile=str(folder.ca_cert))
+def _ssl_context(
+    folder: ServerFolder, options: ServerOptions, check_hostname: bool = True
+) -> ssl.SSLContext | bool:
+    """Our CA, for probing our own processes; the gateway's probe goes to the listen address,
+    which need not be one of the certificate's names (sites dial those)."""
+    if options.insecure:
+        return False
+    context = ssl.create_default_context(cafile=str(folder.ca_cert))
+    context.check_hostname = check_hostname
+    return context
 
 
 def _answers(url: str, verify: ssl.SSLContext | bool, status: int) -> bool:
@@ -336,13 +344,12 @@ def start(folder: ServerFolder, options: ServerOptions) -> RunRecord:
         insecure=options.insecure,
         isolation=options.isolation,
     )
-    verify = _ssl_context(folder, options)
     try:
         superlink = _launch("superlink", superlink_command(folder, options), folder)
         record.processes.append(superlink)
         record.save(folder.run_file)  # from here on, `stop` can clean up even if we die
         health = _local_url(options, "127.0.0.1", options.internal_port, "/health")
-        _wait_until_answers(superlink, health, verify, 200)
+        _wait_until_answers(superlink, health, _ssl_context(folder, options), 200)
         if options.isolation == "process":
             superexec = _launch(
                 "superexec", superexec_command(folder, options, superlink.pid), folder
@@ -353,7 +360,7 @@ def start(folder: ServerFolder, options: ServerOptions) -> RunRecord:
         record.processes.append(gateway)
         record.save(folder.run_file)
         probe = _local_url(options, options.listen_host, options.listen_port, "/")
-        _wait_until_answers(gateway, probe, verify, 403)
+        _wait_until_answers(gateway, probe, _ssl_context(folder, options, False), 403)
         if options.isolation == "process":
             time.sleep(1.0)  # the SuperExec has no port to probe: it must at least stay up
             if not superexec.id.alive():
@@ -396,7 +403,7 @@ def stop(folder: ServerFolder, grace: float = STOP_GRACE_S) -> StopReport:
     return report
 
 
-def wait_foreground(folder: ServerFolder, record: RunRecord) -> str:
+def wait_foreground(record: RunRecord) -> str:
     """Block until SIGTERM/SIGINT or until a managed process ends; return why."""
     reason = ""
 
