@@ -9,6 +9,7 @@ object for scripts instead of text for people.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -218,6 +219,7 @@ def _emit_json(data: Any) -> None:
 def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """One line on stderr and the right exit code for every expected error."""
 
+    @functools.wraps(func)
     def wrapped(args: argparse.Namespace) -> int:
         try:
             return func(args)
@@ -231,7 +233,6 @@ def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
             _error(args, RuntimeError("interrupted"), EXIT_FAILED)
             return EXIT_FAILED
 
-    wrapped.__doc__ = func.__doc__
     return wrapped
 
 
