@@ -22,6 +22,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "starfed.cli.train_local",
     "starfed.cli.codebook",
     "starfed.cli.simulate",
+    "starfed.cli.server",
+    "starfed.cli.site",
 )
 EXIT_BAD_INPUT = 2
 
