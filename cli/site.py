@@ -75,6 +75,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="plain HTTP, no key: only against a `server start --insecure` test server",
     )
     p.add_argument("--quiet", action="store_true", help="do not echo the SuperNode's log")
+    p.add_argument(
+        "--no-worker",
+        action="store_true",
+        help="no site worker: every message builds the model in its own process (slower)",
+    )
     p.set_defaults(func=run_start)
 
 
@@ -122,6 +127,7 @@ def run_start(args: argparse.Namespace) -> int:
             name=args.name,
             device=args.device,
             insecure=args.insecure,
+            worker=not args.no_worker,
         )
     except (ValueError, supernode.SiteError) as err:  # SiteKeyError is a ValueError
         return _fail("start", err, EXIT_USAGE)

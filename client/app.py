@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.client_app import DEFAULT_ACTION
 
-from starfed.client.memory import SiteMemory
-from starfed.client.site import Site
-from starfed.shared.config import BackboneOptions, parse, run_dir
-from starfed.shared.data.scenario import Scenario, ScenarioConfig
-from starfed.shared.model.training import TrainConfig
+from starfed.client.worker import request
+from starfed.shared.config import parse, run_dir
 from starfed.shared.protocol import PHASES, Phase, PhaseSpec
+
+if TYPE_CHECKING:  # the site code imports torch: only where a message is answered
+    from starfed.client.site import Site
 
 app = ClientApp()
 
@@ -47,27 +48,33 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("STARFED_CACHE_DIR", Path.home() / ".cache" / "starfed"))
 
 
-def site_for(context: Context) -> Site:
+def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> Site:
     """The site of this node in this run (built once per process; backbones cached too).
 
     Run and node config are checked against the schema (``starfed.shared.config``) first.
     """
-    key = (context.run_id, context.node_id)
+    from starfed.client.memory import SiteMemory
+    from starfed.client.site import Site
+    from starfed.shared.config import BackboneOptions
+    from starfed.shared.data.scenario import Scenario, ScenarioConfig
+    from starfed.shared.model.training import TrainConfig
+
+    key = (run_id, node_id)
     if key not in _SITES:
-        values, node = parse(context.run_config), parse(context.node_config, "node-config")
+        values, node = parse(run_config), parse(node_config, "node-config")
         backbones = BackboneOptions.from_config(values).load()
         before_scan = None
         if node["data-dir"]:
-            name = node["site-name"] or f"node-{context.node_id}"
+            name = node["site-name"] or f"node-{node_id}"
             data_dir = Path(node["data-dir"])
             state_dir = Path(node["state-dir"] or data_dir / ".starfed")
             cache_dir = Path(node["cache-dir"] or state_dir / "cache")
-        elif "partition-id" in context.node_config:
+        elif "partition-id" in node_config:
             partition = node["partition-id"]
             clients = node["num-partitions"] or values["num-clients"]
             scenario = Scenario(ScenarioConfig.from_config({**values, "num-clients": clients}))
             name = f"site-{partition}"
-            root = run_dir(values, context.run_id) / "sites" / name
+            root = run_dir(values, run_id) / "sites" / name
             data_dir, state_dir = root / "data", root / "state"
             cache_dir = Path(node["cache-dir"] or default_cache_dir())
 
@@ -83,14 +90,21 @@ def site_for(context: Context) -> Site:
         _SITES[key] = Site(
             name, data_dir, memory, backbones, TrainConfig.from_config(values), cache_dir,
             before_scan,
-        )
+        )  # fmt: skip
     return _SITES[key]
 
 
-def _answer(phase: Phase, message: Message, context: Context) -> Message:
-    """The reply to one phase's message: an update, or for evaluation the site's report."""
-    site = site_for(context)
-    config = message.content["config"]
+def answer(header: dict[str, Any], payload: bytes) -> tuple[str, bytes]:
+    """The reply to one message: (record name, bytes) — an update, or the site's report.
+
+    ``header`` holds the phase, the message's config and the run's and node's configs;
+    ``payload`` the codebook the message carries (or nothing). A ClientApp process and a site
+    worker (``starfed.client.worker``) both answer through here.
+    """
+    phase = Phase[header["phase"].upper()]
+    config = header["config"]
+    site = site_for(header["run-id"], header["node-id"], header["run-config"],
+                    header["node-config"])  # fmt: skip
     step, round_index = int(config["step"]), int(config.get("round", 0))
     federation = str(config["federation"])
     if phase is Phase.SYNC:
@@ -98,23 +112,36 @@ def _answer(phase: Phase, message: Message, context: Context) -> Message:
         update = site.sync(step, frozen, federation, str(config["epoch"]))
     else:
         site.memory.join(federation)
-        codebook = site.memory.receive(message.content["codebook"]["data"])
+        codebook = site.memory.receive(payload)
         if phase is Phase.EVALUATE:
             report = site.evaluate(codebook, [int(s) for s in config["class-steps"]])
-            content = RecordDict({"report": ConfigRecord({"data": report.to_bytes()})})
-            return Message(content, reply_to=message)
+            return "report", report.to_bytes()
         update = site.run_phase(phase, codebook, step, round_index)
-    wire = str(config.get("wire-dtype", "float32"))
-    content = RecordDict({"update": ConfigRecord({"data": update.to_bytes(wire)})})
-    return Message(content, reply_to=message)
+    return "update", update.to_bytes(str(config.get("wire-dtype", "float32")))
+
+
+def _handle(phase: Phase, message: Message, context: Context) -> Message:
+    """A Flower message answered here, or by the site's worker when the node config names one."""
+    header = {
+        "phase": phase.key,
+        "config": dict(message.content["config"]),
+        "run-config": dict(context.run_config),
+        "node-config": dict(context.node_config),
+        "run-id": context.run_id,
+        "node-id": context.node_id,
+    }
+    payload = message.content["codebook"]["data"] if "codebook" in message.content else b""
+    worker = parse(context.node_config, "node-config")["worker-socket"]
+    record, data = request(worker, header, payload) if worker else answer(header, payload)
+    return Message(RecordDict({record: ConfigRecord({"data": data})}), reply_to=message)
 
 
 def _register(spec: PhaseSpec) -> None:
-    """Route the phase's Flower message type ("<category>[.<action>]") to ``_answer``."""
+    """Route the phase's Flower message type ("<category>[.<action>]") to ``_handle``."""
     category, _, action = spec.message_type.partition(".")
 
     def handler(message: Message, context: Context) -> Message:
-        return _answer(spec.phase, message, context)
+        return _handle(spec.phase, message, context)
 
     getattr(app, category)(action or DEFAULT_ACTION)(handler)
 

@@ -13,6 +13,8 @@ traceback-sized log. This wrapper:
 - gives the SuperNode a free Runtime API port on 127.0.0.1, its own ``FLWR_HOME`` in the state
   folder, and ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` of 0.1 s (Flower's default 1 s is paid on
   every message);
+- runs the site worker (``starfed.client.worker``) next to it, so the per-message ClientApp
+  processes only forward (no torch, no backbones, no cache reads per message);
 - streams the SuperNode's log to the terminal and to ``<state>/logs/supernode.log``, and turns the
   known failure lines into one clear line each (:data:`FAILURES`);
 - on Ctrl-C or SIGTERM sends SIGTERM to the SuperNode, which tells the SuperLink it goes offline
@@ -48,10 +50,8 @@ from starfed.shared.processes import ProcessId
 
 STOP_GRACE_S = 15.0
 TASK_POLL_INTERVAL_S = "0.1"
+WORKER_START_S = 30.0
 #: Node-config keys the ClientApp reads (docs/deployment.md).
-NODE_CONFIG_KEYS = ("data-dir", "state-dir", "site-name", "device")
-
-
 class SiteError(RuntimeError):
     """Something the site engineer can fix; one line, exit code 1."""
 
@@ -124,14 +124,22 @@ class SiteOptions:
     key: Path | None = None
     insecure: bool = False
     fingerprint: str = ""
+    worker: bool = True  # answer messages in a long-lived site worker (starfed.client.worker)
+
+    @property
+    def worker_socket(self) -> Path:
+        return self.state / "worker.sock"
 
     def node_config(self) -> dict[str, str]:
-        return {
+        config = {
             "data-dir": str(self.data),
             "state-dir": str(self.state),
             "site-name": self.name,
             "device": self.device,
         }
+        if self.worker:
+            config["worker-socket"] = str(self.worker_socket)
+        return config
 
 
 def default_state_dir(name: str) -> Path:
@@ -156,6 +164,7 @@ def prepare(
     name: str | None = None,
     device: str = "auto",
     insecure: bool = False,
+    worker: bool = True,
 ) -> SiteOptions:
     """Check every input once, here; what comes out is what the SuperNode gets."""
     processes.parse_address(server)  # ValueError: bad input
@@ -182,7 +191,7 @@ def prepare(
         raise SiteError(f"--state {state} must not be inside --data {data}")
     if not device.strip() or any(c.isspace() for c in device):
         raise SiteError(f"--device must be one word, e.g. auto, cpu, cuda:0; got {device!r}")
-    return SiteOptions(server, data, state, name, device, ca, key, insecure, fingerprint)
+    return SiteOptions(server, data, state, name, device, ca, key, insecure, fingerprint, worker)
 
 
 def write_node_config(path: Path, options: SiteOptions) -> None:
@@ -268,6 +277,24 @@ def _state_lock(state: Path) -> Iterator[None]:
         yield
 
 
+def _start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> subprocess.Popen:
+    """The site worker (``starfed.client.worker``): built once, it answers every message, so
+    no message pays for importing torch, building the backbones and reading the caches."""
+    socket_path = options.worker_socket
+    socket_path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "starfed.client.worker", "--socket", str(socket_path)]
+    popen = processes.spawn(command, env=env, cwd=options.state)
+    threading.Thread(target=_pump, args=(popen.stdout, log, None, lambda _: None),
+                     daemon=True).start()  # fmt: skip
+    deadline = time.monotonic() + WORKER_START_S
+    while not socket_path.exists():
+        if popen.poll() is not None or time.monotonic() > deadline:
+            popen.kill()
+            raise SiteError(f"the site worker did not start; see {log.name}")
+        time.sleep(0.1)
+    return popen
+
+
 def _pump(stream: IO[bytes], log: IO[str], echo: IO[str] | None, on_line: Callable[[str], None]):
     """Copy the SuperNode's output line by line to the log (and terminal), classifying it."""
     for raw in iter(stream.readline, b""):
@@ -318,10 +345,14 @@ def _run(options: SiteOptions, echo: IO[str] | None) -> SiteRun:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     seen: set[ProcessId] = set()
     popen: subprocess.Popen | None = None
+    worker: subprocess.Popen | None = None
     pump: threading.Thread | None = None
     try:
         with log_file.open("a") as log:
             try:
+                if options.worker:
+                    worker = _start_worker(options, env, log)
+                    seen |= {root} if (root := ProcessId.of(worker.pid)) else set()
                 command = supernode_command(options, node_config, processes.free_port())
                 popen = processes.spawn(command, env=env, cwd=state)
                 seen |= {root} if (root := ProcessId.of(popen.pid)) else set()
@@ -331,6 +362,8 @@ def _run(options: SiteOptions, echo: IO[str] | None) -> SiteRun:
                 pump.start()
                 outcome.stopped_by = _supervise(popen, seen, outcome, stop_reason)
             finally:  # whatever happened: nothing of the SuperNode outlives us
+                if worker is not None and worker.poll() is None:
+                    worker.terminate()
                 if popen is not None:
                     if popen.poll() is None:
                         popen.kill()

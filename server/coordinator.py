@@ -19,17 +19,16 @@ boundary; a bad one is rejected, never half-applied.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
-from flwr.app import ConfigRecord, Message, RecordDict
 from rich.console import Console
 
 from starfed.server import replay
 from starfed.server.federation import EPOCH_KEY, Federation, Position
+from starfed.server.messaging import Exchange, Reply, exchange, malformed, reject, update_digest
 from starfed.server.scores import StepScores, aggregate
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
 from starfed.shared.codebook.merge import merge_updates
@@ -51,20 +50,6 @@ class StepFailed(RuntimeError):
 
 
 @dataclass
-class Exchange:
-    """One message to one node and its answer: what the wire carried and what came back."""
-
-    step: int
-    phase: str
-    round: int
-    node_id: int
-    site: str
-    bytes_down: int
-    bytes_up: int = 0
-    status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason>
-
-
-@dataclass
 class RunLog:
     """What one server run did."""
 
@@ -72,9 +57,6 @@ class RunLog:
     exchanges: list[Exchange] = field(default_factory=list)
     status: str = COMPLETED
     reason: str = ""
-
-
-Reply = tuple[Exchange, Message]
 
 
 class Coordinator:
@@ -243,49 +225,22 @@ class Coordinator:
         return payload
 
     def _exchange(self, spec: PhaseSpec, step: int, round_index: int) -> list[Reply]:
-        """Send one phase to every node; return the good replies with their log entries."""
-        config = ConfigRecord(self._config(spec, step, round_index))
+        """Send one phase to every participating node; the good replies with their log
+        entries. A site that answered holds the codebook it was sent."""
         payload = self._payloads() if spec.sends_codebook else None
-        messages, exchanges = [], []
-        for node in self._node_ids:
-            content = RecordDict({"config": config})
-            data = payload(node) if payload else b""
-            if payload:
-                content["codebook"] = ConfigRecord({"data": data})
-            group = f"{step}/{spec.phase.key}/{round_index}"
-            messages.append(Message(content, node, spec.message_type, group_id=group))
-            site = self.sites.get(node, "")
-            exchanges.append(Exchange(step, spec.phase.key, round_index, node, site, len(data)))
-        replies = self.grid.send_and_receive(messages, timeout=self.protocol.timeout_s)
-        # Grids fill in each message's id when they push it; replies point back to it.
-        logs = {m.metadata.message_id: e for m, e in zip(messages, exchanges, strict=True)}
-        good, answered = [], set()
-        for reply in replies:
-            entry = logs.get(reply.metadata.reply_to_message_id)
-            if entry is None:
-                logger.warning("reply to an unknown message from node %s",
-                               reply.metadata.src_node_id)  # fmt: skip
-                continue
-            answered.add(entry.node_id)
-            if reply.has_error():
-                entry.status = f"error: {_short_reason(reply.error.reason)}"
-                logger.warning("node %s failed %s: %s", entry.node_id, spec.phase.key,
-                               reply.error.reason)  # fmt: skip
-                continue
-            entry.bytes_up = _content_bytes(reply.content)
-            good.append((entry, reply))
-        for entry in logs.values():
-            if entry.node_id not in answered:
-                entry.status = "no reply"
-                logger.warning("node %s sent no %s reply within %.0fs", entry.node_id,
-                               spec.phase.key, self.protocol.timeout_s)  # fmt: skip
-        for entry in logs.values():  # a site that answered holds what it was sent
-            if payload and entry.status == "ok":
-                self._held[entry.node_id] = self.codebook.version
-            elif payload:
-                self._held.pop(entry.node_id, None)
-        self.log.exchanges.extend(logs.values())
-        self._steps.extend(logs.values())
+        config = self._config(spec, step, round_index)
+        good, exchanges = exchange(
+            self.grid, spec, step, round_index, config, self._node_ids, self.sites, payload,
+            self.protocol.timeout_s,
+        )  # fmt: skip
+        if payload:
+            for entry in exchanges:
+                if entry.status == "ok":
+                    self._held[entry.node_id] = self.codebook.version
+                else:
+                    self._held.pop(entry.node_id, None)
+        self.log.exchanges.extend(exchanges)
+        self._steps.extend(exchanges)
         return good
 
     def _updates(self, replies: list[Reply], phase: Phase) -> list[tuple[Exchange, ClientUpdate]]:
@@ -294,12 +249,12 @@ class Coordinator:
         updates = []
         in_play = set(self.in_play)
         # Merge order changes float rounding: order by content, not by node id (random per run).
-        for entry, reply in sorted(replies, key=lambda r: _update_digest(r[1])):
+        for entry, reply in sorted(replies, key=lambda r: update_digest(r[1])):
             try:
                 data = reply.content["update"]["data"]
                 update = ClientUpdate.from_bytes(data, against=self.codebook, phase=phase)
             except (CodebookError, KeyError, TypeError) as err:
-                _reject(entry, str(err) if isinstance(err, CodebookError) else _malformed(err))
+                reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
                 continue
             if phase is not Phase.SYNC:
                 stray = [e.name for e in update.entries if e.name not in in_play]
@@ -391,7 +346,7 @@ class Coordinator:
                 report = EvaluationReport.from_bytes(data, against=self.codebook)
                 reports.append((entry.site, report))
             except (CodebookError, KeyError, TypeError) as err:
-                _reject(entry, str(err) if isinstance(err, CodebookError) else _malformed(err))
+                reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
         registry = self.federation.registry
         class_steps = {name: registry[name].step for name in self.codebook.names}
         self._scores = aggregate(reports, class_steps, step, self.codebook.dims.n_layers)
@@ -410,35 +365,3 @@ REDUCERS: dict[Phase, Callable[[Coordinator, Phase, int, list[Reply]], None]] = 
     Phase.STAGE2_STATS: Coordinator._stage2_stats,
     Phase.EVALUATE: Coordinator._evaluate,
 }
-
-
-def _reject(entry: Exchange, reason: str) -> None:
-    entry.status = f"rejected: {reason}"
-    logger.warning("rejected %s reply of node %s: %s", entry.phase, entry.node_id, reason)
-
-
-def _malformed(err: Exception) -> str:
-    return f"malformed reply ({err})"
-
-
-def _update_digest(reply: Message) -> str:
-    try:
-        return hashlib.sha256(reply.content["update"]["data"]).hexdigest()
-    except (KeyError, TypeError):
-        return ""  # malformed: rejected in _updates anyway
-
-
-def _short_reason(reason: str | None, limit: int = 300) -> str:
-    """The informative line of an error reason (runtimes wrap a traceback around it)."""
-    lines = [line.strip() for line in (reason or "").splitlines() if line.strip()]
-    fallback = lines[-1] if lines else ""
-    return next((line for line in reversed(lines) if "Message:" in line), fallback)[:limit]
-
-
-def _content_bytes(content: RecordDict) -> int:
-    """Payload bytes of a reply: serialised updates count fully, other records by their values."""
-    total = 0
-    for record in content.values():
-        for value in record.values():
-            total += len(value) if isinstance(value, bytes) else len(str(value).encode())
-    return total

@@ -198,6 +198,11 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("cache-dir", str, "", 'decoded images and CLIP features; "": <state-dir>/cache for a '
          "deployed site, $STARFED_CACHE_DIR or ~/.cache/starfed in a simulation", "node",
          path=True),
+    Knob("worker-socket", str, "", "a site worker answering for this node (starfed site start "
+         'runs one: starfed.client.worker); "": answer in the ClientApp process', "node",
+         path=True),
+    Knob("device", str, "auto", "where a site computes: auto (CUDA when present), cpu, cuda, "
+         "cuda:N, mps", "node"),
     # command options: never part of a Flower config
     Knob("cache-dir", str, "", 'reuse decoded images across runs; "": no cache', "command",
          path=True, command="train-local"),

@@ -8,7 +8,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from flwr.app import Context, RecordDict
 
 from starfed.client import app as client_app
 from starfed.server.app import run_server
@@ -170,8 +169,5 @@ def test_client_app_checks_run_and_node_config(
     monkeypatch, run_config, node_config, message
 ) -> None:
     monkeypatch.setattr(BackboneOptions, "load", lambda self: pytest.fail("backbones loaded"))
-    context = Context(
-        run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config=run_config
-    )
     with pytest.raises(ConfigError, match=f"^{message}"):
-        client_app.site_for(context)
+        client_app.site_for(1, 1, run_config, node_config)

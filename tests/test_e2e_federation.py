@@ -1,11 +1,12 @@
 """End to end, deployed: a real SuperLink and two real SuperNodes on localhost, two server runs.
 
 Two farms with different classes, each a `flower-supernode` whose node config names its own data
-and state folders. Server run 1 (`flwr run`) learns what they hold; then a task folder appears at
-one farm, and server run 2 continues the same federation folder and trains only the new classes.
-Plain HTTP on 127.0.0.1 (TLS and node authentication are covered by the deployment tests). A
-sampler records every process carrying the test's FLWR_HOME, so the test can check by PID that
-nothing it started outlives it. A few minutes on 2 cores: each message costs a ClientApp process.
+and state folders and its site worker (as `starfed site start` runs them). Server run 1 (`flwr
+run`) learns what they hold; then a task folder appears at one farm, and server run 2 continues
+the same federation folder and trains only the new classes. Plain HTTP on 127.0.0.1 (TLS and
+node authentication are covered by the deployment tests). A sampler records every process
+carrying the test's FLWR_HOME, so the test can check by PID that nothing it started outlives
+it. A few minutes on 2 cores: each message still costs a ClientApp process.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import time
 from pathlib import Path
 
 import pytest
-from process_sampler import ProcessSampler, alive
+from process_sampler import ProcessSampler
 from site_folders import CLASSES, site_folder
 
+from starfed.server.federation import Federation
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.site_folder import class_key
+from starfed.shared.processes import ProcessId, terminate, wait_gone
 from starfed.simulations.simulate import FLOWER_ENV, find_project_dir, free_port
 
 RUN_TIMEOUT_S = 420
@@ -43,6 +46,11 @@ def _flwr(args: list[str], env: dict) -> dict:
     reply = json.loads(out.stdout[out.stdout.index("{") :])
     assert reply.get("success"), (out.stdout, out.stderr)
     return reply
+
+
+def _identity(federation: Path) -> tuple[str, object]:
+    codebook = Codebook.load(federation / "codebook.bin")
+    return codebook.fingerprint, codebook.dims
 
 
 def _run(project: Path, federation: Path, env: dict) -> dict:
@@ -92,9 +100,14 @@ def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> N
                             "--port", str(port), "--database", str(tmp_path / "state.db"),
                             "--disable-runtime-dependency-installation"])  # fmt: skip
         for name in ("farm-a", "farm-b"):
+            state = tmp_path / f"{name}-state"
+            socket_path = state / "worker.sock"
+            state.mkdir()
+            start(f"{name}-worker", [sys.executable, "-m", "starfed.client.worker", "--socket",
+                                     str(socket_path)])  # fmt: skip
             node_config = (
-                f"data-dir='{tmp_path / name}' state-dir='{tmp_path / name}-state' "
-                f"site-name='{name}' cache-dir='{tmp_path / 'cache'}'"
+                f"data-dir='{tmp_path / name}' state-dir='{state}' site-name='{name}' "
+                f"cache-dir='{tmp_path / 'cache'}' worker-socket='{socket_path}'"
             )
             start(name, [_bin("flower-supernode"), "--insecure", "--superlink",
                          f"127.0.0.1:{port}", "--port", str(free_port()),
@@ -103,24 +116,24 @@ def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> N
         first = _run(project, federation, env)
         site_folder(farm_a, {"2026-06": CLASSES[4:6]})  # a new task appears at farm-a
         second = _run(project, federation, env)
-    finally:
-        for process in processes:
+    finally:  # SuperNodes first (they go offline), then the SuperLink; then whatever is left
+        for process in [*processes[1:], processes[0]]:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
             try:
                 process.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        time.sleep(1)
         sampler.done.set()
         sampler.join()
-        leftovers = {p: cmd for p, (t, cmd) in sampler.seen.items() if alive(p, t)}
-        for pid in leftovers:
-            os.kill(pid, signal.SIGKILL)
+        started = {ProcessId(p, t) for p, (t, _) in sampler.seen.items()}
+        leftovers = {p.pid: sampler.seen[p.pid][1] for p in wait_gone(started, 30.0)}
+        terminate({ProcessId(p, sampler.seen[p][0]) for p in leftovers}, grace=5.0)
 
-    assert not leftovers, f"processes left running: {leftovers}"
+    assert not leftovers, f"processes left running 30 s after the stop: {leftovers}"
+    for record in Federation(federation, *_identity(federation)).history():
+        print(f"deployed step {record['step']}: {record['wall_s']:.1f}s", record["phase_seconds"])
     assert first["status"] == "completed" and first["steps"] == 1
     assert {n: c["sites"] for n, c in first["classes"].items()} == {
         **{name: ["farm-a"] for name in CLASSES[0:2]},

@@ -576,7 +576,10 @@ def test_client_with_other_backbones(pair, tmp_path, cache_dir):
     own = BackboneOptions.from_config(values).load()
     assert foreign.fingerprint != own.fingerprint
     pair.run_config = {**pair.run_config, "results-dir": str(tmp_path), "run-name": "run"}
-    site = client_app.site_for(pair._context(2))  # node 2's site, then with other backbones
+    context = pair._context(2)  # node 2's site, then with other backbones
+    site = client_app.site_for(
+        context.run_id, context.node_id, dict(context.run_config), dict(context.node_config)
+    )
     site.backbones = foreign
     site.memory = SiteMemory(site.memory.root, foreign.fingerprint, foreign.dims)
     metrics = run(pair, tmp_path)
