@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 
 from flwr.app import Context
@@ -73,7 +74,7 @@ def run_server(grid: Grid, run_config: dict, run_id: int = 0, console: Console |
         "train": train.to_dict(),
         "protocol": dataclasses.asdict(protocol),
     }
-    write_atomic(folder / METRICS_FILE, json.dumps(metrics, indent=2).encode())
+    write_atomic(folder / METRICS_FILE, json.dumps(no_nan(metrics), indent=2).encode())
     matrix = metrics["accuracy_matrix"]
     if matrix:
         title = f"federation {federation.id[:8]}, {len(metrics['sites'])} sites"
@@ -139,6 +140,18 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
         "codebook_version": federation.codebook().version,
         "backbone_fingerprint": federation.fingerprint,
     }
+
+
+def no_nan(value):
+    """``value`` with every NaN as None: strict JSON readers reject NaN (a score is NaN where
+    nobody held a test image)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [no_nan(v) for v in value]
+    return value
 
 
 @app.main()

@@ -636,3 +636,17 @@ def test_clients_in_different_tasks(cache_dir, tmp_path):
     assert all(math.isfinite(a) for row_ in metrics["accuracy_matrix"] for a in row_)
     statuses = {e["status"] for e in metrics["exchanges"]}
     assert statuses == {"ok"}
+
+
+@pytest.mark.parametrize("offset", [1, 2])
+def test_asynchronous_arrival_completes_with_metrics(cache_dir, tmp_path, offset):
+    """3 sites joining ``offset`` steps apart (what `starfed simulate --arrival-offset` runs):
+    the run completes, writes metrics.json, and forgetting is defined although some sites
+    saw tasks late."""
+    grid = make_grid(cache_dir, 3, alpha=0.5, **{"arrival-offset": offset})
+    metrics = run(grid, tmp_path)
+    assert metrics["status"] == "completed" and metrics["steps"] == 2
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert math.isfinite(saved["final_average_accuracy"])
+    assert math.isfinite(saved["final_forgetting"])
+    assert set(saved["site_accuracy"]) == {"site-0", "site-1", "site-2"}
