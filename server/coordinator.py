@@ -20,10 +20,12 @@ boundary; a bad one is rejected, never half-applied.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
+import numpy as np
 from rich.console import Console
 
 from starfed.server import replay
@@ -42,6 +44,7 @@ from starfed.shared.report import EvaluationReport
 logger = logging.getLogger(__name__)
 
 COMPLETED, DEGRADED, FAILED = "completed", "degraded", "failed"
+SAMPLED = (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS)  # fraction-train
 WAIT_POLL_S = 1.0
 
 
@@ -84,6 +87,7 @@ class Coordinator:
         self.log = RunLog()
         self.in_play: list[str] = list(self.position.in_play)
         self.sites: dict[int, str] = {}  # node id -> site name (from its sync)
+        self._brings: dict[int, set[str]] = {}  # node id -> class keys of its current task
         self._node_ids: list[int] = []
         self._held: dict[int, int] = {}  # node id -> codebook version it holds (when known)
         self._steps: list[Exchange] = []
@@ -148,7 +152,8 @@ class Coordinator:
                     if done in self.position.done and spec.phase is not Phase.SYNC:
                         continue
                     t0 = time.perf_counter()
-                    replies = self._exchange(spec, step, round_index)
+                    nodes = self._sample(spec.phase, step, round_index)
+                    replies = self._exchange(spec, step, round_index, nodes)
                     if spec.phase is Phase.SYNC and resume:
                         self._participants(replies)  # who is here; nothing is registered again
                     else:
@@ -224,13 +229,37 @@ class Coordinator:
 
         return payload
 
-    def _exchange(self, spec: PhaseSpec, step: int, round_index: int) -> list[Reply]:
-        """Send one phase to every participating node; the good replies with their log
-        entries. A site that answered holds the codebook it was sent."""
+    def _sample(self, phase: Phase, step: int, round_index: int) -> list[int]:
+        """The nodes of one round: every participant, or for a training or statistics round a
+        seeded share of them (``fraction-train``, at least ``min-train-sites``), drawn over
+        site names (node ids change from run to run), plus the first holder of any class in
+        play the draw missed, so every class gets an update and statistics."""
+        nodes = self._node_ids
+        if phase not in SAMPLED or self.protocol.fraction_train >= 1 or not nodes:
+            return nodes
+        by_name = sorted(nodes, key=lambda node: self.sites[node])
+        size = max(
+            self.protocol.min_train_sites, math.ceil(self.protocol.fraction_train * len(nodes))
+        )
+        rng = np.random.default_rng([self.train.seed, step, phase.value, round_index])
+        chosen = {
+            by_name[i] for i in rng.choice(len(by_name), min(size, len(by_name)), replace=False)
+        }
+        for name in self.in_play:
+            holders = [node for node in by_name if class_key(name) in self._brings.get(node, ())]
+            if holders and not chosen & set(holders):
+                chosen.add(holders[0])
+        return sorted(chosen)
+
+    def _exchange(
+        self, spec: PhaseSpec, step: int, round_index: int, nodes: list[int]
+    ) -> list[Reply]:
+        """Send one phase to ``nodes``; the good replies with their log entries. A site that
+        answered holds the codebook it was sent."""
         payload = self._payloads() if spec.sends_codebook else None
         config = self._config(spec, step, round_index)
         good, exchanges = exchange(
-            self.grid, spec, step, round_index, config, self._node_ids, self.sites, payload,
+            self.grid, spec, step, round_index, config, nodes, self.sites, payload,
             self.protocol.timeout_s,
         )  # fmt: skip
         if payload:
@@ -276,6 +305,7 @@ class Coordinator:
         for entry, update in accepted:
             site = update.metadata.get("site") or f"node-{entry.node_id}"
             self.sites[entry.node_id] = entry.site = site
+            self._brings[entry.node_id] = {class_key(e.name) for e in update.entries}
             held = update.base_version
             if 0 < held <= self.codebook.version:
                 self._held[entry.node_id] = held

@@ -163,6 +163,11 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("min-sites", int, 1, "sites that must be connected before the first step", "protocol",
          ge=1),
     Knob("wait-s", float, 120.0, "seconds to wait for min-sites", "protocol", gt=0),
+    Knob("fraction-train", float, 1.0, "share of the sites sampled for each training and "
+         "statistics round (seeded; every class in play keeps a holder)", "protocol", gt=0,
+         le=1),
+    Knob("min-train-sites", int, 1, "at least this many sites per sampled round", "protocol",
+         ge=1),
     Knob("server-test-dir", str, "", 'a folder of class folders the server also scores each '
          'step on (e.g. a simulation\'s test set); "": none', "protocol", path=True),
     # training: one task's hyper-parameters (shared/model/training.py: TrainConfig)
@@ -286,6 +291,8 @@ class ProtocolOptions:
     max_steps: int = 0  # 0: until no site brings a new class
     min_sites: int = 1
     wait_s: float = 120.0  # for min_sites to connect
+    fraction_train: float = 1.0  # share of sites per training/statistics round
+    min_train_sites: int = 1
     server_test_dir: str | None = None  # an optional test set on the server
 
     @classmethod
@@ -301,6 +308,8 @@ class ProtocolOptions:
             max_steps=values["max-steps"],
             min_sites=values["min-sites"],
             wait_s=values["wait-s"],
+            fraction_train=values["fraction-train"],
+            min_train_sites=values["min-train-sites"],
             server_test_dir=optional(values["server-test-dir"]),
         )
 

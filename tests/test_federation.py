@@ -231,3 +231,39 @@ def test_a_site_lost_mid_run_makes_the_run_degraded(fed):
     # reached its second task, farm-a did.
     names = fed.codebook().names
     assert set(names) == {*CLASSES[0:2], CLASSES[4]}
+
+
+# --- partial participation ----------------------------------------------------------------------
+
+
+def test_a_seeded_fraction_of_sites_trains_and_every_class_keeps_a_holder(fed):
+    """fraction-train 0.5 of 4 sites: 2 per training or statistics round, the same draw in
+    every run; a class whose holders were only partly drawn merges the drawn ones' counts."""
+    for node, name in enumerate(("farm-a", "farm-b", "farm-c", "farm-d"), start=1):
+        fed.site(node, name, {"t1": [CLASSES[node - 1], CLASSES[node]]})  # neighbours share
+    metrics, _ = fed.run(**{"fraction-train": 0.5})
+    assert metrics["status"] == "completed"
+    rounds: dict[str, list[str]] = {}
+    for e in metrics["exchanges"]:
+        rounds.setdefault(f"{e['phase']}/{e['round']}", []).append(e["site"])
+    assert len(rounds["sync/0"]) == 4 * 2 and len(rounds["evaluate/0"]) == 4  # everyone
+    codebook = fed.codebook()
+    for phase in ("stage1/0", "stage1_stats/0", "stage2/0", "stage2_stats/0"):
+        drawn = set(rounds[phase])
+        assert 2 <= len(drawn) <= 4  # two drawn, plus holders of classes the draw missed
+        holders = {name: {f"farm-{'abcd'[i]}" for i in range(4) if name in CLASSES[i : i + 2]}
+                   for name in codebook.names}  # fmt: skip
+        assert all(holders[name] & drawn for name in codebook.names)
+    last = set(rounds["stage2_stats/0"])
+    for name in codebook.names:  # each holder has 10 training images of each of its classes
+        drawn_holders = {f"farm-{'abcd'[i]}" for i in range(4) if name in CLASSES[i : i + 2]}
+        assert codebook[name].count == 10 * len(drawn_holders & last)
+    again = Federation(fed.tmp / "again", fed.cache)  # a second federation of the same sites
+    again.sites = fed.sites
+    again_metrics, _ = again.run(**{"fraction-train": 0.5})
+    again_rounds = {}
+    for e in again_metrics["exchanges"]:
+        again_rounds.setdefault(f"{e['phase']}/{e['round']}", []).append(e["site"])
+    assert {k: sorted(v) for k, v in again_rounds.items()} == {
+        k: sorted(v) for k, v in rounds.items()
+    }  # the same draw: seeded by the step and phase, over site names
