@@ -1,7 +1,8 @@
 """`starfed predict`: classify image files with a deployable codebook, offline.
 
-The codebook is a file (``--codebook``, from ``starfed server export``); besides it, only the
-backbones it was trained with are needed. Input is checked before torch or the
+The codebook is a file (``--codebook``, from ``starfed server export``) or a local copy that
+the codebook service keeps current (``--from HOST:PORT --ca ca.pem --cache DIR``); besides it,
+only the backbones it was trained with are needed. Input is checked before torch or the
 backbones load. One row per image — path, class, probability, task — as CSV on stdout or one
 JSON object; unreadable images are skipped with one warning line each (exit 2 if none could be
 read). docs/inference.md.
@@ -23,6 +24,7 @@ from starfed.shared.config import BackboneOptions, ConfigError, parse
 COMMAND = "predict"
 BACKBONE_FLAGS = same_name("preset", "backbone-config", "clip-weights", "vit-weights")
 DEFAULT_BATCH_SIZE = 64
+EXIT_FAILED = 1
 
 
 def positive_int(text: str) -> int:
@@ -33,6 +35,11 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def default_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "starfed" / "codebook"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +57,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("inputs", nargs="+", metavar="IMAGE|DIR", help="image files or folders")
-    p.add_argument("--codebook", type=Path, required=True, metavar="FILE", help="the codebook")
+    source = p.add_argument_group("codebook (give --codebook or --from)")
+    source.add_argument("--codebook", type=Path, metavar="FILE", help="an exported codebook")
+    source.add_argument(
+        "--from",
+        dest="service",
+        metavar="HOST:PORT",
+        help="keep a local copy current through `starfed server serve` and predict with it",
+    )
+    source.add_argument("--ca", type=Path, help="the federation's ca.pem (with --from)")
+    source.add_argument(
+        "--cache",
+        type=Path,
+        default=default_cache(),
+        help="where --from keeps its copy (default: %(default)s)",
+    )
+    source.add_argument(
+        "--insecure", action="store_true", help="--from without TLS: loopback addresses only"
+    )
     own = p.add_argument_group("this command")
     own.add_argument(
         "--batch-size",
@@ -77,8 +101,12 @@ def warn(message: str) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if not args.codebook.is_file():
+    if (args.codebook is None) == (args.service is None):
+        raise ConfigError("give either --codebook FILE or --from HOST:PORT")
+    if args.codebook is not None and not args.codebook.is_file():
         raise ConfigError(f"--codebook {args.codebook}: no such file")
+    if args.service is not None and not args.insecure and args.ca is None:
+        raise ConfigError("--from needs --ca (the federation's ca.pem)")
     for path in args.inputs:
         if not os.path.exists(path):
             raise ConfigError(f"{path}: no such file or folder")
@@ -122,6 +150,29 @@ def _device(text: str):
     return device
 
 
+def _codebook(args: argparse.Namespace):
+    """The codebook file, or the service's current codebook (None: could not get one)."""
+    from starfed.shared.codebook.codebook import Codebook
+
+    if args.codebook is not None:
+        return Codebook.load(args.codebook)
+    from starfed.shared.distribution import DistributionError, fetch
+
+    try:
+        fetched = fetch(args.service, args.cache, ca=args.ca, insecure=args.insecure)
+    except DistributionError as err:
+        print(f"starfed {COMMAND}: error: {err}", file=sys.stderr)
+        return None
+    if fetched.status == "offline":
+        warn(f"cannot update the codebook ({fetched.reason}); using the copy in {args.cache}")
+    print(
+        f"starfed {COMMAND}: codebook version {fetched.codebook.version} "
+        f"({fetched.status}, {fetched.reply_bytes} bytes from {args.service})",
+        file=sys.stderr,
+    )
+    return fetched.codebook
+
+
 def _main(args: argparse.Namespace) -> int:
     _check(args)
     options = backbone_options(args)
@@ -130,9 +181,9 @@ def _main(args: argparse.Namespace) -> int:
 
     device = _device(args.device)
     paths = image_paths(args.inputs)
-    from starfed.shared.codebook.codebook import Codebook
-
-    codebook = Codebook.load(args.codebook)
+    codebook = _codebook(args)
+    if codebook is None:
+        return EXIT_FAILED
     predictor = Predictor(codebook, options.load().to(device))
     rows, skipped = [], []
     writer = csv.writer(sys.stdout, lineterminator="\n") if args.format == "csv" else None

@@ -22,13 +22,19 @@ from rich.console import Console
 from starfed.cli import main
 from starfed.client import app as client_app
 from starfed.proto import codebook_pb2 as pb
+from starfed.server import distribution
 from starfed.server.app import run_server
+from starfed.server.certs import ensure_certificates
+from starfed.server.distribution import ServeOptions
 from starfed.server.export import card_path
 from starfed.server.federation import Federation, Position
+from starfed.server.layout import ServerFolder
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.deployment import CLASS_STEPS_KEY
 from starfed.shared.codebook.wire import CODEBOOK_MAGIC, read_payload
 from starfed.shared.data.site_folder import class_key
+from starfed.shared.distribution import CACHE_FILE
+from starfed.shared.processes import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import random_entries
@@ -242,8 +248,43 @@ def test_a_codebook_of_other_backbones_is_one_line_and_exit_2(exported, tmp_path
 
 def test_predict_input_errors_come_before_anything_loads(exported, tmp_path, capsys):
     for argv, message in (
+        ([tmp_path / "x.jpg"], "give either --codebook FILE or --from HOST:PORT"),
         (["--codebook", exported, tmp_path / "x.jpg"], f"{tmp_path / 'x.jpg'}: no such file or "
          "folder"),
+        (["--codebook", exported, "--from", "h:1", tmp_path], "give either --codebook FILE or "
+         "--from HOST:PORT"),
+        (["--from", "h:1", tmp_path], "--from needs --ca (the federation's ca.pem)"),
     ):  # fmt: skip
         code, out, err = run(["predict", *argv], capsys)
         assert (code, out, err) == (2, "", f"starfed predict: error: {message}\n")
+
+
+def test_predict_from_the_service_keeps_a_copy_and_predicts_like_the_export(
+    federation, exported, tmp_path, capsys
+):
+    server = ServerFolder.at(tmp_path / "server")
+    ensure_certificates(server, [])
+    address = f"127.0.0.1:{free_port()}"
+    options = ServeOptions(federation["dir"], address, server.server_cert, server.server_key)
+    service, _, _ = distribution.start(options)
+    images = [str(sorted((BUNDLED / "test" / name).iterdir())[0]) for name in TRAINED]
+    local = run(["predict", "--codebook", exported, *images], capsys)
+    device = ["predict", "--from", address, "--ca", server.ca_cert, "--cache", tmp_path / "cache"]
+    version = Codebook.load(exported).version
+    try:
+        code, out, err = run([*device, *images], capsys)
+        assert (code, out) == (0, local[1])
+        assert err.startswith(f"starfed predict: codebook version {version} (full, ")
+        assert (tmp_path / "cache" / CACHE_FILE).read_bytes() == exported.read_bytes()
+        code, out, err = run([*device, *images], capsys)
+        assert (code, out) == (0, local[1]) and f"version {version} (unchanged, " in err
+    finally:
+        service.stop(grace=None).wait()
+    code, out, err = run([*device, *images], capsys)  # the service is gone: the copy serves
+    assert (code, out) == (0, local[1])
+    assert err.splitlines()[0].startswith(
+        f"starfed predict: warning: cannot update the codebook ({address}: UNAVAILABLE: "
+    )
+    code, out, err = run([*device[:5], "--cache", tmp_path / "empty", *images], capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"starfed predict: error: {address}: UNAVAILABLE: ")
