@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -53,7 +54,7 @@ def _percent(value: float | None) -> str:
 
 
 def _print(result: dict) -> None:
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     book = result["codebook"]
     console.print(
         f"codebook v{book['version']} ({book['classes']} classes) on {result['data']}: "

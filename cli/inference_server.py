@@ -101,6 +101,7 @@ def run_export(args: argparse.Namespace) -> int:
     version = export.deployable(federation).codebook.version
     out = args.out or Path(f"codebook-v{version}.bin")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         result, card = export.write(federation, out, dtype)
     except export.NothingToExport as err:
         raise Failed(str(err)) from None

@@ -15,7 +15,6 @@ import csv
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from starfed.cli.flags import add_command, given, same_name
@@ -164,12 +163,16 @@ def _codebook(args: argparse.Namespace):
         print(f"starfed {COMMAND}: error: {err}", file=sys.stderr)
         return None
     if fetched.status == "offline":
-        warn(f"cannot update the codebook ({fetched.reason}); using the copy in {args.cache}")
-    print(
-        f"starfed {COMMAND}: codebook version {fetched.codebook.version} "
-        f"({fetched.status}, {fetched.reply_bytes} bytes from {args.service})",
-        file=sys.stderr,
-    )
+        warn(
+            f"cannot update the codebook ({fetched.reason}); using version "
+            f"{fetched.codebook.version} in {args.cache}"
+        )
+    else:
+        print(
+            f"starfed {COMMAND}: codebook version {fetched.codebook.version} "
+            f"({fetched.status}, {fetched.reply_bytes} bytes from {args.service})",
+            file=sys.stderr,
+        )
     return fetched.codebook
 
 
@@ -202,7 +205,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.format == "json":
         codebook_info = {"version": codebook.version, "classes": len(codebook),
                          "fingerprint": codebook.fingerprint}  # fmt: skip
-        predictions = [asdict(p) for p in rows]
+        predictions = [{"path": p.path, "class": p.name, "probability": p.probability,
+                        "task": p.task} for p in rows]  # fmt: skip
         print(json.dumps({"codebook": codebook_info, "predictions": predictions,
                           "skipped": skipped}, indent=2))  # fmt: skip
     return 0

@@ -220,7 +220,7 @@ def test_predict_json_and_one_warning_per_unreadable_image(exported, tmp_path, c
     result = json.loads(out)
     assert [p["path"] for p in result["predictions"]] == images
     assert result["skipped"] == [str(broken)]
-    assert set(result["predictions"][0]) == {"path", "name", "probability", "task"}
+    assert set(result["predictions"][0]) == {"path", "class", "probability", "task"}
     assert result["codebook"]["classes"] == len(TRAINED)
 
     code, out, err = run(["predict", "--codebook", exported, broken], capsys)
@@ -282,9 +282,10 @@ def test_predict_from_the_service_keeps_a_copy_and_predicts_like_the_export(
         service.stop(grace=None).wait()
     code, out, err = run([*device, *images], capsys)  # the service is gone: the copy serves
     assert (code, out) == (0, local[1])
-    assert err.splitlines()[0].startswith(
+    assert err.count("\n") == 1 and err.startswith(
         f"starfed predict: warning: cannot update the codebook ({address}: UNAVAILABLE: "
     )
+    assert err.endswith(f"; using version {version} in {tmp_path / 'cache'}\n")
     code, out, err = run([*device[:5], "--cache", tmp_path / "empty", *images], capsys)
     assert code == 1 and out == "" and err.count("\n") == 1
     assert err.startswith(f"starfed predict: error: {address}: UNAVAILABLE: ")
