@@ -36,8 +36,13 @@ def add_actions(
     common: argparse.ArgumentParser,
     guard: Callable[[Handler], Handler],
 ) -> None:
+    federation = argparse.ArgumentParser(add_help=False)
+    federation.add_argument(
+        "--federation", type=Path, required=True, metavar="FEDERATION", help="federation folder"
+    )
     p = actions.add_parser(
         "export",
+        parents=[federation],
         help="write a deployable codebook (finished classes, no mixtures) and its model card",
         description=(
             "Write the federation's deployable codebook for inference-only devices: finished "
@@ -46,9 +51,6 @@ def add_actions(
             "with the classes, sites, backbones and the federation's scores."
         ),
     )
-    p.add_argument(
-        "--federation", type=Path, required=True, metavar="FEDERATION", help="federation folder"
-    )
     p.add_argument("--out", type=Path, help="codebook file (default: codebook-v<VERSION>.bin here)")
     p.add_argument("--float16", action="store_true", help="tensors in float16 (half the bytes)")
     p.add_argument("--json", action="store_true", help="the model card as one JSON object")
@@ -56,7 +58,7 @@ def add_actions(
 
     p = actions.add_parser(
         "serve",
-        parents=[common],
+        parents=[common, federation],
         help="serve the deployable codebook to devices over gRPC/TLS (`predict --from`)",
         description=(
             "Answer devices that follow the federation: each sends the version it holds and gets "
@@ -64,9 +66,6 @@ def add_actions(
             "folder is read again when it changes. TLS with the server folder's certificate "
             "(certs/server.pem, certs/server.key; `starfed server certs`). Stops on Ctrl-C."
         ),
-    )
-    p.add_argument(
-        "--federation", type=Path, required=True, metavar="FEDERATION", help="federation folder"
     )
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT (default: %(default)s)")
     p.add_argument("--cert", type=Path, help="server certificate (default: DIR/certs/server.pem)")

@@ -30,7 +30,10 @@ _REPLY_OVERHEAD = 64  # bytes of the reply around its codebook (tags, lengths, v
 #: gRPC's words for a failed TLS handshake -> what to tell the user (like `site start`'s).
 _TLS_FAILURES = (
     ("CERTIFICATE_VERIFY_FAILED", "TLS: the service's certificate is not signed by {ca}"),
-    ("not in peer certificate", "TLS: {host} is not a name in the service's certificate"),
+    (
+        "Hostname Verification Check failed",
+        "TLS: {host} is not a name in the service's certificate",
+    ),
 )
 
 

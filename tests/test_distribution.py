@@ -19,11 +19,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from cryptography.hazmat.primitives import serialization
 
 from starfed.cli import main
 from starfed.proto import distribution_pb2 as pb
 from starfed.server import distribution
-from starfed.server.certs import ensure_certificates
+from starfed.server.certs import ensure_certificates, make_ca, make_server_cert
 from starfed.server.export import deployable
 from starfed.server.federation import Federation, Position
 from starfed.server.layout import ServerFolder
@@ -153,6 +154,21 @@ def test_tls_is_checked_and_an_unreachable_service_leaves_the_copy(
     offline = fetch(address, cache, ca=other.ca_cert)
     assert offline.status == "offline" and "not signed by" in offline.reason
     assert offline.codebook.to_bytes() == exported(folder)
+    # A certificate for another name than the one dialled.
+    named = tmp_path / "named"
+    named.mkdir()
+    ca_key, ca_cert = make_ca("test CA")
+    key, cert = make_server_cert(ca_key, ca_cert, ["fed.example.org"])
+    (named / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    (named / "server.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (named / "server.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
+    elsewhere = serve(cert=named / "server.pem", key=named / "server.key")
+    with pytest.raises(DistributionError) as err:
+        fetch(elsewhere, tmp_path / "fresh", ca=named / "ca.pem")
+    assert str(err.value) == (
+        f"{elsewhere}: TLS: 127.0.0.1 is not a name in the service's certificate"
+    )
     with pytest.raises(DistributionError, match="UNAVAILABLE"):  # no plain text to TLS
         fetch(address, tmp_path / "none", insecure=True, timeout=5)
 
