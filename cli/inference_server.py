@@ -94,14 +94,17 @@ def _federation(path: Path):
 
 def run_export(args: argparse.Namespace) -> int:
     from starfed.server import export
+    from starfed.server.federation import FederationError
 
     federation = _federation(args.federation)
     dtype = "float16" if args.float16 else "float32"
-    version = export.deployable(federation).codebook.version
-    out = args.out or Path(f"codebook-v{version}.bin")
     try:
+        result = export.deployable(federation)
+        out = args.out or Path(f"codebook-v{result.codebook.version}.bin")
         out.parent.mkdir(parents=True, exist_ok=True)
-        result, card = export.write(federation, out, dtype)
+        card = export.write(federation, result, out, dtype)
+    except FederationError as err:
+        raise BadInput(str(err)) from None
     except export.NothingToExport as err:
         raise Failed(str(err)) from None
     if args.json:
@@ -147,7 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise Failed(str(err)) from None
     current = servicer.current().codebook
     info = {"listen": args.listen, "port": port, "tls": not args.insecure,
-            "federation": servicer.federation_id, "version": current.version,
+            "federation": current.metadata["federation"], "version": current.version,
             "classes": len(current), "ca_certificate": None if args.insecure else
             str(folder.ca_cert)}  # fmt: skip
     if args.json:

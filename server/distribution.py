@@ -29,6 +29,7 @@ from starfed.proto import distribution_pb2 as pb
 from starfed.proto import distribution_pb2_grpc as pb_grpc
 from starfed.server.export import Deployable, deployable
 from starfed.server.federation import CODEBOOK_FILE, Federation, FederationError
+from starfed.shared.codebook.deployment import FEDERATION_KEY
 from starfed.shared.codebook.wire import DEFAULT_MAX_BYTES, to_proto
 from starfed.shared.processes import format_address, is_loopback, parse_address
 
@@ -52,7 +53,6 @@ class CodebookDistribution(pb_grpc.CodebookDistributionServicer):
         self.dtype, self.max_bytes = dtype, max_bytes
         self._lock = threading.Lock()
         self._stamp: tuple[int, int, int] | None = None
-        self._federation: Federation | None = None
         self._current: Deployable | None = None
         self._replies: dict[int, pb.FetchReply] = {}  # held version -> reply, for _current
         self.current()  # a bad folder fails at start, not at the first request
@@ -67,34 +67,30 @@ class CodebookDistribution(pb_grpc.CodebookDistributionServicer):
             stamp = (0, 0, 0)
         with self._lock:
             if stamp != self._stamp or self._current is None:
-                self._federation = Federation.open(self.root)  # the registry may have grown
-                self._current, self._stamp, self._replies = deployable(self._federation), stamp, {}
+                federation = Federation.open(self.root)  # the registry may have grown too
+                self._current, self._stamp, self._replies = deployable(federation), stamp, {}
                 logger.info("serving version %d (%d classes)", self._current.codebook.version,
                             len(self._current.codebook))  # fmt: skip
             return self._current
 
-    @property
-    def federation_id(self) -> str:
-        self.current()
-        assert self._federation is not None
-        return self._federation.id
-
     def answer(self, held_version: int, federation: str) -> pb.FetchReply:
         """The reply to a device holding ``held_version`` of ``federation`` (0, "": nothing)."""
-        codebook = self.current().codebook
-        if federation != self.federation_id or not 0 < held_version <= codebook.version:
+        current = self.current()
+        codebook = current.codebook
+        if federation != codebook.metadata[FEDERATION_KEY] or held_version > codebook.version:
             held_version = 0  # another federation's, or a version this one never had
         with self._lock:
-            reply = self._replies.get(held_version)
+            reply = self._replies.get(held_version) if current is self._current else None
         if reply is not None:
             return reply
         if held_version == codebook.version:
             reply = pb.FetchReply(unchanged=True, version=codebook.version)
         else:
-            sent = codebook.delta(held_version) if held_version else codebook.broadcast()
+            sent = codebook.delta(held_version) if held_version > 0 else codebook.broadcast()
             reply = pb.FetchReply(codebook=to_proto(sent, self.dtype), version=codebook.version)
         with self._lock:
-            self._replies[held_version] = reply
+            if current is self._current:  # not reloaded meanwhile
+                self._replies[held_version] = reply
         return reply
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starfed.cli import package_version
-from starfed.server.federation import Federation, now
+from starfed.server.federation import Federation, FederationError, now
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.deployment import CONFIDENCE_KEY, deployment_metadata
 from starfed.shared.config import TABLES
@@ -60,6 +60,9 @@ def deployable(federation: Federation) -> Deployable:
     train = federation.metrics().get("config", {}).get("train", {})
     modulation = train.get("confidence_modulation",
                            TABLES["run-config"]["confidence-modulation"].default)  # fmt: skip
+    unknown = [name for name in entries if name not in federation.registry]
+    if unknown:
+        raise FederationError(f"{federation.root}: registry.json lacks class {unknown[0]!r}")
     steps = {name: federation.registry[name].step for name in entries}
     metadata = deployment_metadata(federation.id, steps, modulation)
     frozen = Codebook(
@@ -118,9 +121,9 @@ def model_card(federation: Federation, export: Deployable, out: Path, dtype: str
     }  # fmt: skip
 
 
-def write(federation: Federation, out: Path, dtype: str = "float32") -> tuple[Deployable, dict]:
-    """Write the deployable codebook to ``out`` and its model card next to it (both atomic)."""
-    export = deployable(federation)
+def write(federation: Federation, export: Deployable, out: Path, dtype: str = "float32") -> dict:
+    """Write ``export`` (of ``federation``) to ``out`` and its model card next to it (both
+    atomic); returns the card."""
     if not len(export.codebook):
         raise NothingToExport(
             f"federation {federation.id[:8]} has no finished class yet"
@@ -129,4 +132,4 @@ def write(federation: Federation, out: Path, dtype: str = "float32") -> tuple[De
     export.codebook.broadcast().save(out, dtype)
     card = model_card(federation, export, out, dtype)
     write_atomic(card_path(out), (json.dumps(card, indent=2) + "\n").encode())
-    return export, card
+    return card

@@ -122,10 +122,11 @@ def test_a_device_of_another_federation_or_with_a_damaged_copy_gets_the_whole(
 ):
     address = serve()
     servicer = distribution.CodebookDistribution(folder)
-    version = servicer.current().codebook.version
-    assert servicer.answer(version, servicer.federation_id).unchanged
+    codebook = servicer.current().codebook
+    version, federation = codebook.version, codebook.metadata["federation"]
+    assert servicer.answer(version, federation).unchanged
     assert servicer.answer(version, "another").codebook.base_version == 0
-    assert servicer.answer(version + 5, servicer.federation_id).codebook.base_version == 0
+    assert servicer.answer(version + 5, federation).codebook.base_version == 0
 
     cache = tmp_path / "device"
     cache.mkdir()
@@ -218,3 +219,22 @@ def test_serve_as_a_process_answers_and_stops_on_sigterm(folder, certs, tmp_path
     finally:
         assert not processes.terminate([pid], grace=5.0)
         proc.stdout.close()
+
+
+def test_nothing_finished_yet_is_exported_or_served_as_nothing(tmp_path, certs, capsys):
+    folder = tmp_path / "federation"
+    begin(folder, 0, 2)
+    code = main(["server", "export", "--federation", str(folder), "--out", str(tmp_path / "a")])
+    federation = Federation.open(folder).id
+    assert code == 1 and capsys.readouterr().err == (
+        f"starfed server export: error: federation {federation[:8]} has no finished class yet "
+        "(2 in the step in progress)\n"
+    )
+    listen = f"127.0.0.1:{processes.free_port()}"
+    options = distribution.ServeOptions(folder, listen, certs.server_cert, certs.server_key)
+    server, _, _ = distribution.start(options)
+    try:
+        with pytest.raises(DistributionError, match="FAILED_PRECONDITION: no finished class yet"):
+            fetch(listen, tmp_path / "device", ca=certs.ca_cert)
+    finally:
+        server.stop(grace=None)
