@@ -155,10 +155,12 @@ def _codebook(args: argparse.Namespace):
 
     if args.codebook is not None:
         return Codebook.load(args.codebook)
-    from starfed.shared.distribution import DistributionError, fetch
+    from starfed.shared.distribution import DistributionError, SourceError, fetch
 
     try:
         fetched = fetch(args.service, args.cache, ca=args.ca, insecure=args.insecure)
+    except SourceError as err:
+        raise ConfigError(str(err)) from None
     except DistributionError as err:
         print(f"starfed {COMMAND}: error: {err}", file=sys.stderr)
         return None

@@ -41,6 +41,10 @@ class DistributionError(RuntimeError):
     """No codebook could be had; one line for the user."""
 
 
+class SourceError(ValueError):
+    """A bad address, CA file or plain-text request: bad input, one line."""
+
+
 @dataclass
 class Fetched:
     codebook: Codebook
@@ -54,14 +58,14 @@ def open_channel(address: str, ca: Path | None, insecure: bool, max_bytes: int) 
     try:
         host, _ = parse_address(address)
     except ValueError as err:
-        raise DistributionError(f"--from: {err}") from None
+        raise SourceError(f"--from: {err}") from None
     options = [("grpc.max_receive_message_length", max_bytes + _REPLY_OVERHEAD)]
     if insecure:
         if not is_loopback(host):
-            raise DistributionError(f"--insecure: only to a loopback address, not {host}")
+            raise SourceError(f"--insecure: only to a loopback address, not {host}")
         return grpc.insecure_channel(address, options=options)
     if ca is None or not ca.is_file():
-        raise DistributionError(f"--ca: no CA certificate at {ca} (the federation's ca.pem)")
+        raise SourceError(f"--ca: no CA certificate at {ca} (the federation's ca.pem)")
     credentials = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
     return grpc.secure_channel(address, credentials, options=options)
 

@@ -30,7 +30,7 @@ from starfed.server.federation import Federation, Position
 from starfed.server.layout import ServerFolder
 from starfed.shared import processes
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.distribution import CACHE_FILE, DistributionError, fetch
+from starfed.shared.distribution import CACHE_FILE, DistributionError, SourceError, fetch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import FINGERPRINT, TINY_DIMS, random_entries
@@ -170,6 +170,8 @@ def test_tls_is_checked_and_an_unreachable_service_leaves_the_copy(
     assert str(err.value) == (
         f"{elsewhere}: TLS: 127.0.0.1 is not a name in the service's certificate"
     )
+    with pytest.raises(SourceError, match="only to a loopback address"):
+        fetch("192.0.2.1:9095", tmp_path / "none", insecure=True)
     with pytest.raises(DistributionError, match="UNAVAILABLE"):  # no plain text to TLS
         fetch(address, tmp_path / "none", insecure=True, timeout=5)
 

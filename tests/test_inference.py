@@ -246,7 +246,7 @@ def test_a_codebook_of_other_backbones_is_one_line_and_exit_2(exported, tmp_path
     )
 
 
-def test_predict_input_errors_come_before_anything_loads(exported, tmp_path, capsys):
+def test_predict_input_errors_are_one_line_and_exit_2(exported, tmp_path, capsys):
     for argv, message in (
         ([tmp_path / "x.jpg"], "give either --codebook FILE or --from HOST:PORT"),
         (["--codebook", exported, tmp_path / "x.jpg"], f"{tmp_path / 'x.jpg'}: no such file or "
@@ -254,6 +254,7 @@ def test_predict_input_errors_come_before_anything_loads(exported, tmp_path, cap
         (["--codebook", exported, "--from", "h:1", tmp_path], "give either --codebook FILE or "
          "--from HOST:PORT"),
         (["--from", "h:1", tmp_path], "--from needs --ca (the federation's ca.pem)"),
+        (["--from", "h", "--insecure", BUNDLED / "test"], "--from: expected HOST:PORT, got 'h'"),
     ):  # fmt: skip
         code, out, err = run(["predict", *argv], capsys)
         assert (code, out, err) == (2, "", f"starfed predict: error: {message}\n")
