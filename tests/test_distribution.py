@@ -205,6 +205,7 @@ def test_plain_text_only_on_loopback(folder, serve, tmp_path, capsys):
     )
 
 
+@pytest.mark.e2e
 def test_serve_as_a_process_answers_and_stops_on_sigterm(folder, certs, tmp_path):
     port = processes.free_port()
     command = [sys.executable, "-m", "starfed.cli", "server", "serve", "--json", "--dir",
