@@ -24,6 +24,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "starfed.cli.simulate",
     "starfed.cli.server",
     "starfed.cli.site",
+    "starfed.cli.predict",
+    "starfed.cli.evaluate",
 )
 EXIT_BAD_INPUT = 2
 

@@ -48,8 +48,8 @@ def switch(name: str, key: str, const: Value, help: str | None = None) -> Flag:
 
 
 def _knobs(command: str) -> dict[str, Knob]:
-    """The knobs a command's flags may set: the run config's and the command's own."""
-    return {**TABLES["run-config"], **TABLES[command]}
+    """The knobs a command's flags may set: the run config's and the command's own (if any)."""
+    return {**TABLES["run-config"], **TABLES.get(command, {})}
 
 
 def add_command(

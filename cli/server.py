@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from starfed.cli import inference_server
 from starfed.server import certs, sites, superlink
 from starfed.server.layout import DIR_ENV, ServerFolder, default_dir
 from starfed.shared import pki, processes
@@ -32,8 +33,14 @@ class UsageError(ValueError):
 
 
 #: Errors that mean bad input (exit 2) and errors that mean something failed (exit 1).
-USAGE_ERRORS: tuple[type[Exception], ...] = (UsageError, certs.CertError, pki.SiteKeyError)
+USAGE_ERRORS: tuple[type[Exception], ...] = (
+    UsageError,
+    certs.CertError,
+    pki.SiteKeyError,
+    inference_server.BadInput,
+)
 FAILURES: tuple[type[Exception], ...] = (
+    inference_server.Failed,
     superlink.ServerError,
     sites.SitesError,
     processes.ProcessError,
@@ -198,6 +205,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="SuperNodes the SuperLink turned away, by key fingerprint (from its log)",
     )
     q.set_defaults(func=run_sites_refused)
+
+    inference_server.add_actions(actions, common, _guard)  # export, serve
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 
 from flwr.app import Context
@@ -24,7 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
 from starfed.server.coordinator import FAILED, Coordinator, RunLog
-from starfed.server.federation import Federation
+from starfed.server.federation import METRICS_FILE, Federation
 from starfed.server.scores import accuracy_matrix
 from starfed.server.test_set import ServerTestSet
 from starfed.shared.config import BackboneOptions, ProtocolOptions, parse, run_dir, writable_dir
@@ -32,13 +31,14 @@ from starfed.shared.files import write_atomic
 from starfed.shared.metrics import (
     final_average_accuracy,
     final_forgetting,
+    nan_to_none,
     plot_accuracy_matrix,
     plot_accuracy_over_time,
 )
 from starfed.shared.model.training import TrainConfig
 
 app = ServerApp()
-METRICS_FILE = "metrics.json"
+
 
 
 class RunFailed(RuntimeError):
@@ -74,7 +74,7 @@ def run_server(grid: Grid, run_config: dict, run_id: int = 0, console: Console |
         "train": train.to_dict(),
         "protocol": dataclasses.asdict(protocol),
     }
-    write_atomic(folder / METRICS_FILE, json.dumps(no_nan(metrics), indent=2).encode())
+    write_atomic(folder / METRICS_FILE, json.dumps(nan_to_none(metrics), indent=2).encode())
     matrix = metrics["accuracy_matrix"]
     if matrix:
         title = f"federation {federation.id[:8]}, {len(metrics['sites'])} sites"
@@ -140,18 +140,6 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
         "codebook_version": federation.codebook().version,
         "backbone_fingerprint": federation.fingerprint,
     }
-
-
-def no_nan(value):
-    """``value`` with every NaN as None: strict JSON readers reject NaN (a score is NaN where
-    nobody held a test image)."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: no_nan(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [no_nan(v) for v in value]
-    return value
 
 
 @app.main()

@@ -11,6 +11,7 @@ each run performs aggregation steps over what they bring, continuing where the l
     step-start.bin    the codebook when the step in progress started (a failed step rolls back)
     registry.json     every class: the step that registered it, the sites that brought it, when
     history.jsonl     one record per finished step: status, phases, participation, scores
+    metrics.json      the federation's scores after the last server run (``server.app``)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ CODEBOOK_FILE = "codebook.bin"
 STEP_START_FILE = "step-start.bin"
 REGISTRY_FILE = "registry.json"
 HISTORY_FILE = "history.jsonl"
+METRICS_FILE = "metrics.json"
 POSITION_KEY = "position"  # codebook metadata key of the protocol position
 # Codebook metadata key of the version line: a rollback starts a new one, so a version a site
 # holds from a rolled-back step is never mistaken for the same version of the new line.
@@ -88,6 +90,23 @@ class Federation:
         self.registry: dict[str, Registration] = {
             name: Registration(**entry) for name, entry in self._read(REGISTRY_FILE, {}).items()
         }
+
+    @classmethod
+    def open(cls, root: str | Path) -> Federation:
+        """An existing federation folder, with the backbones its identity names: for readers
+        that load no backbones (``starfed server export``, the codebook service)."""
+        path = Path(root).expanduser()
+        if not (path / IDENTITY_FILE).is_file():
+            raise FederationError(f"{path} is not a federation folder (no {IDENTITY_FILE})")
+        try:
+            identity = json.loads((path / IDENTITY_FILE).read_text())
+            return cls(path, identity["fingerprint"], ModelDims(**identity["dims"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise FederationError(f"{path / IDENTITY_FILE} is damaged: {err!r}") from None
+
+    def metrics(self) -> dict:
+        """``metrics.json`` of the last server run ({} before the first)."""
+        return self._read(METRICS_FILE, {})
 
     def _read(self, name: str, default):
         path = self.root / name

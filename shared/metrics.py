@@ -21,6 +21,15 @@ def _nanmean(values: list[float]) -> float:
     return float(np.mean(finite)) if finite else float("nan")
 
 
+def nan_to_none(value):
+    """Scores, in (nested) lists and dicts, for strict JSON: NaN (no test images) -> None."""
+    if isinstance(value, dict):
+        return {k: nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [nan_to_none(v) for v in value]
+    return None if isinstance(value, float) and np.isnan(value) else value
+
+
 def final_average_accuracy(matrix: AccuracyMatrix) -> float:
     return _nanmean(matrix[-1]) if matrix else float("nan")
 
@@ -79,5 +88,34 @@ def plot_accuracy_over_time(matrix: AccuracyMatrix, path: Path, title: str) -> N
     ax.set_ylim(0, 100)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_confusion_matrix(
+    counts: np.ndarray, names: list[str], path: Path, title: str, max_labels: int = 40
+) -> None:
+    """Rows: true class, columns: predicted class; colour is the share of the row (so classes
+    with few test images read like the others), counts are written in the cells when few."""
+    counts = np.asarray(counts)
+    n = len(names)
+    totals = counts.sum(axis=1, keepdims=True)
+    share = np.divide(counts, totals, out=np.zeros(counts.shape), where=totals > 0)
+    size = min(2.5 + 0.32 * n, 24.0)
+    fig = Figure(figsize=(size + 1.5, size))
+    ax = fig.subplots()
+    image = ax.imshow(100 * share, vmin=0, vmax=100, cmap="viridis")
+    if n <= 25:
+        for i, j in zip(*np.nonzero(counts), strict=True):
+            color = "black" if share[i, j] > 0.6 else "white"
+            ax.text(j, i, str(counts[i, j]), ha="center", va="center", color=color, fontsize=7)
+    if n <= max_labels:
+        short = [name if len(name) <= 28 else name[:27] + "…" for name in names]
+        ax.set_xticks(range(n), short, rotation=90, fontsize=7)
+        ax.set_yticks(range(n), short, fontsize=7)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(image, ax=ax, label="share of the true class's images (%)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

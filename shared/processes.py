@@ -13,6 +13,7 @@ Linux only: processes are read from ``/proc``.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import shutil
 import signal
@@ -225,6 +226,16 @@ def parse_address(text: str) -> tuple[str, int]:
     if ":" in host and not text.startswith("["):
         raise ValueError(f"write IPv6 addresses in brackets, e.g. [::1]:9092, got {text!r}")
     return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def format_address(host: str, port: int) -> str:

@@ -248,6 +248,14 @@ def decode_broadcast(
 ) -> Codebook | Delta:
     """A validated codebook, or a delta when the message has a base version."""
     message = parse(pb.Codebook, data, max_bytes)
+    return broadcast_from_proto(message, fingerprint=fingerprint, dims=dims)
+
+
+def broadcast_from_proto(
+    message: pb.Codebook, *, fingerprint: str | None = None, dims: ModelDims | None = None
+) -> Codebook | Delta:
+    """``decode_broadcast`` of a message parsed elsewhere: a gRPC reply carries the codebook
+    message itself, its size limited by the channel (``starfed.shared.distribution``)."""
     model_dims = _decode_header(message, fingerprint, dims)
     _check_count(message.version, 0, "codebook version")
     metadata = dict(message.metadata)

@@ -119,3 +119,18 @@ class SiteFolder:
                 test.setdefault(class_key(name), []).extend(held)
             split.append(SiteTask(task.name, train))
         return cls(root, split, test)
+
+
+def folder_test_images(root: str | Path) -> dict[str, list[str]]:
+    """Labelled test images of a folder, by class key: a plain ImageFolder of class folders is
+    a held-out test set (every image counts); a site's data folder gives its test images
+    (``test/``, or else the held-out share of its task folders, as ``SiteFolder.scan``)."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise DatasetError(f"test folder {root} does not exist or is not a folder")
+    classes = [p for p in _subfolders(root) if p.name != TEST_FOLDER]
+    if (root / TEST_FOLDER).is_dir() or any(_subfolders(p) for p in classes):
+        found = SiteFolder.scan(root).test
+    else:
+        found = {class_key(name): paths for name, paths in _classes(root).items()}
+    return {key: paths for key, paths in found.items() if paths}

@@ -42,8 +42,10 @@ def score_classes(
     image_features: torch.Tensor,
     group_of_row: torch.Tensor,
     use_keys: bool = False,
+    confusion: torch.Tensor | None = None,
 ) -> ClassScores:
-    """Count, per bank row, how its test images (``rows`` are their true rows) are predicted."""
+    """Count, per bank row, how its test images (``rows`` are their true rows) are predicted;
+    ``confusion`` (int64 ``[C, C]``, true row × predicted row) is added to when given."""
     n = len(model.bank)
     scores = ClassScores(*(torch.zeros(n, dtype=torch.int64) for _ in range(4)))
     views = Views.of(model.backbones)
@@ -55,6 +57,9 @@ def score_classes(
         same_group = group_of_row[prediction.selected] == group_of_row[target][:, None]
         scores.images.index_add_(0, target, torch.ones_like(target))
         scores.correct.index_add_(0, target, (prediction.logits.argmax(-1) == target).long())
+        if confusion is not None:
+            predicted = prediction.logits.argmax(-1)
+            confusion.index_put_((target, predicted), torch.ones_like(target), accumulate=True)
         scores.selection_hits.index_add_(0, target, same_group.sum(1))
         scores.selections.index_add_(0, target, torch.full_like(target, same_group.shape[1]))
     return scores
