@@ -85,7 +85,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--format", choices=("csv", "json"), default="csv", help="output (default: %(default)s)"
     )
     own.add_argument(
-        "--device", default="cpu", help="torch device: cpu, cuda, cuda:N, auto (default: cpu)"
+        "--device",
+        default="auto",
+        help="auto (the GPU when there is one), cpu, cuda, cuda:N, mps (default: auto)",
     )
 
 
@@ -135,20 +137,6 @@ def image_paths(inputs: list[str]) -> list[str]:
     return paths
 
 
-def _device(text: str):
-    import torch
-
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise ConfigError(f"--device {text}: not a device (cpu, cuda, cuda:0, auto)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {text}: CUDA is not available here")
-    return device
-
-
 def _codebook(args: argparse.Namespace):
     """The codebook file, or the service's current codebook (None: could not get one)."""
     from starfed.shared.codebook.codebook import Codebook
@@ -184,12 +172,15 @@ def _main(args: argparse.Namespace) -> int:
 
     from starfed.shared.inference import Predictor
 
-    device = _device(args.device)
     paths = image_paths(args.inputs)
     codebook = _codebook(args)
     if codebook is None:
         return EXIT_FAILED
-    predictor = Predictor(codebook, options.load().to(device))
+    try:
+        backbones = options.load(args.device)
+    except ValueError as err:  # a device this machine does not have
+        raise ConfigError(f"--device {args.device}: {err}") from None
+    predictor = Predictor(codebook, backbones)
     rows, skipped = [], []
     writer = csv.writer(sys.stdout, lineterminator="\n") if args.format == "csv" else None
     if writer:

@@ -16,7 +16,7 @@ COMMAND = "train-local"
 FLAGS = (
     *same_name("data-root"),
     Flag("--tasks", ("num-tasks",)),
-    *same_name("classes-per-task", "seed", "cache-dir", "preset", "backbone-config"),
+    *same_name("classes-per-task", "seed", "cache-dir", "preset", "device", "backbone-config"),
     *same_name("clip-weights", "vit-weights"),
     switch("--download", "download", True),
     *same_name("vit-tag"),

@@ -62,7 +62,7 @@ def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> 
     key = (run_id, node_id)
     if key not in _SITES:
         values, node = parse(run_config), parse(node_config, "node-config")
-        backbones = BackboneOptions.from_config(values).load()
+        backbones = BackboneOptions.from_config(values).load(node["device"] or values["device"])
         before_scan = None
         if node["data-dir"]:
             name = node["site-name"] or f"node-{node_id}"

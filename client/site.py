@@ -110,8 +110,10 @@ class Site:
             samples = [(p, i) for i, name in enumerate(classes) for p in task.train[name]]
             decoded = self._decode(samples)
             keys = [class_key(classes[label]) for label in decoded.labels.tolist()]
-            features = self._cached_features(decoded)
-            self._data[task.name] = TaskData(decoded.images, keys, features, Counter(keys))
+            device = self.backbones.device  # images and features stay there for the task
+            features = self._cached_features(decoded).to(device)
+            images = decoded.images.to(device)
+            self._data[task.name] = TaskData(images, keys, features, Counter(keys))
         return self._data[task.name]
 
     def _decode(self, samples: list[tuple[str, int]]) -> DecodedImages:

@@ -51,6 +51,8 @@ from starfed.shared.processes import ProcessId
 STOP_GRACE_S = 15.0
 TASK_POLL_INTERVAL_S = "0.1"
 WORKER_START_S = 30.0
+
+
 #: Node-config keys the ClientApp reads (docs/deployment.md).
 class SiteError(RuntimeError):
     """Something the site engineer can fix; one line, exit code 1."""

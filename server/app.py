@@ -40,7 +40,6 @@ from starfed.shared.model.training import TrainConfig
 app = ServerApp()
 
 
-
 class RunFailed(RuntimeError):
     """The run could not do its work (the message says why); Flower marks it failed."""
 
@@ -56,7 +55,7 @@ def run_server(grid: Grid, run_config: dict, run_id: int = 0, console: Console |
     protocol = ProtocolOptions.from_config(values)
     folder = writable_dir(protocol.federation_dir or run_dir(values, run_id), "federation-dir")
     train = TrainConfig.from_config(values)
-    backbones = BackboneOptions.from_config(values).load()
+    backbones = BackboneOptions.from_config(values).load(values["device"])
     federation = Federation(folder, backbones.fingerprint, backbones.dims)
     server_eval = None
     if protocol.server_test_dir:

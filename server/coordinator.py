@@ -366,7 +366,9 @@ class Coordinator:
     def _stage2_stats(self, phase: Phase, step: int, replies: list[Reply]) -> None:
         self._merge(phase, step, replies)
         self._drop_unfitted("vit_mixture")
-        self.codebook = replay.replay_head(self.codebook, self.train, step, freeze=self.in_play)
+        self.codebook = replay.replay_head(
+            self.codebook, self.train, step, self.in_play, self.backbones.device
+        )
 
     def _evaluate(self, phase: Phase, step: int, replies: list[Reply]) -> None:
         reports = []

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.star_prompt import StarPrompt
@@ -48,11 +50,11 @@ def replay_first_level(
 
 
 def replay_head(
-    codebook: Codebook, config: TrainConfig, step: int, freeze: Iterable[str]
+    codebook: Codebook, config: TrainConfig, step: int, freeze: Iterable[str], device: torch.device
 ) -> Codebook:
-    """The prediction head of every class re-aligned by replay on every class's H_c; the
-    classes ``freeze`` (the step's) are finished."""
-    bank = codebook.bank()
+    """The prediction head of every class re-aligned by replay on every class's H_c (on
+    ``device``); the classes ``freeze`` (the step's) are finished."""
+    bank = codebook.bank().to(device)
     replay2(bank, config, step)
     aligned = bank.entries(fields=("aligned_head_weight", "aligned_head_bias"))
     return codebook.set_values({entry.name: entry.values for entry in aligned}, freeze=freeze)

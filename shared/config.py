@@ -23,6 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from starfed.shared.device import check as check_device
 from starfed.shared.model.backbone_config import PAPER_VIT_TAGS, PRESETS, read_backbone_config
 
 if TYPE_CHECKING:
@@ -185,6 +186,8 @@ SCHEMA: tuple[Knob, ...] = (
          "selection's confidence", "training"),
     # backbones: the frozen pair every participant loads (fingerprints must match)
     Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
+    Knob("device", str, "auto", "where the server and simulated sites compute: auto (the GPU "
+         "when there is one), cpu, cuda, cuda:N, mps", "backbones", check=check_device),
     Knob("backbone-config", str, "", 'JSON BackboneConfig, overrides preset; "": none',
          "backbones", check=read_backbone_config, path=True),
     Knob("clip-weights", str, "", 'local CLIP weights (.safetensors/.pt); "": none',
@@ -206,8 +209,8 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("worker-socket", str, "", "a site worker answering for this node (starfed site start "
          'runs one: starfed.client.worker); "": answer in the ClientApp process', "node",
          path=True),
-    Knob("device", str, "auto", "where a site computes: auto (CUDA when present), cpu, cuda, "
-         "cuda:N, mps", "node"),
+    Knob("device", str, "", 'where this deployed site computes (auto, cpu, cuda, cuda:N, mps); "": '
+         "the run config's", "node", check=check_device),
     # command options: never part of a Flower config
     Knob("cache-dir", str, "", 'reuse decoded images across runs; "": no cache', "command",
          path=True, command="train-local"),
@@ -332,18 +335,21 @@ class BackboneOptions:
             vit_weights=optional(values["vit-weights"]),
         )
 
-    def load(self) -> Backbones:
-        return _load_backbones(self)
+    def load(self, device: str = "cpu") -> Backbones:
+        """The pair, built once per process and device (``starfed.shared.device`` names)."""
+        return _load_backbones(self, device)
 
 
 @cache
-def _load_backbones(options: BackboneOptions) -> Backbones:
+def _load_backbones(options: BackboneOptions, device: str) -> Backbones:
     """One backbone pair per process: simulation actors and a long-lived client reuse it."""
-    from starfed.shared.model.backbones import create_backbones  # torch: only when building
+    from starfed.shared import device as devices  # torch: only when building
+    from starfed.shared.model.backbones import create_backbones
 
-    return create_backbones(
+    backbones = create_backbones(
         options.preset,
         config_path=options.config_path,
         clip_weights=options.clip_weights,
         vit_weights=options.vit_weights,
     )
+    return backbones.place(devices.resolve(device))

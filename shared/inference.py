@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.deployment import class_steps, confidence_modulation
 from starfed.shared.data.cropdiseases import DatasetError, decode_images, to_unit
@@ -49,11 +48,7 @@ def codebook_model(codebook: Codebook, backbones: Backbones) -> StarPrompt:
     """The model of ``codebook`` on its backbones, on the backbones' device."""
     check_backbones(codebook, backbones)
     model = StarPrompt(backbones, confidence_modulation=confidence_modulation(codebook))
-    bank = codebook.bank()
-    device = next(backbones.parameters()).device
-    for name in schema.TENSORS:  # only the image path runs here: text inputs stay put
-        bank[name] = bank[name].to(device)
-    model.load_bank(bank)
+    model.load_bank(codebook.bank())
     return model
 
 
@@ -73,7 +68,7 @@ class Predictor:
         self.steps = class_steps(codebook)
         self.model = codebook_model(codebook, backbones)
         self.backbones = backbones
-        self._device = next(backbones.parameters()).device
+        self._device = backbones.device
 
     @torch.no_grad()
     def classify(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import BackboneOptions, Values, optional
 from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root, decode_images
 from starfed.shared.data.site_folder import class_key
+from starfed.shared.device import resolve
 from starfed.shared.metrics import final_average_accuracy, final_forgetting, plot_accuracy_matrix
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.evaluation import evaluate_decoded
@@ -47,6 +48,7 @@ class LocalRunOptions:
     download: bool = False
     vit_tag: str = "augreg_in21k"
     classify_with_keys: bool = False
+    device: str = "auto"  # starfed.shared.device
     results_dir: str = "results"
     run_name: str | None = None
     cache_dir: str | None = None
@@ -67,6 +69,7 @@ class LocalRunOptions:
             download=own["download"],
             vit_tag=own["vit-tag"],
             classify_with_keys=own["classify-with-keys"],
+            device=values["device"],
             results_dir=values["results-dir"],
             run_name=optional(values["run-name"]),
             cache_dir=optional(own["cache-dir"]),
@@ -101,7 +104,7 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
         vit_weights=options.vit_weights,
         download=options.download,
         vit_tag=options.vit_tag,
-    )
+    ).place(resolve(options.device))
     model = StarPrompt(backbones, confidence_modulation=config.confidence_modulation)
     size = backbones.config.image_size
     console.print(

@@ -618,7 +618,8 @@ def test_clients_in_different_tasks(cache_dir, tmp_path):
     assert metrics["steps"] == 2 and metrics["status"] == "completed"
     assert list(metrics["classes"]) == task_classes[0] + task_classes[1]
     assert {name: c["step"] for name, c in metrics["classes"].items()} == {
-        **dict.fromkeys(task_classes[0], 0), **dict.fromkeys(task_classes[1], 1)
+        **dict.fromkeys(task_classes[0], 0),
+        **dict.fromkeys(task_classes[1], 1),
     }
     # Site 2 sent no rows: at step 1 its task 0 is finished, and task 1 arrives at step 2.
     for message_type in UPDATE_TYPES:

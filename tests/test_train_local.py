@@ -44,3 +44,18 @@ def test_bad_paths_are_one_line_errors(tmp_path, capsys) -> None:
     assert err.startswith("starfed train-local: error:") and "missing" in err and "\n" not in err
     assert main(["train-local", "--clip-weights", str(tmp_path / "nope.safetensors")]) == 2
     assert "--clip-weights" in (err := capsys.readouterr().err) and "no such file" in err
+
+
+def test_device_cpu_and_auto_compute_the_same(tmp_path, capsys) -> None:
+    """On a machine without a GPU, ``--device auto`` is the CPU: the same numbers as ``cpu``."""
+    base = ["train-local", "--tasks", "1", "--classes-per-task", "2", "--epochs", "1",
+            "--replay-epochs", "1", "--results-dir", str(tmp_path), "--cache-dir",
+            str(tmp_path / "c")]  # fmt: skip
+    assert main([*base, "--run-name", "cpu", "--device", "cpu"]) == 0
+    assert main([*base, "--run-name", "auto"]) == 0
+    runs = [json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("cpu", "auto")]
+    assert runs[0]["accuracy_matrix"] == runs[1]["accuracy_matrix"]
+    codebooks = [Codebook.load(tmp_path / name / "codebook.bin") for name in ("cpu", "auto")]
+    assert codebooks[0].to_bytes() == codebooks[1].to_bytes()
+    assert main([*base, "--run-name", "gpu", "--device", "gpu"]) == 2
+    assert "device" in capsys.readouterr().err

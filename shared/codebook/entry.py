@@ -67,11 +67,19 @@ class ClassBank:
     def index(self, name: str) -> int:
         return self.names.index(name)
 
+    def to(self, device: torch.device) -> ClassBank:
+        """The tensor columns moved to ``device`` (in place); mixtures are float64 statistics
+        and stay on the CPU."""
+        for name in schema.TENSORS:
+            self._columns[name] = self._columns[name].to(device)
+        return self
+
     def set_rows(self, field_name: str, start: int, value: torch.Tensor | Sequence) -> None:
         """Overwrite rows ``start : start + len(value)`` of one column."""
         column = self._columns[field_name]
         if isinstance(column, torch.Tensor):
-            column[start : start + value.shape[0]] = value.detach().to(column.dtype)
+            rows = value.detach().to(device=column.device, dtype=column.dtype)
+            column[start : start + value.shape[0]] = rows
         else:
             column[start : start + len(value)] = list(value)
 
@@ -87,7 +95,7 @@ class ClassBank:
                 raise ValueError(f"missing {name} for a new class")
             current = self._columns[name]
             if rows:
-                stacked = torch.stack([row.detach().to(torch.float32) for row in rows])
+                stacked = torch.stack([row.detach().to(current) for row in rows])
                 if stacked.shape[1:] != current.shape[1:]:
                     raise ValueError(
                         f"{name}: row shape {tuple(stacked.shape[1:])}, "
@@ -111,7 +119,8 @@ class ClassBank:
     ) -> list[ClassEntry]:
         """Entries of ``names`` (default all) holding ``fields`` (default all that are set).
 
-        Tensor rows are copied, so later training does not change the entries.
+        Tensor rows are copied to the CPU, so later training does not change the entries and
+        they can be encoded wherever the bank computed.
         """
         fields = schema.BY_NAME if fields is None else tuple(fields)
         out = []
@@ -122,7 +131,9 @@ class ClassBank:
                 value = self._columns[field_name][i]
                 if value is not None:
                     values[field_name] = (
-                        value.detach().clone() if isinstance(value, torch.Tensor) else value
+                        value.detach().to("cpu", copy=True)
+                        if isinstance(value, torch.Tensor)
+                        else value
                     )
             out.append(ClassEntry(name, self.counts[i], values))
         return out

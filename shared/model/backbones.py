@@ -34,7 +34,8 @@ from safetensors.torch import load_file
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from starfed.shared.codebook.entry import ModelDims
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.device import autocast, backbone_dtype
 from starfed.shared.model.backbone_config import (
     PAPER_VIT_TAGS,
     BackboneConfig,
@@ -62,15 +63,26 @@ class Backbones(nn.Module):
             n_layers=len(vit.blocks),
         )
         self._fingerprint: str | None = None
+        self.device = torch.device("cpu")
 
     def train(self, mode: bool = True) -> Backbones:
         """Backbones stay in eval mode: they are frozen feature extractors."""
         return super().train(False)
 
+    def place(self, device: torch.device) -> Backbones:
+        """Move to ``device``, in half precision on a GPU (``starfed.shared.device``). The
+        fingerprint is of the weights as built, so it is taken first."""
+        _ = self.fingerprint
+        self.to(device=device, dtype=backbone_dtype(device))
+        self.device = device
+        return self
+
     @torch.no_grad()
     def clip_image_features(self, images: torch.Tensor) -> torch.Tensor:
-        """Raw (un-normalised) CLIP image embeddings z [B, d_clip] of CLIP-normalised images."""
-        return self.clip.encode_image(images).float()
+        """Raw (un-normalised) CLIP image embeddings z [B, d_clip] (float32) of CLIP-normalised
+        images, on the backbones' device."""
+        with autocast(self.device):
+            return self.clip.encode_image(images.to(self.device)).float()
 
     @property
     def fingerprint(self) -> str:

@@ -46,23 +46,27 @@ def score_classes(
 ) -> ClassScores:
     """Count, per bank row, how its test images (``rows`` are their true rows) are predicted;
     ``confusion`` (int64 ``[C, C]``, true row × predicted row) is added to when given."""
-    n = len(model.bank)
-    scores = ClassScores(*(torch.zeros(n, dtype=torch.int64) for _ in range(4)))
+    n, device = len(model.bank), model.device
+    counts = [torch.zeros(n, dtype=torch.int64, device=device) for _ in range(4)]
+    images_, correct, hits, selections = counts  # counted on the device, read once at the end
+    groups = group_of_row.to(device)
     views = Views.of(model.backbones)
     for i in range(0, len(rows), EVAL_BATCH_SIZE):
         chunk = slice(i, i + EVAL_BATCH_SIZE)
-        vit_in, _ = views.pair(to_unit(images[chunk]))
+        vit_in, _ = views.pair(to_unit(images[chunk].to(device)))
         prediction = model.predict(vit_in, image_features[chunk], use_keys=use_keys)
-        target = rows[chunk]
-        same_group = group_of_row[prediction.selected] == group_of_row[target][:, None]
-        scores.images.index_add_(0, target, torch.ones_like(target))
-        scores.correct.index_add_(0, target, (prediction.logits.argmax(-1) == target).long())
+        target = rows[chunk].to(device)
+        predicted = prediction.logits.argmax(-1)
+        same_group = groups[prediction.selected] == groups[target][:, None]
+        images_.index_add_(0, target, torch.ones_like(target))
+        correct.index_add_(0, target, (predicted == target).long())
+        hits.index_add_(0, target, same_group.sum(1))
+        selections.index_add_(0, target, torch.full_like(target, same_group.shape[1]))
         if confusion is not None:
-            predicted = prediction.logits.argmax(-1)
-            confusion.index_put_((target, predicted), torch.ones_like(target), accumulate=True)
-        scores.selection_hits.index_add_(0, target, same_group.sum(1))
-        scores.selections.index_add_(0, target, torch.full_like(target, same_group.shape[1]))
-    return scores
+            confusion.index_put_(
+                (target.cpu(), predicted.cpu()), torch.ones_like(target.cpu()), accumulate=True
+            )
+    return ClassScores(*(count.cpu() for count in counts))
 
 
 def group_scores(scores: ClassScores, group_of_row: torch.Tensor, n_groups: int) -> TaskScores:

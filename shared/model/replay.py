@@ -69,6 +69,7 @@ def replay_epochs(
     with progress_task(progress, description, config.epochs) as advance:
         for _ in range(config.epochs):
             features, labels = sample_replay_features(mixtures, config.samples_per_class, generator)
+            features, labels = features.to(params[0].device), labels.to(params[0].device)
             order = torch.randperm(len(labels), generator=generator)
             for batch in order.split(config.batch_size):
                 optimizer.zero_grad(set_to_none=True)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from starfed.shared.codebook.entry import ClassBank, ClassEntry
 from starfed.shared.data.cropdiseases import class_name_to_text
+from starfed.shared.device import autocast
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.first_level import TextKeyEncoder, first_level_logits, init_prompts
 from starfed.shared.model.second_level import (
@@ -49,7 +50,7 @@ def init_class_rows(
     )
     with torch.no_grad():
         embeds, eot = model.encoder.embed_texts(texts)
-        keys = model.encoder(prompts, embeds, eot)
+        keys = model.encoder(prompts.to(model.device), embeds, eot).cpu()
     return {
         "prompt": prompts,
         "key": keys,
@@ -73,9 +74,10 @@ class StarPrompt:
 
     def __init__(self, backbones: Backbones, confidence_modulation: bool = True) -> None:
         self.backbones = backbones
+        self.device = backbones.device  # where the bank lives and the model computes
         self.encoder = TextKeyEncoder(backbones.clip)
         self.vit = PromptedViT(backbones.vit)
-        self.bank = ClassBank(backbones.dims)
+        self.bank = ClassBank(backbones.dims).to(self.device)
         self.class_texts: list[str] = []
         self.confidence_modulation = confidence_modulation
         d = backbones.dims
@@ -106,7 +108,7 @@ class StarPrompt:
         """Use ``bank`` (e.g. decoded from a codebook) as the model's per-class state."""
         if bank.dims != self.backbones.dims:
             raise ValueError(f"bank dims {bank.dims} do not match backbones {self.backbones.dims}")
-        self.bank = bank
+        self.bank = bank.to(self.device)
         self.class_texts = [class_name_to_text(name) for name in bank.names]
         self._cache_text_inputs()
 
@@ -129,17 +131,21 @@ class StarPrompt:
         query_weights: torch.Tensor | None = None,
         query_prompts: torch.Tensor | None = None,
     ) -> SecondLevelOutput:
-        """Prompted ViT forward over all bank classes (optionally with trainable A/Q)."""
+        """Prompted ViT forward over all bank classes (optionally with trainable A/Q), on the
+        model's device; the frozen ViT under autocast on a GPU, the outputs float32."""
         bank = self.bank
-        return second_level_forward(
-            self.vit,
-            images,
-            image_features,
-            bank["key"],
-            bank["query_weight"] if query_weights is None else query_weights,
-            bank["query_prompt"] if query_prompts is None else query_prompts,
-            self.confidence_modulation,
-        )
+        with autocast(self.device):
+            out = second_level_forward(
+                self.vit,
+                images.to(self.device),
+                image_features.to(self.device),
+                bank["key"],
+                bank["query_weight"] if query_weights is None else query_weights,
+                bank["query_prompt"] if query_prompts is None else query_prompts,
+                self.confidence_modulation,
+            )
+        out.features = out.features.float()
+        return out
 
     @torch.no_grad()
     def predict(
@@ -151,7 +157,8 @@ class StarPrompt:
         """
         bank = self.bank
         if use_keys:
-            logits = first_level_logits(image_features, bank["key"], self.encoder.logit_scale)
+            features = image_features.to(self.device)
+            logits = first_level_logits(features, bank["key"], self.encoder.logit_scale)
             return Prediction(logits, logits.argmax(-1, keepdim=True))
         out = self.second_level(images, image_features)
         logits = F.linear(out.features, bank["aligned_head_weight"], bank["aligned_head_bias"])

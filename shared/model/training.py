@@ -118,10 +118,13 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.
 
 @torch.no_grad()
 def clip_features(backbones: Backbones, images: torch.Tensor) -> torch.Tensor:
-    """Raw CLIP features of un-augmented uint8 images (compute once, then cache)."""
+    """Raw CLIP features of un-augmented uint8 images (compute once, then cache), on the CPU
+    (they are cached on disk; the training steps move them to the model's device)."""
     views = Views.of(backbones)
     out = [
-        backbones.clip_image_features(views.pair(to_unit(images[i : i + EVAL_BATCH_SIZE]))[1])
+        backbones.clip_image_features(
+            views.pair(to_unit(images[i : i + EVAL_BATCH_SIZE].to(backbones.device)))[1]
+        ).cpu()
         for i in range(0, len(images), EVAL_BATCH_SIZE)
     ]
     return torch.cat(out) if out else torch.zeros(0, backbones.dims.d_clip)
@@ -139,6 +142,7 @@ def stage1(
 ) -> None:
     """Fit the current prompts p_c with CE (past masked) + λ₁·L_OP."""
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE1].site_stream, round_index)
+    image_features, labels = image_features.to(model.device), labels.to(model.device)
     bank, rows = model.bank, slice(n_past, len(model))
     prompts = bank["prompt"][rows].clone().requires_grad_(True)
     past_keys, past_prompts = bank["key"][:n_past], bank["prompt"][:n_past]
@@ -227,6 +231,7 @@ def stage2(
 ) -> None:
     """Fit the current A_c, Q_c and head rows with CE (past masked) + λ₂·L_OQ."""
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2].site_stream, round_index)
+    images, labels = images.to(model.device), labels.to(model.device)
     bank, views = model.bank, Views.of(model.backbones)
     current = {  # the fields stage 2 trains, as the schema lists them
         name: bank[name][n_past:].clone().requires_grad_(True)
@@ -270,7 +275,7 @@ def vit_features(
     views = Views.of(model.backbones)
     out = []
     for i in range(0, len(images), EVAL_BATCH_SIZE):
-        chunk = images[i : i + EVAL_BATCH_SIZE]
+        chunk = images[i : i + EVAL_BATCH_SIZE].to(model.device)
         unit = augment(chunk, generator) if generator is not None else to_unit(chunk)
         vit_in, clip_in = views.pair(unit)
         z = model.backbones.clip_image_features(clip_in)
