@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -33,7 +33,7 @@ from starfed.server.federation import EPOCH_KEY, Federation, Position
 from starfed.server.messaging import Exchange, Reply, exchange, malformed, reject, update_digest
 from starfed.server.scores import StepScores, aggregate
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
-from starfed.shared.codebook.merge import merge_updates
+from starfed.shared.codebook.merge import MergeAccumulator
 from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import Backbones
@@ -272,10 +272,12 @@ class Coordinator:
         self._steps.extend(exchanges)
         return good
 
-    def _updates(self, replies: list[Reply], phase: Phase) -> list[tuple[Exchange, ClientUpdate]]:
-        """Decode (= validate) each update against the codebook the phase was sent with; drop
-        bad ones and rows of classes not in play."""
-        updates = []
+    def _updates(
+        self, replies: list[Reply], phase: Phase
+    ) -> Iterator[tuple[Exchange, ClientUpdate]]:
+        """Decode (= validate) each update against the codebook the phase was sent with, one at
+        a time (a phase never holds every decoded update); drop bad ones and rows of classes
+        not in play."""
         in_play = set(self.in_play)
         # Merge order changes float rounding: order by content, not by node id (random per run).
         for entry, reply in sorted(replies, key=lambda r: update_digest(r[1])):
@@ -291,8 +293,7 @@ class Coordinator:
                     logger.info("node %s sent rows of classes not in play: %s",
                                 entry.node_id, stray)  # fmt: skip
                     update.entries = [e for e in update.entries if e.name in in_play]
-            updates.append((entry, update))
-        return updates
+            yield entry, update
 
     # --- reducers, one per phase ------------------------------------------------------------
 
@@ -342,13 +343,13 @@ class Coordinator:
             )
 
     def _merge(self, phase: Phase, step: int, replies: list[Reply]) -> None:
-        updates = [update for _, update in self._updates(replies, phase)]
-        carried = {e.name for update in updates for e in update.entries}
-        if not carried & set(self.in_play):
+        """Each reply decoded and added to the phase's merge as it comes (docs/design.md)."""
+        merge = MergeAccumulator(self.codebook, n_components=self.train.mixture_components)
+        for _, update in self._updates(replies, phase):
+            merge.add(update)
+        if not merge.carried & set(self.in_play):
             raise StepFailed(f"no site's {phase.key} update arrived for any class in play")
-        self.codebook = merge_updates(
-            self.codebook, updates, n_components=self.train.mixture_components
-        )
+        self.codebook = merge.result()
 
     def _drop_unfitted(self, field_name: str) -> None:
         """Classes no site sent statistics for cannot be replayed: unregister them."""

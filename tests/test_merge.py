@@ -1,4 +1,5 @@
-"""Per-class merging: count-weighted averages, mixture reduction by moment matching, frozen rows."""
+"""Per-class merging: count-weighted averages, mixture reduction by moment matching, frozen rows,
+and the streamed merge (order, moments through intermediate reductions, bounded memory)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ import torch
 
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
-from starfed.shared.codebook.entry import ClassBank
-from starfed.shared.codebook.merge import merge_mixtures, merge_updates
+from starfed.shared.codebook.entry import ClassBank, ClassEntry
+from starfed.shared.codebook.merge import (
+    POOL_BOUND,
+    MergeAccumulator,
+    merge_mixtures,
+    merge_updates,
+)
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.protocol import Phase
 
@@ -190,3 +196,97 @@ def test_no_updates_only_bumps_the_version(codebook: Codebook) -> None:
     merged = merge_updates(codebook, [])
     assert merged.version == codebook.version + 1
     assert all(merged[n] is codebook[n] for n in codebook.names)
+
+
+# --- streaming (MergeAccumulator) ----------------------------------------------------------------
+
+
+def mixture_update(codebook: Codebook, mixtures: dict[str, GaussianMixture]) -> ClientUpdate:
+    """A stage-1 statistics update carrying ``mixtures`` (class -> G_c), counts from them."""
+    entries = [ClassEntry(name, m.count, {"clip_mixture": m}) for name, m in mixtures.items()]
+    return ClientUpdate(codebook.fingerprint, codebook.dims, Phase.STAGE1_STATS,
+                        codebook.version, entries)  # fmt: skip
+
+
+def random_site_mixtures(
+    make_mixture: Callable[..., GaussianMixture], dim: int, n: int, seed: int
+) -> list[GaussianMixture]:
+    generator = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 6, (n,), generator=generator).tolist()
+    return [make_mixture(dim, generator, n_components=k) for k in sizes]
+
+
+def test_streamed_tensor_sums_do_not_depend_on_order(codebook: Codebook, make_codebook) -> None:
+    """Any order gives the float64 count-weighted average rounded to float32 (1 ulp)."""
+    banks = [site_bank(make_codebook, seed) for seed in range(40)]
+    counts = [1 + 37 * seed % 101 for seed in range(40)]
+    updates = [
+        site_update(codebook, bank, Phase.STAGE2, {"class_1": c, "class_2": c + 1})
+        for bank, c in zip(banks, counts, strict=True)
+    ]
+    forward = merge_updates(codebook, updates)
+    backward = merge_updates(codebook, updates[::-1])
+    shuffled = merge_updates(codebook, [updates[i] for i in torch.randperm(40).tolist()])
+    for field in schema.trained_in(Phase.STAGE2):
+        weights = torch.tensor(counts, dtype=torch.float64)
+        rows = torch.stack([bank[field][1].double() for bank in banks])
+        exact = (torch.tensordot(weights, rows, dims=1) / weights.sum()).float()
+        for merged in (forward, backward, shuffled):
+            result = value(merged, "class_1", field)
+            torch.testing.assert_close(result, exact, rtol=2**-23, atol=1e-30)
+    assert forward["class_2"].count == sum(counts) + 40
+
+
+def test_streamed_mixtures_keep_moments_through_reductions(
+    make_codebook, make_mixture: Callable[..., GaussianMixture]
+) -> None:
+    """A bound of 8 components forces a reduction every few sites: the union's mean and
+    diagonal covariance survive all of them."""
+    codebook = make_codebook(n_classes=2)
+    dim = codebook.dims.d_clip
+    sites = random_site_mixtures(make_mixture, dim, 60, seed=3)
+    accumulator = MergeAccumulator(codebook, n_components=3, bound=8)
+    for mixture in sites:
+        accumulator.add(mixture_update(codebook, {"class_1": mixture}))
+    merged = accumulator.result()["class_1"].values["clip_mixture"]
+    assert merged.n_components == 3
+    assert merged.count == sum(m.count for m in sites)
+    assert float(merged.weights.sum()) == pytest.approx(1.0, abs=1e-12)
+    assert (merged.variances > 0).all()
+    mean, covariance = union_moments(sites)
+    torch.testing.assert_close(merged.mean(), mean, rtol=0, atol=1e-10)
+    torch.testing.assert_close(merged.covariance_diagonal(), covariance, rtol=0, atol=1e-10)
+
+
+def test_streamed_mixtures_below_the_bound_are_one_merge(
+    make_codebook, make_mixture: Callable[..., GaussianMixture]
+) -> None:
+    """Up to ``POOL_BOUND`` components a class's mixture is ``merge_mixtures`` of all sites."""
+    codebook = make_codebook(n_classes=2)
+    sites = random_site_mixtures(make_mixture, codebook.dims.d_clip, 40, seed=4)
+    assert sum(m.n_components for m in sites) <= POOL_BOUND
+    merged = merge_updates(codebook, [mixture_update(codebook, {"class_1": m}) for m in sites])
+    result, expected = value(merged, "class_1", "clip_mixture"), merge_mixtures(sites)
+    for part in ("weights", "means", "variances"):
+        assert torch.equal(getattr(result, part), getattr(expected, part))
+
+
+def test_accumulator_memory_does_not_grow_with_updates(
+    codebook: Codebook, make_codebook, make_mixture: Callable[..., GaussianMixture]
+) -> None:
+    dims, bound = codebook.dims, 16
+    tensors = MergeAccumulator(codebook)
+    mixtures = MergeAccumulator(codebook, bound=bound)
+    bank = site_bank(make_codebook, 1)
+    sites = random_site_mixtures(make_mixture, dims.d_clip, 400, seed=5)
+    held = []
+    for i, mixture in enumerate(sites):
+        tensors.add(site_update(codebook, bank, Phase.STAGE2, {"class_1": 3, "class_2": 4}))
+        mixtures.add(mixture_update(codebook, {"class_1": mixture, "class_2": mixture}))
+        held.append(mixtures.nbytes)
+        if i == 0:
+            first = tensors.nbytes
+    assert tensors.nbytes == first  # one float64 sum per class and field, from the first update
+    # at most a full pool plus one site's mixture per class (weights, means and variances)
+    limit = 2 * (bound + 5) * (2 * dims.d_clip + 1) * 8
+    assert max(held) <= limit < sum(m.means.nbytes + m.variances.nbytes for m in sites)
