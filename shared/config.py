@@ -211,8 +211,6 @@ SCHEMA: tuple[Knob, ...] = (
          command="train-local"),
     Knob("timeout", float, 3600.0, "seconds for the whole run", "command", gt=0,
          command="simulate"),
-    Knob("project-dir", str, "", 'starfed checkout holding pyproject.toml; "": this '
-         "installation's", "command", path=True, command="simulate"),
 )  # fmt: skip
 
 #: Knob tables by where their values come from: Flower's configs, or one command's options.

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
-from process_sampler import ProcessSampler, alive
+from process_sampler import ProcessSampler
 from site_folders import CLASSES, site_folder
 
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.site_folder import class_key
-from starfed.simulations.simulate import FLOWER_ENV, find_project_dir, free_port
+from starfed.shared.processes import FLOWER_ENV, free_port
 
 RUN_TIMEOUT_S = 420
 CONFIG = {
@@ -99,7 +99,7 @@ def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> N
             start(name, [_bin("flower-supernode"), "--insecure", "--superlink",
                          f"127.0.0.1:{port}", "--port", str(free_port()),
                          "--node-config", node_config])  # fmt: skip
-        project = find_project_dir()
+        project = Path(__file__).resolve().parent.parent  # `flwr run .` from a checkout
         first = _run(project, federation, env)
         site_folder(farm_a, {"2026-06": CLASSES[4:6]})  # a new task appears at farm-a
         second = _run(project, federation, env)
@@ -114,11 +114,7 @@ def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> N
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
         time.sleep(1)
-        sampler.done.set()
-        sampler.join()
-        leftovers = {p: cmd for p, (t, cmd) in sampler.seen.items() if alive(p, t)}
-        for pid in leftovers:
-            os.kill(pid, signal.SIGKILL)
+        leftovers = sampler.stop()
 
     assert not leftovers, f"processes left running: {leftovers}"
     assert first["status"] == "completed" and first["steps"] == 1
