@@ -79,6 +79,10 @@ def test_node_config_file_survives_spaces_quotes_and_unicode(site: dict, tmp_pat
         "device": "cuda:1",
     }
     assert set(parsed) == set(supernode.NODE_CONFIG_KEYS)
+    # ... and the ClientApp accepts it (every key is in the schema's node config)
+    from starfed.shared.config import parse
+
+    assert parse(parsed, "node-config")["device"] == "cuda:1"
 
 
 def test_default_state_folder_and_name(
