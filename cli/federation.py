@@ -147,10 +147,16 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
         raise superlink.ServerError(
             f"the server is not running in {folder.root}: `starfed server start` first"
         )
+    cli = flower_runs.FlowerCli(folder.flwr_home)
+    if busy := cli.unfinished_runs():  # two ServerApps must never write one federation
+        run_id = busy[0]["run-id"]
+        raise superlink.ServerError(
+            f"run {run_id} is still {busy[0]['status']} on this server: wait for it, or stop "
+            f"it (FLWR_HOME={cli.flwr_home} flwr stop {run_id} {flower_runs.CONNECTION})"
+        )
     overrides["federation-dir"] = str(writable_dir(federation_dir, "--federation"))
     if running:
         say(_continues(checkpoint))
-    cli = flower_runs.FlowerCli(folder.flwr_home)
     app = flower_runs.write_app(folder.app)
     submitted_at = time.time()
     with flower_runs.sigterm_as_interrupt():
@@ -272,6 +278,8 @@ def _print_status(status: Status) -> None:
             for name, p in s["processes"].items()
         )
         say(f"server     running since {s['started_at']} · {processes}")
+        for run in status.runs:
+            say(f"           run {run['run-id']} {run['status']} ({run['elapsed']})")
     else:
         say(f"server     not running ({status.server_dir}); showing the folders' state")
     say(f"federation {status.federation_dir}")

@@ -18,6 +18,7 @@ from pathlib import Path
 from starfed.server import sites, superlink
 from starfed.server.federation import Federation, FederationError
 from starfed.server.layout import ServerFolder
+from starfed.shared import flower_runs
 
 RECENT_STEPS = 3  # steps whose failed exchanges count as recent errors
 
@@ -50,6 +51,7 @@ class SiteRow:
     sees it now."""
 
     name: str
+    node_id: int | None = None  # Flower's, from the site's exchanges or its registration
     last_step: int | None = None
     last_seen: str | None = None  # end of the last step it answered in
     status: str | None = None  # Flower's: registered | online | offline | unregistered
@@ -80,6 +82,7 @@ class Status:
     errors: list[ErrorRow] = field(default_factory=list)
     last_run: dict | None = None
     server: dict = field(default_factory=dict)
+    runs: list[dict] = field(default_factory=list)  # unfinished runs on the SuperLink
     sites_error: str | None = None
     logs: dict[str, str] = field(default_factory=dict)
 
@@ -123,7 +126,9 @@ def gather(folder: ServerFolder, federation_dir: Path) -> Status:
     if status.server["running"]:
         try:
             _flower_sites(status, sites.status(folder))
-        except sites.SitesError as err:
+            runs = flower_runs.FlowerCli(folder.flwr_home).unfinished_runs()
+            status.runs = [{k: r.get(k) for k in ("run-id", "status", "elapsed")} for r in runs]
+        except (sites.SitesError, flower_runs.FlowerRunError) as err:
             status.sites_error = str(err)
     return status
 
@@ -158,9 +163,11 @@ def _federation(status: Status, federation: Federation) -> None:
     status.steps = [_step(record) for record in history]
     last: dict[str, SiteRow] = {}
     for record in history:
-        answered = {e["site"] for e in record["exchanges"] if e["status"] == "ok" and e["site"]}
-        for site in answered:
-            last[site] = SiteRow(site, record["step"], _when(record["started"] + record["wall_s"]))
+        answered = {e["site"]: e["node_id"] for e in record["exchanges"]
+                    if e["status"] == "ok" and e["site"]}  # fmt: skip
+        for site, node_id in answered.items():
+            when = _when(record["started"] + record["wall_s"])
+            last[site] = SiteRow(site, node_id, record["step"], when)
     status.sites = sorted(last.values(), key=lambda row: row.name)
     recent = {r["step"] for r in history[-RECENT_STEPS:]}
     status.errors = [
@@ -196,16 +203,17 @@ def _step(record: dict) -> StepRow:
 
 
 def _flower_sites(status: Status, rows: list[sites.SiteStatus]) -> None:
-    """Join Flower's view of the registered sites onto the federation's."""
+    """Join Flower's view of the nodes onto the federation's sites, by node id (a site's name
+    in the federation is what it calls itself; sites.json has the operator's name)."""
+    by_node = {row.node_id: row for row in status.sites}
     by_name = {row.name: row for row in status.sites}
     for flower in rows:
         if flower.removed_at:
             continue
-        name = flower.name or f"node-{flower.node_id}"
-        row = by_name.setdefault(name, SiteRow(name))
-        row.status, row.online_at, row.offline_at = (
-            flower.status,
-            flower.online_at,
-            flower.offline_at,
-        )
-    status.sites = sorted(by_name.values(), key=lambda row: row.name)
+        row = by_node.get(flower.node_id) or by_name.get(flower.name or "")
+        if row is None:
+            row = SiteRow(flower.name or f"node-{flower.node_id}")
+            status.sites.append(row)
+        row.node_id, row.status = flower.node_id, flower.status
+        row.online_at, row.offline_at = flower.online_at, flower.offline_at
+    status.sites.sort(key=lambda row: row.name)

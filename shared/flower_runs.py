@@ -191,6 +191,11 @@ class FlowerCli:
             raise FlowerRunError(f"the SuperLink does not know run {run_id}")
         return dict(runs[0])
 
+    def unfinished_runs(self) -> list[dict]:
+        """Runs the SuperLink has not finished (pending, starting, running)."""
+        runs = self.ask("ls").get("runs") or []
+        return [r for r in runs if not str(r.get("status", "")).startswith(FINISHED)]
+
     def status(self, run_id: int) -> str:
         """``pending``, ``starting``, ``running`` or ``finished:<completed|failed|stopped>``."""
         return str(self.run_info(run_id)["status"])
@@ -311,9 +316,10 @@ def exit_code(outcome: RunOutcome, metrics: dict | None) -> int:
         return EXIT_INTERRUPTED
     if outcome.status != COMPLETED or metrics is None:
         return EXIT_FAILED
-    return {"completed": EXIT_COMPLETED, "degraded": EXIT_DEGRADED}.get(
-        str(metrics.get("status")), EXIT_FAILED
-    )
+    status = str(metrics.get("status"))
+    if status == "completed" and any(e["status"] != "ok" for e in metrics.get("exchanges", [])):
+        status = "degraded"  # a run that ends at a sync no site answered records no step
+    return {"completed": EXIT_COMPLETED, "degraded": EXIT_DEGRADED}.get(status, EXIT_FAILED)
 
 
 def summarize(metrics: dict) -> str:

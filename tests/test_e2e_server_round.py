@@ -59,7 +59,7 @@ def test_two_sites_two_rounds_on_a_started_server(tmp_path, monkeypatch) -> None
     site_folder(tmp_path / "farm-b", {"2026-04": CLASSES[2:4]}, train=8, test=3)
     public = f"127.0.0.1:{free_port()}"
     settings = [f"--run-config={k}={v}" for k, v in RUN_CONFIG.items()]
-    settings += ["--min-sites=2", "--wait-s=120", "--timeout-s=180", "--json"]
+    settings += ["--steps=1", "--min-sites=2", "--wait-s=120", "--timeout-s=180", "--json"]
     sites: list[subprocess.Popen] = []
     try:
         code, out = starfed("server", "start", "--insecure", "--listen", public,

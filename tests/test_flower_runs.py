@@ -129,7 +129,8 @@ def test_a_run_is_submitted_streamed_and_followed_to_its_end(fake_flwr, tmp_path
         *("--format", "json"),
     ]
     assert ["log", "42", "starfed", "--stream"] in calls
-    assert calls[-1] == ["ls", "starfed", "--run-id", "42", "--format", "json"]
+    polls = [call for call in calls if call[0] == "ls"]  # the log stream runs alongside
+    assert polls == [["ls", "starfed", "--run-id", "42", "--format", "json"]] * 3
     assert "ServerApp: step 1" in capfd.readouterr().out
 
 
@@ -142,6 +143,12 @@ def test_an_error_answer_with_exit_code_0_is_an_error(fake_flwr, tmp_path) -> No
 def test_no_flower_config_is_refused_before_flwr_starts_a_superlink(tmp_path) -> None:
     with pytest.raises(FlowerRunError, match="no Flower config"):
         FlowerCli(tmp_path / "nothing").status(1)
+
+
+def test_unfinished_runs(fake_flwr, tmp_path) -> None:
+    assert [r["run-id"] for r in _cli(tmp_path).unfinished_runs()] == ["42"]  # running
+    _statuses(fake_flwr, "finished:stopped")
+    assert _cli(tmp_path).unfinished_runs() == []
 
 
 def test_ctrl_c_stops_the_run_itself(fake_flwr, tmp_path) -> None:
@@ -174,6 +181,8 @@ def test_exit_codes_come_from_flower_and_this_runs_metrics(tmp_path: Path) -> No
     done = RunOutcome(1, "finished:completed")
     assert flower_runs.exit_code(done, metrics) == 3
     assert flower_runs.exit_code(done, {"status": "completed"}) == 0
+    failed_sync = {"status": "completed", "exchanges": [{"status": "error: ConfigError"}]}
+    assert flower_runs.exit_code(done, failed_sync) == 3  # no step ran, but a site failed
     assert flower_runs.exit_code(done, None) == 1
     assert flower_runs.exit_code(RunOutcome(1, "finished:failed"), {"status": "failed"}) == 1
     assert flower_runs.exit_code(RunOutcome(1, "interrupted"), None) == 130

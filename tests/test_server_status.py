@@ -144,3 +144,19 @@ def test_status_without_a_federation(tmp_path, capsys) -> None:
     assert code == 0 and status["federation"] is None and "no federation" in status["problem"]
     code, out, err = starfed(capsys, "server", "resume", "--dir", str(tmp_path))
     assert code == 2 and "nothing to resume" in err and "0 step(s)" in err
+
+
+def test_flower_nodes_join_the_federation_sites_by_node_id() -> None:
+    from starfed.server.sites import SiteStatus
+    from starfed.server.status import SiteRow, Status, _flower_sites
+
+    status = Status("s", "f", sites=[SiteRow("farm-a", 7, 0, "2026-11-23T00:00:00+00:00")])
+    _flower_sites(status, [
+        SiteStatus(None, 7, "online", "2026-11-23 01:00:00Z", None, None),  # self-registered
+        SiteStatus("hospital-x", 9, "registered", None, None, "SHA256:x"),  # never connected
+        SiteStatus("gone", 11, "unregistered", None, None, "SHA256:y", removed_at="then"),
+    ])  # fmt: skip
+    assert [(r.name, r.node_id, r.status, r.last_step) for r in status.sites] == [
+        ("farm-a", 7, "online", 0),
+        ("hospital-x", 9, "registered", None),
+    ]
