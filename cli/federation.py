@@ -200,9 +200,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
         print(f"run {outcome.run_id} {outcome.status} · {flower_runs.summarize(metrics or {})}")
         if code == flower_runs.EXIT_DEGRADED:
             print(f"degraded: {_lost(metrics or {})}")
-        print(
-            f"federation {federation_dir}; at a glance: starfed server status --dir {folder.root}"
-        )
+        print(f"federation {federation_dir}; see `starfed server status --dir {folder.root}`")
     return code
 
 

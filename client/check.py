@@ -249,7 +249,7 @@ def _state(report: SiteCheck, state: Path, data: Path) -> None:
         report.add(OK, "state", f"{state} (writable; remembers no federation yet)")
         return
     completed = remembered["completed"]
-    tasks = ", ".join(f"{t} (step {s + 1})" for t, s in completed.items()) or "none"
+    tasks = ", ".join(completed) or "none"
     version = remembered["codebook_version"]
     held = f", codebook v{version}" if version else ""
     federation = remembered["federation"][:8]

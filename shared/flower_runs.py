@@ -325,7 +325,7 @@ def exit_code(outcome: RunOutcome, metrics: dict | None) -> int:
 def summarize(metrics: dict) -> str:
     """One line of a run's ``metrics.json``."""
     faa = metrics.get("final_average_accuracy")
-    parts = [f"{metrics.get('status', '?')} · {metrics.get('steps', 0)} steps"]
+    parts = [f"{metrics.get('status', '?')} · {metrics.get('steps', 0)} step(s)"]
     parts.append(f"FAA {faa:.2f}%" if isinstance(faa, int | float) else "FAA n/a")
     forgetting = metrics.get("final_forgetting")
     if isinstance(forgetting, int | float):
