@@ -18,9 +18,10 @@ from rich.text import Text
 from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook, CodebookError
+from starfed.shared.codebook.framing import CODEBOOK_MAGIC, read_payload
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
-from starfed.shared.codebook.wire import CODEBOOK_MAGIC, decode_codebook, read_payload
+from starfed.shared.codebook.wire import decode_codebook
 
 EXIT_BAD_INPUT = 2
 

@@ -9,10 +9,12 @@ drift from what the run uses. argparse keeps every value as the text typed; the 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
+import tomllib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from starfed.shared.config import TABLES, Knob, Value, show
+from starfed.shared.config import TABLES, ConfigError, Knob, Value, parse, show
 
 #: Help sections, in order, by schema group.
 SECTIONS = {
@@ -59,9 +61,13 @@ def add_command(
     run: Callable[[argparse.Namespace], int],
     help: str,
     description: str,
+    parents: Sequence[argparse.ArgumentParser] = (),
 ) -> argparse.ArgumentParser:
-    """Register ``command`` with its schema flags; ``run`` gets the parsed arguments."""
-    parser = subparsers.add_parser(command, help=help, description=description)
+    """Register ``command`` with its schema flags (and ``parents``' options); ``run`` gets the
+    parsed arguments."""
+    parser = subparsers.add_parser(
+        command, help=help, description=description, parents=list(parents)
+    )
     _add_flags(parser, flags, command)
     parser.set_defaults(func=run)
     return parser
@@ -110,3 +116,48 @@ def given(
             (run_config if key in TABLES["run-config"] else own)[key] = value
             names[key] = flag.name
     return run_config, own, names
+
+
+def add_run_config(parser: argparse.ArgumentParser) -> None:
+    """``--run-config KEY=VALUE``, repeatable: any run-config key (read by run_config_pairs)."""
+    parser.add_argument(
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any run-config key (docs/simulation.md), repeatable; named options win",
+    )
+
+
+def run_config_pairs(items: Iterable[str]) -> dict[str, object]:
+    """``--run-config`` items as key -> value: the value as typed, or a quoted TOML string's
+    content; the schema converts it to the key's type."""
+    pairs: dict[str, object] = {}
+    for text in items:
+        key, sep, raw = text.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--run-config {text}: expected KEY=VALUE")
+        value = raw.strip()
+        if value[:1] in ("'", '"'):
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError:
+                raise ConfigError(f"--run-config {text}: not a TOML string") from None
+        pairs[key.strip()] = value
+    return pairs
+
+
+def run_config(
+    args: argparse.Namespace, flags: Iterable[Flag], always: Iterable[str] = ()
+) -> tuple[dict[str, Value], dict[str, Value]]:
+    """The run config a command submits: ``--run-config`` pairs, then its named flags (which
+    win), checked as a whole. Returns every typed value, and the ones to send — those set plus
+    ``always`` — with paths made absolute (the apps run in another process's folder)."""
+    named, _, names = given(args, flags)
+    overrides = run_config_pairs(args.run_config) | named
+    values = parse(overrides, "run-config", names)
+    sent = {key: values[key] for key in [*overrides, *always]}
+    for key, value in sent.items():
+        if TABLES["run-config"][key].path and value:
+            sent[key] = str(Path(str(value)).expanduser().resolve())
+    return values, sent

@@ -207,6 +207,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     q.set_defaults(func=run_sites_refused)
 
     inference_server.add_actions(actions, common, _guard)  # export, serve
+    from starfed.cli import federation  # it builds on this module: imported once it is loaded
+
+    federation.add_actions(actions, common)
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -1,22 +1,19 @@
 """`starfed simulate`: the command line of a federated simulation with `flwr run`.
 
-The run config to submit — the project's ``[tool.flwr.app.config]``, then ``--run-config``
-pairs, then named options — is checked as a whole against the configuration schema, and the
-results folder proven writable, before any Flower process starts; the life cycle of the run
-itself is ``starfed.simulations.simulate``.
+The run config to submit — the schema's defaults (the generated app's
+``[tool.flwr.app.config]``), then ``--run-config`` pairs, then named options — is checked as a
+whole against the configuration schema, and the results folder proven writable, before any
+Flower process starts; the life cycle of the run itself is ``starfed.simulations.simulate``.
 """
 
 from __future__ import annotations
 
 import argparse
-import tomllib
-from collections.abc import Mapping
 from datetime import UTC, datetime
-from pathlib import Path
 
-from starfed.cli.flags import Flag, add_command, given, same_name
-from starfed.shared.config import TABLES, ConfigError, Value, optional, parse, writable_dir
-from starfed.simulations.simulate import find_project_dir, load_app_config, simulate
+from starfed.cli.flags import Flag, add_command, add_run_config, given, run_config, same_name
+from starfed.shared.config import ConfigError, parse, writable_dir
+from starfed.simulations.simulate import simulate
 
 COMMAND = "simulate"
 FLAGS = (
@@ -25,7 +22,7 @@ FLAGS = (
     *same_name("classes-per-task", "alpha", "seed", "arrival-offset"),
     *same_name("stage1-rounds", "stage2-rounds"),
     Flag("--epochs", ("stage1-epochs", "stage2-epochs"), help="local epochs of stages 1 and 2"),
-    *same_name("results-dir", "run-name", "timeout", "project-dir"),
+    *same_name("results-dir", "run-name", "timeout"),
 )
 
 
@@ -39,52 +36,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Run the federated scenario as a real Flower simulation: start a private "
             "localhost SuperLink, submit the app with `flwr run`, follow it until it "
-            "finishes, stop every process it started. Unset options keep the defaults of "
-            "[tool.flwr.app.config] in pyproject.toml; the number of simulated SuperNodes "
-            "always equals num-clients."
+            "finishes, stop every process it started. Unset options keep the schema's "
+            "defaults (docs/simulation.md); the number of simulated SuperNodes always equals "
+            "num-clients. Ctrl-C or SIGTERM stops the run and marks its folder interrupted."
         ),
     )
-    parser.add_argument(
-        "--run-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any run-config key (docs/simulation.md), repeatable; named options win",
-    )
+    add_run_config(parser)
 
 
-def parse_override(text: str) -> tuple[str, str]:
-    """``KEY=VALUE``: the value as typed, or a quoted TOML string's content; the schema
-    converts it to the key's type."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--run-config {text}: expected KEY=VALUE")
-    value = raw.strip()
-    if value[:1] in ("'", '"'):
-        try:
-            value = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            raise ConfigError(f"--run-config {text}: not a TOML string") from None
-    return key.strip(), value
-
-
-def build_overrides(args: argparse.Namespace, app_config: Mapping[str, object]) -> dict:
+def build_overrides(args: argparse.Namespace) -> dict:
     """The run config to submit: the keys set on the command line, typed and checked together
-    with the project's defaults.
+    with the defaults.
 
     ``num-clients`` is always sent (it is also the SuperNode count); paths become absolute
     (the apps run in the SuperLink's working directory) and ``run-name`` is fixed here, so
     this command knows where results land.
     """
-    named, _, names = given(args, FLAGS)
-    overrides: dict[str, object] = dict(parse_override(item) for item in args.run_config)
-    overrides |= named
-    values = parse({**app_config, **overrides}, "run-config", names)
-    sent = [*overrides, "num-clients", "results-dir"]
-    submitted: dict[str, Value] = {key: values[key] for key in sent}
-    for key, knob in TABLES["run-config"].items():
-        if knob.path and submitted.get(key):
-            submitted[key] = str(Path(str(submitted[key])).expanduser().resolve())
+    values, submitted = run_config(args, FLAGS, always=("num-clients", "results-dir"))
     submitted["run-name"] = values["run-name"] or datetime.now(UTC).strftime("fed-%Y%m%d-%H%M%S")
     return submitted
 
@@ -92,8 +60,7 @@ def build_overrides(args: argparse.Namespace, app_config: Mapping[str, object]) 
 def _main(args: argparse.Namespace) -> int:
     _, own, names = given(args, FLAGS)
     options = parse(own, COMMAND, names)
-    project_dir = find_project_dir(optional(options["project-dir"]))
-    overrides = build_overrides(args, load_app_config(project_dir))
+    overrides = build_overrides(args)
     results = writable_dir(overrides["results-dir"], names.get("results-dir", "results-dir"))
     run_dir = results / str(overrides["run-name"])
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -101,4 +68,4 @@ def _main(args: argparse.Namespace) -> int:
             f"run folder {run_dir} already exists: choose another --run-name (a federation "
             "continues with `starfed server round`, not by simulating into its folder)"
         )
-    return simulate(project_dir, overrides, options["timeout"])
+    return simulate(overrides, options["timeout"])

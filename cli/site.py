@@ -82,6 +82,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=run_start)
 
+    from starfed.cli import site_check  # its own module: it builds on this one
+
+    site_check.add_action(actions)
+
 
 def _fail(action: str, err: Exception, code: int) -> int:
     print(f"starfed site {action}: error: {' '.join(str(err).split())}", file=sys.stderr)

@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from starfed.shared.codebook.codebook import Codebook, CodebookError
+from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
+
+if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook is decoded, so
+    # the folder's records can be read without it (`starfed server status`)
+    from starfed.shared.codebook.codebook import Codebook
 
 IDENTITY_FILE = "federation.json"
 CODEBOOK_FILE = "codebook.bin"
@@ -64,6 +70,22 @@ class Position:
     running: bool = False
     done: tuple[str, ...] = ()
     in_play: tuple[str, ...] = ()
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, str]) -> Position:
+        raw = json.loads(metadata.get(POSITION_KEY, "{}"))
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What ``codebook.bin`` says without decoding its tensors (no torch): for views of the
+    folder (``starfed server status``, an interrupted run's marker)."""
+
+    version: int
+    classes: tuple[str, ...]
+    frozen: frozenset[str]
+    position: Position
 
 
 class Federation:
@@ -116,6 +138,8 @@ class Federation:
             raise FederationError(f"{path} is damaged: {err}") from None
 
     def _load(self, name: str) -> Codebook:
+        from starfed.shared.codebook.codebook import Codebook
+
         try:
             return Codebook.load(self.root / name, fingerprint=self.fingerprint, dims=self.dims)
         except CodebookError as err:
@@ -125,6 +149,8 @@ class Federation:
 
     def codebook(self) -> Codebook:
         """The codebook after the last completed phase (empty for a new federation)."""
+        from starfed.shared.codebook.codebook import Codebook
+
         if not (self.root / CODEBOOK_FILE).is_file():
             metadata = {"federation": self.id, EPOCH_KEY: uuid.uuid4().hex}
             return Codebook(self.fingerprint, self.dims, metadata=metadata)
@@ -132,8 +158,22 @@ class Federation:
 
     @staticmethod
     def position(codebook: Codebook) -> Position:
-        raw = json.loads(codebook.metadata.get(POSITION_KEY, "{}"))
-        return Position(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        return Position.from_metadata(codebook.metadata)
+
+    def last_checkpoint(self) -> Checkpoint | None:
+        """The saved codebook's version, classes and position, None before the first one."""
+        path = self.root / CODEBOOK_FILE
+        if not path.is_file():
+            return None
+        try:
+            message = read_message(path)
+        except CodebookError as err:
+            raise FederationError(str(err)) from None
+        if message.backbone_fingerprint != self.fingerprint:
+            raise FederationError(f"{path} holds a codebook of other backbones")
+        names = tuple(entry.name for entry in message.entries)
+        frozen = frozenset(entry.name for entry in message.entries if entry.frozen)
+        return Checkpoint(message.version, names, frozen, Position.from_metadata(message.metadata))
 
     def checkpoint(self, codebook: Codebook, position: Position) -> Codebook:
         """Save ``codebook`` with ``position`` in its metadata (one atomic write)."""

@@ -14,8 +14,6 @@ from pathlib import Path
 #: ``--dir`` default when the environment does not name a folder.
 DEFAULT_DIR = "starfed-server"
 DIR_ENV = "STARFED_SERVER_DIR"
-#: The SuperLink connection's name in the operator's Flower config (``flwr ... starfed``).
-CONNECTION = "starfed"
 
 
 def default_dir() -> Path:
@@ -87,6 +85,16 @@ class ServerFolder:
     @property
     def flwr_config(self) -> Path:
         return self.flwr_home / "config.toml"
+
+    @property
+    def federation(self) -> Path:
+        """The federation folder ``server round`` continues by default (docs/federation.md)."""
+        return self.root / "federation"
+
+    @property
+    def app(self) -> Path:
+        """The Flower app ``server round`` submits, generated from the installed package."""
+        return self.root / "app"
 
     @property
     def run_file(self) -> Path:

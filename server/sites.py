@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from starfed.server.layout import CONNECTION, ServerFolder
-from starfed.shared import pki, processes
+from starfed.server.layout import ServerFolder
+from starfed.shared import flower_runs, pki
 from starfed.shared.files import write_atomic
 
 FLWR_TIMEOUT_S = 60.0
@@ -95,37 +94,17 @@ def flwr_json(folder: ServerFolder, *args: str) -> dict:
     """
     if not folder.flwr_config.is_file():
         raise SitesError(f"no server set up in {folder.root}: run `starfed server start` first")
-    command = [processes.flower_executable("flwr"), *args, CONNECTION, "--format", "json"]
     try:
-        result = subprocess.run(
-            command,
-            env=processes.flower_env(folder.flwr_home),
-            capture_output=True,
-            text=True,
-            timeout=FLWR_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        raise SitesError(f"`flwr {' '.join(args[:2])}` hung for {FLWR_TIMEOUT_S:.0f}s") from None
-    text = result.stdout
-    try:
-        answer = json.loads(text[text.index("{") :])
-    except ValueError:
-        detail = (result.stdout + result.stderr).strip().splitlines()[-1:] or ["no output"]
-        raise SitesError(f"`flwr {' '.join(args[:2])}` failed: {detail[0]}") from None
-    if not answer.get("success"):
-        raise SitesError(_flower_message(str(answer.get("error-message", answer))))
-    return answer
+        return flower_runs.FlowerCli(folder.flwr_home).ask(*args, timeout=FLWR_TIMEOUT_S)
+    except flower_runs.FlowerRunError as err:
+        raise SitesError(_flower_message(str(err))) from None
 
 
 def _flower_message(message: str) -> str:
-    """Flower's error without its banner lines, on one line."""
-    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
-    lines = [ln for ln in lines if not ln.startswith("Using SuperLink")]
-    text = " ".join(lines) or "unknown error"
-    if "unavailable" in text.lower():
-        text += " (is the server running? `starfed server start`)"
+    """Flower's error on one line, with what to do about the errors we know."""
+    text = flower_runs.flower_message(message)
+    if "SuperLink running?" in text:
+        text += " (`starfed server start`)"
     elif "[code: 23]" in text:
         text += " (registered before, perhaps with bare `flwr`: see `starfed server sites list`)"
     return text

@@ -35,11 +35,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
-import tomli_w
 
 from starfed.server.certs import certificate_sans
-from starfed.server.layout import CONNECTION, ServerFolder
-from starfed.shared import processes
+from starfed.server.layout import ServerFolder
+from starfed.shared import flower_runs, processes
 from starfed.shared.files import write_atomic
 from starfed.shared.processes import ProcessId, format_address
 
@@ -124,14 +123,8 @@ class RunRecord:
 def write_flower_config(folder: ServerFolder, options: ServerOptions) -> None:
     """``$FLWR_HOME/config.toml`` whose default connection is our SuperLink on 127.0.0.1, so the
     operator's ``flwr`` never falls back to Flower's auto-starting ``local`` connection."""
-    connection: dict[str, object] = {"address": options.internal_address}
-    if options.insecure:
-        connection["insecure"] = True
-    else:
-        connection["root-certificates"] = str(folder.ca_cert)
-    config = {"superlink": {"default": CONNECTION, CONNECTION: connection}}
-    folder.flwr_home.mkdir(parents=True, exist_ok=True)
-    write_atomic(folder.flwr_config, tomli_w.dumps(config).encode())
+    ca = None if options.insecure else folder.ca_cert
+    flower_runs.write_connection(folder.flwr_home, options.internal_address, ca)
 
 
 def ensure_superexec_secret(folder: ServerFolder) -> Path:

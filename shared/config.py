@@ -200,6 +200,8 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("state-dir", str, "", 'a deployed site\'s memory (last codebook, completed tasks, '
          'caches); "": <data-dir>/.starfed', "node", path=True),
     Knob("site-name", str, "", 'how the federation calls this site; "": node-<node id>', "node"),
+    Knob("device", str, "auto", "torch device a deployed site asks for (`starfed site start "
+         "--device`): auto, cpu, cuda:0", "node"),
     Knob("partition-id", int, 0, "this node's site in a simulation", "node", ge=0),
     Knob("num-partitions", int, 0, "sites in a simulation (Flower: num-supernodes); 0: the run "
          "config's num-clients", "node", ge=0),
@@ -224,8 +226,6 @@ SCHEMA: tuple[Knob, ...] = (
          command="train-local"),
     Knob("timeout", float, 3600.0, "seconds for the whole run", "command", gt=0,
          command="simulate"),
-    Knob("project-dir", str, "", 'starfed checkout holding pyproject.toml; "": this '
-         "installation's", "command", path=True, command="simulate"),
 )  # fmt: skip
 
 #: Knob tables by where their values come from: Flower's configs, or one command's options.

@@ -26,8 +26,7 @@ FLAG_NAMES = {
     "--replay-epochs --no-generative-replay --unimodal --no-confidence-modulation "
     "--classify-with-keys --results-dir --run-name --threads",
     "simulate": "--clients --tasks --classes-per-task --alpha --seed --arrival-offset "
-    "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --timeout "
-    "--project-dir",
+    "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --timeout",
 }
 FLAGS = {"train-local": train_local_cli.FLAGS, "simulate": simulate_cli.FLAGS}
 FAST_S = 2.0

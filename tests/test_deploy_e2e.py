@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import signal
 import ssl
 import subprocess
@@ -34,10 +33,12 @@ from pathlib import Path
 import httpx
 import pytest
 from cryptography.hazmat.primitives import serialization
+from process_sampler import marked
 
 from starfed.server import certs
 from starfed.server.layout import ServerFolder
 from starfed.shared import pki, processes
+from starfed.shared.processes import ProcessId
 
 pytestmark = [
     pytest.mark.e2e,
@@ -75,26 +76,10 @@ def starfed(*argv: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def marked_processes(root: Path, home_under: Path | None = None) -> dict[int, str]:
-    """pid -> command line of every live process with this module's marker (and, if given, a
-    FLWR_HOME below ``home_under``)."""
-    marker = f"{MARKER}={root}".encode()
-    home = f"FLWR_HOME={home_under}/".encode() if home_under else b""
-    found = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes().split(b"\0")
-            cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        process = processes.ProcessId.of(int(entry.name))
-        if home and not any(e.startswith(home) for e in environ):
-            continue
-        if marker in environ and process is not None and process.alive():
-            found[process.pid] = cmdline.decode(errors="replace")
-    return found
+def marked_processes(root: Path, home_under: Path | None = None) -> dict[ProcessId, str]:
+    """Live processes with this module's marker (and, if given, a FLWR_HOME below
+    ``home_under``)."""
+    return marked(f"{MARKER}={root}", f"FLWR_HOME={home_under}/" if home_under else None)
 
 
 @dataclass
@@ -169,9 +154,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             yield Deployment(root, folder, f"127.0.0.1:{public_port}", internal_port)
         finally:
             starfed("server", "stop", "--dir", str(folder.root))
-            for pid in marked_processes(root):  # never leak into the rest of the session
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            # never leak into the rest of the session
+            processes.send_signal(marked_processes(root), signal.SIGKILL)
 
 
 def _listeners(port: int) -> set[str]:

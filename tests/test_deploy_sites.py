@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from starfed.server import sites, superlink
-from starfed.server.layout import CONNECTION, ServerFolder
+from starfed.server.layout import ServerFolder
 from starfed.shared import pki
+from starfed.shared.flower_runs import CONNECTION
 from starfed.shared.processes import ProcessId
 
 # Real SuperLink log lines (Flower 1.41, --log-file), keys shortened where they do not matter.

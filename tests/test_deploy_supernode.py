@@ -80,7 +80,8 @@ def test_node_config_file_survives_spaces_quotes_and_unicode(site: dict, tmp_pat
         "device": "cuda:1",
         "worker-socket": str(site["state"].resolve() / "worker.sock"),
     }
-    parse(parsed, "node-config")  # every key is one the ClientApp knows (shared/config.py)
+    # every key is one the ClientApp knows (shared/config.py)
+    assert parse(parsed, "node-config")["device"] == "cuda:1"
 
 
 def test_default_state_folder_and_name(

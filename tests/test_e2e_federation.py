@@ -26,8 +26,7 @@ from site_folders import CLASSES, site_folder
 from starfed.server.federation import Federation
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.processes import ProcessId, terminate, wait_gone
-from starfed.simulations.simulate import FLOWER_ENV, find_project_dir, free_port
+from starfed.shared.processes import FLOWER_ENV, free_port
 
 RUN_TIMEOUT_S = 420
 CONFIG = {
@@ -112,7 +111,7 @@ def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> N
             start(name, [_bin("flower-supernode"), "--insecure", "--superlink",
                          f"127.0.0.1:{port}", "--port", str(free_port()),
                          "--node-config", node_config])  # fmt: skip
-        project = find_project_dir()
+        project = Path(__file__).resolve().parent.parent  # `flwr run .` from a checkout
         first = _run(project, federation, env)
         site_folder(farm_a, {"2026-06": CLASSES[4:6]})  # a new task appears at farm-a
         second = _run(project, federation, env)
@@ -125,13 +124,10 @@ def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> N
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        sampler.done.set()
-        sampler.join()
-        started = {ProcessId(p, t) for p, (t, _) in sampler.seen.items()}
-        leftovers = {p.pid: sampler.seen[p.pid][1] for p in wait_gone(started, 30.0)}
-        terminate({ProcessId(p, sampler.seen[p][0]) for p in leftovers}, grace=5.0)
+        time.sleep(1)
+        leftovers = sampler.stop()
 
-    assert not leftovers, f"processes left running 30 s after the stop: {leftovers}"
+    assert not leftovers, f"processes left running: {leftovers}"
     for record in Federation(federation, *_identity(federation)).history():
         print(f"deployed step {record['step']}: {record['wall_s']:.1f}s", record["phase_seconds"])
     assert first["status"] == "completed" and first["steps"] == 1

@@ -19,12 +19,9 @@ from dataclasses import dataclass, field, replace
 
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank, ClassEntry, Value
+from starfed.shared.codebook.framing import CodebookError, read_payload
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.protocol import Phase
-
-
-class CodebookError(ValueError):
-    """Invalid codebook data; the message says what and where, on one line."""
 
 
 class _Serialised:
@@ -193,9 +190,7 @@ class Codebook(_Serialised):
         """Read, verify the checksum, decode and validate (``OSError`` if unreadable)."""
         from starfed.shared.codebook import wire
 
-        return wire.decode_codebook(
-            wire.read_payload(path, wire.CODEBOOK_MAGIC), fingerprint=fingerprint, dims=dims
-        )
+        return wire.decode_codebook(read_payload(path), fingerprint=fingerprint, dims=dims)
 
 
 @dataclass(eq=False)

@@ -8,8 +8,7 @@ is also checked against the codebook its phase was sent with: the same version, 
 registered there, exactly the fields its phase trains. Any failure raises ``CodebookError``
 with a one-line reason; nothing is half-applied.
 
-Files are ``magic (8 bytes) | payload length (u64 LE) | sha256(payload) (32 bytes) | payload``,
-written atomically, so a crash leaves either the old file or the new one.
+Files are frames (``framing``: magic, length, sha256, payload), written atomically.
 
 float16 on the wire (``dtype="float16"``) halves the per-class tensors; mixtures stay float64
 because their statistics are averaged across sites and tasks. Round-to-nearest keeps 11
@@ -21,10 +20,8 @@ Sizes at the paper's dims are in docs/benchmarks.md.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import struct
 from collections.abc import Iterable
 
 import numpy as np
@@ -34,21 +31,21 @@ from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassEntry, Value
+from starfed.shared.codebook.framing import (
+    CODEBOOK_MAGIC,
+    DEFAULT_MAX_BYTES,
+    UPDATE_MAGIC,
+    frame,
+)
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
 from starfed.shared.protocol import Phase
 
 SCHEMA_VERSION = 1
-DEFAULT_MAX_BYTES = 64 * 2**20
 MAX_NAME_LENGTH = 256
 MAX_DIM = 65_536  # far above any CLIP/ViT width or depth; bounds what a message can allocate
 WEIGHT_SUM_TOLERANCE = 1e-6
-
-CODEBOOK_MAGIC = b"SFCODEBK"
-UPDATE_MAGIC = b"SFUPDATE"
-_FILE_KINDS = {CODEBOOK_MAGIC: "codebook", UPDATE_MAGIC: "client update"}
-_HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 of the payload
 
 _NUMPY_DTYPES = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -400,34 +397,4 @@ def write_file(
 ) -> None:
     """Atomically replace ``path`` with header (magic, length, sha256) + message."""
     magic = CODEBOOK_MAGIC if isinstance(value, Codebook) else UPDATE_MAGIC
-    payload = encode(value, dtype)
-    header = _HEADER.pack(magic, len(payload), hashlib.sha256(payload).digest())
-    write_atomic(path, header + payload)
-
-
-def read_payload(
-    path: str | os.PathLike[str], magic: bytes = CODEBOOK_MAGIC, max_bytes: int = DEFAULT_MAX_BYTES
-) -> bytes:
-    """The checksum-verified message bytes of a codebook (or update) file.
-
-    Raises ``CodebookError`` for a wrong kind of file, a truncated or corrupted one, or one over
-    ``max_bytes``; ``OSError`` when it cannot be read at all.
-    """
-    kind = _FILE_KINDS[magic]
-    with open(path, "rb") as file:
-        header = file.read(_HEADER.size)
-        if len(header) < _HEADER.size:
-            raise CodebookError(f"{path}: too short to be a starfed {kind} file")
-        found, length, digest = _HEADER.unpack(header)
-        if found != magic:
-            other = _FILE_KINDS.get(found)
-            what = f"a starfed {other} file" if other else "not a starfed file"
-            raise CodebookError(f"{path}: {what}, expected a {kind} file")
-        if length > max_bytes:
-            raise CodebookError(f"{path}: payload of {length} bytes exceeds the limit {max_bytes}")
-        payload = file.read(length + 1)
-    if len(payload) != length:
-        raise CodebookError(f"{path}: header announces {length} bytes, file holds {len(payload)}")
-    if hashlib.sha256(payload).digest() != digest:
-        raise CodebookError(f"{path}: checksum mismatch (file corrupted)")
-    return payload
+    write_atomic(path, frame(magic, encode(value, dtype)))
