@@ -1,9 +1,10 @@
-"""`starfed simulate`: the command line of a federated simulation with `flwr run`.
+"""`starfed simulate`: the command line of a federated simulation, on Flower or locally.
 
 The run config to submit — the project's ``[tool.flwr.app.config]``, then ``--run-config``
 pairs, then named options — is checked as a whole against the configuration schema, and the
 results folder proven writable, before any Flower process starts; the life cycle of the run
-itself is ``starfed.simulations.simulate``.
+itself is ``starfed.simulations.simulate`` (``--runtime flower``) or
+``starfed.simulations.local_grid`` (``--runtime local``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ FLAGS = (
     *same_name("classes-per-task", "alpha", "seed", "arrival-offset"),
     *same_name("stage1-rounds", "stage2-rounds"),
     Flag("--epochs", ("stage1-epochs", "stage2-epochs"), help="local epochs of stages 1 and 2"),
-    *same_name("results-dir", "run-name", "timeout", "project-dir"),
+    *same_name("results-dir", "run-name", "runtime", "timeout", "project-dir"),
 )
 
 
@@ -35,11 +36,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         COMMAND,
         FLAGS,
         _main,
-        help="federated simulation with `flwr run` on this machine (Ray), start to finish",
+        help="federated simulation on this machine, start to finish (Flower and Ray, or local)",
         description=(
-            "Run the federated scenario as a real Flower simulation: start a private "
-            "localhost SuperLink, submit the app with `flwr run`, follow it until it "
-            "finishes, stop every process it started. Unset options keep the defaults of "
+            "Run the federated scenario. The flower runtime is a real Flower simulation: "
+            "start a private localhost SuperLink, submit the app with `flwr run`, follow it "
+            "until it finishes, stop every process it started. The local runtime runs the "
+            "same ServerApp and ClientApp code in this process, one site after another, "
+            "without Flower's start-up cost. Unset options keep the defaults of "
             "[tool.flwr.app.config] in pyproject.toml; the number of simulated SuperNodes "
             "always equals num-clients."
         ),
@@ -92,8 +95,10 @@ def build_overrides(args: argparse.Namespace, app_config: Mapping[str, object]) 
 def _main(args: argparse.Namespace) -> int:
     _, own, names = given(args, FLAGS)
     options = parse(own, COMMAND, names)
-    project_dir = find_project_dir(optional(options["project-dir"]))
-    overrides = build_overrides(args, load_app_config(project_dir))
+    local = options["runtime"] == "local"
+    project_dir = None if local else find_project_dir(optional(options["project-dir"]))
+    # The local runtime needs no project: the schema's defaults are pyproject's (a test says so).
+    overrides = build_overrides(args, load_app_config(project_dir) if project_dir else {})
     results = writable_dir(overrides["results-dir"], names.get("results-dir", "results-dir"))
     run_dir = results / str(overrides["run-name"])
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -101,4 +106,8 @@ def _main(args: argparse.Namespace) -> int:
             f"run folder {run_dir} already exists: choose another --run-name (a federation "
             "continues with `starfed server round`, not by simulating into its folder)"
         )
+    if project_dir is None:
+        from starfed.simulations.local_grid import simulate_locally  # Flower, torch: only now
+
+        return simulate_locally(overrides)
     return simulate(project_dir, overrides, options["timeout"])

@@ -32,6 +32,7 @@ Value = int | float | bool | str
 Values = Mapping[str, Value]
 
 WIRE_DTYPES = ("float32", "float16")
+RUNTIMES = ("flower", "local")  # `starfed simulate --runtime` (docs/simulation.md)
 
 #: Groups whose knobs form Flower's run config; "node" is the node config and "command" holds
 #: options of one command that never travel in a Flower config.
@@ -209,7 +210,10 @@ SCHEMA: tuple[Knob, ...] = (
          command="train-local"),
     Knob("threads", int, os.cpu_count() or 1, "torch CPU threads", "command", ge=1,
          command="train-local"),
-    Knob("timeout", float, 3600.0, "seconds for the whole run", "command", gt=0,
+    Knob("runtime", str, "flower", "where the apps run: flower (a SuperLink and Ray, as "
+         "deployed) or local (in this process, sites one after another: no start-up cost)",
+         "command", choices=RUNTIMES, command="simulate"),
+    Knob("timeout", float, 3600.0, "seconds for the whole run (flower runtime)", "command", gt=0,
          command="simulate"),
     Knob("project-dir", str, "", 'starfed checkout holding pyproject.toml; "": this '
          "installation's", "command", path=True, command="simulate"),
