@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
@@ -30,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
 from starfed.shared.protocol import PHASES
+from starfed.simulations.simulate import CLIENT_CPUS
 
 Fault = Callable[[Message], Message | None]  # gets the reply; None = the node stays silent
 PHASE_KEYS = {spec.message_type: spec.phase.key for spec in PHASES}
@@ -46,6 +48,9 @@ class LocalGrid:
     faults: dict[tuple[int, str], Fault] = field(default_factory=dict)
     record: bool = False  # keep every message sent in ``sent`` (tests read the broadcasts)
     progress: Progress | None = None  # a bar per phase: which node is answering
+    # torch threads of a ClientApp call: what a Flower-simulated client has, so that float
+    # rounding, and with it every number of a run, equals the Flower runtime's
+    client_threads: int = CLIENT_CPUS
     sent: list[Message] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -109,10 +114,14 @@ class LocalGrid:
         else:
             self.sent = [message]  # the one being answered (faults may look at it)
         node = message.metadata.dst_node_id
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.client_threads)
         try:
             reply = self.app(message, self._context(node))
         except Exception as err:  # the runtime reports client failures as error replies
             reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message)
+        finally:
+            torch.set_num_threads(threads)  # the server's work keeps the process's threads
         reply.metadata.__dict__["_src_node_id"] = node
         fault = self.faults.get((node, message.metadata.message_type))
         return reply if fault is None else fault(reply)
@@ -167,8 +176,13 @@ def run_locally(run_config: Mapping[str, object], console: Console | None = None
     config = dict(run_config)
     n_sites = int(parse(config)["num-clients"])
     run_id = new_run_id()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("sites"), TimeElapsedColumn())  # fmt: skip
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("sites"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
         grid = LocalGrid(client_app, config, node_configs(n_sites), run_id, progress=progress)
         return run_server(grid, config, run_id, console)

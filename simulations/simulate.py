@@ -37,6 +37,9 @@ EXIT_DEGRADED = 3  # the run finished, but some site failed, went silent or was 
 POLL_S = 3.0
 STARTUP_TIMEOUT_S = 60.0
 STOP_GRACE_S = 20.0
+#: CPUs per simulated client. Ray sets OMP_NUM_THREADS to it, so torch in a ClientApp runs that
+#: many threads; the local runtime gives each ClientApp call as many (same float rounding).
+CLIENT_CPUS = 1
 
 #: Flower/Ray settings every process of a run gets (DESIGN §6).
 FLOWER_ENV = {
@@ -315,7 +318,8 @@ def submit(
         command += ["--run-config", f"{key}={toml_value(value)}"]
     command += [
         "--federation-config",
-        f"num-supernodes={n_supernodes} client-resources-num-cpus=1 client-resources-num-gpus=0.0",
+        f"num-supernodes={n_supernodes} client-resources-num-cpus={CLIENT_CPUS} "
+        "client-resources-num-gpus=0.0",
     ]
     reply = _json_tail(_flwr(command, env))
     if not reply.get("success") or reply.get("run-id") is None:
