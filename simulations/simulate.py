@@ -16,19 +16,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
+import re
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 import starfed.simulations
+from starfed.shared import processes
+from starfed.shared.processes import ProcessId
 
 CONNECTION = "starfed"  # the SuperLink connection's name in the run's own Flower config
 FINISHED = "finished"
@@ -41,13 +44,17 @@ STOP_GRACE_S = 20.0
 #: many threads; the local runtime gives each ClientApp call as many (same float rounding).
 CLIENT_CPUS = 1
 
-#: Flower/Ray settings every process of a run gets (DESIGN §6).
-FLOWER_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
+#: Warnings the run's Flower processes drop (``PYTHONWARNINGS``): Ray's and Flower's
+#: FutureWarnings, typer's DeprecationWarnings. Warnings only: errors and logs still show.
+QUIET = "ignore::FutureWarning,ignore::DeprecationWarning"
+#: Flower's log lines about the number of SuperNodes, which this command always sets itself
+#: (they suggest a command the user need not run); every other line is shown.
+NOISE = (
+    "default simulated SuperNodes changed",
+    "To change federation size, use the following command",
+    "flwr federation simulation-config",
+)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class SimulationError(RuntimeError):
@@ -107,83 +114,21 @@ def toml_value(value: object) -> str:
     return json.dumps(text)
 
 
-# --- processes -----------------------------------------------------------------------------
-
-
-def _process_table() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, start time) of every live process (zombies count as gone)."""
-    table = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # exited while we looked
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] != "Z":
-            table[int(entry.name)] = (int(fields[1]), int(fields[19]))
-    return table
-
-
-def descendants(root: int) -> dict[int, int]:
-    """pid -> start time of ``root`` and everything below it (start time guards PID reuse)."""
-    table = _process_table()
-    found = {root: table[root][1]} if root in table else {}
-    frontier = list(found)
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, started) in table.items():
-            if ppid == parent and pid not in found:
-                found[pid] = started
-                frontier.append(pid)
-    return found
-
-
-def still_alive(processes: Mapping[int, int]) -> dict[int, int]:
-    """The processes of ``processes`` that still run (same PID and same start time)."""
-    table = _process_table()
-    return {pid: t for pid, t in processes.items() if pid in table and table[pid][1] == t}
-
-
-def _signal_all(processes: Mapping[int, int], sig: signal.Signals) -> None:
-    for pid in still_alive(processes):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def _wait_gone(processes: Mapping[int, int], timeout: float) -> dict[int, int]:
-    deadline = time.monotonic() + timeout
-    while (alive := still_alive(processes)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return alive
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# --- processes ---------------------------------------------------------------------------
 
 
 def flower_env(flwr_home: Path) -> dict[str, str]:
-    """This process's environment plus the run's Flower home and settings.
-
-    The interpreter's folder goes first on PATH: the SuperLink starts ``flower-superexec``
-    and ``flwr-simulation`` by name, and ``starfed`` may run without an activated venv.
-    """
-    env = dict(os.environ)
-    env.update(FLOWER_ENV)
-    env["FLWR_HOME"] = str(flwr_home)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    """Flower's settings (``shared.processes.flower_env``) and quiet warnings (``QUIET``)."""
+    env = processes.flower_env(flwr_home)
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [QUIET, os.environ.get("PYTHONWARNINGS")]))
     return env
 
 
 def flower_executable(name: str) -> str:
-    local = Path(sys.executable).parent / name
-    found = str(local) if local.is_file() else shutil.which(name)
-    if not found:
-        raise SimulationError(f"`{name}` not found: install flwr[simulation] (starfed's deps)")
-    return found
+    try:
+        return processes.flower_executable(name)
+    except processes.ProcessError as err:
+        raise SimulationError(str(err)) from None
 
 
 class LocalSuperLink:
@@ -197,11 +142,11 @@ class LocalSuperLink:
         self.flwr_home = flwr_home
         self.cwd = cwd
         self.env = dict(env)
-        self.port = free_port()
+        self.port = processes.free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_file = flwr_home / "superlink.log"
         self.process: subprocess.Popen | None = None
-        self.seen: dict[int, int] = {}
+        self.seen: set[ProcessId] = set()
 
     def start(self) -> None:
         command = [
@@ -252,13 +197,13 @@ class LocalSuperLink:
             return False
 
     def watch(self) -> None:
-        if self.process is not None:
-            self.seen |= descendants(self.process.pid)
+        if self.process is not None and (root := ProcessId.of(self.process.pid)):
+            self.seen |= processes.descendants([root])
 
-    def stop(self) -> dict[int, int]:
+    def stop(self) -> set[ProcessId]:
         """SIGTERM the SuperLink, then whatever it left; SIGKILL late ones. Returns survivors."""
         if self.process is None:
-            return {}
+            return set()
         self.watch()
         if self.process.poll() is None:
             self.process.terminate()
@@ -267,11 +212,11 @@ class LocalSuperLink:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if _wait_gone(self.seen, STOP_GRACE_S / 2):
-            _signal_all(self.seen, signal.SIGTERM)
-            if _wait_gone(self.seen, STOP_GRACE_S / 2):
-                _signal_all(self.seen, signal.SIGKILL)
-        return _wait_gone(self.seen, 5.0)
+        if processes.wait_gone(self.seen, STOP_GRACE_S / 2):
+            processes.send_signal(self.seen, signal.SIGTERM)
+            if processes.wait_gone(self.seen, STOP_GRACE_S / 2):
+                processes.send_signal(self.seen, signal.SIGKILL)
+        return processes.wait_gone(self.seen, 5.0)
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -337,13 +282,25 @@ def run_status(run_id: int, env: Mapping[str, str]) -> str:
 
 
 def stream_logs(run_id: int, env: Mapping[str, str]) -> subprocess.Popen:
-    """`flwr log --stream` in the background, onto our stdout: the ServerApp's progress."""
-    return subprocess.Popen(
+    """`flwr log --stream` in the background, onto our stdout: the ServerApp's progress, less
+    Flower's notices about settings this command makes itself (``NOISE``)."""
+    stream = subprocess.Popen(
         [flower_executable("flwr"), "log", str(run_id), CONNECTION, "--stream"],
         env=env,
         stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+    threading.Thread(target=_echo, args=(stream.stdout,), daemon=True).start()
+    return stream
+
+
+def _echo(lines: IO[bytes]) -> None:
+    for line in lines:
+        text = ANSI.sub("", line.decode(errors="replace")).strip()
+        if text and text != "INFO :" and not any(noise in text for noise in NOISE):
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
 
 
 def summarize(metrics: dict) -> str:
@@ -421,7 +378,8 @@ def _simulate(project_dir: Path, overrides: dict, timeout: float) -> int:
         survivors = superlink.stop()
     wall = time.monotonic() - started
     if survivors:
-        print(f"error: processes still running after stop: {sorted(survivors)}", file=sys.stderr)
+        pids = sorted(p.pid for p in survivors)
+        print(f"error: processes still running after stop: {pids}", file=sys.stderr)
     if status != COMPLETED or not (run_dir / "metrics.json").is_file():
         print(
             f"error: run {run_id} {status} after {wall:.0f}s; logs: `flwr log` output above, "

@@ -24,7 +24,8 @@ from site_folders import CLASSES, site_folder
 
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.site_folder import class_key
-from starfed.simulations.simulate import FLOWER_ENV, find_project_dir, free_port
+from starfed.shared.processes import FLOWER_ENV, free_port
+from starfed.simulations.simulate import find_project_dir
 
 RUN_TIMEOUT_S = 420
 CONFIG = {
