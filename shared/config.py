@@ -217,6 +217,8 @@ SCHEMA: tuple[Knob, ...] = (
          command="simulate"),
     Knob("project-dir", str, "", 'starfed checkout holding pyproject.toml; "": this '
          "installation's", "command", path=True, command="simulate"),
+    Knob("json", bool, False, "print a JSON summary on stdout (the progress lines stay on "
+         "stderr)", "command", command="experiment"),
 )  # fmt: skip
 
 #: Knob tables by where their values come from: Flower's configs, or one command's options.
