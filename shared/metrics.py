@@ -76,8 +76,9 @@ def plot_accuracy_matrix(matrix: AccuracyMatrix, path: Path, title: str) -> Figu
         for i in range(n):
             for j in range(len(matrix[i])):
                 color = "black" if grid[i, j] > 60 else "white"
-                ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", color=color,
-                        fontsize=8)  # fmt: skip
+                ax.text(
+                    j, i, f"{grid[i, j]:.0f}", ha="center", va="center", color=color, fontsize=8
+                )
     ticks = _task_ticks(n)
     ax.set_xticks(ticks, [f"T{j + 1}" for j in ticks])
     ax.set_yticks(ticks, [f"T{i + 1}" for i in ticks])
