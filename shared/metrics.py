@@ -15,7 +15,6 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure  # no pyplot: files only, no display or global state
-from matplotlib.ticker import MaxNLocator
 
 AccuracyMatrix = list[list[float]]  # row i has i + 1 entries
 
@@ -47,7 +46,7 @@ LABEL_EVERY_TASK = 12
 TITLE_CHARS_PER_INCH = 11  # at fontsize 10: a longer title wraps instead of being clipped
 
 
-def _task_ticks(n: int) -> list[int]:
+def task_ticks(n: int) -> list[int]:
     """Task positions (0-based) to label: all of them for few tasks, about ten otherwise."""
     stride = 1 if n <= LABEL_EVERY_TASK else math.ceil(n / 10)
     return list(range(0, n, stride))
@@ -79,7 +78,7 @@ def plot_accuracy_matrix(matrix: AccuracyMatrix, path: Path, title: str) -> Figu
                 ax.text(
                     j, i, f"{grid[i, j]:.0f}", ha="center", va="center", color=color, fontsize=8
                 )
-    ticks = _task_ticks(n)
+    ticks = task_ticks(n)
     ax.set_xticks(ticks, [f"T{j + 1}" for j in ticks])
     ax.set_yticks(ticks, [f"T{i + 1}" for i in ticks])
     ax.set_xlabel("evaluated task")
@@ -116,7 +115,7 @@ def plot_accuracy_over_time(matrix: AccuracyMatrix, path: Path, title: str) -> F
     ax.set_ylabel("accuracy (%)")
     ax.set_xlim(0.5, n + 0.5)
     ax.set_ylim(0, 100)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(n, 10)))
+    ax.set_xticks([t + 1 for t in task_ticks(n)])
     _title(ax, title, width)
     ax.legend(fontsize=7, ncol=2 if few else 1, loc="upper right")
     fig.savefig(path, dpi=120)

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 from starfed.shared.config import show
-from starfed.shared.metrics import final_average_accuracy
+from starfed.shared.metrics import final_average_accuracy, task_ticks
 from starfed.simulations.grid import Experiment, Scenario
 
 METRICS = (
@@ -207,7 +206,7 @@ def _over_time(section: list[Row], scenario: Scenario, path: Path) -> None:
     ax.set_ylabel("mean accuracy on seen tasks (%)")
     ax.set_xlim(0.5, n_steps + 0.5)
     ax.set_ylim(0, 100)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(n_steps, 10)))
+    ax.set_xticks([t + 1 for t in task_ticks(n_steps)])
     ax.set_title(f"accuracy over time · {scenario.name} (mean ± sd over seeds)", fontsize=10)
     if ax.get_legend_handles_labels()[1]:
         ax.legend(fontsize=8)
