@@ -3,7 +3,7 @@
 A cell runs in a process of its own (``python -m starfed.simulations.cell CELL_DIR``), as each
 Flower run does: its memory is returned when it ends (the ClientApp keeps its sites per
 process), a crash ends that cell only, and Ctrl-C stops it by PID. Its folder holds
-``cell.json`` (what it is: method, seed, the scenario's run config; and how long it took),
+``cell.json`` (what it is: method, seed, the scenario's run config; its wall and CPU time),
 ``log.txt`` (everything it printed) and what its method writes, ``metrics.json`` first.
 
 A cell is **complete** when ``metrics.json`` holds a final average accuracy, its status is not
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,7 @@ class Outcome:
     seconds: float | None  # the cell's run time (for a skipped cell: when it ran)
     metrics: dict | None
     error: str = ""
+    cpu_seconds: float | None = None  # CPU time of its process
 
 
 def definition(cell: Cell) -> dict:
@@ -68,7 +70,7 @@ def complete(folder: Path, cell: Cell) -> Outcome | None:
     faa = metrics.get("final_average_accuracy")
     if not isinstance(faa, int | float) or math.isnan(faa) or metrics.get("status") == "failed":
         return None
-    return Outcome("skipped", record.get("seconds"), metrics)
+    return Outcome("skipped", record.get("seconds"), metrics, cpu_seconds=record.get("cpu_seconds"))
 
 
 def run(folder: Path, cell: Cell) -> Outcome:
@@ -77,7 +79,7 @@ def run(folder: Path, cell: Cell) -> Outcome:
     folder.mkdir(parents=True)
     _write_record(folder, cell, None)
     command = [sys.executable, "-m", "starfed.simulations.cell", str(folder)]
-    started = time.monotonic()
+    started, cpu = time.monotonic(), _cpu_seconds()
     with (folder / LOG_FILE).open("wb") as log:
         child = subprocess.Popen(
             command,
@@ -96,16 +98,31 @@ def run(folder: Path, cell: Cell) -> Outcome:
                 child.kill()
                 child.wait()
             raise
-    seconds = time.monotonic() - started
-    _write_record(folder, cell, seconds)
+    seconds, cpu = time.monotonic() - started, _cpu_seconds() - cpu
+    _write_record(folder, cell, seconds, cpu)
     finished = complete(folder, cell)
     if code == 0 and finished is not None:
-        return Outcome("done", seconds, finished.metrics)
-    return Outcome("failed", seconds, None, _last_line(folder / LOG_FILE) or f"exit code {code}")
+        return Outcome("done", seconds, finished.metrics, cpu_seconds=cpu)
+    error = _last_line(folder / LOG_FILE) or f"exit code {code}"
+    return Outcome("failed", seconds, None, error, cpu)
 
 
-def _write_record(folder: Path, cell: Cell, seconds: float | None) -> None:
-    record = {"cell": cell.name, "definition": definition(cell), "seconds": seconds}
+def _cpu_seconds() -> float:
+    """CPU time of this process's finished children: on a shared machine a cell's CPU time
+    says more about its cost than its wall time."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _write_record(
+    folder: Path, cell: Cell, seconds: float | None, cpu_seconds: float | None = None
+) -> None:
+    record = {
+        "cell": cell.name,
+        "definition": definition(cell),
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+    }
     write_atomic(folder / CELL_FILE, json.dumps(record, indent=2).encode())
 
 

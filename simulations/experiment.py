@@ -119,6 +119,7 @@ def _cell_summary(cell: Cell, outcome: cells.Outcome, where: Path) -> dict:
         "seed": cell.seed,
         "status": outcome.status,
         "seconds": outcome.seconds,
+        "cpu_seconds": outcome.cpu_seconds,
         "final_average_accuracy": metrics.get("final_average_accuracy"),
         "folder": str(where),
         "error": outcome.error,

@@ -226,6 +226,7 @@ def test_two_cells_end_to_end(two_cells) -> None:
     folder = out / "results" / "tiny"
     assert summary["results"] == str(folder) and summary["failed"] == 0
     assert [c["status"] for c in summary["cells"]] == ["done", "done"]
+    assert all(c["cpu_seconds"] > 0 and c["seconds"] > 0 for c in summary["cells"])
     lines = progress.strip().splitlines()
     assert len(lines) == 2, progress
     assert re.match(
