@@ -28,10 +28,13 @@ from flwr.supercore.task_identity import TaskIdentity
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from starfed.client.app import app as client_app
+from starfed.server.app import RunFailed, run_server
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
+from starfed.shared.config import parse
 from starfed.shared.protocol import PHASES
-from starfed.simulations.simulate import CLIENT_CPUS
+from starfed.simulations.simulate import CLIENT_CPUS, EXIT_DEGRADED, summarize
 
 Fault = Callable[[Message], Message | None]  # gets the reply; None = the node stays silent
 PHASE_KEYS = {spec.message_type: spec.phase.key for spec in PHASES}
@@ -168,10 +171,6 @@ def run_locally(run_config: Mapping[str, object], console: Console | None = None
 
     A failed run raises ``RunFailed`` after writing its metrics, as the ServerApp does.
     """
-    from starfed.client.app import app as client_app  # torch: only once a run starts
-    from starfed.server.app import run_server
-    from starfed.shared.config import parse
-
     console = console or Console(stderr=True)
     config = dict(run_config)
     n_sites = int(parse(config)["num-clients"])
@@ -191,9 +190,6 @@ def run_locally(run_config: Mapping[str, object], console: Console | None = None
 def simulate_locally(overrides: Mapping[str, object]) -> int:
     """`starfed simulate --runtime local`: exit code 0 (completed), 3 (degraded) or 1 (failed),
     as with the Flower runtime."""
-    from starfed.server.app import RunFailed
-    from starfed.simulations.simulate import EXIT_DEGRADED, summarize
-
     run_dir = Path(str(overrides["results-dir"])) / str(overrides["run-name"])
     n_sites = overrides["num-clients"]
     print(f"local runtime: {n_sites} simulated sites in this process, results in {run_dir}")
