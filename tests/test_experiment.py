@@ -23,6 +23,7 @@ import pytest
 from starfed.cli import main
 from starfed.shared.metrics import final_average_accuracy
 from starfed.simulations import grid as grids
+from starfed.simulations import tabulate
 from starfed.simulations.methods import METHODS
 
 SMALL = """
@@ -288,3 +289,41 @@ def test_a_failed_cell_is_exit_1_and_the_rest_still_runs(tmp_path: Path) -> None
     assert cell["status"] == "failed" and cell["error"], cell
     assert "FAILED" in progress and cell["error"] in progress
     assert "| joint | — |" in (tmp_path / "broken" / "table.md").read_text()
+
+
+def test_table_and_plots_of_a_sweep_over_seeds(tmp_path: Path) -> None:
+    """Mean ± sample sd over seeds, the best FAA in bold, FAA against the swept key — from
+    metrics alone (no training)."""
+    path = tmp_path / "grid.toml"
+    path.write_text(
+        '[experiment]\nname = "sweep"\nseeds = [1, 2]\nmethods = ["starfed", "single-site"]\n'
+        "[[scenario]]\nnum-clients = 1\n[[scenario]]\nnum-clients = 5\n"
+    )
+    experiment = grids.load(str(path))
+    results = {}
+    for i, cell in enumerate(experiment.cells()):
+        faa = 10.0 + i
+        metrics = {
+            "accuracy_matrix": [[50.0], [faa, faa]],
+            "final_average_accuracy": faa,
+            "final_forgetting": 1.0,
+            "prompt_selection_accuracy_matrix": [[20.0], [30.0, 40.0]],
+            "exchanges": [{"bytes_up": 1000, "bytes_down": 3000}]
+            if cell.method == "starfed"
+            else [],
+        }
+        results[cell.name] = (metrics, 60.0)
+    rows = tabulate.rows(experiment, results)
+    table = tabulate.table(experiment, rows)
+    # cells run seed by seed: seed 1 gives FAA 10..13, seed 2 gives 14..17
+    assert (
+        "| starfed | 12.00 ± 2.83 | 1.00 ± 0.00 | 35.0 ± 0.0 | 1.0 kB | 3.0 kB | 60 s | 2/2 |"
+        in table
+    )
+    assert "| single-site | **15.00 ± 2.83** |" in table
+    plots = tabulate.plots(experiment, rows, tmp_path)
+    assert [p.name for p in plots] == [
+        "accuracy_over_time__num-clients-1.png",
+        "accuracy_over_time__num-clients-5.png",
+        "faa_vs_num-clients.png",
+    ]
