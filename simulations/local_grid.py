@@ -16,7 +16,8 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from threadpoolctl import threadpool_limits
 
 from starfed.client.app import app as client_app
 from starfed.server.app import RunFailed, run_server
@@ -51,8 +53,8 @@ class LocalGrid:
     faults: dict[tuple[int, str], Fault] = field(default_factory=dict)
     record: bool = False  # keep every message sent in ``sent`` (tests read the broadcasts)
     progress: Progress | None = None  # a bar per phase: which node is answering
-    # torch threads of a ClientApp call: what a Flower-simulated client has, so that float
-    # rounding, and with it every number of a run, equals the Flower runtime's
+    # threads of a ClientApp call: what a Flower-simulated client has, so that float rounding,
+    # and with it every number of a run, equals the Flower runtime's
     client_threads: int = CLIENT_CPUS
     sent: list[Message] = field(default_factory=list)
 
@@ -117,17 +119,29 @@ class LocalGrid:
         else:
             self.sent = [message]  # the one being answered (faults may look at it)
         node = message.metadata.dst_node_id
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.client_threads)
         try:
-            reply = self.app(message, self._context(node))
+            with _threads(self.client_threads):
+                reply = self.app(message, self._context(node))
         except Exception as err:  # the runtime reports client failures as error replies
             reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message)
-        finally:
-            torch.set_num_threads(threads)  # the server's work keeps the process's threads
         reply.metadata.__dict__["_src_node_id"] = node
         fault = self.faults.get((node, message.metadata.message_type))
         return reply if fault is None else fault(reply)
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """Every thread pool at ``n`` threads — torch's, and the OpenMP and BLAS pools scikit-learn
+    and numpy use — as Ray's ``OMP_NUM_THREADS`` does for a simulated client; the server's work
+    keeps the process's threads. Besides equal rounding, this spares a loaded machine OpenMP
+    threads that spin waiting for each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        with threadpool_limits(limits=n):
+            yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class _PhaseBar:
