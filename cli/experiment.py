@@ -2,7 +2,8 @@
 
 The grid file is read and every run-config key in it checked (``starfed.simulations.grid``)
 before anything runs: a bad grid is one line and exit code 2. Exit code 1 means some cell
-failed (the others still ran; its ``log.txt`` says why); 0, every cell is complete.
+failed (the others still ran; its ``log.txt`` says why); 0, every cell is complete; 130,
+interrupted (Ctrl-C: the running cell is stopped, the complete ones stay).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from starfed.simulations.grid import load
 COMMAND = "experiment"
 FLAGS = (*same_name("results-dir"), switch("--json", "json", True))
 EXIT_CELL_FAILED = 1
+EXIT_INTERRUPTED = 130  # as a shell reports Ctrl-C
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +52,15 @@ def _main(args: argparse.Namespace) -> int:
     results = writable_dir(values["results-dir"], names.get("results-dir", "results-dir"))
     from starfed.simulations.experiment import run_experiment  # matplotlib: only now
 
-    summary = run_experiment(experiment, results.resolve())
+    try:
+        summary = run_experiment(experiment, results.resolve())
+    except KeyboardInterrupt:  # the running cell is stopped; complete ones stay
+        print(
+            f"starfed experiment: interrupted; the same command continues "
+            f"({results / experiment.name})",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     if options["json"]:
         json.dump(summary, sys.stdout, indent=2)
         print()
