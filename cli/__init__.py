@@ -22,6 +22,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "starfed.cli.train_local",
     "starfed.cli.codebook",
     "starfed.cli.simulate",
+    "starfed.cli.experiment",
     "starfed.cli.server",
     "starfed.cli.site",
     "starfed.cli.predict",

@@ -1,9 +1,10 @@
-"""`starfed simulate`: the command line of a federated simulation with `flwr run`.
+"""`starfed simulate`: the command line of a federated simulation, on Flower or locally.
 
 The run config to submit — the schema's defaults (the generated app's
 ``[tool.flwr.app.config]``), then ``--run-config`` pairs, then named options — is checked as a
 whole against the configuration schema, and the results folder proven writable, before any
-Flower process starts; the life cycle of the run itself is ``starfed.simulations.simulate``.
+Flower process starts; the life cycle of the run itself is ``starfed.simulations.simulate``
+(``--runtime flower``) or ``starfed.simulations.local_grid`` (``--runtime local``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ FLAGS = (
     *same_name("classes-per-task", "alpha", "seed", "arrival-offset"),
     *same_name("stage1-rounds", "stage2-rounds"),
     Flag("--epochs", ("stage1-epochs", "stage2-epochs"), help="local epochs of stages 1 and 2"),
-    *same_name("results-dir", "run-name", "timeout"),
+    *same_name("results-dir", "run-name", "runtime", "timeout"),
 )
 
 
@@ -32,13 +33,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         COMMAND,
         FLAGS,
         _main,
-        help="federated simulation with `flwr run` on this machine (Ray), start to finish",
+        help="federated simulation on this machine, start to finish (Flower and Ray, or local)",
         description=(
-            "Run the federated scenario as a real Flower simulation: start a private "
-            "localhost SuperLink, submit the app with `flwr run`, follow it until it "
-            "finishes, stop every process it started. Unset options keep the schema's "
-            "defaults (docs/simulation.md); the number of simulated SuperNodes always equals "
-            "num-clients. Ctrl-C or SIGTERM stops the run and marks its folder interrupted."
+            "Run the federated scenario. The flower runtime is a real Flower simulation: "
+            "start a private localhost SuperLink, submit the app with `flwr run`, follow it "
+            "until it finishes, stop every process it started; Ctrl-C or SIGTERM stops the run "
+            "and marks its folder interrupted. The local runtime runs the same ServerApp and "
+            "ClientApp code in this process, one site after another, without Flower's start-up "
+            "cost. Unset options keep the schema's defaults (docs/simulation.md); the number of "
+            "simulated SuperNodes always equals num-clients."
         ),
     )
     add_run_config(parser)
@@ -68,4 +71,8 @@ def _main(args: argparse.Namespace) -> int:
             f"run folder {run_dir} already exists: choose another --run-name (a federation "
             "continues with `starfed server round`, not by simulating into its folder)"
         )
+    if options["runtime"] == "local":
+        from starfed.simulations.local_grid import simulate_locally  # Flower, torch: only now
+
+        return simulate_locally(overrides)
     return simulate(overrides, options["timeout"])

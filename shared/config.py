@@ -33,6 +33,7 @@ Value = int | float | bool | str
 Values = Mapping[str, Value]
 
 WIRE_DTYPES = ("float32", "float16")
+RUNTIMES = ("flower", "local")  # `starfed simulate --runtime` (docs/simulation.md)
 
 #: Groups whose knobs form Flower's run config; "node" is the node config and "command" holds
 #: options of one command that never travel in a Flower config.
@@ -224,8 +225,13 @@ SCHEMA: tuple[Knob, ...] = (
          command="train-local"),
     Knob("threads", int, os.cpu_count() or 1, "torch CPU threads", "command", ge=1,
          command="train-local"),
-    Knob("timeout", float, 3600.0, "seconds for the whole run", "command", gt=0,
+    Knob("runtime", str, "flower", "where the apps run: flower (a SuperLink and Ray, as "
+         "deployed) or local (in this process, sites one after another: no start-up cost)",
+         "command", choices=RUNTIMES, command="simulate"),
+    Knob("timeout", float, 3600.0, "seconds for the whole run (flower runtime)", "command", gt=0,
          command="simulate"),
+    Knob("json", bool, False, "print a JSON summary on stdout (the progress lines stay on "
+         "stderr)", "command", command="experiment"),
 )  # fmt: skip
 
 #: Knob tables by where their values come from: Flower's configs, or one command's options.

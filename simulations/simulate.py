@@ -15,6 +15,7 @@ Linux only: processes are tracked through ``/proc``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -32,11 +33,23 @@ from starfed.shared.processes import ProcessId
 
 STARTUP_TIMEOUT_S = 60.0
 STOP_GRACE_S = 20.0
+#: CPUs per simulated client. Ray sets OMP_NUM_THREADS to it, so torch in a ClientApp runs that
+#: many threads; the local runtime gives each ClientApp call as many (same float rounding).
+CLIENT_CPUS = 1
+#: Warnings the run's Flower processes drop (``PYTHONWARNINGS``): Ray's and Flower's
+#: FutureWarnings, typer's DeprecationWarnings. Warnings only: errors and logs still show.
+QUIET = "ignore::FutureWarning,ignore::DeprecationWarning"
 INTERRUPTED_FILE = "interrupted.json"
 
 
 class SimulationError(RuntimeError):
     """A problem the user can fix; printed without a traceback."""
+
+
+def flower_env(flwr_home: Path) -> dict[str, str]:
+    """Flower's settings (``shared.processes.flower_env``) and quiet warnings (``QUIET``)."""
+    warnings = ",".join(filter(None, [QUIET, os.environ.get("PYTHONWARNINGS")]))
+    return processes.flower_env(flwr_home, {"PYTHONWARNINGS": warnings})
 
 
 class LocalSuperLink:
@@ -133,13 +146,13 @@ def simulate(overrides: dict, timeout: float) -> int:
     n_supernodes = int(overrides["num-clients"])  # ClientApps read num-partitions from it
     started = time.monotonic()
     submitted_at = time.time()
-    superlink = LocalSuperLink(flwr_home, run_dir, cli.env)
+    superlink = LocalSuperLink(flwr_home, run_dir, flower_env(flwr_home))
     flower_runs.write_connection(flwr_home, superlink.address)
     app = flower_runs.write_app(flwr_home / "app")
     outcome = RunOutcome(None, "not started")
     federation = {
         "num-supernodes": n_supernodes,
-        "client-resources-num-cpus": 1,
+        "client-resources-num-cpus": CLIENT_CPUS,
         "client-resources-num-gpus": 0.0,
     }
     with flower_runs.sigterm_as_interrupt():

@@ -16,6 +16,7 @@ from PIL import Image
 import starfed.shared.model.backbones
 import starfed.simulations.train_local
 from starfed.cli import build_parser, main
+from starfed.cli import experiment as experiment_cli
 from starfed.cli import simulate as simulate_cli
 from starfed.cli import train_local as train_local_cli
 from starfed.shared.config import TABLES, show
@@ -26,9 +27,15 @@ FLAG_NAMES = {
     "--replay-epochs --no-generative-replay --unimodal --no-confidence-modulation "
     "--classify-with-keys --results-dir --run-name --threads",
     "simulate": "--clients --tasks --classes-per-task --alpha --seed --arrival-offset "
-    "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --timeout",
+    "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --runtime "
+    "--timeout",
+    "experiment": "--results-dir --json",
 }
-FLAGS = {"train-local": train_local_cli.FLAGS, "simulate": simulate_cli.FLAGS}
+FLAGS = {
+    "train-local": train_local_cli.FLAGS,
+    "simulate": simulate_cli.FLAGS,
+    "experiment": experiment_cli.FLAGS,
+}
 FAST_S = 2.0
 
 
@@ -38,7 +45,7 @@ def _options(command: str) -> dict[str, argparse.Action]:
     return {name: a for a in subparsers.choices[command]._actions for name in a.option_strings}
 
 
-@pytest.mark.parametrize("command", ["train-local", "simulate"])
+@pytest.mark.parametrize("command", list(FLAG_NAMES))
 def test_flag_names_are_kept_and_help_shows_the_real_defaults(command: str) -> None:
     options = _options(command)
     assert set(FLAG_NAMES[command].split()) <= set(options)
@@ -133,6 +140,7 @@ BAD_INPUT = {
         (["--clients", "0"], "--clients 0: expected an integer >= 1"),
         (["--alpha", "0"], "--alpha 0: expected a number > 0"),
         (["--timeout", "-5"], "--timeout -5: expected a number > 0"),
+        (["--runtime", "ray"], "--runtime ray: expected one of flower, local"),
         UNWRITABLE,
     ],
 }

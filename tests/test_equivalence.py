@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from inprocess_grid import InProcessGrid
 from rich.console import Console
 
 from starfed.client.app import app as client_app
@@ -19,6 +18,7 @@ from starfed.server.app import run_server
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.model.training import TrainConfig
+from starfed.simulations.local_grid import LocalGrid
 from starfed.simulations.train_local import LocalRunOptions, run_local
 
 TRAIN = TrainConfig(
@@ -62,7 +62,7 @@ def runs(tmp_path_factory):
         "run-name": "federated",
         "timeout-s": 120,
     }
-    grid = InProcessGrid(
+    grid = LocalGrid(
         client_app,
         run_config,
         {7: {"partition-id": 0, "num-partitions": 1, "cache-dir": str(out / "cache")}},
@@ -124,7 +124,7 @@ def test_results_do_not_depend_on_node_ids(tmp_path) -> None:
             for p, node in enumerate(ids)
         }
         config = {**run_config, "run-name": f"ids-{run_id}"}
-        grid = InProcessGrid(client_app, config, nodes, run_id=run_id)
+        grid = LocalGrid(client_app, config, nodes, run_id=run_id)
         run_server(grid, config, run_id, Console(quiet=True))
         codebook = Codebook.load(tmp_path / f"ids-{run_id}" / "codebook.bin")
         codebooks.append(replace(codebook, metadata={}).to_bytes())  # ids and epochs differ

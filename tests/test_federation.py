@@ -23,9 +23,9 @@ from starfed.server.app import RunFailed, run_server
 from starfed.server.federation import CODEBOOK_FILE
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.site_folder import class_key
+from starfed.simulations.local_grid import LocalGrid
 
 sys.path.insert(0, str(Path(__file__).parent))
-from inprocess_grid import InProcessGrid
 from site_folders import CLASSES, site_folder
 
 CONFIG = {
@@ -68,10 +68,10 @@ class Federation:
         }
         return data
 
-    def run(self, nodes: list[int] | None = None, **overrides) -> tuple[dict, InProcessGrid]:
+    def run(self, nodes: list[int] | None = None, **overrides) -> tuple[dict, LocalGrid]:
         config = {**CONFIG, "federation-dir": str(self.folder), **overrides}
         chosen = {n: self.sites[n] for n in (nodes if nodes is not None else self.sites)}
-        grid = InProcessGrid(client_app.app, config, chosen, run_id=next(_run_ids))
+        grid = LocalGrid(client_app.app, config, chosen, run_id=next(_run_ids), record=True)
         grid.faults.update(self.faults)
         return run_server(grid, config, grid.run_id, Console(quiet=True)), grid
 

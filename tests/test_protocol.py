@@ -1,6 +1,6 @@
 """Protocol tests: the real ServerApp logic against the real ClientApp, in process.
 
-Every run goes through ``InProcessGrid`` (``tests/inprocess_grid.py``), which calls the real
+Every run goes through ``LocalGrid`` (``starfed.simulations.local_grid``), which calls the real
 ClientApp handlers for each node; faults tamper with, replace or drop one node's replies.
 Sizes are the smallest that exercise the protocol: tiny backbones, the bundled mini dataset,
 2 tasks x 2 classes, one epoch everywhere. All runs share one on-disk cache (decoded images,
@@ -39,9 +39,9 @@ from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.protocol import PHASES, Phase
+from starfed.simulations.local_grid import LocalGrid
 
 sys.path.insert(0, str(Path(__file__).parent))
-from inprocess_grid import InProcessGrid
 
 BASE_CONFIG = {
     "preset": "tiny",
@@ -75,7 +75,7 @@ class Recorded:
     """Replies captured by recording faults, keyed by (step, message type, node), each with the
     id of the message it answers."""
 
-    grid: InProcessGrid
+    grid: LocalGrid
     updates: dict[tuple[int, str, int], tuple[bytes, str]] = field(default_factory=dict)
     syncs: dict[tuple[int, int], ClientUpdate] = field(default_factory=dict)
 
@@ -85,22 +85,22 @@ class Recorded:
         return ClientUpdate.from_bytes(data, against=against, phase=PHASE_OF[message_type])
 
 
-def make_grid(cache_dir: Path, n_clients: int, **overrides) -> InProcessGrid:
+def make_grid(cache_dir: Path, n_clients: int, **overrides) -> LocalGrid:
     run_config = {**BASE_CONFIG, "num-clients": n_clients, **overrides}
     nodes = {
         i + 1: {"partition-id": i, "num-partitions": n_clients, "cache-dir": str(cache_dir)}
         for i in range(n_clients)
     }
-    return InProcessGrid(client_app.app, run_config, nodes, run_id=next(_run_ids))
+    return LocalGrid(client_app.app, run_config, nodes, run_id=next(_run_ids), record=True)
 
 
-def sent_config(grid: InProcessGrid) -> tuple[int, int]:
+def sent_config(grid: LocalGrid) -> tuple[int, int]:
     """(step, node) of the message the grid is answering now (faults run right after it)."""
     message = grid.sent[-1]
     return int(message.content["config"]["step"]), message.metadata.dst_node_id
 
 
-def recording(grid: InProcessGrid, recorded: Recorded):
+def recording(grid: LocalGrid, recorded: Recorded):
     """A fault that stores the reply and passes it on unchanged."""
 
     def fault(reply: Message) -> Message | None:
@@ -121,7 +121,7 @@ def recording(grid: InProcessGrid, recorded: Recorded):
     return fault
 
 
-def record_all(grid: InProcessGrid, nodes: list[int] | None = None) -> Recorded:
+def record_all(grid: LocalGrid, nodes: list[int] | None = None) -> Recorded:
     recorded = Recorded(grid)
     for node in nodes if nodes is not None else list(grid.node_configs):
         for message_type in ("query.sync", *UPDATE_TYPES):
@@ -129,7 +129,7 @@ def record_all(grid: InProcessGrid, nodes: list[int] | None = None) -> Recorded:
     return recorded
 
 
-def broadcast(grid: InProcessGrid, step: int, message_type: str) -> Codebook:
+def broadcast(grid: LocalGrid, step: int, message_type: str) -> Codebook:
     """The codebook the server sent with ``message_type`` at ``step`` (same for every node)."""
     sent = grid.codebooks_sent()
     for message in grid.sent:
@@ -139,7 +139,7 @@ def broadcast(grid: InProcessGrid, step: int, message_type: str) -> Codebook:
     raise AssertionError(f"no {message_type} broadcast at step {step}")
 
 
-def run(grid: InProcessGrid, results: Path, name: str = "run") -> dict:
+def run(grid: LocalGrid, results: Path, name: str = "run") -> dict:
     config = {**grid.run_config, "results-dir": str(results), "run-name": name}
     grid.run_config = config
     return run_server(grid, config, grid.run_id)
@@ -183,7 +183,7 @@ def class_counts(scenario: Scenario, task: int) -> dict[str, list[int]]:
     return {folders[label]: counts[:, col].tolist() for col, label in enumerate(labels)}
 
 
-def scenario_of(grid: InProcessGrid) -> Scenario:
+def scenario_of(grid: LocalGrid) -> Scenario:
     return Scenario(ScenarioConfig.from_config(parse(grid.run_config)))
 
 
@@ -237,7 +237,7 @@ def _forget_sites() -> Iterator[None]:
 
 @dataclass
 class BaselineRun:
-    grid: InProcessGrid
+    grid: LocalGrid
     recorded: Recorded
     metrics: dict
     run_dir: Path
@@ -386,7 +386,7 @@ def test_checkpoint_files(baseline):
 
 
 @pytest.fixture
-def pair(cache_dir) -> InProcessGrid:
+def pair(cache_dir) -> LocalGrid:
     """2 clients, alpha 0.5: both hold every class of both tasks, so either alone completes
     the run and the other's contribution is visible in every merge."""
     grid = make_grid(cache_dir, 2, alpha=0.5)
@@ -396,7 +396,7 @@ def pair(cache_dir) -> InProcessGrid:
     return grid
 
 
-def node1_counts(grid: InProcessGrid) -> dict[str, int]:
+def node1_counts(grid: LocalGrid) -> dict[str, int]:
     scenario = scenario_of(grid)
     return {
         name: per_client[0]
@@ -405,7 +405,7 @@ def node1_counts(grid: InProcessGrid) -> dict[str, int]:
     }
 
 
-def total_counts(grid: InProcessGrid) -> dict[str, int]:
+def total_counts(grid: LocalGrid) -> dict[str, int]:
     scenario = scenario_of(grid)
     return {
         name: sum(per_client)

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import Message
-from inprocess_grid import InProcessGrid
 from rich.console import Console
 from site_folders import CLASSES, site_folder
 
@@ -23,6 +22,7 @@ from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE, Federation
 from starfed.shared.codebook.codebook import Codebook
+from starfed.simulations.local_grid import LocalGrid
 
 CONFIG = {
     "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
@@ -49,7 +49,7 @@ def run(tmp: Path, name: str, data: dict[str, Path], crash_at: str | None = None
         }
         for i, (site, path) in enumerate(sorted(data.items()))
     }
-    grid = InProcessGrid(client_app.app, config, nodes, run_id=next(_run_ids))
+    grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
     if crash_at is not None:
         message_type, _, round_index = crash_at.partition("/")
 
