@@ -35,8 +35,8 @@ from starfed.server.app import RunFailed, run_server
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
 from starfed.shared.config import parse
-from starfed.shared.protocol import PHASES
 from starfed.shared.flower_runs import EXIT_DEGRADED, summarize
+from starfed.shared.protocol import PHASES
 from starfed.simulations.simulate import CLIENT_CPUS
 
 Fault = Callable[[Message], Message | None]  # gets the reply; None = the node stays silent
