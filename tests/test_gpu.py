@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from inprocess_grid import InProcessGrid
 from rich.console import Console
 from site_folders import CLASSES, site_folder
 
@@ -21,6 +20,7 @@ from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE
 from starfed.shared.codebook.codebook import Codebook
+from starfed.simulations.local_grid import LocalGrid
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,7 +40,7 @@ def federated_step(tmp: Path, device: str) -> tuple[dict, Codebook]:
         data = site_folder(tmp / name, {"t1": classes})
         nodes[node] = {"data-dir": str(data), "state-dir": str(tmp / f"{name}-{device}"),
                        "site-name": name, "cache-dir": str(tmp / "cache")}  # fmt: skip
-    grid = InProcessGrid(client_app.app, config, nodes, run_id=next(_run_ids))
+    grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
     try:
         metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
     finally:

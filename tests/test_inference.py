@@ -35,10 +35,10 @@ from starfed.shared.codebook.wire import CODEBOOK_MAGIC, read_payload
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.distribution import CACHE_FILE
 from starfed.shared.processes import free_port
+from starfed.simulations.local_grid import LocalGrid
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import random_entries
-from inprocess_grid import InProcessGrid
 from site_folders import BUNDLED, CLASSES, site_folder
 
 CONFIG = {
@@ -66,7 +66,7 @@ def federation(tmp_path_factory) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        grid = InProcessGrid(client_app.app, config, nodes, run_id=7001)
+        grid = LocalGrid(client_app.app, config, nodes, run_id=7001)
         metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
     finally:
         client_app._SITES.clear()

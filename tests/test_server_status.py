@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import Message
-from inprocess_grid import InProcessGrid
 from rich.console import Console
 from site_folders import CLASSES, site_folder
 
 from starfed.cli import main
 from starfed.client import app as client_app
 from starfed.server.app import run_server
+from starfed.simulations.local_grid import LocalGrid
 
 CONFIG = {
     "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
@@ -42,7 +42,7 @@ def _run(root: Path, faults: dict) -> dict:
                 "site-name": site, "cache-dir": str(root / "cache")}
         for i, site in enumerate(("farm-a", "farm-b"))
     }  # fmt: skip
-    grid = InProcessGrid(client_app.app, config, nodes, run_id=next(_run_ids))
+    grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
     grid.faults.update(faults)
     try:
         return run_server(grid, config, grid.run_id, Console(quiet=True))
