@@ -34,6 +34,7 @@ from torch import nn
 
 from starfed.shared.codebook.entry import ModelDims
 from starfed.shared.data.cropdiseases import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
+from starfed.shared.model.frozen_towers import clip_image_embedding, supports_clip_visual
 
 PRESETS = ("tiny", "paper")
 PAPER_VIT_TAGS = ("augreg_in21k", "augreg2_in21k_ft_in1k")
@@ -130,6 +131,8 @@ class Backbones(nn.Module):
             n_layers=len(vit.blocks),
         )
         self._fingerprint: str | None = None
+        #: CLIP image features through ``frozen_towers`` (False: open_clip's own forward).
+        self.fast_clip = supports_clip_visual(clip.visual)
 
     def train(self, mode: bool = True) -> Backbones:
         """Backbones stay in eval mode: they are frozen feature extractors."""
@@ -138,6 +141,8 @@ class Backbones(nn.Module):
     @torch.no_grad()
     def clip_image_features(self, images: torch.Tensor) -> torch.Tensor:
         """Raw (un-normalised) CLIP image embeddings z [B, d_clip] of CLIP-normalised images."""
+        if self.fast_clip:
+            return clip_image_embedding(self.clip.visual, images).float()
         return self.clip.encode_image(images).float()
 
     @property
