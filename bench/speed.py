@@ -404,6 +404,44 @@ def measure(args: argparse.Namespace, dims: str, units: list[str]) -> dict[str, 
     return result
 
 
+def train_local_runs(args: argparse.Namespace) -> dict[str, Any]:
+    """The default ``starfed train-local`` (seed 1993), old and new alternating, per-task times."""
+    import tempfile
+
+    sides = [("new", sys.executable)]
+    if args.compare_with:
+        sides.insert(0, ("old", args.compare_with))
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for label, python in sides if rep % 2 == 0 else sides[::-1]:
+                name = f"{label}-{rep}"
+                command = [python, "-m", "starfed.cli", "train-local", "--seed", "1993"]
+                command += ["--results-dir", tmp, "--run-name", name]
+                command += ["--threads", str(args.threads)]
+                start = time.perf_counter()
+                subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ))
+                elapsed = time.perf_counter() - start
+                metrics = json.loads((Path(tmp) / name / "metrics.json").read_text())
+                runs[label].append(
+                    {
+                        "process_s": elapsed,
+                        "wall_s": metrics["wall_time_s"],
+                        "task_s": metrics["task_wall_time_s"],
+                        "faa": metrics["final_average_accuracy"],
+                        "load_1min": os.getloadavg()[0],
+                    }
+                )
+                print(
+                    f"{name}: {elapsed:.1f} s (run {metrics['wall_time_s']:.1f} s; tasks "
+                    + ", ".join(f"{t:.1f}" for t in metrics["task_wall_time_s"])
+                    + f"), FAA {metrics['final_average_accuracy']:.2f}, "
+                    f"load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
+    return runs
+
+
 def print_table(result: dict[str, Any], compare: bool) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -468,10 +506,20 @@ def main() -> None:
         help="interpreter of the other checkout (its venv's python); runs interleaved",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--train-local",
+        action="store_true",
+        help="instead: time the whole default `starfed train-local` (--repeats runs per side)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker_main(args)
+        return
+    if args.train_local:
+        runs = train_local_runs(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(runs, indent=2))
         return
     import torch
 

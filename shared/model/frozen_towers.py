@@ -50,7 +50,7 @@ class _FrozenLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (weight,) = ctx.saved_tensors
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_x = grad @ weight.to(grad.dtype) if ctx.needs_input_grad[0] else None
         grad_base = grad if ctx.has_base and ctx.needs_input_grad[3] else None
         return grad_x, None, None, grad_base
 
@@ -63,6 +63,11 @@ def _linear(
     in_place: bool,
 ) -> torch.Tensor:
     """2-D ``base + x @ W.T + b`` with the adds folded into the GEMM's accumulator."""
+    if torch.is_autocast_enabled(x.device.type):  # low-precision GEMM, float32 residual stream
+        y = F.linear(x, weight, bias)
+        if base is None:
+            return y
+        return base.add_(y) if in_place else base + y
     if base is None:
         return torch.addmm(bias, x, weight.t()) if bias is not None else x @ weight.t()
     if in_place:
@@ -229,7 +234,9 @@ def timm_vit_cls(
 
 def supports_clip_visual(visual: nn.Module) -> bool:
     """True for open_clip's plain ViT image tower with class-token pooling."""
-    if not ENABLED or not isinstance(visual, ClipVisionTransformer) or not hasattr(visual, "_embeds"):
+    if not ENABLED or not isinstance(visual, ClipVisionTransformer):
+        return False
+    if not hasattr(visual, "_embeds"):  # open_clip < 2.24 has no separate embedding step
         return False
     if visual.attn_pool is not None or visual.pool_type != "tok" or visual.final_ln_after_pool:
         return False
