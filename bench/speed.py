@@ -211,12 +211,15 @@ class Worker:
         with contextlib.suppress(OSError):  # Linux: "5" resets the peak RSS (VmHWM)
             Path("/proc/self/clear_refs").write_text("5")
 
-    def _peak_bytes(self) -> int:
+    def _memory_bytes(self, key: str = "VmHWM") -> int:
+        """Peak (``VmHWM``) or current (``VmRSS``) resident set; CUDA: allocated bytes."""
         if self.device.type == "cuda":
-            return int(self.torch.cuda.max_memory_allocated(self.device))
+            if key == "VmHWM":
+                return int(self.torch.cuda.max_memory_allocated(self.device))
+            return int(self.torch.cuda.memory_allocated(self.device))
         try:
             for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
         except OSError:
             pass
@@ -228,11 +231,36 @@ class Worker:
         run, images = self.units[unit]
         self._reset_peak()
         self._sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         run()
         self._sync()
-        seconds = time.perf_counter() - start
-        return {"seconds": seconds, "images": images, "peak_bytes": self._peak_bytes()}
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        return {
+            "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
+            "images": images,
+            "peak_bytes": self._memory_bytes(),
+            "load_1min": os.getloadavg()[0],
+        }
+
+    def tensor_peak(self, unit: str) -> dict[str, Any]:
+        """Peak bytes of tensors the unit allocates (the RSS hides them: the heap keeps
+        memory freed by the warm-up). From the profiler's allocation events on CPU."""
+        if self.device.type == "cuda":
+            return {"bytes": self.time_unit(unit)["peak_bytes"]}
+        from torch.profiler import profile
+
+        run, _ = self.units[unit]
+        with profile(profile_memory=True) as prof:
+            run()
+        # Net bytes each op allocates itself (children excluded), in start order; "[memory]"
+        # events are frees outside any op.
+        events = sorted(prof.events(), key=lambda e: e.time_range.start)
+        live = peak = 0
+        for event in events:
+            live += event.self_cpu_memory_usage
+            peak = max(peak, live)
+        return {"bytes": peak}
 
     def flops(self, unit: str) -> dict[str, Any]:
         from torch.utils.flop_counter import FlopCounterMode
@@ -281,6 +309,8 @@ def worker_main(args: argparse.Namespace) -> None:
         try:
             if op == "time":
                 reply: dict[str, Any] = worker.time_unit(request["unit"])
+            elif op == "memory":
+                reply = worker.tensor_peak(request["unit"])
             elif op == "flops":
                 reply = worker.flops(request["unit"])
             elif op == "peak":
@@ -360,6 +390,7 @@ def measure(args: argparse.Namespace, dims: str, units: list[str]) -> dict[str, 
     try:
         info = {side.label: side.ask(op="info") for side in sides}
         samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        peak: dict[str, float] = {}
         for rep in range(args.repeats):
             order = sides if rep % 2 == 0 else sides[::-1]
             for unit in units:
@@ -367,8 +398,11 @@ def measure(args: argparse.Namespace, dims: str, units: list[str]) -> dict[str, 
                     samples.setdefault((side.label, unit), []).append(
                         side.ask(op="time", unit=unit)
                     )
+            # The device's peak, once per round: the best of them is the least disturbed.
+            for name, rate in sides[-1].ask(op="peak").items():
+                peak[name] = max(peak.get(name, 0.0), rate)
         flops = {(s.label, u): s.ask(op="flops", unit=u) for s in sides for u in units}
-        peak = sides[-1].ask(op="peak")
+        memory = {(s.label, u): s.ask(op="memory", unit=u) for s in sides for u in units}
     finally:
         for side in sides:
             side.close()
@@ -390,16 +424,23 @@ def measure(args: argparse.Namespace, dims: str, units: list[str]) -> dict[str, 
                 "seconds": seconds,
                 "per_s": rate,
                 "all_seconds": [r["seconds"] for r in runs],
+                "cpu_seconds": statistics.median(r["cpu_seconds"] for r in runs),
+                "load_1min": [r["load_1min"] for r in runs],
                 "peak_rss_mb": max(r["peak_bytes"] for r in runs) / 2**20,
+                "tensor_peak_mb": memory[(side.label, unit)].get("bytes", 0) / 2**20,
                 "gflop_per_image": gflop_per_image,
                 "gflops": gflop_per_image * rate,
                 "share_of_peak": gflop_per_image * rate / peak_rate,
             }
-        if "old" in row and "per_s" in row.get("old", {}) and "per_s" in row.get("new", {}):
-            if unit == "mog_fit":
-                row["ratio"] = row["old"]["seconds"] / row["new"]["seconds"]
-            else:
-                row["ratio"] = row["new"]["per_s"] / row["old"]["per_s"]
+        if "per_s" in row.get("old", {}) and "per_s" in row.get("new", {}):
+            # Speed-ups (> 1: new is faster). "ratio" compares the medians; "paired" is the
+            # median of old/new over the rounds (each pair ran back to back, so a burst of
+            # load hits both); "best" compares the least-disturbed runs; "cpu" the CPU seconds.
+            old_s, new_s = row["old"]["all_seconds"], row["new"]["all_seconds"]
+            row["ratio"] = row["old"]["seconds"] / row["new"]["seconds"]
+            row["paired"] = statistics.median(a / b for a, b in zip(old_s, new_s, strict=True))
+            row["best"] = min(old_s) / min(new_s)
+            row["cpu"] = row["old"]["cpu_seconds"] / row["new"]["cpu_seconds"]
         result["units"][unit] = row
     return result
 
@@ -455,9 +496,10 @@ def print_table(result: dict[str, Any], compare: bool) -> None:
     table.add_column("new", justify="right")
     if compare:
         table.add_column("ratio", justify="right")
+        table.add_column("paired / best", justify="right")
     table.add_column("GFLOP/img", justify="right")
     table.add_column("GFLOP/s (% peak)", justify="right")
-    table.add_column("peak mem MB" + (" old/new" if compare else ""), justify="right")
+    table.add_column("tensor peak MB" + (" old/new" if compare else ""), justify="right")
 
     def value(unit: str, cell: dict[str, Any]) -> str:
         if "error" in cell:
@@ -472,15 +514,30 @@ def print_table(result: dict[str, Any], compare: bool) -> None:
         cells.append(value(unit, new))
         if compare:
             cells.append(f"{row['ratio']:.2f}x" if "ratio" in row else "-")
+            cells.append(f"{row['paired']:.2f} / {row['best']:.2f}" if "ratio" in row else "-")
         if "error" in new or unit == "mog_fit":
             cells += ["-", "-"]
         else:
             cells.append(f"{new['gflop_per_image']:.3f}")
             cells.append(f"{new['gflops']:.0f} ({100 * new['share_of_peak']:.0f} %)")
-        mems = [row[s]["peak_rss_mb"] for s in ("old", "new") if s in row and "error" not in row[s]]
+        mems = [
+            row[s]["tensor_peak_mb"] for s in ("old", "new") if s in row and "error" not in row[s]
+        ]
         cells.append(" / ".join(f"{m:,.0f}" for m in mems) if mems else "-")
         table.add_row(*cells)
-    Console().print(table)
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    loads = [
+        x
+        for row in result["units"].values()
+        for c in row.values()
+        if isinstance(c, dict)
+        for x in c.get("load_1min", [])
+    ]
+    if loads:
+        console.print(
+            f"1-minute load average during the runs: {min(loads):.1f} to {max(loads):.1f}"
+        )
 
 
 def main() -> None:
