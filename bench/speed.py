@@ -496,7 +496,7 @@ def print_table(result: dict[str, Any], compare: bool) -> None:
     table.add_column("new", justify="right")
     if compare:
         table.add_column("ratio", justify="right")
-        table.add_column("paired / best", justify="right")
+        table.add_column("paired / best / CPU-s", justify="right")
     table.add_column("GFLOP/img", justify="right")
     table.add_column("GFLOP/s (% peak)", justify="right")
     table.add_column("tensor peak MB" + (" old/new" if compare else ""), justify="right")
@@ -514,7 +514,11 @@ def print_table(result: dict[str, Any], compare: bool) -> None:
         cells.append(value(unit, new))
         if compare:
             cells.append(f"{row['ratio']:.2f}x" if "ratio" in row else "-")
-            cells.append(f"{row['paired']:.2f} / {row['best']:.2f}" if "ratio" in row else "-")
+            cells.append(
+                f"{row['paired']:.2f} / {row['best']:.2f} / {row['cpu']:.2f}"
+                if "ratio" in row
+                else "-"
+            )
         if "error" in new or unit == "mog_fit":
             cells += ["-", "-"]
         else:
@@ -568,10 +572,16 @@ def main() -> None:
         action="store_true",
         help="instead: time the whole default `starfed train-local` (--repeats runs per side)",
     )
+    parser.add_argument("--show", metavar="PATH", help="print the tables of a saved --json file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker_main(args)
+        return
+    if args.show:
+        saved = json.loads(Path(args.show).read_text())
+        for result in saved["results"]:
+            print_table(result, compare=any("ratio" in r for r in result["units"].values()))
         return
     if args.train_local:
         runs = train_local_runs(args)
