@@ -13,9 +13,11 @@ import argparse
 
 import torch
 
-from starfed.shared.codebook.codebook import Codebook, row_shape
-from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook import schema, wire
+from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.schema import ModelDims
 
 PAPER = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
 TINY = ModelDims(d_txt=64, d_clip=64, d_vit=96, n_layers=3)
@@ -40,17 +42,17 @@ def random_mixture(dim: int, n_components: int, generator: torch.Generator) -> G
 def random_codebook(dims: ModelDims, n_classes: int, n_components: int) -> Codebook:
     """Random values: float32 bytes do not compress, so sizes match trained codebooks."""
     generator = torch.Generator().manual_seed(0)
-    bank = ClassBank(dims)
-    rows = {
-        f: torch.randn(n_classes, *row_shape(f, dims), generator=generator)
-        for f in ClassBank.TENSOR_FIELDS
-    }
-    bank.append([f"class_{i:02d}" for i in range(n_classes)], rows)
+    entries = {}
     for i in range(n_classes):
-        bank.counts[i] = 100
-        bank.clip_mixtures[i] = random_mixture(dims.d_clip, n_components, generator)
-        bank.vit_mixtures[i] = random_mixture(dims.d_vit, n_components, generator)
-    return Codebook.from_bank(bank, "0" * 64)
+        values = {
+            f.name: torch.randn(f.shape(dims), generator=generator)
+            if f.kind is schema.Kind.TENSOR
+            else random_mixture(f.shape(dims)[0], n_components, generator)
+            for f in schema.FIELDS
+        }
+        name = f"class_{i:02d}"
+        entries[name] = ClassEntry(name, 100, values)
+    return Codebook("0" * 64, dims, entries)
 
 
 def main() -> None:
@@ -74,7 +76,7 @@ def main() -> None:
         # the broadcast (what sites download) leaves the server-only mixtures out
         for what, codebook in (("with mixtures", full), ("broadcast", full.without_mixtures())):
             for dtype in ("float32", "float16"):
-                entry = codebook.to_proto(dtype).entries[0].ByteSize()
+                entry = wire.to_proto(codebook, dtype).entries[0].ByteSize()
                 total = len(codebook.to_bytes(dtype))
                 row = f"{label:<28} {dtype:<8} {what:<22}"
                 print(f"{row} {entry:>12,} {total:>14,}  ({args.classes} classes)")

@@ -1,8 +1,9 @@
 """The `starfed` command line: one entry point, one subcommand per user task.
 
-Each subcommand lives next to the code it drives (``starfed.simulations.train_local``,
-``starfed.cli.codebook``, ...) and registers itself through ``add_parser``; this
-module only assembles them.
+Each subcommand is a module of this package (``starfed.cli.train_local``, ...) that registers
+itself through ``add_parser`` and loads the code it drives only once its input is checked.
+This module assembles them; a run imports only its own subcommand's module, so bad input is
+reported in a fraction of a second. Bad input is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -11,13 +12,30 @@ import argparse
 import importlib
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
-# Modules that define `add_parser(subparsers)`, in help order.
+from starfed.shared.config import ConfigError
+
+# Modules that define `add_parser(subparsers)`, in help order; each module's name is its
+# command's (train_local: `starfed train-local`).
 SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "starfed.simulations.train_local",
+    "starfed.cli.train_local",
     "starfed.cli.codebook",
-    "starfed.simulations.simulate",
+    "starfed.cli.simulate",
+    "starfed.cli.experiment",
+    "starfed.cli.server",
+    "starfed.cli.site",
+    "starfed.cli.predict",
+    "starfed.cli.evaluate",
 )
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -25,8 +43,16 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from starfed.shared.codebook.codebook import CodebookError
     from starfed.shared.data.cropdiseases import DatasetError
     from starfed.shared.model.backbones import BackboneError
+    from starfed.simulations.simulate import SimulationError
 
-    return (BackboneError, CodebookError, DatasetError, FileNotFoundError)
+    return (BackboneError, CodebookError, DatasetError, FileNotFoundError, SimulationError)
+
+
+def _modules(argv: list[str]) -> tuple[str, ...]:
+    """The module of the subcommand in ``argv``, or all of them (``--help``, no command)."""
+    by_command = {m.rsplit(".", 1)[1].replace("_", "-"): m for m in SUBCOMMAND_MODULES}
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    return (by_command[first],) if first in by_command else SUBCOMMAND_MODULES
 
 
 def package_version() -> str:
@@ -36,8 +62,8 @@ def package_version() -> str:
         return "0+unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(modules: tuple[str, ...] = SUBCOMMAND_MODULES) -> argparse.ArgumentParser:
+    parser = _Parser(
         prog="starfed",
         description=(
             "Federated STAR-Prompt continual learning on Flower. Sites learn new classes as they "
@@ -46,22 +72,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"starfed {package_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in SUBCOMMAND_MODULES:
+    for module_name in modules:
         importlib.import_module(module_name).add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_modules(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
     try:
         return int(args.func(args) or 0)
-    except _user_errors() as err:  # bad input: one line, no traceback
-        print(f"starfed {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except ConfigError as err:  # matched first: naming it imports nothing
+        return _bad_input(args.command, err)
+    except _user_errors() as err:
+        return _bad_input(args.command, err)
+
+
+def _bad_input(command: str, err: Exception) -> int:
+    """One line, no traceback."""
+    print(f"starfed {command}: error: {err}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -16,36 +16,14 @@ from rich.table import Table
 from rich.text import Text
 
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.codebook.codebook import CODEBOOK_MAGIC, Codebook, CodebookError, read_payload
-from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import Codebook, CodebookError
+from starfed.shared.codebook.framing import CODEBOOK_MAGIC, read_payload
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.codebook.wire import decode_codebook
 
 EXIT_BAD_INPUT = 2
-
-# Parts of an entry the size report groups, as ClassEntry fields.
-_PARTS = {
-    "prompts (p)": ("prompt",),
-    "keys (w)": ("key",),
-    "query prompts (Q)": ("query_prompt",),
-    "query weights (A)": ("query_weight",),
-    "heads (θ, aligned θ)": (
-        "head_weight",
-        "head_bias",
-        "aligned_head_weight",
-        "aligned_head_bias",
-    ),
-    "mixtures (G, H)": ("clip_mixture", "vit_mixture"),
-}
-_SHORT = {
-    "prompts": "p",
-    "keys": "w",
-    "query_prompts": "Q",
-    "query_weights": "A",
-    "head_weight": "head",
-    "head_bias": "head bias",
-    "aligned_head_weight": "aligned head",
-    "aligned_head_bias": "aligned bias",
-}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -69,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _load(path: Path) -> tuple[Codebook, pb.Codebook]:
     payload = read_payload(path, CODEBOOK_MAGIC)
-    return Codebook.from_bytes(payload), pb.Codebook.FromString(payload)
+    return decode_codebook(payload), pb.Codebook.FromString(payload)
 
 
 def _fail(error: Exception) -> int:
@@ -95,35 +73,36 @@ def run_inspect(args: argparse.Namespace) -> int:
         codebook, message = _load(args.file)
     except (OSError, CodebookError) as error:
         return _fail(error)
-    bank = codebook.bank
     console = Console()
     _say(console, str(args.file))
     _say(console, f"fingerprint  {codebook.fingerprint}")
     _say(console, f"dims         {_dims_text(codebook.dims)}")
     _say(console, f"version      {codebook.version}")
-    _say(console, f"classes      {len(bank)} ({len(codebook.frozen)} frozen)")
+    _say(console, f"classes      {len(codebook)} ({len(codebook.frozen)} frozen)")
     for key, value in sorted(codebook.metadata.items()):
         _say(console, f"metadata     {key} = {value}")
 
     classes = Table(title="classes")
-    for column in ("#", "class", "count", "version", "frozen", "G (CLIP)", "H (ViT)"):
+    mixtures = [schema.BY_NAME[name] for name in schema.MIXTURES]
+    columns = ["#", "class", "count", "version", "frozen"]
+    columns += [f"{f.symbol} ({f.name})" for f in mixtures]
+    for column in columns:
         classes.add_column(column, justify="right" if column in ("#", "count", "version") else None)
-    for i, name in enumerate(bank.names):
+    for i, entry in enumerate(codebook.entries.values()):
         classes.add_row(
             str(i),
-            Text(name),
-            str(bank.counts[i]),
-            str(bank.versions[i]),
-            "yes" if name in codebook.frozen else "",
-            _mixture_label(bank.clip_mixtures[i]),
-            _mixture_label(bank.vit_mixtures[i]),
+            Text(entry.name),
+            str(entry.count),
+            str(entry.version),
+            "yes" if entry.frozen else "",
+            *(_mixture_label(entry.values.get(f.name)) for f in mixtures),
         )
     console.print(classes)
 
     total = message.ByteSize()
     sizes = {
-        part: sum(getattr(e, f).ByteSize() for e in message.entries for f in fields)
-        for part, fields in _PARTS.items()
+        f"{f.symbol} ({f.name})": sum(getattr(e, f.name).ByteSize() for e in message.entries)
+        for f in schema.FIELDS
     }
     sizes["other (names, counts, framing)"] = total - sum(sizes.values())
     parts = Table(title="bytes per part")
@@ -140,20 +119,20 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.to(torch.float64) - b.to(torch.float64)).abs().max())
 
 
-def _changes(old: Codebook, i: int, new: Codebook, j: int) -> str:
+def _changes(old: Codebook, new: Codebook, name: str) -> str:
     """Non-zero max |b − a| per tensor of one class; mixtures compare their overall means."""
     parts = []
-    for f in ClassBank.TENSOR_FIELDS:
-        value = _max_abs(getattr(old.bank, f)[i], getattr(new.bank, f)[j])
-        if value:
-            parts.append(f"{_SHORT[f]} {value:.2e}")
-    for f, label in (("clip_mixtures", "G"), ("vit_mixtures", "H")):
-        a, b = getattr(old.bank, f)[i], getattr(new.bank, f)[j]
-        if a is None or b is None:
-            if a is not b:
-                parts.append(f"{label} {'added' if a is None else 'removed'}")
-        elif value := _max_abs(a.mean(), b.mean()):
-            parts.append(f"{label} mean {value:.2e}")
+    a, b = old[name].values, new[name].values
+    for f in schema.FIELDS:
+        x, y = a.get(f.name), b.get(f.name)
+        if x is None or y is None:
+            if x is not y:
+                parts.append(f"{f.symbol} {'added' if x is None else 'removed'}")
+        elif f.kind is schema.Kind.MIXTURE:
+            if value := _max_abs(x.mean(), y.mean()):
+                parts.append(f"{f.symbol} mean {value:.2e}")
+        elif value := _max_abs(x, y):
+            parts.append(f"{f.symbol} {value:.2e}")
     return ", ".join(parts) or "unchanged"
 
 
@@ -173,9 +152,8 @@ def run_diff(args: argparse.Namespace) -> int:
     same_backbone = old.fingerprint == new.fingerprint
     _say(console, f"fingerprint  {'same' if same_backbone else 'DIFFERENT'}")
     _say(console, f"dims         {_change(_dims_text(old.dims), _dims_text(new.dims))}")
-    old_names, new_names = set(old.bank.names), set(new.bank.names)
-    added = [n for n in new.bank.names if n not in old_names]
-    removed = [n for n in old.bank.names if n not in new_names]
+    added = [n for n in new.names if n not in old]
+    removed = [n for n in old.names if n not in new]
     _say(console, f"added        {', '.join(added) or '—'}")
     _say(console, f"removed      {', '.join(removed) or '—'}")
     if old.dims != new.dims:
@@ -185,14 +163,13 @@ def run_diff(args: argparse.Namespace) -> int:
     table = Table(title="per class: max |b − a| of each tensor that changed")
     for column in ("class", "count", "version", "frozen", "changes"):
         table.add_column(column)
-    for name in (n for n in old.bank.names if n in new_names):
-        i, j = old.bank.index(name), new.bank.index(name)
+    for name in (n for n in old.names if n in new):
         table.add_row(
             Text(name),
-            _change(old.bank.counts[i], new.bank.counts[j]),
-            _change(old.bank.versions[i], new.bank.versions[j]),
-            _change(*("yes" if name in c.frozen else "no" for c in (old, new))),
-            _changes(old, i, new, j),
+            _change(old[name].count, new[name].count),
+            _change(old[name].version, new[name].version),
+            _change(*("yes" if c[name].frozen else "no" for c in (old, new))),
+            _changes(old, new, name),
         )
     console.print(table)
     return 0

@@ -24,21 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstarfed/proto/codebook.proto\x12\x13starfed.codebook.v1\"P\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12)\n\x05\x64type\x18\x02 \x01(\x0e\x32\x1a.starfed.codebook.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa2\x01\n\x07Mixture\x12,\n\x07weights\x18\x01 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12*\n\x05means\x18\x02 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12.\n\tvariances\x18\x03 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"K\n\tModelDims\x12\r\n\x05\x64_txt\x18\x01 \x01(\x03\x12\x0e\n\x06\x64_clip\x18\x02 \x01(\x03\x12\r\n\x05\x64_vit\x18\x03 \x01(\x03\x12\x10\n\x08n_layers\x18\x04 \x01(\x03\"\xc2\x04\n\nClassEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12+\n\x06prompt\x18\x03 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12(\n\x03key\x18\x04 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x31\n\x0cquery_prompt\x18\x05 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x31\n\x0cquery_weight\x18\x06 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x30\n\x0bhead_weight\x18\x07 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12.\n\thead_bias\x18\x08 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x38\n\x13\x61ligned_head_weight\x18\t \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x36\n\x11\x61ligned_head_bias\x18\n \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x32\n\x0c\x63lip_mixture\x18\x0b \x01(\x0b\x32\x1c.starfed.codebook.v1.Mixture\x12\x31\n\x0bvit_mixture\x18\x0c \x01(\x0b\x32\x1c.starfed.codebook.v1.Mixture\x12\x0f\n\x07version\x18\r \x01(\x03\x12\x0e\n\x06\x66rozen\x18\x0e \x01(\x08\"\xa7\x02\n\x08\x43odebook\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x1c\n\x14\x62\x61\x63kbone_fingerprint\x18\x02 \x01(\t\x12,\n\x04\x64ims\x18\x03 \x01(\x0b\x32\x1e.starfed.codebook.v1.ModelDims\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x30\n\x07\x65ntries\x18\x05 \x03(\x0b\x32\x1f.starfed.codebook.v1.ClassEntry\x12=\n\x08metadata\x18\x06 \x03(\x0b\x32+.starfed.codebook.v1.Codebook.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x10\x10 \"\xd9\x02\n\x0c\x43lientUpdate\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12)\n\x05phase\x18\x03 \x01(\x0e\x32\x1a.starfed.codebook.v1.Phase\x12\x1c\n\x14\x62\x61\x63kbone_fingerprint\x18\x04 \x01(\t\x12,\n\x04\x64ims\x18\x05 \x01(\x0b\x32\x1e.starfed.codebook.v1.ModelDims\x12\x30\n\x07\x65ntries\x18\x06 \x03(\x0b\x32\x1f.starfed.codebook.v1.ClassEntry\x12\x41\n\x08metadata\x18\x07 \x03(\x0b\x32/.starfed.codebook.v1.ClientUpdate.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*W\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT64\x10\x03*\x96\x01\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0e\n\nPHASE_SYNC\x10\x01\x12\x10\n\x0cPHASE_STAGE1\x10\x02\x12\x16\n\x12PHASE_STAGE1_STATS\x10\x03\x12\x10\n\x0cPHASE_STAGE2\x10\x04\x12\x16\n\x12PHASE_STAGE2_STATS\x10\x05\x12\x12\n\x0ePHASE_EVALUATE\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstarfed/proto/codebook.proto\x12\x13starfed.codebook.v1\"P\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12)\n\x05\x64type\x18\x02 \x01(\x0e\x32\x1a.starfed.codebook.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa2\x01\n\x07Mixture\x12,\n\x07weights\x18\x01 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12*\n\x05means\x18\x02 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12.\n\tvariances\x18\x03 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"K\n\tModelDims\x12\r\n\x05\x64_txt\x18\x01 \x01(\x03\x12\x0e\n\x06\x64_clip\x18\x02 \x01(\x03\x12\r\n\x05\x64_vit\x18\x03 \x01(\x03\x12\x10\n\x08n_layers\x18\x04 \x01(\x03\"\xc4\x05\n\nClassEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12+\n\x06prompt\x18\x03 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12(\n\x03key\x18\x04 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x31\n\x0cquery_prompt\x18\x05 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x31\n\x0cquery_weight\x18\x06 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x30\n\x0bhead_weight\x18\x07 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12.\n\thead_bias\x18\x08 \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x38\n\x13\x61ligned_head_weight\x18\t \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x36\n\x11\x61ligned_head_bias\x18\n \x01(\x0b\x32\x1b.starfed.codebook.v1.Tensor\x12\x32\n\x0c\x63lip_mixture\x18\x0b \x01(\x0b\x32\x1c.starfed.codebook.v1.Mixture\x12\x31\n\x0bvit_mixture\x18\x0c \x01(\x0b\x32\x1c.starfed.codebook.v1.Mixture\x12\x0f\n\x07version\x18\r \x01(\x03\x12\x0e\n\x06\x66rozen\x18\x0e \x01(\x08\x12J\n\x0e\x66ield_versions\x18\x14 \x03(\x0b\x32\x32.starfed.codebook.v1.ClassEntry.FieldVersionsEntry\x1a\x34\n\x12\x46ieldVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xcc\x02\n\x08\x43odebook\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x1c\n\x14\x62\x61\x63kbone_fingerprint\x18\x02 \x01(\t\x12,\n\x04\x64ims\x18\x03 \x01(\x0b\x32\x1e.starfed.codebook.v1.ModelDims\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x30\n\x07\x65ntries\x18\x05 \x03(\x0b\x32\x1f.starfed.codebook.v1.ClassEntry\x12=\n\x08metadata\x18\x06 \x03(\x0b\x32+.starfed.codebook.v1.Codebook.MetadataEntry\x12\x14\n\x0c\x62\x61se_version\x18\x10 \x01(\x03\x12\r\n\x05names\x18\x11 \x03(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x12\x10 \"\xdf\x02\n\x0c\x43lientUpdate\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12)\n\x05phase\x18\x03 \x01(\x0e\x32\x1a.starfed.codebook.v1.Phase\x12\x1c\n\x14\x62\x61\x63kbone_fingerprint\x18\x04 \x01(\t\x12,\n\x04\x64ims\x18\x05 \x01(\x0b\x32\x1e.starfed.codebook.v1.ModelDims\x12\x30\n\x07\x65ntries\x18\x06 \x03(\x0b\x32\x1f.starfed.codebook.v1.ClassEntry\x12\x41\n\x08metadata\x18\x07 \x03(\x0b\x32/.starfed.codebook.v1.ClientUpdate.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x08\x10\t\"S\n\nClassScore\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x01(\x03\x12\x0f\n\x07\x63orrect\x18\x03 \x01(\x03\x12\x16\n\x0eselection_hits\x18\x04 \x01(\x03\"\x8c\x02\n\x10\x45valuationReport\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x1c\n\x14\x62\x61\x63kbone_fingerprint\x18\x02 \x01(\t\x12\x18\n\x10\x63odebook_version\x18\x03 \x01(\x03\x12\x30\n\x07\x63lasses\x18\x04 \x03(\x0b\x32\x1f.starfed.codebook.v1.ClassScore\x12\x45\n\x08metadata\x18\x05 \x03(\x0b\x32\x33.starfed.codebook.v1.EvaluationReport.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*W\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT64\x10\x03*\x96\x01\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0e\n\nPHASE_SYNC\x10\x01\x12\x10\n\x0cPHASE_STAGE1\x10\x02\x12\x16\n\x12PHASE_STAGE1_STATS\x10\x03\x12\x10\n\x0cPHASE_STAGE2\x10\x04\x12\x16\n\x12PHASE_STAGE2_STATS\x10\x05\x12\x12\n\x0ePHASE_EVALUATE\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'starfed.proto.codebook_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_CLASSENTRY_FIELDVERSIONSENTRY']._loaded_options = None
+  _globals['_CLASSENTRY_FIELDVERSIONSENTRY']._serialized_options = b'8\001'
   _globals['_CODEBOOK_METADATAENTRY']._loaded_options = None
   _globals['_CODEBOOK_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_CLIENTUPDATE_METADATAENTRY']._loaded_options = None
   _globals['_CLIENTUPDATE_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1604
-  _globals['_DTYPE']._serialized_end=1691
-  _globals['_PHASE']._serialized_start=1694
-  _globals['_PHASE']._serialized_end=1844
+  _globals['_EVALUATIONREPORT_METADATAENTRY']._loaded_options = None
+  _globals['_EVALUATIONREPORT_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_DTYPE']._serialized_start=2133
+  _globals['_DTYPE']._serialized_end=2220
+  _globals['_PHASE']._serialized_start=2223
+  _globals['_PHASE']._serialized_end=2373
   _globals['_TENSOR']._serialized_start=53
   _globals['_TENSOR']._serialized_end=133
   _globals['_MIXTURE']._serialized_start=136
@@ -46,13 +50,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELDIMS']._serialized_start=300
   _globals['_MODELDIMS']._serialized_end=375
   _globals['_CLASSENTRY']._serialized_start=378
-  _globals['_CLASSENTRY']._serialized_end=956
-  _globals['_CODEBOOK']._serialized_start=959
-  _globals['_CODEBOOK']._serialized_end=1254
-  _globals['_CODEBOOK_METADATAENTRY']._serialized_start=1201
-  _globals['_CODEBOOK_METADATAENTRY']._serialized_end=1248
-  _globals['_CLIENTUPDATE']._serialized_start=1257
-  _globals['_CLIENTUPDATE']._serialized_end=1602
-  _globals['_CLIENTUPDATE_METADATAENTRY']._serialized_start=1201
-  _globals['_CLIENTUPDATE_METADATAENTRY']._serialized_end=1248
+  _globals['_CLASSENTRY']._serialized_end=1086
+  _globals['_CLASSENTRY_FIELDVERSIONSENTRY']._serialized_start=1034
+  _globals['_CLASSENTRY_FIELDVERSIONSENTRY']._serialized_end=1086
+  _globals['_CODEBOOK']._serialized_start=1089
+  _globals['_CODEBOOK']._serialized_end=1421
+  _globals['_CODEBOOK_METADATAENTRY']._serialized_start=1368
+  _globals['_CODEBOOK_METADATAENTRY']._serialized_end=1415
+  _globals['_CLIENTUPDATE']._serialized_start=1424
+  _globals['_CLIENTUPDATE']._serialized_end=1775
+  _globals['_CLIENTUPDATE_METADATAENTRY']._serialized_start=1368
+  _globals['_CLIENTUPDATE_METADATAENTRY']._serialized_end=1415
+  _globals['_CLASSSCORE']._serialized_start=1777
+  _globals['_CLASSSCORE']._serialized_end=1860
+  _globals['_EVALUATIONREPORT']._serialized_start=1863
+  _globals['_EVALUATIONREPORT']._serialized_end=2131
+  _globals['_EVALUATIONREPORT_METADATAENTRY']._serialized_start=1368
+  _globals['_EVALUATIONREPORT_METADATAENTRY']._serialized_end=1415
 # @@protoc_insertion_point(module_scope)

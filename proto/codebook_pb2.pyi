@@ -70,7 +70,14 @@ class ModelDims(_message.Message):
     def __init__(self, d_txt: _Optional[int] = ..., d_clip: _Optional[int] = ..., d_vit: _Optional[int] = ..., n_layers: _Optional[int] = ...) -> None: ...
 
 class ClassEntry(_message.Message):
-    __slots__ = ("name", "count", "prompt", "key", "query_prompt", "query_weight", "head_weight", "head_bias", "aligned_head_weight", "aligned_head_bias", "clip_mixture", "vit_mixture", "version", "frozen")
+    __slots__ = ("name", "count", "prompt", "key", "query_prompt", "query_weight", "head_weight", "head_bias", "aligned_head_weight", "aligned_head_bias", "clip_mixture", "vit_mixture", "version", "frozen", "field_versions")
+    class FieldVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +92,7 @@ class ClassEntry(_message.Message):
     VIT_MIXTURE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FROZEN_FIELD_NUMBER: _ClassVar[int]
+    FIELD_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     count: int
     prompt: Tensor
@@ -99,10 +107,11 @@ class ClassEntry(_message.Message):
     vit_mixture: Mixture
     version: int
     frozen: bool
-    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., prompt: _Optional[_Union[Tensor, _Mapping]] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., query_prompt: _Optional[_Union[Tensor, _Mapping]] = ..., query_weight: _Optional[_Union[Tensor, _Mapping]] = ..., head_weight: _Optional[_Union[Tensor, _Mapping]] = ..., head_bias: _Optional[_Union[Tensor, _Mapping]] = ..., aligned_head_weight: _Optional[_Union[Tensor, _Mapping]] = ..., aligned_head_bias: _Optional[_Union[Tensor, _Mapping]] = ..., clip_mixture: _Optional[_Union[Mixture, _Mapping]] = ..., vit_mixture: _Optional[_Union[Mixture, _Mapping]] = ..., version: _Optional[int] = ..., frozen: _Optional[bool] = ...) -> None: ...
+    field_versions: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., prompt: _Optional[_Union[Tensor, _Mapping]] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., query_prompt: _Optional[_Union[Tensor, _Mapping]] = ..., query_weight: _Optional[_Union[Tensor, _Mapping]] = ..., head_weight: _Optional[_Union[Tensor, _Mapping]] = ..., head_bias: _Optional[_Union[Tensor, _Mapping]] = ..., aligned_head_weight: _Optional[_Union[Tensor, _Mapping]] = ..., aligned_head_bias: _Optional[_Union[Tensor, _Mapping]] = ..., clip_mixture: _Optional[_Union[Mixture, _Mapping]] = ..., vit_mixture: _Optional[_Union[Mixture, _Mapping]] = ..., version: _Optional[int] = ..., frozen: _Optional[bool] = ..., field_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Codebook(_message.Message):
-    __slots__ = ("schema_version", "backbone_fingerprint", "dims", "version", "entries", "metadata")
+    __slots__ = ("schema_version", "backbone_fingerprint", "dims", "version", "entries", "metadata", "base_version", "names")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,13 +125,17 @@ class Codebook(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     backbone_fingerprint: str
     dims: ModelDims
     version: int
     entries: _containers.RepeatedCompositeFieldContainer[ClassEntry]
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, schema_version: _Optional[int] = ..., backbone_fingerprint: _Optional[str] = ..., dims: _Optional[_Union[ModelDims, _Mapping]] = ..., version: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[ClassEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    base_version: int
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, schema_version: _Optional[int] = ..., backbone_fingerprint: _Optional[str] = ..., dims: _Optional[_Union[ModelDims, _Mapping]] = ..., version: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[ClassEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., base_version: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClientUpdate(_message.Message):
     __slots__ = ("schema_version", "base_version", "phase", "backbone_fingerprint", "dims", "entries", "metadata")
@@ -148,3 +161,36 @@ class ClientUpdate(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[ClassEntry]
     metadata: _containers.ScalarMap[str, str]
     def __init__(self, schema_version: _Optional[int] = ..., base_version: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., backbone_fingerprint: _Optional[str] = ..., dims: _Optional[_Union[ModelDims, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[ClassEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ClassScore(_message.Message):
+    __slots__ = ("name", "images", "correct", "selection_hits")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_HITS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    images: int
+    correct: int
+    selection_hits: int
+    def __init__(self, name: _Optional[str] = ..., images: _Optional[int] = ..., correct: _Optional[int] = ..., selection_hits: _Optional[int] = ...) -> None: ...
+
+class EvaluationReport(_message.Message):
+    __slots__ = ("schema_version", "backbone_fingerprint", "codebook_version", "classes", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKBONE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CODEBOOK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    backbone_fingerprint: str
+    codebook_version: int
+    classes: _containers.RepeatedCompositeFieldContainer[ClassScore]
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, schema_version: _Optional[int] = ..., backbone_fingerprint: _Optional[str] = ..., codebook_version: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassScore, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...

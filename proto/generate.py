@@ -1,16 +1,21 @@
 """Regenerate the Python modules of the ``.proto`` files in this folder.
 
-``python -m starfed.proto.generate`` rewrites ``codebook_pb2.py`` and ``codebook_pb2.pyi`` next to
-this file. protoc derives a module's name and its registered file name from the path the
-``.proto`` has under the include root, so the schema is compiled from a temporary
+``python -m starfed.proto.generate`` rewrites ``NAME_pb2.py`` and ``NAME_pb2.pyi`` next to this
+file for every ``NAME.proto``, and ``NAME_pb2_grpc.py`` (client stub and servicer) for those that
+define a ``service``. protoc derives a module's name and its registered file name from the path
+the ``.proto`` has under the include root, so the schemas are compiled from a temporary
 ``starfed/proto/`` tree: the classes then report ``__module__ == "starfed.proto.codebook_pb2"``
 (pickling and cross-file imports resolve inside the namespace) and the descriptor pool holds
 ``starfed/proto/codebook.proto`` instead of a bare ``codebook.proto`` that another library could
 also register. ``tests/test_proto_generated.py`` checks the committed files are up to date.
+
+The gRPC stubs check at import that the installed grpcio is at least the grpcio-tools version
+that wrote them, which is why ``pyproject.toml`` pins both.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import tempfile
@@ -18,12 +23,18 @@ from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
 PACKAGE_PATH = Path("starfed", "proto")
+_SERVICE = re.compile(r"^\s*service\s+\w+", re.MULTILINE)
+
+
+def _protoc(args: list[str]) -> None:
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
+
+    if protoc.main(["grpc_tools.protoc", *args]) != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}")
 
 
 def generate(out_dir: Path = PROTO_DIR) -> list[Path]:
     """Compile every ``*.proto`` of this folder into ``out_dir``; return the written files."""
-    from grpc_tools import protoc  # dev dependency: only needed to regenerate
-
     written: list[Path] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -34,15 +45,13 @@ def generate(out_dir: Path = PROTO_DIR) -> list[Path]:
         sources = sorted(PROTO_DIR.glob("*.proto"))
         for source in sources:
             shutil.copy(source, source_dir / source.name)
-        args = [
-            "grpc_tools.protoc",
-            f"--proto_path={root / 'src'}",
-            f"--python_out={build_dir}",
-            f"--pyi_out={build_dir}",
-            *(str(PACKAGE_PATH / source.name) for source in sources),
-        ]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed: {' '.join(args)}")
+        include = f"--proto_path={root / 'src'}"
+        _protoc([include, f"--python_out={build_dir}", f"--pyi_out={build_dir}",
+                 *(str(PACKAGE_PATH / s.name) for s in sources)])  # fmt: skip
+        services = [s for s in sources if _SERVICE.search(s.read_text())]
+        if services:  # the grpc plugin writes a module for every input, so only these
+            _protoc([include, f"--grpc_python_out={build_dir}",
+                     *(str(PACKAGE_PATH / s.name) for s in services)])  # fmt: skip
         out_dir.mkdir(parents=True, exist_ok=True)
         for generated in sorted((build_dir / PACKAGE_PATH).iterdir()):
             target = out_dir / generated.name

@@ -1,9 +1,15 @@
-"""The Flower ServerApp: reads the run config, runs the ``Coordinator``, writes the results.
+"""The Flower ServerApp: one server run over a federation folder, then its results.
 
-Results go to ``<results-dir>/<run-name>/``: ``metrics.json`` (accuracy matrix from the global
-test set, clients' own reports, FAA, forgetting, prompt-selection accuracy, bytes per client per
-round, wall time per phase, config, fingerprint), ``accuracy_matrix.png``,
-``accuracy_over_time.png``, the final ``codebook.bin`` and ``state.json``.
+The run continues the federation in ``federation-dir`` (a simulation's own run folder when
+unset): it performs aggregation steps over what the sites bring now (``Coordinator``) and
+writes, next to the federation's files, ``metrics.json`` — the federation's accuracy matrix by
+arrival step (from the sites' own test images), FAA, forgetting, prompt-selection accuracy,
+each site's accuracy, participation per site and phase, bytes per site and step, wall time per
+phase, and this run's status — plus ``accuracy_matrix.png`` and ``accuracy_over_time.png``.
+
+A run ends ``completed``, ``degraded`` (some site failed, went silent or was rejected; the
+steps still finished) or ``failed`` (no site connected, or a step could not finish): a failed
+run raises, so Flower reports ``finished:failed``.
 """
 
 from __future__ import annotations
@@ -11,89 +17,130 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from datetime import UTC, datetime
-from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
-from starfed.server.coordinator import Coordinator
-from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.server.coordinator import FAILED, Coordinator, RunLog
+from starfed.server.federation import METRICS_FILE, Federation
+from starfed.server.scores import accuracy_matrix
+from starfed.server.test_set import ServerTestSet
+from starfed.shared.config import BackboneOptions, ProtocolOptions, parse, run_dir, writable_dir
 from starfed.shared.files import write_atomic
 from starfed.shared.metrics import (
     final_average_accuracy,
     final_forgetting,
+    nan_to_none,
     plot_accuracy_matrix,
     plot_accuracy_over_time,
 )
-from starfed.shared.run_config import BackboneOptions, ProtocolOptions, train_config
+from starfed.shared.model.training import TrainConfig
 
 app = ServerApp()
 
 
-def run_server(grid: Grid, run_config: dict, console: Console | None = None) -> dict:
-    """Everything the ServerApp does, callable without Flower's runtime (tests use it)."""
+class RunFailed(RuntimeError):
+    """The run could not do its work (the message says why); Flower marks it failed."""
+
+
+def run_server(grid: Grid, run_config: dict, run_id: int = 0, console: Console | None = None):
+    """Everything the ServerApp does, callable without Flower's runtime (tests use it).
+
+    A bad run config fails here at once, with the one-line ConfigError, before anything loads.
+    """
     console = console or Console(stderr=True)
     started = time.perf_counter()
-    protocol = ProtocolOptions.from_run_config(run_config)
-    train = train_config(run_config)
-    # The federation decides how many sites there are (in simulation, its SuperNodes); the
-    # run config's num-clients only matters when nobody has connected yet.
-    n_nodes = len(list(grid.get_node_ids()))
-    scenario_config = ScenarioConfig.from_run_config(
-        {**run_config, "num-clients": n_nodes or run_config.get("num-clients", 1)}
-    )
-    scenario = Scenario(scenario_config) if protocol.server_eval else None
-    n_steps = scenario_config.n_steps
-    backbones = BackboneOptions.from_run_config(run_config).load()
-    run_name = protocol.run_name or datetime.now(UTC).strftime("fed-%Y%m%d-%H%M%S")
-    run_dir = Path(protocol.results_dir) / run_name
+    values = parse(run_config)
+    protocol = ProtocolOptions.from_config(values)
+    folder = writable_dir(protocol.federation_dir or run_dir(values, run_id), "federation-dir")
+    train = TrainConfig.from_config(values)
+    backbones = BackboneOptions.from_config(values).load(values["device"])
+    federation = Federation(folder, backbones.fingerprint, backbones.dims)
+    server_eval = None
+    if protocol.server_test_dir:
+        server_eval = ServerTestSet(protocol.server_test_dir, backbones, train)
     console.print(
-        f"[bold]starfed server[/] {n_steps} steps · {scenario_config.n_clients} clients · "
-        f"alpha {scenario_config.alpha} · backbones {backbones.config.name} "
-        f"({backbones.fingerprint[:12]}) · results in {run_dir}"
+        f"[bold]starfed server[/] federation {federation.id[:8]} in {folder} · "
+        f"{federation.position(federation.codebook()).step} steps so far · backbones "
+        f"{backbones.config.name} ({backbones.fingerprint[:12]})"
     )
-    coordinator = Coordinator(
-        grid, backbones, train, protocol, n_steps, run_dir, scenario=scenario, console=console
-    )
-    log = coordinator.run()
-    matrix = log.accuracy_matrix
-    metrics = {
-        "accuracy_matrix": matrix,
-        "final_average_accuracy": final_average_accuracy(matrix) if matrix else None,
-        "final_forgetting": final_forgetting(matrix) if matrix else None,
-        "prompt_selection_accuracy": log.selection_matrix[-1] if log.selection_matrix else None,
-        "prompt_selection_accuracy_matrix": log.selection_matrix,
-        "client_reports": log.client_reports,
-        "exchanges": coordinator.exchanges_as_dicts(),
-        "phase_wall_time_s": log.phase_seconds,
-        "wall_time_s": time.perf_counter() - started,
-        "n_steps": n_steps,
-        "classes": coordinator.codebook.bank.names,
-        "codebook_version": coordinator.codebook.version,
-        "backbone_fingerprint": backbones.fingerprint,
-        "config": {
-            "run_config": dict(run_config),
-            "train": train.to_dict(),
-            "protocol": dataclasses.asdict(protocol),
-            "scenario": dataclasses.asdict(scenario_config),
-        },
+    coordinator = Coordinator(grid, backbones, train, protocol, federation, console, server_eval)
+    log = coordinator.run(protocol.max_steps or None)
+    metrics = summarize(federation, log, time.perf_counter() - started)
+    metrics["config"] = {
+        "run_config": dict(run_config),
+        "train": train.to_dict(),
+        "protocol": dataclasses.asdict(protocol),
     }
-    write_atomic(run_dir / "metrics.json", json.dumps(metrics, indent=2).encode())
+    write_atomic(folder / METRICS_FILE, json.dumps(nan_to_none(metrics), indent=2).encode())
+    matrix = metrics["accuracy_matrix"]
     if matrix:
-        title = (
-            f"federated STAR-Prompt, {scenario_config.n_clients} clients, α={scenario_config.alpha}"
-        )
-        plot_accuracy_matrix(matrix, run_dir / "accuracy_matrix.png", title)
-        plot_accuracy_over_time(matrix, run_dir / "accuracy_over_time.png", title)
-        console.print(
-            f"[bold green]FAA {metrics['final_average_accuracy']:.2f}%[/] · forgetting "
-            f"{metrics['final_forgetting']:.2f} · wall {metrics['wall_time_s']:.0f}s"
-        )
+        title = f"federation {federation.id[:8]}, {len(metrics['sites'])} sites"
+        plot_accuracy_matrix(matrix, folder / "accuracy_matrix.png", title)
+        plot_accuracy_over_time(matrix, folder / "accuracy_over_time.png", title)
+    console.print(
+        f"[bold]{log.status}[/] · {len(log.steps)} step(s) this run · FAA "
+        f"{metrics['final_average_accuracy']:.2f}% · forgetting {metrics['final_forgetting']:.2f}"
+        f" · wall {metrics['wall_time_s']:.0f}s"
+    )
+    if log.status == FAILED:
+        raise RunFailed(log.reason)
     return metrics
+
+
+def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
+    """metrics.json: the federation's scores over all its steps, and what this run did."""
+    history = [r for r in federation.history() if r["status"] != FAILED]
+    matrix = accuracy_matrix(history)
+    selection = accuracy_matrix(history, "selection_accuracy")
+    last = history[-1].get("scores", {}) if history else {}
+    participation: dict[str, dict[str, int]] = {}
+    traffic: list[dict] = []
+    for record in history:
+        per_site: dict[str, dict] = {}
+        for e in record["exchanges"]:
+            counts = participation.setdefault(e["site"] or str(e["node_id"]), {})
+            key = f"{e['phase']}:{e['status'].split(':')[0]}"
+            counts[key] = counts.get(key, 0) + 1
+            site = per_site.setdefault(e["site"], {"bytes_down": 0, "bytes_up": 0})
+            site["bytes_down"] += e["bytes_down"]
+            site["bytes_up"] += e["bytes_up"]
+        traffic.append({"step": record["step"], "sites": per_site})
+    server_eval = [r["server_eval"]["accuracy"] for r in history if "server_eval" in r]
+    return {
+        "status": log.status,
+        "reason": log.reason,
+        "federation": federation.id,
+        "steps": len(history),
+        "steps_this_run": [
+            {k: r[k] for k in ("step", "attempt", "status", "reason", "wall_s")} for r in log.steps
+        ],
+        "accuracy_matrix": matrix,
+        "final_average_accuracy": final_average_accuracy(matrix),
+        "final_forgetting": final_forgetting(matrix),
+        "prompt_selection_accuracy": selection[-1] if selection else None,
+        "prompt_selection_accuracy_matrix": selection,
+        "site_accuracy": {site: s["accuracy"] for site, s in last.get("sites", {}).items()},
+        "sites": sorted(participation),
+        "participation": participation,
+        "traffic": traffic,
+        "exchanges": [dataclasses.asdict(e) for e in log.exchanges],  # this run's
+        "phase_wall_time_s": [
+            {"step": r["step"], **p} for r in history for p in r["phase_seconds"]
+        ],
+        "step_wall_time_s": [r["wall_s"] for r in history],
+        "wall_time_s": wall_s,
+        "server_test_accuracy_matrix": server_eval,
+        "classes": {
+            name: {"step": reg.step, "sites": sorted(reg.sites)}
+            for name, reg in federation.registry.items()
+        },
+        "codebook_version": federation.codebook().version,
+        "backbone_fingerprint": federation.fingerprint,
+    }
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_server(grid, dict(context.run_config))
+    run_server(grid, dict(context.run_config), context.run_id)

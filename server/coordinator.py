@@ -1,91 +1,69 @@
-"""The server's phase loop (DESIGN §3): sync, stage-1 rounds, stage-1 statistics + first-level
-replay, stage-2 rounds, stage-2 statistics + head replay, evaluation — for every global step.
+"""The server's aggregation steps: the phases of ``starfed.shared.protocol.PHASES``, in order.
 
-It talks to clients only through a Flower ``Grid`` (``get_node_ids``, ``create_message``,
-``send_and_receive``), so tests can drive it with an in-process grid. Every send has a
-timeout; error replies and missing replies are logged with node and phase and the round goes
-on with the rest. Every update is validated before it is merged; a bad one is dropped, never
-half-applied. After every phase the codebook and the protocol position are saved atomically.
+For each phase the ``Coordinator`` sends one message to every participating site and hands the
+replies to the phase's reducer (``REDUCERS``): sync registers the classes sites bring, training
+phases merge, statistics phases merge and replay (``starfed.server.replay``), evaluation adds up
+the sites' scores. The codebook is the single source of truth: every reducer replaces it with a
+new value, and it is checkpointed in the federation folder after every phase, with the protocol
+position, so an interrupted step can resume (``server.federation``).
+
+A run performs steps until no site brings a new class (or ``max_steps``). A phase in which no
+class in play gets an update fails the step (rolled back); a step in which some site failed or
+was rejected completes ``degraded``. Sites that keep the last codebook receive deltas.
+
+It talks to sites only through a Flower ``Grid`` (``get_node_ids``, ``send_and_receive``), so
+tests drive it with an in-process grid. Every send has a timeout; error replies and missing
+replies are logged with node and phase. Replies are decoded (= validated) once, at this
+boundary; a bad one is rejected, never half-applied.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 
-import torch
-from flwr.app import ConfigRecord, Message, RecordDict
+import numpy as np
 from rich.console import Console
 
-from starfed.shared.codebook.codebook import (
-    MAX_NAME_LENGTH,
-    ClientUpdate,
-    Codebook,
-    CodebookError,
-    Phase,
-)
-from starfed.shared.codebook.merge import check_update, merge_updates
-from starfed.shared.data.cropdiseases import DecodedImages, decode_images
-from starfed.shared.data.scenario import Scenario
-from starfed.shared.files import write_atomic
+from starfed.server import replay
+from starfed.server.federation import EPOCH_KEY, Federation, Position
+from starfed.server.messaging import Exchange, Reply, exchange, malformed, reject, update_digest
+from starfed.server.scores import StepScores, aggregate
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
+from starfed.shared.codebook.merge import MergeAccumulator
+from starfed.shared.config import ProtocolOptions
+from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import Backbones
-from starfed.shared.model.evaluation import evaluate_decoded
-from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import (
-    TrainConfig,
-    clip_features,
-    first_level_alignment,
-    head_alignment,
-)
-from starfed.shared.run_config import ProtocolOptions
+from starfed.shared.model.training import TrainConfig
+from starfed.shared.protocol import PHASES, Phase, PhaseSpec
+from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
 
-CODEBOOK_FILE = "codebook.bin"
-STATE_FILE = "state.json"
-
-# Flower message type of each phase: "<train|query|evaluate>.<action>" (ClientApp handlers).
-MESSAGE_TYPES = {
-    Phase.SYNC: "query.sync",
-    Phase.STAGE1: "train.stage1",
-    Phase.STAGE1_STATS: "query.stage1_stats",
-    Phase.STAGE2: "train.stage2",
-    Phase.STAGE2_STATS: "query.stage2_stats",
-    Phase.EVALUATE: "evaluate",
-}
+COMPLETED, DEGRADED, FAILED = "completed", "degraded", "failed"
+SAMPLED = (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS)  # fraction-train
+WAIT_POLL_S = 1.0
 
 
-@dataclass
-class Exchange:
-    """One message to one node and its answer: what the wire carried and what came back."""
-
-    step: int
-    phase: str
-    round: int
-    node_id: int
-    bytes_down: int
-    bytes_up: int = 0
-    status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason>
+class StepFailed(RuntimeError):
+    """A phase in which no class in play got an update: the step cannot finish."""
 
 
 @dataclass
 class RunLog:
+    """What one server run did."""
+
+    steps: list[dict] = field(default_factory=list)  # the records it wrote to the history
     exchanges: list[Exchange] = field(default_factory=list)
-    phase_seconds: list[dict] = field(default_factory=list)
-    client_reports: list[dict] = field(default_factory=list)
-    accuracy_matrix: list[list[float]] = field(default_factory=list)
-    selection_matrix: list[list[float]] = field(default_factory=list)
+    status: str = COMPLETED
+    reason: str = ""
 
 
 class Coordinator:
-    """Drives all phases of all steps and owns the global codebook."""
+    """Drives the phases of every step of one server run; owns the codebook."""
 
     def __init__(
         self,
@@ -93,322 +71,330 @@ class Coordinator:
         backbones: Backbones,
         train: TrainConfig,
         protocol: ProtocolOptions,
-        n_steps: int,
-        run_dir: Path,
-        scenario: Scenario | None = None,
+        federation: Federation,
         console: Console | None = None,
+        server_eval: Callable[[Codebook, dict[str, int], int], dict] | None = None,
     ) -> None:
         self.grid = grid
         self.backbones = backbones
         self.train = train
         self.protocol = protocol
-        self.n_steps = n_steps
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.scenario = scenario  # for the server's global test set (simulation only)
+        self.federation = federation
         self.console = console or Console(stderr=True)
-        self.model = StarPrompt(backbones, confidence_modulation=train.confidence_modulation)
-        self.codebook = Codebook.from_bank(self.model.bank, backbones.fingerprint)
+        self.server_eval = server_eval  # a simulation's scores on a global test set
+        self.codebook = federation.codebook()
+        self.position = federation.position(self.codebook)
         self.log = RunLog()
+        self.in_play: list[str] = list(self.position.in_play)
+        self.sites: dict[int, str] = {}  # node id -> site name (from its sync)
+        self._brings: dict[int, set[str]] = {}  # node id -> class keys of its current task
         self._node_ids: list[int] = []
-        self._global_test: tuple[DecodedImages, torch.Tensor] | None = None
+        self._held: dict[int, int] = {}  # node id -> codebook version it holds (when known)
+        self._steps: list[Exchange] = []
+        self._scores: StepScores | None = None
+
+    # --- runs and steps ---------------------------------------------------------------------
+
+    def run(self, max_steps: int | None = None) -> RunLog:
+        """Steps until no site brings a new class, a step fails, or ``max_steps`` ran."""
+        if not self._wait_for_sites():
+            return self.log
+        while max_steps is None or len(self.log.steps) < max_steps:
+            record = self.run_step()
+            if record is None:
+                self.console.print("no site brings a new class: the run is over")
+                break
+            if record["status"] == FAILED:
+                break
+        statuses = {record["status"] for record in self.log.steps}
+        if FAILED in statuses:
+            self.log.status = FAILED
+            self.log.reason = next(r["reason"] for r in self.log.steps if r["status"] == FAILED)
+        elif DEGRADED in statuses:
+            self.log.status = DEGRADED
+        return self.log
+
+    def _wait_for_sites(self) -> bool:
+        """Wait up to ``wait-s`` for ``min-sites`` connected sites."""
+        deadline = time.monotonic() + self.protocol.wait_s
+        while True:
+            online = list(self.grid.get_node_ids())
+            if len(online) >= self.protocol.min_sites:
+                return True
+            if time.monotonic() >= deadline:
+                self.log.status = FAILED
+                self.log.reason = (
+                    f"{len(online)} site(s) connected, {self.protocol.min_sites} needed "
+                    f"(waited {self.protocol.wait_s:.0f}s)"
+                )
+                self.console.print(f"[red]{self.log.reason}")
+                return False
+            time.sleep(WAIT_POLL_S)
+
+    def run_step(self) -> dict | None:
+        """One aggregation step, or the rest of an interrupted one; its history record, or
+        None when no site brings anything new (nothing is recorded then)."""
+        resume = self.position.running
+        step = self.position.step
+        if not resume:
+            self.codebook = self.federation.begin_step(self.codebook, step)
+            self.position = self.federation.position(self.codebook)
+        started, status, reason = time.time(), COMPLETED, ""
+        self._steps, self._scores = [], None
+        self._node_ids = sorted(self.grid.get_node_ids())
+        rounds = {Phase.STAGE1: self.protocol.stage1_rounds,
+                  Phase.STAGE2: self.protocol.stage2_rounds}  # fmt: skip
+        phase_seconds = []
+        try:
+            for spec in PHASES:
+                for round_index in range(rounds.get(spec.phase, 1)):
+                    done = f"{spec.phase.key}/{round_index}"
+                    if done in self.position.done and spec.phase is not Phase.SYNC:
+                        continue
+                    t0 = time.perf_counter()
+                    nodes = self._sample(spec.phase, step, round_index)
+                    replies = self._exchange(spec, step, round_index, nodes)
+                    if spec.phase is Phase.SYNC and resume:
+                        self._participants(replies)  # who is here; nothing is registered again
+                    else:
+                        REDUCERS[spec.phase](self, spec.phase, step, replies)
+                    if spec.phase is Phase.SYNC and not self.in_play:  # nothing new: no step
+                        self.position = Position(step)
+                        self.codebook = self.federation.checkpoint(self.codebook, self.position)
+                        return None
+                    finished = tuple(dict.fromkeys((*self.position.done, done)))
+                    self.position = replace(self.position, done=finished,
+                                            in_play=tuple(self.in_play))  # fmt: skip
+                    self.codebook = self.federation.checkpoint(self.codebook, self.position)
+                    phase_seconds.append({"phase": spec.phase.key, "round": round_index,
+                                          "seconds": time.perf_counter() - t0})  # fmt: skip
+        except StepFailed as err:
+            status, reason = FAILED, str(err)
+            self.console.print(f"[red]step {step + 1} failed: {reason}; rolled back")
+        if status != FAILED and any(e.status != "ok" for e in self._steps):
+            status = DEGRADED
+        record = self._record(step, status, reason, started, phase_seconds)
+        kept = None if status == FAILED else self.codebook
+        self.codebook = self.federation.end_step(record, kept)
+        self.position = self.federation.position(self.codebook)
+        self.in_play = []
+        self.log.steps.append(record)
+        return record
+
+    def _record(self, step: int, status: str, reason: str, started: float, seconds: list) -> dict:
+        attempts = sum(r["step"] == step for r in self.federation.history())
+        exchanges = [asdict(e) for e in self._steps]
+        record = {
+            "step": step, "attempt": attempts, "status": status, "reason": reason,
+            "started": started, "wall_s": time.time() - started,
+            "classes": list(self.in_play), "sites": sorted(set(self.sites.values())),
+            "phase_seconds": seconds, "exchanges": exchanges,
+            "codebook_version": self.codebook.version,
+        }  # fmt: skip
+        if self._scores is not None:
+            record["scores"] = asdict(self._scores)
+        if self.server_eval is not None and status != FAILED:
+            steps = {name: self.federation.registry[name].step for name in self.codebook.names}
+            record["server_eval"] = self.server_eval(self.codebook, steps, step)
+        return record
 
     # --- messaging --------------------------------------------------------------------------
 
-    def _exchange(
-        self, phase: Phase, step: int, round_index: int = 0, with_codebook: bool = True
-    ) -> list[tuple[Exchange, Message]]:
-        """Send one phase to every node; return the good replies with their log entries."""
-        config = ConfigRecord(
-            {"step": step, "round": round_index, "wire-dtype": self.protocol.wire_dtype}
+    def _config(self, spec: PhaseSpec, step: int, round_index: int) -> dict:
+        config = {
+            "step": step, "round": round_index, "wire-dtype": self.protocol.wire_dtype,
+            "federation": self.federation.id, "epoch": self.codebook.metadata[EPOCH_KEY],
+        }  # fmt: skip
+        if spec.phase is Phase.SYNC:
+            config["frozen"] = sorted(self.codebook.frozen)
+        if spec.phase is Phase.EVALUATE:
+            registry = self.federation.registry
+            config["class-steps"] = [registry[name].step for name in self.codebook.names]
+        return config
+
+    def _payloads(self) -> Callable[[int], bytes]:
+        """The broadcast for each node: a delta from the version it holds, else the whole
+        codebook (computed once per distinct base version)."""
+        metadata = {k: self.codebook.metadata[k] for k in ("federation", EPOCH_KEY)}
+        full = replace(self.codebook.broadcast(), metadata=metadata)
+        cache: dict[int, bytes] = {}
+
+        def payload(node: int) -> bytes:
+            since = self._held.get(node, 0)
+            if since not in cache:
+                value = full if not 0 < since < full.version else self.codebook.delta(since)
+                value.metadata = dict(full.metadata)
+                cache[since] = value.to_bytes(self.protocol.wire_dtype)
+            return cache[since]
+
+        return payload
+
+    def _sample(self, phase: Phase, step: int, round_index: int) -> list[int]:
+        """The nodes of one round: every participant, or for a training or statistics round a
+        seeded share of them (``fraction-train``, at least ``min-train-sites``), drawn over
+        site names (node ids change from run to run), plus the first holder of any class in
+        play the draw missed, so every class gets an update and statistics."""
+        nodes = self._node_ids
+        if phase not in SAMPLED or self.protocol.fraction_train >= 1 or not nodes:
+            return nodes
+        by_name = sorted(nodes, key=lambda node: self.sites[node])
+        size = max(
+            self.protocol.min_train_sites, math.ceil(self.protocol.fraction_train * len(nodes))
         )
-        broadcast = self.codebook.without_mixtures()  # sites never read the mixtures
-        payload = broadcast.to_bytes(self.protocol.wire_dtype) if with_codebook else b""
-        messages, exchanges = [], []
-        for node in self._node_ids:
-            content = RecordDict({"config": config})
-            if with_codebook:
-                content["codebook"] = ConfigRecord({"data": payload})
-            group = f"{step}/{phase.name}/{round_index}"
-            messages.append(Message(content, node, MESSAGE_TYPES[phase], group_id=group))
-            exchanges.append(Exchange(step, phase.name, round_index, node, len(payload)))
-        replies = self.grid.send_and_receive(messages, timeout=self.protocol.timeout_s)
-        # Grids fill in each message's id when they push it; replies point back to it.
-        logs = {m.metadata.message_id: e for m, e in zip(messages, exchanges, strict=True)}
-        good, answered = [], set()
-        for reply in replies:
-            entry = logs.get(reply.metadata.reply_to_message_id)
-            if entry is None:
-                logger.warning(
-                    "reply to an unknown message from node %s", reply.metadata.src_node_id
-                )
-                continue
-            answered.add(entry.node_id)
-            if reply.has_error():
-                entry.status = f"error: {_short_reason(reply.error.reason)}"
-                logger.warning(
-                    "node %s failed %s: %s", entry.node_id, phase.name, reply.error.reason
-                )
-                continue
-            entry.bytes_up = _content_bytes(reply.content)
-            good.append((entry, reply))
-        for entry in logs.values():
-            if entry.node_id not in answered:
-                entry.status = "no reply"
-                logger.warning(
-                    "node %s sent no %s reply within %.0fs",
-                    entry.node_id,
-                    phase.name,
-                    self.protocol.timeout_s,
-                )
-        self.log.exchanges.extend(logs.values())
+        rng = np.random.default_rng([self.train.seed, step, phase.value, round_index])
+        chosen = {
+            by_name[i] for i in rng.choice(len(by_name), min(size, len(by_name)), replace=False)
+        }
+        for name in self.in_play:
+            holders = [node for node in by_name if class_key(name) in self._brings.get(node, ())]
+            if holders and not chosen & set(holders):
+                chosen.add(holders[0])
+        return sorted(chosen)
+
+    def _exchange(
+        self, spec: PhaseSpec, step: int, round_index: int, nodes: list[int]
+    ) -> list[Reply]:
+        """Send one phase to ``nodes``; the good replies with their log entries. A site that
+        answered holds the codebook it was sent."""
+        payload = self._payloads() if spec.sends_codebook else None
+        config = self._config(spec, step, round_index)
+        good, exchanges = exchange(
+            self.grid, spec, step, round_index, config, nodes, self.sites, payload,
+            self.protocol.timeout_s,
+        )  # fmt: skip
+        if payload:
+            for entry in exchanges:
+                if entry.status == "ok":
+                    self._held[entry.node_id] = self.codebook.version
+                else:
+                    self._held.pop(entry.node_id, None)
+        self.log.exchanges.extend(exchanges)
+        self._steps.extend(exchanges)
         return good
 
     def _updates(
-        self, replies: list[tuple[Exchange, Message]], phase: Phase, allowed: set[str]
-    ) -> list[ClientUpdate]:
-        """Decode and validate each update; drop bad ones and rows of classes not in play."""
-        updates = []
+        self, replies: list[Reply], phase: Phase
+    ) -> Iterator[tuple[Exchange, ClientUpdate]]:
+        """Decode (= validate) each update against the codebook the phase was sent with, one at
+        a time (a phase never holds every decoded update); drop bad ones and rows of classes
+        not in play."""
+        in_play = set(self.in_play)
         # Merge order changes float rounding: order by content, not by node id (random per run).
-        for entry, reply in sorted(replies, key=lambda r: _update_digest(r[1])):
+        for entry, reply in sorted(replies, key=lambda r: update_digest(r[1])):
             try:
-                update = ClientUpdate.from_bytes(
-                    reply.content["update"]["data"],
-                    fingerprint=self.codebook.fingerprint,
-                    dims=self.codebook.dims,
-                )
-                if update.phase != phase:
-                    raise CodebookError(f"update answers {update.phase.name}, not {phase.name}")
-                check_update(self.codebook, update)
+                data = reply.content["update"]["data"]
+                update = ClientUpdate.from_bytes(data, against=self.codebook, phase=phase)
             except (CodebookError, KeyError, TypeError) as err:
-                _reject(entry, str(err) if isinstance(err, CodebookError) else _malformed(err))
+                reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
                 continue
-            stray = [e.name for e in update.entries if e.name not in allowed]
-            if stray:
-                logger.warning("node %s sent rows of classes not in play: %s", entry.node_id, stray)
-                update.entries = [e for e in update.entries if e.name in allowed]
-            updates.append(update)
-        return updates
+            if phase is not Phase.SYNC:
+                stray = [e.name for e in update.entries if e.name not in in_play]
+                if stray:
+                    logger.info("node %s sent rows of classes not in play: %s",
+                                entry.node_id, stray)  # fmt: skip
+                    update.entries = [e for e in update.entries if e.name in in_play]
+            yield entry, update
 
-    # --- phases -----------------------------------------------------------------------------
+    # --- reducers, one per phase ------------------------------------------------------------
 
-    def _set_codebook(self, codebook: Codebook) -> None:
-        self.codebook = codebook
-        self.model.load_bank(codebook.to_bank())
+    def _participants(self, replies: list[Reply]) -> list[tuple[Exchange, ClientUpdate]]:
+        """Accepted syncs: the nodes that take part in the rest of the step, their site names
+        and the codebook version each holds. A silent node costs one timeout per step, not
+        one per phase; a node with other backbones or a malformed reply sits the step out."""
+        accepted = sorted(self._updates(replies, Phase.SYNC), key=lambda r: r[0].node_id)
+        self._node_ids = [entry.node_id for entry, _ in accepted]
+        for entry, update in accepted:
+            site = update.metadata.get("site") or f"node-{entry.node_id}"
+            self.sites[entry.node_id] = entry.site = site
+            self._brings[entry.node_id] = {class_key(e.name) for e in update.entries}
+            held = update.base_version
+            if 0 < held <= self.codebook.version:
+                self._held[entry.node_id] = held
+            else:
+                self._held.pop(entry.node_id, None)
+        return accepted
 
-    def _from_model(self) -> None:
-        self.codebook = Codebook.from_bank(
-            self.model.bank,
-            self.codebook.fingerprint,
-            version=self.codebook.version + 1,
-            frozen=self.codebook.frozen,
-            metadata=self.codebook.metadata,
-        )
+    def _sync(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        """Register the classes sites bring that the federation does not know yet, in the
+        order of their class keys (``class_key``); they start from the same values everywhere.
+        A class known under another spelling is the same class; a finished (frozen) class
+        brought again is logged and stays frozen."""
+        known = {class_key(name): name for name in self.codebook.names}
+        new: dict[str, str] = {}  # key -> the first spelling in name order
+        brought: dict[str, list[str]] = {}
+        for entry, update in self._participants(replies):
+            for class_entry in update.entries:
+                key = class_key(class_entry.name)
+                if key in known and self.codebook[known[key]].frozen:
+                    logger.info("site %s brings %r again: it is finished and stays frozen",
+                                entry.site, known[key])  # fmt: skip
+                name = known.get(key) or min(new.get(key, class_entry.name), class_entry.name)
+                if key not in known:
+                    new[key] = name
+                brought.setdefault(name, []).append(entry.site)
+        self.in_play = [new[key] for key in sorted(new)]
+        if self.in_play:
+            self.codebook = replay.register(self.codebook, self.in_play, self.backbones, self.train)
+            self.federation.register(self.in_play, step, brought)
+            self.console.print(
+                f"step {step + 1}: {len(self.in_play)} new classes from "
+                f"{len({s for n in self.in_play for s in brought[n]})} site(s) · "
+                f"{len(self._node_ids)} site(s) take part"
+            )
 
-    def _sync(self, step: int) -> list[str]:
-        """Register the classes sites hold now; new ones get deterministic initial rows.
+    def _merge(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        """Each reply decoded and added to the phase's merge as it comes (docs/design.md)."""
+        merge = MergeAccumulator(self.codebook, n_components=self.train.mixture_components)
+        for _, update in self._updates(replies, phase):
+            merge.add(update)
+        if not merge.carried & set(self.in_play):
+            raise StepFailed(f"no site's {phase.key} update arrived for any class in play")
+        self.codebook = merge.result()
 
-        Only nodes whose sync was accepted take part in the rest of the step: a silent node
-        costs one timeout per step, not one per phase, and a node with other backbones or a
-        malformed reply is not asked again until the next step.
-        """
-        replies = self._exchange(Phase.SYNC, step, with_codebook=False)
-        new: dict[str, float] = {}  # class name -> its position in the sites' class order
-        accepted: list[int] = []
-        for entry, reply in sorted(replies, key=lambda r: r[0].node_id):
-            try:
-                record = reply.content["sync"]
-                fingerprint, classes = record["fingerprint"], record["classes"]
-            except (KeyError, TypeError) as err:
-                _reject(entry, _malformed(err))
-                continue
-            if fingerprint != self.codebook.fingerprint:
-                _reject(entry, "backbone fingerprint")
-                continue
-            if not isinstance(classes, list) or not all(map(_valid_name, classes)):
-                _reject(entry, "invalid class names")
-                continue
-            accepted.append(entry.node_id)
-            labels = record.get("labels")
-            if not _valid_labels(labels, len(classes)):
-                labels = [math.inf] * len(classes)
-            for name, label in zip(classes, labels, strict=True):
-                if name not in self.codebook.bank.names:
-                    new[name] = min(new.get(name, math.inf), float(label))
-        self._node_ids = accepted
-        # Registration order fixes the initial values (they are seeded by the ordered names),
-        # so it must not depend on node ids, which differ from run to run.
-        names = sorted(new, key=lambda name: (new[name], name))
-        if names:
-            self.model.add_classes(names, seed=self.train.seed, version=self.codebook.version + 1)
-            self._from_model()
-        return names
-
-    def _train_round(self, phase: Phase, step: int, round_index: int, in_play: set[str]) -> None:
-        replies = self._exchange(phase, step, round_index)
-        updates = self._updates(replies, phase, in_play)
-        self._set_codebook(
-            merge_updates(self.codebook, updates, n_components=self.train.mixture_components)
-        )
-
-    def _drop_untrained(self, in_play: list[str], mixture_field: str) -> list[str]:
+    def _drop_unfitted(self, field_name: str) -> None:
         """Classes no site sent statistics for cannot be replayed: unregister them."""
-        bank = self.codebook.bank
-        missing = [n for n in in_play if getattr(bank, mixture_field)[bank.index(n)] is None]
+        missing = [n for n in self.in_play if field_name not in self.codebook[n].values]
         if missing:
             logger.warning("no statistics for %s; unregistering them", missing)
-            keep = [n for n in bank.names if n not in missing]
-            self.model.load_bank(bank.select(keep))
-            self._from_model()
-        return [n for n in in_play if n not in missing]
+            self.codebook = self.codebook.without(missing)
+            self.in_play = [n for n in self.in_play if n not in missing]
 
-    @contextmanager
-    def _phase(self, step: int, name: str) -> Iterator[None]:
-        """Time a phase, then checkpoint the codebook and the protocol position."""
-        started = time.perf_counter()
-        yield
-        seconds = time.perf_counter() - started
-        self.log.phase_seconds.append({"step": step, "phase": name, "seconds": seconds})
-        self._checkpoint(step, name)
+    def _stage1_stats(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        self._merge(phase, step, replies)
+        self._drop_unfitted("clip_mixture")
+        self.codebook = replay.replay_first_level(self.codebook, self.backbones, self.train, step)
 
-    def _stage(
-        self,
-        step: int,
-        train_phase: Phase,
-        rounds: int,
-        stats_phase: Phase,
-        mixture_field: str,
-        align: Callable[[list[str]], None],
-        in_play: list[str],
-    ) -> list[str]:
-        """Training rounds, then statistics and the server-side replay of one level."""
-        for r in range(rounds):
-            with self._phase(step, f"{train_phase.name.lower()}/{r}"):
-                self._train_round(train_phase, step, r, set(in_play))
-        with self._phase(step, f"{stats_phase.name.lower()}+replay"):
-            self._train_round(stats_phase, step, 0, set(in_play))
-            in_play = self._drop_untrained(in_play, mixture_field)
-            align(in_play)
-            self._from_model()
-        return in_play
-
-    def run_step(self, step: int) -> None:
-        with self._phase(step, "sync"):
-            self._node_ids = sorted(self.grid.get_node_ids())
-            in_play = self._sync(step)
-        n_past = len(self.codebook.frozen)
-
-        def align_first_level(_: list[str]) -> None:
-            first_level_alignment(self.model, n_past, self.train, step)
-
-        def align_head_and_freeze(trained: list[str]) -> None:
-            head_alignment(self.model, self.train, step)
-            self.codebook.frozen |= set(trained)
-
-        in_play = self._stage(
-            step, Phase.STAGE1, self.protocol.stage1_rounds, Phase.STAGE1_STATS,
-            "clip_mixtures", align_first_level, in_play,
-        )  # fmt: skip
-        self._stage(
-            step, Phase.STAGE2, self.protocol.stage2_rounds, Phase.STAGE2_STATS,
-            "vit_mixtures", align_head_and_freeze, in_play,
-        )  # fmt: skip
-        with self._phase(step, "evaluate"):
-            self._evaluate(step)
-
-    def _evaluate(self, step: int) -> None:
-        replies = self._exchange(Phase.EVALUATE, step)
-        for entry, reply in replies:
-            try:
-                metrics = dict(reply.content["metrics"])
-            except (KeyError, TypeError) as err:
-                _reject(entry, _malformed(err))
-                continue
-            self.log.client_reports.append({"step": step, "node_id": entry.node_id, **metrics})
-        if self.scenario is None or len(self.codebook.bank) == 0:
-            return
-        if self._global_test is None:  # frozen CLIP: decode and encode the test set once
-            test = decode_images(
-                self.scenario.global_test_samples(range(self.scenario.n_tasks)),
-                self.backbones.config.image_size,
-                progress=False,
-            )
-            self._global_test = test, clip_features(self.backbones, test.images)
-        n_tasks = min(step, self.scenario.n_tasks - 1) + 1
-        # Images of classes not learned yet are left out by evaluate_decoded.
-        scores = evaluate_decoded(self.model, *self._global_test, self.scenario.split, n_tasks)
-        self.log.accuracy_matrix.append(scores.accuracy)
-        self.log.selection_matrix.append(scores.selection_accuracy)
-        mean = sum(scores.accuracy) / len(scores.accuracy)
-        self.console.print(
-            f"step {step + 1}/{self.n_steps}: {len(self.codebook.bank)} classes · "
-            f"global accuracy {mean:.1f}% · " + " ".join(f"{a:.0f}" for a in scores.accuracy)
+    def _stage2_stats(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        self._merge(phase, step, replies)
+        self._drop_unfitted("vit_mixture")
+        self.codebook = replay.replay_head(
+            self.codebook, self.train, step, self.in_play, self.backbones.device
         )
 
-    def _checkpoint(self, step: int, phase: str) -> None:
-        self.codebook.save(self.run_dir / CODEBOOK_FILE)
-        state = {
-            "step": step,
-            "phase": phase,
-            "codebook_version": self.codebook.version,
-            "frozen": sorted(self.codebook.frozen),
-            "time": time.time(),
-        }
-        write_atomic(self.run_dir / STATE_FILE, json.dumps(state, indent=2).encode())
-
-    def run(self, steps: Iterable[int] | None = None) -> RunLog:
-        for step in steps if steps is not None else range(self.n_steps):
-            self.run_step(step)
-        return self.log
-
-    def exchanges_as_dicts(self) -> list[dict]:
-        return [asdict(e) for e in self.log.exchanges]
-
-
-def _reject(entry: Exchange, reason: str) -> None:
-    entry.status = f"rejected: {reason}"
-    logger.warning("rejected %s reply of node %s: %s", entry.phase, entry.node_id, reason)
+    def _evaluate(self, phase: Phase, step: int, replies: list[Reply]) -> None:
+        reports = []
+        for entry, reply in replies:
+            try:
+                data = reply.content["report"]["data"]
+                report = EvaluationReport.from_bytes(data, against=self.codebook)
+                reports.append((entry.site, report))
+            except (CodebookError, KeyError, TypeError) as err:
+                reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
+        registry = self.federation.registry
+        class_steps = {name: registry[name].step for name in self.codebook.names}
+        self._scores = aggregate(reports, class_steps, step, self.codebook.dims.n_layers)
+        row = " ".join(f"{a:.0f}" for a in self._scores.accuracy)
+        self.console.print(
+            f"step {step + 1}: {len(self.codebook)} classes · federation accuracy "
+            f"{self._scores.mean_accuracy:.1f}% by arrival step: {row}"
+        )
 
 
-def _malformed(err: Exception) -> str:
-    return f"malformed reply ({err})"
-
-
-def _valid_labels(labels: object, n: int) -> bool:
-    """Class-order positions sent with a sync: integers, one per class."""
-    return (
-        isinstance(labels, list)
-        and len(labels) == n
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in labels)
-    )
-
-
-def _valid_name(name: object) -> bool:
-    """A class name the codebook accepts (its rules): registering any other would crash."""
-    return isinstance(name, str) and 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable()
-
-
-def _update_digest(reply: Message) -> str:
-    try:
-        return hashlib.sha256(reply.content["update"]["data"]).hexdigest()
-    except (KeyError, TypeError):
-        return ""  # malformed: rejected in _updates anyway
-
-
-def _short_reason(reason: str | None, limit: int = 300) -> str:
-    """The informative line of an error reason (runtimes wrap a traceback around it)."""
-    lines = [line.strip() for line in (reason or "").splitlines() if line.strip()]
-    fallback = lines[-1] if lines else ""
-    return next((line for line in reversed(lines) if "Message:" in line), fallback)[:limit]
-
-
-def _content_bytes(content: RecordDict) -> int:
-    """Payload bytes of a reply: serialised updates count fully, other records by their values."""
-    total = 0
-    for record in content.values():
-        for value in record.values():
-            if isinstance(value, bytes):
-                total += len(value)
-            else:
-                total += len(str(value).encode())
-    return total
+REDUCERS: dict[Phase, Callable[[Coordinator, Phase, int, list[Reply]], None]] = {
+    Phase.SYNC: Coordinator._sync,
+    Phase.STAGE1: Coordinator._merge,
+    Phase.STAGE1_STATS: Coordinator._stage1_stats,
+    Phase.STAGE2: Coordinator._merge,
+    Phase.STAGE2_STATS: Coordinator._stage2_stats,
+    Phase.EVALUATE: Coordinator._evaluate,
+}

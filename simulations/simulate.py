@@ -3,235 +3,53 @@
 Plain `flwr run .` reads and writes ``~/.flwr``, rewrites connection settings, runs ``uv sync``
 per run, reports telemetry and leaves a detached SuperLink behind that later runs silently reuse
 (DESIGN §6). This command owns the whole life cycle instead: a Flower home inside the run's
-results folder, a SuperLink it starts itself on a free localhost port, the run submitted with
-``flwr run``, progress from ``flwr log``, status from ``flwr ls --format json``, and at the end
-every process it started stopped by PID and checked gone.
+results folder, a SuperLink it starts itself on a free localhost port, the app generated from
+this installation and submitted, followed and stopped through ``starfed.shared.flower_runs``,
+and at the end every process it started stopped by PID and checked gone. A run stopped by
+Ctrl-C or SIGTERM is marked in its folder (``interrupted.json``). The command line, which checks
+the run config before anything starts, is ``starfed.cli.simulate``.
 
 Linux only: processes are tracked through ``/proc``.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-import starfed.simulations
+from starfed.server.federation import Federation, FederationError
+from starfed.shared import flower_runs, processes
+from starfed.shared.flower_runs import COMPLETED, FlowerCli, FlowerRunError, RunOutcome
+from starfed.shared.processes import ProcessId
 
-CONNECTION = "starfed"  # the SuperLink connection's name in the run's own Flower config
-FINISHED = "finished"
-COMPLETED = "finished:completed"
-POLL_S = 3.0
 STARTUP_TIMEOUT_S = 60.0
 STOP_GRACE_S = 20.0
-
-#: Flower/Ray settings every process of a run gets (DESIGN §6).
-FLOWER_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
+#: CPUs per simulated client. Ray sets OMP_NUM_THREADS to it, so torch in a ClientApp runs that
+#: many threads; the local runtime gives each ClientApp call as many (same float rounding).
+CLIENT_CPUS = 1
+#: Warnings the run's Flower processes drop (``PYTHONWARNINGS``): Ray's and Flower's
+#: FutureWarnings, typer's DeprecationWarnings. Warnings only: errors and logs still show.
+QUIET = "ignore::FutureWarning,ignore::DeprecationWarning"
+INTERRUPTED_FILE = "interrupted.json"
 
 
 class SimulationError(RuntimeError):
     """A problem the user can fix; printed without a traceback."""
 
 
-# --- the project ---------------------------------------------------------------------------
-
-
-def find_project_dir(explicit: str | None = None) -> Path:
-    """The folder holding starfed's ``pyproject.toml``: `flwr run` builds the app from it.
-
-    An editable install (or a source checkout) has it one level above ``simulations/``; a
-    wheel install has no project folder, so the user must point at a checkout.
-    """
-    candidate = (
-        Path(explicit).expanduser().resolve()
-        if explicit
-        else Path(starfed.simulations.__file__).resolve().parent.parent
-    )
-    pyproject = candidate / "pyproject.toml"
-    if pyproject.is_file():
-        with pyproject.open("rb") as f:
-            config = tomllib.load(f)
-        if config.get("project", {}).get("name") == "starfed" and _app_config(config):
-            return candidate
-    raise SimulationError(
-        f"no starfed Flower app (pyproject.toml with [tool.flwr.app]) in {candidate}. "
-        "`flwr run` builds the app from the project directory, which a wheel install does "
-        "not have: clone the starfed repository and pass --project-dir /path/to/checkout "
-        "(or install it with `pip install -e`)."
-    )
-
-
-def _app_config(config: Mapping) -> dict:
-    return dict(config.get("tool", {}).get("flwr", {}).get("app", {}).get("config", {}))
-
-
-def load_app_config(project_dir: Path) -> dict:
-    """``[tool.flwr.app.config]``: the keys a run may override and their defaults."""
-    with (project_dir / "pyproject.toml").open("rb") as f:
-        return _app_config(tomllib.load(f))
-
-
-# --- run-config overrides ------------------------------------------------------------------
-
-
-def toml_value(value: object) -> str:
-    """A value as `flwr run --run-config` parses it (TOML: quoted strings, true/false)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    text = str(value)
-    if '"' in text:  # Flower's override parser ends a quoted value at the first quote
-        raise SimulationError(f"run-config values cannot contain '\"': {text!r}")
-    return json.dumps(text)
-
-
-def parse_override(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with a TOML value; a bare word that is no TOML value counts as a string."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise SimulationError(f"--run-config expects KEY=VALUE, got {text!r}")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return key.strip(), value
-
-
-def build_overrides(args: argparse.Namespace, defaults: Mapping[str, object]) -> dict:
-    """The run config to submit: pass-through ``--run-config`` first, named options win.
-
-    ``results-dir`` becomes absolute (the ServerApp runs with the SuperLink's working
-    directory) and ``run-name`` is fixed here, so this command knows where results land.
-    """
-    overrides: dict[str, object] = dict(parse_override(item) for item in args.run_config)
-    named = {
-        "num-clients": args.clients,
-        "num-tasks": args.tasks,
-        "classes-per-task": args.classes_per_task,
-        "alpha": args.alpha,
-        "seed": args.seed,
-        "arrival-offset": args.arrival_offset,
-        "stage1-rounds": args.stage1_rounds,
-        "stage2-rounds": args.stage2_rounds,
-        "stage1-epochs": args.epochs,
-        "stage2-epochs": args.epochs,
-        "results-dir": args.results_dir,
-        "run-name": args.run_name,
-    }
-    overrides |= {key: value for key, value in named.items() if value is not None}
-    unknown = sorted(set(overrides) - set(defaults))
-    if unknown:
-        raise SimulationError(
-            f"unknown run-config key(s) {', '.join(unknown)}; known: {', '.join(defaults)}"
-        )
-    merged = {**defaults, **overrides}
-    clients = merged["num-clients"]
-    if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
-        raise SimulationError(f"num-clients must be an integer >= 1, got {clients!r}")
-    overrides["num-clients"] = clients  # also the SuperNode count: always sent explicitly
-    overrides["results-dir"] = str(Path(str(merged["results-dir"])).expanduser().resolve())
-    overrides["run-name"] = str(merged["run-name"]) or datetime.now(UTC).strftime(
-        "fed-%Y%m%d-%H%M%S"
-    )
-    return overrides
-
-
-# --- processes -----------------------------------------------------------------------------
-
-
-def _process_table() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, start time) of every live process (zombies count as gone)."""
-    table = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # exited while we looked
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] != "Z":
-            table[int(entry.name)] = (int(fields[1]), int(fields[19]))
-    return table
-
-
-def descendants(root: int) -> dict[int, int]:
-    """pid -> start time of ``root`` and everything below it (start time guards PID reuse)."""
-    table = _process_table()
-    found = {root: table[root][1]} if root in table else {}
-    frontier = list(found)
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, started) in table.items():
-            if ppid == parent and pid not in found:
-                found[pid] = started
-                frontier.append(pid)
-    return found
-
-
-def still_alive(processes: Mapping[int, int]) -> dict[int, int]:
-    """The processes of ``processes`` that still run (same PID and same start time)."""
-    table = _process_table()
-    return {pid: t for pid, t in processes.items() if pid in table and table[pid][1] == t}
-
-
-def _signal_all(processes: Mapping[int, int], sig: signal.Signals) -> None:
-    for pid in still_alive(processes):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def _wait_gone(processes: Mapping[int, int], timeout: float) -> dict[int, int]:
-    deadline = time.monotonic() + timeout
-    while (alive := still_alive(processes)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return alive
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def flower_env(flwr_home: Path) -> dict[str, str]:
-    """This process's environment plus the run's Flower home and settings.
-
-    The interpreter's folder goes first on PATH: the SuperLink starts ``flower-superexec``
-    and ``flwr-simulation`` by name, and ``starfed`` may run without an activated venv.
-    """
-    env = dict(os.environ)
-    env.update(FLOWER_ENV)
-    env["FLWR_HOME"] = str(flwr_home)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env
-
-
-def flower_executable(name: str) -> str:
-    local = Path(sys.executable).parent / name
-    found = str(local) if local.is_file() else shutil.which(name)
-    if not found:
-        raise SimulationError(f"`{name}` not found: install flwr[simulation] (starfed's deps)")
-    return found
+    """Flower's settings (``shared.processes.flower_env``) and quiet warnings (``QUIET``)."""
+    warnings = ",".join(filter(None, [QUIET, os.environ.get("PYTHONWARNINGS")]))
+    return processes.flower_env(flwr_home, {"PYTHONWARNINGS": warnings})
 
 
 class LocalSuperLink:
@@ -245,15 +63,15 @@ class LocalSuperLink:
         self.flwr_home = flwr_home
         self.cwd = cwd
         self.env = dict(env)
-        self.port = free_port()
+        self.port = processes.free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_file = flwr_home / "superlink.log"
         self.process: subprocess.Popen | None = None
-        self.seen: dict[int, int] = {}
+        self.seen: set[ProcessId] = set()
 
     def start(self) -> None:
         command = [
-            flower_executable("flower-superlink"),
+            processes.flower_executable("flower-superlink"),
             "--insecure",  # plain HTTP, so bound to 127.0.0.1 only (docs/simulation.md)
             "--simulation",
             "--isolation",
@@ -268,24 +86,14 @@ class LocalSuperLink:
             "--log-file",
             str(self.log_file),
         ]
-        output = (self.flwr_home / "superlink.out").open("wb")
-        with output:
-            self.process = subprocess.Popen(
-                command,
-                cwd=self.cwd,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches us, and we stop it in order
-            )
+        output = self.flwr_home / "superlink.out"
+        self.process = processes.spawn(command, env=self.env, cwd=self.cwd, output=output)
         self.watch()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise SimulationError(
-                    f"flower-superlink exited with code {self.process.returncode}; "
-                    f"see {self.flwr_home / 'superlink.out'}"
+                    f"flower-superlink exited with code {self.process.returncode}; see {output}"
                 )
             if self._healthy():
                 return
@@ -300,13 +108,14 @@ class LocalSuperLink:
             return False
 
     def watch(self) -> None:
-        if self.process is not None:
-            self.seen |= descendants(self.process.pid)
+        if self.process is not None and (root := ProcessId.of(self.process.pid)):
+            self.seen |= processes.descendants({root, *self.seen})
 
-    def stop(self) -> dict[int, int]:
-        """SIGTERM the SuperLink, then whatever it left; SIGKILL late ones. Returns survivors."""
+    def stop(self) -> set[ProcessId]:
+        """SIGTERM the SuperLink and wait for it, then end whatever it left (SIGKILL late
+        ones). Returns the survivors."""
         if self.process is None:
-            return {}
+            return set()
         self.watch()
         if self.process.poll() is None:
             self.process.terminate()
@@ -315,216 +124,105 @@ class LocalSuperLink:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if _wait_gone(self.seen, STOP_GRACE_S / 2):
-            _signal_all(self.seen, signal.SIGTERM)
-            if _wait_gone(self.seen, STOP_GRACE_S / 2):
-                _signal_all(self.seen, signal.SIGKILL)
-        return _wait_gone(self.seen, 5.0)
+        if processes.wait_gone(self.seen, STOP_GRACE_S / 2):
+            return processes.terminate(self.seen, STOP_GRACE_S / 2)
+        return set()
 
 
 # --- the run -------------------------------------------------------------------------------
 
 
-def write_flower_config(flwr_home: Path, address: str) -> None:
-    """A Flower config whose only connection is our SuperLink, so nothing else is reached."""
-    flwr_home.mkdir(parents=True, exist_ok=True)
-    (flwr_home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-        f'[superlink.{CONNECTION}]\naddress = "{address}"\ninsecure = true\n'
-    )
+def simulate(overrides: dict, timeout: float) -> int:
+    """Run one simulation to its end; the exit code of ``flower_runs.exit_code`` (0 completed,
+    3 degraded, 1 failed, 130 interrupted), 1 as well when a process survived the stop.
 
-
-def _flwr(args: Sequence[str], env: Mapping[str, str], timeout: float = 120.0) -> str:
-    try:
-        result = subprocess.run(
-            [flower_executable("flwr"), *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        raise SimulationError(f"`flwr {' '.join(args[:2])}` hung for {timeout:.0f}s") from None
-    if result.returncode != 0:
-        detail = (result.stdout + result.stderr).strip()
-        raise SimulationError(f"`flwr {' '.join(args[:2])}` failed: {detail}")
-    return result.stdout
-
-
-def _json_tail(text: str) -> dict:
-    """The JSON object ``flwr ... --format json`` prints (after any notice lines)."""
-    return json.loads(text[text.index("{") :])
-
-
-def submit(
-    project_dir: Path, overrides: Mapping[str, object], n_supernodes: int, env: Mapping
-) -> int:
-    """`flwr run`; returns the run id. One --run-config per key keeps quoting simple."""
-    command = ["run", str(project_dir), CONNECTION, "--format", "json"]
-    for key, value in overrides.items():
-        command += ["--run-config", f"{key}={toml_value(value)}"]
-    command += [
-        "--federation-config",
-        f"num-supernodes={n_supernodes} client-resources-num-cpus=1 client-resources-num-gpus=0.0",
-    ]
-    reply = _json_tail(_flwr(command, env))
-    if not reply.get("success") or reply.get("run-id") is None:
-        raise SimulationError(f"`flwr run` did not start a run: {reply}")
-    return int(reply["run-id"])
-
-
-def run_status(run_id: int, env: Mapping[str, str]) -> str:
-    """``pending``, ``starting``, ``running`` or ``finished:<completed|failed|stopped>``."""
-    reply = _json_tail(_flwr(["ls", CONNECTION, "--run-id", str(run_id), "--format", "json"], env))
-    runs = reply.get("runs") or []
-    if not runs:
-        raise SimulationError(f"the SuperLink does not know run {run_id}: {reply}")
-    return str(runs[0]["status"])
-
-
-def stream_logs(run_id: int, env: Mapping[str, str]) -> subprocess.Popen:
-    """`flwr log --stream` in the background, onto our stdout: the ServerApp's progress."""
-    return subprocess.Popen(
-        [flower_executable("flwr"), "log", str(run_id), CONNECTION, "--stream"],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-
-
-def summarize(run_dir: Path) -> str:
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    faa = metrics.get("final_average_accuracy")
-    parts = [f"FAA {faa:.2f}%" if isinstance(faa, int | float) else "FAA n/a"]
-    forgetting = metrics.get("final_forgetting")
-    if isinstance(forgetting, int | float):
-        parts.append(f"forgetting {forgetting:.2f}")
-    parts.append(f"server wall {metrics.get('wall_time_s', 0):.0f}s")
-    return " · ".join(parts)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def simulate(project_dir: Path, overrides: dict, timeout: float) -> int:
-    """Run one simulation to its end; 0 when it finished:completed with a metrics.json.
-
-    SIGTERM is handled like Ctrl-C (stop the run, then every process), so a CI or test
-    timeout that terminates this command leaves nothing behind.
+    SIGTERM is handled like Ctrl-C (stop the run, mark the folder, stop every process), so a CI
+    or test timeout that terminates this command leaves nothing behind.
     """
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        return _simulate(project_dir, overrides, timeout)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _simulate(project_dir: Path, overrides: dict, timeout: float) -> int:
     run_dir = Path(str(overrides["results-dir"])) / str(overrides["run-name"])
     run_dir.mkdir(parents=True, exist_ok=True)
     flwr_home = run_dir / ".flwr"
-    env = flower_env(flwr_home)
+    cli = FlowerCli(flwr_home)
     n_supernodes = int(overrides["num-clients"])  # ClientApps read num-partitions from it
     started = time.monotonic()
-    superlink = LocalSuperLink(flwr_home, run_dir, env)
-    write_flower_config(flwr_home, superlink.address)
-    logs: subprocess.Popen | None = None
-    run_id: int | None = None
-    status = "not started"
-    try:
-        superlink.start()
-        print(f"SuperLink on {superlink.address}, FLWR_HOME={flwr_home}")
-        run_id = submit(project_dir, overrides, n_supernodes, env)
-        print(f"run {run_id}: {n_supernodes} simulated clients, results in {run_dir}", flush=True)
-        logs = stream_logs(run_id, env)
-        while True:
-            superlink.watch()
-            status = run_status(run_id, env)
-            if status.startswith(FINISHED):
-                break
-            if time.monotonic() - started > timeout:
-                status = f"timed out (--timeout {timeout:.0f})"
-                _flwr(["stop", str(run_id), CONNECTION], env)
-                break
-            time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        status = "interrupted"
-        if run_id is not None:
-            with contextlib.suppress(SimulationError):  # best effort: the SuperLink goes next
-                _flwr(["stop", str(run_id), CONNECTION], env)
-    except SimulationError as err:
-        status = f"failed: {err}"
-    finally:
-        if logs is not None:
-            try:
-                logs.wait(10)  # the stream ends by itself once the run has finished
-            except subprocess.TimeoutExpired:
-                logs.terminate()
-                logs.wait()
-        survivors = superlink.stop()
+    submitted_at = time.time()
+    superlink = LocalSuperLink(flwr_home, run_dir, flower_env(flwr_home))
+    flower_runs.write_connection(flwr_home, superlink.address)
+    app = flower_runs.write_app(flwr_home / "app")
+    outcome = RunOutcome(None, "not started")
+    federation = {
+        "num-supernodes": n_supernodes,
+        "client-resources-num-cpus": CLIENT_CPUS,
+        "client-resources-num-gpus": 0.0,
+    }
+    with flower_runs.sigterm_as_interrupt():
+        try:
+            superlink.start()
+            print(f"SuperLink on {superlink.address}, FLWR_HOME={flwr_home}")
+            outcome = flower_runs.run_to_end(
+                cli,
+                app,
+                overrides,
+                federation_config=federation,
+                timeout_s=timeout,
+                on_submitted=lambda run_id: print(
+                    f"run {run_id}: {n_supernodes} simulated clients, results in {run_dir}",
+                    flush=True,
+                ),
+                on_poll=superlink.watch,
+            )
+        except KeyboardInterrupt:  # before the run was submitted
+            outcome = RunOutcome(None, flower_runs.INTERRUPTED)
+        except (SimulationError, FlowerRunError, processes.ProcessError) as err:
+            outcome = RunOutcome(outcome.run_id, f"failed: {err}")
+        finally:
+            survivors = superlink.stop()
     wall = time.monotonic() - started
     if survivors:
-        print(f"error: processes still running after stop: {sorted(survivors)}", file=sys.stderr)
-    if status != COMPLETED or not (run_dir / "metrics.json").is_file():
+        pids = sorted(p.pid for p in survivors)
+        print(f"error: processes still running after stop: {pids}", file=sys.stderr)
+    if outcome.interrupted:
+        report_interrupted(run_dir, outcome, superlink.log_file)
+        return flower_runs.EXIT_INTERRUPTED
+    metrics = flower_runs.read_metrics(run_dir, since=submitted_at)
+    if outcome.status != COMPLETED or metrics is None:
         print(
-            f"error: run {run_id} {status} after {wall:.0f}s; logs: `flwr log` output above, "
-            f"{superlink.log_file}",
+            f"error: run {outcome.run_id} {outcome.status} after {wall:.0f}s; logs: `flwr log` "
+            f"output above, {superlink.log_file}",
             file=sys.stderr,
         )
-        return 1
-    print(f"{status} in {wall:.0f}s · {summarize(run_dir)}")
+        return flower_runs.EXIT_FAILED
+    print(f"{outcome.status} in {wall:.0f}s · {flower_runs.summarize(metrics)}")
     print(f"results: {run_dir} (metrics.json, accuracy_matrix.png, codebook.bin)")
-    return 1 if survivors else 0
+    return flower_runs.EXIT_FAILED if survivors else flower_runs.exit_code(outcome, metrics)
 
 
-# --- command line --------------------------------------------------------------------------
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "simulate",
-        help="federated simulation with `flwr run` on this machine (Ray), start to finish",
-        description=(
-            "Run the federated scenario as a real Flower simulation: start a private "
-            "localhost SuperLink, submit the app with `flwr run`, follow it until it "
-            "finishes, stop every process it started. Unset options keep the defaults of "
-            "[tool.flwr.app.config] in pyproject.toml; the number of simulated SuperNodes "
-            "always equals num-clients."
-        ),
-    )
-    sc = p.add_argument_group("scenario")
-    sc.add_argument("--clients", type=int, help="simulated clients (= SuperNodes)")
-    sc.add_argument("--tasks", type=int, help="number of tasks")
-    sc.add_argument("--classes-per-task", type=int, help="0: all classes / tasks")
-    sc.add_argument("--alpha", type=float, help="Dirichlet concentration of the partition")
-    sc.add_argument("--seed", type=int, help="class order, partition and training")
-    sc.add_argument("--arrival-offset", type=int, help="client i joins i*offset steps late")
-    tr = p.add_argument_group("protocol")
-    tr.add_argument("--stage1-rounds", type=int, help="federated rounds of stage 1 per task")
-    tr.add_argument("--stage2-rounds", type=int, help="federated rounds of stage 2 per task")
-    tr.add_argument("--epochs", type=int, help="local stage-1 and stage-2 epochs per round")
-    out = p.add_argument_group("run")
-    out.add_argument("--results-dir", help="default: results (relative to this directory)")
-    out.add_argument("--run-name", help="default: fed-<UTC timestamp>")
-    out.add_argument(
-        "--run-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any [tool.flwr.app.config] key, TOML value (repeatable)",
-    )
-    out.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
-    out.add_argument("--project-dir", help="starfed checkout (default: this installation's)")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
+def report_interrupted(run_dir: Path, outcome: RunOutcome, superlink_log: Path) -> None:
+    """Mark the run folder interrupted (``interrupted.json``: when, which run, where the
+    protocol stood) and say how to look at it: the folder holds a federation stopped mid-way,
+    next to whatever an earlier phase wrote."""
     try:
-        project_dir = find_project_dir(args.project_dir)
-        overrides = build_overrides(args, load_app_config(project_dir))
-        return simulate(project_dir, overrides, args.timeout)
-    except SimulationError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        checkpoint = Federation.open(run_dir).last_checkpoint()
+    except FederationError:  # stopped before the ServerApp made its folder
+        checkpoint = None
+    position = None if checkpoint is None else checkpoint.position
+    marker = {
+        "interrupted_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "run_id": outcome.run_id,
+        "position": None if position is None else asdict(position),
+        "codebook_version": None if checkpoint is None else checkpoint.version,
+    }
+    (run_dir / INTERRUPTED_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    if position is None or not position.running:
+        where = "before any step started" if position is None else f"after {position.step} steps"
+    else:
+        where = f"during step {position.step + 1} ({', '.join(position.done) or 'no phase'} done)"
+    print(
+        f"interrupted: run {outcome.run_id} stopped {where}; marked in "
+        f"{run_dir / INTERRUPTED_FILE}",
+        file=sys.stderr,
+    )
+    print(
+        f"look at it: starfed server status --federation {run_dir}  (logs: {superlink_log})",
+        file=sys.stderr,
+    )

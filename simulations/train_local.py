@@ -1,18 +1,17 @@
-"""`starfed train-local`: single-site continual STAR-Prompt over Split CropDiseases.
+"""Single-site continual STAR-Prompt over Split CropDiseases (`starfed train-local` runs it).
 
 The baseline every federated run is compared with: one site holds all the data and learns
 the tasks in order. Writes ``metrics.json``, ``accuracy_matrix.png`` and the final codebook
-(``codebook.bin``) into the results directory and prints one table row per task.
+(``codebook.bin``) into the results directory and prints one table row per task. The command
+line is ``starfed.cli.train_local``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -22,9 +21,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root, decode_images
+from starfed.shared.config import BackboneOptions, Values, optional
+from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root, decode_images
+from starfed.shared.data.site_folder import class_key
+from starfed.shared.device import resolve
 from starfed.shared.metrics import final_average_accuracy, final_forgetting, plot_accuracy_matrix
-from starfed.shared.model.backbones import PAPER_VIT_TAGS, PRESETS, create_backbones
+from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.evaluation import evaluate_decoded
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig, clip_features, learn_task
@@ -36,7 +38,7 @@ CODEBOOK_FILE = "codebook.bin"
 class LocalRunOptions:
     """Everything that defines a single-site run (recorded in metrics.json)."""
 
-    data_root: str = field(default_factory=lambda: str(bundled_dataset_root()))
+    data_root: str = field(default_factory=dataset_root)
     n_tasks: int = 7
     classes_per_task: int | None = None
     preset: str = "tiny"
@@ -46,10 +48,33 @@ class LocalRunOptions:
     download: bool = False
     vit_tag: str = "augreg_in21k"
     classify_with_keys: bool = False
+    device: str = "auto"  # starfed.shared.device
     results_dir: str = "results"
     run_name: str | None = None
     cache_dir: str | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    @classmethod
+    def from_config(cls, values: Values, own: Values) -> LocalRunOptions:
+        """From parsed run-config values and the command's own options (``--download``, ...)."""
+        backbones = BackboneOptions.from_config(values)
+        return cls(
+            data_root=dataset_root(values["data-root"]),
+            n_tasks=values["num-tasks"],
+            classes_per_task=values["classes-per-task"] or None,
+            preset=backbones.preset,
+            backbone_config=backbones.config_path,
+            clip_weights=backbones.clip_weights,
+            vit_weights=backbones.vit_weights,
+            download=own["download"],
+            vit_tag=own["vit-tag"],
+            classify_with_keys=own["classify-with-keys"],
+            device=values["device"],
+            results_dir=values["results-dir"],
+            run_name=optional(values["run-name"]),
+            cache_dir=optional(own["cache-dir"]),
+            train=TrainConfig.from_config(values),
+        )
 
 
 def _progress(console: Console) -> Progress:
@@ -79,7 +104,7 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
         vit_weights=options.vit_weights,
         download=options.download,
         vit_tag=options.vit_tag,
-    )
+    ).place(resolve(options.device))
     model = StarPrompt(backbones, confidence_modulation=config.confidence_modulation)
     size = backbones.config.image_size
     console.print(
@@ -87,7 +112,9 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
         f"from {split.root} · backbones {backbones.config.name} "
         f"({backbones.fingerprint[:12]}) · seed {config.seed}"
     )
-    train = decode_images(split.samples("train", range(split.n_tasks)), size, options.cache_dir)
+    train = decode_images(
+        split.samples("train", range(split.n_tasks)), size, options.cache_dir, every_class=True
+    )
     test = decode_images(split.samples("test", range(split.n_tasks)), size, options.cache_dir)
     if train.n_skipped or test.n_skipped:
         console.print(f"[yellow]skipped {train.n_skipped + test.n_skipped} unreadable images")
@@ -102,9 +129,15 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
             task_start = time.perf_counter()
             labels = split.task_labels(t)
             n_past = len(model)
-            model.add_classes([split.class_folders[r] for r in labels], seed=config.seed)
-            in_task = torch.isin(train.labels, torch.tensor(labels))
-            images, targets = train.images[in_task], train.labels[in_task]
+            # A task's classes are registered in class-key order, as a federation does.
+            names = sorted((split.class_folders[label] for label in labels), key=class_key)
+            model.add_classes(names, seed=config.seed)
+            row_of = {split.class_folders.index(name): n_past + i for i, name in enumerate(names)}
+            # Images in class-row then file order: the order a site reads its task folder in.
+            in_task = torch.isin(train.labels, torch.tensor(labels)).nonzero().flatten().tolist()
+            in_task.sort(key=lambda i: (row_of[int(train.labels[i])], train.paths[i]))
+            images = train.images[in_task]
+            targets = torch.tensor([row_of[int(train.labels[i])] for i in in_task])
             features = clip_features(backbones, images)
             learn_task(model, images, targets, features, n_past, t, config, progress)
 
@@ -150,11 +183,12 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    Codebook.from_bank(
-        model.bank,
+    finished = {entry.name: replace(entry, frozen=True) for entry in model.bank.entries()}
+    Codebook(
         backbones.fingerprint,
+        backbones.dims,
+        finished,
         version=split.n_tasks,
-        frozen=model.bank.names,
         metadata={"producer": "starfed train-local", "seed": str(config.seed)},
     ).save(run_dir / CODEBOOK_FILE)
     plot_accuracy_matrix(
@@ -170,79 +204,3 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     )
     metrics["run_dir"] = str(run_dir)
     return metrics
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    defaults = TrainConfig()
-    p = subparsers.add_parser(
-        "train-local",
-        help="single-site continual training over Split CropDiseases (the baseline)",
-        description=(
-            "Train STAR-Prompt on one site, task after task, and evaluate on every seen task. "
-            "Defaults: the bundled 28-class mini set (7 tasks × 4), tiny random backbones, the "
-            "reference's Split CropDiseases hyper-parameters."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    data = p.add_argument_group("data")
-    data.add_argument("--data-root", default=str(bundled_dataset_root()), help="ImageFolder root")
-    data.add_argument("--tasks", type=int, default=7, help="number of tasks")
-    data.add_argument("--classes-per-task", type=int, default=None, help="default: all / tasks")
-    data.add_argument("--seed", type=int, default=defaults.seed, help="class order and training")
-    data.add_argument("--cache-dir", default=None, help="reuse decoded images across runs")
-    bb = p.add_argument_group("backbones")
-    bb.add_argument("--preset", choices=PRESETS, default="tiny")
-    bb.add_argument("--backbone-config", default=None, help="JSON config (overrides --preset)")
-    bb.add_argument("--clip-weights", default=None, help="local CLIP weights (.safetensors/.pt)")
-    bb.add_argument("--vit-weights", default=None, help="local ViT weights (.safetensors/.pt)")
-    bb.add_argument("--download", action="store_true", help="fetch paper weights from the hub")
-    bb.add_argument("--vit-tag", choices=PAPER_VIT_TAGS, default="augreg_in21k")
-    tr = p.add_argument_group("training")
-    tr.add_argument("--epochs", type=int, default=None, help="stage-1 and stage-2 epochs")
-    tr.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    tr.add_argument("--replay-epochs", type=int, default=None, help="first-level replay epochs")
-    ab = p.add_argument_group("ablations (paper, Tab. 3)")
-    ab.add_argument("--no-generative-replay", action="store_true")
-    ab.add_argument("--unimodal", action="store_true", help="one Gaussian instead of a MoG")
-    ab.add_argument("--no-confidence-modulation", action="store_true")
-    ab.add_argument("--classify-with-keys", action="store_true", help="predict with keys only")
-    out = p.add_argument_group("output")
-    out.add_argument("--results-dir", default="results")
-    out.add_argument("--run-name", default=None, help="default: local-<timestamp>")
-    out.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    torch.set_num_threads(max(1, args.threads))
-    overrides = {}
-    if args.epochs is not None:
-        overrides |= {"stage1_epochs": args.epochs, "stage2_epochs": args.epochs}
-    if args.replay_epochs is not None:
-        overrides["replay1_epochs"] = args.replay_epochs
-    train = TrainConfig(
-        seed=args.seed,
-        batch_size=args.batch_size,
-        generative_replay=not args.no_generative_replay,
-        mixture_components=1 if args.unimodal else TrainConfig.mixture_components,
-        confidence_modulation=not args.no_confidence_modulation,
-        **overrides,
-    )
-    options = LocalRunOptions(
-        data_root=args.data_root,
-        n_tasks=args.tasks,
-        classes_per_task=args.classes_per_task,
-        preset=args.preset,
-        backbone_config=args.backbone_config,
-        clip_weights=args.clip_weights,
-        vit_weights=args.vit_weights,
-        download=args.download,
-        vit_tag=args.vit_tag,
-        classify_with_keys=args.classify_with_keys,
-        results_dir=args.results_dir,
-        run_name=args.run_name,
-        cache_dir=args.cache_dir,
-        train=train,
-    )
-    run_local(options)
-    return 0

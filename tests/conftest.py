@@ -1,4 +1,4 @@
-"""Shared fixtures: small random class banks with tiny dims for codebook and merge tests."""
+"""Shared fixtures: small random codebooks with tiny dims for codebook and merge tests."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from starfed.shared.codebook.codebook import row_shape
-from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.schema import ModelDims
 
 TINY_DIMS = ModelDims(d_txt=8, d_clip=6, d_vit=10, n_layers=2)
 FINGERPRINT = "ab" * 32
@@ -25,35 +27,45 @@ def random_mixture(dim: int, generator: torch.Generator, n_components: int = 3) 
     )
 
 
-def random_bank(
+def random_entries(
     dims: ModelDims = TINY_DIMS,
     n_classes: int = 4,
     seed: int = 0,
     prefix: str = "class",
     mixtures: bool = True,
-) -> ClassBank:
-    """A bank whose every value is random (counts >= 1, versions 0..2, optional mixtures)."""
+) -> list[ClassEntry]:
+    """Entries whose every value is random (counts >= 1, versions 0..2, optional mixtures)."""
     generator = torch.Generator().manual_seed(seed)
-    bank = ClassBank(dims)
-    names = [f"{prefix}_{i}" for i in range(n_classes)]
-    rows = {
-        f: torch.randn(n_classes, *row_shape(f, dims), generator=generator)
-        for f in ClassBank.TENSOR_FIELDS
-    }
-    bank.append(names, rows)
+    entries = []
     for i in range(n_classes):
-        bank.counts[i] = 10 + i
-        bank.versions[i] = i % 3
-        if mixtures:
-            bank.clip_mixtures[i] = random_mixture(dims.d_clip, generator)
-            bank.vit_mixtures[i] = random_mixture(dims.d_vit, generator)
-    return bank
+        values = {}
+        for f in schema.FIELDS:
+            if f.kind is schema.Kind.TENSOR:
+                values[f.name] = torch.randn(f.shape(dims), generator=generator)
+            elif mixtures:
+                values[f.name] = random_mixture(f.shape(dims)[0], generator)
+        entries.append(ClassEntry(f"{prefix}_{i}", 10 + i, values, version=i % 3))
+    return entries
+
+
+def random_codebook(
+    dims: ModelDims = TINY_DIMS, n_classes: int = 4, seed: int = 0, **codebook_fields
+) -> Codebook:
+    entries = random_entries(dims, n_classes, seed)
+    codebook_fields.setdefault("version", 2)
+    return Codebook(FINGERPRINT, dims, {e.name: e for e in entries}, **codebook_fields)
 
 
 @pytest.fixture(scope="session")
-def make_bank() -> Callable[..., ClassBank]:
-    """Factory for random banks: ``make_bank(dims=..., n_classes=..., seed=..., prefix=...)``."""
-    return random_bank
+def make_entries() -> Callable[..., list[ClassEntry]]:
+    """Factory: ``make_entries(dims=..., n_classes=..., seed=..., prefix=..., mixtures=...)``."""
+    return random_entries
+
+
+@pytest.fixture(scope="session")
+def make_codebook() -> Callable[..., Codebook]:
+    """Factory for random codebooks (fingerprint ``FINGERPRINT``, version 2 by default)."""
+    return random_codebook
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,16 +14,12 @@ import torch
 
 from starfed.cli import main as cli_main
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.codebook.codebook import (
-    MIXTURE_FIELDS,
-    PHASE_FIELDS,
-    ClientUpdate,
-    Codebook,
-    CodebookError,
-    Phase,
-)
-from starfed.shared.codebook.entry import ClassBank, ModelDims
+from starfed.shared.codebook import schema, wire
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
+from starfed.shared.codebook.entry import ClassBank, ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.protocol import Phase
 
 
 def assert_mixtures_equal(a: GaussianMixture | None, b: GaussianMixture | None) -> None:
@@ -34,96 +31,141 @@ def assert_mixtures_equal(a: GaussianMixture | None, b: GaussianMixture | None) 
             assert torch.equal(getattr(a, name), getattr(b, name))
 
 
-def assert_banks_equal(a: ClassBank, b: ClassBank) -> None:
+def assert_entries_equal(a: Codebook, b: Codebook) -> None:
     assert a.dims == b.dims
     assert a.names == b.names
-    assert a.counts == b.counts
-    assert a.versions == b.versions
-    for name in ClassBank.TENSOR_FIELDS:
-        assert getattr(a, name).dtype == getattr(b, name).dtype == torch.float32
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-    for name in MIXTURE_FIELDS:
-        for x, y in zip(getattr(a, name), getattr(b, name), strict=True):
-            assert_mixtures_equal(x, y)
+    for x, y in zip(a.entries.values(), b.entries.values(), strict=True):
+        assert (x.count, x.version, x.frozen) == (y.count, y.version, y.frozen)
+        assert set(x.values) == set(y.values), x.name
+        for name, value in x.values.items():
+            if isinstance(value, GaussianMixture):
+                assert_mixtures_equal(value, y.values[name])
+            else:
+                assert y.values[name].dtype == torch.float32
+                assert torch.equal(value, y.values[name]), name
 
 
 @pytest.fixture
-def codebook(make_bank: Callable[..., ClassBank], fingerprint: str) -> Codebook:
-    bank = make_bank(n_classes=4)
-    bank.clip_mixtures[3] = None  # a class whose statistics are not fitted yet
-    bank.vit_mixtures[3] = None
-    return Codebook.from_bank(
-        bank, fingerprint, version=5, frozen={"class_0"}, metadata={"seed": "1993", "task": "2"}
-    )
+def codebook(make_codebook: Callable[..., Codebook]) -> Codebook:
+    """4 classes, version 5, class_0 frozen, class_3 without statistics yet."""
+    codebook = make_codebook(version=5, metadata={"seed": "1993", "task": "2"})
+    last = codebook["class_3"]
+    unfitted = {f: v for f, v in last.values.items() if f not in schema.MIXTURES}
+    entries = {
+        **codebook.entries,
+        "class_0": replace(codebook["class_0"], frozen=True),
+        "class_3": replace(last, values=unfitted),
+    }
+    return replace(codebook, entries=entries)
 
 
 # --- round trips ---------------------------------------------------------------------------------
 
 
-def test_bank_bytes_bank_round_trip_is_exact(codebook: Codebook, fingerprint: str) -> None:
+def test_bytes_round_trip_is_exact(codebook: Codebook, fingerprint: str) -> None:
     decoded = Codebook.from_bytes(codebook.to_bytes())
-    assert_banks_equal(decoded.to_bank(), codebook.bank)
+    assert_entries_equal(decoded, codebook)
     assert decoded.fingerprint == fingerprint
     assert decoded.version == 5
     assert decoded.frozen == {"class_0"}
     assert decoded.metadata == {"seed": "1993", "task": "2"}
-    assert decoded.dims == codebook.dims
-
-
-def test_proto_round_trip_is_exact(codebook: Codebook) -> None:
-    assert_banks_equal(Codebook.from_proto(codebook.to_proto()).bank, codebook.bank)
 
 
 def test_empty_codebook_round_trips(tiny_dims: ModelDims, fingerprint: str) -> None:
-    decoded = Codebook.from_bytes(Codebook(fingerprint, ClassBank(tiny_dims)).to_bytes())
-    assert decoded.bank.names == []
-    assert decoded.bank.query_prompts.shape == (0, tiny_dims.n_layers, tiny_dims.d_vit)
+    decoded = Codebook.from_bytes(Codebook(fingerprint, tiny_dims).to_bytes())
+    assert decoded.names == [] and decoded.dims == tiny_dims
+    assert decoded.bank()["query_prompt"].shape == (0, tiny_dims.n_layers, tiny_dims.d_vit)
 
 
-def test_from_bank_and_to_bank_copy(
-    codebook: Codebook, make_bank: Callable[..., ClassBank]
-) -> None:
-    bank = make_bank()
-    snapshot = Codebook.from_bank(bank, "f" * 64)
-    bank.prompts.add_(1.0)
-    assert not torch.equal(snapshot.bank.prompts, bank.prompts)
-    copy = codebook.to_bank()
-    copy.prompts.zero_()
-    assert codebook.bank.prompts.abs().sum() > 0
+def test_bank_and_entries_convert_both_ways_with_copies(codebook: Codebook) -> None:
+    bank = codebook.bank()
+    assert bank.names == codebook.names
+    assert bank["clip_mixture"][3] is None
+    bank["prompt"].add_(1.0)  # training a bank never changes the codebook
+    assert not torch.equal(codebook["class_1"].values["prompt"], bank["prompt"][1])
+    entries = bank.entries(["class_2"], fields=("key", "vit_mixture"))
+    assert set(entries[0].values) == {"key", "vit_mixture"}
+    entries[0].values["key"].zero_()
+    assert bank["key"][2].abs().sum() > 0
+    again = ClassBank.from_entries(codebook.dims, bank.entries())
+    for name in schema.TENSORS:
+        assert torch.equal(again[name], bank[name])
 
 
 def test_serialisation_is_deterministic(codebook: Codebook) -> None:
-    reordered = Codebook.from_bank(
-        codebook.bank,
-        codebook.fingerprint,
-        version=codebook.version,
-        frozen=codebook.frozen,
-        metadata=dict(reversed(codebook.metadata.items())),
-    )
+    reordered = replace(codebook, metadata=dict(reversed(codebook.metadata.items())))
     assert codebook.to_bytes() == reordered.to_bytes()
 
 
+def test_evolving_returns_new_values(codebook: Codebook) -> None:
+    key = torch.ones(codebook.dims.d_clip)
+    newer = codebook.set_values({"class_1": {"key": key}}, {"class_1": 99}, freeze=["class_2"])
+    assert newer.version == 6 and codebook.version == 5
+    assert torch.equal(newer["class_1"].values["key"], key)
+    assert not torch.equal(codebook["class_1"].values["key"], key)
+    assert (newer["class_1"].count, newer["class_1"].version) == (99, 6)
+    assert newer.frozen == {"class_0", "class_2"} and codebook.frozen == {"class_0"}
+    assert newer["class_0"] is codebook["class_0"]  # untouched entries are shared
+    smaller = newer.without(["class_1"])
+    assert smaller.names == ["class_0", "class_2", "class_3"] and smaller.version == 7
+    assert newer["class_1"].field_versions["key"] == 6
+    assert "prompt" not in newer["class_1"].field_versions  # unchanged: no new stamp
+
+
+def test_a_delta_carries_what_changed_and_rebuilds_the_codebook(codebook: Codebook) -> None:
+    held = codebook.broadcast()  # what a site keeps
+    key = torch.ones(codebook.dims.d_clip)
+    newer = codebook.set_values({"class_1": {"key": key}}, freeze=["class_2"])
+    newer = newer.register([replace(codebook["class_0"], name="class_9", frozen=False)])
+    newer = newer.without(["class_3"])
+    delta = newer.delta(since=codebook.version)
+    assert delta.names == ["class_0", "class_1", "class_2", "class_9"]
+    assert set(delta.entries) == {"class_1", "class_2", "class_9"}
+    assert set(delta.entries["class_1"].values) == {"key"}  # only the changed field
+    assert delta.entries["class_2"].values == {}  # frozen, nothing else changed
+    assert set(delta.entries["class_9"].values) == set(schema.BROADCAST)
+    decoded = wire.decode_broadcast(delta.to_bytes())
+    assert isinstance(decoded, Delta)
+    rebuilt = held.apply(decoded)
+    assert_entries_equal(rebuilt, replace(newer.broadcast(), metadata=rebuilt.metadata))
+    assert len(delta.to_bytes()) < len(newer.broadcast().to_bytes()) / 2
+
+
+def test_a_delta_applies_only_to_its_base(codebook: Codebook) -> None:
+    newer = codebook.set_values({"class_1": {"key": torch.ones(codebook.dims.d_clip)}})
+    newest = newer.set_values({"class_2": {"key": torch.ones(codebook.dims.d_clip)}})
+    with pytest.raises(CodebookError, match="cannot apply to version"):
+        codebook.broadcast().apply(newest.delta(since=newer.version))
+    with pytest.raises(CodebookError, match="a delta, not a whole codebook"):
+        Codebook.from_bytes(newest.delta(since=newer.version).to_bytes())
+    lost = newest.delta(since=codebook.version)
+    lost.names.append("ghost")  # a class the receiver does not have and the delta lacks
+    with pytest.raises(CodebookError, match="ghost"):
+        codebook.broadcast().apply(lost)
+
+
 def test_float16_halves_tensors_within_documented_error(codebook: Codebook) -> None:
-    bank = codebook.bank
-    bank.prompts[1, :3] = torch.tensor([1e-6, -3e-7, 60000.0])  # subnormal and near the top
+    prompt = codebook["class_1"].values["prompt"]
+    prompt[:3] = torch.tensor([1e-6, -3e-7, 60000.0])  # subnormal and near the top
     full, half = codebook.to_bytes("float32"), codebook.to_bytes("float16")
-    tensor_values = sum(getattr(bank, f).numel() for f in ClassBank.TENSOR_FIELDS)
+    tensor_values = sum(codebook.bank()[name].numel() for name in schema.TENSORS)
     assert len(full) - len(half) == 2 * tensor_values
     decoded = Codebook.from_bytes(half)
-    for name in ClassBank.TENSOR_FIELDS:
-        original, restored = getattr(bank, name), getattr(decoded.bank, name)
-        assert restored.dtype == torch.float32
-        bound = torch.maximum(original.abs() * 2.0**-11, torch.full_like(original, 2.0**-25))
-        assert ((restored - original).abs() <= bound).all(), name
-    for name in MIXTURE_FIELDS:  # always float64, exact
-        for x, y in zip(getattr(bank, name), getattr(decoded.bank, name), strict=True):
-            assert_mixtures_equal(x, y)
+    for x, y in zip(codebook.entries.values(), decoded.entries.values(), strict=True):
+        for name, original in x.values.items():
+            restored = y.values[name]
+            if isinstance(original, GaussianMixture):  # always float64, exact
+                assert_mixtures_equal(original, restored)
+                continue
+            assert restored.dtype == torch.float32
+            bound = torch.maximum(original.abs() * 2.0**-11, torch.full_like(original, 2.0**-25))
+            assert ((restored - original).abs() <= bound).all(), name
 
 
 def test_float16_overflow_is_refused(codebook: Codebook) -> None:
-    codebook.bank.keys[2, 0] = 1e5
+    codebook["class_2"].values["key"][0] = 1e5
     codebook.to_bytes("float32")
-    with pytest.raises(CodebookError, match=r"class_2/keys.*FLOAT16"):
+    with pytest.raises(CodebookError, match=r"class_2/key.*FLOAT16"):
         codebook.to_bytes("float16")
 
 
@@ -132,9 +174,9 @@ def test_unknown_wire_dtype_is_a_usage_error(codebook: Codebook) -> None:
         codebook.to_bytes("bfloat16")
 
 
-def test_encoding_refuses_invalid_values(codebook: Codebook) -> None:
-    codebook.bank.query_weights[1, 0, 0] = float("nan")
-    with pytest.raises(CodebookError, match=r"class_1.*query_weights.*NaN"):
+def test_encoding_refuses_non_finite_values(codebook: Codebook) -> None:
+    codebook["class_1"].values["query_weight"][0, 0] = float("nan")
+    with pytest.raises(CodebookError, match=r"class_1/query_weight: NaN"):
         codebook.to_bytes()
 
 
@@ -142,13 +184,14 @@ def test_encoding_refuses_invalid_values(codebook: Codebook) -> None:
 
 
 def test_broadcast_copy_leaves_out_only_the_mixtures(codebook: Codebook) -> None:
-    lean = codebook.without_mixtures()
+    lean = codebook.broadcast()
     decoded = Codebook.from_bytes(lean.to_bytes())
-    assert decoded.bank.names == codebook.bank.names and decoded.frozen == codebook.frozen
-    for name in ClassBank.TENSOR_FIELDS:
-        assert torch.equal(getattr(decoded.bank, name), getattr(codebook.bank, name))
-    assert all(m is None for m in decoded.bank.clip_mixtures + decoded.bank.vit_mixtures)
-    assert any(m is not None for m in codebook.bank.clip_mixtures)  # the original is untouched
+    assert decoded.names == codebook.names and decoded.frozen == codebook.frozen
+    for x, y in zip(codebook.entries.values(), decoded.entries.values(), strict=True):
+        assert set(y.values) == set(schema.BROADCAST) == set(schema.TENSORS)
+        for name in schema.BROADCAST:
+            assert torch.equal(x.values[name], y.values[name])
+    assert "clip_mixture" in codebook["class_0"].values  # the original is untouched
     assert len(lean.to_bytes()) < len(codebook.to_bytes())
 
 
@@ -156,7 +199,7 @@ def test_file_round_trip(codebook: Codebook, tmp_path: Path) -> None:
     path = tmp_path / "model.codebook"
     codebook.save(path)
     codebook.save(path)  # replacing an existing file
-    assert_banks_equal(Codebook.load(path).bank, codebook.bank)
+    assert_entries_equal(Codebook.load(path), codebook)
     assert os.listdir(tmp_path) == ["model.codebook"]  # no temporary file left behind
 
 
@@ -220,9 +263,9 @@ def test_expected_fingerprint_and_dims(codebook: Codebook, tiny_dims: ModelDims)
 def test_size_limit_is_checked_before_parsing(codebook: Codebook) -> None:
     data = codebook.to_bytes()
     with pytest.raises(CodebookError, match="exceeds the limit"):
-        Codebook.from_bytes(data, max_bytes=len(data) - 1)
+        wire.decode_codebook(data, max_bytes=len(data) - 1)
     with pytest.raises(CodebookError, match="exceeds the limit"):
-        Codebook.from_bytes(b"\xff" * 100, max_bytes=10)  # garbage never reaches the parser
+        wire.decode_codebook(b"\xff" * 100, max_bytes=10)  # garbage never reaches the parser
 
 
 def test_garbage_is_a_codebook_error() -> None:
@@ -299,104 +342,86 @@ MUTATIONS: dict[str, tuple[Callable[[pb.Codebook], None], str]] = {
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_invalid_messages_are_rejected(codebook: Codebook, mutation: str) -> None:
     mutate, reason = MUTATIONS[mutation]
-    message = codebook.to_proto()
+    message = wire.to_proto(codebook)
     mutate(message)
     with pytest.raises(CodebookError, match=reason):
         Codebook.from_bytes(message.SerializeToString())
 
 
 def test_untrained_entry_may_have_count_zero(codebook: Codebook) -> None:
-    codebook.bank.counts[3] = 0  # registered at sync, nothing fitted yet
-    assert Codebook.from_bytes(codebook.to_bytes()).bank.counts[3] == 0
+    codebook["class_3"].count = 0  # registered at sync, nothing fitted yet
+    assert Codebook.from_bytes(codebook.to_bytes())["class_3"].count == 0
 
 
-def test_frozen_names_must_exist(codebook: Codebook) -> None:
-    codebook.frozen.add("ghost")
-    with pytest.raises(CodebookError, match="ghost"):
-        codebook.validate()
+# --- site updates ------------------------------------------------------------------------------
 
 
-# --- client updates ------------------------------------------------------------------------------
+def site_update(codebook: Codebook, phase: Phase, names=("class_1", "class_2")) -> ClientUpdate:
+    """What a site holding ``names`` returns for ``phase``: the phase's fields, its counts."""
+    entries = codebook.bank().entries(names, fields=schema.trained_in(phase))
+    return ClientUpdate(
+        codebook.fingerprint, codebook.dims, phase, codebook.version, entries, {"node": "7"}
+    )
 
 
-@pytest.mark.parametrize("phase", list(Phase))
+@pytest.mark.parametrize("phase", [p for p in Phase if p is not Phase.EVALUATE])
 def test_update_round_trip_per_phase(codebook: Codebook, phase: Phase, tmp_path: Path) -> None:
-    classes = ["class_1", "class_2"]
-    update = ClientUpdate.from_bank(
-        codebook.bank,
-        fingerprint=codebook.fingerprint,
-        phase=phase,
-        base_version=codebook.version,
-        classes=classes,
-        metadata={"node": "7"},
-    )
-    message = update.to_proto()
-    proto_fields = {"prompt": "prompts", "key": "keys", "head_bias": "head_bias"}
-    proto_fields |= {"query_prompt": "query_prompts", "vit_mixture": "vit_mixtures"}
-    for entry in message.entries:  # parts the phase does not train stay unset
-        for proto_field, bank_field in proto_fields.items():
-            assert entry.HasField(proto_field) == (bank_field in PHASE_FIELDS[phase])
-    path = tmp_path / "update.bin"
-    update.save(path)
-    for decoded in (ClientUpdate.from_bytes(update.to_bytes()), ClientUpdate.load(path)):
-        assert decoded.phase == phase
-        assert decoded.base_version == codebook.version
-        assert decoded.metadata == {"node": "7"}
-        assert [e.name for e in decoded.entries] == classes
-        for entry, i in zip(decoded.entries, (1, 2), strict=True):
-            assert entry.count == codebook.bank.counts[i]
-            assert set(entry.tensors) | set(entry.mixtures) == set(PHASE_FIELDS[phase])
-            for field_name, value in entry.tensors.items():
-                assert torch.equal(value, getattr(codebook.bank, field_name)[i])
-            for field_name, mixture in entry.mixtures.items():
-                assert_mixtures_equal(mixture, getattr(codebook.bank, field_name)[i])
-
-
-def test_update_file_is_not_a_codebook(codebook: Codebook, tmp_path: Path) -> None:
-    update = ClientUpdate.from_bank(
-        codebook.bank, fingerprint=codebook.fingerprint, phase=Phase.SYNC, base_version=5
-    )
+    update = site_update(codebook, phase)
+    message = wire.to_proto(update)
+    for entry in message.entries:  # fields the phase does not train stay unset
+        for f in schema.FIELDS:
+            assert entry.HasField(f.name) == (f.trained_in is phase)
+    decoded = ClientUpdate.from_bytes(update.to_bytes(), against=codebook, phase=phase)
+    assert decoded.phase == phase and decoded.base_version == codebook.version
+    assert decoded.metadata == {"node": "7"}
+    assert [e.name for e in decoded.entries] == ["class_1", "class_2"]
+    for entry in decoded.entries:
+        assert entry.count == codebook[entry.name].count
+        assert set(entry.values) == set(schema.trained_in(phase))
+        for name, value in entry.values.items():
+            if isinstance(value, GaussianMixture):
+                assert_mixtures_equal(value, codebook[entry.name].values[name])
+            else:
+                assert torch.equal(value, codebook[entry.name].values[name])
     update.save(tmp_path / "u")
     with pytest.raises(CodebookError, match="client update file"):
         Codebook.load(tmp_path / "u")
 
 
-def test_update_without_statistics_to_send(codebook: Codebook) -> None:
-    with pytest.raises(ValueError, match="'class_3' has no clip_mixtures"):
-        ClientUpdate.from_bank(
-            codebook.bank,
-            fingerprint=codebook.fingerprint,
-            phase=Phase.STAGE1_STATS,
-            base_version=5,
-        )
+def test_sync_may_name_new_classes(codebook: Codebook) -> None:
+    sync = ClientUpdate(
+        codebook.fingerprint, codebook.dims, Phase.SYNC, 3,
+        [ClassEntry("brand new", 3), ClassEntry("class_1", 4)],
+    )  # fmt: skip
+    decoded = ClientUpdate.from_bytes(sync.to_bytes(), against=codebook, phase=Phase.SYNC)
+    assert [(e.name, e.count) for e in decoded.entries] == [("brand new", 3), ("class_1", 4)]
+    assert decoded.base_version == 3  # the version the site holds
 
 
 UPDATE_MUTATIONS: dict[str, tuple[Callable[[pb.ClientUpdate], None], str]] = {
-    "unknown phase": (lambda m: setattr(m, "phase", 9), "phase"),
-    "unspecified phase": (lambda m: setattr(m, "phase", 0), "phase"),
+    "other phase": (lambda m: setattr(m, "phase", pb.PHASE_STAGE1), "answers PHASE_STAGE1"),
+    "unknown phase": (lambda m: setattr(m, "phase", 9), "answers"),
     "count zero": (lambda m: setattr(m.entries[0], "count", 0), "count"),
     "sets frozen": (lambda m: setattr(m.entries[0], "frozen", True), "frozen"),
     "sets version": (lambda m: setattr(m.entries[0], "version", 3), "version"),
-    "negative base version": (lambda m: setattr(m, "base_version", -1), "base version"),
+    "stale base version": (lambda m: setattr(m, "base_version", 4), "version 4"),
     "nan": (lambda m: _set_float(m.entries[1].query_prompt, 0, math.nan), "NaN"),
     "wrong shape": (lambda m: m.entries[1].head_weight.shape.append(1), "shape"),
+    "missing field": (lambda m: m.entries[1].ClearField("head_bias"), "stage2 carries"),
+    "extra field": (lambda m: m.entries[0].key.CopyFrom(m.entries[0].head_weight), "carries"),
+    "unregistered class": (lambda m: setattr(m.entries[0], "name", "ghost"), "not registered"),
+    "other backbones": (lambda m: setattr(m, "backbone_fingerprint", "cd" * 32), "fingerprint"),
+    "duplicate class": (lambda m: setattr(m.entries[1], "name", "class_1"), "twice"),
 }
 
 
 @pytest.mark.parametrize("mutation", sorted(UPDATE_MUTATIONS))
 def test_invalid_updates_are_rejected(codebook: Codebook, mutation: str) -> None:
-    update = ClientUpdate.from_bank(
-        codebook.bank,
-        fingerprint=codebook.fingerprint,
-        phase=Phase.STAGE2,
-        base_version=5,
-        classes=["class_1", "class_2"],
-    )
-    message = update.to_proto()
+    message = wire.to_proto(site_update(codebook, Phase.STAGE2))
     mutate, reason = UPDATE_MUTATIONS[mutation]
     mutate(message)
     with pytest.raises(CodebookError, match=reason):
-        ClientUpdate.from_bytes(message.SerializeToString())
+        ClientUpdate.from_bytes(message.SerializeToString(), against=codebook, phase=Phase.STAGE2)
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -418,32 +443,28 @@ def test_cli_inspect(
     assert codebook.fingerprint in out
     assert "d_txt=8 d_clip=6 d_vit=10 n_layers=2" in out
     assert "4 (1 frozen)" in out
-    for name in codebook.bank.names:
+    for name in codebook.names:
         assert name in out
-    for part in ("prompts (p)", "keys (w)", "query prompts (Q)", "query weights (A)", "heads"):
-        assert part in out
+    for f in schema.FIELDS:
+        assert f"{f.symbol} ({f.name})" in out
     assert f"{path.stat().st_size - 48:,}" in out  # total = the payload after the file header
 
 
 @pytest.mark.usefixtures("wide_terminal")
-def test_cli_diff(
-    codebook: Codebook,
-    make_bank: Callable[..., ClassBank],
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_cli_diff(codebook: Codebook, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     codebook.save(tmp_path / "a")
-    bank = codebook.to_bank()
-    bank.keys[1, 0] += 0.5
-    bank.names[2] = "renamed"
-    newer = Codebook.from_bank(bank, codebook.fingerprint, version=7, frozen={"class_0"})
+    key = codebook["class_1"].values["key"].clone()
+    key[0] += 0.5
+    newer = codebook.set_values({"class_1": {"key": key}})
+    renamed = replace(newer["class_2"], name="renamed")
+    newer = newer.without(["class_2"]).register([renamed])
     newer.save(tmp_path / "b")
     assert cli_main(["codebook", "diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
-    assert "5 → 7" in out
+    assert "5 → 8" in out
     assert "added        renamed" in out
     assert "removed      class_2" in out
-    assert "w 5.00e-01" in out
+    assert "w_c 5.00e-01" in out
     assert "unchanged" in out
 
 

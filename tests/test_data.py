@@ -14,10 +14,6 @@ from torchvision.transforms import InterpolationMode
 
 from starfed.shared.data import cropdiseases as data
 from starfed.shared.data.cropdiseases import (
-    CLIP_MEAN,
-    CLIP_STD,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     PAPER_DROPPED_CLASSES,
     DatasetError,
     SplitCropDiseases,
@@ -29,6 +25,7 @@ from starfed.shared.data.cropdiseases import (
     renormalize,
     to_unit,
 )
+from starfed.shared.model.backbone_config import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
 
 KEPT = [
     "Apple___Apple_scab",
@@ -138,7 +135,7 @@ def test_bundled_mini_dataset() -> None:
     assert (ds.n_tasks, ds.classes_per_task, ds.n_classes) == (7, 4, 28)
     assert len(ds.train_samples) == 2213
     assert len(ds.test_samples) == 560
-    assert len(set(ds.class_texts)) == 28
+    assert len({class_name_to_text(f) for f in ds.class_folders}) == 28
     decoded = decode_images(ds.samples("test", [0])[:6], image_size=32, progress=False)
     assert decoded.images.shape == (6, 3, 32, 32) and decoded.images.dtype == torch.uint8
     assert decoded.n_skipped == 0
@@ -212,6 +209,19 @@ def test_corrupt_images_are_skipped_with_a_warning(tmp_path: Path) -> None:
     assert decoded.paths == [str(good), str(good)]
     assert decoded.labels.tolist() == [1, 3]
     assert decoded.images.shape == (2, 3, 24, 24)
+
+
+def test_a_class_without_readable_images_is_an_error_when_every_class_counts(
+    tmp_path: Path,
+) -> None:
+    root = _image_folder(tmp_path / "ds", ["good", "bad"], per_class=2)
+    for path in (root / "bad").iterdir():
+        path.write_bytes(b"garbage")
+    samples = [(str(p), int(p.parent.name == "bad")) for p in sorted(root.rglob("*.jpg"))]
+    with pytest.warns(RuntimeWarning, match="skipped 2"):  # a site simply lacks the class
+        assert decode_images(samples, image_size=8, progress=False).labels.tolist() == [0, 0]
+    with pytest.raises(DatasetError, match=r"class folder .*bad has no readable image \(2 "):
+        decode_images(samples, image_size=8, progress=False, every_class=True)
 
 
 def test_decode_matches_reference_test_view(tmp_path: Path) -> None:

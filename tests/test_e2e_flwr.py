@@ -3,8 +3,10 @@
 The smallest scenario that still exercises every phase twice: 3 clients, 2 tasks of 2 classes,
 1 epoch per stage and per replay. A sampler thread records every process carrying the run's
 ``FLWR_HOME`` in its environment, independently of the command's own bookkeeping, so the test
-can check by PID that nothing it started outlives it. About a minute on 2 cores. The other
-tests check the command's argument handling without starting anything.
+can check by PID that nothing it started outlives it. About a minute on 2 cores. A second run
+is stopped with Ctrl-C after its first step: the run stops, its folder is marked interrupted,
+nothing is left. The other tests check the command's argument handling without starting
+anything.
 """
 
 from __future__ import annotations
@@ -15,65 +17,29 @@ import os
 import signal
 import subprocess
 import sys
-import threading
+import time
 from pathlib import Path
 
 import pytest
+from process_sampler import ProcessSampler
 
 from starfed.cli import build_parser
-from starfed.simulations.simulate import (
-    SimulationError,
-    build_overrides,
-    find_project_dir,
-    load_app_config,
-    toml_value,
-)
+from starfed.cli.simulate import build_overrides
+from starfed.shared.config import ConfigError
 
 TIMEOUT_S = 170
-
-
-def _state(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time) of a process, or None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return fields[0], int(fields[19])
-
-
-def _alive(pid: int, started: int) -> bool:
-    state = _state(pid)
-    return state is not None and state[0] != "Z" and state[1] == started
-
-
-class ProcessSampler(threading.Thread):
-    """Collects pid -> (start time, command line) of processes whose env holds ``marker``."""
-
-    def __init__(self, marker: str) -> None:
-        super().__init__(daemon=True)
-        self.marker = marker.encode()
-        self.seen: dict[int, tuple[int, str]] = {}
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(0.3):
-            for entry in os.scandir("/proc"):
-                if not entry.name.isdigit() or int(entry.name) in self.seen:
-                    continue
-                try:
-                    environ = Path(entry.path, "environ").read_bytes().split(b"\0")
-                    cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ")
-                except OSError:
-                    continue
-                state = _state(int(entry.name))
-                if self.marker in environ and state is not None:
-                    self.seen[int(entry.name)] = (state[1], cmdline.decode(errors="replace"))
+#: `starfed simulate` of the smallest scenario (add --clients, --tasks, the folders).
+SMALL = [
+    sys.executable, "-m", "starfed.cli", "simulate", "--classes-per-task=2", "--epochs=1",
+    "--run-config=replay1-epochs=1", "--run-config=replay2-epochs=1",
+    "--run-config=replay2-epochs-per-task=0", "--run-config=timeout-s=120",
+    f"--timeout={TIMEOUT_S - 30}",
+]  # fmt: skip
 
 
 def _overrides(*argv: str) -> dict:
     args = build_parser().parse_args(["simulate", *argv])
-    return build_overrides(args, load_app_config(find_project_dir()))
+    return build_overrides(args)
 
 
 def test_overrides_keep_supernodes_and_clients_together(tmp_path: Path) -> None:
@@ -92,29 +58,20 @@ def test_overrides_keep_supernodes_and_clients_together(tmp_path: Path) -> None:
     assert overrides["generative-replay"] is False
     assert overrides["preset"] == "tiny"
     assert _overrides("--clients=3", "--run-config=num-clients=4")["num-clients"] == 3
+    # values are typed by the schema; paths become absolute (the apps run elsewhere)
+    overrides = _overrides("--run-config=alpha=1", '--run-config=run-name="a b"', "--seed=7")
+    assert overrides["alpha"] == 1.0 and isinstance(overrides["alpha"], float)
+    assert overrides["run-name"] == "a b" and overrides["seed"] == 7
+    assert _overrides("--run-config=data-root=.")["data-root"] == str(Path.cwd())
 
 
 def test_bad_overrides_are_rejected_before_anything_starts() -> None:
-    with pytest.raises(SimulationError, match="unknown run-config"):
+    with pytest.raises(ConfigError, match="unknown run-config"):
         _overrides("--run-config=no-such-key=1")
-    with pytest.raises(SimulationError, match="num-clients"):
+    with pytest.raises(ConfigError, match="--clients 0"):
         _overrides("--clients=0")
-    with pytest.raises(SimulationError, match="KEY=VALUE"):
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
         _overrides("--run-config=seed")
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # typer's use of click, on import
-def test_toml_values_round_trip_through_flower_parser() -> None:
-    from flwr.common.config import parse_config_args
-
-    values = {"a": True, "b": 3, "c": 0.5, "d": "/tmp/with space/x", "e": ""}
-    lines = [f"{k}={toml_value(v)}" for k, v in values.items()]
-    assert parse_config_args(lines) == values
-
-
-def test_without_project_dir_the_error_says_why(tmp_path: Path) -> None:
-    with pytest.raises(SimulationError, match="project directory"):
-        find_project_dir(str(tmp_path))
 
 
 @pytest.mark.e2e
@@ -122,23 +79,7 @@ def test_without_project_dir_the_error_says_why(tmp_path: Path) -> None:
 def test_flwr_run_end_to_end(tmp_path: Path) -> None:
     results = tmp_path / "results"
     flwr_home = results / "e2e" / ".flwr"
-    command = [
-        sys.executable,
-        "-m",
-        "starfed.cli",
-        "simulate",
-        "--clients=3",
-        "--tasks=2",
-        "--classes-per-task=2",
-        "--epochs=1",
-        "--run-config=replay1-epochs=1",
-        "--run-config=replay2-epochs=1",
-        "--run-config=replay2-epochs-per-task=0",
-        "--run-config=timeout-s=120",
-        f"--results-dir={results}",
-        "--run-name=e2e",
-        f"--timeout={TIMEOUT_S - 30}",
-    ]
+    command = [*SMALL, "--clients=3", "--tasks=2", f"--results-dir={results}", "--run-name=e2e"]
     env = dict(os.environ, STARFED_CACHE_DIR=str(tmp_path / "cache"))
     sampler = ProcessSampler(f"FLWR_HOME={flwr_home}")
     sampler.start()
@@ -153,17 +94,13 @@ def test_flwr_run_end_to_end(tmp_path: Path) -> None:
                 proc.wait()
                 pytest.fail(f"starfed simulate ran past {TIMEOUT_S}s:\n{log.read_text()}")
     finally:
-        sampler.done.set()
-        sampler.join()
-        leftovers = {p: cmd for p, (t, cmd) in sampler.seen.items() if _alive(p, t)}
-        for pid in leftovers:  # never leak into the rest of the session, even on failure
-            os.kill(pid, signal.SIGKILL)
+        leftovers = sampler.stop()
 
     output = log.read_text()
     assert rc == 0, output
     assert "finished:completed" in output, output
     assert not leftovers, f"processes left running: {leftovers}"
-    commands = " ".join(cmd for _, cmd in sampler.seen.values())
+    commands = sampler.commands()
     assert "flower-superlink" in commands and "flwr-simulation" in commands, sampler.seen
 
     metrics = json.loads((results / "e2e" / "metrics.json").read_text())
@@ -177,3 +114,41 @@ def test_flwr_run_end_to_end(tmp_path: Path) -> None:
     assert sum(e["bytes_down"] for e in exchanges) > 0
     assert sum(e["bytes_up"] for e in exchanges) > 0
     assert metrics["config"]["run_config"]["num-clients"] == 3
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+def test_ctrl_c_stops_the_run_and_marks_its_folder(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    run_dir = results / "stopped"
+    command = [*SMALL, "--clients=2", "--tasks=3", f"--results-dir={results}", "--run-name=stopped"]
+    env = dict(os.environ, STARFED_CACHE_DIR=str(tmp_path / "cache"))
+    sampler = ProcessSampler(f"FLWR_HOME={run_dir / '.flwr'}")
+    sampler.start()
+    log = tmp_path / "simulate.log"
+    try:
+        with log.open("wb") as out:
+            proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=out)
+            deadline = time.monotonic() + TIMEOUT_S
+            history = run_dir / "history.jsonl"
+            while not (history.is_file() and history.read_text().strip()):  # step 1 is done
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    pytest.fail(f"no first step:\n{log.read_text()}")
+                time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            started = time.monotonic()
+            rc = proc.wait(90)
+            stop_s = time.monotonic() - started
+    finally:
+        leftovers = sampler.stop()
+
+    output = log.read_text()
+    assert rc == 130, output
+    assert stop_s < 60, output
+    assert not leftovers, f"processes left running: {leftovers}"
+    marker = json.loads((run_dir / "interrupted.json").read_text())
+    assert marker["run_id"] is not None and marker["position"]["step"] >= 1, marker
+    assert marker["codebook_version"] > 0
+    assert f"starfed server status --federation {run_dir}" in output
+    assert not (run_dir / "metrics.json").exists()  # the ServerApp stopped, not only we

@@ -1,4 +1,5 @@
-"""Per-class merging: count-weighted averages, mixture reduction by moment matching, frozen rows."""
+"""Per-class merging: count-weighted averages, mixture reduction by moment matching, frozen rows,
+and the streamed merge (order, moments through intermediate reductions, bounded memory)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from starfed.shared.codebook.codebook import (
-    ClassUpdate,
-    ClientUpdate,
-    Codebook,
-    CodebookError,
-    Phase,
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.entry import ClassBank, ClassEntry
+from starfed.shared.codebook.merge import (
+    POOL_BOUND,
+    MergeAccumulator,
+    merge_mixtures,
+    merge_updates,
 )
-from starfed.shared.codebook.entry import ClassBank, ModelDims
-from starfed.shared.codebook.merge import check_update, merge_mixtures, merge_updates
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.protocol import Phase
 
 
 def union_moments(mixtures: list[GaussianMixture]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,150 +108,185 @@ def test_merge_mixtures_rejects_mismatched_dims(
 
 
 @pytest.fixture
-def codebook(make_bank: Callable[..., ClassBank], fingerprint: str) -> Codebook:
-    return Codebook.from_bank(make_bank(n_classes=3), fingerprint, version=4, frozen={"class_0"})
+def codebook(make_codebook: Callable[..., Codebook]) -> Codebook:
+    codebook = make_codebook(n_classes=3, version=4)
+    return codebook.set_values({}, freeze=["class_0"])  # version 5, class_0 frozen
+
+
+def site_bank(make_codebook: Callable[..., Codebook], seed: int) -> ClassBank:
+    """What a site trained: other random values for the same classes."""
+    return make_codebook(n_classes=3, seed=seed).bank()
 
 
 def site_update(
-    codebook: Codebook,
-    bank: ClassBank,
-    phase: Phase,
-    counts: dict[str, int],
+    codebook: Codebook, bank: ClassBank, phase: Phase, counts: dict[str, int]
 ) -> ClientUpdate:
     """An update from a site holding ``counts`` examples of some classes of ``bank``."""
-    update = ClientUpdate.from_bank(
-        bank,
-        fingerprint=codebook.fingerprint,
-        phase=phase,
-        base_version=codebook.version,
-        classes=list(counts),
-    )
-    for entry in update.entries:
+    entries = bank.entries(list(counts), fields=schema.trained_in(phase))
+    for entry in entries:
         entry.count = counts[entry.name]
-    return update
+    return ClientUpdate(codebook.fingerprint, codebook.dims, phase, codebook.version, entries)
 
 
-def test_parameters_are_count_weighted(
-    codebook: Codebook, make_bank: Callable[..., ClassBank]
-) -> None:
-    a, b = make_bank(n_classes=3, seed=1), make_bank(n_classes=3, seed=2)
+def value(codebook: Codebook, name: str, field: str):
+    return codebook[name].values[field]
+
+
+def test_parameters_are_count_weighted(codebook: Codebook, make_codebook) -> None:
+    a, b = site_bank(make_codebook, 1), site_bank(make_codebook, 2)
     updates = [
         site_update(codebook, a, Phase.STAGE2, {"class_1": 10, "class_2": 7}),
         site_update(codebook, b, Phase.STAGE2, {"class_1": 30}),
     ]
     merged = merge_updates(codebook, updates)
-    for field_name in ("query_prompts", "query_weights", "head_weight", "head_bias"):
-        expected = (10 * getattr(a, field_name)[1] + 30 * getattr(b, field_name)[1]) / 40
-        torch.testing.assert_close(getattr(merged.bank, field_name)[1], expected)
+    for field in schema.trained_in(Phase.STAGE2):
+        expected = (10 * a[field][1] + 30 * b[field][1]) / 40
+        torch.testing.assert_close(value(merged, "class_1", field), expected)
         # A class carried by one site takes that site's values exactly.
-        assert torch.equal(getattr(merged.bank, field_name)[2], getattr(a, field_name)[2])
-    for field_name in ("prompts", "keys", "aligned_head_weight", "aligned_head_bias"):
-        assert torch.equal(getattr(merged.bank, field_name), getattr(codebook.bank, field_name))
-    assert merged.bank.counts == [codebook.bank.counts[0], 40, 7]
-    assert merged.version == 5
-    assert merged.bank.versions == [codebook.bank.versions[0], 5, 5]
-    merged.validate()
+        assert torch.equal(value(merged, "class_2", field), a[field][2])
+    for field in ("prompt", "key", "aligned_head_weight", "aligned_head_bias"):
+        for name in codebook.names:
+            assert torch.equal(value(merged, name, field), value(codebook, name, field))
+    assert [e.count for e in merged.entries.values()] == [codebook["class_0"].count, 40, 7]
+    assert merged.version == 6
+    assert [e.version for e in merged.entries.values()] == [codebook["class_0"].version, 6, 6]
+    Codebook.from_bytes(merged.to_bytes())  # a valid codebook
 
 
-def test_input_codebook_is_not_modified(
-    codebook: Codebook, make_bank: Callable[..., ClassBank]
-) -> None:
+def test_input_codebook_is_not_modified(codebook: Codebook, make_codebook) -> None:
     before = codebook.to_bytes()
-    update = site_update(codebook, make_bank(seed=3), Phase.STAGE1, {"class_1": 5, "class_3": 2})
+    update = site_update(codebook, site_bank(make_codebook, 3), Phase.STAGE1, {"class_1": 5})
     merge_updates(codebook, [update])
     assert codebook.to_bytes() == before
 
 
-def test_statistics_updates_merge_mixtures(
-    codebook: Codebook, make_bank: Callable[..., ClassBank]
-) -> None:
-    a, b = make_bank(n_classes=3, seed=1), make_bank(n_classes=3, seed=2)
+def test_statistics_updates_merge_mixtures(codebook: Codebook, make_codebook) -> None:
+    a, b = site_bank(make_codebook, 1), site_bank(make_codebook, 2)
     updates = [
         site_update(codebook, a, Phase.STAGE1_STATS, {"class_1": 10}),
         site_update(codebook, b, Phase.STAGE1_STATS, {"class_1": 30}),
     ]
     merged = merge_updates(codebook, updates)
-    sites = [a.clip_mixtures[1], b.clip_mixtures[1]]
+    sites = [a["clip_mixture"][1], b["clip_mixture"][1]]
     expected = merge_mixtures(sites)
-    result = merged.bank.clip_mixtures[1]
+    result = value(merged, "class_1", "clip_mixture")
     assert torch.equal(result.means, expected.means)
     mean, _ = union_moments(sites)
     torch.testing.assert_close(result.mean(), mean, rtol=0, atol=1e-12)
-    assert torch.equal(merged.bank.vit_mixtures[1].means, codebook.bank.vit_mixtures[1].means)
-    for field_name in ClassBank.TENSOR_FIELDS:
-        assert torch.equal(getattr(merged.bank, field_name), getattr(codebook.bank, field_name))
-
-
-def test_new_classes_are_appended_in_order_of_appearance(
-    codebook: Codebook, make_bank: Callable[..., ClassBank]
-) -> None:
-    site = make_bank(n_classes=2, seed=5, prefix="new")
-    sync = site_update(codebook, site, Phase.SYNC, {"new_1": 4, "new_0": 6})
-    stage1 = site_update(codebook, site, Phase.STAGE1, {"new_0": 2})
-    merged = merge_updates(codebook, [sync, stage1])
-    assert merged.bank.names == ["class_0", "class_1", "class_2", "new_1", "new_0"]
-    assert merged.bank.counts[3:] == [4, 8]
-    assert merged.bank.versions[3:] == [5, 5]
-    # new_0's prompt comes from the only update carrying it; parts nobody sent start at zero.
-    assert torch.equal(merged.bank.prompts[4], site.prompts[0])
-    assert not merged.bank.prompts[3].any()
-    assert not merged.bank.query_prompts[3:].any()
-    assert merged.bank.clip_mixtures[3:] == [None, None]
-    Codebook.from_bytes(merged.to_bytes())  # a sync-registered class is a valid entry
+    assert value(merged, "class_1", "vit_mixture") is value(codebook, "class_1", "vit_mixture")
+    for field in schema.TENSORS:
+        assert torch.equal(value(merged, "class_1", field), value(codebook, "class_1", field))
 
 
 def test_frozen_rows_are_ignored(
-    codebook: Codebook,
-    make_bank: Callable[..., ClassBank],
-    caplog: pytest.LogCaptureFixture,
+    codebook: Codebook, make_codebook, caplog: pytest.LogCaptureFixture
 ) -> None:
-    site = make_bank(n_classes=3, seed=9)
+    site = site_bank(make_codebook, 9)
     update = site_update(codebook, site, Phase.STAGE2, {"class_0": 50, "class_1": 5})
     stats = site_update(codebook, site, Phase.STAGE2_STATS, {"class_0": 50})
     with caplog.at_level(logging.INFO, logger="starfed.shared.codebook.merge"):
         merged = merge_updates(codebook, [update, stats])
     assert "class_0" in caplog.text
-    for field_name in ClassBank.TENSOR_FIELDS:
-        assert torch.equal(
-            getattr(merged.bank, field_name)[0], getattr(codebook.bank, field_name)[0]
-        )
-    assert torch.equal(merged.bank.vit_mixtures[0].means, codebook.bank.vit_mixtures[0].means)
-    assert merged.bank.counts[0] == codebook.bank.counts[0]
-    assert merged.bank.versions[0] == codebook.bank.versions[0]
+    assert merged["class_0"] is codebook["class_0"]
     assert merged.frozen == {"class_0"}
-    assert torch.equal(merged.bank.head_weight[1], site.head_weight[1])  # the rest is merged
-
-
-@pytest.mark.parametrize(
-    ("spoil", "reason"),
-    [
-        (lambda u: setattr(u, "fingerprint", "cd" * 32), "fingerprint"),
-        (lambda u: setattr(u, "dims", ModelDims(8, 6, 10, 3)), "dims"),
-        (lambda u: setattr(u, "base_version", 3), "stale"),
-        (lambda u: u.entries[0].tensors["head_weight"].fill_(float("nan")), "NaN"),
-        (lambda u: u.entries[0].tensors.__setitem__("head_weight", torch.zeros(3)), "shape"),
-        (lambda u: setattr(u.entries[0], "count", 0), "count"),
-        (lambda u: u.entries.append(ClassUpdate("class_1", 1)), "twice"),
-        (lambda u: u.entries[0].tensors.__setitem__("bogus", torch.zeros(1)), "unknown fields"),
-    ],
-)
-def test_one_invalid_update_merges_nothing(
-    codebook: Codebook,
-    make_bank: Callable[..., ClassBank],
-    spoil: Callable[[ClientUpdate], None],
-    reason: str,
-) -> None:
-    good = site_update(codebook, make_bank(seed=1), Phase.STAGE2, {"class_2": 3})
-    bad = site_update(codebook, make_bank(seed=2), Phase.STAGE2, {"class_1": 3})
-    spoil(bad)
-    check_update(codebook, good)
-    with pytest.raises(CodebookError, match=reason):
-        check_update(codebook, bad)
-    with pytest.raises(CodebookError, match=reason):
-        merge_updates(codebook, [good, bad])
+    assert torch.equal(value(merged, "class_1", "head_weight"), site["head_weight"][1])
 
 
 def test_no_updates_only_bumps_the_version(codebook: Codebook) -> None:
     merged = merge_updates(codebook, [])
     assert merged.version == codebook.version + 1
-    assert merged.bank.versions == codebook.bank.versions
+    assert all(merged[n] is codebook[n] for n in codebook.names)
+
+
+# --- streaming (MergeAccumulator) ----------------------------------------------------------------
+
+
+def mixture_update(codebook: Codebook, mixtures: dict[str, GaussianMixture]) -> ClientUpdate:
+    """A stage-1 statistics update carrying ``mixtures`` (class -> G_c), counts from them."""
+    entries = [ClassEntry(name, m.count, {"clip_mixture": m}) for name, m in mixtures.items()]
+    return ClientUpdate(codebook.fingerprint, codebook.dims, Phase.STAGE1_STATS,
+                        codebook.version, entries)  # fmt: skip
+
+
+def random_site_mixtures(
+    make_mixture: Callable[..., GaussianMixture], dim: int, n: int, seed: int
+) -> list[GaussianMixture]:
+    generator = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 6, (n,), generator=generator).tolist()
+    return [make_mixture(dim, generator, n_components=k) for k in sizes]
+
+
+def test_streamed_tensor_sums_do_not_depend_on_order(codebook: Codebook, make_codebook) -> None:
+    """Any order gives the float64 count-weighted average rounded to float32 (1 ulp)."""
+    banks = [site_bank(make_codebook, seed) for seed in range(40)]
+    counts = [1 + 37 * seed % 101 for seed in range(40)]
+    updates = [
+        site_update(codebook, bank, Phase.STAGE2, {"class_1": c, "class_2": c + 1})
+        for bank, c in zip(banks, counts, strict=True)
+    ]
+    forward = merge_updates(codebook, updates)
+    backward = merge_updates(codebook, updates[::-1])
+    shuffled = merge_updates(codebook, [updates[i] for i in torch.randperm(40).tolist()])
+    for field in schema.trained_in(Phase.STAGE2):
+        weights = torch.tensor(counts, dtype=torch.float64)
+        rows = torch.stack([bank[field][1].double() for bank in banks])
+        exact = (torch.tensordot(weights, rows, dims=1) / weights.sum()).float()
+        for merged in (forward, backward, shuffled):
+            result = value(merged, "class_1", field)
+            torch.testing.assert_close(result, exact, rtol=2**-23, atol=1e-30)
+    assert forward["class_2"].count == sum(counts) + 40
+
+
+def test_streamed_mixtures_keep_moments_through_reductions(
+    make_codebook, make_mixture: Callable[..., GaussianMixture]
+) -> None:
+    """A bound of 8 components forces a reduction every few sites: the union's mean and
+    diagonal covariance survive all of them."""
+    codebook = make_codebook(n_classes=2)
+    dim = codebook.dims.d_clip
+    sites = random_site_mixtures(make_mixture, dim, 60, seed=3)
+    accumulator = MergeAccumulator(codebook, n_components=3, bound=8)
+    for mixture in sites:
+        accumulator.add(mixture_update(codebook, {"class_1": mixture}))
+    merged = accumulator.result()["class_1"].values["clip_mixture"]
+    assert merged.n_components == 3
+    assert merged.count == sum(m.count for m in sites)
+    assert float(merged.weights.sum()) == pytest.approx(1.0, abs=1e-12)
+    assert (merged.variances > 0).all()
+    mean, covariance = union_moments(sites)
+    torch.testing.assert_close(merged.mean(), mean, rtol=0, atol=1e-10)
+    torch.testing.assert_close(merged.covariance_diagonal(), covariance, rtol=0, atol=1e-10)
+
+
+def test_streamed_mixtures_below_the_bound_are_one_merge(
+    make_codebook, make_mixture: Callable[..., GaussianMixture]
+) -> None:
+    """Up to ``POOL_BOUND`` components a class's mixture is ``merge_mixtures`` of all sites."""
+    codebook = make_codebook(n_classes=2)
+    sites = random_site_mixtures(make_mixture, codebook.dims.d_clip, 40, seed=4)
+    assert sum(m.n_components for m in sites) <= POOL_BOUND
+    merged = merge_updates(codebook, [mixture_update(codebook, {"class_1": m}) for m in sites])
+    result, expected = value(merged, "class_1", "clip_mixture"), merge_mixtures(sites)
+    for part in ("weights", "means", "variances"):
+        assert torch.equal(getattr(result, part), getattr(expected, part))
+
+
+def test_accumulator_memory_does_not_grow_with_updates(
+    codebook: Codebook, make_codebook, make_mixture: Callable[..., GaussianMixture]
+) -> None:
+    dims, bound = codebook.dims, 16
+    tensors = MergeAccumulator(codebook)
+    mixtures = MergeAccumulator(codebook, bound=bound)
+    bank = site_bank(make_codebook, 1)
+    sites = random_site_mixtures(make_mixture, dims.d_clip, 400, seed=5)
+    held = []
+    for i, mixture in enumerate(sites):
+        tensors.add(site_update(codebook, bank, Phase.STAGE2, {"class_1": 3, "class_2": 4}))
+        mixtures.add(mixture_update(codebook, {"class_1": mixture, "class_2": mixture}))
+        held.append(mixtures.nbytes)
+        if i == 0:
+            first = tensors.nbytes
+    assert tensors.nbytes == first  # one float64 sum per class and field, from the first update
+    # at most a full pool plus one site's mixture per class (weights, means and variances)
+    limit = 2 * (bound + 5) * (2 * dims.d_clip + 1) * 8
+    assert max(held) <= limit < sum(m.means.nbytes + m.variances.nbytes for m in sites)

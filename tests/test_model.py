@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from starfed.shared.codebook import schema
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.metrics import final_average_accuracy, final_forgetting
 from starfed.shared.model.backbones import (
@@ -90,19 +91,19 @@ def test_class_initialisation_is_deterministic_and_reference_shaped(backbones) -
     names = ["leaf a", "leaf b", "leaf c"]
     a.add_classes(names, seed=3)
     b.add_classes(names, seed=3)
-    for field in a.bank.TENSOR_FIELDS:
-        assert torch.equal(getattr(a.bank, field), getattr(b.bank, field)), field
+    for field in schema.TENSORS:
+        assert torch.equal(a.bank[field], b.bank[field]), field
     d = backbones.dims
-    q, w = a.bank.query_prompts, a.bank.query_weights
+    q, w = a.bank["query_prompt"], a.bank["query_weight"]
     assert q.shape == (3, d.n_layers, d.d_vit) and w.shape == (3, d.n_layers, d.d_clip)
     # A: orthonormal rows per block; Q: index 0 of a [C, 3, d] orthogonal init, so not unit norm
     for layer in range(d.n_layers):
         torch.testing.assert_close(w[:, layer] @ w[:, layer].T, torch.eye(3), atol=1e-5, rtol=0)
     assert (q.norm(dim=-1) < 1).all()
-    torch.testing.assert_close(a.bank.keys.norm(dim=-1), torch.ones(3))
+    torch.testing.assert_close(a.bank["key"].norm(dim=-1), torch.ones(3))
     c = StarPrompt(backbones)
     c.add_classes(names, seed=4)
-    assert not torch.equal(c.bank.prompts, a.bank.prompts)
+    assert not torch.equal(c.bank["prompt"], a.bank["prompt"])
     with pytest.raises(ValueError, match="already in the bank"):
         a.add_classes(["leaf a"], seed=3)
 
@@ -113,22 +114,22 @@ def test_two_tasks_train_only_current_rows(backbones) -> None:
     model = StarPrompt(backbones)
     model.add_classes(["a", "b"], seed=0)
     images, labels = synthetic_task(2, 6, 0, seed=1)
-    initial = {f: getattr(model.bank, f).clone() for f in model.bank.TENSOR_FIELDS}
+    initial = {f: model.bank[f].clone() for f in schema.TENSORS}
     learn_task(model, images, labels, clip_features(backbones, images), 0, 0, FAST)
-    for field in ("prompts", "query_prompts", "query_weights", "head_weight"):
-        assert not torch.equal(getattr(model.bank, field), initial[field]), f"{field} not trained"
-    after_first = {f: getattr(model.bank, f).clone() for f in model.bank.TENSOR_FIELDS}
-    assert all(isinstance(m, GaussianMixture) for m in model.bank.clip_mixtures)
+    for field in ("prompt", "query_prompt", "query_weight", "head_weight"):
+        assert not torch.equal(model.bank[field], initial[field]), f"{field} not trained"
+    after_first = {f: model.bank[f].clone() for f in schema.TENSORS}
+    assert all(isinstance(m, GaussianMixture) for m in model.bank["clip_mixture"])
     assert model.bank.counts == [6, 6]
 
     model.add_classes(["c", "d"], seed=0)
     images, labels = synthetic_task(2, 6, 2, seed=2)
     learn_task(model, images, labels, clip_features(backbones, images), 2, 1, FAST)
-    for field in ("prompts", "keys", "query_prompts", "query_weights", "head_weight", "head_bias"):
-        assert torch.equal(getattr(model.bank, field)[:2], after_first[field]), field
+    for field in ("prompt", "key", "query_prompt", "query_weight", "head_weight", "head_bias"):
+        assert torch.equal(model.bank[field][:2], after_first[field]), field
     # the head replay realigned every seen row, the real-data head is kept for the next task
-    assert not torch.equal(model.bank.aligned_head_weight, model.bank.head_weight)
-    assert len(model.bank.vit_mixtures) == 4 and model.bank.counts == [6, 6, 6, 6]
+    assert not torch.equal(model.bank["aligned_head_weight"], model.bank["head_weight"])
+    assert len(model.bank["vit_mixture"]) == 4 and model.bank.counts == [6, 6, 6, 6]
 
 
 def test_prediction_and_key_ablation(backbones) -> None:
@@ -175,15 +176,36 @@ def test_accuracy_matrix_metrics() -> None:
 
 
 def test_evaluation_of_an_empty_test_set_is_nan_not_a_crash(backbones) -> None:
-    from starfed.shared.model.evaluation import evaluate_tasks
+    from starfed.shared.model.evaluation import group_scores, score_classes
 
     model = StarPrompt(backbones)
     model.add_classes(["a", "b"], seed=0)
     empty = torch.zeros(0, 3, 64, 64, dtype=torch.uint8)
-    scores = evaluate_tasks(
-        model, empty, torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), torch.tensor([0, 0]), 1
+    groups = torch.tensor([0, 0])
+    counts = score_classes(
+        model, empty, torch.zeros(0, dtype=torch.long), torch.zeros(0, 64), groups
     )
+    assert counts.images.tolist() == [0, 0]
+    scores = group_scores(counts, groups, 1)
     assert len(scores.accuracy) == 1 and scores.accuracy[0] != scores.accuracy[0]  # NaN
+
+
+def test_scores_count_per_class_and_group(backbones) -> None:
+    """Per-class counts add up per group; selection counts one choice per image and block."""
+    from starfed.shared.model.evaluation import group_scores, score_classes
+
+    model = StarPrompt(backbones)
+    model.add_classes(["a", "b", "c"], seed=0)
+    images, rows = synthetic_task(3, 4, 0, seed=3)
+    features = clip_features(backbones, images)
+    groups = torch.tensor([0, 0, 1])
+    counts = score_classes(model, images, rows, features, groups)
+    assert counts.images.tolist() == [4, 4, 4]
+    assert (counts.selections == 4 * backbones.dims.n_layers).all()
+    assert (counts.correct <= counts.images).all()
+    scores = group_scores(counts, groups, 2)
+    expected = 100 * int(counts.correct[:2].sum()) / 8
+    assert scores.accuracy[0] == pytest.approx(expected)
 
 
 def test_paper_preset_builds_offline_with_the_paper_dims() -> None:

@@ -1,6 +1,6 @@
 """Protocol tests: the real ServerApp logic against the real ClientApp, in process.
 
-Every run goes through ``InProcessGrid`` (``tests/inprocess_grid.py``), which calls the real
+Every run goes through ``LocalGrid`` (``starfed.simulations.local_grid``), which calls the real
 ClientApp handlers for each node; faults tamper with, replace or drop one node's replies.
 Sizes are the smallest that exercise the protocol: tiny backbones, the bundled mini dataset,
 2 tasks x 2 classes, one epoch everywhere. All runs share one on-disk cache (decoded images,
@@ -27,18 +27,21 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from starfed.client import app as client_app
+from starfed.client.memory import SiteMemory
 from starfed.client.site import Site
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import run_server
-from starfed.server.coordinator import CODEBOOK_FILE, STATE_FILE, Coordinator
-from starfed.shared.codebook.codebook import MIXTURE_FIELDS, ClientUpdate, Codebook, Phase
-from starfed.shared.codebook.entry import ClassBank
+from starfed.server.federation import CODEBOOK_FILE
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import create_backbones
-from starfed.shared.run_config import BackboneOptions, ProtocolOptions, train_config
+from starfed.shared.protocol import PHASES, Phase
+from starfed.simulations.local_grid import LocalGrid
 
 sys.path.insert(0, str(Path(__file__).parent))
-from inprocess_grid import InProcessGrid
 
 BASE_CONFIG = {
     "preset": "tiny",
@@ -54,10 +57,12 @@ BASE_CONFIG = {
 UPDATE_TYPES = ("train.stage1", "query.stage1_stats", "train.stage2", "query.stage2_stats")
 ALL_TYPES = ("query.sync", *UPDATE_TYPES, "evaluate")
 PHASES_PER_STEP = len(ALL_TYPES)
-STAGE2_FIELDS = ("query_prompts", "query_weights", "head_weight", "head_bias")
+STAGE1_FIELDS = schema.trained_in(Phase.STAGE1)
+STAGE2_FIELDS = schema.trained_in(Phase.STAGE2)
 # The server re-aligns the prediction head over all seen classes at every step (head replay,
-# DESIGN §1); every other part of a frozen class is final.
-FINAL_FIELDS = tuple(f for f in ClassBank.TENSOR_FIELDS if not f.startswith("aligned_"))
+# docs/model.md); every other part of a frozen class is final.
+FINAL_FIELDS = tuple(f for f in schema.TENSORS if not f.startswith("aligned_"))
+PHASE_OF = {spec.message_type: spec.phase for spec in PHASES}
 
 _run_ids = itertools.count(1000)
 
@@ -67,67 +72,77 @@ _run_ids = itertools.count(1000)
 
 @dataclass
 class Recorded:
-    """Replies captured by recording faults, keyed by (step, message type, node)."""
+    """Replies captured by recording faults, keyed by (step, message type, node), each with the
+    id of the message it answers."""
 
-    updates: dict[tuple[int, str, int], bytes] = field(default_factory=dict)
-    syncs: dict[tuple[int, int], dict] = field(default_factory=dict)
+    grid: LocalGrid
+    updates: dict[tuple[int, str, int], tuple[bytes, str]] = field(default_factory=dict)
+    syncs: dict[tuple[int, int], ClientUpdate] = field(default_factory=dict)
 
     def update(self, step: int, message_type: str, node: int) -> ClientUpdate:
-        return ClientUpdate.from_bytes(self.updates[(step, message_type, node)])
+        data, message_id = self.updates[(step, message_type, node)]
+        against = self.grid.codebooks_sent()[message_id]
+        return ClientUpdate.from_bytes(data, against=against, phase=PHASE_OF[message_type])
 
 
-def make_grid(cache_dir: Path, n_clients: int, **overrides) -> InProcessGrid:
+def make_grid(cache_dir: Path, n_clients: int, **overrides) -> LocalGrid:
     run_config = {**BASE_CONFIG, "num-clients": n_clients, **overrides}
     nodes = {
         i + 1: {"partition-id": i, "num-partitions": n_clients, "cache-dir": str(cache_dir)}
         for i in range(n_clients)
     }
-    return InProcessGrid(client_app.app, run_config, nodes, run_id=next(_run_ids))
+    return LocalGrid(client_app.app, run_config, nodes, run_id=next(_run_ids), record=True)
 
 
-def sent_config(grid: InProcessGrid) -> tuple[int, int]:
+def sent_config(grid: LocalGrid) -> tuple[int, int]:
     """(step, node) of the message the grid is answering now (faults run right after it)."""
     message = grid.sent[-1]
     return int(message.content["config"]["step"]), message.metadata.dst_node_id
 
 
-def recording(grid: InProcessGrid, recorded: Recorded):
+def recording(grid: LocalGrid, recorded: Recorded):
     """A fault that stores the reply and passes it on unchanged."""
 
     def fault(reply: Message) -> Message | None:
         step, node = sent_config(grid)
-        message_type = grid.sent[-1].metadata.message_type
-        if not reply.has_error():
+        sent = grid.sent[-1]
+        message_type = sent.metadata.message_type
+        if not reply.has_error() and "update" in reply.content:
+            data = reply.content["update"]["data"]
             if message_type == "query.sync":
-                recorded.syncs[(step, node)] = dict(reply.content["sync"])
-            elif "update" in reply.content:
-                recorded.updates[(step, message_type, node)] = reply.content["update"]["data"]
+                own = BackboneOptions.from_config(parse(grid.run_config)).load()
+                against = Codebook(own.fingerprint, own.dims)
+                sync = ClientUpdate.from_bytes(data, against=against, phase=Phase.SYNC)
+                recorded.syncs[(step, node)] = sync
+            else:
+                recorded.updates[(step, message_type, node)] = (data, sent.metadata.message_id)
         return reply
 
     return fault
 
 
-def record_all(grid: InProcessGrid, nodes: list[int] | None = None) -> Recorded:
-    recorded = Recorded()
+def record_all(grid: LocalGrid, nodes: list[int] | None = None) -> Recorded:
+    recorded = Recorded(grid)
     for node in nodes if nodes is not None else list(grid.node_configs):
         for message_type in ("query.sync", *UPDATE_TYPES):
             grid.faults[(node, message_type)] = recording(grid, recorded)
     return recorded
 
 
-def broadcast(grid: InProcessGrid, step: int, message_type: str) -> Codebook:
+def broadcast(grid: LocalGrid, step: int, message_type: str) -> Codebook:
     """The codebook the server sent with ``message_type`` at ``step`` (same for every node)."""
+    sent = grid.codebooks_sent()
     for message in grid.sent:
         config = message.content["config"]
         if message.metadata.message_type == message_type and int(config["step"]) == step:
-            return Codebook.from_bytes(message.content["codebook"]["data"])
+            return sent[message.metadata.message_id]
     raise AssertionError(f"no {message_type} broadcast at step {step}")
 
 
-def run(grid: InProcessGrid, results: Path, name: str = "run") -> dict:
+def run(grid: LocalGrid, results: Path, name: str = "run") -> dict:
     config = {**grid.run_config, "results-dir": str(results), "run-name": name}
     grid.run_config = config
-    return run_server(grid, config)
+    return run_server(grid, config, grid.run_id)
 
 
 def exchanges(metrics: dict, node: int | None = None, phase: str | None = None) -> list[dict]:
@@ -143,12 +158,16 @@ def entry(update: ClientUpdate, name: str):
     return found
 
 
-def row(codebook: Codebook, field_name: str, name: str) -> torch.Tensor:
-    return getattr(codebook.bank, field_name)[codebook.bank.index(name)]
+def row(codebook: Codebook, field_name: str, name: str):
+    return codebook[name].values[field_name]
 
 
 def row_count(codebook: Codebook, name: str) -> int:
-    return codebook.bank.counts[codebook.bank.index(name)]
+    return codebook[name].count
+
+
+def counts_of(codebook: Codebook) -> dict[str, int]:
+    return {name: e.count for name, e in codebook.entries.items()}
 
 
 def weighted_mean(rows: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
@@ -164,29 +183,27 @@ def class_counts(scenario: Scenario, task: int) -> dict[str, list[int]]:
     return {folders[label]: counts[:, col].tolist() for col, label in enumerate(labels)}
 
 
-def scenario_of(grid: InProcessGrid) -> Scenario:
-    return Scenario(ScenarioConfig.from_run_config(grid.run_config))
+def scenario_of(grid: LocalGrid) -> Scenario:
+    return Scenario(ScenarioConfig.from_config(parse(grid.run_config)))
 
 
 def assert_finite(codebook: Codebook) -> None:
-    for field_name in ClassBank.TENSOR_FIELDS:
-        assert torch.isfinite(getattr(codebook.bank, field_name)).all(), field_name
-    for field_name in MIXTURE_FIELDS:
-        for mixture in getattr(codebook.bank, field_name):
-            if mixture is not None:
-                assert (
-                    torch.isfinite(mixture.means).all() and torch.isfinite(mixture.variances).all()
-                )
+    for e in codebook.entries.values():
+        for name, value in e.values.items():
+            if name in schema.MIXTURES:
+                assert torch.isfinite(value.means).all() and torch.isfinite(value.variances).all()
+            else:
+                assert torch.isfinite(value).all(), name
 
 
 def assert_completed(metrics: dict, run_dir: Path, n_classes: int = 4) -> Codebook:
     """The run went through every step and left a complete, fully frozen codebook."""
     assert len(metrics["classes"]) == n_classes
-    assert len(metrics["accuracy_matrix"]) == metrics["n_steps"]
+    assert len(metrics["accuracy_matrix"]) == metrics["steps"] == 2
     codebook = Codebook.load(run_dir / CODEBOOK_FILE, fingerprint=metrics["backbone_fingerprint"])
-    assert codebook.bank.names == metrics["classes"]
+    assert codebook.names == list(metrics["classes"])
     assert codebook.frozen == set(metrics["classes"])
-    assert all(m is not None for m in codebook.bank.clip_mixtures + codebook.bank.vit_mixtures)
+    assert all(set(schema.MIXTURES) <= set(e.values) for e in codebook.entries.values())
     assert_finite(codebook)
     return codebook
 
@@ -220,7 +237,7 @@ def _forget_sites() -> Iterator[None]:
 
 @dataclass
 class BaselineRun:
-    grid: InProcessGrid
+    grid: LocalGrid
     recorded: Recorded
     metrics: dict
     run_dir: Path
@@ -250,12 +267,13 @@ def holders(counts: dict[str, list[int]], name: str) -> list[int]:
 def test_baseline_exchanges_all_ok(baseline):
     metrics = baseline.metrics
     n_nodes = len(baseline.grid.node_configs)
-    assert metrics["n_steps"] == 2
-    assert len(metrics["exchanges"]) == 2 * PHASES_PER_STEP * n_nodes
+    assert metrics["steps"] == 2 and metrics["status"] == "completed"
+    # two steps, then a sync that finds nothing new and ends the run
+    assert len(metrics["exchanges"]) == (2 * PHASES_PER_STEP + 1) * n_nodes
     assert {e["status"] for e in metrics["exchanges"]} == {"ok"}
     for e in metrics["exchanges"]:
         assert e["bytes_up"] > 0
-        assert (e["bytes_down"] == 0) == (e["phase"] == "SYNC")
+        assert (e["bytes_down"] == 0) == (e["phase"] == "sync")
     # Each node reports its own classes at sync, with its own counts.
     for step in range(2):
         for node in baseline.grid.node_configs:
@@ -265,9 +283,10 @@ def test_baseline_exchanges_all_ok(baseline):
                 for name, per_client in baseline.counts[step].items()
                 if per_client[node - 1] > 0
             }
-            assert dict(zip(sync["classes"], sync["counts"], strict=True)) == expected
-            assert sync["task"] == step
-    assert len(metrics["client_reports"]) == 2 * n_nodes
+            assert {e.name: e.count for e in sync.entries} == expected
+            assert sync.metadata["task"] == (f"task-{step:02d}" if expected else "")
+            assert sync.metadata["site"] == f"site-{node - 1}"
+    assert sorted(metrics["site_accuracy"]) == [f"site-{i}" for i in range(n_nodes)]
     assert 0.0 <= metrics["final_average_accuracy"] <= 100.0
 
 
@@ -278,7 +297,7 @@ def test_shared_class_row_is_count_weighted_average(baseline):
     name = shared[0]
     nodes = holders(baseline.counts[0], name)
     for message_type, merged_at, fields in (
-        ("train.stage1", "query.stage1_stats", ("prompts",)),
+        ("train.stage1", "query.stage1_stats", STAGE1_FIELDS),
         ("train.stage2", "query.stage2_stats", STAGE2_FIELDS),
     ):
         merged = broadcast(grid, 0, merged_at)
@@ -287,12 +306,12 @@ def test_shared_class_row_is_count_weighted_average(baseline):
         assert counts == [baseline.counts[0][name][node - 1] for node in nodes]
         assert row_count(merged, name) == sum(counts)
         for field_name in fields:
-            rows = [e.tensors[field_name] for e in entries]
+            rows = [e.values[field_name] for e in entries]
             expected = weighted_mean(rows, counts)
             torch.testing.assert_close(
                 row(merged, field_name, name), expected, rtol=1e-6, atol=1e-7
             )
-            if field_name in ("prompts", "query_prompts"):
+            if field_name in ("prompt", "query_prompt"):
                 # A real average: no single client's row, not the unweighted mean.
                 for r in rows:
                     assert not torch.equal(row(merged, field_name, name), r)
@@ -300,13 +319,14 @@ def test_shared_class_row_is_count_weighted_average(baseline):
                 assert (unweighted - expected).abs().max() > 1e-5
     # Mixtures stay on the server (broadcasts leave them out); the checkpoint holds them. The
     # merged G keeps the total count and the union's count-weighted mean.
-    assert all(m is None for m in broadcast(grid, 0, "train.stage2").bank.clip_mixtures)
+    sent = broadcast(grid, 0, "train.stage2")
+    assert not any("clip_mixture" in e.values for e in sent.entries.values())
     merged = Codebook.load(baseline.run_dir / CODEBOOK_FILE)
     mixtures = [
-        entry(recorded.update(0, "query.stage1_stats", node), name).mixtures["clip_mixtures"]
+        entry(recorded.update(0, "query.stage1_stats", node), name).values["clip_mixture"]
         for node in nodes
     ]
-    g = merged.bank.clip_mixtures[merged.bank.index(name)]
+    g = merged[name].values["clip_mixture"]
     total = sum(m.count for m in mixtures)
     assert g.count == total
     expected_mean = sum((m.count / total) * (m.weights @ m.means) for m in mixtures)
@@ -320,22 +340,22 @@ def test_single_holder_class_row_is_that_clients_row(baseline):
     name = single[0]
     (node,) = holders(baseline.counts[0], name)
     for message_type, merged_at, fields in (
-        ("train.stage1", "query.stage1_stats", ("prompts",)),
+        ("train.stage1", "query.stage1_stats", STAGE1_FIELDS),
         ("train.stage2", "query.stage2_stats", STAGE2_FIELDS),
     ):
         merged = broadcast(grid, 0, merged_at)
         own = entry(recorded.update(0, message_type, node), name)
         assert row_count(merged, name) == own.count == baseline.counts[0][name][node - 1]
         for field_name in fields:
-            assert torch.equal(row(merged, field_name, name), own.tensors[field_name])
+            assert torch.equal(row(merged, field_name, name), own.values[field_name])
         # Other clients sent no row for it.
         for other in grid.node_configs:
             if other != node:
                 update = recorded.update(0, message_type, other)
                 assert name not in [e.name for e in update.entries]
-    own_g = entry(recorded.update(0, "query.stage1_stats", node), name).mixtures["clip_mixtures"]
+    own_g = entry(recorded.update(0, "query.stage1_stats", node), name).values["clip_mixture"]
     merged = Codebook.load(baseline.run_dir / CODEBOOK_FILE)
-    g = merged.bank.clip_mixtures[merged.bank.index(name)]
+    g = merged[name].values["clip_mixture"]
     assert g.count == own_g.count
     torch.testing.assert_close(g.means, own_g.means)
     torch.testing.assert_close(g.weights, own_g.weights)
@@ -343,7 +363,7 @@ def test_single_holder_class_row_is_that_clients_row(baseline):
     final = Codebook.load(baseline.run_dir / CODEBOOK_FILE)
     own = entry(recorded.update(0, "train.stage2", node), name)
     for field_name in STAGE2_FIELDS:
-        assert torch.equal(row(final, field_name, name), own.tensors[field_name])
+        assert torch.equal(row(final, field_name, name), own.values[field_name])
 
 
 def test_checkpoint_files(baseline):
@@ -356,12 +376,7 @@ def test_checkpoint_files(baseline):
         for task in range(2)
         for name, per_client in baseline.counts[task].items()
     }
-    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == expected_counts
-    state = json.loads((run_dir / STATE_FILE).read_text())
-    assert state["step"] == 1
-    assert state["phase"] == "evaluate"
-    assert state["codebook_version"] == codebook.version
-    assert state["frozen"] == sorted(codebook.bank.names)
+    assert counts_of(codebook) == expected_counts
     saved = json.loads((run_dir / "metrics.json").read_text())
     assert saved["classes"] == metrics["classes"]
     assert len(saved["exchanges"]) == len(metrics["exchanges"])
@@ -371,7 +386,7 @@ def test_checkpoint_files(baseline):
 
 
 @pytest.fixture
-def pair(cache_dir) -> InProcessGrid:
+def pair(cache_dir) -> LocalGrid:
     """2 clients, alpha 0.5: both hold every class of both tasks, so either alone completes
     the run and the other's contribution is visible in every merge."""
     grid = make_grid(cache_dir, 2, alpha=0.5)
@@ -381,7 +396,7 @@ def pair(cache_dir) -> InProcessGrid:
     return grid
 
 
-def node1_counts(grid: InProcessGrid) -> dict[str, int]:
+def node1_counts(grid: LocalGrid) -> dict[str, int]:
     scenario = scenario_of(grid)
     return {
         name: per_client[0]
@@ -390,7 +405,7 @@ def node1_counts(grid: InProcessGrid) -> dict[str, int]:
     }
 
 
-def total_counts(grid: InProcessGrid) -> dict[str, int]:
+def total_counts(grid: LocalGrid) -> dict[str, int]:
     scenario = scenario_of(grid)
     return {
         name: sum(per_client)
@@ -403,7 +418,7 @@ def test_client_raising_in_stage2(pair, tmp_path, monkeypatch):
     original = Site.run_phase
 
     def failing(self, phase, codebook, step, round_index=0):
-        if self.client == 1 and phase == Phase.STAGE2:
+        if self.name == "site-1" and phase == Phase.STAGE2:
             raise RuntimeError("boom")
         return original(self, phase, codebook, step, round_index)
 
@@ -412,14 +427,15 @@ def test_client_raising_in_stage2(pair, tmp_path, monkeypatch):
     metrics = run(pair, tmp_path)
 
     for e in exchanges(metrics, node=2):
-        if e["phase"] == "STAGE2":
+        if e["phase"] == "stage2":
             assert e["status"].startswith("error")
             assert "boom" in e["status"]
             assert e["bytes_up"] == 0
         else:
             assert e["status"] == "ok"
     assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
-    assert len(exchanges(metrics, node=2, phase="STAGE2")) == 2
+    assert len(exchanges(metrics, node=2, phase="stage2")) == 2
+    assert metrics["status"] == "degraded"
     # Stage 2 merged node 1 alone; the other phases still merged both clients.
     for step in range(2):
         merged = broadcast(pair, step, "query.stage2_stats")
@@ -428,10 +444,10 @@ def test_client_raising_in_stage2(pair, tmp_path, monkeypatch):
         for e in update.entries:
             assert row_count(merged, e.name) == e.count
             for field_name in STAGE2_FIELDS:
-                assert torch.equal(row(merged, field_name, e.name), e.tensors[field_name])
+                assert torch.equal(row(merged, field_name, e.name), e.values[field_name])
     # The stage-2 statistics of both clients still count: the class sums both.
     codebook = assert_completed(metrics, tmp_path / "run")
-    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == total_counts(pair)
+    assert counts_of(codebook) == total_counts(pair)
 
 
 def test_silent_client(pair, tmp_path):
@@ -441,14 +457,14 @@ def test_silent_client(pair, tmp_path):
 
     silent = exchanges(metrics, node=2)
     # a node that misses the sync is left out of the rest of the step (one timeout per step)
-    assert [e["phase"] for e in silent] == ["SYNC", "SYNC"]
+    assert [e["phase"] for e in silent] == ["sync", "sync", "sync"]
     assert all(e["status"] == "no reply" and e["bytes_up"] == 0 for e in silent)
     assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
-    assert {r["node_id"] for r in metrics["client_reports"]} == {1}
+    assert set(metrics["site_accuracy"]) == {"site-0"}
+    assert metrics["status"] == "degraded"
     codebook = assert_completed(metrics, tmp_path / "run")
     # Every count is node 1's alone: nothing of node 2 reached the codebook.
-    expected = node1_counts(pair)
-    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == expected
+    assert counts_of(codebook) == node1_counts(pair)
 
 
 def garbage_update(reply: Message) -> Message:
@@ -475,8 +491,8 @@ def test_malformed_and_nan_updates_are_rejected(pair, tmp_path):
     pair.faults[(2, "train.stage2")] = nan_update
     metrics = run(pair, tmp_path)
 
-    stage1 = exchanges(metrics, node=2, phase="STAGE1")
-    stage2 = exchanges(metrics, node=2, phase="STAGE2")
+    stage1 = exchanges(metrics, node=2, phase="stage1")
+    stage2 = exchanges(metrics, node=2, phase="stage2")
     assert len(stage1) == len(stage2) == 2
     for e in stage1:
         assert e["status"].startswith("rejected: ")
@@ -487,14 +503,14 @@ def test_malformed_and_nan_updates_are_rejected(pair, tmp_path):
     others = [
         e
         for e in metrics["exchanges"]
-        if e["node_id"] == 1 or e["phase"] not in ("STAGE1", "STAGE2")
+        if e["node_id"] == 1 or e["phase"] not in ("stage1", "stage2")
     ]
     assert {e["status"] for e in others} == {"ok"}
 
     # The rejected updates left no trace: each merge equals node 1's rows exactly.
     for step in range(2):
         for message_type, merged_at, fields in (
-            ("train.stage1", "query.stage1_stats", ("prompts",)),
+            ("train.stage1", "query.stage1_stats", STAGE1_FIELDS),
             ("train.stage2", "query.stage2_stats", STAGE2_FIELDS),
         ):
             merged = broadcast(pair, step, merged_at)
@@ -504,7 +520,7 @@ def test_malformed_and_nan_updates_are_rejected(pair, tmp_path):
             for e in update.entries:
                 assert row_count(merged, e.name) == e.count
                 for field_name in fields:
-                    assert torch.equal(row(merged, field_name, e.name), e.tensors[field_name])
+                    assert torch.equal(row(merged, field_name, e.name), e.values[field_name])
     assert_completed(metrics, tmp_path / "run")
 
 
@@ -514,24 +530,27 @@ def test_malformed_sync_replies_are_rejected(pair, tmp_path):
 
     def bad_sync(reply: Message) -> Message:
         step, _ = sent_config(pair)
-        if step == 0:  # no "sync" record at all
+        if step == 0:  # no "update" record at all
             return Message(RecordDict({"other": ConfigRecord({"x": 1})}), reply_to=pair.sent[-1])
-        reply.content["sync"]["classes"] = ["", "x" * 300, "bell\x07"]
-        reply.content["sync"]["counts"] = [1, 1, 1]
+        message = pb.ClientUpdate.FromString(reply.content["update"]["data"])
+        for bad_name, target in zip(["", "x" * 300, "bell\x07"], message.entries, strict=False):
+            target.name = bad_name
+        reply.content["update"]["data"] = message.SerializeToString()
         return reply
 
     pair.faults[(2, "query.sync")] = bad_sync
     metrics = run(pair, tmp_path)
 
     node2 = exchanges(metrics, node=2)
-    assert [e["phase"] for e in node2] == ["SYNC", "SYNC"]
+    assert [e["phase"] for e in node2] == ["sync", "sync", "sync"]
     assert [e["status"] for e in node2] == [
-        "rejected: malformed reply ('sync')",
-        "rejected: invalid class names",
+        "rejected: malformed reply ('update')",
+        "rejected: a class name is empty",
+        "ok",  # the closing sync, when node 2 has nothing left to bring
     ]
     assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
     codebook = assert_completed(metrics, tmp_path / "run")
-    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == node1_counts(pair)
+    assert counts_of(codebook) == node1_counts(pair)
 
 
 def test_malformed_evaluate_reply_is_rejected(pair, tmp_path):
@@ -541,99 +560,94 @@ def test_malformed_evaluate_reply_is_rejected(pair, tmp_path):
     pair.faults[(2, "evaluate")] = bad_metrics
     metrics = run(pair, tmp_path)
 
-    for e in exchanges(metrics, node=2, phase="EVALUATE"):
+    for e in exchanges(metrics, node=2, phase="evaluate"):
         assert e["status"].startswith("rejected: malformed reply")
-    assert {r["node_id"] for r in metrics["client_reports"]} == {1}
+    assert set(metrics["site_accuracy"]) == {"site-0"}
     # node 2's training replies still count
-    trained = [e for e in exchanges(metrics, node=2) if e["phase"] != "EVALUATE"]
+    trained = [e for e in exchanges(metrics, node=2) if e["phase"] != "evaluate"]
     assert {e["status"] for e in trained} == {"ok"}
     codebook = assert_completed(metrics, tmp_path / "run")
-    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == total_counts(pair)
+    assert counts_of(codebook) == total_counts(pair)
 
 
 def test_client_with_other_backbones(pair, tmp_path, cache_dir):
     foreign = create_backbones("tiny", seed=1)
-    own = BackboneOptions.from_run_config(pair.run_config).load()
+    values = parse(pair.run_config)
+    own = BackboneOptions.from_config(values).load()
     assert foreign.fingerprint != own.fingerprint
-    client_app._SITES[(pair.run_id, 2)] = Site(
-        scenario_of(pair), 1, foreign, train_config(pair.run_config), cache_dir
+    pair.run_config = {**pair.run_config, "results-dir": str(tmp_path), "run-name": "run"}
+    context = pair._context(2)  # node 2's site, then with other backbones
+    site = client_app.site_for(
+        context.run_id, context.node_id, dict(context.run_config), dict(context.node_config)
     )
+    site.backbones = foreign
+    site.memory = SiteMemory(site.memory.root, foreign.fingerprint, foreign.dims)
     metrics = run(pair, tmp_path)
 
     # rejected at sync, the node is not asked again in that step
     foreign_exchanges = exchanges(metrics, node=2)
-    assert [e["phase"] for e in foreign_exchanges] == ["SYNC", "SYNC"]
-    assert {e["status"] for e in foreign_exchanges} == {"rejected: backbone fingerprint"}
+    assert [e["phase"] for e in foreign_exchanges] == ["sync", "sync", "sync"]
+    for e in foreign_exchanges:
+        assert e["status"].startswith("rejected: backbone fingerprint")
     assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
     codebook = assert_completed(metrics, tmp_path / "run")
     assert codebook.fingerprint == own.fingerprint
-    expected = node1_counts(pair)
-    assert dict(zip(codebook.bank.names, codebook.bank.counts, strict=True)) == expected
+    assert counts_of(codebook) == node1_counts(pair)
 
 
 # --- clients in different tasks -----------------------------------------------------------------
 
 
 def test_clients_in_different_tasks(cache_dir, tmp_path):
+    """Site 2 joins one step late: its first task is finished by then, so it brings nothing new
+    (its classes stay frozen), trains nothing, and the run ends when no site brings a class."""
     grid = make_grid(cache_dir, 2, alpha=0.5, **{"arrival-offset": 1})
     recorded = record_all(grid)
-    config = grid.run_config
     scenario = scenario_of(grid)
-    assert scenario.n_steps == 3
-    task_classes = [list(class_counts(scenario, task)) for task in range(2)]
-    coordinator = Coordinator(
-        grid,
-        BackboneOptions.from_run_config(config).load(),
-        train_config(config),
-        ProtocolOptions.from_run_config(config),
-        scenario.n_steps,
-        tmp_path / "run",
-        scenario=scenario,
-    )
-    snapshots = []
-    for step in range(scenario.n_steps):
-        coordinator.run_step(step)
-        snapshots.append(Codebook.load(tmp_path / "run" / CODEBOOK_FILE))
-        assert snapshots[-1].version == coordinator.codebook.version
+    task_classes = [sorted(class_counts(scenario, task), key=class_key) for task in range(2)]
+    metrics = run(grid, tmp_path)
+    run_dir = tmp_path / "run"
 
-    # Which task each node said it was on: node 1 runs ahead of node 2 by one step.
-    tasks = {(s, n): recorded.syncs[(s, n)]["task"] for s in range(3) for n in (1, 2)}
-    assert tasks == {(0, 1): 0, (0, 2): -1, (1, 1): 1, (1, 2): 0, (2, 1): -1, (2, 2): 1}
-    assert snapshots[0].bank.names == task_classes[0]
-    assert snapshots[1].bank.names == task_classes[0] + task_classes[1]
-    assert snapshots[2].bank.names == snapshots[1].bank.names
-    assert snapshots[0].frozen == set(task_classes[0])
-    assert snapshots[1].frozen == set(task_classes[0] + task_classes[1])
-
-    # A node sends rows only for classes in play: at step 1 node 1 trains task 1 while node 2,
-    # on task 0 whose classes are frozen, sends none; at step 2 nothing is left to train.
+    # Which task each site was on: site 2 saw nothing at step 0 and only finished tasks later.
+    tasks = {(s, n): recorded.syncs[(s, n)].metadata["task"] for s in range(3) for n in (1, 2)}
+    assert tasks == {
+        (0, 1): "task-00", (0, 2): "",
+        (1, 1): "task-01", (1, 2): "",
+        (2, 1): "", (2, 2): "",
+    }  # fmt: skip
+    assert metrics["steps"] == 2 and metrics["status"] == "completed"
+    assert list(metrics["classes"]) == task_classes[0] + task_classes[1]
+    assert {name: c["step"] for name, c in metrics["classes"].items()} == {
+        **dict.fromkeys(task_classes[0], 0),
+        **dict.fromkeys(task_classes[1], 1),
+    }
+    # Site 2 sent no rows: at step 1 its task 0 is finished, and task 1 arrives at step 2.
     for message_type in UPDATE_TYPES:
         assert [e.name for e in recorded.update(0, message_type, 1).entries] == task_classes[0]
         assert recorded.update(0, message_type, 2).entries == []
         assert [e.name for e in recorded.update(1, message_type, 1).entries] == task_classes[1]
         assert recorded.update(1, message_type, 2).entries == []
-        assert recorded.update(2, message_type, 1).entries == []
-        assert recorded.update(2, message_type, 2).entries == []
-
-    # Frozen classes never change after their step (the server's aligned head aside).
-    def same(a: Codebook, b: Codebook, names: list[str]) -> None:
-        for name in names:
-            i, j = a.bank.index(name), b.bank.index(name)
-            for field_name in FINAL_FIELDS:
-                assert torch.equal(getattr(a.bank, field_name)[i], getattr(b.bank, field_name)[j])
-            for field_name in MIXTURE_FIELDS:
-                ma, mb = getattr(a.bank, field_name)[i], getattr(b.bank, field_name)[j]
-                assert torch.equal(ma.means, mb.means) and ma.count == mb.count
-            assert a.bank.counts[i] == b.bank.counts[j]
-            assert a.bank.versions[i] == b.bank.versions[j]
-
-    same(snapshots[0], snapshots[1], task_classes[0])
-    same(snapshots[0], snapshots[2], task_classes[0])
-    same(snapshots[1], snapshots[2], task_classes[1])
-    # Counts of task 0 are node 1's alone (node 2 reached task 0 after it was frozen).
+    # Counts of task 0 are site 1's alone (site 2 reached task 0 after it was frozen).
+    codebook = Codebook.load(run_dir / CODEBOOK_FILE)
     for name in task_classes[0]:
-        assert row_count(snapshots[2], name) == class_counts(scenario, 0)[name][0]
-    statuses = {e.status for e in coordinator.log.exchanges}
+        assert row_count(codebook, name) == class_counts(scenario, 0)[name][0]
+    # Site 2 still evaluates every class it holds: its accuracy is reported.
+    assert set(metrics["site_accuracy"]) == {"site-0", "site-1"}
+    assert len(metrics["accuracy_matrix"]) == 2
+    assert all(math.isfinite(a) for row_ in metrics["accuracy_matrix"] for a in row_)
+    statuses = {e["status"] for e in metrics["exchanges"]}
     assert statuses == {"ok"}
-    assert len(coordinator.log.accuracy_matrix) == 3
-    assert all(math.isfinite(a) for row_ in coordinator.log.accuracy_matrix for a in row_)
+
+
+@pytest.mark.parametrize("offset", [1, 2])
+def test_asynchronous_arrival_completes_with_metrics(cache_dir, tmp_path, offset):
+    """3 sites joining ``offset`` steps apart (what `starfed simulate --arrival-offset` runs):
+    the run completes, writes metrics.json, and forgetting is defined although some sites
+    saw tasks late."""
+    grid = make_grid(cache_dir, 3, alpha=0.5, **{"arrival-offset": offset})
+    metrics = run(grid, tmp_path)
+    assert metrics["status"] == "completed" and metrics["steps"] == 2
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert math.isfinite(saved["final_average_accuracy"])
+    assert math.isfinite(saved["final_forgetting"])
+    assert set(saved["site_accuracy"]) == {"site-0", "site-1", "site-2"}

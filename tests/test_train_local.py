@@ -6,6 +6,7 @@ import json
 
 from starfed.cli import main
 from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.data.site_folder import class_key
 
 
 def test_train_local_writes_results_and_a_valid_codebook(tmp_path, capsys) -> None:
@@ -25,9 +26,10 @@ def test_train_local_writes_results_and_a_valid_codebook(tmp_path, capsys) -> No
     assert (run / "accuracy_matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     codebook = Codebook.load(run / "codebook.bin", fingerprint=metrics["backbone_fingerprint"])
-    assert codebook.bank.names == metrics["class_order"][:4]
-    assert codebook.frozen == set(codebook.bank.names)
-    assert all(m is not None for m in codebook.bank.vit_mixtures)
+    order = metrics["class_order"]  # the split's; each task registers its classes by class key
+    assert codebook.names == sorted(order[:2], key=class_key) + sorted(order[2:4], key=class_key)
+    assert codebook.frozen == set(codebook.names)
+    assert all("vit_mixture" in entry.values for entry in codebook.entries.values())
 
     capsys.readouterr()
     assert main(["codebook", "inspect", str(run / "codebook.bin")]) == 0
@@ -41,4 +43,19 @@ def test_bad_paths_are_one_line_errors(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert err.startswith("starfed train-local: error:") and "missing" in err and "\n" not in err
     assert main(["train-local", "--clip-weights", str(tmp_path / "nope.safetensors")]) == 2
-    assert "weight file not found" in capsys.readouterr().err
+    assert "--clip-weights" in (err := capsys.readouterr().err) and "no such file" in err
+
+
+def test_device_cpu_and_auto_compute_the_same(tmp_path, capsys) -> None:
+    """On a machine without a GPU, ``--device auto`` is the CPU: the same numbers as ``cpu``."""
+    base = ["train-local", "--tasks", "1", "--classes-per-task", "2", "--epochs", "1",
+            "--replay-epochs", "1", "--results-dir", str(tmp_path), "--cache-dir",
+            str(tmp_path / "c")]  # fmt: skip
+    assert main([*base, "--run-name", "cpu", "--device", "cpu"]) == 0
+    assert main([*base, "--run-name", "auto"]) == 0
+    runs = [json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("cpu", "auto")]
+    assert runs[0]["accuracy_matrix"] == runs[1]["accuracy_matrix"]
+    codebooks = [Codebook.load(tmp_path / name / "codebook.bin") for name in ("cpu", "auto")]
+    assert codebooks[0].to_bytes() == codebooks[1].to_bytes()
+    assert main([*base, "--run-name", "gpu", "--device", "gpu"]) == 2
+    assert "device" in capsys.readouterr().err

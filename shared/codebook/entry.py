@@ -1,118 +1,143 @@
-"""The per-class learned state of the two-level model, stacked by class.
+"""A class entry, and the class bank: the same entries stacked by field for computing.
 
-Row ``i`` of every tensor belongs to ``names[i]``. The model computes with stacked tensors (one
-matmul over all classes instead of a loop); the codebook stores the
-same rows one class entry at a time. Classes are appended, never removed or reordered, so a row
-index is stable for the life of a bank.
+A ``ClassEntry`` is everything learned about one class, keyed by the schema's field names
+(``schema.FIELDS``); in a site's update it holds only the fields the phase trains. The model
+computes with a ``ClassBank`` instead, where row ``i`` of every column belongs to ``names[i]``
+(one matmul over all classes rather than a loop over entries). ``ClassBank.from_entries`` and
+``ClassBank.entries`` are the one conversion between the two.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from starfed.shared.codebook import schema
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.schema import ModelDims
+
+Value = torch.Tensor | GaussianMixture
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    """Sizes the per-class tensors depend on (fixed by the backbone pair)."""
+@dataclass(eq=False)  # tensors have no single truth value: compare encodings, not objects
+class ClassEntry:
+    """One class: its values by field name, its example count and the server's bookkeeping."""
 
-    d_txt: int  # CLIP text width (size of p_c)
-    d_clip: int  # CLIP joint embedding size (keys, A_c rows, G_c)
-    d_vit: int  # ViT width (Q_c rows, head rows, H_c)
-    n_layers: int  # ViT blocks, all prompted
+    name: str
+    count: int = 0  # training examples behind the values
+    values: dict[str, Value] = field(default_factory=dict)
+    version: int = 0  # codebook version at which the entry last changed (server bookkeeping)
+    frozen: bool = False  # the class's task is finished: merges never change it
+    field_versions: dict[str, int] = field(default_factory=dict)  # version of each value
 
 
-@dataclass
 class ClassBank:
-    """Everything learned per class, as stacked float32 tensors plus the replay mixtures."""
+    """Per-class state stacked by field: float32 tensor columns ``[C, *row]`` and mixture lists.
 
-    dims: ModelDims
-    names: list[str] = field(default_factory=list)
-    prompts: torch.Tensor | None = None  # p:  [C, d_txt]
-    keys: torch.Tensor | None = None  # w:  [C, d_clip] (L2-normalised, frozen after stage 1)
-    query_prompts: torch.Tensor | None = None  # Q:  [C, L, d_vit]
-    query_weights: torch.Tensor | None = None  # A:  [C, L, d_clip]
-    head_weight: torch.Tensor | None = None  # θ trained on real data: [C, d_vit]
-    head_bias: torch.Tensor | None = None  # [C]
-    aligned_head_weight: torch.Tensor | None = None  # θ after replay alignment: [C, d_vit]
-    aligned_head_bias: torch.Tensor | None = None  # [C]
-    clip_mixtures: list[GaussianMixture | None] = field(default_factory=list)  # G_c
-    vit_mixtures: list[GaussianMixture | None] = field(default_factory=list)  # H_c
-    counts: list[int] = field(default_factory=list)  # training examples seen per class
-    versions: list[int] = field(default_factory=list)  # model version each row was last set at
+    Rows are appended, never reordered, so a row index is stable for the life of a bank.
+    Columns are indexed by field name: ``bank["prompt"]`` is ``[C, d_txt]``,
+    ``bank["clip_mixture"]`` a list of ``C`` mixtures (None where not fitted yet).
+    """
 
-    def __post_init__(self) -> None:
-        d = self.dims
-        empty = {
-            "prompts": (0, d.d_txt),
-            "keys": (0, d.d_clip),
-            "query_prompts": (0, d.n_layers, d.d_vit),
-            "query_weights": (0, d.n_layers, d.d_clip),
-            "head_weight": (0, d.d_vit),
-            "head_bias": (0,),
-            "aligned_head_weight": (0, d.d_vit),
-            "aligned_head_bias": (0,),
+    def __init__(self, dims: ModelDims) -> None:
+        self.dims = dims
+        self.names: list[str] = []
+        self.counts: list[int] = []
+        self._columns: dict[str, torch.Tensor | list[GaussianMixture | None]] = {
+            f.name: torch.zeros(0, *f.shape(dims)) if f.kind is schema.Kind.TENSOR else []
+            for f in schema.FIELDS
         }
-        for name, shape in empty.items():
-            if getattr(self, name) is None:
-                setattr(self, name, torch.zeros(shape))
-
-    TENSOR_FIELDS = (
-        "prompts",
-        "keys",
-        "query_prompts",
-        "query_weights",
-        "head_weight",
-        "head_bias",
-        "aligned_head_weight",
-        "aligned_head_bias",
-    )
 
     def __len__(self) -> int:
         return len(self.names)
 
+    def __getitem__(self, field_name: str):
+        return self._columns[field_name]
+
+    def __setitem__(self, field_name: str, column: torch.Tensor | list) -> None:
+        """Replace a whole column (same length; tensors are stored detached, float32)."""
+        if len(column) != len(self):
+            raise ValueError(f"{field_name}: {len(column)} rows for {len(self)} classes")
+        if isinstance(column, torch.Tensor):
+            column = column.detach().to(torch.float32)
+        self._columns[field_name] = column
+
     def index(self, name: str) -> int:
         return self.names.index(name)
 
-    def append(self, names: list[str], rows: dict[str, torch.Tensor], version: int = 0) -> None:
-        """Add new classes; ``rows`` gives every tensor field for them (first dim = len(names))."""
+    def to(self, device: torch.device) -> ClassBank:
+        """The tensor columns moved to ``device`` (in place); mixtures are float64 statistics
+        and stay on the CPU."""
+        for name in schema.TENSORS:
+            self._columns[name] = self._columns[name].to(device)
+        return self
+
+    def set_rows(self, field_name: str, start: int, value: torch.Tensor | Sequence) -> None:
+        """Overwrite rows ``start : start + len(value)`` of one column."""
+        column = self._columns[field_name]
+        if isinstance(column, torch.Tensor):
+            rows = value.detach().to(device=column.device, dtype=column.dtype)
+            column[start : start + value.shape[0]] = rows
+        else:
+            column[start : start + len(value)] = list(value)
+
+    def append(self, entries: Sequence[ClassEntry]) -> None:
+        """Add new classes; every entry must hold every tensor field (mixtures are optional)."""
+        names = [e.name for e in entries]
         duplicate = set(names) & set(self.names)
         if duplicate or len(set(names)) != len(names):
             raise ValueError(f"classes already in the bank or repeated: {sorted(duplicate)}")
-        missing = set(self.TENSOR_FIELDS) - set(rows)
-        if missing:
-            raise ValueError(f"missing per-class tensors: {sorted(missing)}")
-        for name in self.TENSOR_FIELDS:
-            value = rows[name].detach().to(torch.float32)
-            current = getattr(self, name)
-            if value.shape[0] != len(names) or value.shape[1:] != current.shape[1:]:
-                raise ValueError(
-                    f"{name}: expected shape {(len(names), *current.shape[1:])}, "
-                    f"got {tuple(value.shape)}"
-                )
-            setattr(self, name, torch.cat([current, value]))
+        for name in schema.TENSORS:
+            rows = [e.values.get(name) for e in entries]
+            if any(row is None for row in rows):
+                raise ValueError(f"missing {name} for a new class")
+            current = self._columns[name]
+            if rows:
+                stacked = torch.stack([row.detach().to(current) for row in rows])
+                if stacked.shape[1:] != current.shape[1:]:
+                    raise ValueError(
+                        f"{name}: row shape {tuple(stacked.shape[1:])}, "
+                        f"expected {tuple(current.shape[1:])}"
+                    )
+                self._columns[name] = torch.cat([current, stacked])
+        for name in schema.MIXTURES:
+            self._columns[name].extend(e.values.get(name) for e in entries)
         self.names.extend(names)
-        self.clip_mixtures.extend([None] * len(names))
-        self.vit_mixtures.extend([None] * len(names))
-        self.counts.extend([0] * len(names))
-        self.versions.extend([version] * len(names))
+        self.counts.extend(e.count for e in entries)
 
-    def set_rows(self, field_name: str, start: int, value: torch.Tensor) -> None:
-        """Overwrite rows ``start : start + len(value)`` of one tensor field."""
-        target = getattr(self, field_name)
-        target[start : start + value.shape[0]] = value.detach().to(target.dtype)
+    @classmethod
+    def from_entries(cls, dims: ModelDims, entries: Iterable[ClassEntry]) -> ClassBank:
+        """Stack entries (copies: training the bank never changes the entries)."""
+        bank = cls(dims)
+        bank.append(list(entries))
+        return bank
 
-    def select(self, names: list[str]) -> ClassBank:
+    def entries(
+        self, names: Iterable[str] | None = None, fields: Iterable[str] | None = None
+    ) -> list[ClassEntry]:
+        """Entries of ``names`` (default all) holding ``fields`` (default all that are set).
+
+        Tensor rows are copied to the CPU, so later training does not change the entries and
+        they can be encoded wherever the bank computed.
+        """
+        fields = schema.BY_NAME if fields is None else tuple(fields)
+        out = []
+        for name in self.names if names is None else names:
+            i = self.index(name)
+            values: dict[str, Value] = {}
+            for field_name in fields:
+                value = self._columns[field_name][i]
+                if value is not None:
+                    values[field_name] = (
+                        value.detach().to("cpu", copy=True)
+                        if isinstance(value, torch.Tensor)
+                        else value
+                    )
+            out.append(ClassEntry(name, self.counts[i], values))
+        return out
+
+    def select(self, names: Sequence[str]) -> ClassBank:
         """A new bank holding copies of the rows of ``names``, in that order."""
-        rows = [self.index(name) for name in names]
-        picked = ClassBank(self.dims)
-        index = torch.tensor(rows, dtype=torch.long)
-        picked.append(list(names), {f: getattr(self, f)[index].clone() for f in self.TENSOR_FIELDS})
-        picked.clip_mixtures = [self.clip_mixtures[r] for r in rows]
-        picked.vit_mixtures = [self.vit_mixtures[r] for r in rows]
-        picked.counts = [self.counts[r] for r in rows]
-        picked.versions = [self.versions[r] for r in rows]
-        return picked
+        return ClassBank.from_entries(self.dims, self.entries(names))

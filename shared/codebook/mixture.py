@@ -6,7 +6,7 @@ from them. The statistics are float64 (they are averaged across sites and tasks)
 float32 like the features they stand for.
 
 Fitting uses scikit-learn's ``GaussianMixture(covariance_type="diag")`` (k-means init, reg 1e-6):
-it is the reference point of DESIGN §1, and it avoids the reference implementation's E-step bug
+it is the reference point (docs/model.md), and it avoids the reference implementation's E-step bug
 (σ used where σ² belongs).
 """
 

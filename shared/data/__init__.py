@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Images and data sets: Split CropDiseases, decoding and augmentation, federated scenarios."""

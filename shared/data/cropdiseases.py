@@ -42,10 +42,6 @@ PAPER_DROPPED_CLASSES: tuple[str, ...] = (
     "Apple___Cedar_apple_rust",
     "Peach___healthy",
 )
-IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
-IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
-CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
 
 #: Seed of the per-class train/test split of an unsplit root (mixed with each folder name).
 SPLIT_SEED = 0
@@ -67,6 +63,11 @@ class DatasetError(ValueError):
 def bundled_dataset_root() -> Path:
     """Path of the small real dataset shipped with the package (offline tests and demos)."""
     return (Path(__file__).parent / "datasets" / "cropdiseases-mini").resolve()
+
+
+def dataset_root(configured: str = "") -> str:
+    """The folder a ``data-root`` setting names: "" is the bundled set."""
+    return configured or str(bundled_dataset_root())
 
 
 def class_name_to_text(folder_name: str) -> str:
@@ -209,11 +210,6 @@ class SplitCropDiseases:
         """Classes over all tasks."""
         return len(self.class_folders)
 
-    @property
-    def class_texts(self) -> list[str]:
-        """Text of each global label, for CLIP prompts."""
-        return [class_name_to_text(f) for f in self.class_folders]
-
     def task_labels(self, task: int) -> list[int]:
         """Global labels introduced by ``task``."""
         if not 0 <= task < self.n_tasks:
@@ -323,17 +319,32 @@ def _decode_all(paths: list[str], size: int, progress: bool) -> tuple[np.ndarray
     return (out if ok.all() else out[ok]), failed
 
 
+def _check_every_class(samples: Sequence[tuple[str, int]], readable: set[int]) -> None:
+    for path, label in samples:
+        if label not in readable:
+            n = sum(1 for _, other in samples if other == label)
+            raise DatasetError(
+                f"class folder {Path(path).parent} has no readable image ({n} unreadable files)"
+            )
+
+
 def decode_images(
     samples: Sequence[tuple[str, int]],
     image_size: int,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    every_class: bool = False,
 ) -> DecodedImages:
     """Decode every sample once into uint8 ``[N, 3, S, S]``, skipping unreadable files.
 
     With ``cache_dir`` the array is kept as ``.npy`` keyed by the files (paths, sizes, mtimes) and
     ``image_size``; labels are not cached but taken from ``samples``, so one cache serves any seed.
+    Files are known by their real paths (``paths`` holds those), so a folder of links — a
+    simulated site — shares the cache of the files it links to.
+    ``every_class``: a label of ``samples`` left without any readable image is a DatasetError
+    (a single site cannot learn such a class; a federated site simply does not hold it).
     """
+    samples = [(os.path.realpath(p), label) for p, label in samples]
     unique = list(dict.fromkeys(p for p, _ in samples))
     npy = None
     if cache_dir is not None:
@@ -350,6 +361,8 @@ def decode_images(
 
     row_of = {p: i for i, p in enumerate(stored_paths)}
     kept = [(p, label) for p, label in samples if p in row_of]
+    if every_class:
+        _check_every_class(samples, {label for _, label in kept})
     rows = np.fromiter((row_of[p] for p, _ in kept), dtype=np.int64, count=len(kept))
     in_place = len(rows) == len(stored) and bool((rows == np.arange(len(rows))).all())
     # A fresh array already in sample order is used as is; a read-only memmap is always copied.

@@ -13,77 +13,27 @@ only scans the dataset folder.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+import os
+import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import datasets
 import numpy as np
 from flwr_datasets.partitioner import DirichletPartitioner
-from rich.table import Table
 
-from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root
-from starfed.shared.run_config import get
+from starfed.shared.config import Values
+from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root
 
 Sample = tuple[str, int]
-
-#: Flower run-config key -> ScenarioConfig field.
-RUN_CONFIG_KEYS: dict[str, str] = {
-    "data-root": "data_root",
-    "num-tasks": "n_tasks",
-    "classes-per-task": "classes_per_task",
-    "seed": "seed",
-    "num-clients": "n_clients",
-    "alpha": "alpha",
-    "arrival-offset": "arrival_offset",
-    "min-partition-size": "min_partition_size",
-}
-
-
-def _problem(name: str, value: object) -> str | None:
-    """Why ``value`` is not valid for field ``name``, or None when it is."""
-    if name == "data_root":
-        return None if isinstance(value, str) else "must be a string"
-    if name == "alpha":
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return None if ok and math.isfinite(value) and value > 0 else "must be a finite number > 0"
-    if name == "classes_per_task" and value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        return "must be an integer"
-    low, high = {
-        "n_tasks": (1, None),
-        "classes_per_task": (1, None),
-        "seed": (0, 2**32 - 1),  # what np.random.RandomState (the class order) accepts
-        "n_clients": (1, None),
-        "arrival_offset": (0, None),
-        "min_partition_size": (0, None),
-    }[name]
-    if value < low or (high is not None and value > high):
-        return f"must be >= {low}" + ("" if high is None else f" and <= {high}")
-    return None
-
-
-def _parse(key: str, raw: str | int | float | bool) -> object:
-    """A run-config value as its field expects it; strings are accepted for CLI overrides."""
-    name = RUN_CONFIG_KEYS[key]
-    kind = {"data_root": str, "alpha": float}.get(name, int)
-    value = get({key: raw}, key, kind, None)
-    if name == "data_root":
-        return value or str(bundled_dataset_root())
-    if name == "classes_per_task" and value == 0:
-        return None
-    problem = _problem(name, value)
-    if problem is not None:
-        raise ValueError(f"run config {key!r} {problem}, got {raw!r}")
-    return value
 
 
 @dataclass(frozen=True)
 class ScenarioConfig:
     """What defines a federated scenario; equal configs give identical partitions."""
 
-    data_root: str = field(default_factory=lambda: str(bundled_dataset_root()))
+    data_root: str = field(default_factory=dataset_root)
     n_tasks: int = 7
     classes_per_task: int | None = None  # None: all classes spread evenly over the tasks
     seed: int = 1993  # class order and partition
@@ -92,30 +42,24 @@ class ScenarioConfig:
     arrival_offset: int = 0  # site i starts i * arrival_offset steps after site 0
     min_partition_size: int = 0  # per task: resample the Dirichlet until every site has this many
 
-    def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
-            problem = _problem(name, getattr(self, name))
-            if problem is not None:
-                raise ValueError(f"ScenarioConfig.{name} {problem}, got {getattr(self, name)!r}")
-
     @property
     def n_steps(self) -> int:
         """Global steps until the last-arriving site has finished its last task."""
         return self.n_tasks + (self.n_clients - 1) * self.arrival_offset
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, str | int | float | bool]) -> ScenarioConfig:
-        """Read the scenario keys of a Flower run config (see :data:`RUN_CONFIG_KEYS`).
-
-        Other keys are ignored: the run config also holds training settings. ``data-root = ""``
-        means the bundled dataset and ``classes-per-task = 0`` the even default.
-        """
-        values = {
-            RUN_CONFIG_KEYS[key]: _parse(key, raw)
-            for key, raw in run_config.items()
-            if key in RUN_CONFIG_KEYS
-        }
-        return cls(**values)
+    def from_config(cls, values: Values) -> ScenarioConfig:
+        """The scenario knobs of a parsed config (``starfed.shared.config``)."""
+        return cls(
+            data_root=dataset_root(values["data-root"]),
+            n_tasks=values["num-tasks"],
+            classes_per_task=values["classes-per-task"] or None,
+            seed=values["seed"],
+            n_clients=values["num-clients"],
+            alpha=values["alpha"],
+            arrival_offset=values["arrival-offset"],
+            min_partition_size=values["min-partition-size"],
+        )
 
 
 def _task_seed(seed: int, task: int) -> int:
@@ -201,21 +145,29 @@ class Scenario:
             self._counts[task] = counts
         return self._counts[task].copy()
 
-    def summary_table(self, task: int) -> Table:
-        """Clients x classes (global labels) image counts of ``task``, for progress printing."""
-        labels = self.split.task_labels(task)
-        counts = self.class_counts(task)
-        table = Table(title=f"Task {task} train images")
-        table.add_column("client")
-        for label in labels:
-            table.add_column(str(label), justify="right")
-        table.add_column("total", justify="right", style="bold")
-        for client, row in enumerate(counts):
-            table.add_row(str(client), *map(str, row.tolist()), str(int(row.sum())))
-        table.add_section()
-        totals = counts.sum(axis=0)
-        table.add_row("all", *map(str, totals.tolist()), str(int(totals.sum())), style="bold")
-        return table
+    def write_site(self, client: int, data_dir: str | os.PathLike[str], step: int) -> None:
+        """Fill a simulated site's data folder as a deployed site's would look at ``step``.
+
+        Each task that has arrived by ``step`` is a folder ``task-NN/<class>/`` of links to the
+        site's training images, and ``test/<class>/`` links to its test images of those tasks
+        (docs/sites.md); a task folder appears whole (written aside, then renamed), so the site
+        code that reads it is the deployed site's. Idempotent.
+        """
+        root = Path(data_dir)
+        root.mkdir(parents=True, exist_ok=True)  # a site that has not joined yet: no tasks
+        latest = self.task_at(client, step)
+        if latest is None and step >= client * self.config.arrival_offset:
+            latest = self.n_tasks - 1  # the stream has ended: every task has arrived
+        for task in range(0 if latest is None else latest + 1):
+            target = root / f"task-{task:02d}"
+            if not target.exists():
+                staging = root / f".{target.name}.tmp"
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)  # an empty task is still a task folder
+                _write_class_folders(staging, self.train_samples(client, task), self.split)
+                staging.rename(target)
+            # test images of a class appear with its task
+            _write_class_folders(root / "test", self.test_samples(client, [task]), self.split)
 
     def _check_client(self, client: int) -> int:
         if not 0 <= client < self.n_clients:
@@ -265,3 +217,21 @@ class Scenario:
                     parts[client].extend(images[i] for i in chosen)
             self._test[task] = parts
         return self._test[task]
+
+
+def _write_class_folders(parent: Path, samples: list[Sample], split: SplitCropDiseases) -> None:
+    """``parent/<class>/<file>`` links to ``samples``; each class folder is written aside and
+    renamed into place, so a reader never sees half of one. Existing class folders are kept."""
+    by_class: dict[str, list[str]] = {}
+    for path, label in samples:
+        by_class.setdefault(split.class_folders[label], []).append(path)
+    for name, paths in by_class.items():
+        target = parent / name
+        if target.exists():
+            continue
+        staging = parent / f".{name}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for path in paths:
+            (staging / Path(path).name).symlink_to(Path(path).resolve())
+        staging.rename(target)

@@ -1,1 +1,1 @@
-"""placeholder"""
+"""The STAR-Prompt model: frozen backbones, both levels, losses, replay, local training, scoring."""

@@ -11,6 +11,8 @@ A backbone pair is CLIP (open_clip: image and text towers) plus an ImageNet ViT 
 * a JSON config file (``config_path``) giving either open_clip/timm model names or explicit
   sizes, plus local weight files — for sites without a model hub.
 
+The configurations themselves (presets, JSON files) are data: ``backbone_config``.
+
 Every pair has a ``fingerprint``: sha256 over the canonical config and every weight tensor.
 Clients and servers exchange it so that codebooks trained on different backbones never mix.
 """
@@ -32,85 +34,16 @@ from safetensors.torch import load_file
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from starfed.shared.codebook.entry import ModelDims
-from starfed.shared.data.cropdiseases import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.device import autocast, backbone_dtype
+from starfed.shared.model.backbone_config import (
+    PAPER_VIT_TAGS,
+    BackboneConfig,
+    BackboneError,
+    preset_config,
+    read_backbone_config,
+)
 from starfed.shared.model.frozen_towers import clip_image_embedding, supports_clip_visual
-
-PRESETS = ("tiny", "paper")
-PAPER_VIT_TAGS = ("augreg_in21k", "augreg2_in21k_ft_in1k")
-
-
-class BackboneError(ValueError):
-    """A backbone config or weight file that cannot be used (wrong keys, shapes, missing file)."""
-
-
-@dataclass(frozen=True)
-class BackboneConfig:
-    """What to build. ``clip``/``vit`` hold either ``{"model_name": ...}`` or explicit sizes.
-
-    Explicit CLIP sizes are ``open_clip.CLIP`` arguments (``embed_dim``, ``vision_cfg``,
-    ``text_cfg``, ``quick_gelu``); explicit ViT sizes are timm ``VisionTransformer`` arguments.
-    """
-
-    name: str
-    clip: dict[str, Any]
-    vit: dict[str, Any]
-    image_size: int
-    vit_mean: tuple[float, float, float] = IMAGENET_MEAN
-    vit_std: tuple[float, float, float] = IMAGENET_STD
-    clip_mean: tuple[float, float, float] = CLIP_MEAN
-    clip_std: tuple[float, float, float] = CLIP_STD
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True, default=list)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BackboneConfig:
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(data) - known
-        if unknown:
-            raise BackboneError(f"unknown backbone config keys: {sorted(unknown)}")
-        try:
-            values = {k: tuple(v) if k.endswith(("_mean", "_std")) else v for k, v in data.items()}
-            return cls(**values)
-        except TypeError as err:
-            raise BackboneError(f"incomplete backbone config: {err}") from None
-
-
-def preset_config(preset: str) -> BackboneConfig:
-    """The config of a named preset (sizes only; weights come from ``create_backbones``)."""
-    if preset == "tiny":
-        return BackboneConfig(
-            name="tiny",
-            clip={
-                "embed_dim": 64,
-                "vision_cfg": {
-                    "image_size": 64,
-                    "layers": 2,
-                    "width": 64,
-                    "head_width": 32,
-                    "patch_size": 8,
-                },
-                "text_cfg": {
-                    "context_length": 77,
-                    "vocab_size": 49408,
-                    "width": 64,
-                    "heads": 4,
-                    "layers": 2,
-                },
-                "quick_gelu": True,
-            },
-            vit={"img_size": 64, "patch_size": 8, "embed_dim": 96, "depth": 4, "num_heads": 4},
-            image_size=64,
-        )
-    if preset == "paper":
-        return BackboneConfig(
-            name="paper",
-            clip={"model_name": "ViT-L-14"},
-            vit={"model_name": "vit_base_patch16_224"},
-            image_size=224,
-        )
-    raise BackboneError(f"unknown preset {preset!r}; choose one of {PRESETS} or give a config file")
 
 
 class Backbones(nn.Module):
@@ -133,17 +66,29 @@ class Backbones(nn.Module):
         self._fingerprint: str | None = None
         #: CLIP image features through ``frozen_towers`` (False: open_clip's own forward).
         self.fast_clip = supports_clip_visual(clip.visual)
+        self.device = torch.device("cpu")
 
     def train(self, mode: bool = True) -> Backbones:
         """Backbones stay in eval mode: they are frozen feature extractors."""
         return super().train(False)
 
+    def place(self, device: torch.device) -> Backbones:
+        """Move to ``device``, in half precision on a GPU (``starfed.shared.device``). The
+        fingerprint is of the weights as built, so it is taken first."""
+        _ = self.fingerprint
+        self.to(device=device, dtype=backbone_dtype(device))
+        self.device = device
+        return self
+
     @torch.no_grad()
     def clip_image_features(self, images: torch.Tensor) -> torch.Tensor:
-        """Raw (un-normalised) CLIP image embeddings z [B, d_clip] of CLIP-normalised images."""
-        if self.fast_clip:
-            return clip_image_embedding(self.clip.visual, images).float()
-        return self.clip.encode_image(images).float()
+        """Raw (un-normalised) CLIP image embeddings z [B, d_clip] (float32) of CLIP-normalised
+        images, on the backbones' device."""
+        images = images.to(self.device)
+        with autocast(self.device):
+            if self.fast_clip:
+                return clip_image_embedding(self.clip.visual, images).float()
+            return self.clip.encode_image(images).float()
 
     @property
     def fingerprint(self) -> str:
@@ -255,13 +200,7 @@ def create_backbones(
     precedence, from local files, from the hub (``download=True``, ``paper`` only), or from a
     seeded random initialisation.
     """
-    if config_path is not None:
-        path = Path(config_path)
-        if not path.is_file():
-            raise BackboneError(f"backbone config not found: {path}")
-        config = BackboneConfig.from_dict(json.loads(path.read_text()))
-    else:
-        config = preset_config(preset)
+    config = read_backbone_config(config_path) if config_path else preset_config(preset)
     if download and config.name != "paper":
         raise BackboneError("download=True only applies to the 'paper' preset")
     if vit_tag not in PAPER_VIT_TAGS:

@@ -1,4 +1,10 @@
-"""Per-task test accuracy and prompt-selection accuracy of a model on a labelled test set."""
+"""Test accuracy and prompt-selection accuracy: per class, then per group of classes.
+
+Scores are counted per class first (``score_classes``), because a federation adds up the counts
+its sites report for the classes they hold; a group of classes (a task of the split, or the
+classes a federation step registered) is then scored from the counts of its classes
+(``group_scores``). Prediction is class-incremental: no task id is given.
+"""
 
 from __future__ import annotations
 
@@ -12,49 +18,69 @@ from starfed.shared.model.training import EVAL_BATCH_SIZE, Views
 
 
 @dataclass
+class ClassScores:
+    """Counts per bank row: test images, correct predictions, and prompt selections whose key
+    belongs to the image class's group, out of ``selections`` (images × blocks)."""
+
+    images: torch.Tensor  # int64 [C]
+    correct: torch.Tensor  # int64 [C]
+    selection_hits: torch.Tensor  # int64 [C]
+    selections: torch.Tensor  # int64 [C]
+
+
+@dataclass
 class TaskScores:
-    accuracy: list[float]  # % correct per task
-    selection_accuracy: list[float]  # % of (image, block) choices whose key is of the image's task
+    accuracy: list[float]  # % correct per group
+    selection_accuracy: list[float]  # % of (image, block) choices whose key is of the group
 
 
 @torch.no_grad()
-def evaluate_tasks(
+def score_classes(
     model: StarPrompt,
     images: torch.Tensor,
-    labels: torch.Tensor,
+    rows: torch.Tensor,
     image_features: torch.Tensor,
-    task_of_row: torch.Tensor,
-    n_tasks: int,
+    group_of_row: torch.Tensor,
     use_keys: bool = False,
-) -> TaskScores:
-    """Accuracy over all bank classes, split by the task of each test image.
-
-    ``labels`` are bank rows; ``task_of_row[r]`` is the task that introduced row r; the test
-    set covers tasks ``0 .. n_tasks-1``. Prediction is class-incremental: no task id is given.
-    """
-    if len(labels) == 0:  # e.g. a site holding no test images of its classes
-        return TaskScores([float("nan")] * n_tasks, [float("nan")] * n_tasks)
+    confusion: torch.Tensor | None = None,
+) -> ClassScores:
+    """Count, per bank row, how its test images (``rows`` are their true rows) are predicted;
+    ``confusion`` (int64 ``[C, C]``, true row × predicted row) is added to when given."""
+    n, device = len(model.bank), model.device
+    counts = [torch.zeros(n, dtype=torch.int64, device=device) for _ in range(4)]
+    images_, correct, hits, selections = counts  # counted on the device, read once at the end
+    groups = group_of_row.to(device)
     views = Views.of(model.backbones)
-    correct, selected_ok = [], []
-    for i in range(0, len(labels), EVAL_BATCH_SIZE):
+    for i in range(0, len(rows), EVAL_BATCH_SIZE):
         chunk = slice(i, i + EVAL_BATCH_SIZE)
-        vit_in, _ = views.pair(to_unit(images[chunk]))
+        vit_in, _ = views.pair(to_unit(images[chunk].to(device)))
         prediction = model.predict(vit_in, image_features[chunk], use_keys=use_keys)
-        target = labels[chunk]
-        correct.append(prediction.logits.argmax(-1) == target)
-        selected_ok.append(
-            (task_of_row[prediction.selected] == task_of_row[target][:, None]).float().mean(1)
-        )
-    hits, selection = torch.cat(correct).float(), torch.cat(selected_ok)
-    tasks = task_of_row[labels]
-    accuracy, selection_accuracy = [], []
-    for t in range(n_tasks):
-        mask = tasks == t
-        accuracy.append(100.0 * float(hits[mask].mean()) if mask.any() else float("nan"))
-        selection_accuracy.append(
-            100.0 * float(selection[mask].mean()) if mask.any() else float("nan")
-        )
-    return TaskScores(accuracy, selection_accuracy)
+        target = rows[chunk].to(device)
+        predicted = prediction.logits.argmax(-1)
+        same_group = groups[prediction.selected] == groups[target][:, None]
+        images_.index_add_(0, target, torch.ones_like(target))
+        correct.index_add_(0, target, (predicted == target).long())
+        hits.index_add_(0, target, same_group.sum(1))
+        selections.index_add_(0, target, torch.full_like(target, same_group.shape[1]))
+        if confusion is not None:
+            confusion.index_put_(
+                (target.cpu(), predicted.cpu()), torch.ones_like(target.cpu()), accumulate=True
+            )
+    return ClassScores(*(count.cpu() for count in counts))
+
+
+def group_scores(scores: ClassScores, group_of_row: torch.Tensor, n_groups: int) -> TaskScores:
+    """Accuracy of each group ``0 .. n_groups-1`` over the test images of its classes (NaN for
+    a group without test images)."""
+    accuracy, selection = [], []
+    for group in range(n_groups):
+        mask = group_of_row == group
+        images, correct = int(scores.images[mask].sum()), int(scores.correct[mask].sum())
+        selections = int(scores.selections[mask].sum())
+        hits = int(scores.selection_hits[mask].sum())
+        accuracy.append(100.0 * correct / images if images else float("nan"))
+        selection.append(100.0 * hits / selections if selections else float("nan"))
+    return TaskScores(accuracy, selection)
 
 
 def evaluate_decoded(
@@ -65,7 +91,7 @@ def evaluate_decoded(
     n_tasks: int,
     use_keys: bool = False,
 ) -> TaskScores:
-    """``evaluate_tasks`` on decoded test images labelled with the split's global labels.
+    """Scores per task of the split, on decoded test images labelled with its global labels.
 
     ``image_features`` are the CLIP features of ``test.images`` (``clip_features``; frozen, so
     a caller evaluating the same images repeatedly computes them once). Bank rows are matched
@@ -78,12 +104,7 @@ def evaluate_decoded(
     rows = torch.tensor([row_of.get(folders[int(label)], -1) for label in test.labels])
     task_of_row = torch.tensor([split.task_of_label(folders.index(n)) for n in model.bank.names])
     known = rows >= 0
-    return evaluate_tasks(
-        model,
-        test.images[known],
-        rows[known],
-        image_features[known],
-        task_of_row,
-        n_tasks,
-        use_keys=use_keys,
+    scores = score_classes(
+        model, test.images[known], rows[known], image_features[known], task_of_row, use_keys
     )
+    return group_scores(scores, task_of_row, n_tasks)

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from open_clip.model import CLIP
 from torch import nn
 
+from starfed.shared.device import autocast
+
 PROMPT_POSITION = 1  # index of the placeholder token "x" in "<SOT> x <name> . <EOT>"
 PROMPT_INIT_STD = 0.02
 
@@ -55,9 +57,11 @@ class TextKeyEncoder(nn.Module):
     @torch.no_grad()
     def embed_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token embeddings cut to the longest text, and each row's end-of-text position."""
+        embedding = self.clip.token_embedding
+        tokens = tokens.to(embedding.weight.device)
         eot = tokens.argmax(dim=-1)
         length = int(eot.max()) + 1
-        return self.clip.token_embedding(tokens[:, :length]).float(), eot
+        return embedding(tokens[:, :length]).float(), eot
 
     def embed_texts(self, class_texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.embed_tokens(self.tokenize(class_texts))
@@ -65,7 +69,14 @@ class TextKeyEncoder(nn.Module):
     def forward(
         self, prompts: torch.Tensor, token_embeds: torch.Tensor, eot: torch.Tensor
     ) -> torch.Tensor:
-        """Keys w [C, d_clip] (unit norm) for prompts [C, d_txt] and their class inputs."""
+        """Keys w [C, d_clip] (unit norm, float32) for prompts [C, d_txt] and their class inputs;
+        the frozen text tower under autocast on a GPU."""
+        with autocast(self.clip.token_embedding.weight.device):
+            return self._keys(prompts, token_embeds, eot).float()
+
+    def _keys(
+        self, prompts: torch.Tensor, token_embeds: torch.Tensor, eot: torch.Tensor
+    ) -> torch.Tensor:
         clip = self.clip
         length = token_embeds.shape[1]
         x = token_embeds.clone()

@@ -1,7 +1,8 @@
-"""Generative replay: re-align first-level prompts and the head on features sampled from MoGs.
+"""Generative replay's objectives and loop: training on features sampled from class mixtures.
 
 After each task, features of every seen class are sampled from its mixture (256 per class per
-epoch, redrawn every epoch, shuffled, batches of 128) and used to
+epoch, redrawn every epoch, shuffled, batches of 128) and used to (the steps ``replay1`` and
+``replay2`` in ``starfed.shared.model.training``)
 
 * first level: train the *current* prompts p_c against the keys of all seen classes (past keys
   fixed), so new keys do not steal past classes' images; the keys are then frozen;
@@ -54,7 +55,7 @@ def head_replay_loss(
     return F.cross_entropy(logit_norm(F.linear(features, weight, bias)), labels)
 
 
-def _replay_epochs(
+def replay_epochs(
     mixtures: list[GaussianMixture],
     config: ReplayConfig,
     params: list[torch.Tensor],
@@ -68,51 +69,10 @@ def _replay_epochs(
     with progress_task(progress, description, config.epochs) as advance:
         for _ in range(config.epochs):
             features, labels = sample_replay_features(mixtures, config.samples_per_class, generator)
+            features, labels = features.to(params[0].device), labels.to(params[0].device)
             order = torch.randperm(len(labels), generator=generator)
             for batch in order.split(config.batch_size):
                 optimizer.zero_grad(set_to_none=True)
                 loss_fn(features[batch], labels[batch]).backward()
                 optimizer.step()
             advance()
-
-
-def align_first_level(
-    encoder: TextKeyEncoder,
-    mixtures: list[GaussianMixture],
-    past_keys: torch.Tensor,
-    current_prompts: torch.Tensor,
-    current_embeds: torch.Tensor,
-    current_eot: torch.Tensor,
-    config: ReplayConfig,
-    generator: torch.Generator,
-    progress: Progress | None = None,
-) -> torch.Tensor:
-    """Replay-aligned current prompts (mixtures ordered like ``cat(past_keys, current)``)."""
-    prompts = current_prompts.detach().clone().requires_grad_(True)
-
-    def loss_fn(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return first_level_replay_loss(
-            encoder, features, labels, past_keys, prompts, current_embeds, current_eot
-        )
-
-    _replay_epochs(mixtures, config, [prompts], loss_fn, generator, "replay: prompts", progress)
-    return prompts.detach()
-
-
-def align_head(
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    mixtures: list[GaussianMixture],
-    config: ReplayConfig,
-    generator: torch.Generator,
-    progress: Progress | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A replay-aligned copy of the head rows of all seen classes (inputs are not changed)."""
-    w = weight.detach().clone().requires_grad_(True)
-    b = bias.detach().clone().requires_grad_(True)
-
-    def loss_fn(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return head_replay_loss(features, labels, w, b)
-
-    _replay_epochs(mixtures, config, [w, b], loss_fn, generator, "replay: head", progress)
-    return w.detach(), b.detach()

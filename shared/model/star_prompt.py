@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from starfed.shared.codebook.entry import ClassBank
+from starfed.shared.codebook.entry import ClassBank, ClassEntry
 from starfed.shared.data.cropdiseases import class_name_to_text
+from starfed.shared.device import autocast
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.first_level import TextKeyEncoder, first_level_logits, init_prompts
 from starfed.shared.model.second_level import (
@@ -49,12 +50,12 @@ def init_class_rows(
     )
     with torch.no_grad():
         embeds, eot = model.encoder.embed_texts(texts)
-        keys = model.encoder(prompts, embeds, eot)
+        keys = model.encoder(prompts.to(model.device), embeds, eot).cpu()
     return {
-        "prompts": prompts,
-        "keys": keys,
-        "query_prompts": init_query_prompts(n, d.n_layers, d.d_vit, g),
-        "query_weights": init_query_weights(n, d.n_layers, d.d_clip, g),
+        "prompt": prompts,
+        "key": keys,
+        "query_prompt": init_query_prompts(n, d.n_layers, d.d_vit, g),
+        "query_weight": init_query_weights(n, d.n_layers, d.d_clip, g),
         "head_weight": head_weight,
         "head_bias": torch.zeros(n),
         "aligned_head_weight": head_weight.clone(),
@@ -73,9 +74,10 @@ class StarPrompt:
 
     def __init__(self, backbones: Backbones, confidence_modulation: bool = True) -> None:
         self.backbones = backbones
+        self.device = backbones.device  # where the bank lives and the model computes
         self.encoder = TextKeyEncoder(backbones.clip)
         self.vit = PromptedViT(backbones.vit)
-        self.bank = ClassBank(backbones.dims)
+        self.bank = ClassBank(backbones.dims).to(self.device)
         self.class_texts: list[str] = []
         self.confidence_modulation = confidence_modulation
         d = backbones.dims
@@ -85,22 +87,28 @@ class StarPrompt:
     def __len__(self) -> int:
         return len(self.bank)
 
-    def add_classes(self, names: list[str], seed: int, version: int = 0) -> None:
-        """Register new classes (appended; existing rows never move).
+    def new_entries(self, names: list[str], seed: int) -> list[ClassEntry]:
+        """Initial entries of new classes, identical wherever they are made (seeded by names).
 
         The CLIP text of a class is derived from its name (``class_name_to_text``).
         """
         texts = [class_name_to_text(name) for name in names]
         rows = init_class_rows(self, names, texts, seed)
-        self.bank.append(names, rows, version)
-        self.class_texts.extend(texts)
+        return [
+            ClassEntry(name, values={f: rows[f][i] for f in rows}) for i, name in enumerate(names)
+        ]
+
+    def add_classes(self, names: list[str], seed: int) -> None:
+        """Register new classes (appended; existing rows never move)."""
+        self.bank.append(self.new_entries(names, seed))
+        self.class_texts.extend(class_name_to_text(name) for name in names)
         self._cache_text_inputs()
 
     def load_bank(self, bank: ClassBank) -> None:
         """Use ``bank`` (e.g. decoded from a codebook) as the model's per-class state."""
         if bank.dims != self.backbones.dims:
             raise ValueError(f"bank dims {bank.dims} do not match backbones {self.backbones.dims}")
-        self.bank = bank
+        self.bank = bank.to(self.device)
         self.class_texts = [class_name_to_text(name) for name in bank.names]
         self._cache_text_inputs()
 
@@ -123,17 +131,21 @@ class StarPrompt:
         query_weights: torch.Tensor | None = None,
         query_prompts: torch.Tensor | None = None,
     ) -> SecondLevelOutput:
-        """Prompted ViT forward over all bank classes (optionally with trainable A/Q)."""
+        """Prompted ViT forward over all bank classes (optionally with trainable A/Q), on the
+        model's device; the frozen ViT under autocast on a GPU, the outputs float32."""
         bank = self.bank
-        return second_level_forward(
-            self.vit,
-            images,
-            image_features,
-            bank.keys,
-            bank.query_weights if query_weights is None else query_weights,
-            bank.query_prompts if query_prompts is None else query_prompts,
-            self.confidence_modulation,
-        )
+        with autocast(self.device):
+            out = second_level_forward(
+                self.vit,
+                images.to(self.device),
+                image_features.to(self.device),
+                bank["key"],
+                bank["query_weight"] if query_weights is None else query_weights,
+                bank["query_prompt"] if query_prompts is None else query_prompts,
+                self.confidence_modulation,
+            )
+        out.features = out.features.float()
+        return out
 
     @torch.no_grad()
     def predict(
@@ -145,8 +157,9 @@ class StarPrompt:
         """
         bank = self.bank
         if use_keys:
-            logits = first_level_logits(image_features, bank.keys, self.encoder.logit_scale)
+            features = image_features.to(self.device)
+            logits = first_level_logits(features, bank["key"], self.encoder.logit_scale)
             return Prediction(logits, logits.argmax(-1, keepdim=True))
         out = self.second_level(images, image_features)
-        logits = F.linear(out.features, bank.aligned_head_weight, bank.aligned_head_bias)
+        logits = F.linear(out.features, bank["aligned_head_weight"], bank["aligned_head_bias"])
         return Prediction(logits, out.selected)

@@ -1,22 +1,29 @@
-"""Local training of one task, stage by stage (the loops a site runs on its own images).
+"""Local training of one task, one function per step, named after its protocol phase.
 
-Every function changes only the rows of the *current* classes — bank rows ``n_past:`` — and
-reads past rows as frozen. Hyper-parameters default to the reference's Split CropDiseases
-settings (DESIGN §1). Frozen-encoder work is done once: CLIP features of un-augmented images
-are computed by the caller, cached, and passed in; only stage 2 needs CLIP features of
-augmented views, which change every epoch.
+A site runs ``stage1``, ``stage1_stats``, ``stage2`` and ``stage2_stats`` on its own images; the
+replays ``replay1`` and ``replay2`` (``starfed.shared.model.replay``) run where the mixtures of all
+classes are, on the server or on a single site (``learn_task`` runs all six in order). Each step
+draws from its own random stream (``phase_generator``), so a federation and a single site compute
+the same thing. Every step changes only the rows of the *current* classes — bank rows
+``n_past:`` — and reads past rows as frozen. Hyper-parameters default to the reference's Split
+CropDiseases settings (docs/model.md). Frozen-encoder work is done once: CLIP features of
+un-augmented images are computed by the caller, cached, and passed in; only stage 2 needs CLIP
+features of augmented views, which change every epoch.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.config import Values
 from starfed.shared.data.cropdiseases import augment, normalize, to_unit
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.first_level import first_level_logits
@@ -25,9 +32,15 @@ from starfed.shared.model.losses import (
     prompt_orthogonality_loss,
     query_orthogonality_loss,
 )
-from starfed.shared.model.replay import ReplayConfig, align_first_level, align_head
+from starfed.shared.model.replay import (
+    ReplayConfig,
+    first_level_replay_loss,
+    head_replay_loss,
+    replay_epochs,
+)
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.progress import progress_task
+from starfed.shared.protocol import SPECS, Phase
 
 EVAL_BATCH_SIZE = 256
 
@@ -55,6 +68,13 @@ class TrainConfig:
     confidence_modulation: bool = True
     seed: int = 1993
 
+    @classmethod
+    def from_config(cls, values: Values) -> TrainConfig:
+        """The training knobs (and the seed) of a parsed config; a knob's key is its field's
+        name with dashes. The other fields keep the reference values."""
+        dashed = {f.name: f.name.replace("_", "-") for f in fields(cls)}
+        return cls(**{name: values[key] for name, key in dashed.items() if key in values})
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -81,13 +101,14 @@ class Views:
         )
 
 
-def phase_generator(seed: int, task: int, phase: str, round_index: int = 0) -> torch.Generator:
-    """The random stream of one phase of one task: independent of where the phase runs.
+def phase_generator(seed: int, task: int, stream: str, round_index: int = 0) -> torch.Generator:
+    """The random stream of one step of one task: independent of where the step runs.
 
-    A single site and a federation (client phases on clients, replay on the server) draw the
-    same numbers for the same phase, so their results can be compared exactly.
+    A single site and a federation (site phases on sites, replay on the server) draw the same
+    numbers for the same step, so their results can be compared exactly. Stream names are the
+    protocol table's (``starfed.shared.protocol.PHASES``).
     """
-    digest = hashlib.sha256(f"{seed}/{task}/{phase}/{round_index}".encode()).digest()
+    digest = hashlib.sha256(f"{seed}/{task}/{stream}/{round_index}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
@@ -97,28 +118,34 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.
 
 @torch.no_grad()
 def clip_features(backbones: Backbones, images: torch.Tensor) -> torch.Tensor:
-    """Raw CLIP features of un-augmented uint8 images (compute once, then cache)."""
+    """Raw CLIP features of un-augmented uint8 images (compute once, then cache), on the CPU
+    (they are cached on disk; the training steps move them to the model's device)."""
     views = Views.of(backbones)
     out = [
-        backbones.clip_image_features(views.pair(to_unit(images[i : i + EVAL_BATCH_SIZE]))[1])
+        backbones.clip_image_features(
+            views.pair(to_unit(images[i : i + EVAL_BATCH_SIZE].to(backbones.device)))[1]
+        ).cpu()
         for i in range(0, len(images), EVAL_BATCH_SIZE)
     ]
     return torch.cat(out) if out else torch.zeros(0, backbones.dims.d_clip)
 
 
-def train_first_level(
+def stage1(
     model: StarPrompt,
     image_features: torch.Tensor,
     labels: torch.Tensor,
     n_past: int,
     config: TrainConfig,
-    generator: torch.Generator,
+    task: int,
+    round_index: int = 0,
     progress: Progress | None = None,
 ) -> None:
-    """Stage 1: fit the current prompts p_c with CE (past masked) + λ₁·L_OP."""
+    """Fit the current prompts p_c with CE (past masked) + λ₁·L_OP."""
+    generator = phase_generator(config.seed, task, SPECS[Phase.STAGE1].site_stream, round_index)
+    image_features, labels = image_features.to(model.device), labels.to(model.device)
     bank, rows = model.bank, slice(n_past, len(model))
-    prompts = bank.prompts[rows].clone().requires_grad_(True)
-    past_keys, past_prompts = bank.keys[:n_past], bank.prompts[:n_past]
+    prompts = bank["prompt"][rows].clone().requires_grad_(True)
+    past_keys, past_prompts = bank["key"][:n_past], bank["prompt"][:n_past]
     optimizer = torch.optim.SGD([prompts], lr=config.stage1_lr, momentum=0.0)
     batches_per_epoch = -(-len(labels) // config.batch_size)
     total = config.stage1_epochs * batches_per_epoch
@@ -133,7 +160,7 @@ def train_first_level(
                 loss.backward()
                 optimizer.step()
                 advance()
-    bank.set_rows("prompts", n_past, prompts)
+    bank.set_rows("prompt", n_past, prompts)
 
 
 def fit_mixtures(
@@ -153,60 +180,64 @@ def fit_mixtures(
     return mixtures
 
 
-def replay_first_level(
+def replay1(
     model: StarPrompt,
     n_past: int,
     config: TrainConfig,
-    generator: torch.Generator,
+    task: int,
     progress: Progress | None = None,
 ) -> None:
-    """First-level generative replay: re-align current prompts against all seen keys."""
+    """First-level replay (unless disabled), then the current keys computed once and frozen.
+
+    The current prompts are trained against the keys of all seen classes (past ones fixed) on
+    features sampled from every seen class's G_c, so new keys do not steal past classes' images.
+    """
     bank, rows = model.bank, slice(n_past, len(model))
-    if any(m is None for m in bank.clip_mixtures):
-        raise ValueError("every seen class needs a CLIP-feature mixture before replay")
-    embeds, eot = model.text_inputs(rows)
-    aligned = align_first_level(
-        model.encoder,
-        list(bank.clip_mixtures),
-        bank.keys[:n_past],
-        bank.prompts[rows],
-        embeds,
-        eot,
-        ReplayConfig(
-            config.replay1_epochs,
-            config.replay1_lr,
-            config.replay_samples,
+    if config.generative_replay:
+        if any(m is None for m in bank["clip_mixture"]):
+            raise ValueError("every seen class needs a CLIP-feature mixture before replay")
+        embeds, eot = model.text_inputs(rows)
+        past_keys = bank["key"][:n_past]
+        prompts = bank["prompt"][rows].detach().clone().requires_grad_(True)
+
+        def loss_fn(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return first_level_replay_loss(
+                model.encoder, features, labels, past_keys, prompts, embeds, eot
+            )
+
+        replay = ReplayConfig(
+            config.replay1_epochs, config.replay1_lr, config.replay_samples,
             config.replay_batch_size,
-        ),
-        generator,
-        progress,
-    )
-    bank.set_rows("prompts", n_past, aligned)
+        )  # fmt: skip
+        generator = phase_generator(config.seed, task, SPECS[Phase.STAGE1_STATS].server_stream)
+        replay_epochs(
+            list(bank["clip_mixture"]), replay, [prompts], loss_fn, generator, "replay: prompts",
+            progress,
+        )  # fmt: skip
+        bank.set_rows("prompt", n_past, prompts)
+    with torch.no_grad():
+        bank.set_rows("key", n_past, model.compute_keys(bank["prompt"][rows], rows))
 
 
-@torch.no_grad()
-def freeze_keys(model: StarPrompt, n_past: int) -> None:
-    """Compute the current classes' keys once from their final prompts."""
-    rows = slice(n_past, len(model))
-    model.bank.set_rows("keys", n_past, model.compute_keys(model.bank.prompts[rows], rows))
-
-
-def train_second_level(
+def stage2(
     model: StarPrompt,
     images: torch.Tensor,
     labels: torch.Tensor,
     n_past: int,
     config: TrainConfig,
-    generator: torch.Generator,
+    task: int,
+    round_index: int = 0,
     progress: Progress | None = None,
 ) -> None:
-    """Stage 2: fit current A_c, Q_c and head rows with CE (past masked) + λ₂·L_OQ."""
+    """Fit the current A_c, Q_c and head rows with CE (past masked) + λ₂·L_OQ."""
+    generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2].site_stream, round_index)
+    images, labels = images.to(model.device), labels.to(model.device)
     bank, views = model.bank, Views.of(model.backbones)
-    current = {
-        name: getattr(bank, name)[n_past:].clone().requires_grad_(True)
-        for name in ("query_weights", "query_prompts", "head_weight", "head_bias")
+    current = {  # the fields stage 2 trains, as the schema lists them
+        name: bank[name][n_past:].clone().requires_grad_(True)
+        for name in schema.trained_in(Phase.STAGE2)
     }
-    past = {name: getattr(bank, name)[:n_past] for name in current}
+    past = {name: bank[name][:n_past] for name in current}
     optimizer = torch.optim.Adam(current.values(), lr=config.stage2_lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.stage2_epochs)
     batches_per_epoch = -(-len(labels) // config.batch_size)
@@ -220,11 +251,11 @@ def train_second_level(
             for batch in _batches(len(labels), config.batch_size, generator):
                 vit_in, clip_in = views.pair(augment(images[batch], generator))
                 z = model.backbones.clip_image_features(clip_in)
-                out = model.second_level(vit_in, z, seen("query_weights"), seen("query_prompts"))
+                out = model.second_level(vit_in, z, seen("query_weight"), seen("query_prompt"))
                 logits = F.linear(out.features, seen("head_weight"), seen("head_bias"))
                 loss = masked_cross_entropy(logits, labels[batch], n_past)
                 loss = loss + config.lambda_oq * query_orthogonality_loss(
-                    current["query_prompts"], past["query_prompts"]
+                    current["query_prompt"], past["query_prompt"]
                 )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -244,7 +275,7 @@ def vit_features(
     views = Views.of(model.backbones)
     out = []
     for i in range(0, len(images), EVAL_BATCH_SIZE):
-        chunk = images[i : i + EVAL_BATCH_SIZE]
+        chunk = images[i : i + EVAL_BATCH_SIZE].to(model.device)
         unit = augment(chunk, generator) if generator is not None else to_unit(chunk)
         vit_in, clip_in = views.pair(unit)
         z = model.backbones.clip_image_features(clip_in)
@@ -252,56 +283,7 @@ def vit_features(
     return torch.cat(out) if out else torch.zeros(0, model.bank.dims.d_vit)
 
 
-def replay_head(
-    model: StarPrompt,
-    task_index: int,
-    config: TrainConfig,
-    generator: torch.Generator,
-    progress: Progress | None = None,
-) -> None:
-    """Second-level generative replay: align a copy of the head; the copy predicts."""
-    bank = model.bank
-    if any(m is None for m in bank.vit_mixtures):
-        raise ValueError("every seen class needs a ViT-feature mixture before replay")
-    epochs = config.replay2_epochs + config.replay2_epochs_per_task * task_index
-    weight, bias = align_head(
-        bank.head_weight,
-        bank.head_bias,
-        list(bank.vit_mixtures),
-        ReplayConfig(epochs, config.replay2_lr, config.replay_samples, config.replay_batch_size),
-        generator,
-        progress,
-    )
-    bank.aligned_head_weight, bank.aligned_head_bias = weight, bias
-
-
-def use_real_head(model: StarPrompt) -> None:
-    """Predict with the head trained on real data (first task, or replay disabled)."""
-    bank = model.bank
-    bank.aligned_head_weight = bank.head_weight.clone()
-    bank.aligned_head_bias = bank.head_bias.clone()
-
-
-# --- The phases of one task. A single site runs them in order (``learn_task``); in a
-# federation the client runs stage 1/2 and their statistics, the server the alignments. Each
-# phase draws from its own ``phase_generator`` stream, so both paths compute the same thing.
-
-
-def stage1(
-    model: StarPrompt,
-    image_features: torch.Tensor,
-    labels: torch.Tensor,
-    n_past: int,
-    config: TrainConfig,
-    task: int,
-    round_index: int = 0,
-    progress: Progress | None = None,
-) -> None:
-    generator = phase_generator(config.seed, task, "stage1", round_index)
-    train_first_level(model, image_features, labels, n_past, config, generator, progress)
-
-
-def stage1_statistics(
+def stage1_stats(
     model: StarPrompt,
     image_features: torch.Tensor,
     labels: torch.Tensor,
@@ -311,36 +293,13 @@ def stage1_statistics(
 ) -> None:
     """Fit G_c of the current classes on their (un-augmented) CLIP features."""
     rows = range(n_past, len(model))
-    model.bank.clip_mixtures[n_past:] = fit_mixtures(
+    mixtures = fit_mixtures(
         image_features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
     )
+    model.bank.set_rows("clip_mixture", n_past, mixtures)
 
 
-def first_level_alignment(
-    model: StarPrompt, n_past: int, config: TrainConfig, task: int, progress: Progress | None = None
-) -> None:
-    """First-level replay (unless disabled), then freeze the current classes' keys."""
-    if config.generative_replay:
-        generator = phase_generator(config.seed, task, "replay1")
-        replay_first_level(model, n_past, config, generator, progress)
-    freeze_keys(model, n_past)
-
-
-def stage2(
-    model: StarPrompt,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    n_past: int,
-    config: TrainConfig,
-    task: int,
-    round_index: int = 0,
-    progress: Progress | None = None,
-) -> None:
-    generator = phase_generator(config.seed, task, "stage2", round_index)
-    train_second_level(model, images, labels, n_past, config, generator, progress)
-
-
-def stage2_statistics(
+def stage2_stats(
     model: StarPrompt,
     images: torch.Tensor,
     labels: torch.Tensor,
@@ -349,21 +308,43 @@ def stage2_statistics(
     task: int,
 ) -> None:
     """Fit H_c of the current classes on prompted CLS features of augmented views."""
-    features = vit_features(model, images, phase_generator(config.seed, task, "stage2_stats"))
+    generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].site_stream)
+    features = vit_features(model, images, generator)
     rows = range(n_past, len(model))
-    model.bank.vit_mixtures[n_past:] = fit_mixtures(
+    mixtures = fit_mixtures(
         features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
     )
+    model.bank.set_rows("vit_mixture", n_past, mixtures)
 
 
-def head_alignment(
-    model: StarPrompt, config: TrainConfig, task: int, progress: Progress | None = None
+def replay2(
+    bank: ClassBank, config: TrainConfig, task: int, progress: Progress | None = None
 ) -> None:
-    """Head replay from the second task on (unless disabled); otherwise the real-data head."""
-    if config.generative_replay and task > 0:
-        replay_head(model, task, config, phase_generator(config.seed, task, "replay2"), progress)
-    else:
-        use_real_head(model)
+    """The head that predicts: a copy of the real-data head aligned by replay on every seen
+    class's H_c for 10 + 5·t epochs (from the second task on, unless disabled), else the
+    real-data head itself. The next task resumes from the real-data head."""
+    if not (config.generative_replay and task > 0):
+        bank["aligned_head_weight"] = bank["head_weight"].clone()
+        bank["aligned_head_bias"] = bank["head_bias"].clone()
+        return
+    if any(m is None for m in bank["vit_mixture"]):
+        raise ValueError("every seen class needs a ViT-feature mixture before replay")
+    weight = bank["head_weight"].detach().clone().requires_grad_(True)
+    bias = bank["head_bias"].detach().clone().requires_grad_(True)
+
+    def loss_fn(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return head_replay_loss(features, labels, weight, bias)
+
+    epochs = config.replay2_epochs + config.replay2_epochs_per_task * task
+    replay = ReplayConfig(
+        epochs, config.replay2_lr, config.replay_samples, config.replay_batch_size
+    )
+    generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].server_stream)
+    replay_epochs(
+        list(bank["vit_mixture"]), replay, [weight, bias], loss_fn, generator, "replay: head",
+        progress,
+    )  # fmt: skip
+    bank["aligned_head_weight"], bank["aligned_head_bias"] = weight.detach(), bias.detach()
 
 
 def learn_task(
@@ -378,16 +359,16 @@ def learn_task(
 ) -> None:
     """Everything a single site does for one task, in the reference's order.
 
-    Stage 1 → G_c fit → first-level replay → key freezing → stage 2 → H_c fit → head replay.
-    ``labels`` are bank rows in ``[n_past, len(model))``; ``image_features`` are the cached
-    CLIP features of the un-augmented ``images``.
+    Stage 1 → G_c fit → first-level replay and key freezing → stage 2 → H_c fit → head
+    replay. ``labels`` are bank rows in ``[n_past, len(model))``; ``image_features`` are the
+    cached CLIP features of the un-augmented ``images``.
     """
     stage1(model, image_features, labels, n_past, config, task, progress=progress)
-    stage1_statistics(model, image_features, labels, n_past, config, task)
-    first_level_alignment(model, n_past, config, task, progress)
+    stage1_stats(model, image_features, labels, n_past, config, task)
+    replay1(model, n_past, config, task, progress)
     stage2(model, images, labels, n_past, config, task, progress=progress)
-    stage2_statistics(model, images, labels, n_past, config, task)
-    head_alignment(model, config, task, progress)
+    stage2_stats(model, images, labels, n_past, config, task)
+    replay2(model.bank, config, task, progress)
     add_counts(model, labels, n_past)
 
 

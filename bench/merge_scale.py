@@ -1,0 +1,155 @@
+"""Server merge at scale: N site updates × C classes at the paper's dims, time and peak memory.
+
+The coordinator orders a phase's replies by a digest of their bytes, then decodes (= validates)
+each one and adds it to a ``MergeAccumulator`` (docs/design.md#the-codebook). This measures that
+path for a training phase (stage 2: Q, A and head rows) and a statistics phase (stage2_stats: ViT
+mixtures), each case in a fresh process so that its peak RSS is its own. Updates are random,
+every site carries every class, and they are generated one at a time outside the timings: the
+peak is the merge's (plus one update in flight), not the replies', which a server holds anyway.
+
+    python bench/merge_scale.py                          # 10, 100, 1000 sites; median of 3 runs
+    python bench/merge_scale.py --sites 10,100 --runs 1 --phases stage2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from codebook_sizes import PAPER, parse_dims, random_codebook, random_mixture
+
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.codebook.merge import MergeAccumulator
+from starfed.shared.protocol import Phase
+
+PHASES = {"stage2": Phase.STAGE2, "stage2_stats": Phase.STAGE2_STATS}
+PARTS = ("merge", "decode", "digest")
+COLUMNS = ("merge", "decode", "digest", "total")
+
+
+def site_update(codebook: Codebook, phase: Phase, site: int, n_components: int) -> bytes:
+    """One site's reply for ``phase``: random rows for every class, counts 1..199."""
+    generator = torch.Generator().manual_seed(10_000 + site)
+    entries = []
+    for name in codebook.names:
+        count = int(torch.randint(1, 200, (), generator=generator))
+        values = {}
+        for field_name in schema.trained_in(phase):
+            f = schema.BY_NAME[field_name]
+            shape = f.shape(codebook.dims)
+            if f.kind is schema.Kind.TENSOR:
+                values[field_name] = torch.randn(shape, generator=generator)
+            else:
+                mixture = random_mixture(shape[0], n_components, generator)
+                values[field_name] = dataclasses.replace(mixture, count=count)
+        entries.append(ClassEntry(name, count, values))
+    update = ClientUpdate(codebook.fingerprint, codebook.dims, phase, codebook.version, entries)
+    return update.to_bytes()
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def decode(data: bytes, codebook: Codebook, phase: Phase) -> ClientUpdate:
+    return ClientUpdate.from_bytes(data, against=codebook, phase=phase)
+
+
+def memory_mb(key: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of this process, in MB."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(key + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) -> dict:
+    """One merge, timed by part, with the peak RSS above what the process held before it."""
+    codebook = random_codebook(dims, classes, n_components)
+    warm_up = MergeAccumulator(codebook, n_components=n_components)  # imports, thread pools
+    warm_up.add(ClientUpdate.from_bytes(site_update(codebook, phase, -1, n_components),
+                                        against=codebook, phase=phase))  # fmt: skip
+    warm_up.result()
+    del warm_up
+    before = memory_mb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current RSS
+    merge = MergeAccumulator(codebook, n_components=n_components)
+    wall = dict.fromkeys(PARTS, 0.0)
+    cpu = dict.fromkeys(PARTS, 0.0)
+
+    def timed(part: str, work, *args):
+        w0, c0 = time.perf_counter(), time.process_time()
+        out = work(*args)
+        wall[part] += time.perf_counter() - w0
+        cpu[part] += time.process_time() - c0
+        return out
+
+    for site in range(sites):
+        data = site_update(codebook, phase, site, n_components)
+        timed("digest", digest, data)  # the coordinator's order (messaging.update_digest)
+        update = timed("decode", decode, data, codebook, phase)
+        timed("merge", merge.add, update)
+        del data, update
+    timed("merge", merge.result)
+    times = {f"{part}_s": wall[part] for part in PARTS} | {
+        f"{part}_cpu": cpu[part] for part in PARTS
+    }
+    times["total_s"], times["total_cpu"] = sum(wall.values()), sum(cpu.values())
+    return {**times, "peak_mb": memory_mb("VmHWM") - before, "state_mb": merge.nbytes / 2**20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sites", default="10,100,1000", help="comma-separated site counts")
+    parser.add_argument("--phases", default=",".join(PHASES), help=f"of {', '.join(PHASES)}")
+    parser.add_argument("--classes", type=int, default=35, help="classes every site carries")
+    parser.add_argument("--components", type=int, default=5, help="mixture components M")
+    parser.add_argument("--dims", type=parse_dims, default=PAPER, help="d_txt,d_clip,d_vit,L")
+    parser.add_argument("--runs", type=int, default=3, help="fresh processes per case (median)")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # PHASE:SITES, run in a child
+    args = parser.parse_args()
+    if args.case:
+        phase, sites = args.case.split(":")
+        result = run_case(PHASES[phase], int(sites), args.classes, args.components, args.dims)
+        print(json.dumps(result))
+        return
+    d = args.dims
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
+          f"{os.getloadavg()[0]:.1f}; dims {d.d_txt},{d.d_clip},{d.d_vit},{d.n_layers}, "
+          f"{args.classes} classes per update, M={args.components}, "
+          f"median of {args.runs} runs")  # fmt: skip
+    print("| phase | sites | merge s | decode s | digest s | total s | peak RSS MB | state MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for phase in args.phases.split(","):
+        for sites in (int(n) for n in args.sites.split(",")):
+            command = [sys.executable, __file__, "--case", f"{phase}:{sites}",
+                       "--classes", str(args.classes), "--components", str(args.components),
+                       "--dims", f"{d.d_txt},{d.d_clip},{d.d_vit},{d.n_layers}"]  # fmt: skip
+            runs = [
+                json.loads(
+                    subprocess.run(command, check=True, capture_output=True, text=True).stdout
+                )
+                for _ in range(args.runs)
+            ]
+            median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+            times = [f"{median[f'{c}_s']:.2f} ({median[f'{c}_cpu']:.2f})" for c in COLUMNS]
+            print(
+                f"| {phase} | {sites} | {' | '.join(times)} | {median['peak_mb']:.0f} | "
+                f"{median['state_mb']:.1f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

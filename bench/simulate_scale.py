@@ -1,0 +1,115 @@
+"""Many sites on one machine: wall time, peak memory of the whole process tree, bytes per site.
+
+Runs ``starfed simulate`` (SuperLink, Ray, the ServerApp, the simulated sites) and samples the
+memory of every process below it twice a second: the peak of the summed PSS (shared pages
+counted once, split between their users) and of the summed RSS. Afterwards it reads the run's
+``metrics.json``: bytes per site (``traffic``), seconds per phase summed over the steps, and
+the sync phases after the first (the sites only list their classes: what a message costs).
+
+    python bench/simulate_scale.py --clients 100 --tasks 7 --results-dir /tmp/scale
+    python bench/simulate_scale.py --clients 100 --tasks 2 -- --epochs 1   # passed to simulate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+SAMPLE_S = 0.5
+
+
+def children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = defaultdict(list)
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone, or not readable
+            tree[ppid].append(int(entry.name))
+    return tree
+
+
+def tree_memory_mb(root: int) -> tuple[float, float, int]:
+    """Summed PSS and RSS (MB) of ``root`` and every process below it, and their number."""
+    tree, pending, pss, rss, count = children(), [root], 0, 0, 0
+    while pending:
+        pid = pending.pop()
+        pending.extend(tree.get(pid, ()))
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                fields = dict(line.split(":", 1) for line in rollup if ":" in line)
+        except OSError:
+            continue
+        pss += int(fields.get("Pss", "0 kB").split()[0])
+        rss += int(fields.get("Rss", "0 kB").split()[0])
+        count += 1
+    return pss / 1024, rss / 1024, count
+
+
+def summary(run_dir: Path, wall_s: float, peak: dict) -> dict:
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    sites = metrics["sites"]
+    down = sum(s["bytes_down"] for t in metrics["traffic"] for s in t["sites"].values())
+    up = sum(s["bytes_up"] for t in metrics["traffic"] for s in t["sites"].values())
+    phases: dict[str, float] = defaultdict(float)
+    for p in metrics["phase_wall_time_s"]:
+        phases[p["phase"]] += p["seconds"]
+    later_syncs = [p["seconds"] for p in metrics["phase_wall_time_s"]
+                   if p["phase"] == "sync" and p["step"] > 0]  # fmt: skip
+    return {
+        "status": metrics["status"],
+        "steps": metrics["steps"],
+        "sites": len(sites),
+        "faa": metrics["final_average_accuracy"],
+        "wall_s": round(wall_s, 1),
+        "server_s": round(metrics["wall_time_s"], 1),
+        "peak_pss_mb": round(peak["pss"]),
+        "peak_rss_mb": round(peak["rss"]),
+        "peak_processes": peak["processes"],
+        "kb_down_per_site": round(down / len(sites) / 1e3, 1),
+        "kb_up_per_site": round(up / len(sites) / 1e3, 1),
+        "phase_s": {k: round(v, 1) for k, v in phases.items()},
+        "later_sync_s_median": round(statistics.median(later_syncs), 2) if later_syncs else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--tasks", type=int, default=7)
+    parser.add_argument("--alpha", type=float, default=0.5)
+    parser.add_argument("--results-dir", type=Path, default=Path("/tmp/starfed-scale"))
+    parser.add_argument("--run-name", default="")
+    parser.add_argument("extra", nargs="*", help="after --: more `starfed simulate` options")
+    args = parser.parse_args()
+    name = args.run_name or f"c{args.clients}-t{args.tasks}-a{args.alpha}"
+    command = [
+        sys.executable, "-m", "starfed.cli", "simulate", "--clients", str(args.clients),
+        "--tasks", str(args.tasks), "--alpha", str(args.alpha),
+        "--results-dir", str(args.results_dir), "--run-name", name, *args.extra,
+    ]  # fmt: skip
+    start = time.perf_counter()
+    process = subprocess.Popen(command)
+    peak = {"pss": 0.0, "rss": 0.0, "processes": 0}
+    while process.poll() is None:
+        pss, rss, count = tree_memory_mb(process.pid)
+        if pss > peak["pss"]:
+            peak.update(pss=pss, rss=rss, processes=count)
+        time.sleep(SAMPLE_S)
+    wall = time.perf_counter() - start
+    if process.returncode not in (0, 3):  # 3: degraded, still a finished run
+        sys.exit(f"starfed simulate exited with {process.returncode}")
+    print(json.dumps(summary(args.results_dir / name, wall, peak), indent=1))
+
+
+if __name__ == "__main__":
+    main()

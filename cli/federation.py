@@ -1,0 +1,335 @@
+"""``starfed server round|resume|status``: the operator's commands for the federation itself.
+
+Actions of the ``server`` group (``starfed.cli.server`` registers them), on the same server
+folder. ``round`` submits the generated app (``starfed.shared.flower_runs``) to the running
+server with the federation folder (default ``<server dir>/federation``), streams the ServerApp's
+progress and follows the run to its end; ``resume`` is a ``round`` that first says which step it
+continues; ``status`` reads the folders (``starfed.server.status``) and works with the server
+stopped. Exit codes (docs/federation.md): 0 completed, 3 degraded, 1 failed (or the run could not
+start), 2 bad input (checked with the configuration schema before anything is submitted), 130
+stopped with Ctrl-C (the run itself is stopped; ``resume`` continues it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.table import Table
+
+from starfed.cli import server
+from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
+from starfed.server import superlink
+from starfed.server.federation import Checkpoint, Federation, FederationError
+from starfed.server.layout import ServerFolder
+from starfed.server.status import Status, gather
+from starfed.shared import flower_runs
+from starfed.shared.config import ConfigError, writable_dir
+
+FLAGS = (Flag("--steps", ("max-steps",)), *same_name("min-sites", "wait-s", "timeout-s"))
+
+
+def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Register ``round``, ``resume`` and ``status`` on the ``server`` group."""
+    described = {
+        "round": (
+            "run aggregation steps over what the sites bring now, on the running server",
+            "Submit starfed's ServerApp to the running server: it continues the federation "
+            "folder, performs aggregation steps over the classes the sites bring now (until "
+            "none brings anything new, or --steps), and writes metrics.json. Streams the "
+            "ServerApp's log; Ctrl-C stops the run (continue it with `resume`). Exit code: "
+            "0 completed, 3 degraded, 1 failed, 2 bad input, 130 stopped.",
+        ),
+        "resume": (
+            "continue an interrupted step from its last completed phase",
+            "A `round` that continues the step a crash or Ctrl-C interrupted; refuses (exit 2) "
+            "when no step is running. Options and exit codes as `round`.",
+        ),
+    }
+    for action, (help_text, description) in described.items():
+        parser = add_command(
+            actions,
+            action,
+            FLAGS,
+            run_round if action == "round" else run_resume,
+            help=help_text,
+            description=description,
+            parents=[common],
+        )
+        _federation_option(parser)
+        add_run_config(parser)
+    parser = actions.add_parser(
+        "status",
+        parents=[common],
+        help="the federation at a glance: classes, steps, sites, errors, server processes",
+        description="Read the federation folder and the server folder (and, when the server "
+        "runs, Flower's node list). Works with the server stopped.",
+    )
+    _federation_option(parser)
+    parser.set_defaults(func=run_status)
+
+
+def _federation_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--federation",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the federation folder (default: <server dir>/federation)",
+    )
+
+
+def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """This module's errors as the ``server`` group reports them: bad input exit 2, the rest 1."""
+
+    @server._guard
+    @functools.wraps(func)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except ConfigError as err:
+            raise server.UsageError(str(err)) from None
+        except (flower_runs.FlowerRunError, FederationError) as err:
+            raise superlink.ServerError(str(err)) from None
+
+    return wrapped
+
+
+def _federation_dir(args: argparse.Namespace, folder: ServerFolder) -> Path:
+    return (args.federation or folder.federation).expanduser().resolve()
+
+
+def _checkpoint(federation_dir: Path) -> Checkpoint | None:
+    """Where the federation stands, None before its first step."""
+    try:
+        return Federation.open(federation_dir).last_checkpoint()
+    except FederationError as err:
+        if not (federation_dir / "federation.json").exists():
+            return None
+        raise err
+
+
+# --- round and resume ------------------------------------------------------------------------
+
+
+@_guard
+def run_round(args: argparse.Namespace) -> int:
+    return _round(args, resume=False)
+
+
+@_guard
+def run_resume(args: argparse.Namespace) -> int:
+    return _round(args, resume=True)
+
+
+def _round(args: argparse.Namespace, resume: bool) -> int:
+    folder = server._folder(args)
+    federation_dir = _federation_dir(args, folder)
+    _, overrides = run_config(args, FLAGS)
+    if "federation-dir" in overrides:
+        raise ConfigError("--run-config federation-dir: use --federation")
+    say = _sayer(args)
+    checkpoint = _checkpoint(federation_dir)
+    running = checkpoint is not None and checkpoint.position.running
+    if resume and not running:
+        done = 0 if checkpoint is None else checkpoint.position.step
+        raise server.UsageError(
+            f"nothing to resume in {federation_dir}: no step is running ({done} step(s) "
+            "finished); `starfed server round` runs the next"
+        )
+    record = superlink.RunRecord.load(folder.run_file)
+    if record is None or not any(record.alive().values()):
+        raise superlink.ServerError(
+            f"the server is not running in {folder.root}: `starfed server start` first"
+        )
+    cli = flower_runs.FlowerCli(folder.flwr_home)
+    if busy := cli.unfinished_runs():  # two ServerApps must never write one federation
+        run_id = busy[0]["run-id"]
+        raise superlink.ServerError(
+            f"run {run_id} is still {busy[0]['status']} on this server: wait for it, or stop "
+            f"it (FLWR_HOME={cli.flwr_home} flwr stop {run_id} {flower_runs.CONNECTION})"
+        )
+    overrides["federation-dir"] = str(writable_dir(federation_dir, "--federation"))
+    if running:
+        say(_continues(checkpoint))
+    app = flower_runs.write_app(folder.app)
+    submitted_at = time.time()
+    with flower_runs.sigterm_as_interrupt():
+        outcome = flower_runs.run_to_end(
+            cli,
+            app,
+            overrides,
+            log_sink=sys.stderr if args.json else None,  # stdout: one JSON object
+            on_submitted=lambda run_id: say(
+                f"run {run_id} on {record.internal_address} · federation {federation_dir}"
+            ),
+        )
+    metrics = flower_runs.read_metrics(federation_dir, since=submitted_at)
+    code = flower_runs.exit_code(outcome, metrics)
+    resume_command = f"starfed server resume --dir {folder.root}" + (
+        f" --federation {federation_dir}" if args.federation else ""
+    )
+    details = "" if code != flower_runs.EXIT_FAILED else _failure(cli, outcome, metrics)
+    if args.json:
+        server._emit_json(
+            {
+                "success": code in (flower_runs.EXIT_COMPLETED, flower_runs.EXIT_DEGRADED),
+                "exit_code": code,
+                "run_id": outcome.run_id,
+                "flower_status": outcome.status,
+                "status": (metrics or {}).get("status"),
+                "reason": details or (metrics or {}).get("reason") or None,
+                "federation_dir": str(federation_dir),
+                "metrics": metrics,
+                "resume": resume_command if code == flower_runs.EXIT_INTERRUPTED else None,
+            }
+        )
+        return code
+    if code == flower_runs.EXIT_INTERRUPTED:
+        checkpoint = _checkpoint(federation_dir)
+        where = "" if checkpoint is None else f" ({_where(checkpoint)})"
+        print(f"stopped run {outcome.run_id}{where}; continue it: {resume_command}")
+    elif code == flower_runs.EXIT_FAILED:
+        print(f"starfed server {args.server_action}: error: {details}", file=sys.stderr)
+    else:
+        print(f"run {outcome.run_id} {outcome.status} · {flower_runs.summarize(metrics or {})}")
+        if code == flower_runs.EXIT_DEGRADED:
+            print(f"degraded: {_lost(metrics or {})}")
+        print(f"federation {federation_dir}; see `starfed server status --dir {folder.root}`")
+    return code
+
+
+def _sayer(args: argparse.Namespace) -> Callable[[str], None]:
+    """Progress lines: stdout for people, stderr with --json (stdout is the one object)."""
+    stream = sys.stderr if args.json else sys.stdout
+    return lambda line: print(line, file=stream, flush=True)
+
+
+def _where(checkpoint: Checkpoint) -> str:
+    p = checkpoint.position
+    if not p.running:
+        return f"{p.step} step(s) finished, none running"
+    return f"step {p.step + 1} running, {', '.join(p.done) or 'no phase'} done"
+
+
+def _continues(checkpoint: Checkpoint) -> str:
+    p = checkpoint.position
+    classes = ", ".join(p.in_play) or "none registered yet"
+    return (
+        f"continuing step {p.step + 1} after its completed phases "
+        f"({', '.join(p.done) or 'none'}); classes in play: {classes}"
+    )
+
+
+def _failure(
+    cli: flower_runs.FlowerCli, outcome: flower_runs.RunOutcome, metrics: dict | None
+) -> str:
+    """Why a run failed, in one line, and where to read more."""
+    if outcome.run_id is None:
+        return outcome.status
+    reason = (metrics or {}).get("reason") or ""
+    if not reason:
+        with contextlib.suppress(flower_runs.FlowerRunError):
+            reason = str(cli.run_info(outcome.run_id).get("status-details") or "")
+    reason = " ".join(reason.split()) or "no metrics.json written"
+    return (
+        f"run {outcome.run_id} {outcome.status}: {reason} (its log: "
+        f"FLWR_HOME={cli.flwr_home} flwr log {outcome.run_id} {flower_runs.CONNECTION} --show)"
+    )
+
+
+def _lost(metrics: dict) -> str:
+    """Which sites did not answer what, in this run."""
+    lost: dict[str, set[str]] = {}
+    for e in metrics.get("exchanges", []):
+        if e["status"] != "ok":
+            lost.setdefault(e["site"] or f"node-{e['node_id']}", set()).add(e["phase"])
+    return "; ".join(f"{site}: {', '.join(sorted(p))}" for site, p in sorted(lost.items()))
+
+
+# --- status ----------------------------------------------------------------------------------
+
+
+@_guard
+def run_status(args: argparse.Namespace) -> int:
+    folder = server._folder(args)
+    status = gather(folder, _federation_dir(args, folder))
+    if args.json:
+        server._emit_json({"success": True, **status.to_json()})
+    else:
+        _print_status(status)
+    return server.EXIT_OK
+
+
+def _print_status(status: Status) -> None:
+    console = server._console()
+    say = functools.partial(console.print, markup=False, highlight=False)
+    s = status.server
+    if s["running"]:
+        processes = ", ".join(
+            f"{name} {p['pid']}" + ("" if p["alive"] else " (gone)")
+            for name, p in s["processes"].items()
+        )
+        say(f"server     running since {s['started_at']} · {processes}")
+        for run in status.runs:
+            say(f"           run {run['run-id']} {run['status']} ({run['elapsed']})")
+    else:
+        say(f"server     not running ({status.server_dir}); showing the folders' state")
+    say(f"federation {status.federation_dir}")
+    if status.federation is None:
+        say(f"           {status.problem}; the first `starfed server round` creates it")
+        return
+    f = status.federation
+    say(f"           id {f['id'][:8]} · created {f['created']} · backbones {f['fingerprint'][:12]}")
+    position = status.position or {}
+    where = f"{len(status.steps)} step record(s)"
+    if position.get("running"):
+        where = (
+            f"step {position['step'] + 1} RUNNING · done: {', '.join(position['done']) or '—'}"
+            f" · in play: {', '.join(position['in_play']) or '—'}"
+        )
+    say(f"codebook   version {status.codebook_version} · {len(status.classes)} classes · {where}")
+
+    table = Table("class", "step", "brought by (first time)", "frozen", title="classes")
+    for c in status.classes:
+        brought = ", ".join(f"{site} ({when})" for site, when in c.sites.items())
+        table.add_row(c.name, str(c.step + 1), brought or "—", "yes" if c.frozen else "no")
+    console.print(table)
+    table = Table(
+        "step", "status", "classes", "sites", "FAA %", "wall s", "finished", title="steps"
+    )
+    for r in status.steps:
+        state = r.status + (f" (attempt {r.attempt + 1})" if r.attempt else "")
+        faa = "—" if r.faa is None else f"{r.faa:.2f}"
+        table.add_row(
+            str(r.step + 1), state, str(len(r.classes)), ", ".join(r.sites) or "—", faa,
+            f"{r.wall_s:.0f}", r.finished,
+        )  # fmt: skip
+    console.print(table)
+    table = Table("site", "last step", "last seen", "now", "online at", "offline at", title="sites")
+    for site in status.sites:
+        table.add_row(
+            site.name, "—" if site.last_step is None else str(site.last_step + 1),
+            site.last_seen or "—", site.status or "—", site.online_at or "—",
+            site.offline_at or "—",
+        )  # fmt: skip
+    console.print(table)
+    if status.sites_error:
+        say(f"sites now: unknown ({status.sites_error})")
+    if status.errors:
+        table = Table("site", "step", "phase", "what", title="errors in the last steps")
+        for e in status.errors:
+            table.add_row(e.site, str(e.step + 1), f"{e.phase}/{e.round}", e.status)
+        console.print(table)
+    else:
+        say("errors     none in the last steps")
+    if status.last_run:
+        run = status.last_run
+        reason = f" · {run['reason']}" if run.get("reason") else ""
+        say(f"metrics    {run['status']} (of the last finished run, {run['written']}){reason}")
+    say(f"logs       {status.logs['superlink']}; ServerApps: {status.logs['serverapps']}")

@@ -1,0 +1,78 @@
+"""`starfed simulate`: the command line of a federated simulation, on Flower or locally.
+
+The run config to submit — the schema's defaults (the generated app's
+``[tool.flwr.app.config]``), then ``--run-config`` pairs, then named options — is checked as a
+whole against the configuration schema, and the results folder proven writable, before any
+Flower process starts; the life cycle of the run itself is ``starfed.simulations.simulate``
+(``--runtime flower``) or ``starfed.simulations.local_grid`` (``--runtime local``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import UTC, datetime
+
+from starfed.cli.flags import Flag, add_command, add_run_config, given, run_config, same_name
+from starfed.shared.config import ConfigError, parse, writable_dir
+from starfed.simulations.simulate import simulate
+
+COMMAND = "simulate"
+FLAGS = (
+    Flag("--clients", ("num-clients",)),
+    Flag("--tasks", ("num-tasks",)),
+    *same_name("classes-per-task", "alpha", "seed", "arrival-offset"),
+    *same_name("stage1-rounds", "stage2-rounds"),
+    Flag("--epochs", ("stage1-epochs", "stage2-epochs"), help="local epochs of stages 1 and 2"),
+    *same_name("results-dir", "run-name", "runtime", "timeout"),
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        subparsers,
+        COMMAND,
+        FLAGS,
+        _main,
+        help="federated simulation on this machine, start to finish (Flower and Ray, or local)",
+        description=(
+            "Run the federated scenario. The flower runtime is a real Flower simulation: "
+            "start a private localhost SuperLink, submit the app with `flwr run`, follow it "
+            "until it finishes, stop every process it started; Ctrl-C or SIGTERM stops the run "
+            "and marks its folder interrupted. The local runtime runs the same ServerApp and "
+            "ClientApp code in this process, one site after another, without Flower's start-up "
+            "cost. Unset options keep the schema's defaults (docs/simulation.md); the number of "
+            "simulated SuperNodes always equals num-clients."
+        ),
+    )
+    add_run_config(parser)
+
+
+def build_overrides(args: argparse.Namespace) -> dict:
+    """The run config to submit: the keys set on the command line, typed and checked together
+    with the defaults.
+
+    ``num-clients`` is always sent (it is also the SuperNode count); paths become absolute
+    (the apps run in the SuperLink's working directory) and ``run-name`` is fixed here, so
+    this command knows where results land.
+    """
+    values, submitted = run_config(args, FLAGS, always=("num-clients", "results-dir"))
+    submitted["run-name"] = values["run-name"] or datetime.now(UTC).strftime("fed-%Y%m%d-%H%M%S")
+    return submitted
+
+
+def _main(args: argparse.Namespace) -> int:
+    _, own, names = given(args, FLAGS)
+    options = parse(own, COMMAND, names)
+    overrides = build_overrides(args)
+    results = writable_dir(overrides["results-dir"], names.get("results-dir", "results-dir"))
+    run_dir = results / str(overrides["run-name"])
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(
+            f"run folder {run_dir} already exists: choose another --run-name (a federation "
+            "continues with `starfed server round`, not by simulating into its folder)"
+        )
+    if options["runtime"] == "local":
+        from starfed.simulations.local_grid import simulate_locally  # Flower, torch: only now
+
+        return simulate_locally(overrides)
+    return simulate(overrides, options["timeout"])

@@ -1,0 +1,385 @@
+"""``starfed site start``: this site's Flower SuperNode, in the foreground, stopped cleanly.
+
+A bare ``flower-supernode`` with no node config trains on the bundled demo data as if it were a
+site, shares one default Runtime API port with every other SuperNode on the host, polls for
+tasks once a second and reports a wrong CA or an unregistered key as a Flower exit code in a
+traceback-sized log. This wrapper:
+
+- refuses to start without a data folder, and hands the ClientApp the site's folders through a
+  node-config **file** (paths with spaces survive): ``data-dir``, ``state-dir``, ``site-name``,
+  ``device``;
+- checks the private key before Flower does (OpenSSH EC, mode 0600) and prints its fingerprint,
+  the same one the operator sees in ``starfed server sites list`` and ``sites refused``;
+- gives the SuperNode a free Runtime API port on 127.0.0.1, its own ``FLWR_HOME`` in the state
+  folder, and ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` of 0.1 s (Flower's default 1 s is paid on
+  every message);
+- runs the site worker (``starfed.client.worker``) next to it, so the per-message ClientApp
+  processes only forward (no torch, no backbones, no cache reads per message);
+- streams the SuperNode's log to the terminal and to ``<state>/logs/supernode.log``, and turns the
+  known failure lines into one clear line each (:data:`FAILURES`);
+- on Ctrl-C or SIGTERM sends SIGTERM to the SuperNode, which tells the SuperLink it goes offline
+  (at once, instead of after the 60 s heartbeat patience), then ends whatever is left of its
+  process tree by PID. One SuperNode per state folder (a lock file), so two cannot share a key.
+
+Isolation: Flower's default ``subprocess`` mode (the SuperNode starts its own SuperExec, which
+starts one ``flwr-clientapp`` per message). Its Runtime API is plain HTTP on 127.0.0.1 without
+authentication, so on a machine shared with untrusted local users another user could take this
+site's tasks: run sites on machines (or containers) of their own (docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import tomli_w
+
+from starfed.shared import pki, processes
+from starfed.shared.processes import ProcessId
+
+STOP_GRACE_S = 15.0
+TASK_POLL_INTERVAL_S = "0.1"
+WORKER_START_S = 30.0
+
+
+#: Node-config keys the ClientApp reads (docs/deployment.md).
+class SiteError(RuntimeError):
+    """Something the site engineer can fix; one line, exit code 1."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A log line that means the SuperNode cannot work, and what to tell the user."""
+
+    pattern: re.Pattern[str]
+    explain: Callable[[SiteOptions], str]
+
+
+def _wrong_ca(o: SiteOptions) -> str:
+    return (
+        f"TLS: the server's certificate is not signed by {o.ca}; get the federation's ca.pem "
+        "from the operator (or check that --server is the server's address)"
+    )
+
+
+def _wrong_name(o: SiteOptions) -> str:
+    return (
+        f"TLS: {o.server} is not a name in the server's certificate; use the address the "
+        "operator gave you, or ask them to add it (`starfed server certs --renew-server`)"
+    )
+
+
+def _not_registered(o: SiteOptions) -> str:
+    return (
+        f"refused: this site's key ({o.fingerprint}) is not registered; send "
+        f"{pki.public_key_path(o.key) if o.key else 'the public key'} to the operator: "
+        f"`starfed server sites add {o.name} <that file>`"
+    )
+
+
+def _auth_mismatch(o: SiteOptions) -> str:
+    return (
+        "refused: the server requires SuperNode authentication and this SuperNode did not "
+        "authenticate (start with --key, over TLS)"
+    )
+
+
+def _key_revoked(o: SiteOptions) -> str:
+    return (
+        f"the server stopped accepting this site's key ({o.fingerprint}), most likely because "
+        "the operator removed the site; a removed key never returns: make a new one with "
+        "`starfed site keygen` and send its .pub to the operator"
+    )
+
+
+#: Known failure lines of Flower 1.41's SuperNode, first match wins (docs/deployment.md).
+FAILURES: tuple[Failure, ...] = (
+    Failure(re.compile(r"Hostname mismatch|IP address mismatch"), _wrong_name),
+    Failure(re.compile(r"CERTIFICATE_VERIFY_FAILED"), _wrong_ca),
+    Failure(re.compile(r"\[code: 2004\]"), _not_registered),
+    Failure(re.compile(r"\[code: 2001\]"), _auth_mismatch),
+)
+#: Flower's SuperNode answers a 401 (its key was unregistered) by sending itself SIGINT, so it
+#: ends "gracefully" with code 0; when nobody told it to stop, that line means revocation.
+SELF_STOP = re.compile(r"SuperNode terminated gracefully")
+
+
+@dataclass(frozen=True)
+class SiteOptions:
+    server: str  # HOST:PORT of the operator's gateway
+    data: Path
+    state: Path
+    name: str
+    device: str = "auto"
+    ca: Path | None = None  # None only with insecure
+    key: Path | None = None
+    insecure: bool = False
+    fingerprint: str = ""
+    worker: bool = True  # answer messages in a long-lived site worker (starfed.client.worker)
+
+    @property
+    def worker_socket(self) -> Path:
+        return self.state / "worker.sock"
+
+    def node_config(self) -> dict[str, str]:
+        config = {
+            "data-dir": str(self.data),
+            "state-dir": str(self.state),
+            "site-name": self.name,
+            "device": self.device,
+        }
+        if self.worker:
+            config["worker-socket"] = str(self.worker_socket)
+        return config
+
+
+def default_state_dir(name: str) -> Path:
+    """``$XDG_DATA_HOME/starfed/sites/<name>`` (``~/.local/share/...``): the site's own, writable
+    even when the data folder is a read-only mount."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "starfed" / "sites" / name
+
+
+def _name_from(data: Path) -> str:
+    """A site name from the data folder's name: ``My Data`` -> ``My-Data``."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", data.name).strip(".-")[:64] or "site"
+
+
+def prepare(
+    server: str,
+    data: Path,
+    *,
+    ca: Path | None,
+    key: Path | None,
+    state: Path | None = None,
+    name: str | None = None,
+    device: str = "auto",
+    insecure: bool = False,
+    worker: bool = True,
+) -> SiteOptions:
+    """Check every input once, here; what comes out is what the SuperNode gets."""
+    processes.parse_address(server)  # ValueError: bad input
+    data = data.expanduser().resolve()
+    if not data.is_dir():
+        raise SiteError(f"--data {data} is not a folder: a site without its data must not join")
+    name = pki.check_site_name(name or _name_from(data))
+    fingerprint = ""
+    if insecure:
+        if key is not None:
+            raise SiteError(
+                "--key needs TLS: Flower refuses SuperNode authentication with --insecure"
+            )
+    else:
+        if ca is None or key is None:
+            raise SiteError("--ca and --key are required (or --insecure for a local test server)")
+        ca = ca.expanduser().resolve()
+        if not ca.is_file():
+            raise SiteError(f"--ca {ca} is not a file: get ca.pem from the operator")
+        key = key.expanduser().resolve()
+        fingerprint = pki.read_private_key(key).fingerprint
+    state = (state.expanduser() if state else default_state_dir(name)).resolve()
+    if state == data or data in state.parents:
+        raise SiteError(f"--state {state} must not be inside --data {data}")
+    if not device.strip() or any(c.isspace() for c in device):
+        raise SiteError(f"--device must be one word, e.g. auto, cpu, cuda:0; got {device!r}")
+    return SiteOptions(server, data, state, name, device, ca, key, insecure, fingerprint, worker)
+
+
+def write_node_config(path: Path, options: SiteOptions) -> None:
+    """The node config as a TOML file: Flower reads a ``.toml`` path whole, so paths with
+    spaces, quotes or any other character arrive unchanged (its ``k=v`` string form splits on
+    spaces)."""
+    path.write_text(tomli_w.dumps(options.node_config()), encoding="utf-8")
+
+
+def supernode_command(options: SiteOptions, node_config: Path, runtime_port: int) -> list[str]:
+    command = [
+        processes.flower_executable("flower-supernode"),
+        "--superlink",
+        options.server,
+        "--node-config",
+        str(node_config),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(runtime_port),
+        "--isolation",
+        "subprocess",
+    ]
+    if options.insecure:
+        return [*command, "--insecure"]
+    return [
+        *command,
+        "--root-certificates",
+        str(options.ca),
+        "--auth-supernode-private-key",
+        str(options.key),
+    ]
+
+
+@dataclass
+class SiteRun:
+    """The outcome of one ``site start``: why it ended, and whether anything survived."""
+
+    returncode: int | None = None
+    failure: str | None = None
+    stopped_by: str | None = None
+    survivors: set[ProcessId] = field(default_factory=set)
+    log_file: Path | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """0 only when we stopped it as told and nothing survived: a SuperNode that ends by
+        itself has failed, whatever its own exit code."""
+        return 0 if self.stopped_by and not (self.failure or self.survivors) else 1
+
+
+def _supervise(
+    popen: subprocess.Popen, seen: set[ProcessId], outcome: SiteRun, stop_reason: list[str]
+) -> str | None:
+    """Wait until the SuperNode ends, a stop signal arrives or a failure line was seen (then
+    give Flower 10 s to exit by itself); SIGTERM it if it still runs. Records its process tree
+    in ``seen`` as it grows; returns the signal that stopped it, if any."""
+    fatal_since: float | None = None
+    while popen.poll() is None and not stop_reason:
+        seen |= processes.descendants(seen)
+        if outcome.failure and fatal_since is None:
+            fatal_since = time.monotonic()
+        if fatal_since and time.monotonic() - fatal_since > 10:
+            break
+        time.sleep(0.2)
+    if popen.poll() is not None:
+        return None
+    popen.send_signal(signal.SIGTERM)  # the SuperNode tells the SuperLink it goes offline
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        popen.wait(STOP_GRACE_S)
+    return stop_reason[0] if stop_reason else None
+
+
+@contextlib.contextmanager
+def _state_lock(state: Path) -> Iterator[None]:
+    """One SuperNode per state folder: two with one key would fight over one node id."""
+    state.mkdir(parents=True, exist_ok=True)
+    with (state / ".lock").open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SiteError(f"another `starfed site start` uses {state}") from None
+        yield
+
+
+def _start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> subprocess.Popen:
+    """The site worker (``starfed.client.worker``): built once, it answers every message, so
+    no message pays for importing torch, building the backbones and reading the caches."""
+    socket_path = options.worker_socket
+    socket_path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "starfed.client.worker", "--socket", str(socket_path)]
+    popen = processes.spawn(command, env=env, cwd=options.state)
+    threading.Thread(target=_pump, args=(popen.stdout, log, None, lambda _: None),
+                     daemon=True).start()  # fmt: skip
+    deadline = time.monotonic() + WORKER_START_S
+    while not socket_path.exists():
+        if popen.poll() is not None or time.monotonic() > deadline:
+            popen.kill()
+            raise SiteError(f"the site worker did not start; see {log.name}")
+        time.sleep(0.1)
+    return popen
+
+
+def _pump(stream: IO[bytes], log: IO[str], echo: IO[str] | None, on_line: Callable[[str], None]):
+    """Copy the SuperNode's output line by line to the log (and terminal), classifying it."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        on_line(line)
+        try:
+            log.write(line)
+            log.flush()
+            if echo is not None:
+                echo.write(line)
+                echo.flush()
+        except (OSError, ValueError):  # closed after we gave up waiting: drop the rest
+            return
+
+
+def run(options: SiteOptions, echo: IO[str] | None = sys.stdout) -> SiteRun:
+    """Run the SuperNode until it ends or we are told to stop (SIGINT/SIGTERM)."""
+    with _state_lock(options.state):
+        return _run(options, echo)
+
+
+def _run(options: SiteOptions, echo: IO[str] | None) -> SiteRun:
+    state = options.state
+    node_config = state / "node-config.toml"
+    write_node_config(node_config, options)
+    log_file = state / "logs" / "supernode.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    env = processes.flower_env(
+        state / "flwr-home", {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": TASK_POLL_INTERVAL_S}
+    )
+    outcome = SiteRun(log_file=log_file)
+    stop_reason: list[str] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop_reason.append(signal.Signals(signum).name)
+
+    self_stopped: list[bool] = []
+
+    def on_line(line: str) -> None:
+        if SELF_STOP.search(line):
+            self_stopped.append(True)
+        if outcome.failure is None:
+            for failure in FAILURES:
+                if failure.pattern.search(line):
+                    outcome.failure = failure.explain(options)
+                    return
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    seen: set[ProcessId] = set()
+    popen: subprocess.Popen | None = None
+    worker: subprocess.Popen | None = None
+    pump: threading.Thread | None = None
+    try:
+        with log_file.open("a") as log:
+            try:
+                if options.worker:
+                    worker = _start_worker(options, env, log)
+                    seen |= {root} if (root := ProcessId.of(worker.pid)) else set()
+                command = supernode_command(options, node_config, processes.free_port())
+                popen = processes.spawn(command, env=env, cwd=state)
+                seen |= {root} if (root := ProcessId.of(popen.pid)) else set()
+                pump = threading.Thread(
+                    target=_pump, args=(popen.stdout, log, echo, on_line), daemon=True
+                )
+                pump.start()
+                outcome.stopped_by = _supervise(popen, seen, outcome, stop_reason)
+            finally:  # whatever happened: nothing of the SuperNode outlives us
+                if worker is not None and worker.poll() is None:
+                    worker.terminate()
+                if popen is not None:
+                    if popen.poll() is None:
+                        popen.kill()
+                    popen.wait()  # reaped: its SuperExec sees the parent gone and ends too
+                    outcome.returncode = popen.returncode
+                    left = processes.wait_gone(seen, 5.0)
+                    outcome.survivors = processes.terminate(left, grace=5.0)
+                if pump is not None:
+                    pump.join(5.0)  # the rest of the output, until the pipe closes
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if outcome.stopped_by is None and stop_reason:
+        outcome.stopped_by = stop_reason[0]
+    if outcome.stopped_by is None and outcome.failure is None and self_stopped:
+        outcome.failure = _key_revoked(options)
+    return outcome

@@ -1,0 +1,134 @@
+"""A site's worker: one long-lived process that answers every phase for its site.
+
+In deployment Flower starts a fresh ClientApp process for every message (docs/deployment.md):
+each would import torch, build the backbones and read the site's caches again, most of what a
+message costs. ``starfed site start`` therefore runs this worker next to the SuperNode, and the
+ClientApp, told so by its node config (``worker-socket``), forwards each message to it over a
+Unix socket in the site's state folder and returns the reply: the heavy state is built once.
+
+A frame is a 4-byte length and a JSON header, then an 8-byte length and raw bytes (the codebook
+in, the update or report out: protobuf, never a pickle). The socket is created private to the
+site's user. This module imports nothing heavy, so the forwarding ClientApp stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import socket
+import socketserver
+import struct
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<I")
+_PAYLOAD = struct.Struct("<Q")
+MAX_HEADER = 16 * 2**20  # a header holds configs and class names, never tensors
+MAX_PAYLOAD = 1024 * 2**20
+
+
+class WorkerError(RuntimeError):
+    """The worker could not answer (the message says why, in one line)."""
+
+
+def _read_exactly(stream: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = stream.recv(min(left, 2**20))
+        if not chunk:
+            raise WorkerError("the connection closed mid-frame")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def send_frame(stream: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
+    encoded = json.dumps(header).encode()
+    stream.sendall(_HEADER.pack(len(encoded)) + encoded + _PAYLOAD.pack(len(payload)))
+    stream.sendall(payload)
+
+
+def read_frame(stream: socket.socket) -> tuple[dict[str, Any], bytes]:
+    (size,) = _HEADER.unpack(_read_exactly(stream, _HEADER.size))
+    if size > MAX_HEADER:
+        raise WorkerError(f"a frame header of {size} bytes is over the limit")
+    header = json.loads(_read_exactly(stream, size))
+    (size,) = _PAYLOAD.unpack(_read_exactly(stream, _PAYLOAD.size))
+    if size > MAX_PAYLOAD:
+        raise WorkerError(f"a frame payload of {size} bytes is over the limit")
+    return header, _read_exactly(stream, size)
+
+
+def request(path: str | Path, header: dict[str, Any], payload: bytes) -> tuple[str, bytes]:
+    """Ask the worker at ``path`` to answer one message: (reply record name, reply bytes)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stream:
+        try:
+            stream.connect(str(path))
+        except OSError as err:
+            raise WorkerError(f"no site worker at {path} ({err.strerror})") from None
+        send_frame(stream, header, payload)
+        reply, data = read_frame(stream)
+    if not reply.get("ok"):
+        raise WorkerError(str(reply.get("error", "the worker failed")))
+    return str(reply["record"]), data
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        from starfed.client.app import answer  # the same code a ClientApp process runs
+
+        try:
+            header, payload = read_frame(self.request)
+        except (WorkerError, ValueError, OSError) as err:
+            logger.warning("dropped a malformed request: %s", err)
+            return
+        try:
+            with self.server.lock:  # one message at a time: they share the site's state
+                record, data = answer(header, payload)
+            send_frame(self.request, {"ok": True, "record": record}, data)
+        except Exception as err:  # reported to the ClientApp, which turns it into an error reply
+            logger.exception("answering %s failed", header.get("phase"))
+            send_frame(self.request, {"ok": False, "error": f"{type(err).__name__}: {err}"})
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    lock = threading.Lock()
+
+
+def serve(path: str | Path) -> None:
+    """Answer requests at ``path`` until interrupted (the socket file is private)."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    old = os.umask(0o177)
+    try:
+        server = _Server(str(path), _Handler)
+    finally:
+        os.umask(old)
+    logger.info("site worker listening on %s", path)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        path.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--socket", required=True, type=Path, help="Unix socket to listen on")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        serve(args.socket)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Messages to sites: one phase sent to every participating node, and what came back.
+
+Every send has a timeout; error replies and missing replies are recorded per node with the phase
+(``Exchange``), and the phase goes on with the others. Replies are pulled after short, growing
+waits rather than Flower's fixed 3 s (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from starfed.shared.protocol import PhaseSpec
+
+logger = logging.getLogger(__name__)
+
+PULL_WAITS_S = (0.05, 0.5)  # the first and the longest wait between two pulls of replies
+
+
+@dataclass
+class Exchange:
+    """One message to one node and its answer: what the wire carried and what came back."""
+
+    step: int
+    phase: str
+    round: int
+    node_id: int
+    site: str
+    bytes_down: int
+    bytes_up: int = 0
+    status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason>
+
+
+Reply = tuple[Exchange, Message]
+
+
+def exchange(
+    grid,
+    spec: PhaseSpec,
+    step: int,
+    round_index: int,
+    config: dict,
+    nodes: Sequence[int],
+    sites: Mapping[int, str],
+    payload: Callable[[int], bytes] | None,
+    timeout: float,
+) -> tuple[list[Reply], list[Exchange]]:
+    """Send one phase to ``nodes`` (with ``payload(node)``, the codebook, when the phase
+    carries one); the good replies with their log entries, and every log entry."""
+    record = ConfigRecord(config)
+    messages, exchanges = [], []
+    for node in nodes:
+        content = RecordDict({"config": record})
+        data = payload(node) if payload else b""
+        if payload:
+            content["codebook"] = ConfigRecord({"data": data})
+        group = f"{step}/{spec.phase.key}/{round_index}"
+        messages.append(Message(content, node, spec.message_type, group_id=group))
+        site = sites.get(node, "")
+        exchanges.append(Exchange(step, spec.phase.key, round_index, node, site, len(data)))
+    replies = send_and_receive(grid, messages, timeout)
+    # Grids fill in each message's id when they push it; replies point back to it.
+    logs = {m.metadata.message_id: e for m, e in zip(messages, exchanges, strict=True)}
+    good, answered = [], set()
+    for reply in replies:
+        entry = logs.get(reply.metadata.reply_to_message_id)
+        if entry is None:
+            logger.warning("reply to an unknown message from node %s", reply.metadata.src_node_id)
+            continue
+        answered.add(entry.node_id)
+        if reply.has_error():
+            entry.status = f"error: {short_reason(reply.error.reason)}"
+            logger.warning("node %s failed %s: %s", entry.node_id, spec.phase.key,
+                           reply.error.reason)  # fmt: skip
+            continue
+        entry.bytes_up = content_bytes(reply.content)
+        good.append((entry, reply))
+    for entry in exchanges:
+        if entry.node_id not in answered:
+            entry.status = "no reply"
+            logger.warning("node %s sent no %s reply within %.0fs", entry.node_id,
+                           spec.phase.key, timeout)  # fmt: skip
+    return good, exchanges
+
+
+def send_and_receive(grid, messages: list[Message], timeout: float) -> list[Message]:
+    """Push the messages, then pull replies after short, growing waits until all came or
+    ``timeout`` passed. Flower's ``Grid.send_and_receive`` sleeps 3 s between pulls, which a
+    deployed step would pay in every phase (docs/benchmarks.md). Grids without push/pull (test
+    grids that answer at once) use their own ``send_and_receive``."""
+    if not hasattr(grid, "push_messages"):
+        return list(grid.send_and_receive(messages, timeout=timeout))
+    pending = set(grid.push_messages(messages))
+    replies: list[Message] = []
+    wait, deadline = PULL_WAITS_S[0], time.monotonic() + timeout
+    while pending:
+        pulled = list(grid.pull_messages(pending))
+        replies.extend(pulled)
+        pending -= {reply.metadata.reply_to_message_id for reply in pulled}
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(wait)
+        wait = min(wait * 1.5, PULL_WAITS_S[1])
+    return replies
+
+
+def reject(entry: Exchange, reason: str) -> None:
+    entry.status = f"rejected: {reason}"
+    logger.warning("rejected %s reply of node %s: %s", entry.phase, entry.node_id, reason)
+
+
+def malformed(err: Exception) -> str:
+    return f"malformed reply ({err})"
+
+
+def update_digest(reply: Message) -> str:
+    try:
+        return hashlib.sha256(reply.content["update"]["data"]).hexdigest()
+    except (KeyError, TypeError):
+        return ""  # malformed: rejected in _updates anyway
+
+
+def short_reason(reason: str | None, limit: int = 300) -> str:
+    """The informative line of an error reason (runtimes wrap a traceback around it)."""
+    lines = [line.strip() for line in (reason or "").splitlines() if line.strip()]
+    fallback = lines[-1] if lines else ""
+    return next((line for line in reversed(lines) if "Message:" in line), fallback)[:limit]
+
+
+def content_bytes(content: RecordDict) -> int:
+    """Payload bytes of a reply: serialised updates count fully, other records by their values."""
+    total = 0
+    for record in content.values():
+        for value in record.values():
+            total += len(value) if isinstance(value, bytes) else len(str(value).encode())
+    return total

@@ -1,0 +1,280 @@
+"""``starfed server sites``: which site keys the SuperLink lets in, by site name.
+
+Flower registers SuperNode public keys (``flwr supernode register|list|unregister``) and gives
+each a random node id, but its list shows neither names nor keys, and with ``--format json`` it
+exits 0 on errors (the answer says ``"success": false``). This module wraps those commands
+against the local SuperLink connection that ``starfed server start`` wrote, checks ``success``,
+and keeps the name <-> node id <-> key mapping in ``sites.json`` (one record per registration;
+a removed record stays, because a removed key can never be registered again: Flower answers
+"[code: 23] Public key already in use").
+
+It also reads the SuperLink's log for SuperNodes that were turned away (``ApiError:2004``: key
+not registered, ``ApiError:2001``: tried to register itself) and prints each rejected key's
+SHA256 fingerprint, the same fingerprint the site prints for its key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from starfed.server.layout import ServerFolder
+from starfed.shared import flower_runs, pki
+from starfed.shared.files import write_atomic
+
+FLWR_TIMEOUT_S = 60.0
+#: Fleet API errors of a refused SuperNode (flwr/supercore/error/base.py in Flower 1.41).
+REFUSAL_CODES = {
+    "2001": "tried to register itself (no registered key)",
+    "2004": "key not registered",
+}
+
+
+class SitesError(RuntimeError):
+    """Flower refused or could not be reached; one line, exit code 1."""
+
+
+@dataclass
+class SiteRecord:
+    """One registration of one site key."""
+
+    name: str
+    node_id: int
+    public_key: str  # the OpenSSH line (no comment)
+    fingerprint: str
+    added_at: str
+    removed_at: str | None = None
+
+
+@dataclass
+class Registry:
+    """``sites.json``: every registration starfed made, removed ones included."""
+
+    sites: list[SiteRecord] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: Path) -> Registry:
+        try:
+            data = json.loads(path.read_text())
+            return cls([SiteRecord(**s) for s in data["sites"]])
+        except FileNotFoundError:
+            return cls()
+        except (ValueError, TypeError, KeyError) as err:
+            raise SitesError(f"{path} is damaged: {err}") from None
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"sites": [asdict(s) for s in self.sites]}
+        write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
+
+    def active(self, name: str) -> SiteRecord | None:
+        return next((s for s in self.sites if s.name == name and not s.removed_at), None)
+
+    def by_fingerprint(self, fingerprint: str) -> SiteRecord | None:
+        """The latest registration of a key (a key is registered at most once)."""
+        return next((s for s in reversed(self.sites) if s.fingerprint == fingerprint), None)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+# --- Flower's CLI --------------------------------------------------------------------------
+
+
+def flwr_json(folder: ServerFolder, *args: str) -> dict:
+    """``flwr ARGS starfed --format json`` against this server; the answer if it succeeded.
+
+    Without our config, ``flwr`` would create a default one and start a local SuperLink of its
+    own: refuse instead.
+    """
+    if not folder.flwr_config.is_file():
+        raise SitesError(f"no server set up in {folder.root}: run `starfed server start` first")
+    try:
+        return flower_runs.FlowerCli(folder.flwr_home).ask(*args, timeout=FLWR_TIMEOUT_S)
+    except flower_runs.FlowerRunError as err:
+        raise SitesError(_flower_message(str(err))) from None
+
+
+def _flower_message(message: str) -> str:
+    """Flower's error on one line, with what to do about the errors we know."""
+    text = flower_runs.flower_message(message)
+    if "SuperLink running?" in text:
+        text += " (`starfed server start`)"
+    elif "[code: 23]" in text:
+        text += " (registered before, perhaps with bare `flwr`: see `starfed server sites list`)"
+    return text
+
+
+# --- add, remove, list ---------------------------------------------------------------------
+
+
+def add(folder: ServerFolder, name: str, public_key: Path) -> SiteRecord:
+    """Register ``public_key`` for site ``name``; refuse what Flower would refuse, but clearly."""
+    pki.check_site_name(name)
+    key = pki.read_public_key(public_key)
+    registry = Registry.load(folder.sites_file)
+    if (current := registry.active(name)) is not None:
+        raise SitesError(
+            f"site {name} is registered (node {current.node_id}, key {current.fingerprint}); "
+            "remove it first to give it a new key"
+        )
+    if (previous := registry.by_fingerprint(key.fingerprint)) is not None:
+        if previous.removed_at:
+            raise SitesError(
+                f"key {key.fingerprint} was removed from site {previous.name} on "
+                f"{previous.removed_at}; Flower never accepts a removed key again: the site "
+                "needs a new key (`starfed site keygen`)"
+            )
+        raise SitesError(f"key {key.fingerprint} already belongs to site {previous.name}")
+    answer = flwr_json(folder, "supernode", "register", str(public_key), "--name", name)
+    record = SiteRecord(name, int(answer["node-id"]), key.openssh, key.fingerprint, _now())
+    registry.sites.append(record)
+    registry.save(folder.sites_file)
+    return record
+
+
+def remove(folder: ServerFolder, name: str) -> SiteRecord:
+    """Unregister site ``name``'s key: a running SuperNode with it stops within seconds."""
+    registry = Registry.load(folder.sites_file)
+    record = registry.active(name)
+    if record is None:
+        raise SitesError(f"no registered site named {name} (see `starfed server sites list`)")
+    try:
+        flwr_json(folder, "supernode", "unregister", str(record.node_id))
+    except SitesError as err:
+        if "[code: 24]" not in str(err):  # "Node ID not found": already gone in Flower
+            raise
+    record.removed_at = _now()
+    registry.save(folder.sites_file)
+    return record
+
+
+@dataclass
+class SiteStatus:
+    """A row of ``sites list``: our record joined with Flower's view of the node."""
+
+    name: str | None
+    node_id: int
+    status: str  # registered (never connected) | online | offline | unregistered
+    online_at: str | None
+    offline_at: str | None
+    fingerprint: str | None
+    added_at: str | None = None
+    removed_at: str | None = None
+
+
+def _flower_time(value: object) -> str | None:
+    return None if value in (None, "", "N/A") else str(value)
+
+
+def status(folder: ServerFolder) -> list[SiteStatus]:
+    """Every site we registered and every node Flower knows, joined on the node id."""
+    registry = Registry.load(folder.sites_file)
+    nodes = {int(n["node-id"]): n for n in flwr_json(folder, "supernode", "list")["nodes"]}
+    rows = []
+    for record in registry.sites:
+        node = nodes.pop(record.node_id, {})
+        rows.append(
+            SiteStatus(
+                record.name,
+                record.node_id,
+                str(node.get("status") or ("unregistered" if record.removed_at else "unknown")),
+                _flower_time(node.get("online-at")),
+                _flower_time(node.get("offline-at")),
+                record.fingerprint,
+                record.added_at,
+                record.removed_at,
+            )
+        )
+    for node_id, node in nodes.items():  # registered with bare `flwr`, not through starfed
+        rows.append(
+            SiteStatus(
+                None,
+                node_id,
+                str(node.get("status")),
+                _flower_time(node.get("online-at")),
+                _flower_time(node.get("offline-at")),
+                None,
+            )
+        )
+    return rows
+
+
+# --- refused SuperNodes --------------------------------------------------------------------
+
+_REFUSAL = re.compile(
+    r"(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[,.]\d+ .*?"
+    r"\[(?P<path>/v1/fleet/[a-z-]+)\]\[ApiError:(?P<code>\d+)\](?P<rest>.*)"
+)
+_PEM = re.compile(r"-----BEGIN PUBLIC KEY-----.*?-----END PUBLIC KEY-----", re.DOTALL)
+
+
+@dataclass
+class Refusal:
+    """SuperNodes turned away with one key (or none), summed over the log."""
+
+    fingerprint: str | None
+    code: str
+    reason: str
+    count: int
+    first: str
+    last: str
+    site: str | None = None  # the site this key was registered for, if any
+    removed: bool = False
+
+
+def _log_files(folder: ServerFolder) -> list[Path]:
+    """The SuperLink log and its rotated predecessors, oldest first."""
+    log = folder.superlink_log
+    rotated = sorted(log.parent.glob(log.name + ".*"), key=lambda p: p.stat().st_mtime)
+    return [*rotated, log] if log.exists() else rotated
+
+
+def _refused_key(rest: str) -> str | None:
+    match = _PEM.search(rest.replace("\\n", "\n"))
+    if match is None:
+        return None
+    try:
+        return pki.fingerprint(match.group(0))
+    except pki.SiteKeyError:
+        return None
+
+
+def parse_refusals(lines: Iterable[str]) -> list[Refusal]:
+    """Group the log's refusal lines by (key, code), in order of first appearance."""
+    found: dict[tuple[str | None, str], Refusal] = {}
+    for line in lines:
+        if "ApiError:20" not in line or (m := _REFUSAL.search(line)) is None:
+            continue
+        code = m["code"]
+        if code not in REFUSAL_CODES:
+            continue
+        key = (_refused_key(m["rest"]), code)
+        if (refusal := found.get(key)) is None:
+            found[key] = Refusal(key[0], code, REFUSAL_CODES[code], 1, m["time"], m["time"])
+        else:
+            refusal.count += 1
+            refusal.last = m["time"]
+    return list(found.values())
+
+
+def refused(folder: ServerFolder) -> list[Refusal]:
+    """Refused SuperNodes from the SuperLink log, with the site name where the key is known."""
+    registry = Registry.load(folder.sites_file)
+    refusals = parse_refusals(_read_lines(_log_files(folder)))
+    for refusal in refusals:
+        if refusal.fingerprint and (record := registry.by_fingerprint(refusal.fingerprint)):
+            refusal.site = record.name
+            refusal.removed = bool(record.removed_at)
+    return refusals
+
+
+def _read_lines(paths: Sequence[Path]) -> Iterable[str]:
+    for path in paths:
+        with path.open(errors="replace") as f:
+            yield from f

@@ -1,0 +1,39 @@
+"""An optional test set on the server: an ImageFolder scored like one more site.
+
+A federation needs none — sites score the codebook on their own test images — but a simulation
+(or an operator with a held-out set) can give the server one (``server-test-dir``): its classes
+are matched to the codebook by class key, and its scores are grouped by arrival step exactly like
+the sites' (``server.scores.aggregate``), so the two can be compared. The images are read and
+scored by ``LabelledImages``, as ``starfed evaluate`` does on a device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from starfed.server.scores import aggregate
+from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.inference import LabelledImages
+from starfed.shared.model.backbones import Backbones
+from starfed.shared.model.star_prompt import StarPrompt
+from starfed.shared.model.training import TrainConfig
+from starfed.shared.report import EvaluationReport
+
+
+class ServerTestSet:
+    """Test images of a folder of class folders, decoded and CLIP-encoded once."""
+
+    def __init__(self, folder: str | Path, backbones: Backbones, train: TrainConfig) -> None:
+        self.images = LabelledImages(folder, backbones)
+        self.backbones, self.train = backbones, train
+
+    def __call__(self, codebook: Codebook, class_steps: dict[str, int], step: int) -> dict:
+        """Scores by arrival step of the codebook's classes on this test set."""
+        model = StarPrompt(self.backbones, confidence_modulation=self.train.confidence_modulation)
+        model.load_bank(codebook.bank())
+        groups = torch.tensor([class_steps[name] for name in codebook.names])
+        report = EvaluationReport.of(codebook, self.images.score(model, groups))
+        result = aggregate([("server", report)], class_steps, step, codebook.dims.n_layers)
+        return {"accuracy": result.accuracy, "selection_accuracy": result.selection_accuracy}

@@ -1,0 +1,400 @@
+"""Codebooks and updates as protobuf bytes (``proto/codebook.proto``) and as files.
+
+Decoding is validating: whatever comes from outside is checked here, once, into a typed value
+the rest of the code trusts — schema version, fingerprint and dims (against the receiver's),
+tensor dtypes, byte lengths and shapes (from ``schema.FIELDS``), finite values, counts, mixture
+weights and variances, class names, and the message size (checked before parsing). An update
+is also checked against the codebook its phase was sent with: the same version, the classes
+registered there, exactly the fields its phase trains. Any failure raises ``CodebookError``
+with a one-line reason; nothing is half-applied.
+
+Files are frames (``framing``: magic, length, sha256, payload), written atomically.
+
+float16 on the wire (``dtype="float16"``) halves the per-class tensors; mixtures stay float64
+because their statistics are averaged across sites and tasks. Round-to-nearest keeps 11
+significant bits: values in float16's normal range (6.1e-5 <= |x| <= 65504) come back with a
+relative error of at most 2**-11, smaller ones with an absolute error of at most 2**-25; larger
+ones do not fit and encoding raises ``CodebookError``. Decoding always yields float32.
+Sizes at the paper's dims are in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from starfed.proto import codebook_pb2 as pb
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
+from starfed.shared.codebook.entry import ClassEntry, Value
+from starfed.shared.codebook.framing import (
+    CODEBOOK_MAGIC,
+    DEFAULT_MAX_BYTES,
+    UPDATE_MAGIC,
+    frame,
+)
+from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.files import write_atomic
+from starfed.shared.protocol import Phase
+
+SCHEMA_VERSION = 1
+MAX_NAME_LENGTH = 256
+MAX_DIM = 65_536  # far above any CLIP/ViT width or depth; bounds what a message can allocate
+WEIGHT_SUM_TOLERANCE = 1e-6
+
+_NUMPY_DTYPES = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_FLOAT16: np.dtype("<f2"),
+    pb.DTYPE_FLOAT64: np.dtype("<f8"),
+}
+WIRE_DTYPES = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16}
+
+
+# --- checks of decoded values ---------------------------------------------------------------------
+
+
+def label(name: str) -> str:
+    """A class name for an error message, cut short: a hostile name must not flood logs."""
+    return f"class {name[:60]!r}" + ("…" if len(name) > 60 else "")
+
+
+def check_name(name: object) -> str | None:
+    """Why ``name`` is not a valid class name, or None."""
+    if not isinstance(name, str) or not name:
+        return "a class name is empty"
+    if len(name) > MAX_NAME_LENGTH:
+        return f"{label(name)} has a name longer than {MAX_NAME_LENGTH}"
+    if not name.isprintable():
+        return f"{label(name)}: name contains control characters"
+    return None
+
+
+def _check_names(names: list[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        problem = check_name(name)
+        if problem:
+            raise CodebookError(problem)
+        if name in seen:
+            raise CodebookError(f"{label(name)} appears twice")
+        seen.add(name)
+
+
+def _check_count(count: int, minimum: int, what: str) -> None:
+    if count < minimum:
+        raise CodebookError(f"{what}: count {count!r} must be an integer >= {minimum}")
+
+
+def _check_mixture(mixture: GaussianMixture, what: str) -> None:
+    if (mixture.weights < 0).any():
+        raise CodebookError(f"{what}: negative mixture weight")
+    total = float(mixture.weights.sum())
+    if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
+        raise CodebookError(f"{what}: mixture weights sum to {total!r}, not 1")
+    if not (mixture.variances > 0).all():
+        raise CodebookError(f"{what}: variances must be positive")
+    _check_count(mixture.count, 1, what)
+
+
+# --- decoding -------------------------------------------------------------------------------------
+
+
+def _decode_array(
+    msg: pb.Tensor, shape: tuple[int, ...], what: str, dtypes: Iterable[int], to: np.dtype
+) -> torch.Tensor:
+    """The array as ``to`` (float32 tensors, float64 mixtures), checked finite after that."""
+    if msg.dtype not in dtypes:
+        allowed = ", ".join(pb.DType.Name(d) for d in dtypes)
+        raise CodebookError(f"{what}: dtype {msg.dtype} is not one of {allowed}")
+    if tuple(msg.shape) != shape:
+        raise CodebookError(f"{what}: shape {tuple(msg.shape)}, expected {shape}")
+    dtype = _NUMPY_DTYPES[msg.dtype]
+    expected = math.prod(shape) * dtype.itemsize
+    if len(msg.data) != expected:
+        raise CodebookError(f"{what}: {len(msg.data)} bytes of data, expected {expected}")
+    array = np.frombuffer(msg.data, dtype=dtype).reshape(shape)
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: rejected
+        out = array.astype(to)
+    if not np.isfinite(out).all():
+        raise CodebookError(f"{what}: contains NaN or infinite values")
+    return torch.from_numpy(out)
+
+
+def _decode_mixture(msg: pb.Mixture, dim: int, what: str) -> GaussianMixture:
+    float64 = (pb.DTYPE_FLOAT64,)
+    shape = tuple(msg.weights.shape)
+    if len(shape) != 1 or shape[0] < 1:
+        raise CodebookError(f"{what}: weights shape {shape} is not [M] with M >= 1")
+    m = shape[0]
+    f64 = np.dtype(np.float64)
+    mixture = GaussianMixture(
+        weights=_decode_array(msg.weights, (m,), f"{what}: weights", float64, f64),
+        means=_decode_array(msg.means, (m, dim), f"{what}: means", float64, f64),
+        variances=_decode_array(msg.variances, (m, dim), f"{what}: variances", float64, f64),
+        count=msg.count,
+    )
+    _check_mixture(mixture, what)
+    return mixture
+
+
+def _present(msg: pb.ClassEntry) -> set[str]:
+    return {f.name for f in schema.FIELDS if msg.HasField(f.name)}
+
+
+def _decode_values(msg: pb.ClassEntry, dims: ModelDims) -> dict[str, Value]:
+    """The schema fields set in one entry message, decoded and checked."""
+    values: dict[str, Value] = {}
+    f32 = np.dtype(np.float32)
+    for f in schema.FIELDS:
+        if not msg.HasField(f.name):
+            continue
+        what = f"{label(msg.name)}: {f.name}"
+        if f.kind is schema.Kind.TENSOR:
+            tensor = getattr(msg, f.name)
+            values[f.name] = _decode_array(tensor, f.shape(dims), what, _NUMPY_DTYPES, f32)
+        else:
+            values[f.name] = _decode_mixture(getattr(msg, f.name), f.shape(dims)[0], what)
+    return values
+
+
+def _decode_header(message: pb.Codebook | pb.ClientUpdate, fingerprint, dims) -> ModelDims:
+    if message.schema_version != SCHEMA_VERSION:
+        raise CodebookError(
+            f"schema version {message.schema_version}, this code reads {SCHEMA_VERSION}"
+        )
+    found = message.backbone_fingerprint
+    if not found:
+        raise CodebookError("backbone fingerprint is empty")
+    if fingerprint is not None and found != fingerprint:
+        raise CodebookError(
+            f"backbone fingerprint {found[:16]!r}… does not match the expected "
+            f"{fingerprint[:16]!r}… (made for other backbones)"
+        )
+    d = message.dims
+    decoded = ModelDims(d.d_txt, d.d_clip, d.d_vit, d.n_layers)
+    if not all(1 <= v <= MAX_DIM for v in (d.d_txt, d.d_clip, d.d_vit, d.n_layers)):
+        raise CodebookError(f"dims must be integers in [1, {MAX_DIM}], got {decoded}")
+    if dims is not None and decoded != dims:
+        raise CodebookError(f"dims {decoded} do not match the expected {dims}")
+    return decoded
+
+
+def parse(message_type: type, data: bytes, max_bytes: int):
+    """Parse with the size limit checked first; every parser failure becomes CodebookError."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise CodebookError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise CodebookError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    message = message_type()
+    try:
+        message.ParseFromString(bytes(data))
+    except Exception as err:  # DecodeError, invalid UTF-8, recursion limits, ...
+        raise CodebookError(f"not a valid {message_type.__name__} message ({err})") from None
+    return message
+
+
+def _decode_entries(message: pb.Codebook, dims: ModelDims, full: bool) -> dict[str, ClassEntry]:
+    """Entries of a codebook (every tensor field required) or a delta (any subset)."""
+    _check_names([e.name for e in message.entries])
+    entries = {}
+    for msg in message.entries:
+        values = _decode_values(msg, dims)
+        missing = [name for name in schema.TENSORS if name not in values]
+        if full and missing:
+            raise CodebookError(f"{label(msg.name)}: {missing[0]}: missing")
+        trained = msg.frozen or any(name in values for name in schema.MIXTURES)
+        _check_count(msg.count, 1 if trained and full else 0, label(msg.name))
+        if not 0 <= msg.version <= message.version:
+            raise CodebookError(
+                f"{label(msg.name)}: version {msg.version!r} outside [0, {message.version}]"
+            )
+        stamps = dict(msg.field_versions)
+        if not set(stamps) <= set(values) or not all(
+            0 <= v <= msg.version for v in stamps.values()
+        ):
+            raise CodebookError(f"{label(msg.name)}: field versions do not match its fields")
+        entries[msg.name] = ClassEntry(msg.name, msg.count, values, msg.version, msg.frozen, stamps)
+    return entries
+
+
+def decode_codebook(
+    data: bytes,
+    *,
+    fingerprint: str | None = None,
+    dims: ModelDims | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Codebook:
+    """A validated codebook; ``fingerprint``/``dims`` are the receiver's, when it has them."""
+    received = decode_broadcast(data, fingerprint=fingerprint, dims=dims, max_bytes=max_bytes)
+    if isinstance(received, Delta):
+        raise CodebookError("a delta, not a whole codebook")
+    return received
+
+
+def decode_broadcast(
+    data: bytes,
+    *,
+    fingerprint: str | None = None,
+    dims: ModelDims | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Codebook | Delta:
+    """A validated codebook, or a delta when the message has a base version."""
+    message = parse(pb.Codebook, data, max_bytes)
+    return broadcast_from_proto(message, fingerprint=fingerprint, dims=dims)
+
+
+def broadcast_from_proto(
+    message: pb.Codebook, *, fingerprint: str | None = None, dims: ModelDims | None = None
+) -> Codebook | Delta:
+    """``decode_broadcast`` of a message parsed elsewhere: a gRPC reply carries the codebook
+    message itself, its size limited by the channel (``starfed.shared.distribution``)."""
+    model_dims = _decode_header(message, fingerprint, dims)
+    _check_count(message.version, 0, "codebook version")
+    metadata = dict(message.metadata)
+    if message.base_version == 0:
+        if message.names:
+            raise CodebookError("a whole codebook lists no names")
+        entries = _decode_entries(message, model_dims, full=True)
+        return Codebook(
+            message.backbone_fingerprint, model_dims, entries, message.version, metadata
+        )
+    if not 0 < message.base_version < message.version:
+        raise CodebookError(
+            f"a delta from version {message.base_version} to {message.version} goes backwards"
+        )
+    names = list(message.names)
+    _check_names(names)
+    entries = _decode_entries(message, model_dims, full=False)
+    if not set(entries) <= set(names):
+        raise CodebookError("a delta carries a class its name list leaves out")
+    return Delta(
+        message.backbone_fingerprint, model_dims, message.version, message.base_version,
+        names, entries, metadata,
+    )  # fmt: skip
+
+
+def decode_update(
+    data: bytes, *, against: Codebook, phase: Phase, max_bytes: int = DEFAULT_MAX_BYTES
+) -> ClientUpdate:
+    """A validated update answering ``phase`` of the codebook ``against`` (what was sent).
+
+    Sync answers no codebook: its classes may be new, it carries names and counts only, and its
+    base version is the version of the codebook the site holds. Every other phase must start
+    from ``against``'s version, name registered classes only, and carry exactly the fields its
+    phase trains for each of them.
+    """
+    message = parse(pb.ClientUpdate, data, max_bytes)
+    dims = _decode_header(message, against.fingerprint, against.dims)
+    if message.phase != phase:
+        found = pb.Phase.Name(message.phase) if message.phase in pb.Phase.values() else "?"
+        raise CodebookError(f"update answers {found}, not PHASE_{phase.name}")
+    _check_names([e.name for e in message.entries])
+    wanted = set(schema.trained_in(phase))
+    entries = []
+    for msg in message.entries:
+        what = label(msg.name)
+        if msg.version or msg.frozen:
+            raise CodebookError(f"{what}: an update cannot set version/frozen")
+        _check_count(msg.count, 1, what)
+        if _present(msg) != wanted:
+            raise CodebookError(
+                f"{what}: carries {sorted(_present(msg)) or 'no fields'}, "
+                f"{phase.key} carries {sorted(wanted) or 'none'}"
+            )
+        values = _decode_values(msg, dims)
+        if phase is not Phase.SYNC and msg.name not in against:
+            raise CodebookError(f"{what} is not registered")
+        entries.append(ClassEntry(msg.name, msg.count, values))
+    if phase is not Phase.SYNC and message.base_version != against.version:
+        raise CodebookError(
+            f"update starts from codebook version {message.base_version}, "
+            f"the codebook is at {against.version} (stale or foreign reply)"
+        )
+    _check_count(message.base_version, 0, "base version")
+    return ClientUpdate(
+        message.backbone_fingerprint, dims, phase, message.base_version, entries,
+        dict(message.metadata),
+    )  # fmt: skip
+
+
+# --- encoding -------------------------------------------------------------------------------------
+
+
+def _fill_tensor(target: pb.Tensor, value: np.ndarray, dtype: int, what: str) -> None:
+    with np.errstate(over="ignore"):  # overflow shows as inf, reported below
+        wire = np.asarray(value, dtype=_NUMPY_DTYPES[dtype])  # tobytes() is C order
+    if not np.isfinite(wire).all():
+        raise CodebookError(f"{what}: NaN, infinite or beyond the range of {pb.DType.Name(dtype)}")
+    target.shape[:] = wire.shape
+    target.dtype = dtype
+    target.data = wire.tobytes()
+
+
+def _fill_entry(target: pb.ClassEntry, entry: ClassEntry, dtype: int) -> None:
+    target.name = entry.name
+    target.count = entry.count
+    for name, version in entry.field_versions.items():
+        target.field_versions[name] = version
+    for name, value in entry.values.items():
+        what = f"{entry.name}/{name}"
+        if isinstance(value, GaussianMixture):
+            mixture = getattr(target, name)
+            for part in ("weights", "means", "variances"):
+                array = getattr(value, part).detach().cpu().numpy()
+                _fill_tensor(getattr(mixture, part), array, pb.DTYPE_FLOAT64, what)
+            mixture.count = value.count
+        else:
+            _fill_tensor(getattr(target, name), value.detach().cpu().numpy(), dtype, what)
+
+
+def _dims_proto(dims: ModelDims) -> pb.ModelDims:
+    return pb.ModelDims(
+        d_txt=dims.d_txt, d_clip=dims.d_clip, d_vit=dims.d_vit, n_layers=dims.n_layers
+    )
+
+
+def to_proto(value: Codebook | Delta | ClientUpdate, dtype: str = "float32"):
+    """The protobuf message: per-class tensors in ``dtype`` (float32/float16), mixtures float64."""
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"wire dtype must be one of {sorted(WIRE_DTYPES)}, got {dtype!r}")
+    wire = WIRE_DTYPES[dtype]
+    header = {
+        "schema_version": SCHEMA_VERSION,
+        "backbone_fingerprint": value.fingerprint,
+        "dims": _dims_proto(value.dims),
+        "metadata": value.metadata,
+    }
+    if isinstance(value, Codebook | Delta):
+        message = pb.Codebook(version=value.version, **header)
+        if isinstance(value, Delta):
+            message.base_version = value.base_version
+            message.names[:] = value.names
+        for entry in value.entries.values():
+            target = message.entries.add(version=entry.version, frozen=entry.frozen)
+            _fill_entry(target, entry, wire)
+    else:
+        message = pb.ClientUpdate(base_version=value.base_version, phase=int(value.phase), **header)
+        for entry in value.entries:
+            _fill_entry(message.entries.add(), entry, wire)
+    return message
+
+
+def encode(value: Codebook | Delta | ClientUpdate, dtype: str = "float32") -> bytes:
+    """Deterministic serialisation (same value, same bytes)."""
+    return to_proto(value, dtype).SerializeToString(deterministic=True)
+
+
+# --- files ----------------------------------------------------------------------------------------
+
+
+def write_file(
+    path: str | os.PathLike[str], value: Codebook | ClientUpdate, dtype: str = "float32"
+) -> None:
+    """Atomically replace ``path`` with header (magic, length, sha256) + message."""
+    magic = CODEBOOK_MAGIC if isinstance(value, Codebook) else UPDATE_MAGIC
+    write_atomic(path, frame(magic, encode(value, dtype)))

@@ -1,0 +1,361 @@
+"""Every configuration knob of starfed, defined once: key, type, range, default, help.
+
+Values enter from four places — command-line flags, ``--run-config KEY=VALUE``, Flower's run
+config (``[tool.flwr.app.config]`` plus overrides) and a node's node config — and all of them go
+through :func:`parse`, which returns typed values or raises one :class:`ConfigError` whose
+one-line message names the key, the bad value and what is allowed. The typed options
+(``ProtocolOptions`` and ``BackboneOptions`` here, ``ScenarioConfig``, ``TrainConfig``) are
+built from parsed values only, so nothing downstream re-checks them.
+
+This module imports nothing heavy: the command line validates with it before torch, data or
+Flower are loaded. ``pyproject.toml``'s ``[tool.flwr.app.config]`` repeats the run-config
+defaults because Flower reads them there; a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from starfed.shared.device import check as check_device
+from starfed.shared.model.backbone_config import PAPER_VIT_TAGS, PRESETS, read_backbone_config
+
+if TYPE_CHECKING:
+    from starfed.shared.model.backbones import Backbones
+
+Value = int | float | bool | str
+Values = Mapping[str, Value]
+
+WIRE_DTYPES = ("float32", "float16")
+RUNTIMES = ("flower", "local")  # `starfed simulate --runtime` (docs/simulation.md)
+
+#: Groups whose knobs form Flower's run config; "node" is the node config and "command" holds
+#: options of one command that never travel in a Flower config.
+RUN_GROUPS = ("scenario", "protocol", "training", "backbones")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message is one line for the user."""
+
+
+def _existing_file(path: str) -> None:
+    if not Path(path).expanduser().is_file():
+        raise ValueError("no such file")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting: its dashed key, type, allowed values, default and help text."""
+
+    key: str
+    kind: type[Value]
+    default: Value
+    help: str
+    group: str
+    ge: float | None = None  # numbers: smallest allowed value
+    gt: float | None = None  # numbers: allowed values lie above this
+    le: float | None = None  # numbers: largest allowed value
+    choices: tuple[str, ...] = ()
+    check: Callable[[str], object] | None = None  # non-empty strings: ValueError if unusable
+    path: bool = False  # a file or folder (made absolute where it travels to other processes)
+    command: str | None = None  # group "command": the command whose option this is
+
+    @property
+    def allowed(self) -> str:
+        """What the knob accepts, in words (for errors)."""
+        if self.kind is bool:
+            return "true or false"
+        if self.kind is str:
+            return f"one of {', '.join(self.choices)}" if self.choices else "a string"
+        noun = "an integer" if self.kind is int else "a number"
+        if self.ge is not None and self.le is not None:
+            return f"{noun} in [{show(self.ge)}, {show(self.le)}]"
+        if self.ge is not None:
+            return f"{noun} >= {show(self.ge)}"
+        return f"{noun} > {show(self.gt)}" if self.gt is not None else noun
+
+    def parse(self, raw: object, name: str | None = None) -> Value:
+        """``raw`` (a typed value, or text from a command line) as this knob's type, checked."""
+        name = name or self.key
+        shown = f"{name} {show(raw)}" if name.startswith("-") else f"{name}={show(raw)}"
+        value = _convert(self.kind, raw)
+        if value is None or not self._admits(value):
+            raise ConfigError(f"{shown}: expected {self.allowed}")
+        if self.check is not None and value:
+            try:
+                self.check(value)
+            except ValueError as err:
+                raise ConfigError(f"{shown}: {err}") from None
+        return value
+
+    def _admits(self, value: Value) -> bool:
+        if self.choices:
+            return value in self.choices
+        if self.kind in (bool, str):
+            return True
+        return not (
+            (self.ge is not None and value < self.ge)
+            or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+        )
+
+
+def _convert(kind: type[Value], raw: object) -> Value | None:
+    """``raw`` as ``kind``, or None. Text converts to any type; booleans are not numbers."""
+    if kind is str:
+        return raw if isinstance(raw, str) else None
+    if kind is bool:
+        if isinstance(raw, str):
+            return {"true": True, "false": False, "1": True, "0": False}.get(raw.strip().lower())
+        return raw if isinstance(raw, bool) else None
+    if isinstance(raw, str):
+        try:
+            raw = kind(raw.strip())
+        except ValueError:
+            return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        return None
+    if kind is int:
+        return raw if isinstance(raw, int) else None
+    return float(raw) if math.isfinite(raw) else None
+
+
+def show(value: object) -> str:
+    """A value as a user would type it (messages, ``--help``)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return '""' if value == "" else str(value)
+
+
+SCHEMA: tuple[Knob, ...] = (
+    # scenario: which images each site holds, and when (docs/simulation.md)
+    Knob("data-root", str, "", "ImageFolder root (train/ and test/ class folders, or one folder "
+         'per class); "": the bundled cropdiseases-mini set', "scenario", path=True),
+    Knob("num-tasks", int, 7, "tasks the classes are split into", "scenario", ge=1),
+    Knob("classes-per-task", int, 0, "classes per task; 0: all classes spread evenly over the "
+         "tasks", "scenario", ge=0),
+    Knob("seed", int, 1993, "class order, partition and training", "scenario", ge=0,
+         le=2**32 - 1),  # what np.random.RandomState (the class order) accepts
+    Knob("num-clients", int, 5, "sites (in simulation: SuperNodes)", "scenario", ge=1),
+    Knob("alpha", float, 0.5, "Dirichlet concentration of the partition (small: each site sees "
+         "few classes)", "scenario", gt=0),
+    Knob("arrival-offset", int, 0, "site i joins i x offset steps after site 0", "scenario", ge=0),
+    Knob("min-partition-size", int, 0, "per task, resample the partition until every site has "
+         "this many images", "scenario", ge=0),
+    # protocol: how the server drives the phases, and where results go
+    Knob("stage1-rounds", int, 1, "federated rounds of stage 1 per task", "protocol", ge=1),
+    Knob("stage2-rounds", int, 1, "federated rounds of stage 2 per task", "protocol", ge=1),
+    Knob("wire-dtype", str, "float32", "dtype of the tensors sent", "protocol",
+         choices=WIRE_DTYPES),
+    Knob("timeout-s", float, 600.0, "seconds the server waits for the replies of one phase",
+         "protocol", gt=0),
+    Knob("results-dir", str, "results", "folder of the run folders", "protocol", path=True),
+    Knob("run-name", str, "", 'run folder under results-dir; "": fed-<run id> (local-<UTC '
+         "timestamp> for train-local)", "protocol"),
+    Knob("federation-dir", str, "", 'the federation folder the server continues; "": the run '
+         "folder (a simulation's own federation)", "protocol", path=True),
+    Knob("max-steps", int, 0, "aggregation steps of one server run; 0: until no site brings a "
+         "new class", "protocol", ge=0),
+    Knob("min-sites", int, 1, "sites that must be connected before the first step", "protocol",
+         ge=1),
+    Knob("wait-s", float, 120.0, "seconds to wait for min-sites", "protocol", gt=0),
+    Knob("fraction-train", float, 1.0, "share of the sites sampled for each training and "
+         "statistics round (seeded; every class in play keeps a holder)", "protocol", gt=0,
+         le=1),
+    Knob("min-train-sites", int, 1, "at least this many sites per sampled round", "protocol",
+         ge=1),
+    Knob("server-test-dir", str, "", 'a folder of class folders the server also scores each '
+         'step on (e.g. a simulation\'s test set); "": none', "protocol", path=True),
+    # training: one task's hyper-parameters (shared/model/training.py: TrainConfig)
+    Knob("stage1-epochs", int, 5, "local epochs of stage 1 (per round)", "training", ge=0),
+    Knob("stage2-epochs", int, 5, "local epochs of stage 2 (per round)", "training", ge=0),
+    Knob("replay1-epochs", int, 10, "first-level replay epochs", "training", ge=0),
+    Knob("replay2-epochs", int, 10, "second-level replay epochs at task 0", "training", ge=0),
+    Knob("replay2-epochs-per-task", int, 5, "extra second-level replay epochs per task index",
+         "training", ge=0),
+    Knob("batch-size", int, 128, "training batch size", "training", ge=1),
+    Knob("mixture-components", int, 5, "Gaussians per class and feature space", "training", ge=1),
+    Knob("generative-replay", bool, True, "replay features drawn from the class mixtures",
+         "training"),
+    Knob("confidence-modulation", bool, True, "scale first-level logits by the prompt "
+         "selection's confidence", "training"),
+    # backbones: the frozen pair every participant loads (fingerprints must match)
+    Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
+    Knob("device", str, "auto", "where the server and simulated sites compute: auto (the GPU "
+         "when there is one), cpu, cuda, cuda:N, mps", "backbones", check=check_device),
+    Knob("backbone-config", str, "", 'JSON BackboneConfig, overrides preset; "": none',
+         "backbones", check=read_backbone_config, path=True),
+    Knob("clip-weights", str, "", 'local CLIP weights (.safetensors/.pt); "": none',
+         "backbones", check=_existing_file, path=True),
+    Knob("vit-weights", str, "", 'local ViT weights (.safetensors/.pt); "": none', "backbones",
+         check=_existing_file, path=True),
+    # node config: what one SuperNode says about itself
+    Knob("data-dir", str, "", "a deployed site's data folder: its task folders and test/ "
+         "(docs/sites.md)", "node", path=True),
+    Knob("state-dir", str, "", 'a deployed site\'s memory (last codebook, completed tasks, '
+         'caches); "": <data-dir>/.starfed', "node", path=True),
+    Knob("site-name", str, "", 'how the federation calls this site; "": node-<node id>', "node"),
+    Knob("device", str, "auto", "torch device a deployed site asks for (`starfed site start "
+         "--device`): auto, cpu, cuda:0", "node"),
+    Knob("partition-id", int, 0, "this node's site in a simulation", "node", ge=0),
+    Knob("num-partitions", int, 0, "sites in a simulation (Flower: num-supernodes); 0: the run "
+         "config's num-clients", "node", ge=0),
+    Knob("cache-dir", str, "", 'decoded images and CLIP features; "": <state-dir>/cache for a '
+         "deployed site, $STARFED_CACHE_DIR or ~/.cache/starfed in a simulation", "node",
+         path=True),
+    Knob("worker-socket", str, "", "a site worker answering for this node (starfed site start "
+         'runs one: starfed.client.worker); "": answer in the ClientApp process', "node",
+         path=True),
+    Knob("device", str, "", 'where this deployed site computes (auto, cpu, cuda, cuda:N, mps); "": '
+         "the run config's", "node", check=check_device),
+    # command options: never part of a Flower config
+    Knob("cache-dir", str, "", 'reuse decoded images across runs; "": no cache', "command",
+         path=True, command="train-local"),
+    Knob("download", bool, False, "fetch the paper preset's weights from the hub", "command",
+         command="train-local"),
+    Knob("vit-tag", str, "augreg_in21k", "which ViT weights --download fetches", "command",
+         choices=PAPER_VIT_TAGS, command="train-local"),
+    Knob("classify-with-keys", bool, False, "predict with the first-level keys only", "command",
+         command="train-local"),
+    Knob("threads", int, os.cpu_count() or 1, "torch CPU threads", "command", ge=1,
+         command="train-local"),
+    Knob("runtime", str, "flower", "where the apps run: flower (a SuperLink and Ray, as "
+         "deployed) or local (in this process, sites one after another: no start-up cost)",
+         "command", choices=RUNTIMES, command="simulate"),
+    Knob("timeout", float, 3600.0, "seconds for the whole run (flower runtime)", "command", gt=0,
+         command="simulate"),
+    Knob("json", bool, False, "print a JSON summary on stdout (the progress lines stay on "
+         "stderr)", "command", command="experiment"),
+)  # fmt: skip
+
+#: Knob tables by where their values come from: Flower's configs, or one command's options.
+TABLES: dict[str, dict[str, Knob]] = {
+    "run-config": {k.key: k for k in SCHEMA if k.group in RUN_GROUPS},
+    "node-config": {k.key: k for k in SCHEMA if k.group == "node"},
+    **{
+        command: {k.key: k for k in SCHEMA if k.command == command}
+        for command in dict.fromkeys(k.command for k in SCHEMA if k.command)
+    },
+}
+
+
+def parse(
+    raw: Mapping[str, object], table: str = "run-config", names: Mapping[str, str] | None = None
+) -> dict[str, Value]:
+    """Typed values of every knob of ``table``: those in ``raw`` checked, the rest defaults.
+
+    ``names`` says what the user typed for a key (a flag such as ``--tasks``), for the message.
+    """
+    knobs = TABLES[table]
+    unknown = [key for key in raw if key not in knobs]
+    if unknown:
+        raise ConfigError(f"unknown {table} key {unknown[0]!r} (known: {', '.join(knobs)})")
+    names = names or {}
+    return {
+        key: knob.parse(raw[key], names.get(key)) if key in raw else knob.default
+        for key, knob in knobs.items()
+    }
+
+
+def writable_dir(path: str | os.PathLike[str], name: str) -> Path:
+    """Create ``path`` if needed and prove it takes files, so a run never fails at its end."""
+    path = Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{name} {path}: cannot write there ({err.strerror})") from None
+    return path
+
+
+def optional(text: Value) -> str | None:
+    """An optional string knob: "" means not set."""
+    return str(text) or None
+
+
+def run_dir(values: Values, run_id: int) -> Path:
+    """The folder of a run: ``<results-dir>/<run-name>``, where an empty run name becomes
+    ``fed-<run id>`` — the server and the simulated sites derive the same folder."""
+    return Path(values["results-dir"]) / (values["run-name"] or f"fed-{run_id}")
+
+
+@dataclass(frozen=True)
+class ProtocolOptions:
+    """How the server drives the phases, and where a run keeps its federation."""
+
+    stage1_rounds: int = 1
+    stage2_rounds: int = 1
+    timeout_s: float = 600.0
+    wire_dtype: str = "float32"
+    results_dir: str = "results"
+    run_name: str | None = None
+    federation_dir: str | None = None  # None: the run's folder (a simulation's own federation)
+    max_steps: int = 0  # 0: until no site brings a new class
+    min_sites: int = 1
+    wait_s: float = 120.0  # for min_sites to connect
+    fraction_train: float = 1.0  # share of sites per training/statistics round
+    min_train_sites: int = 1
+    server_test_dir: str | None = None  # an optional test set on the server
+
+    @classmethod
+    def from_config(cls, values: Values) -> ProtocolOptions:
+        return cls(
+            stage1_rounds=values["stage1-rounds"],
+            stage2_rounds=values["stage2-rounds"],
+            timeout_s=values["timeout-s"],
+            wire_dtype=values["wire-dtype"],
+            results_dir=values["results-dir"],
+            run_name=optional(values["run-name"]),
+            federation_dir=optional(values["federation-dir"]),
+            max_steps=values["max-steps"],
+            min_sites=values["min-sites"],
+            wait_s=values["wait-s"],
+            fraction_train=values["fraction-train"],
+            min_train_sites=values["min-train-sites"],
+            server_test_dir=optional(values["server-test-dir"]),
+        )
+
+
+@dataclass(frozen=True)
+class BackboneOptions:
+    """Which frozen backbone pair every participant loads (their fingerprints must match)."""
+
+    preset: str = "tiny"
+    config_path: str | None = None
+    clip_weights: str | None = None
+    vit_weights: str | None = None
+
+    @classmethod
+    def from_config(cls, values: Values) -> BackboneOptions:
+        return cls(
+            preset=values["preset"],
+            config_path=optional(values["backbone-config"]),
+            clip_weights=optional(values["clip-weights"]),
+            vit_weights=optional(values["vit-weights"]),
+        )
+
+    def load(self, device: str = "cpu") -> Backbones:
+        """The pair, built once per process and device (``starfed.shared.device`` names)."""
+        return _load_backbones(self, device)
+
+
+@cache
+def _load_backbones(options: BackboneOptions, device: str) -> Backbones:
+    """One backbone pair per process: simulation actors and a long-lived client reuse it."""
+    from starfed.shared import device as devices  # torch: only when building
+    from starfed.shared.model.backbones import create_backbones
+
+    backbones = create_backbones(
+        options.preset,
+        config_path=options.config_path,
+        clip_weights=options.clip_weights,
+        vit_weights=options.vit_weights,
+    )
+    return backbones.place(devices.resolve(device))

@@ -1,0 +1,145 @@
+"""The device's side of the codebook-distribution service: a local copy kept current.
+
+``fetch`` asks the service (``server.distribution``) what changed since the version the cached
+copy holds, rebuilds the current codebook (``Codebook.apply`` for a delta), validates it like
+every codebook that arrives (``wire``), and replaces the cache file atomically. A device that
+cannot reach the service keeps predicting with the copy it has (``offline``, with the reason). A
+delta that does not fit the held copy (a damaged cache) is answered by fetching the whole
+codebook once. What crosses the network: the held version and federation id up; the finished
+classes' broadcast fields down, only those that changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from starfed.proto import distribution_pb2 as pb
+from starfed.proto import distribution_pb2_grpc as pb_grpc
+from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
+from starfed.shared.codebook.wire import DEFAULT_MAX_BYTES, broadcast_from_proto
+from starfed.shared.processes import is_loopback, parse_address
+
+CACHE_FILE = "codebook.bin"
+TIMEOUT_S = 30.0
+_REPLY_OVERHEAD = 64  # bytes of the reply around its codebook (tags, lengths, version)
+
+
+#: gRPC's words for a failed TLS handshake -> what to tell the user (like `site start`'s).
+_TLS_FAILURES = (
+    ("CERTIFICATE_VERIFY_FAILED", "TLS: the service's certificate is not signed by {ca}"),
+    (
+        "Hostname Verification Check failed",
+        "TLS: {host} is not a name in the service's certificate",
+    ),
+)
+
+
+class DistributionError(RuntimeError):
+    """No codebook could be had; one line for the user."""
+
+
+class SourceError(ValueError):
+    """A bad address, CA file or plain-text request: bad input, one line."""
+
+
+@dataclass
+class Fetched:
+    codebook: Codebook
+    status: str  # full | delta | unchanged | offline (the cached copy, not updated)
+    reply_bytes: int = 0
+    reason: str = ""  # offline: why the service could not be used
+
+
+def open_channel(address: str, ca: Path | None, insecure: bool, max_bytes: int) -> grpc.Channel:
+    """A TLS channel that trusts ``ca`` (the federation's CA), or plain text to loopback."""
+    try:
+        host, _ = parse_address(address)
+    except ValueError as err:
+        raise SourceError(f"--from: {err}") from None
+    options = [("grpc.max_receive_message_length", max_bytes + _REPLY_OVERHEAD)]
+    if insecure:
+        if not is_loopback(host):
+            raise SourceError(f"--insecure: only to a loopback address, not {host}")
+        return grpc.insecure_channel(address, options=options)
+    if ca is None or not ca.is_file():
+        raise SourceError(f"--ca: no CA certificate at {ca} (the federation's ca.pem)")
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def held_codebook(cache_dir: Path) -> Codebook | None:
+    """The cached copy, or None (none yet, or unusable: it is then replaced)."""
+    try:
+        return Codebook.load(cache_dir / CACHE_FILE)
+    except (OSError, CodebookError):
+        return None
+
+
+def _ask(stub: pb_grpc.CodebookDistributionStub, held: Codebook | None, timeout: float):
+    request = pb.FetchRequest(
+        held_version=held.version if held else 0,
+        federation=held.metadata.get("federation", "") if held else "",
+    )
+    return stub.Fetch(request, timeout=timeout)
+
+
+def _rebuild(reply: pb.FetchReply, held: Codebook | None) -> tuple[Codebook, str]:
+    """The codebook a reply leads to from ``held``; CodebookError if it does not fit."""
+    if reply.WhichOneof("answer") == "unchanged":
+        if held is None or held.version != reply.version:
+            raise CodebookError("the service says unchanged about a version not held here")
+        return held, "unchanged"
+    received = broadcast_from_proto(reply.codebook)
+    if isinstance(received, Delta):
+        if held is None:
+            raise CodebookError("a delta for a device that holds nothing")
+        received, status = held.apply(received), "delta"
+    else:
+        status = "full"
+    if received.version != reply.version:
+        raise CodebookError(f"reply for version {reply.version} holds {received.version}")
+    return received, status
+
+
+def _reason(address: str, ca: Path | None, err: grpc.RpcError) -> str:
+    details = err.details() or ""
+    for needle, reason in _TLS_FAILURES:
+        if needle in details:
+            return f"{address}: " + reason.format(ca=ca, host=parse_address(address)[0])
+    return f"{address}: {err.code().name}: {details}"
+
+
+def fetch(
+    address: str,
+    cache_dir: str | Path,
+    *,
+    ca: Path | None = None,
+    insecure: bool = False,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    timeout: float = TIMEOUT_S,
+) -> Fetched:
+    """Bring the cached copy in ``cache_dir`` up to the service's current codebook."""
+    cache_dir = Path(cache_dir).expanduser()
+    held = held_codebook(cache_dir)
+    with open_channel(address, ca, insecure, max_bytes) as channel:
+        stub = pb_grpc.CodebookDistributionStub(channel)
+        try:
+            reply = _ask(stub, held, timeout)
+            try:
+                codebook, status = _rebuild(reply, held)
+            except CodebookError:  # the held copy does not fit: start over, once
+                held = None
+                reply = _ask(stub, None, timeout)
+                codebook, status = _rebuild(reply, None)
+        except grpc.RpcError as err:
+            reason = _reason(address, ca, err)
+            if held is None:
+                raise DistributionError(reason) from None
+            return Fetched(held, "offline", reason=reason)
+    if status != "unchanged":
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        codebook.save(cache_dir / CACHE_FILE)
+    return Fetched(codebook, status, reply.ByteSize())

@@ -1,0 +1,242 @@
+"""Processes that starfed starts and must end exactly: Flower's binaries, our gateway.
+
+Flower processes start more processes (the SuperLink its SuperExec, the SuperExec one
+``flwr-serverapp``/``flwr-clientapp`` per task), some of them in new sessions, so ending "what we
+started" means walking the process tree, and ending it days later from another command (``starfed
+server stop``) means recognising a PID again. A PID alone may have been reused; a PID with its
+start time (clock ticks since boot, ``/proc/PID/stat`` field 22) and the boot id names one
+process. Nothing here kills by name.
+
+Linux only: processes are read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Flower/Ray settings every Flower process starfed starts gets: no telemetry, no update
+#: checks, no ``uv sync`` of an app's dependencies at run time.
+FLOWER_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+class ProcessError(RuntimeError):
+    """A process could not be started or found; the message is one line for the user."""
+
+
+def boot_id() -> str:
+    """This boot's id: start times count from boot, so they only compare within one boot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time) of ``pid``, or None when it does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # the command name may hold spaces and ')'
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """One process, robust to PID reuse: its PID and its start time in ticks since boot."""
+
+    pid: int
+    started: int
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId | None:
+        stat = _stat(pid)
+        return None if stat is None else cls(pid, stat[2])
+
+    def alive(self) -> bool:
+        """The same process still runs (a zombie counts as gone: it only waits to be reaped)."""
+        stat = _stat(self.pid)
+        return stat is not None and stat[0] != "Z" and stat[2] == self.started
+
+    def to_json(self) -> dict[str, int]:
+        return {"pid": self.pid, "started": self.started}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> ProcessId:
+        return cls(int(data["pid"]), int(data["started"]))  # type: ignore[arg-type]
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time) of every live process; zombies are left out."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) and stat[0] != "Z":
+            table[int(entry.name)] = (stat[1], stat[2])
+    return table
+
+
+def descendants(roots: Iterable[ProcessId]) -> set[ProcessId]:
+    """The live ``roots`` and every live process below them."""
+    table = process_table()
+    found = {r for r in roots if r.pid in table and table[r.pid][1] == r.started}
+    frontier = [r.pid for r in found]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, started) in table.items():
+            if ppid == parent and (child := ProcessId(pid, started)) not in found:
+                found.add(child)
+                frontier.append(pid)
+    return found
+
+
+def alive(processes: Iterable[ProcessId]) -> set[ProcessId]:
+    return {p for p in processes if p.alive()}
+
+
+def wait_gone(processes: Iterable[ProcessId], timeout: float) -> set[ProcessId]:
+    """Wait up to ``timeout`` seconds for ``processes`` to end; returns those still alive."""
+    processes = set(processes)
+    deadline = time.monotonic() + timeout
+    while (left := alive(processes)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def send_signal(processes: Iterable[ProcessId], sig: signal.Signals) -> None:
+    """Signal each process that is still the one recorded (never a reused PID)."""
+    for p in processes:
+        if p.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p.pid, sig)
+
+
+def terminate(processes: Iterable[ProcessId], grace: float = 10.0) -> set[ProcessId]:
+    """SIGTERM, wait ``grace`` seconds, SIGKILL what is left; returns what survived even that.
+
+    Processes started meanwhile by the ones being stopped are collected and stopped too.
+    """
+    processes = descendants(processes)
+    send_signal(processes, signal.SIGTERM)
+    left = wait_gone(processes, grace)
+    processes |= descendants(left)
+    left = alive(processes)
+    if left:
+        send_signal(left, signal.SIGKILL)
+        left = wait_gone(left, 5.0)
+    return left
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the kernel's choice, so parallel callers differ)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def flower_env(flwr_home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus a Flower home and :data:`FLOWER_ENV`.
+
+    The interpreter's folder goes first on PATH: Flower starts ``flower-superexec``,
+    ``flwr-serverapp`` and ``flwr-clientapp`` by name, and ``starfed`` may run without an
+    activated virtual environment.
+    """
+    env = dict(os.environ)
+    env.update(FLOWER_ENV)
+    env["FLWR_HOME"] = str(flwr_home)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(extra or {})
+    return env
+
+
+def flower_executable(name: str) -> str:
+    """The Flower binary next to this interpreter (the same installation), else on PATH."""
+    local = Path(sys.executable).parent / name
+    found = str(local) if local.is_file() else shutil.which(name)
+    if not found:
+        raise ProcessError(f"`{name}` not found: install flwr (one of starfed's dependencies)")
+    return found
+
+
+def spawn(
+    command: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path,
+    output: Path | None = None,
+) -> subprocess.Popen:
+    """Start ``command`` in a new session (a Ctrl-C in our terminal does not reach it: we stop
+    it ourselves, in order), stdin closed, stdout and stderr appended to ``output`` (or piped
+    to us when ``output`` is None)."""
+    if output is None:
+        return subprocess.Popen(
+            list(command),
+            cwd=cwd,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("ab") as sink:
+        return subprocess.Popen(
+            list(command),
+            cwd=cwd,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPv6]:PORT`` -> (host, port); ValueError with one line otherwise."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if ":" in host and not text.startswith("["):
+        raise ValueError(f"write IPv6 addresses in brackets, e.g. [::1]:9092, got {text!r}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,64 @@
+"""The federated protocol as one table: the phases of an aggregation step, in order.
+
+A step is the server sending each phase of ``PHASES`` to the sites in turn (the two training
+phases ``stage1-rounds`` and ``stage2-rounds`` times). For every phase the table says which
+Flower message type carries it, whether it carries the codebook, what a site returns and which
+random streams the work draws from. The phase's site handler (``starfed.client.site.HANDLERS``)
+and server reducer (``starfed.server.coordinator.REDUCERS``) are keyed by the same ``Phase``;
+docs/design.md#the-protocol shows the table with both.
+
+Random streams are named so that a single site (``starfed train-local``) and a federation draw
+the same numbers for the same work (``starfed.shared.model.training.phase_generator``); the names
+are part of what makes results reproducible, so they never change.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from starfed.proto import codebook_pb2 as pb
+
+
+class Phase(enum.IntEnum):
+    """A phase of an aggregation step; the values are the protobuf ``Phase`` numbers."""
+
+    SYNC = pb.PHASE_SYNC
+    STAGE1 = pb.PHASE_STAGE1
+    STAGE1_STATS = pb.PHASE_STAGE1_STATS
+    STAGE2 = pb.PHASE_STAGE2
+    STAGE2_STATS = pb.PHASE_STAGE2_STATS
+    EVALUATE = pb.PHASE_EVALUATE
+
+    @property
+    def key(self) -> str:
+        """The phase's one spelling in logs, metrics and checkpoints (``stage1_stats``)."""
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """One row of the protocol table."""
+
+    phase: Phase
+    message_type: str  # Flower message type ("<train|query|evaluate>[.<action>]")
+    sends_codebook: bool  # the message carries the codebook (without mixtures)
+    returns: str  # what a site returns
+    site_stream: str | None  # random stream of the site's work
+    server_stream: str | None  # random stream of the server's reducer
+
+
+UPDATE = "an update: its classes with the fields the phase trains (codebook schema)"
+
+PHASES: tuple[PhaseSpec, ...] = (
+    PhaseSpec(Phase.SYNC, "query.sync", False,
+              "an update: the classes of its current task, counts and class order", None, None),
+    PhaseSpec(Phase.STAGE1, "train.stage1", True, UPDATE, "stage1", None),
+    PhaseSpec(Phase.STAGE1_STATS, "query.stage1_stats", True, UPDATE, None, "replay1"),
+    PhaseSpec(Phase.STAGE2, "train.stage2", True, UPDATE, "stage2", None),
+    PhaseSpec(Phase.STAGE2_STATS, "query.stage2_stats", True, UPDATE, "stage2_stats", "replay2"),
+    PhaseSpec(Phase.EVALUATE, "evaluate", True, "metrics: accuracy on its own test images",
+              None, None),
+)  # fmt: skip
+
+SPECS: dict[Phase, PhaseSpec] = {spec.phase: spec for spec in PHASES}

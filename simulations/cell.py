@@ -1,0 +1,151 @@
+"""One cell of an experiment: its definition file, whether it is done, and its run.
+
+A cell runs in a process of its own (``python -m starfed.simulations.cell CELL_DIR``), as each
+Flower run does: its memory is returned when it ends (the ClientApp keeps its sites per
+process), a crash ends that cell only, and Ctrl-C stops it by PID. Its folder holds
+``cell.json`` (what it is: method, seed, the scenario's run config; its wall and CPU time),
+``log.txt`` (everything it printed) and what its method writes, ``metrics.json`` first.
+
+A cell is **complete** when ``metrics.json`` holds a final average accuracy, its status is not
+``failed`` and ``cell.json`` defines the same cell; anything else runs again from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from starfed.shared.files import write_atomic
+from starfed.simulations.grid import Cell
+from starfed.simulations.simulate import flower_env
+
+CELL_FILE = "cell.json"
+METRICS_FILE = "metrics.json"
+LOG_FILE = "log.txt"
+STOP_GRACE_S = 20.0
+
+
+@dataclass
+class Outcome:
+    """What became of one cell in this invocation."""
+
+    status: str  # done | skipped | failed
+    seconds: float | None  # the cell's run time (for a skipped cell: when it ran)
+    metrics: dict | None
+    error: str = ""
+    cpu_seconds: float | None = None  # CPU time of its process
+
+
+def definition(cell: Cell) -> dict:
+    """What makes a cell this cell; a folder whose ``cell.json`` differs is run again."""
+    return {
+        "scenario": cell.scenario.name,
+        "method": cell.method,
+        "seed": cell.seed,
+        "run_config": cell.scenario.run_config,
+    }
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def complete(folder: Path, cell: Cell) -> Outcome | None:
+    """The finished cell in ``folder``, or None when it must run (again)."""
+    record = read_json(folder / CELL_FILE)
+    metrics = read_json(folder / METRICS_FILE)
+    if record is None or metrics is None or record.get("definition") != definition(cell):
+        return None
+    faa = metrics.get("final_average_accuracy")
+    if not isinstance(faa, int | float) or math.isnan(faa) or metrics.get("status") == "failed":
+        return None
+    return Outcome("skipped", record.get("seconds"), metrics, cpu_seconds=record.get("cpu_seconds"))
+
+
+def run(folder: Path, cell: Cell) -> Outcome:
+    """Run the cell in a child process, from an empty folder; wait for it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    _write_record(folder, cell, None)
+    command = [sys.executable, "-m", "starfed.simulations.cell", str(folder)]
+    started, cpu = time.monotonic(), _cpu_seconds()
+    with (folder / LOG_FILE).open("wb") as log:
+        child = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=flower_env(folder / ".flwr"),
+        )
+        try:
+            code = child.wait()
+        except BaseException:  # Ctrl-C, SIGTERM: stop the child by its PID, then give up
+            child.terminate()
+            try:
+                child.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            raise
+    seconds, cpu = time.monotonic() - started, _cpu_seconds() - cpu
+    _write_record(folder, cell, seconds, cpu)
+    finished = complete(folder, cell)
+    if code == 0 and finished is not None:
+        return Outcome("done", seconds, finished.metrics, cpu_seconds=cpu)
+    error = _last_line(folder / LOG_FILE) or f"exit code {code}"
+    return Outcome("failed", seconds, None, error, cpu)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process's finished children: on a shared machine a cell's CPU time
+    says more about its cost than its wall time."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _write_record(
+    folder: Path, cell: Cell, seconds: float | None, cpu_seconds: float | None = None
+) -> None:
+    record = {
+        "cell": cell.name,
+        "definition": definition(cell),
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+    }
+    write_atomic(folder / CELL_FILE, json.dumps(record, indent=2).encode())
+
+
+def _last_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    return next((line for line in reversed(lines) if line), "")
+
+
+def main(argv: list[str]) -> int:
+    """The child: run the cell that ``CELL_DIR/cell.json`` defines."""
+    from rich.console import Console
+
+    from starfed.shared.config import parse
+    from starfed.simulations.methods import METHODS
+
+    folder = Path(argv[0])
+    spec = json.loads((folder / CELL_FILE).read_text())["definition"]
+    values = parse({**spec["run_config"], "seed": spec["seed"]})
+    method = METHODS[spec["method"]].load()
+    console = Console(file=sys.stdout, width=110, log_path=False)
+    method(values, spec["seed"], folder, console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

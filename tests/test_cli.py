@@ -1,0 +1,208 @@
+"""The command line: flags generated from the schema, and every bad input reported as one line
+with exit code 2 before any model, data or Flower process is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import starfed.shared.model.backbones
+import starfed.simulations.train_local
+from starfed.cli import build_parser, main
+from starfed.cli import experiment as experiment_cli
+from starfed.cli import simulate as simulate_cli
+from starfed.cli import train_local as train_local_cli
+from starfed.shared.config import TABLES, show
+
+FLAG_NAMES = {
+    "train-local": "--data-root --tasks --classes-per-task --seed --cache-dir --preset "
+    "--backbone-config --clip-weights --vit-weights --download --vit-tag --epochs --batch-size "
+    "--replay-epochs --no-generative-replay --unimodal --no-confidence-modulation "
+    "--classify-with-keys --results-dir --run-name --threads",
+    "simulate": "--clients --tasks --classes-per-task --alpha --seed --arrival-offset "
+    "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --runtime "
+    "--timeout",
+    "experiment": "--results-dir --json",
+}
+FLAGS = {
+    "train-local": train_local_cli.FLAGS,
+    "simulate": simulate_cli.FLAGS,
+    "experiment": experiment_cli.FLAGS,
+}
+FAST_S = 2.0
+
+
+def _options(command: str) -> dict[str, argparse.Action]:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: a for a in subparsers.choices[command]._actions for name in a.option_strings}
+
+
+@pytest.mark.parametrize("command", list(FLAG_NAMES))
+def test_flag_names_are_kept_and_help_shows_the_real_defaults(command: str) -> None:
+    options = _options(command)
+    assert set(FLAG_NAMES[command].split()) <= set(options)
+    knobs = {**TABLES["run-config"], **TABLES[command]}
+    for flag in FLAGS[command]:
+        default = knobs[flag.keys[0]].default
+        assert options[flag.name].help.endswith(f"(default: {show(default)})"), flag.name
+
+
+def test_help_text(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["train-local", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--epochs EPOCHS local epochs of stages 1 and 2 (default: 5)" in text
+    assert "--batch-size BATCH_SIZE training batch size (default: 128)" in text
+    assert "--no-generative-replay ablation (paper, Tab. 3): generative-replay=false" in text
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--clients CLIENTS sites (in simulation: SuperNodes) (default: 5)" in text
+    assert "--alpha ALPHA Dirichlet concentration" in text and "(default: 0.5)" in text
+
+
+@pytest.fixture
+def nothing_heavy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails the test if a command gets past its checks to the run, backbones or Flower."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("loaded despite bad input")
+
+    monkeypatch.setattr(starfed.simulations.train_local, "run_local", refuse)
+    monkeypatch.setattr(starfed.simulations.train_local, "create_backbones", refuse)
+    monkeypatch.setattr(starfed.shared.model.backbones, "create_backbones", refuse)
+    monkeypatch.setattr(simulate_cli, "simulate", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def _fails_at_once(argv: list[str], capsys) -> str:
+    """Run the CLI; check exit code 2, a single stderr line and speed; return that line."""
+    started = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - started < FAST_S
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith("\n") and err.count("\n") == 1, err
+    return err.strip()
+
+
+@pytest.fixture
+def bad_files(tmp_path: Path) -> Path:
+    (tmp_path / "garbage.json").write_text("not json at all")
+    (tmp_path / "keys.json").write_text('{"name": "x", "colour": "red"}')
+    (tmp_path / "file").write_text("")
+    return tmp_path
+
+
+UNWRITABLE = (
+    ["--results-dir", "{tmp}/file/results"],
+    "--results-dir {tmp}/file/results: cannot write there (Not a directory)",
+)
+BAD_INPUT = {
+    "train-local": [
+        (["--batch-size", "0"], "--batch-size 0: expected an integer >= 1"),
+        (["--seed", "-1"], "--seed -1: expected an integer in [0, 4294967295]"),
+        (["--tasks", "0"], "--tasks 0: expected an integer >= 1"),
+        (["--epochs", "-1"], "--epochs -1: expected an integer >= 0"),
+        (["--threads", "0"], "--threads 0: expected an integer >= 1"),
+        (["--preset", "huge"], "--preset huge: expected one of tiny, paper"),
+        (
+            ["--backbone-config", "{tmp}/garbage.json"],
+            "--backbone-config {tmp}/garbage.json: not a JSON file (Expecting value: line 1 "
+            "column 1 (char 0))",
+        ),
+        (
+            ["--backbone-config", "{tmp}/keys.json"],
+            "--backbone-config {tmp}/keys.json: unknown backbone config keys: ['colour']",
+        ),
+        (
+            ["--backbone-config", "{tmp}/missing.json"],
+            "--backbone-config {tmp}/missing.json: no such file",
+        ),
+        UNWRITABLE,
+    ],
+    "simulate": [
+        (["--run-config", "num-tasks=abc"], "num-tasks=abc: expected an integer >= 1"),
+        (["--run-config", "alpha=-1"], "alpha=-1: expected a number > 0"),
+        (["--run-config", "seed=1.5"], "seed=1.5: expected an integer in [0, 4294967295]"),
+        (["--run-config", "wire-dtype=int8"], "wire-dtype=int8: expected one of float32, float16"),
+        (["--run-config", "num-tasks=0"], "num-tasks=0: expected an integer >= 1"),
+        (["--run-config", "batch-size=0"], "batch-size=0: expected an integer >= 1"),
+        (["--run-config", "min-sites=0"], "min-sites=0: expected an integer >= 1"),
+        (["--run-config", "seed"], "--run-config seed: expected KEY=VALUE"),
+        (["--clients", "0"], "--clients 0: expected an integer >= 1"),
+        (["--alpha", "0"], "--alpha 0: expected a number > 0"),
+        (["--timeout", "-5"], "--timeout -5: expected a number > 0"),
+        (["--runtime", "ray"], "--runtime ray: expected one of flower, local"),
+        UNWRITABLE,
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "message"),
+    [(command, *case) for command, cases in BAD_INPUT.items() for case in cases],
+)
+def test_bad_input(command, argv, message, bad_files, nothing_heavy, capsys) -> None:
+    line = _fails_at_once([command, *(arg.format(tmp=bad_files) for arg in argv)], capsys)
+    assert line == f"starfed {command}: error: {message.format(tmp=bad_files)}"
+
+
+def test_usage_errors_are_one_line_too(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["train-local", "--tasks"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "starfed train-local: error: argument --tasks: expected one argument (see --help)\n"
+    )
+
+
+def test_simulate_unknown_key(nothing_heavy, capsys) -> None:
+    line = _fails_at_once(["simulate", "--run-config", "learning-rate=0.1"], capsys)
+    assert line.startswith(
+        "starfed simulate: error: unknown run-config key 'learning-rate' (known: data-root, "
+    )
+
+
+def test_a_fresh_process_reports_bad_input_without_loading_torch_or_flower(bad_files) -> None:
+    """What a user sees: the answer comes before torch, Flower or Ray are even imported."""
+    code = (
+        "import sys; from starfed.cli import main; rc = main(sys.argv[1:]); "
+        "print(rc, *sorted(m for m in ('torch', 'flwr', 'ray') if m in sys.modules))"
+    )
+    for argv in (
+        ["simulate", "--run-config", "alpha=-1"],
+        ["train-local", "--batch-size", "0"],
+        ["train-local", "--backbone-config", str(bad_files / "keys.json")],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120
+        )
+        assert result.stdout.split() == ["2"], (argv, result.stdout, result.stderr)
+        assert result.stderr.count("\n") == 1 and "error:" in result.stderr, result.stderr
+
+
+def test_a_class_without_readable_training_images_is_one_line(tmp_path: Path, capsys) -> None:
+    rng = np.random.default_rng(0)
+    for name in ("good", "bad"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for i in range(3):
+            path = tmp_path / "data" / name / f"{i}.jpg"
+            if name == "bad":
+                path.write_bytes(b"garbage bytes, not a jpeg")
+            else:
+                Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(path)
+    argv = ["train-local", "--data-root", str(tmp_path / "data"), "--tasks", "1"]
+    assert main([*argv, "--results-dir", str(tmp_path / "results")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (
+        f"starfed train-local: error: class folder {tmp_path / 'data' / 'bad'} has no readable "
+        "image (2 unreadable files)"
+    )

@@ -1,0 +1,169 @@
+"""Site-side logic without a SuperLink: inputs checked once, the node config Flower reads,
+the SuperNode command, the failure lines, and the process helpers behind ``site start``."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from starfed.client import supernode
+from starfed.shared import pki, processes
+from starfed.shared.config import parse
+from starfed.shared.processes import ProcessId
+
+# Lines Flower 1.41's SuperNode printed in the situations each failure names.
+WRONG_CA = (
+    "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer "
+    "certificate (_ssl.c:1006)"
+)
+WRONG_NAME = (
+    "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: Hostname mismatch, "
+    "certificate is not valid for 'other.example.org'. (_ssl.c:1006)"
+)
+NOT_REGISTERED = "[code: 2004] Failed to activate SuperNode."
+SELF_REGISTER = (
+    "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered via "
+    "the CLI."
+)
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> dict:
+    data = tmp_path / "my data"  # spaces on purpose
+    data.mkdir()
+    key = tmp_path / "site.key"
+    pki.write_site_key(key, "t")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    return {"data": data, "key": key, "ca": ca, "state": tmp_path / "st ate"}
+
+
+def _prepare(site: dict, data: Path | None = None, **overrides) -> supernode.SiteOptions:
+    kwargs = {"ca": site["ca"], "key": site["key"], "state": site["state"], **overrides}
+    return supernode.prepare("fed.example.org:9092", data or site["data"], **kwargs)
+
+
+def test_inputs_are_checked_before_anything_starts(site: dict, tmp_path: Path) -> None:
+    with pytest.raises(supernode.SiteError, match="must not join"):
+        supernode.prepare("h:1", tmp_path / "missing", ca=site["ca"], key=site["key"])
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        supernode.prepare("no-port", site["data"], ca=site["ca"], key=site["key"])
+    with pytest.raises(supernode.SiteError, match="--ca and --key"):
+        supernode.prepare("h:1", site["data"], ca=None, key=site["key"])
+    with pytest.raises(supernode.SiteError, match="inside --data"):
+        _prepare(site, state=site["data"] / "state")
+    with pytest.raises(supernode.SiteError, match="one word"):
+        _prepare(site, device="cuda 0")
+    site["key"].chmod(0o640)
+    with pytest.raises(pki.SiteKeyError, match="readable by others"):
+        _prepare(site)
+
+
+def test_node_config_file_survives_spaces_quotes_and_unicode(site: dict, tmp_path: Path) -> None:
+    from flwr.common.config import parse_config_args
+
+    weird = tmp_path / 'da"ta \\ é 🌱'
+    weird.mkdir()
+    options = _prepare(site, data=weird, name="hospital-a", device="cuda:1")
+    path = tmp_path / "node-config.toml"
+    supernode.write_node_config(path, options)
+    parsed = parse_config_args([str(path)])  # exactly what flower-supernode does
+    assert parsed == {
+        "data-dir": str(weird),
+        "state-dir": str(site["state"].resolve()),
+        "site-name": "hospital-a",
+        "device": "cuda:1",
+        "worker-socket": str(site["state"].resolve() / "worker.sock"),
+    }
+    # every key is one the ClientApp knows (shared/config.py)
+    assert parse(parsed, "node-config")["device"] == "cuda:1"
+
+
+def test_default_state_folder_and_name(
+    site: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    options = supernode.prepare("h:1", site["data"], ca=site["ca"], key=site["key"], name="a")
+    assert options.state == tmp_path / "xdg" / "starfed" / "sites" / "a"
+    options = supernode.prepare("h:1", site["data"], ca=site["ca"], key=site["key"])
+    assert options.name == "my-data"  # from the data folder's name "my data"
+    with pytest.raises(pki.SiteKeyError, match="bad site name"):
+        supernode.prepare("h:1", site["data"], ca=site["ca"], key=site["key"], name="a b")
+
+
+def test_supernode_command(site: dict) -> None:
+    options = _prepare(site, name="a")
+    command = supernode.supernode_command(options, Path("/s/node-config.toml"), 40123)
+    assert command[command.index("--superlink") + 1] == "fed.example.org:9092"
+    assert command[command.index("--node-config") + 1] == "/s/node-config.toml"
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--port") + 1] == "40123"
+    assert command[command.index("--root-certificates") + 1] == str(site["ca"])
+    assert command[command.index("--auth-supernode-private-key") + 1] == str(site["key"])
+    assert "--insecure" not in command
+    assert options.fingerprint == pki.read_private_key(site["key"]).fingerprint
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        (WRONG_CA, "not signed by"),
+        (WRONG_NAME, "is not a name in the server's certificate"),
+        (NOT_REGISTERED, "is not registered"),
+        (SELF_REGISTER, "did not authenticate"),
+    ],
+)
+def test_failure_lines_get_one_clear_sentence(site: dict, line: str, expected: str) -> None:
+    options = _prepare(site, name="a")
+    matches = [f.explain(options) for f in supernode.FAILURES if f.pattern.search(line)]
+    assert matches and expected in matches[0]
+    assert all(not f.pattern.search("INFO: SuperNode ID: 123") for f in supernode.FAILURES)
+
+
+def test_exit_code_is_zero_only_when_stopped_as_told() -> None:
+    assert supernode.SiteRun(returncode=0, stopped_by="SIGINT").exit_code == 0
+    assert supernode.SiteRun(returncode=0).exit_code == 1  # ended by itself
+    assert supernode.SiteRun(returncode=0, stopped_by="SIGTERM", failure="x").exit_code == 1
+    survivor = {ProcessId(1, 1)}
+    assert supernode.SiteRun(stopped_by="SIGTERM", survivors=survivor).exit_code == 1
+
+
+def test_terminate_ends_a_tree_and_never_a_reused_pid() -> None:
+    # a parent that ignores SIGTERM, with a child: both must go (SIGKILL after the grace)
+    script = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == b"ready\n"
+        root = ProcessId.of(parent.pid)
+        assert root is not None
+        tree = processes.descendants([root])
+        assert len(tree) == 2
+        stale = ProcessId(root.pid, root.started - 1)  # same PID, other start: not ours
+        assert not stale.alive()
+        processes.send_signal([stale], signal.SIGKILL)
+        assert root.alive()
+        started = time.monotonic()
+        assert processes.terminate([root], grace=0.5) == set()
+        assert time.monotonic() - started < 10
+        assert not any(p.alive() for p in tree)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_addresses() -> None:
+    assert processes.parse_address("fed.example.org:9092") == ("fed.example.org", 9092)
+    assert processes.parse_address("[::1]:9092") == ("::1", 9092)
+    assert processes.format_address("::1", 9092) == "[::1]:9092"
+    for bad in ("9092", "host:", "host:0", "host:70000", "::1:9092", ":9092"):
+        with pytest.raises(ValueError):
+            processes.parse_address(bad)

@@ -1,0 +1,329 @@
+"""`starfed experiment`: grids checked before anything runs, cells run and resumed, the table
+computed from the cells' metrics.json.
+
+The end-to-end test runs a two-cell grid on the smallest sizes (tiny backbones, 2 sites, 2 tasks
+x 2 classes, one epoch everywhere, one seed): federated and single-site, each cell in its own
+process; then runs it again, which skips both cells.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from starfed.cli import main
+from starfed.shared.metrics import final_average_accuracy
+from starfed.simulations import grid as grids
+from starfed.simulations import tabulate
+from starfed.simulations.methods import METHODS
+
+SMALL = """
+[defaults]
+num-tasks = 2
+classes-per-task = 2
+stage1-epochs = 1
+stage2-epochs = 1
+replay1-epochs = 1
+replay2-epochs = 1
+replay2-epochs-per-task = 0
+"""
+TWO_CELLS = f"""
+[experiment]
+name = "tiny"
+seeds = [1993]
+methods = ["starfed", "single-site"]
+{SMALL}
+[[scenario]]
+name = "two-sites"
+num-clients = 2
+"""
+FAST_S = 2.0
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["experiment", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+# --- grid files ---------------------------------------------------------------------------
+
+
+def test_shipped_grids_are_valid() -> None:
+    shipped = grids.shipped_grids()
+    assert set(shipped) == {"default", "sites", "alpha", "arrival"}
+    default = grids.load("default")
+    assert default.seeds == (1993, 1996, 1997)
+    assert default.methods == ("starfed", "single-site", "joint")
+    (scenario,) = default.scenarios
+    values = scenario.values
+    assert (values["num-clients"], values["alpha"], values["num-tasks"]) == (5, 0.5, 7)
+    assert values["data-root"] == ""  # the bundled mini set
+    sites = grids.load("sites")
+    assert [s.values["num-clients"] for s in sites.scenarios] == [1, 5, 10, 20, 50]
+    assert [s.values["alpha"] for s in grids.load("alpha").scenarios] == [0.5, 0.1, 0.05]
+    arrival = grids.load("arrival").scenarios
+    assert [s.values["arrival-offset"] for s in arrival] == [0, 1]
+    assert len(default.cells()) == 9 and len({c.name for c in default.cells()}) == 9
+
+
+def test_every_registered_method_loads() -> None:
+    for spec in METHODS.values():
+        assert callable(spec.load())
+
+
+BAD_GRIDS = {
+    "no experiment": ("[[scenario]]\nnum-clients = 2\n", "needs an [experiment] table"),
+    "not toml": ("[experiment\n", "Expected ']'"),
+    "unknown method": (
+        '[experiment]\nname = "x"\nmethods = ["fedprox"]\n[[scenario]]\n',
+        "[experiment] methods: unknown 'fedprox' (known: starfed, single-site, joint)",
+    ),
+    "unknown key": (
+        '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\nsites = 5\n',
+        "[[scenario]] 1: unknown run-config key 'sites' (known: data-root,",
+    ),
+    "bad value": (
+        '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\nalpha = -1\n',
+        "[[scenario]] 1: alpha=-1: expected a number > 0",
+    ),
+    "seed in a scenario": (
+        '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\nseed = 3\n',
+        "[[scenario]] 1: seed is set per cell, not per scenario",
+    ),
+    "bad seed": (
+        '[experiment]\nname = "x"\nseeds = [-1]\nmethods = ["starfed"]\n[[scenario]]\n',
+        "[experiment] seeds=-1: expected an integer in [0, 4294967295]",
+    ),
+    "bad name": (
+        '[experiment]\nname = "../x"\nmethods = ["starfed"]\n[[scenario]]\n',
+        "[experiment] name: expected a folder name",
+    ),
+    "no scenario": (
+        '[experiment]\nname = "x"\nmethods = ["starfed"]\n',
+        "needs at least one [[scenario]] table",
+    ),
+    "same name twice": (
+        '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\nname = "a"\n'
+        '[[scenario]]\nname = "a"\n',
+        "two scenarios are named 'a'",
+    ),
+    "unknown section": (
+        '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\n[grid]\n',
+        "unknown section 'grid'",
+    ),
+    "bad default": (
+        '[experiment]\nname = "x"\nmethods = ["starfed"]\n[defaults]\nnum-tasks = 0\n'
+        "[[scenario]]\n",
+        "[defaults]: num-tasks=0: expected an integer >= 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_GRIDS))
+def test_a_bad_grid_is_one_line_and_exit_2(case: str, tmp_path: Path) -> None:
+    text, message = BAD_GRIDS[case]
+    path = tmp_path / "grid.toml"
+    path.write_text(text)
+    started = time.perf_counter()
+    code, out, err = run_cli(str(path), f"--results-dir={tmp_path / 'results'}")
+    assert time.perf_counter() - started < FAST_S
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"starfed experiment: error: grid {path}: "), err
+    assert message in err, err
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
+
+
+def test_a_missing_grid_names_the_shipped_ones() -> None:
+    code, _, err = run_cli("no-such-grid")
+    assert code == 2
+    assert err == (
+        "starfed experiment: error: grid no-such-grid: no such file, nor a shipped grid "
+        "(alpha, arrival, default, sites)\n"
+    )
+
+
+def test_a_bad_grid_loads_neither_torch_nor_flower(tmp_path: Path) -> None:
+    path = tmp_path / "grid.toml"
+    path.write_text(BAD_GRIDS["unknown key"][0])
+    code = (
+        "import sys; from starfed.cli import main; rc = main(sys.argv[1:]); "
+        "print(rc, *sorted(m for m in ('torch', 'flwr', 'ray', 'matplotlib') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "experiment", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.stdout.split() == ["2"], result.stdout + result.stderr
+
+
+def test_scenario_names_are_derived_from_their_keys(tmp_path: Path) -> None:
+    path = tmp_path / "grid.toml"
+    path.write_text(
+        '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\n'
+        "num-clients = 3\nalpha = 0.1\n[[scenario]]\n"
+    )
+    experiment = grids.load(str(path))
+    assert [s.name for s in experiment.scenarios] == ["num-clients-3_alpha-0.1", "defaults"]
+    assert experiment.cells()[0].name == "num-clients-3_alpha-0.1__starfed__seed1993"
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+
+def _table_rows(table: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("|") and cells[0] in METHODS:
+            rows[cells[0]] = cells
+    return rows
+
+
+def _expected(metrics: dict) -> dict[str, str]:
+    exchanges = metrics.get("exchanges") or []
+    per_round = {
+        key: f"{sum(e[key] for e in exchanges) / len(exchanges) / 1000:.1f} kB"
+        if exchanges
+        else "—"
+        for key in ("bytes_up", "bytes_down")
+    }
+    return {
+        "faa": f"{metrics['final_average_accuracy']:.2f}",
+        "forgetting": f"{metrics['final_forgetting']:.2f}",
+        "selection": f"{final_average_accuracy(metrics['prompt_selection_accuracy_matrix']):.1f}",
+        **per_round,
+    }
+
+
+@pytest.fixture(scope="module")
+def two_cells(tmp_path_factory) -> tuple[Path, Path, tuple]:
+    out = tmp_path_factory.mktemp("experiment")
+    path = out / "tiny.toml"
+    path.write_text(TWO_CELLS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STARFED_CACHE_DIR", str(out / "cache"))
+        first = run_cli(str(path), f"--results-dir={out / 'results'}", "--json")
+    return out, path, first
+
+
+def test_two_cells_end_to_end(two_cells) -> None:
+    out, _, (code, printed, progress) = two_cells
+    assert code == 0, progress
+    summary = json.loads(printed)
+    folder = out / "results" / "tiny"
+    assert summary["results"] == str(folder) and summary["failed"] == 0
+    assert [c["status"] for c in summary["cells"]] == ["done", "done"]
+    assert all(c["cpu_seconds"] > 0 and c["seconds"] > 0 for c in summary["cells"])
+    lines = progress.strip().splitlines()
+    assert len(lines) == 2, progress
+    assert re.match(
+        r"\[1/2\] two-sites__starfed__seed1993: done \d+m\d\ds · FAA [\d.]+ · "
+        r"elapsed \d+m\d\ds · ETA \d+m\d\ds$",
+        lines[0],
+    ), lines[0]
+    assert lines[1].startswith("[2/2] two-sites__single-site__seed1993: done")
+
+    table = (folder / "table.md").read_text()
+    rows = _table_rows(table)
+    assert set(rows) == {"starfed", "single-site"}
+    for method, row in rows.items():
+        metrics = json.loads(
+            (folder / f"two-sites__{method}__seed1993" / "metrics.json").read_text()
+        )
+        want = _expected(metrics)
+        assert row[1].strip("*") == want["faa"], (method, row)
+        assert row[2] == want["forgetting"] and row[3] == want["selection"], (method, row)
+        assert (row[4], row[5]) == (want["bytes_up"], want["bytes_down"]), (method, row)
+        assert row[7] == "1/1"
+        assert math.isclose(
+            next(c for c in summary["cells"] if c["method"] == method)["final_average_accuracy"],
+            metrics["final_average_accuracy"],
+        )
+    assert rows["starfed"][4] != "—" and rows["single-site"][4] == "—"
+    best = max(rows.values(), key=lambda r: float(r[1].strip("*")))
+    assert best[1].startswith("**")
+    assert [Path(p).name for p in summary["plots"]] == ["accuracy_over_time__two-sites.png"]
+    assert all(Path(p).stat().st_size > 0 for p in summary["plots"])
+
+
+def test_running_again_skips_finished_cells(two_cells) -> None:
+    out, path, (code, _, _) = two_cells
+    assert code == 0
+    folder = out / "results" / "tiny"
+    logs = {p: p.stat().st_mtime_ns for p in folder.glob("*/log.txt")}
+    table = (folder / "table.md").read_text()
+    started = time.perf_counter()
+    again, printed, progress = run_cli(str(path), f"--results-dir={out / 'results'}")
+    assert again == 0
+    assert time.perf_counter() - started < 30  # no cell ran
+    assert progress.count("complete, skipped") == 2, progress
+    assert {p: p.stat().st_mtime_ns for p in folder.glob("*/log.txt")} == logs
+    assert (folder / "table.md").read_text() == table
+    assert printed.startswith(table)
+
+
+def test_a_failed_cell_is_exit_1_and_the_rest_still_runs(tmp_path: Path) -> None:
+    path = tmp_path / "grid.toml"
+    path.write_text(
+        '[experiment]\nname = "broken"\nseeds = [1993]\nmethods = ["joint"]\n'
+        f'[[scenario]]\nname = "no-data"\ndata-root = "{tmp_path / "missing"}"\n'
+    )
+    code, printed, progress = run_cli(str(path), f"--results-dir={tmp_path}", "--json")
+    assert code == 1, progress
+    summary = json.loads(printed)
+    (cell,) = summary["cells"]
+    assert cell["status"] == "failed" and cell["error"], cell
+    assert "FAILED" in progress and cell["error"] in progress
+    assert "| joint | — |" in (tmp_path / "broken" / "table.md").read_text()
+
+
+def test_table_and_plots_of_a_sweep_over_seeds(tmp_path: Path) -> None:
+    """Mean ± sample sd over seeds, the best FAA in bold, FAA against the swept key — from
+    metrics alone (no training)."""
+    path = tmp_path / "grid.toml"
+    path.write_text(
+        '[experiment]\nname = "sweep"\nseeds = [1, 2]\nmethods = ["starfed", "single-site"]\n'
+        "[[scenario]]\nnum-clients = 1\n[[scenario]]\nnum-clients = 5\n"
+    )
+    experiment = grids.load(str(path))
+    results = {}
+    for i, cell in enumerate(experiment.cells()):
+        faa = 10.0 + i
+        metrics = {
+            "accuracy_matrix": [[50.0], [faa, faa]],
+            "final_average_accuracy": faa,
+            "final_forgetting": 1.0,
+            "prompt_selection_accuracy_matrix": [[20.0], [30.0, 40.0]],
+            "exchanges": [{"bytes_up": 1000, "bytes_down": 3000}]
+            if cell.method == "starfed"
+            else [],
+        }
+        results[cell.name] = (metrics, 60.0)
+    rows = tabulate.rows(experiment, results)
+    table = tabulate.table(experiment, rows)
+    # cells run seed by seed: seed 1 gives FAA 10..13, seed 2 gives 14..17
+    assert (
+        "| starfed | 12.00 ± 2.83 | 1.00 ± 0.00 | 35.0 ± 0.0 | 1.0 kB | 3.0 kB | 60 s | 2/2 |"
+        in table
+    )
+    assert "| single-site | **15.00 ± 2.83** |" in table
+    plots = tabulate.plots(experiment, rows, tmp_path)
+    assert [p.name for p in plots] == [
+        "accuracy_over_time__num-clients-1.png",
+        "accuracy_over_time__num-clients-5.png",
+        "faa_vs_num-clients.png",
+    ]

@@ -1,0 +1,188 @@
+"""Submitting and following a run through ``flwr``, without a SuperLink: the generated app
+folder (checked by Flower's own bundler) and a fake ``flwr`` that answers like Flower 1.41 —
+``--format json`` errors with exit code 0, runs that go running -> finished, ``stop``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import tomllib
+import zipfile
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+
+from starfed.shared import flower_runs, processes
+from starfed.shared.flower_runs import FlowerCli, FlowerRunError, RunOutcome
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: A stand-in for ``flwr``: logs its arguments; its answers come from ``state.json`` next to it.
+FAKE_FLWR = """\
+import json, sys, time
+from pathlib import Path
+here = Path(__file__).parent
+state = json.loads((here / "state.json").read_text())
+with (here / "calls.jsonl").open("a") as log:
+    log.write(json.dumps(sys.argv[1:]) + "\\n")
+action = sys.argv[1]
+if action == "log":
+    print("ServerApp: step 1 ...", flush=True)
+    sys.exit(0)
+if action == "run" and state.get("refuse"):
+    print(json.dumps({"success": False, "error-message": "Using SuperLink: x\\n[code: 7] no"}))
+    sys.exit(0)
+if action == "run":
+    print("notice line first")
+    print(json.dumps({"success": True, "run-id": "42"}))
+elif action == "ls":
+    statuses = state["statuses"]
+    status = statuses.pop(0) if len(statuses) > 1 else statuses[0]
+    (here / "state.json").write_text(json.dumps(state))
+    print(json.dumps({"success": True, "runs": [{"run-id": "42", "status": status}]}))
+elif action == "stop":
+    state["statuses"] = ["finished:stopped"]
+    (here / "state.json").write_text(json.dumps(state))
+    print(json.dumps({"success": True}))
+"""
+
+
+@pytest.fixture
+def fake_flwr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "flwr.py").write_text(FAKE_FLWR)
+    (bin_dir / "state.json").write_text(json.dumps({"statuses": ["running"]}))
+    script = bin_dir / "flwr"
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} {bin_dir / "flwr.py"} "$@"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(processes, "flower_executable", lambda name: str(script))
+    monkeypatch.setattr(flower_runs, "POLL_S", 0.01)
+    return bin_dir
+
+
+def _cli(tmp_path: Path) -> FlowerCli:
+    flower_runs.write_connection(tmp_path / "home", "127.0.0.1:1")
+    return FlowerCli(tmp_path / "home")
+
+
+def _calls(bin_dir: Path) -> list[list[str]]:
+    return [json.loads(line) for line in (bin_dir / "calls.jsonl").read_text().splitlines()]
+
+
+def _statuses(bin_dir: Path, *statuses: str) -> None:
+    (bin_dir / "state.json").write_text(json.dumps({"statuses": list(statuses)}))
+
+
+# --- the app folder --------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # typer's use of click, on import
+def test_generated_app_is_the_repository_app_and_flower_bundles_it(tmp_path: Path) -> None:
+    from flwr.cli.build import build_fab_from_disk
+
+    app = flower_runs.write_app(tmp_path / "app")
+    generated = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    checkout = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    assert generated == checkout  # components, publisher, every run-config key and default
+    fab = zipfile.ZipFile(BytesIO(build_fab_from_disk(app)))
+    assert sorted(fab.namelist()) == [".info/CONTENT", "pyproject.toml"]  # no code: installed
+
+
+def test_connection_config_names_one_superlink(tmp_path: Path) -> None:
+    flower_runs.write_connection(tmp_path, "127.0.0.1:9", tmp_path / "ca.pem")
+    config = tomllib.loads((tmp_path / "config.toml").read_text())["superlink"]
+    assert config == {
+        "default": "starfed",
+        "starfed": {"address": "127.0.0.1:9", "root-certificates": str(tmp_path / "ca.pem")},
+    }
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_toml_values_round_trip_through_flower_parser() -> None:
+    from flwr.common.config import parse_config_args
+
+    values = {"a": True, "b": 3, "c": 0.5, "d": "/tmp/with space/x", "e": ""}
+    lines = [f"{k}={flower_runs.toml_value(v)}" for k, v in values.items()]
+    assert parse_config_args(lines) == values
+
+
+# --- following a run -------------------------------------------------------------------------
+
+
+def test_a_run_is_submitted_streamed_and_followed_to_its_end(fake_flwr, tmp_path, capfd) -> None:
+    _statuses(fake_flwr, "pending", "running", "finished:completed")
+    seen = []
+    outcome = flower_runs.run_to_end(
+        _cli(tmp_path),
+        tmp_path / "app",
+        {"federation-dir": "/x y", "max-steps": 2, "generative-replay": False},
+        on_submitted=seen.append,
+    )
+    assert outcome == RunOutcome(42, "finished:completed") and seen == [42]
+    calls = _calls(fake_flwr)
+    assert calls[0] == [
+        *("run", str(tmp_path / "app"), "starfed", "--run-config", 'federation-dir="/x y"'),
+        *("--run-config", "max-steps=2", "--run-config", "generative-replay=false"),
+        *("--format", "json"),
+    ]
+    assert ["log", "42", "starfed", "--stream"] in calls
+    polls = [call for call in calls if call[0] == "ls"]  # the log stream runs alongside
+    assert polls == [["ls", "starfed", "--run-id", "42", "--format", "json"]] * 3
+    assert "ServerApp: step 1" in capfd.readouterr().out
+
+
+def test_an_error_answer_with_exit_code_0_is_an_error(fake_flwr, tmp_path) -> None:
+    (fake_flwr / "state.json").write_text(json.dumps({"refuse": True, "statuses": ["running"]}))
+    with pytest.raises(FlowerRunError, match=r"^\[code: 7\] no$"):
+        _cli(tmp_path).submit(tmp_path, {})
+
+
+def test_no_flower_config_is_refused_before_flwr_starts_a_superlink(tmp_path) -> None:
+    with pytest.raises(FlowerRunError, match="no Flower config"):
+        FlowerCli(tmp_path / "nothing").status(1)
+
+
+def test_unfinished_runs(fake_flwr, tmp_path) -> None:
+    assert [r["run-id"] for r in _cli(tmp_path).unfinished_runs()] == ["42"]  # running
+    _statuses(fake_flwr, "finished:stopped")
+    assert _cli(tmp_path).unfinished_runs() == []
+
+
+def test_ctrl_c_stops_the_run_itself(fake_flwr, tmp_path) -> None:
+    polls = []
+
+    def interrupt() -> None:
+        polls.append(1)
+        if len(polls) == 2:
+            raise KeyboardInterrupt
+
+    outcome = flower_runs.run_to_end(_cli(tmp_path), tmp_path, {}, on_poll=interrupt)
+    assert outcome.interrupted and outcome.run_id == 42
+    assert ["stop", "42", "starfed", "--format", "json"] in _calls(fake_flwr)
+
+
+def test_a_timeout_stops_the_run(fake_flwr, tmp_path) -> None:
+    outcome = flower_runs.run_to_end(_cli(tmp_path), tmp_path, {}, timeout_s=0.05)
+    assert outcome.status == "timed out after 0s"
+    assert ["stop", "42", "starfed", "--format", "json"] in _calls(fake_flwr)
+
+
+# --- the result ------------------------------------------------------------------------------
+
+
+def test_exit_codes_come_from_flower_and_this_runs_metrics(tmp_path: Path) -> None:
+    before = time.time() - 1
+    (tmp_path / "metrics.json").write_text(json.dumps({"status": "degraded"}))
+    metrics = flower_runs.read_metrics(tmp_path, since=before)
+    assert flower_runs.read_metrics(tmp_path, since=time.time() + 5) is None  # an older run's
+    done = RunOutcome(1, "finished:completed")
+    assert flower_runs.exit_code(done, metrics) == 3
+    assert flower_runs.exit_code(done, {"status": "completed"}) == 0
+    failed_sync = {"status": "completed", "exchanges": [{"status": "error: ConfigError"}]}
+    assert flower_runs.exit_code(done, failed_sync) == 3  # no step ran, but a site failed
+    assert flower_runs.exit_code(done, None) == 1
+    assert flower_runs.exit_code(RunOutcome(1, "finished:failed"), {"status": "failed"}) == 1
+    assert flower_runs.exit_code(RunOutcome(1, "interrupted"), None) == 130

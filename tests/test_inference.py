@@ -1,0 +1,292 @@
+"""Export, predict and evaluate on a federation trained in process (docs/inference.md).
+
+One federation for the module: two sites with two classes each, one step, tiny backbones, and a
+server test set of every bundled test image of those four classes (``server-test-dir``). The
+comparison with the server is exact: the same images and the same codebook, predicted in one
+batch as the server's evaluation does, so even the float rounding is the same.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from starfed.cli import main
+from starfed.client import app as client_app
+from starfed.proto import codebook_pb2 as pb
+from starfed.server import distribution
+from starfed.server.app import run_server
+from starfed.server.certs import ensure_certificates
+from starfed.server.distribution import ServeOptions
+from starfed.server.export import card_path
+from starfed.server.federation import Federation, Position
+from starfed.server.layout import ServerFolder
+from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook.deployment import CLASS_STEPS_KEY
+from starfed.shared.codebook.wire import CODEBOOK_MAGIC, read_payload
+from starfed.shared.data.site_folder import class_key
+from starfed.shared.distribution import CACHE_FILE
+from starfed.shared.processes import free_port
+from starfed.simulations.local_grid import LocalGrid
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import random_entries
+from site_folders import BUNDLED, CLASSES, site_folder
+
+CONFIG = {
+    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1, "replay1-epochs": 1,
+    "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5,
+}  # fmt: skip
+TRAINED = CLASSES[0:4]
+ONE_BATCH = "256"  # >= the test images: one forward pass, like the server's evaluation
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory) -> dict:
+    """A federation folder after one step of two sites, and the server's record of it."""
+    tmp = tmp_path_factory.mktemp("inference")
+    test_dir = tmp / "server-test"
+    test_dir.mkdir()
+    for name in TRAINED:
+        (test_dir / name).symlink_to(BUNDLED / "test" / name)
+    nodes = {}
+    for node, (site, classes) in enumerate((("farm-a", TRAINED[:2]), ("farm-b", TRAINED[2:])), 1):
+        data = site_folder(tmp / site / "data", {"t1": classes})
+        nodes[node] = {"data-dir": str(data), "state-dir": str(tmp / site / "state"),
+                       "site-name": site, "cache-dir": str(tmp / "cache")}  # fmt: skip
+    config = {**CONFIG, "federation-dir": str(tmp / "federation"), "server-test-dir": str(test_dir)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        grid = LocalGrid(client_app.app, config, nodes, run_id=7001)
+        metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
+    finally:
+        client_app._SITES.clear()
+        torch.set_num_threads(threads)
+    assert metrics["status"] == "completed"
+    history = Federation.open(tmp / "federation").history()
+    return {"dir": tmp / "federation", "test": test_dir, "tmp": tmp, "record": history[-1]}
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def exported(federation) -> Path:
+    out = federation["tmp"] / "export" / "codebook.bin"
+    out.parent.mkdir()
+    argv = ["server", "export", "--federation", str(federation["dir"]), "--out", str(out)]
+    assert main(argv) == 0
+    return out
+
+
+def accuracy(rows: list[dict]) -> float:
+    """% of images whose predicted class is their folder's."""
+    hits = sum(class_key(Path(r["path"]).parent.name) == class_key(r["class"]) for r in rows)
+    return 100.0 * hits / len(rows)
+
+
+# --- export ---------------------------------------------------------------------------------
+
+
+def test_export_holds_what_devices_need_and_a_model_card(federation, exported, capsys):
+    codebook = Codebook.load(exported)
+    message = pb.Codebook.FromString(read_payload(exported, CODEBOOK_MAGIC))
+    assert sorted(codebook.names) == sorted(TRAINED) and codebook.frozen == set(TRAINED)
+    assert not any(e.HasField("clip_mixture") or e.HasField("vit_mixture") for e in message.entries)
+    assert not any(e.field_versions for e in message.entries)
+    assert codebook.version == federation["record"]["codebook_version"]
+    assert json.loads(codebook.metadata[CLASS_STEPS_KEY]) == dict.fromkeys(TRAINED, 0)
+    assert "position" not in codebook.metadata and "epoch" not in codebook.metadata
+
+    card = json.loads(card_path(exported).read_text())
+    metrics = json.loads((federation["dir"] / "metrics.json").read_text())
+    assert card["codebook"]["version"] == codebook.version
+    assert card["codebook"]["bytes"] == exported.stat().st_size
+    assert card["backbones"]["fingerprint"] == codebook.fingerprint
+    assert card["backbones"]["config"] == "tiny"
+    assert {c["name"]: (c["step"], sorted(c["sites"])) for c in card["classes"]} == {
+        **{n: (0, ["farm-a"]) for n in TRAINED[:2]}, **{n: (0, ["farm-b"]) for n in TRAINED[2:]}
+    }  # fmt: skip
+    assert card["metrics"]["final_average_accuracy"] == metrics["final_average_accuracy"]
+    assert card["metrics"]["accuracy_matrix"] == metrics["accuracy_matrix"]
+    assert card["left_out"] == [] and card["starfed_version"]
+
+    # A value of what the federation finished: the same bytes again; float16 is half the size.
+    again = exported.with_name("again.bin")
+    code, out, _ = run(["server", "export", "--federation", federation["dir"], "--out", again,
+                        "--float16", "--json"], capsys)  # fmt: skip
+    assert code == 0 and json.loads(out)["codebook"]["dtype"] == "float16"
+    half = Codebook.load(again)
+    assert again.stat().st_size < 0.6 * exported.stat().st_size
+    for name in codebook.names:
+        for field, value in codebook[name].values.items():
+            assert torch.allclose(half[name].values[field], value, rtol=2**-10, atol=1e-6)
+
+
+def test_a_step_in_progress_is_left_out_and_named(federation, exported, tmp_path, capsys):
+    folder = tmp_path / "federation"
+    shutil.copytree(federation["dir"], folder)
+    fed = Federation.open(folder)
+    codebook = fed.codebook()
+    half_trained = random_entries(codebook.dims, n_classes=2, prefix="new", mixtures=False)
+    fed.register([e.name for e in half_trained], 1, {"new_0": ["farm-a"], "new_1": ["farm-a"]})
+    fed.checkpoint(codebook.register(half_trained), Position(1, running=True, done=("stage1/0",)))
+    out = tmp_path / "cb.bin"
+    code, text, _ = run(["server", "export", "--federation", folder, "--out", out], capsys)
+    assert code == 0
+    assert "left out (step in progress, not finished): new_0, new_1" in text
+    assert out.read_bytes() == exported.read_bytes()  # exactly the finished classes
+    assert json.loads(card_path(out).read_text())["left_out"] == ["new_0", "new_1"]
+
+
+def test_export_refuses_what_is_not_a_federation(tmp_path, capsys):
+    code, out, err = run(["server", "export", "--federation", tmp_path], capsys)
+    assert code == 2 and out == ""
+    assert err == f"starfed server export: error: {tmp_path} is not a federation folder (no " \
+        "federation.json)\n"  # fmt: skip
+
+
+# --- predict and evaluate ---------------------------------------------------------------------
+
+
+def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tmp_path, capsys):
+    server = federation["record"]["server_eval"]
+    code, out, err = run(["predict", "--codebook", exported, "--batch-size", ONE_BATCH,
+                          federation["test"]], capsys)  # fmt: skip
+    assert (code, err) == (0, "")
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert len(rows) == 20 * len(TRAINED)
+    assert accuracy(rows) == server["accuracy"][0]
+    assert {r["task"] for r in rows} == {"0"} and {r["class"] for r in rows} <= set(TRAINED)
+    assert all(0 < float(r["probability"]) <= 1 for r in rows)
+
+    plot = tmp_path / "confusion.png"
+    code, out, _ = run(["evaluate", "--codebook", exported, "--data", federation["test"],
+                        "--plot", plot, "--json"], capsys)  # fmt: skip
+    result = json.loads(out)
+    assert code == 0 and result["images"] == len(rows)
+    assert result["accuracy"] == result["tasks"][0]["accuracy"] == server["accuracy"][0]
+    assert result["tasks"][0]["selection_accuracy"] == server["selection_accuracy"][0]
+    assert result["left_out"] == {} and result["unreadable"] == 0
+    confusion = torch.tensor(result["confusion_matrix"])
+    assert int(confusion.sum()) == len(rows)
+    assert int(confusion.trace()) == sum(c["correct"] for c in result["classes"])
+    by_class = {c["name"]: c for c in result["classes"]}
+    for name in TRAINED:  # per class: the same counts as the CSV's
+        mine = [r for r in rows if Path(r["path"]).parent.name == name]
+        assert by_class[name]["images"] == len(mine) == 20
+        assert by_class[name]["correct"] == sum(r["class"] == name for r in mine)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    code, out, _ = run(["evaluate", "--codebook", exported, "--data", federation["test"],
+                        "--plot", plot], capsys)  # fmt: skip
+    assert code == 0 and f"accuracy {server['accuracy'][0]:.2f}%" in out and str(plot) in out
+
+
+def test_evaluate_leaves_out_classes_the_codebook_lacks(federation, exported, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in (TRAINED[0], CLASSES[9]):
+        (data / name).symlink_to(BUNDLED / "test" / name)
+    code, out, _ = run(["evaluate", "--codebook", exported, "--data", data, "--plot",
+                        tmp_path / "c.png", "--json"], capsys)  # fmt: skip
+    result = json.loads(out)
+    assert code == 0 and result["images"] == 20
+    assert result["left_out"] == {class_key(CLASSES[9]): 20}
+    assert [t["images"] for t in result["tasks"]] == [20]
+    assert {c["name"]: c["accuracy"] is None for c in result["classes"]}[TRAINED[1]]
+
+
+def test_predict_json_and_one_warning_per_unreadable_image(exported, tmp_path, capsys):
+    images = [str(sorted((BUNDLED / "test" / name).iterdir())[0]) for name in TRAINED[:2]]
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"not an image at all")
+    code, out, err = run(["predict", "--codebook", exported, "--format", "json", images[0],
+                          broken, images[1]], capsys)  # fmt: skip
+    assert code == 0
+    assert err == f"starfed predict: warning: cannot read {broken}: skipped\n"
+    result = json.loads(out)
+    assert [p["path"] for p in result["predictions"]] == images
+    assert result["skipped"] == [str(broken)]
+    assert set(result["predictions"][0]) == {"path", "class", "probability", "task"}
+    assert result["codebook"]["classes"] == len(TRAINED)
+
+    code, out, err = run(["predict", "--codebook", exported, broken], capsys)
+    assert code == 2
+    assert err.splitlines() == [
+        f"starfed predict: warning: cannot read {broken}: skipped",
+        "starfed predict: error: none of the 1 image(s) could be read",
+    ]
+
+
+def test_a_codebook_of_other_backbones_is_one_line_and_exit_2(exported, tmp_path, capsys):
+    codebook = Codebook.load(exported)
+    codebook.fingerprint = "cd" * 32
+    other = tmp_path / "other.bin"
+    codebook.save(other)
+    image = sorted((BUNDLED / "test" / TRAINED[0]).iterdir())[0]
+    code, out, err = run(["predict", "--codebook", other, image], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1
+    assert err.startswith(
+        "starfed predict: error: the codebook was trained with other backbones (fingerprint "
+        "cdcdcdcdcdcd…, these are "
+    )
+
+
+def test_predict_input_errors_are_one_line_and_exit_2(exported, tmp_path, capsys):
+    for argv, message in (
+        ([tmp_path / "x.jpg"], "give either --codebook FILE or --from HOST:PORT"),
+        (["--codebook", exported, tmp_path / "x.jpg"], f"{tmp_path / 'x.jpg'}: no such file or "
+         "folder"),
+        (["--codebook", exported, "--from", "h:1", tmp_path], "give either --codebook FILE or "
+         "--from HOST:PORT"),
+        (["--from", "h:1", tmp_path], "--from needs --ca (the federation's ca.pem)"),
+        (["--from", "h", "--insecure", BUNDLED / "test"], "--from: expected HOST:PORT, got 'h'"),
+    ):  # fmt: skip
+        code, out, err = run(["predict", *argv], capsys)
+        assert (code, out, err) == (2, "", f"starfed predict: error: {message}\n")
+
+
+def test_predict_from_the_service_keeps_a_copy_and_predicts_like_the_export(
+    federation, exported, tmp_path, capsys
+):
+    server = ServerFolder.at(tmp_path / "server")
+    ensure_certificates(server, [])
+    address = f"127.0.0.1:{free_port()}"
+    options = ServeOptions(federation["dir"], address, server.server_cert, server.server_key)
+    service, _, _ = distribution.start(options)
+    images = [str(sorted((BUNDLED / "test" / name).iterdir())[0]) for name in TRAINED]
+    local = run(["predict", "--codebook", exported, *images], capsys)
+    device = ["predict", "--from", address, "--ca", server.ca_cert, "--cache", tmp_path / "cache"]
+    version = Codebook.load(exported).version
+    try:
+        code, out, err = run([*device, *images], capsys)
+        assert (code, out) == (0, local[1])
+        assert err.startswith(f"starfed predict: codebook version {version} (full, ")
+        assert (tmp_path / "cache" / CACHE_FILE).read_bytes() == exported.read_bytes()
+        code, out, err = run([*device, *images], capsys)
+        assert (code, out) == (0, local[1]) and f"version {version} (unchanged, " in err
+    finally:
+        service.stop(grace=None).wait()
+    code, out, err = run([*device, *images], capsys)  # the service is gone: the copy serves
+    assert (code, out) == (0, local[1])
+    assert err.count("\n") == 1 and err.startswith(
+        f"starfed predict: warning: cannot update the codebook ({address}: UNAVAILABLE: "
+    )
+    assert err.endswith(f"; using version {version} in {tmp_path / 'cache'}\n")
+    code, out, err = run([*device[:5], "--cache", tmp_path / "empty", *images], capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"starfed predict: error: {address}: UNAVAILABLE: ")

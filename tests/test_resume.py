@@ -1,0 +1,130 @@
+"""Crash safety: a server run that dies inside a step is continued by the next run.
+
+The crash is the grid raising in the middle of a phase (the real-process variant, SIGKILL of
+the ServerApp, is in tests/test_e2e_deploy.py). The next run over the same federation folder
+resumes from the last completed phase, and the final codebook equals that of a run that never
+crashed, tensor by tensor: nothing learned before the crash is lost or merged twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Message
+from rich.console import Console
+from site_folders import CLASSES, site_folder
+
+from starfed.client import app as client_app
+from starfed.server.app import run_server
+from starfed.server.federation import CODEBOOK_FILE, Federation
+from starfed.shared.codebook.codebook import Codebook
+from starfed.simulations.local_grid import LocalGrid
+
+CONFIG = {
+    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
+    "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5,
+    "stage1-rounds": 2,
+}  # fmt: skip
+ALL_PHASES = {"sync/0", "stage1/0", "stage1/1", "stage1_stats/0", "stage2/0",
+              "stage2_stats/0", "evaluate/0"}  # fmt: skip
+_run_ids = itertools.count(7000)
+
+
+class Crash(BaseException):
+    """The server process dying: nothing in the server catches it."""
+
+
+def run(tmp: Path, name: str, data: dict[str, Path], crash_at: str | None = None) -> dict:
+    config = {**CONFIG, "federation-dir": str(tmp / name)}
+    nodes = {
+        i + 1: {
+            "data-dir": str(path),
+            "state-dir": str(tmp / f"{name}-{site}"),
+            "site-name": site,
+            "cache-dir": str(tmp / "cache"),
+        }
+        for i, (site, path) in enumerate(sorted(data.items()))
+    }
+    grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
+    if crash_at is not None:
+        message_type, _, round_index = crash_at.partition("/")
+
+        def crash(reply: Message) -> Message:
+            if int(grid.sent[-1].content["config"]["round"]) == int(round_index or 0):
+                raise Crash(crash_at)
+            return reply
+
+        grid.faults[(2, message_type)] = crash
+    try:
+        return run_server(grid, config, grid.run_id, Console(quiet=True))
+    finally:
+        client_app._SITES.clear()
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sites")
+    return {
+        "farm-a": site_folder(root / "a", {"t1": CLASSES[0:2], "t2": CLASSES[4:5]}),
+        "farm-b": site_folder(root / "b", {"t1": CLASSES[1:3]}),
+    }
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(sites, tmp_path_factory) -> Codebook:
+    tmp = tmp_path_factory.mktemp("clean")
+    metrics = run(tmp, "federation", sites)
+    assert metrics["status"] == "completed" and metrics["steps"] == 2
+    return Codebook.load(tmp / "federation" / CODEBOOK_FILE)
+
+
+def same_entries(a: Codebook, b: Codebook) -> None:
+    assert a.names == b.names
+    for name in a.names:
+        x, y = a[name], b[name]
+        assert (x.count, x.frozen) == (y.count, y.frozen), name
+        assert set(x.values) == set(y.values)
+        for field, value in x.values.items():
+            if field.endswith("mixture"):
+                for part in ("weights", "means", "variances"):
+                    assert torch.equal(getattr(value, part), getattr(y.values[field], part))
+            else:
+                assert torch.equal(value, y.values[field]), (name, field)
+
+
+@pytest.mark.parametrize(
+    "crash_at", ["train.stage1/1", "query.stage1_stats", "train.stage2", "evaluate"]
+)
+def test_a_crashed_step_resumes_to_the_same_codebook(sites, uninterrupted, tmp_path, crash_at):
+    with pytest.raises(Crash):
+        run(tmp_path, "federation", sites, crash_at)
+    folder = Federation(tmp_path / "federation", uninterrupted.fingerprint, uninterrupted.dims)
+    position = folder.position(folder.codebook())
+    assert position.running and position.step == 0
+    done_before = list(position.done)
+    assert "sync/0" in done_before
+
+    metrics = run(tmp_path, "federation", sites)  # the next run resumes
+    assert metrics["status"] == "completed" and metrics["steps"] == 2
+    resumed = Codebook.load(tmp_path / "federation" / CODEBOOK_FILE)
+    same_entries(resumed, uninterrupted)
+    # the resumed step repeated none of the phases it had finished before the crash (only
+    # the sync, which tells the server who is here)
+    assert metrics["steps_this_run"][0]["step"] == 0
+    record = folder.history()[0]
+    phases = {f"{e['phase']}/{e['round']}" for e in record["exchanges"]}
+    assert phases == {"sync/0"} | (ALL_PHASES - set(done_before))
+
+
+def test_the_position_is_inside_the_checkpoint(sites, tmp_path):
+    with pytest.raises(Crash):
+        run(tmp_path, "federation", sites, "train.stage2")
+    codebook = Codebook.load(tmp_path / "federation" / CODEBOOK_FILE)
+    position = Federation.position(codebook)
+    assert position.done == ("sync/0", "stage1/0", "stage1/1", "stage1_stats/0")
+    assert set(position.in_play) == {*CLASSES[0:3]}
+    assert replace(position, done=()).step == 0

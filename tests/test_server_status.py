@@ -1,0 +1,162 @@
+"""``starfed server status|resume|round`` on a federation folder built in process.
+
+Run 1: two sites, farm-b silent at evaluation (a degraded step). Run 2: a new task at farm-a,
+and the server dies in stage 2 (a step left running). Between them, the commands are run as
+an operator would, with no server started: status reads the folders, ``resume`` refuses when no
+step is running and otherwise gets as far as "the server is not running", ``round`` checks its
+input before anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Message
+from rich.console import Console
+from site_folders import CLASSES, site_folder
+
+from starfed.cli import main
+from starfed.client import app as client_app
+from starfed.server.app import run_server
+from starfed.simulations.local_grid import LocalGrid
+
+CONFIG = {
+    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
+    "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5,
+}  # fmt: skip
+_run_ids = itertools.count(9000)
+
+
+class Crash(BaseException):
+    """The server process dying: nothing in the server catches it."""
+
+
+def _run(root: Path, faults: dict) -> dict:
+    config = {**CONFIG, "federation-dir": str(root / "server" / "federation")}
+    nodes = {
+        i + 1: {"data-dir": str(root / site), "state-dir": str(root / f"{site}-state"),
+                "site-name": site, "cache-dir": str(root / "cache")}
+        for i, site in enumerate(("farm-a", "farm-b"))
+    }  # fmt: skip
+    grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
+    grid.faults.update(faults)
+    try:
+        return run_server(grid, config, grid.run_id, Console(quiet=True))
+    finally:
+        client_app._SITES.clear()
+
+
+def starfed(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("status")
+    site_folder(root / "farm-a", {"2026-03": CLASSES[0:2]})
+    site_folder(root / "farm-b", {"2026-04": CLASSES[2:4]})
+    metrics = _run(root, {(2, "evaluate"): lambda reply: None})
+    assert metrics["status"] == "degraded"
+    yield root
+    torch.set_num_threads(threads)
+
+
+def test_status_of_a_finished_federation_without_a_server(root, capsys) -> None:
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server, "--json")
+    assert code == 0
+    status = json.loads(out)
+    assert status["server"] == {"running": False, "processes": {}}
+    assert {c["name"]: list(c["sites"]) for c in status["classes"]} == {
+        **{name: ["farm-a"] for name in CLASSES[0:2]},
+        **{name: ["farm-b"] for name in CLASSES[2:4]},
+    }
+    assert all(c["frozen"] and c["step"] == 0 for c in status["classes"])
+    assert status["codebook_version"] > 0
+    assert status["position"] == {"step": 1, "running": False, "done": [], "in_play": []}
+    [step] = status["steps"]
+    assert step["status"] == "degraded" and step["sites"] == ["farm-a", "farm-b"]
+    assert 0 <= step["faa"] <= 100  # farm-a's test images only
+    assert status["errors"] == [
+        {"site": "farm-b", "step": 0, "phase": "evaluate", "round": 0, "status": "no reply"}
+    ]
+    assert [s["name"] for s in status["sites"]] == ["farm-a", "farm-b"]
+    assert status["last_run"]["status"] == "degraded"
+
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server)
+    assert code == 0
+    assert "server     not running" in out and "degraded" in out and "no reply" in out
+    assert CLASSES[0] in out
+
+    code, out, err = starfed(capsys, "server", "resume", "--dir", server)
+    assert code == 2 and out == ""
+    assert "nothing to resume" in err and "1 step(s) finished" in err
+
+
+def test_status_and_resume_of_a_step_left_running(root, capsys) -> None:
+    site_folder(root / "farm-a", {"2026-06": CLASSES[4:5]})
+
+    def crash(reply: Message) -> Message:
+        raise Crash
+
+    with pytest.raises(Crash):
+        _run(root, {(1, "train.stage2"): crash})
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server, "--json")
+    position = json.loads(out)["position"]
+    assert position["running"] and position["step"] == 1
+    assert position["done"] == ["sync/0", "stage1/0", "stage1_stats/0"]
+    assert position["in_play"] == [CLASSES[4]]
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server)
+    assert "step 2 RUNNING" in out
+
+    # resume gets past "nothing to resume" and stops at the missing server (exit 1)
+    code, out, err = starfed(capsys, "server", "resume", "--dir", server, "--json")
+    assert code == 1 and json.loads(out)["success"] is False
+    assert "the server is not running" in err
+
+
+def test_round_checks_its_input_before_anything(root, capsys) -> None:
+    server = str(root / "server")
+    for argv, message in (
+        (["--run-config", "stage1-epochs=-1"], "stage1-epochs=-1: expected an integer >= 0"),
+        (["--min-sites", "0"], "--min-sites 0: expected an integer >= 1"),
+        (["--run-config", "federation-dir=/x"], "use --federation"),
+        (["--run-config", "nope=1"], "unknown run-config key 'nope'"),
+    ):
+        code, out, err = starfed(capsys, "server", "round", "--dir", server, *argv)
+        assert code == 2 and out == "" and message in err and err.count("\n") == 1, err
+    code, _, err = starfed(capsys, "server", "round", "--dir", server)
+    assert code == 1 and "the server is not running" in err
+
+
+def test_status_without_a_federation(tmp_path, capsys) -> None:
+    code, out, _ = starfed(capsys, "server", "status", "--dir", str(tmp_path), "--json")
+    status = json.loads(out)
+    assert code == 0 and status["federation"] is None and "no federation" in status["problem"]
+    code, out, err = starfed(capsys, "server", "resume", "--dir", str(tmp_path))
+    assert code == 2 and "nothing to resume" in err and "0 step(s)" in err
+
+
+def test_flower_nodes_join_the_federation_sites_by_node_id() -> None:
+    from starfed.server.sites import SiteStatus
+    from starfed.server.status import SiteRow, Status, _flower_sites
+
+    status = Status("s", "f", sites=[SiteRow("farm-a", 7, 0, "2026-11-23T00:00:00+00:00")])
+    _flower_sites(status, [
+        SiteStatus(None, 7, "online", "2026-11-23 01:00:00Z", None, None),  # self-registered
+        SiteStatus("hospital-x", 9, "registered", None, None, "SHA256:x"),  # never connected
+        SiteStatus("gone", 11, "unregistered", None, None, "SHA256:y", removed_at="then"),
+    ])  # fmt: skip
+    assert [(r.name, r.node_id, r.status, r.last_step) for r in status.sites] == [
+        ("farm-a", 7, "online", 0),
+        ("hospital-x", 9, "registered", None),
+    ]

@@ -1,0 +1,75 @@
+"""The site worker answers what a ClientApp would, over its Unix socket; bad frames do no harm."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from site_folders import CLASSES, site_folder
+
+from starfed.client import app as client_app
+from starfed.client.worker import WorkerError, request, serve
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.protocol import Phase
+
+
+@pytest.fixture
+def worker(tmp_path: Path):
+    path = tmp_path / "state" / "worker.sock"
+    path.parent.mkdir()
+    threading.Thread(target=serve, args=(path,), daemon=True).start()
+    deadline = time.monotonic() + 10
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield path
+    client_app._SITES.clear()
+
+
+def sync_header(tmp_path: Path) -> dict:
+    data = site_folder(tmp_path / "farm", {"t1": CLASSES[0:2]})
+    return {
+        "phase": "sync",
+        "config": {"step": 0, "round": 0, "federation": "f", "epoch": "e", "frozen": []},
+        "run-config": {"preset": "tiny"},
+        "node-config": {
+            "data-dir": str(data),
+            "state-dir": str(tmp_path / "farm-state"),
+            "site-name": "farm",
+            "cache-dir": str(tmp_path / "cache"),
+        },
+        "run-id": 1,
+        "node-id": 3,
+    }
+
+
+def test_the_worker_answers_as_the_clientapp_does(worker: Path, tmp_path: Path) -> None:
+    header = sync_header(tmp_path)
+    record, data = request(worker, header, b"")
+    assert record == "update"
+    own = BackboneOptions.from_config(parse({"preset": "tiny"})).load()
+    update = ClientUpdate.from_bytes(
+        data, against=Codebook(own.fingerprint, own.dims), phase=Phase.SYNC
+    )
+    assert sorted(e.name for e in update.entries) == CLASSES[0:2]
+    assert update.metadata["site"] == "farm"
+    client_app._SITES.clear()  # answered in this process too: the same reply
+    assert client_app.answer(header, b"") == (record, data)
+
+
+def test_errors_and_garbage(worker: Path, tmp_path: Path) -> None:
+    header = {**sync_header(tmp_path), "node-config": {}}  # neither a site nor simulated
+    with pytest.raises(WorkerError, match="no data folder"):
+        request(worker, header, b"")
+    with socket.socket(socket.AF_UNIX) as stream:  # a frame announcing a huge header
+        stream.connect(str(worker))
+        stream.sendall(struct.pack("<I", 2**31))
+    record, _ = request(worker, sync_header(tmp_path), b"")  # the worker still answers
+    assert record == "update"
+    with pytest.raises(WorkerError, match="no site worker"):
+        request(tmp_path / "absent.sock", header, b"")
+    assert oct(worker.stat().st_mode & 0o777) == "0o600"
