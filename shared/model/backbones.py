@@ -43,6 +43,7 @@ from starfed.shared.model.backbone_config import (
     preset_config,
     read_backbone_config,
 )
+from starfed.shared.model.frozen_towers import clip_image_embedding, supports_clip_visual
 
 
 class Backbones(nn.Module):
@@ -63,6 +64,8 @@ class Backbones(nn.Module):
             n_layers=len(vit.blocks),
         )
         self._fingerprint: str | None = None
+        #: CLIP image features through ``frozen_towers`` (False: open_clip's own forward).
+        self.fast_clip = supports_clip_visual(clip.visual)
         self.device = torch.device("cpu")
 
     def train(self, mode: bool = True) -> Backbones:
@@ -81,8 +84,11 @@ class Backbones(nn.Module):
     def clip_image_features(self, images: torch.Tensor) -> torch.Tensor:
         """Raw (un-normalised) CLIP image embeddings z [B, d_clip] (float32) of CLIP-normalised
         images, on the backbones' device."""
+        images = images.to(self.device)
         with autocast(self.device):
-            return self.clip.encode_image(images.to(self.device)).float()
+            if self.fast_clip:
+                return clip_image_embedding(self.clip.visual, images).float()
+            return self.clip.encode_image(images).float()
 
     @property
     def fingerprint(self) -> str:

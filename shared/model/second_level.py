@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from starfed.shared.model.frozen_towers import supports_timm_vit, timm_vit_cls
+
 SIMILARITY_SCALE = 5.0
 _NORMALIZE_EPS = 1e-12  # F.normalize's eps, kept so similarities match the reference
 
@@ -87,11 +89,16 @@ def select_residuals(
 
 
 class PromptedViT(nn.Module):
-    """A frozen timm ViT whose blocks take one residual per image (the semantic residual)."""
+    """A frozen timm ViT whose blocks take one residual per image (the semantic residual).
 
-    def __init__(self, vit: VisionTransformer) -> None:
+    Plain ViTs run ``frozen_towers.timm_vit_cls`` (frozen-weight GEMMs, class-token-only last
+    block); ``fast=False`` or an unsupported block layout runs the timm modules themselves.
+    """
+
+    def __init__(self, vit: VisionTransformer, fast: bool = True) -> None:
         super().__init__()
         self.vit = vit
+        self.fast = fast and supports_timm_vit(vit)
 
     def output_projections(self) -> torch.Tensor:
         """[L, d_out, d_in] stacked ``attn.proj`` weights (read each call: they are frozen)."""
@@ -100,13 +107,15 @@ class PromptedViT(nn.Module):
     def forward(self, images: torch.Tensor, residuals: torch.Tensor | None = None) -> torch.Tensor:
         """Final-LayerNorm CLS features [B, d_vit]; ``residuals`` [B, L, d_vit] or None."""
         vit = self.vit
+        shifts = None
+        if residuals is not None:
+            shifts = torch.einsum("bld,led->ble", residuals, self.output_projections())
+        if self.fast:
+            return timm_vit_cls(vit, images, shifts)
         x = vit.patch_embed(images)
         x = vit._pos_embed(x)
         x = vit.patch_drop(x)
         x = vit.norm_pre(x)
-        shifts = None
-        if residuals is not None:
-            shifts = torch.einsum("bld,led->ble", residuals, self.output_projections())
         for layer, block in enumerate(vit.blocks):
             attended = block.attn(block.norm1(x))
             if shifts is not None:
