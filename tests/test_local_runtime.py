@@ -62,6 +62,7 @@ def test_local_runtime_runs_the_federation(local_run) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # CI runs each runtime on its own: test_e2e_flwr.py, test_protocol.py
 def test_local_and_flower_runtimes_compute_the_same(local_run) -> None:
     out, code, _ = local_run
     assert code == 0
