@@ -55,11 +55,8 @@ def _import_starfed() -> dict[str, Any]:
     """The few starfed names the units need, from the b48ceb8+ layout or the older flat one."""
     try:
         from starfed.shared.codebook.mixture import GaussianMixture
-        from starfed.shared.data.cropdiseases import (
-            SplitCropDiseases,
-            bundled_dataset_root,
-            to_unit,
-        )
+        from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root
+        from starfed.shared.data.images import to_unit
         from starfed.shared.model import training
         from starfed.shared.model.backbones import create_backbones
         from starfed.shared.model.star_prompt import StarPrompt
