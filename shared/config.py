@@ -201,8 +201,6 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("state-dir", str, "", 'a deployed site\'s memory (last codebook, completed tasks, '
          'caches); "": <data-dir>/.starfed', "node", path=True),
     Knob("site-name", str, "", 'how the federation calls this site; "": node-<node id>', "node"),
-    Knob("device", str, "auto", "torch device a deployed site asks for (`starfed site start "
-         "--device`): auto, cpu, cuda:0", "node"),
     Knob("partition-id", int, 0, "this node's site in a simulation", "node", ge=0),
     Knob("num-partitions", int, 0, "sites in a simulation (Flower: num-supernodes); 0: the run "
          "config's num-clients", "node", ge=0),
