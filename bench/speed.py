@@ -55,11 +55,8 @@ def _import_starfed() -> dict[str, Any]:
     """The few starfed names the units need, from the b48ceb8+ layout or the older flat one."""
     try:
         from starfed.shared.codebook.mixture import GaussianMixture
-        from starfed.shared.data.cropdiseases import (
-            SplitCropDiseases,
-            bundled_dataset_root,
-            to_unit,
-        )
+        from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root
+        from starfed.shared.data.images import to_unit
         from starfed.shared.model import training
         from starfed.shared.model.backbones import create_backbones
         from starfed.shared.model.star_prompt import StarPrompt
@@ -162,23 +159,26 @@ class Worker:
 
     # The units. Each runs the public training / model API the way a site does.
 
+    def _train(self, level: int, inputs: Any, labels: Any) -> None:
+        """One stage's training call: ``stage1``/``stage2`` (task 0's random stream) in the
+        b48ceb8+ layout, ``train_first_level``/``train_second_level`` (a generator) before."""
+        training = self.sf["training"]
+        if hasattr(training, "stage1"):
+            step = training.stage1 if level == 1 else training.stage2
+            step(self.model, inputs, labels, N_PAST, self.config, 0)
+            return
+        step = training.train_first_level if level == 1 else training.train_second_level
+        step(self.model, inputs, labels, N_PAST, self.config, self.generator)
+
     def _stage1_cached(self) -> None:
-        features, labels = self.features.repeat(4, 1), self.labels.repeat(4)
-        self.sf["training"].train_first_level(
-            self.model, features, labels, N_PAST, self.config, self.generator
-        )
+        self._train(1, self.features.repeat(4, 1), self.labels.repeat(4))
 
     def _stage1(self) -> None:
-        training = self.sf["training"]
-        features = training.clip_features(self.backbones, self.images)
-        training.train_first_level(
-            self.model, features, self.labels, N_PAST, self.config, self.generator
-        )
+        features = self.sf["training"].clip_features(self.backbones, self.images)
+        self._train(1, features, self.labels)
 
     def _stage2(self) -> None:
-        self.sf["training"].train_second_level(
-            self.model, self.images, self.labels, N_PAST, self.config, self.generator
-        )
+        self._train(2, self.images, self.labels)
 
     def _inference(self) -> None:
         with self.torch.no_grad():

@@ -16,7 +16,8 @@ import time
 import torch
 from rich.console import Console
 
-from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root, decode_images
+from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root
+from starfed.shared.data.images import decode_images
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig, train_second_level

@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that describe bad input (paths, configs, files) rather than a bug."""
     from starfed.shared.codebook.codebook import CodebookError
-    from starfed.shared.data.cropdiseases import DatasetError
+    from starfed.shared.data.images import DatasetError
     from starfed.shared.model.backbones import BackboneError
     from starfed.simulations.simulate import SimulationError
 

@@ -115,7 +115,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def image_paths(inputs: list[str]) -> list[str]:
     """Files as given; folders searched recursively for images, in sorted order."""
-    from starfed.shared.data.cropdiseases import IMAGE_EXTENSIONS
+    from starfed.shared.data.images import IMAGE_EXTENSIONS
 
     paths: list[str] = []
     for item in inputs:

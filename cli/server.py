@@ -13,12 +13,10 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from starfed.cli import inference_server
 from starfed.server import certs, sites, superlink
@@ -167,48 +165,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=run_stop)
 
-    p = actions.add_parser(
-        "sites",
-        help="register, list and remove site keys; see refused SuperNodes",
-        description="Site keys the SuperLink accepts (wrapping `flwr supernode ...`).",
-    )
-    site_actions = p.add_subparsers(dest="sites_action", metavar="ACTION", required=True)
-    q = site_actions.add_parser(
-        "add",
-        parents=[common],
-        help="register a site's public key under a name",
-        description="Register PUBKEY (one OpenSSH line, EC P-384; `starfed site keygen` makes "
-        "it) for site NAME. Keep the site's private key where it is: only the .pub travels.",
-    )
-    q.add_argument("name", help="site name (letters, digits, . _ -)")
-    q.add_argument("pubkey", type=Path, help="the site's public key file (.pub)")
-    q.set_defaults(func=run_sites_add)
-    q = site_actions.add_parser(
-        "list",
-        parents=[common],
-        help="sites with node id, status and online/offline times",
-    )
-    q.set_defaults(func=run_sites_list)
-    q = site_actions.add_parser(
-        "remove",
-        parents=[common],
-        help="unregister a site's key (final: that key can never be registered again)",
-        description="Unregister site NAME's key. A SuperNode using it stops within seconds. "
-        "Flower never accepts a removed key again: a returning site needs a new key pair.",
-    )
-    q.add_argument("name")
-    q.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    q.set_defaults(func=run_sites_remove)
-    q = site_actions.add_parser(
-        "refused",
-        parents=[common],
-        help="SuperNodes the SuperLink turned away, by key fingerprint (from its log)",
-    )
-    q.set_defaults(func=run_sites_refused)
-
     inference_server.add_actions(actions, common, _guard)  # export, serve
-    from starfed.cli import federation  # it builds on this module: imported once it is loaded
+    # They build on this module's helpers: imported once it is loaded.
+    from starfed.cli import federation, server_sites
 
+    server_sites.add_actions(actions, common)
     federation.add_actions(actions, common)
 
 
@@ -422,98 +383,4 @@ def run_stop(args: argparse.Namespace) -> int:
     if survivors:
         print(f"starfed server stop: error: still running: PIDs {survivors}", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_OK
-
-
-# --- sites ---------------------------------------------------------------------------------
-
-
-@_guard
-def run_sites_add(args: argparse.Namespace) -> int:
-    record = sites.add(_folder(args), args.name, args.pubkey)
-    if args.json:
-        _emit_json({"success": True, **asdict(record)})
-    else:
-        print(
-            f"site {record.name} registered: node {record.node_id}, key {record.fingerprint}. "
-            "Note: a key that is removed can never be registered again."
-        )
-    return EXIT_OK
-
-
-@_guard
-def run_sites_list(args: argparse.Namespace) -> int:
-    rows = sites.status(_folder(args))
-    if args.json:
-        _emit_json({"success": True, "sites": [asdict(r) for r in rows]})
-        return EXIT_OK
-    table = Table("site")
-    table.add_column("node id", no_wrap=True)
-    for header in ("status", "online at", "offline at"):
-        table.add_column(header)
-    table.add_column("key", no_wrap=True)
-    table.add_column("added")
-    for r in rows:
-        table.add_row(
-            r.name or "(not added by starfed)",
-            str(r.node_id),
-            r.status,
-            r.online_at or "—",
-            r.offline_at or "—",
-            r.fingerprint or "—",
-            r.added_at or "—",
-        )
-    _console().print(table)
-    if not rows:
-        print("no sites yet: `starfed server sites add NAME site.pub`")
-    return EXIT_OK
-
-
-@_guard
-def run_sites_remove(args: argparse.Namespace) -> int:
-    warning = (
-        f"Removing site {args.name}: its key can NEVER be registered again (Flower refuses a "
-        "removed key); if the site returns it needs a new key pair."
-    )
-    if not args.yes:
-        if not sys.stdin.isatty():
-            raise UsageError(f"{warning} Pass --yes to confirm.")
-        print(warning, file=sys.stderr)
-        if input("remove? [y/N] ").strip().lower() not in ("y", "yes"):
-            print("not removed")
-            return EXIT_FAILED
-    record = sites.remove(_folder(args), args.name)
-    if args.json:
-        _emit_json({"success": True, **asdict(record)})
-    else:
-        print(f"site {record.name} removed (node {record.node_id}, key {record.fingerprint})")
-    return EXIT_OK
-
-
-@_guard
-def run_sites_refused(args: argparse.Namespace) -> int:
-    folder = _folder(args)
-    refusals = sites.refused(folder)
-    if args.json:
-        _emit_json({"success": True, "refused": [asdict(r) for r in refusals]})
-        return EXIT_OK
-    if not refusals:
-        print(f"no refused SuperNodes in {folder.superlink_log}")
-        return EXIT_OK
-    table = Table()
-    table.add_column("key fingerprint", no_wrap=True)
-    for header in ("site", "why", "times", "first", "last"):
-        table.add_column(header)
-    for r in refusals:
-        site = "—" if r.site is None else (f"{r.site} (removed)" if r.removed else r.site)
-        table.add_row(
-            r.fingerprint or "(no key)",
-            site,
-            f"{r.reason} [{r.code}]",
-            str(r.count),
-            r.first,
-            r.last,
-        )
-    _console().print(table)
-    print("times are the SuperLink's local time; the site prints its key's fingerprint at start")
     return EXIT_OK

@@ -23,7 +23,7 @@ FLAGS = (
     *same_name("classes-per-task", "alpha", "seed", "arrival-offset"),
     *same_name("stage1-rounds", "stage2-rounds"),
     Flag("--epochs", ("stage1-epochs", "stage2-epochs"), help="local epochs of stages 1 and 2"),
-    *same_name("results-dir", "run-name", "runtime", "timeout"),
+    *same_name("results-dir", "run-name", "runtime", "timeout", "gpus-per-client"),
 )
 
 
@@ -71,8 +71,17 @@ def _main(args: argparse.Namespace) -> int:
             f"run folder {run_dir} already exists: choose another --run-name (a federation "
             "continues with `starfed server round`, not by simulating into its folder)"
         )
+    gpus = options["gpus-per-client"]
+    if gpus > 0 and options["runtime"] == "local":
+        raise ConfigError("--gpus-per-client is Ray's: the local runtime computes on --run-config "
+                          "device (auto: the GPU when there is one)")  # fmt: skip
+    if gpus > 0:
+        import torch  # only now: the check needs CUDA's driver
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--gpus-per-client {gpus}: this machine has no CUDA GPU")
     if options["runtime"] == "local":
         from starfed.simulations.local_grid import simulate_locally  # Flower, torch: only now
 
         return simulate_locally(overrides)
-    return simulate(overrides, options["timeout"])
+    return simulate(overrides, options["timeout"], gpus)

@@ -20,7 +20,7 @@ from pathlib import Path
 from starfed.client import memory
 from starfed.shared.codebook.framing import read_message
 from starfed.shared.config import BackboneOptions
-from starfed.shared.data.cropdiseases import DatasetError, decode_images
+from starfed.shared.data.images import DatasetError, decode_images
 from starfed.shared.data.site_folder import HELD_OUT_SHARE, TEST_FOLDER, SiteFolder, class_key
 from starfed.shared.model.backbone_config import BackboneError, preset_config, read_backbone_config
 

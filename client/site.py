@@ -26,7 +26,7 @@ from starfed.client.memory import SiteMemory
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
-from starfed.shared.data.cropdiseases import DecodedImages, decode_images
+from starfed.shared.data.images import DecodedImages, decode_images
 from starfed.shared.data.site_folder import SiteFolder, SiteTask, class_key
 from starfed.shared.files import write_atomic
 from starfed.shared.model import training

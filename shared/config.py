@@ -228,6 +228,9 @@ SCHEMA: tuple[Knob, ...] = (
          "command", choices=RUNTIMES, command="simulate"),
     Knob("timeout", float, 3600.0, "seconds for the whole run (flower runtime)", "command", gt=0,
          command="simulate"),
+    Knob("gpus-per-client", float, 0.0, "GPU share of each simulated client (Flower's "
+         "client-resources-num-gpus; 0.25: four clients share a GPU; 0: clients see no GPU)",
+         "command", ge=0, command="simulate"),
     Knob("json", bool, False, "print a JSON summary on stdout (the progress lines stay on "
          "stderr)", "command", command="experiment"),
 )  # fmt: skip

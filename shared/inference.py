@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.deployment import class_steps, confidence_modulation
-from starfed.shared.data.cropdiseases import DatasetError, decode_images, to_unit
+from starfed.shared.data.images import DatasetError, decode_images, to_unit
 from starfed.shared.data.site_folder import class_key, folder_test_images
 from starfed.shared.metrics import nan_to_none
 from starfed.shared.model.backbones import Backbones

@@ -132,10 +132,12 @@ class LocalSuperLink:
 # --- the run -------------------------------------------------------------------------------
 
 
-def simulate(overrides: dict, timeout: float) -> int:
+def simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> int:
     """Run one simulation to its end; the exit code of ``flower_runs.exit_code`` (0 completed,
     3 degraded, 1 failed, 130 interrupted), 1 as well when a process survived the stop.
 
+    ``gpus_per_client`` is each simulated client's GPU share: Ray gives a client's worker
+    process only its GPU (``CUDA_VISIBLE_DEVICES``), and none at 0, so ``device=auto`` follows it.
     SIGTERM is handled like Ctrl-C (stop the run, mark the folder, stop every process), so a CI
     or test timeout that terminates this command leaves nothing behind.
     """
@@ -153,7 +155,7 @@ def simulate(overrides: dict, timeout: float) -> int:
     federation = {
         "num-supernodes": n_supernodes,
         "client-resources-num-cpus": CLIENT_CPUS,
-        "client-resources-num-gpus": 0.0,
+        "client-resources-num-gpus": gpus_per_client,
     }
     with flower_runs.sigterm_as_interrupt():
         try:

@@ -22,7 +22,8 @@ from rich.table import Table
 
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import BackboneOptions, Values, optional
-from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root, decode_images
+from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root
+from starfed.shared.data.images import decode_images
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.device import resolve
 from starfed.shared.metrics import final_average_accuracy, final_forgetting, plot_accuracy_matrix

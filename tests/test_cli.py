@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import starfed.shared.model.backbones
@@ -28,7 +29,7 @@ FLAG_NAMES = {
     "--classify-with-keys --results-dir --run-name --threads",
     "simulate": "--clients --tasks --classes-per-task --alpha --seed --arrival-offset "
     "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --runtime "
-    "--timeout",
+    "--timeout --gpus-per-client",
     "experiment": "--results-dir --json",
 }
 FLAGS = {
@@ -206,3 +207,18 @@ def test_a_class_without_readable_training_images_is_one_line(tmp_path: Path, ca
         f"starfed train-local: error: class folder {tmp_path / 'data' / 'bad'} has no readable "
         "image (2 unreadable files)"
     )
+
+
+def test_gpus_per_client_needs_a_gpu_and_the_flower_runtime(
+    tmp_path, nothing_heavy, capsys
+) -> None:
+    argv = ["simulate", "--results-dir", str(tmp_path), "--gpus-per-client", "0.5"]
+    line = _fails_at_once([*argv, "--runtime", "local"], capsys)
+    assert line.startswith("starfed simulate: error: --gpus-per-client is Ray's")
+    if not torch.cuda.is_available():
+        line = _fails_at_once(argv, capsys)
+        assert (
+            line == "starfed simulate: error: --gpus-per-client 0.5: this machine has no CUDA GPU"
+        )
+    line = _fails_at_once(["simulate", "--gpus-per-client", "-1"], capsys)
+    assert "--gpus-per-client" in line

@@ -12,14 +12,16 @@ import torchvision.transforms.v2.functional as TF2
 from PIL import Image
 from torchvision.transforms import InterpolationMode
 
-from starfed.shared.data import cropdiseases as data
+from starfed.shared.data import images as data
 from starfed.shared.data.cropdiseases import (
     PAPER_DROPPED_CLASSES,
-    DatasetError,
     SplitCropDiseases,
-    augment,
     bundled_dataset_root,
     class_name_to_text,
+)
+from starfed.shared.data.images import (
+    DatasetError,
+    augment,
     decode_images,
     normalize,
     renormalize,

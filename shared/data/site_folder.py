@@ -24,7 +24,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from starfed.shared.data.cropdiseases import IMAGE_EXTENSIONS, DatasetError
+from starfed.shared.data.images import IMAGE_EXTENSIONS, DatasetError
 
 TEST_FOLDER = "test"
 HELD_OUT_SHARE = 0.2  # of each class's images, when the site has no test/ folder

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from starfed.shared.data.cropdiseases import DecodedImages, SplitCropDiseases, to_unit
+from starfed.shared.data.cropdiseases import SplitCropDiseases
+from starfed.shared.data.images import DecodedImages, to_unit
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import EVAL_BATCH_SIZE, Views
 

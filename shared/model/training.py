@@ -24,7 +24,7 @@ from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.config import Values
-from starfed.shared.data.cropdiseases import augment, normalize, to_unit
+from starfed.shared.data.images import augment, normalize, to_unit
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.first_level import first_level_logits
 from starfed.shared.model.losses import (
