@@ -51,6 +51,7 @@ def score_classes(
     counts = [torch.zeros(n, dtype=torch.int64, device=device) for _ in range(4)]
     images_, correct, hits, selections = counts  # counted on the device, read once at the end
     groups = group_of_row.to(device)
+    pairs = None if confusion is None else torch.zeros_like(confusion, device=device)
     views = Views.of(model.backbones)
     for i in range(0, len(rows), EVAL_BATCH_SIZE):
         chunk = slice(i, i + EVAL_BATCH_SIZE)
@@ -63,10 +64,10 @@ def score_classes(
         correct.index_add_(0, target, (predicted == target).long())
         hits.index_add_(0, target, same_group.sum(1))
         selections.index_add_(0, target, torch.full_like(target, same_group.shape[1]))
-        if confusion is not None:
-            confusion.index_put_(
-                (target.cpu(), predicted.cpu()), torch.ones_like(target.cpu()), accumulate=True
-            )
+        if pairs is not None:
+            pairs.index_put_((target, predicted), torch.ones_like(target), accumulate=True)
+    if confusion is not None:
+        confusion += pairs.cpu()
     return ClassScores(*(count.cpu() for count in counts))
 
 
