@@ -54,7 +54,7 @@ def starfed(*argv: str, log: Path, timeout: float = 120) -> tuple[int, str]:
     return result.returncode, result.stdout.decode()
 
 
-def round_settings(timeout_s: int = 180, *extra: str) -> list[str]:
+def round_settings(*extra: str, timeout_s: int = 180) -> list[str]:
     """``round``/``resume`` options: one step, both sites, one epoch everywhere."""
     settings = [f"--run-config={k}={v}" for k, v in RUN_CONFIG.items()]
     return [*settings, "--steps=1", "--min-sites=2", "--wait-s=120", f"--timeout-s={timeout_s}",

@@ -107,6 +107,11 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch) -
         assert done_before[:2] == ["sync/0", "stage1/0"] and "evaluate/0" not in done_before
         cli = FlowerCli(deployed.server.flwr_home)
         (run,) = cli.unfinished_runs()  # the killed ServerApp's run is still "running"
+        refused = deployed.root / "refused.log"
+        code, _ = starfed("server", "resume", *round_settings(), log=refused)
+        assert code == 1, refused.read_text()
+        assert f"run {run['run-id']} is still running" in refused.read_text()
+        assert f"flwr stop {run['run-id']}" in refused.read_text()
         cli.stop(int(run["run-id"]))
         out, _ = interrupted.communicate(timeout=120)
         killed_run = json.loads(out)

@@ -24,7 +24,7 @@ pytestmark = [
 
 def test_two_sites_two_rounds_on_a_started_server(tmp_path, monkeypatch) -> None:
     sites = {"farm-a": {"2026-03": CLASSES[0:2]}, "farm-b": {"2026-04": CLASSES[2:4]}}
-    settings = round_settings(180, "--json")
+    settings = round_settings("--json")
     with deployment(tmp_path, monkeypatch, sites) as deployed:
         log = deployed.log
         code, out = starfed("server", "round", *settings, log=log, timeout=ROUND_TIMEOUT_S)

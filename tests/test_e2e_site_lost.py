@@ -36,7 +36,7 @@ pytestmark = [
 ]
 
 SITES = {"farm-a": {"2026-03": CLASSES[0:2]}, "farm-b": {"2026-04": CLASSES[2:4]}}
-SETTINGS = round_settings(90, "--json")  # a dead node's phase costs at most this
+SETTINGS = round_settings("--json", timeout_s=90)  # a dead node's phase costs at most this
 
 
 def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatch) -> None:
@@ -52,6 +52,7 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
         assert any("flower-supernode" in command for command in farm_b.values()), farm_b
         send_signal(farm_b, signal.SIGKILL)
         assert not wait_gone(farm_b, 10)
+        assert deployed.sites["farm-b"].wait(10) == -signal.SIGKILL  # its `site start` too
         killed_at = deployed.checkpoint()
         assert killed_at is not None and "stage1_stats/0" not in killed_at.position.done
         out, _ = first_round.communicate(timeout=ROUND_TIMEOUT_S)
