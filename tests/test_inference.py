@@ -31,7 +31,7 @@ from starfed.server.federation import Federation, Position
 from starfed.server.layout import ServerFolder
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.deployment import CLASS_STEPS_KEY
-from starfed.shared.codebook.wire import CODEBOOK_MAGIC, read_payload
+from starfed.shared.codebook.framing import CODEBOOK_MAGIC, read_payload
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.distribution import CACHE_FILE
 from starfed.shared.processes import free_port
