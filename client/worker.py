@@ -52,7 +52,10 @@ def _read_exactly(stream: socket.socket, n: int) -> bytes:
 def send_frame(stream: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
     encoded = json.dumps(header).encode()
     stream.sendall(_HEADER.pack(len(encoded)) + encoded + _PAYLOAD.pack(len(payload)))
-    stream.sendall(payload)
+    # No empty write: the peer may already have answered the frame and closed, and a write
+    # then fails with EPIPE (a sync without payload, lost on a loaded machine).
+    if payload:
+        stream.sendall(payload)
 
 
 def read_frame(stream: socket.socket) -> tuple[dict[str, Any], bytes]:

@@ -357,6 +357,7 @@ class Coordinator:
         if missing:
             logger.warning("no statistics for %s; unregistering them", missing)
             self.codebook = self.codebook.without(missing)
+            self.federation.unregister(missing)
             self.in_play = [n for n in self.in_play if n not in missing]
 
     def _stage1_stats(self, phase: Phase, step: int, replies: list[Reply]) -> None:

@@ -199,6 +199,13 @@ class Federation:
                 self.registry[name].sites.setdefault(site, when)
         self._write_registry()
 
+    def unregister(self, names: list[str]) -> None:
+        """Forget classes that left the step in progress (no site sent their statistics), so
+        the step that brings them again registers them, and scores group them under it."""
+        for name in names:
+            self.registry.pop(name, None)
+        self._write_registry()
+
     def _write_registry(self) -> None:
         registry = {name: asdict(entry) for name, entry in self.registry.items()}
         write_atomic(self.root / REGISTRY_FILE, json.dumps(registry, indent=2).encode())

@@ -11,9 +11,11 @@ it. A few minutes on 2 cores: each message still costs a ClientApp process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -45,6 +47,17 @@ def _flwr(args: list[str], env: dict) -> dict:
     reply = json.loads(out.stdout[out.stdout.index("{") :])
     assert reply.get("success"), (out.stdout, out.stderr)
     return reply
+
+
+def _wait_for_port(port: int, timeout: float = 60) -> None:
+    """Until the SuperLink listens: it takes seconds to start on a loaded machine, and `flwr
+    run` gives up at once on a connection refused."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the SuperLink did not listen on {port} within {timeout:.0f}s")
 
 
 def _identity(federation: Path) -> tuple[str, object]:
@@ -99,6 +112,7 @@ def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> N
         start("superlink", [_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1",
                             "--port", str(port), "--database", str(tmp_path / "state.db"),
                             "--disable-runtime-dependency-installation"])  # fmt: skip
+        _wait_for_port(port)
         for name in ("farm-a", "farm-b"):
             state = tmp_path / f"{name}-state"
             socket_path = state / "worker.sock"

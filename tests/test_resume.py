@@ -1,7 +1,7 @@
 """Crash safety: a server run that dies inside a step is continued by the next run.
 
 The crash is the grid raising in the middle of a phase (the real-process variant, SIGKILL of
-the ServerApp, is in tests/test_e2e_deploy.py). The next run over the same federation folder
+the ServerApp, is in tests/test_e2e_resume.py). The next run over the same federation folder
 resumes from the last completed phase, and the final codebook equals that of a run that never
 crashed, tensor by tensor: nothing learned before the crash is lost or merged twice.
 """

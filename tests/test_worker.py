@@ -12,7 +12,7 @@ import pytest
 from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
-from starfed.client.worker import WorkerError, request, serve
+from starfed.client.worker import WorkerError, read_frame, request, send_frame, serve
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.protocol import Phase
@@ -73,3 +73,35 @@ def test_errors_and_garbage(worker: Path, tmp_path: Path) -> None:
     with pytest.raises(WorkerError, match="no site worker"):
         request(tmp_path / "absent.sock", header, b"")
     assert oct(worker.stat().st_mode & 0o777) == "0o600"
+
+
+class Preempted(socket.socket):
+    """A ClientApp the scheduler pauses after every write, as on a loaded machine."""
+
+    def sendall(self, data, *args) -> None:
+        super().sendall(data, *args)
+        time.sleep(0.3)
+
+
+def test_a_frame_without_payload_survives_an_answer_that_comes_at_once(tmp_path: Path) -> None:
+    # A peer that answers as soon as the frame is complete and closes, as the worker does
+    # with a sync: the sender must not write to the closed connection afterwards (seen as a
+    # BrokenPipeError that lost a site's sync in tests/test_e2e_resume.py).
+    path = str(tmp_path / "peer.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen()
+
+        def answer_at_once() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                header, payload = read_frame(connection)
+                send_frame(connection, {"ok": True, "echo": header}, payload)
+
+        peer = threading.Thread(target=answer_at_once, daemon=True)
+        peer.start()
+        with Preempted(socket.AF_UNIX, socket.SOCK_STREAM) as stream:
+            stream.connect(path)
+            send_frame(stream, {"phase": "sync"})
+            assert read_frame(stream) == ({"ok": True, "echo": {"phase": "sync"}}, b"")
+        peer.join(5)
