@@ -5,6 +5,8 @@ computes, on the smallest scenario (tiny backbones, 2 sites, 2 tasks x 2 classes
   are the head's bytes;
 - `starfed-positional`: a class's tensors averaged over every site's examples, the broadcast
   rows of sites that did not train it included (plain FedAvg), next to the per-class merge;
+- `starfed-unmerged`: every site's Gaussians kept, weighted by its examples, where the merge
+  reduces them to ``mixture-components``;
 - `starfed-no-replay`: starfed with ``generative-replay=false``.
 """
 
@@ -22,10 +24,18 @@ from rich.console import Console
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.merge import merge_updates
+from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.protocol import Phase
-from starfed.simulations.methods import METHODS, ablations, fedavg, positional
+from starfed.simulations.methods import (
+    METHODS,
+    ablations,
+    fedavg,
+    positional,
+    reducers,
+    unmerged,
+)
 
 TINY = {"num-tasks": 2, "classes-per-task": 2, "num-clients": 2}
 ONE_EPOCH = {"stage1-epochs": 1, "replay1-epochs": 1, "replay2-epochs": 1,
@@ -42,7 +52,7 @@ def _in_range(matrix: list[list[float]]) -> bool:
 
 
 def test_the_baselines_are_registered() -> None:
-    for name in ("fedavg", "starfed-positional", "starfed-no-replay"):
+    for name in ("fedavg", "starfed-positional", "starfed-unmerged", "starfed-no-replay"):
         assert callable(METHODS[name].load())
 
 
@@ -107,11 +117,48 @@ def test_positional_fedavg_without_any_update_fails_the_step() -> None:
 
 
 def test_the_reducer_swap_ends_with_the_run() -> None:
-    before = dict(positional.REDUCERS)
-    with positional.reducers({Phase.STAGE1: positional.merge_by_position}):
-        assert positional.REDUCERS[Phase.STAGE1] is positional.merge_by_position
-    restored = dict(positional.REDUCERS)
+    before = dict(reducers.REDUCERS)
+    with (
+        pytest.raises(RuntimeError),
+        reducers.swapped({Phase.STAGE1: positional.merge_by_position}),
+    ):
+        assert reducers.REDUCERS[Phase.STAGE1] is positional.merge_by_position
+        raise RuntimeError("a failed run")
+    restored = dict(reducers.REDUCERS)
     assert restored == before
+
+
+def _mixture(centre: float, count: int, generator: torch.Generator) -> GaussianMixture:
+    """Three components around ``centre`` in 2 dimensions."""
+    means = centre + torch.randn(3, 2, generator=generator, dtype=torch.float64)
+    weights = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    return GaussianMixture(weights, means, torch.ones(3, 2, dtype=torch.float64), count)
+
+
+def test_unmerged_statistics_keep_every_sites_gaussians() -> None:
+    """Two sites' 3-component mixtures of class a: the merge reduces them to 2 components;
+    the pool keeps all 6, each site's weighted by its share of the examples (30 of 40)."""
+    dims = ModelDims(d_txt=3, d_clip=2, d_vit=5, n_layers=2)
+    codebook = _codebook(dims)
+    generator = torch.Generator().manual_seed(0)
+    first, second = _mixture(0.0, 30, generator), _mixture(10.0, 10, generator)
+    updates = [
+        ClientUpdate("f" * 64, dims, Phase.STAGE1_STATS, 1,
+                     [ClassEntry("a", m.count, {"clip_mixture": m})])
+        for m in (first, second)
+    ]  # fmt: skip
+    coordinator = SimpleNamespace(
+        codebook=codebook, in_play=["a", "b"], _updates=lambda replies, phase: replies
+    )
+    unmerged.pool_statistics(coordinator, Phase.STAGE1_STATS, [(None, u) for u in updates])
+    pooled = coordinator.codebook["a"].values["clip_mixture"]
+    merged = merge_updates(codebook, updates, n_components=2)["a"].values["clip_mixture"]
+    assert merged.n_components == 2 and pooled.n_components == 6
+    assert pooled.count == merged.count == 40
+    assert torch.allclose(pooled.weights, torch.cat([0.75 * first.weights, 0.25 * second.weights]))
+    assert torch.equal(pooled.means, torch.cat([first.means, second.means]))
+    # the merge keeps the union's mean: the pool's, exactly what the sites sent
+    assert torch.allclose(merged.weights @ merged.means, pooled.weights @ pooled.means)
 
 
 def test_starfed_without_generative_replay(tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ def test_shipped_grids_are_valid() -> None:
     assert default.methods == (
         "starfed",
         "starfed-positional",
+        "starfed-unmerged",
         "starfed-no-replay",
         "fedavg",
         "single-site",
@@ -81,7 +82,7 @@ def test_shipped_grids_are_valid() -> None:
     assert [s.values["alpha"] for s in grids.load("alpha").scenarios] == [0.5, 0.1, 0.05]
     arrival = grids.load("arrival").scenarios
     assert [s.values["arrival-offset"] for s in arrival] == [0, 1]
-    assert len(default.cells()) == 18 and len({c.name for c in default.cells()}) == 18
+    assert len(default.cells()) == 21 and len({c.name for c in default.cells()}) == 21
 
 
 def test_every_registered_method_loads() -> None:
@@ -95,7 +96,7 @@ BAD_GRIDS = {
     "unknown method": (
         '[experiment]\nname = "x"\nmethods = ["fedprox"]\n[[scenario]]\n',
         "[experiment] methods: unknown 'fedprox' (known: starfed, starfed-positional, "
-        "starfed-no-replay, fedavg, single-site, joint)",
+        "starfed-unmerged, starfed-no-replay, fedavg, single-site, joint)",
     ),
     "unknown key": (
         '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\nsites = 5\n',

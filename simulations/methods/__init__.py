@@ -51,6 +51,10 @@ METHODS: dict[str, MethodSpec] = {
         "starfed.simulations.methods.ablations:no_generative_replay",
         "federated STAR-Prompt without generative replay (generative-replay=false)",
     ),
+    "starfed-unmerged": MethodSpec(
+        "starfed.simulations.methods.unmerged:run",
+        "federated STAR-Prompt, the sites' Gaussians replayed unmerged (CCVR-style)",
+    ),
     "fedavg": MethodSpec(
         "starfed.simulations.methods.fedavg:run",
         "FedAvg fine-tuning of a linear head, no continual mechanism (lower bound)",

@@ -7,17 +7,11 @@ class's rows; a site without images of a class returns them as it was sent them,
 count with the site's weight, so a class's training is diluted by the examples held elsewhere.
 starfed averages a class only over the sites that carry it (docs/design.md#the-codebook).
 Everything else — sync, statistics and their mixture merge, both replays, evaluation — is
-starfed's, on the same local runtime.
-
-The swap is of the coordinator's two training reducers (``REDUCERS``, the server side of the
-protocol table) while the cell's federation runs; a cell has its own process
-(``starfed.simulations.cell``), so nothing else sees it.
+starfed's: only the two training reducers are swapped (``starfed.simulations.methods.reducers``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,19 +19,19 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from rich.console import Console
 
-from starfed.server.coordinator import REDUCERS, Coordinator, StepFailed
+from starfed.server.coordinator import Coordinator, StepFailed
 from starfed.server.messaging import Reply
 from starfed.shared.codebook import schema
 from starfed.shared.config import Values
 from starfed.shared.protocol import Phase
-from starfed.simulations.local_grid import run_locally
-from starfed.simulations.methods import cell_run_config
+from starfed.simulations.methods.reducers import run_with
 
-Reducer = Callable[[Coordinator, Phase, int, list[Reply]], None]
 WEIGHT = "num-examples"  # FedAvg's default weighting key
 
 
-def merge_by_position(coordinator: Coordinator, phase: Phase, step: int, replies: list) -> None:
+def merge_by_position(
+    coordinator: Coordinator, phase: Phase, step: int, replies: list[Reply]
+) -> None:
     """FedAvg over the classes in play: each reply becomes the full array set a plain FedAvg
     client would return (the broadcast rows of the classes it did not train), weighted by the
     examples it trained on. Classes' counts are those of the per-class merge."""
@@ -69,18 +63,6 @@ def merge_by_position(coordinator: Coordinator, phase: Phase, step: int, replies
     coordinator.codebook = codebook.set_values(values, counts)
 
 
-@contextmanager
-def reducers(swapped: dict[Phase, Reducer]) -> Iterator[None]:
-    """The coordinator's reducers of some phases replaced, for the duration."""
-    saved = {phase: REDUCERS[phase] for phase in swapped}
-    REDUCERS.update(swapped)
-    try:
-        yield
-    finally:
-        REDUCERS.update(saved)
-
-
 def run(values: Values, seed: int, out_dir: Path, console: Console) -> None:
     by_position = dict.fromkeys((Phase.STAGE1, Phase.STAGE2), merge_by_position)
-    with reducers(by_position):
-        run_locally(cell_run_config(values, seed, out_dir), console)
+    run_with(by_position, values, seed, out_dir, console)
