@@ -47,13 +47,13 @@ METHODS: dict[str, MethodSpec] = {
         "starfed.simulations.methods.positional:run",
         "federated STAR-Prompt, trained tensors averaged by position (plain FedAvg)",
     ),
-    "starfed-no-replay": MethodSpec(
-        "starfed.simulations.methods.ablations:no_generative_replay",
-        "federated STAR-Prompt without generative replay (generative-replay=false)",
-    ),
     "starfed-unmerged": MethodSpec(
         "starfed.simulations.methods.unmerged:run",
         "federated STAR-Prompt, the sites' Gaussians replayed unmerged (CCVR-style)",
+    ),
+    "starfed-no-replay": MethodSpec(
+        "starfed.simulations.methods.ablations:no_generative_replay",
+        "federated STAR-Prompt without generative replay (generative-replay=false)",
     ),
     "fedavg": MethodSpec(
         "starfed.simulations.methods.fedavg:run",
