@@ -64,7 +64,15 @@ def test_shipped_grids_are_valid() -> None:
     assert set(shipped) == {"default", "sites", "alpha", "arrival"}
     default = grids.load("default")
     assert default.seeds == (1993, 1996, 1997)
-    assert default.methods == ("starfed", "single-site", "joint")
+    assert default.methods == (
+        "starfed",
+        "starfed-positional",
+        "starfed-unmerged",
+        "starfed-no-replay",
+        "fedavg",
+        "single-site",
+        "joint",
+    )
     (scenario,) = default.scenarios
     values = scenario.values
     assert (values["num-clients"], values["alpha"], values["num-tasks"]) == (5, 0.5, 7)
@@ -74,7 +82,7 @@ def test_shipped_grids_are_valid() -> None:
     assert [s.values["alpha"] for s in grids.load("alpha").scenarios] == [0.5, 0.1, 0.05]
     arrival = grids.load("arrival").scenarios
     assert [s.values["arrival-offset"] for s in arrival] == [0, 1]
-    assert len(default.cells()) == 9 and len({c.name for c in default.cells()}) == 9
+    assert len(default.cells()) == 21 and len({c.name for c in default.cells()}) == 21
 
 
 def test_every_registered_method_loads() -> None:
@@ -87,7 +95,8 @@ BAD_GRIDS = {
     "not toml": ("[experiment\n", "Expected ']'"),
     "unknown method": (
         '[experiment]\nname = "x"\nmethods = ["fedprox"]\n[[scenario]]\n',
-        "[experiment] methods: unknown 'fedprox' (known: starfed, single-site, joint)",
+        "[experiment] methods: unknown 'fedprox' (known: starfed, starfed-positional, "
+        "starfed-unmerged, starfed-no-replay, fedavg, single-site, joint)",
     ),
     "unknown key": (
         '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\nsites = 5\n',

@@ -43,6 +43,22 @@ METHODS: dict[str, MethodSpec] = {
         "starfed.simulations.methods.federated:run",
         "federated STAR-Prompt: the scenario's sites, the local runtime",
     ),
+    "starfed-positional": MethodSpec(
+        "starfed.simulations.methods.positional:run",
+        "federated STAR-Prompt, trained tensors averaged by position (plain FedAvg)",
+    ),
+    "starfed-unmerged": MethodSpec(
+        "starfed.simulations.methods.unmerged:run",
+        "federated STAR-Prompt, the sites' Gaussians replayed unmerged (CCVR-style)",
+    ),
+    "starfed-no-replay": MethodSpec(
+        "starfed.simulations.methods.ablations:no_generative_replay",
+        "federated STAR-Prompt without generative replay (generative-replay=false)",
+    ),
+    "fedavg": MethodSpec(
+        "starfed.simulations.methods.fedavg:run",
+        "FedAvg fine-tuning of a linear head, no continual mechanism (lower bound)",
+    ),
     "single-site": MethodSpec(
         "starfed.simulations.methods.references:single_site",
         "STAR-Prompt with all the data at one site, the same tasks in order",

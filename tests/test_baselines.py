@@ -1,0 +1,172 @@
+"""The federated baselines of `starfed experiment` (docs/results.md#methods): what each one
+computes, on the smallest scenario (tiny backbones, 2 sites, 2 tasks x 2 classes).
+
+- `fedavg` (FedAvg fine-tuning of a linear head): the lower bound forgets, and its exchanges
+  are the head's bytes;
+- `starfed-positional`: a class's tensors averaged over every site's examples, the broadcast
+  rows of sites that did not train it included (plain FedAvg), next to the per-class merge;
+- `starfed-unmerged`: every site's Gaussians kept, weighted by its examples, where the merge
+  reduces them to ``mixture-components``;
+- `starfed-no-replay`: starfed with ``generative-replay=false``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rich.console import Console
+
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.codebook.merge import merge_updates
+from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.protocol import Phase
+from starfed.simulations.methods import (
+    METHODS,
+    ablations,
+    fedavg,
+    positional,
+    reducers,
+    unmerged,
+)
+
+TINY = {"num-tasks": 2, "classes-per-task": 2, "num-clients": 2}
+ONE_EPOCH = {"stage1-epochs": 1, "replay1-epochs": 1, "replay2-epochs": 1,
+             "replay2-epochs-per-task": 0, "stage2-epochs": 1}  # fmt: skip
+SEED = 1993
+
+
+def _metrics(folder: Path) -> dict:
+    return json.loads((folder / "metrics.json").read_text())
+
+
+def _in_range(matrix: list[list[float]]) -> bool:
+    return all(0 <= a <= 100 for row in matrix for a in row if a is not None)
+
+
+def test_the_baselines_are_registered() -> None:
+    for name in ("fedavg", "starfed-positional", "starfed-unmerged", "starfed-no-replay"):
+        assert callable(METHODS[name].load())
+
+
+def test_fedavg_fine_tuning_forgets(tmp_path: Path) -> None:
+    """Task 2's training pushes task 1's classes down: the lower bound forgets."""
+    out = tmp_path / "fedavg"
+    fedavg.run(parse(TINY), SEED, out, Console(quiet=True))
+    m = _metrics(out)
+    matrix = m["accuracy_matrix"]
+    assert [len(row) for row in matrix] == [1, 2] and _in_range(matrix)
+    assert m["final_forgetting"] == pytest.approx(matrix[0][0] - matrix[1][0])
+    assert m["final_forgetting"] > 0
+    assert m["final_average_accuracy"] == pytest.approx((matrix[1][0] + matrix[1][1]) / 2)
+    assert m["prompt_selection_accuracy_matrix"] == []
+    # one message per site per round, each way the head: d_vit x classes weights + biases
+    d_vit = BackboneOptions.from_config(parse(TINY)).load("cpu").dims.d_vit
+    head_bytes = 4 * (d_vit + 1) * 4  # float32, 4 classes
+    rounds = parse(TINY)["stage2-rounds"]
+    assert len(m["exchanges"]) == 2 * 2 * rounds
+    ((down, up),) = {(e["bytes_down"], e["bytes_up"]) for e in m["exchanges"]}
+    assert down == up and head_bytes < down <= head_bytes + 2 * 256  # + a .npy header per array
+
+
+def _codebook(dims: ModelDims) -> Codebook:
+    zeros = torch.zeros(dims.d_txt)
+    entries = {name: ClassEntry(name, 0, {"prompt": zeros}) for name in ("a", "b")}
+    return Codebook("f" * 64, dims, entries, version=1)
+
+
+def test_positional_fedavg_dilutes_what_the_per_class_merge_keeps() -> None:
+    """Site 1 trains class a on 30 images, site 2 class b on 10: per class, each keeps its
+    trainer's rows; by position, each is diluted by the other site's unchanged broadcast."""
+    dims = ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2)
+    codebook = _codebook(dims)
+    updates = [
+        ClientUpdate("f" * 64, dims, Phase.STAGE1, 1,
+                     [ClassEntry("a", 30, {"prompt": torch.ones(3)})]),
+        ClientUpdate("f" * 64, dims, Phase.STAGE1, 1,
+                     [ClassEntry("b", 10, {"prompt": torch.full((3,), 2.0)})]),
+    ]  # fmt: skip
+    coordinator = SimpleNamespace(
+        codebook=codebook, in_play=["a", "b"], _updates=lambda replies, phase: replies
+    )
+    positional.merge_by_position(coordinator, Phase.STAGE1, 0, [(None, u) for u in updates])
+    by_position = coordinator.codebook
+    per_class = merge_updates(codebook, updates)
+    assert torch.allclose(per_class["a"].values["prompt"], torch.ones(3))
+    assert torch.allclose(per_class["b"].values["prompt"], torch.full((3,), 2.0))
+    assert torch.allclose(by_position["a"].values["prompt"], torch.full((3,), 30 / 40))
+    assert torch.allclose(by_position["b"].values["prompt"], torch.full((3,), 2 * 10 / 40))
+    assert (by_position["a"].count, by_position["b"].count) == (30, 10)
+    assert by_position.version == codebook.version + 1
+
+
+def test_positional_fedavg_without_any_update_fails_the_step() -> None:
+    dims = ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2)
+    coordinator = SimpleNamespace(
+        codebook=_codebook(dims), in_play=["a", "b"], _updates=lambda replies, phase: replies
+    )
+    with pytest.raises(positional.StepFailed):
+        positional.merge_by_position(coordinator, Phase.STAGE1, 0, [])
+
+
+def test_the_reducer_swap_ends_with_the_run() -> None:
+    before = dict(reducers.REDUCERS)
+    with (
+        pytest.raises(RuntimeError),
+        reducers.swapped({Phase.STAGE1: positional.merge_by_position}),
+    ):
+        assert reducers.REDUCERS[Phase.STAGE1] is positional.merge_by_position
+        raise RuntimeError("a failed run")
+    restored = dict(reducers.REDUCERS)
+    assert restored == before
+
+
+def _mixture(centre: float, count: int, generator: torch.Generator) -> GaussianMixture:
+    """Three components around ``centre`` in 2 dimensions."""
+    means = centre + torch.randn(3, 2, generator=generator, dtype=torch.float64)
+    weights = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    return GaussianMixture(weights, means, torch.ones(3, 2, dtype=torch.float64), count)
+
+
+def test_unmerged_statistics_keep_every_sites_gaussians() -> None:
+    """Two sites' 3-component mixtures of class a: the merge reduces them to 2 components;
+    the pool keeps all 6, each site's weighted by its share of the examples (30 of 40)."""
+    dims = ModelDims(d_txt=3, d_clip=2, d_vit=5, n_layers=2)
+    codebook = _codebook(dims)
+    generator = torch.Generator().manual_seed(0)
+    first, second = _mixture(0.0, 30, generator), _mixture(10.0, 10, generator)
+    updates = [
+        ClientUpdate("f" * 64, dims, Phase.STAGE1_STATS, 1,
+                     [ClassEntry("a", m.count, {"clip_mixture": m})])
+        for m in (first, second)
+    ]  # fmt: skip
+    coordinator = SimpleNamespace(
+        codebook=codebook, in_play=["a", "b"], _updates=lambda replies, phase: replies
+    )
+    unmerged.pool_statistics(coordinator, Phase.STAGE1_STATS, [(None, u) for u in updates])
+    pooled = coordinator.codebook["a"].values["clip_mixture"]
+    merged = merge_updates(codebook, updates, n_components=2)["a"].values["clip_mixture"]
+    assert merged.n_components == 2 and pooled.n_components == 6
+    assert pooled.count == merged.count == 40
+    assert torch.allclose(pooled.weights, torch.cat([0.75 * first.weights, 0.25 * second.weights]))
+    assert torch.equal(pooled.means, torch.cat([first.means, second.means]))
+    # the merge keeps the union's mean: the pool's, exactly what the sites sent
+    assert torch.allclose(merged.weights @ merged.means, pooled.weights @ pooled.means)
+
+
+def test_starfed_without_generative_replay(tmp_path: Path) -> None:
+    out = tmp_path / "no-replay"
+    ablations.no_generative_replay(parse({**TINY, **ONE_EPOCH}), SEED, out, Console(quiet=True))
+    m = _metrics(out)
+    assert m["config"]["train"]["generative_replay"] is False
+    assert m["config"]["train"]["seed"] == SEED
+    assert [len(row) for row in m["accuracy_matrix"]] == [1, 2]
+    assert _in_range(m["accuracy_matrix"]) and not math.isnan(m["final_average_accuracy"])
+    assert m["exchanges"]
