@@ -121,7 +121,9 @@ def test_flwr_run_end_to_end(tmp_path: Path) -> None:
 def test_ctrl_c_stops_the_run_and_marks_its_folder(tmp_path: Path) -> None:
     results = tmp_path / "results"
     run_dir = results / "stopped"
-    command = [*SMALL, "--clients=2", "--tasks=3", f"--results-dir={results}", "--run-name=stopped"]
+    # Ten steps: on an idle machine the ServerApp must not finish them all before `flwr stop`.
+    command = [*SMALL, "--clients=2", "--tasks=10", f"--results-dir={results}",
+               "--run-name=stopped"]  # fmt: skip
     env = dict(os.environ, STARFED_CACHE_DIR=str(tmp_path / "cache"))
     sampler = ProcessSampler(f"FLWR_HOME={run_dir / '.flwr'}")
     sampler.start()

@@ -38,7 +38,7 @@ from torch import nn
 
 from starfed.client.app import default_cache_dir
 from starfed.shared.config import BackboneOptions, Values, parse
-from starfed.shared.data.cropdiseases import decode_images, to_unit
+from starfed.shared.data.images import decode_images, to_unit
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.metrics import final_average_accuracy, final_forgetting, nan_to_none
 from starfed.shared.model.backbones import Backbones
