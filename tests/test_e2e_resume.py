@@ -1,14 +1,16 @@
 """Crash safety with real processes: SIGKILL of the ServerApp mid-step, then `server resume`.
 
 A started server and two sites (``deployed.deployment``); ``starfed server round`` runs until
-the federation folder's checkpoint shows stage 1 done, then the ServerApp process (below the
-server's SuperExec) is killed with SIGKILL and its run stopped on the SuperLink (``flwr
-stop``), as an operator finds it after a crash. ``starfed server resume`` says where it
-continues, finishes the step without running again any phase checkpointed before the kill, and
-ends with the codebook of a run that never crashed, tensor by tensor: the guarantee of
-tests/test_resume.py (one random stream per phase, merges in content order, a checkpoint per
-phase) now across processes. The uninterrupted run is the same step on the local runtime,
-which computes what the deployed apps compute at the same thread count (docs/simulation.md).
+the federation folder's checkpoint shows a phase done — sync (the kill lands in stage 1),
+stage 1 (in the statistics; the case CI runs) or stage 1's statistics (in stage 2) — then the
+ServerApp process (below the server's SuperExec) is killed with SIGKILL and its run stopped on
+the SuperLink (``flwr stop``), as an operator finds it after a crash. ``starfed server resume``
+says where it continues, finishes the step without running again any phase checkpointed before
+the kill, and ends with the codebook of a run that never crashed, tensor by tensor: the
+guarantee of tests/test_resume.py (one random stream per phase, merges in content order, a
+checkpoint per phase) now across processes. The uninterrupted run is the same step on the local
+runtime, which computes what the deployed apps compute at the same thread count
+(docs/simulation.md).
 """
 
 from __future__ import annotations
@@ -84,7 +86,15 @@ def assert_same_tensors(a: Codebook, b: Codebook) -> None:
                         assert torch.equal(getattr(x, part), getattr(y, part)), (name, f.name)
 
 
-def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "after",  # the checkpoint the kill waits for: the ServerApp dies in the phase after it
+    [
+        pytest.param("sync/0", marks=pytest.mark.slow, id="killed-in-stage1"),
+        pytest.param("stage1/0", id="killed-in-statistics"),
+        pytest.param("stage1_stats/0", marks=pytest.mark.slow, id="killed-in-stage2"),
+    ],
+)
+def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, after) -> None:
     times = {"start": time.monotonic()}
     with deployment(tmp_path / "deployed", monkeypatch, SITES) as deployed:
         reference = uninterrupted(deployed.root, tmp_path / "reference")
@@ -95,7 +105,7 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch) -
                  "--json"],
                 stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
             )  # fmt: skip
-        deployed.wait_for_checkpoint("stage1/0", timeout=ROUND_TIMEOUT_S)
+        deployed.wait_for_checkpoint(after, timeout=ROUND_TIMEOUT_S)
         serverapps = deployed.serverapps()
         assert len(serverapps) == 1, serverapps
         send_signal(serverapps, signal.SIGKILL)
@@ -104,7 +114,8 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch) -
         before = deployed.checkpoint()
         assert before is not None and before.position.running and before.position.step == 0
         done_before = list(before.position.done)
-        assert done_before[:2] == ["sync/0", "stage1/0"] and "evaluate/0" not in done_before
+        reached = PHASES.index(after) + 1
+        assert done_before[:reached] == PHASES[:reached] and "evaluate/0" not in done_before
         cli = FlowerCli(deployed.server.flwr_home)
         (run,) = cli.unfinished_runs()  # the killed ServerApp's run is still "running"
         refused = deployed.root / "refused.log"
