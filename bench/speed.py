@@ -128,7 +128,10 @@ class Worker:
             backbones = sf["create_backbones"](config_path=CONFIG_T)
         else:
             backbones = sf["create_backbones"](dims)
-        backbones.to(self.device)
+        if hasattr(backbones, "place"):  # half precision on a GPU (starfed.shared.device)
+            backbones.place(self.device)
+        else:  # before device support: float32 wherever it is put
+            backbones.to(self.device)
         self.backbones = backbones
         split = sf["SplitCropDiseases"].from_root(sf["bundled_dataset_root"](), seed=1993)
         names = list(split.class_folders)
@@ -141,10 +144,12 @@ class Worker:
         self.generator = g
         self.batch = batch
         n = 2 * batch
-        self.images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
-        self.labels = torch.randint(N_PAST, N_SEEN, (n,), generator=g)
+        # On the device, as a site keeps its decoded task there (training moves them anyway).
+        images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
+        self.images = images.to(self.device)
+        self.labels = torch.randint(N_PAST, N_SEEN, (n,), generator=g).to(self.device)
         self.views = training.Views.of(backbones)
-        self.features = training.clip_features(backbones, self.images)
+        self.features = training.clip_features(backbones, self.images).to(self.device)
         d_vit = backbones.dims.d_vit
         self.mog_data = torch.randn(MOG_SAMPLES, d_vit, generator=g) + torch.arange(d_vit) / d_vit
         self.config = training.TrainConfig(stage1_epochs=1, stage2_epochs=1, batch_size=batch)
@@ -271,7 +276,8 @@ class Worker:
         return {"flops": counter.get_total_flops(), "images": images}
 
     def peak_gflops(self) -> dict[str, float]:
-        """Best float32 matmul rate of the device: torch.mm, and oneDNN where it exists."""
+        """Best matmul rate of the device: float32 torch.mm, and oneDNN where it exists; on a
+        GPU also float16, the precision the backbones run in there."""
         torch = self.torch
         n = 2048 if self.device.type == "cpu" else 8192
         a = torch.randn(n, n, device=self.device)
@@ -282,6 +288,9 @@ class Worker:
             candidates["oneDNN linear"] = lambda: torch.ops.mkldnn._linear_pointwise(
                 a, b, None, "none", [], ""
             )
+        if self.device.type == "cuda":
+            a16, b16 = a.half(), b.half()
+            candidates["torch.mm float16"] = lambda: torch.mm(a16, b16)
         for name, fn in candidates.items():
             fn()
             best = float("inf")

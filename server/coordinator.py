@@ -102,17 +102,36 @@ class Coordinator:
         while max_steps is None or len(self.log.steps) < max_steps:
             record = self.run_step()
             if record is None:
-                self.console.print("no site brings a new class: the run is over")
+                self._end_without_step()
                 break
             if record["status"] == FAILED:
                 break
-        statuses = {record["status"] for record in self.log.steps}
+        statuses = {record["status"] for record in self.log.steps} | {self.log.status}
         if FAILED in statuses:
             self.log.status = FAILED
-            self.log.reason = next(r["reason"] for r in self.log.steps if r["status"] == FAILED)
+            failed = (r["reason"] for r in self.log.steps if r["status"] == FAILED)
+            self.log.reason = next(failed, self.log.reason)
         elif DEGRADED in statuses:
             self.log.status = DEGRADED
         return self.log
+
+    def _end_without_step(self) -> None:
+        """The sync found nothing in play: the run is over — unless sites failed to answer,
+        which says nothing about what they hold (all failed: the run failed; some: degraded)."""
+        failed = [e for e in self._steps if e.status != "ok"]
+        if failed and len(failed) == len(self._steps):
+            self.log.status = FAILED
+            self.log.reason = f"no site answered the sync ({failed[0].site}: {failed[0].status})"
+            self.console.print(f"[red]{self.log.reason}")
+            return
+        if failed:
+            self.log.status = DEGRADED
+            self.console.print(
+                f"[yellow]{len(failed)} site(s) did not answer the sync; the others bring "
+                "nothing new: the run is over"
+            )
+            return
+        self.console.print("no site brings a new class: the run is over")
 
     def _wait_for_sites(self) -> bool:
         """Wait up to ``wait-s`` for ``min-sites`` connected sites."""

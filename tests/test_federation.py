@@ -194,6 +194,22 @@ def test_no_site_connected_fails_the_run(fed):
     assert (fed.folder / "metrics.json").is_file()
 
 
+def test_no_site_answering_the_sync_fails_the_run_instead_of_ending_it(fed):
+    """Sites that cannot answer (a missing package, a broken disk) say nothing about what they
+    hold: the run fails with their error rather than completing with "nothing new"."""
+    fed.site(1, "farm-a", {"t1": CLASSES[0:2]})
+    fed.site(2, "farm-b", {"t1": CLASSES[2:4]})
+    for node in (1, 2):
+        fed.faults[(node, "query.sync")] = lambda reply: None
+    with pytest.raises(RunFailed, match="no site answered the sync"):
+        fed.run()
+    assert fed.codebook().names == []
+    fed.faults[(1, "query.sync")] = lambda reply: reply  # one site back: a degraded step
+    metrics, _ = fed.run()
+    assert metrics["status"] == "degraded" and metrics["steps"] == 1
+    assert sorted(fed.codebook().names) == sorted(CLASSES[0:2])
+
+
 def test_every_site_failing_a_phase_fails_the_step_and_rolls_back(fed):
     fed.site(1, "farm-a", {"t1": CLASSES[0:2]})
     fed.site(2, "farm-b", {"t1": CLASSES[2:4]})
