@@ -219,7 +219,10 @@ class Site:
         model = StarPrompt(self.backbones, confidence_modulation=self.config.confidence_modulation)
         model.load_bank(codebook.bank())
         steps = torch.tensor(class_steps)
-        scores = score_classes(model, test.images, test.labels, self._cached_features(test), steps)
+        features = self._cached_features(test)
+        scores = score_classes(
+            model, test.images, test.labels, features, steps, self.config.classify_with_keys
+        )
         return EvaluationReport.of(codebook, scores, site=self.name)
 
 

@@ -34,6 +34,7 @@ class ServerTestSet:
         model = StarPrompt(self.backbones, confidence_modulation=self.train.confidence_modulation)
         model.load_bank(codebook.bank())
         groups = torch.tensor([class_steps[name] for name in codebook.names])
-        report = EvaluationReport.of(codebook, self.images.score(model, groups))
+        scores = self.images.score(model, groups, use_keys=self.train.classify_with_keys)
+        report = EvaluationReport.of(codebook, scores)
         result = aggregate([("server", report)], class_steps, step, codebook.dims.n_layers)
         return {"accuracy": result.accuracy, "selection_accuracy": result.selection_accuracy}

@@ -185,6 +185,8 @@ SCHEMA: tuple[Knob, ...] = (
          "training"),
     Knob("confidence-modulation", bool, True, "scale first-level logits by the prompt "
          "selection's confidence", "training"),
+    Knob("classify-with-keys", bool, False, "ablation: predict with the first-level keys alone "
+         "(evaluation only; training is unchanged)", "training"),
     # backbones: the frozen pair every participant loads (fingerprints must match)
     Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
     Knob("device", str, "auto", "where the server and simulated sites compute: auto (the GPU "
@@ -219,8 +221,6 @@ SCHEMA: tuple[Knob, ...] = (
          command="train-local"),
     Knob("vit-tag", str, "augreg_in21k", "which ViT weights --download fetches", "command",
          choices=PAPER_VIT_TAGS, command="train-local"),
-    Knob("classify-with-keys", bool, False, "predict with the first-level keys only", "command",
-         command="train-local"),
     Knob("threads", int, os.cpu_count() or 1, "torch CPU threads", "command", ge=1,
          command="train-local"),
     Knob("runtime", str, "flower", "where the apps run: flower (a SuperLink and Ray, as "

@@ -135,12 +135,15 @@ class LabelledImages:
         model: StarPrompt,
         group_of_row: torch.Tensor,
         confusion: torch.Tensor | None = None,
+        use_keys: bool = False,
     ) -> ClassScores:
         """``score_classes`` on the images of the model's classes (the others are left out)."""
         rows = self.rows(model.bank.names)
         known = rows >= 0
         images, features = self.test.images[known], self.features[known]
-        return score_classes(model, images, rows[known], features, group_of_row, False, confusion)
+        return score_classes(
+            model, images, rows[known], features, group_of_row, use_keys, confusion
+        )
 
 
 def _percent(part: int, whole: int) -> float | None:

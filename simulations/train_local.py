@@ -48,7 +48,6 @@ class LocalRunOptions:
     vit_weights: str | None = None
     download: bool = False
     vit_tag: str = "augreg_in21k"
-    classify_with_keys: bool = False
     device: str = "auto"  # starfed.shared.device
     results_dir: str = "results"
     run_name: str | None = None
@@ -69,7 +68,6 @@ class LocalRunOptions:
             vit_weights=backbones.vit_weights,
             download=own["download"],
             vit_tag=own["vit-tag"],
-            classify_with_keys=own["classify-with-keys"],
             device=values["device"],
             results_dir=values["results-dir"],
             run_name=optional(values["run-name"]),
@@ -143,7 +141,7 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
             learn_task(model, images, targets, features, n_past, t, config, progress)
 
             scores = evaluate_decoded(
-                model, test, test_features, split, t + 1, use_keys=options.classify_with_keys
+                model, test, test_features, split, t + 1, use_keys=config.classify_with_keys
             )
             matrix.append(scores.accuracy)
             selection.append(scores.selection_accuracy)

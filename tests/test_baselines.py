@@ -7,7 +7,8 @@ computes, on the smallest scenario (tiny backbones, 2 sites, 2 tasks x 2 classes
   rows of sites that did not train it included (plain FedAvg), next to the per-class merge;
 - `starfed-unmerged`: every site's Gaussians kept, weighted by its examples, where the merge
   reduces them to ``mixture-components``;
-- `starfed-no-replay`: starfed with ``generative-replay=false``.
+- `starfed-no-replay`: starfed with ``generative-replay=false``;
+- `starfed-keys`: starfed trained as usual, every evaluation with the first-level keys.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from starfed.shared.codebook.merge import merge_updates
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.protocol import Phase
 from starfed.simulations.methods import (
     METHODS,
     ablations,
     fedavg,
+    federated,
     positional,
     reducers,
     unmerged,
@@ -52,7 +55,8 @@ def _in_range(matrix: list[list[float]]) -> bool:
 
 
 def test_the_baselines_are_registered() -> None:
-    for name in ("fedavg", "starfed-positional", "starfed-unmerged", "starfed-no-replay"):
+    for name in ("fedavg", "starfed-positional", "starfed-unmerged", "starfed-no-replay",
+                 "starfed-keys"):  # fmt: skip
         assert callable(METHODS[name].load())
 
 
@@ -170,3 +174,29 @@ def test_starfed_without_generative_replay(tmp_path: Path) -> None:
     assert [len(row) for row in m["accuracy_matrix"]] == [1, 2]
     assert _in_range(m["accuracy_matrix"]) and not math.isnan(m["final_average_accuracy"])
     assert m["exchanges"]
+
+
+def test_starfed_classifying_with_keys_trains_the_same_codebook(tmp_path: Path, monkeypatch):
+    """Only evaluation changes: the codebook equals plain starfed's, and every prediction the
+    cell makes (the sites' evaluations) uses the keys."""
+    values = parse({**TINY, **ONE_EPOCH})
+    federated.run(values, SEED, tmp_path / "starfed", Console(quiet=True))
+    calls: list[bool] = []
+    predict = StarPrompt.predict
+
+    def recording(self, *args, use_keys: bool = False, **kwargs):
+        calls.append(use_keys)
+        return predict(self, *args, use_keys=use_keys, **kwargs)
+
+    monkeypatch.setattr(StarPrompt, "predict", recording)
+    ablations.classify_with_keys(values, SEED, tmp_path / "keys", Console(quiet=True))
+    assert calls and all(calls)
+    m = _metrics(tmp_path / "keys")
+    assert m["config"]["train"]["classify_with_keys"] is True
+    assert _in_range(m["accuracy_matrix"]) and not math.isnan(m["final_average_accuracy"])
+    plain, keys = (Codebook.load(tmp_path / name / "codebook.bin") for name in ("starfed", "keys"))
+    assert plain.names == keys.names
+    for name in plain.names:
+        for field, value in plain[name].values.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(keys[name].values[field], value), (name, field)

@@ -69,6 +69,7 @@ def test_shipped_grids_are_valid() -> None:
         "starfed-positional",
         "starfed-unmerged",
         "starfed-no-replay",
+        "starfed-keys",
         "fedavg",
         "single-site",
         "joint",
@@ -82,7 +83,7 @@ def test_shipped_grids_are_valid() -> None:
     assert [s.values["alpha"] for s in grids.load("alpha").scenarios] == [0.5, 0.1, 0.05]
     arrival = grids.load("arrival").scenarios
     assert [s.values["arrival-offset"] for s in arrival] == [0, 1]
-    assert len(default.cells()) == 21 and len({c.name for c in default.cells()}) == 21
+    assert len(default.cells()) == 24 and len({c.name for c in default.cells()}) == 24
 
 
 def test_every_registered_method_loads() -> None:
@@ -96,7 +97,7 @@ BAD_GRIDS = {
     "unknown method": (
         '[experiment]\nname = "x"\nmethods = ["fedprox"]\n[[scenario]]\n',
         "[experiment] methods: unknown 'fedprox' (known: starfed, starfed-positional, "
-        "starfed-unmerged, starfed-no-replay, fedavg, single-site, joint)",
+        "starfed-unmerged, starfed-no-replay, starfed-keys, fedavg, single-site, joint)",
     ),
     "unknown key": (
         '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\nsites = 5\n',

@@ -66,6 +66,7 @@ class TrainConfig:
     mixture_components: int = 5  # 1 = the paper's "unimodal" ablation
     generative_replay: bool = True
     confidence_modulation: bool = True
+    classify_with_keys: bool = False  # evaluation: the paper's keys-as-classifier ablation
     seed: int = 1993
 
     @classmethod

@@ -55,6 +55,10 @@ METHODS: dict[str, MethodSpec] = {
         "starfed.simulations.methods.ablations:no_generative_replay",
         "federated STAR-Prompt without generative replay (generative-replay=false)",
     ),
+    "starfed-keys": MethodSpec(
+        "starfed.simulations.methods.ablations:classify_with_keys",
+        "federated STAR-Prompt evaluated with the first-level keys alone (classify-with-keys)",
+    ),
     "fedavg": MethodSpec(
         "starfed.simulations.methods.fedavg:run",
         "FedAvg fine-tuning of a linear head, no continual mechanism (lower bound)",
