@@ -14,7 +14,7 @@ import sys
 
 from starfed.cli.flags import add_command, given, same_name, switch
 from starfed.shared.config import parse, writable_dir
-from starfed.simulations.grid import load
+from starfed.simulations.grid import load, shipped_grids
 
 COMMAND = "experiment"
 FLAGS = (*same_name("results-dir"), switch("--json", "json", True))
@@ -40,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "grid",
         metavar="GRID",
-        help="a grid file (TOML), or a shipped grid: default, sites, alpha, arrival",
+        help=f"a grid file (TOML), or a shipped grid: {', '.join(shipped_grids())}",
     )
 
 

@@ -61,7 +61,7 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 
 def test_shipped_grids_are_valid() -> None:
     shipped = grids.shipped_grids()
-    assert set(shipped) == {"default", "sites", "alpha", "arrival"}
+    assert set(shipped) == {"default", "sites", "alpha", "arrival", "gap"}
     default = grids.load("default")
     assert default.seeds == (1993, 1996, 1997)
     assert default.methods == (
@@ -83,6 +83,10 @@ def test_shipped_grids_are_valid() -> None:
     assert [s.values["alpha"] for s in grids.load("alpha").scenarios] == [0.5, 0.1, 0.05]
     arrival = grids.load("arrival").scenarios
     assert [s.values["arrival-offset"] for s in arrival] == [0, 1]
+    gap = {s.name: s.values for s in grids.load("gap").scenarios}
+    budgets = [(v["stage1-rounds"], v["stage1-epochs"], v["stage2-rounds"], v["stage2-epochs"])
+               for v in gap.values()]  # fmt: skip
+    assert budgets == [(1, 5, 1, 5), (2, 5, 2, 5), (5, 1, 5, 1), (1, 10, 1, 10)]
     assert len(default.cells()) == 24 and len({c.name for c in default.cells()}) == 24
 
 
@@ -159,7 +163,7 @@ def test_a_missing_grid_names_the_shipped_ones() -> None:
     assert code == 2
     assert err == (
         "starfed experiment: error: grid no-such-grid: no such file, nor a shipped grid "
-        "(alpha, arrival, default, sites)\n"
+        "(alpha, arrival, default, gap, sites)\n"
     )
 
 

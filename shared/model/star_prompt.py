@@ -66,7 +66,7 @@ def init_class_rows(
 @dataclass
 class Prediction:
     logits: torch.Tensor  # [B, C] over the bank's classes
-    selected: torch.Tensor  # c* [B, L] (row indices), or the first-level argmax [B, 1]
+    selected: torch.Tensor  # c* [B, L] (row indices); with keys alone, their argmax in every block
 
 
 class StarPrompt:
@@ -153,13 +153,16 @@ class StarPrompt:
     ) -> Prediction:
         """Logits over all bank classes with the replay-aligned head.
 
-        ``use_keys`` classifies with the first-level keys alone (the paper's ablation).
+        ``use_keys`` classifies with the first-level keys alone (the paper's ablation); the
+        selection is then that argmax in each of the L blocks, so prompt-selection counts keep
+        their images × L denominator (``starfed.shared.report``).
         """
         bank = self.bank
         if use_keys:
             features = image_features.to(self.device)
             logits = first_level_logits(features, bank["key"], self.encoder.logit_scale)
-            return Prediction(logits, logits.argmax(-1, keepdim=True))
+            selected = logits.argmax(-1, keepdim=True).expand(-1, bank.dims.n_layers)
+            return Prediction(logits, selected)
         out = self.second_level(images, image_features)
         logits = F.linear(out.features, bank["aligned_head_weight"], bank["aligned_head_bias"])
         return Prediction(logits, out.selected)
