@@ -56,7 +56,7 @@ def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> 
     from starfed.client.memory import SiteMemory
     from starfed.client.site import Site
     from starfed.shared.config import BackboneOptions
-    from starfed.shared.data.scenario import Scenario, ScenarioConfig
+    from starfed.shared.data.scenario import ScenarioConfig, shared_scenario
     from starfed.shared.model.training import TrainConfig
 
     key = (run_id, node_id)
@@ -72,7 +72,9 @@ def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> 
         elif "partition-id" in node_config:
             partition = node["partition-id"]
             clients = node["num-partitions"] or values["num-clients"]
-            scenario = Scenario(ScenarioConfig.from_config({**values, "num-clients": clients}))
+            scenario = shared_scenario(
+                ScenarioConfig.from_config({**values, "num-clients": clients})
+            )
             name = f"site-{partition}"
             root = run_dir(values, run_id) / "sites" / name
             data_dir, state_dir = root / "data", root / "state"

@@ -9,7 +9,7 @@ import pytest
 
 from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
-from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.shared.data.scenario import Scenario, ScenarioConfig, shared_scenario
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,16 @@ def test_partition_is_deterministic_and_seed_sensitive(scenario: Scenario) -> No
     assert other.split.class_folders != scenario.split.class_folders
     # Not just relabelled: the clients' counts of each class folder change with the seed.
     assert _counts_by_folder(other) != _counts_by_folder(scenario)
+
+
+def test_sites_in_one_process_share_one_scenario_per_config(scenario: Scenario) -> None:
+    """What a simulation worker's sites read is the same as a scenario of their own."""
+    shared = shared_scenario(ScenarioConfig())
+    assert shared_scenario(ScenarioConfig()) is shared
+    assert shared_scenario(ScenarioConfig(seed=1996)) is not shared
+    for task in range(scenario.n_tasks):
+        for c in range(scenario.n_clients):
+            assert shared.train_samples(c, task) == scenario.train_samples(c, task)
 
 
 def test_task_stream_with_asynchronous_arrival() -> None:

@@ -8,11 +8,12 @@ after site 0, so sites in different tasks share rounds. Each site's test set fol
 class mix; the global test set (the split's) is what the server scores in simulation.
 
 Partitions are computed per task on first use and kept on the instance, so building a scenario
-only scans the dataset folder.
+only scans the dataset folder; ``shared_scenario`` keeps one per process and config.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Iterable
@@ -235,3 +236,11 @@ def _write_class_folders(parent: Path, samples: list[Sample], split: SplitCropDi
         for path in paths:
             (staging / Path(path).name).symlink_to(Path(path).resolve())
         staging.rename(target)
+
+
+@functools.lru_cache(maxsize=4)
+def shared_scenario(config: ScenarioConfig) -> Scenario:
+    """One scenario per process and config. A simulation worker answers for many sites; they
+    share its dataset scan and partitions (pure functions of the config) instead of each site
+    computing every site's partition again — with 100 sites that was most of a step."""
+    return Scenario(config)
