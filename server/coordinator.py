@@ -188,6 +188,10 @@ class Coordinator:
                     phase_seconds.append({"phase": spec.phase.key, "round": round_index,
                                           "seconds": time.perf_counter() - t0})  # fmt: skip
         except StepFailed as err:
+            # Sites that all stop answering may be a run that was stopped (`flwr stop`): then
+            # this grid call fails in Flower (its token is revoked) and the run ends here,
+            # recording nothing, instead of as a failed step.
+            self.grid.get_node_ids()
             status, reason = FAILED, str(err)
             self.console.print(f"[red]step {step + 1} failed: {reason}; rolled back")
         if status != FAILED and any(e.status != "ok" for e in self._steps):

@@ -111,12 +111,19 @@ class LocalSuperLink:
         if self.process is not None and (root := ProcessId.of(self.process.pid)):
             self.seen |= processes.descendants({root, *self.seen})
 
-    def stop(self) -> set[ProcessId]:
+    def stop(self, at_once: bool = False) -> set[ProcessId]:
         """SIGTERM the SuperLink and wait for it, then end whatever it left (SIGKILL late
-        ones). Returns the survivors."""
+        ones). ``at_once`` (a run stopped by Ctrl-C) signals every process together: a
+        ServerApp left running while the SuperLink goes would meet dead sites and record a
+        failure (its checkpoints are atomic, so ending it mid-phase loses nothing). Returns
+        the survivors."""
         if self.process is None:
             return set()
         self.watch()
+        if at_once:
+            survivors = processes.terminate(self.seen, STOP_GRACE_S / 2)
+            self.process.wait()
+            return survivors
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -178,7 +185,7 @@ def simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> i
         except (SimulationError, FlowerRunError, processes.ProcessError) as err:
             outcome = RunOutcome(outcome.run_id, f"failed: {err}")
         finally:
-            survivors = superlink.stop()
+            survivors = superlink.stop(at_once=outcome.interrupted)
     wall = time.monotonic() - started
     if survivors:
         pids = sorted(p.pid for p in survivors)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 
 import pytest
@@ -14,6 +15,16 @@ from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 
 TINY_DIMS = ModelDims(d_txt=8, d_clip=6, d_vit=10, n_layers=2)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C reaches the processes the tests start. A suite started in the background
+    (``make test &``) inherits SIGINT ignored, and an ignored signal stays ignored in every
+    child; a handler is reset to the default at exec, so the children can be interrupted."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 FINGERPRINT = "ab" * 32
 
 

@@ -226,6 +226,40 @@ def test_every_site_failing_a_phase_fails_the_step_and_rolls_back(fed):
     assert sorted(fed.codebook().names) == sorted(CLASSES[0:4])
 
 
+def test_a_run_stopped_mid_phase_records_no_failed_step(fed):
+    """`flwr stop` silences the sites first; the ServerApp's next grid call then fails in
+    Flower (its token is revoked). The run ends there: no failed step, no metrics.json."""
+
+    class RunStopped(Exception):
+        pass
+
+    fed.site(1, "farm-a", {"t1": CLASSES[0:2]})
+    fed.site(2, "farm-b", {"t1": CLASSES[2:4]})
+    stopped = {"yes": False}
+
+    def stop(reply: Message) -> None:
+        stopped["yes"] = True
+
+    for node in (1, 2):
+        fed.faults[(node, "train.stage2")] = stop
+    config = {**CONFIG, "federation-dir": str(fed.folder)}
+    grid = LocalGrid(client_app.app, config, fed.sites, run_id=next(_run_ids))
+    grid.faults.update(fed.faults)
+    node_ids = grid.get_node_ids
+
+    def revoked() -> list[int]:
+        if stopped["yes"]:
+            raise RunStopped
+        return list(node_ids())
+
+    grid.get_node_ids = revoked
+    with pytest.raises(RunStopped):
+        run_server(grid, config, grid.run_id, Console(quiet=True))
+    assert not (fed.folder / "metrics.json").exists()
+    history = fed.folder / "history.jsonl"
+    assert not history.exists() or '"failed"' not in history.read_text()
+
+
 def test_a_site_lost_mid_run_makes_the_run_degraded(fed):
     fed.site(1, "farm-a", {"t1": CLASSES[0:2], "t2": CLASSES[4:5]})
     fed.site(2, "farm-b", {"t1": CLASSES[2:4], "t2": CLASSES[5:6]})

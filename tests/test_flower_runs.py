@@ -181,8 +181,7 @@ def test_exit_codes_come_from_flower_and_this_runs_metrics(tmp_path: Path) -> No
     done = RunOutcome(1, "finished:completed")
     assert flower_runs.exit_code(done, metrics) == 3
     assert flower_runs.exit_code(done, {"status": "completed"}) == 0
-    failed_sync = {"status": "completed", "exchanges": [{"status": "error: ConfigError"}]}
-    assert flower_runs.exit_code(done, failed_sync) == 3  # no step ran, but a site failed
+    assert flower_runs.exit_code(done, {"status": "failed"}) == 1  # e.g. no site answered
     assert flower_runs.exit_code(done, None) == 1
     assert flower_runs.exit_code(RunOutcome(1, "finished:failed"), {"status": "failed"}) == 1
     assert flower_runs.exit_code(RunOutcome(1, "interrupted"), None) == 130
