@@ -10,21 +10,23 @@ traceback-sized log. This wrapper:
   ``device``;
 - checks the private key before Flower does (OpenSSH EC, mode 0600) and prints its fingerprint,
   the same one the operator sees in ``starfed server sites list`` and ``sites refused``;
-- gives the SuperNode a free Runtime API port on 127.0.0.1, its own ``FLWR_HOME`` in the state
-  folder, and ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` of 0.1 s (Flower's default 1 s is paid on
-  every message);
+- gives the SuperNode a free Runtime API port on 127.0.0.1 and its own ``FLWR_HOME`` in the
+  state folder;
 - runs the site worker (``starfed.client.worker``) next to it, so the per-message ClientApp
   processes only forward (no torch, no backbones, no cache reads per message);
+- runs the SuperNode in Flower's ``process`` isolation with the site's own SuperExec
+  (``starfed.client.superexec``): each message's ClientApp process is forked from it instead of
+  started from nothing (no Python start, no Flower import per message), and its Runtime API asks
+  for a SuperExec secret only the site's processes can read;
 - streams the SuperNode's log to the terminal and to ``<state>/logs/supernode.log``, and turns the
   known failure lines into one clear line each (:data:`FAILURES`);
 - on Ctrl-C or SIGTERM sends SIGTERM to the SuperNode, which tells the SuperLink it goes offline
   (at once, instead of after the 60 s heartbeat patience), then ends whatever is left of its
   process tree by PID. One SuperNode per state folder (a lock file), so two cannot share a key.
 
-Isolation: Flower's default ``subprocess`` mode (the SuperNode starts its own SuperExec, which
-starts one ``flwr-clientapp`` per message). Its Runtime API is plain HTTP on 127.0.0.1 without
-authentication, so on a machine shared with untrusted local users another user could take this
-site's tasks: run sites on machines (or containers) of their own (docs/deployment.md).
+The Runtime API stays plain HTTP on 127.0.0.1: the secret keeps another local user from
+acquiring the site's tasks, but a ClientApp's own task token is not otherwise bound to the
+process that holds it; run sites on machines (or containers) of their own (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import contextlib
 import fcntl
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -49,7 +52,6 @@ from starfed.shared import pki, processes
 from starfed.shared.processes import ProcessId
 
 STOP_GRACE_S = 15.0
-TASK_POLL_INTERVAL_S = "0.1"
 WORKER_START_S = 30.0
 
 
@@ -132,6 +134,10 @@ class SiteOptions:
     def worker_socket(self) -> Path:
         return self.state / "worker.sock"
 
+    @property
+    def superexec_secret(self) -> Path:
+        return self.state / "superexec.secret"
+
     def node_config(self) -> dict[str, str]:
         config = {
             "data-dir": str(self.data),
@@ -203,6 +209,15 @@ def write_node_config(path: Path, options: SiteOptions) -> None:
     path.write_text(tomli_w.dumps(options.node_config()), encoding="utf-8")
 
 
+def write_superexec_secret(path: Path) -> None:
+    """A new random SuperExec secret (0600) on every start: the SuperNode's Runtime API asks it
+    of whoever acquires the site's tasks."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(secrets.token_bytes(32))
+
+
 def supernode_command(options: SiteOptions, node_config: Path, runtime_port: int) -> list[str]:
     command = [
         processes.flower_executable("flower-supernode"),
@@ -215,7 +230,9 @@ def supernode_command(options: SiteOptions, node_config: Path, runtime_port: int
         "--port",
         str(runtime_port),
         "--isolation",
-        "subprocess",
+        "process",
+        "--superexec-auth-secret-file",
+        str(options.superexec_secret),
     ]
     if options.insecure:
         return [*command, "--insecure"]
@@ -297,6 +314,20 @@ def _start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> su
     return popen
 
 
+def _start_superexec(
+    options: SiteOptions, runtime_port: int, env: dict[str, str], log: IO[str], echo: IO[str] | None
+) -> subprocess.Popen:
+    """The site's SuperExec (``starfed.client.superexec``); its tasks' output goes where the
+    SuperNode's does."""
+    address = f"127.0.0.1:{runtime_port}"
+    command = [sys.executable, "-m", "starfed.client.superexec", "--runtime-api-address", address,
+               "--secret-file", str(options.superexec_secret)]  # fmt: skip
+    popen = processes.spawn(command, env=env, cwd=options.state)
+    threading.Thread(target=_pump, args=(popen.stdout, log, echo, lambda _: None),
+                     daemon=True).start()  # fmt: skip
+    return popen
+
+
 def _pump(stream: IO[bytes], log: IO[str], echo: IO[str] | None, on_line: Callable[[str], None]):
     """Copy the SuperNode's output line by line to the log (and terminal), classifying it."""
     for raw in iter(stream.readline, b""):
@@ -324,9 +355,7 @@ def _run(options: SiteOptions, echo: IO[str] | None) -> SiteRun:
     write_node_config(node_config, options)
     log_file = state / "logs" / "supernode.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    env = processes.flower_env(
-        state / "flwr-home", {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": TASK_POLL_INTERVAL_S}
-    )
+    env = processes.flower_env(state / "flwr-home")
     outcome = SiteRun(log_file=log_file)
     stop_reason: list[str] = []
 
@@ -348,6 +377,7 @@ def _run(options: SiteOptions, echo: IO[str] | None) -> SiteRun:
     seen: set[ProcessId] = set()
     popen: subprocess.Popen | None = None
     worker: subprocess.Popen | None = None
+    superexec: subprocess.Popen | None = None
     pump: threading.Thread | None = None
     try:
         with log_file.open("a") as log:
@@ -355,17 +385,22 @@ def _run(options: SiteOptions, echo: IO[str] | None) -> SiteRun:
                 if options.worker:
                     worker = _start_worker(options, env, log)
                     seen |= {root} if (root := ProcessId.of(worker.pid)) else set()
-                command = supernode_command(options, node_config, processes.free_port())
+                write_superexec_secret(options.superexec_secret)
+                runtime_port = processes.free_port()
+                command = supernode_command(options, node_config, runtime_port)
                 popen = processes.spawn(command, env=env, cwd=state)
                 seen |= {root} if (root := ProcessId.of(popen.pid)) else set()
+                superexec = _start_superexec(options, runtime_port, env, log, echo)
+                seen |= {root} if (root := ProcessId.of(superexec.pid)) else set()
                 pump = threading.Thread(
                     target=_pump, args=(popen.stdout, log, echo, on_line), daemon=True
                 )
                 pump.start()
                 outcome.stopped_by = _supervise(popen, seen, outcome, stop_reason)
             finally:  # whatever happened: nothing of the SuperNode outlives us
-                if worker is not None and worker.poll() is None:
-                    worker.terminate()
+                for helper in (worker, superexec):
+                    if helper is not None and helper.poll() is None:
+                        helper.terminate()
                 if popen is not None:
                     if popen.poll() is None:
                         popen.kill()

@@ -328,6 +328,7 @@ def test_a_serverapp_reaches_a_site_through_the_gateway(deployment: Deployment) 
             "state-dir": str(deployment.root / "state" / "site-a"),
             "site-name": "site-a",
             "device": "cpu",
+            "worker-socket": str(deployment.root / "state" / "site-a" / "worker.sock"),
         }
     finally:
         site.popen.send_signal(signal.SIGTERM)

@@ -105,6 +105,9 @@ def test_supernode_command(site: dict) -> None:
     assert command[command.index("--port") + 1] == "40123"
     assert command[command.index("--root-certificates") + 1] == str(site["ca"])
     assert command[command.index("--auth-supernode-private-key") + 1] == str(site["key"])
+    assert command[command.index("--isolation") + 1] == "process"  # tasks go to our SuperExec
+    secret = command[command.index("--superexec-auth-secret-file") + 1]
+    assert secret == str(options.superexec_secret)
     assert "--insecure" not in command
     assert options.fingerprint == pki.read_private_key(site["key"]).fingerprint
 
