@@ -33,7 +33,7 @@ from starfed.shared.model import training
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.evaluation import score_classes
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, clip_features
+from starfed.shared.model.training import TrainConfig, clip_features, clip_features_signature
 from starfed.shared.protocol import Phase
 from starfed.shared.report import EvaluationReport
 
@@ -122,8 +122,10 @@ class Site:
         )
 
     def _cached_features(self, decoded: DecodedImages) -> torch.Tensor:
-        """CLIP features of un-augmented images, computed once per backbone and image set."""
-        key = hashlib.sha256("\n".join([self.fingerprint, *decoded.paths]).encode()).hexdigest()
+        """CLIP features of un-augmented images, computed once per backbone, code path, device
+        and image set (``clip_features_signature``)."""
+        signature = clip_features_signature(self.backbones)
+        key = hashlib.sha256("\n".join([signature, *decoded.paths]).encode()).hexdigest()
         path = self.cache_dir / "features" / f"{key[:32]}.npy"
         if path.is_file():
             return torch.from_numpy(np.load(path, allow_pickle=False))

@@ -25,6 +25,8 @@ from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.config import Values
 from starfed.shared.data.images import augment, normalize, to_unit
+from starfed.shared.device import backbone_dtype
+from starfed.shared.model import frozen_towers
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.first_level import first_level_logits
 from starfed.shared.model.losses import (
@@ -115,6 +117,25 @@ def phase_generator(seed: int, task: int, stream: str, round_index: int = 0) -> 
 
 def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
     return list(torch.randperm(n, generator=generator).split(batch_size))
+
+
+#: Bump when ``clip_features`` returns other bits for the same backbones, device and images.
+CLIP_FEATURES_VERSION = 2
+
+
+def clip_features_signature(backbones: Backbones) -> str:
+    """What decides the bits ``clip_features`` returns, besides the images: the cache key of a
+    site's stored features. The weights, the code path (the frozen towers or each module's own
+    forward: another float32 summation order), the device kind and precision, torch's kernels.
+    Keyed by the weights alone, features cached by one of them were reused by the other."""
+    return "|".join([
+        backbones.fingerprint,
+        f"v{CLIP_FEATURES_VERSION}",
+        f"frozen-towers={frozen_towers.ENABLED}",
+        backbones.device.type,
+        str(backbone_dtype(backbones.device)),
+        f"torch-{torch.__version__}",
+    ])  # fmt: skip
 
 
 @torch.no_grad()
