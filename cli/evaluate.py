@@ -2,10 +2,10 @@
 
 The folder is an ImageFolder of class folders, or a site's data folder (its ``test/``); its
 classes are matched to the codebook's by class key, and images of classes the codebook lacks
-are counted and left out. The scoring is the server's own (``starfed.shared.inference``), so on
-the server's test set it reproduces the server's numbers. Accuracy per class, per task (the
-step that registered the class) and overall, prompt-selection accuracy, and a confusion-matrix
-plot. docs/inference.md.
+are counted and left out. The scoring is the server's own
+(``starfed.shared.inference.predict``), so on the server's test set it reproduces the server's
+numbers. Accuracy per class, per task (the step that registered the class) and overall,
+prompt-selection accuracy, and a confusion-matrix plot. docs/inference.md.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _main(args: argparse.Namespace) -> int:
     options = backbone_options(args)
 
     from starfed.shared.codebook.codebook import Codebook
-    from starfed.shared.inference import evaluate
+    from starfed.shared.inference.predict import evaluate
     from starfed.shared.metrics import plot_confusion_matrix
 
     codebook = Codebook.load(args.codebook)

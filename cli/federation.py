@@ -1,10 +1,10 @@
 """``starfed server round|resume|status``: the operator's commands for the federation itself.
 
 Actions of the ``server`` group (``starfed.cli.server`` registers them), on the same server
-folder. ``round`` submits the generated app (``starfed.shared.flower_runs``) to the running
+folder. ``round`` submits the generated app (``starfed.server.ops.flower_runs``) to the running
 server with the federation folder (default ``<server dir>/federation``), streams the ServerApp's
 progress and follows the run to its end; ``resume`` is a ``round`` that first says which step it
-continues; ``status`` reads the folders (``starfed.server.status``) and works with the server
+continues; ``status`` reads the folders (``starfed.server.ops.status``) and works with the server
 stopped. Exit codes (docs/federation.md): 0 completed, 3 degraded, 1 failed (or the run could not
 start), 2 bad input (checked with the configuration schema before anything is submitted), 130
 stopped with Ctrl-C (the run itself is stopped; ``resume`` continues it).
@@ -24,11 +24,10 @@ from rich.table import Table
 
 from starfed.cli import server
 from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
-from starfed.server import superlink
 from starfed.server.federation import Checkpoint, Federation, FederationError
-from starfed.server.layout import ServerFolder
-from starfed.server.status import Status, gather
-from starfed.shared import flower_runs
+from starfed.server.ops import flower_runs, superlink
+from starfed.server.ops.layout import ServerFolder
+from starfed.server.ops.status import Status, gather
 from starfed.shared.config import ConfigError, writable_dir
 
 FLAGS = (Flag("--steps", ("max-steps",)), *same_name("min-sites", "wait-s", "timeout-s"))

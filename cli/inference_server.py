@@ -93,8 +93,8 @@ def _federation(path: Path):
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from starfed.server import export
     from starfed.server.federation import FederationError
+    from starfed.server.serving import export
 
     federation = _federation(args.federation)
     dtype = "float16" if args.float16 else "float32"
@@ -123,8 +123,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from starfed.server import distribution
-    from starfed.server.layout import ServerFolder, default_dir
+    from starfed.server.ops.layout import ServerFolder, default_dir
+    from starfed.server.serving import distribution
 
     folder = ServerFolder.at(args.dir if args.dir is not None else default_dir())
     _federation(args.federation)

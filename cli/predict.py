@@ -143,7 +143,7 @@ def _codebook(args: argparse.Namespace):
 
     if args.codebook is not None:
         return Codebook.load(args.codebook)
-    from starfed.shared.distribution import DistributionError, SourceError, fetch
+    from starfed.shared.inference.follow import DistributionError, SourceError, fetch
 
     try:
         fetched = fetch(args.service, args.cache, ca=args.ca, insecure=args.insecure)
@@ -170,7 +170,7 @@ def _main(args: argparse.Namespace) -> int:
     _check(args)
     options = backbone_options(args)
 
-    from starfed.shared.inference import Predictor
+    from starfed.shared.inference.predict import Predictor
 
     paths = image_paths(args.inputs)
     codebook = _codebook(args)

@@ -1,7 +1,7 @@
 """``starfed server ...``: the operator's commands (docs/deployment.md).
 
 Every action works on one server folder (``--dir``, default ``$STARFED_SERVER_DIR`` or
-``./starfed-server``; ``starfed.server.layout``). Exit codes: 0 done, 1 failed (a process would
+``./starfed-server``; ``starfed.server.ops.layout``). Exit codes: 0 done, 1 failed (a process would
 not start, Flower refused), 2 bad input (arguments, key files, names). ``--json`` prints one JSON
 object for scripts instead of text for people.
 """
@@ -19,9 +19,9 @@ from typing import Any
 from rich.console import Console
 
 from starfed.cli import inference_server
-from starfed.server import certs, sites, superlink
-from starfed.server.layout import DIR_ENV, ServerFolder, default_dir
-from starfed.shared import pki, processes
+from starfed.server.ops import certs, pki, processes, sites, superlink
+from starfed.server.ops.layout import DIR_ENV, ServerFolder, default_dir
+from starfed.shared import addresses
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -273,7 +273,7 @@ def run_certs(args: argparse.Namespace) -> int:
 
 def _options(args: argparse.Namespace) -> superlink.ServerOptions:
     try:
-        host, port = processes.parse_address(args.listen)
+        host, port = addresses.parse_address(args.listen)
     except ValueError as err:
         raise UsageError(f"--listen: {err}") from None
     if not 0 < args.internal_port < 65536:

@@ -1,7 +1,7 @@
 """``starfed server sites add|list|remove|refused``: the site keys the SuperLink accepts.
 
 Actions of the ``server`` group (``starfed.cli.server`` registers them), wrapping
-``flwr supernode ...`` through ``starfed.server.sites`` (docs/deployment.md#3-register-sites).
+``flwr supernode ...`` through ``starfed.server.ops.sites`` (docs/deployment.md#3-register-sites).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.table import Table
 
 from starfed.cli import server
-from starfed.server import sites
+from starfed.server.ops import sites
 
 
 def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

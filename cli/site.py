@@ -13,8 +13,8 @@ import socket
 import sys
 from pathlib import Path
 
-from starfed.client import supernode
-from starfed.shared import pki, processes
+from starfed.client.ops import supernode
+from starfed.server.ops import pki, processes
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

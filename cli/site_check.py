@@ -1,4 +1,4 @@
-"""``starfed site check``: is this site ready to join? (``starfed.client.check`` does the work.)
+"""``starfed site check``: is this site ready to join? (``starfed.client.ops.check`` does the work.)
 
 Every input is checked first (exit 2 for bad flags, an unreadable ``--codebook``, a malformed
 ``--fingerprint``); then the report: exit 0 when ready, 1 when a problem would stop the site.
@@ -77,7 +77,7 @@ def _expected_fingerprint(args: argparse.Namespace) -> str | None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from starfed.client import supernode
+    from starfed.client.ops import supernode
 
     try:
         run_config, _, names = given(args, FLAGS)
@@ -89,7 +89,7 @@ def run_check(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _usage(err)
 
-    from starfed.client.check import check_site  # torch: only once the input is good
+    from starfed.client.ops.check import check_site  # torch: only once the input is good
 
     report = check_site(data, state.resolve(), backbones, expected, progress=not args.json)
     if args.json:

@@ -15,7 +15,7 @@ import torch
 
 from starfed.server.scores import aggregate
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.inference import LabelledImages
+from starfed.shared.inference.predict import LabelledImages
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig

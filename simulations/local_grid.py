@@ -32,10 +32,10 @@ from threadpoolctl import threadpool_limits
 
 from starfed.client.app import app as client_app
 from starfed.server.app import RunFailed, run_server
+from starfed.server.ops.flower_runs import EXIT_DEGRADED, summarize
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
 from starfed.shared.config import parse
-from starfed.shared.flower_runs import EXIT_DEGRADED, summarize
 from starfed.shared.protocol import PHASES
 from starfed.simulations.simulate import CLIENT_CPUS
 

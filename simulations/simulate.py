@@ -4,7 +4,7 @@ Plain `flwr run .` reads and writes ``~/.flwr``, rewrites connection settings, r
 per run, reports telemetry and leaves a detached SuperLink behind that later runs silently reuse
 (DESIGN §6). This command owns the whole life cycle instead: a Flower home inside the run's
 results folder, a SuperLink it starts itself on a free localhost port, the app generated from
-this installation and submitted, followed and stopped through ``starfed.shared.flower_runs``,
+this installation and submitted, followed and stopped through ``starfed.server.ops.flower_runs``,
 and at the end every process it started stopped by PID and checked gone. A run stopped by
 Ctrl-C or SIGTERM is marked in its folder (``interrupted.json``). The command line, which checks
 the run config before anything starts, is ``starfed.cli.simulate``.
@@ -27,9 +27,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from starfed.server.federation import Federation, FederationError
-from starfed.shared import flower_runs, processes
-from starfed.shared.flower_runs import COMPLETED, FlowerCli, FlowerRunError, RunOutcome
-from starfed.shared.processes import ProcessId
+from starfed.server.ops import flower_runs, processes
+from starfed.server.ops.flower_runs import COMPLETED, FlowerCli, FlowerRunError, RunOutcome
+from starfed.server.ops.processes import ProcessId
 
 STARTUP_TIMEOUT_S = 60.0
 STOP_GRACE_S = 20.0

@@ -27,9 +27,9 @@ from process_sampler import marked
 from site_folders import site_folder
 
 from starfed.server.federation import Checkpoint, Federation
-from starfed.server.layout import ServerFolder
-from starfed.server.superlink import RunRecord
-from starfed.shared.processes import ProcessId, descendants, free_port, send_signal
+from starfed.server.ops.layout import ServerFolder
+from starfed.server.ops.processes import ProcessId, descendants, free_port, send_signal
+from starfed.server.ops.superlink import RunRecord
 
 MARKER = "STARFED_ROUND_TEST"
 SITE_MARKER = "STARFED_ROUND_TEST_SITE"  # which site a process belongs to

@@ -16,9 +16,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from starfed.server import certs
-from starfed.server.layout import ServerFolder
-from starfed.shared import pki
+from starfed.server.ops import certs, pki
+from starfed.server.ops.layout import ServerFolder
 
 
 def _mode(path: Path) -> int:

@@ -35,10 +35,10 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from process_sampler import marked
 
-from starfed.server import certs
-from starfed.server.layout import ServerFolder
-from starfed.shared import pki, processes
-from starfed.shared.processes import ProcessId
+from starfed.server.ops import certs, pki, processes
+from starfed.server.ops.layout import ServerFolder
+from starfed.server.ops.processes import ProcessId
+from starfed.shared import addresses
 
 pytestmark = [
     pytest.mark.e2e,
@@ -215,7 +215,7 @@ def test_control_api_answers_only_on_the_internal_port(deployment: Deployment) -
     # garbage on the public port: an error for that client, the gateway stays up
     with contextlib.suppress(OSError):
         raw = ssl.create_default_context(cafile=str(deployment.folder.ca_cert))
-        host, port = processes.parse_address(deployment.public)
+        host, port = addresses.parse_address(deployment.public)
         with raw.wrap_socket(
             __import__("socket").create_connection((host, port), timeout=10),
             server_hostname="127.0.0.1",
@@ -370,6 +370,6 @@ def test_server_stop_leaves_nothing(deployment: Deployment) -> None:
     assert answer["stopped"] == ["gateway", "superexec", "superlink"] and not answer["survivors"]
     assert not deployment.folder.run_file.exists()
     assert marked_processes(deployment.root) == {}
-    host, port = processes.parse_address(deployment.public)
+    host, port = addresses.parse_address(deployment.public)
     assert processes.port_is_free(host, port)
     assert processes.port_is_free("127.0.0.1", deployment.internal_port)

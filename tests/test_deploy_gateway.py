@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from starfed.server.gateway import FleetGateway, allowed
+from starfed.server.ops.gateway import FleetGateway, allowed
 
 UPSTREAM = "https://127.0.0.1:9093"
 

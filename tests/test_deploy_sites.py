@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from starfed.server import sites, superlink
-from starfed.server.layout import ServerFolder
-from starfed.shared import pki
-from starfed.shared.flower_runs import CONNECTION
-from starfed.shared.processes import ProcessId
+from starfed.server.ops import pki, sites, superlink
+from starfed.server.ops.flower_runs import CONNECTION
+from starfed.server.ops.layout import ServerFolder
+from starfed.server.ops.processes import ProcessId
 
 # Real SuperLink log lines (Flower 1.41, --log-file), keys shortened where they do not matter.
 REGISTERED_ELSEWHERE = (

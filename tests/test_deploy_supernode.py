@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from starfed.client import supernode
-from starfed.shared import pki, processes
+from starfed.client.ops import supernode
+from starfed.server.ops import pki, processes
+from starfed.server.ops.processes import ProcessId
+from starfed.shared import addresses
 from starfed.shared.config import parse
-from starfed.shared.processes import ProcessId
 
 # Lines Flower 1.41's SuperNode printed in the situations each failure names.
 WRONG_CA = (
@@ -164,9 +165,9 @@ def test_terminate_ends_a_tree_and_never_a_reused_pid() -> None:
 
 
 def test_addresses() -> None:
-    assert processes.parse_address("fed.example.org:9092") == ("fed.example.org", 9092)
-    assert processes.parse_address("[::1]:9092") == ("::1", 9092)
-    assert processes.format_address("::1", 9092) == "[::1]:9092"
+    assert addresses.parse_address("fed.example.org:9092") == ("fed.example.org", 9092)
+    assert addresses.parse_address("[::1]:9092") == ("::1", 9092)
+    assert addresses.format_address("::1", 9092) == "[::1]:9092"
     for bad in ("9092", "host:", "host:0", "host:70000", "::1:9092", ":9092"):
         with pytest.raises(ValueError):
-            processes.parse_address(bad)
+            addresses.parse_address(bad)

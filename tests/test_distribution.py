@@ -23,14 +23,14 @@ from cryptography.hazmat.primitives import serialization
 
 from starfed.cli import main
 from starfed.proto import distribution_pb2 as pb
-from starfed.server import distribution
-from starfed.server.certs import ensure_certificates, make_ca, make_server_cert
-from starfed.server.export import deployable
 from starfed.server.federation import Federation, Position
-from starfed.server.layout import ServerFolder
-from starfed.shared import processes
+from starfed.server.ops import processes
+from starfed.server.ops.certs import ensure_certificates, make_ca, make_server_cert
+from starfed.server.ops.layout import ServerFolder
+from starfed.server.serving import distribution
+from starfed.server.serving.export import deployable
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.distribution import CACHE_FILE, DistributionError, SourceError, fetch
+from starfed.shared.inference.follow import CACHE_FILE, DistributionError, SourceError, fetch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import FINGERPRINT, TINY_DIMS, random_entries

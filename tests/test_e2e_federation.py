@@ -26,9 +26,9 @@ from process_sampler import ProcessSampler
 from site_folders import CLASSES, site_folder
 
 from starfed.server.federation import Federation
+from starfed.server.ops.processes import FLOWER_ENV, free_port
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.processes import FLOWER_ENV, free_port
 
 RUN_TIMEOUT_S = 420
 CONFIG = {

@@ -31,11 +31,11 @@ from site_folders import CLASSES
 from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE, Federation
+from starfed.server.ops.flower_runs import FlowerCli
+from starfed.server.ops.processes import send_signal, wait_gone
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.flower_runs import FlowerCli
-from starfed.shared.processes import send_signal, wait_gone
 from starfed.simulations.local_grid import LocalGrid
 
 pytestmark = [

@@ -25,9 +25,9 @@ from deployed import ROUND_TIMEOUT_S, deployment, round_settings, starfed
 from site_folders import CLASSES
 
 from starfed.server.federation import CODEBOOK_FILE, Federation
+from starfed.server.ops.processes import send_signal, wait_gone
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.processes import send_signal, wait_gone
 
 pytestmark = [
     pytest.mark.e2e,

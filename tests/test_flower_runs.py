@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from starfed.shared import flower_runs, processes
-from starfed.shared.flower_runs import FlowerCli, FlowerRunError, RunOutcome
+from starfed.server.ops import flower_runs, processes
+from starfed.server.ops.flower_runs import FlowerCli, FlowerRunError, RunOutcome
 
 REPO = Path(__file__).resolve().parent.parent
 

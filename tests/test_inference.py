@@ -22,19 +22,19 @@ from rich.console import Console
 from starfed.cli import main
 from starfed.client import app as client_app
 from starfed.proto import codebook_pb2 as pb
-from starfed.server import distribution
 from starfed.server.app import run_server
-from starfed.server.certs import ensure_certificates
-from starfed.server.distribution import ServeOptions
-from starfed.server.export import card_path
 from starfed.server.federation import Federation, Position
-from starfed.server.layout import ServerFolder
+from starfed.server.ops.certs import ensure_certificates
+from starfed.server.ops.layout import ServerFolder
+from starfed.server.ops.processes import free_port
+from starfed.server.serving import distribution
+from starfed.server.serving.distribution import ServeOptions
+from starfed.server.serving.export import card_path
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.deployment import CLASS_STEPS_KEY
 from starfed.shared.codebook.framing import CODEBOOK_MAGIC, read_payload
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.distribution import CACHE_FILE
-from starfed.shared.processes import free_port
+from starfed.shared.inference.follow import CACHE_FILE
 from starfed.simulations.local_grid import LocalGrid
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -147,8 +147,8 @@ def test_status_without_a_federation(tmp_path, capsys) -> None:
 
 
 def test_flower_nodes_join_the_federation_sites_by_node_id() -> None:
-    from starfed.server.sites import SiteStatus
-    from starfed.server.status import SiteRow, Status, _flower_sites
+    from starfed.server.ops.sites import SiteStatus
+    from starfed.server.ops.status import SiteRow, Status, _flower_sites
 
     status = Status("s", "f", sites=[SiteRow("farm-a", 7, 0, "2026-11-23T00:00:00+00:00")])
     _flower_sites(status, [

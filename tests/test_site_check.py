@@ -10,7 +10,7 @@ import pytest
 from site_folders import CLASSES, site_folder
 
 from starfed.cli import main
-from starfed.client.check import PROBLEM, WARNING, check_site
+from starfed.client.ops.check import PROBLEM, WARNING, check_site
 from starfed.shared.config import BackboneOptions
 
 TINY = BackboneOptions()

@@ -1,4 +1,4 @@
-"""The site's SuperExec (``starfed.client.superexec``): its fork executor runs ClientApp tasks
+"""The site's SuperExec (``starfed.client.ops.superexec``): its fork executor runs ClientApp tasks
 only, each in a child of its own that gets the task's token, and reaps them. The whole loop
 against a real SuperNode runs in the deployed end-to-end tests (tests/test_e2e_server_round.py)."""
 
@@ -13,7 +13,7 @@ import pytest
 from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResultStatus
 
-from starfed.client import superexec, supernode
+from starfed.client.ops import superexec, supernode
 
 
 def _spec(task_type: TaskType, token: str = "tok-1") -> ExecutionSpec:

@@ -4,8 +4,8 @@ An inference-only device holds the backbones and one codebook (``starfed server 
 a copy the codebook service keeps current). Besides the tensors it needs two facts about the
 federation, carried in the codebook's metadata: the step that registered each class (the task
 a prediction's prompts came from) and whether the model was trained with confidence
-modulation. ``server/export.py`` writes them, ``starfed.shared.inference`` reads them; both
-through this module, which imports nothing heavy.
+modulation. ``server/serving/export.py`` writes them, ``starfed.shared.inference.predict``
+reads them; both through this module, which imports nothing heavy.
 """
 
 from __future__ import annotations

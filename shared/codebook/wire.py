@@ -252,7 +252,7 @@ def broadcast_from_proto(
     message: pb.Codebook, *, fingerprint: str | None = None, dims: ModelDims | None = None
 ) -> Codebook | Delta:
     """``decode_broadcast`` of a message parsed elsewhere: a gRPC reply carries the codebook
-    message itself, its size limited by the channel (``starfed.shared.distribution``)."""
+    message itself, its size limited by the channel (``starfed.shared.inference.follow``)."""
     model_dims = _decode_header(message, fingerprint, dims)
     _check_count(message.version, 0, "codebook version")
     metadata = dict(message.metadata)

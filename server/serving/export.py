@@ -3,7 +3,7 @@
 A device predicts; it never trains. It needs the finished (frozen) classes in broadcast form —
 no mixtures (the server's replay memory and most of a codebook's bytes), no server bookkeeping —
 the backbone fingerprint, and in the metadata the step that registered each class and how the
-model was trained (``starfed.shared.inference``). The classes of a step in progress are left
+model was trained (``starfed.shared.inference.predict``). The classes of a step in progress are left
 out: they are half trained.
 
 Its version is the version at which its classes last changed (every step's head replay touches

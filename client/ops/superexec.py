@@ -151,7 +151,7 @@ def serve(runtime_api_address: str, secret_file: Path, poll_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m starfed.client.superexec",
+    parser = argparse.ArgumentParser(prog="python -m starfed.client.ops.superexec",
                                      description=__doc__.split("\n\n")[0])  # fmt: skip
     parser.add_argument("--runtime-api-address", required=True, help="the SuperNode's HOST:PORT")
     parser.add_argument("--secret-file", type=Path, required=True,

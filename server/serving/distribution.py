@@ -11,7 +11,7 @@ replaced atomically, so a reader never sees half of it).
 gRPC over TLS with the server certificate of the server folder (``server.layout``); plain text
 only on a loopback address, for tests and a device on the same machine. Requests are tiny and
 limited to ``REQUEST_LIMIT`` bytes; a reply over ``max_bytes`` is refused (RESOURCE_EXHAUSTED)
-rather than sent. The device's side is ``starfed.shared.distribution``.
+rather than sent. The device's side is ``starfed.shared.inference.follow``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import grpc
 
 from starfed.proto import distribution_pb2 as pb
 from starfed.proto import distribution_pb2_grpc as pb_grpc
-from starfed.server.export import Deployable, deployable
 from starfed.server.federation import CODEBOOK_FILE, Federation, FederationError
+from starfed.server.serving.export import Deployable, deployable
+from starfed.shared.addresses import format_address, is_loopback, parse_address
 from starfed.shared.codebook.deployment import FEDERATION_KEY
 from starfed.shared.codebook.wire import DEFAULT_MAX_BYTES, to_proto
-from starfed.shared.processes import format_address, is_loopback, parse_address
 
 logger = logging.getLogger(__name__)
 

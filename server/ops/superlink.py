@@ -10,7 +10,7 @@ What ``start`` runs, each in its own session so it outlives the command:
   authenticated to the SuperLink with a random 0600 shared secret. In the default subprocess
   isolation Flower ignores that secret, and ``acquire-task`` (which hands out a pending
   ServerApp's token) answers anyone who reaches the port; with the secret it answers 401.
-- the fleet-only gateway (``starfed.server.gateway``) on the public address: the only thing
+- the fleet-only gateway (``starfed.server.ops.gateway``) on the public address: the only thing
   sites reach. Flower 1.41 serves the unauthenticated Control API on the SuperLink's one port,
   so that port must never be public.
 
@@ -36,11 +36,12 @@ from pathlib import Path
 
 import httpx
 
-from starfed.server.certs import certificate_sans
-from starfed.server.layout import ServerFolder
-from starfed.shared import flower_runs, processes
+from starfed.server.ops import flower_runs, processes
+from starfed.server.ops.certs import certificate_sans
+from starfed.server.ops.layout import ServerFolder
+from starfed.server.ops.processes import ProcessId
+from starfed.shared.addresses import format_address
 from starfed.shared.files import write_atomic
-from starfed.shared.processes import ProcessId, format_address
 
 DEFAULT_LISTEN = "0.0.0.0:9092"  # Flower's traditional Fleet API port
 DEFAULT_INTERNAL_PORT = 9093
@@ -199,7 +200,7 @@ def gateway_command(folder: ServerFolder, options: ServerOptions, superlink_pid:
     command = [
         sys.executable,
         "-m",
-        "starfed.server.gateway",
+        "starfed.server.ops.gateway",
         "--listen",
         options.public_address,
         "--upstream",

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from starfed.server.layout import ServerFolder
-from starfed.shared import flower_runs, pki
+from starfed.server.ops import flower_runs, pki
+from starfed.server.ops.layout import ServerFolder
 from starfed.shared.files import write_atomic
 
 FLWR_TIMEOUT_S = 60.0

@@ -20,7 +20,7 @@ connections are served at once (503 beyond), and every refusal and every forward
 did not succeed is one line in the log file (all calls with ``--debug``). Built on uvicorn and
 httpx, which Flower itself runs on.
 
-Run: ``python -m starfed.server.gateway --listen 0.0.0.0:9092 --upstream https://127.0.0.1:9093
+Run: ``python -m starfed.server.ops.gateway --listen 0.0.0.0:9092 --upstream https://127.0.0.1:9093
 --ca ca.pem --cert server.pem --key server.key --log-file gateway.log`` (``starfed server start``
 does this).
 """
@@ -42,7 +42,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from starfed.shared.processes import ProcessId, parse_address
+from starfed.server.ops.processes import ProcessId
+from starfed.shared.addresses import parse_address
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -365,7 +366,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m starfed.server.gateway",
+        prog="python -m starfed.server.ops.gateway",
         description="TLS gateway that forwards only POST /v1/fleet/* to a Flower SuperLink.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -15,7 +15,7 @@ traceback-sized log. This wrapper:
 - runs the site worker (``starfed.client.worker``) next to it, so the per-message ClientApp
   processes only forward (no torch, no backbones, no cache reads per message);
 - runs the SuperNode in Flower's ``process`` isolation with the site's own SuperExec
-  (``starfed.client.superexec``): each message's ClientApp process is forked from it instead of
+  (``starfed.client.ops.superexec``): each message's ClientApp process is forked from it instead of
   started from nothing (no Python start, no Flower import per message), and its Runtime API asks
   for a SuperExec secret only the site's processes can read;
 - streams the SuperNode's log to the terminal and to ``<state>/logs/supernode.log``, and turns the
@@ -48,8 +48,9 @@ from typing import IO
 
 import tomli_w
 
-from starfed.shared import pki, processes
-from starfed.shared.processes import ProcessId
+from starfed.server.ops import pki, processes
+from starfed.server.ops.processes import ProcessId
+from starfed.shared import addresses
 
 STOP_GRACE_S = 15.0
 WORKER_START_S = 30.0
@@ -175,7 +176,7 @@ def prepare(
     worker: bool = True,
 ) -> SiteOptions:
     """Check every input once, here; what comes out is what the SuperNode gets."""
-    processes.parse_address(server)  # ValueError: bad input
+    addresses.parse_address(server)  # ValueError: bad input
     data = data.expanduser().resolve()
     if not data.is_dir():
         raise SiteError(f"--data {data} is not a folder: a site without its data must not join")
@@ -317,10 +318,11 @@ def _start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> su
 def _start_superexec(
     options: SiteOptions, runtime_port: int, env: dict[str, str], log: IO[str], echo: IO[str] | None
 ) -> subprocess.Popen:
-    """The site's SuperExec (``starfed.client.superexec``); its tasks' output goes where the
+    """The site's SuperExec (``starfed.client.ops.superexec``); its tasks' output goes where the
     SuperNode's does."""
     address = f"127.0.0.1:{runtime_port}"
-    command = [sys.executable, "-m", "starfed.client.superexec", "--runtime-api-address", address,
+    command = [sys.executable, "-m", "starfed.client.ops.superexec",
+               "--runtime-api-address", address,
                "--secret-file", str(options.superexec_secret)]  # fmt: skip
     popen = processes.spawn(command, env=env, cwd=options.state)
     threading.Thread(target=_pump, args=(popen.stdout, log, echo, lambda _: None),

@@ -15,10 +15,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from starfed.server import sites, superlink
 from starfed.server.federation import Federation, FederationError
-from starfed.server.layout import ServerFolder
-from starfed.shared import flower_runs
+from starfed.server.ops import flower_runs, sites, superlink
+from starfed.server.ops.layout import ServerFolder
 
 RECENT_STEPS = 3  # steps whose failed exchanges count as recent errors
 

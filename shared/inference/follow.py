@@ -18,9 +18,9 @@ import grpc
 
 from starfed.proto import distribution_pb2 as pb
 from starfed.proto import distribution_pb2_grpc as pb_grpc
+from starfed.shared.addresses import is_loopback, parse_address
 from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
 from starfed.shared.codebook.wire import DEFAULT_MAX_BYTES, broadcast_from_proto
-from starfed.shared.processes import is_loopback, parse_address
 
 CACHE_FILE = "codebook.bin"
 TIMEOUT_S = 30.0

@@ -31,7 +31,7 @@ from typing import IO
 
 import tomli_w
 
-from starfed.shared import processes
+from starfed.server.ops import processes
 from starfed.shared.config import TABLES, ConfigError
 from starfed.shared.files import write_atomic
 
