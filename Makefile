@@ -12,7 +12,7 @@ export FLWR_DISABLE_UPDATE_CHECK := 1
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: run test test-all lint bench clean
+.PHONY: run test test-all lint pyproject bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test-all: $(STAMP)  ## every test, including the long ones
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/python -m starfed.shared.config --write-pyproject pyproject.toml --check
+
+pyproject: $(STAMP)  ## write pyproject.toml's [tool.flwr.app.config] from the knob table
+	$(BIN)/python -m starfed.shared.config --write-pyproject pyproject.toml
 
 bench: $(STAMP)  ## speed benchmarks (numbers are recorded in docs/benchmarks.md)
 	$(BIN)/python bench/train_local.py

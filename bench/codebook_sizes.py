@@ -77,7 +77,7 @@ def main() -> None:
         for what, codebook in (("with mixtures", full), ("broadcast", full.without_mixtures())):
             for dtype in ("float32", "float16"):
                 entry = wire.to_proto(codebook, dtype).entries[0].ByteSize()
-                total = len(codebook.to_bytes(dtype))
+                total = len(wire.encode(codebook, dtype))
                 row = f"{label:<28} {dtype:<8} {what:<22}"
                 print(f"{row} {entry:>12,} {total:>14,}  ({args.classes} classes)")
     vit_bytes = VIT_B16_PARAMS * 4

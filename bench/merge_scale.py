@@ -27,7 +27,7 @@ import time
 import torch
 from codebook_sizes import PAPER, parse_dims, random_codebook, random_mixture
 
-from starfed.shared.codebook import schema
+from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.merge import MergeAccumulator
@@ -55,7 +55,7 @@ def site_update(codebook: Codebook, phase: Phase, site: int, n_components: int) 
                 values[field_name] = dataclasses.replace(mixture, count=count)
         entries.append(ClassEntry(name, count, values))
     update = ClientUpdate(codebook.fingerprint, codebook.dims, phase, codebook.version, entries)
-    return update.to_bytes()
+    return wire.encode(update)
 
 
 def digest(data: bytes) -> str:
@@ -63,7 +63,7 @@ def digest(data: bytes) -> str:
 
 
 def decode(data: bytes, codebook: Codebook, phase: Phase) -> ClientUpdate:
-    return ClientUpdate.from_bytes(data, against=codebook, phase=phase)
+    return wire.decode_update(data, against=codebook, phase=phase)
 
 
 def memory_mb(key: str) -> float:
@@ -77,7 +77,7 @@ def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) ->
     """One merge, timed by part, with the peak RSS above what the process held before it."""
     codebook = random_codebook(dims, classes, n_components)
     warm_up = MergeAccumulator(codebook, n_components=n_components)  # imports, thread pools
-    warm_up.add(ClientUpdate.from_bytes(site_update(codebook, phase, -1, n_components),
+    warm_up.add(wire.decode_update(site_update(codebook, phase, -1, n_components),
                                         against=codebook, phase=phase))  # fmt: skip
     warm_up.result()
     del warm_up

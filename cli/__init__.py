@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
+from starfed.cli._common import EXIT_BAD_INPUT, fail
 from starfed.shared.config import ConfigError
+from starfed.shared.version import package_version
 
 # Modules that define `add_parser(subparsers)`, in help order; each module's name is its
 # command's (train_local: `starfed train-local`).
@@ -28,7 +29,6 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "starfed.cli.predict",
     "starfed.cli.evaluate",
 )
-EXIT_BAD_INPUT = 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,13 +53,6 @@ def _modules(argv: list[str]) -> tuple[str, ...]:
     by_command = {m.rsplit(".", 1)[1].replace("_", "-"): m for m in SUBCOMMAND_MODULES}
     first = next((arg for arg in argv if not arg.startswith("-")), None)
     return (by_command[first],) if first in by_command else SUBCOMMAND_MODULES
-
-
-def package_version() -> str:
-    try:
-        return version("starfed")
-    except PackageNotFoundError:  # running from a source tree without installing
-        return "0+unknown"
 
 
 def build_parser(modules: tuple[str, ...] = SUBCOMMAND_MODULES) -> argparse.ArgumentParser:
@@ -87,15 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as err:  # matched first: naming it imports nothing
-        return _bad_input(args.command, err)
+        return fail(args, err, EXIT_BAD_INPUT)
     except _user_errors() as err:
-        return _bad_input(args.command, err)
-
-
-def _bad_input(command: str, err: Exception) -> int:
-    """One line, no traceback."""
-    print(f"starfed {command}: error: {err}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+        return fail(args, err, EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":

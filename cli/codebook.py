@@ -7,7 +7,6 @@ can tell "bad input" from a crash.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -15,44 +14,36 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from starfed.cli._common import EXIT_OK, add_group, guard
+from starfed.cli.flags import add_command
 from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook, CodebookError
-from starfed.shared.codebook.framing import CODEBOOK_MAGIC, read_payload
+from starfed.shared.codebook.framing import read_payload
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.codebook.wire import decode_codebook
 
-EXIT_BAD_INPUT = 2
+#: A missing, corrupt or invalid file is bad input (exit 2).
+guarded = guard(bad_input=(CodebookError, OSError))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``codebook`` and its actions on the root CLI."""
-    parser = subparsers.add_parser(
-        "codebook",
-        help="inspect or compare codebook files",
-        description="Inspect or compare codebook files (checkpoints, exports, broadcasts).",
-    )
-    actions = parser.add_subparsers(dest="codebook_action", metavar="ACTION", required=True)
-    inspect = actions.add_parser(
-        "inspect", help="classes, counts, versions and sizes of one codebook"
-    )
+    """inspect or compare codebook files
+
+    Inspect or compare codebook files (checkpoints, exports, broadcasts).
+    """
+    actions = add_group(subparsers, "codebook", add_parser)
+    inspect = add_command(actions, "inspect", guarded(run_inspect))
     inspect.add_argument("file", type=Path, help="codebook file")
-    inspect.set_defaults(func=run_inspect)
-    diff = actions.add_parser("diff", help="what changed between two codebooks")
+    diff = add_command(actions, "diff", guarded(run_diff))
     diff.add_argument("a", type=Path, help="older codebook file")
     diff.add_argument("b", type=Path, help="newer codebook file")
-    diff.set_defaults(func=run_diff)
 
 
 def _load(path: Path) -> tuple[Codebook, pb.Codebook]:
-    payload = read_payload(path, CODEBOOK_MAGIC)
+    payload = read_payload(path)
     return decode_codebook(payload), pb.Codebook.FromString(payload)
-
-
-def _fail(error: Exception) -> int:
-    print(f"starfed codebook: error: {' '.join(str(error).split())}", file=sys.stderr)
-    return EXIT_BAD_INPUT
 
 
 def _mixture_label(mixture: GaussianMixture | None) -> str:
@@ -69,10 +60,8 @@ def _say(console: Console, line: str) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    try:
-        codebook, message = _load(args.file)
-    except (OSError, CodebookError) as error:
-        return _fail(error)
+    """classes, counts, versions and sizes of one codebook"""
+    codebook, message = _load(args.file)
     console = Console()
     _say(console, str(args.file))
     _say(console, f"fingerprint  {codebook.fingerprint}")
@@ -112,7 +101,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     for part, size in {**sizes, "total": total}.items():
         parts.add_row(part, f"{size:,}", f"{size / max(total, 1):.1%}")
     console.print(parts)
-    return 0
+    return EXIT_OK
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -141,11 +130,9 @@ def _change(a: object, b: object) -> str:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    try:
-        old, _ = _load(args.a)
-        new, _ = _load(args.b)
-    except (OSError, CodebookError) as error:
-        return _fail(error)
+    """what changed between two codebooks"""
+    old, _ = _load(args.a)
+    new, _ = _load(args.b)
     console = Console()
     _say(console, f"{args.a} → {args.b}")
     _say(console, f"version      {_change(old.version, new.version)}")
@@ -158,7 +145,7 @@ def run_diff(args: argparse.Namespace) -> int:
     _say(console, f"removed      {', '.join(removed) or '—'}")
     if old.dims != new.dims:
         _say(console, "tensors not compared: the dims differ")
-        return 0
+        return EXIT_OK
 
     table = Table(title="per class: max |b − a| of each tensor that changed")
     for column in ("class", "count", "version", "frozen", "changes"):
@@ -172,4 +159,4 @@ def run_diff(args: argparse.Namespace) -> int:
             _changes(old, new, name),
         )
     console.print(table)
-    return 0
+    return EXIT_OK

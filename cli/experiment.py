@@ -12,31 +12,17 @@ import argparse
 import json
 import sys
 
-from starfed.cli.flags import add_command, given, same_name, switch
-from starfed.shared.config import parse, writable_dir
+from starfed.cli._common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from starfed.cli.flags import add_command, parsed, same_name, switch
+from starfed.shared.config import writable_dir
 from starfed.simulations.grid import load, shipped_grids
 
 COMMAND = "experiment"
 FLAGS = (*same_name("results-dir"), switch("--json", "json", True))
-EXIT_CELL_FAILED = 1
-EXIT_INTERRUPTED = 130  # as a shell reports Ctrl-C
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(
-        subparsers,
-        COMMAND,
-        FLAGS,
-        _main,
-        help="run a grid of scenarios × methods × seeds; write a paper-style table and plots",
-        description=(
-            "Run every cell (scenario × method × seed) of a grid file, one after another, each "
-            "in its own process, into <results-dir>/<experiment>/<cell>/. A complete cell is "
-            "skipped, so re-running continues an interrupted experiment. Writes table.md "
-            "(FAA, forgetting, prompt selection, bytes per site per round, wall time: mean ± sd "
-            "over seeds) and plots. docs/results.md describes grids and methods."
-        ),
-    )
+    parser = add_command(subparsers, COMMAND, _main, FLAGS)
     parser.add_argument(
         "grid",
         metavar="GRID",
@@ -45,9 +31,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    run_config, own, names = given(args, FLAGS)
-    values = parse(run_config, "run-config", names)
-    options = parse(own, COMMAND, names)
+    """run a grid of scenarios × methods × seeds; write a paper-style table and plots
+
+    Run every cell (scenario × method × seed) of a grid file, one after another, each in its own
+    process, into <results-dir>/<experiment>/<cell>/. A complete cell is skipped, so re-running
+    continues an interrupted experiment. Writes table.md (FAA, forgetting, prompt selection,
+    bytes per site per round, wall time: mean ± sd over seeds) and plots. docs/results.md
+    describes grids and methods.
+    """
+    values, options, names = parsed(args, FLAGS, COMMAND)
     experiment = load(args.grid)
     results = writable_dir(values["results-dir"], names.get("results-dir", "results-dir"))
     from starfed.simulations.experiment import run_experiment  # matplotlib: only now
@@ -68,4 +60,4 @@ def _main(args: argparse.Namespace) -> int:
         with open(summary["table"]) as table:
             print(table.read())
         print(f"table: {summary['table']}\nplots: {', '.join(summary['plots'])}")
-    return EXIT_CELL_FAILED if summary["failed"] else 0
+    return EXIT_FAILED if summary["failed"] else EXIT_OK

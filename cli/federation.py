@@ -22,55 +22,34 @@ from pathlib import Path
 
 from rich.table import Table
 
-from starfed.cli import server
+from starfed.cli._common import EXIT_OK, console, emit_json, guard, server_folder
 from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
 from starfed.server.federation import Checkpoint, Federation, FederationError
-from starfed.server.ops import flower_runs, superlink
+from starfed.server.ops import flower_runs, processes, sites, superlink
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import Status, gather
 from starfed.shared.config import ConfigError, writable_dir
 
 FLAGS = (Flag("--steps", ("max-steps",)), *same_name("min-sites", "wait-s", "timeout-s"))
+guarded = guard(
+    failed=(
+        flower_runs.FlowerRunError,
+        FederationError,
+        superlink.ServerError,
+        sites.SitesError,
+        processes.ProcessError,
+    )
+)
 
 
 def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Register ``round``, ``resume`` and ``status`` on the ``server`` group."""
-    described = {
-        "round": (
-            "run aggregation steps over what the sites bring now, on the running server",
-            "Submit starfed's ServerApp to the running server: it continues the federation "
-            "folder, performs aggregation steps over the classes the sites bring now (until "
-            "none brings anything new, or --steps), and writes metrics.json. Streams the "
-            "ServerApp's log; Ctrl-C stops the run (continue it with `resume`). Exit code: "
-            "0 completed, 3 degraded, 1 failed, 2 bad input, 130 stopped.",
-        ),
-        "resume": (
-            "continue an interrupted step from its last completed phase",
-            "A `round` that continues the step a crash or Ctrl-C interrupted; refuses (exit 2) "
-            "when no step is running. Options and exit codes as `round`.",
-        ),
-    }
-    for action, (help_text, description) in described.items():
-        parser = add_command(
-            actions,
-            action,
-            FLAGS,
-            run_round if action == "round" else run_resume,
-            help=help_text,
-            description=description,
-            parents=[common],
-        )
+    for run in (run_round, run_resume):
+        parser = add_command(actions, run.__name__[4:], run, FLAGS, parents=[common])
         _federation_option(parser)
         add_run_config(parser)
-    parser = actions.add_parser(
-        "status",
-        parents=[common],
-        help="the federation at a glance: classes, steps, sites, errors, server processes",
-        description="Read the federation folder and the server folder (and, when the server "
-        "runs, Flower's node list). Works with the server stopped.",
-    )
+    parser = add_command(actions, "status", run_status, parents=[common])
     _federation_option(parser)
-    parser.set_defaults(func=run_status)
 
 
 def _federation_option(parser: argparse.ArgumentParser) -> None:
@@ -81,22 +60,6 @@ def _federation_option(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="the federation folder (default: <server dir>/federation)",
     )
-
-
-def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """This module's errors as the ``server`` group reports them: bad input exit 2, the rest 1."""
-
-    @server._guard
-    @functools.wraps(func)
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except ConfigError as err:
-            raise server.UsageError(str(err)) from None
-        except (flower_runs.FlowerRunError, FederationError) as err:
-            raise superlink.ServerError(str(err)) from None
-
-    return wrapped
 
 
 def _federation_dir(args: argparse.Namespace, folder: ServerFolder) -> Path:
@@ -116,18 +79,31 @@ def _checkpoint(federation_dir: Path) -> Checkpoint | None:
 # --- round and resume ------------------------------------------------------------------------
 
 
-@_guard
+@guarded
 def run_round(args: argparse.Namespace) -> int:
+    """run aggregation steps over what the sites bring now, on the running server
+
+    Submit starfed's ServerApp to the running server: it continues the federation folder,
+    performs aggregation steps over the classes the sites bring now (until none brings anything
+    new, or --steps), and writes metrics.json. Streams the ServerApp's log; Ctrl-C stops the run
+    (continue it with `resume`). Exit code: 0 completed, 3 degraded, 1 failed, 2 bad input, 130
+    stopped.
+    """
     return _round(args, resume=False)
 
 
-@_guard
+@guarded
 def run_resume(args: argparse.Namespace) -> int:
+    """continue an interrupted step from its last completed phase
+
+    A `round` that continues the step a crash or Ctrl-C interrupted; refuses (exit 2) when no
+    step is running. Options and exit codes as `round`.
+    """
     return _round(args, resume=True)
 
 
 def _round(args: argparse.Namespace, resume: bool) -> int:
-    folder = server._folder(args)
+    folder = server_folder(args)
     federation_dir = _federation_dir(args, folder)
     _, overrides = run_config(args, FLAGS)
     if "federation-dir" in overrides:
@@ -137,7 +113,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     running = checkpoint is not None and checkpoint.position.running
     if resume and not running:
         done = 0 if checkpoint is None else checkpoint.position.step
-        raise server.UsageError(
+        raise ConfigError(
             f"nothing to resume in {federation_dir}: no step is running ({done} step(s) "
             "finished); `starfed server round` runs the next"
         )
@@ -175,7 +151,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     )
     details = "" if code != flower_runs.EXIT_FAILED else _failure(cli, outcome, metrics)
     if args.json:
-        server._emit_json(
+        emit_json(
             {
                 "success": code in (flower_runs.EXIT_COMPLETED, flower_runs.EXIT_DEGRADED),
                 "exit_code": code,
@@ -254,20 +230,25 @@ def _lost(metrics: dict) -> str:
 # --- status ----------------------------------------------------------------------------------
 
 
-@_guard
+@guarded
 def run_status(args: argparse.Namespace) -> int:
-    folder = server._folder(args)
+    """the federation at a glance: classes, steps, sites, errors, server processes
+
+    Read the federation folder and the server folder (and, when the server runs, Flower's node
+    list). Works with the server stopped.
+    """
+    folder = server_folder(args)
     status = gather(folder, _federation_dir(args, folder))
     if args.json:
-        server._emit_json({"success": True, **status.to_json()})
+        emit_json({"success": True, **status.to_json()})
     else:
         _print_status(status)
-    return server.EXIT_OK
+    return EXIT_OK
 
 
 def _print_status(status: Status) -> None:
-    console = server._console()
-    say = functools.partial(console.print, markup=False, highlight=False)
+    out = console()
+    say = functools.partial(out.print, markup=False, highlight=False)
     s = status.server
     if s["running"]:
         processes = ", ".join(
@@ -298,7 +279,7 @@ def _print_status(status: Status) -> None:
     for c in status.classes:
         brought = ", ".join(f"{site} ({when})" for site, when in c.sites.items())
         table.add_row(c.name, str(c.step + 1), brought or "—", "yes" if c.frozen else "no")
-    console.print(table)
+    out.print(table)
     table = Table(
         "step", "status", "classes", "sites", "FAA %", "wall s", "finished", title="steps"
     )
@@ -309,7 +290,7 @@ def _print_status(status: Status) -> None:
             str(r.step + 1), state, str(len(r.classes)), ", ".join(r.sites) or "—", faa,
             f"{r.wall_s:.0f}", r.finished,
         )  # fmt: skip
-    console.print(table)
+    out.print(table)
     table = Table("site", "last step", "last seen", "now", "online at", "offline at", title="sites")
     for site in status.sites:
         table.add_row(
@@ -317,14 +298,14 @@ def _print_status(status: Status) -> None:
             site.last_seen or "—", site.status or "—", site.online_at or "—",
             site.offline_at or "—",
         )  # fmt: skip
-    console.print(table)
+    out.print(table)
     if status.sites_error:
         say(f"sites now: unknown ({status.sites_error})")
     if status.errors:
         table = Table("site", "step", "phase", "what", title="errors in the last steps")
         for e in status.errors:
             table.add_row(e.site, str(e.step + 1), f"{e.phase}/{e.round}", e.status)
-        console.print(table)
+        out.print(table)
     else:
         say("errors     none in the last steps")
     if status.last_run:

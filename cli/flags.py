@@ -1,14 +1,17 @@
 """Command-line flags generated from the configuration schema (``starfed.shared.config``).
 
 A command lists its flags as a table of :class:`Flag`: the flag's name and the schema keys it
-sets. Type, help text and the default shown in ``--help`` come from the schema, so they cannot
-drift from what the run uses. argparse keeps every value as the text typed; the schema's
-:func:`~starfed.shared.config.parse` converts and checks it, naming the flag in its message.
+sets, from the run config or the command's own table (``TABLES[command]``, e.g. ``server
+start``). Type, help text and the default shown in ``--help`` come from the schema, so they
+cannot drift from what the run uses. argparse keeps every value as the text typed; the schema's
+:func:`~starfed.shared.config.parse` converts and checks it, naming the flag in its message,
+before anything heavy loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import tomllib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -45,37 +48,54 @@ def same_name(*keys: str) -> tuple[Flag, ...]:
     return tuple(Flag(f"--{key}", (key,)) for key in keys)
 
 
+#: The frozen backbone pair (``BackboneOptions``): what every command that loads it takes.
+BACKBONE_FLAGS = same_name("preset", "backbone-config", "clip-weights", "vit-weights")
+
+
+def device_flag(what: str) -> Flag:
+    """``--device``: the run config's ``device`` knob, said of what this command computes."""
+    return Flag("--device", ("device",), help=f"where {what}: {DEVICES}")
+
+
+DEVICES = "auto (the GPU when there is one), cpu, cuda, cuda:N, mps"
+
+
 def switch(name: str, key: str, const: Value, help: str | None = None) -> Flag:
     return Flag(name, (key,), const, help)
 
 
-def _knobs(command: str) -> dict[str, Knob]:
-    """The knobs a command's flags may set: the run config's and the command's own (if any)."""
-    return {**TABLES["run-config"], **TABLES.get(command, {})}
+def _knobs(table: str) -> dict[str, Knob]:
+    """The knobs a command's flags may set: the run config's and its own table's (which win)."""
+    return {**TABLES["run-config"], **TABLES.get(table, {})}
 
 
 def add_command(
     subparsers: argparse._SubParsersAction,
     command: str,
-    flags: Iterable[Flag],
     run: Callable[[argparse.Namespace], int],
-    help: str,
-    description: str,
+    flags: Iterable[Flag] = (),
     parents: Sequence[argparse.ArgumentParser] = (),
+    table: str | None = None,
 ) -> argparse.ArgumentParser:
     """Register ``command`` with its schema flags (and ``parents``' options); ``run`` gets the
-    parsed arguments."""
+    parsed arguments. As with click, ``run``'s docstring is the help: its first paragraph the
+    line in the command list, the rest the description. ``table``: the command's own knobs
+    (default: the command's name)."""
+    summary, _, description = (inspect.getdoc(run) or "").partition("\n\n")
     parser = subparsers.add_parser(
-        command, help=help, description=description, parents=list(parents)
+        command,
+        help=" ".join(summary.split()),
+        description=" ".join(description.split()) or None,
+        parents=list(parents),
     )
-    _add_flags(parser, flags, command)
+    _add_flags(parser, flags, table or command)
     parser.set_defaults(func=run)
     return parser
 
 
-def _add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], command: str) -> None:
+def _add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], table: str) -> None:
     """Add ``flags`` in help sections by group; every help line ends with the real default."""
-    knobs = _knobs(command)
+    knobs = _knobs(table)
     sections = {group: parser.add_argument_group(title) for group, title in SECTIONS.items()}
     for flag in flags:
         knob = knobs[flag.keys[0]]
@@ -99,12 +119,14 @@ def _add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], command: 
 
 
 def given(
-    args: argparse.Namespace, flags: Iterable[Flag]
+    args: argparse.Namespace, flags: Iterable[Flag], table: str | None = None
 ) -> tuple[dict[str, object], dict[str, object], dict[str, str]]:
     """What the flags set: (run-config values, the command's own values, key -> flag name).
 
-    Unset flags are left out, so the schema's (or a project's) defaults apply.
+    A key of the command's ``table`` (or of no run-config knob) is its own, any other a
+    run-config key. Unset flags are left out, so the schema's (or a project's) defaults apply.
     """
+    own_keys = TABLES.get(table or "", {})
     run_config: dict[str, object] = {}
     own: dict[str, object] = {}
     names: dict[str, str] = {}
@@ -113,9 +135,20 @@ def given(
         if value is None:
             continue
         for key in flag.keys:
-            (run_config if key in TABLES["run-config"] else own)[key] = value
+            mine = key in own_keys or key not in TABLES["run-config"]
+            (own if mine else run_config)[key] = value
             names[key] = flag.name
     return run_config, own, names
+
+
+def parsed(
+    args: argparse.Namespace, flags: Iterable[Flag], table: str
+) -> tuple[dict[str, Value], dict[str, Value], dict[str, str]]:
+    """The flags' values checked by the schema: (every run-config value, every value of the
+    command's own ``table``, key -> flag name for messages)."""
+    run_config, own, names = given(args, flags, table)
+    values = parse(run_config, "run-config", names)
+    return values, parse(own, table, names) if table in TABLES else {}, names
 
 
 def add_run_config(parser: argparse.ArgumentParser) -> None:

@@ -2,9 +2,9 @@
 
 ``export`` writes the deployable codebook (finished classes, no mixtures) and its model card;
 ``serve`` answers devices that follow the federation over gRPC with TLS (``starfed predict
---from``). Both read the federation folder and load no backbones. Registered on the ``server``
-command by ``starfed.cli.server``, whose guard gives every error one line and its exit code.
-docs/inference.md.
+--from``). Both read the federation folder and load no backbones. Actions of the ``server``
+group (``starfed.cli.server`` registers them); every error is one line with its exit code
+(``starfed.cli._common.guard``). docs/inference.md.
 """
 
 from __future__ import annotations
@@ -14,70 +14,44 @@ import json
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
-from starfed.cli.predict import positive_int
+from starfed.cli._common import Failed, add_switches, guard, server_folder
+from starfed.cli.flags import add_command, parsed, same_name
+from starfed.shared.config import ConfigError
 
-Handler = Callable[[argparse.Namespace], int]
-DEFAULT_LISTEN = "0.0.0.0:9095"
-
-
-class BadInput(ValueError):
-    """Not a federation folder, a bad address; exit 2."""
+SERVE = "server serve"  # the table of `serve`'s own knobs
+SERVE_FLAGS = same_name("listen", "max-mib")
 
 
-class Failed(RuntimeError):
-    """Nothing to export or serve yet, a port in use; exit 1."""
-
-
-def add_actions(
-    actions: argparse._SubParsersAction,
-    common: argparse.ArgumentParser,
-    guard: Callable[[Handler], Handler],
-) -> None:
+def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Register ``export`` and ``serve`` on the ``server`` group."""
     federation = argparse.ArgumentParser(add_help=False)
     federation.add_argument(
         "--federation", type=Path, required=True, metavar="FEDERATION", help="federation folder"
     )
-    p = actions.add_parser(
-        "export",
-        parents=[federation],
-        help="write a deployable codebook (finished classes, no mixtures) and its model card",
-        description=(
-            "Write the federation's deployable codebook for inference-only devices: finished "
-            "classes only (a step in progress is left out, and named), no mixtures, class names "
-            "and the step that registered each, the backbone fingerprint; and <out>.card.json "
-            "with the classes, sites, backbones and the federation's scores."
-        ),
-    )
+    p = add_command(actions, "export", guard()(run_export), parents=[federation])
     p.add_argument("--out", type=Path, help="codebook file (default: codebook-v<VERSION>.bin here)")
-    p.add_argument("--float16", action="store_true", help="tensors in float16 (half the bytes)")
-    p.add_argument("--json", action="store_true", help="the model card as one JSON object")
-    p.set_defaults(func=guard(run_export))
-
-    p = actions.add_parser(
-        "serve",
-        parents=[common, federation],
-        help="serve the deployable codebook to devices over gRPC/TLS (`predict --from`)",
-        description=(
-            "Answer devices that follow the federation: each sends the version it holds and gets "
-            "the current deployable codebook, the delta since its version, or 'unchanged'. The "
-            "folder is read again when it changes. TLS with the server folder's certificate "
-            "(certs/server.pem, certs/server.key; `starfed server certs`). Stops on Ctrl-C."
-        ),
+    add_switches(
+        p,
+        {
+            "--float16": "tensors in float16 (half the bytes)",
+            "--json": "the model card as one JSON object",
+        },
     )
-    p.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT (default: %(default)s)")
+
+    p = add_command(
+        actions, "serve", guard()(run_serve), SERVE_FLAGS, parents=[common, federation], table=SERVE
+    )
     p.add_argument("--cert", type=Path, help="server certificate (default: DIR/certs/server.pem)")
     p.add_argument("--key", type=Path, help="its private key (default: DIR/certs/server.key)")
-    p.add_argument(
-        "--insecure", action="store_true", help="no TLS: only on a loopback address, for tests"
+    add_switches(
+        p,
+        {
+            "--insecure": "no TLS: only on a loopback address, for tests",
+            "--float16": "send tensors in float16",
+        },
     )
-    p.add_argument("--float16", action="store_true", help="send tensors in float16")
-    p.add_argument(
-        "--max-mib", type=positive_int, default=64, help="largest reply (default: %(default)s)"
-    )
-    p.set_defaults(func=guard(run_serve))
 
 
 def _federation(path: Path):
@@ -88,11 +62,18 @@ def _federation(path: Path):
         federation = Federation.open(path)
         federation.codebook()  # a damaged codebook.bin is bad input, found here
     except (FederationError, CodebookError) as err:
-        raise BadInput(str(err)) from None
+        raise ConfigError(str(err)) from None
     return federation
 
 
 def run_export(args: argparse.Namespace) -> int:
+    """write a deployable codebook (finished classes, no mixtures) and its model card
+
+    Write the federation's deployable codebook for inference-only devices: finished classes only
+    (a step in progress is left out, and named), no mixtures, class names and the step that
+    registered each, the backbone fingerprint; and <out>.card.json with the classes, sites,
+    backbones and the federation's scores.
+    """
     from starfed.server.federation import FederationError
     from starfed.server.serving import export
 
@@ -104,7 +85,7 @@ def run_export(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         card = export.write(federation, result, out, dtype)
     except FederationError as err:
-        raise BadInput(str(err)) from None
+        raise ConfigError(str(err)) from None
     except export.NothingToExport as err:
         raise Failed(str(err)) from None
     if args.json:
@@ -123,24 +104,31 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from starfed.server.ops.layout import ServerFolder, default_dir
+    """serve the deployable codebook to devices over gRPC/TLS (`predict --from`)
+
+    Answer devices that follow the federation: each sends the version it holds and gets the
+    current deployable codebook, the delta since its version, or 'unchanged'. The folder is read
+    again when it changes. TLS with the server folder's certificate (certs/server.pem,
+    certs/server.key; `starfed server certs`). Stops on Ctrl-C.
+    """
     from starfed.server.serving import distribution
 
-    folder = ServerFolder.at(args.dir if args.dir is not None else default_dir())
+    _, own, _ = parsed(args, SERVE_FLAGS, SERVE)
+    folder = server_folder(args)
     _federation(args.federation)
     options = distribution.ServeOptions(
         federation=args.federation,
-        listen=args.listen,
+        listen=own["listen"],
         cert=None if args.insecure else (args.cert or folder.server_cert),
         key=None if args.insecure else (args.key or folder.server_key),
         insecure=args.insecure,
         dtype="float16" if args.float16 else "float32",
-        max_bytes=args.max_mib * 2**20,
+        max_bytes=own["max-mib"] * 2**20,
     )
     try:
         distribution.check(options)
     except distribution.ServeError as err:
-        raise BadInput(str(err)) from None
+        raise ConfigError(str(err)) from None
     if args.insecure:
         print("WARNING: --insecure: codebooks in plain text, no server authentication; for a "
               "test on this machine only", file=sys.stderr)  # fmt: skip
@@ -149,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except distribution.ServeError as err:
         raise Failed(str(err)) from None
     current = servicer.current().codebook
-    info = {"listen": args.listen, "port": port, "tls": not args.insecure,
+    info = {"listen": own["listen"], "port": port, "tls": not args.insecure,
             "federation": current.metadata["federation"], "version": current.version,
             "classes": len(current), "ca_certificate": None if args.insecure else
             str(folder.ca_cert)}  # fmt: skip

@@ -17,44 +17,29 @@ import os
 import sys
 from pathlib import Path
 
-from starfed.cli.flags import add_command, given, same_name
-from starfed.shared.config import BackboneOptions, ConfigError, parse
+from starfed.cli._common import EXIT_FAILED
+from starfed.cli.flags import BACKBONE_FLAGS, add_command, device_flag, parsed, same_name
+from starfed.shared.config import BackboneOptions, ConfigError
 
 COMMAND = "predict"
-BACKBONE_FLAGS = same_name("preset", "backbone-config", "clip-weights", "vit-weights")
-DEFAULT_BATCH_SIZE = 64
-EXIT_FAILED = 1
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+DEVICE_HELP = (
+    "where the images are classified: auto (the GPU when there is one), cpu, cuda, cuda:N, mps"
+)
+FLAGS = (
+    *BACKBONE_FLAGS,
+    device_flag("the images are classified"),
+    *same_name("batch-size", "format", "cache"),
+)
 
 
 def default_cache() -> Path:
+    """Where ``--from`` keeps its copy when ``--cache`` is "" (the knob's default)."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "starfed" / "codebook"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(
-        subparsers,
-        COMMAND,
-        BACKBONE_FLAGS,
-        _main,
-        help="classify images with an exported codebook (offline), CSV or JSON",
-        description=(
-            "Predict the class of each image with a deployable codebook and the backbones it "
-            "was trained with: path, class, probability (softmax of the aligned head) and task "
-            "(the step that registered the class whose prompts the image selected most). "
-            "Folders are searched recursively."
-        ),
-    )
+    p = add_command(subparsers, COMMAND, _main, FLAGS)
     p.add_argument("inputs", nargs="+", metavar="IMAGE|DIR", help="image files or folders")
     source = p.add_argument_group("codebook (give --codebook or --from)")
     source.add_argument("--codebook", type=Path, metavar="FILE", help="an exported codebook")
@@ -66,35 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     source.add_argument("--ca", type=Path, help="the federation's ca.pem (with --from)")
     source.add_argument(
-        "--cache",
-        type=Path,
-        default=default_cache(),
-        help="where --from keeps its copy (default: %(default)s)",
-    )
-    source.add_argument(
         "--insecure", action="store_true", help="--from without TLS: loopback addresses only"
     )
-    own = p.add_argument_group("this command")
-    own.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=DEFAULT_BATCH_SIZE,
-        help="images per forward pass (default: %(default)s)",
-    )
-    own.add_argument(
-        "--format", choices=("csv", "json"), default="csv", help="output (default: %(default)s)"
-    )
-    own.add_argument(
-        "--device",
-        default="auto",
-        help="auto (the GPU when there is one), cpu, cuda, cuda:N, mps (default: auto)",
-    )
-
-
-def backbone_options(args: argparse.Namespace) -> BackboneOptions:
-    """The backbone flags, checked by the configuration schema (before anything loads)."""
-    run_config, _, names = given(args, BACKBONE_FLAGS)
-    return BackboneOptions.from_config(parse(run_config, "run-config", names))
 
 
 def warn(message: str) -> None:
@@ -137,16 +95,16 @@ def image_paths(inputs: list[str]) -> list[str]:
     return paths
 
 
-def _codebook(args: argparse.Namespace):
+def _codebook(args: argparse.Namespace, cache: Path):
     """The codebook file, or the service's current codebook (None: could not get one)."""
-    from starfed.shared.codebook.codebook import Codebook
+    from starfed.shared.codebook import wire
 
     if args.codebook is not None:
-        return Codebook.load(args.codebook)
+        return wire.read_file(args.codebook)
     from starfed.shared.inference.follow import DistributionError, SourceError, fetch
 
     try:
-        fetched = fetch(args.service, args.cache, ca=args.ca, insecure=args.insecure)
+        fetched = fetch(args.service, cache, ca=args.ca, insecure=args.insecure)
     except SourceError as err:
         raise ConfigError(str(err)) from None
     except DistributionError as err:
@@ -155,7 +113,7 @@ def _codebook(args: argparse.Namespace):
     if fetched.status == "offline":
         warn(
             f"cannot update the codebook ({fetched.reason}); using version "
-            f"{fetched.codebook.version} in {args.cache}"
+            f"{fetched.codebook.version} in {cache}"
         )
     else:
         print(
@@ -167,25 +125,33 @@ def _codebook(args: argparse.Namespace):
 
 
 def _main(args: argparse.Namespace) -> int:
+    """classify images with an exported codebook (offline), CSV or JSON
+
+    Predict the class of each image with a deployable codebook and the backbones it was trained
+    with: path, class, probability (softmax of the aligned head) and task (the step that
+    registered the class whose prompts the image selected most). Folders are searched
+    recursively.
+    """
+    values, own, _ = parsed(args, FLAGS, COMMAND)
     _check(args)
-    options = backbone_options(args)
+    options = BackboneOptions.from_config(values)
 
     from starfed.shared.inference.predict import Predictor
 
     paths = image_paths(args.inputs)
-    codebook = _codebook(args)
+    codebook = _codebook(args, Path(own["cache"]) if own["cache"] else default_cache())
     if codebook is None:
         return EXIT_FAILED
     try:
-        backbones = options.load(args.device)
+        backbones = options.load(values["device"])
     except ValueError as err:  # a device this machine does not have
-        raise ConfigError(f"--device {args.device}: {err}") from None
+        raise ConfigError(f"--device {values['device']}: {err}") from None
     predictor = Predictor(codebook, backbones)
     rows, skipped = [], []
-    writer = csv.writer(sys.stdout, lineterminator="\n") if args.format == "csv" else None
+    writer = csv.writer(sys.stdout, lineterminator="\n") if own["format"] == "csv" else None
     if writer:
         writer.writerow(["path", "class", "probability", "task"])
-    for predictions, unreadable in predictor.predict_files(paths, args.batch_size):
+    for predictions, unreadable in predictor.predict_files(paths, own["batch-size"]):
         for path in unreadable:
             warn(f"cannot read {path}: skipped")
         skipped += unreadable
@@ -195,7 +161,7 @@ def _main(args: argparse.Namespace) -> int:
         rows += predictions
     if not rows:
         raise ConfigError(f"none of the {len(paths)} image(s) could be read")
-    if args.format == "json":
+    if own["format"] == "json":
         codebook_info = {"version": codebook.version, "classes": len(codebook),
                          "fingerprint": codebook.fingerprint}  # fmt: skip
         predictions = [{"path": p.path, "class": p.name, "probability": p.probability,

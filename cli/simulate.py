@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from datetime import UTC, datetime
 
-from starfed.cli.flags import Flag, add_command, add_run_config, given, run_config, same_name
-from starfed.shared.config import ConfigError, parse, writable_dir
+from starfed.cli.flags import Flag, add_command, add_run_config, parsed, run_config, same_name
+from starfed.shared.config import ConfigError, writable_dir
 from starfed.simulations.simulate import simulate
 
 COMMAND = "simulate"
@@ -28,22 +28,7 @@ FLAGS = (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(
-        subparsers,
-        COMMAND,
-        FLAGS,
-        _main,
-        help="federated simulation on this machine, start to finish (Flower and Ray, or local)",
-        description=(
-            "Run the federated scenario. The flower runtime is a real Flower simulation: "
-            "start a private localhost SuperLink, submit the app with `flwr run`, follow it "
-            "until it finishes, stop every process it started; Ctrl-C or SIGTERM stops the run "
-            "and marks its folder interrupted. The local runtime runs the same ServerApp and "
-            "ClientApp code in this process, one site after another, without Flower's start-up "
-            "cost. Unset options keep the schema's defaults (docs/simulation.md); the number of "
-            "simulated SuperNodes always equals num-clients."
-        ),
-    )
+    parser = add_command(subparsers, COMMAND, _main, FLAGS)
     add_run_config(parser)
 
 
@@ -61,8 +46,16 @@ def build_overrides(args: argparse.Namespace) -> dict:
 
 
 def _main(args: argparse.Namespace) -> int:
-    _, own, names = given(args, FLAGS)
-    options = parse(own, COMMAND, names)
+    """federated simulation on this machine, start to finish (Flower and Ray, or local)
+
+    Run the federated scenario. The flower runtime is a real Flower simulation: start a private
+    localhost SuperLink, submit the app with `flwr run`, follow it until it finishes, stop every
+    process it started; Ctrl-C or SIGTERM stops the run and marks its folder interrupted. The
+    local runtime runs the same ServerApp and ClientApp code in this process, one site after
+    another, without Flower's start-up cost. Unset options keep the schema's defaults
+    (docs/simulation.md); the number of simulated SuperNodes always equals num-clients.
+    """
+    _, options, names = parsed(args, FLAGS, COMMAND)
     overrides = build_overrides(args)
     results = writable_dir(overrides["results-dir"], names.get("results-dir", "results-dir"))
     run_dir = results / str(overrides["run-name"])

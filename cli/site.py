@@ -1,8 +1,10 @@
 """``starfed site ...``: a site engineer's commands (docs/deployment.md).
 
 ``keygen`` makes the site's key pair (the private key never leaves the site; the ``.pub`` goes to
-the operator); ``start`` runs this site's SuperNode in the foreground until Ctrl-C. Exit codes:
-0 done (or stopped when told), 1 failed (refused, wrong CA, the SuperNode died), 2 bad input.
+the operator); ``start`` runs this site's SuperNode in the foreground until Ctrl-C; ``check``
+(``starfed.cli.site_check``) says whether the site is ready to join. Exit codes
+(``starfed.cli._common``): 0 done (or stopped when told), 1 failed (refused, wrong CA, the
+SuperNode died), 2 bad input — every flag is checked before anything starts.
 """
 
 from __future__ import annotations
@@ -13,46 +15,36 @@ import socket
 import sys
 from pathlib import Path
 
+from starfed.cli import site_check
+from starfed.cli._common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    add_group,
+    add_switches,
+    fail,
+    guard,
+)
+from starfed.cli.flags import add_command, device_flag, parsed, same_name
 from starfed.client.ops import supernode
 from starfed.server.ops import pki, processes
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+KEYGEN, START = "site keygen", "site start"  # the tables of their own knobs
+KEYGEN_FLAGS = same_name("out")
+START_FLAGS = (device_flag("this site computes"),)
+guarded = guard(bad_input=(pki.SiteKeyError,))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``site`` and its actions on the root CLI."""
-    parser = subparsers.add_parser(
-        "site",
-        help="join a federation as a site: key pair, SuperNode",
-        description="A site's commands: `keygen` once, then `start` (see docs/deployment.md).",
-    )
-    actions = parser.add_subparsers(dest="site_action", metavar="ACTION", required=True)
+    """join a federation as a site: key pair, SuperNode
 
-    p = actions.add_parser(
-        "keygen",
-        help="make this site's key pair and print the public key and its fingerprint",
-        description=(
-            "Make an EC P-384 key pair: --out (private, mode 0600, stays here) and the same "
-            "name with .pub (send it to the operator, who runs `starfed server sites add`)."
-        ),
-    )
-    p.add_argument(
-        "--out", type=Path, default=Path("site.key"), help="private key file (default: %(default)s)"
-    )
-    p.add_argument("--force", action="store_true", help="replace an existing key")
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    p.set_defaults(func=run_keygen)
+    A site's commands: `keygen` once, then `start` (see docs/deployment.md).
+    """
+    actions = add_group(subparsers, "site", add_parser)
+    p = add_command(actions, "keygen", guarded(run_keygen), KEYGEN_FLAGS, table=KEYGEN)
+    add_switches(p, {"--force": "replace an existing key", "--json": "one JSON object on stdout"})
 
-    p = actions.add_parser(
-        "start",
-        help="run this site's SuperNode in the foreground (Ctrl-C stops it)",
-        description=(
-            "Connect this site to the federation: a Flower SuperNode with TLS (--ca) and the "
-            "site's key (--key), given its data and state folders through a node-config file "
-            "(data-dir, state-dir, site-name, device). Logs stream here and to "
-            "STATE/logs/supernode.log. Ctrl-C or SIGTERM stops it cleanly."
-        ),
-    )
+    p = add_command(actions, "start", guarded(run_start), START_FLAGS, table=START)
     p.add_argument("--server", required=True, help="HOST:PORT the operator gave you")
     p.add_argument("--ca", type=Path, help="the federation's ca.pem (from the operator)")
     p.add_argument("--key", type=Path, help="this site's private key (`starfed site keygen`)")
@@ -64,47 +56,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "~/.local/share, then starfed/sites/NAME)",
     )
     p.add_argument("--name", help="site name given to the ClientApp (default: the data folder's)")
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="torch device for training: auto, cpu, cuda:0 (default: %(default)s)",
+    add_switches(
+        p,
+        {
+            "--insecure": "plain HTTP, no key: only against a `server start --insecure` test "
+            "server",
+            "--quiet": "do not echo the SuperNode's log",
+            "--no-worker": "no site worker: every message builds the model in its own process "
+            "(slower)",
+        },
     )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        help="plain HTTP, no key: only against a `server start --insecure` test server",
-    )
-    p.add_argument("--quiet", action="store_true", help="do not echo the SuperNode's log")
-    p.add_argument(
-        "--no-worker",
-        action="store_true",
-        help="no site worker: every message builds the model in its own process (slower)",
-    )
-    p.set_defaults(func=run_start)
-
-    from starfed.cli import site_check  # its own module: it builds on this one
-
     site_check.add_action(actions)
 
 
-def _fail(action: str, err: Exception, code: int) -> int:
-    print(f"starfed site {action}: error: {' '.join(str(err).split())}", file=sys.stderr)
-    return code
-
-
 def run_keygen(args: argparse.Namespace) -> int:
-    try:
-        key = pki.write_site_key(args.out, f"starfed-site@{socket.gethostname()}", force=args.force)
-    except pki.SiteKeyError as err:
-        return _fail("keygen", err, EXIT_USAGE)
-    except OSError as err:
-        return _fail("keygen", err, EXIT_FAILED)
-    public = pki.public_key_path(args.out)
+    """make this site's key pair and print the public key and its fingerprint
+
+    Make an EC P-384 key pair: --out (private, mode 0600, stays here) and the same name with
+    .pub (send it to the operator, who runs `starfed server sites add`).
+    """
+    _, own, _ = parsed(args, KEYGEN_FLAGS, KEYGEN)
+    out = Path(own["out"])
+    key = pki.write_site_key(out, f"starfed-site@{socket.gethostname()}", force=args.force)
+    public = pki.public_key_path(out)
     if args.json:
         print(
             json.dumps(
                 {
-                    "private_key": str(args.out.resolve()),
+                    "private_key": str(out.resolve()),
                     "public_key": str(public.resolve()),
                     "openssh": key.openssh,
                     "fingerprint": key.fingerprint,
@@ -113,7 +92,7 @@ def run_keygen(args: argparse.Namespace) -> int:
             )
         )
         return EXIT_OK
-    print(f"private key: {args.out}  (mode 0600; keep it here, back it up)")
+    print(f"private key: {out}  (mode 0600; keep it here, back it up)")
     print(f"public key:  {public}  (send this file to the operator)")
     print(f"fingerprint: {key.fingerprint}")
     print(key.openssh)
@@ -121,6 +100,14 @@ def run_keygen(args: argparse.Namespace) -> int:
 
 
 def run_start(args: argparse.Namespace) -> int:
+    """run this site's SuperNode in the foreground (Ctrl-C stops it)
+
+    Connect this site to the federation: a Flower SuperNode with TLS (--ca) and the site's key
+    (--key), given its data and state folders through a node-config file (data-dir, state-dir,
+    site-name, device). Logs stream here and to STATE/logs/supernode.log. Ctrl-C or SIGTERM
+    stops it cleanly.
+    """
+    values, _, _ = parsed(args, START_FLAGS, START)  # --device: bad input before anything runs
     try:
         options = supernode.prepare(
             args.server,
@@ -129,12 +116,12 @@ def run_start(args: argparse.Namespace) -> int:
             key=args.key,
             state=args.state,
             name=args.name,
-            device=args.device,
+            device=values["device"],
             insecure=args.insecure,
             worker=not args.no_worker,
         )
     except (ValueError, supernode.SiteError) as err:  # SiteKeyError is a ValueError
-        return _fail("start", err, EXIT_USAGE)
+        return fail(args, err, EXIT_BAD_INPUT)
     print(
         f"site {options.name} -> {options.server}"
         + (f", key {options.fingerprint}" if options.fingerprint else ", INSECURE (no TLS)")
@@ -144,18 +131,17 @@ def run_start(args: argparse.Namespace) -> int:
     try:
         outcome = supernode.run(options, echo=None if args.quiet else sys.stdout)
     except (supernode.SiteError, processes.ProcessError, OSError) as err:
-        return _fail("start", err, EXIT_FAILED)
+        return fail(args, err, EXIT_FAILED)
     if outcome.failure:
-        print(f"starfed site start: error: {outcome.failure}", file=sys.stderr)
+        fail(args, outcome.failure, outcome.exit_code)
     elif outcome.stopped_by is None:
-        print(
-            f"starfed site start: error: the SuperNode exited with code {outcome.returncode}; "
-            f"see {outcome.log_file}",
-            file=sys.stderr,
+        fail(
+            args,
+            f"the SuperNode exited with code {outcome.returncode}; see {outcome.log_file}",
+            outcome.exit_code,
         )
     else:
         print(f"stopped ({outcome.stopped_by})")
     if outcome.survivors:
-        pids = sorted(p.pid for p in outcome.survivors)
-        print(f"starfed site start: error: still running: PIDs {pids}", file=sys.stderr)
+        fail(args, f"still running: PIDs {sorted(p.pid for p in outcome.survivors)}", EXIT_FAILED)
     return outcome.exit_code

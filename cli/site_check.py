@@ -9,34 +9,22 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
-from starfed.cli.flags import add_command, given, same_name
+from starfed.cli._common import EXIT_FAILED, EXIT_OK, add_switches, guard
+from starfed.cli.flags import add_command, parsed, same_name
+from starfed.client.ops import supernode
 from starfed.shared.codebook.framing import CodebookError, read_message
-from starfed.shared.config import BackboneOptions, ConfigError, parse
+from starfed.shared.config import BackboneOptions, ConfigError
 
-EXIT_READY, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+COMMAND = "site check"
 FLAGS = same_name("preset", "backbone-config", "clip-weights", "vit-weights")
 MARKS = {"ok": "ok  ", "warning": "WARN", "problem": "FAIL"}
 
 
 def add_action(actions: argparse._SubParsersAction) -> None:
     """Register ``check`` on the ``site`` group."""
-    parser = add_command(
-        actions,
-        "check",
-        FLAGS,
-        run_check,
-        help="check the data folder, images, backbones and state folder before joining",
-        description=(
-            "Read the data folder as the site will: tasks in order with their classes and "
-            "image counts, test images, class names that collide, unreadable images (each is "
-            "decoded); build the backbones (the federation's --preset/--backbone-config/"
-            "weights) and compare their fingerprint with the federation's; check the state "
-            "folder. Exit 0 ready, 1 a problem would stop the site, 2 bad input."
-        ),
-    )
+    parser = add_command(actions, "check", guard()(run_check), FLAGS, table=COMMAND)
     parser.add_argument("--data", type=Path, required=True, help="the site's data folder")
     parser.add_argument(
         "--state",
@@ -51,12 +39,7 @@ def add_action(actions: argparse._SubParsersAction) -> None:
         help="a codebook of the federation (e.g. an export): its backbone fingerprint",
     )
     expected.add_argument("--fingerprint", help="the federation's backbone fingerprint (hex)")
-    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
-
-
-def _usage(err: Exception | str) -> int:
-    print(f"starfed site check: error: {' '.join(str(err).split())}", file=sys.stderr)
-    return EXIT_USAGE
+    add_switches(parser, {"--json": "one JSON object on stdout"})
 
 
 def _expected_fingerprint(args: argparse.Namespace) -> str | None:
@@ -77,17 +60,20 @@ def _expected_fingerprint(args: argparse.Namespace) -> str | None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from starfed.client.ops import supernode
+    """check the data folder, images, backbones and state folder before joining
 
-    try:
-        run_config, _, names = given(args, FLAGS)
-        backbones = BackboneOptions.from_config(parse(run_config, "run-config", names))
-        expected = _expected_fingerprint(args)
-        data = args.data.expanduser().resolve()
-        name = args.name or supernode._name_from(data)
-        state = args.state.expanduser() if args.state else supernode.default_state_dir(name)
-    except ConfigError as err:
-        return _usage(err)
+    Read the data folder as the site will: tasks in order with their classes and image counts,
+    test images, class names that collide, unreadable images (each is decoded); build the
+    backbones (the federation's --preset/--backbone-config/weights) and compare their
+    fingerprint with the federation's; check the state folder. Exit 0 ready, 1 a problem would
+    stop the site, 2 bad input.
+    """
+    values, _, _ = parsed(args, FLAGS, COMMAND)
+    backbones = BackboneOptions.from_config(values)
+    expected = _expected_fingerprint(args)
+    data = args.data.expanduser().resolve()
+    name = args.name or supernode.site_name_from(data)
+    state = args.state.expanduser() if args.state else supernode.default_state_dir(name)
 
     from starfed.client.ops.check import check_site  # torch: only once the input is good
 
@@ -96,7 +82,7 @@ def run_check(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
     else:
         _print(report)
-    return EXIT_READY if report.ready else EXIT_PROBLEM
+    return EXIT_OK if report.ready else EXIT_FAILED
 
 
 def _print(report) -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from starfed.cli.flags import Flag, add_command, given, same_name, switch
-from starfed.shared.config import parse, writable_dir
+from starfed.cli._common import EXIT_OK
+from starfed.cli.flags import Flag, add_command, parsed, same_name, switch
+from starfed.shared.config import writable_dir
 
 COMMAND = "train-local"
 FLAGS = (
@@ -32,24 +33,17 @@ FLAGS = (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    add_command(
-        subparsers,
-        COMMAND,
-        FLAGS,
-        _main,
-        help="single-site continual training over Split CropDiseases (the baseline)",
-        description=(
-            "Train STAR-Prompt on one site, task after task, and evaluate on every seen task. "
-            "Defaults: the bundled 28-class mini set (7 tasks × 4), tiny random backbones, the "
-            "reference's Split CropDiseases hyper-parameters."
-        ),
-    )
+    add_command(subparsers, COMMAND, _main, FLAGS)
 
 
 def _main(args: argparse.Namespace) -> int:
-    run_config, own, names = given(args, FLAGS)
-    values = parse(run_config, "run-config", names)
-    options = parse(own, COMMAND, names)
+    """single-site continual training over Split CropDiseases (the baseline)
+
+    Train STAR-Prompt on one site, task after task, and evaluate on every seen task. Defaults:
+    the bundled 28-class mini set (7 tasks × 4), tiny random backbones, the reference's Split
+    CropDiseases hyper-parameters.
+    """
+    values, options, names = parsed(args, FLAGS, COMMAND)
     writable_dir(values["results-dir"], names.get("results-dir", "results-dir"))
 
     import torch  # only now: a bad value above costs no second of loading
@@ -58,4 +52,4 @@ def _main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(options["threads"])
     run_local(LocalRunOptions.from_config(values, options))
-    return 0
+    return EXIT_OK

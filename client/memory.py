@@ -17,16 +17,16 @@ import json
 import logging
 from pathlib import Path
 
-from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
+from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook.held import HeldCodebook
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
-from starfed.shared.codebook.wire import decode_broadcast
 from starfed.shared.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "site.json"
 CODEBOOK_FILE = "codebook.bin"
-EPOCH = "epoch"  # codebook metadata: the server's version line (a rollback starts a new one)
 
 
 class SiteMemory:
@@ -39,8 +39,7 @@ class SiteMemory:
         self.dims = dims
         self.federation = ""  # id of the federation whose codebook is held
         self.completed: dict[str, int] = {}  # task folder name -> federation step
-        self._held: Codebook | None = None
-        self._stamp: tuple[int, int] = (0, 0)  # the held file's mtime and size when read
+        self.held = HeldCodebook(self.root / CODEBOOK_FILE, fingerprint=fingerprint, dims=dims)
 
     def _read_state(self) -> None:
         """site.json as it is now (another worker process of a simulation may have written)."""
@@ -56,51 +55,20 @@ class SiteMemory:
         if federation != self.federation:
             if self.federation:
                 logger.warning("state of federation %s replaced by %s", self.federation, federation)
-            self.federation, self.completed, self._held = federation, {}, None
-            (self.root / CODEBOOK_FILE).unlink(missing_ok=True)
+            self.federation, self.completed = federation, {}
+            self.held.forget()
             self._save()
 
     def held_version(self, epoch: str) -> int:
-        """The version of the held codebook if it is of the version line ``epoch``, else 0."""
-        held = self.held()
-        return held.version if held and held.metadata.get(EPOCH) == epoch else 0
-
-    def held(self) -> Codebook | None:
-        """The last codebook received from this federation, if it is intact.
-
-        Read again whenever the file changed: in a simulation several worker processes may
-        answer for the same site.
-        """
-        path = self.root / CODEBOOK_FILE
-        try:
-            stat = path.stat()
-        except FileNotFoundError:
-            self._held = None
-            return None
-        if self._held is None or self._stamp != (stat.st_mtime_ns, stat.st_size):
-            self._held, self._stamp = None, (stat.st_mtime_ns, stat.st_size)
-            try:
-                self._held = Codebook.load(path, fingerprint=self.fingerprint, dims=self.dims)
-            except (OSError, CodebookError) as err:  # a damaged copy costs one full download
-                logger.warning("ignoring the held codebook: %s", err)
-        return self._held
+        """The version of the held codebook if it is of this federation's version line
+        ``epoch``, else 0 (``HeldCodebook``'s rule)."""
+        return self.held.version_for(Lineage(self.federation, epoch))
 
     def receive(self, data: bytes) -> Codebook:
-        """The codebook a message carries: as sent, or the held one with a delta applied."""
-        received = decode_broadcast(data, fingerprint=self.fingerprint, dims=self.dims)
-        if isinstance(received, Delta):
-            held = self.held()
-            if held is None or held.metadata.get(EPOCH) != received.metadata.get(EPOCH):
-                raise CodebookError(
-                    f"a delta from version {received.base_version} arrived, but that codebook "
-                    "is not held (the server sends the whole codebook next)"
-                )
-            received = held.apply(received)
-        if self._held is None or received.version != self._held.version:
-            received.save(self.root / CODEBOOK_FILE)
-            stat = (self.root / CODEBOOK_FILE).stat()
-            self._held, self._stamp = received, (stat.st_mtime_ns, stat.st_size)
-        return received
+        """The codebook a message carries: as sent, or the held one with a delta applied
+        (``CodebookError`` for a delta that does not apply: the server sends the whole
+        codebook next)."""
+        return self.held.receive(data)
 
     def complete(self, task: str, step: int) -> None:
         self._read_state()

@@ -4,9 +4,10 @@ A site's tasks are the task folders of its data folder, in order (``SiteFolder``
 docs/sites.md); its current task is the first whose classes are not all finished (frozen) in
 the federation, so a new folder is picked up at the next step and a site that was offline
 catches up. Its memory — the last codebook, its completed tasks — is its state folder
-(``SiteMemory``); decoded images and CLIP features are cached on disk. ``HANDLERS`` maps each
-training or statistics phase to its step (``starfed.shared.model.training``). Only codebook
-updates and evaluation counts leave a site: prompts, head rows, mixture statistics.
+(``SiteMemory``); decoded images and CLIP features are cached on disk. A phase sees the current
+task through the codebook (``TaskView``), and ``HANDLERS`` maps each training or statistics
+phase to its step on that view (``starfed.shared.model.training``). Only codebook updates and
+evaluation counts leave a site: prompts, head rows, mixture statistics.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import io
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,15 +51,54 @@ class TaskData:
     counts: Counter[str]  # images per class key
 
 
+#: A bank cell the site's handler wrote (trained or fitted): the codebook's value replaces it.
+_WRITTEN = object()
+
+
 @dataclass
-class LocalView:
-    """The codebook re-ordered for local training: context classes first, own classes last."""
+class TaskView:
+    """The site's current task seen through the codebook: what a phase's handler works on.
+
+    The local model holds the context classes first (rows ``:n_past``: the frozen classes, and
+    in stage 2 the classes other sites are learning), then the classes this site trains (rows
+    ``n_past:``); the images and CLIP features are the task's images of those classes.
+
+    A view outlives its phase: the next phase's codebook rewrites only the bank cells whose
+    value changed or that a handler wrote (``refresh``), so a class's unchanged tensors are
+    stacked once per view instead of once per phase (docs/design.md#the-codebook).
+    """
 
     model: StarPrompt
     n_past: int
-    own: list[str]  # codebook names of the classes this site trains
-    labels: torch.Tensor  # local row of each training image this site trains on
-    mine: torch.Tensor  # bool mask over the task's images: those of the own classes
+    own: list[str]  # codebook names of the classes this site trains, in row order
+    labels: torch.Tensor  # local row of each image
+    images: torch.Tensor  # uint8 [N, 3, S, S]: the task's images of the own classes
+    features: torch.Tensor  # their raw CLIP features
+    task: int  # index of the task among the site's tasks (it keys the random streams)
+    round_index: int  # round of the phase within the step
+    # the codebook value each bank cell holds, by class and field (_WRITTEN: a handler's)
+    sources: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    def refresh(self, codebook: Codebook) -> None:
+        """Make the bank what ``codebook`` stacks for its classes: a cell is rewritten when the
+        codebook holds another value object for it (codebooks share unchanged values) or a
+        handler wrote it; context rows take the codebook's counts."""
+        bank = self.model.bank
+        for row, name in enumerate(bank.names):
+            entry, sources = codebook[name], self.sources[name]
+            for f in schema.FIELDS:
+                value = entry.values.get(f.name)
+                if sources.get(f.name) is not value:
+                    rows = [value] if f.kind is schema.Kind.MIXTURE else value.unsqueeze(0)
+                    bank.set_rows(f.name, row, rows)
+                    sources[f.name] = value
+            if row < self.n_past:
+                bank.counts[row] = entry.count
+
+    def written(self, fields: Iterable[str]) -> None:
+        """The handler wrote ``fields`` of the own classes' rows."""
+        for name in self.own:
+            self.sources[name].update(dict.fromkeys(fields, _WRITTEN))
 
 
 class Site:
@@ -72,7 +112,6 @@ class Site:
         backbones: Backbones,
         config: TrainConfig,
         cache_dir: str | Path,
-        before_scan: Callable[[int], None] | None = None,
     ) -> None:
         self.name = name
         self.data_dir = Path(data_dir)
@@ -80,8 +119,8 @@ class Site:
         self.backbones = backbones
         self.config = config
         self.cache_dir = Path(cache_dir)
-        self.before_scan = before_scan  # a simulation fills the data folder up to a step here
         self._data: dict[str, TaskData] = {}
+        self._view: tuple[tuple, TaskView] | None = None  # the last phase's, with its classes
 
     @property
     def fingerprint(self) -> str:
@@ -90,8 +129,8 @@ class Site:
     # --- tasks ------------------------------------------------------------------------------
 
     def scan(self) -> SiteFolder:
-        """The data folder as it is now (read at every message: it may grow, and in a
-        simulation another worker process may have filled it)."""
+        """The data folder as it is now (read at every message: it may grow; a simulation
+        writes its simulated sites' folders before each step)."""
         return SiteFolder.scan(self.data_dir)
 
     @staticmethod
@@ -142,8 +181,6 @@ class Site:
         """The classes of the current task with their image counts; the base version is the
         version of the codebook the site holds of the federation's line ``epoch`` (0: none)."""
         self.memory.join(federation)
-        if self.before_scan is not None:
-            self.before_scan(step)
         folder = self.scan()
         current = self.current(folder, frozen)
         for task in folder.tasks[: None if current is None else current[0]]:
@@ -158,19 +195,27 @@ class Site:
             self.memory.held_version(epoch), entries, metadata,
         )  # fmt: skip
 
-    def _view(self, codebook: Codebook, task: SiteTask, with_in_progress: bool) -> LocalView | None:
-        """Local model: frozen classes (and, in stage 2, other sites' current classes) as
-        fixed context, then this site's trainable classes. None when it has nothing to train."""
+    def view(
+        self, codebook: Codebook, index: int, task: SiteTask, stage2: bool, round_index: int
+    ) -> TaskView | None:
+        """Task ``index`` through ``codebook``: frozen classes (and, in stage 2, other sites'
+        current classes) as fixed context, then this site's trainable classes. The last
+        phase's view is refreshed when it holds the same classes in the same roles, else the
+        bank is stacked anew. None when the site has nothing to train."""
         data = self.task_data(task)
         frozen = codebook.frozen
         own = [n for n in codebook.names if class_key(n) in data.counts and n not in frozen]
         if not own:
             return None
         context = [
-            name
-            for name in codebook.names
-            if name not in own and (name in frozen or with_in_progress)
+            name for name in codebook.names if name not in own and (name in frozen or stage2)
         ]
+        key = (task.name, tuple(context), tuple(own))
+        if self._view is not None and self._view[0] == key:
+            view = self._view[1]
+            view.refresh(codebook)
+            view.round_index = round_index
+            return view
         model = StarPrompt(self.backbones, confidence_modulation=self.config.confidence_modulation)
         model.load_bank(codebook.bank(context + own))
         row = {class_key(name): i for i, name in enumerate(model.bank.names)}
@@ -179,7 +224,13 @@ class Site:
         labels = torch.tensor([row[key] for key in data.keys if key in own_keys])
         for name in own:
             model.bank.counts[row[class_key(name)]] = data.counts[class_key(name)]
-        return LocalView(model, len(context), own, labels, mine)
+        images, features = data.images[mine], data.features[mine]
+        sources = {name: dict(codebook[name].values) for name in model.bank.names}
+        view = TaskView(
+            model, len(context), own, labels, images, features, index, round_index, sources
+        )
+        self._view = (key, view)
+        return view
 
     def run_phase(
         self, phase: Phase, codebook: Codebook, step: int, round_index: int = 0
@@ -188,21 +239,23 @@ class Site:
         current = self.current(self.scan(), codebook.frozen)
         entries: list[ClassEntry] = []
         if current is not None:
-            index, task = current
-            in_stage2 = phase in (Phase.STAGE2, Phase.STAGE2_STATS)
-            view = self._view(codebook, task, with_in_progress=in_stage2)
+            stage2 = phase in (Phase.STAGE2, Phase.STAGE2_STATS)
+            view = self.view(codebook, *current, stage2, round_index)
             if view is not None:
-                data = self.task_data(task)
-                images, features = data.images[view.mine], data.features[view.mine]
-                HANDLERS[phase](view, images, features, self.config, index, round_index)
-                entries = view.model.bank.entries(view.own, fields=schema.trained_in(phase))
+                HANDLERS[phase](view, self.config)
+                trained = schema.trained_in(phase)
+                view.written(trained)
+                entries = view.model.bank.entries(view.own, fields=trained)
         return ClientUpdate(self.fingerprint, codebook.dims, phase, codebook.version, entries)
 
-    def evaluate(self, codebook: Codebook, class_steps: list[int]) -> EvaluationReport:
+    def evaluate(
+        self, codebook: Codebook, class_steps: list[int], use_keys: bool = False
+    ) -> EvaluationReport:
         """Counts on the site's test images of every class it has held — its tasks up to the
         last one the federation knows a class of — that the codebook knows. ``class_steps``
         are the steps that registered the codebook's classes (a prompt selection is right when
-        it picks a key of the image class's step)."""
+        it picks a key of the image class's step); ``use_keys``: predict with the first-level
+        keys alone (the keys ablation's evaluate config)."""
         row_of = {class_key(name): i for i, name in enumerate(codebook.names)}
         folder = self.scan()
         known = [i for i, task in enumerate(folder.tasks) if task.keys & row_of.keys()]
@@ -222,25 +275,36 @@ class Site:
         model.load_bank(codebook.bank())
         steps = torch.tensor(class_steps)
         features = self._cached_features(test)
-        scores = score_classes(
-            model, test.images, test.labels, features, steps, self.config.classify_with_keys
-        )
+        scores = score_classes(model, test.images, test.labels, features, steps, use_keys)
         return EvaluationReport.of(codebook, scores, site=self.name)
 
 
-# The site's step of each training or statistics phase: (view, images of its classes, their
-# CLIP features, config, task index, round) -> None, training the view's model in place.
-HANDLERS: dict[Phase, Callable[..., None]] = {
-    Phase.STAGE1: lambda view, images, features, config, task, round_index: training.stage1(
-        view.model, features, view.labels, view.n_past, config, task, round_index
-    ),
-    Phase.STAGE1_STATS: lambda view, images, features, config, task, _: training.stage1_stats(
-        view.model, features, view.labels, view.n_past, config, task
-    ),
-    Phase.STAGE2: lambda view, images, features, config, task, round_index: training.stage2(
-        view.model, images, view.labels, view.n_past, config, task, round_index
-    ),
-    Phase.STAGE2_STATS: lambda view, images, features, config, task, _: training.stage2_stats(
-        view.model, images, view.labels, view.n_past, config, task
-    ),
+# --- the handlers: each phase's step on the task view, training its model in place --------------
+
+
+def _stage1(view: TaskView, config: TrainConfig) -> None:
+    training.stage1(
+        view.model, view.features, view.labels, view.n_past, config, view.task, view.round_index
+    )
+
+
+def _stage1_stats(view: TaskView, config: TrainConfig) -> None:
+    training.stage1_stats(view.model, view.features, view.labels, view.n_past, config, view.task)
+
+
+def _stage2(view: TaskView, config: TrainConfig) -> None:
+    training.stage2(
+        view.model, view.images, view.labels, view.n_past, config, view.task, view.round_index
+    )
+
+
+def _stage2_stats(view: TaskView, config: TrainConfig) -> None:
+    training.stage2_stats(view.model, view.images, view.labels, view.n_past, config, view.task)
+
+
+HANDLERS: dict[Phase, Callable[[TaskView, TrainConfig], None]] = {
+    Phase.STAGE1: _stage1,
+    Phase.STAGE1_STATS: _stage1_stats,
+    Phase.STAGE2: _stage2,
+    Phase.STAGE2_STATS: _stage2_stats,
 }

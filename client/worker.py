@@ -8,7 +8,9 @@ Unix socket in the site's state folder and returns the reply: the heavy state is
 
 A frame is a 4-byte length and a JSON header, then an 8-byte length and raw bytes (the codebook
 in, the update or report out: protobuf, never a pickle). The socket is created private to the
-site's user. This module imports nothing heavy, so the forwarding ClientApp stays light.
+site's user. The worker answers through ``starfed.client.answer``, as a ClientApp process does.
+This module imports nothing heavy at its top, so the forwarding ClientApp stays light and the
+worker listens at once (``PRELOAD``).
 """
 
 from __future__ import annotations
@@ -86,7 +88,9 @@ def request(path: str | Path, header: dict[str, Any], payload: bytes) -> tuple[s
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        from starfed.client.app import answer  # the same code a ClientApp process runs
+        # Imported here, not above, so the worker listens before torch is loaded (``PRELOAD``
+        # loads it meanwhile); not a cycle: ``answer`` imports nothing from this module.
+        from starfed.client.answer import answer
 
         try:
             header, payload = read_frame(self.request)
@@ -109,19 +113,16 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
 #: What a site's first message would import (torch, torchvision, scikit-learn, scipy: ≈ 14 s of
 #: a deployed step's first sync on 2 cores, measured); imported while the SuperNode connects.
-PRELOAD = ("starfed.client.memory", "starfed.client.site", "starfed.shared.model.training")
-
-
-def _preload() -> None:
-    for module in PRELOAD:
-        importlib.import_module(module)
+PRELOAD = "starfed.client.answer"
 
 
 def serve(path: str | Path) -> None:
     """Answer requests at ``path`` until interrupted (the socket file is private); the heavy
     modules are imported in the background meanwhile (a request that needs them first waits on
     Python's import lock)."""
-    threading.Thread(target=_preload, name="preload", daemon=True).start()
+    threading.Thread(
+        target=importlib.import_module, args=(PRELOAD,), name="preload", daemon=True
+    ).start()
     path = Path(path)
     path.unlink(missing_ok=True)
     old = os.umask(0o177)

@@ -17,14 +17,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
-from starfed.server.coordinator import FAILED, Coordinator, RunLog
-from starfed.server.federation import METRICS_FILE, Federation
-from starfed.server.scores import accuracy_matrix
+from starfed.server.coordinator import Coordinator, RunLog
+from starfed.server.federation import FAILED, METRICS_FILE, Federation
+from starfed.server.scores import accuracy_matrix, selection_matrix
+from starfed.server.strategy import Strategy
 from starfed.server.test_set import ServerTestSet
 from starfed.shared.config import BackboneOptions, ProtocolOptions, parse, run_dir, writable_dir
 from starfed.shared.files import write_atomic
@@ -44,8 +46,18 @@ class RunFailed(RuntimeError):
     """The run could not do its work (the message says why); Flower marks it failed."""
 
 
-def run_server(grid: Grid, run_config: dict, run_id: int = 0, console: Console | None = None):
-    """Everything the ServerApp does, callable without Flower's runtime (tests use it).
+def run_server(
+    grid: Grid,
+    run_config: dict,
+    run_id: int = 0,
+    console: Console | None = None,
+    *,
+    strategy: Strategy | None = None,
+    before_step: Callable[[int], None] | None = None,
+) -> dict:
+    """Everything the ServerApp does, callable without Flower's runtime (tests use it); the
+    metrics it wrote. ``strategy`` and ``before_step`` go to the ``Coordinator`` (a baseline's
+    strategy; a simulation writing its sites' folders before each step).
 
     A bad run config fails here at once, with the one-line ConfigError, before anything loads.
     """
@@ -65,13 +77,17 @@ def run_server(grid: Grid, run_config: dict, run_id: int = 0, console: Console |
         f"{federation.position(federation.codebook()).step} steps so far · backbones "
         f"{backbones.config.name} ({backbones.fingerprint[:12]})"
     )
-    coordinator = Coordinator(grid, backbones, train, protocol, federation, console, server_eval)
+    coordinator = Coordinator(
+        grid, backbones, train, protocol, federation, console, server_eval,
+        strategy=strategy, before_step=before_step,
+    )  # fmt: skip
     log = coordinator.run(protocol.max_steps or None)
     metrics = summarize(federation, log, time.perf_counter() - started)
     metrics["config"] = {
         "run_config": dict(run_config),
         "train": train.to_dict(),
         "protocol": dataclasses.asdict(protocol),
+        "strategy": strategy_name(coordinator.strategy),
     }
     write_atomic(folder / METRICS_FILE, json.dumps(nan_to_none(metrics), indent=2).encode())
     matrix = metrics["accuracy_matrix"]
@@ -89,49 +105,54 @@ def run_server(grid: Grid, run_config: dict, run_id: int = 0, console: Console |
     return metrics
 
 
+def strategy_name(strategy: Strategy) -> str:
+    """Where the strategy's class lives ("module.Class"), for metrics.json."""
+    return f"{type(strategy).__module__}.{type(strategy).__qualname__}"
+
+
 def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
     """metrics.json: the federation's scores over all its steps, and what this run did."""
-    history = [r for r in federation.history() if r["status"] != FAILED]
+    history = [r for r in federation.history() if r.status != FAILED]
     matrix = accuracy_matrix(history)
-    selection = accuracy_matrix(history, "selection_accuracy")
-    last = history[-1].get("scores", {}) if history else {}
+    selection = selection_matrix(history)
+    last = history[-1].scores if history else None
     participation: dict[str, dict[str, int]] = {}
     traffic: list[dict] = []
     for record in history:
         per_site: dict[str, dict] = {}
-        for e in record["exchanges"]:
-            counts = participation.setdefault(e["site"] or str(e["node_id"]), {})
-            key = f"{e['phase']}:{e['status'].split(':')[0]}"
+        for e in record.exchanges:
+            counts = participation.setdefault(e.site or str(e.node_id), {})
+            key = f"{e.phase}:{e.status.split(':')[0]}"
             counts[key] = counts.get(key, 0) + 1
-            site = per_site.setdefault(e["site"], {"bytes_down": 0, "bytes_up": 0})
-            site["bytes_down"] += e["bytes_down"]
-            site["bytes_up"] += e["bytes_up"]
-        traffic.append({"step": record["step"], "sites": per_site})
-    server_eval = [r["server_eval"]["accuracy"] for r in history if "server_eval" in r]
+            site = per_site.setdefault(e.site, {"bytes_down": 0, "bytes_up": 0})
+            site["bytes_down"] += e.bytes_down
+            site["bytes_up"] += e.bytes_up
+        traffic.append({"step": record.step, "sites": per_site})
     return {
         "status": log.status,
         "reason": log.reason,
         "federation": federation.id,
         "steps": len(history),
         "steps_this_run": [
-            {k: r[k] for k in ("step", "attempt", "status", "reason", "wall_s")} for r in log.steps
+            {k: getattr(r, k) for k in ("step", "attempt", "status", "reason", "wall_s")}
+            for r in log.steps
         ],
         "accuracy_matrix": matrix,
         "final_average_accuracy": final_average_accuracy(matrix),
         "final_forgetting": final_forgetting(matrix),
         "prompt_selection_accuracy": selection[-1] if selection else None,
         "prompt_selection_accuracy_matrix": selection,
-        "site_accuracy": {site: s["accuracy"] for site, s in last.get("sites", {}).items()},
+        "site_accuracy": {site: s["accuracy"] for site, s in last.sites.items()} if last else {},
         "sites": sorted(participation),
         "participation": participation,
         "traffic": traffic,
         "exchanges": [dataclasses.asdict(e) for e in log.exchanges],  # this run's
         "phase_wall_time_s": [
-            {"step": r["step"], **p} for r in history for p in r["phase_seconds"]
+            {"step": r.step, **dataclasses.asdict(p)} for r in history for p in r.phase_seconds
         ],
-        "step_wall_time_s": [r["wall_s"] for r in history],
+        "step_wall_time_s": [r.wall_s for r in history],
         "wall_time_s": wall_s,
-        "server_test_accuracy_matrix": server_eval,
+        "server_test_accuracy_matrix": accuracy_matrix(history, server=True),
         "classes": {
             name: {"step": reg.step, "sites": sorted(reg.sites)}
             for name, reg in federation.registry.items()

@@ -1,11 +1,14 @@
-"""The server's aggregation steps: the phases of ``starfed.shared.protocol.PHASES``, in order.
+"""The server's aggregation steps: the enrolment, then the phases of ``PHASES``, in order.
 
-For each phase the ``Coordinator`` sends one message to every participating site and hands the
-replies to the phase's reducer (``REDUCERS``): sync registers the classes sites bring, training
-phases merge, statistics phases merge and replay (``starfed.server.replay``), evaluation adds up
-the sites' scores. The codebook is the single source of truth: every reducer replaces it with a
-new value, and it is checkpointed in the federation folder after every phase, with the protocol
-position, so an interrupted step can resume (``server.federation``).
+A step starts with the enrolment (``starfed.shared.protocol.ENROLMENT``): every connected site
+says what its current task brings, and the classes the federation does not know yet are
+registered. Then, for each codebook phase, the ``Coordinator`` sends one message to the enrolled
+sites (a seeded share of them for training and statistics rounds, ``fraction-train``), decodes
+(= validates) the replies one at a time and hands them to its ``Strategy``
+(``starfed.server.strategy``), which reduces them into a new codebook (or, for evaluation, the
+step's scores). The codebook is the single source of truth: each phase replaces it with a new
+value, checkpointed in the federation folder with the protocol position, so an interrupted step
+can resume (``server.federation``).
 
 A run performs steps until no site brings a new class (or ``max_steps``). A phase in which no
 class in play gets an update fails the step (rolled back); a step in which some site failed or
@@ -22,30 +25,46 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from rich.console import Console
 
 from starfed.server import replay
-from starfed.server.federation import EPOCH_KEY, Federation, Position
-from starfed.server.messaging import Exchange, Reply, exchange, malformed, reject, update_digest
-from starfed.server.scores import StepScores, aggregate
+from starfed.server.federation import (
+    COMPLETED,
+    DEGRADED,
+    FAILED,
+    Exchange,
+    Federation,
+    PhaseTime,
+    Position,
+    StepRecord,
+    StepScores,
+)
+from starfed.server.messaging import Reply, exchange, malformed, reject, update_digest
+from starfed.server.strategy import ConfigValue, PhaseState, Strategy
+from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
-from starfed.shared.codebook.merge import MergeAccumulator
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import PHASES, Phase, PhaseSpec
+from starfed.shared.protocol import ENROLMENT, PHASES, SPECS, Phase, PhaseSpec
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
 
-COMPLETED, DEGRADED, FAILED = "completed", "degraded", "failed"
 SAMPLED = (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS)  # fraction-train
+STATISTICS = (Phase.STAGE1_STATS, Phase.STAGE2_STATS)  # merged, then replayed
+ENROLLED = f"{ENROLMENT.phase.key}/0"  # the position's mark of a step's finished enrolment
 WAIT_POLL_S = 1.0
+
+#: A simulation's scores on a global test set: (codebook, class steps, step, the evaluate
+#: message's config) -> scores.
+ServerEval = Callable[[Codebook, Mapping[str, int], int, Mapping[str, ConfigValue]], StepScores]
 
 
 class StepFailed(RuntimeError):
@@ -56,14 +75,19 @@ class StepFailed(RuntimeError):
 class RunLog:
     """What one server run did."""
 
-    steps: list[dict] = field(default_factory=list)  # the records it wrote to the history
+    steps: list[StepRecord] = field(default_factory=list)  # the records it wrote to the history
     exchanges: list[Exchange] = field(default_factory=list)
     status: str = COMPLETED
     reason: str = ""
 
 
 class Coordinator:
-    """Drives the phases of every step of one server run; owns the codebook."""
+    """Drives the enrolment and the phases of every step of one server run; owns the codebook.
+
+    ``strategy`` reduces the replies (starfed's own by default); ``before_step(step)`` runs at
+    the start of every step, fresh or resumed, before the enrolment (a simulation writes its
+    sites' data folders there).
+    """
 
     def __init__(
         self,
@@ -73,7 +97,10 @@ class Coordinator:
         protocol: ProtocolOptions,
         federation: Federation,
         console: Console | None = None,
-        server_eval: Callable[[Codebook, dict[str, int], int], dict] | None = None,
+        server_eval: ServerEval | None = None,
+        *,
+        strategy: Strategy | None = None,
+        before_step: Callable[[int], None] | None = None,
     ) -> None:
         self.grid = grid
         self.backbones = backbones
@@ -81,12 +108,14 @@ class Coordinator:
         self.protocol = protocol
         self.federation = federation
         self.console = console or Console(stderr=True)
-        self.server_eval = server_eval  # a simulation's scores on a global test set
+        self.server_eval = server_eval
+        self.strategy = strategy or Strategy()
+        self.before_step = before_step
         self.codebook = federation.codebook()
         self.position = federation.position(self.codebook)
         self.log = RunLog()
         self.in_play: list[str] = list(self.position.in_play)
-        self.sites: dict[int, str] = {}  # node id -> site name (from its sync)
+        self.sites: dict[int, str] = {}  # node id -> site name (from its enrolment)
         self._brings: dict[int, set[str]] = {}  # node id -> class keys of its current task
         self._node_ids: list[int] = []
         self._held: dict[int, int] = {}  # node id -> codebook version it holds (when known)
@@ -104,20 +133,21 @@ class Coordinator:
             if record is None:
                 self._end_without_step()
                 break
-            if record["status"] == FAILED:
+            if record.status == FAILED:
                 break
-        statuses = {record["status"] for record in self.log.steps} | {self.log.status}
+        statuses = {record.status for record in self.log.steps} | {self.log.status}
         if FAILED in statuses:
             self.log.status = FAILED
-            failed = (r["reason"] for r in self.log.steps if r["status"] == FAILED)
+            failed = (r.reason for r in self.log.steps if r.status == FAILED)
             self.log.reason = next(failed, self.log.reason)
         elif DEGRADED in statuses:
             self.log.status = DEGRADED
         return self.log
 
     def _end_without_step(self) -> None:
-        """The sync found nothing in play: the run is over — unless sites failed to answer,
-        which says nothing about what they hold (all failed: the run failed; some: degraded)."""
+        """The enrolment found nothing in play: the run is over — unless sites failed to
+        answer, which says nothing about what they hold (all failed: the run failed; some:
+        degraded)."""
         failed = [e for e in self._steps if e.status != "ok"]
         if failed and len(failed) == len(self._steps):
             self.log.status = FAILED
@@ -150,43 +180,31 @@ class Coordinator:
                 return False
             time.sleep(WAIT_POLL_S)
 
-    def run_step(self) -> dict | None:
+    def run_step(self) -> StepRecord | None:
         """One aggregation step, or the rest of an interrupted one; its history record, or
         None when no site brings anything new (nothing is recorded then)."""
-        resume = self.position.running
         step = self.position.step
-        if not resume:
-            self.codebook = self.federation.begin_step(self.codebook, step)
-            self.position = self.federation.position(self.codebook)
+        if self.before_step is not None:
+            self.before_step(step)
         started, status, reason = time.time(), COMPLETED, ""
         self._steps, self._scores = [], None
         self._node_ids = sorted(self.grid.get_node_ids())
+        t0 = time.perf_counter()
+        if not self._enrol(step):
+            return None  # nothing new: no step
+        phase_seconds = [PhaseTime(ENROLMENT.phase.key, 0, time.perf_counter() - t0)]
         rounds = {Phase.STAGE1: self.protocol.stage1_rounds,
                   Phase.STAGE2: self.protocol.stage2_rounds}  # fmt: skip
-        phase_seconds = []
         try:
             for spec in PHASES:
                 for round_index in range(rounds.get(spec.phase, 1)):
                     done = f"{spec.phase.key}/{round_index}"
-                    if done in self.position.done and spec.phase is not Phase.SYNC:
+                    if done in self.position.done:
                         continue
                     t0 = time.perf_counter()
-                    nodes = self._sample(spec.phase, step, round_index)
-                    replies = self._exchange(spec, step, round_index, nodes)
-                    if spec.phase is Phase.SYNC and resume:
-                        self._participants(replies)  # who is here; nothing is registered again
-                    else:
-                        REDUCERS[spec.phase](self, spec.phase, step, replies)
-                    if spec.phase is Phase.SYNC and not self.in_play:  # nothing new: no step
-                        self.position = Position(step)
-                        self.codebook = self.federation.checkpoint(self.codebook, self.position)
-                        return None
-                    finished = tuple(dict.fromkeys((*self.position.done, done)))
-                    self.position = replace(self.position, done=finished,
-                                            in_play=tuple(self.in_play))  # fmt: skip
-                    self.codebook = self.federation.checkpoint(self.codebook, self.position)
-                    phase_seconds.append({"phase": spec.phase.key, "round": round_index,
-                                          "seconds": time.perf_counter() - t0})  # fmt: skip
+                    self._run_phase(spec, step, round_index, done)
+                    seconds = time.perf_counter() - t0
+                    phase_seconds.append(PhaseTime(spec.phase.key, round_index, seconds))
         except StepFailed as err:
             # Sites that all stop answering may be a run that was stopped (`flwr stop`): then
             # this grid call fails in Flower (its token is revoked) and the run ends here,
@@ -204,50 +222,169 @@ class Coordinator:
         self.log.steps.append(record)
         return record
 
-    def _record(self, step: int, status: str, reason: str, started: float, seconds: list) -> dict:
-        attempts = sum(r["step"] == step for r in self.federation.history())
-        exchanges = [asdict(e) for e in self._steps]
-        record = {
-            "step": step, "attempt": attempts, "status": status, "reason": reason,
-            "started": started, "wall_s": time.time() - started,
-            "classes": list(self.in_play), "sites": sorted(set(self.sites.values())),
-            "phase_seconds": seconds, "exchanges": exchanges,
-            "codebook_version": self.codebook.version,
-        }  # fmt: skip
-        if self._scores is not None:
-            record["scores"] = asdict(self._scores)
+    def _run_phase(self, spec: PhaseSpec, step: int, round_index: int, done: str) -> None:
+        """Send one codebook phase, hand the validated replies to the strategy, keep what it
+        makes of them: a new codebook (checkpointed) or, for evaluation, the step's scores
+        (recorded when the step ends, which follows at once)."""
+        state = self._state(step, round_index)
+        replies = self._exchange(spec, state, self._sample(spec.phase, step, round_index))
+        if spec.phase is Phase.EVALUATE:
+            reports = self._reports(replies, state.codebook)
+            self._scores = self.strategy.aggregate_evaluate(reports, state)
+            self._print_scores(step)
+            return
+        carried: set[str] = set()
+        updates = self._updates(replies, spec.phase, carried)
+        aggregate = (self.strategy.aggregate_statistics if spec.phase in STATISTICS
+                     else self.strategy.aggregate_train)  # fmt: skip
+        codebook = aggregate(spec.phase, updates, state)
+        for _ in updates:  # a strategy that stopped early: the rest is validated all the same
+            pass
+        if not carried & set(self.in_play):
+            raise StepFailed(f"no site's {spec.phase.key} update arrived for any class in play")
+        if spec.phase in STATISTICS:
+            codebook = self._drop_unfitted(codebook, spec.phase)
+            state = replace(state, in_play=tuple(self.in_play))
+            codebook = self.strategy.replay(spec.phase, codebook, state)
+        self.codebook = codebook
+        self._checkpoint(done)
+
+    def _checkpoint(self, done: str) -> None:
+        finished = tuple(dict.fromkeys((*self.position.done, done)))
+        self.position = replace(self.position, done=finished, in_play=tuple(self.in_play))
+        self.codebook = self.federation.checkpoint(self.codebook, self.position)
+
+    def _state(self, step: int, round_index: int) -> PhaseState:
+        codebook = self.codebook
+        registry = self.federation.registry
+        return PhaseState(
+            step, round_index, codebook, tuple(self.in_play),
+            {name: registry[name].step for name in codebook.names}, self.backbones, self.train,
+        )  # fmt: skip
+
+    def _record(
+        self, step: int, status: str, reason: str, started: float, seconds: list[PhaseTime]
+    ) -> StepRecord:
+        server_eval = None
         if self.server_eval is not None and status != FAILED:
-            steps = {name: self.federation.registry[name].step for name in self.codebook.names}
-            record["server_eval"] = self.server_eval(self.codebook, steps, step)
-        return record
+            state = self._state(step, 0)
+            config = self._config(SPECS[Phase.EVALUATE], state)
+            server_eval = self.server_eval(self.codebook, state.class_steps, step, config)
+        return StepRecord(
+            step=step, status=status, started=started, wall_s=time.time() - started,
+            attempt=self.federation.attempts(step), reason=reason,
+            classes=tuple(self.in_play), sites=tuple(sorted(set(self.sites.values()))),
+            phase_seconds=tuple(seconds), exchanges=tuple(self._steps),
+            codebook_version=self.codebook.version, scores=self._scores, server_eval=server_eval,
+        )  # fmt: skip
+
+    def _print_scores(self, step: int) -> None:
+        row = " ".join(f"{a:.0f}" for a in self._scores.accuracy)
+        self.console.print(
+            f"step {step + 1}: {len(self.codebook)} classes · federation accuracy "
+            f"{self._scores.mean_accuracy:.1f}% by arrival step: {row}"
+        )
+
+    # --- the enrolment ----------------------------------------------------------------------
+
+    def _enrol(self, step: int) -> bool:
+        """Ask every connected site what it brings. A fresh step registers the classes the
+        federation does not know yet and begins (False when there are none: no step); a resumed
+        step, enrolled before, only learns who is here. Either way the sites that answered
+        take part in the rest of the step."""
+        config = {"step": step, "round": 0, "wire-dtype": self.protocol.wire_dtype,
+                  **Lineage.of(self.codebook).as_metadata(),
+                  "frozen": sorted(self.codebook.frozen)}  # fmt: skip
+        replies = self._send(ENROLMENT, step, 0, config, self._node_ids, None)
+        accepted = self._participants(replies)
+        if ENROLLED in self.position.done:
+            return True
+        new, brought = self._new_classes(accepted)
+        if not new:
+            return False
+        start = self.codebook
+        self.in_play = new
+        self.codebook = replay.register(self.codebook, new, self.backbones, self.train)
+        self.federation.register(new, step, brought)
+        self.console.print(
+            f"step {step + 1}: {len(new)} new classes from "
+            f"{len({s for n in new for s in brought[n]})} site(s) · "
+            f"{len(self._node_ids)} site(s) take part"
+        )
+        self.federation.begin_step(start)
+        self.position = Position(step, running=True)
+        self._checkpoint(ENROLLED)
+        return True
+
+    def _participants(self, replies: list[Reply]) -> list[tuple[Exchange, ClientUpdate]]:
+        """Accepted enrolments: the nodes that take part in the rest of the step, their site
+        names and the codebook version each holds. A silent node costs one timeout per step,
+        not one per phase; a node with other backbones or a malformed reply sits the step
+        out."""
+        accepted = sorted(self._decoded(replies, Phase.SYNC), key=lambda r: r[0].node_id)
+        self._node_ids = [entry.node_id for entry, _ in accepted]
+        for entry, update in accepted:
+            site = update.metadata.get("site") or f"node-{entry.node_id}"
+            self.sites[entry.node_id] = entry.site = site
+            self._brings[entry.node_id] = {class_key(e.name) for e in update.entries}
+            held = update.base_version
+            if 0 < held <= self.codebook.version:
+                self._held[entry.node_id] = held
+            else:
+                self._held.pop(entry.node_id, None)
+        return accepted
+
+    def _new_classes(
+        self, accepted: list[tuple[Exchange, ClientUpdate]]
+    ) -> tuple[list[str], dict[str, list[str]]]:
+        """The classes sites bring that the federation does not know yet, in the order of their
+        class keys (``class_key``), and the sites that bring each class. A class known under
+        another spelling is the same class; a finished (frozen) class brought again is logged
+        and stays frozen."""
+        known = {class_key(name): name for name in self.codebook.names}
+        new: dict[str, str] = {}  # key -> the first spelling in name order
+        brought: dict[str, list[str]] = {}
+        for entry, update in accepted:
+            for class_entry in update.entries:
+                key = class_key(class_entry.name)
+                if key in known and self.codebook[known[key]].frozen:
+                    logger.info("site %s brings %r again: it is finished and stays frozen",
+                                entry.site, known[key])  # fmt: skip
+                name = known.get(key) or min(new.get(key, class_entry.name), class_entry.name)
+                if key not in known:
+                    new[key] = name
+                brought.setdefault(name, []).append(entry.site)
+        return [new[key] for key in sorted(new)], brought
 
     # --- messaging --------------------------------------------------------------------------
 
-    def _config(self, spec: PhaseSpec, step: int, round_index: int) -> dict:
-        config = {
-            "step": step, "round": round_index, "wire-dtype": self.protocol.wire_dtype,
-            "federation": self.federation.id, "epoch": self.codebook.metadata[EPOCH_KEY],
+    def _config(self, spec: PhaseSpec, state: PhaseState) -> dict[str, ConfigValue]:
+        """The message config of a codebook phase: the protocol's, then the strategy's."""
+        config: dict[str, ConfigValue] = {
+            "step": state.step, "round": state.round, "wire-dtype": self.protocol.wire_dtype,
+            **Lineage.of(state.codebook).as_metadata(),
         }  # fmt: skip
-        if spec.phase is Phase.SYNC:
-            config["frozen"] = sorted(self.codebook.frozen)
         if spec.phase is Phase.EVALUATE:
-            registry = self.federation.registry
-            config["class-steps"] = [registry[name].step for name in self.codebook.names]
-        return config
+            config["class-steps"] = [state.class_steps[name] for name in state.codebook.names]
+        extra = self.strategy.configure(spec.phase, state)
+        clash = sorted(set(extra) & set(config))
+        if clash:
+            raise ValueError(f"the strategy's config may not set the protocol's {clash}")
+        return {**config, **extra}
 
     def _payloads(self) -> Callable[[int], bytes]:
         """The broadcast for each node: a delta from the version it holds, else the whole
-        codebook (computed once per distinct base version)."""
-        metadata = {k: self.codebook.metadata[k] for k in ("federation", EPOCH_KEY)}
-        full = replace(self.codebook.broadcast(), metadata=metadata)
+        codebook (each encoded once per distinct base version)."""
+        lineage = Lineage.of(self.codebook).as_metadata()
+        full = replace(self.codebook.broadcast(), metadata=lineage)
         cache: dict[int, bytes] = {}
 
         def payload(node: int) -> bytes:
             since = self._held.get(node, 0)
             if since not in cache:
-                value = full if not 0 < since < full.version else self.codebook.delta(since)
-                value.metadata = dict(full.metadata)
-                cache[since] = value.to_bytes(self.protocol.wire_dtype)
+                whole = not 0 < since < full.version
+                value = full if whole else replace(self.codebook.delta(since), metadata=lineage)
+                cache[since] = wire.encode(value, self.protocol.wire_dtype)
             return cache[since]
 
         return payload
@@ -274,13 +411,21 @@ class Coordinator:
                 chosen.add(holders[0])
         return sorted(chosen)
 
-    def _exchange(
-        self, spec: PhaseSpec, step: int, round_index: int, nodes: list[int]
+    def _exchange(self, spec: PhaseSpec, state: PhaseState, nodes: list[int]) -> list[Reply]:
+        """Send one codebook phase to ``nodes``; the good replies. A site that answered holds
+        the codebook it was sent."""
+        config = self._config(spec, state)
+        return self._send(spec, state.step, state.round, config, nodes, self._payloads())
+
+    def _send(
+        self,
+        spec: PhaseSpec,
+        step: int,
+        round_index: int,
+        config: dict[str, ConfigValue],
+        nodes: list[int],
+        payload: Callable[[int], bytes] | None,
     ) -> list[Reply]:
-        """Send one phase to ``nodes``; the good replies with their log entries. A site that
-        answered holds the codebook it was sent."""
-        payload = self._payloads() if spec.sends_codebook else None
-        config = self._config(spec, step, round_index)
         good, exchanges = exchange(
             self.grid, spec, step, round_index, config, nodes, self.sites, payload,
             self.protocol.timeout_s,
@@ -295,130 +440,57 @@ class Coordinator:
         self._steps.extend(exchanges)
         return good
 
-    def _updates(
+    # --- replies: decoded (= validated) one at a time ---------------------------------------
+
+    def _decoded(
         self, replies: list[Reply], phase: Phase
     ) -> Iterator[tuple[Exchange, ClientUpdate]]:
         """Decode (= validate) each update against the codebook the phase was sent with, one at
-        a time (a phase never holds every decoded update); drop bad ones and rows of classes
-        not in play."""
-        in_play = set(self.in_play)
+        a time (a phase never holds every decoded update); reject bad ones."""
         # Merge order changes float rounding: order by content, not by node id (random per run).
         for entry, reply in sorted(replies, key=lambda r: update_digest(r[1])):
             try:
                 data = reply.content["update"]["data"]
-                update = ClientUpdate.from_bytes(data, against=self.codebook, phase=phase)
+                update = wire.decode_update(data, against=self.codebook, phase=phase)
             except (CodebookError, KeyError, TypeError) as err:
                 reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
                 continue
-            if phase is not Phase.SYNC:
-                stray = [e.name for e in update.entries if e.name not in in_play]
-                if stray:
-                    logger.info("node %s sent rows of classes not in play: %s",
-                                entry.node_id, stray)  # fmt: skip
-                    update.entries = [e for e in update.entries if e.name in in_play]
             yield entry, update
 
-    # --- reducers, one per phase ------------------------------------------------------------
+    def _updates(
+        self, replies: list[Reply], phase: Phase, carried: set[str]
+    ) -> Iterator[ClientUpdate]:
+        """The phase's valid updates without rows of classes not in play; the classes they
+        carry are added to ``carried`` as they go by."""
+        in_play = set(self.in_play)
+        for entry, update in self._decoded(replies, phase):
+            stray = [e.name for e in update.entries if e.name not in in_play]
+            if stray:
+                logger.info("node %s sent rows of classes not in play: %s", entry.node_id, stray)
+                update = update.only(in_play)
+            carried.update(e.name for e in update.entries)
+            yield update
 
-    def _participants(self, replies: list[Reply]) -> list[tuple[Exchange, ClientUpdate]]:
-        """Accepted syncs: the nodes that take part in the rest of the step, their site names
-        and the codebook version each holds. A silent node costs one timeout per step, not
-        one per phase; a node with other backbones or a malformed reply sits the step out."""
-        accepted = sorted(self._updates(replies, Phase.SYNC), key=lambda r: r[0].node_id)
-        self._node_ids = [entry.node_id for entry, _ in accepted]
-        for entry, update in accepted:
-            site = update.metadata.get("site") or f"node-{entry.node_id}"
-            self.sites[entry.node_id] = entry.site = site
-            self._brings[entry.node_id] = {class_key(e.name) for e in update.entries}
-            held = update.base_version
-            if 0 < held <= self.codebook.version:
-                self._held[entry.node_id] = held
-            else:
-                self._held.pop(entry.node_id, None)
-        return accepted
-
-    def _sync(self, phase: Phase, step: int, replies: list[Reply]) -> None:
-        """Register the classes sites bring that the federation does not know yet, in the
-        order of their class keys (``class_key``); they start from the same values everywhere.
-        A class known under another spelling is the same class; a finished (frozen) class
-        brought again is logged and stays frozen."""
-        known = {class_key(name): name for name in self.codebook.names}
-        new: dict[str, str] = {}  # key -> the first spelling in name order
-        brought: dict[str, list[str]] = {}
-        for entry, update in self._participants(replies):
-            for class_entry in update.entries:
-                key = class_key(class_entry.name)
-                if key in known and self.codebook[known[key]].frozen:
-                    logger.info("site %s brings %r again: it is finished and stays frozen",
-                                entry.site, known[key])  # fmt: skip
-                name = known.get(key) or min(new.get(key, class_entry.name), class_entry.name)
-                if key not in known:
-                    new[key] = name
-                brought.setdefault(name, []).append(entry.site)
-        self.in_play = [new[key] for key in sorted(new)]
-        if self.in_play:
-            self.codebook = replay.register(self.codebook, self.in_play, self.backbones, self.train)
-            self.federation.register(self.in_play, step, brought)
-            self.console.print(
-                f"step {step + 1}: {len(self.in_play)} new classes from "
-                f"{len({s for n in self.in_play for s in brought[n]})} site(s) · "
-                f"{len(self._node_ids)} site(s) take part"
-            )
-
-    def _merge(self, phase: Phase, step: int, replies: list[Reply]) -> None:
-        """Each reply decoded and added to the phase's merge as it comes (docs/design.md)."""
-        merge = MergeAccumulator(self.codebook, n_components=self.train.mixture_components)
-        for _, update in self._updates(replies, phase):
-            merge.add(update)
-        if not merge.carried & set(self.in_play):
-            raise StepFailed(f"no site's {phase.key} update arrived for any class in play")
-        self.codebook = merge.result()
-
-    def _drop_unfitted(self, field_name: str) -> None:
-        """Classes no site sent statistics for cannot be replayed: unregister them."""
-        missing = [n for n in self.in_play if field_name not in self.codebook[n].values]
-        if missing:
-            logger.warning("no statistics for %s; unregistering them", missing)
-            self.codebook = self.codebook.without(missing)
-            self.federation.unregister(missing)
-            self.in_play = [n for n in self.in_play if n not in missing]
-
-    def _stage1_stats(self, phase: Phase, step: int, replies: list[Reply]) -> None:
-        self._merge(phase, step, replies)
-        self._drop_unfitted("clip_mixture")
-        self.codebook = replay.replay_first_level(self.codebook, self.backbones, self.train, step)
-
-    def _stage2_stats(self, phase: Phase, step: int, replies: list[Reply]) -> None:
-        self._merge(phase, step, replies)
-        self._drop_unfitted("vit_mixture")
-        self.codebook = replay.replay_head(
-            self.codebook, self.train, step, self.in_play, self.backbones.device
-        )
-
-    def _evaluate(self, phase: Phase, step: int, replies: list[Reply]) -> None:
-        reports = []
+    def _reports(
+        self, replies: list[Reply], codebook: Codebook
+    ) -> Iterator[tuple[str, EvaluationReport]]:
+        """The valid evaluation reports, with their sites, one at a time."""
         for entry, reply in replies:
             try:
                 data = reply.content["report"]["data"]
-                report = EvaluationReport.from_bytes(data, against=self.codebook)
-                reports.append((entry.site, report))
+                report = EvaluationReport.from_bytes(data, against=codebook)
             except (CodebookError, KeyError, TypeError) as err:
                 reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
-        registry = self.federation.registry
-        class_steps = {name: registry[name].step for name in self.codebook.names}
-        self._scores = aggregate(reports, class_steps, step, self.codebook.dims.n_layers)
-        row = " ".join(f"{a:.0f}" for a in self._scores.accuracy)
-        self.console.print(
-            f"step {step + 1}: {len(self.codebook)} classes · federation accuracy "
-            f"{self._scores.mean_accuracy:.1f}% by arrival step: {row}"
-        )
+                continue
+            yield entry.site, report
 
-
-REDUCERS: dict[Phase, Callable[[Coordinator, Phase, int, list[Reply]], None]] = {
-    Phase.SYNC: Coordinator._sync,
-    Phase.STAGE1: Coordinator._merge,
-    Phase.STAGE1_STATS: Coordinator._stage1_stats,
-    Phase.STAGE2: Coordinator._merge,
-    Phase.STAGE2_STATS: Coordinator._stage2_stats,
-    Phase.EVALUATE: Coordinator._evaluate,
-}
+    def _drop_unfitted(self, codebook: Codebook, phase: Phase) -> Codebook:
+        """Classes no site sent statistics for cannot be replayed: unregister them."""
+        fields = schema.trained_in(phase)
+        missing = [n for n in self.in_play if any(f not in codebook[n].values for f in fields)]
+        if not missing:
+            return codebook
+        logger.warning("no statistics for %s; unregistering them", missing)
+        self.federation.unregister(missing)
+        self.in_play = [n for n in self.in_play if n not in missing]
+        return codebook.without(missing)

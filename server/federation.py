@@ -10,8 +10,13 @@ each run performs aggregation steps over what they bring, continuing where the l
                       classes in play): one atomic file, so a checkpoint is never half written
     step-start.bin    the codebook when the step in progress started (a failed step rolls back)
     registry.json     every class: the step that registered it, the sites that brought it, when
-    history.jsonl     one record per finished step: status, phases, participation, scores
+    history.jsonl     one ``StepRecord`` per finished step: status, phases, participation,
+                      scores (written and read here only)
     metrics.json      the federation's scores after the last server run (``server.app``)
+
+The codebook's metadata carries its lineage (``starfed.shared.codebook.lineage``: the federation
+id and the epoch of its version line) and the protocol position (``Position``, under
+``POSITION_KEY``).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starfed.shared.codebook.framing import CodebookError, read_message
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
 
@@ -39,9 +45,7 @@ REGISTRY_FILE = "registry.json"
 HISTORY_FILE = "history.jsonl"
 METRICS_FILE = "metrics.json"
 POSITION_KEY = "position"  # codebook metadata key of the protocol position
-# Codebook metadata key of the version line: a rollback starts a new one, so a version a site
-# holds from a rolled-back step is never mistaken for the same version of the new line.
-EPOCH_KEY = "epoch"
+COMPLETED, DEGRADED, FAILED = "completed", "degraded", "failed"  # a step's (and a run's) status
 
 
 class FederationError(ValueError):
@@ -75,6 +79,83 @@ class Position:
     def from_metadata(cls, metadata: Mapping[str, str]) -> Position:
         raw = json.loads(metadata.get(POSITION_KEY, "{}"))
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+    def as_metadata(self) -> dict[str, str]:
+        """The metadata entry that carries it."""
+        return {POSITION_KEY: json.dumps(asdict(self))}
+
+
+@dataclass
+class Exchange:
+    """One message to one node and its answer: what the wire carried and what came back (filled
+    in while its phase runs, then kept in the step's record)."""
+
+    step: int
+    phase: str
+    round: int
+    node_id: int
+    site: str
+    bytes_down: int
+    bytes_up: int = 0
+    status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason>
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """The wall time of one phase round of a step."""
+
+    phase: str
+    round: int
+    seconds: float
+
+
+@dataclass
+class StepScores:
+    """The federation's scores after one step, by arrival step (``server.scores.aggregate``)."""
+
+    accuracy: list[float]  # % per arrival step 0..step (NaN: nobody holds test images of it)
+    selection_accuracy: list[float]  # % of prompt selections of a key of the same step
+    mean_accuracy: float  # over the arrival steps with test images
+    sites: dict[str, dict] = field(default_factory=dict)  # site -> images, correct, accuracy
+    classes: dict[str, dict] = field(default_factory=dict)  # class -> images, correct, sites
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One line of ``history.jsonl``: a finished step (or a failed attempt at one)."""
+
+    step: int
+    status: str  # COMPLETED, DEGRADED or FAILED
+    started: float  # time.time() at its start
+    wall_s: float
+    attempt: int = 0  # earlier failed attempts at the same step
+    reason: str = ""  # why it failed
+    classes: tuple[str, ...] = ()  # the classes it registered
+    sites: tuple[str, ...] = ()  # the sites that took part
+    phase_seconds: tuple[PhaseTime, ...] = ()
+    exchanges: tuple[Exchange, ...] = ()
+    codebook_version: int = 0
+    scores: StepScores | None = None  # the sites' evaluation
+    server_eval: StepScores | None = None  # the server's test set (``server-test-dir``)
+
+    @property
+    def ended(self) -> float:
+        return self.started + self.wall_s
+
+    def to_json(self) -> str:
+        raw = asdict(self)
+        return json.dumps({k: v for k, v in raw.items() if v is not None})
+
+    @classmethod
+    def from_json(cls, line: str) -> StepRecord:
+        raw: dict[str, Any] = json.loads(line)
+        scores = {k: StepScores(**raw[k]) for k in ("scores", "server_eval") if raw.get(k)}
+        return cls(**{
+            **raw, **scores,
+            "classes": tuple(raw.get("classes", ())), "sites": tuple(raw.get("sites", ())),
+            "phase_seconds": tuple(PhaseTime(**p) for p in raw.get("phase_seconds", ())),
+            "exchanges": tuple(Exchange(**e) for e in raw.get("exchanges", ())),
+        })  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -138,10 +219,10 @@ class Federation:
             raise FederationError(f"{path} is damaged: {err}") from None
 
     def _load(self, name: str) -> Codebook:
-        from starfed.shared.codebook.codebook import Codebook
+        from starfed.shared.codebook import wire
 
         try:
-            return Codebook.load(self.root / name, fingerprint=self.fingerprint, dims=self.dims)
+            return wire.read_file(self.root / name, fingerprint=self.fingerprint, dims=self.dims)
         except CodebookError as err:
             raise FederationError(f"{self.root / name}: {err}") from None
 
@@ -152,7 +233,7 @@ class Federation:
         from starfed.shared.codebook.codebook import Codebook
 
         if not (self.root / CODEBOOK_FILE).is_file():
-            metadata = {"federation": self.id, EPOCH_KEY: uuid.uuid4().hex}
+            metadata = Lineage(self.id).new_epoch().as_metadata()
             return Codebook(self.fingerprint, self.dims, metadata=metadata)
         return self._load(CODEBOOK_FILE)
 
@@ -177,17 +258,26 @@ class Federation:
 
     def checkpoint(self, codebook: Codebook, position: Position) -> Codebook:
         """Save ``codebook`` with ``position`` in its metadata (one atomic write)."""
-        metadata = {**codebook.metadata, "federation": self.id,
-                    POSITION_KEY: json.dumps(asdict(position))}  # fmt: skip
+        from starfed.shared.codebook import wire
+
+        lineage = replace(Lineage.of(codebook), federation=self.id)
+        metadata = {**codebook.metadata, **lineage.as_metadata(), **position.as_metadata()}
         saved = replace(codebook, metadata=metadata)
-        saved.save(self.root / CODEBOOK_FILE)
+        wire.write_file(self.root / CODEBOOK_FILE, saved)
         return saved
 
     # --- steps ----------------------------------------------------------------------------
 
-    def begin_step(self, codebook: Codebook, step: int) -> Codebook:
-        codebook.save(self.root / STEP_START_FILE)
-        return self.checkpoint(codebook, Position(step, running=True))
+    def begin_step(self, codebook: Codebook) -> None:
+        """Keep the codebook a step starts from, the last checkpoint, for a rollback: its file
+        copied (``codebook`` saved for a new federation, which has none yet)."""
+        from starfed.shared.codebook import wire
+
+        current = self.root / CODEBOOK_FILE
+        if current.is_file():
+            write_atomic(self.root / STEP_START_FILE, current.read_bytes())
+        else:
+            wire.write_file(self.root / STEP_START_FILE, codebook)
 
     def register(self, names: list[str], step: int, brought: dict[str, list[str]]) -> None:
         """Record newly registered classes and which sites brought which class."""
@@ -210,30 +300,36 @@ class Federation:
         registry = {name: asdict(entry) for name, entry in self.registry.items()}
         write_atomic(self.root / REGISTRY_FILE, json.dumps(registry, indent=2).encode())
 
-    def history(self) -> list[dict]:
+    def history(self) -> list[StepRecord]:
         """One record per finished step, in step order (a record written again wins)."""
         path = self.root / HISTORY_FILE
         if not path.is_file():
             return []
         records = {}
-        for line in path.read_text().splitlines():
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
             if line.strip():
-                record = json.loads(line)
-                records[(record["step"], record.get("attempt", 0))] = record
+                try:
+                    record = StepRecord.from_json(line)
+                except (json.JSONDecodeError, TypeError) as err:
+                    raise FederationError(f"{path}:{number} is damaged: {err}") from None
+                records[(record.step, record.attempt)] = record
         return [records[key] for key in sorted(records)]
 
-    def end_step(self, record: dict, codebook: Codebook | None) -> Codebook:
+    def attempts(self, step: int) -> int:
+        """How many records of ``step`` the history holds (its failed attempts)."""
+        return sum(record.step == step for record in self.history())
+
+    def end_step(self, record: StepRecord, codebook: Codebook | None) -> Codebook:
         """Close the step in progress with its ``record``; returns the codebook to go on
-        with. A failed step (``codebook`` None) goes back to the codebook it started from, and
-        the next step keeps its index."""
+        with. A failed step (``codebook`` None) goes back to the codebook it started from, on
+        a new version line, and the next step keeps its index."""
         history = self.root / HISTORY_FILE
         lines = history.read_text() if history.is_file() else ""
-        write_atomic(history, (lines + json.dumps(record) + "\n").encode())
-        step = record["step"]
+        write_atomic(history, (lines + record.to_json() + "\n").encode())
         if codebook is None:
             start = self._load(STEP_START_FILE)
-            metadata = {**start.metadata, EPOCH_KEY: uuid.uuid4().hex}
-            self.registry = {n: r for n, r in self.registry.items() if r.step != step}
+            metadata = {**start.metadata, **Lineage.of(start).new_epoch().as_metadata()}
+            self.registry = {n: r for n, r in self.registry.items() if r.step != record.step}
             self._write_registry()
-            return self.checkpoint(replace(start, metadata=metadata), Position(step))
-        return self.checkpoint(codebook, Position(step + 1))
+            return self.checkpoint(replace(start, metadata=metadata), Position(record.step))
+        return self.checkpoint(codebook, Position(record.step + 1))

@@ -11,29 +11,15 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from starfed.server.federation import Exchange
 from starfed.shared.protocol import PhaseSpec
 
 logger = logging.getLogger(__name__)
 
 PULL_WAITS_S = (0.05, 0.5)  # the first and the longest wait between two pulls of replies
-
-
-@dataclass
-class Exchange:
-    """One message to one node and its answer: what the wire carried and what came back."""
-
-    step: int
-    phase: str
-    round: int
-    node_id: int
-    site: str
-    bytes_down: int
-    bytes_up: int = 0
-    status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason>
 
 
 Reply = tuple[Exchange, Message]
@@ -122,7 +108,7 @@ def update_digest(reply: Message) -> str:
     try:
         return hashlib.sha256(reply.content["update"]["data"]).hexdigest()
     except (KeyError, TypeError):
-        return ""  # malformed: rejected in _updates anyway
+        return ""  # malformed: rejected when it is decoded
 
 
 def short_reason(reason: str | None, limit: int = 300) -> str:

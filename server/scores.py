@@ -11,21 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 
+from starfed.server.federation import StepRecord, StepScores
 from starfed.shared.metrics import AccuracyMatrix
 from starfed.shared.report import EvaluationReport
-
-
-@dataclass
-class StepScores:
-    """Scores after one step."""
-
-    accuracy: list[float]  # % per arrival step 0..step (NaN: nobody holds test images of it)
-    selection_accuracy: list[float]  # % of prompt selections of a key of the same step
-    mean_accuracy: float  # over the arrival steps with test images
-    sites: dict[str, dict] = field(default_factory=dict)  # site -> images, correct, accuracy
-    classes: dict[str, dict] = field(default_factory=dict)  # class -> images, correct, sites
 
 
 def _percent(part: int, whole: int) -> float:
@@ -67,7 +56,13 @@ def aggregate(
     return StepScores(accuracy, selection, mean, sites, classes)
 
 
-def accuracy_matrix(history: Iterable[dict], key: str = "accuracy") -> AccuracyMatrix:
+def accuracy_matrix(history: Iterable[StepRecord], server: bool = False) -> AccuracyMatrix:
     """The federation's matrix from its step records: row i after step i, column j the classes
-    that arrived at step j."""
-    return [record["scores"][key] for record in history if "scores" in record]
+    that arrived at step j (the sites' scores, or the server test set's)."""
+    scores = (record.server_eval if server else record.scores for record in history)
+    return [s.accuracy for s in scores if s is not None]
+
+
+def selection_matrix(history: Iterable[StepRecord]) -> AccuracyMatrix:
+    """The prompt-selection accuracy by arrival step, as ``accuracy_matrix``."""
+    return [r.scores.selection_accuracy for r in history if r.scores is not None]

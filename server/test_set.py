@@ -9,16 +9,19 @@ scored by ``LabelledImages``, as ``starfed evaluate`` does on a device.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from starfed.server.federation import StepScores
 from starfed.server.scores import aggregate
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.inference.predict import LabelledImages
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig
+from starfed.shared.protocol import CLASSIFY_WITH_KEYS
 from starfed.shared.report import EvaluationReport
 
 
@@ -29,12 +32,15 @@ class ServerTestSet:
         self.images = LabelledImages(folder, backbones)
         self.backbones, self.train = backbones, train
 
-    def __call__(self, codebook: Codebook, class_steps: dict[str, int], step: int) -> dict:
-        """Scores by arrival step of the codebook's classes on this test set."""
+    def __call__(
+        self, codebook: Codebook, class_steps: Mapping[str, int], step: int, config: Mapping
+    ) -> StepScores:
+        """Scores by arrival step of the codebook's classes on this test set, predicted as the
+        evaluate message's ``config`` asks the sites to (``CLASSIFY_WITH_KEYS``)."""
         model = StarPrompt(self.backbones, confidence_modulation=self.train.confidence_modulation)
         model.load_bank(codebook.bank())
         groups = torch.tensor([class_steps[name] for name in codebook.names])
-        scores = self.images.score(model, groups, use_keys=self.train.classify_with_keys)
+        use_keys = bool(config.get(CLASSIFY_WITH_KEYS, False))
+        scores = self.images.score(model, groups, use_keys=use_keys)
         report = EvaluationReport.of(codebook, scores)
-        result = aggregate([("server", report)], class_steps, step, codebook.dims.n_layers)
-        return {"accuracy": result.accuracy, "selection_accuracy": result.selection_accuracy}
+        return aggregate([("server", report)], class_steps, step, codebook.dims.n_layers)

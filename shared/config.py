@@ -3,26 +3,36 @@
 Values enter from four places — command-line flags, ``--run-config KEY=VALUE``, Flower's run
 config (``[tool.flwr.app.config]`` plus overrides) and a node's node config — and all of them go
 through :func:`parse`, which returns typed values or raises one :class:`ConfigError` whose
-one-line message names the key, the bad value and what is allowed. The typed options
-(``ProtocolOptions`` and ``BackboneOptions`` here, ``ScenarioConfig``, ``TrainConfig``) are
-built from parsed values only, so nothing downstream re-checks them.
+one-line message names the key, the bad value and what is allowed.
+
+Everything else is derived from the table. The typed options the code reads
+(``ProtocolOptions`` and ``BackboneOptions`` here, ``ScenarioConfig``, ``TrainConfig``,
+``LocalRunOptions``) declare their fields with :func:`knob`, which takes the default from the
+knob, and are filled from parsed values by :meth:`Options.from_config`, so nothing downstream
+re-checks them. ``pyproject.toml``'s ``[tool.flwr.app.config]`` (Flower reads the run-config
+defaults there) is written from the table: ``python -m starfed.shared.config --write-pyproject
+pyproject.toml`` (``make pyproject``); ``--check`` is the CI check.
 
 This module imports nothing heavy: the command line validates with it before torch, data or
-Flower are loaded. ``pyproject.toml``'s ``[tool.flwr.app.config]`` repeats the run-config
-defaults because Flower reads them there; a test keeps the two equal.
+Flower are loaded.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Self
 
+from starfed.shared.addresses import parse_address
 from starfed.shared.device import check as check_device
 from starfed.shared.model.backbone_config import PAPER_VIT_TAGS, PRESETS, read_backbone_config
 
@@ -34,6 +44,8 @@ Values = Mapping[str, Value]
 
 WIRE_DTYPES = ("float32", "float16")
 RUNTIMES = ("flower", "local")  # `starfed simulate --runtime` (docs/simulation.md)
+ISOLATIONS = ("process", "subprocess")  # `starfed server start --isolation`
+OUTPUT_FORMATS = ("csv", "json")  # `starfed predict --format`
 
 #: Groups whose knobs form Flower's run config; "node" is the node config and "command" holds
 #: options of one command that never travel in a Flower config.
@@ -233,6 +245,26 @@ SCHEMA: tuple[Knob, ...] = (
          "command", ge=0, command="simulate"),
     Knob("json", bool, False, "print a JSON summary on stdout (the progress lines stay on "
          "stderr)", "command", command="experiment"),
+    Knob("batch-size", int, 64, "images per forward pass", "command", ge=1, command="predict"),
+    Knob("format", str, "csv", "output", "command", choices=OUTPUT_FORMATS, command="predict"),
+    Knob("cache", str, "", 'where --from keeps its copy; "": $XDG_CACHE_HOME (or ~/.cache)'
+         "/starfed/codebook", "command", path=True, command="predict"),
+    Knob("plot", str, "confusion_matrix.png", "PNG to write", "command", path=True,
+         command="evaluate"),
+    Knob("listen", str, "0.0.0.0:9092", "public HOST:PORT of the gateway", "command",
+         check=parse_address, command="server start"),
+    Knob("internal-port", int, 9093, "the SuperLink's port on 127.0.0.1, serving Fleet, Control "
+         "and Runtime APIs", "command", ge=1, le=65535, command="server start"),
+    Knob("isolation", str, "process", "process: our SuperExec, authenticated with a shared "
+         "secret; subprocess: Flower's own (its task API is then open to local users)",
+         "command", choices=ISOLATIONS, command="server start"),
+    Knob("max-body-mib", int, 128, "gateway request size limit", "command", ge=1,
+         command="server start"),
+    Knob("listen", str, "0.0.0.0:9095", "HOST:PORT", "command", check=parse_address,
+         command="server serve"),
+    Knob("max-mib", int, 64, "largest reply", "command", ge=1, command="server serve"),
+    Knob("out", str, "site.key", "private key file", "command", path=True,
+         command="site keygen"),
 )  # fmt: skip
 
 #: Knob tables by where their values come from: Flower's configs, or one command's options.
@@ -276,9 +308,9 @@ def writable_dir(path: str | os.PathLike[str], name: str) -> Path:
     return path
 
 
-def optional(text: Value) -> str | None:
-    """An optional string knob: "" means not set."""
-    return str(text) or None
+def optional(value: Value) -> Value | None:
+    """An optional knob's value: "" (or 0) means not set."""
+    return value or None
 
 
 def run_dir(values: Values, run_id: int) -> Path:
@@ -287,60 +319,66 @@ def run_dir(values: Values, run_id: int) -> Path:
     return Path(values["results-dir"]) / (values["run-name"] or f"fed-{run_id}")
 
 
+# --- typed options, derived from the table ------------------------------------------------
+
+
+def knob(key: str, convert: Callable[[Any], Any] | None = None, table: str = "run-config") -> Any:
+    """A dataclass field read from knob ``key`` of ``table``: its default is the knob's, passed
+    through ``convert`` (e.g. :func:`optional`: "" becomes None) like every parsed value."""
+    default = TABLES[table][key].default
+    metadata = {"knob": key, "convert": convert}
+    if convert is None:
+        return dataclasses.field(default=default, metadata=metadata)
+    return dataclasses.field(default_factory=lambda: convert(default), metadata=metadata)
+
+
+class Options:
+    """Options whose fields are declared with :func:`knob` (and options nested as a field with
+    ``default_factory=`` their class): built from parsed values by one generic rule, never
+    copied field by field."""
+
+    @classmethod
+    def from_config(cls, values: Values) -> Self:
+        """The knobs' values in ``values`` (as :func:`parse` returns them); fields that are no
+        knob keep their defaults."""
+        given: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            factory = field.default_factory
+            if isinstance(factory, type) and issubclass(factory, Options):  # nested options
+                given[field.name] = factory.from_config(values)
+            elif "knob" in field.metadata:
+                convert = field.metadata["convert"] or (lambda value: value)
+                given[field.name] = convert(values[field.metadata["knob"]])
+        return cls(**given)
+
+
 @dataclass(frozen=True)
-class ProtocolOptions:
+class ProtocolOptions(Options):
     """How the server drives the phases, and where a run keeps its federation."""
 
-    stage1_rounds: int = 1
-    stage2_rounds: int = 1
-    timeout_s: float = 600.0
-    wire_dtype: str = "float32"
-    results_dir: str = "results"
-    run_name: str | None = None
-    federation_dir: str | None = None  # None: the run's folder (a simulation's own federation)
-    max_steps: int = 0  # 0: until no site brings a new class
-    min_sites: int = 1
-    wait_s: float = 120.0  # for min_sites to connect
-    fraction_train: float = 1.0  # share of sites per training/statistics round
-    min_train_sites: int = 1
-    server_test_dir: str | None = None  # an optional test set on the server
-
-    @classmethod
-    def from_config(cls, values: Values) -> ProtocolOptions:
-        return cls(
-            stage1_rounds=values["stage1-rounds"],
-            stage2_rounds=values["stage2-rounds"],
-            timeout_s=values["timeout-s"],
-            wire_dtype=values["wire-dtype"],
-            results_dir=values["results-dir"],
-            run_name=optional(values["run-name"]),
-            federation_dir=optional(values["federation-dir"]),
-            max_steps=values["max-steps"],
-            min_sites=values["min-sites"],
-            wait_s=values["wait-s"],
-            fraction_train=values["fraction-train"],
-            min_train_sites=values["min-train-sites"],
-            server_test_dir=optional(values["server-test-dir"]),
-        )
+    stage1_rounds: int = knob("stage1-rounds")
+    stage2_rounds: int = knob("stage2-rounds")
+    timeout_s: float = knob("timeout-s")
+    wire_dtype: str = knob("wire-dtype")
+    results_dir: str = knob("results-dir")
+    run_name: str | None = knob("run-name", optional)
+    federation_dir: str | None = knob("federation-dir", optional)  # None: the run's folder
+    max_steps: int = knob("max-steps")  # 0: until no site brings a new class
+    min_sites: int = knob("min-sites")
+    wait_s: float = knob("wait-s")  # for min_sites to connect
+    fraction_train: float = knob("fraction-train")  # share of sites per training round
+    min_train_sites: int = knob("min-train-sites")
+    server_test_dir: str | None = knob("server-test-dir", optional)
 
 
 @dataclass(frozen=True)
-class BackboneOptions:
+class BackboneOptions(Options):
     """Which frozen backbone pair every participant loads (their fingerprints must match)."""
 
-    preset: str = "tiny"
-    config_path: str | None = None
-    clip_weights: str | None = None
-    vit_weights: str | None = None
-
-    @classmethod
-    def from_config(cls, values: Values) -> BackboneOptions:
-        return cls(
-            preset=values["preset"],
-            config_path=optional(values["backbone-config"]),
-            clip_weights=optional(values["clip-weights"]),
-            vit_weights=optional(values["vit-weights"]),
-        )
+    preset: str = knob("preset")
+    config_path: str | None = knob("backbone-config", optional)
+    clip_weights: str | None = knob("clip-weights", optional)
+    vit_weights: str | None = knob("vit-weights", optional)
 
     def load(self, device: str = "cpu") -> Backbones:
         """The pair, built once per process and device (``starfed.shared.device`` names)."""
@@ -360,3 +398,74 @@ def _load_backbones(options: BackboneOptions, device: str) -> Backbones:
         vit_weights=options.vit_weights,
     )
     return backbones.place(devices.resolve(device))
+
+
+# --- pyproject.toml's run-config table, written from the knobs -----------------------------
+
+PYPROJECT_TABLE = "[tool.flwr.app.config]"
+
+
+def _toml(value: Value) -> str:
+    """A default as a TOML value (a JSON string is a TOML basic string)."""
+    return json.dumps(value) if isinstance(value, str) else show(value)
+
+
+def run_config_table() -> list[str]:
+    """The lines of ``[tool.flwr.app.config]``: every run-config knob with its default, by
+    group. Flower needs every key the apps read there, and takes the defaults from it."""
+    lines, group = [], None
+    for k in TABLES["run-config"].values():
+        if k.group != group:
+            lines.append(f"# {k.group}\n")
+            group = k.group
+        lines.append(f"{k.key} = {_toml(k.default)}\n")
+    return lines
+
+
+def with_run_config_table(text: str) -> str:
+    """``text`` (a pyproject.toml) with its run-config table written from the knobs: the lines
+    from the table's header to its first blank line (or the next table) are replaced, every
+    other byte is kept."""
+    lines = text.splitlines(keepends=True)
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == PYPROJECT_TABLE) + 1
+    except StopIteration:
+        raise ConfigError(f"no {PYPROJECT_TABLE} table") from None
+    end = start
+    while end < len(lines) and lines[end].strip() and not lines[end].startswith("["):
+        end += 1
+    return "".join(lines[:start] + run_config_table() + lines[end:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m starfed.shared.config --write-pyproject pyproject.toml [--check]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m starfed.shared.config",
+        description=f"Write {PYPROJECT_TABLE} of a pyproject.toml from the knob table.",
+    )
+    parser.add_argument("--write-pyproject", type=Path, required=True, metavar="PYPROJECT")
+    parser.add_argument("--check", action="store_true", help="exit 1 if it is not written")
+    args = parser.parse_args(argv)
+    path: Path = args.write_pyproject
+    try:
+        text = path.read_text(encoding="utf-8")
+        written = with_run_config_table(text)
+    except (OSError, ConfigError) as err:
+        print(f"{parser.prog}: error: {path}: {err}", file=sys.stderr)
+        return 2
+    if args.check:
+        if written == text:
+            return 0
+        print(
+            f"{path}: {PYPROJECT_TABLE} is not the knob table's (shared/config.py); write it: "
+            f"python -m starfed.shared.config --write-pyproject {path}",
+            file=sys.stderr,
+        )
+        return 1
+    if written != text:
+        path.write_text(written, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,11 +1,14 @@
-"""The federated protocol as one table: the phases of an aggregation step, in order.
+"""The federated protocol as one table: a step's enrolment, then its codebook phases, in order.
 
-A step is the server sending each phase of ``PHASES`` to the sites in turn (the two training
-phases ``stage1-rounds`` and ``stage2-rounds`` times). For every phase the table says which
-Flower message type carries it, whether it carries the codebook, what a site returns and which
-random streams the work draws from. The phase's site handler (``starfed.client.site.HANDLERS``)
-and server reducer (``starfed.server.coordinator.REDUCERS``) are keyed by the same ``Phase``;
-docs/design.md#the-protocol shows the table with both.
+A step starts with the enrolment (``ENROLMENT``, the ``query.sync`` message): every connected
+site says which classes its current task brings, with their image counts, and which codebook
+version it holds — names and counts only, no codebook either way. The server registers the new
+classes, then sends each codebook phase of ``PHASES`` to the enrolled sites in turn (the two
+training phases ``stage1-rounds`` and ``stage2-rounds`` times). For every message the table says
+which Flower message type carries it, whether it carries the codebook, what a site returns and
+which random streams the work draws from. ``MESSAGES`` is every message a site answers (the
+ClientApp registers a handler for each); how the server reduces the replies of a phase is its
+strategy's (``starfed.server.strategy``). docs/design.md#the-protocol shows the table.
 
 Random streams are named so that a single site (``starfed train-local``) and a federation draw
 the same numbers for the same work (``starfed.shared.model.training.phase_generator``); the names
@@ -21,9 +24,9 @@ from starfed.proto import codebook_pb2 as pb
 
 
 class Phase(enum.IntEnum):
-    """A phase of an aggregation step; the values are the protobuf ``Phase`` numbers."""
+    """A message of an aggregation step; the values are the protobuf ``Phase`` numbers."""
 
-    SYNC = pb.PHASE_SYNC
+    SYNC = pb.PHASE_SYNC  # the enrolment
     STAGE1 = pb.PHASE_STAGE1
     STAGE1_STATS = pb.PHASE_STAGE1_STATS
     STAGE2 = pb.PHASE_STAGE2
@@ -45,14 +48,18 @@ class PhaseSpec:
     sends_codebook: bool  # the message carries the codebook (without mixtures)
     returns: str  # what a site returns
     site_stream: str | None  # random stream of the site's work
-    server_stream: str | None  # random stream of the server's reducer
+    server_stream: str | None  # random stream of the server's reduction (its replay)
 
 
 UPDATE = "an update: its classes with the fields the phase trains (codebook schema)"
 
+ENROLMENT = PhaseSpec(
+    Phase.SYNC, "query.sync", False,
+    "an update: the classes of its current task with their image counts (names and counts "
+    "only) and the codebook version it holds", None, None,
+)  # fmt: skip
+
 PHASES: tuple[PhaseSpec, ...] = (
-    PhaseSpec(Phase.SYNC, "query.sync", False,
-              "an update: the classes of its current task, counts and class order", None, None),
     PhaseSpec(Phase.STAGE1, "train.stage1", True, UPDATE, "stage1", None),
     PhaseSpec(Phase.STAGE1_STATS, "query.stage1_stats", True, UPDATE, None, "replay1"),
     PhaseSpec(Phase.STAGE2, "train.stage2", True, UPDATE, "stage2", None),
@@ -61,4 +68,11 @@ PHASES: tuple[PhaseSpec, ...] = (
               None, None),
 )  # fmt: skip
 
-SPECS: dict[Phase, PhaseSpec] = {spec.phase: spec for spec in PHASES}
+#: Every message a site answers: the enrolment, then the codebook phases.
+MESSAGES: tuple[PhaseSpec, ...] = (ENROLMENT, *PHASES)
+
+SPECS: dict[Phase, PhaseSpec] = {spec.phase: spec for spec in MESSAGES}
+
+#: Evaluate-message config key: predict with the first-level keys alone (the keys ablation,
+#: ``starfed.simulations.methods.keys``); absent means the full two-level prediction.
+CLASSIFY_WITH_KEYS = "classify-with-keys"

@@ -3,11 +3,13 @@
 `flwr run` costs a SuperLink, a SuperExec and Ray (about a minute on two cores) before any
 training starts. ``LocalGrid`` is a Flower ``Grid`` that instead hands each message straight to
 the ClientApp (``starfed.client.app:app``), node after node, as Flower's runtime would: with a
-``Context`` per node and an error reply for an exception. ``run_server`` (what the ServerApp's
-``main`` does) drives it unchanged, so a run computes what the Flower runtime computes
-(``tests/test_local_runtime.py`` checks it). ``starfed simulate --runtime local`` and the
-experiment harness (``starfed experiment``) use it; the protocol tests use its ``faults`` (make a
-node silent, raise, or tamper with its replies) and ``record`` (keep what was sent).
+``Context`` per node and an error reply for an exception. ``run_locally`` drives it as the
+Flower runtime's simulation ServerApp (``starfed.simulations.server_app``) drives Flower's grid
+— ``run_server``, with the simulated sites' folders written before each step — so a run
+computes what the Flower runtime computes (``tests/test_local_runtime.py`` checks it).
+``starfed simulate --runtime local`` and the experiment harness (``starfed experiment``) use it;
+the protocol tests use its ``faults`` (make a node silent, raise, or tamper with its replies)
+and ``record`` (keep what was sent).
 """
 
 from __future__ import annotations
@@ -24,23 +26,24 @@ from pathlib import Path
 import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.supercore.task_identity import TaskIdentity
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from threadpoolctl import threadpool_limits
 
 from starfed.client.app import app as client_app
 from starfed.server.app import RunFailed, run_server
+from starfed.server.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server.ops.flower_runs import EXIT_DEGRADED, summarize
+from starfed.server.strategy import Strategy
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
 from starfed.shared.config import parse
-from starfed.shared.protocol import PHASES
+from starfed.shared.protocol import MESSAGES
 from starfed.simulations.simulate import CLIENT_CPUS
+from starfed.simulations.simulated_sites import SimulatedSites
 
 Fault = Callable[[Message], Message | None]  # gets the reply; None = the node stays silent
-PHASE_KEYS = {spec.message_type: spec.phase.key for spec in PHASES}
+PHASE_KEYS = {spec.message_type: spec.phase.key for spec in MESSAGES}
 
 
 @dataclass
@@ -180,9 +183,16 @@ def node_configs(n_sites: int) -> dict[int, dict]:
     return {p + 1: {"partition-id": p, "num-partitions": n_sites} for p in range(n_sites)}
 
 
-def run_locally(run_config: Mapping[str, object], console: Console | None = None) -> dict:
+def run_locally(
+    run_config: Mapping[str, object],
+    console: Console | None = None,
+    *,
+    strategy: Strategy | None = None,
+) -> dict:
     """One simulation on the local runtime: ``run_server`` over a ``LocalGrid`` of
-    ``num-clients`` simulated sites; the metrics it wrote to ``metrics.json``.
+    ``num-clients`` simulated sites, with ``strategy`` (starfed's by default), their data
+    folders written before each step (``SimulatedSites``); the metrics it wrote to
+    ``metrics.json``.
 
     A failed run raises ``RunFailed`` after writing its metrics, as the ServerApp does.
     """
@@ -199,7 +209,8 @@ def run_locally(run_config: Mapping[str, object], console: Console | None = None
     )
     with Progress(*columns, console=console, transient=True) as progress:
         grid = LocalGrid(client_app, config, node_configs(n_sites), run_id, progress=progress)
-        return run_server(grid, config, run_id, console)
+        sites = SimulatedSites.of(config, run_id)
+        return run_server(grid, config, run_id, console, strategy=strategy, before_step=sites)
 
 
 def simulate_locally(overrides: Mapping[str, object]) -> int:

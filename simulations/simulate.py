@@ -40,6 +40,12 @@ CLIENT_CPUS = 1
 #: FutureWarnings, typer's DeprecationWarnings. Warnings only: errors and logs still show.
 QUIET = "ignore::FutureWarning,ignore::DeprecationWarning"
 INTERRUPTED_FILE = "interrupted.json"
+#: The simulation's apps (pyproject.toml's ``[tool.flwr.app.components]`` too): the ServerApp
+#: that writes the simulated sites' folders, and the ClientApp every site runs.
+APP_COMPONENTS = {
+    **flower_runs.APP_COMPONENTS,
+    "serverapp": "starfed.simulations.server_app:app",
+}
 
 
 class SimulationError(RuntimeError):
@@ -157,7 +163,7 @@ def simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> i
     submitted_at = time.time()
     superlink = LocalSuperLink(flwr_home, run_dir, flower_env(flwr_home))
     flower_runs.write_connection(flwr_home, superlink.address)
-    app = flower_runs.write_app(flwr_home / "app")
+    app = flower_runs.write_app(flwr_home / "app", APP_COMPONENTS)
     outcome = RunOutcome(None, "not started")
     federation = {
         "num-supernodes": n_supernodes,

@@ -14,14 +14,16 @@ import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Self
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.config import BackboneOptions, Values, optional
+from starfed.shared.config import Options, Values, knob, optional, parse
 from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root
 from starfed.shared.data.images import decode_images
 from starfed.shared.data.site_folder import class_key
@@ -33,47 +35,33 @@ from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig, clip_features, learn_task
 
 CODEBOOK_FILE = "codebook.bin"
+COMMAND = "train-local"  # the table of the command's own knobs
 
 
 @dataclass
-class LocalRunOptions:
-    """Everything that defines a single-site run (recorded in metrics.json)."""
+class LocalRunOptions(Options):
+    """Everything that defines a single-site run (recorded in metrics.json): run-config knobs
+    and the command's own (``--download``, ...), declared from the knob table."""
 
-    data_root: str = field(default_factory=dataset_root)
-    n_tasks: int = 7
-    classes_per_task: int | None = None
-    preset: str = "tiny"
-    backbone_config: str | None = None
-    clip_weights: str | None = None
-    vit_weights: str | None = None
-    download: bool = False
-    vit_tag: str = "augreg_in21k"
-    device: str = "auto"  # starfed.shared.device
-    results_dir: str = "results"
-    run_name: str | None = None
-    cache_dir: str | None = None
+    data_root: str = knob("data-root", dataset_root)
+    n_tasks: int = knob("num-tasks")
+    classes_per_task: int | None = knob("classes-per-task", optional)
+    preset: str = knob("preset")
+    backbone_config: str | None = knob("backbone-config", optional)
+    clip_weights: str | None = knob("clip-weights", optional)
+    vit_weights: str | None = knob("vit-weights", optional)
+    download: bool = knob("download", table=COMMAND)
+    vit_tag: str = knob("vit-tag", table=COMMAND)
+    device: str = knob("device")  # starfed.shared.device
+    results_dir: str = knob("results-dir")
+    run_name: str | None = knob("run-name", optional)
+    cache_dir: str | None = knob("cache-dir", optional, table=COMMAND)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     @classmethod
-    def from_config(cls, values: Values, own: Values) -> LocalRunOptions:
+    def from_config(cls, values: Values, own: Values | None = None) -> Self:
         """From parsed run-config values and the command's own options (``--download``, ...)."""
-        backbones = BackboneOptions.from_config(values)
-        return cls(
-            data_root=dataset_root(values["data-root"]),
-            n_tasks=values["num-tasks"],
-            classes_per_task=values["classes-per-task"] or None,
-            preset=backbones.preset,
-            backbone_config=backbones.config_path,
-            clip_weights=backbones.clip_weights,
-            vit_weights=backbones.vit_weights,
-            download=own["download"],
-            vit_tag=own["vit-tag"],
-            device=values["device"],
-            results_dir=values["results-dir"],
-            run_name=optional(values["run-name"]),
-            cache_dir=optional(own["cache-dir"]),
-            train=TrainConfig.from_config(values),
-        )
+        return super().from_config({**parse({}, COMMAND), **values, **(own or {})})
 
 
 def _progress(console: Console) -> Progress:
@@ -183,13 +171,9 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     finished = {entry.name: replace(entry, frozen=True) for entry in model.bank.entries()}
-    Codebook(
-        backbones.fingerprint,
-        backbones.dims,
-        finished,
-        version=split.n_tasks,
-        metadata={"producer": "starfed train-local", "seed": str(config.seed)},
-    ).save(run_dir / CODEBOOK_FILE)
+    metadata = {"producer": "starfed train-local", "seed": str(config.seed)}
+    codebook = Codebook(backbones.fingerprint, backbones.dims, finished, split.n_tasks, metadata)
+    wire.write_file(run_dir / CODEBOOK_FILE, codebook)
     plot_accuracy_matrix(
         matrix,
         run_dir / "accuracy_matrix.png",

@@ -7,8 +7,10 @@ computes, on the smallest scenario (tiny backbones, 2 sites, 2 tasks x 2 classes
   rows of sites that did not train it included (plain FedAvg), next to the per-class merge;
 - `starfed-unmerged`: every site's Gaussians kept, weighted by its examples, where the merge
   reduces them to ``mixture-components``;
-- `starfed-no-replay`: starfed with ``generative-replay=false``;
+- `starfed-no-replay`: starfed whose server never replays (statistics merged all the same);
 - `starfed-keys`: starfed trained as usual, every evaluation with the first-level keys.
+
+Each is a strategy passed to the coordinator (``starfed.server.strategy``), one module each.
 """
 
 from __future__ import annotations
@@ -16,29 +18,25 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from codebooks import merge_updates
 from rich.console import Console
 
+from starfed.server.strategy import PhaseState, Strategy
+from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
-from starfed.shared.codebook.merge import merge_updates
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.model.star_prompt import StarPrompt
+from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import Phase
-from starfed.simulations.methods import (
-    METHODS,
-    ablations,
-    fedavg,
-    federated,
-    positional,
-    reducers,
-    unmerged,
-)
+from starfed.simulations.methods import METHODS, fedavg, no_replay, positional, unmerged
+from starfed.simulations.methods import keys as keys_method
+from starfed.simulations.methods import starfed as federated
 
 TINY = {"num-tasks": 2, "classes-per-task": 2, "num-clients": 2}
 ONE_EPOCH = {"stage1-epochs": 1, "replay1-epochs": 1, "replay2-epochs": 1,
@@ -58,6 +56,32 @@ def test_the_baselines_are_registered() -> None:
     for name in ("fedavg", "starfed-positional", "starfed-unmerged", "starfed-no-replay",
                  "starfed-keys"):  # fmt: skip
         assert callable(METHODS[name].load())
+    strategies = {name: spec.strategy for name, spec in METHODS.items() if spec.strategy}
+    assert strategies == {
+        "starfed-keys": "ClassifyWithKeys", "starfed-no-replay": "NoReplay",
+        "starfed-positional": "PositionalAveraging", "starfed-unmerged": "Unmerged",
+    }  # fmt: skip
+    for name, spec in METHODS.items():
+        if spec.strategy:
+            loaded = METHODS[name].load()
+            assert isinstance(loaded.keywords["strategy"], Strategy), name
+
+
+def test_a_baseline_is_one_module(tmp_path: Path, monkeypatch) -> None:
+    """A module with a Strategy subclass is method ``starfed-<module>``, found from its source
+    (no import), described by its docstring's first paragraph."""
+    from starfed.simulations import methods
+
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "median_merge.py").write_text(
+        '"""`starfed-median-merge`: the merge by median."""\n'
+        "from starfed.server.strategy import Strategy\n\n\n"
+        "class MedianMerge(Strategy):\n    pass\n"
+    )
+    found = methods._spec(tmp_path / "median_merge.py")
+    assert found == ("starfed-median-merge", methods.MethodSpec(
+        "median_merge", "MedianMerge", "the merge by median."))  # fmt: skip
+    assert methods._spec(tmp_path / "__init__.py") is None
 
 
 def test_fedavg_fine_tuning_forgets(tmp_path: Path) -> None:
@@ -86,6 +110,11 @@ def _codebook(dims: ModelDims) -> Codebook:
     return Codebook("f" * 64, dims, entries, version=1)
 
 
+def _state(codebook: Codebook) -> PhaseState:
+    """What the coordinator shows a strategy (no backbones: these hooks merge only)."""
+    return PhaseState(0, 0, codebook, ("a", "b"), {"a": 0, "b": 0}, None, TrainConfig())
+
+
 def test_positional_fedavg_dilutes_what_the_per_class_merge_keeps() -> None:
     """Site 1 trains class a on 30 images, site 2 class b on 10: per class, each keeps its
     trainer's rows; by position, each is diluted by the other site's unchanged broadcast."""
@@ -97,11 +126,11 @@ def test_positional_fedavg_dilutes_what_the_per_class_merge_keeps() -> None:
         ClientUpdate("f" * 64, dims, Phase.STAGE1, 1,
                      [ClassEntry("b", 10, {"prompt": torch.full((3,), 2.0)})]),
     ]  # fmt: skip
-    coordinator = SimpleNamespace(
-        codebook=codebook, in_play=["a", "b"], _updates=lambda replies, phase: replies
-    )
-    positional.merge_by_position(coordinator, Phase.STAGE1, 0, [(None, u) for u in updates])
-    by_position = coordinator.codebook
+    strategy = positional.PositionalAveraging()
+    by_position = strategy.aggregate_train(Phase.STAGE1, iter(updates), _state(codebook))
+    assert Strategy().aggregate_train(Phase.STAGE1, iter(updates), _state(codebook)).names == [
+        "a", "b"
+    ]  # fmt: skip
     per_class = merge_updates(codebook, updates)
     assert torch.allclose(per_class["a"].values["prompt"], torch.ones(3))
     assert torch.allclose(per_class["b"].values["prompt"], torch.full((3,), 2.0))
@@ -111,25 +140,13 @@ def test_positional_fedavg_dilutes_what_the_per_class_merge_keeps() -> None:
     assert by_position.version == codebook.version + 1
 
 
-def test_positional_fedavg_without_any_update_fails_the_step() -> None:
+def test_positional_fedavg_without_any_update_keeps_the_codebook_sent() -> None:
+    """Nothing to average: the codebook as sent (the coordinator then fails the step, as no
+    class in play got an update)."""
     dims = ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2)
-    coordinator = SimpleNamespace(
-        codebook=_codebook(dims), in_play=["a", "b"], _updates=lambda replies, phase: replies
-    )
-    with pytest.raises(positional.StepFailed):
-        positional.merge_by_position(coordinator, Phase.STAGE1, 0, [])
-
-
-def test_the_reducer_swap_ends_with_the_run() -> None:
-    before = dict(reducers.REDUCERS)
-    with (
-        pytest.raises(RuntimeError),
-        reducers.swapped({Phase.STAGE1: positional.merge_by_position}),
-    ):
-        assert reducers.REDUCERS[Phase.STAGE1] is positional.merge_by_position
-        raise RuntimeError("a failed run")
-    restored = dict(reducers.REDUCERS)
-    assert restored == before
+    codebook = _codebook(dims)
+    strategy = positional.PositionalAveraging()
+    assert strategy.aggregate_train(Phase.STAGE1, iter([]), _state(codebook)) is codebook
 
 
 def _mixture(centre: float, count: int, generator: torch.Generator) -> GaussianMixture:
@@ -151,11 +168,11 @@ def test_unmerged_statistics_keep_every_sites_gaussians() -> None:
                      [ClassEntry("a", m.count, {"clip_mixture": m})])
         for m in (first, second)
     ]  # fmt: skip
-    coordinator = SimpleNamespace(
-        codebook=codebook, in_play=["a", "b"], _updates=lambda replies, phase: replies
+    strategy = unmerged.Unmerged()
+    pooled_codebook = strategy.aggregate_statistics(
+        Phase.STAGE1_STATS, iter(updates), _state(codebook)
     )
-    unmerged.pool_statistics(coordinator, Phase.STAGE1_STATS, [(None, u) for u in updates])
-    pooled = coordinator.codebook["a"].values["clip_mixture"]
+    pooled = pooled_codebook["a"].values["clip_mixture"]
     merged = merge_updates(codebook, updates, n_components=2)["a"].values["clip_mixture"]
     assert merged.n_components == 2 and pooled.n_components == 6
     assert pooled.count == merged.count == 40
@@ -166,11 +183,21 @@ def test_unmerged_statistics_keep_every_sites_gaussians() -> None:
 
 
 def test_starfed_without_generative_replay(tmp_path: Path) -> None:
+    """The server merges the statistics but never replays: the predicting head is the merged
+    real-data head of every class."""
     out = tmp_path / "no-replay"
-    ablations.no_generative_replay(parse({**TINY, **ONE_EPOCH}), SEED, out, Console(quiet=True))
+    run = METHODS["starfed-no-replay"].load()
+    run(parse({**TINY, **ONE_EPOCH}), SEED, out, Console(quiet=True))
     m = _metrics(out)
-    assert m["config"]["train"]["generative_replay"] is False
+    assert m["config"]["strategy"] == f"{no_replay.__name__}.NoReplay"
     assert m["config"]["train"]["seed"] == SEED
+    codebook = wire.read_file(out / "codebook.bin")
+    assert len(codebook) == 4 and codebook.frozen == set(codebook.names)
+    for name in codebook.names:
+        values = codebook[name].values
+        assert values["clip_mixture"] is not None and values["vit_mixture"] is not None
+        assert torch.equal(values["aligned_head_weight"], values["head_weight"]), name
+        assert torch.equal(values["aligned_head_bias"], values["head_bias"]), name
     assert [len(row) for row in m["accuracy_matrix"]] == [1, 2]
     assert _in_range(m["accuracy_matrix"]) and not math.isnan(m["final_average_accuracy"])
     assert m["exchanges"]
@@ -189,12 +216,12 @@ def test_starfed_classifying_with_keys_trains_the_same_codebook(tmp_path: Path, 
         return predict(self, *args, use_keys=use_keys, **kwargs)
 
     monkeypatch.setattr(StarPrompt, "predict", recording)
-    ablations.classify_with_keys(values, SEED, tmp_path / "keys", Console(quiet=True))
+    METHODS["starfed-keys"].load()(values, SEED, tmp_path / "keys", Console(quiet=True))
     assert calls and all(calls)
     m = _metrics(tmp_path / "keys")
-    assert m["config"]["train"]["classify_with_keys"] is True
+    assert m["config"]["strategy"] == f"{keys_method.__name__}.ClassifyWithKeys"
     assert _in_range(m["accuracy_matrix"]) and not math.isnan(m["final_average_accuracy"])
-    plain, keys = (Codebook.load(tmp_path / name / "codebook.bin") for name in ("starfed", "keys"))
+    plain, keys = (wire.read_file(tmp_path / name / "codebook.bin") for name in ("starfed", "keys"))
     assert plain.names == keys.names
     for name in plain.names:
         for field, value in plain[name].values.items():

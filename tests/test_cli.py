@@ -102,58 +102,69 @@ def bad_files(tmp_path: Path) -> Path:
     return tmp_path
 
 
-UNWRITABLE = (
-    ["--results-dir", "{tmp}/file/results"],
-    "--results-dir {tmp}/file/results: cannot write there (Not a directory)",
-)
+UNWRITABLE = "--results-dir {tmp}/file/results: cannot write there (Not a directory)"
+DEVICES = "expected auto, cpu, cuda, cuda:N or mps"
+#: command (and the arguments it needs) -> the lines bad flags give; each line starts with what
+#: was typed: the flags, or a `--run-config` pair.
 BAD_INPUT = {
     "train-local": [
-        (["--batch-size", "0"], "--batch-size 0: expected an integer >= 1"),
-        (["--seed", "-1"], "--seed -1: expected an integer in [0, 4294967295]"),
-        (["--tasks", "0"], "--tasks 0: expected an integer >= 1"),
-        (["--epochs", "-1"], "--epochs -1: expected an integer >= 0"),
-        (["--threads", "0"], "--threads 0: expected an integer >= 1"),
-        (["--preset", "huge"], "--preset huge: expected one of tiny, paper"),
-        (
-            ["--backbone-config", "{tmp}/garbage.json"],
-            "--backbone-config {tmp}/garbage.json: not a JSON file (Expecting value: line 1 "
-            "column 1 (char 0))",
-        ),
-        (
-            ["--backbone-config", "{tmp}/keys.json"],
-            "--backbone-config {tmp}/keys.json: unknown backbone config keys: ['colour']",
-        ),
-        (
-            ["--backbone-config", "{tmp}/missing.json"],
-            "--backbone-config {tmp}/missing.json: no such file",
-        ),
+        "--batch-size 0: expected an integer >= 1",
+        "--seed -1: expected an integer in [0, 4294967295]",
+        "--tasks 0: expected an integer >= 1",
+        "--epochs -1: expected an integer >= 0",
+        "--threads 0: expected an integer >= 1",
+        "--preset huge: expected one of tiny, paper",
+        "--backbone-config {tmp}/garbage.json: not a JSON file (Expecting value: line 1 column 1 "
+        "(char 0))",
+        "--backbone-config {tmp}/keys.json: unknown backbone config keys: ['colour']",
+        "--backbone-config {tmp}/missing.json: no such file",
         UNWRITABLE,
     ],
     "simulate": [
-        (["--run-config", "num-tasks=abc"], "num-tasks=abc: expected an integer >= 1"),
-        (["--run-config", "alpha=-1"], "alpha=-1: expected a number > 0"),
-        (["--run-config", "seed=1.5"], "seed=1.5: expected an integer in [0, 4294967295]"),
-        (["--run-config", "wire-dtype=int8"], "wire-dtype=int8: expected one of float32, float16"),
-        (["--run-config", "num-tasks=0"], "num-tasks=0: expected an integer >= 1"),
-        (["--run-config", "batch-size=0"], "batch-size=0: expected an integer >= 1"),
-        (["--run-config", "min-sites=0"], "min-sites=0: expected an integer >= 1"),
-        (["--run-config", "seed"], "--run-config seed: expected KEY=VALUE"),
-        (["--clients", "0"], "--clients 0: expected an integer >= 1"),
-        (["--alpha", "0"], "--alpha 0: expected a number > 0"),
-        (["--timeout", "-5"], "--timeout -5: expected a number > 0"),
-        (["--runtime", "ray"], "--runtime ray: expected one of flower, local"),
+        "num-tasks=abc: expected an integer >= 1",
+        "alpha=-1: expected a number > 0",
+        "seed=1.5: expected an integer in [0, 4294967295]",
+        "wire-dtype=int8: expected one of float32, float16",
+        "num-tasks=0: expected an integer >= 1",
+        "batch-size=0: expected an integer >= 1",
+        "min-sites=0: expected an integer >= 1",
+        "--run-config seed: expected KEY=VALUE",
+        "--clients 0: expected an integer >= 1",
+        "--alpha 0: expected a number > 0",
+        "--timeout -5: expected a number > 0",
+        "--runtime ray: expected one of flower, local",
         UNWRITABLE,
+    ],
+    "site start --server h:1 --data {tmp}": [f"--device cudax: {DEVICES}"],
+    "server start --dir {tmp}/server": [
+        "--internal-port 0: expected an integer in [1, 65535]",
+        "--listen nowhere: expected HOST:PORT, got 'nowhere'",
+        "--isolation thread: expected one of process, subprocess",
+        "--max-body-mib 0: expected an integer >= 1",
+    ],
+    "server serve --dir {tmp}/server --federation {tmp}": [
+        "--max-mib 0: expected an integer >= 1",
+        "--listen :1: expected HOST:PORT, got ':1'",
+    ],
+    "predict --codebook {tmp}/file {tmp}/file": [
+        "--batch-size 0: expected an integer >= 1",
+        "--format xml: expected one of csv, json",
+        f"--device gpu: {DEVICES}",
     ],
 }
 
 
 @pytest.mark.parametrize(
-    ("command", "argv", "message"),
-    [(command, *case) for command, cases in BAD_INPUT.items() for case in cases],
+    ("command", "line"), [(command, line) for command, lines in BAD_INPUT.items() for line in lines]
 )
-def test_bad_input(command, argv, message, bad_files, nothing_heavy, capsys) -> None:
-    line = _fails_at_once([command, *(arg.format(tmp=bad_files) for arg in argv)], capsys)
-    assert line == f"starfed {command}: error: {message.format(tmp=bad_files)}"
+def test_bad_input(command, line, bad_files, nothing_heavy, capsys) -> None:
+    """Every flag is checked by the knob table at start: one line, exit 2, nothing loaded."""
+    typed = line.partition(": ")[0]
+    flags = typed.split() if typed.startswith("--") else ["--run-config", typed]
+    argv = [arg.format(tmp=bad_files) for arg in [*command.split(), *flags]]
+    words = command.partition(" -")[0]  # the command's words, before its arguments
+    got = _fails_at_once(argv, capsys)
+    assert got == f"starfed {words}: error: {line.format(tmp=bad_files)}"
 
 
 def test_usage_errors_are_one_line_too(capsys) -> None:
@@ -182,6 +193,7 @@ def test_a_fresh_process_reports_bad_input_without_loading_torch_or_flower(bad_f
         ["simulate", "--run-config", "alpha=-1"],
         ["train-local", "--batch-size", "0"],
         ["train-local", "--backbone-config", str(bad_files / "keys.json")],
+        ["site", "start", "--server", "h:1", "--data", str(bad_files), "--device", "cudax"],
     ):
         result = subprocess.run(
             [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120

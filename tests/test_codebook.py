@@ -1,11 +1,12 @@
-"""Codebook and ClientUpdate: exact round trips, float16, files, validation errors, the CLI."""
+"""Codebook, Delta and ClientUpdate: immutable values, exact round trips, float16, files,
+validation errors, the held codebook's one rule for deltas, the CLI."""
 
 from __future__ import annotations
 
 import math
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassBank, ClassEntry
+from starfed.shared.codebook.held import HeldCodebook
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.protocol import Phase
@@ -63,7 +66,7 @@ def codebook(make_codebook: Callable[..., Codebook]) -> Codebook:
 
 
 def test_bytes_round_trip_is_exact(codebook: Codebook, fingerprint: str) -> None:
-    decoded = Codebook.from_bytes(codebook.to_bytes())
+    decoded = wire.decode_codebook(wire.encode(codebook))
     assert_entries_equal(decoded, codebook)
     assert decoded.fingerprint == fingerprint
     assert decoded.version == 5
@@ -72,7 +75,7 @@ def test_bytes_round_trip_is_exact(codebook: Codebook, fingerprint: str) -> None
 
 
 def test_empty_codebook_round_trips(tiny_dims: ModelDims, fingerprint: str) -> None:
-    decoded = Codebook.from_bytes(Codebook(fingerprint, tiny_dims).to_bytes())
+    decoded = wire.decode_codebook(wire.encode(Codebook(fingerprint, tiny_dims)))
     assert decoded.names == [] and decoded.dims == tiny_dims
     assert decoded.bank()["query_prompt"].shape == (0, tiny_dims.n_layers, tiny_dims.d_vit)
 
@@ -94,7 +97,7 @@ def test_bank_and_entries_convert_both_ways_with_copies(codebook: Codebook) -> N
 
 def test_serialisation_is_deterministic(codebook: Codebook) -> None:
     reordered = replace(codebook, metadata=dict(reversed(codebook.metadata.items())))
-    assert codebook.to_bytes() == reordered.to_bytes()
+    assert wire.encode(codebook) == wire.encode(reordered)
 
 
 def test_evolving_returns_new_values(codebook: Codebook) -> None:
@@ -119,16 +122,16 @@ def test_a_delta_carries_what_changed_and_rebuilds_the_codebook(codebook: Codebo
     newer = newer.register([replace(codebook["class_0"], name="class_9", frozen=False)])
     newer = newer.without(["class_3"])
     delta = newer.delta(since=codebook.version)
-    assert delta.names == ["class_0", "class_1", "class_2", "class_9"]
+    assert delta.names == ("class_0", "class_1", "class_2", "class_9")
     assert set(delta.entries) == {"class_1", "class_2", "class_9"}
     assert set(delta.entries["class_1"].values) == {"key"}  # only the changed field
     assert delta.entries["class_2"].values == {}  # frozen, nothing else changed
     assert set(delta.entries["class_9"].values) == set(schema.BROADCAST)
-    decoded = wire.decode_broadcast(delta.to_bytes())
+    decoded = wire.decode_broadcast(wire.encode(delta))
     assert isinstance(decoded, Delta)
     rebuilt = held.apply(decoded)
     assert_entries_equal(rebuilt, replace(newer.broadcast(), metadata=rebuilt.metadata))
-    assert len(delta.to_bytes()) < len(newer.broadcast().to_bytes()) / 2
+    assert len(wire.encode(delta)) < len(wire.encode(newer.broadcast())) / 2
 
 
 def test_a_delta_applies_only_to_its_base(codebook: Codebook) -> None:
@@ -137,9 +140,9 @@ def test_a_delta_applies_only_to_its_base(codebook: Codebook) -> None:
     with pytest.raises(CodebookError, match="cannot apply to version"):
         codebook.broadcast().apply(newest.delta(since=newer.version))
     with pytest.raises(CodebookError, match="a delta, not a whole codebook"):
-        Codebook.from_bytes(newest.delta(since=newer.version).to_bytes())
+        wire.decode_codebook(wire.encode(newest.delta(since=newer.version)))
     lost = newest.delta(since=codebook.version)
-    lost.names.append("ghost")  # a class the receiver does not have and the delta lacks
+    lost = replace(lost, names=(*lost.names, "ghost"))  # a class nobody has and no values
     with pytest.raises(CodebookError, match="ghost"):
         codebook.broadcast().apply(lost)
 
@@ -147,10 +150,10 @@ def test_a_delta_applies_only_to_its_base(codebook: Codebook) -> None:
 def test_float16_halves_tensors_within_documented_error(codebook: Codebook) -> None:
     prompt = codebook["class_1"].values["prompt"]
     prompt[:3] = torch.tensor([1e-6, -3e-7, 60000.0])  # subnormal and near the top
-    full, half = codebook.to_bytes("float32"), codebook.to_bytes("float16")
+    full, half = wire.encode(codebook, "float32"), wire.encode(codebook, "float16")
     tensor_values = sum(codebook.bank()[name].numel() for name in schema.TENSORS)
     assert len(full) - len(half) == 2 * tensor_values
-    decoded = Codebook.from_bytes(half)
+    decoded = wire.decode_codebook(half)
     for x, y in zip(codebook.entries.values(), decoded.entries.values(), strict=True):
         for name, original in x.values.items():
             restored = y.values[name]
@@ -164,20 +167,20 @@ def test_float16_halves_tensors_within_documented_error(codebook: Codebook) -> N
 
 def test_float16_overflow_is_refused(codebook: Codebook) -> None:
     codebook["class_2"].values["key"][0] = 1e5
-    codebook.to_bytes("float32")
+    wire.encode(codebook, "float32")
     with pytest.raises(CodebookError, match=r"class_2/key.*FLOAT16"):
-        codebook.to_bytes("float16")
+        wire.encode(codebook, "float16")
 
 
 def test_unknown_wire_dtype_is_a_usage_error(codebook: Codebook) -> None:
     with pytest.raises(ValueError, match="wire dtype"):
-        codebook.to_bytes("bfloat16")
+        wire.encode(codebook, "bfloat16")
 
 
 def test_encoding_refuses_non_finite_values(codebook: Codebook) -> None:
     codebook["class_1"].values["query_weight"][0, 0] = float("nan")
     with pytest.raises(CodebookError, match=r"class_1/query_weight: NaN"):
-        codebook.to_bytes()
+        wire.encode(codebook)
 
 
 # --- files ---------------------------------------------------------------------------------------
@@ -185,21 +188,21 @@ def test_encoding_refuses_non_finite_values(codebook: Codebook) -> None:
 
 def test_broadcast_copy_leaves_out_only_the_mixtures(codebook: Codebook) -> None:
     lean = codebook.broadcast()
-    decoded = Codebook.from_bytes(lean.to_bytes())
+    decoded = wire.decode_codebook(wire.encode(lean))
     assert decoded.names == codebook.names and decoded.frozen == codebook.frozen
     for x, y in zip(codebook.entries.values(), decoded.entries.values(), strict=True):
         assert set(y.values) == set(schema.BROADCAST) == set(schema.TENSORS)
         for name in schema.BROADCAST:
             assert torch.equal(x.values[name], y.values[name])
     assert "clip_mixture" in codebook["class_0"].values  # the original is untouched
-    assert len(lean.to_bytes()) < len(codebook.to_bytes())
+    assert len(wire.encode(lean)) < len(wire.encode(codebook))
 
 
 def test_file_round_trip(codebook: Codebook, tmp_path: Path) -> None:
     path = tmp_path / "model.codebook"
-    codebook.save(path)
-    codebook.save(path)  # replacing an existing file
-    assert_entries_equal(Codebook.load(path), codebook)
+    wire.write_file(path, codebook)
+    wire.write_file(path, codebook)  # replacing an existing file
+    assert_entries_equal(wire.read_file(path), codebook)
     assert os.listdir(tmp_path) == ["model.codebook"]  # no temporary file left behind
 
 
@@ -207,16 +210,16 @@ def test_failed_save_keeps_the_old_file(
     codebook: Codebook, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "model.codebook"
-    codebook.save(path)
+    wire.write_file(path, codebook)
     before = path.read_bytes()
-    codebook.version += 1
+    codebook = replace(codebook, version=codebook.version + 1)
 
     def crash(*args: object) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
-        codebook.save(path)
+        wire.write_file(path, codebook)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["model.codebook"]
 
@@ -228,40 +231,49 @@ def test_failed_save_keeps_the_old_file(
         (lambda data: data + b"x", "announces"),
         (lambda data: data[:20], "too short"),
         (lambda data: data[:-5] + bytes([data[-5] ^ 1]) + data[-4:], "checksum"),
-        (lambda data: b"SFUPDATE" + data[8:], "client update file"),
-        (lambda data: b"GARBAGE!" + data[8:], "not a starfed file"),
+        (lambda data: b"GARBAGE!" + data[8:], "not a starfed codebook file"),
     ],
 )
 def test_damaged_files_are_rejected(
     codebook: Codebook, tmp_path: Path, damage: Callable[[bytes], bytes], reason: str
 ) -> None:
     path = tmp_path / "model.codebook"
-    codebook.save(path)
+    wire.write_file(path, codebook)
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(CodebookError, match=reason):
-        Codebook.load(path)
+        wire.read_file(path)
 
 
 def test_missing_file_is_an_os_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        Codebook.load(tmp_path / "absent")
+        wire.read_file(tmp_path / "absent")
+
+
+def test_only_a_whole_codebook_is_written_to_a_file(codebook: Codebook, tmp_path: Path) -> None:
+    """A delta or an update means something only against the codebook it was made from, so it
+    is a message, never a file (cc93ac0 wrote a delta with the update header: unreadable)."""
+    newer = codebook.set_values({"class_1": {"key": torch.ones(codebook.dims.d_clip)}})
+    for message in (newer.delta(since=codebook.version), site_update(codebook, Phase.STAGE1)):
+        with pytest.raises(TypeError, match="whole codebook"):
+            wire.write_file(tmp_path / "message.bin", message)
+    assert not (tmp_path / "message.bin").exists()
 
 
 # --- validation ----------------------------------------------------------------------------------
 
 
 def test_expected_fingerprint_and_dims(codebook: Codebook, tiny_dims: ModelDims) -> None:
-    data = codebook.to_bytes()
-    Codebook.from_bytes(data, fingerprint=codebook.fingerprint, dims=tiny_dims)
+    data = wire.encode(codebook)
+    wire.decode_codebook(data, fingerprint=codebook.fingerprint, dims=tiny_dims)
     with pytest.raises(CodebookError, match="fingerprint"):
-        Codebook.from_bytes(data, fingerprint="cd" * 32)
+        wire.decode_codebook(data, fingerprint="cd" * 32)
     other = ModelDims(tiny_dims.d_txt, tiny_dims.d_clip, tiny_dims.d_vit, tiny_dims.n_layers + 1)
     with pytest.raises(CodebookError, match="dims"):
-        Codebook.from_bytes(data, dims=other)
+        wire.decode_codebook(data, dims=other)
 
 
 def test_size_limit_is_checked_before_parsing(codebook: Codebook) -> None:
-    data = codebook.to_bytes()
+    data = wire.encode(codebook)
     with pytest.raises(CodebookError, match="exceeds the limit"):
         wire.decode_codebook(data, max_bytes=len(data) - 1)
     with pytest.raises(CodebookError, match="exceeds the limit"):
@@ -270,7 +282,7 @@ def test_size_limit_is_checked_before_parsing(codebook: Codebook) -> None:
 
 def test_garbage_is_a_codebook_error() -> None:
     with pytest.raises(CodebookError, match="not a valid Codebook"):
-        Codebook.from_bytes(b"\xff\xff\xff\xff")
+        wire.decode_codebook(b"\xff\xff\xff\xff")
 
 
 def _set_float(tensor: pb.Tensor, index: int, value: float) -> None:
@@ -345,12 +357,32 @@ def test_invalid_messages_are_rejected(codebook: Codebook, mutation: str) -> Non
     message = wire.to_proto(codebook)
     mutate(message)
     with pytest.raises(CodebookError, match=reason):
-        Codebook.from_bytes(message.SerializeToString())
+        wire.decode_codebook(message.SerializeToString())
 
 
 def test_untrained_entry_may_have_count_zero(codebook: Codebook) -> None:
-    codebook["class_3"].count = 0  # registered at sync, nothing fitted yet
-    assert Codebook.from_bytes(codebook.to_bytes())["class_3"].count == 0
+    untrained = replace(codebook["class_3"], count=0)  # registered at sync, nothing fitted yet
+    codebook = replace(codebook, entries={**codebook.entries, "class_3": untrained})
+    assert wire.decode_codebook(wire.encode(codebook))["class_3"].count == 0
+
+
+def test_values_cannot_be_changed_after_they_are_made(codebook: Codebook) -> None:
+    newer = codebook.set_values({"class_1": {"key": torch.ones(codebook.dims.d_clip)}})
+    delta, update = newer.delta(since=codebook.version), site_update(codebook, Phase.STAGE2)
+    for value, name in ((codebook, "metadata"), (delta, "names"), (update, "entries")):
+        with pytest.raises(FrozenInstanceError):
+            setattr(value, name, getattr(value, name))
+    with pytest.raises(FrozenInstanceError):
+        codebook["class_1"].count = 0
+    for mapping in (codebook.metadata, codebook.entries, delta.entries, codebook["class_1"].values):
+        with pytest.raises(TypeError):
+            mapping["extra"] = None
+    metadata = {"seed": "1"}
+    made = Codebook(codebook.fingerprint, codebook.dims, metadata=metadata)
+    metadata["seed"] = "2"  # the codebook holds its own copy
+    assert made.metadata == {"seed": "1"}
+    assert [e.name for e in update.only({"class_2", "ghost"}).entries] == ["class_2"]
+    assert len(update.entries) == 2
 
 
 # --- site updates ------------------------------------------------------------------------------
@@ -365,13 +397,13 @@ def site_update(codebook: Codebook, phase: Phase, names=("class_1", "class_2")) 
 
 
 @pytest.mark.parametrize("phase", [p for p in Phase if p is not Phase.EVALUATE])
-def test_update_round_trip_per_phase(codebook: Codebook, phase: Phase, tmp_path: Path) -> None:
+def test_update_round_trip_per_phase(codebook: Codebook, phase: Phase) -> None:
     update = site_update(codebook, phase)
     message = wire.to_proto(update)
     for entry in message.entries:  # fields the phase does not train stay unset
         for f in schema.FIELDS:
             assert entry.HasField(f.name) == (f.trained_in is phase)
-    decoded = ClientUpdate.from_bytes(update.to_bytes(), against=codebook, phase=phase)
+    decoded = wire.decode_update(wire.encode(update), against=codebook, phase=phase)
     assert decoded.phase == phase and decoded.base_version == codebook.version
     assert decoded.metadata == {"node": "7"}
     assert [e.name for e in decoded.entries] == ["class_1", "class_2"]
@@ -383,9 +415,6 @@ def test_update_round_trip_per_phase(codebook: Codebook, phase: Phase, tmp_path:
                 assert_mixtures_equal(value, codebook[entry.name].values[name])
             else:
                 assert torch.equal(value, codebook[entry.name].values[name])
-    update.save(tmp_path / "u")
-    with pytest.raises(CodebookError, match="client update file"):
-        Codebook.load(tmp_path / "u")
 
 
 def test_sync_may_name_new_classes(codebook: Codebook) -> None:
@@ -393,7 +422,7 @@ def test_sync_may_name_new_classes(codebook: Codebook) -> None:
         codebook.fingerprint, codebook.dims, Phase.SYNC, 3,
         [ClassEntry("brand new", 3), ClassEntry("class_1", 4)],
     )  # fmt: skip
-    decoded = ClientUpdate.from_bytes(sync.to_bytes(), against=codebook, phase=Phase.SYNC)
+    decoded = wire.decode_update(wire.encode(sync), against=codebook, phase=Phase.SYNC)
     assert [(e.name, e.count) for e in decoded.entries] == [("brand new", 3), ("class_1", 4)]
     assert decoded.base_version == 3  # the version the site holds
 
@@ -421,7 +450,42 @@ def test_invalid_updates_are_rejected(codebook: Codebook, mutation: str) -> None
     mutate, reason = UPDATE_MUTATIONS[mutation]
     mutate(message)
     with pytest.raises(CodebookError, match=reason):
-        ClientUpdate.from_bytes(message.SerializeToString(), against=codebook, phase=Phase.STAGE2)
+        wire.decode_update(message.SerializeToString(), against=codebook, phase=Phase.STAGE2)
+
+
+# --- the held codebook ---------------------------------------------------------------------------
+
+
+def test_a_held_codebook_takes_a_delta_only_of_its_lineage_and_version(
+    codebook: Codebook, tmp_path: Path
+) -> None:
+    line, rolled_back = Lineage("fed-1", "epoch-a"), Lineage("fed-1", "epoch-b")
+    path = tmp_path / "codebook.bin"
+    held = HeldCodebook(path, fingerprint=codebook.fingerprint, dims=codebook.dims)
+    assert held.codebook() is None and held.version_for(line) == 0
+    first = replace(codebook.broadcast(), metadata=line.as_metadata())
+    held.receive(wire.encode(first))
+    assert held.version_for(line) == 5
+    assert held.version_for(rolled_back) == 0 and held.version_for(Lineage("fed-2", "epoch-a")) == 0
+
+    newer = codebook.set_values({"class_1": {"key": torch.ones(codebook.dims.d_clip)}})
+    delta = replace(newer.delta(since=5), metadata=line.as_metadata())
+    assert_entries_equal(held.receive(delta), newer.broadcast())
+    again = HeldCodebook(path)  # persisted: another process holds it too
+    assert again.version_for(line) == 6 and again.codebook().metadata == line.as_metadata()
+
+    newest = newer.set_values({"class_2": {"key": torch.ones(codebook.dims.d_clip)}})
+    other_line = replace(newest.delta(since=6), metadata=rolled_back.as_metadata())
+    with pytest.raises(CodebookError, match="not held"):
+        held.receive(wire.encode(other_line))
+    other_base = replace(newest.delta(since=5), metadata=line.as_metadata())
+    with pytest.raises(CodebookError, match="cannot apply to version 6"):
+        held.receive(other_base)
+    assert held.version_for(line) == 6  # a refused delta changes nothing
+    held.forget()
+    assert held.codebook() is None and not path.exists()
+    with pytest.raises(CodebookError, match="not held"):
+        held.receive(replace(newest.delta(since=6), metadata=line.as_metadata()))
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -437,7 +501,7 @@ def test_cli_inspect(
     codebook: Codebook, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "model.codebook"
-    codebook.save(path)
+    wire.write_file(path, codebook)
     assert cli_main(["codebook", "inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert codebook.fingerprint in out
@@ -452,13 +516,13 @@ def test_cli_inspect(
 
 @pytest.mark.usefixtures("wide_terminal")
 def test_cli_diff(codebook: Codebook, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    codebook.save(tmp_path / "a")
+    wire.write_file(tmp_path / "a", codebook)
     key = codebook["class_1"].values["key"].clone()
     key[0] += 0.5
     newer = codebook.set_values({"class_1": {"key": key}})
     renamed = replace(newer["class_2"], name="renamed")
     newer = newer.without(["class_2"]).register([renamed])
-    newer.save(tmp_path / "b")
+    wire.write_file(tmp_path / "b", newer)
     assert cli_main(["codebook", "diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "5 → 8" in out
@@ -473,13 +537,13 @@ def test_cli_bad_files_exit_2_with_one_line(
     codebook: Codebook, tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str
 ) -> None:
     good = tmp_path / "good"
-    codebook.save(good)
+    wire.write_file(good, codebook)
     corrupt = tmp_path / "corrupt"
     corrupt.write_bytes(good.read_bytes()[:-3])
     for bad in (corrupt, tmp_path / "missing"):
         files = [str(bad)] if action == "inspect" else [str(good), str(bad)]
         assert cli_main(["codebook", action, *files]) == 2
         captured = capsys.readouterr()
-        assert captured.err.startswith("starfed codebook: error: ")
+        assert captured.err.startswith(f"starfed codebook {action}: error: ")
         assert captured.err.count("\n") == 1
         assert "Traceback" not in captured.err

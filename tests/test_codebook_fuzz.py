@@ -86,14 +86,14 @@ def valid(make_codebook: Callable[..., Codebook]) -> tuple[pb.Codebook, bytes, b
     update = ClientUpdate(
         codebook.fingerprint, codebook.dims, Phase.STAGE2_STATS, codebook.version, entries
     )
-    return wire.to_proto(codebook), codebook.to_bytes(), update.to_bytes(), codebook
+    return wire.to_proto(codebook), wire.encode(codebook), wire.encode(update), codebook
 
 
 def decode_codebook(data: bytes, fingerprint: str, dims: ModelDims) -> None:
     """Decode with and without the expected fingerprint/dims; either sound or CodebookError."""
     for expected in ({"fingerprint": fingerprint, "dims": dims}, {}):
         try:
-            codebook = Codebook.from_bytes(data, **expected)
+            codebook = wire.decode_codebook(data, **expected)
         except CodebookError:
             continue
         assert_sound_codebook(codebook, codebook.fingerprint, codebook.dims)
@@ -103,7 +103,7 @@ def decode_codebook(data: bytes, fingerprint: str, dims: ModelDims) -> None:
 
 def decode_update(data: bytes, against: Codebook) -> None:
     try:
-        update = ClientUpdate.from_bytes(data, against=against, phase=Phase.STAGE2_STATS)
+        update = wire.decode_update(data, against=against, phase=Phase.STAGE2_STATS)
     except CodebookError:
         return
     assert_sound_update(update, against, Phase.STAGE2_STATS)
@@ -174,7 +174,7 @@ def test_injected_non_finite_values_are_rejected(valid, entry, field, index, val
     array[index % array.size] = value
     tensor.data = array.tobytes()
     with pytest.raises(CodebookError):
-        Codebook.from_bytes(message.SerializeToString())
+        wire.decode_codebook(message.SerializeToString())
 
 
 @FUZZ
@@ -194,7 +194,7 @@ def test_wrong_shapes_and_dtypes_are_rejected(valid, entry, field, shape, dtype)
     tensor.shape.extend(shape)
     tensor.dtype = dtype
     with pytest.raises(CodebookError):
-        Codebook.from_bytes(message.SerializeToString())
+        wire.decode_codebook(message.SerializeToString())
 
 
 @FUZZ
@@ -212,7 +212,7 @@ def test_arbitrary_dims(valid, fingerprint: str, dims: list[int], keep_entries: 
         pb.ModelDims(d_txt=dims[0], d_clip=dims[1], d_vit=dims[2], n_layers=dims[3])
     )
     try:
-        codebook = Codebook.from_bytes(message.SerializeToString())
+        codebook = wire.decode_codebook(message.SerializeToString())
     except CodebookError:
         return
     assert_sound_codebook(codebook, fingerprint, ModelDims(*dims))
@@ -224,6 +224,6 @@ def test_arbitrary_dims(valid, fingerprint: str, dims: list[int], keep_entries: 
 @given(data=st.binary(max_size=256))
 def test_random_bytes(valid, data: bytes) -> None:
     with contextlib.suppress(CodebookError):
-        Codebook.from_bytes(data)
+        wire.decode_codebook(data)
     with contextlib.suppress(CodebookError):
-        ClientUpdate.from_bytes(data, against=valid[3], phase=Phase.STAGE2)
+        wire.decode_update(data, against=valid[3], phase=Phase.STAGE2)

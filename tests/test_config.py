@@ -1,23 +1,27 @@
-"""The configuration schema: one definition per knob, one parser, one-line errors."""
+"""The configuration schema: one definition per knob, one parser, one-line errors; the typed
+options and pyproject.toml's run-config table derived from it."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from starfed.client import app as client_app
+from starfed.client import answer
 from starfed.server.app import run_server
 from starfed.shared.config import (
     SCHEMA,
     TABLES,
     BackboneOptions,
     ConfigError,
+    Options,
     ProtocolOptions,
     parse,
+    with_run_config_table,
     writable_dir,
 )
 from starfed.shared.data.scenario import ScenarioConfig
@@ -26,14 +30,37 @@ from starfed.shared.model.training import TrainConfig
 from starfed.simulations.train_local import LocalRunOptions
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+WRITE = [sys.executable, "-m", "starfed.shared.config", "--write-pyproject"]
 
 
-def test_pyproject_run_config_is_the_schema_defaults() -> None:
+def test_pyproject_run_config_table_is_written_from_the_knobs() -> None:
+    """The CI check: `python -m starfed.shared.config --write-pyproject pyproject.toml` (make
+    pyproject) writes the table; --check says whether it is written."""
+    result = subprocess.run([*WRITE, str(PYPROJECT), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_writer_replaces_only_the_table_and_check_names_the_command(tmp_path: Path) -> None:
+    text = PYPROJECT.read_text()
+    stale = text.replace("num-tasks = 7\n", "num-tasks = 3  # edited by hand\nold-key = 1\n")
+    assert stale != text and with_run_config_table(stale) == text  # every other byte kept
+    path = tmp_path / "pyproject.toml"
+    path.write_text(stale)
+    result = subprocess.run([*WRITE, str(path), "--check"], capture_output=True, text=True)
+    assert result.returncode == 1 and path.read_text() == stale
+    assert result.stderr.strip().endswith(f"write it: python -m starfed.shared.config "
+                                          f"--write-pyproject {path}")  # fmt: skip
+    assert subprocess.run([*WRITE, str(path)]).returncode == 0
+    assert path.read_text() == text
+
+
+def test_pyproject_holds_every_run_config_key_with_its_default() -> None:
+    """What Flower needs: every key the apps read, with a default the schema accepts."""
+    import tomllib
+
     app_config = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
     assert list(app_config) == list(TABLES["run-config"])
     assert parse(app_config) == parse({})
-    for key, value in app_config.items():  # same values, and TOML types the schema accepts
-        assert value == TABLES["run-config"][key].default, key
 
 
 def test_every_knob_is_read_from_one_table_under_a_unique_key() -> None:
@@ -42,20 +69,67 @@ def test_every_knob_is_read_from_one_table_under_a_unique_key() -> None:
         assert not set(TABLES[command]) & set(TABLES["run-config"])
 
 
-def test_typed_options_agree_with_the_schema_defaults() -> None:
+def _knobs_read(options: type[Options]) -> set[str]:
+    return {f.metadata["knob"] for f in dataclasses.fields(options) if "knob" in f.metadata}
+
+
+def _group(name: str) -> set[str]:
+    return {k.key for k in SCHEMA if k.group == name}
+
+
+def test_each_group_of_knobs_is_read_by_its_options() -> None:
+    assert _knobs_read(ScenarioConfig) == _group("scenario")
+    assert _knobs_read(ProtocolOptions) == _group("protocol")
+    assert _knobs_read(TrainConfig) == _group("training") | {"seed"}
+    assert _knobs_read(BackboneOptions) == _group("backbones") - {"device"}  # load(device)
+
+
+@pytest.mark.parametrize(
+    "options", [ScenarioConfig, ProtocolOptions, TrainConfig, BackboneOptions, LocalRunOptions]
+)
+def test_options_take_defaults_and_values_from_the_knobs(options: type[Options]) -> None:
+    """Defaults are the knobs' (as parsed); set every knob to another value and each field
+    follows it, with "" and 0 as None where a field is optional."""
+    own = parse({}, "train-local")
+    assert options.from_config(parse({}) | own) == options()
+    others = {"preset": "paper", "wire-dtype": "float16", "device": "cpu", "vit-tag": "augreg"}
+    changed: dict[str, object] = {}
+    for key, knob in {**TABLES["run-config"], **TABLES["train-local"]}.items():
+        if knob.kind is bool:
+            changed[key] = not knob.default
+        elif knob.kind is str:
+            changed[key] = others.get(key, f"/x/{key}")
+        else:
+            changed[key] = knob.default + 1
+    made = options.from_config(changed)
+    for field in dataclasses.fields(options):
+        if "knob" in field.metadata:
+            value = changed[field.metadata["knob"]]
+            convert = field.metadata["convert"]
+            assert getattr(made, field.name) == (convert(value) if convert else value)
+            assert getattr(made, field.name) != getattr(options(), field.name), field.name
+    assert LocalRunOptions.from_config(changed).train == TrainConfig.from_config(changed)
+
+
+def test_optional_knobs_read_as_none() -> None:
     values = parse({})
-    assert TrainConfig.from_config(values) == TrainConfig()
-    assert ScenarioConfig.from_config(values) == ScenarioConfig()
-    assert ProtocolOptions.from_config(values) == ProtocolOptions()
-    assert BackboneOptions.from_config(values) == BackboneOptions()
-    assert LocalRunOptions.from_config(values, parse({}, "train-local")) == LocalRunOptions()
+    assert ProtocolOptions.from_config(values).run_name is None
+    assert ScenarioConfig.from_config(values).classes_per_task is None
+    assert BackboneOptions.from_config(values).clip_weights is None
+    assert LocalRunOptions.from_config(values).cache_dir is None
 
 
-def test_every_training_knob_sets_a_train_config_field() -> None:
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    training = [k.key for k in SCHEMA if k.group == "training"]
-    assert {key.replace("-", "_") for key in training} <= fields
-    changed = TrainConfig.from_config(parse({key: 3 for key in training if "epochs" in key}))
+def test_train_config_keeps_the_reference_values() -> None:
+    """TrainConfig feeds training: its defaults may not move (the knobs' and the others')."""
+    assert dataclasses.asdict(TrainConfig()) == {
+        "batch_size": 128, "stage1_epochs": 5, "stage1_lr": 0.002, "lambda_op": 30.0,
+        "stage2_epochs": 5, "stage2_lr": 0.001, "lambda_oq": 5.0, "replay1_epochs": 10,
+        "replay1_lr": 0.01, "replay2_epochs": 10, "replay2_epochs_per_task": 5,
+        "replay2_lr": 0.001, "replay_samples": 256, "replay_batch_size": 128,
+        "mixture_components": 5, "generative_replay": True, "confidence_modulation": True,
+        "classify_with_keys": False, "seed": 1993,
+    }  # fmt: skip
+    changed = TrainConfig.from_config(parse({"stage1-epochs": 3, "replay2-epochs-per-task": 3}))
     assert changed.stage1_epochs == changed.replay2_epochs_per_task == 3
 
 
@@ -170,4 +244,4 @@ def test_client_app_checks_run_and_node_config(
 ) -> None:
     monkeypatch.setattr(BackboneOptions, "load", lambda self: pytest.fail("backbones loaded"))
     with pytest.raises(ConfigError, match=f"^{message}"):
-        client_app.site_for(1, 1, run_config, node_config)
+        answer.site_for(1, 1, run_config, node_config)

@@ -14,7 +14,8 @@ from starfed.server.ops.flower_runs import CONNECTION
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.processes import ProcessId
 
-# Real SuperLink log lines (Flower 1.41, --log-file), keys shortened where they do not matter.
+# Real SuperLink log lines (Flower 1.41, the same in 1.42, --log-file), keys shortened where they
+# do not matter.
 REGISTERED_ELSEWHERE = (
     "ERROR flwr 2026-11-23 02:57:33,323 | http.py:76 | [/v1/control/register-node]"
     "[ApiError:23] Public key already in use while registering node for flwr_aid=<id:none>.\n"

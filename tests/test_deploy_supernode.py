@@ -17,7 +17,7 @@ from starfed.server.ops.processes import ProcessId
 from starfed.shared import addresses
 from starfed.shared.config import parse
 
-# Lines Flower 1.41's SuperNode printed in the situations each failure names.
+# Lines Flower 1.41's SuperNode printed (the same in 1.42) in the situations each failure names.
 WRONG_CA = (
     "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer "
     "certificate (_ssl.c:1006)"

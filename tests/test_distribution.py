@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -29,7 +30,8 @@ from starfed.server.ops.certs import ensure_certificates, make_ca, make_server_c
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.serving import distribution
 from starfed.server.serving.export import deployable
-from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook import wire
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.inference.follow import CACHE_FILE, DistributionError, SourceError, fetch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -93,14 +95,14 @@ def serve(folder, certs):
 
 def exported(folder: Path) -> bytes:
     """What `starfed server export` writes for the folder now, as bytes."""
-    return deployable(Federation.open(folder)).codebook.broadcast().to_bytes()
+    return wire.encode(deployable(Federation.open(folder)).codebook.broadcast())
 
 
 def test_full_then_unchanged_then_a_delta_after_the_folder_grows(folder, serve, certs, tmp_path):
     address, cache = serve(), tmp_path / "device"
     first = fetch(address, cache, ca=certs.ca_cert)
-    assert first.status == "full" and first.codebook.to_bytes() == exported(folder)
-    assert Codebook.load(cache / CACHE_FILE).to_bytes() == exported(folder)
+    assert first.status == "full" and wire.encode(first.codebook) == exported(folder)
+    assert wire.encode(wire.read_file(cache / CACHE_FILE)) == exported(folder)
 
     again = fetch(address, cache, ca=certs.ca_cert)
     assert again.status == "unchanged" and again.reply_bytes < 16
@@ -111,10 +113,10 @@ def test_full_then_unchanged_then_a_delta_after_the_folder_grows(folder, serve, 
     finish(folder, 1)
     grown = fetch(address, cache, ca=certs.ca_cert)
     assert grown.status == "delta"
-    assert grown.codebook.to_bytes() == exported(folder)  # the same as a fresh export
+    assert wire.encode(grown.codebook) == exported(folder)  # the same as a fresh export
     assert len(grown.codebook) == 3 + 2
     assert grown.reply_bytes < 0.8 * len(exported(folder))  # old classes: only their heads
-    assert Codebook.load(cache / CACHE_FILE).to_bytes() == exported(folder)
+    assert wire.encode(wire.read_file(cache / CACHE_FILE)) == exported(folder)
 
 
 def test_a_device_of_another_federation_or_with_a_damaged_copy_gets_the_whole(
@@ -133,11 +135,25 @@ def test_a_device_of_another_federation_or_with_a_damaged_copy_gets_the_whole(
     (cache / CACHE_FILE).write_bytes(b"SFCODEBK" + b"\0" * 60)  # damaged
     assert fetch(address, cache, ca=certs.ca_cert).status == "full"
     # A held copy the delta does not fit (a class missing): the device starts over, once.
-    held = Codebook.load(cache / CACHE_FILE)
-    held.without([held.names[0]]).save(cache / CACHE_FILE)
+    held = wire.read_file(cache / CACHE_FILE)
+    wire.write_file(cache / CACHE_FILE, held.without([held.names[0]]))
     grow(folder, 1, 1)
     fixed = fetch(address, cache, ca=certs.ca_cert)
-    assert fixed.status == "full" and fixed.codebook.to_bytes() == exported(folder)
+    assert fixed.status == "full" and wire.encode(fixed.codebook) == exported(folder)
+
+
+def test_a_copy_of_another_version_line_gets_the_whole_codebook(folder, serve, certs, tmp_path):
+    """A federation rolled back counts versions up again on a new line (epoch): a device's copy
+    of the old line takes no delta, whatever its version (``HeldCodebook``, as a site)."""
+    address, cache = serve(), tmp_path / "device"
+    assert fetch(address, cache, ca=certs.ca_cert).status == "full"
+    held = wire.read_file(cache / CACHE_FILE)
+    old_line = Lineage.of(held).new_epoch().as_metadata()
+    wire.write_file(cache / CACHE_FILE, replace(held, metadata={**held.metadata, **old_line}))
+    grow(folder, 1, 1)
+    fetched = fetch(address, cache, ca=certs.ca_cert)
+    assert fetched.status == "full" and wire.encode(fetched.codebook) == exported(folder)
+    assert fetch(address, cache, ca=certs.ca_cert).status == "unchanged"
 
 
 def test_tls_is_checked_and_an_unreachable_service_leaves_the_copy(
@@ -154,7 +170,7 @@ def test_tls_is_checked_and_an_unreachable_service_leaves_the_copy(
     assert fetch(address, cache, ca=certs.ca_cert).status == "full"
     offline = fetch(address, cache, ca=other.ca_cert)
     assert offline.status == "offline" and "not signed by" in offline.reason
-    assert offline.codebook.to_bytes() == exported(folder)
+    assert wire.encode(offline.codebook) == exported(folder)
     # A certificate for another name than the one dialled.
     named = tmp_path / "named"
     named.mkdir()

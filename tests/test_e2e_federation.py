@@ -27,7 +27,7 @@ from site_folders import CLASSES, site_folder
 
 from starfed.server.federation import Federation
 from starfed.server.ops.processes import FLOWER_ENV, free_port
-from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook import wire
 from starfed.shared.data.site_folder import class_key
 
 RUN_TIMEOUT_S = 420
@@ -61,7 +61,7 @@ def _wait_for_port(port: int, timeout: float = 60) -> None:
 
 
 def _identity(federation: Path) -> tuple[str, object]:
-    codebook = Codebook.load(federation / "codebook.bin")
+    codebook = wire.read_file(federation / "codebook.bin")
     return codebook.fingerprint, codebook.dims
 
 
@@ -144,14 +144,14 @@ def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> N
 
     assert not leftovers, f"processes left running: {leftovers}"
     for record in Federation(federation, *_identity(federation)).history():
-        print(f"deployed step {record['step']}: {record['wall_s']:.1f}s", record["phase_seconds"])
+        print(f"deployed step {record.step}: {record.wall_s:.1f}s", record.phase_seconds)
     assert first["status"] == "completed" and first["steps"] == 1
     assert {n: c["sites"] for n, c in first["classes"].items()} == {
         **{name: ["farm-a"] for name in CLASSES[0:2]},
         **{name: ["farm-b"] for name in CLASSES[2:4]},
     }
     assert second["status"] == "completed" and second["steps"] == 2
-    codebook = Codebook.load(federation / "codebook.bin")
+    codebook = wire.read_file(federation / "codebook.bin")
     expected = sorted(CLASSES[0:4], key=class_key) + sorted(CLASSES[4:6], key=class_key)
     assert codebook.names == expected and len(set(codebook.names)) == 6
     assert codebook.frozen == set(expected)

@@ -28,12 +28,13 @@ from deployed import ROUND_TIMEOUT_S, RUN_CONFIG, deployment, round_settings, st
 from rich.console import Console
 from site_folders import CLASSES
 
+from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE, Federation
 from starfed.server.ops.flower_runs import FlowerCli
 from starfed.server.ops.processes import send_signal, wait_gone
-from starfed.shared.codebook import schema
+from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.site_folder import class_key
 from starfed.simulations.local_grid import LocalGrid
@@ -66,9 +67,9 @@ def uninterrupted(data: Path, root: Path) -> Codebook:
     try:
         metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
     finally:
-        client_app._SITES.clear()
+        answer.SITES.clear()
     assert metrics["status"] == "completed"
-    return Codebook.load(root / "federation" / CODEBOOK_FILE)
+    return wire.read_file(root / "federation" / CODEBOOK_FILE)
 
 
 def assert_same_tensors(a: Codebook, b: Codebook) -> None:
@@ -146,15 +147,15 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
     metrics = federation.metrics()
     assert metrics["status"] == "completed" and metrics["steps"] == 1
     (record,) = federation.history()
-    assert record["status"] == "completed" and record["attempt"] == 0
+    assert record.status == "completed" and record.attempt == 0
     # the resumed run repeated no phase checkpointed before the kill, only the sync that
     # tells it who is here
-    ran = [f"{p['phase']}/{p['round']}" for p in record["phase_seconds"]]
+    ran = [f"{p.phase}/{p.round}" for p in record.phase_seconds]
     assert ran == [p for p in PHASES if p == "sync/0" or p not in done_before]
-    exchanged = {f"{e['phase']}/{e['round']}" for e in record["exchanges"]}
+    exchanged = {f"{e.phase}/{e.round}" for e in record.exchanges}
     assert exchanged == {"sync/0"} | (set(PHASES) - set(done_before))
-    assert {e["status"] for e in record["exchanges"]} == {"ok"}
-    final = Codebook.load(deployed.federation / CODEBOOK_FILE)
+    assert {e.status for e in record.exchanges} == {"ok"}
+    final = wire.read_file(deployed.federation / CODEBOOK_FILE)
     assert final.names == sorted(CLASSES[0:4], key=class_key) and final.frozen == set(CLASSES[0:4])
     assert not Federation.position(final).running
     assert_same_tensors(final, reference)

@@ -26,7 +26,7 @@ from site_folders import CLASSES
 
 from starfed.server.federation import CODEBOOK_FILE, Federation
 from starfed.server.ops.processes import send_signal, wait_gone
-from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook import wire
 from starfed.shared.data.site_folder import class_key
 
 pytestmark = [
@@ -64,7 +64,7 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
         assert lost and {site for site, _ in lost} == {"farm-b"}, lost
         assert ("farm-b", "sync") not in lost and ("farm-b", "evaluate") in lost
         assert set(first["metrics"]["classes"]) == set(CLASSES[0:2])  # farm-b's unregistered
-        codebook = Codebook.load(deployed.federation / CODEBOOK_FILE)
+        codebook = wire.read_file(deployed.federation / CODEBOOK_FILE)
         assert codebook.names == sorted(CLASSES[0:2], key=class_key)
         assert codebook.frozen == set(CLASSES[0:2])
 
@@ -84,10 +84,10 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
         assert trained == {"farm-b"}
         assert [len(row) for row in metrics["accuracy_matrix"]] == [1, 2]
 
-    codebook = Codebook.load(deployed.federation / CODEBOOK_FILE)
+    codebook = wire.read_file(deployed.federation / CODEBOOK_FILE)
     expected = sorted(CLASSES[0:2], key=class_key) + sorted(CLASSES[2:4], key=class_key)
     assert codebook.names == expected and codebook.frozen == set(expected)
     (first_step, second_step) = Federation.open(deployed.federation).history()
-    assert (first_step["status"], second_step["status"]) == ("degraded", "completed")
+    assert (first_step.status, second_step.status) == ("degraded", "completed")
     print(f"site-lost e2e: degraded round {degraded_s:.0f}s, "
           f"total {time.monotonic() - started:.0f}s")  # fmt: skip

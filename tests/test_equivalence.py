@@ -15,10 +15,10 @@ from rich.console import Console
 
 from starfed.client.app import app as client_app
 from starfed.server.app import run_server
-from starfed.shared.codebook import schema
-from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook import schema, wire
 from starfed.shared.model.training import TrainConfig
 from starfed.simulations.local_grid import LocalGrid
+from starfed.simulations.simulated_sites import SimulatedSites
 from starfed.simulations.train_local import LocalRunOptions, run_local
 
 TRAIN = TrainConfig(
@@ -67,14 +67,15 @@ def runs(tmp_path_factory):
         run_config,
         {7: {"partition-id": 0, "num-partitions": 1, "cache-dir": str(out / "cache")}},
     )
-    federated = run_server(grid, run_config, 1, quiet)
+    sites = SimulatedSites.of(run_config, 1)
+    federated = run_server(grid, run_config, 1, quiet, before_step=sites)
     return out, local, federated
 
 
 def test_same_per_class_parameters(runs) -> None:
     out, _, _ = runs
-    a = Codebook.load(out / "local" / "codebook.bin")
-    b = Codebook.load(out / "federated" / "codebook.bin")
+    a = wire.read_file(out / "local" / "codebook.bin")
+    b = wire.read_file(out / "federated" / "codebook.bin")
     assert a.names == b.names
     assert [e.count for e in a.entries.values()] == [e.count for e in b.entries.values()]
     for name in a.names:
@@ -125,7 +126,8 @@ def test_results_do_not_depend_on_node_ids(tmp_path) -> None:
         }
         config = {**run_config, "run-name": f"ids-{run_id}"}
         grid = LocalGrid(client_app, config, nodes, run_id=run_id)
-        run_server(grid, config, run_id, Console(quiet=True))
-        codebook = Codebook.load(tmp_path / f"ids-{run_id}" / "codebook.bin")
-        codebooks.append(replace(codebook, metadata={}).to_bytes())  # ids and epochs differ
+        sites = SimulatedSites.of(config, run_id)
+        run_server(grid, config, run_id, Console(quiet=True), before_step=sites)
+        codebook = wire.read_file(tmp_path / f"ids-{run_id}" / "codebook.bin")
+        codebooks.append(wire.encode(replace(codebook, metadata={})))  # ids and epochs differ
     assert codebooks[0] == codebooks[1]

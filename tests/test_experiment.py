@@ -100,8 +100,8 @@ BAD_GRIDS = {
     "not toml": ("[experiment\n", "Expected ']'"),
     "unknown method": (
         '[experiment]\nname = "x"\nmethods = ["fedprox"]\n[[scenario]]\n',
-        "[experiment] methods: unknown 'fedprox' (known: starfed, starfed-positional, "
-        "starfed-unmerged, starfed-no-replay, starfed-keys, fedavg, single-site, joint)",
+        "[experiment] methods: unknown 'fedprox' (known: starfed, starfed-keys, "
+        "starfed-no-replay, starfed-positional, starfed-unmerged, fedavg, joint, single-site)",
     ),
     "unknown key": (
         '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\nsites = 5\n',

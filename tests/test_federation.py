@@ -9,6 +9,7 @@ protocol (tiny backbones, 10 training and 4 test images per class, one epoch eve
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +19,21 @@ import torch
 from flwr.app import Message
 from rich.console import Console
 
+from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import RunFailed, run_server
-from starfed.server.federation import CODEBOOK_FILE
+from starfed.server.federation import (
+    CODEBOOK_FILE,
+    Exchange,
+    FederationError,
+    PhaseTime,
+    StepRecord,
+    StepScores,
+)
+from starfed.server.federation import Federation as FederationFolder
+from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.data.site_folder import class_key
 from starfed.simulations.local_grid import LocalGrid
 
@@ -68,15 +80,18 @@ class Federation:
         }
         return data
 
-    def run(self, nodes: list[int] | None = None, **overrides) -> tuple[dict, LocalGrid]:
+    def run(
+        self, nodes: list[int] | None = None, before_step=None, **overrides
+    ) -> tuple[dict, LocalGrid]:
         config = {**CONFIG, "federation-dir": str(self.folder), **overrides}
         chosen = {n: self.sites[n] for n in (nodes if nodes is not None else self.sites)}
         grid = LocalGrid(client_app.app, config, chosen, run_id=next(_run_ids), record=True)
         grid.faults.update(self.faults)
-        return run_server(grid, config, grid.run_id, Console(quiet=True)), grid
+        console = Console(quiet=True)
+        return run_server(grid, config, grid.run_id, console, before_step=before_step), grid
 
     def codebook(self) -> Codebook:
-        return Codebook.load(self.folder / CODEBOOK_FILE)
+        return wire.read_file(self.folder / CODEBOOK_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +103,7 @@ def cache(tmp_path_factory) -> Path:
 def fed(tmp_path, cache) -> Iterator[Federation]:
     federation = Federation(tmp_path, cache)
     yield federation
-    client_app._SITES.clear()
+    answer.SITES.clear()
 
 
 def statuses(metrics: dict, site: str, phase: str | None = None) -> list[str]:
@@ -136,7 +151,7 @@ def test_disjoint_sites_then_a_new_task_in_a_second_run(fed):
     assert len(second["accuracy_matrix"]) == 2 and len(second["accuracy_matrix"][1]) == 2
     # Both sites held the codebook of run 1: the new run sent them deltas, not the codebook.
     first_download = next(e for e in grid.sent if "codebook" in e.content)
-    assert len(first_download.content["codebook"]["data"]) < len(after.broadcast().to_bytes())
+    assert len(first_download.content["codebook"]["data"]) < len(wire.encode(after.broadcast()))
 
 
 def test_late_joiner_offline_site_and_a_frozen_class_brought_again(fed):
@@ -188,6 +203,45 @@ def test_a_site_folder_with_two_spellings_of_one_class_is_refused(fed):
 # --- failures -------------------------------------------------------------------------------
 
 
+def test_before_step_runs_before_every_enrolment(fed):
+    """A simulation writes its sites' folders in ``before_step``: the enrolment of the same step
+    sees what it wrote, and it runs for the step that finds nothing new as well."""
+    data = fed.site(1, "farm-a", {})
+    data.mkdir(parents=True, exist_ok=True)
+    seen: list[int] = []
+
+    def before_step(step: int) -> None:
+        seen.append(step)
+        if step == 0:
+            site_folder(data, {"t1": CLASSES[0:2]})
+
+    metrics, _ = fed.run(before_step=before_step)
+    assert metrics["status"] == "completed" and metrics["steps"] == 1
+    assert seen == [0, 1]
+    assert sorted(fed.codebook().names) == sorted(CLASSES[0:2])
+
+
+def test_the_history_is_step_records(fed):
+    """history.jsonl is written and read as ``StepRecord`` lines, lines written before the type
+    (no ``attempt``) included; a record written again wins."""
+    folder = FederationFolder(
+        fed.tmp / "records", "f" * 64, ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2)
+    )
+    exchange = Exchange(0, "sync", 0, 1, "farm-a", 10, 20)
+    scores = StepScores([50.0], [25.0], 50.0, {"farm-a": {"images": 2}})
+    record = StepRecord(0, "completed", 1.0, 2.0, classes=("a",), sites=("farm-a",),
+                        phase_seconds=(PhaseTime("sync", 0, 0.5),), exchanges=(exchange,),
+                        codebook_version=3, scores=scores)  # fmt: skip
+    history = folder.root / "history.jsonl"
+    old = {"step": 1, "status": "failed", "reason": "r", "started": 3.0, "wall_s": 1.0}
+    history.write_text(record.to_json() + "\n" + json.dumps(old) + "\n")
+    assert folder.history() == [record, StepRecord(1, "failed", 3.0, 1.0, reason="r")]
+    assert folder.history()[0].ended == 3.0 and folder.attempts(1) == 1
+    history.write_text("{not json\n")
+    with pytest.raises(FederationError, match=r"history\.jsonl:1 is damaged"):
+        folder.history()
+
+
 def test_no_site_connected_fails_the_run(fed):
     with pytest.raises(RunFailed, match="0 site"):
         fed.run()
@@ -203,7 +257,7 @@ def test_no_site_answering_the_sync_fails_the_run_instead_of_ending_it(fed):
         fed.faults[(node, "query.sync")] = lambda reply: None
     with pytest.raises(RunFailed, match="no site answered the sync"):
         fed.run()
-    assert fed.codebook().names == []
+    assert not (fed.folder / CODEBOOK_FILE).exists()  # no step began: nothing was written
     fed.faults[(1, "query.sync")] = lambda reply: reply  # one site back: a degraded step
     metrics, _ = fed.run()
     assert metrics["status"] == "degraded" and metrics["steps"] == 1

@@ -1,5 +1,5 @@
 """Submitting and following a run through ``flwr``, without a SuperLink: the generated app
-folder (checked by Flower's own bundler) and a fake ``flwr`` that answers like Flower 1.41 —
+folder (checked by Flower's own bundler) and a fake ``flwr`` that answers like Flower 1.42 —
 ``--format json`` errors with exit code 0, runs that go running -> finished, ``stop``."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 
 from starfed.server.ops import flower_runs, processes
 from starfed.server.ops.flower_runs import FlowerCli, FlowerRunError, RunOutcome
+from starfed.simulations.simulate import APP_COMPONENTS as SIMULATION_APP
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,7 +84,7 @@ def _statuses(bin_dir: Path, *statuses: str) -> None:
 def test_generated_app_is_the_repository_app_and_flower_bundles_it(tmp_path: Path) -> None:
     from flwr.cli.build import build_fab_from_disk
 
-    app = flower_runs.write_app(tmp_path / "app")
+    app = flower_runs.write_app(tmp_path / "app", SIMULATION_APP)  # `flwr run .` simulates
     generated = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     checkout = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     assert generated == checkout  # components, publisher, every run-config key and default

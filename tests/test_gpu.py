@@ -16,9 +16,11 @@ import torch
 from rich.console import Console
 from site_folders import CLASSES, site_folder
 
+from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE
+from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.simulations.local_grid import LocalGrid
 
@@ -44,8 +46,8 @@ def federated_step(tmp: Path, device: str) -> tuple[dict, Codebook]:
     try:
         metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
     finally:
-        client_app._SITES.clear()
-    return metrics, Codebook.load(tmp / f"federation-{device}" / CODEBOOK_FILE)
+        answer.SITES.clear()
+    return metrics, wire.read_file(tmp / f"federation-{device}" / CODEBOOK_FILE)
 
 
 def test_a_federated_step_on_cuda_matches_the_cpu(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import io
 import json
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 from rich.console import Console
 
 from starfed.cli import main
+from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import run_server
@@ -30,9 +32,10 @@ from starfed.server.ops.processes import free_port
 from starfed.server.serving import distribution
 from starfed.server.serving.distribution import ServeOptions
 from starfed.server.serving.export import card_path
-from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook import wire
 from starfed.shared.codebook.deployment import CLASS_STEPS_KEY
-from starfed.shared.codebook.framing import CODEBOOK_MAGIC, read_payload
+from starfed.shared.codebook.framing import read_payload
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.inference.follow import CACHE_FILE
 from starfed.simulations.local_grid import LocalGrid
@@ -69,7 +72,7 @@ def federation(tmp_path_factory) -> dict:
         grid = LocalGrid(client_app.app, config, nodes, run_id=7001)
         metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
     finally:
-        client_app._SITES.clear()
+        answer.SITES.clear()
         torch.set_num_threads(threads)
     assert metrics["status"] == "completed"
     history = Federation.open(tmp / "federation").history()
@@ -101,14 +104,16 @@ def accuracy(rows: list[dict]) -> float:
 
 
 def test_export_holds_what_devices_need_and_a_model_card(federation, exported, capsys):
-    codebook = Codebook.load(exported)
-    message = pb.Codebook.FromString(read_payload(exported, CODEBOOK_MAGIC))
+    codebook = wire.read_file(exported)
+    message = pb.Codebook.FromString(read_payload(exported))
     assert sorted(codebook.names) == sorted(TRAINED) and codebook.frozen == set(TRAINED)
     assert not any(e.HasField("clip_mixture") or e.HasField("vit_mixture") for e in message.entries)
     assert not any(e.field_versions for e in message.entries)
-    assert codebook.version == federation["record"]["codebook_version"]
+    assert codebook.version == federation["record"].codebook_version
     assert json.loads(codebook.metadata[CLASS_STEPS_KEY]) == dict.fromkeys(TRAINED, 0)
-    assert "position" not in codebook.metadata and "epoch" not in codebook.metadata
+    assert "position" not in codebook.metadata  # no server bookkeeping, but its version line:
+    lineage = Lineage.of(wire.read_file(federation["dir"] / "codebook.bin"))
+    assert Lineage.of(codebook) == lineage and lineage.epoch  # (a device's deltas follow it)
 
     card = json.loads(card_path(exported).read_text())
     metrics = json.loads((federation["dir"] / "metrics.json").read_text())
@@ -128,7 +133,7 @@ def test_export_holds_what_devices_need_and_a_model_card(federation, exported, c
     code, out, _ = run(["server", "export", "--federation", federation["dir"], "--out", again,
                         "--float16", "--json"], capsys)  # fmt: skip
     assert code == 0 and json.loads(out)["codebook"]["dtype"] == "float16"
-    half = Codebook.load(again)
+    half = wire.read_file(again)
     assert again.stat().st_size < 0.6 * exported.stat().st_size
     for name in codebook.names:
         for field, value in codebook[name].values.items():
@@ -162,13 +167,13 @@ def test_export_refuses_what_is_not_a_federation(tmp_path, capsys):
 
 
 def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tmp_path, capsys):
-    server = federation["record"]["server_eval"]
+    server = federation["record"].server_eval
     code, out, err = run(["predict", "--codebook", exported, "--batch-size", ONE_BATCH,
                           federation["test"]], capsys)  # fmt: skip
     assert (code, err) == (0, "")
     rows = list(csv.DictReader(io.StringIO(out)))
     assert len(rows) == 20 * len(TRAINED)
-    assert accuracy(rows) == server["accuracy"][0]
+    assert accuracy(rows) == server.accuracy[0]
     assert {r["task"] for r in rows} == {"0"} and {r["class"] for r in rows} <= set(TRAINED)
     assert all(0 < float(r["probability"]) <= 1 for r in rows)
 
@@ -177,8 +182,8 @@ def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tm
                         "--plot", plot, "--json"], capsys)  # fmt: skip
     result = json.loads(out)
     assert code == 0 and result["images"] == len(rows)
-    assert result["accuracy"] == result["tasks"][0]["accuracy"] == server["accuracy"][0]
-    assert result["tasks"][0]["selection_accuracy"] == server["selection_accuracy"][0]
+    assert result["accuracy"] == result["tasks"][0]["accuracy"] == server.accuracy[0]
+    assert result["tasks"][0]["selection_accuracy"] == server.selection_accuracy[0]
     assert result["left_out"] == {} and result["unreadable"] == 0
     confusion = torch.tensor(result["confusion_matrix"])
     assert int(confusion.sum()) == len(rows)
@@ -192,7 +197,7 @@ def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tm
 
     code, out, _ = run(["evaluate", "--codebook", exported, "--data", federation["test"],
                         "--plot", plot], capsys)  # fmt: skip
-    assert code == 0 and f"accuracy {server['accuracy'][0]:.2f}%" in out and str(plot) in out
+    assert code == 0 and f"accuracy {server.accuracy[0]:.2f}%" in out and str(plot) in out
 
 
 def test_evaluate_leaves_out_classes_the_codebook_lacks(federation, exported, tmp_path, capsys):
@@ -232,10 +237,9 @@ def test_predict_json_and_one_warning_per_unreadable_image(exported, tmp_path, c
 
 
 def test_a_codebook_of_other_backbones_is_one_line_and_exit_2(exported, tmp_path, capsys):
-    codebook = Codebook.load(exported)
-    codebook.fingerprint = "cd" * 32
+    codebook = replace(wire.read_file(exported), fingerprint="cd" * 32)
     other = tmp_path / "other.bin"
-    codebook.save(other)
+    wire.write_file(other, codebook)
     image = sorted((BUNDLED / "test" / TRAINED[0]).iterdir())[0]
     code, out, err = run(["predict", "--codebook", other, image], capsys)
     assert code == 2 and out == ""
@@ -271,7 +275,7 @@ def test_predict_from_the_service_keeps_a_copy_and_predicts_like_the_export(
     images = [str(sorted((BUNDLED / "test" / name).iterdir())[0]) for name in TRAINED]
     local = run(["predict", "--codebook", exported, *images], capsys)
     device = ["predict", "--from", address, "--ca", server.ca_cert, "--cache", tmp_path / "cache"]
-    version = Codebook.load(exported).version
+    version = wire.read_file(exported).version
     try:
         code, out, err = run([*device, *images], capsys)
         assert (code, out) == (0, local[1])

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from starfed.cli import main
-from starfed.shared.codebook import schema
-from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook import schema, wire
 
 SMALL = [
     "--clients=2",
@@ -94,8 +93,8 @@ def test_local_and_flower_runtimes_compute_the_same(local_run) -> None:
         "steps",
     ):
         assert flower[key] == local[key], key
-    a = Codebook.load(out / "local" / "codebook.bin")
-    b = Codebook.load(out / "flower" / "codebook.bin")
+    a = wire.read_file(out / "local" / "codebook.bin")
+    b = wire.read_file(out / "flower" / "codebook.bin")
     assert a.names == b.names and a.version == b.version
     for name in a.names:
         assert a[name].count == b[name].count

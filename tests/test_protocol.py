@@ -26,20 +26,22 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.client.memory import SiteMemory
 from starfed.client.site import Site
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE
-from starfed.shared.codebook import schema
+from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import create_backbones
-from starfed.shared.protocol import PHASES, Phase
+from starfed.shared.protocol import MESSAGES, Phase
 from starfed.simulations.local_grid import LocalGrid
+from starfed.simulations.simulated_sites import SimulatedSites
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -62,7 +64,7 @@ STAGE2_FIELDS = schema.trained_in(Phase.STAGE2)
 # The server re-aligns the prediction head over all seen classes at every step (head replay,
 # docs/model.md); every other part of a frozen class is final.
 FINAL_FIELDS = tuple(f for f in schema.TENSORS if not f.startswith("aligned_"))
-PHASE_OF = {spec.message_type: spec.phase for spec in PHASES}
+PHASE_OF = {spec.message_type: spec.phase for spec in MESSAGES}
 
 _run_ids = itertools.count(1000)
 
@@ -82,7 +84,7 @@ class Recorded:
     def update(self, step: int, message_type: str, node: int) -> ClientUpdate:
         data, message_id = self.updates[(step, message_type, node)]
         against = self.grid.codebooks_sent()[message_id]
-        return ClientUpdate.from_bytes(data, against=against, phase=PHASE_OF[message_type])
+        return wire.decode_update(data, against=against, phase=PHASE_OF[message_type])
 
 
 def make_grid(cache_dir: Path, n_clients: int, **overrides) -> LocalGrid:
@@ -112,7 +114,7 @@ def recording(grid: LocalGrid, recorded: Recorded):
             if message_type == "query.sync":
                 own = BackboneOptions.from_config(parse(grid.run_config)).load()
                 against = Codebook(own.fingerprint, own.dims)
-                sync = ClientUpdate.from_bytes(data, against=against, phase=Phase.SYNC)
+                sync = wire.decode_update(data, against=against, phase=Phase.SYNC)
                 recorded.syncs[(step, node)] = sync
             else:
                 recorded.updates[(step, message_type, node)] = (data, sent.metadata.message_id)
@@ -142,7 +144,8 @@ def broadcast(grid: LocalGrid, step: int, message_type: str) -> Codebook:
 def run(grid: LocalGrid, results: Path, name: str = "run") -> dict:
     config = {**grid.run_config, "results-dir": str(results), "run-name": name}
     grid.run_config = config
-    return run_server(grid, config, grid.run_id)
+    sites = SimulatedSites.of(config, grid.run_id)  # the simulation writes the sites' folders
+    return run_server(grid, config, grid.run_id, before_step=sites)
 
 
 def exchanges(metrics: dict, node: int | None = None, phase: str | None = None) -> list[dict]:
@@ -200,7 +203,7 @@ def assert_completed(metrics: dict, run_dir: Path, n_classes: int = 4) -> Codebo
     """The run went through every step and left a complete, fully frozen codebook."""
     assert len(metrics["classes"]) == n_classes
     assert len(metrics["accuracy_matrix"]) == metrics["steps"] == 2
-    codebook = Codebook.load(run_dir / CODEBOOK_FILE, fingerprint=metrics["backbone_fingerprint"])
+    codebook = wire.read_file(run_dir / CODEBOOK_FILE, fingerprint=metrics["backbone_fingerprint"])
     assert codebook.names == list(metrics["classes"])
     assert codebook.frozen == set(metrics["classes"])
     assert all(set(schema.MIXTURES) <= set(e.values) for e in codebook.entries.values())
@@ -231,8 +234,8 @@ def _forget_sites() -> Iterator[None]:
     """Drop the sites this module's runs built from the ClientApp's process-wide cache."""
     first = next(_run_ids)
     yield
-    for key in [k for k in client_app._SITES if k[0] >= first]:
-        del client_app._SITES[key]
+    for key in [k for k in answer.SITES if k[0] >= first]:
+        del answer.SITES[key]
 
 
 @dataclass
@@ -321,7 +324,7 @@ def test_shared_class_row_is_count_weighted_average(baseline):
     # merged G keeps the total count and the union's count-weighted mean.
     sent = broadcast(grid, 0, "train.stage2")
     assert not any("clip_mixture" in e.values for e in sent.entries.values())
-    merged = Codebook.load(baseline.run_dir / CODEBOOK_FILE)
+    merged = wire.read_file(baseline.run_dir / CODEBOOK_FILE)
     mixtures = [
         entry(recorded.update(0, "query.stage1_stats", node), name).values["clip_mixture"]
         for node in nodes
@@ -354,13 +357,13 @@ def test_single_holder_class_row_is_that_clients_row(baseline):
                 update = recorded.update(0, message_type, other)
                 assert name not in [e.name for e in update.entries]
     own_g = entry(recorded.update(0, "query.stage1_stats", node), name).values["clip_mixture"]
-    merged = Codebook.load(baseline.run_dir / CODEBOOK_FILE)
+    merged = wire.read_file(baseline.run_dir / CODEBOOK_FILE)
     g = merged[name].values["clip_mixture"]
     assert g.count == own_g.count
     torch.testing.assert_close(g.means, own_g.means)
     torch.testing.assert_close(g.weights, own_g.weights)
     # Stage-2 rows are final: the frozen class ends the run with exactly the merged values.
-    final = Codebook.load(baseline.run_dir / CODEBOOK_FILE)
+    final = wire.read_file(baseline.run_dir / CODEBOOK_FILE)
     own = entry(recorded.update(0, "train.stage2", node), name)
     for field_name in STAGE2_FIELDS:
         assert torch.equal(row(final, field_name, name), own.values[field_name])
@@ -577,7 +580,7 @@ def test_client_with_other_backbones(pair, tmp_path, cache_dir):
     assert foreign.fingerprint != own.fingerprint
     pair.run_config = {**pair.run_config, "results-dir": str(tmp_path), "run-name": "run"}
     context = pair._context(2)  # node 2's site, then with other backbones
-    site = client_app.site_for(
+    site = answer.site_for(
         context.run_id, context.node_id, dict(context.run_config), dict(context.node_config)
     )
     site.backbones = foreign
@@ -624,11 +627,11 @@ def test_clients_in_different_tasks(cache_dir, tmp_path):
     # Site 2 sent no rows: at step 1 its task 0 is finished, and task 1 arrives at step 2.
     for message_type in UPDATE_TYPES:
         assert [e.name for e in recorded.update(0, message_type, 1).entries] == task_classes[0]
-        assert recorded.update(0, message_type, 2).entries == []
+        assert recorded.update(0, message_type, 2).entries == ()
         assert [e.name for e in recorded.update(1, message_type, 1).entries] == task_classes[1]
-        assert recorded.update(1, message_type, 2).entries == []
+        assert recorded.update(1, message_type, 2).entries == ()
     # Counts of task 0 are site 1's alone (site 2 reached task 0 after it was frozen).
-    codebook = Codebook.load(run_dir / CODEBOOK_FILE)
+    codebook = wire.read_file(run_dir / CODEBOOK_FILE)
     for name in task_classes[0]:
         assert row_count(codebook, name) == class_counts(scenario, 0)[name][0]
     # Site 2 still evaluates every class it holds: its accuracy is reported.

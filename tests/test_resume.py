@@ -18,9 +18,11 @@ from flwr.app import Message
 from rich.console import Console
 from site_folders import CLASSES, site_folder
 
+from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE, Federation
+from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.simulations.local_grid import LocalGrid
 
@@ -62,7 +64,7 @@ def run(tmp: Path, name: str, data: dict[str, Path], crash_at: str | None = None
     try:
         return run_server(grid, config, grid.run_id, Console(quiet=True))
     finally:
-        client_app._SITES.clear()
+        answer.SITES.clear()
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def uninterrupted(sites, tmp_path_factory) -> Codebook:
     tmp = tmp_path_factory.mktemp("clean")
     metrics = run(tmp, "federation", sites)
     assert metrics["status"] == "completed" and metrics["steps"] == 2
-    return Codebook.load(tmp / "federation" / CODEBOOK_FILE)
+    return wire.read_file(tmp / "federation" / CODEBOOK_FILE)
 
 
 def same_entries(a: Codebook, b: Codebook) -> None:
@@ -110,20 +112,20 @@ def test_a_crashed_step_resumes_to_the_same_codebook(sites, uninterrupted, tmp_p
 
     metrics = run(tmp_path, "federation", sites)  # the next run resumes
     assert metrics["status"] == "completed" and metrics["steps"] == 2
-    resumed = Codebook.load(tmp_path / "federation" / CODEBOOK_FILE)
+    resumed = wire.read_file(tmp_path / "federation" / CODEBOOK_FILE)
     same_entries(resumed, uninterrupted)
     # the resumed step repeated none of the phases it had finished before the crash (only
     # the sync, which tells the server who is here)
     assert metrics["steps_this_run"][0]["step"] == 0
     record = folder.history()[0]
-    phases = {f"{e['phase']}/{e['round']}" for e in record["exchanges"]}
+    phases = {f"{e.phase}/{e.round}" for e in record.exchanges}
     assert phases == {"sync/0"} | (ALL_PHASES - set(done_before))
 
 
 def test_the_position_is_inside_the_checkpoint(sites, tmp_path):
     with pytest.raises(Crash):
         run(tmp_path, "federation", sites, "train.stage2")
-    codebook = Codebook.load(tmp_path / "federation" / CODEBOOK_FILE)
+    codebook = wire.read_file(tmp_path / "federation" / CODEBOOK_FILE)
     position = Federation.position(codebook)
     assert position.done == ("sync/0", "stage1/0", "stage1/1", "stage1_stats/0")
     assert set(position.in_play) == {*CLASSES[0:3]}

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from starfed.client.answer import simulated_site_dir
 from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
-from starfed.shared.data.scenario import Scenario, ScenarioConfig, shared_scenario
+from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.shared.data.site_folder import SiteFolder, class_key
+from starfed.simulations.simulated_sites import SimulatedSites
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +85,6 @@ def test_partition_is_deterministic_and_seed_sensitive(scenario: Scenario) -> No
     assert _counts_by_folder(other) != _counts_by_folder(scenario)
 
 
-def test_sites_in_one_process_share_one_scenario_per_config(scenario: Scenario) -> None:
-    """What a simulation worker's sites read is the same as a scenario of their own."""
-    shared = shared_scenario(ScenarioConfig())
-    assert shared_scenario(ScenarioConfig()) is shared
-    assert shared_scenario(ScenarioConfig(seed=1996)) is not shared
-    for task in range(scenario.n_tasks):
-        for c in range(scenario.n_clients):
-            assert shared.train_samples(c, task) == scenario.train_samples(c, task)
-
-
 def test_task_stream_with_asynchronous_arrival() -> None:
     s = Scenario(ScenarioConfig(arrival_offset=1))
     assert s.n_steps == 7 + 4
@@ -103,6 +97,34 @@ def test_task_stream_with_asynchronous_arrival() -> None:
     assert [s.task_at(c, 3) for c in range(5)] == [3, 2, 1, 0, None]
     with pytest.raises(ValueError, match="client"):
         s.task_at(5, 0)
+
+
+def test_the_simulation_writes_each_site_folder_as_its_stream_arrives(tmp_path: Path) -> None:
+    """Before each step every simulated site's data folder holds the tasks its stream reached,
+    where the site finds it by its partition; writing a step again changes nothing."""
+    s = Scenario(ScenarioConfig(n_tasks=3, classes_per_task=2, n_clients=2, arrival_offset=1))
+    write = SimulatedSites(s, tmp_path)
+
+    def tasks(partition: int) -> list[str]:
+        return [
+            t.name for t in SiteFolder.scan(simulated_site_dir(tmp_path, partition) / "data").tasks
+        ]
+
+    write(0)
+    assert tasks(0) == ["task-00"] and tasks(1) == []  # site 1 joins one step later
+    write(1)
+    write(1)
+    assert tasks(0) == ["task-00", "task-01"] and tasks(1) == ["task-00"]
+    write(s.n_steps + 2)  # after the streams end: every task has arrived
+    assert tasks(0) == tasks(1) == ["task-00", "task-01", "task-02"]
+    for partition in range(2):
+        folder = SiteFolder.scan(simulated_site_dir(tmp_path, partition) / "data")
+        for task, t in enumerate(folder.tasks):
+            train = {Path(p).resolve() for paths in t.train.values() for p in paths}
+            assert train == {Path(p).resolve() for p, _ in s.train_samples(partition, task)}
+        test = {Path(p).resolve() for paths in folder.test.values() for p in paths}
+        assert test == {Path(p).resolve() for p, _ in s.test_samples(partition, range(3))}
+        assert set(folder.test) <= {class_key(n) for t in folder.tasks for n in t.train}
 
 
 def test_synchronous_stream(scenario: Scenario) -> None:

@@ -20,6 +20,7 @@ from rich.console import Console
 from site_folders import CLASSES, site_folder
 
 from starfed.cli import main
+from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.simulations.local_grid import LocalGrid
@@ -47,7 +48,7 @@ def _run(root: Path, faults: dict) -> dict:
     try:
         return run_server(grid, config, grid.run_id, Console(quiet=True))
     finally:
-        client_app._SITES.clear()
+        answer.SITES.clear()
 
 
 def starfed(capsys, *argv: str) -> tuple[int, str, str]:

@@ -11,6 +11,7 @@ from site_folders import CLASSES, site_folder
 
 from starfed.cli import main
 from starfed.client.ops.check import PROBLEM, WARNING, check_site
+from starfed.shared.codebook import wire
 from starfed.shared.config import BackboneOptions
 
 TINY = BackboneOptions()
@@ -99,7 +100,7 @@ def test_backbones_of_another_federation(tmp_path, fingerprint, capsys) -> None:
     from starfed.shared.codebook.codebook import Codebook
     from starfed.shared.codebook.schema import ModelDims
 
-    Codebook("cd" * 32, ModelDims(4, 4, 4, 1), version=3).save(state / "codebook.bin")
+    wire.write_file(state / "codebook.bin", Codebook("cd" * 32, ModelDims(4, 4, 4, 1), version=3))
     report = check_site(data, state, TINY)
     assert (
         report.remembered["federation"] == "f" * 32 and report.remembered["codebook_version"] == 3

@@ -15,6 +15,7 @@ from flwr.app import Message
 from rich.console import Console
 from site_folders import CLASSES, site_folder
 
+from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.server.federation import Federation
@@ -52,7 +53,7 @@ def run(tmp: Path, silent_after_sync: bool) -> dict:
     try:
         return run_server(grid, config, grid.run_id, Console(quiet=True))
     finally:
-        client_app._SITES.clear()
+        answer.SITES.clear()
 
 
 def test_classes_dropped_for_a_lost_site_are_registered_when_it_returns(tmp_path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from starfed.cli import main
-from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook import wire
 from starfed.shared.data.site_folder import class_key
 
 
@@ -25,7 +25,7 @@ def test_train_local_writes_results_and_a_valid_codebook(tmp_path, capsys) -> No
     assert metrics["n_train_images"] > 0 and metrics["n_skipped_images"] == 0
     assert (run / "accuracy_matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    codebook = Codebook.load(run / "codebook.bin", fingerprint=metrics["backbone_fingerprint"])
+    codebook = wire.read_file(run / "codebook.bin", fingerprint=metrics["backbone_fingerprint"])
     order = metrics["class_order"]  # the split's; each task registers its classes by class key
     assert codebook.names == sorted(order[:2], key=class_key) + sorted(order[2:4], key=class_key)
     assert codebook.frozen == set(codebook.names)
@@ -55,7 +55,7 @@ def test_device_cpu_and_auto_compute_the_same(tmp_path, capsys) -> None:
     assert main([*base, "--run-name", "auto"]) == 0
     runs = [json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("cpu", "auto")]
     assert runs[0]["accuracy_matrix"] == runs[1]["accuracy_matrix"]
-    codebooks = [Codebook.load(tmp_path / name / "codebook.bin") for name in ("cpu", "auto")]
-    assert codebooks[0].to_bytes() == codebooks[1].to_bytes()
+    codebooks = [wire.read_file(tmp_path / name / "codebook.bin") for name in ("cpu", "auto")]
+    assert wire.encode(codebooks[0]) == wire.encode(codebooks[1])
     assert main([*base, "--run-name", "gpu", "--device", "gpu"]) == 2
     assert "device" in capsys.readouterr().err

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from site_folders import CLASSES, site_folder
 
-from starfed.client import app as client_app
+from starfed.client import answer
 from starfed.client.worker import WorkerError, read_frame, request, send_frame, serve
-from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook import wire
+from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.protocol import Phase
 
@@ -27,7 +28,7 @@ def worker(tmp_path: Path):
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     yield path
-    client_app._SITES.clear()
+    answer.SITES.clear()
 
 
 def sync_header(tmp_path: Path) -> dict:
@@ -52,13 +53,13 @@ def test_the_worker_answers_as_the_clientapp_does(worker: Path, tmp_path: Path) 
     record, data = request(worker, header, b"")
     assert record == "update"
     own = BackboneOptions.from_config(parse({"preset": "tiny"})).load()
-    update = ClientUpdate.from_bytes(
+    update = wire.decode_update(
         data, against=Codebook(own.fingerprint, own.dims), phase=Phase.SYNC
     )
     assert sorted(e.name for e in update.entries) == CLASSES[0:2]
     assert update.metadata["site"] == "farm"
-    client_app._SITES.clear()  # answered in this process too: the same reply
-    assert client_app.answer(header, b"") == (record, data)
+    answer.SITES.clear()  # answered in this process too: the same reply
+    assert answer.answer(header, b"") == (record, data)
 
 
 def test_errors_and_garbage(worker: Path, tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The site's SuperExec: Flower's task loop, each ClientApp task in a child forked from it.
 
-Flower 1.41 runs every message a SuperNode receives in a fresh ``flwr-clientapp`` process
+Flower 1.42 runs every message a SuperNode receives in a fresh ``flwr-clientapp`` process
 (flwrlabs/flower#3670). Importing Flower alone takes that process ≈ 2.7 s on the development
 machine, paid on each of a step's six messages per site (docs/benchmarks.md, "Deployed step").
 In Flower's ``process`` isolation the SuperNode leaves its tasks to a SuperExec of the
@@ -26,20 +26,21 @@ import sys
 import time
 from pathlib import Path
 
-from flwr.proto.runtime_pb2 import AcquireTaskRequest
-from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret
-from flwr.supercore.constant import TaskType
-from flwr.supercore.interceptors import (
+import starfed.client.app  # noqa: F401  imported once here, so that no task imports it again
+from starfed.server.ops.flower_internals import (
+    SUPEREXEC_AUTH_METHODS,
+    AcquireTaskRequest,
+    AutoExecPlugin,
+    ExecutionSpec,
+    LaunchResult,
+    RuntimeHttpClient,
     RuntimeVersionHttpInterceptor,
     SuperExecAuthHttpInterceptor,
+    TaskType,
+    load_superexec_auth_secret,
+    make_simple_http_retry_invoker,
+    run_clientapp,
 )
-from flwr.supercore.retry import make_simple_http_retry_invoker
-from flwr.supercore.runtime import RuntimeHttpClient
-from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult
-from flwr.supercore.superexec.plugin import AutoExecPlugin
-from flwr.supernode.runtime.run_clientapp import run_clientapp
-
-import starfed.client.app  # noqa: F401  imported once here, so that no task imports it again
 
 #: What this SuperExec executes: a SuperNode sends nothing else.
 TASK_TYPES = frozenset({TaskType.CLIENT_APP})
@@ -47,8 +48,6 @@ TASK_TYPES = frozenset({TaskType.CLIENT_APP})
 #: SuperLink; a child that asks for them at once finds them missing and Flower backs off a whole
 #: second (``PULL_INITIAL_BACKOFF``). ``flwr-clientapp`` never noticed: its start took longer.
 OBJECTS_GRACE_S = 0.1
-#: The Runtime API method Flower protects with the SuperExec secret.
-AUTH_METHODS = frozenset({"/flwr.proto.Runtime/AcquireTask"})
 
 
 class ForkExecutor:
@@ -118,7 +117,7 @@ def serve(runtime_api_address: str, secret_file: Path, poll_s: float) -> None:
             RuntimeVersionHttpInterceptor(component_name="SuperExec"),
             SuperExecAuthHttpInterceptor(
                 master_secret=load_superexec_auth_secret(str(secret_file)),
-                protected_methods=AUTH_METHODS,
+                protected_methods=SUPEREXEC_AUTH_METHODS,
             ),
         ],
         retry_invoker=make_simple_http_retry_invoker(),

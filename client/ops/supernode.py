@@ -51,8 +51,11 @@ import tomli_w
 from starfed.server.ops import pki, processes
 from starfed.server.ops.processes import ProcessId
 from starfed.shared import addresses
+from starfed.shared.config import TABLES
 
 STOP_GRACE_S = 15.0
+#: `starfed site start --device` (the knob table defines it; the CLI checks it at start).
+DEVICE = TABLES["run-config"]["device"]
 WORKER_START_S = 30.0
 
 
@@ -106,7 +109,7 @@ def _key_revoked(o: SiteOptions) -> str:
     )
 
 
-#: Known failure lines of Flower 1.41's SuperNode, first match wins (docs/deployment.md).
+#: Known failure lines of Flower 1.42's SuperNode, first match wins (docs/deployment.md).
 FAILURES: tuple[Failure, ...] = (
     Failure(re.compile(r"Hostname mismatch|IP address mismatch"), _wrong_name),
     Failure(re.compile(r"CERTIFICATE_VERIFY_FAILED"), _wrong_ca),
@@ -124,7 +127,7 @@ class SiteOptions:
     data: Path
     state: Path
     name: str
-    device: str = "auto"
+    device: str = DEVICE.default
     ca: Path | None = None  # None only with insecure
     key: Path | None = None
     insecure: bool = False
@@ -158,7 +161,7 @@ def default_state_dir(name: str) -> Path:
     return Path(base) / "starfed" / "sites" / name
 
 
-def _name_from(data: Path) -> str:
+def site_name_from(data: Path) -> str:
     """A site name from the data folder's name: ``My Data`` -> ``My-Data``."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", data.name).strip(".-")[:64] or "site"
 
@@ -171,7 +174,7 @@ def prepare(
     key: Path | None,
     state: Path | None = None,
     name: str | None = None,
-    device: str = "auto",
+    device: str = DEVICE.default,
     insecure: bool = False,
     worker: bool = True,
 ) -> SiteOptions:
@@ -180,7 +183,7 @@ def prepare(
     data = data.expanduser().resolve()
     if not data.is_dir():
         raise SiteError(f"--data {data} is not a folder: a site without its data must not join")
-    name = pki.check_site_name(name or _name_from(data))
+    name = pki.check_site_name(name or site_name_from(data))
     fingerprint = ""
     if insecure:
         if key is not None:

@@ -43,6 +43,7 @@ INTERRUPTED = "interrupted"
 EXIT_COMPLETED, EXIT_FAILED, EXIT_USAGE, EXIT_DEGRADED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 POLL_S = 3.0
 FLWR_TIMEOUT_S = 120.0
+#: The deployment's apps (``starfed server round``); a simulation passes its own ServerApp.
 APP_COMPONENTS = {"serverapp": "starfed.server.app:app", "clientapp": "starfed.client.app:app"}
 
 
@@ -71,9 +72,10 @@ def app_config() -> dict[str, object]:
     return {key: knob.default for key, knob in TABLES["run-config"].items()}
 
 
-def write_app(folder: Path) -> Path:
-    """The Flower app folder ``flwr run`` submits, generated from this installation (written
-    again each time, so it always matches the installed package); returns ``folder``."""
+def write_app(folder: Path, components: Mapping[str, str] = APP_COMPONENTS) -> Path:
+    """The Flower app folder ``flwr run`` submits, running ``components``, generated from this
+    installation (written again each time, so it always matches the installed package);
+    returns ``folder``."""
     try:
         installed = version("starfed")
     except PackageNotFoundError:  # a source tree on sys.path, not installed
@@ -89,7 +91,7 @@ def write_app(folder: Path) -> Path:
             "flwr": {
                 "app": {
                     "publisher": "starfed",
-                    "components": APP_COMPONENTS,
+                    "components": dict(components),
                     "config": app_config(),
                 }
             }

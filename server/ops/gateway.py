@@ -1,6 +1,6 @@
 """The fleet-only gateway: the one port of a starfed server that sites can reach.
 
-Why it exists: Flower 1.41's SuperLink is one HTTPS server that answers the Fleet API (what
+Why it exists: Flower 1.42's SuperLink is one HTTPS server that answers the Fleet API (what
 SuperNodes call), the Control API (what the ``flwr`` CLI calls: start and stop runs, read logs,
 register and unregister SuperNodes) and the Runtime API (what ServerApps and the SuperExec call)
 on the same port, and open-source Flower has no user authentication on the Control API. A

@@ -1,6 +1,6 @@
 """Site key pairs and key files, as Flower's SuperNode authentication needs them.
 
-Flower 1.41 signs every Fleet API call with the SuperNode's private key and looks the public key
+Flower 1.42 signs every Fleet API call with the SuperNode's private key and looks the public key
 up in the keys the operator registered (``flwr supernode register``). It reads the private key
 with ``load_ssh_private_key`` and the registered public key with ``load_ssh_public_key``, both on
 a NIST EC curve: so a site key is an EC P-384 key, the private half in OpenSSH format (file mode

@@ -27,7 +27,7 @@ from starfed.server.ops.layout import ServerFolder
 from starfed.shared.files import write_atomic
 
 FLWR_TIMEOUT_S = 60.0
-#: Fleet API errors of a refused SuperNode (flwr/supercore/error/base.py in Flower 1.41).
+#: Fleet API errors of a refused SuperNode (flwr/supercore/error/base.py in Flower 1.42).
 REFUSAL_CODES = {
     "2001": "tried to register itself (no registered key)",
     "2004": "key not registered",

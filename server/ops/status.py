@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from starfed.server.federation import Federation, FederationError
+from starfed.server.federation import Federation, FederationError, StepRecord
 from starfed.server.ops import flower_runs, sites, superlink
 from starfed.server.ops.layout import ServerFolder
 
@@ -162,21 +162,17 @@ def _federation(status: Status, federation: Federation) -> None:
     status.steps = [_step(record) for record in history]
     last: dict[str, SiteRow] = {}
     for record in history:
-        answered = {e["site"]: e["node_id"] for e in record["exchanges"]
-                    if e["status"] == "ok" and e["site"]}  # fmt: skip
+        answered = {e.site: e.node_id for e in record.exchanges if e.status == "ok" and e.site}
         for site, node_id in answered.items():
-            when = _when(record["started"] + record["wall_s"])
-            last[site] = SiteRow(site, node_id, record["step"], when)
+            last[site] = SiteRow(site, node_id, record.step, _when(record.ended))
     status.sites = sorted(last.values(), key=lambda row: row.name)
-    recent = {r["step"] for r in history[-RECENT_STEPS:]}
+    recent = {r.step for r in history[-RECENT_STEPS:]}
     status.errors = [
-        ErrorRow(
-            e["site"] or f"node-{e['node_id']}", e["step"], e["phase"], e["round"], e["status"]
-        )
+        ErrorRow(e.site or f"node-{e.node_id}", e.step, e.phase, e.round, e.status)
         for record in history
-        if record["step"] in recent
-        for e in record["exchanges"]
-        if e["status"] != "ok"
+        if record.step in recent
+        for e in record.exchanges
+        if e.status != "ok"
     ]
     metrics = federation.root / "metrics.json"
     if metrics.is_file():
@@ -186,18 +182,17 @@ def _federation(status: Status, federation: Federation) -> None:
         status.last_run["written"] = _when(metrics.stat().st_mtime)
 
 
-def _step(record: dict) -> StepRow:
-    scores = record.get("scores") or {}
+def _step(record: StepRecord) -> StepRow:
     return StepRow(
-        record["step"],
-        record.get("attempt", 0),
-        record["status"],
-        record.get("reason", ""),
-        list(record.get("classes", [])),
-        list(record.get("sites", [])),
-        _number(scores.get("mean_accuracy")),
-        float(record.get("wall_s", 0.0)),
-        _when(record["started"] + record.get("wall_s", 0.0)),
+        record.step,
+        record.attempt,
+        record.status,
+        record.reason,
+        list(record.classes),
+        list(record.sites),
+        _number(record.scores.mean_accuracy if record.scores else None),
+        record.wall_s,
+        _when(record.ended),
     )
 
 

@@ -11,7 +11,7 @@ What ``start`` runs, each in its own session so it outlives the command:
   isolation Flower ignores that secret, and ``acquire-task`` (which hands out a pending
   ServerApp's token) answers anyone who reaches the port; with the secret it answers 401.
 - the fleet-only gateway (``starfed.server.ops.gateway``) on the public address: the only thing
-  sites reach. Flower 1.41 serves the unauthenticated Control API on the SuperLink's one port,
+  sites reach. Flower 1.42 serves the unauthenticated Control API on the SuperLink's one port,
   so that port must never be public.
 
 The SuperExec and the gateway end by themselves when the SuperLink ends (``--parent-pid``,

@@ -30,7 +30,7 @@ from starfed.proto import distribution_pb2_grpc as pb_grpc
 from starfed.server.federation import CODEBOOK_FILE, Federation, FederationError
 from starfed.server.serving.export import Deployable, deployable
 from starfed.shared.addresses import format_address, is_loopback, parse_address
-from starfed.shared.codebook.deployment import FEDERATION_KEY
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.wire import DEFAULT_MAX_BYTES, to_proto
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class CodebookDistribution(pb_grpc.CodebookDistributionServicer):
         """The reply to a device holding ``held_version`` of ``federation`` (0, "": nothing)."""
         current = self.current()
         codebook = current.codebook
-        if federation != codebook.metadata[FEDERATION_KEY] or held_version > codebook.version:
+        if federation != Lineage.of(codebook).federation or held_version > codebook.version:
             held_version = 0  # another federation's, or a version this one never had
         with self._lock:
             reply = self._replies.get(held_version) if current is self._current else None

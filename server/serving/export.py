@@ -23,14 +23,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from starfed.cli import package_version
 from starfed.server.federation import Federation, FederationError, now
+from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.deployment import CONFIDENCE_KEY, deployment_metadata
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.config import TABLES
 from starfed.shared.files import write_atomic
 from starfed.shared.metrics import nan_to_none
 from starfed.shared.model.backbone_config import BackboneError, read_backbone_config
+from starfed.shared.version import package_version
 
 CARD_SUFFIX = ".card.json"
 CARD_FORMAT = "starfed-model-card/1"
@@ -64,7 +66,7 @@ def deployable(federation: Federation) -> Deployable:
     if unknown:
         raise FederationError(f"{federation.root}: registry.json lacks class {unknown[0]!r}")
     steps = {name: federation.registry[name].step for name in entries}
-    metadata = deployment_metadata(federation.id, steps, modulation)
+    metadata = deployment_metadata(Lineage.of(codebook), steps, modulation)
     frozen = Codebook(
         codebook.fingerprint,
         codebook.dims,
@@ -129,7 +131,7 @@ def write(federation: Federation, export: Deployable, out: Path, dtype: str = "f
             f"federation {federation.id[:8]} has no finished class yet"
             + (f" ({len(export.left_out)} in the step in progress)" if export.left_out else "")
         )
-    export.codebook.broadcast().save(out, dtype)
+    wire.write_file(out, export.codebook.broadcast(), dtype)
     card = model_card(federation, export, out, dtype)
     write_atomic(card_path(out), (json.dumps(card, indent=2) + "\n").encode())
     return card

@@ -1,54 +1,48 @@
 """The codebook — the ordered class entries plus what they are only valid with — and an update.
 
 A ``Codebook`` is the unit every part of starfed exchanges: server broadcasts, checkpoints and
-exports. It is a value: the functions that evolve it (registration, merging, replay, freezing)
-return a new codebook and share the unchanged entries' tensors, which nobody modifies in place.
-A ``Delta`` is what changed between two versions, which is all a site that keeps the last
-codebook needs. A ``ClientUpdate`` is what one site returns for one phase: entries restricted to
-the fields the phase trains (``schema.trained_in``), or for sync, names and counts only.
+exports. It is an immutable value: the functions that evolve it (registration, merging, replay,
+freezing) return a new codebook and share the unchanged entries' tensors, which nobody modifies
+in place. A ``Delta`` is what changed between two versions, which is all a receiver that holds
+the last codebook needs (``starfed.shared.codebook.held``). A ``ClientUpdate`` is what one site
+returns for one phase: entries restricted to the fields the phase trains
+(``schema.trained_in``), or for sync, names and counts only.
 
-Bytes and files go through ``starfed.shared.codebook.wire``, where decoding validates; a value
-built in memory by this code is trusted.
+These are values only; bytes and files are ``starfed.shared.codebook.wire``'s, where decoding
+validates. A value built in memory by this code is trusted.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank, ClassEntry, Value
-from starfed.shared.codebook.framing import CodebookError, read_payload
+from starfed.shared.codebook.framing import CodebookError
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.protocol import Phase
 
 
-class _Serialised:
-    """Bytes and file conversions, implemented once in ``wire`` for both message kinds."""
-
-    def to_bytes(self, dtype: str = "float32") -> bytes:
-        """Deterministic serialisation (same value, same bytes); tensors in ``dtype``."""
-        from starfed.shared.codebook import wire  # wire imports this module
-
-        return wire.encode(self, dtype)
-
-    def save(self, path: str | os.PathLike[str], dtype: str = "float32") -> None:
-        """Write atomically with a checksum (``wire`` documents the file layout)."""
-        from starfed.shared.codebook import wire
-
-        wire.write_file(path, self, dtype)
+def _read_only(value: object, name: str, mapping: Mapping) -> None:
+    """Store a private copy of ``mapping`` that cannot be changed through the value."""
+    object.__setattr__(value, name, MappingProxyType(dict(mapping)))
 
 
-@dataclass(eq=False)
-class Codebook(_Serialised):
+@dataclass(frozen=True, eq=False)
+class Codebook:
     """Class entries in class-index order, keyed by name, for one backbone pair."""
 
     fingerprint: str
     dims: ModelDims
-    entries: dict[str, ClassEntry] = field(default_factory=dict)
+    entries: Mapping[str, ClassEntry] = field(default_factory=dict)
     version: int = 0  # +1 for every change
-    metadata: dict[str, str] = field(default_factory=dict)
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _read_only(self, "entries", self.entries)
+        _read_only(self, "metadata", self.metadata)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -170,31 +164,9 @@ class Codebook(_Serialised):
             entries[name] = replace(new, values=values)
         return Codebook(self.fingerprint, self.dims, entries, delta.version, delta.metadata)
 
-    @classmethod
-    def from_bytes(
-        cls, data: bytes, *, fingerprint: str | None = None, dims: ModelDims | None = None
-    ) -> Codebook:
-        """Decode and validate; ``fingerprint``/``dims`` are the receiver's, when it has them."""
-        from starfed.shared.codebook import wire
 
-        return wire.decode_codebook(data, fingerprint=fingerprint, dims=dims)
-
-    @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        fingerprint: str | None = None,
-        dims: ModelDims | None = None,
-    ) -> Codebook:
-        """Read, verify the checksum, decode and validate (``OSError`` if unreadable)."""
-        from starfed.shared.codebook import wire
-
-        return wire.decode_codebook(read_payload(path), fingerprint=fingerprint, dims=dims)
-
-
-@dataclass(eq=False)
-class Delta(_Serialised):
+@dataclass(frozen=True, eq=False)
+class Delta:
     """The changes from codebook version ``base_version`` to ``version``: the entries that
     changed, each with only the fields that changed, and every class name in the new order.
     A receiver that holds version ``base_version`` rebuilds the new codebook with
@@ -204,13 +176,18 @@ class Delta(_Serialised):
     dims: ModelDims
     version: int
     base_version: int
-    names: list[str]
-    entries: dict[str, ClassEntry] = field(default_factory=dict)
-    metadata: dict[str, str] = field(default_factory=dict)
+    names: tuple[str, ...]
+    entries: Mapping[str, ClassEntry] = field(default_factory=dict)
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", tuple(self.names))
+        _read_only(self, "entries", self.entries)
+        _read_only(self, "metadata", self.metadata)
 
 
-@dataclass(eq=False)
-class ClientUpdate(_Serialised):
+@dataclass(frozen=True, eq=False)
+class ClientUpdate:
     """What one site returns for one phase, answering codebook version ``base_version``.
 
     For sync, ``entries`` are the classes of the site's current task (names and counts) and
@@ -221,12 +198,13 @@ class ClientUpdate(_Serialised):
     dims: ModelDims
     phase: Phase
     base_version: int
-    entries: list[ClassEntry] = field(default_factory=list)
-    metadata: dict[str, str] = field(default_factory=dict)
+    entries: tuple[ClassEntry, ...] = ()
+    metadata: Mapping[str, str] = field(default_factory=dict)
 
-    @classmethod
-    def from_bytes(cls, data: bytes, *, against: Codebook, phase: Phase) -> ClientUpdate:
-        """Decode and validate against the codebook the phase was sent with (see ``wire``)."""
-        from starfed.shared.codebook import wire
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "entries", tuple(self.entries))
+        _read_only(self, "metadata", self.metadata)
 
-        return wire.decode_update(data, against=against, phase=phase)
+    def only(self, names: Collection[str]) -> ClientUpdate:
+        """The same update without the rows of classes outside ``names``."""
+        return replace(self, entries=tuple(e for e in self.entries if e.name in names))

@@ -5,7 +5,10 @@ a copy the codebook service keeps current). Besides the tensors it needs two fac
 federation, carried in the codebook's metadata: the step that registered each class (the task
 a prediction's prompts came from) and whether the model was trained with confidence
 modulation. ``server/serving/export.py`` writes them, ``starfed.shared.inference.predict``
-reads them; both through this module, which imports nothing heavy.
+reads them; both through this module, which imports nothing heavy. The metadata also carries
+the codebook's lineage (``starfed.shared.codebook.lineage``), so a device that follows the
+federation applies a delta only to a codebook of the same version line
+(``starfed.shared.codebook.held``).
 """
 
 from __future__ import annotations
@@ -14,15 +17,15 @@ import json
 from collections.abc import Mapping
 
 from starfed.shared.codebook.codebook import Codebook, CodebookError
+from starfed.shared.codebook.lineage import Lineage
 
-FEDERATION_KEY = "federation"  # the federation's id
 CLASS_STEPS_KEY = "class-steps"  # JSON {class: the step that registered it}
 CONFIDENCE_KEY = "confidence-modulation"  # "true" | "false", as the federation trained
 
 
-def deployment_metadata(federation: str, steps: Mapping[str, int], modulation: bool) -> dict:
+def deployment_metadata(lineage: Lineage, steps: Mapping[str, int], modulation: bool) -> dict:
     return {
-        FEDERATION_KEY: federation,
+        **lineage.as_metadata(),
         CLASS_STEPS_KEY: json.dumps(dict(steps)),
         CONFIDENCE_KEY: "true" if modulation else "false",
     }

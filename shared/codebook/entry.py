@@ -9,8 +9,9 @@ computes with a ``ClassBank`` instead, where row ``i`` of every column belongs t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -21,16 +22,24 @@ from starfed.shared.codebook.schema import ModelDims
 Value = torch.Tensor | GaussianMixture
 
 
-@dataclass(eq=False)  # tensors have no single truth value: compare encodings, not objects
+@dataclass(frozen=True, eq=False)  # tensors have no single truth value: compare encodings
 class ClassEntry:
-    """One class: its values by field name, its example count and the server's bookkeeping."""
+    """One class: its values by field name, its example count and the server's bookkeeping.
+
+    A value: ``dataclasses.replace`` makes a changed copy; the mappings are read-only, and the
+    tensors are never modified in place (codebooks share them, docs/design.md#the-codebook).
+    """
 
     name: str
     count: int = 0  # training examples behind the values
-    values: dict[str, Value] = field(default_factory=dict)
+    values: Mapping[str, Value] = field(default_factory=dict)
     version: int = 0  # codebook version at which the entry last changed (server bookkeeping)
     frozen: bool = False  # the class's task is finished: merges never change it
-    field_versions: dict[str, int] = field(default_factory=dict)  # version of each value
+    field_versions: Mapping[str, int] = field(default_factory=dict)  # version of each value
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
+        object.__setattr__(self, "field_versions", MappingProxyType(dict(self.field_versions)))
 
 
 class ClassBank:
@@ -63,9 +72,6 @@ class ClassBank:
         if isinstance(column, torch.Tensor):
             column = column.detach().to(torch.float32)
         self._columns[field_name] = column
-
-    def index(self, name: str) -> int:
-        return self.names.index(name)
 
     def to(self, device: torch.device) -> ClassBank:
         """The tensor columns moved to ``device`` (in place); mixtures are float64 statistics
@@ -119,25 +125,25 @@ class ClassBank:
     ) -> list[ClassEntry]:
         """Entries of ``names`` (default all) holding ``fields`` (default all that are set).
 
-        Tensor rows are copied to the CPU, so later training does not change the entries and
-        they can be encoded wherever the bank computed.
+        The rows of each tensor column are gathered to the CPU in one copy and the entries hold
+        views of it: later training does not change them, they can be encoded wherever the bank
+        computed, and no class costs a copy of its own.
         """
-        fields = schema.BY_NAME if fields is None else tuple(fields)
-        out = []
-        for name in self.names if names is None else names:
-            i = self.index(name)
-            values: dict[str, Value] = {}
-            for field_name in fields:
-                value = self._columns[field_name][i]
-                if value is not None:
-                    values[field_name] = (
-                        value.detach().to("cpu", copy=True)
-                        if isinstance(value, torch.Tensor)
-                        else value
-                    )
-            out.append(ClassEntry(name, self.counts[i], values))
-        return out
-
-    def select(self, names: Sequence[str]) -> ClassBank:
-        """A new bank holding copies of the rows of ``names``, in that order."""
-        return ClassBank.from_entries(self.dims, self.entries(names))
+        row = {name: i for i, name in enumerate(self.names)}
+        rows = [row[name] for name in (self.names if names is None else names)]
+        index = torch.tensor(rows, dtype=torch.long)
+        columns = {}
+        for name in schema.BY_NAME if fields is None else fields:
+            column = self._columns[name]
+            if isinstance(column, torch.Tensor):
+                columns[name] = column.detach()[index.to(column.device)].to("cpu")
+            else:
+                columns[name] = [column[i] for i in rows]
+        return [
+            ClassEntry(
+                self.names[i],
+                self.counts[i],
+                {f: column[k] for f, column in columns.items() if column[k] is not None},
+            )
+            for k, i in enumerate(rows)
+        ]

@@ -1,4 +1,4 @@
-"""Codebook and update files as frames, and the one error type of bad codebook data — no torch.
+"""Codebook files as frames, and the one error type of bad codebook data — no torch.
 
 A file is ``magic (8 bytes) | payload length (u64 LE) | sha256(payload) (32 bytes) | payload``,
 written atomically, so a crash leaves either the old file or the new one. Checking the frame
@@ -17,8 +17,6 @@ from starfed.proto import codebook_pb2 as pb
 
 DEFAULT_MAX_BYTES = 64 * 2**20
 CODEBOOK_MAGIC = b"SFCODEBK"
-UPDATE_MAGIC = b"SFUPDATE"
-_FILE_KINDS = {CODEBOOK_MAGIC: "codebook", UPDATE_MAGIC: "client update"}
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 of the payload
 
 
@@ -26,29 +24,24 @@ class CodebookError(ValueError):
     """Invalid codebook data; the message says what and where, on one line."""
 
 
-def frame(magic: bytes, payload: bytes) -> bytes:
-    """Header (magic, length, sha256) + ``payload``: a file's bytes."""
-    return _HEADER.pack(magic, len(payload), hashlib.sha256(payload).digest()) + payload
+def frame(payload: bytes) -> bytes:
+    """Header (magic, length, sha256) + ``payload``: a codebook file's bytes."""
+    return _HEADER.pack(CODEBOOK_MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload
 
 
-def read_payload(
-    path: str | os.PathLike[str], magic: bytes = CODEBOOK_MAGIC, max_bytes: int = DEFAULT_MAX_BYTES
-) -> bytes:
-    """The checksum-verified message bytes of a codebook (or update) file.
+def read_payload(path: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """The checksum-verified message bytes of a codebook file.
 
-    Raises ``CodebookError`` for a wrong kind of file, a truncated or corrupted one, or one over
+    Raises ``CodebookError`` for another kind of file, a truncated or corrupted one, or one over
     ``max_bytes``; ``OSError`` when it cannot be read at all.
     """
-    kind = _FILE_KINDS[magic]
     with open(path, "rb") as file:
         header = file.read(_HEADER.size)
         if len(header) < _HEADER.size:
-            raise CodebookError(f"{path}: too short to be a starfed {kind} file")
+            raise CodebookError(f"{path}: too short to be a starfed codebook file")
         found, length, digest = _HEADER.unpack(header)
-        if found != magic:
-            other = _FILE_KINDS.get(found)
-            what = f"a starfed {other} file" if other else "not a starfed file"
-            raise CodebookError(f"{path}: {what}, expected a {kind} file")
+        if found != CODEBOOK_MAGIC:
+            raise CodebookError(f"{path}: not a starfed codebook file")
         if length > max_bytes:
             raise CodebookError(f"{path}: payload of {length} bytes exceeds the limit {max_bytes}")
         payload = file.read(length + 1)
@@ -63,7 +56,7 @@ def read_message(path: str | os.PathLike[str]) -> pb.Codebook:
     """A codebook file's message, tensors left as bytes: its version, fingerprint, metadata and
     entry names without decoding (nothing here is validated beyond the frame)."""
     try:
-        return pb.Codebook.FromString(read_payload(path, CODEBOOK_MAGIC))
+        return pb.Codebook.FromString(read_payload(path))
     except ValueError as err:  # protobuf's DecodeError
         if isinstance(err, CodebookError):
             raise

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -205,7 +205,21 @@ class _Sum:
 
 
 class MergeAccumulator:
-    """One phase's merge, fed one decoded update at a time (``add``), read with ``result``.
+    """One phase's merge, fed one decoded update at a time (``add``), read with ``result``: a
+    new codebook, one version later, with the updates merged class by class.
+
+    The updates were validated when they were decoded (``wire.decode_update``), so they name
+    registered classes and carry their phase's fields. They are consumed one at a time: a
+    generator of decoded replies never holds them all.
+
+    - Per class and per field, the new value is the average over the updates that carry that
+      class, weighted by their example counts (FedAvg per class: the previous value does not
+      take part). Mixtures are merged as by ``merge_mixtures`` (pooled, see below).
+    - A class's count becomes the sum of the counts of the updates carrying it: the examples
+      behind the merged values. It is not added to the previous count, because every round
+      re-reports the same examples.
+    - Frozen classes are never changed. Rows for them are ignored (logged), not rejected.
+    - Changed classes get the new version as their version. Inputs are not modified.
 
     Its state is per class and field, whatever the number of updates: a float64 sum for a
     tensor, a pool of at most ``bound`` (plus one site's) components for a mixture. Below the
@@ -267,7 +281,7 @@ class MergeAccumulator:
                         self._sums[key].weight += entry.count
 
     def result(self) -> Codebook:
-        """A new codebook, one version later, with the merged classes (see ``merge_updates``)."""
+        """A new codebook, one version later, with the merged classes."""
         if self._ignored:
             logger.info("ignored update rows of frozen classes: %s", sorted(self._ignored))
         values: dict[str, dict[str, Value]] = {name: {} for name in self._counts}
@@ -280,31 +294,3 @@ class MergeAccumulator:
                 elif key in self._pools:
                     values[name][f.name] = self._pools[key].result(self.n_components, self.seed)
         return self.codebook.set_values(values, self._counts)
-
-
-def merge_updates(
-    codebook: Codebook,
-    updates: Iterable[ClientUpdate],
-    *,
-    n_components: int = DEFAULT_COMPONENTS,
-    seed: int = 0,
-) -> Codebook:
-    """A new codebook, one version later, with the updates merged class by class.
-
-    The updates were validated when they were decoded (``wire.decode_update``), so they name
-    registered classes and carry their phase's fields. They are consumed one at a time
-    (``MergeAccumulator``): a generator of decoded replies never holds them all.
-
-    - Per class and per field, the new value is the average over the updates that carry that
-      class, weighted by their example counts (FedAvg per class: the previous value does not
-      take part). Mixtures are merged as by ``merge_mixtures`` (pooled, see the accumulator).
-    - A class's count becomes the sum of the counts of the updates carrying it: the examples
-      behind the merged values. It is not added to the previous count, because every round
-      re-reports the same examples.
-    - Frozen classes are never changed. Rows for them are ignored (logged), not rejected.
-    - Changed classes get the new version as their version. Inputs are not modified.
-    """
-    accumulator = MergeAccumulator(codebook, n_components=n_components, seed=seed)
-    for update in updates:
-        accumulator.add(update)
-    return accumulator.result()

@@ -93,11 +93,6 @@ class GaussianMixture:
         """Overall mean of the mixture, [D]."""
         return self.weights @ self.means
 
-    def covariance_diagonal(self) -> torch.Tensor:
-        """Diagonal of the overall covariance, [D] (law of total variance)."""
-        second_moment = self.weights @ (self.variances + self.means**2)
-        return second_moment - self.mean() ** 2
-
 
 def sample_replay_features(
     mixtures: list[GaussianMixture], n_per_class: int, generator: torch.Generator | None = None

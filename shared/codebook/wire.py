@@ -8,7 +8,10 @@ is also checked against the codebook its phase was sent with: the same version, 
 registered there, exactly the fields its phase trains. Any failure raises ``CodebookError``
 with a one-line reason; nothing is half-applied.
 
-Files are frames (``framing``: magic, length, sha256, payload), written atomically.
+Files are frames (``framing``: magic, length, sha256, payload), written atomically. A file holds
+a whole codebook and nothing else: a delta or an update is a message, meaningful only against
+the codebook it was made from, so neither is ever written to a file (``write_file`` refuses
+them).
 
 float16 on the wire (``dtype="float16"``) halves the per-class tensors; mixtures stay float64
 because their statistics are averaged across sites and tasks. Round-to-nearest keeps 11
@@ -31,12 +34,7 @@ from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassEntry, Value
-from starfed.shared.codebook.framing import (
-    CODEBOOK_MAGIC,
-    DEFAULT_MAX_BYTES,
-    UPDATE_MAGIC,
-    frame,
-)
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, read_payload
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
@@ -392,9 +390,23 @@ def encode(value: Codebook | Delta | ClientUpdate, dtype: str = "float32") -> by
 # --- files ----------------------------------------------------------------------------------------
 
 
-def write_file(
-    path: str | os.PathLike[str], value: Codebook | ClientUpdate, dtype: str = "float32"
-) -> None:
-    """Atomically replace ``path`` with header (magic, length, sha256) + message."""
-    magic = CODEBOOK_MAGIC if isinstance(value, Codebook) else UPDATE_MAGIC
-    write_atomic(path, frame(magic, encode(value, dtype)))
+def write_file(path: str | os.PathLike[str], codebook: Codebook, dtype: str = "float32") -> None:
+    """Atomically replace ``path`` with header (magic, length, sha256) + the codebook's message.
+
+    Only a whole codebook is written: a ``Delta`` or a ``ClientUpdate`` is a ``TypeError`` (see
+    the module docstring)."""
+    if not isinstance(codebook, Codebook):
+        raise TypeError(f"a file holds a whole codebook, not a {type(codebook).__name__}")
+    write_atomic(path, frame(encode(codebook, dtype)))
+
+
+def read_file(
+    path: str | os.PathLike[str],
+    *,
+    fingerprint: str | None = None,
+    dims: ModelDims | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Codebook:
+    """Read, verify the checksum, decode and validate (``OSError`` if unreadable)."""
+    payload = read_payload(path, max_bytes)
+    return decode_codebook(payload, fingerprint=fingerprint, dims=dims, max_bytes=max_bytes)

@@ -8,59 +8,46 @@ after site 0, so sites in different tasks share rounds. Each site's test set fol
 class mix; the global test set (the split's) is what the server scores in simulation.
 
 Partitions are computed per task on first use and kept on the instance, so building a scenario
-only scans the dataset folder; ``shared_scenario`` keeps one per process and config.
+only scans the dataset folder. A simulation's server process holds the one scenario of its run
+and writes every simulated site's folder from it (``starfed.simulations.simulated_sites``); the
+sites read only their folders.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import numpy as np
 from flwr_datasets.partitioner import DirichletPartitioner
 
-from starfed.shared.config import Values
+from starfed.shared.config import Options, knob, optional
 from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root
 
 Sample = tuple[str, int]
 
 
 @dataclass(frozen=True)
-class ScenarioConfig:
+class ScenarioConfig(Options):
     """What defines a federated scenario; equal configs give identical partitions."""
 
-    data_root: str = field(default_factory=dataset_root)
-    n_tasks: int = 7
-    classes_per_task: int | None = None  # None: all classes spread evenly over the tasks
-    seed: int = 1993  # class order and partition
-    n_clients: int = 5
-    alpha: float = 0.5  # Dirichlet concentration: small = each site sees few classes
-    arrival_offset: int = 0  # site i starts i * arrival_offset steps after site 0
-    min_partition_size: int = 0  # per task: resample the Dirichlet until every site has this many
+    data_root: str = knob("data-root", dataset_root)  # "": the bundled set
+    n_tasks: int = knob("num-tasks")
+    classes_per_task: int | None = knob("classes-per-task", optional)  # None: spread evenly
+    seed: int = knob("seed")  # class order and partition
+    n_clients: int = knob("num-clients")
+    alpha: float = knob("alpha")  # Dirichlet concentration: small = each site sees few classes
+    arrival_offset: int = knob("arrival-offset")  # site i starts i * offset steps after site 0
+    min_partition_size: int = knob("min-partition-size")  # per task, for every site
 
     @property
     def n_steps(self) -> int:
         """Global steps until the last-arriving site has finished its last task."""
         return self.n_tasks + (self.n_clients - 1) * self.arrival_offset
-
-    @classmethod
-    def from_config(cls, values: Values) -> ScenarioConfig:
-        """The scenario knobs of a parsed config (``starfed.shared.config``)."""
-        return cls(
-            data_root=dataset_root(values["data-root"]),
-            n_tasks=values["num-tasks"],
-            classes_per_task=values["classes-per-task"] or None,
-            seed=values["seed"],
-            n_clients=values["num-clients"],
-            alpha=values["alpha"],
-            arrival_offset=values["arrival-offset"],
-            min_partition_size=values["min-partition-size"],
-        )
 
 
 def _task_seed(seed: int, task: int) -> int:
@@ -236,11 +223,3 @@ def _write_class_folders(parent: Path, samples: list[Sample], split: SplitCropDi
         for path in paths:
             (staging / Path(path).name).symlink_to(Path(path).resolve())
         staging.rename(target)
-
-
-@functools.lru_cache(maxsize=4)
-def shared_scenario(config: ScenarioConfig) -> Scenario:
-    """One scenario per process and config. A simulation worker answers for many sites; they
-    share its dataset scan and partitions (pure functions of the config) instead of each site
-    computing every site's partition again — with 100 sites that was most of a step."""
-    return Scenario(config)

@@ -1,12 +1,13 @@
 """The device's side of the codebook-distribution service: a local copy kept current.
 
 ``fetch`` asks the service (``server.distribution``) what changed since the version the cached
-copy holds, rebuilds the current codebook (``Codebook.apply`` for a delta), validates it like
-every codebook that arrives (``wire``), and replaces the cache file atomically. A device that
-cannot reach the service keeps predicting with the copy it has (``offline``, with the reason). A
-delta that does not fit the held copy (a damaged cache) is answered by fetching the whole
-codebook once. What crosses the network: the held version and federation id up; the finished
-classes' broadcast fields down, only those that changed.
+copy holds and hands the reply to the cached copy, a ``HeldCodebook`` like a site's: it
+validates what arrives (``wire``), applies a delta by the same rule as a site, and replaces the
+cache file atomically. A device that cannot reach the service keeps predicting with the copy it
+has (``offline``, with the reason). A delta the held copy refuses (a damaged cache, or another
+version line after the federation rolled back) is answered by fetching the whole codebook once.
+What crosses the network: the held version and federation id up; the finished classes'
+broadcast fields down, only those that changed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from starfed.proto import distribution_pb2 as pb
 from starfed.proto import distribution_pb2_grpc as pb_grpc
 from starfed.shared.addresses import is_loopback, parse_address
 from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
+from starfed.shared.codebook.held import HeldCodebook
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.wire import DEFAULT_MAX_BYTES, broadcast_from_proto
 
 CACHE_FILE = "codebook.bin"
@@ -70,38 +73,25 @@ def open_channel(address: str, ca: Path | None, insecure: bool, max_bytes: int) 
     return grpc.secure_channel(address, credentials, options=options)
 
 
-def held_codebook(cache_dir: Path) -> Codebook | None:
-    """The cached copy, or None (none yet, or unusable: it is then replaced)."""
-    try:
-        return Codebook.load(cache_dir / CACHE_FILE)
-    except (OSError, CodebookError):
-        return None
-
-
 def _ask(stub: pb_grpc.CodebookDistributionStub, held: Codebook | None, timeout: float):
     request = pb.FetchRequest(
-        held_version=held.version if held else 0,
-        federation=held.metadata.get("federation", "") if held else "",
+        held_version=held.version if held else 0, federation=Lineage.of(held).federation
     )
     return stub.Fetch(request, timeout=timeout)
 
 
-def _rebuild(reply: pb.FetchReply, held: Codebook | None) -> tuple[Codebook, str]:
-    """The codebook a reply leads to from ``held``; CodebookError if it does not fit."""
+def _receive(reply: pb.FetchReply, held: HeldCodebook) -> tuple[Codebook, str]:
+    """The codebook a reply leads to from what is held; CodebookError if it does not fit."""
+    current = held.codebook()
     if reply.WhichOneof("answer") == "unchanged":
-        if held is None or held.version != reply.version:
+        if current is None or current.version != reply.version:
             raise CodebookError("the service says unchanged about a version not held here")
-        return held, "unchanged"
+        return current, "unchanged"
     received = broadcast_from_proto(reply.codebook)
-    if isinstance(received, Delta):
-        if held is None:
-            raise CodebookError("a delta for a device that holds nothing")
-        received, status = held.apply(received), "delta"
-    else:
-        status = "full"
+    status = "delta" if isinstance(received, Delta) else "full"
     if received.version != reply.version:
         raise CodebookError(f"reply for version {reply.version} holds {received.version}")
-    return received, status
+    return held.receive(received), status
 
 
 def _reason(address: str, ca: Path | None, err: grpc.RpcError) -> str:
@@ -122,24 +112,19 @@ def fetch(
     timeout: float = TIMEOUT_S,
 ) -> Fetched:
     """Bring the cached copy in ``cache_dir`` up to the service's current codebook."""
-    cache_dir = Path(cache_dir).expanduser()
-    held = held_codebook(cache_dir)
+    held = HeldCodebook(Path(cache_dir).expanduser() / CACHE_FILE)
     with open_channel(address, ca, insecure, max_bytes) as channel:
         stub = pb_grpc.CodebookDistributionStub(channel)
         try:
-            reply = _ask(stub, held, timeout)
+            reply = _ask(stub, held.codebook(), timeout)
             try:
-                codebook, status = _rebuild(reply, held)
+                codebook, status = _receive(reply, held)
             except CodebookError:  # the held copy does not fit: start over, once
-                held = None
                 reply = _ask(stub, None, timeout)
-                codebook, status = _rebuild(reply, None)
+                codebook, status = _receive(reply, held)
         except grpc.RpcError as err:
             reason = _reason(address, ca, err)
-            if held is None:
+            if held.codebook() is None:
                 raise DistributionError(reason) from None
-            return Fetched(held, "offline", reason=reason)
-    if status != "unchanged":
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        codebook.save(cache_dir / CACHE_FILE)
+            return Fetched(held.codebook(), "offline", reason=reason)
     return Fetched(codebook, status, reply.ByteSize())

@@ -14,7 +14,7 @@ features of augmented views, which change every epoch.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from rich.progress import Progress
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
-from starfed.shared.config import Values
+from starfed.shared.config import Options, knob
 from starfed.shared.data.images import augment, normalize, to_unit
 from starfed.shared.device import backbone_dtype
 from starfed.shared.model import frozen_towers
@@ -48,35 +48,29 @@ EVAL_BATCH_SIZE = 256
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Hyper-parameters of one task (reference values for Split CropDiseases)."""
+class TrainConfig(Options):
+    """Hyper-parameters of one task (reference values for Split CropDiseases). The knobs'
+    fields take their defaults from the knob table; the others are the reference's."""
 
-    batch_size: int = 128
-    stage1_epochs: int = 5
+    batch_size: int = knob("batch-size")
+    stage1_epochs: int = knob("stage1-epochs")
     stage1_lr: float = 0.002  # SGD, no momentum
     lambda_op: float = 30.0
-    stage2_epochs: int = 5
+    stage2_epochs: int = knob("stage2-epochs")
     stage2_lr: float = 0.001  # Adam, cosine schedule over epochs
     lambda_oq: float = 5.0
-    replay1_epochs: int = 10
+    replay1_epochs: int = knob("replay1-epochs")
     replay1_lr: float = 0.01
-    replay2_epochs: int = 10  # + replay2_epochs_per_task · task index
-    replay2_epochs_per_task: int = 5
+    replay2_epochs: int = knob("replay2-epochs")  # + replay2_epochs_per_task · task index
+    replay2_epochs_per_task: int = knob("replay2-epochs-per-task")
     replay2_lr: float = 0.001
     replay_samples: int = 256
     replay_batch_size: int = 128
-    mixture_components: int = 5  # 1 = the paper's "unimodal" ablation
-    generative_replay: bool = True
-    confidence_modulation: bool = True
-    classify_with_keys: bool = False  # evaluation: the paper's keys-as-classifier ablation
-    seed: int = 1993
-
-    @classmethod
-    def from_config(cls, values: Values) -> TrainConfig:
-        """The training knobs (and the seed) of a parsed config; a knob's key is its field's
-        name with dashes. The other fields keep the reference values."""
-        dashed = {f.name: f.name.replace("_", "-") for f in fields(cls)}
-        return cls(**{name: values[key] for name, key in dashed.items() if key in values})
+    mixture_components: int = knob("mixture-components")  # 1 = the paper's "unimodal" ablation
+    generative_replay: bool = knob("generative-replay")
+    confidence_modulation: bool = knob("confidence-modulation")
+    classify_with_keys: bool = knob("classify-with-keys")  # evaluation: keys as classifier
+    seed: int = knob("seed")
 
     def to_dict(self) -> dict:
         return asdict(self)

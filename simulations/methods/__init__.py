@@ -1,25 +1,35 @@
-"""The methods an experiment compares, by name: one table, one module per method.
+"""The methods an experiment compares, by name: one module per method, found by its name.
 
-A method is a function ``run(values, seed, out_dir, console)`` that trains and evaluates one
-cell of an experiment grid and writes ``out_dir/metrics.json`` (the keys of
-``starfed.simulations.tabulate.METRICS``; docs/results.md). ``values`` are the scenario's run
-config, parsed by the configuration schema, with ``seed`` set to ``seed``. Adding a method is
-one module under ``simulations/methods/`` and one line in ``METHODS``.
+A method runs one cell of an experiment grid and writes ``out_dir/metrics.json`` (the keys of
+``starfed.simulations.tabulate.METRICS``; docs/results.md). A module here is a method when it
+defines, at its top level, either
 
-The table names functions by import path (as Flower names its apps), so reading and checking a
-grid imports no torch; each cell runs in its own process (``starfed.simulations.cell``).
+- a subclass of ``starfed.server.strategy.Strategy``: a federated baseline, method
+  ``starfed-<module>`` (underscores as dashes) — `starfed` on the local runtime with that
+  strategy passed in (``starfed.simulations.methods.starfed``); or
+- ``run(values, seed, out_dir, console)``: any other method, named ``<module>``. ``values`` are
+  the scenario's run config, parsed by the configuration schema, with ``seed`` set to ``seed``.
+
+The first paragraph of the module's docstring ("`name`: what it is") describes it. Adding a
+method is one module here. Methods are found by reading the modules' source (``ast``), so
+reading and checking a grid imports no torch; each cell runs in its own process
+(``starfed.simulations.cell``), which imports its method's module.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
 from rich.console import Console
 
 from starfed.shared.config import Value, Values
+
+FEDERATED = "starfed"  # the method a strategy's name is prefixed with (and its runner module)
 
 
 class Method(Protocol):
@@ -28,50 +38,45 @@ class Method(Protocol):
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: where its function lives and what it is, in one line."""
+    """A method found here: its module, its strategy class (a federated baseline), what it is."""
 
-    target: str  # "module:function"
+    module: str  # module name under starfed.simulations.methods
+    strategy: str | None  # the module's Strategy subclass; None: the module's ``run``
     description: str
 
     def load(self) -> Method:
-        module, _, function = self.target.partition(":")
-        return getattr(importlib.import_module(module), function)
+        module = importlib.import_module(f"{__name__}.{self.module}")
+        if self.strategy is None:
+            return module.run
+        runner = importlib.import_module(f"{__name__}.{FEDERATED}")
+        return partial(runner.run, strategy=getattr(module, self.strategy)())
 
 
-METHODS: dict[str, MethodSpec] = {
-    "starfed": MethodSpec(
-        "starfed.simulations.methods.federated:run",
-        "federated STAR-Prompt: the scenario's sites, the local runtime",
-    ),
-    "starfed-positional": MethodSpec(
-        "starfed.simulations.methods.positional:run",
-        "federated STAR-Prompt, trained tensors averaged by position (plain FedAvg)",
-    ),
-    "starfed-unmerged": MethodSpec(
-        "starfed.simulations.methods.unmerged:run",
-        "federated STAR-Prompt, the sites' Gaussians replayed unmerged (CCVR-style)",
-    ),
-    "starfed-no-replay": MethodSpec(
-        "starfed.simulations.methods.ablations:no_generative_replay",
-        "federated STAR-Prompt without generative replay (generative-replay=false)",
-    ),
-    "starfed-keys": MethodSpec(
-        "starfed.simulations.methods.ablations:classify_with_keys",
-        "federated STAR-Prompt evaluated with the first-level keys alone (classify-with-keys)",
-    ),
-    "fedavg": MethodSpec(
-        "starfed.simulations.methods.fedavg:run",
-        "FedAvg fine-tuning of a linear head, no continual mechanism (lower bound)",
-    ),
-    "single-site": MethodSpec(
-        "starfed.simulations.methods.references:single_site",
-        "STAR-Prompt with all the data at one site, the same tasks in order",
-    ),
-    "joint": MethodSpec(
-        "starfed.simulations.methods.references:joint",
-        "all the scenario's classes as one task at one site (upper reference)",
-    ),
-}
+def _spec(path: Path) -> tuple[str, MethodSpec] | None:
+    """The method a module defines, by reading its source; None for a module that is none."""
+    tree = ast.parse(path.read_text(), str(path))
+    first = " ".join((ast.get_docstring(tree) or "").split("\n\n")[0].split())
+    dashed = path.stem.replace("_", "-")
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and any(
+            (base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")) == "Strategy"
+            for base in node.bases
+        ):
+            name = f"{FEDERATED}-{dashed}"
+            return name, MethodSpec(path.stem, node.name, first.removeprefix(f"`{name}`: "))
+    if any(isinstance(node, ast.FunctionDef) and node.name == "run" for node in tree.body):
+        return dashed, MethodSpec(path.stem, None, first.removeprefix(f"`{dashed}`: "))
+    return None
+
+
+def _discover() -> dict[str, MethodSpec]:
+    """Every method here: `starfed` first, then the federated baselines, then the others."""
+    found = dict(filter(None, map(_spec, sorted(Path(__file__).parent.glob("[!_]*.py")))))
+    order = sorted(found, key=lambda name: (name != FEDERATED, not name.startswith(FEDERATED)))
+    return {name: found[name] for name in order}
+
+
+METHODS: dict[str, MethodSpec] = _discover()
 
 
 def cell_run_config(values: Values, seed: int, out_dir: Path) -> dict[str, Value]:

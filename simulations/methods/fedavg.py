@@ -36,7 +36,7 @@ from flwr.serverapp.strategy import FedAvg
 from rich.console import Console
 from torch import nn
 
-from starfed.client.app import default_cache_dir
+from starfed.client.answer import default_cache_dir
 from starfed.shared.config import BackboneOptions, Values, parse
 from starfed.shared.data.images import decode_images, to_unit
 from starfed.shared.data.scenario import Scenario, ScenarioConfig

@@ -1,0 +1,113 @@
+"""What every ``starfed`` subcommand shares: its exit codes, the one-line error, console and JSON
+output, how a group of actions is registered, and the server folder the ``server`` actions
+work on. Subcommands import this module, never each other's helpers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from starfed.server.ops.layout import DIR_ENV, ServerFolder, default_dir
+from starfed.shared.config import ConfigError
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # something failed: a process would not start, a peer refused, nothing to do
+EXIT_BAD_INPUT = 2  # arguments, files, names: one line, before anything heavy runs
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+
+Run = Callable[[argparse.Namespace], int]
+
+
+class Failed(RuntimeError):
+    """Something failed that is not bad input (nothing to export yet, a port in use): exit 1."""
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """The command and its actions as typed: ``server sites add``."""
+    words = (v for k, v in vars(args).items() if k == "command" or k.endswith("_action"))
+    return " ".join(str(word) for word in words if word)
+
+
+def emit_json(data: Any) -> None:
+    """One JSON object on stdout, for scripts."""
+    print(json.dumps(data, indent=2, default=str))
+
+
+def fail(args: argparse.Namespace, err: Exception | str, code: int) -> int:
+    """Say why in one line on stderr (and, with ``--json``, as one JSON object on stdout)."""
+    message = " ".join(str(err).split())
+    if getattr(args, "json", False) is True:
+        emit_json({"success": False, "error": message, "exit_code": code})
+    print(f"starfed {command_name(args)}: error: {message}", file=sys.stderr)
+    return code
+
+
+def guard(
+    bad_input: tuple[type[Exception], ...] = (), failed: tuple[type[Exception], ...] = ()
+) -> Callable[[Run], Run]:
+    """Every expected error of ``run`` as one line and its exit code: :class:`ConfigError` and
+    ``bad_input`` exit 2; :class:`Failed`, ``OSError``, ``failed`` and Ctrl-C exit 1."""
+
+    def decorate(run: Run) -> Run:
+        @functools.wraps(run)
+        def guarded(args: argparse.Namespace) -> int:
+            try:
+                return run(args)
+            except (ConfigError, *bad_input) as err:
+                return fail(args, err, EXIT_BAD_INPUT)
+            except (Failed, OSError, *failed) as err:
+                return fail(args, err, EXIT_FAILED)
+            except KeyboardInterrupt:  # what was started cleans up after itself; say so
+                return fail(args, "interrupted", EXIT_FAILED)
+
+        return guarded
+
+    return decorate
+
+
+def console() -> Console:
+    """Rich output for people; wide when piped, so ids and fingerprints are never cut."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def add_group(
+    subparsers: argparse._SubParsersAction, name: str, register: Callable[..., None]
+) -> argparse._SubParsersAction:
+    """Register the command ``name`` whose actions the returned object takes (``args.<name>_action``
+    says which). As with a click group, the docstring of ``register`` (the function that
+    registers the group) is its help: first paragraph the summary, the rest the description."""
+    summary, _, description = (inspect.getdoc(register) or "").partition("\n\n")
+    parser = subparsers.add_parser(
+        name, help=" ".join(summary.split()), description=" ".join(description.split()) or None
+    )
+    return parser.add_subparsers(dest=f"{name}_action", metavar="ACTION", required=True)
+
+
+def server_options() -> argparse.ArgumentParser:
+    """``--dir`` and ``--json``, accepted by every ``server`` action (after the action name)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--dir", type=Path, help=f"server folder (default: ${DIR_ENV} or ./starfed-server)"
+    )
+    parent.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return parent
+
+
+def server_folder(args: argparse.Namespace) -> ServerFolder:
+    """The server folder a ``server`` action works on."""
+    return ServerFolder.at(args.dir if args.dir is not None else default_dir())
+
+
+def add_switches(parser: argparse.ArgumentParser, switches: dict[str, str]) -> None:
+    """On/off flags (``--insecure``, ``--json``, ...): flag name -> help."""
+    for name, text in switches.items():
+        parser.add_argument(name, action="store_true", help=text)

@@ -1,0 +1,99 @@
+"""How a site answers one message, whichever process holds it: the one code behind the adapters.
+
+The ClientApp (``starfed.client.app``) answers in its own process, or hands the message to the
+site's worker (``starfed.client.worker``), which answers here too; both send a header — the
+phase, the message's config, the run's and node's configs — and the codebook bytes.
+
+A node is a site when its node config names its folders: ``data-dir`` (and ``state-dir``,
+``site-name``; ``starfed site start`` writes them). A node of a simulation (``partition-id``)
+finds its folders by a naming rule (``simulated_site_dir``) inside the run folder, where the
+simulation writes the site's data before each step (``starfed.simulations.simulated_sites``): a
+node knows only its folders, never the scenario. A node with neither refuses every message: it
+must not train on data it was never given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from starfed.client.memory import SiteMemory
+from starfed.client.site import Site
+from starfed.shared.codebook import wire
+from starfed.shared.config import BackboneOptions, parse, run_dir
+from starfed.shared.model.training import TrainConfig
+from starfed.shared.protocol import CLASSIFY_WITH_KEYS, Phase
+
+#: The sites this process has built, by (run id, node id): backbones and caches load once.
+SITES: dict[tuple[int, int], Site] = {}
+
+
+class NoDataError(RuntimeError):
+    """A node that is neither a configured site nor a simulated one."""
+
+
+def default_cache_dir() -> Path:
+    """Where a simulated site caches decoded images and CLIP features, shared by all of them."""
+    return Path(os.environ.get("STARFED_CACHE_DIR", Path.home() / ".cache" / "starfed"))
+
+
+def simulated_site_dir(run_folder: Path, partition: int) -> Path:
+    """The folder of simulated site ``partition`` in a simulation's run folder: its ``data``
+    folder (written by the simulation) and its ``state`` folder. The site is named after it."""
+    return run_folder / "sites" / f"site-{partition}"
+
+
+def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> Site:
+    """The site of this node in this run (built once per process; backbones cached too).
+
+    Run and node config are checked against the schema (``starfed.shared.config``) first.
+    """
+    key = (run_id, node_id)
+    if key not in SITES:
+        values, node = parse(run_config), parse(node_config, "node-config")
+        backbones = BackboneOptions.from_config(values).load(node["device"] or values["device"])
+        if node["data-dir"]:
+            name = node["site-name"] or f"node-{node_id}"
+            data_dir = Path(node["data-dir"])
+            state_dir = Path(node["state-dir"] or data_dir / ".starfed")
+            cache_dir = Path(node["cache-dir"] or state_dir / "cache")
+        elif "partition-id" in node_config:
+            root = simulated_site_dir(run_dir(values, run_id), node["partition-id"])
+            name, data_dir, state_dir = root.name, root / "data", root / "state"
+            cache_dir = Path(node["cache-dir"] or default_cache_dir())
+        else:
+            raise NoDataError(
+                "this SuperNode has no data folder: start it with `starfed site start --data "
+                "DIR` (node config data-dir), so it never trains on data it was not given"
+            )
+        memory = SiteMemory(state_dir, backbones.fingerprint, backbones.dims)
+        config = TrainConfig.from_config(values)
+        SITES[key] = Site(name, data_dir, memory, backbones, config, cache_dir)
+    return SITES[key]
+
+
+def answer(header: dict[str, Any], payload: bytes) -> tuple[str, bytes]:
+    """The reply to one message: (record name, bytes) — an update, or the site's report.
+
+    ``header`` holds the phase, the message's config and the run's and node's configs;
+    ``payload`` the codebook the message carries (or nothing).
+    """
+    phase = Phase[header["phase"].upper()]
+    config = header["config"]
+    site = site_for(header["run-id"], header["node-id"], header["run-config"],
+                    header["node-config"])  # fmt: skip
+    step, round_index = int(config["step"]), int(config.get("round", 0))
+    federation = str(config["federation"])
+    if phase is Phase.SYNC:
+        frozen = [str(name) for name in config.get("frozen", [])]
+        update = site.sync(step, frozen, federation, str(config["epoch"]))
+    else:
+        site.memory.join(federation)
+        codebook = site.memory.receive(payload)
+        if phase is Phase.EVALUATE:
+            use_keys = bool(config.get(CLASSIFY_WITH_KEYS, False))
+            report = site.evaluate(codebook, [int(s) for s in config["class-steps"]], use_keys)
+            return "report", report.to_bytes()
+        update = site.run_phase(phase, codebook, step, round_index)
+    return "update", wire.encode(update, str(config.get("wire-dtype", "float32")))

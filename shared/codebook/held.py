@@ -1,0 +1,98 @@
+"""The codebook a receiver holds and keeps current by deltas: a site's, an inference device's.
+
+A site (``starfed.client.memory``) and an inference device (``starfed.shared.inference.follow``)
+both keep the last codebook they received in a file, so that the sender can send only what
+changed since (a ``Delta``). ``HeldCodebook`` is that file and the one rule for when a delta
+applies; the file is replaced atomically (``wire.write_file``) and read again whenever it changed
+on disk, as several worker processes of a simulation may answer for the same site.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from starfed.shared.codebook import wire
+from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
+from starfed.shared.codebook.lineage import Lineage
+from starfed.shared.codebook.schema import ModelDims
+
+logger = logging.getLogger(__name__)
+
+
+class HeldCodebook:
+    """The last codebook received, kept in one file, and the one rule for deltas.
+
+    The rule: a delta applies only to a held codebook of the same lineage (federation id and
+    epoch, ``Lineage``) whose version is the delta's base version (``Codebook.apply`` checks
+    the version and the backbones). A version number alone does not name a codebook: two
+    federations both reach version 12, and a rollback starts a new version line that counts up
+    again. Anything else — nothing held, another federation, another epoch, another version —
+    is refused with ``CodebookError``, and the receiver needs the whole codebook. So the version
+    to announce for a lineage (``version_for``) is the held version when the held codebook is
+    of that lineage, else 0: nothing a delta can be made from. A whole codebook is taken as it
+    comes. What is received is held from then on (written at once, so a process that restarts
+    holds it too).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fingerprint: str | None = None,
+        dims: ModelDims | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.fingerprint, self.dims = fingerprint, dims  # the receiver's backbones, if known
+        self._held: Codebook | None = None
+        self._stamp: tuple[int, int] = (0, 0)  # the file's mtime and size when read
+
+    def codebook(self) -> Codebook | None:
+        """The held codebook, if there is one and it is intact (a damaged file is ignored: it
+        costs one whole codebook)."""
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            self._held = None
+            return None
+        if self._held is None or self._stamp != (stat.st_mtime_ns, stat.st_size):
+            self._held, self._stamp = None, (stat.st_mtime_ns, stat.st_size)
+            try:
+                self._held = wire.read_file(self.path, fingerprint=self.fingerprint, dims=self.dims)
+            except (OSError, CodebookError) as err:
+                logger.warning("ignoring the held codebook: %s", err)
+        return self._held
+
+    def version_for(self, lineage: Lineage) -> int:
+        """The version a sender of ``lineage`` can make a delta from: the held one, or 0."""
+        held = self.codebook()
+        return held.version if held is not None and Lineage.of(held) == lineage else 0
+
+    def receive(self, received: bytes | Codebook | Delta) -> Codebook:
+        """The codebook a message carries (bytes are decoded and validated here): as sent, or
+        the held one with the delta applied; it is held from now on.
+
+        Raises CodebookError for bad bytes or a delta the rule refuses."""
+        if isinstance(received, bytes | bytearray | memoryview):
+            received = wire.decode_broadcast(
+                bytes(received), fingerprint=self.fingerprint, dims=self.dims
+            )
+        if isinstance(received, Delta):
+            held = self.codebook()
+            if held is None or Lineage.of(held) != Lineage.of(received):
+                raise CodebookError(
+                    f"a delta from version {received.base_version} arrived, but that codebook "
+                    "is not held here"
+                )
+            received = held.apply(received)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        wire.write_file(self.path, received)
+        stat = self.path.stat()
+        self._held, self._stamp = received, (stat.st_mtime_ns, stat.st_size)
+        return received
+
+    def forget(self) -> None:
+        """Hold nothing (the next message must carry the whole codebook)."""
+        self.path.unlink(missing_ok=True)
+        self._held = None

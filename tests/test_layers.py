@@ -1,0 +1,179 @@
+"""The shape of the tree (docs/design.md#the-layout), read from the source's import statements.
+
+Every ``import`` of the package counts — at module level and inside functions — except those
+under ``if TYPE_CHECKING:``, which never run. Three layers, arrows one way: operations →
+federation → model. No import cycle. The model imports nothing from Flower, and one module
+holds every import of a non-public Flower module.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The folders that install as ``starfed.*`` (pyproject.toml's ``package-dir``).
+FOLDERS = ("cli", "client", "server", "shared", "proto", "simulations")
+#: Flower modules whose names are Flower's public API (its documentation's import paths).
+FLOWER_PUBLIC = {"flwr.app", "flwr.clientapp", "flwr.serverapp", "flwr.serverapp.strategy"}
+FLOWER_INTERNALS = "starfed.server.ops.flower_internals"
+
+#: Layer of a module, by prefix (the longest matching prefix wins); a module may import its
+#: own layer and the layers below it.
+LAYERS = {
+    "starfed.shared": 0,  # the model
+    "starfed.proto": 0,
+    "starfed.server": 1,  # the federation
+    "starfed.client": 1,
+    "starfed.server.ops": 2,  # operations
+    "starfed.client.ops": 2,
+    "starfed.server.serving": 2,
+    "starfed.simulations": 3,  # what users run: research harness and the command line
+    "starfed.cli": 3,
+}
+LAYER_NAMES = ("model", "federation", "operations", "commands")
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            parts = ["starfed", folder, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> Iterator[str]:
+    """Every module name ``tree`` imports (``from a import b`` gives ``a.b`` where that is a
+    module of the package, else ``a``)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            yield from (name for child in node.orelse for name in _imports(child, module, False))
+            continue
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                yield candidate if candidate in MODULES else base
+        yield from _imports(node, module, is_package)
+
+
+IMPORTS: dict[str, set[str]] = {
+    module: set(_imports(ast.parse(path.read_text()), module, path.name == "__init__.py"))
+    for module, path in MODULES.items()
+}
+
+
+def _layer(module: str) -> int:
+    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[prefix]
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), and self-imports."""
+    graph = {m: sorted(i for i in IMPORTS[m] if i in MODULES) for m in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_walk_sees_the_package():
+    assert {"starfed.server.coordinator", "starfed.client.site", "starfed.cli"} <= MODULES.keys()
+    assert "starfed.shared.model.training" in IMPORTS["starfed.client.site"]
+    # a function-level import counts
+    assert any(
+        isinstance(node, ast.ImportFrom)
+        for fn in ast.walk(ast.parse(MODULES["starfed.cli"].read_text()))
+        if isinstance(fn, ast.FunctionDef)
+        for node in ast.walk(fn)
+    )
+
+
+def test_no_import_cycle():
+    assert _cycles() == []
+
+
+def test_layers_point_down():
+    upward = [
+        f"{module} ({LAYER_NAMES[_layer(module)]}) imports {target} ({LAYER_NAMES[_layer(target)]})"
+        for module, targets in IMPORTS.items()
+        for target in targets
+        if target in MODULES and _layer(target) > _layer(module)
+    ]
+    assert upward == []
+
+
+def test_the_model_imports_nothing_from_flower():
+    flower = [
+        f"{module} imports {target}"
+        for module, targets in IMPORTS.items()
+        if _layer(module) == 0
+        for target in targets
+        if target == "flwr" or target.startswith("flwr.")
+    ]
+    assert flower == []
+
+
+def test_flower_internals_are_imported_by_one_module():
+    internal = {
+        module
+        for module, targets in IMPORTS.items()
+        for target in targets
+        if (target == "flwr" or target.startswith("flwr.")) and target not in FLOWER_PUBLIC
+    }
+    assert internal == {FLOWER_INTERNALS}
+
+
+def test_a_cycle_would_be_found(monkeypatch):
+    """The check itself: an edge back from the model to the coordinator closes a cycle."""
+    back = IMPORTS["starfed.shared.protocol"] | {"starfed.server.coordinator"}
+    monkeypatch.setitem(IMPORTS, "starfed.shared.protocol", back)
+    assert any("starfed.server.coordinator" in cycle for cycle in _cycles())
