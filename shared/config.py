@@ -193,12 +193,8 @@ SCHEMA: tuple[Knob, ...] = (
          "training", ge=0),
     Knob("batch-size", int, 128, "training batch size", "training", ge=1),
     Knob("mixture-components", int, 5, "Gaussians per class and feature space", "training", ge=1),
-    Knob("generative-replay", bool, True, "replay features drawn from the class mixtures",
-         "training"),
     Knob("confidence-modulation", bool, True, "scale first-level logits by the prompt "
          "selection's confidence", "training"),
-    Knob("classify-with-keys", bool, False, "ablation: predict with the first-level keys alone "
-         "(evaluation only; training is unchanged)", "training"),
     # backbones: the frozen pair every participant loads (fingerprints must match)
     Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
     Knob("device", str, "auto", "where the server and simulated sites compute: auto (the GPU "
@@ -233,6 +229,12 @@ SCHEMA: tuple[Knob, ...] = (
          command="train-local"),
     Knob("vit-tag", str, "augreg_in21k", "which ViT weights --download fetches", "command",
          choices=PAPER_VIT_TAGS, command="train-local"),
+    Knob("generative-replay", bool, True, "replay features drawn from the class mixtures (a "
+         "federation's is its strategy's: the starfed-no-replay baseline)", "command",
+         command="train-local"),
+    Knob("classify-with-keys", bool, False, "ablation: predict with the first-level keys alone "
+         "(evaluation only; a federation's: the starfed-keys baseline)", "command",
+         command="train-local"),
     Knob("threads", int, os.cpu_count() or 1, "torch CPU threads", "command", ge=1,
          command="train-local"),
     Knob("runtime", str, "flower", "where the apps run: flower (a SuperLink and Ray, as "
@@ -326,7 +328,7 @@ def knob(key: str, convert: Callable[[Any], Any] | None = None, table: str = "ru
     """A dataclass field read from knob ``key`` of ``table``: its default is the knob's, passed
     through ``convert`` (e.g. :func:`optional`: "" becomes None) like every parsed value."""
     default = TABLES[table][key].default
-    metadata = {"knob": key, "convert": convert}
+    metadata = {"knob": key, "convert": convert, "table": table}
     if convert is None:
         return dataclasses.field(default=default, metadata=metadata)
     return dataclasses.field(default_factory=lambda: convert(default), metadata=metadata)
@@ -340,15 +342,19 @@ class Options:
     @classmethod
     def from_config(cls, values: Values) -> Self:
         """The knobs' values in ``values`` (as :func:`parse` returns them); fields that are no
-        knob keep their defaults."""
+        knob keep their defaults, and so do a command's own knobs outside that command (the
+        federation runs its ablations as strategies: ``generative-replay`` stays True there)."""
         given: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             factory = field.default_factory
             if isinstance(factory, type) and issubclass(factory, Options):  # nested options
                 given[field.name] = factory.from_config(values)
             elif "knob" in field.metadata:
+                key, table = field.metadata["knob"], field.metadata["table"]
+                if key not in values and table != "run-config":
+                    continue  # a command's own knob keeps its default outside that command
                 convert = field.metadata["convert"] or (lambda value: value)
-                given[field.name] = convert(values[field.metadata["knob"]])
+                given[field.name] = convert(values[key])
         return cls(**given)
 
 

@@ -56,6 +56,7 @@ class LocalRunOptions(Options):
     results_dir: str = knob("results-dir")
     run_name: str | None = knob("run-name", optional)
     cache_dir: str | None = knob("cache-dir", optional, table=COMMAND)
+    classify_with_keys: bool = knob("classify-with-keys", table=COMMAND)  # evaluation only
     train: TrainConfig = field(default_factory=TrainConfig)
 
     @classmethod
@@ -129,7 +130,7 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
             learn_task(model, images, targets, features, n_past, t, config, progress)
 
             scores = evaluate_decoded(
-                model, test, test_features, split, t + 1, use_keys=config.classify_with_keys
+                model, test, test_features, split, t + 1, use_keys=options.classify_with_keys
             )
             matrix.append(scores.accuracy)
             selection.append(scores.selection_accuracy)

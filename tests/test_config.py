@@ -80,7 +80,8 @@ def _group(name: str) -> set[str]:
 def test_each_group_of_knobs_is_read_by_its_options() -> None:
     assert _knobs_read(ScenarioConfig) == _group("scenario")
     assert _knobs_read(ProtocolOptions) == _group("protocol")
-    assert _knobs_read(TrainConfig) == _group("training") | {"seed"}
+    # + train-local's single-site ablation (a federation's is its strategy, starfed-no-replay)
+    assert _knobs_read(TrainConfig) == _group("training") | {"seed", "generative-replay"}
     assert _knobs_read(BackboneOptions) == _group("backbones") - {"device"}  # load(device)
 
 
@@ -127,15 +128,17 @@ def test_train_config_keeps_the_reference_values() -> None:
         "replay1_lr": 0.01, "replay2_epochs": 10, "replay2_epochs_per_task": 5,
         "replay2_lr": 0.001, "replay_samples": 256, "replay_batch_size": 128,
         "mixture_components": 5, "generative_replay": True, "confidence_modulation": True,
-        "classify_with_keys": False, "seed": 1993,
+        "seed": 1993,
     }  # fmt: skip
     changed = TrainConfig.from_config(parse({"stage1-epochs": 3, "replay2-epochs-per-task": 3}))
     assert changed.stage1_epochs == changed.replay2_epochs_per_task == 3
 
 
 def test_text_and_typed_values_parse_alike() -> None:
-    text = parse({"num-tasks": "3", "alpha": "0.25", "generative-replay": "false", "seed": " 7"})
-    typed = parse({"num-tasks": 3, "alpha": 0.25, "generative-replay": False, "seed": 7})
+    text = parse(
+        {"num-tasks": "3", "alpha": "0.25", "confidence-modulation": "false", "seed": " 7"}
+    )
+    typed = parse({"num-tasks": 3, "alpha": 0.25, "confidence-modulation": False, "seed": 7})
     assert text == typed
     assert parse({"alpha": 1})["alpha"] == 1.0 and isinstance(parse({"alpha": 1})["alpha"], float)
     assert parse({"min-sites": "2"})["min-sites"] == 2
@@ -155,7 +158,7 @@ def test_text_and_typed_values_parse_alike() -> None:
         ({"stage1-epochs": -1}, "stage1-epochs=-1: expected an integer >= 0"),
         ({"num-clients": True}, "num-clients=true: expected an integer >= 1"),
         ({"timeout-s": 0}, "timeout-s=0: expected a number > 0"),
-        ({"generative-replay": "maybe"}, "generative-replay=maybe: expected true or false"),
+        ({"confidence-modulation": "maybe"}, "confidence-modulation=maybe: expected true or false"),
         ({"data-root": 3}, "data-root=3: expected a string"),
         ({"preset": "huge"}, "preset=huge: expected one of tiny, paper"),
     ],
@@ -169,6 +172,9 @@ def test_bad_values_are_one_line_naming_key_value_and_what_is_allowed(raw, messa
 def test_unknown_keys_are_errors() -> None:
     with pytest.raises(ConfigError, match=r"^unknown run-config key 'lr' \(known: data-root, "):
         parse({"lr": 0.1})
+    # the single-site ablations are train-local's; a federation runs them as strategies
+    with pytest.raises(ConfigError, match=r"^unknown run-config key 'generative-replay'"):
+        parse({"generative-replay": False})
     with pytest.raises(ConfigError, match="unknown node-config key 'num-tasks'"):
         parse({"num-tasks": 2}, "node-config")
 

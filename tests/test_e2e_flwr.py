@@ -50,12 +50,12 @@ def test_overrides_keep_supernodes_and_clients_together(tmp_path: Path) -> None:
     overrides = _overrides(
         "--run-config=num-clients=4",
         "--run-config=preset=tiny",
-        "--run-config=generative-replay=false",
+        "--run-config=confidence-modulation=false",
         f"--results-dir={tmp_path}",
         "--run-name=x",
     )
     assert overrides["num-clients"] == 4
-    assert overrides["generative-replay"] is False
+    assert overrides["confidence-modulation"] is False
     assert overrides["preset"] == "tiny"
     assert _overrides("--clients=3", "--run-config=num-clients=4")["num-clients"] == 3
     # values are typed by the schema; paths become absolute (the apps run elsewhere)

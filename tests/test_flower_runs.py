@@ -119,14 +119,14 @@ def test_a_run_is_submitted_streamed_and_followed_to_its_end(fake_flwr, tmp_path
     outcome = flower_runs.run_to_end(
         _cli(tmp_path),
         tmp_path / "app",
-        {"federation-dir": "/x y", "max-steps": 2, "generative-replay": False},
+        {"federation-dir": "/x y", "max-steps": 2, "confidence-modulation": False},
         on_submitted=seen.append,
     )
     assert outcome == RunOutcome(42, "finished:completed") and seen == [42]
     calls = _calls(fake_flwr)
     assert calls[0] == [
         *("run", str(tmp_path / "app"), "starfed", "--run-config", 'federation-dir="/x y"'),
-        *("--run-config", "max-steps=2", "--run-config", "generative-replay=false"),
+        *("--run-config", "max-steps=2", "--run-config", "confidence-modulation=false"),
         *("--format", "json"),
     ]
     assert ["log", "42", "starfed", "--stream"] in calls

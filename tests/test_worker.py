@@ -53,9 +53,7 @@ def test_the_worker_answers_as_the_clientapp_does(worker: Path, tmp_path: Path) 
     record, data = request(worker, header, b"")
     assert record == "update"
     own = BackboneOptions.from_config(parse({"preset": "tiny"})).load()
-    update = wire.decode_update(
-        data, against=Codebook(own.fingerprint, own.dims), phase=Phase.SYNC
-    )
+    update = wire.decode_update(data, against=Codebook(own.fingerprint, own.dims), phase=Phase.SYNC)
     assert sorted(e.name for e in update.entries) == CLASSES[0:2]
     assert update.metadata["site"] == "farm"
     answer.SITES.clear()  # answered in this process too: the same reply

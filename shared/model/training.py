@@ -67,9 +67,8 @@ class TrainConfig(Options):
     replay_samples: int = 256
     replay_batch_size: int = 128
     mixture_components: int = knob("mixture-components")  # 1 = the paper's "unimodal" ablation
-    generative_replay: bool = knob("generative-replay")
+    generative_replay: bool = knob("generative-replay", table="train-local")  # federation: strategy
     confidence_modulation: bool = knob("confidence-modulation")
-    classify_with_keys: bool = knob("classify-with-keys")  # evaluation: keys as classifier
     seed: int = knob("seed")
 
     def to_dict(self) -> dict:
