@@ -13,7 +13,8 @@ import importlib
 import sys
 from typing import NoReturn
 
-from starfed.cli._common import EXIT_BAD_INPUT, fail
+from starfed.cli._common import fail
+from starfed.server.ops.exit_codes import EXIT_BAD_INPUT
 from starfed.shared.config import ConfigError
 from starfed.shared.version import package_version
 

@@ -16,13 +16,12 @@ from typing import Any
 
 from rich.console import Console
 
+from starfed.server.ops.exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+)
 from starfed.server.ops.layout import DIR_ENV, ServerFolder, default_dir
 from starfed.shared.config import ConfigError
-
-EXIT_OK = 0
-EXIT_FAILED = 1  # something failed: a process would not start, a peer refused, nothing to do
-EXIT_BAD_INPUT = 2  # arguments, files, names: one line, before anything heavy runs
-EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
 
 Run = Callable[[argparse.Namespace], int]
 

@@ -14,9 +14,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from starfed.cli._common import EXIT_OK, add_group, guard
+from starfed.cli._common import add_group, guard
 from starfed.cli.flags import add_command
 from starfed.proto import codebook_pb2 as pb
+from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.framing import read_payload

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from starfed.cli._common import EXIT_OK, add_switches, console
+from starfed.cli._common import add_switches, console
 from starfed.cli.flags import BACKBONE_FLAGS, add_command, parsed, same_name
+from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.shared.config import BackboneOptions, ConfigError
 
 COMMAND = "evaluate"

@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from starfed.cli._common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from starfed.cli.flags import add_command, parsed, same_name, switch
+from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from starfed.shared.config import writable_dir
 from starfed.simulations.grid import load, shipped_grids
 

@@ -22,10 +22,11 @@ from pathlib import Path
 
 from rich.table import Table
 
-from starfed.cli._common import EXIT_OK, console, emit_json, guard, server_folder
+from starfed.cli._common import console, emit_json, guard, server_folder
 from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
 from starfed.server.federation import Checkpoint, Federation, FederationError
-from starfed.server.ops import flower_runs, processes, sites, superlink
+from starfed.server.ops import exit_codes, flower_runs, processes, sites, superlink
+from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import Status, gather
 from starfed.shared.config import ConfigError, writable_dir
@@ -149,11 +150,11 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     resume_command = f"starfed server resume --dir {folder.root}" + (
         f" --federation {federation_dir}" if args.federation else ""
     )
-    details = "" if code != flower_runs.EXIT_FAILED else _failure(cli, outcome, metrics)
+    details = "" if code != exit_codes.EXIT_FAILED else _failure(cli, outcome, metrics)
     if args.json:
         emit_json(
             {
-                "success": code in (flower_runs.EXIT_COMPLETED, flower_runs.EXIT_DEGRADED),
+                "success": code in (exit_codes.EXIT_OK, exit_codes.EXIT_DEGRADED),
                 "exit_code": code,
                 "run_id": outcome.run_id,
                 "flower_status": outcome.status,
@@ -161,19 +162,19 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
                 "reason": details or (metrics or {}).get("reason") or None,
                 "federation_dir": str(federation_dir),
                 "metrics": metrics,
-                "resume": resume_command if code == flower_runs.EXIT_INTERRUPTED else None,
+                "resume": resume_command if code == exit_codes.EXIT_INTERRUPTED else None,
             }
         )
         return code
-    if code == flower_runs.EXIT_INTERRUPTED:
+    if code == exit_codes.EXIT_INTERRUPTED:
         checkpoint = _checkpoint(federation_dir)
         where = "" if checkpoint is None else f" ({_where(checkpoint)})"
         print(f"stopped run {outcome.run_id}{where}; continue it: {resume_command}")
-    elif code == flower_runs.EXIT_FAILED:
+    elif code == exit_codes.EXIT_FAILED:
         print(f"starfed server {args.server_action}: error: {details}", file=sys.stderr)
     else:
         print(f"run {outcome.run_id} {outcome.status} · {flower_runs.summarize(metrics or {})}")
-        if code == flower_runs.EXIT_DEGRADED:
+        if code == exit_codes.EXIT_DEGRADED:
             print(f"degraded: {_lost(metrics or {})}")
         print(f"federation {federation_dir}; see `starfed server status --dir {folder.root}`")
     return code

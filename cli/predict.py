@@ -17,8 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from starfed.cli._common import EXIT_FAILED
 from starfed.cli.flags import BACKBONE_FLAGS, add_command, device_flag, parsed, same_name
+from starfed.server.ops.exit_codes import EXIT_FAILED
 from starfed.shared.config import BackboneOptions, ConfigError
 
 COMMAND = "predict"

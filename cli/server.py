@@ -15,8 +15,6 @@ import sys
 
 from starfed.cli import federation, inference_server, server_sites
 from starfed.cli._common import (
-    EXIT_FAILED,
-    EXIT_OK,
     add_group,
     add_switches,
     emit_json,
@@ -26,6 +24,7 @@ from starfed.cli._common import (
 )
 from starfed.cli.flags import add_command, parsed, same_name
 from starfed.server.ops import certs, pki, processes, superlink
+from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared import addresses
 

@@ -16,18 +16,11 @@ import sys
 from pathlib import Path
 
 from starfed.cli import site_check
-from starfed.cli._common import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    EXIT_OK,
-    add_group,
-    add_switches,
-    fail,
-    guard,
-)
+from starfed.cli._common import add_group, add_switches, fail, guard
 from starfed.cli.flags import add_command, device_flag, parsed, same_name
 from starfed.client.ops import supernode
 from starfed.server.ops import pki, processes
+from starfed.server.ops.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 KEYGEN, START = "site keygen", "site start"  # the tables of their own knobs
 KEYGEN_FLAGS = same_name("out")

@@ -11,9 +11,10 @@ import json
 import re
 from pathlib import Path
 
-from starfed.cli._common import EXIT_FAILED, EXIT_OK, add_switches, guard
+from starfed.cli._common import add_switches, guard
 from starfed.cli.flags import add_command, parsed, same_name
 from starfed.client.ops import supernode
+from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.config import BackboneOptions, ConfigError
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from starfed.cli._common import EXIT_OK
 from starfed.cli.flags import Flag, add_command, parsed, same_name, switch
+from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.shared.config import writable_dir
 
 COMMAND = "train-local"

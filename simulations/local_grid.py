@@ -32,8 +32,9 @@ from threadpoolctl import threadpool_limits
 
 from starfed.client.app import app as client_app
 from starfed.server.app import RunFailed, run_server
+from starfed.server.ops.exit_codes import EXIT_DEGRADED
 from starfed.server.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
-from starfed.server.ops.flower_runs import EXIT_DEGRADED, summarize
+from starfed.server.ops.flower_runs import summarize
 from starfed.server.strategy import Strategy
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast

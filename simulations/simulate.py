@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from starfed.server.federation import Federation, FederationError
-from starfed.server.ops import flower_runs, processes
+from starfed.server.ops import exit_codes, flower_runs, processes
 from starfed.server.ops.flower_runs import COMPLETED, FlowerCli, FlowerRunError, RunOutcome
 from starfed.server.ops.processes import ProcessId
 
@@ -198,7 +198,7 @@ def simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> i
         print(f"error: processes still running after stop: {pids}", file=sys.stderr)
     if outcome.interrupted:
         report_interrupted(run_dir, outcome, superlink.log_file)
-        return flower_runs.EXIT_INTERRUPTED
+        return exit_codes.EXIT_INTERRUPTED
     metrics = flower_runs.read_metrics(run_dir, since=submitted_at)
     if outcome.status != COMPLETED or metrics is None:
         print(
@@ -206,10 +206,10 @@ def simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> i
             f"output above, {superlink.log_file}",
             file=sys.stderr,
         )
-        return flower_runs.EXIT_FAILED
+        return exit_codes.EXIT_FAILED
     print(f"{outcome.status} in {wall:.0f}s · {flower_runs.summarize(metrics)}")
     print(f"results: {run_dir} (metrics.json, accuracy_matrix.png, codebook.bin)")
-    return flower_runs.EXIT_FAILED if survivors else flower_runs.exit_code(outcome, metrics)
+    return exit_codes.EXIT_FAILED if survivors else flower_runs.exit_code(outcome, metrics)
 
 
 def report_interrupted(run_dir: Path, outcome: RunOutcome, superlink_log: Path) -> None:

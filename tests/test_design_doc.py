@@ -1,15 +1,18 @@
-"""docs/design.md shows the schema and the protocol as the code defines them."""
+"""docs/design.md shows the schema, the protocol and the layout as the code defines them."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from starfed.client.site import HANDLERS
-from starfed.server.coordinator import REDUCERS
+from starfed.client.site import HANDLERS, Site
+from starfed.server.coordinator import STATISTICS, Coordinator
+from starfed.server.strategy import Strategy
 from starfed.shared.codebook import schema
-from starfed.shared.protocol import PHASES, Phase
+from starfed.shared.protocol import ENROLMENT, MESSAGES, PHASES, Phase
 
-DESIGN = (Path(__file__).parent.parent / "docs" / "design.md").read_text()
+ROOT = Path(__file__).parent.parent
+DESIGN = (ROOT / "docs" / "design.md").read_text()
 
 
 def table_rows(heading: str) -> list[list[str]]:
@@ -34,15 +37,47 @@ def test_schema_table_matches_the_schema() -> None:
         assert row[4] == ("yes" if field.broadcast else "no")
 
 
+def _hooks(phase: Phase) -> list[str]:
+    """The strategy hooks the coordinator calls for a codebook phase's replies, in order."""
+    if phase is Phase.EVALUATE:
+        return ["aggregate_evaluate"]
+    return ["aggregate_statistics", "replay"] if phase in STATISTICS else ["aggregate_train"]
+
+
 def test_protocol_table_matches_the_protocol() -> None:
+    """Every column of every row: the message, what is sent and returned, who answers with which
+    stream, and who reduces the replies with which stream."""
     rows = table_rows("## The protocol")
-    assert [row[0] for row in rows] == [spec.phase.key for spec in PHASES]
-    for row, spec in zip(rows, PHASES, strict=True):
-        assert row[1] == spec.message_type
-        assert row[2] == ("codebook" if spec.sends_codebook else "nothing")
-        if spec.site_stream:
-            assert row[5] == spec.site_stream
-        assert row[7] == (spec.server_stream or "—")
-    # every training or statistics phase has a site handler, every phase a server reducer
-    assert set(REDUCERS) == set(Phase)
-    assert set(HANDLERS) == {Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS}
+    assert [row[0] for row in rows] == [spec.phase.key for spec in MESSAGES]
+    for row, spec in zip(rows, MESSAGES, strict=True):
+        _, message, sends, returns, handler, site_stream, server, server_stream = row
+        assert message == spec.message_type
+        assert sends == ("codebook" if spec.sends_codebook else "nothing")
+        if spec.phase in HANDLERS:  # an update with exactly the fields the phase trains
+            shown = re.findall(r"`?(\w+)`?", returns.removeprefix("update:"))
+            assert shown == list(schema.trained_in(spec.phase)), spec.phase.key
+            assert handler == HANDLERS[spec.phase].__name__
+        else:
+            assert returns == spec.returns, spec.phase.key
+            owner = getattr(Site, handler.removeprefix("Site."))
+            assert handler == f"Site.{owner.__name__}"
+        assert site_stream == (spec.site_stream or "—")
+        assert server_stream == (spec.server_stream or "—")
+        if spec is ENROLMENT:  # the coordinator's own, not a strategy's
+            method = server.split(":")[0].strip(" `")
+            assert hasattr(Coordinator, method.removeprefix("Coordinator."))
+        else:
+            hooks = re.findall(r"(aggregate_\w+|replay)\b", server)
+            assert hooks == _hooks(spec.phase), spec.phase.key
+            assert all(callable(getattr(Strategy, hook)) for hook in hooks)
+    # the enrolment carries names and counts only: no class order, no codebook either way
+    assert "order" not in ENROLMENT.returns and not ENROLMENT.sends_codebook
+    assert set(HANDLERS) == {spec.phase for spec in PHASES} - {Phase.EVALUATE}
+
+
+def test_layout_links_point_at_the_tree() -> None:
+    """Every repository path the layout section links to exists."""
+    layout = DESIGN.split("## The layout", 1)[1]
+    links = re.findall(r"\]\(\.\./([^)#]+)\)", DESIGN.split("## The model", 1)[0] + layout)
+    assert len(links) > 10
+    assert [link for link in links if not (ROOT / link).exists()] == []

@@ -32,6 +32,7 @@ from typing import IO
 import tomli_w
 
 from starfed.server.ops import processes
+from starfed.server.ops.exit_codes import EXIT_DEGRADED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from starfed.shared.config import TABLES, ConfigError
 from starfed.shared.files import write_atomic
 
@@ -39,8 +40,6 @@ CONNECTION = "starfed"  # the one SuperLink connection in every Flower config st
 FINISHED = "finished"
 COMPLETED = "finished:completed"
 INTERRUPTED = "interrupted"
-#: Exit codes of the commands that run a federation (docs/federation.md#statuses-and-exit-codes).
-EXIT_COMPLETED, EXIT_FAILED, EXIT_USAGE, EXIT_DEGRADED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 POLL_S = 3.0
 FLWR_TIMEOUT_S = 120.0
 #: The deployment's apps (``starfed server round``); a simulation passes its own ServerApp.
@@ -319,7 +318,7 @@ def exit_code(outcome: RunOutcome, metrics: dict | None) -> int:
     if outcome.status != COMPLETED or metrics is None:
         return EXIT_FAILED
     status = str(metrics.get("status"))
-    return {"completed": EXIT_COMPLETED, "degraded": EXIT_DEGRADED}.get(status, EXIT_FAILED)
+    return {"completed": EXIT_OK, "degraded": EXIT_DEGRADED}.get(status, EXIT_FAILED)
 
 
 def summarize(metrics: dict) -> str:
