@@ -195,19 +195,6 @@ def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> t
     return (x - m) / s
 
 
-def renormalize(
-    x: torch.Tensor,
-    from_mean: Sequence[float],
-    from_std: Sequence[float],
-    to_mean: Sequence[float],
-    to_std: Sequence[float],
-) -> torch.Tensor:
-    """Re-express a normalised batch under other statistics (a ViT input as a CLIP query)."""
-    m = torch.as_tensor(from_mean, dtype=x.dtype, device=x.device).view(-1, 1, 1)
-    s = torch.as_tensor(from_std, dtype=x.dtype, device=x.device).view(-1, 1, 1)
-    return normalize(x * s + m, to_mean, to_std)
-
-
 def _crop_boxes(
     b: int, h: int, w: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
