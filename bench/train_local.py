@@ -20,7 +20,7 @@ from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_
 from starfed.shared.data.images import decode_images
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, train_second_level
+from starfed.shared.model.training import TrainConfig, stage2
 from starfed.simulations.train_local import LocalRunOptions, run_local
 
 
@@ -33,13 +33,13 @@ def stage2_throughput(n_images: int, epochs: int, seed: int) -> float:
     labels = split.task_labels(0)
     model.add_classes([split.class_folders[r] for r in labels], seed)
     images = data.images[:n_images]
-    targets = data.labels[:n_images]
-    config = TrainConfig(stage2_epochs=1)
-    generator = torch.Generator().manual_seed(seed)
-    train_second_level(model, images, targets, 0, config, generator)  # warm-up
+    row = {label: i for i, label in enumerate(labels)}  # the model's rows of the task's classes
+    targets = torch.tensor([row[int(label)] for label in data.labels[:n_images]])
+    config = TrainConfig(stage2_epochs=1, seed=seed)
+    stage2(model, images, targets, 0, config, task=0)  # warm-up
     start = time.perf_counter()
-    for _ in range(epochs):
-        train_second_level(model, images, targets, 0, config, generator)
+    for round_index in range(epochs):
+        stage2(model, images, targets, 0, config, task=0, round_index=round_index)
     return epochs * len(targets) / (time.perf_counter() - start)
 
 
@@ -57,8 +57,9 @@ def main() -> None:
     }
     if not args.skip_run:
         with tempfile.TemporaryDirectory() as tmp:
-            options = LocalRunOptions(results_dir=tmp, run_name="bench")
-            options.train = TrainConfig(seed=args.seed)
+            options = LocalRunOptions(
+                results_dir=tmp, run_name="bench", train=TrainConfig(seed=args.seed)
+            )
             metrics = run_local(options, Console(stderr=True, quiet=True))
         summary["train_local_wall_s"] = round(metrics["wall_time_s"], 1)
         summary["train_local_task_s"] = [round(s, 1) for s in metrics["task_wall_time_s"]]
