@@ -61,6 +61,11 @@ def _existing_file(path: str) -> None:
         raise ValueError("no such file")
 
 
+def _existing_dir(path: str) -> None:
+    if not Path(path).expanduser().is_dir():
+        raise ValueError("no such folder")
+
+
 @dataclass(frozen=True)
 class Knob:
     """One setting: its dashed key, type, allowed values, default and help text."""
@@ -148,7 +153,8 @@ def show(value: object) -> str:
 SCHEMA: tuple[Knob, ...] = (
     # scenario: which images each site holds, and when (docs/simulation.md)
     Knob("data-root", str, "", "ImageFolder root (train/ and test/ class folders, or one folder "
-         'per class); "": the bundled cropdiseases-mini set', "scenario", path=True),
+         'per class); "": the bundled cropdiseases-mini set', "scenario", check=_existing_dir,
+         path=True),
     Knob("num-tasks", int, 7, "tasks the classes are split into", "scenario", ge=1),
     Knob("classes-per-task", int, 0, "classes per task; 0: all classes spread evenly over the "
          "tasks", "scenario", ge=0),

@@ -118,9 +118,12 @@ BAD_INPUT = {
         "(char 0))",
         "--backbone-config {tmp}/keys.json: unknown backbone config keys: ['colour']",
         "--backbone-config {tmp}/missing.json: no such file",
+        "--data-root {tmp}/no-such: no such folder",
         UNWRITABLE,
     ],
+    "simulate --runtime local": ["data-root={tmp}/no-such: no such folder"],
     "simulate": [
+        "data-root={tmp}/no-such: no such folder",
         "num-tasks=abc: expected an integer >= 1",
         "alpha=-1: expected a number > 0",
         "seed=1.5: expected an integer in [0, 4294967295]",
