@@ -291,10 +291,12 @@ def test_running_again_skips_finished_cells(two_cells) -> None:
 
 
 def test_a_failed_cell_is_exit_1_and_the_rest_still_runs(tmp_path: Path) -> None:
+    """A folder without images passes the grid's checks (it exists) and fails its cell."""
     path = tmp_path / "grid.toml"
+    (tmp_path / "empty").mkdir()
     path.write_text(
         '[experiment]\nname = "broken"\nseeds = [1993]\nmethods = ["joint"]\n'
-        f'[[scenario]]\nname = "no-data"\ndata-root = "{tmp_path / "missing"}"\n'
+        f'[[scenario]]\nname = "no-data"\ndata-root = "{tmp_path / "empty"}"\n'
     )
     code, printed, progress = run_cli(str(path), f"--results-dir={tmp_path}", "--json")
     assert code == 1, progress
@@ -303,6 +305,19 @@ def test_a_failed_cell_is_exit_1_and_the_rest_still_runs(tmp_path: Path) -> None
     assert cell["status"] == "failed" and cell["error"], cell
     assert "FAILED" in progress and cell["error"] in progress
     assert "| joint | — |" in (tmp_path / "broken" / "table.md").read_text()
+
+
+def test_a_grid_naming_a_missing_data_root_is_bad_input(tmp_path: Path) -> None:
+    """Checked when the grid is read, before any cell runs: one line, exit 2."""
+    path = tmp_path / "grid.toml"
+    path.write_text(
+        '[experiment]\nname = "broken"\nseeds = [1993]\nmethods = ["joint"]\n'
+        f'[[scenario]]\nname = "no-data"\ndata-root = "{tmp_path / "missing"}"\n'
+    )
+    code, _, progress = run_cli(str(path), f"--results-dir={tmp_path}")
+    assert code == 2
+    assert f"data-root={tmp_path / 'missing'}: no such folder" in progress
+    assert not (tmp_path / "broken").exists()
 
 
 def test_table_and_plots_of_a_sweep_over_seeds(tmp_path: Path) -> None:

@@ -182,7 +182,7 @@ def test_min_partition_size() -> None:
             impossible.train_samples(0, 0)
 
 
-def test_from_config_reads_dashed_keys() -> None:
+def test_from_config_reads_dashed_keys(tmp_path: Path) -> None:
     config = ScenarioConfig.from_config(
         parse(
             {
@@ -209,4 +209,5 @@ def test_from_config_reads_dashed_keys() -> None:
     )
     assert ScenarioConfig.from_config(parse({})) == ScenarioConfig()
     assert ScenarioConfig.from_config(parse({"classes-per-task": 2})).classes_per_task == 2
-    assert ScenarioConfig.from_config(parse({"data-root": "/data/pv"})).data_root == "/data/pv"
+    root = str(tmp_path)  # a folder: data-root must exist
+    assert ScenarioConfig.from_config(parse({"data-root": root})).data_root == root
