@@ -113,7 +113,7 @@ BAD_INPUT = {
         "--tasks 0: expected an integer >= 1",
         "--epochs -1: expected an integer >= 0",
         "--threads 0: expected an integer >= 1",
-        "--preset huge: expected one of tiny, paper",
+        "--preset huge: expected one of tiny, paper, paper-random",
         "--backbone-config {tmp}/garbage.json: not a JSON file (Expecting value: line 1 column 1 "
         "(char 0))",
         "--backbone-config {tmp}/keys.json: unknown backbone config keys: ['colour']",

@@ -160,7 +160,7 @@ def test_text_and_typed_values_parse_alike() -> None:
         ({"timeout-s": 0}, "timeout-s=0: expected a number > 0"),
         ({"confidence-modulation": "maybe"}, "confidence-modulation=maybe: expected true or false"),
         ({"data-root": 3}, "data-root=3: expected a string"),
-        ({"preset": "huge"}, "preset=huge: expected one of tiny, paper"),
+        ({"preset": "huge"}, "preset=huge: expected one of tiny, paper, paper-random"),
     ],
 )
 def test_bad_values_are_one_line_naming_key_value_and_what_is_allowed(raw, message) -> None:

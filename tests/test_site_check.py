@@ -122,7 +122,7 @@ def test_bad_input_is_exit_2(tmp_path, capsys) -> None:
     for extra, message in (
         (["--fingerprint", "xyz"], "expected 8 to 64 hex digits"),
         (["--codebook", str(tmp_path / "junk.bin")], "too short to be a starfed codebook"),
-        (["--preset", "huge"], "--preset huge: expected one of tiny, paper"),
+        (["--preset", "huge"], "--preset huge: expected one of tiny, paper, paper-random"),
     ):
         assert main(["site", "check", "--data", str(data), *extra]) == 2
         err = capsys.readouterr().err

@@ -6,12 +6,12 @@ read and checked where it enters, before torch or any model is loaded.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PRESETS = ("tiny", "paper")
 PAPER_VIT_TAGS = ("augreg_in21k", "augreg2_in21k_ft_in1k")
 # Input normalisation of the pre-trained networks.
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
@@ -71,10 +71,15 @@ def read_backbone_config(path: str | Path) -> BackboneConfig:
     return BackboneConfig.from_dict(data)
 
 
-def preset_config(preset: str) -> BackboneConfig:
-    """The config of a named preset (sizes only; weights come from ``create_backbones``)."""
-    if preset == "tiny":
-        return BackboneConfig(
+_PAPER_ARCHITECTURES: dict[str, Any] = {
+    "clip": {"model_name": "ViT-L-14"},
+    "vit": {"model_name": "vit_base_patch16_224"},
+    "image_size": 224,
+}
+_PRESET_CONFIGS: dict[str, BackboneConfig] = {
+    config.name: config
+    for config in (
+        BackboneConfig(
             name="tiny",
             clip={
                 "embed_dim": 64,
@@ -96,12 +101,24 @@ def preset_config(preset: str) -> BackboneConfig:
             },
             vit={"img_size": 64, "patch_size": 8, "embed_dim": 96, "depth": 4, "num_heads": 4},
             image_size=64,
-        )
-    if preset == "paper":
-        return BackboneConfig(
-            name="paper",
-            clip={"model_name": "ViT-L-14"},
-            vit={"model_name": "vit_base_patch16_224"},
-            image_size=224,
-        )
-    raise BackboneError(f"unknown preset {preset!r}; choose one of {PRESETS} or give a config file")
+        ),
+        # The paper's pair, for its pre-trained weights: from the hub (``download``) or local
+        # files (without either it is random too, but fingerprinted as ``paper``).
+        BackboneConfig(name="paper", **_PAPER_ARCHITECTURES),
+        # The paper's architectures with seeded random weights, never a download: the paper's
+        # dims (and costs) anywhere. Its name is in the config, so its fingerprint never equals
+        # the pre-trained pair's (docs/model.md).
+        BackboneConfig(name="paper-random", **_PAPER_ARCHITECTURES),
+    )
+}
+PRESETS = tuple(_PRESET_CONFIGS)
+
+
+def preset_config(preset: str) -> BackboneConfig:
+    """The config of a named preset (sizes only; weights come from ``create_backbones``)."""
+    try:
+        return copy.deepcopy(_PRESET_CONFIGS[preset])
+    except KeyError:
+        raise BackboneError(
+            f"unknown preset {preset!r}; choose one of {PRESETS} or give a config file"
+        ) from None

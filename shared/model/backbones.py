@@ -5,7 +5,9 @@ A backbone pair is CLIP (open_clip: image and text towers) plus an ImageNet ViT 
 * ``paper`` — open_clip ``ViT-L-14``/``openai`` and timm ``vit_base_patch16_224`` with in21k
   weights (``augreg_in21k``; the reference actually ran ``augreg2_in21k_ft_in1k``, selectable
   with ``vit_tag``). Weights are downloaded only when ``download=True``; otherwise the same
-  architectures are built with random weights (useful for sizes) or filled from local files.
+  architectures are built with random weights or filled from local files.
+* ``paper-random`` — the same architectures with seeded random weights, never downloaded: the
+  paper's dims and costs anywhere, under a fingerprint of its own (the config names the preset).
 * ``tiny`` — small CLIP and ViT with seeded random weights at 64×64 (the bundled images), so a
   whole continual run fits a 2-core CPU. Used by the tests and the default demo.
 * a JSON config file (``config_path``) giving either open_clip/timm model names or explicit
