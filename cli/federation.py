@@ -262,6 +262,8 @@ def _print_status(status: Status) -> None:
     else:
         say(f"server     not running ({status.server_dir}); showing the folders' state")
     say(f"federation {status.federation_dir}")
+    for note in status.unreadable:
+        say(f"unreadable {note}")
     if status.federation is None:
         say(f"           {status.problem}; the first `starfed server round` creates it")
         return

@@ -4,17 +4,23 @@ Every action works on one server folder (``--dir``, default ``$STARFED_SERVER_DI
 ``./starfed-server``; ``starfed.server.ops.layout``). Exit codes (``starfed.cli._common``): 0 done,
 1 failed (a process would not start, Flower refused), 2 bad input (arguments, key files, names).
 ``--json`` prints one JSON object for scripts instead of text for people. This module registers
-the group: ``certs``, ``start`` and ``stop`` here; ``sites`` (``server_sites``), ``round``,
-``resume`` and ``status`` (``federation``), ``export`` and ``serve`` (``inference_server``).
+the group: ``certs``, ``start``, ``stop`` and ``dashboard`` here; ``sites`` (``server_sites``),
+``round``, ``resume`` and ``status`` (``federation``), ``export`` and ``serve``
+(``inference_server``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+from pathlib import Path
 
 from starfed.cli import federation, inference_server, server_sites
 from starfed.cli._common import (
+    Failed,
     add_group,
     add_switches,
     emit_json,
@@ -27,9 +33,12 @@ from starfed.server.ops import certs, pki, processes, superlink
 from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared import addresses
+from starfed.shared.config import ConfigError
 
 START = "server start"  # the table of `start`'s own knobs
 START_FLAGS = same_name("listen", "internal-port", "isolation", "max-body-mib")
+DASHBOARD = "server dashboard"
+DASHBOARD_FLAGS = same_name("listen", "refresh-s")
 guarded = guard(
     bad_input=(certs.CertError, pki.SiteKeyError),
     failed=(superlink.ServerError, processes.ProcessError),
@@ -71,6 +80,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
 
     add_command(actions, "stop", guarded(run_stop), parents=[common])
+    p = add_command(
+        actions, "dashboard", guarded(run_dashboard), DASHBOARD_FLAGS, parents=[common],
+        table=DASHBOARD,
+    )  # fmt: skip
+    p.add_argument(
+        "--federation",
+        type=Path,
+        metavar="DIR",
+        help="the federation folder (default: <server dir>/federation)",
+    )
+    add_switches(
+        p,
+        {
+            "--allow-remote": "let --listen be an address other machines reach: the page has no "
+            "authentication and no TLS (prefer an SSH tunnel)"
+        },
+    )
     inference_server.add_actions(actions, common)  # export, serve
     server_sites.add_actions(actions, common)  # sites add|list|remove|refused
     federation.add_actions(actions, common)  # round, resume, status
@@ -251,4 +277,59 @@ def run_stop(args: argparse.Namespace) -> int:
     if survivors:
         print(f"starfed server stop: error: still running: PIDs {survivors}", file=sys.stderr)
         return EXIT_FAILED
+    return EXIT_OK
+
+
+# --- dashboard -------------------------------------------------------------------------------
+
+
+def run_dashboard(args: argparse.Namespace) -> int:
+    """serve a read-only web page of the federation, live while a round runs
+
+    Serve the federation at a glance as a web page that updates itself every --refresh-s
+    seconds: the sites (online, last seen, registered and refused keys), the steps over time
+    with their status and the phase under way, the accuracy by arrival step and per site, the
+    accuracy matrix, the classes and who brought them, bytes per step, the logs. It reads the
+    server folder and the federation folder as `status` does and never writes them; /api/state
+    is the same as JSON. On 127.0.0.1 (no authentication): from your machine, `ssh -N -L
+    9097:127.0.0.1:9097 SERVER`, then open http://localhost:9097. Ctrl-C stops.
+    """
+    from starfed.server.ops import dashboard  # matplotlib and uvicorn: for this action only
+
+    _, own, _ = parsed(args, DASHBOARD_FLAGS, DASHBOARD)
+    host, port = addresses.parse_address(own["listen"])  # checked by the knob
+    local = addresses.is_loopback(host)
+    if not local and not args.allow_remote:
+        raise ConfigError(
+            f"--listen {own['listen']}: the dashboard has no authentication; keep it on "
+            "127.0.0.1 and use an SSH tunnel, or add --allow-remote"
+        )
+    folder = server_folder(args)
+    federation_dir = (args.federation or folder.federation).expanduser().resolve()
+    if not local:
+        print(
+            f"WARNING: --allow-remote: anyone who reaches {own['listen']} reads the federation's "
+            "state and logs (no authentication, no TLS)",
+            file=sys.stderr,
+        )
+    try:
+        listening = dashboard.bind(host, port)
+    except OSError as err:
+        why = os.strerror(err.errno) if err.errno else str(err)
+        raise Failed(f"{own['listen']} is in use or cannot be bound ({why})") from None
+    url = f"http://{addresses.format_address(host, port)}/"
+    if args.json:
+        emit_json({"success": True, "url": url, "server_dir": str(folder.root),
+                   "federation_dir": str(federation_dir), "pid": os.getpid()})  # fmt: skip
+    else:
+        print(
+            f"dashboard of {folder.root} on {url} (read-only, every {own['refresh-s']:g} s); "
+            f"from another machine: ssh -N -L {port}:127.0.0.1:{port} THIS-HOST, then "
+            f"http://localhost:{port}/; Ctrl-C stops"
+        )
+    sys.stdout.flush()
+    # uvicorn stops gracefully on SIGINT/SIGTERM and raises the signal again: both end here
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how it ends
+        dashboard.serve(dashboard.Dashboard(folder, federation_dir, own["refresh-s"]), listening)
     return EXIT_OK

@@ -271,6 +271,11 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("listen", str, "0.0.0.0:9095", "HOST:PORT", "command", check=parse_address,
          command="server serve"),
     Knob("max-mib", int, 64, "largest reply", "command", ge=1, command="server serve"),
+    Knob("listen", str, "127.0.0.1:9097", "HOST:PORT of the page (no authentication: keep it "
+         "on 127.0.0.1 and use an SSH tunnel)", "command", check=parse_address,
+         command="server dashboard"),
+    Knob("refresh-s", float, 5.0, "seconds between the page's updates", "command", ge=1,
+         command="server dashboard"),
     Knob("out", str, "site.key", "private key file", "command", path=True,
          command="site keygen"),
 )  # fmt: skip

@@ -4,22 +4,39 @@ An operator asks "what does the federation know, where does it stand, who is mis
 step runs, after a crash, or with the server stopped. Everything here is read from the federation
 folder (``federation.json``, ``registry.json``, ``history.jsonl``, ``codebook.bin``'s header and
 ``metrics.json``) and the server folder (``run.json``), plus Flower's node list when the server
-runs — so it works on a stopped server and answers in about a second.
+runs — so it works on a stopped server and answers in about a second. Each file is read on its
+own: one that cannot be read (damaged, mid-copy, unreadable) is named in ``unreadable`` and the
+rest is shown. The dashboard (``starfed.server.ops.dashboard``) draws the same reading
+(:func:`read`), with the step records it came from.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
-from starfed.server.federation import Federation, FederationError, StepRecord
+from starfed.server.federation import (
+    CODEBOOK_FILE,
+    HISTORY_FILE,
+    IDENTITY_FILE,
+    METRICS_FILE,
+    REGISTRY_FILE,
+    Federation,
+    FederationError,
+    StepRecord,
+)
 from starfed.server.ops import flower_runs, sites, superlink
 from starfed.server.ops.layout import ServerFolder
 
 RECENT_STEPS = 3  # steps whose failed exchanges count as recent errors
+#: What reading a file of the folders may raise when it is damaged or cannot be read.
+UNREADABLE = (FederationError, superlink.ServerError, OSError, ValueError, TypeError, KeyError)
+T = TypeVar("T")
 
 
 @dataclass
@@ -84,6 +101,7 @@ class Status:
     runs: list[dict] = field(default_factory=list)  # unfinished runs on the SuperLink
     sites_error: str | None = None
     logs: dict[str, str] = field(default_factory=dict)
+    unreadable: list[str] = field(default_factory=list)  # files left out, and why
 
     def to_json(self) -> dict:
         """Plain JSON (NaN accuracies become null)."""
@@ -108,34 +126,82 @@ def _number(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
+@dataclass
+class Reading:
+    """One reading of the folders: what ``status`` shows, and the step records it came from."""
+
+    status: Status
+    history: list[StepRecord] = field(default_factory=list)
+
+
+@dataclass
+class FlowerView:
+    """What the running SuperLink says now: its nodes and its unfinished runs."""
+
+    sites: list[sites.SiteStatus] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+
 def gather(folder: ServerFolder, federation_dir: Path) -> Status:
     """Everything ``status`` shows; never fails because the server is down or the federation
     does not exist yet (``problem``, ``sites_error`` say so)."""
+    status = read(folder, federation_dir).status
+    if status.server["running"]:
+        join_flower(status, flower_view(folder))
+    return status
+
+
+def read(folder: ServerFolder, federation_dir: Path) -> Reading:
+    """The folders' files only (no Flower, no process started): every file guarded."""
     status = Status(str(folder.root), str(federation_dir))
     status.logs = {
         "superlink": str(folder.superlink_log),
         "gateway": str(folder.gateway_log),
         "serverapps": str(folder.output_log("superexec")),
     }
-    status.server = _server(folder)
+    status.server = _guarded(status, folder.run_file, lambda: _server(folder), _stopped())
     try:
-        _federation(status, Federation.open(federation_dir))
-    except FederationError as err:
+        federation = Federation.open(federation_dir)  # reads federation.json and registry.json
+    except UNREADABLE as err:
         status.problem = str(err)
-    if status.server["running"]:
-        try:
-            _flower_sites(status, sites.status(folder))
-            runs = flower_runs.FlowerCli(folder.flwr_home).unfinished_runs()
-            status.runs = [{k: r.get(k) for k in ("run-id", "status", "elapsed")} for r in runs]
-        except (sites.SitesError, flower_runs.FlowerRunError) as err:
-            status.sites_error = str(err)
-    return status
+        return Reading(status)
+    return Reading(status, _federation(status, federation))
+
+
+def _guarded(status: Status, path: Path, read: Callable[[], T], default: T) -> T:
+    """``read()``, or ``default`` with the file named in ``status.unreadable``."""
+    try:
+        return read()
+    except UNREADABLE as err:
+        status.unreadable.append(f"{path.name}: {err}")
+        return default
+
+
+def flower_view(folder: ServerFolder) -> FlowerView:
+    """Ask the running SuperLink (through ``flwr``, a second or two)."""
+    try:
+        rows = sites.status(folder)
+        runs = flower_runs.FlowerCli(folder.flwr_home).unfinished_runs()
+    except (sites.SitesError, flower_runs.FlowerRunError) as err:
+        return FlowerView(error=str(err))
+    return FlowerView(rows, [{k: r.get(k) for k in ("run-id", "status", "elapsed")} for r in runs])
+
+
+def join_flower(status: Status, view: FlowerView) -> None:
+    status.sites_error = view.error
+    status.runs = list(view.runs)
+    _flower_sites(status, view.sites)
+
+
+def _stopped() -> dict:
+    return {"running": False, "processes": {}}
 
 
 def _server(folder: ServerFolder) -> dict:
     record = superlink.RunRecord.load(folder.run_file)
     if record is None:
-        return {"running": False, "processes": {}}
+        return _stopped()
     alive = record.alive()
     return {
         "running": any(alive.values()),
@@ -145,20 +211,30 @@ def _server(folder: ServerFolder) -> dict:
     }
 
 
-def _federation(status: Status, federation: Federation) -> None:
-    identity = json.loads((federation.root / "federation.json").read_text())
+def _federation(status: Status, federation: Federation) -> list[StepRecord]:
+    root = federation.root
+    known = {"id": federation.id, "fingerprint": federation.fingerprint}
+    identity = _guarded(
+        status, root / IDENTITY_FILE, lambda: json.loads((root / IDENTITY_FILE).read_text()), known
+    )
     status.federation = {k: identity.get(k) for k in ("id", "created", "fingerprint")}
-    checkpoint = federation.last_checkpoint()
+    checkpoint = _guarded(status, root / CODEBOOK_FILE, federation.last_checkpoint, None)
     frozen: frozenset[str] = frozenset()
     if checkpoint is not None:
         status.codebook_version = checkpoint.version
         status.position = asdict(checkpoint.position)
         frozen = checkpoint.frozen
+        unregistered = [name for name in checkpoint.classes if name not in federation.registry]
+        if unregistered:
+            status.unreadable.append(
+                f"{REGISTRY_FILE}: {len(unregistered)} class(es) of the codebook are not in it "
+                "(missing or older than the codebook): their steps and sites are unknown"
+            )
     status.classes = [
         ClassRow(name, r.step, r.registered, dict(r.sites), name in frozen)
         for name, r in federation.registry.items()
     ]
-    history = federation.history()
+    history = _guarded(status, root / HISTORY_FILE, federation.history, [])
     status.steps = [_step(record) for record in history]
     last: dict[str, SiteRow] = {}
     for record in history:
@@ -174,12 +250,19 @@ def _federation(status: Status, federation: Federation) -> None:
         for e in record.exchanges
         if e.status != "ok"
     ]
-    metrics = federation.root / "metrics.json"
-    if metrics.is_file():
-        with_metrics = json.loads(metrics.read_text())
-        keys = ("status", "reason", "steps_this_run", "wall_time_s", "final_average_accuracy")
-        status.last_run = {k: with_metrics.get(k) for k in keys}
-        status.last_run["written"] = _when(metrics.stat().st_mtime)
+    metrics = root / METRICS_FILE
+    status.last_run = _guarded(status, metrics, lambda: _last_run(metrics), None)
+    return history
+
+
+def _last_run(metrics: Path) -> dict | None:
+    if not metrics.is_file():
+        return None
+    with_metrics = json.loads(metrics.read_text())
+    keys = ("status", "reason", "steps_this_run", "wall_time_s", "final_average_accuracy")
+    last_run = {k: with_metrics.get(k) for k in keys}
+    last_run["written"] = _when(metrics.stat().st_mtime)
+    return last_run
 
 
 def _step(record: StepRecord) -> StepRow:
