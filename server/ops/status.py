@@ -52,7 +52,7 @@ class SiteRow:
     name: str
     node_id: int | None = None  # Flower's, from the site's exchanges or its registration
     last_step: int | None = None
-    last_seen: str | None = None  # end of the last step it answered in
+    last_seen: str | None = None  # when the last phase round it answered in ended
     status: str | None = None  # Flower's: registered | online | offline | unregistered
     online_at: str | None = None
     offline_at: str | None = None
@@ -83,6 +83,7 @@ class Status:
     server: dict = field(default_factory=dict)
     runs: list[dict] = field(default_factory=list)  # unfinished runs on the SuperLink
     sites_error: str | None = None
+    hint: str | None = None  # what to do now: a step is running and the SuperLink is not
     logs: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -117,11 +118,15 @@ def gather(folder: ServerFolder, federation_dir: Path) -> Status:
         "gateway": str(folder.gateway_log),
         "serverapps": str(folder.output_log("superexec")),
     }
-    status.server = _server(folder)
+    record = superlink.RunRecord.load(folder.run_file)
+    status.server = _server(record)
     try:
         _federation(status, Federation.open(federation_dir))
     except FederationError as err:
         status.problem = str(err)
+    step_running = bool(status.position and status.position["running"])
+    if step_running and not (record and record.superlink_alive()):
+        status.hint = superlink.gone(folder, federation_dir, step_running=True)
     if status.server["running"]:
         try:
             _flower_sites(status, sites.status(folder))
@@ -132,8 +137,7 @@ def gather(folder: ServerFolder, federation_dir: Path) -> Status:
     return status
 
 
-def _server(folder: ServerFolder) -> dict:
-    record = superlink.RunRecord.load(folder.run_file)
+def _server(record: superlink.RunRecord | None) -> dict:
     if record is None:
         return {"running": False, "processes": {}}
     alive = record.alive()
@@ -163,8 +167,9 @@ def _federation(status: Status, federation: Federation) -> None:
     last: dict[str, SiteRow] = {}
     for record in history:
         answered = {e.site: e.node_id for e in record.exchanges if e.status == "ok" and e.site}
+        heard = _heard_at(record)
         for site, node_id in answered.items():
-            last[site] = SiteRow(site, node_id, record.step, _when(record.ended))
+            last[site] = SiteRow(site, node_id, record.step, _when(heard[site]))
     status.sites = sorted(last.values(), key=lambda row: row.name)
     recent = {r.step for r in history[-RECENT_STEPS:]}
     status.errors = [
@@ -180,6 +185,21 @@ def _federation(status: Status, federation: Federation) -> None:
         keys = ("status", "reason", "steps_this_run", "wall_time_s", "final_average_accuracy")
         status.last_run = {k: with_metrics.get(k) for k in keys}
         status.last_run["written"] = _when(metrics.stat().st_mtime)
+
+
+def _heard_at(record: StepRecord) -> dict[str, float]:
+    """Site -> when the last phase round it answered in ended (its reply came in that round).
+    Not the step's end: a site killed mid-step went offline long before its step ended."""
+    ended, clock = {}, record.started
+    for phase in record.phase_seconds:  # in the order they ran
+        clock += phase.seconds
+        ended[phase.phase, phase.round] = clock
+    heard: dict[str, float] = {}
+    for e in record.exchanges:
+        if e.status == "ok" and e.site:
+            when = ended.get((e.phase, e.round), record.ended)  # a failed phase: no time of its own
+            heard[e.site] = max(heard.get(e.site, when), when)
+    return heard
 
 
 def _step(record: StepRecord) -> StepRow:
