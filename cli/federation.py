@@ -135,16 +135,23 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
         say(_continues(checkpoint))
     app = flower_runs.write_app(folder.app)
     submitted_at = time.time()
-    with flower_runs.sigterm_as_interrupt():
-        outcome = flower_runs.run_to_end(
-            cli,
-            app,
-            overrides,
-            log_sink=sys.stderr if args.json else None,  # stdout: one JSON object
-            on_submitted=lambda run_id: say(
-                f"run {run_id} on {record.internal_address} · federation {federation_dir}"
-            ),
-        )
+    try:
+        with flower_runs.sigterm_as_interrupt():
+            outcome = flower_runs.run_to_end(
+                cli,
+                app,
+                overrides,
+                log_sink=sys.stderr if args.json else None,  # stdout: one JSON object
+                on_submitted=lambda run_id: say(
+                    f"run {run_id} on {record.internal_address} · federation {federation_dir}"
+                ),
+            )
+    except flower_runs.FlowerRunError:
+        if record.superlink_alive():
+            raise
+        checkpoint = _checkpoint(federation_dir)
+        running = checkpoint is not None and checkpoint.position.running
+        raise superlink.ServerError(superlink.gone(folder, federation_dir, running)) from None
     metrics = flower_runs.read_metrics(federation_dir, since=submitted_at)
     code = flower_runs.exit_code(outcome, metrics)
     resume_command = f"starfed server resume --dir {folder.root}" + (
@@ -277,6 +284,8 @@ def _print_status(status: Status) -> None:
             f" · in play: {', '.join(position['in_play']) or '—'}"
         )
     say(f"codebook   version {status.codebook_version} · {len(status.classes)} classes · {where}")
+    if status.hint:
+        say(f"next       {status.hint}")
 
     table = Table("class", "step", "brought by (first time)", "frozen", title="classes")
     for c in status.classes:

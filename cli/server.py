@@ -244,7 +244,7 @@ def _print_started(
         ("operator's flwr", f"FLWR_HOME={folder.flwr_home} flwr ls"),
         ("logs", f"{folder.superlink_log}  (refused sites: `starfed server sites refused`)"),
         ("", f"{folder.gateway_log}; process output {folder.logs}/*.out"),
-        ("processes", ", ".join(f"{p.name} {p.pid}" for p in record.processes)),
+        ("processes", record.pids()),
         ("stop", f"starfed server stop --dir {folder.root}"),
     ]
     print(f"starfed server running in {folder.root}")

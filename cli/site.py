@@ -97,8 +97,9 @@ def run_start(args: argparse.Namespace) -> int:
 
     Connect this site to the federation: a Flower SuperNode with TLS (--ca) and the site's key
     (--key), given its data and state folders through a node-config file (data-dir, state-dir,
-    site-name, device). Logs stream here and to STATE/logs/supernode.log. Ctrl-C or SIGTERM
-    stops it cleanly.
+    site-name, device). Prints the PIDs of the processes it starts (SuperNode, SuperExec,
+    worker) and records them in STATE/run.json while they run. Logs stream here and to
+    STATE/logs/supernode.log. Ctrl-C or SIGTERM stops it cleanly.
     """
     values, _, _ = parsed(args, START_FLAGS, START)  # --device: bad input before anything runs
     try:
@@ -122,7 +123,13 @@ def run_start(args: argparse.Namespace) -> int:
     print(f"data {options.data}; state {options.state}; log {options.state}/logs/supernode.log")
     sys.stdout.flush()
     try:
-        outcome = supernode.run(options, echo=None if args.quiet else sys.stdout)
+        outcome = supernode.run(
+            options,
+            echo=None if args.quiet else sys.stdout,
+            on_started=lambda record: print(
+                f"processes {record.pids()} (recorded in {options.run_file})", flush=True
+            ),
+        )
     except (supernode.SiteError, processes.ProcessError, OSError) as err:
         return fail(args, err, EXIT_FAILED)
     if outcome.failure:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -20,6 +21,8 @@ from starfed.shared.protocol import PhaseSpec
 logger = logging.getLogger(__name__)
 
 PULL_WAITS_S = (0.05, 0.5)  # the first and the longest wait between two pulls of replies
+#: Flower's own reasons begin so (e.g. "Error: Node Unavailable — ..." in Flower 1.42).
+ERROR_PREFIX = re.compile(r"^error:\s*", re.IGNORECASE)
 
 
 Reply = tuple[Exchange, Message]
@@ -61,7 +64,7 @@ def exchange(
         answered.add(entry.node_id)
         if reply.has_error():
             entry.status = f"error: {short_reason(reply.error.reason)}"
-            logger.warning("node %s failed %s: %s", entry.node_id, spec.phase.key,
+            logger.warning("%s failed %s: %s", who(entry), spec.phase.key,
                            reply.error.reason)  # fmt: skip
             continue
         entry.bytes_up = content_bytes(reply.content)
@@ -69,8 +72,8 @@ def exchange(
     for entry in exchanges:
         if entry.node_id not in answered:
             entry.status = "no reply"
-            logger.warning("node %s sent no %s reply within %.0fs", entry.node_id,
-                           spec.phase.key, timeout)  # fmt: skip
+            logger.warning("%s sent no %s reply within %.0fs", who(entry), spec.phase.key,
+                           timeout)  # fmt: skip
     return good, exchanges
 
 
@@ -97,7 +100,7 @@ def send_and_receive(grid, messages: list[Message], timeout: float) -> list[Mess
 
 def reject(entry: Exchange, reason: str) -> None:
     entry.status = f"rejected: {reason}"
-    logger.warning("rejected %s reply of node %s: %s", entry.phase, entry.node_id, reason)
+    logger.warning("rejected %s reply of %s: %s", entry.phase, who(entry), reason)
 
 
 def malformed(err: Exception) -> str:
@@ -111,11 +114,19 @@ def update_digest(reply: Message) -> str:
         return ""  # malformed: rejected when it is decoded
 
 
+def who(entry: Exchange) -> str:
+    """A site by its name once it has told it (its enrolment), else by its node id: the
+    spelling of the step's records and of ``starfed server status``."""
+    return entry.site or f"node-{entry.node_id}"
+
+
 def short_reason(reason: str | None, limit: int = 300) -> str:
-    """The informative line of an error reason (runtimes wrap a traceback around it)."""
+    """The informative line of an error reason (runtimes wrap a traceback around it), without
+    the "Error: " Flower starts its own reasons with: the status already says ``error:``."""
     lines = [line.strip() for line in (reason or "").splitlines() if line.strip()]
     fallback = lines[-1] if lines else ""
-    return next((line for line in reversed(lines) if "Message:" in line), fallback)[:limit]
+    line = next((line for line in reversed(lines) if "Message:" in line), fallback)
+    return ERROR_PREFIX.sub("", line)[:limit]
 
 
 def content_bytes(content: RecordDict) -> int:

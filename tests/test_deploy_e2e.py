@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import fake_flwr
 import httpx
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -37,7 +38,7 @@ from process_sampler import marked
 
 from starfed.server.ops import certs, pki, processes
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.processes import ProcessId
+from starfed.server.ops.processes import ProcessId, ProcessRecord
 from starfed.shared import addresses
 
 pytestmark = [
@@ -240,7 +241,9 @@ def test_control_api_answers_only_on_the_internal_port(deployment: Deployment) -
     assert "refused POST /v1/control/list-runs" in gateway_log
 
 
-def test_registered_sites_connect_then_go_offline_on_sigterm(deployment: Deployment) -> None:
+def test_registered_sites_connect_then_go_offline_on_sigterm(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = deployment.folder
     node_ids = {}
     for name in ("site-a", "site-b"):
@@ -271,12 +274,23 @@ def test_registered_sites_connect_then_go_offline_on_sigterm(deployment: Deploym
         "site-b": "online",
     }, out
     assert rows["site-a"]["node_id"] == node_ids["site-a"]
+    with monkeypatch.context() as here:  # a folder holding a `starfed/` checkout: the same
+        here.chdir(fake_flwr.checkout(deployment.root / "work"))
+        assert starfed("server", "sites", "list", "--dir", str(folder.root), "--json") == (0, out)
+    for site in running:  # what it started, printed and recorded in <state>/run.json
+        site.wait_for("processes ")
+        line = next(ln for ln in site.output().splitlines() if ln.startswith("processes "))
+        record = ProcessRecord.load(deployment.root / "state" / site.name / "run.json")
+        assert record is not None and line.startswith(f"processes {record.pids()} (recorded in")
+        assert [p.name for p in record.processes] == ["worker", "supernode", "superexec"]
+        assert all(record.alive().values())
 
     for site in running:
         site.popen.send_signal(signal.SIGTERM)
     for site in running:
         assert site.finish() == 0, site.output()
         assert "stopped (SIGTERM)" in site.output()
+        assert not (deployment.root / "state" / site.name / "run.json").exists()
     code, out = starfed("server", "sites", "list", "--dir", str(folder.root), "--json")
     rows = {r["name"]: r for r in json.loads(out)["sites"]}
     assert {rows[name]["status"] for name in node_ids} == {"offline"}, out  # at once, not 60 s

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from starfed.server.ops import pki, sites, superlink
+from starfed.server.ops import pki, processes, sites, superlink
 from starfed.server.ops.flower_runs import CONNECTION
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.processes import ProcessId
+from starfed.server.ops.processes import ManagedProcess, ProcessId
 
 # Real SuperLink log lines (Flower 1.41, the same in 1.42, --log-file), keys shortened where they
 # do not matter.
@@ -98,26 +98,26 @@ def test_run_record_round_trips_and_sees_dead_processes(folder: ServerFolder) ->
     folder.create()
     me = ProcessId.of(__import__("os").getpid())
     assert me is not None
-    record = superlink.RunRecord(
-        boot_id=superlink.processes.boot_id(),
-        started_at="now",
+    record = superlink.RunRecord.begin(
         public_address="127.0.0.1:1",
         internal_address="127.0.0.1:2",
         insecure=False,
         isolation="process",
         processes=[
-            superlink.ManagedProcess("superlink", me.pid, me.started, ["x"], "out"),
-            superlink.ManagedProcess("gateway", me.pid, me.started + 1, ["y"], "out"),
+            ManagedProcess("superlink", me.pid, me.started, ["x"], "out"),
+            ManagedProcess("gateway", me.pid, me.started + 1, ["y"], "out"),
         ],
     )
     record.save(folder.run_file)
     loaded = superlink.RunRecord.load(folder.run_file)
-    assert loaded == record
+    assert loaded == record and loaded.boot_id == processes.boot_id()
     assert loaded.alive() == {"superlink": True, "gateway": False}  # reused PID: not ours
+    assert loaded.superlink_alive() and loaded.running() == loaded.processes[:1]
+    assert loaded.pids() == f"superlink {me.pid}, gateway {me.pid}"
     loaded.boot_id = "another boot"
     assert loaded.alive() == {"superlink": False, "gateway": False}
     folder.run_file.write_text("{not json")
-    with pytest.raises(superlink.ServerError, match="damaged"):
+    with pytest.raises(processes.ProcessError, match="damaged"):
         superlink.RunRecord.load(folder.run_file)
 
 

@@ -3,6 +3,7 @@ the SuperNode command, the failure lines, and the process helpers behind ``site 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from starfed.client.ops import supernode
 from starfed.server.ops import pki, processes
-from starfed.server.ops.processes import ProcessId
+from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared import addresses
 from starfed.shared.config import parse
 
@@ -171,3 +172,54 @@ def test_addresses() -> None:
     for bad in ("9092", "host:", "host:0", "host:70000", "::1:9092", ":9092"):
         with pytest.raises(ValueError):
             addresses.parse_address(bad)
+
+
+def test_site_start_records_its_processes_while_they_run(
+    site: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real ``site start`` against an address where nothing listens: the SuperNode keeps
+    trying, its processes run, and we stop it as Ctrl-C would once they are recorded."""
+    monkeypatch.setenv("FLWR_HOME", str(site["state"] / "unused-home"))  # never the user's
+    options = supernode.prepare(
+        f"127.0.0.1:{processes.free_port()}", site["data"], ca=None, key=None,
+        state=site["state"], name="a", device="cpu", insecure=True, worker=False,
+    )  # fmt: skip
+    me = ProcessId.of(os.getpid())
+    assert me is not None
+    site["state"].mkdir()
+    stale = ManagedProcess("supernode", me.pid, me.started - 1, [], "")  # ended long ago
+    ProcessRecord.begin(processes=[stale]).save(options.run_file)
+    seen: list[ProcessRecord] = []
+
+    def started(record: ProcessRecord) -> None:
+        seen.append(record)
+        assert ProcessRecord.load(options.run_file) == record
+        assert all(record.alive().values())
+        os.kill(os.getpid(), signal.SIGTERM)  # as the service manager would
+
+    outcome = supernode.run(options, echo=None, on_started=started)
+    [record] = seen
+    assert [p.name for p in record.processes] == ["supernode", "superexec"]
+    assert "flower-supernode" in record.processes[0].command[0]
+    assert record.pids() == ", ".join(f"{p.name} {p.pid}" for p in record.processes)
+    assert outcome.stopped_by == "SIGTERM" and outcome.exit_code == 0
+    assert not any(p.id.alive() for p in record.processes)
+    assert not options.run_file.exists()  # all ended: nothing left to find
+
+
+def test_site_start_refuses_while_a_recorded_process_still_runs(site: dict) -> None:
+    options = _prepare(site, name="a")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        left = ManagedProcess.of("supernode", sleeper, sleeper.args, Path("log"))
+        assert left is not None
+        options.state.mkdir()
+        ProcessRecord.begin(processes=[left]).save(options.run_file)
+        with pytest.raises(
+            supernode.SiteError, match=f"earlier `site start` \\(supernode {left.pid}\\)"
+        ):
+            supernode.run(options, echo=None)
+        assert options.run_file.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -1,67 +1,31 @@
 """Submitting and following a run through ``flwr``, without a SuperLink: the generated app
-folder (checked by Flower's own bundler) and a fake ``flwr`` that answers like Flower 1.42 —
-``--format json`` errors with exit code 0, runs that go running -> finished, ``stop``."""
+folder (checked by Flower's own bundler) and a fake ``flwr`` that answers like Flower 1.42
+(``tests/fake_flwr.py``) — ``--format json`` errors with exit code 0, runs that go running ->
+finished, ``stop``, a working folder that holds a ``starfed/`` checkout."""
 
 from __future__ import annotations
 
 import json
-import sys
+import subprocess
 import time
 import tomllib
 import zipfile
 from io import BytesIO
 from pathlib import Path
 
+import fake_flwr as fake
 import pytest
 
-from starfed.server.ops import flower_runs, processes
+from starfed.server.ops import flower_runs
 from starfed.server.ops.flower_runs import FlowerCli, FlowerRunError, RunOutcome
 from starfed.simulations.simulate import APP_COMPONENTS as SIMULATION_APP
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: A stand-in for ``flwr``: logs its arguments; its answers come from ``state.json`` next to it.
-FAKE_FLWR = """\
-import json, sys, time
-from pathlib import Path
-here = Path(__file__).parent
-state = json.loads((here / "state.json").read_text())
-with (here / "calls.jsonl").open("a") as log:
-    log.write(json.dumps(sys.argv[1:]) + "\\n")
-action = sys.argv[1]
-if action == "log":
-    print("ServerApp: step 1 ...", flush=True)
-    sys.exit(0)
-if action == "run" and state.get("refuse"):
-    print(json.dumps({"success": False, "error-message": "Using SuperLink: x\\n[code: 7] no"}))
-    sys.exit(0)
-if action == "run":
-    print("notice line first")
-    print(json.dumps({"success": True, "run-id": "42"}))
-elif action == "ls":
-    statuses = state["statuses"]
-    status = statuses.pop(0) if len(statuses) > 1 else statuses[0]
-    (here / "state.json").write_text(json.dumps(state))
-    print(json.dumps({"success": True, "runs": [{"run-id": "42", "status": status}]}))
-elif action == "stop":
-    state["statuses"] = ["finished:stopped"]
-    (here / "state.json").write_text(json.dumps(state))
-    print(json.dumps({"success": True}))
-"""
-
 
 @pytest.fixture
 def fake_flwr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "flwr.py").write_text(FAKE_FLWR)
-    (bin_dir / "state.json").write_text(json.dumps({"statuses": ["running"]}))
-    script = bin_dir / "flwr"
-    script.write_text(f'#!/bin/sh\nexec {sys.executable} {bin_dir / "flwr.py"} "$@"\n')
-    script.chmod(0o755)
-    monkeypatch.setattr(processes, "flower_executable", lambda name: str(script))
-    monkeypatch.setattr(flower_runs, "POLL_S", 0.01)
-    return bin_dir
+    return fake.install(tmp_path / "bin", monkeypatch)
 
 
 def _cli(tmp_path: Path) -> FlowerCli:
@@ -70,11 +34,11 @@ def _cli(tmp_path: Path) -> FlowerCli:
 
 
 def _calls(bin_dir: Path) -> list[list[str]]:
-    return [json.loads(line) for line in (bin_dir / "calls.jsonl").read_text().splitlines()]
+    return [call["argv"] for call in fake.calls(bin_dir)]
 
 
 def _statuses(bin_dir: Path, *statuses: str) -> None:
-    (bin_dir / "state.json").write_text(json.dumps({"statuses": list(statuses)}))
+    fake.set_state(bin_dir, statuses=list(statuses))
 
 
 # --- the app folder --------------------------------------------------------------------------
@@ -136,7 +100,7 @@ def test_a_run_is_submitted_streamed_and_followed_to_its_end(fake_flwr, tmp_path
 
 
 def test_an_error_answer_with_exit_code_0_is_an_error(fake_flwr, tmp_path) -> None:
-    (fake_flwr / "state.json").write_text(json.dumps({"refuse": True, "statuses": ["running"]}))
+    fake.set_state(fake_flwr, refuse=True, statuses=["running"])
     with pytest.raises(FlowerRunError, match=r"^\[code: 7\] no$"):
         _cli(tmp_path).submit(tmp_path, {})
 
@@ -169,6 +133,45 @@ def test_a_timeout_stops_the_run(fake_flwr, tmp_path) -> None:
     outcome = flower_runs.run_to_end(_cli(tmp_path), tmp_path, {}, timeout_s=0.05)
     assert outcome.status == "timed out after 0s"
     assert ["stop", "42", "starfed", "--format", "json"] in _calls(fake_flwr)
+
+
+def test_flwr_runs_in_the_flower_home_whatever_the_callers_folder(
+    fake_flwr, tmp_path, monkeypatch
+) -> None:
+    cli = _cli(tmp_path)
+    monkeypatch.chdir(fake.checkout(tmp_path / "work"))
+    _statuses(fake_flwr, "running", "finished:completed")
+    assert cli.unfinished_runs() == [{"run-id": "42", "status": "running"}]
+    assert flower_runs.run_to_end(cli, tmp_path / "app", {}).status == "finished:completed"
+    calls = fake.calls(fake_flwr)
+    assert {call["argv"][0] for call in calls} == {"ls", "run", "log"}
+    assert {call["cwd"] for call in calls} == {str(cli.flwr_home)}
+    # a relative Flower home is the caller's: flwr gets it absolute, as FLWR_HOME and folder
+    relative = FlowerCli(Path("..") / "home")
+    cwd, home = relative.process_options["cwd"], Path(relative.env["FLWR_HOME"])
+    assert cwd.is_absolute() and home.is_absolute()
+    assert cwd.resolve() == home.resolve() == cli.flwr_home.resolve()
+
+
+def test_the_legacy_usage_check_is_what_a_checkout_trips(fake_flwr, tmp_path) -> None:
+    """The fake's check, so the test above would fail if flwr ran in the caller's folder."""
+    bare = [str(fake_flwr / "flwr"), "ls", "starfed", "--format", "json"]
+    home = tmp_path / "home"
+    home.mkdir()
+    result = subprocess.run(
+        bare, cwd=fake.checkout(tmp_path / "work"), capture_output=True, text=True
+    )
+    assert result.returncode == 1 and "Heads up from Flower!" in result.stdout
+    assert subprocess.run(bare, cwd=home, capture_output=True).returncode == 0
+
+
+def test_the_log_stream_drops_flowers_own_messages(fake_flwr, tmp_path, capfd) -> None:
+    """Its stdout is the ServerApp's progress; its stderr, e.g. the "Connection to the
+    SuperLink is unavailable" box, is said once, in one line, by whoever follows the run."""
+    _statuses(fake_flwr, "gone")
+    _cli(tmp_path).stream_logs(42).wait(30)
+    out, err = capfd.readouterr()
+    assert "ServerApp: step 1" in out and fake.UNAVAILABLE not in out + err
 
 
 # --- the result ------------------------------------------------------------------------------

@@ -22,7 +22,11 @@ traceback-sized log. This wrapper:
   known failure lines into one clear line each (:data:`FAILURES`);
 - on Ctrl-C or SIGTERM sends SIGTERM to the SuperNode, which tells the SuperLink it goes offline
   (at once, instead of after the 60 s heartbeat patience), then ends whatever is left of its
-  process tree by PID. One SuperNode per state folder (a lock file), so two cannot share a key.
+  process tree by PID. One SuperNode per state folder (a lock file), so two cannot share a key;
+- records the processes it starts (SuperNode, SuperExec, worker) in ``<state>/run.json`` and
+  hands them to the caller to print, as ``starfed server start`` does
+  (``processes.ProcessRecord``); the file goes when they have all ended, and a start refuses
+  while one it lists still runs (a ``site start`` that was killed may leave its SuperNode).
 
 The Runtime API stays plain HTTP on 127.0.0.1: the secret keeps another local user from
 acquiring the site's tasks, but a ClientApp's own task token is not otherwise bound to the
@@ -49,7 +53,7 @@ from typing import IO
 import tomli_w
 
 from starfed.server.ops import pki, processes
-from starfed.server.ops.processes import ProcessId
+from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared import addresses
 from starfed.shared.config import TABLES
 
@@ -141,6 +145,11 @@ class SiteOptions:
     @property
     def superexec_secret(self) -> Path:
         return self.state / "superexec.secret"
+
+    @property
+    def run_file(self) -> Path:
+        """The processes ``site start`` started (PIDs, start times), while they run."""
+        return self.state / "run.json"
 
     def node_config(self) -> dict[str, str]:
         config = {
@@ -348,13 +357,42 @@ def _pump(stream: IO[bytes], log: IO[str], echo: IO[str] | None, on_line: Callab
             return
 
 
-def run(options: SiteOptions, echo: IO[str] | None = sys.stdout) -> SiteRun:
-    """Run the SuperNode until it ends or we are told to stop (SIGINT/SIGTERM)."""
+def _record(started: dict[str, subprocess.Popen | None], log: Path) -> ProcessRecord:
+    """The record of the processes ``started`` that run (their output goes to ``log``)."""
+    record = ProcessRecord.begin()
+    for name, popen in started.items():
+        if popen is not None and (managed := ManagedProcess.of(name, popen, popen.args, log)):
+            record.processes.append(managed)
+    return record
+
+
+def run(
+    options: SiteOptions,
+    echo: IO[str] | None = sys.stdout,
+    on_started: Callable[[ProcessRecord], None] = lambda record: None,
+) -> SiteRun:
+    """Run the SuperNode until it ends or we are told to stop (SIGINT/SIGTERM); ``on_started``
+    gets the record of the processes once they all run."""
     with _state_lock(options.state):
-        return _run(options, echo)
+        _check_none_left(options.run_file)
+        return _run(options, echo, on_started)
 
 
-def _run(options: SiteOptions, echo: IO[str] | None) -> SiteRun:
+def _check_none_left(run_file: Path) -> None:
+    """Refuse to start while a process an earlier start recorded still runs: a ``site start``
+    that was killed may leave its SuperNode connected with this site's key."""
+    record = ProcessRecord.load(run_file)
+    if record is None:
+        return
+    if running := record.running():
+        left = record.pids(running)
+        raise SiteError(f"still running from an earlier `site start` ({left}): end them first")
+    run_file.unlink()
+
+
+def _run(
+    options: SiteOptions, echo: IO[str] | None, on_started: Callable[[ProcessRecord], None]
+) -> SiteRun:
     state = options.state
     node_config = state / "node-config.toml"
     write_node_config(node_config, options)
@@ -401,6 +439,10 @@ def _run(options: SiteOptions, echo: IO[str] | None) -> SiteRun:
                     target=_pump, args=(popen.stdout, log, echo, on_line), daemon=True
                 )
                 pump.start()
+                started = {"worker": worker, "supernode": popen, "superexec": superexec}
+                record = _record(started, log_file)
+                record.save(options.run_file)
+                on_started(record)
                 outcome.stopped_by = _supervise(popen, seen, outcome, stop_reason)
             finally:  # whatever happened: nothing of the SuperNode outlives us
                 for helper in (worker, superexec):
@@ -418,6 +460,8 @@ def _run(options: SiteOptions, echo: IO[str] | None) -> SiteRun:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if not outcome.survivors:
+        options.run_file.unlink(missing_ok=True)
     if outcome.stopped_by is None and stop_reason:
         outcome.stopped_by = stop_reason[0]
     if outcome.stopped_by is None and outcome.failure is None and self_stopped:

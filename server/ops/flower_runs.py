@@ -128,13 +128,23 @@ def flower_message(text: str) -> str:
 
 @dataclass(frozen=True)
 class FlowerCli:
-    """``flwr`` with a Flower home whose config holds :data:`CONNECTION`."""
+    """``flwr`` with a Flower home whose config holds :data:`CONNECTION`: every ``flwr`` that
+    starfed starts goes through here."""
 
     flwr_home: Path
 
     @property
     def env(self) -> dict[str, str]:
-        return processes.flower_env(self.flwr_home)
+        return processes.flower_env(self.flwr_home.absolute())
+
+    @property
+    def process_options(self) -> dict[str, object]:
+        """The environment and working folder of every ``flwr`` we start: the Flower home for
+        both. ``flwr ACTION starfed`` takes a folder named ``starfed`` with a
+        ``pyproject.toml`` in its working folder for an app of Flower's legacy usage ("Heads up
+        from Flower!", exit 1), so it never runs in the caller's folder, which may hold a
+        ``starfed/`` checkout (docs/deployment.md)."""
+        return {"env": self.env, "cwd": self.flwr_home.absolute(), "stdin": subprocess.DEVNULL}
 
     def command(self, *args: str) -> list[str]:
         """``flwr ACTION [ARGS] starfed [OPTIONS]``: the connection after the positionals."""
@@ -148,12 +158,11 @@ class FlowerCli:
         try:
             result = subprocess.run(
                 [*self.command(*args), "--format", "json"],
-                env=self.env,
                 capture_output=True,
                 text=True,
                 timeout=timeout,
-                stdin=subprocess.DEVNULL,
                 check=False,
+                **self.process_options,
             )
         except subprocess.TimeoutExpired:
             raise FlowerRunError(f"`flwr {' '.join(args[:2])}` hung for {timeout:.0f}s") from None
@@ -206,14 +215,11 @@ class FlowerCli:
 
     def stream_logs(self, run_id: int, sink: IO | None = None) -> subprocess.Popen:
         """``flwr log --stream`` in the background onto ``sink`` (our stdout when None): the
-        ServerApp's progress. It ends by itself once the run has finished."""
-        return subprocess.Popen(
-            self.command("log", str(run_id), "--stream"),
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
+        ServerApp's progress. It ends by itself once the run has finished. Its own messages
+        (stderr) are dropped: the follower reports a lost SuperLink in one line, where the
+        stream would print Flower's "Connection to the SuperLink is unavailable" box."""
+        options = {**self.process_options, "stdout": sink, "stderr": subprocess.DEVNULL}
+        return subprocess.Popen(self.command("log", str(run_id), "--stream"), **options)
 
 
 # --- a run, start to end ---------------------------------------------------------------------

@@ -5,7 +5,9 @@ Flower processes start more processes (the SuperLink its SuperExec, the SuperExe
 started" means walking the process tree, and ending it days later from another command (``starfed
 server stop``) means recognising a PID again. A PID alone may have been reused; a PID with its
 start time (clock ticks since boot, ``/proc/PID/stat`` field 22) and the boot id names one
-process. Nothing here kills by name.
+process. A command that starts long-lived processes records them (:class:`ProcessRecord`, a JSON
+file in its own folder: ``server start``'s ``run.json``, ``site start``'s) and prints their PIDs,
+so they can be found and ended by PID later. Nothing here kills by name.
 
 Linux only: processes are read from ``/proc``.
 """
@@ -13,6 +15,7 @@ Linux only: processes are read from ``/proc``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -21,8 +24,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Self
+
+from starfed.shared.files import write_atomic
 
 #: Flower/Ray settings every Flower process starfed starts gets: no telemetry, no update
 #: checks, no ``uv sync`` of an app's dependencies at run time.
@@ -79,6 +86,76 @@ class ProcessId:
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> ProcessId:
         return cls(int(data["pid"]), int(data["started"]))  # type: ignore[arg-type]
+
+
+@dataclass
+class ManagedProcess:
+    """A process a command started and recorded: its name, identity, command and output file."""
+
+    name: str
+    pid: int
+    started: int
+    command: list[str]
+    output: str  # stdout/stderr file
+
+    @property
+    def id(self) -> ProcessId:
+        return ProcessId(self.pid, self.started)
+
+    @classmethod
+    def of(
+        cls, name: str, popen: subprocess.Popen, command: Sequence[str], output: Path
+    ) -> ManagedProcess | None:
+        """The process ``popen`` started, or None when it has already exited."""
+        process = ProcessId.of(popen.pid)
+        if process is None:
+            return None
+        return cls(name, process.pid, process.started, list(command), str(output))
+
+
+@dataclass(kw_only=True)
+class ProcessRecord:
+    """What a command started, as a JSON file in its folder: read by the commands that stop or
+    show them (``server stop``, ``server status``), and by a person with ``kill``."""
+
+    boot_id: str
+    started_at: str
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    @classmethod
+    def begin(cls, **details: object) -> Self:
+        """A record made now, of no process yet (``details``: a subclass's fields)."""
+        now = datetime.now(UTC).isoformat(timespec="seconds")
+        return cls(boot_id=boot_id(), started_at=now, **details)
+
+    def save(self, path: Path) -> None:
+        write_atomic(path, (json.dumps(asdict(self), indent=2) + "\n").encode())
+
+    @classmethod
+    def load(cls, path: Path) -> Self | None:
+        """The record at ``path``; None when there is none. ProcessError when it is damaged."""
+        try:
+            data = json.loads(path.read_text())
+            data["processes"] = [ManagedProcess(**p) for p in data["processes"]]
+            return cls(**data)
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError, KeyError) as err:
+            raise ProcessError(f"{path} is damaged ({err}); check `ps` and remove it") from None
+
+    def alive(self) -> dict[str, bool]:
+        """Process name -> still running (never true across a reboot: start times restart)."""
+        same_boot = self.boot_id == boot_id()
+        return {p.name: same_boot and p.id.alive() for p in self.processes}
+
+    def running(self) -> list[ManagedProcess]:
+        """The recorded processes that still run."""
+        alive = self.alive()
+        return [p for p in self.processes if alive[p.name]]
+
+    def pids(self, processes: Sequence[ManagedProcess] | None = None) -> str:
+        """``name PID, ...`` of ``processes`` (default: all): what the commands print."""
+        return ", ".join(f"{p.name} {p.pid}" for p in processes or self.processes)
 
 
 def process_table() -> dict[int, tuple[int, int]]:

@@ -32,10 +32,13 @@ from starfed.server.federation import (
 )
 from starfed.server.ops import flower_runs, sites, superlink
 from starfed.server.ops.layout import ServerFolder
+from starfed.server.ops.processes import ProcessError
 
 RECENT_STEPS = 3  # steps whose failed exchanges count as recent errors
 #: What reading a file of the folders may raise when it is damaged or cannot be read.
-UNREADABLE = (FederationError, superlink.ServerError, OSError, ValueError, TypeError, KeyError)
+UNREADABLE = (
+    FederationError, superlink.ServerError, ProcessError, OSError, ValueError, TypeError, KeyError
+)
 T = TypeVar("T")
 
 
@@ -69,7 +72,7 @@ class SiteRow:
     name: str
     node_id: int | None = None  # Flower's, from the site's exchanges or its registration
     last_step: int | None = None
-    last_seen: str | None = None  # end of the last step it answered in
+    last_seen: str | None = None  # when the last phase round it answered in ended
     status: str | None = None  # Flower's: registered | online | offline | unregistered
     online_at: str | None = None
     offline_at: str | None = None
@@ -100,6 +103,7 @@ class Status:
     server: dict = field(default_factory=dict)
     runs: list[dict] = field(default_factory=list)  # unfinished runs on the SuperLink
     sites_error: str | None = None
+    hint: str | None = None  # what to do now: a step is running and the SuperLink is not
     logs: dict[str, str] = field(default_factory=dict)
     unreadable: list[str] = field(default_factory=list)  # files left out, and why
 
@@ -160,13 +164,19 @@ def read(folder: ServerFolder, federation_dir: Path) -> Reading:
         "gateway": str(folder.gateway_log),
         "serverapps": str(folder.output_log("superexec")),
     }
-    status.server = _guarded(status, folder.run_file, lambda: _server(folder), _stopped())
+    load = superlink.RunRecord.load
+    record = _guarded(status, folder.run_file, lambda: load(folder.run_file), None)
+    status.server = _server(record)
     try:
         federation = Federation.open(federation_dir)  # reads federation.json and registry.json
     except UNREADABLE as err:
         status.problem = str(err)
-        return Reading(status)
-    return Reading(status, _federation(status, federation))
+        federation = None
+    history = [] if federation is None else _federation(status, federation)
+    step_running = bool(status.position and status.position["running"])
+    if step_running and not (record and record.superlink_alive()):
+        status.hint = superlink.gone(folder, federation_dir, step_running=True)
+    return Reading(status, history)
 
 
 def _guarded(status: Status, path: Path, read: Callable[[], T], default: T) -> T:
@@ -198,8 +208,7 @@ def _stopped() -> dict:
     return {"running": False, "processes": {}}
 
 
-def _server(folder: ServerFolder) -> dict:
-    record = superlink.RunRecord.load(folder.run_file)
+def _server(record: superlink.RunRecord | None) -> dict:
     if record is None:
         return _stopped()
     alive = record.alive()
@@ -239,8 +248,9 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
     last: dict[str, SiteRow] = {}
     for record in history:
         answered = {e.site: e.node_id for e in record.exchanges if e.status == "ok" and e.site}
+        heard = _heard_at(record)
         for site, node_id in answered.items():
-            last[site] = SiteRow(site, node_id, record.step, _when(record.ended))
+            last[site] = SiteRow(site, node_id, record.step, _when(heard[site]))
     status.sites = sorted(last.values(), key=lambda row: row.name)
     recent = {r.step for r in history[-RECENT_STEPS:]}
     status.errors = [
@@ -263,6 +273,21 @@ def _last_run(metrics: Path) -> dict | None:
     last_run = {k: with_metrics.get(k) for k in keys}
     last_run["written"] = _when(metrics.stat().st_mtime)
     return last_run
+
+
+def _heard_at(record: StepRecord) -> dict[str, float]:
+    """Site -> when the last phase round it answered in ended (its reply came in that round).
+    Not the step's end: a site killed mid-step went offline long before its step ended."""
+    ended, clock = {}, record.started
+    for phase in record.phase_seconds:  # in the order they ran
+        clock += phase.seconds
+        ended[phase.phase, phase.round] = clock
+    heard: dict[str, float] = {}
+    for e in record.exchanges:
+        if e.status == "ok" and e.site:
+            when = ended.get((e.phase, e.round), record.ended)  # a failed phase: no time of its own
+            heard[e.site] = max(heard.get(e.site, when), when)
+    return heard
 
 
 def _step(record: StepRecord) -> StepRow:

@@ -22,7 +22,6 @@ period. There is no automatic restart: for that, run ``start --foreground`` unde
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -30,8 +29,7 @@ import ssl
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -39,7 +37,7 @@ import httpx
 from starfed.server.ops import flower_runs, processes
 from starfed.server.ops.certs import certificate_sans
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.processes import ProcessId
+from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared.addresses import format_address
 from starfed.shared.files import write_atomic
 
@@ -73,49 +71,28 @@ class ServerOptions:
         return format_address(self.listen_host, self.listen_port)
 
 
-@dataclass
-class ManagedProcess:
-    name: str
-    pid: int
-    started: int
-    command: list[str]
-    output: str  # stdout/stderr file
-
-    @property
-    def id(self) -> ProcessId:
-        return ProcessId(self.pid, self.started)
-
-
-@dataclass
-class RunRecord:
+@dataclass(kw_only=True)
+class RunRecord(ProcessRecord):
     """``run.json``: what ``start`` started and where it listens."""
 
-    boot_id: str
-    started_at: str
     public_address: str
     internal_address: str
     insecure: bool
     isolation: str
-    processes: list[ManagedProcess] = field(default_factory=list)
 
-    def save(self, path: Path) -> None:
-        write_atomic(path, (json.dumps(asdict(self), indent=2) + "\n").encode())
+    def superlink_alive(self) -> bool:
+        return self.alive().get("superlink", False)
 
-    @classmethod
-    def load(cls, path: Path) -> RunRecord | None:
-        try:
-            data = json.loads(path.read_text())
-            data["processes"] = [ManagedProcess(**p) for p in data["processes"]]
-            return cls(**data)
-        except FileNotFoundError:
-            return None
-        except (ValueError, TypeError, KeyError) as err:
-            raise ServerError(f"{path} is damaged ({err}); check `ps` and remove it") from None
 
-    def alive(self) -> dict[str, bool]:
-        """Process name -> still running (never true across a reboot: start times restart)."""
-        same_boot = self.boot_id == processes.boot_id()
-        return {p.name: same_boot and p.id.alive() for p in self.processes}
+def gone(folder: ServerFolder, federation: Path, step_running: bool) -> str:
+    """What to do once the SuperLink has died (docs/deployment.md#a-dead-superlink): start the
+    server again, then continue the step it left running (or run the next)."""
+    then = "resume" if step_running else "round"
+    other = "" if federation == folder.federation else f" --federation {federation}"
+    return (
+        f"the SuperLink is gone: `starfed server start --dir {folder.root}`, then "
+        f"`starfed server {then} --dir {folder.root}{other}`"
+    )
 
 
 # --- files ---------------------------------------------------------------------------------
@@ -231,10 +208,9 @@ def gateway_command(folder: ServerFolder, options: ServerOptions, superlink_pid:
 def _check_ready_to_start(folder: ServerFolder, options: ServerOptions) -> None:
     record = RunRecord.load(folder.run_file)
     if record is not None:
-        running = [name for name, up in record.alive().items() if up]
-        if running:
+        if running := record.running():
             raise ServerError(
-                f"already running in {folder.root} ({', '.join(running)}); "
+                f"already running in {folder.root} ({record.pids(running)}); "
                 "`starfed server stop` first"
             )
         folder.run_file.unlink()  # a stale record: nothing of it runs any more
@@ -305,10 +281,10 @@ def _launch(name: str, command: list[str], folder: ServerFolder) -> ManagedProce
     if output.exists() and output.stat().st_size:  # keep one previous run's output
         output.replace(output.with_name(output.name + ".1"))
     popen = processes.spawn(command, env=flower_env(folder), cwd=folder.root, output=output)
-    process = ProcessId.of(popen.pid)
-    if process is None:  # exited before we could look: its output says why
+    managed = ManagedProcess.of(name, popen, command, output)
+    if managed is None:  # exited before we could look: its output says why
         raise ServerError(f"{name} exited at once: {_tail(output)}")
-    return ManagedProcess(name, process.pid, process.started, command, str(output))
+    return managed
 
 
 def _local_url(options: ServerOptions, host: str, port: int, path: str) -> str:
@@ -330,9 +306,7 @@ def start(folder: ServerFolder, options: ServerOptions) -> RunRecord:
     write_flower_config(folder, options)
     if options.isolation == "process":
         ensure_superexec_secret(folder)
-    record = RunRecord(
-        boot_id=processes.boot_id(),
-        started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    record = RunRecord.begin(
         public_address=options.public_address,
         internal_address=options.internal_address,
         insecure=options.insecure,
