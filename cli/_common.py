@@ -14,14 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from starfed.server.ops.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
 )
 from starfed.server.ops.layout import DIR_ENV, ServerFolder, default_dir
 from starfed.shared.config import ConfigError
+from starfed.shared.progress import console as console  # the one rule for output width
 
 Run = Callable[[argparse.Namespace], int]
 
@@ -71,11 +70,6 @@ def guard(
         return guarded
 
     return decorate
-
-
-def console() -> Console:
-    """Rich output for people; wide when piped, so ids and fingerprints are never cut."""
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
 def add_group(

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
-from starfed.cli._common import add_group, guard
+from starfed.cli._common import add_group, console, guard
 from starfed.cli.flags import add_command
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.ops.exit_codes import EXIT_OK
@@ -55,29 +55,33 @@ def _dims_text(dims: ModelDims) -> str:
     return f"d_txt={dims.d_txt} d_clip={dims.d_clip} d_vit={dims.d_vit} n_layers={dims.n_layers}"
 
 
-def _say(console: Console, line: str) -> None:
+def _say(out: Console, line: str) -> None:
     """Print user data verbatim (no rich markup or highlighting inside names and paths)."""
-    console.print(line, markup=False, highlight=False)
+    out.print(line, markup=False, highlight=False)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     """classes, counts, versions and sizes of one codebook"""
     codebook, message = _load(args.file)
-    console = Console()
-    _say(console, str(args.file))
-    _say(console, f"fingerprint  {codebook.fingerprint}")
-    _say(console, f"dims         {_dims_text(codebook.dims)}")
-    _say(console, f"version      {codebook.version}")
-    _say(console, f"classes      {len(codebook)} ({len(codebook.frozen)} frozen)")
+    out = console()
+    _say(out, str(args.file))
+    _say(out, f"fingerprint  {codebook.fingerprint}")
+    _say(out, f"dims         {_dims_text(codebook.dims)}")
+    _say(out, f"version      {codebook.version}")
+    _say(out, f"classes      {len(codebook)} ({len(codebook.frozen)} frozen)")
     for key, value in sorted(codebook.metadata.items()):
-        _say(console, f"metadata     {key} = {value}")
+        _say(out, f"metadata     {key} = {value}")
 
     classes = Table(title="classes")
     mixtures = [schema.BY_NAME[name] for name in schema.MIXTURES]
     columns = ["#", "class", "count", "version", "frozen"]
     columns += [f"{f.symbol} ({f.name})" for f in mixtures]
     for column in columns:
-        classes.add_column(column, justify="right" if column in ("#", "count", "version") else None)
+        classes.add_column(
+            column,
+            justify="right" if column in ("#", "count", "version") else "left",
+            overflow="fold" if column == "class" else "ellipsis",  # a name is never cut
+        )
     for i, entry in enumerate(codebook.entries.values()):
         classes.add_row(
             str(i),
@@ -87,7 +91,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             "yes" if entry.frozen else "",
             *(_mixture_label(entry.values.get(f.name)) for f in mixtures),
         )
-    console.print(classes)
+    out.print(classes)
 
     total = message.ByteSize()
     sizes = {
@@ -101,7 +105,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     parts.add_column("share", justify="right")
     for part, size in {**sizes, "total": total}.items():
         parts.add_row(part, f"{size:,}", f"{size / max(total, 1):.1%}")
-    console.print(parts)
+    out.print(parts)
     return EXIT_OK
 
 
@@ -134,23 +138,28 @@ def run_diff(args: argparse.Namespace) -> int:
     """what changed between two codebooks"""
     old, _ = _load(args.a)
     new, _ = _load(args.b)
-    console = Console()
-    _say(console, f"{args.a} → {args.b}")
-    _say(console, f"version      {_change(old.version, new.version)}")
+    out = console()
+    _say(out, f"{args.a} → {args.b}")
+    _say(out, f"version      {_change(old.version, new.version)}")
     same_backbone = old.fingerprint == new.fingerprint
-    _say(console, f"fingerprint  {'same' if same_backbone else 'DIFFERENT'}")
-    _say(console, f"dims         {_change(_dims_text(old.dims), _dims_text(new.dims))}")
+    _say(out, f"fingerprint  {'same' if same_backbone else 'DIFFERENT'}")
+    _say(out, f"dims         {_change(_dims_text(old.dims), _dims_text(new.dims))}")
     added = [n for n in new.names if n not in old]
     removed = [n for n in old.names if n not in new]
-    _say(console, f"added        {', '.join(added) or '—'}")
-    _say(console, f"removed      {', '.join(removed) or '—'}")
+    _say(out, f"added        {', '.join(added) or '—'}")
+    _say(out, f"removed      {', '.join(removed) or '—'}")
     if old.dims != new.dims:
-        _say(console, "tensors not compared: the dims differ")
+        _say(out, "tensors not compared: the dims differ")
         return EXIT_OK
 
-    table = Table(title="per class: max |b − a| of each tensor that changed")
-    for column in ("class", "count", "version", "frozen", "changes"):
-        table.add_column(column)
+    table = Table(
+        Column("class", overflow="fold"),  # a name is never cut
+        "count",
+        "version",
+        "frozen",
+        "changes",
+        title="per class: max |b − a| of each tensor that changed",
+    )
     for name in (n for n in old.names if n in new):
         table.add_row(
             Text(name),
@@ -159,5 +168,5 @@ def run_diff(args: argparse.Namespace) -> int:
             _change(*("yes" if c[name].frozen else "no" for c in (old, new))),
             _changes(old, new, name),
         )
-    console.print(table)
+    out.print(table)
     return EXIT_OK

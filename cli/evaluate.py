@@ -14,12 +14,14 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.table import Table
+from rich.table import Column, Table
+from rich.text import Text
 
 from starfed.cli._common import add_switches, console
 from starfed.cli.flags import BACKBONE_FLAGS, add_command, parsed, same_name
 from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.shared.config import BackboneOptions, ConfigError
+from starfed.shared.progress import counted
 
 COMMAND = "evaluate"
 FLAGS = (*BACKBONE_FLAGS, *same_name("plot"))
@@ -41,8 +43,8 @@ def _print(result: dict) -> None:
     out = console()
     book = result["codebook"]
     out.print(
-        f"codebook v{book['version']} ({book['classes']} classes) on {result['data']}: "
-        f"{result['images']} images · accuracy {_percent(result['accuracy'])}% · prompt "
+        f"codebook v{book['version']} ({counted(book['classes'], 'class')}) on {result['data']}: "
+        f"{counted(result['images'], 'image')} · accuracy {_percent(result['accuracy'])}% · prompt "
         f"selection {_percent(result['selection_accuracy'])}%"
     )
     tasks = Table("task", "classes", "images", "accuracy %", "selection %", box=None)
@@ -50,17 +52,19 @@ def _print(result: dict) -> None:
         tasks.add_row(str(t["step"]), str(t["classes"]), str(t["images"]),
                       _percent(t["accuracy"]), _percent(t["selection_accuracy"]))  # fmt: skip
     out.print(tasks)
-    classes = Table("class", "task", "images", "accuracy %", "selection %", box=None)
+    classes = Table(Column("class", overflow="fold"), "task", "images", "accuracy %",
+                    "selection %", box=None)  # fmt: skip
     for c in result["classes"]:
-        classes.add_row(c["name"], str(c["step"]), str(c["images"]),
+        classes.add_row(Text(c["name"]), str(c["step"]), str(c["images"]),
                         _percent(c["accuracy"]), _percent(c["selection_accuracy"]))  # fmt: skip
     out.print(classes)
     if result["left_out"]:
-        n = sum(result["left_out"].values())
-        out.print(f"left out: {n} images of {len(result['left_out'])} classes the codebook "
-                      f"lacks ({', '.join(sorted(result['left_out']))})")  # fmt: skip
+        images = counted(sum(result["left_out"].values()), "image")
+        lacked = counted(len(result["left_out"]), "class")
+        out.print(f"left out: {images} of {lacked} the codebook lacks "
+                  f"({', '.join(sorted(result['left_out']))})")  # fmt: skip
     if result["unreadable"]:
-        out.print(f"unreadable: {result['unreadable']} image files skipped")
+        out.print(f"unreadable: {counted(result['unreadable'], 'image file')} skipped")
     out.print(f"confusion matrix: {result['plot']}")
 
 

@@ -28,11 +28,13 @@ from starfed.server.federation import FAILED, METRICS_FILE, Federation
 from starfed.server.scores import accuracy_matrix, selection_matrix
 from starfed.server.strategy import Strategy
 from starfed.server.test_set import ServerTestSet
+from starfed.shared import progress
 from starfed.shared.config import BackboneOptions, ProtocolOptions, parse, run_dir, writable_dir
 from starfed.shared.files import write_atomic
 from starfed.shared.metrics import (
     final_average_accuracy,
     final_forgetting,
+    forgetting_text,
     nan_to_none,
     plot_accuracy_matrix,
     plot_accuracy_over_time,
@@ -61,7 +63,7 @@ def run_server(
 
     A bad run config fails here at once, with the one-line ConfigError, before anything loads.
     """
-    console = console or Console(stderr=True)
+    console = console or progress.console(stderr=True)
     started = time.perf_counter()
     values = parse(run_config)
     protocol = ProtocolOptions.from_config(values)
@@ -74,8 +76,8 @@ def run_server(
         server_eval = ServerTestSet(protocol.server_test_dir, backbones, train)
     console.print(
         f"[bold]starfed server[/] federation {federation.id[:8]} in {folder} · "
-        f"{federation.position(federation.codebook()).step} steps so far · backbones "
-        f"{backbones.config.name} ({backbones.fingerprint[:12]})"
+        f"{progress.counted(federation.position(federation.codebook()).step, 'step')} so far · "
+        f"backbones {backbones.config.name} ({backbones.fingerprint[:12]})"
     )
     coordinator = Coordinator(
         grid, backbones, train, protocol, federation, console, server_eval,
@@ -92,13 +94,13 @@ def run_server(
     write_atomic(folder / METRICS_FILE, json.dumps(nan_to_none(metrics), indent=2).encode())
     matrix = metrics["accuracy_matrix"]
     if matrix:
-        title = f"federation {federation.id[:8]}, {len(metrics['sites'])} sites"
+        title = f"federation {federation.id[:8]}, {progress.counted(len(metrics['sites']), 'site')}"
         plot_accuracy_matrix(matrix, folder / "accuracy_matrix.png", title)
         plot_accuracy_over_time(matrix, folder / "accuracy_over_time.png", title)
     console.print(
-        f"[bold]{log.status}[/] · {len(log.steps)} step(s) this run · FAA "
-        f"{metrics['final_average_accuracy']:.2f}% · forgetting {metrics['final_forgetting']:.2f}"
-        f" · wall {metrics['wall_time_s']:.0f}s"
+        f"[bold]{log.status}[/] · {progress.counted(len(log.steps), 'step')} this run · FAA "
+        f"{metrics['final_average_accuracy']:.2f}% · "
+        f"{forgetting_text(metrics['final_forgetting'])} · wall {metrics['wall_time_s']:.0f}s"
     )
     if log.status == FAILED:
         raise RunFailed(log.reason)

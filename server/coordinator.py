@@ -45,6 +45,7 @@ from starfed.server.federation import (
 )
 from starfed.server.messaging import Reply, exchange, malformed, reject, update_digest
 from starfed.server.strategy import ConfigValue, PhaseState, Strategy
+from starfed.shared import progress
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
 from starfed.shared.codebook.lineage import Lineage
@@ -107,7 +108,7 @@ class Coordinator:
         self.train = train
         self.protocol = protocol
         self.federation = federation
-        self.console = console or Console(stderr=True)
+        self.console = console or progress.console(stderr=True)
         self.server_eval = server_eval
         self.strategy = strategy or Strategy()
         self.before_step = before_step
@@ -157,8 +158,8 @@ class Coordinator:
         if failed:
             self.log.status = DEGRADED
             self.console.print(
-                f"[yellow]{len(failed)} site(s) did not answer the sync; the others bring "
-                "nothing new: the run is over"
+                f"[yellow]{progress.counted(len(failed), 'site')} did not answer the sync; the "
+                "others bring nothing new: the run is over"
             )
             return
         self.console.print("no site brings a new class: the run is over")
@@ -173,7 +174,8 @@ class Coordinator:
             if time.monotonic() >= deadline:
                 self.log.status = FAILED
                 self.log.reason = (
-                    f"{len(online)} site(s) connected, {self.protocol.min_sites} needed "
+                    f"{progress.counted(len(online), 'site')} connected, "
+                    f"{self.protocol.min_sites} needed "
                     f"(waited {self.protocol.wait_s:.0f}s)"
                 )
                 self.console.print(f"[red]{self.log.reason}")
@@ -281,8 +283,8 @@ class Coordinator:
     def _print_scores(self, step: int) -> None:
         row = " ".join(f"{a:.0f}" for a in self._scores.accuracy)
         self.console.print(
-            f"step {step + 1}: {len(self.codebook)} classes · federation accuracy "
-            f"{self._scores.mean_accuracy:.1f}% by arrival step: {row}"
+            f"step {step + 1}: {progress.counted(len(self.codebook), 'class')} · "
+            f"federation accuracy {self._scores.mean_accuracy:.1f}% by arrival step: {row}"
         )
 
     # --- the enrolment ----------------------------------------------------------------------
@@ -307,9 +309,9 @@ class Coordinator:
         self.codebook = replay.register(self.codebook, new, self.backbones, self.train)
         self.federation.register(new, step, brought)
         self.console.print(
-            f"step {step + 1}: {len(new)} new classes from "
-            f"{len({s for n in new for s in brought[n]})} site(s) · "
-            f"{len(self._node_ids)} site(s) take part"
+            f"step {step + 1}: {progress.counted(len(new), 'new class')} from "
+            f"{progress.counted(len({s for n in new for s in brought[n]}), 'site')} · "
+            f"{progress.counted(len(self._node_ids), 'site')} taking part"
         )
         self.federation.begin_step(start)
         self.position = Position(step, running=True)

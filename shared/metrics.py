@@ -50,6 +50,21 @@ def final_forgetting(matrix: AccuracyMatrix) -> float:
     return _nanmean(drops)
 
 
+#: Where the scores are defined, for the lines that print them.
+SCORES_DOC = "docs/results.md#the-scores"
+
+
+def forgetting_text(forgetting: float) -> str:
+    """``forgetting 3.21`` for a summary line. A reader takes forgetting for a loss, so a
+    negative value says what it means and where it is defined."""
+    if forgetting < 0:
+        return (
+            f"forgetting {forgetting:.2f} (negative: the earlier tasks score better now than "
+            f"they did before; {SCORES_DOC})"
+        )
+    return f"forgetting {forgetting:.2f}"
+
+
 #: Up to this many tasks the plots label every cell and every task; beyond, a sparser axis.
 LABEL_EVERY_TASK = 12
 TITLE_CHARS_PER_INCH = 11  # at fontsize 10: a longer title wraps instead of being clipped
@@ -133,15 +148,21 @@ def plot_accuracy_over_time(matrix: AccuracyMatrix, path: Path, title: str) -> F
 
 def plot_confusion_matrix(
     counts: np.ndarray, names: list[str], path: Path, title: str, max_labels: int = 40
-) -> None:
+) -> Figure:
     """Rows: true class, columns: predicted class; colour is the share of the row (so classes
-    with few test images read like the others), counts are written in the cells when few."""
+    with few test images read like the others), counts are written in the cells when few.
+
+    The figure grows with the classes from a floor that leaves the matrix, and so the colour
+    bar beside it, taller than the bar's label even under the rotated class names; the
+    constrained layout keeps the (wrapped) title and the label inside the figure.
+    """
     counts = np.asarray(counts)
     n = len(names)
     totals = counts.sum(axis=1, keepdims=True)
     share = np.divide(counts, totals, out=np.zeros(counts.shape), where=totals > 0)
-    size = min(2.5 + 0.32 * n, 24.0)
-    fig = Figure(figsize=(size + 1.5, size))
+    size = min(max(5.0, 2.5 + 0.32 * n), 24.0)
+    width = size + 1.5
+    fig = Figure(figsize=(width, size), layout="constrained")
     ax = fig.subplots()
     image = ax.imshow(100 * share, vmin=0, vmax=100, cmap="viridis")
     if n <= 25:
@@ -154,7 +175,8 @@ def plot_confusion_matrix(
         ax.set_yticks(range(n), short, fontsize=7)
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
-    ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=ax, label="share of the true class's images (%)")
-    fig.tight_layout()
+    # Over the figure, not the matrix: the class names push the matrix off its centre.
+    fig.suptitle(textwrap.fill(title, int(TITLE_CHARS_PER_INCH * width)), fontsize=10)
+    fig.colorbar(image, ax=ax, label="% of the true class's images")
     fig.savefig(path, dpi=120)
+    return fig

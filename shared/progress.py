@@ -1,11 +1,39 @@
-"""Progress bars for long loops: one rich task per loop, removed when the loop ends."""
+"""Output for people: the console every command prints through, progress bars for long loops,
+and counts in words. One rule for width, here: a terminal is filled to its width; a file or a
+pipe has no width to fit, so nothing there is cut or wrapped (a script or a log reads whole
+class names, paths and fingerprints)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from rich.console import Console
 from rich.progress import Progress
+
+#: Columns of output into a file or a pipe (``COLUMNS`` when that is wider): room for a table
+#: of whole class names and fingerprints.
+PIPED_WIDTH = 240
+
+
+def console(stderr: bool = False) -> Console:
+    """The console a command prints through (on stdout, or stderr for progress and logs): the
+    terminal's width in a terminal; piped, ``PIPED_WIDTH`` columns and plain lines not
+    wrapped. No highlighting: names and paths are printed as they are."""
+    out = Console(stderr=stderr, highlight=False)
+    if not out.is_terminal:
+        columns = os.environ.get("COLUMNS", "")
+        out.width = max(PIPED_WIDTH, int(columns) if columns.isdigit() else 0)
+        out.soft_wrap = True
+    return out
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 site``, ``2 sites``, ``1 new class``, ``0 new classes``."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun}{'es' if noun.endswith(('s', 'x', 'ch', 'sh')) else 's'}"
 
 
 @contextmanager

@@ -36,6 +36,7 @@ from starfed.server.ops.exit_codes import EXIT_DEGRADED
 from starfed.server.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server.ops.flower_runs import summarize
 from starfed.server.strategy import Strategy
+from starfed.shared import progress
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
 from starfed.shared.config import parse
@@ -197,7 +198,7 @@ def run_locally(
 
     A failed run raises ``RunFailed`` after writing its metrics, as the ServerApp does.
     """
-    console = console or Console(stderr=True)
+    console = console or progress.console(stderr=True)
     config = dict(run_config)
     n_sites = int(parse(config)["num-clients"])
     run_id = new_run_id()
@@ -208,8 +209,8 @@ def run_locally(
         TextColumn("sites"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=True) as progress:
-        grid = LocalGrid(client_app, config, node_configs(n_sites), run_id, progress=progress)
+    with Progress(*columns, console=console, transient=True) as bars:
+        grid = LocalGrid(client_app, config, node_configs(n_sites), run_id, progress=bars)
         sites = SimulatedSites.of(config, run_id)
         return run_server(grid, config, run_id, console, strategy=strategy, before_step=sites)
 
@@ -218,8 +219,8 @@ def simulate_locally(overrides: Mapping[str, object]) -> int:
     """`starfed simulate --runtime local`: exit code 0 (completed), 3 (degraded) or 1 (failed),
     as with the Flower runtime."""
     run_dir = Path(str(overrides["results-dir"])) / str(overrides["run-name"])
-    n_sites = overrides["num-clients"]
-    print(f"local runtime: {n_sites} simulated sites in this process, results in {run_dir}")
+    sites = progress.counted(int(overrides["num-clients"]), "simulated site")
+    print(f"local runtime: {sites} in this process, results in {run_dir}")
     started = time.monotonic()
     try:
         metrics = run_locally(overrides)

@@ -14,22 +14,26 @@ Linux only: processes are tracked through ``/proc``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
 
 from starfed.server.federation import Federation, FederationError
 from starfed.server.ops import exit_codes, flower_runs, processes
 from starfed.server.ops.flower_runs import COMPLETED, FlowerCli, FlowerRunError, RunOutcome
 from starfed.server.ops.processes import ProcessId
+from starfed.shared.progress import counted
 
 STARTUP_TIMEOUT_S = 60.0
 STOP_GRACE_S = 20.0
@@ -40,6 +44,18 @@ CLIENT_CPUS = 1
 #: FutureWarnings, typer's DeprecationWarnings. Warnings only: errors and logs still show.
 QUIET = "ignore::FutureWarning,ignore::DeprecationWarning"
 INTERRUPTED_FILE = "interrupted.json"
+#: Lines of the run's log (``flwr log``) not shown: Flower 1.42's simulation runtime warns on
+#: every run that its default number of simulated SuperNodes changed from 10 to 2, and says how
+#: to resize the federation (``flwr/simulation/app.py``), whatever the run asked for; this
+#: command sets the number for each run (``num-supernodes`` = ``num-clients``), and Flower's
+#: next line, "Federation ... (N simulated SuperNodes)", says what it got.
+FLOWER_NOISE = (
+    "default simulated SuperNodes changed from 10 to 2",
+    "To change federation size, use the following command",
+    "flwr federation simulation-config",
+)
+#: How long the run's log may take to drain after ``flwr log`` has ended.
+DRAIN_S = 10.0
 #: The simulation's apps (pyproject.toml's ``[tool.flwr.app.components]`` too): the ServerApp
 #: that writes the simulated sites' folders, and the ClientApp every site runs.
 APP_COMPONENTS = {
@@ -145,6 +161,29 @@ class LocalSuperLink:
 # --- the run -------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def filtered_stdout(dropped: tuple[str, ...] = FLOWER_NOISE) -> Iterator[IO[bytes]]:
+    """A pipe to give a child process as its output: its lines reach our stdout as they come,
+    except those that contain one of ``dropped``."""
+    read_end, write_end = os.pipe()
+
+    def copy() -> None:
+        with open(read_end, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                if not any(text in line for text in dropped):
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+
+    thread = threading.Thread(target=copy, name="flower-log", daemon=True)
+    thread.start()
+    sink = open(write_end, "wb")  # noqa: SIM115 -- closed below, once the child has its copy
+    try:
+        yield sink
+    finally:
+        sink.close()  # the copy ends when the child's end closes too
+        thread.join(DRAIN_S)
+
+
 def simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> int:
     """Run one simulation to its end; the exit code of ``flower_runs.exit_code`` (0 completed,
     3 degraded, 1 failed, 130 interrupted), 1 as well when a process survived the stop.
@@ -174,18 +213,21 @@ def simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> i
         try:
             superlink.start()
             print(f"SuperLink on {superlink.address}, FLWR_HOME={flwr_home}")
-            outcome = flower_runs.run_to_end(
-                cli,
-                app,
-                overrides,
-                federation_config=federation,
-                timeout_s=timeout,
-                on_submitted=lambda run_id: print(
-                    f"run {run_id}: {n_supernodes} simulated clients, results in {run_dir}",
-                    flush=True,
-                ),
-                on_poll=superlink.watch,
-            )
+            with filtered_stdout() as log_sink:
+                outcome = flower_runs.run_to_end(
+                    cli,
+                    app,
+                    overrides,
+                    federation_config=federation,
+                    log_sink=log_sink,
+                    timeout_s=timeout,
+                    on_submitted=lambda run_id: print(
+                        f"run {run_id}: {counted(n_supernodes, 'simulated client')}, results in "
+                        f"{run_dir}",
+                        flush=True,
+                    ),
+                    on_poll=superlink.watch,
+                )
         except KeyboardInterrupt:  # before the run was submitted
             outcome = RunOutcome(None, flower_runs.INTERRUPTED)
         except (SimulationError, FlowerRunError, processes.ProcessError) as err:
@@ -229,7 +271,11 @@ def report_interrupted(run_dir: Path, outcome: RunOutcome, superlink_log: Path) 
     }
     (run_dir / INTERRUPTED_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     if position is None or not position.running:
-        where = "before any step started" if position is None else f"after {position.step} steps"
+        where = (
+            "before any step started"
+            if position is None
+            else f"after {counted(position.step, 'step')}"
+        )
     else:
         where = f"during step {position.step + 1} ({', '.join(position.done) or 'no phase'} done)"
     print(

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from starfed.shared import progress
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import Options, Values, knob, optional, parse
@@ -28,7 +29,12 @@ from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root
 from starfed.shared.data.images import decode_images
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.device import resolve
-from starfed.shared.metrics import final_average_accuracy, final_forgetting, plot_accuracy_matrix
+from starfed.shared.metrics import (
+    final_average_accuracy,
+    final_forgetting,
+    forgetting_text,
+    plot_accuracy_matrix,
+)
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.evaluation import evaluate_decoded
 from starfed.shared.model.star_prompt import StarPrompt
@@ -78,7 +84,7 @@ def _progress(console: Console) -> Progress:
 
 def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     """Train task after task, evaluate on all seen tasks after each; return the metrics."""
-    console = console or Console(stderr=True)
+    console = console or progress.console(stderr=True)
     started = time.perf_counter()
     config = options.train
     torch.manual_seed(config.seed)
@@ -96,7 +102,8 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     model = StarPrompt(backbones, confidence_modulation=config.confidence_modulation)
     size = backbones.config.image_size
     console.print(
-        f"[bold]starfed train-local[/] {split.n_tasks} tasks × {split.classes_per_task} classes "
+        f"[bold]starfed train-local[/] {progress.counted(split.n_tasks, 'task')} × "
+        f"{progress.counted(split.classes_per_task, 'class')} "
         f"from {split.root} · backbones {backbones.config.name} "
         f"({backbones.fingerprint[:12]}) · seed {config.seed}"
     )
@@ -105,14 +112,15 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     )
     test = decode_images(split.samples("test", range(split.n_tasks)), size, options.cache_dir)
     if train.n_skipped or test.n_skipped:
-        console.print(f"[yellow]skipped {train.n_skipped + test.n_skipped} unreadable images")
+        skipped = progress.counted(train.n_skipped + test.n_skipped, "unreadable image")
+        console.print(f"[yellow]skipped {skipped}")
     test_features = clip_features(backbones, test.images)  # frozen CLIP: computed once
 
     matrix: list[list[float]] = []
     selection: list[list[float]] = []
     task_seconds: list[float] = []
     table = Table("task", "accuracy per seen task (%)", "avg", "selection (%)", "s")
-    with _progress(console) as progress:
+    with _progress(console) as bars:
         for t in range(split.n_tasks):
             task_start = time.perf_counter()
             labels = split.task_labels(t)
@@ -127,7 +135,7 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
             images = train.images[in_task]
             targets = torch.tensor([row_of[int(train.labels[i])] for i in in_task])
             features = clip_features(backbones, images)
-            learn_task(model, images, targets, features, n_past, t, config, progress)
+            learn_task(model, images, targets, features, n_past, t, config, bars)
 
             scores = evaluate_decoded(
                 model, test, test_features, split, t + 1, use_keys=options.classify_with_keys
@@ -182,8 +190,8 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
         f"FAA {metrics['final_average_accuracy']:.1f}%",
     )
     console.print(
-        f"[bold green]FAA {metrics['final_average_accuracy']:.2f}%[/] · forgetting "
-        f"{metrics['final_forgetting']:.2f} · wall {metrics['wall_time_s']:.0f}s · "
+        f"[bold green]FAA {metrics['final_average_accuracy']:.2f}%[/] · "
+        f"{forgetting_text(metrics['final_forgetting'])} · wall {metrics['wall_time_s']:.0f}s · "
         f"results in {run_dir}"
     )
     metrics["run_dir"] = str(run_dir)

@@ -22,6 +22,7 @@ from starfed.shared.codebook.held import HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.data.cropdiseases import bundled_dataset_root
 from starfed.shared.protocol import Phase
 
 
@@ -491,12 +492,6 @@ def test_a_held_codebook_takes_a_delta_only_of_its_lineage_and_version(
 # --- command line --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COLUMNS", "200")
-
-
-@pytest.mark.usefixtures("wide_terminal")
 def test_cli_inspect(
     codebook: Codebook, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -514,7 +509,6 @@ def test_cli_inspect(
     assert f"{path.stat().st_size - 48:,}" in out  # total = the payload after the file header
 
 
-@pytest.mark.usefixtures("wide_terminal")
 def test_cli_diff(codebook: Codebook, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wire.write_file(tmp_path / "a", codebook)
     key = codebook["class_1"].values["key"].clone()
@@ -530,6 +524,35 @@ def test_cli_diff(codebook: Codebook, tmp_path: Path, capsys: pytest.CaptureFixt
     assert "removed      class_2" in out
     assert "w_c 5.00e-01" in out
     assert "unchanged" in out
+
+
+def test_cli_output_piped_keeps_every_class_name_whole_on_one_line(
+    codebook: Codebook,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Piped (``inspect > file``), no terminal width applies: the bundled data set's longest
+    class names, one with a space, stay whole on one line in every table, as does the path."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    names = sorted(p.name for p in (bundled_dataset_root() / "train").iterdir())
+    names = sorted(names, key=len)[-len(codebook) :]
+    renamed = [replace(e, name=n) for e, n in zip(codebook.entries.values(), names, strict=True)]
+    long = codebook.without(codebook.names).register(renamed)
+    folder = tmp_path / ("a folder with a long name, " * 4).strip()
+    folder.mkdir()
+    wire.write_file(folder / "model.codebook", long)
+    wire.write_file(folder / "other.codebook", codebook)
+    assert cli_main(["codebook", "inspect", str(folder / "model.codebook")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == str(folder / "model.codebook")
+    for name in names:
+        assert any(name in line for line in lines), name
+    files = [str(folder / "other.codebook"), str(folder / "model.codebook")]
+    assert cli_main(["codebook", "diff", *files]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == " → ".join(files)
+    assert next(line for line in lines if line.startswith("added")).endswith(", ".join(names))
 
 
 @pytest.mark.parametrize("action", ["inspect", "diff"])

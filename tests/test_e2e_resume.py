@@ -140,7 +140,7 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
             f"continuing step 1 after its completed phases ({', '.join(done_before)}); "
             f"classes in play: {', '.join(before.position.in_play)}"
         ) in out
-        assert "new classes" not in out  # the sync again says who is here, registers nothing
+        assert "new class" not in out  # the sync again says who is here, registers nothing
         assert f"run {killed_run['run_id']}" not in out  # a new run
 
     federation = Federation.open(deployed.federation)

@@ -1,5 +1,6 @@
 """The run plots read well from 1 to 50 tasks: the title inside the figure and clear of the colour
-bar, integer steps, a bounded size, cell values only while they fit."""
+bar, integer steps, a bounded size, cell values only while they fit. The confusion matrix of
+``starfed evaluate --plot`` keeps its title and colour-bar label whole from 1 to 40 classes."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.transforms import Bbox
 
 from starfed.shared.metrics import (
     LABEL_EVERY_TASK,
     plot_accuracy_matrix,
     plot_accuracy_over_time,
+    plot_confusion_matrix,
 )
 
 TITLE = "STAR-Prompt, tiny backbones, seed 1993: FAA 17.3% (a title of a usual length)"
@@ -48,3 +52,29 @@ def test_accuracy_over_time_has_integer_steps(n: int, tmp_path: Path) -> None:
     assert min(ticks) >= 1 and max(ticks) <= n
     labels = ax.get_legend_handles_labels()[1]
     assert "mean" in labels and len(labels) == (n + 1 if n <= LABEL_EVERY_TASK else 1)
+
+
+def _inside(box: Bbox, figure: Bbox) -> bool:
+    return (
+        figure.x0 <= box.x0 and box.x1 <= figure.x1 and figure.y0 <= box.y0 and box.y1 <= figure.y1
+    )
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 40])
+def test_confusion_matrix_title_and_colour_bar_label_are_inside_the_figure(
+    n: int, tmp_path: Path
+) -> None:
+    names = [f"Crop_{i}___Cercospora_leaf_spot Gray_leaf_spot" for i in range(n)]  # cut at 28
+    counts = np.random.default_rng(n).integers(0, 9, (n, n))
+    fig = plot_confusion_matrix(counts, names, tmp_path / "c.png", TITLE)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # the layout at the figure's own dpi, the one fig.bbox is in
+    renderer = canvas.get_renderer()
+    _, colorbar = fig.axes
+    label = colorbar.yaxis.label.get_window_extent(renderer)
+    title = fig._suptitle.get_window_extent(renderer)
+    assert colorbar.get_ylabel() and _inside(label, fig.bbox), (label, fig.bbox)
+    assert " ".join(fig.get_suptitle().split()) == TITLE  # wrapped, never cut
+    assert _inside(title, fig.bbox), (title, fig.bbox)
+    assert not label.overlaps(title)
+    assert (tmp_path / "c.png").stat().st_size > 0

@@ -35,6 +35,8 @@ from starfed.server.ops import processes
 from starfed.server.ops.exit_codes import EXIT_DEGRADED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from starfed.shared.config import TABLES, ConfigError
 from starfed.shared.files import write_atomic
+from starfed.shared.metrics import forgetting_text
+from starfed.shared.progress import counted
 
 CONNECTION = "starfed"  # the one SuperLink connection in every Flower config starfed writes
 FINISHED = "finished"
@@ -330,10 +332,10 @@ def exit_code(outcome: RunOutcome, metrics: dict | None) -> int:
 def summarize(metrics: dict) -> str:
     """One line of a run's ``metrics.json``."""
     faa = metrics.get("final_average_accuracy")
-    parts = [f"{metrics.get('status', '?')} · {metrics.get('steps', 0)} step(s)"]
+    parts = [f"{metrics.get('status', '?')} · {counted(metrics.get('steps', 0), 'step')}"]
     parts.append(f"FAA {faa:.2f}%" if isinstance(faa, int | float) else "FAA n/a")
     forgetting = metrics.get("final_forgetting")
     if isinstance(forgetting, int | float):
-        parts.append(f"forgetting {forgetting:.2f}")
+        parts.append(forgetting_text(forgetting))
     parts.append(f"server wall {metrics.get('wall_time_s', 0):.0f}s")
     return " · ".join(parts)

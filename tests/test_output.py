@@ -1,0 +1,101 @@
+"""What people read: the console's width when piped, counts in words, a negative forgetting
+explained, and Flower's SuperNode-count warning kept out of ``starfed simulate``'s output."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.table import Table
+
+from starfed.server.ops.flower_runs import summarize
+from starfed.shared.metrics import SCORES_DOC, forgetting_text
+from starfed.shared.progress import PIPED_WIDTH, console, counted
+from starfed.simulations.simulate import filtered_stdout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("stderr", [False, True])
+def test_piped_console_is_wide_and_does_not_wrap(
+    stderr: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A train-local-style table of ten tasks and a long path stay one line each."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = console(stderr=stderr)
+    assert (out.width, out.soft_wrap) == (PIPED_WIDTH, True)
+    table = Table("task", "accuracy per seen task (%)", "avg", "selection (%)", "s")
+    for t in range(10):
+        table.add_row(str(t + 1), " ".join(f"{a:5.1f}" for a in range(t + 1)), "1.0", "2.0", "9")
+    out.print(table)
+    path = "/results/" + "a-long-folder-name/" * 20 + "metrics.json"
+    out.print(f"results: {path}")
+    lines = (capsys.readouterr().err if stderr else capsys.readouterr().out).splitlines()
+    rows = [line for line in lines if line.startswith("│")]
+    assert len(rows) == 10 and all(line.endswith("│") for line in rows)
+    assert f"results: {path}" in lines
+
+
+def test_piped_console_takes_a_wider_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    assert console().width == PIPED_WIDTH
+    monkeypatch.setenv("COLUMNS", str(PIPED_WIDTH + 100))
+    assert console().width == PIPED_WIDTH + 100
+
+
+def test_counted_says_one_in_the_singular() -> None:
+    assert counted(1, "new class") == "1 new class"
+    assert counted(2, "new class") == "2 new classes"
+    assert counted(0, "site") == "0 sites"
+    assert counted(1, "step") == "1 step"
+
+
+def test_negative_forgetting_says_what_it_means_and_where() -> None:
+    assert forgetting_text(3.214) == "forgetting 3.21"
+    assert forgetting_text(0.0) == "forgetting 0.00"
+    text = forgetting_text(-20.37)
+    assert text.startswith("forgetting -20.37 (negative: the earlier tasks score better")
+    assert text.endswith(f"{SCORES_DOC})")
+    page, anchor = SCORES_DOC.split("#")
+    headings = [line for line in (ROOT / page).read_text().splitlines() if line.startswith("#")]
+    assert any(h.lstrip("#").strip().lower().replace(" ", "-") == anchor for h in headings)
+
+
+def test_run_summary_line() -> None:
+    metrics = {"status": "completed", "steps": 1, "final_average_accuracy": 41.67,
+               "final_forgetting": -2.5, "wall_time_s": 59}  # fmt: skip
+    line = summarize(metrics)
+    assert line.startswith("completed · 1 step · FAA 41.67% · forgetting -2.50 (negative:")
+    assert line.endswith(" · server wall 59s")
+    assert summarize({**metrics, "steps": 2, "final_forgetting": 1.0}) == (
+        "completed · 2 steps · FAA 41.67% · forgetting 1.00 · server wall 59s"
+    )
+
+
+#: The start of a simulation's log as ``flwr log`` prints it (Flower 1.42, colours and all).
+FLOWER_LOG = """\
+\x1b[92mINFO \x1b[0m:      Starting Flower Simulation
+\x1b[93mWARNING \x1b[0m:   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.
+\x1b[92mINFO \x1b[0m:      Federation `@none/default` (5 simulated SuperNodes)
+\x1b[92mINFO \x1b[0m:      To change federation size, use the following command:
+\x1b[92mINFO \x1b[0m: \tflwr federation simulation-config @none/default <superlink> \
+--num-supernodes <N>
+step 1: 4 new classes from 2 sites · 2 sites taking part
+"""
+
+
+def test_simulation_log_drops_the_supernode_count_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The run's log reaches stdout through a pipe, as ``flwr log``'s does: Flower's warning
+    about a default this command never uses and its resize hint are gone, every other line is
+    there, in order."""
+    with filtered_stdout() as sink:
+        child = [sys.executable, "-c", f"import sys; sys.stdout.write({FLOWER_LOG!r})"]
+        subprocess.run(child, stdout=sink, check=True)
+    shown = capsys.readouterr().out
+    assert "changed from 10 to 2" not in shown and "simulation-config" not in shown
+    lines = FLOWER_LOG.splitlines()
+    assert shown.splitlines() == [lines[0], lines[2], lines[5]]
