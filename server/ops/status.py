@@ -37,7 +37,13 @@ from starfed.server.ops.processes import ProcessError
 RECENT_STEPS = 3  # steps whose failed exchanges count as recent errors
 #: What reading a file of the folders may raise when it is damaged or cannot be read.
 UNREADABLE = (
-    FederationError, superlink.ServerError, ProcessError, OSError, ValueError, TypeError, KeyError
+    FederationError,
+    superlink.ServerError,
+    ProcessError,
+    OSError,
+    ValueError,
+    TypeError,
+    KeyError,
 )
 T = TypeVar("T")
 
