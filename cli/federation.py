@@ -30,6 +30,7 @@ from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import Status, gather
 from starfed.shared.config import ConfigError, writable_dir
+from starfed.shared.progress import counted
 
 FLAGS = (Flag("--steps", ("max-steps",)), *same_name("min-sites", "wait-s", "timeout-s"))
 guarded = guard(
@@ -115,7 +116,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     if resume and not running:
         done = 0 if checkpoint is None else checkpoint.position.step
         raise ConfigError(
-            f"nothing to resume in {federation_dir}: no step is running ({done} step(s) "
+            f"nothing to resume in {federation_dir}: no step is running ({counted(done, 'step')} "
             "finished); `starfed server round` runs the next"
         )
     record = superlink.RunRecord.load(folder.run_file)
@@ -196,7 +197,7 @@ def _sayer(args: argparse.Namespace) -> Callable[[str], None]:
 def _where(checkpoint: Checkpoint) -> str:
     p = checkpoint.position
     if not p.running:
-        return f"{p.step} step(s) finished, none running"
+        return f"{counted(p.step, 'step')} finished, none running"
     return f"step {p.step + 1} running, {', '.join(p.done) or 'no phase'} done"
 
 
@@ -277,7 +278,7 @@ def _print_status(status: Status) -> None:
     f = status.federation
     say(f"           id {f['id'][:8]} · created {f['created']} · backbones {f['fingerprint'][:12]}")
     position = status.position or {}
-    where = f"{len(status.steps)} step record(s)"
+    where = counted(len(status.steps), "step record")
     if position.get("running"):
         where = (
             f"step {position['step'] + 1} RUNNING · done: {', '.join(position['done']) or '—'}"

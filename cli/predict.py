@@ -20,6 +20,7 @@ from pathlib import Path
 from starfed.cli.flags import BACKBONE_FLAGS, add_command, device_flag, parsed, same_name
 from starfed.server.ops.exit_codes import EXIT_FAILED
 from starfed.shared.config import BackboneOptions, ConfigError
+from starfed.shared.progress import counted
 
 COMMAND = "predict"
 DEVICE_HELP = (
@@ -160,7 +161,7 @@ def _main(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         rows += predictions
     if not rows:
-        raise ConfigError(f"none of the {len(paths)} image(s) could be read")
+        raise ConfigError(f"none of the {counted(len(paths), 'image')} could be read")
     if own["format"] == "json":
         codebook_info = {"version": codebook.version, "classes": len(codebook),
                          "fingerprint": codebook.fingerprint}  # fmt: skip

@@ -17,6 +17,7 @@ from starfed.client.ops import supernode
 from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.config import BackboneOptions, ConfigError
+from starfed.shared.progress import counted
 
 COMMAND = "site check"
 FLAGS = same_name("preset", "backbone-config", "clip-weights", "vit-weights")
@@ -101,4 +102,4 @@ def _print(report) -> None:
     if report.ready:
         print("ready to join: starfed site start --data … (docs/deployment.md)")
     else:
-        print(f"not ready: {problems} problem(s) above would stop the site")
+        print(f"not ready: {counted(problems, 'problem')} above would stop the site")

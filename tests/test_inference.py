@@ -236,7 +236,7 @@ def test_predict_json_and_one_warning_per_unreadable_image(exported, tmp_path, c
     assert code == 2
     assert err.splitlines() == [
         f"starfed predict: warning: cannot read {broken}: skipped",
-        "starfed predict: error: none of the 1 image(s) could be read",
+        "starfed predict: error: none of the 1 image could be read",
     ]
 
 

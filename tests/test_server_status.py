@@ -99,7 +99,7 @@ def test_status_of_a_finished_federation_without_a_server(root, capsys) -> None:
 
     code, out, err = starfed(capsys, "server", "resume", "--dir", server)
     assert code == 2 and out == ""
-    assert "nothing to resume" in err and "1 step(s) finished" in err
+    assert "nothing to resume" in err and "1 step finished" in err
 
 
 def test_status_and_resume_of_a_step_left_running(root, capsys) -> None:
@@ -144,7 +144,7 @@ def test_status_without_a_federation(tmp_path, capsys) -> None:
     status = json.loads(out)
     assert code == 0 and status["federation"] is None and "no federation" in status["problem"]
     code, out, err = starfed(capsys, "server", "resume", "--dir", str(tmp_path))
-    assert code == 2 and "nothing to resume" in err and "0 step(s)" in err
+    assert code == 2 and "nothing to resume" in err and "0 steps" in err
 
 
 def test_flower_nodes_join_the_federation_sites_by_node_id() -> None:

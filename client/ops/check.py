@@ -23,6 +23,7 @@ from starfed.shared.config import BackboneOptions
 from starfed.shared.data.images import DatasetError, decode_images
 from starfed.shared.data.site_folder import HELD_OUT_SHARE, TEST_FOLDER, SiteFolder, class_key
 from starfed.shared.model.backbone_config import BackboneError, preset_config, read_backbone_config
+from starfed.shared.progress import counted
 
 OK, WARNING, PROBLEM = "ok", "warning", "problem"
 DECODE_BATCH = 256  # images decoded at a time: bounds memory on large folders
@@ -106,7 +107,9 @@ def _tasks(report: SiteCheck, folder: SiteFolder) -> None:
     if not with_images:
         report.add(PROBLEM, "tasks", f"{folder.root} holds no training image in any task")
         return
-    report.add(OK, "tasks", f"{len(with_images)} task(s), {images} training images")
+    report.add(
+        OK, "tasks", f"{counted(len(with_images), 'task')}, {counted(images, 'training image')}"
+    )
     for task in report.tasks:
         if not any(task.classes.values()):
             report.add(WARNING, "tasks", f"task {task.name} has no images: it is skipped")

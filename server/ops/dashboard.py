@@ -71,6 +71,7 @@ from starfed.shared.metrics import (
     plot_accuracy_matrix,
     plot_accuracy_over_time,
 )
+from starfed.shared.progress import counted
 from starfed.shared.protocol import Phase
 
 READ_EVERY_S = 1.0  # a page and its images share one reading of the folders
@@ -436,7 +437,7 @@ def _now(state: State) -> str:
     s = state.status
     if run is None:
         last = s.last_run or {}
-        finished = f"{len(s.steps)} step record(s), no step running"
+        finished = f"{counted(len(s.steps), 'step record')}, no step running"
         if last:
             reason = f" · {_text(last.get('reason'))}" if last.get("reason") else ""
             finished += (f" · last run {_badge(last.get('status'))} "

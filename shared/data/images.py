@@ -26,6 +26,8 @@ from PIL import Image
 from rich.progress import track
 from torchvision.transforms import InterpolationMode
 
+from starfed.shared.progress import counted
+
 #: File endings counted as images (torchvision ImageFolder's list).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _CACHE_FORMAT = 1  # bump when the cached array layout changes
@@ -173,7 +175,9 @@ def decode_images(
     if failed:
         shown = ", ".join(failed[:5]) + (", ..." if len(failed) > 5 else "")
         warnings.warn(
-            f"skipped {len(failed)} unreadable image file(s): {shown}", RuntimeWarning, stacklevel=2
+            f"skipped {counted(len(failed), 'unreadable image file')}: {shown}",
+            RuntimeWarning,
+            stacklevel=2,
         )
     return DecodedImages(
         images=torch.from_numpy(np.ascontiguousarray(images)),
