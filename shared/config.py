@@ -266,7 +266,8 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("isolation", str, "process", "process: our SuperExec, authenticated with a shared "
          "secret; subprocess: Flower's own (its task API is then open to local users)",
          "command", choices=ISOLATIONS, command="server start"),
-    Knob("max-body-mib", int, 128, "gateway request size limit", "command", ge=1,
+    Knob("max-body-mib", int, 65, "gateway: largest body of a call signed by a registered site "
+         "(the codebook wire limit, 64 MiB, plus an envelope)", "command", ge=1,
          command="server start"),
     Knob("listen", str, "0.0.0.0:9095", "HOST:PORT", "command", check=parse_address,
          command="server serve"),

@@ -8,12 +8,26 @@ The e2e test (test_deploy_e2e.py) runs it as a real TLS process in front of a re
 from __future__ import annotations
 
 import asyncio
+from base64 import b64encode
 from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.common import constant as flwr_constant
+from flwr.supercore import constant as supercore_constant
+from flwr.supercore.date import now as flwr_now
+from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
 
+from starfed.server.ops import fleet_signatures, gateway, pki
+from starfed.server.ops.fleet_signatures import SiteKeys
 from starfed.server.ops.gateway import FleetGateway, allowed
+from starfed.server.ops.sites import Registry, SiteRecord
+from starfed.server.ops.superlink import ServerOptions
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
+from starfed.shared.config import TABLES
 
 UPSTREAM = "https://127.0.0.1:9093"
 
@@ -143,3 +157,131 @@ def test_upstream_down_or_slow_gives_502_or_504() -> None:
     assert _call(down, "POST", "/v1/fleet/pull-messages", content=b"").status_code == 502
     slow = Upstream(fail=httpx.ReadTimeout("slow"))
     assert _call(slow, "POST", "/v1/fleet/pull-messages", content=b"").status_code == 504
+
+
+# --- signatures before bodies ----------------------------------------------------------------
+
+
+def _flower_signed_headers(private_key: ec.EllipticCurvePrivateKey, **at: float) -> dict[str, str]:
+    """The headers Flower 1.42's SuperNode adds to every Fleet call (NodeAuthHttpInterceptor),
+    made with Flower's own functions; ``at`` shifts the signed time by ``seconds``."""
+    timestamp = (flwr_now() + timedelta(seconds=at.get("seconds", 0.0))).isoformat()
+    return {
+        flwr_constant.TIMESTAMP_HEADER: timestamp,
+        supercore_constant.FLEET_HTTP_PUBLIC_KEY_HEADER: b64encode(
+            public_key_to_bytes(private_key.public_key())
+        ).decode(),
+        supercore_constant.FLEET_HTTP_SIGNATURE_HEADER: b64encode(
+            sign_message(private_key, timestamp.encode("ascii"))
+        ).decode(),
+    }
+
+
+@pytest.fixture
+def registered(tmp_path: Path) -> tuple[SiteKeys, ec.EllipticCurvePrivateKey]:
+    """sites.json as `starfed server sites add` writes it, with one active and one removed key."""
+    key, removed = pki.new_private_key(), pki.new_private_key()
+    registry = Registry(
+        [
+            SiteRecord("farm-a", 1, pki.describe(key.public_key()).openssh, "fp-a", "t"),
+            SiteRecord("old", 2, pki.describe(removed.public_key()).openssh, "fp-o", "t", "t2"),
+        ]
+    )
+    registry.save(tmp_path / "sites.json")
+    return SiteKeys(tmp_path / "sites.json"), key
+
+
+def test_gateway_header_names_and_time_window_are_flowers() -> None:
+    assert fleet_signatures.PUBLIC_KEY_HEADER == supercore_constant.FLEET_HTTP_PUBLIC_KEY_HEADER
+    assert fleet_signatures.SIGNATURE_HEADER == supercore_constant.FLEET_HTTP_SIGNATURE_HEADER
+    assert fleet_signatures.TIMESTAMP_HEADER == flwr_constant.TIMESTAMP_HEADER
+    assert fleet_signatures.MIN_AGE_S == supercore_constant.MIN_TIMESTAMP_DIFF_SECONDS
+    assert fleet_signatures.MAX_AGE_S == supercore_constant.MAX_TIMESTAMP_DIFF_SECONDS
+
+
+def test_the_body_limit_is_the_codebook_wire_limit_plus_an_envelope() -> None:
+    assert gateway.MAX_BODY_BYTES == DEFAULT_MAX_BYTES + gateway.ENVELOPE_BYTES
+    mib = gateway.MAX_BODY_BYTES >> 20
+    assert mib << 20 == gateway.MAX_BODY_BYTES
+    assert TABLES["server start"]["max-body-mib"].default == mib
+    assert ServerOptions("0.0.0.0", 9092).max_body_mib == mib
+
+
+def test_only_a_registered_key_signing_in_time_is_a_signer(registered, tmp_path: Path) -> None:
+    keys, key = registered
+    assert keys.signer(_flower_signed_headers(key)) == "farm-a"
+    assert keys.signer(_flower_signed_headers(key, seconds=-200)) == "farm-a"
+    assert keys.signer(_flower_signed_headers(key, seconds=-400)) is None  # stale
+    assert keys.signer(_flower_signed_headers(key, seconds=60)) is None  # from the future
+    assert keys.signer(_flower_signed_headers(pki.new_private_key())) is None  # unknown key
+    assert keys.signer({}) is None
+    forged = _flower_signed_headers(key)
+    other = _flower_signed_headers(pki.new_private_key())
+    forged[fleet_signatures.SIGNATURE_HEADER] = other[fleet_signatures.SIGNATURE_HEADER]
+    assert keys.signer(forged) is None
+    garbled = {**_flower_signed_headers(key), fleet_signatures.PUBLIC_KEY_HEADER: "%%%"}
+    assert keys.signer(garbled) is None
+    (tmp_path / "sites.json").write_text("{")  # damaged: nobody
+    assert keys.signer(_flower_signed_headers(key)) is None
+
+
+def test_a_removed_key_signs_nothing_and_sites_json_is_read_again(registered, tmp_path) -> None:
+    keys, key = registered
+    assert keys.signer(_flower_signed_headers(key)) == "farm-a"
+    registry = Registry.load(tmp_path / "sites.json")
+    registry.sites[0].removed_at = "now"
+    registry.save(tmp_path / "sites.json")
+    assert keys.signer(_flower_signed_headers(key)) is None
+
+
+def _call_with_keys(keys: SiteKeys, upstream: Upstream, **kwargs) -> httpx.Response:
+    async def go() -> httpx.Response:
+        gateway = FleetGateway(
+            UPSTREAM,
+            max_body=1 << 20,
+            site_keys=keys,
+            max_unsigned_body=1024,
+            transport=httpx.MockTransport(upstream),
+        )
+        transport = httpx.ASGITransport(app=gateway, client=("198.51.100.9", 4711))
+        async with httpx.AsyncClient(transport=transport, base_url="https://gw") as client:
+            try:
+                return await client.post("/v1/fleet/push-object", **kwargs)
+            finally:
+                await gateway.aclose()
+
+    return asyncio.run(go())
+
+
+def test_unsigned_calls_get_a_small_body_and_401_past_it(registered) -> None:
+    keys, _ = registered
+    upstream = Upstream()
+    assert _call_with_keys(keys, upstream, content=b"x" * 1024).status_code == 200
+    declared = _call_with_keys(keys, upstream, content=b"x" * 1025)
+    assert declared.status_code == 401
+    assert b"registered site key" in declared.content
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(64):
+            yield b"y" * 512
+
+    streamed = _call_with_keys(keys, upstream, content=chunks())
+    assert streamed.status_code == 401
+    stranger = _flower_signed_headers(pki.new_private_key())
+    assert _call_with_keys(keys, upstream, content=b"x" * 2048, headers=stranger).status_code == 401
+    assert len(upstream.requests) == 1  # only the small one reached the SuperLink
+
+
+def test_signed_calls_get_the_protocols_limit(registered) -> None:
+    keys, key = registered
+    upstream = Upstream()
+    signed = _call_with_keys(
+        keys, upstream, content=b"x" * 4096, headers=_flower_signed_headers(key)
+    )
+    assert signed.status_code == 200
+    assert upstream.requests[0].content == b"x" * 4096
+    too_large = _call_with_keys(
+        keys, upstream, content=b"x" * ((1 << 20) + 1), headers=_flower_signed_headers(key)
+    )
+    assert too_large.status_code == 413
+    assert len(upstream.requests) == 1

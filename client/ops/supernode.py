@@ -22,7 +22,9 @@ traceback-sized log. This wrapper:
   known failure lines into one clear line each (:data:`FAILURES`);
 - on Ctrl-C or SIGTERM sends SIGTERM to the SuperNode, which tells the SuperLink it goes offline
   (at once, instead of after the 60 s heartbeat patience), then ends whatever is left of its
-  process tree by PID. One SuperNode per state folder (a lock file), so two cannot share a key;
+  process tree by PID. One SuperNode per state folder (a lock file), so two cannot share a key,
+  and one running site per data folder (``data_lock``: the second start is refused with one line
+  naming the holder), so two sites cannot report the same images unnoticed;
 - records the processes it starts (SuperNode, SuperExec, worker) in ``<state>/run.json`` and
   hands them to the caller to print, as ``starfed server start`` does
   (``processes.ProcessRecord``); the file goes when they have all ended, and a start refuses
@@ -52,6 +54,7 @@ from typing import IO
 
 import tomli_w
 
+from starfed.client.ops import data_lock
 from starfed.server.ops import pki, processes
 from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared import addresses
@@ -373,9 +376,18 @@ def run(
 ) -> SiteRun:
     """Run the SuperNode until it ends or we are told to stop (SIGINT/SIGTERM); ``on_started``
     gets the record of the processes once they all run."""
-    with _state_lock(options.state):
+    with _state_lock(options.state), _data_lock(options):
         _check_none_left(options.run_file)
         return _run(options, echo, on_started)
+
+
+@contextlib.contextmanager
+def _data_lock(options: SiteOptions) -> Iterator[None]:
+    try:
+        with data_lock.hold(options.data, options.name, options.state):
+            yield
+    except data_lock.DataFolderInUse as err:
+        raise SiteError(str(err)) from None
 
 
 def _check_none_left(run_file: Path) -> None:

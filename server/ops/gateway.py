@@ -13,16 +13,24 @@ exactly ``POST /v1/fleet/<method>`` to the SuperLink; every other method, path, 
 ``--enable-supernode-auth`` makes every call carry a signature by a registered site key
 (docs/deployment.md, "What is exposed").
 
-Robustness: request bodies stream through with a size limit (413 past it, checked from
-Content-Length before anything is forwarded), body reads and upstream calls have timeouts, a
-client that sends garbage gets an HTTP error and never stops the gateway, at most 512
-connections are served at once (503 beyond), and every refusal and every forwarded call that
-did not succeed is one line in the log file (all calls with ``--debug``). Built on uvicorn and
-httpx, which Flower itself runs on.
+Robustness (docs/deployment.md, "The port sites reach"): a request body is at most what the
+protocol can need — one Flower object holding a whole update or codebook, which the codebook's
+wire format caps (``DEFAULT_MAX_BYTES``), plus its envelope —, refused with 413 from its
+Content-Length before anything is forwarded, or as soon as a chunked body crosses it. Only a call
+signed by a registered site key (``fleet_signatures``: the headers alone, checked before any of
+the body is read) may send that much; any other call gets 64 KiB, ample for what a SuperNode sends
+before it is registered, and 401 past it, so unauthenticated traffic cannot make the SuperLink
+buffer and parse large bodies. Connections (``connection_guard``) must send a request's headers
+within 10 s, at most 32 come from one address, and when all 512 slots are taken the oldest
+connection without a request gives way, so slow connections cannot keep sites out. Body reads and
+upstream calls have timeouts, a client that sends garbage gets an HTTP error and never stops the
+gateway, and every refusal and every forwarded call that did not succeed is one line in the log
+file (all calls with ``--debug``). Built on uvicorn (its h11 protocol) and httpx, which Flower
+itself runs on.
 
 Run: ``python -m starfed.server.ops.gateway --listen 0.0.0.0:9092 --upstream https://127.0.0.1:9093
---ca ca.pem --cert server.pem --key server.key --log-file gateway.log`` (``starfed server start``
-does this).
+--ca ca.pem --cert server.pem --key server.key --site-keys sites.json --log-file gateway.log``
+(``starfed server start`` does this).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import asyncio
 import logging
 import logging.handlers
 import re
+import resource
 import ssl
 import sys
 import time
@@ -42,8 +51,16 @@ from typing import Any
 import httpx
 import uvicorn
 
+from starfed.server.ops.connection_guard import (
+    HEADER_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_PER_ADDRESS,
+    ConnectionGuard,
+)
+from starfed.server.ops.fleet_signatures import SiteKeys
 from starfed.server.ops.processes import ProcessId
 from starfed.shared.addresses import parse_address
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -52,7 +69,14 @@ Send = Callable[[Message], Awaitable[None]]
 
 #: The only requests forwarded: POST to one Fleet API method (lower-case words and dashes).
 FLEET_PATH = re.compile(r"/v1/fleet/[a-z][a-z0-9-]{0,63}")
-MAX_BODY_BYTES = 128 * 1024 * 1024
+#: A Flower object's envelope around its payload (a ConfigRecord of one ``bytes`` value adds
+#: ~40 bytes, the PushObjectRequest around it a node id, run id and object id): generously.
+ENVELOPE_BYTES = 1024 * 1024
+#: The largest body a site needs: one object holding an update or codebook at the wire limit.
+MAX_BODY_BYTES = DEFAULT_MAX_BYTES + ENVELOPE_BYTES
+#: The most a call without a registered site's signature may send (a SuperNode's unsigned or
+#: not-yet-registered calls are a few hundred bytes).
+MAX_UNSIGNED_BODY_BYTES = 64 * 1024
 UPSTREAM_TIMEOUT_S = 120.0  # Flower's Fleet client gives up after 30 s per call
 IDLE_TIMEOUT_S = 60.0  # longest pause between two pieces of a request body
 #: Headers that describe one connection, not the request; never forwarded either way.
@@ -91,7 +115,9 @@ class FleetGateway:
     """ASGI app: forward ``POST /v1/fleet/*`` to ``upstream``, refuse everything else.
 
     ``verify`` is how the upstream's certificate is checked (a CA file's context, or False for
-    plain HTTP upstreams). ``transport`` replaces the network in tests.
+    plain HTTP upstreams). With ``site_keys``, only calls signed by one of them may send more
+    than ``max_unsigned_body`` bytes; without (plain HTTP, where Flower authenticates nobody)
+    every call may send ``max_body``. ``transport`` replaces the network in tests.
     """
 
     def __init__(
@@ -100,6 +126,8 @@ class FleetGateway:
         *,
         verify: ssl.SSLContext | bool = True,
         max_body: int = MAX_BODY_BYTES,
+        site_keys: SiteKeys | None = None,
+        max_unsigned_body: int = MAX_UNSIGNED_BODY_BYTES,
         timeout: float = UPSTREAM_TIMEOUT_S,
         idle_timeout: float = IDLE_TIMEOUT_S,
         scheme: str = "https",
@@ -107,6 +135,8 @@ class FleetGateway:
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.max_body = max_body
+        self.site_keys = site_keys
+        self.max_unsigned_body = max_unsigned_body
         self.idle_timeout = idle_timeout
         self.scheme = scheme
         self._client_options: dict[str, Any] = {
@@ -160,11 +190,16 @@ class FleetGateway:
             await _reply(send, 403, b"forbidden: this port serves the Flower Fleet API only\n")
             return
         headers = _forward_headers(scope["headers"])
+        signer = None if self.site_keys is None else self.site_keys.signer(headers)
+        unsigned = self.site_keys is not None and signer is None
+        limit = self.max_unsigned_body if unsigned else self.max_body
         length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            status = 413 if length.isdigit() else 400
-            log.warning("refused %s %s from %s: content-length %s", method, path, client, length)
-            await _reply(send, status, b"request body too large\n" if status == 413 else b"")
+        if length is not None and not length.isdigit():
+            log.warning("refused %s %s from %s: content-length %r", method, path, client, length)
+            await _reply(send, 400, b"")
+            return
+        if length is not None and int(length) > limit:
+            await self._too_large(send, path, client, limit, f"content-length {length}", unsigned)
             return
         headers["x-forwarded-for"] = client
         headers["x-forwarded-proto"] = self.scheme
@@ -173,13 +208,12 @@ class FleetGateway:
             "POST",
             self.upstream + path,
             headers=headers,
-            content=self._body(receive, received),
+            content=self._body(receive, received, limit),
         )
         try:
             response = await self.client.send(request, stream=True)
         except _BodyTooLarge:
-            log.warning("refused %s from %s: body over %d bytes", path, client, self.max_body)
-            await _reply(send, 413, b"request body too large\n")
+            await self._too_large(send, path, client, limit, f"body over {limit} bytes", unsigned)
             return
         except _ClientGone:
             log.info("%s from %s: client went away", path, client)
@@ -215,8 +249,9 @@ class FleetGateway:
             await response.aclose()
         log.log(
             logging.DEBUG if response.status_code < 400 else logging.INFO,
-            "%s %s %d in=%d out=%d %.0fms",
+            "%s (%s) %s %d in=%d out=%d %.0fms",
             client,
+            signer or "unsigned",
             path,
             response.status_code,
             received[0],
@@ -224,8 +259,22 @@ class FleetGateway:
             (time.monotonic() - started) * 1000,
         )
 
-    async def _body(self, receive: Receive, received: list[int]) -> AsyncIterator[bytes]:
-        """The request body as it arrives, at most ``max_body`` bytes, no long pauses."""
+    async def _too_large(
+        self, send: Send, path: str, client: str, limit: int, what: str, unsigned: bool
+    ) -> None:
+        """413 for a body over what the protocol needs; 401 for an unsigned one over the
+        unsigned limit (a registered site's signature would have let it through)."""
+        log.warning("refused %s from %s: %s%s", path, client, what, " unsigned" if unsigned else "")
+        if unsigned:
+            message = f"a body over {limit} bytes needs a signature by a registered site key\n"
+            await _reply(send, 401, message.encode())
+        else:
+            await _reply(send, 413, f"request body over {limit} bytes\n".encode())
+
+    async def _body(
+        self, receive: Receive, received: list[int], limit: int
+    ) -> AsyncIterator[bytes]:
+        """The request body as it arrives, at most ``limit`` bytes, no long pauses."""
         while True:
             try:
                 message = await asyncio.wait_for(receive(), self.idle_timeout)
@@ -235,7 +284,7 @@ class FleetGateway:
                 raise _ClientGone
             chunk = message.get("body", b"")
             received[0] += len(chunk)
-            if received[0] > self.max_body:
+            if received[0] > limit:
                 raise _BodyTooLarge
             if chunk:
                 yield chunk
@@ -312,6 +361,15 @@ async def _exit_with(server: uvicorn.Server, process: ProcessId) -> None:
     server.should_exit = True
 
 
+def _raise_open_files_limit() -> None:
+    """Every connection is a file descriptor; the usual soft limit (1024) would run out before
+    the connection limit does, and then nobody gets in."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def serve(args: argparse.Namespace) -> None:
     host, port = parse_address(args.listen)
     upstream = args.upstream
@@ -323,18 +381,26 @@ def serve(args: argparse.Namespace) -> None:
         upstream,
         verify=verify,
         max_body=args.max_body_mib * 1024 * 1024,
+        site_keys=SiteKeys(args.site_keys) if args.site_keys else None,
         timeout=args.timeout,
         scheme="https" if tls else "http",
     )
+    guard = ConnectionGuard(
+        max_connections=args.max_connections,
+        per_address=args.max_per_address,
+        header_timeout=args.header_timeout,
+    )
+    _raise_open_files_limit()
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        http=guard.protocol_class(),
         log_config=None,
         access_log=False,
         proxy_headers=False,  # the client's own X-Forwarded-For means nothing here
         server_header=False,
-        limit_concurrency=args.max_connections,
+        limit_concurrency=None,  # the guard's limits instead: uvicorn's counts slow connections
         timeout_keep_alive=30,
         timeout_graceful_shutdown=5,
         ssl_certfile=str(args.cert) if tls else None,
@@ -343,12 +409,17 @@ def serve(args: argparse.Namespace) -> None:
     )
     server = uvicorn.Server(config)
     log.info(
-        "fleet gateway on %s:%d (%s) -> %s, max body %d MiB",
+        "fleet gateway on %s:%d (%s) -> %s, max body %d MiB (%s), %d connections, %d per "
+        "address, headers within %g s",
         host,
         port,
         "TLS" if tls else "PLAIN HTTP",
         upstream,
         args.max_body_mib,
+        f"signed by a key of {args.site_keys}" if args.site_keys else "no signature check",
+        args.max_connections,
+        args.max_per_address,
+        args.header_timeout,
     )
 
     async def main() -> None:
@@ -376,9 +447,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cert", type=Path, help="server certificate (omit for plain HTTP)")
     p.add_argument("--key", type=Path, help="server private key")
     p.add_argument("--log-file", type=Path, help="log here instead of stderr (rotated)")
-    p.add_argument("--max-body-mib", type=int, default=MAX_BODY_BYTES >> 20)
+    p.add_argument(
+        "--site-keys",
+        type=Path,
+        help="sites.json of `starfed server sites`: only calls signed by one of its keys may "
+        "send more than 64 KiB (omit for plain HTTP, where Flower authenticates no one)",
+    )
+    p.add_argument(
+        "--max-body-mib",
+        type=int,
+        default=MAX_BODY_BYTES >> 20,
+        help="largest body of a signed call (the codebook wire limit plus an envelope)",
+    )
     p.add_argument("--timeout", type=float, default=UPSTREAM_TIMEOUT_S, help="upstream, seconds")
-    p.add_argument("--max-connections", type=int, default=512, help="then 503")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="then the oldest connection without a request is closed",
+    )
+    p.add_argument("--max-per-address", type=int, default=MAX_PER_ADDRESS)
+    p.add_argument(
+        "--header-timeout", type=float, default=HEADER_TIMEOUT_S, help="seconds per request"
+    )
     p.add_argument("--exit-with", type=int, help="PID: stop when this process ends")
     p.add_argument("--debug", action="store_true", help="log every forwarded call too")
     return p

@@ -60,7 +60,7 @@ class ServerOptions:
     internal_port: int = DEFAULT_INTERNAL_PORT
     insecure: bool = False
     isolation: str = "process"  # or "subprocess": the SuperLink starts its own SuperExec
-    max_body_mib: int = 128
+    max_body_mib: int = 65  # the gateway's MAX_BODY_BYTES
 
     @property
     def internal_address(self) -> str:
@@ -193,6 +193,8 @@ def gateway_command(folder: ServerFolder, options: ServerOptions, superlink_pid:
         return command
     return [
         *command,
+        "--site-keys",
+        str(folder.sites_file),
         "--ca",
         str(folder.ca_cert),
         "--cert",

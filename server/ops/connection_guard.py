@@ -1,0 +1,150 @@
+"""The gateway's connections: a deadline for each request's headers, a cap per client address,
+and, when every slot is taken, the longest-waiting connection without a request gives way.
+
+Why: uvicorn (0.49) has no header timeout: a connection that sends one header line every few
+seconds is held forever, and its ``limit_concurrency`` counts such connections, so a few hundred
+of them made the gateway answer 503 to every real site. A site's SuperNode sends a request's
+headers in one go right after the TLS handshake, so a deadline of seconds costs it nothing; a
+cap per address keeps one peer from taking every slot; and because a connection that has not
+yet sent a request is the one evicted when the gateway is full, a newly arriving site still
+gets in while slow connections are being held. uvicorn's own HTTP/1.1 protocol over h11 (whose
+header buffer is bounded: 400 past 16 KiB) does the HTTP; this only adds the bookkeeping.
+
+Not covered here: connections still in the TLS handshake (asyncio gives them 60 s and they are
+not yet a protocol instance with an address), and an attacker with more addresses than
+``max_connections / per_address``: against those the firewall (only the sites' addresses) helps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEADER_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 512
+MAX_PER_ADDRESS = 32
+
+log = logging.getLogger("starfed.gateway")
+
+
+class ConnectionGuard:
+    """The limits, and the state they are kept with (one per server; the event loop's thread
+    only, so no locks)."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        per_address: int = MAX_PER_ADDRESS,
+        header_timeout: float = HEADER_TIMEOUT_S,
+    ) -> None:
+        self.max_connections = max_connections
+        self.per_address = per_address
+        self.header_timeout = header_timeout
+        self.open: set[GuardedH11Protocol] = set()
+        self.by_address: Counter[str] = Counter()
+        #: connections with no request under way, oldest first (a dict keeps insertion order)
+        self.idle: dict[GuardedH11Protocol, None] = {}
+        #: connections closed by the guard, by reason: "per-address", "full", "evicted",
+        #: "header-timeout" (for the log's summary and the tests)
+        self.closed: Counter[str] = Counter()
+
+    def protocol_class(self) -> type[H11Protocol]:
+        """uvicorn's ``http=``: its h11 protocol, bound to this guard."""
+        guard = self
+
+        class Bound(GuardedH11Protocol):
+            pass
+
+        Bound.guard = guard
+        return Bound
+
+    def admit(self, connection: GuardedH11Protocol) -> tuple[str, str] | None:
+        """Take ``connection`` in, or say why not (a reason and a sentence)."""
+        address = connection.address
+        if self.by_address[address] >= self.per_address:
+            return "per-address", f"{self.per_address} connections from this address already"
+        if len(self.open) >= self.max_connections:
+            oldest = next(iter(self.idle), None)
+            if oldest is None:
+                return "full", f"{self.max_connections} connections, each with a request"
+            oldest.close("evicted", "made room for a new connection")
+        self.open.add(connection)
+        self.by_address[address] += 1
+        self.idle[connection] = None
+        return None
+
+    def release(self, connection: GuardedH11Protocol) -> None:
+        if connection in self.open:
+            self.open.discard(connection)
+            self.by_address[connection.address] -= 1
+            if not self.by_address[connection.address]:
+                del self.by_address[connection.address]
+        self.idle.pop(connection, None)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol under a ``ConnectionGuard`` (``guard`` is set by
+    ``ConnectionGuard.protocol_class``)."""
+
+    guard: ConnectionGuard
+
+    _deadline: asyncio.TimerHandle | None = None
+    address = "?"
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.address = self.client[0] if self.client else "?"
+        refusal = self.guard.admit(self)
+        if refusal is not None:
+            self.guard.closed[refusal[0]] += 1
+            log.warning("closed a connection from %s: %s", self.address, refusal[1])
+            self.transport.close()
+            return
+        self._arm_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.IDLE:  # a request's headers are (still) on their way
+            self._arm_deadline()
+        else:
+            self._disarm_deadline()
+            self.guard.idle.pop(self, None)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self.guard.idle[self] = None  # between requests: uvicorn's keep-alive timeout runs
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_deadline()
+        self.guard.release(self)
+        super().connection_lost(exc)
+
+    def close(self, reason: str, why: str) -> None:
+        self.guard.closed[reason] += 1
+        log.warning("closed a connection from %s: %s", self.address, why)
+        self.guard.release(self)
+        self._disarm_deadline()
+        self.transport.close()
+
+    def _arm_deadline(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.guard.header_timeout, self._too_slow)
+
+    def _disarm_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            timeout = self.guard.header_timeout
+            self.close("header-timeout", f"no complete request headers within {timeout:g} s")
