@@ -396,6 +396,7 @@ def serve(args: argparse.Namespace) -> None:
         host=host,
         port=port,
         http=guard.protocol_class(),
+        ws="none",  # the Fleet API has no websockets: never upgrade
         log_config=None,
         access_log=False,
         proxy_headers=False,  # the client's own X-Forwarded-For means nothing here

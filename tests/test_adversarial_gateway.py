@@ -1,0 +1,316 @@
+"""Hostile traffic against a real gateway process (TLS, 127.0.0.1 only), bounded in count and
+time: oversized and chunked bodies, slow headers, many connections from one address, a full
+gateway; a real site's signed call must still go through, and what reaches the upstream (the
+SuperLink's place, here a counting HTTP server) must stay small.
+
+Attackers connect from 127.0.0.2-127.0.0.5 (Linux routes all of 127/8 to the loopback device),
+so that the per-address limits apply to them and not to the site on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from base64 import b64encode
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from starfed.server.ops import certs, fleet_signatures, pki
+from starfed.server.ops.layout import ServerFolder
+from starfed.server.ops.sites import Registry, SiteRecord
+
+pytestmark = [pytest.mark.adversarial, pytest.mark.e2e]
+
+MIB = 1024 * 1024
+UNSIGNED_LIMIT = 64 * 1024
+
+
+class CountingUpstream:
+    """The SuperLink's place: reads every body to the end and records how many bytes came."""
+
+    def __init__(self) -> None:
+        self.bodies: list[int] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        received = 0
+        while True:
+            message = await receive()
+            received += len(message.get("body", b""))
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                break
+        self.bodies.append(received)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"\x08\x01"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[tuple[ServerFolder, ec.EllipticCurvePrivateKey]]:
+    """Certificates and one registered site key (sites.json as `sites add` writes it)."""
+    folder = ServerFolder.at(tmp_path_factory.mktemp("server"))
+    certs.ensure_certificates(folder, ["127.0.0.1"])
+    key = pki.new_private_key()
+    record = SiteRecord("farm-a", 1, pki.describe(key.public_key()).openssh, "fp", "t")
+    Registry([record]).save(folder.sites_file)
+    yield folder, key
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[tuple[CountingUpstream, int]]:
+    app, port = CountingUpstream(), _free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="error")
+    instance = uvicorn.Server(config)
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not instance.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield app, port
+    instance.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture
+def start_gateway(server, upstream, tmp_path) -> Iterator[Callable[..., tuple[int, int]]]:
+    """Start a gateway process with extra flags; returns (its port, its PID)."""
+    folder, _ = server
+    started: list[subprocess.Popen] = []
+
+    def start(*flags: str) -> tuple[int, int]:
+        port = _free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "starfed.server.ops.gateway",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--upstream",
+            f"http://127.0.0.1:{upstream[1]}",
+            "--cert",
+            str(folder.server_cert),
+            "--key",
+            str(folder.server_key),
+            "--site-keys",
+            str(folder.sites_file),
+            "--log-file",
+            str(tmp_path / f"gateway-{port}.log"),
+            *flags,
+        ]
+        process = subprocess.Popen(command)
+        started.append(process)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return port, process.pid
+            assert process.poll() is None, "the gateway ended during start-up"
+            time.sleep(0.1)
+        raise AssertionError("the gateway did not start")
+
+    yield start
+    for process in started:  # each by its own PID
+        process.terminate()
+        process.wait(15)
+
+
+def _tls(folder: ServerFolder) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(folder.ca_cert))
+
+
+def _signed(key: ec.EllipticCurvePrivateKey) -> dict[str, str]:
+    """What Flower 1.42's SuperNode sends with every Fleet call (see test_deploy_gateway.py
+    for the same headers made with Flower's own functions)."""
+    timestamp = datetime.now(UTC).isoformat()
+    pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return {
+        fleet_signatures.TIMESTAMP_HEADER: timestamp,
+        fleet_signatures.PUBLIC_KEY_HEADER: b64encode(pem).decode(),
+        fleet_signatures.SIGNATURE_HEADER: b64encode(
+            key.sign(timestamp.encode(), ec.ECDSA(hashes.SHA256()))
+        ).decode(),
+    }
+
+
+def _site_call(folder: ServerFolder, key, port: int, body: bytes = b"\x0a\x02hi") -> float:
+    """A real site's signed Fleet call from 127.0.0.1 on a fresh connection; its seconds."""
+    started = time.monotonic()
+    with httpx.Client(verify=_tls(folder), timeout=10) as client:
+        response = client.post(
+            f"https://127.0.0.1:{port}/v1/fleet/pull-messages",
+            content=body,
+            headers={"content-type": "application/protobuf", **_signed(key)},
+        )
+    assert response.status_code == 200, response.text
+    return time.monotonic() - started
+
+
+def _connect(folder: ServerFolder, port: int, source: str) -> ssl.SSLSocket:
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+    return _tls(folder).wrap_socket(raw, server_hostname="127.0.0.1")
+
+
+def _closed(sock: ssl.SSLSocket, within: float) -> bool:
+    """Whether the gateway closes ``sock`` within ``within`` seconds (after whatever error
+    response it sends first)."""
+    deadline = time.monotonic() + within
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv(4096) == b"":
+                return True
+    except TimeoutError:
+        return False
+    except (ConnectionError, ssl.SSLError):
+        return True
+    return False
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _chunked_flood(folder: ServerFolder, port: int, source: str, limit: int) -> str:
+    """An unsigned chunked protobuf body of up to ``limit`` bytes; the status line it got."""
+    sock = _connect(folder, port, source)
+    sock.sendall(
+        b"POST /v1/fleet/push-object HTTP/1.1\r\nhost: x\r\n"
+        b"content-type: application/protobuf\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    chunk = b"%x\r\n" % (256 * 1024) + b"\x0a" * (256 * 1024) + b"\r\n"
+    sent = 0
+    try:
+        while sent < limit:
+            sock.sendall(chunk)
+            sent += 256 * 1024
+    except (ConnectionError, ssl.SSLError, TimeoutError):
+        pass  # the gateway stopped reading: what it answered is below
+    sock.settimeout(10)
+    try:
+        return sock.recv(64).split(b"\r\n")[0].decode()
+    except (ConnectionError, ssl.SSLError, TimeoutError):
+        return "closed"
+    finally:
+        sock.close()
+
+
+def _declared(folder: ServerFolder, port: int, length: int, headers: dict[str, str]) -> str:
+    """Headers declaring a ``length``-byte body, and no body; the status line they got."""
+    with _connect(folder, port, "127.0.0.1") as sock:
+        lines = [f"{k}: {v}" for k, v in {**headers, "content-length": str(length)}.items()]
+        head = "POST /v1/fleet/push-object HTTP/1.1\r\nhost: x\r\n" + "\r\n".join(lines)
+        sock.sendall(head.encode() + b"\r\n\r\n")
+        return sock.recv(256).split(b"\r\n")[0].decode()
+
+
+def test_large_unsigned_bodies_never_reach_the_superlink(server, upstream, start_gateway) -> None:
+    folder, key = server
+    app, _ = upstream
+    port, pid = start_gateway()
+    before_rss, before_bodies = _rss_mib(pid), len(app.bodies)
+    # four 32 MiB chunked bodies at once, each from its own address (what filled the SuperLink)
+    with ThreadPoolExecutor(4) as pool:
+        sources = [f"127.0.0.{i}" for i in range(2, 6)]
+        answers = list(pool.map(lambda s: _chunked_flood(folder, port, s, 32 * MIB), sources))
+    assert all(a in ("HTTP/1.1 401 Unauthorized", "closed") for a in answers), answers
+    assert "HTTP/1.1 401 Unauthorized" in answers
+    forwarded = app.bodies[before_bodies:]
+    assert all(n <= UNSIGNED_LIMIT for n in forwarded), forwarded
+    assert _rss_mib(pid) - before_rss < 32, "the gateway buffered the bodies"
+    # a declared 120 MiB: refused before a byte of it is read, signed or not
+    unsigned = _declared(folder, port, 120 * MIB, {})
+    signed = _declared(folder, port, 120 * MIB, _signed(key))
+    assert (unsigned, signed) == (
+        "HTTP/1.1 401 Unauthorized",
+        "HTTP/1.1 413 Request Entity Too Large",
+    )
+    # and a site's real, signed body of 1 MiB goes through whole
+    _site_call(folder, key, port, body=b"\x0a" * MIB)
+    assert app.bodies[-1] == MIB
+
+
+def test_slow_headers_are_cut_off_while_a_site_gets_in(server, start_gateway) -> None:
+    folder, key = server
+    port, _ = start_gateway("--header-timeout", "2", "--max-per-address", "16")
+    quiet = [_site_call(folder, key, port) for _ in range(3)]
+    slow: list[ssl.SSLSocket] = []
+    for _ in range(60):  # a slow-loris from one address: 16 admitted, 44 closed at once
+        with contextlib.suppress(ConnectionError, ssl.SSLError, TimeoutError):
+            slow.append(_connect(folder, port, "127.0.0.2"))
+    started = time.monotonic()
+
+    def trickle() -> None:  # one header line per second, as long as the gateway lets it
+        for line in range(4):
+            for sock in slow:
+                with contextlib.suppress(OSError):
+                    sock.sendall(
+                        b"POST /v1/fleet/pull-messages HTTP/1.1\r\n"
+                        if line == 0
+                        else b"x-slow-%d: 1\r\n" % line
+                    )
+            time.sleep(1.0)
+
+    trickler = threading.Thread(target=trickle)
+    trickler.start()
+    during = [_site_call(folder, key, port) for _ in range(5)]
+    trickler.join()
+    closed_at_once = sum(_closed(s, 0.01) for s in slow)
+    assert len(slow) - closed_at_once <= 16
+    for sock in slow:  # every one of them is gone by the header deadline (2 s) plus slack
+        assert _closed(sock, max(0.1, 6 - (time.monotonic() - started)))
+        sock.close()
+    assert max(during) < 2.0, (quiet, during)
+
+
+def test_a_full_gateway_makes_room_for_a_site(server, start_gateway) -> None:
+    folder, key = server
+    port, _ = start_gateway(
+        "--max-connections", "48", "--max-per-address", "16", "--header-timeout", "60"
+    )
+    idle = [_connect(folder, port, f"127.0.0.{2 + i // 16}") for i in range(48)]
+    seventeenth = _connect(folder, port, "127.0.0.2")
+    assert _closed(seventeenth, 2.0)  # per address: at most 16
+    assert _site_call(folder, key, port) < 2.0  # the oldest idle connection made room
+    assert _closed(idle[0], 2.0)
+    assert not _closed(idle[-1], 0.2)
+    for sock in [*idle, seventeenth]:
+        sock.close()
+
+
+def test_idle_and_garbage_connections_do_not_stop_the_gateway(server, start_gateway) -> None:
+    folder, key = server
+    port, pid = start_gateway("--header-timeout", "1")
+    garbage = _connect(folder, port, "127.0.0.2")
+    garbage.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
+    huge_header = _connect(folder, port, "127.0.0.3")
+    huge_header.sendall(b"POST /v1/fleet/pull-messages HTTP/1.1\r\nx: " + b"a" * 64 * 1024)
+    silent = _connect(folder, port, "127.0.0.4")
+    assert _closed(garbage, 3) and _closed(huge_header, 3) and _closed(silent, 3)
+    for sock in (garbage, huge_header, silent):
+        sock.close()
+    assert _site_call(folder, key, port) < 2.0
+    assert Path(f"/proc/{pid}").exists()
