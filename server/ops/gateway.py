@@ -314,6 +314,8 @@ def _printable(text: str, limit: int = 200) -> str:
 
 
 async def _reply(send: Send, status: int, body: bytes) -> None:
+    """The gateway's own answer; it closes the connection, so that the rest of a refused body
+    is never read (and a client that misbehaved starts over)."""
     await send(
         {
             "type": "http.response.start",
@@ -321,6 +323,7 @@ async def _reply(send: Send, status: int, body: bytes) -> None:
             "headers": [
                 (b"content-type", b"text/plain; charset=utf-8"),
                 (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
             ],
         }
     )
