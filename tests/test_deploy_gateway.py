@@ -285,3 +285,32 @@ def test_signed_calls_get_the_protocols_limit(registered) -> None:
     )
     assert too_large.status_code == 413
     assert len(upstream.requests) == 1
+
+
+def test_an_unsigned_body_must_arrive_within_its_deadline(registered) -> None:
+    keys, key = registered
+
+    async def go(headers: dict[str, str], pause: float) -> int:
+        async def trickle() -> AsyncIterator[bytes]:
+            yield b"y" * 8
+            await asyncio.sleep(pause)
+            yield b"y"
+
+        gateway = FleetGateway(
+            UPSTREAM,
+            site_keys=keys,
+            unsigned_body_timeout=0.3,
+            idle_timeout=1.0,
+            transport=httpx.MockTransport(Upstream()),
+        )
+        transport = httpx.ASGITransport(app=gateway, client=("198.51.100.9", 4711))
+        async with httpx.AsyncClient(transport=transport, base_url="https://gw") as client:
+            try:
+                sent = client.post("/v1/fleet/push-object", content=trickle(), headers=headers)
+                return (await asyncio.wait_for(sent, 5)).status_code
+            finally:
+                await gateway.aclose()
+
+    assert asyncio.run(go({}, pause=0.6)) == 408
+    assert asyncio.run(go({}, pause=0.0)) == 200
+    assert asyncio.run(go(_flower_signed_headers(key), pause=0.6)) == 200  # only pauses count

@@ -18,11 +18,13 @@ protocol can need — one Flower object holding a whole update or codebook, whic
 wire format caps (``DEFAULT_MAX_BYTES``), plus its envelope —, refused with 413 from its
 Content-Length before anything is forwarded, or as soon as a chunked body crosses it. Only a call
 signed by a registered site key (``fleet_signatures``: the headers alone, checked before any of
-the body is read) may send that much; any other call gets 64 KiB, ample for what a SuperNode sends
-before it is registered, and 401 past it, so unauthenticated traffic cannot make the SuperLink
-buffer and parse large bodies. Connections (``connection_guard``) must send a request's headers
+the body is read) may send that much; any other call gets 64 KiB, ample for what a SuperNode
+sends before it is registered, 401 past it, and must arrive whole within 10 s (408 past it), so
+unauthenticated traffic can neither make the SuperLink buffer and parse large bodies nor hold a
+connection with a trickled one. Connections (``connection_guard``) must send a request's headers
 within 10 s, at most 32 come from one address, and when all 512 slots are taken the oldest
-connection without a request gives way, so slow connections cannot keep sites out. Body reads and
+connection without a request gives way, so slow connections cannot keep sites out. The gateway's
+own refusals close the connection (the rest of a refused body is never read). Body reads and
 upstream calls have timeouts, a client that sends garbage gets an HTTP error and never stops the
 gateway, and every refusal and every forwarded call that did not succeed is one line in the log
 file (all calls with ``--debug``). Built on uvicorn (its h11 protocol) and httpx, which Flower
@@ -78,7 +80,10 @@ MAX_BODY_BYTES = DEFAULT_MAX_BYTES + ENVELOPE_BYTES
 #: not-yet-registered calls are a few hundred bytes).
 MAX_UNSIGNED_BODY_BYTES = 64 * 1024
 UPSTREAM_TIMEOUT_S = 120.0  # Flower's Fleet client gives up after 30 s per call
-IDLE_TIMEOUT_S = 60.0  # longest pause between two pieces of a request body
+IDLE_TIMEOUT_S = 60.0  # longest pause between two pieces of a signed request's body
+#: An unsigned call's whole body must arrive within this (as its headers must: connection_guard),
+#: so that trickling 64 KiB cannot hold a connection that may not be evicted.
+UNSIGNED_BODY_TIMEOUT_S = HEADER_TIMEOUT_S
 #: Headers that describe one connection, not the request; never forwarded either way.
 HOP_BY_HOP = frozenset(
     {
@@ -111,6 +116,10 @@ class _ClientGone(Exception):
     pass
 
 
+class _TooSlow(Exception):
+    pass
+
+
 class FleetGateway:
     """ASGI app: forward ``POST /v1/fleet/*`` to ``upstream``, refuse everything else.
 
@@ -130,6 +139,7 @@ class FleetGateway:
         max_unsigned_body: int = MAX_UNSIGNED_BODY_BYTES,
         timeout: float = UPSTREAM_TIMEOUT_S,
         idle_timeout: float = IDLE_TIMEOUT_S,
+        unsigned_body_timeout: float = UNSIGNED_BODY_TIMEOUT_S,
         scheme: str = "https",
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
@@ -138,6 +148,7 @@ class FleetGateway:
         self.site_keys = site_keys
         self.max_unsigned_body = max_unsigned_body
         self.idle_timeout = idle_timeout
+        self.unsigned_body_timeout = unsigned_body_timeout
         self.scheme = scheme
         self._client_options: dict[str, Any] = {
             "verify": verify,
@@ -208,12 +219,16 @@ class FleetGateway:
             "POST",
             self.upstream + path,
             headers=headers,
-            content=self._body(receive, received, limit),
+            content=self._body(receive, received, limit, unsigned),
         )
         try:
             response = await self.client.send(request, stream=True)
         except _BodyTooLarge:
             await self._too_large(send, path, client, limit, f"body over {limit} bytes", unsigned)
+            return
+        except _TooSlow:
+            log.warning("refused %s from %s: unsigned body too slow", path, client)
+            await _reply(send, 408, b"request body too slow\n")
             return
         except _ClientGone:
             log.info("%s from %s: client went away", path, client)
@@ -272,14 +287,19 @@ class FleetGateway:
             await _reply(send, 413, f"request body over {limit} bytes\n".encode())
 
     async def _body(
-        self, receive: Receive, received: list[int], limit: int
+        self, receive: Receive, received: list[int], limit: int, unsigned: bool
     ) -> AsyncIterator[bytes]:
-        """The request body as it arrives, at most ``limit`` bytes, no long pauses."""
+        """The request body as it arrives: at most ``limit`` bytes, no long pauses, and for an
+        unsigned call all of it within ``unsigned_body_timeout``."""
+        deadline = time.monotonic() + self.unsigned_body_timeout if unsigned else None
         while True:
+            wait = self.idle_timeout
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout)
+                message = await asyncio.wait_for(receive(), max(wait, 0.0))
             except TimeoutError:
-                raise _ClientGone from None
+                raise (_TooSlow if unsigned else _ClientGone) from None
             if message["type"] == "http.disconnect":
                 raise _ClientGone
             chunk = message.get("body", b"")
@@ -385,6 +405,7 @@ def serve(args: argparse.Namespace) -> None:
         verify=verify,
         max_body=args.max_body_mib * 1024 * 1024,
         site_keys=SiteKeys(args.site_keys) if args.site_keys else None,
+        unsigned_body_timeout=args.header_timeout,
         timeout=args.timeout,
         scheme="https" if tls else "http",
     )
