@@ -27,6 +27,10 @@ import pytest
 import uvicorn
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.proto.message_pb2 import PushObjectRequest
+from flwr.proto.node_pb2 import Node
+from flwr.supernode.fleet_http_client import FleetHttpClient
+from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
 
 from starfed.server.ops import certs, fleet_signatures, pki
 from starfed.server.ops.layout import ServerFolder
@@ -340,3 +344,32 @@ def test_a_trickled_unsigned_body_is_cut_at_the_deadline(server, start_gateway) 
         assert time.monotonic() - started < 5
         assert _closed(sock, 2.0)
     assert _site_call(folder, key, port) < 2.0
+
+
+def test_flowers_own_supernode_client_uploads_through_the_signature_check(
+    server, upstream, start_gateway
+) -> None:
+    """What Flower 1.42's SuperNode really sends (its HTTP client and its signing interceptor):
+    a registered site's 1 MiB upload reaches the SuperLink whole; another key's is refused."""
+    folder, key = server
+    app, _ = upstream
+    port, _ = start_gateway()
+    request = PushObjectRequest(
+        node=Node(node_id=1), object_id="ab" * 32, object_content=b"\x00" * MIB
+    )
+
+    def push(signing_key: ec.EllipticCurvePrivateKey) -> int:
+        interceptor = NodeAuthHttpInterceptor(signing_key, signing_key.public_key())
+        with FleetHttpClient.from_server_address(
+            f"127.0.0.1:{port}", False, str(folder.ca_cert), interceptors=[interceptor]
+        ) as client:
+            try:
+                client.PushObject(request)
+            except httpx.HTTPStatusError as err:
+                return err.response.status_code
+            return 200
+
+    assert push(key) == 200
+    assert app.bodies[-1] == request.ByteSize()
+    assert push(pki.new_private_key()) == 401
+    assert app.bodies[-1] == request.ByteSize()  # nothing more reached the upstream
