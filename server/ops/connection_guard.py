@@ -49,30 +49,21 @@ class ConnectionGuard:
         self.by_address: Counter[str] = Counter()
         #: connections with no request under way, oldest first (a dict keeps insertion order)
         self.idle: dict[GuardedH11Protocol, None] = {}
-        #: connections closed by the guard, by reason: "per-address", "full", "evicted",
-        #: "header-timeout" (for the log's summary and the tests)
-        self.closed: Counter[str] = Counter()
 
     def protocol_class(self) -> type[H11Protocol]:
         """uvicorn's ``http=``: its h11 protocol, bound to this guard."""
-        guard = self
+        return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": self})
 
-        class Bound(GuardedH11Protocol):
-            pass
-
-        Bound.guard = guard
-        return Bound
-
-    def admit(self, connection: GuardedH11Protocol) -> tuple[str, str] | None:
-        """Take ``connection`` in, or say why not (a reason and a sentence)."""
+    def admit(self, connection: GuardedH11Protocol) -> str | None:
+        """Take ``connection`` in, or say why not."""
         address = connection.address
         if self.by_address[address] >= self.per_address:
-            return "per-address", f"{self.per_address} connections from this address already"
+            return f"{self.per_address} connections from this address already"
         if len(self.open) >= self.max_connections:
             oldest = next(iter(self.idle), None)
             if oldest is None:
-                return "full", f"{self.max_connections} connections, each with a request"
-            oldest.close("evicted", "made room for a new connection")
+                return f"{self.max_connections} connections, each with a request"
+            oldest.close("made room for a new connection")
         self.open.add(connection)
         self.by_address[address] += 1
         self.idle[connection] = None
@@ -101,8 +92,7 @@ class GuardedH11Protocol(H11Protocol):
         self.address = self.client[0] if self.client else "?"
         refusal = self.guard.admit(self)
         if refusal is not None:
-            self.guard.closed[refusal[0]] += 1
-            log.warning("closed a connection from %s: %s", self.address, refusal[1])
+            log.warning("closed a connection from %s: %s", self.address, refusal)
             self.transport.close()
             return
         self._arm_deadline()
@@ -127,8 +117,7 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.release(self)
         super().connection_lost(exc)
 
-    def close(self, reason: str, why: str) -> None:
-        self.guard.closed[reason] += 1
+    def close(self, why: str) -> None:
         log.warning("closed a connection from %s: %s", self.address, why)
         self.guard.release(self)
         self._disarm_deadline()
@@ -147,4 +136,4 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             timeout = self.guard.header_timeout
-            self.close("header-timeout", f"no complete request headers within {timeout:g} s")
+            self.close(f"no complete request headers within {timeout:g} s")

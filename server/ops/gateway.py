@@ -388,7 +388,7 @@ def _raise_open_files_limit() -> None:
     """Every connection is a file descriptor; the usual soft limit (1024) would run out before
     the connection limit does, and then nobody gets in."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = hard if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
