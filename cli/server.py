@@ -36,7 +36,7 @@ from starfed.shared import addresses
 from starfed.shared.config import ConfigError
 
 START = "server start"  # the table of `start`'s own knobs
-START_FLAGS = same_name("listen", "internal-port", "isolation", "max-body-mib")
+START_FLAGS = same_name("listen", "internal-port", "isolation", "max-body-mib", "max-per-address")
 DASHBOARD = "server dashboard"
 DASHBOARD_FLAGS = same_name("listen", "refresh-s")
 guarded = guard(
@@ -169,6 +169,7 @@ def _options(args: argparse.Namespace) -> superlink.ServerOptions:
         insecure=args.insecure,
         isolation=own["isolation"],
         max_body_mib=own["max-body-mib"],
+        max_per_address=own["max-per-address"],
     )
 
 

@@ -269,6 +269,8 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("max-body-mib", int, 65, "gateway: largest body of a call signed by a registered site "
          "(the codebook wire limit, 64 MiB, plus an envelope)", "command", ge=1,
          command="server start"),
+    Knob("max-per-address", int, 32, "gateway: connections at once from one address (sites "
+         "behind one NAT address share it)", "command", ge=1, command="server start"),
     Knob("listen", str, "0.0.0.0:9095", "HOST:PORT", "command", check=parse_address,
          command="server serve"),
     Knob("max-mib", int, 64, "largest reply", "command", ge=1, command="server serve"),

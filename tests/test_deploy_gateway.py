@@ -22,6 +22,7 @@ from flwr.supercore.date import now as flwr_now
 from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
 
 from starfed.server.ops import fleet_signatures, gateway, pki
+from starfed.server.ops.connection_guard import MAX_PER_ADDRESS
 from starfed.server.ops.fleet_signatures import SiteKeys
 from starfed.server.ops.gateway import FleetGateway, allowed
 from starfed.server.ops.sites import Registry, SiteRecord
@@ -314,3 +315,8 @@ def test_an_unsigned_body_must_arrive_within_its_deadline(registered) -> None:
     assert asyncio.run(go({}, pause=0.6)) == 408
     assert asyncio.run(go({}, pause=0.0)) == 200
     assert asyncio.run(go(_flower_signed_headers(key), pause=0.6)) == 200  # only pauses count
+
+
+def test_server_start_defaults_are_the_gateways() -> None:
+    assert TABLES["server start"]["max-per-address"].default == MAX_PER_ADDRESS
+    assert ServerOptions("0.0.0.0", 9092).max_per_address == MAX_PER_ADDRESS

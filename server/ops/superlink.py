@@ -61,6 +61,7 @@ class ServerOptions:
     insecure: bool = False
     isolation: str = "process"  # or "subprocess": the SuperLink starts its own SuperExec
     max_body_mib: int = 65  # the gateway's MAX_BODY_BYTES
+    max_per_address: int = 32  # the gateway's MAX_PER_ADDRESS
 
     @property
     def internal_address(self) -> str:
@@ -186,6 +187,8 @@ def gateway_command(folder: ServerFolder, options: ServerOptions, superlink_pid:
         str(folder.gateway_log),
         "--max-body-mib",
         str(options.max_body_mib),
+        "--max-per-address",
+        str(options.max_per_address),
         "--exit-with",
         str(superlink_pid),
     ]
