@@ -80,7 +80,9 @@ class ConnectionGuard:
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol under a ``ConnectionGuard`` (``guard`` is set by
-    ``ConnectionGuard.protocol_class``)."""
+    ``ConnectionGuard.protocol_class``). It uses what uvicorn 0.49's ``H11Protocol`` keeps per
+    connection (``transport``, ``client``, ``conn``: h11's state, ``loop``) and its
+    ``on_response_complete`` hook; tests/test_adversarial_gateway.py runs it for real."""
 
     guard: ConnectionGuard
 
