@@ -102,6 +102,7 @@ def _run_locked(
     federation = Federation(folder, backbones.fingerprint, backbones.dims)
     if note := federation.recover(protocol.checkpoints_kept):
         console.print(f"[yellow]federation folder: {note}")
+    federation.history()  # a damaged history fails the run now, not after a step's work
     server_eval = None
     if protocol.server_test_dir:
         server_eval = ServerTestSet(protocol.server_test_dir, backbones, train)

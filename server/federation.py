@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -307,7 +306,7 @@ class Federation:
         saved = replace(codebook, metadata=metadata)
         current = self.root / CODEBOOK_FILE
         if current.is_file():  # the last good checkpoint stays beside the new one
-            _link_atomic(current, self.root / PREVIOUS_FILE)
+            _copy_atomic(current, self.root / PREVIOUS_FILE)
         wire.write_file(current, saved)  # validated before it is written
         return saved
 
@@ -443,23 +442,17 @@ class Federation:
         (self.root / PENDING_FILE).unlink(missing_ok=True)
 
     def _keep_step(self, completed: int, keep_steps: int) -> None:
-        """``checkpoints/step-NNNN.bin``: the codebook after ``completed`` steps (a hard link
-        to ``codebook.bin``, no copy); the oldest beyond ``keep_steps`` are pruned."""
+        """``checkpoints/step-NNNN.bin``: the codebook after ``completed`` steps (a copy of
+        ``codebook.bin``); the oldest beyond ``keep_steps`` are pruned."""
         folder = self.root / CHECKPOINTS_DIR
         folder.mkdir(exist_ok=True)
-        _link_atomic(self.root / CODEBOOK_FILE, folder / f"step-{completed:04d}.bin")
+        _copy_atomic(self.root / CODEBOOK_FILE, folder / f"step-{completed:04d}.bin")
         kept = self.step_checkpoints()
         for _, path in kept[: max(0, len(kept) - keep_steps) if keep_steps else 0]:
             path.unlink(missing_ok=True)
 
 
-def _link_atomic(source: Path, target: Path) -> None:
-    """``target`` becomes another name of ``source``'s file (a hard link: no copy; a copy
-    where the file system has no hard links), replaced atomically."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(source, tmp)
-    except OSError:
-        write_atomic(tmp, source.read_bytes())
-    os.replace(tmp, target)
+def _copy_atomic(source: Path, target: Path) -> None:
+    """``target`` becomes a copy of ``source`` (a copy, not a hard link: damage to one file's
+    bytes in place must not reach the other)."""
+    write_atomic(target, source.read_bytes())

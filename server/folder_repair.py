@@ -1,20 +1,23 @@
 """Roll a damaged federation folder back to a good state (``starfed server repair``).
 
 What ``check`` (``server.folder_check``) finds damaged, ``repair`` plans to fix, and says so
-line by line before it does anything (``--dry-run`` stops there): the codebook restored from the
-newest kept checkpoint that decodes (``previous.bin``, then ``checkpoints/step-NNNN.bin``) or
-from the one the operator names (``--to STEP``: the codebook after that many completed steps),
-on a new version line (sites then receive whole codebooks, as after a failed step); the history
-rewritten to the records that agree with it (damaged lines, duplicates and steps beyond it
-left out; an interrupted close's record added); the registry aligned with the codebook's
-classes. Every file it replaces is kept beside as ``<name>.before-repair-<UTC time>``, so a
-repair loses nothing. It holds the folder's lock while it writes: never under a running server.
+line by line before it does anything (``--dry-run`` stops there): a damaged or missing codebook
+restored from the kept checkpoint furthest along that decodes (``previous.bin`` or
+``checkpoints/step-NNNN.bin``), or from the one the operator names (``--to STEP``: the codebook
+after that many completed steps), on a new version line (sites then receive whole codebooks, as
+after a failed step); the history rewritten to the records that agree with it (damaged lines,
+duplicates and steps beyond it left out; an interrupted close's record added; a completed step
+whose record is lost kept as a placeholder without scores); the registry aligned with the
+codebook's classes. Every file it replaces is kept beside as ``<name>.before-repair-<UTC
+time>``, so a repair loses nothing. It holds the folder's lock while it writes: never under a
+running server.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
@@ -38,12 +41,13 @@ from starfed.server.federation import (
     Registration,
     StepRecord,
 )
-from starfed.shared.codebook.framing import CodebookError
+from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
 
 FINISHED = (COMPLETED, DEGRADED)
+LOST_RECORD = "its record was lost; restored by `starfed server repair` (scores unknown)"
 
 
 @dataclass
@@ -90,7 +94,7 @@ def plan(root: str | Path, to: int | None = None) -> Plan:
     elif (codebook := good(current)) is not None:
         sources = []
     else:
-        sources = [root / PREVIOUS_FILE, *(kept[k] for k in sorted(kept, reverse=True))]
+        sources = _by_progress([root / PREVIOUS_FILE, *kept.values()])
         codebook = None
     for source in sources:
         codebook = good(source)
@@ -147,6 +151,21 @@ def _kept(root: Path) -> dict[int, Path]:
         if path.stem.removeprefix("step-").isdigit():
             found[int(path.stem.removeprefix("step-"))] = path
     return found
+
+
+def _by_progress(paths: list[Path]) -> list[Path]:
+    """The codebook files whose frame reads, furthest along the protocol first (a step's end
+    before its phases; ``previous.bin`` may be mid-step, a kept step's codebook never is)."""
+    found = []
+    for path in paths:
+        try:
+            message = read_message(path)
+            position = Position.from_metadata(message.metadata)
+        except (CodebookError, OSError, ValueError, TypeError):
+            continue
+        found.append(((position.step, not position.running, len(position.done),
+                       message.version), path))  # fmt: skip
+    return [path for _, path in sorted(found, reverse=True)]
 
 
 def _json_ok(path: Path) -> bool:
@@ -236,13 +255,20 @@ def _history(root: Path, position: Position, stamp: str) -> list[Action]:
             continue
         kept.append(record)
     dropped = len(records) - len(kept)
-    if not damaged and not dropped and not added:
+    lost = [step for step in range(position.step) if step not in finished]
+    kept += [
+        StepRecord(step, COMPLETED, time.time(), 0.0, reason=LOST_RECORD) for step in lost
+    ]  # the codebook holds the step: it stays counted, its scores are gone
+    kept.sort(key=lambda r: (r.step, r.attempt))
+    if not damaged and not dropped and not added and not lost:
         return []
     parts = [
         f"{damaged} damaged line(s)" if damaged else "",
         f"{dropped} record(s) beyond or repeating step(s) of the codebook" if dropped else "",
         f"the interrupted close of step {pending.step + 1}" if added and pending else "",
-    ]
+        f"placeholders for the lost records of step(s) {', '.join(str(s + 1) for s in lost)}"
+        if lost else "",
+    ]  # fmt: skip
     text = "".join(r.to_json() + "\n" for r in kept).encode()
 
     def do() -> None:
