@@ -187,6 +187,45 @@ class Checkpoint:
     position: Position
 
 
+@dataclass(frozen=True)
+class Identity:
+    """What ``federation.json`` says of a folder: enough to read and check its codebook files
+    without the rest (``server.folder_check`` and ``folder_repair`` work on damaged folders)."""
+
+    root: Path
+    fingerprint: str
+    dims: ModelDims
+
+    @classmethod
+    def read(cls, root: str | Path) -> Identity:
+        path = Path(root).expanduser()
+        if not (path / IDENTITY_FILE).is_file():
+            raise FederationError(f"{path} is not a federation folder (no {IDENTITY_FILE})")
+        try:
+            identity = json.loads((path / IDENTITY_FILE).read_text())
+            return cls(path, identity["fingerprint"], ModelDims(**identity["dims"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise FederationError(f"{path / IDENTITY_FILE} is damaged: {err!r}") from None
+
+    def traces(self) -> str:
+        """What shows that the folder has completed work ("" for a new federation, or one that
+        crashed before its first checkpoint): a codebook must exist then."""
+        history = self.root / HISTORY_FILE
+        found = [HISTORY_FILE] if history.is_file() and history.read_text().strip() else []
+        found += [PREVIOUS_FILE] if (self.root / PREVIOUS_FILE).is_file() else []
+        found += [f"{CHECKPOINTS_DIR}/"] if self.step_checkpoints() else []
+        return ", ".join(found)
+
+    def step_checkpoints(self) -> list[tuple[int, Path]]:
+        """(steps completed, file) of the codebooks kept after completed steps, oldest first."""
+        folder = self.root / CHECKPOINTS_DIR
+        found = []
+        for path in folder.glob("step-*.bin") if folder.is_dir() else ():
+            with contextlib.suppress(ValueError):
+                found.append((int(path.stem.removeprefix("step-")), path))
+        return sorted(found)
+
+
 class Federation:
     """One federation folder (created on first use)."""
 
@@ -216,14 +255,8 @@ class Federation:
     def open(cls, root: str | Path) -> Federation:
         """An existing federation folder, with the backbones its identity names: for readers
         that load no backbones (``starfed server export``, the codebook service)."""
-        path = Path(root).expanduser()
-        if not (path / IDENTITY_FILE).is_file():
-            raise FederationError(f"{path} is not a federation folder (no {IDENTITY_FILE})")
-        try:
-            identity = json.loads((path / IDENTITY_FILE).read_text())
-            return cls(path, identity["fingerprint"], ModelDims(**identity["dims"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise FederationError(f"{path / IDENTITY_FILE} is damaged: {err!r}") from None
+        identity = Identity.read(root)
+        return cls(identity.root, identity.fingerprint, identity.dims)
 
     def metrics(self) -> dict:
         """``metrics.json`` of the last server run ({} before the first)."""
@@ -251,7 +284,7 @@ class Federation:
         from starfed.shared.codebook.codebook import Codebook
 
         if not (self.root / CODEBOOK_FILE).is_file():
-            if traces := self.traces():
+            if traces := Identity(self.root, self.fingerprint, self.dims).traces():
                 raise FederationError(
                     f"{self.root / CODEBOOK_FILE} is missing, but the folder holds {traces}: "
                     "`starfed server repair` restores the last good checkpoint"
@@ -259,24 +292,6 @@ class Federation:
             metadata = Lineage(self.id).new_epoch().as_metadata()
             return Codebook(self.fingerprint, self.dims, metadata=metadata)
         return self._load(CODEBOOK_FILE)
-
-    def traces(self) -> str:
-        """What shows that the folder has completed work ("" for a new federation, or one that
-        crashed before its first checkpoint): a codebook must exist then."""
-        history = self.root / HISTORY_FILE
-        found = [HISTORY_FILE] if history.is_file() and history.read_text().strip() else []
-        found += [PREVIOUS_FILE] if (self.root / PREVIOUS_FILE).is_file() else []
-        found += [f"{CHECKPOINTS_DIR}/"] if self.step_checkpoints() else []
-        return ", ".join(found)
-
-    def step_checkpoints(self) -> list[tuple[int, Path]]:
-        """(steps completed, file) of the codebooks kept after completed steps, oldest first."""
-        folder = self.root / CHECKPOINTS_DIR
-        found = []
-        for path in folder.glob("step-*.bin") if folder.is_dir() else ():
-            with contextlib.suppress(ValueError):
-                found.append((int(path.stem.removeprefix("step-")), path))
-        return sorted(found)
 
     @staticmethod
     def position(codebook: Codebook) -> Position:
@@ -447,7 +462,7 @@ class Federation:
         folder = self.root / CHECKPOINTS_DIR
         folder.mkdir(exist_ok=True)
         _copy_atomic(self.root / CODEBOOK_FILE, folder / f"step-{completed:04d}.bin")
-        kept = self.step_checkpoints()
+        kept = Identity(self.root, self.fingerprint, self.dims).step_checkpoints()
         for _, path in kept[: max(0, len(kept) - keep_steps) if keep_steps else 0]:
             path.unlink(missing_ok=True)
 

@@ -31,8 +31,8 @@ from starfed.server.federation import (
     PREVIOUS_FILE,
     REGISTRY_FILE,
     STEP_START_FILE,
-    Federation,
     FederationError,
+    Identity,
     Position,
     Registration,
     StepRecord,
@@ -68,7 +68,7 @@ def check(root: str | Path, *, decode: bool = True) -> Report:
     root = Path(root).expanduser()
     report = Report(str(root))
     try:
-        federation = Federation.open(root)
+        federation = Identity.read(root)
     except FederationError as err:
         report.problems.append(str(err))
         return report
@@ -83,7 +83,8 @@ def check(root: str | Path, *, decode: bool = True) -> Report:
         _agree_history(report, position, history)
     if position is not None and names is not None:
         _position(report, position, names, federation, decode)
-    for path in [root / PREVIOUS_FILE, *(p for _, p in federation.step_checkpoints())]:
+    previous = [root / PREVIOUS_FILE] if (root / PREVIOUS_FILE).exists() else []
+    for path in [*previous, *(p for _, p in federation.step_checkpoints())]:
         _codebook_file(report, federation, path, decode)
     if (root / PENDING_FILE).is_file():
         report.problems.append(
@@ -113,7 +114,7 @@ def _lock(report: Report, root: Path) -> None:
 
 
 def _codebook_file(
-    report: Report, federation: Federation, path: Path, decode: bool
+    report: Report, federation: Identity, path: Path, decode: bool
 ) -> pb.Codebook | None:
     """One codebook file: frame, checksum, backbones (and tensors with ``decode``); its
     message, None (and a problem) when it is damaged."""
@@ -137,7 +138,7 @@ def _short(err: Exception, path: Path) -> str:
     return str(err).removeprefix(f"{path}: ")
 
 
-def _codebook(report: Report, federation: Federation, decode: bool) -> set[str] | None:
+def _codebook(report: Report, federation: Identity, decode: bool) -> set[str] | None:
     """The codebook's class names (None when it cannot be read); its version and position
     go into the report."""
     path = federation.root / CODEBOOK_FILE
@@ -239,7 +240,7 @@ def _agree_history(report: Report, position: Position, history: list[StepRecord]
 
 
 def _position(
-    report: Report, position: Position, names: set[str], federation: Federation, decode: bool
+    report: Report, position: Position, names: set[str], federation: Identity, decode: bool
 ) -> None:
     """A position the protocol can be in, with the files it needs."""
     marks = phase_marks()

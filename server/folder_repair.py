@@ -25,25 +25,23 @@ from pathlib import Path
 
 from starfed.server import folder_lock
 from starfed.server.federation import (
-    CHECKPOINTS_DIR,
     CODEBOOK_FILE,
     COMPLETED,
     DEGRADED,
     FAILED,
     HISTORY_FILE,
-    IDENTITY_FILE,
     METRICS_FILE,
     PENDING_FILE,
     PREVIOUS_FILE,
     REGISTRY_FILE,
     FederationError,
+    Identity,
     Position,
     Registration,
     StepRecord,
 )
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
-from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
 
 FINISHED = (COMPLETED, DEGRADED)
@@ -74,7 +72,8 @@ def plan(root: str | Path, to: int | None = None) -> Plan:
     from starfed.shared.codebook import wire  # torch: decoding codebooks
 
     root = Path(root).expanduser()
-    fingerprint, dims = _identity(root)
+    identity = Identity.read(root)
+    fingerprint, dims = identity.fingerprint, identity.dims
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
     def good(path: Path):
@@ -85,7 +84,7 @@ def plan(root: str | Path, to: int | None = None) -> Plan:
 
     actions: list[Action] = []
     current = root / CODEBOOK_FILE
-    kept = _kept(root)
+    kept = dict(identity.step_checkpoints())
     if to is not None:
         if to not in kept:
             have = ", ".join(map(str, sorted(kept))) or "none"
@@ -129,28 +128,6 @@ def apply(repair: Plan) -> None:
     with folder_lock.locked(repair.folder, "starfed server repair"):
         for action in repair.actions:
             action.do()
-
-
-def _identity(root: Path) -> tuple[str, ModelDims]:
-    try:
-        identity = json.loads((root / IDENTITY_FILE).read_text())
-        return identity["fingerprint"], ModelDims(**identity["dims"])
-    except FileNotFoundError:
-        raise FederationError(f"{root} is not a federation folder (no {IDENTITY_FILE})") from None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise FederationError(
-            f"{root / IDENTITY_FILE} is damaged ({err!r}): it names the federation and its "
-            "backbones and has no copy; restore it from a backup"
-        ) from None
-
-
-def _kept(root: Path) -> dict[int, Path]:
-    folder = root / CHECKPOINTS_DIR
-    found = {}
-    for path in folder.glob("step-*.bin") if folder.is_dir() else ():
-        if path.stem.removeprefix("step-").isdigit():
-            found[int(path.stem.removeprefix("step-"))] = path
-    return found
 
 
 def _by_progress(paths: list[Path]) -> list[Path]:
