@@ -264,12 +264,13 @@ class Coordinator:
         on its own; what overflows is what the merge or the replay made of it)."""
         name, field_name = getattr(err, "name", None), getattr(err, "field", None)
         where = f"class {name!r}, field {field_name}" if name else "its codebook"
+        detail = str(err).removeprefix(f"{name}/{field_name}: ")
         largest = self._largest.get(name) if name else None
         source = "" if largest is None else (
             f"; the largest values came from site {largest[1]} ({largest[2]}, |x| up to "
             f"{largest[0]:.3g})"
         )  # fmt: skip
-        return f"the {phase.key} result is invalid at {where}: {err}{source}"
+        return f"the {phase.key} result is invalid at {where}: {detail}{source}"
 
     def _note_largest(self, site: str, update: ClientUpdate) -> None:
         """Per class, the site whose update this step held the largest |value| (for blame)."""
