@@ -4,24 +4,33 @@ lost.
 
 One federation is built in process (two sites, one completed step) and copied for each fault;
 the faults are injected as they happen in the field — a file damaged on disk, a site's replies
-scaled by 10³⁰, a write that fails with a full disk, a second run over the same folder — and
+scaled by 10³⁰, a write that fails with a full disk, a second run over the same folder, a site
+clock 30 s fast (its refusal as the gateway sees it, and the site's own measurement) — and
 the recovery is what docs/federation.md tells an operator to do (`repair`, or just the next
 `round`). ``pytest -m faults`` runs them as a group.
 """
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import errno
+import http.server
 import itertools
 import json
+import logging
 import shutil
 import subprocess
 import sys
+import threading
+import time
+from base64 import b64encode
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cryptography.hazmat.primitives import serialization
 from flwr.app import Message
 from rich.console import Console
 from site_folders import CLASSES, site_folder
@@ -29,6 +38,7 @@ from site_folders import CLASSES, site_folder
 from starfed.cli import main
 from starfed.client import answer
 from starfed.client import app as client_app
+from starfed.client.ops import supernode
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import federation as federation_module
 from starfed.server import folder_check, folder_lock
@@ -43,6 +53,9 @@ from starfed.server.federation import (
     FederationError,
     Position,
 )
+from starfed.server.ops import clock, gateway, pki
+from starfed.server.ops.flower_internals import FLEET_HTTP_PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
+from starfed.server.ops.layout import ServerFolder
 from starfed.server.process_identity import ProcessId
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
@@ -393,3 +406,69 @@ def test_a_missing_codebook_without_any_good_checkpoint_cannot_be_repaired(
     assert code == 1 and "no good codebook is left" in err
     with pytest.raises(FederationError, match="missing"):
         Federation.open(folder(root)).codebook()
+
+
+# --- a site whose clock runs 30 s fast -------------------------------------------------------
+
+
+class _DateAhead(http.server.BaseHTTPRequestHandler):
+    """The gateway's answer to a GET (403), with a Date 30 s behind this machine's clock: as
+    seen from a site whose clock runs 30 s fast."""
+
+    def date_time_string(self, timestamp: float | None = None) -> str:
+        return email.utils.formatdate(time.time() - 30, usegmt=True)
+
+    def do_GET(self) -> None:
+        self.send_response(403)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_site_refused_for_its_clock_is_told_so_not_that_its_key_was_removed(
+    tmp_path: Path,
+) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DateAhead)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        offset = clock.server_offset(address, None, insecure=True)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert offset is not None and 29 <= offset <= 31.5, offset  # Date has whole seconds
+    (tmp_path / "data").mkdir()
+    options = supernode.prepare(address, tmp_path / "data", ca=None, key=None, insecure=True)
+    told = supernode._self_stopped(options, offset)
+    assert "refused for clock skew, not for the key" in told and "Flower answered 401" in told
+    assert f"{offset:.0f} s ahead of the server's" in told
+    assert "keygen" not in told
+    assert "keygen" in supernode._self_stopped(options, 0.4)  # in time: the key it is
+
+
+def test_the_operator_sees_a_clock_skew_refusal(tmp_path: Path, caplog, capsys) -> None:
+    """The gateway logs a 401 to a call signed 30 s in the future as clock skew, with the key;
+    `starfed server sites refused` shows it."""
+    key = pki.write_site_key(tmp_path / "farm-c.key", "c")
+    pem = serialization.load_ssh_public_key(key.openssh.encode()).public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )  # what a SuperNode sends
+    signed = (datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=30)).isoformat()
+    headers = {TIMESTAMP_HEADER: signed, FLEET_HTTP_PUBLIC_KEY_HEADER: b64encode(pem).decode()}
+    with caplog.at_level(logging.WARNING, logger="starfed.gateway"):
+        gateway._log_clock_skew(headers, "/v1/fleet/pull-messages", "10.0.0.7")
+        in_time = {**headers, TIMESTAMP_HEADER: datetime.datetime.now(datetime.UTC).isoformat()}
+        gateway._log_clock_skew(in_time, "/v1/fleet/pull-messages", "10.0.0.7")  # a key issue
+    [record] = caplog.records
+    folder = ServerFolder.at(tmp_path / "server")
+    folder.gateway_log.parent.mkdir(parents=True, exist_ok=True)
+    line = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s").format(record)
+    folder.gateway_log.write_text(line + "\n")
+    code, out, _ = starfed(capsys, "server", "sites", "refused", "--dir", str(folder.root),
+                           "--json")  # fmt: skip
+    [refusal] = json.loads(out)["refused"]
+    assert code == 0 and refusal["fingerprint"] == key.fingerprint
+    assert refusal["code"] == "clock" and 29 <= refusal["offset_s"] <= 30.5
+    assert "clock skew" in refusal["reason"] and "ahead of the server's" in refusal["reason"]
