@@ -7,8 +7,8 @@ checksum, and with ``decode`` every tensor, as a run would read it), the kept ch
 registry and the history — and whether they agree: the registry names exactly the codebook's
 classes, the history holds one finished record per completed step and none beyond the protocol
 position, the position itself is one the protocol can be in. ``starfed server status`` shows the
-same problems without decoding tensors (no torch, about a second); ``starfed server repair``
-(``server.folder_repair``) fixes what they name.
+same problems of the current files, without decoding tensors (no torch, about a second);
+``starfed server repair`` (``server.folder_repair``) fixes what they name.
 """
 
 from __future__ import annotations
@@ -62,9 +62,11 @@ def phase_marks() -> set[str]:
     return {ENROLMENT.phase.key, *(spec.phase.key for spec in PHASES)}
 
 
-def check(root: str | Path, *, decode: bool = True) -> Report:
+def check(root: str | Path, *, decode: bool = True, kept: bool = True) -> Report:
     """Every file of the federation folder ``root``; ``decode`` also decodes (= validates)
-    every codebook file's tensors (needs torch; ``status`` leaves it out)."""
+    every codebook file's tensors (needs torch), ``kept`` also reads the kept checkpoints
+    (``previous.bin``, ``checkpoints/``). ``status`` leaves both out: it answers in about a
+    second, however large the codebook and however many steps are kept."""
     root = Path(root).expanduser()
     report = Report(str(root))
     try:
@@ -84,7 +86,7 @@ def check(root: str | Path, *, decode: bool = True) -> Report:
     if position is not None and names is not None:
         _position(report, position, names, federation, decode)
     previous = [root / PREVIOUS_FILE] if (root / PREVIOUS_FILE).exists() else []
-    for path in [*previous, *(p for _, p in federation.step_checkpoints())]:
+    for path in [*previous, *(p for _, p in federation.step_checkpoints())] if kept else ():
         _codebook_file(report, federation, path, decode)
     if (root / PENDING_FILE).is_file():
         report.problems.append(

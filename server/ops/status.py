@@ -184,7 +184,7 @@ def read(folder: ServerFolder, federation_dir: Path) -> Reading:
     record = _guarded(status, folder.run_file, lambda: load(folder.run_file), None)
     status.server = _server(record)
     if (federation_dir / IDENTITY_FILE).is_file():  # a folder with no identity is a new one
-        report = folder_check.check(federation_dir, decode=False)
+        report = folder_check.check(federation_dir, decode=False, kept=False)
         status.problems, status.notes = report.problems, report.notes
     try:
         federation = Federation.open(federation_dir)  # reads federation.json and registry.json
