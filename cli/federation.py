@@ -311,11 +311,13 @@ def run_check(args: argparse.Namespace) -> int:
 def run_repair(args: argparse.Namespace) -> int:
     """roll a damaged federation folder back to a good state (--dry-run: only say how)
 
-    Restores the codebook from the newest kept checkpoint that decodes (or the one --to names),
-    on a new version line; rewrites the history and the registry to agree with it (damaged
-    lines and duplicates left out, an interrupted step's record added). Every replaced file is
-    kept beside as <name>.before-repair-<time>. Refused while a run holds the folder. Then runs
-    `check`: exit 0 when the folder is whole.
+    Restores a damaged or missing codebook from the kept checkpoint furthest along that decodes
+    (or the one --to names, whatever the state of the current one), on a new version line;
+    rewrites the history and the registry to agree with it (damaged lines, duplicates and steps
+    beyond it left out, an interrupted step's record added, a completed step whose record is
+    lost kept as a placeholder without scores). Every replaced file is kept beside as
+    <name>.before-repair-<time>. Refused while a run holds the folder. Then runs `check`: exit
+    0 when the folder is whole.
     """
     folder = server_folder(args)
     federation_dir = _federation_dir(args, folder)

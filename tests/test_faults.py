@@ -472,3 +472,24 @@ def test_the_operator_sees_a_clock_skew_refusal(tmp_path: Path, caplog, capsys) 
     assert code == 0 and refusal["fingerprint"] == key.fingerprint
     assert refusal["code"] == "clock" and 29 <= refusal["offset_s"] <= 30.5
     assert "clock skew" in refusal["reason"] and "ahead of the server's" in refusal["reason"]
+
+
+def test_repair_rolls_back_to_a_chosen_step(root: Path, capsys) -> None:
+    next_task(root)
+    assert run(root)["steps"] == 2
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "repair", "--dir", server, "--to", "1", "--dry-run")
+    assert code == 0 and "would: restore codebook.bin from checkpoints/step-0002.bin" not in out
+    assert "would: restore codebook.bin from checkpoints/step-0001.bin" in out, out
+    assert finished_steps(root) == [0, 1]  # a dry run changes nothing
+    code, out, _ = starfed(capsys, "server", "repair", "--dir", server, "--to", "1")
+    assert code == 0 and checked(root).ok, out
+    assert finished_steps(root) == [0]
+    assert CLASSES[4] not in json.loads((folder(root) / REGISTRY_FILE).read_text())
+    kept = sorted(p.name for p in folder(root).glob("*.before-repair-*"))
+    assert [name.split(".before")[0] for name in kept] == [
+        CODEBOOK_FILE,
+        HISTORY_FILE,
+        REGISTRY_FILE,
+    ]  # nothing is lost: every replaced file is kept beside
+    assert run(root)["steps"] == 2 and finished_steps(root) == [0, 1]  # step 2 again
