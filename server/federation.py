@@ -427,9 +427,8 @@ class Federation:
         classes in play that were unregistered before the checkpoint that removes them
         (registered again for the step in progress)."""
         checkpoint = self.last_checkpoint()
-        if checkpoint is None:
-            return None
-        position, names = checkpoint.position, set(checkpoint.classes)
+        position = Position() if checkpoint is None else checkpoint.position
+        names = set() if checkpoint is None else set(checkpoint.classes)
         stray = [n for n, r in self.registry.items() if n not in names and r.step >= position.step]
         lost = [n for n in position.in_play if n in names and n not in self.registry]
         if not stray and not lost:
