@@ -24,27 +24,32 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from starfed.server.ops.flower_internals import SYSTEM_TIME_TOLERANCE, TIMESTAMP_TOLERANCE
-
-#: A site clock ahead of the server's by at least this many seconds is refused ...
-AHEAD_LIMIT_S = float(SYSTEM_TIME_TOLERANCE)
-#: ... and so is one behind by at least this many.
-BEHIND_LIMIT_S = float(TIMESTAMP_TOLERANCE + SYSTEM_TIME_TOLERANCE)
 SKEW_LINE = "clock skew"  # what the gateway's log line says (``sites.refused`` reads it)
+
+
+def limits() -> tuple[float, float]:
+    """(ahead, behind): a site clock at least ``ahead`` seconds ahead of the server's, or
+    ``behind`` seconds behind it, is refused. Flower's constants, imported only when asked
+    (a command that fails on bad input answers before Flower is imported)."""
+    from starfed.server.ops.flower_internals import SYSTEM_TIME_TOLERANCE, TIMESTAMP_TOLERANCE
+
+    return float(SYSTEM_TIME_TOLERANCE), float(TIMESTAMP_TOLERANCE + SYSTEM_TIME_TOLERANCE)
 
 
 def refused(offset_s: float) -> bool:
     """Whether Flower refuses a site whose clock is ``offset_s`` seconds ahead of the server's
     (negative: behind)."""
-    return offset_s >= AHEAD_LIMIT_S or offset_s <= -BEHIND_LIMIT_S
+    ahead, behind = limits()
+    return offset_s >= ahead or offset_s <= -behind
 
 
 def describe(offset_s: float) -> str:
     """One phrase: how far off, which way, and what Flower accepts."""
+    ahead, behind = limits()
     way = "ahead of" if offset_s > 0 else "behind"
     return (
         f"the site's clock is {abs(offset_s):.0f} s {way} the server's (Flower accepts at most "
-        f"{AHEAD_LIMIT_S:.0f} s ahead, {BEHIND_LIMIT_S:.0f} s behind)"
+        f"{ahead:.0f} s ahead, {behind:.0f} s behind)"
     )
 
 
