@@ -75,8 +75,8 @@ def run_server(
     folder = writable_dir(protocol.federation_dir or run_dir(values, run_id), "federation-dir")
     try:
         with folder_lock.locked(folder, f"server run {run_id}"):
-            return _run_locked(grid, values, run_config, run_id, folder, console, started,
-                               strategy=strategy, before_step=before_step)  # fmt: skip
+            return _run_locked(grid, values, run_config, run_id, folder, protocol, console,
+                               started, strategy=strategy, before_step=before_step)  # fmt: skip
     except (folder_lock.FolderLocked, FederationError) as err:  # one line: the folder's state
         console.print(f"[red]{err}")
         raise RunFailed(str(err)) from None
@@ -88,6 +88,7 @@ def _run_locked(
     run_config: dict,
     run_id: int,
     folder: Path,
+    protocol: ProtocolOptions,
     console: Console,
     started: float,
     *,
@@ -96,7 +97,6 @@ def _run_locked(
 ) -> dict:
     """``run_server``'s work, with the federation folder locked: first finish what a crash
     interrupted (``Federation.recover``), then the steps, then metrics.json."""
-    protocol = ProtocolOptions.from_config(values)
     train = TrainConfig.from_config(values)
     backbones = BackboneOptions.from_config(values).load(values["device"])
     federation = Federation(folder, backbones.fingerprint, backbones.dims)

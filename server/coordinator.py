@@ -250,12 +250,12 @@ class Coordinator:
             codebook = self._drop_unfitted(codebook, spec.phase)
             state = replace(state, in_play=tuple(self.in_play))
             codebook = self.strategy.replay(spec.phase, codebook, state)
-        before = self.codebook
+        before = self.codebook, self.position
         self.codebook = codebook
         try:  # validated before it is written: a phase's bad result is never checkpointed
             self._checkpoint(done)
         except CodebookError as err:
-            self.codebook = before
+            self.codebook, self.position = before
             raise StepFailed(self._blame(spec.phase, err)) from None
 
     def _blame(self, phase: Phase, err: CodebookError) -> str:
