@@ -134,6 +134,14 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     if "federation-dir" in overrides:
         raise ConfigError("--run-config federation-dir: use --federation")
     say = _sayer(args)
+    if (federation_dir / "federation.json").is_file():  # damaged: say so before submitting
+        report = folder_check.check(federation_dir, decode=False, kept=False)
+        if blocking := report.blocking:
+            raise FederationError(
+                f"the federation folder is damaged: {blocking[0]}"
+                + (f" (and {counted(len(blocking) - 1, 'more problem')})" if blocking[1:] else "")
+                + f"; `starfed server repair --dry-run --dir {folder.root}` says how to repair it"
+            )
     checkpoint = _checkpoint(federation_dir)
     running = checkpoint is not None and checkpoint.position.running
     if resume and not running:

@@ -56,6 +56,12 @@ class Report:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def blocking(self) -> list[str]:
+        """The problems a run cannot get past (an interrupted close and a damaged
+        ``metrics.json`` are the next run's to finish and rewrite)."""
+        return [p for p in self.problems if not p.startswith((PENDING_FILE, METRICS_FILE))]
+
 
 def phase_marks() -> set[str]:
     """Every "<phase>/<round>" a position may name as done (rounds: any non-negative)."""

@@ -235,6 +235,9 @@ def test_a_missing_codebook_is_never_replaced_by_an_empty_one(root: Path, capsys
     assert not (folder(root) / CODEBOOK_FILE).exists() and finished_steps(root) == [0]
     code, out, _ = starfed(capsys, "server", "status", "--dir", str(root / "server"))
     assert code == 1 and "DAMAGED    codebook.bin: missing" in out, out
+    code, _, err = starfed(capsys, "server", "round", "--dir", str(root / "server"))
+    assert code == 1 and err.count("\n") == 1, err  # refused before anything is submitted
+    assert "the federation folder is damaged: codebook.bin: missing" in err
     out = repaired(root, capsys)
     assert "restore codebook.bin from checkpoints/step-0001.bin" in out, out
     next_task(root)
