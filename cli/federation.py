@@ -1,19 +1,24 @@
-"""``starfed server round|resume|status``: the operator's commands for the federation itself.
+"""``starfed server round|resume|status|check|repair``: the operator's commands for the
+federation itself.
 
 Actions of the ``server`` group (``starfed.cli.server`` registers them), on the same server
 folder. ``round`` submits the generated app (``starfed.server.ops.flower_runs``) to the running
 server with the federation folder (default ``<server dir>/federation``), streams the ServerApp's
 progress and follows the run to its end; ``resume`` is a ``round`` that first says which step it
 continues; ``status`` reads the folders (``starfed.server.ops.status``) and works with the server
-stopped. Exit codes (docs/federation.md): 0 completed, 3 degraded, 1 failed (or the run could not
-start), 2 bad input (checked with the configuration schema before anything is submitted), 130
-stopped with Ctrl-C (the run itself is stopped; ``resume`` continues it).
+stopped; ``check`` verifies every file of the federation folder (``starfed.server.folder_check``)
+and ``repair`` rolls a damaged one back to a good state (``starfed.server.folder_repair``). Exit
+codes (docs/federation.md): 0 completed, 3 degraded, 1 failed (or the run could not start; for
+``status`` and ``check``: the folder is damaged), 2 bad input (checked with the configuration
+schema before anything is submitted), 130 stopped with Ctrl-C (the run itself is stopped;
+``resume`` continues it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import sys
 import time
@@ -24,6 +29,7 @@ from rich.table import Table
 
 from starfed.cli._common import console, emit_json, guard, server_folder
 from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
+from starfed.server import folder_check, folder_lock, folder_repair
 from starfed.server.federation import Checkpoint, Federation, FederationError
 from starfed.server.ops import exit_codes, flower_runs, processes, sites, superlink
 from starfed.server.ops.exit_codes import EXIT_OK
@@ -40,18 +46,35 @@ guarded = guard(
         superlink.ServerError,
         sites.SitesError,
         processes.ProcessError,
+        folder_lock.FolderLocked,
     )
 )
 
 
 def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Register ``round``, ``resume`` and ``status`` on the ``server`` group."""
+    """Register ``round``, ``resume``, ``status``, ``check`` and ``repair`` on the ``server``
+    group."""
     for run in (run_round, run_resume):
         parser = add_command(actions, run.__name__[4:], run, FLAGS, parents=[common])
         _federation_option(parser)
         add_run_config(parser)
-    parser = add_command(actions, "status", run_status, parents=[common])
+    for run in (run_status, run_check):
+        parser = add_command(actions, run.__name__[4:], run, parents=[common])
+        _federation_option(parser)
+    parser = add_command(actions, "repair", run_repair, parents=[common])
     _federation_option(parser)
+    parser.add_argument(
+        "--to",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="roll back to the codebook kept after this many completed steps "
+        "(checkpoints/step-NNNN.bin; default: keep a good codebook.bin, else the newest good "
+        "kept one)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="say what it would do, change nothing"
+    )
 
 
 def _federation_option(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +134,14 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     if "federation-dir" in overrides:
         raise ConfigError("--run-config federation-dir: use --federation")
     say = _sayer(args)
+    if (federation_dir / "federation.json").is_file():  # damaged: say so before submitting
+        report = folder_check.check(federation_dir, decode=False, kept=False)
+        if blocking := report.blocking:
+            raise FederationError(
+                f"the federation folder is damaged: {blocking[0]}"
+                + (f" (and {counted(len(blocking) - 1, 'more problem')})" if blocking[1:] else "")
+                + f"; `starfed server repair --dry-run --dir {folder.root}` says how to repair it"
+            )
     checkpoint = _checkpoint(federation_dir)
     running = checkpoint is not None and checkpoint.position.running
     if resume and not running:
@@ -118,6 +149,11 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
         raise ConfigError(
             f"nothing to resume in {federation_dir}: no step is running ({counted(done, 'step')} "
             "finished); `starfed server round` runs the next"
+        )
+    holder = folder_lock.holder(federation_dir) if federation_dir.is_dir() else None
+    if holder is not None and holder.alive():  # the ServerApp refuses too; this says it first
+        raise superlink.ServerError(
+            f"the federation folder {federation_dir} is in use by {holder.describe()}"
         )
     record = superlink.RunRecord.load(folder.run_file)
     if record is None or not any(record.alive().values()):
@@ -244,15 +280,75 @@ def run_status(args: argparse.Namespace) -> int:
     """the federation at a glance: classes, steps, sites, errors, server processes
 
     Read the federation folder and the server folder (and, when the server runs, Flower's node
-    list). Works with the server stopped.
+    list). Works with the server stopped. Lists what `check` finds damaged (without decoding
+    tensors) and then exits 1.
     """
     folder = server_folder(args)
     status = gather(folder, _federation_dir(args, folder))
     if args.json:
-        emit_json({"success": True, **status.to_json()})
+        emit_json({"success": not status.damaged, **status.to_json()})
     else:
         _print_status(status)
-    return EXIT_OK
+    return exit_codes.EXIT_FAILED if status.damaged else EXIT_OK
+
+
+@guarded
+def run_check(args: argparse.Namespace) -> int:
+    """verify every file of the federation folder: exit 0 whole, 1 damaged
+
+    Checks the codebook (checksum, every tensor decoded as a run would), the kept checkpoints,
+    the registry and the history (each line) and whether they agree with the codebook and the
+    protocol position. One line per problem; `starfed server repair` fixes them. Works with the
+    server stopped or running.
+    """
+    folder = server_folder(args)
+    report = folder_check.check(_federation_dir(args, folder))
+    if args.json:
+        emit_json({"success": report.ok, **dataclasses.asdict(report)})
+    else:
+        for line in report.notes:
+            print(f"note: {line}")
+        for line in report.problems:
+            print(line)
+        if report.ok:
+            print(f"{report.folder}: whole (codebook version {report.codebook_version})")
+    return EXIT_OK if report.ok else exit_codes.EXIT_FAILED
+
+
+@guarded
+def run_repair(args: argparse.Namespace) -> int:
+    """roll a damaged federation folder back to a good state (--dry-run: only say how)
+
+    Restores a damaged or missing codebook from the kept checkpoint furthest along that decodes
+    (or the one --to names, whatever the state of the current one), on a new version line;
+    rewrites the history and the registry to agree with it (damaged lines, duplicates and steps
+    beyond it left out, an interrupted step's record added, a completed step whose record is
+    lost kept as a placeholder without scores). Every replaced file is kept beside as
+    <name>.before-repair-<time>. Refused while a run holds the folder. Then runs `check`: exit
+    0 when the folder is whole.
+    """
+    folder = server_folder(args)
+    federation_dir = _federation_dir(args, folder)
+    repair = folder_repair.plan(federation_dir, args.to)
+    if not args.dry_run:
+        folder_repair.apply(repair)
+    report = folder_check.check(federation_dir) if not args.dry_run else None
+    if args.json:
+        emit_json({
+            "success": report is None or report.ok,
+            "dry_run": args.dry_run,
+            "actions": [a.what for a in repair.actions],
+            "problems": [] if report is None else report.problems,
+        })  # fmt: skip
+    else:
+        verb = "would" if args.dry_run else "did"
+        if not repair.actions:
+            print(f"nothing to repair in {federation_dir}")
+        for action in repair.actions:
+            print(f"{verb}: {action.what}")
+        for line in [] if report is None else report.problems:
+            print(f"still: {line}")
+    return EXIT_OK if report is None or report.ok else exit_codes.EXIT_FAILED
 
 
 def _print_status(status: Status) -> None:
@@ -272,8 +368,15 @@ def _print_status(status: Status) -> None:
     say(f"federation {status.federation_dir}")
     for note in status.unreadable:
         say(f"unreadable {note}")
+    for problem in status.problems:
+        say(f"DAMAGED    {problem}")
+    if status.problems:
+        say("           `starfed server repair --dry-run` says how to repair it")
+    for note in status.notes:
+        say(f"note       {note}")
     if status.federation is None:
-        say(f"           {status.problem}; the first `starfed server round` creates it")
+        new = "" if status.problems else "; the first `starfed server round` creates it"
+        say(f"           {status.problem}{new}")
         return
     f = status.federation
     say(f"           id {f['id'][:8]} · created {f['created']} · backbones {f['fingerprint'][:12]}")

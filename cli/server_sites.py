@@ -109,14 +109,18 @@ def run_sites_remove(args: argparse.Namespace) -> int:
 
 
 def run_sites_refused(args: argparse.Namespace) -> int:
-    """SuperNodes the SuperLink turned away, by key fingerprint (from its log)"""
+    """SuperNodes the SuperLink turned away, by key fingerprint (from its log)
+
+    Also those refused for their clock (from the gateway's log): Flower answers them as it
+    answers a removed key; the line says how far the site's clock is off.
+    """
     folder = server_folder(args)
     refusals = sites.refused(folder)
     if args.json:
         emit_json({"success": True, "refused": [asdict(r) for r in refusals]})
         return EXIT_OK
     if not refusals:
-        print(f"no refused SuperNodes in {folder.superlink_log}")
+        print(f"no refused SuperNodes in {folder.superlink_log} or {folder.gateway_log}")
         return EXIT_OK
     table = Table()
     table.add_column("key fingerprint", no_wrap=True)
@@ -133,5 +137,5 @@ def run_sites_refused(args: argparse.Namespace) -> int:
             r.last,
         )
     console().print(table)
-    print("times are the SuperLink's local time; the site prints its key's fingerprint at start")
+    print("times are the server's local time; the site prints its key's fingerprint at start")
     return EXIT_OK

@@ -18,13 +18,15 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
+from starfed.server import folder_lock
 from starfed.server.coordinator import Coordinator, RunLog
-from starfed.server.federation import FAILED, METRICS_FILE, Federation
+from starfed.server.federation import FAILED, METRICS_FILE, Federation, FederationError
 from starfed.server.scores import accuracy_matrix, selection_matrix
 from starfed.server.strategy import Strategy
 from starfed.server.test_set import ServerTestSet
@@ -62,15 +64,45 @@ def run_server(
     strategy; a simulation writing its sites' folders before each step).
 
     A bad run config fails here at once, with the one-line ConfigError, before anything loads.
+    The run holds the federation folder's lock (``server.folder_lock``) from before it reads
+    the folder until it ends, however it ends; a folder another live run holds fails the run
+    at once, naming the holder.
     """
     console = console or progress.console(stderr=True)
     started = time.perf_counter()
     values = parse(run_config)
     protocol = ProtocolOptions.from_config(values)
     folder = writable_dir(protocol.federation_dir or run_dir(values, run_id), "federation-dir")
+    try:
+        with folder_lock.locked(folder, f"server run {run_id}"):
+            return _run_locked(grid, values, run_config, run_id, folder, protocol, console,
+                               started, strategy=strategy, before_step=before_step)  # fmt: skip
+    except (folder_lock.FolderLocked, FederationError) as err:  # one line: the folder's state
+        console.print(f"[red]{err}")
+        raise RunFailed(str(err)) from None
+
+
+def _run_locked(
+    grid: Grid,
+    values: dict,
+    run_config: dict,
+    run_id: int,
+    folder: Path,
+    protocol: ProtocolOptions,
+    console: Console,
+    started: float,
+    *,
+    strategy: Strategy | None,
+    before_step: Callable[[int], None] | None,
+) -> dict:
+    """``run_server``'s work, with the federation folder locked: first finish what a crash
+    interrupted (``Federation.recover``), then the steps, then metrics.json."""
     train = TrainConfig.from_config(values)
     backbones = BackboneOptions.from_config(values).load(values["device"])
     federation = Federation(folder, backbones.fingerprint, backbones.dims)
+    if note := federation.recover(protocol.checkpoints_kept):
+        console.print(f"[yellow]federation folder: {note}")
+    federation.history()  # a damaged history fails the run now, not after a step's work
     server_eval = None
     if protocol.server_test_dir:
         server_eval = ServerTestSet(protocol.server_test_dir, backbones, train)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 from rich.console import Console
 
 from starfed.server import replay
@@ -122,6 +123,7 @@ class Coordinator:
         self._held: dict[int, int] = {}  # node id -> codebook version it holds (when known)
         self._steps: list[Exchange] = []
         self._scores: StepScores | None = None
+        self._largest: dict[str, tuple[float, str, str]] = {}  # class -> |value|, site, field
 
     # --- runs and steps ---------------------------------------------------------------------
 
@@ -189,7 +191,7 @@ class Coordinator:
         if self.before_step is not None:
             self.before_step(step)
         started, status, reason = time.time(), COMPLETED, ""
-        self._steps, self._scores = [], None
+        self._steps, self._scores, self._largest = [], None, {}
         self._node_ids = sorted(self.grid.get_node_ids())
         t0 = time.perf_counter()
         if not self._enrol(step):
@@ -218,7 +220,7 @@ class Coordinator:
             status = DEGRADED
         record = self._record(step, status, reason, started, phase_seconds)
         kept = None if status == FAILED else self.codebook
-        self.codebook = self.federation.end_step(record, kept)
+        self.codebook = self.federation.end_step(record, kept, self.protocol.checkpoints_kept)
         self.position = self.federation.position(self.codebook)
         self.in_play = []
         self.log.steps.append(record)
@@ -248,8 +250,38 @@ class Coordinator:
             codebook = self._drop_unfitted(codebook, spec.phase)
             state = replace(state, in_play=tuple(self.in_play))
             codebook = self.strategy.replay(spec.phase, codebook, state)
+        before = self.codebook, self.position
         self.codebook = codebook
-        self._checkpoint(done)
+        try:  # validated before it is written: a phase's bad result is never checkpointed
+            self._checkpoint(done)
+        except CodebookError as err:
+            self.codebook, self.position = before
+            raise StepFailed(self._blame(spec.phase, err)) from None
+
+    def _blame(self, phase: Phase, err: CodebookError) -> str:
+        """Why a phase's result cannot be kept: the class and field, and the site whose
+        updates to that class this step held the largest values (an update passes validation
+        on its own; what overflows is what the merge or the replay made of it)."""
+        name, field_name = getattr(err, "name", None), getattr(err, "field", None)
+        where = f"class {name!r}, field {field_name}" if name else "its codebook"
+        detail = str(err).removeprefix(f"{name}/{field_name}: ")
+        largest = self._largest.get(name) if name else None
+        source = "" if largest is None else (
+            f"; the largest values came from site {largest[1]} ({largest[2]}, |x| up to "
+            f"{largest[0]:.3g})"
+        )  # fmt: skip
+        return f"the {phase.key} result is invalid at {where}: {detail}{source}"
+
+    def _note_largest(self, site: str, update: ClientUpdate) -> None:
+        """Per class, the site whose update this step held the largest |value| (for blame)."""
+        for entry in update.entries:
+            for field_name, value in entry.values.items():
+                if isinstance(value, torch.Tensor):
+                    magnitude = float(value.detach().abs().max()) if value.numel() else 0.0
+                else:  # a mixture: its means
+                    magnitude = float(value.means.detach().abs().max())
+                if magnitude > self._largest.get(entry.name, (-1.0, "", ""))[0]:
+                    self._largest[entry.name] = (magnitude, site, field_name)
 
     def _checkpoint(self, done: str) -> None:
         finished = tuple(dict.fromkeys((*self.position.done, done)))
@@ -471,6 +503,7 @@ class Coordinator:
                 logger.info("node %s sent rows of classes not in play: %s", entry.node_id, stray)
                 update = update.only(in_play)
             carried.update(e.name for e in update.entries)
+            self._note_largest(entry.site, update)
             yield update
 
     def _reports(

@@ -8,11 +8,25 @@ each run performs aggregation steps over what they bring, continuing where the l
     codebook.bin      the codebook with mixtures after the last completed phase, and in its
                       metadata the protocol position (the step, its completed phases, the
                       classes in play): one atomic file, so a checkpoint is never half written
+    previous.bin      the checkpoint before the current one (the last good one beside it)
     step-start.bin    the codebook when the step in progress started (a failed step rolls back)
+    checkpoints/      the codebook after each completed step, ``step-NNNN.bin`` (1-based), the
+                      newest ``checkpoints-kept`` of them (0: all): what ``repair`` rolls back to
     registry.json     every class: the step that registered it, the sites that brought it, when
     history.jsonl     one ``StepRecord`` per finished step: status, phases, participation,
                       scores (written and read here only)
+    step-end.json     the record of a step being closed, between its commit and its history
+                      line (the next run finishes an interrupted close)
+    lock.json         the run that writes the folder now (``server.folder_lock``)
     metrics.json      the federation's scores after the last server run (``server.app``)
+
+Closing a step has one commit point: ``codebook.bin`` written with the next position. The step's
+record is written ahead (``step-end.json``), then the codebook is committed, then the record is
+appended to the history and the registry follows; a crash before the commit leaves the step
+running (the next run resumes it and records it once), a crash after it leaves a record that
+``recover`` appends — never twice, never lost. Nothing is written that does not decode
+(``wire.write_file`` validates first), and a missing codebook is never replaced by an empty one
+once the folder has done any work.
 
 The codebook's metadata carries its lineage (``starfed.shared.codebook.lineage``: the federation
 id and the epoch of its version line) and the protocol position (``Position``, under
@@ -21,6 +35,7 @@ id and the epoch of its version line) and the protocol position (``Position``, u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import Mapping
@@ -41,6 +56,9 @@ if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook 
 IDENTITY_FILE = "federation.json"
 CODEBOOK_FILE = "codebook.bin"
 STEP_START_FILE = "step-start.bin"
+PREVIOUS_FILE = "previous.bin"
+CHECKPOINTS_DIR = "checkpoints"
+PENDING_FILE = "step-end.json"
 REGISTRY_FILE = "registry.json"
 HISTORY_FILE = "history.jsonl"
 METRICS_FILE = "metrics.json"
@@ -169,6 +187,45 @@ class Checkpoint:
     position: Position
 
 
+@dataclass(frozen=True)
+class Identity:
+    """What ``federation.json`` says of a folder: enough to read and check its codebook files
+    without the rest (``server.folder_check`` and ``folder_repair`` work on damaged folders)."""
+
+    root: Path
+    fingerprint: str
+    dims: ModelDims
+
+    @classmethod
+    def read(cls, root: str | Path) -> Identity:
+        path = Path(root).expanduser()
+        if not (path / IDENTITY_FILE).is_file():
+            raise FederationError(f"{path} is not a federation folder (no {IDENTITY_FILE})")
+        try:
+            identity = json.loads((path / IDENTITY_FILE).read_text())
+            return cls(path, identity["fingerprint"], ModelDims(**identity["dims"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise FederationError(f"{path / IDENTITY_FILE} is damaged: {err!r}") from None
+
+    def traces(self) -> str:
+        """What shows that the folder has completed work ("" for a new federation, or one that
+        crashed before its first checkpoint): a codebook must exist then."""
+        history = self.root / HISTORY_FILE
+        found = [HISTORY_FILE] if history.is_file() and history.read_text().strip() else []
+        found += [PREVIOUS_FILE] if (self.root / PREVIOUS_FILE).is_file() else []
+        found += [f"{CHECKPOINTS_DIR}/"] if self.step_checkpoints() else []
+        return ", ".join(found)
+
+    def step_checkpoints(self) -> list[tuple[int, Path]]:
+        """(steps completed, file) of the codebooks kept after completed steps, oldest first."""
+        folder = self.root / CHECKPOINTS_DIR
+        found = []
+        for path in folder.glob("step-*.bin") if folder.is_dir() else ():
+            with contextlib.suppress(ValueError):
+                found.append((int(path.stem.removeprefix("step-")), path))
+        return sorted(found)
+
+
 class Federation:
     """One federation folder (created on first use)."""
 
@@ -198,14 +255,8 @@ class Federation:
     def open(cls, root: str | Path) -> Federation:
         """An existing federation folder, with the backbones its identity names: for readers
         that load no backbones (``starfed server export``, the codebook service)."""
-        path = Path(root).expanduser()
-        if not (path / IDENTITY_FILE).is_file():
-            raise FederationError(f"{path} is not a federation folder (no {IDENTITY_FILE})")
-        try:
-            identity = json.loads((path / IDENTITY_FILE).read_text())
-            return cls(path, identity["fingerprint"], ModelDims(**identity["dims"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise FederationError(f"{path / IDENTITY_FILE} is damaged: {err!r}") from None
+        identity = Identity.read(root)
+        return cls(identity.root, identity.fingerprint, identity.dims)
 
     def metrics(self) -> dict:
         """``metrics.json`` of the last server run ({} before the first)."""
@@ -233,6 +284,11 @@ class Federation:
         from starfed.shared.codebook.codebook import Codebook
 
         if not (self.root / CODEBOOK_FILE).is_file():
+            if traces := Identity(self.root, self.fingerprint, self.dims).traces():
+                raise FederationError(
+                    f"{self.root / CODEBOOK_FILE} is missing, but the folder holds {traces}: "
+                    "`starfed server repair` restores the last good checkpoint"
+                )
             metadata = Lineage(self.id).new_epoch().as_metadata()
             return Codebook(self.fingerprint, self.dims, metadata=metadata)
         return self._load(CODEBOOK_FILE)
@@ -263,7 +319,10 @@ class Federation:
         lineage = replace(Lineage.of(codebook), federation=self.id)
         metadata = {**codebook.metadata, **lineage.as_metadata(), **position.as_metadata()}
         saved = replace(codebook, metadata=metadata)
-        wire.write_file(self.root / CODEBOOK_FILE, saved)
+        current = self.root / CODEBOOK_FILE
+        if current.is_file():  # the last good checkpoint stays beside the new one
+            _copy_atomic(current, self.root / PREVIOUS_FILE)
+        wire.write_file(current, saved)  # validated before it is written
         return saved
 
     # --- steps ----------------------------------------------------------------------------
@@ -319,17 +378,95 @@ class Federation:
         """How many records of ``step`` the history holds (its failed attempts)."""
         return sum(record.step == step for record in self.history())
 
-    def end_step(self, record: StepRecord, codebook: Codebook | None) -> Codebook:
+    def end_step(
+        self, record: StepRecord, codebook: Codebook | None, keep_steps: int = 0
+    ) -> Codebook:
         """Close the step in progress with its ``record``; returns the codebook to go on
         with. A failed step (``codebook`` None) goes back to the codebook it started from, on
-        a new version line, and the next step keeps its index."""
-        history = self.root / HISTORY_FILE
-        lines = history.read_text() if history.is_file() else ""
-        write_atomic(history, (lines + record.to_json() + "\n").encode())
+        a new version line, and the next step keeps its index. One commit point (the module
+        docstring): the record is written ahead, the codebook committed, then the history
+        and the registry follow; ``keep_steps`` completed steps' codebooks are kept (0: all)."""
+        write_atomic(self.root / PENDING_FILE, record.to_json().encode())
         if codebook is None:
             start = self._load(STEP_START_FILE)
             metadata = {**start.metadata, **Lineage.of(start).new_epoch().as_metadata()}
+            saved = self.checkpoint(replace(start, metadata=metadata), Position(record.step))
+        else:
+            saved = self.checkpoint(codebook, Position(record.step + 1))
+        self._finish(record, keep_steps)
+        return saved
+
+    def recover(self, keep_steps: int = 0) -> str | None:
+        """Finish a step close that a crash interrupted (``step-end.json``): after the commit,
+        its record is appended (once); before it, the record is dropped (the step is still
+        running and the next run records it). What was done, None when nothing was."""
+        notes = [note for note in (self._recover_close(keep_steps), self._align_registry())
+                 if note]  # fmt: skip
+        return "; ".join(notes) or None
+
+    def _recover_close(self, keep_steps: int) -> str | None:
+        path = self.root / PENDING_FILE
+        if not path.is_file():
+            return None
+        try:
+            record = StepRecord.from_json(path.read_text())
+        except (json.JSONDecodeError, TypeError) as err:
+            path.unlink()
+            return f"dropped a damaged {PENDING_FILE} ({err}); the step resumes"
+        checkpoint = self.last_checkpoint()
+        done = Position(record.step if record.status == FAILED else record.step + 1)
+        if checkpoint is None or checkpoint.position != done:
+            path.unlink()
+            return f"step {record.step + 1} was not committed: it resumes"
+        self._finish(record, keep_steps)
+        return f"finished closing step {record.step + 1} ({record.status})"
+
+    def _align_registry(self) -> str | None:
+        """The registry changes beside the codebook, not with it: a crash between the two
+        leaves classes registered for a step that never checkpointed them (dropped), or
+        classes in play that were unregistered before the checkpoint that removes them
+        (registered again for the step in progress)."""
+        checkpoint = self.last_checkpoint()
+        position = Position() if checkpoint is None else checkpoint.position
+        names = set() if checkpoint is None else set(checkpoint.classes)
+        stray = [n for n, r in self.registry.items() if n not in names and r.step >= position.step]
+        lost = [n for n in position.in_play if n in names and n not in self.registry]
+        if not stray and not lost:
+            return None
+        for name in stray:
+            del self.registry[name]
+        for name in lost:
+            self.registry[name] = Registration(position.step)
+        self._write_registry()
+        return f"registry aligned with the codebook ({len(stray)} dropped, {len(lost)} restored)"
+
+    def _finish(self, record: StepRecord, keep_steps: int) -> None:
+        """After the commit: the history line (unless already there), the registry of a failed
+        step rolled back, the completed step's codebook kept; then the record written ahead goes."""
+        history = self.root / HISTORY_FILE
+        lines = history.read_text() if history.is_file() else ""
+        if not any(r.step == record.step and r.attempt == record.attempt
+                   for r in self.history()):  # fmt: skip
+            write_atomic(history, (lines + record.to_json() + "\n").encode())
+        if record.status == FAILED:
             self.registry = {n: r for n, r in self.registry.items() if r.step != record.step}
             self._write_registry()
-            return self.checkpoint(replace(start, metadata=metadata), Position(record.step))
-        return self.checkpoint(codebook, Position(record.step + 1))
+        else:
+            self._keep_step(record.step + 1, keep_steps)
+        (self.root / PENDING_FILE).unlink(missing_ok=True)
+
+    def _keep_step(self, completed: int, keep_steps: int) -> None:
+        """``checkpoints/step-NNNN.bin``: the codebook after ``completed`` steps (a copy of
+        ``codebook.bin``); the oldest beyond ``keep_steps`` are pruned."""
+        folder = self.root / CHECKPOINTS_DIR
+        folder.mkdir(exist_ok=True)
+        _copy_atomic(self.root / CODEBOOK_FILE, folder / f"step-{completed:04d}.bin")
+        kept = Identity(self.root, self.fingerprint, self.dims).step_checkpoints()
+        for _, path in kept[: max(0, len(kept) - keep_steps) if keep_steps else 0]:
+            path.unlink(missing_ok=True)
+
+
+def _copy_atomic(source: Path, target: Path) -> None:
+    """``target`` becomes a copy of ``source`` (a copy, not a hard link: damage to one file's
+    bytes in place must not reach the other)."""
+    write_atomic(target, source.read_bytes())

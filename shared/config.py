@@ -180,6 +180,9 @@ SCHEMA: tuple[Knob, ...] = (
          "folder (a simulation's own federation)", "protocol", path=True),
     Knob("max-steps", int, 0, "aggregation steps of one server run; 0: until no site brings a "
          "new class", "protocol", ge=0),
+    Knob("checkpoints-kept", int, 10, "codebooks of completed steps kept in the federation "
+         "folder's checkpoints/ for `starfed server repair` (the newest; 0: every one)",
+         "protocol", ge=0),
     Knob("min-sites", int, 1, "sites that must be connected before the first step", "protocol",
          ge=1),
     Knob("wait-s", float, 120.0, "seconds to wait for min-sites", "protocol", gt=0),
@@ -384,6 +387,7 @@ class ProtocolOptions(Options):
     run_name: str | None = knob("run-name", optional)
     federation_dir: str | None = knob("federation-dir", optional)  # None: the run's folder
     max_steps: int = knob("max-steps")  # 0: until no site brings a new class
+    checkpoints_kept: int = knob("checkpoints-kept")  # 0: every completed step's codebook
     min_sites: int = knob("min-sites")
     wait_s: float = knob("wait-s")  # for min_sites to connect
     fraction_train: float = knob("fraction-train")  # share of sites per training round

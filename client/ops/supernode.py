@@ -19,7 +19,9 @@ traceback-sized log. This wrapper:
   started from nothing (no Python start, no Flower import per message), and its Runtime API asks
   for a SuperExec secret only the site's processes can read;
 - streams the SuperNode's log to the terminal and to ``<state>/logs/supernode.log``, and turns the
-  known failure lines into one clear line each (:data:`FAILURES`);
+  known failure lines into one clear line each (:data:`FAILURES`); a SuperNode that stopped
+  itself on Flower's 401 was refused either for its key or for this machine's clock, told apart
+  by asking the server's time (``server.ops.clock``);
 - on Ctrl-C or SIGTERM sends SIGTERM to the SuperNode, which tells the SuperLink it goes offline
   (at once, instead of after the 60 s heartbeat patience), then ends whatever is left of its
   process tree by PID. One SuperNode per state folder (a lock file), so two cannot share a key,
@@ -55,7 +57,7 @@ from typing import IO
 import tomli_w
 
 from starfed.client.ops import data_lock
-from starfed.server.ops import pki, processes
+from starfed.server.ops import clock, pki, processes
 from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared import addresses
 from starfed.shared.config import TABLES
@@ -477,5 +479,20 @@ def _run(
     if outcome.stopped_by is None and stop_reason:
         outcome.stopped_by = stop_reason[0]
     if outcome.stopped_by is None and outcome.failure is None and self_stopped:
-        outcome.failure = _key_revoked(options)
+        outcome.failure = _self_stopped(options)
     return outcome
+
+
+def _self_stopped(options: SiteOptions, offset_s: float | None = None) -> str:
+    """Why the SuperNode stopped itself (Flower's 401): a clock outside Flower's window, told
+    apart from a removed key by asking the server's time (``server.ops.clock``); else the key.
+    ``offset_s``: the measured difference (tests)."""
+    if offset_s is None:
+        offset_s = clock.server_offset(options.server, options.ca, options.insecure)
+    if offset_s is not None and clock.refused(offset_s):
+        return (
+            "refused for clock skew, not for the key: Flower answered 401 (Invalid SuperNode "
+            f"authentication) and {clock.describe(offset_s)}; set this machine's clock right "
+            "(NTP) and start again"
+        )
+    return _key_revoked(options)

@@ -401,10 +401,17 @@ def _problems(state: State) -> str:
     notes = [*s.unreadable, *([s.problem] if s.problem else [])]
     if s.sites_error:
         notes.append(f"the SuperLink's node list: {s.sites_error}")
+    damaged = "".join(f"<li>{_text(problem)}</li>" for problem in s.problems)
+    if damaged:  # the folder's check: what `starfed server repair` fixes
+        damaged = (
+            '<div class="problems" id="damaged"><b>the federation folder is damaged '
+            f"(<code>starfed server repair --dry-run</code>)</b><ul>{damaged}</ul></div>"
+        )
     if not notes:
-        return ""
+        return damaged
     items = "".join(f"<li>{_text(note)}</li>" for note in notes)
-    return f'<div class="problems" id="unreadable"><b>cannot read</b><ul>{items}</ul></div>'
+    return (f'{damaged}<div class="problems" id="unreadable"><b>cannot read</b><ul>{items}</ul>'
+            "</div>")  # fmt: skip
 
 
 def _header(state: State) -> str:

@@ -28,7 +28,9 @@ own refusals close the connection (the rest of a refused body is never read). Bo
 upstream calls have timeouts, a client that sends garbage gets an HTTP error and never stops the
 gateway, and every refusal and every forwarded call that did not succeed is one line in the log
 file (all calls with ``--debug``). Built on uvicorn (its h11 protocol) and httpx, which Flower
-itself runs on.
+itself runs on. A call Flower refused for its timestamp is
+logged with the clock difference (``server.ops.clock``), so the operator tells clock skew from a
+removed key.
 
 Run: ``python -m starfed.server.ops.gateway --listen 0.0.0.0:9092 --upstream https://127.0.0.1:9093
 --ca ca.pem --cert server.pem --key server.key --site-keys sites.json --log-file gateway.log``
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import logging
 import logging.handlers
 import re
@@ -53,13 +56,14 @@ from typing import Any
 import httpx
 import uvicorn
 
+from starfed.server.ops import clock, pki
 from starfed.server.ops.connection_guard import (
     HEADER_TIMEOUT_S,
     MAX_CONNECTIONS,
     MAX_PER_ADDRESS,
     ConnectionGuard,
 )
-from starfed.server.ops.fleet_signatures import SiteKeys
+from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER, SiteKeys
 from starfed.server.ops.processes import ProcessId
 from starfed.shared.addresses import parse_address
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
@@ -262,6 +266,8 @@ class FleetGateway:
             log.error("%s from %s: upstream failed mid-response (%s)", path, client, err)
         finally:
             await response.aclose()
+        if response.status_code == 401:
+            _log_clock_skew(headers, path, client)
         log.log(
             logging.DEBUG if response.status_code < 400 else logging.INFO,
             "%s (%s) %s %d in=%d out=%d %.0fms",
@@ -310,6 +316,20 @@ class FleetGateway:
                 yield chunk
             if not message.get("more_body", False):
                 return
+
+
+def _log_clock_skew(headers: dict[str, str], path: str, client: str) -> None:
+    """A 401 to a call whose signed timestamp is outside Flower's window: Flower's answer is
+    the same as for a removed key, so say what it was (``server.ops.clock``), with the key."""
+    offset = clock.signed_offset(headers.get(TIMESTAMP_HEADER, ""))
+    if offset is None or not clock.refused(offset):
+        return
+    try:
+        key = pki.fingerprint(base64.b64decode(headers.get(PUBLIC_KEY_HEADER, "")))
+    except (pki.SiteKeyError, ValueError):
+        key = "(no key)"
+    log.warning("refused %s from %s: %s %+.1f s key %s (%s)", path, client, clock.SKEW_LINE,
+                offset, key, clock.describe(offset))  # fmt: skip
 
 
 def allowed(method: str, path: str, raw_path: bytes | None = None) -> bool:

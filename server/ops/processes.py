@@ -29,6 +29,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Self
 
+from starfed.server.process_identity import ProcessId, boot_id
+from starfed.server.process_identity import proc_stat as _stat
 from starfed.shared.files import write_atomic
 
 #: Flower/Ray settings every Flower process starfed starts gets: no telemetry, no update
@@ -43,49 +45,6 @@ FLOWER_ENV = {
 
 class ProcessError(RuntimeError):
     """A process could not be started or found; the message is one line for the user."""
-
-
-def boot_id() -> str:
-    """This boot's id: start times count from boot, so they only compare within one boot."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start time) of ``pid``, or None when it does not exist."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (OSError, ValueError):
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # the command name may hold spaces and ')'
-    return fields[0], int(fields[1]), int(fields[19])
-
-
-@dataclass(frozen=True)
-class ProcessId:
-    """One process, robust to PID reuse: its PID and its start time in ticks since boot."""
-
-    pid: int
-    started: int
-
-    @classmethod
-    def of(cls, pid: int) -> ProcessId | None:
-        stat = _stat(pid)
-        return None if stat is None else cls(pid, stat[2])
-
-    def alive(self) -> bool:
-        """The same process still runs (a zombie counts as gone: it only waits to be reaped)."""
-        stat = _stat(self.pid)
-        return stat is not None and stat[0] != "Z" and stat[2] == self.started
-
-    def to_json(self) -> dict[str, int]:
-        return {"pid": self.pid, "started": self.started}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> ProcessId:
-        return cls(int(data["pid"]), int(data["started"]))  # type: ignore[arg-type]
 
 
 @dataclass

@@ -9,8 +9,9 @@ a removed record stays, because a removed key can never be registered again: Flo
 "[code: 23] Public key already in use").
 
 It also reads the SuperLink's log for SuperNodes that were turned away (``ApiError:2004``: key
-not registered, ``ApiError:2001``: tried to register itself) and prints each rejected key's
-SHA256 fingerprint, the same fingerprint the site prints for its key.
+not registered, ``ApiError:2001``: tried to register itself) and the gateway's for calls refused
+for their clock (``server.ops.clock``), and prints each rejected key's SHA256 fingerprint, the
+same fingerprint the site prints for its key.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from starfed.server.ops import flower_runs, pki
+from starfed.server.ops import clock, flower_runs, pki
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.files import write_atomic
 
@@ -226,11 +227,36 @@ class Refusal:
     last: str
     site: str | None = None  # the site this key was registered for, if any
     removed: bool = False
+    offset_s: float | None = None  # clock skew: the site's clock minus the server's, last seen
 
 
-def _log_files(folder: ServerFolder) -> list[Path]:
-    """The SuperLink log and its rotated predecessors, oldest first."""
-    log = folder.superlink_log
+_SKEW = re.compile(
+    r"(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[,.]\d+ .*?refused (?P<path>/v1/fleet/[a-z-]+) "
+    rf"from \S+: {clock.SKEW_LINE} (?P<offset>[-+]\d+(?:\.\d+)?) s key (?P<key>\S+)"
+)
+
+
+def parse_skews(lines: Iterable[str]) -> list[Refusal]:
+    """The gateway's clock-skew lines grouped by key: Flower answers them as it answers a
+    removed key, so only the gateway's log tells them apart (``server.ops.clock``)."""
+    found: dict[str, Refusal] = {}
+    for line in lines:
+        if clock.SKEW_LINE not in line or (m := _SKEW.search(line)) is None:
+            continue
+        key, offset = m["key"], float(m["offset"])
+        if (refusal := found.get(key)) is None:
+            found[key] = refusal = Refusal(
+                None if key.startswith("(") else key, "clock", "", 0, m["time"], m["time"]
+            )
+        refusal.count += 1
+        refusal.last, refusal.offset_s = m["time"], offset
+        refusal.reason = f"clock skew: {clock.describe(offset)}"
+    return list(found.values())
+
+
+def _log_files(folder: ServerFolder, log: Path | None = None) -> list[Path]:
+    """A log (default: the SuperLink's) and its rotated predecessors, oldest first."""
+    log = log or folder.superlink_log
     rotated = sorted(log.parent.glob(log.name + ".*"), key=lambda p: p.stat().st_mtime)
     return [*rotated, log] if log.exists() else rotated
 
@@ -264,9 +290,11 @@ def parse_refusals(lines: Iterable[str]) -> list[Refusal]:
 
 
 def refused(folder: ServerFolder) -> list[Refusal]:
-    """Refused SuperNodes from the SuperLink log, with the site name where the key is known."""
+    """Refused SuperNodes from the SuperLink log, and those refused for their clock from the
+    gateway's, with the site name where the key is known."""
     registry = Registry.load(folder.sites_file)
     refusals = parse_refusals(_read_lines(_log_files(folder)))
+    refusals += parse_skews(_read_lines(_log_files(folder, folder.gateway_log)))
     for refusal in refusals:
         if refusal.fingerprint and (record := registry.by_fingerprint(refusal.fingerprint)):
             refusal.site = record.name

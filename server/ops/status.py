@@ -6,8 +6,10 @@ folder (``federation.json``, ``registry.json``, ``history.jsonl``, ``codebook.bi
 ``metrics.json``) and the server folder (``run.json``), plus Flower's node list when the server
 runs — so it works on a stopped server and answers in about a second. Each file is read on its
 own: one that cannot be read (damaged, mid-copy, unreadable) is named in ``unreadable`` and the
-rest is shown. The dashboard (``starfed.server.ops.dashboard``) draws the same reading
-(:func:`read`), with the step records it came from.
+rest is shown; the folder's own check (``server.folder_check``, without decoding tensors) lists
+its ``problems``, and a damaged folder makes ``status`` exit non-zero. The dashboard
+(``starfed.server.ops.dashboard``) draws the same reading (:func:`read`), with the step records
+it came from.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
+from starfed.server import folder_check
 from starfed.server.federation import (
     CODEBOOK_FILE,
     HISTORY_FILE,
@@ -112,6 +115,13 @@ class Status:
     hint: str | None = None  # what to do now: a step is running and the SuperLink is not
     logs: dict[str, str] = field(default_factory=dict)
     unreadable: list[str] = field(default_factory=list)  # files left out, and why
+    problems: list[str] = field(default_factory=list)  # the folder's damage (``check``'s lines)
+    notes: list[str] = field(default_factory=list)  # the folder's lock holder, and the like
+
+    @property
+    def damaged(self) -> bool:
+        """The federation folder needs repair: ``status`` exits non-zero."""
+        return bool(self.problems)
 
     def to_json(self) -> dict:
         """Plain JSON (NaN accuracies become null)."""
@@ -173,6 +183,9 @@ def read(folder: ServerFolder, federation_dir: Path) -> Reading:
     load = superlink.RunRecord.load
     record = _guarded(status, folder.run_file, lambda: load(folder.run_file), None)
     status.server = _server(record)
+    if (federation_dir / IDENTITY_FILE).is_file():  # a folder with no identity is a new one
+        report = folder_check.check(federation_dir, decode=False, kept=False)
+        status.problems, status.notes = report.problems, report.notes
     try:
         federation = Federation.open(federation_dir)  # reads federation.json and registry.json
     except UNREADABLE as err:

@@ -5,6 +5,12 @@ written atomically, so a crash leaves either the old file or the new one. Checki
 (kind, size before reading, checksum) needs no tensors, so views that only want a codebook's
 version, metadata and class names (``starfed server status``, an interrupted run's marker) read
 the protobuf message here and never import torch; decoding the tensors is ``wire``'s.
+
+A file has no size limit: a federation's codebook grows with its classes for years (1,000
+classes at the paper's dims are about 200 MB), and the disk, not a constant, bounds it. What
+bounds reading is the file itself: the header's length is checked against the file's size
+before anything is read, so a damaged header never makes a reader allocate what is not there.
+Messages on the wire keep their limit (``DEFAULT_MAX_BYTES``, ``wire.parse``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import struct
 
 from starfed.proto import codebook_pb2 as pb
 
-DEFAULT_MAX_BYTES = 64 * 2**20
+DEFAULT_MAX_BYTES = 64 * 2**20  # the default limit of a message on the wire, not of a file
 CODEBOOK_MAGIC = b"SFCODEBK"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 of the payload
 
@@ -29,11 +35,11 @@ def frame(payload: bytes) -> bytes:
     return _HEADER.pack(CODEBOOK_MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload
 
 
-def read_payload(path: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+def read_payload(path: str | os.PathLike[str], max_bytes: int | None = None) -> bytes:
     """The checksum-verified message bytes of a codebook file.
 
-    Raises ``CodebookError`` for another kind of file, a truncated or corrupted one, or one over
-    ``max_bytes``; ``OSError`` when it cannot be read at all.
+    Raises ``CodebookError`` for another kind of file, a truncated or corrupted one, or (only
+    when a caller sets ``max_bytes``) one over it; ``OSError`` when it cannot be read at all.
     """
     with open(path, "rb") as file:
         header = file.read(_HEADER.size)
@@ -42,9 +48,12 @@ def read_payload(path: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTE
         found, length, digest = _HEADER.unpack(header)
         if found != CODEBOOK_MAGIC:
             raise CodebookError(f"{path}: not a starfed codebook file")
-        if length > max_bytes:
+        if max_bytes is not None and length > max_bytes:
             raise CodebookError(f"{path}: payload of {length} bytes exceeds the limit {max_bytes}")
-        payload = file.read(length + 1)
+        held = os.fstat(file.fileno()).st_size - _HEADER.size
+        if length != held:  # checked before reading: the header may be the damaged part
+            raise CodebookError(f"{path}: header announces {length} bytes, file holds {held}")
+        payload = file.read(length)
     if len(payload) != length:
         raise CodebookError(f"{path}: header announces {length} bytes, file holds {len(payload)}")
     if hashlib.sha256(payload).digest() != digest:

@@ -53,6 +53,15 @@ _NUMPY_DTYPES = {
 WIRE_DTYPES = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16}
 
 
+class InvalidValue(CodebookError):
+    """A value of one class's field that the codebook cannot hold (non-finite, beyond the wire
+    dtype's range, a count that does not fit): where it is, for the step that must roll back."""
+
+    def __init__(self, message: str, name: str, field: str) -> None:
+        super().__init__(message)
+        self.name, self.field = name, field
+
+
 # --- checks of decoded values ---------------------------------------------------------------------
 
 
@@ -182,11 +191,12 @@ def _decode_header(message: pb.Codebook | pb.ClientUpdate, fingerprint, dims) ->
     return decoded
 
 
-def parse(message_type: type, data: bytes, max_bytes: int):
-    """Parse with the size limit checked first; every parser failure becomes CodebookError."""
+def parse(message_type: type, data: bytes, max_bytes: int | None):
+    """Parse with the size limit checked first (None: a file's payload, bounded by the file);
+    every parser failure becomes CodebookError."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise CodebookError(f"expected bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
+    if max_bytes is not None and len(data) > max_bytes:
         raise CodebookError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     message = message_type()
     try:
@@ -225,7 +235,7 @@ def decode_codebook(
     *,
     fingerprint: str | None = None,
     dims: ModelDims | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_bytes: int | None = DEFAULT_MAX_BYTES,
 ) -> Codebook:
     """A validated codebook; ``fingerprint``/``dims`` are the receiver's, when it has them."""
     received = decode_broadcast(data, fingerprint=fingerprint, dims=dims, max_bytes=max_bytes)
@@ -239,7 +249,7 @@ def decode_broadcast(
     *,
     fingerprint: str | None = None,
     dims: ModelDims | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_bytes: int | None = DEFAULT_MAX_BYTES,
 ) -> Codebook | Delta:
     """A validated codebook, or a delta when the message has a base version."""
     message = parse(pb.Codebook, data, max_bytes)
@@ -333,21 +343,31 @@ def _fill_tensor(target: pb.Tensor, value: np.ndarray, dtype: int, what: str) ->
     target.data = wire.tobytes()
 
 
+def _fill_count(target, count: int, what: str) -> None:
+    """``target.count``: an int64 of the message; a count that does not fit is refused."""
+    if not 0 <= count < 2**63:
+        raise CodebookError(f"{what}: count {count!r} does not fit an int64")
+    target.count = count
+
+
 def _fill_entry(target: pb.ClassEntry, entry: ClassEntry, dtype: int) -> None:
     target.name = entry.name
-    target.count = entry.count
+    _fill_count(target, entry.count, label(entry.name))
     for name, version in entry.field_versions.items():
         target.field_versions[name] = version
     for name, value in entry.values.items():
         what = f"{entry.name}/{name}"
-        if isinstance(value, GaussianMixture):
-            mixture = getattr(target, name)
-            for part in ("weights", "means", "variances"):
-                array = getattr(value, part).detach().cpu().numpy()
-                _fill_tensor(getattr(mixture, part), array, pb.DTYPE_FLOAT64, what)
-            mixture.count = value.count
-        else:
-            _fill_tensor(getattr(target, name), value.detach().cpu().numpy(), dtype, what)
+        try:
+            if isinstance(value, GaussianMixture):
+                mixture = getattr(target, name)
+                for part in ("weights", "means", "variances"):
+                    array = getattr(value, part).detach().cpu().numpy()
+                    _fill_tensor(getattr(mixture, part), array, pb.DTYPE_FLOAT64, what)
+                _fill_count(mixture, value.count, what)
+            else:
+                _fill_tensor(getattr(target, name), value.detach().cpu().numpy(), dtype, what)
+        except CodebookError as err:
+            raise InvalidValue(str(err), entry.name, name) from None
 
 
 def _dims_proto(dims: ModelDims) -> pb.ModelDims:
@@ -391,13 +411,17 @@ def encode(value: Codebook | Delta | ClientUpdate, dtype: str = "float32") -> by
 
 
 def write_file(path: str | os.PathLike[str], codebook: Codebook, dtype: str = "float32") -> None:
-    """Atomically replace ``path`` with header (magic, length, sha256) + the codebook's message.
+    """Atomically replace ``path`` with header (magic, length, sha256) + the codebook's message,
+    after decoding (= validating) that message: nothing a reader would refuse is ever written,
+    so a file on disk is always one that loads.
 
     Only a whole codebook is written: a ``Delta`` or a ``ClientUpdate`` is a ``TypeError`` (see
     the module docstring)."""
     if not isinstance(codebook, Codebook):
         raise TypeError(f"a file holds a whole codebook, not a {type(codebook).__name__}")
-    write_atomic(path, frame(encode(codebook, dtype)))
+    payload = encode(codebook, dtype)
+    decode_codebook(payload, fingerprint=codebook.fingerprint, dims=codebook.dims, max_bytes=None)
+    write_atomic(path, frame(payload))
 
 
 def read_file(
@@ -405,8 +429,9 @@ def read_file(
     *,
     fingerprint: str | None = None,
     dims: ModelDims | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_bytes: int | None = None,
 ) -> Codebook:
-    """Read, verify the checksum, decode and validate (``OSError`` if unreadable)."""
+    """Read, verify the checksum, decode and validate (``OSError`` if unreadable). A file has no
+    size limit unless the caller sets one (``framing``)."""
     payload = read_payload(path, max_bytes)
     return decode_codebook(payload, fingerprint=fingerprint, dims=dims, max_bytes=max_bytes)

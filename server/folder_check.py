@@ -1,0 +1,274 @@
+"""Is the federation folder whole? Every file checked, one line per problem (``server check``).
+
+A federation folder is years of a consortium's work; a damaged file must be found before a run
+builds on it, and said plainly. ``check`` reads every file of the folder on its own (one that
+cannot be read never hides the others): the identity, the lock, the codebook (its frame and
+checksum, and with ``decode`` every tensor, as a run would read it), the kept checkpoints, the
+registry and the history — and whether they agree: the registry names exactly the codebook's
+classes, the history holds one finished record per completed step and none beyond the protocol
+position, the position itself is one the protocol can be in. ``starfed server status`` shows the
+same problems of the current files, without decoding tensors (no torch, about a second);
+``starfed server repair`` (``server.folder_repair``) fixes what they name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starfed.proto import codebook_pb2 as pb
+from starfed.server import folder_lock
+from starfed.server.federation import (
+    CODEBOOK_FILE,
+    COMPLETED,
+    DEGRADED,
+    FAILED,
+    HISTORY_FILE,
+    METRICS_FILE,
+    PENDING_FILE,
+    PREVIOUS_FILE,
+    REGISTRY_FILE,
+    STEP_START_FILE,
+    FederationError,
+    Identity,
+    Position,
+    Registration,
+    StepRecord,
+)
+from starfed.shared.codebook.framing import CodebookError, read_message
+from starfed.shared.protocol import ENROLMENT, PHASES
+
+
+@dataclass
+class Report:
+    """What ``check`` found: ``problems`` (the folder is damaged: exit 1) and ``notes`` (worth
+    knowing, nothing wrong: who holds the lock, a federation with no step yet)."""
+
+    folder: str
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    codebook_version: int | None = None
+    position: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def blocking(self) -> list[str]:
+        """The problems a run cannot get past (an interrupted close and a damaged
+        ``metrics.json`` are the next run's to finish and rewrite)."""
+        return [p for p in self.problems if not p.startswith((PENDING_FILE, METRICS_FILE))]
+
+
+def phase_marks() -> set[str]:
+    """Every "<phase>/<round>" a position may name as done (rounds: any non-negative)."""
+    return {ENROLMENT.phase.key, *(spec.phase.key for spec in PHASES)}
+
+
+def check(root: str | Path, *, decode: bool = True, kept: bool = True) -> Report:
+    """Every file of the federation folder ``root``; ``decode`` also decodes (= validates)
+    every codebook file's tensors (needs torch), ``kept`` also reads the kept checkpoints
+    (``previous.bin``, ``checkpoints/``). ``status`` leaves both out: it answers in about a
+    second, however large the codebook and however many steps are kept."""
+    root = Path(root).expanduser()
+    report = Report(str(root))
+    try:
+        federation = Identity.read(root)
+    except FederationError as err:
+        report.problems.append(str(err))
+        return report
+    _lock(report, root)
+    names = _codebook(report, federation, decode)
+    registry = _registry(report, root)
+    history = _history(report, root)
+    position = Position(**report.position) if report.position else None
+    if names is not None and registry is not None:
+        _agree_registry(report, names, registry)
+    if position is not None and history is not None:
+        _agree_history(report, position, history)
+    if position is not None and names is not None:
+        _position(report, position, names, federation, decode)
+    previous = [root / PREVIOUS_FILE] if (root / PREVIOUS_FILE).exists() else []
+    for path in [*previous, *(p for _, p in federation.step_checkpoints())] if kept else ():
+        _codebook_file(report, federation, path, decode)
+    if (root / PENDING_FILE).is_file():
+        report.problems.append(
+            f"{PENDING_FILE}: a step's close was interrupted; the next run (or `starfed server "
+            "repair`) finishes it"
+        )
+    if (root / METRICS_FILE).is_file():
+        try:
+            json.loads((root / METRICS_FILE).read_text())
+        except (OSError, ValueError) as err:
+            report.problems.append(f"{METRICS_FILE}: damaged ({err}); the next run rewrites it")
+    return report
+
+
+def _lock(report: Report, root: Path) -> None:
+    try:
+        holder = folder_lock.holder(root)
+    except folder_lock.FolderLocked as err:
+        report.problems.append(str(err))
+        return
+    if holder is None:
+        return
+    if holder.alive():
+        report.notes.append(f"in use by {holder.describe()}")
+    else:
+        report.notes.append(f"a stale lock of {holder.describe()} (the next run takes it over)")
+
+
+def _codebook_file(
+    report: Report, federation: Identity, path: Path, decode: bool
+) -> pb.Codebook | None:
+    """One codebook file: frame, checksum, backbones (and tensors with ``decode``); its
+    message, None (and a problem) when it is damaged."""
+    name = path.relative_to(federation.root)
+    try:
+        message = read_message(path)
+        if message.backbone_fingerprint != federation.fingerprint:
+            raise CodebookError("a codebook of other backbones")
+        if decode:
+            from starfed.shared.codebook import wire  # torch: only when decoding
+
+            wire.read_file(path, fingerprint=federation.fingerprint, dims=federation.dims)
+    except (CodebookError, OSError) as err:
+        report.problems.append(f"{name}: {_short(err, path)}")
+        return None
+    return message
+
+
+def _short(err: Exception, path: Path) -> str:
+    """The error without the path it already starts with (the line names the file)."""
+    return str(err).removeprefix(f"{path}: ")
+
+
+def _codebook(report: Report, federation: Identity, decode: bool) -> set[str] | None:
+    """The codebook's class names (None when it cannot be read); its version and position
+    go into the report."""
+    path = federation.root / CODEBOOK_FILE
+    if not path.is_file():
+        if traces := federation.traces():
+            report.problems.append(
+                f"{CODEBOOK_FILE}: missing, but the folder holds {traces} (never replaced by an "
+                "empty codebook: `starfed server repair` restores the last good checkpoint)"
+            )
+            return None
+        report.notes.append("no codebook yet: the first `starfed server round` makes it")
+        report.position = vars(Position()) | {"done": [], "in_play": []}
+        return set()
+    message = _codebook_file(report, federation, path, decode)
+    if message is None:
+        return None
+    try:
+        position = Position.from_metadata(message.metadata)
+    except (ValueError, TypeError) as err:
+        report.problems.append(f"{CODEBOOK_FILE}: its protocol position is damaged ({err})")
+        return None
+    report.codebook_version = message.version
+    report.position = {**vars(position), "done": list(position.done),
+                       "in_play": list(position.in_play)}  # fmt: skip
+    return {entry.name for entry in message.entries}
+
+
+def _registry(report: Report, root: Path) -> dict[str, Registration] | None:
+    path = root / REGISTRY_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return {name: Registration(**entry) for name, entry in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        report.problems.append(f"{REGISTRY_FILE}: damaged ({err})")
+        return None
+
+
+def _history(report: Report, root: Path) -> list[StepRecord] | None:
+    """The readable records; each damaged line is a problem of its own."""
+    path = root / HISTORY_FILE
+    if not path.is_file():
+        return []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        report.problems.append(f"{HISTORY_FILE}: unreadable ({err})")
+        return None
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(StepRecord.from_json(line))
+        except (ValueError, TypeError) as err:
+            report.problems.append(f"{HISTORY_FILE}:{number}: damaged ({err})")
+    return records
+
+
+def _agree_registry(report: Report, names: set[str], registry: dict[str, Registration]) -> None:
+    missing = sorted(names - set(registry))
+    extra = sorted(set(registry) - names)
+    if missing:
+        report.problems.append(
+            f"{REGISTRY_FILE}: {len(missing)} class(es) of the codebook are not in it "
+            f"({', '.join(missing[:3])}{'…' if len(missing) > 3 else ''})"
+        )
+    if extra:
+        report.problems.append(
+            f"{REGISTRY_FILE}: {len(extra)} class(es) are not in the codebook "
+            f"({', '.join(extra[:3])}{'…' if len(extra) > 3 else ''})"
+        )
+
+
+def _agree_history(report: Report, position: Position, history: list[StepRecord]) -> None:
+    """One finished record per completed step (0 .. position.step - 1), none beyond."""
+    finished = Counter(r.step for r in history if r.status in (COMPLETED, DEGRADED))
+    for step, count in sorted(finished.items()):
+        if count > 1:
+            report.problems.append(
+                f"{HISTORY_FILE}: step {step + 1} is recorded as finished {count} times"
+            )
+        if step >= position.step:
+            report.problems.append(
+                f"{HISTORY_FILE}: step {step + 1} is recorded as finished, but the codebook is "
+                f"at step {position.step + 1}"
+            )
+    lost = [step + 1 for step in range(position.step) if step not in finished]
+    if lost:
+        report.problems.append(
+            f"{HISTORY_FILE}: no record of completed step(s) {', '.join(map(str, lost))}"
+        )
+    beyond = [r for r in history if r.status == FAILED and r.step > position.step]
+    if beyond:
+        report.problems.append(
+            f"{HISTORY_FILE}: failed attempts at step {beyond[0].step + 1}, beyond the codebook's "
+            f"step {position.step + 1}"
+        )
+
+
+def _position(
+    report: Report, position: Position, names: set[str], federation: Identity, decode: bool
+) -> None:
+    """A position the protocol can be in, with the files it needs."""
+    marks = phase_marks()
+    odd = [d for d in position.done if d.partition("/")[0] not in marks]
+    if odd:
+        report.problems.append(f"{CODEBOOK_FILE}: its position names unknown phases {odd}")
+    if not position.running:
+        if position.done or position.in_play:
+            report.problems.append(
+                f"{CODEBOOK_FILE}: no step is running, but its position names phases or classes"
+            )
+        return
+    stray = sorted(set(position.in_play) - names)
+    if stray:
+        report.problems.append(f"{CODEBOOK_FILE}: classes in play not in the codebook: {stray}")
+    start = federation.root / STEP_START_FILE
+    if not start.is_file():
+        report.problems.append(
+            f"{STEP_START_FILE}: missing while step {position.step + 1} runs (a failure could "
+            "not roll back)"
+        )
+    else:
+        _codebook_file(report, federation, start, decode)

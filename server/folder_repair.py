@@ -1,0 +1,292 @@
+"""Roll a damaged federation folder back to a good state (``starfed server repair``).
+
+What ``check`` (``server.folder_check``) finds damaged, ``repair`` plans to fix, and says so
+line by line before it does anything (``--dry-run`` stops there): a damaged or missing codebook
+restored from the kept checkpoint furthest along that decodes (``previous.bin`` or
+``checkpoints/step-NNNN.bin``), or from the one the operator names (``--to STEP``: the codebook
+after that many completed steps), on a new version line (sites then receive whole codebooks, as
+after a failed step); the history rewritten to the records that agree with it (damaged lines,
+duplicates and steps beyond it left out; an interrupted close's record added; a completed step
+whose record is lost kept as a placeholder without scores); the registry aligned with the
+codebook's classes. Every file it replaces is kept beside as ``<name>.before-repair-<UTC
+time>``, so a repair loses nothing. It holds the folder's lock while it writes: never under a
+running server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from starfed.server import folder_lock
+from starfed.server.federation import (
+    CODEBOOK_FILE,
+    COMPLETED,
+    DEGRADED,
+    FAILED,
+    HISTORY_FILE,
+    METRICS_FILE,
+    PENDING_FILE,
+    PREVIOUS_FILE,
+    REGISTRY_FILE,
+    FederationError,
+    Identity,
+    Position,
+    Registration,
+    StepRecord,
+)
+from starfed.shared.codebook.framing import CodebookError, read_message
+from starfed.shared.codebook.lineage import Lineage
+from starfed.shared.files import write_atomic
+
+FINISHED = (COMPLETED, DEGRADED)
+LOST_RECORD = "its record was lost; restored by `starfed server repair` (scores unknown)"
+
+
+@dataclass
+class Action:
+    """One change ``repair`` makes: what it says, and doing it."""
+
+    what: str
+    do: Callable[[], None]
+
+
+@dataclass
+class Plan:
+    """The changes that make the folder whole, in order (none: nothing to repair)."""
+
+    folder: Path
+    actions: list[Action]
+    position: Position  # where the federation stands after them
+
+
+def plan(root: str | Path, to: int | None = None) -> Plan:
+    """What ``repair`` would do to ``root``; ``to``: roll back to the codebook after that many
+    completed steps (``checkpoints/step-NNNN.bin``). ``FederationError`` when no good state is
+    left to go back to (the message says what was tried)."""
+    from starfed.shared.codebook import wire  # torch: decoding codebooks
+
+    root = Path(root).expanduser()
+    identity = Identity.read(root)
+    fingerprint, dims = identity.fingerprint, identity.dims
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+    def good(path: Path):
+        try:
+            return wire.read_file(path, fingerprint=fingerprint, dims=dims)
+        except (CodebookError, OSError):
+            return None
+
+    actions: list[Action] = []
+    current = root / CODEBOOK_FILE
+    kept = dict(identity.step_checkpoints())
+    if to is not None:
+        if to not in kept:
+            have = ", ".join(map(str, sorted(kept))) or "none"
+            raise FederationError(f"no kept codebook after step {to} (kept: {have})")
+        sources = [kept[to]]
+    elif (codebook := good(current)) is not None:
+        sources = []
+    else:
+        sources = _by_progress([root / PREVIOUS_FILE, *kept.values()])
+        codebook = None
+    for source in sources:
+        codebook = good(source)
+        if codebook is not None:
+            actions.append(_restore(root, source, codebook, stamp))
+            break
+    if codebook is None:
+        if _finished_records(root):
+            tried = ", ".join(str(s.relative_to(root)) for s in sources if s.exists())
+            raise FederationError(
+                f"{root}: no good codebook is left to go back to (tried {tried or 'none'})"
+            )
+        position, names = Position(), set()
+        if current.exists():
+            actions.append(_aside(root, CODEBOOK_FILE, stamp, "no step was completed: starts "
+                                  "afresh"))  # fmt: skip
+    else:
+        position, names = Position.from_metadata(codebook.metadata), set(codebook.names)
+    actions += _history(root, position, stamp)
+    actions += _registry(root, position, names, stamp)
+    if (root / PENDING_FILE).exists():
+        actions.append(Action(f"remove {PENDING_FILE} (handled above)",
+                              lambda: (root / PENDING_FILE).unlink(missing_ok=True)))  # fmt: skip
+    metrics = root / METRICS_FILE
+    if metrics.is_file() and not _json_ok(metrics):
+        actions.append(_aside(root, METRICS_FILE, stamp, "damaged; the next run rewrites it"))
+    return Plan(root, actions, position)
+
+
+def apply(repair: Plan) -> None:
+    """Do the planned changes, holding the folder's lock (``FolderLocked`` under a run)."""
+    with folder_lock.locked(repair.folder, "starfed server repair"):
+        for action in repair.actions:
+            action.do()
+
+
+def _by_progress(paths: list[Path]) -> list[Path]:
+    """The codebook files whose frame reads, furthest along the protocol first (a step's end
+    before its phases; ``previous.bin`` may be mid-step, a kept step's codebook never is)."""
+    found = []
+    for path in paths:
+        try:
+            message = read_message(path)
+            position = Position.from_metadata(message.metadata)
+        except (CodebookError, OSError, ValueError, TypeError):
+            continue
+        found.append(((position.step, not position.running, len(position.done),
+                       message.version), path))  # fmt: skip
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def _json_ok(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _aside(root: Path, name: str, stamp: str, why: str) -> Action:
+    """Move ``name`` aside (kept as ``<name>.before-repair-<stamp>``)."""
+    path = root / name
+    return Action(f"move {name} aside ({why}) as {path.name}.before-repair-{stamp}",
+                  lambda: os.replace(path, root / f"{name}.before-repair-{stamp}"))  # fmt: skip
+
+
+def _keep_copy(path: Path, stamp: str) -> None:
+    if path.exists():
+        write_atomic(path.with_name(f"{path.name}.before-repair-{stamp}"), path.read_bytes())
+
+
+def _restore(root: Path, source: Path, codebook, stamp: str) -> Action:
+    """``codebook.bin`` replaced by ``source``'s codebook on a new version line."""
+    from starfed.shared.codebook import wire
+
+    position = Position.from_metadata(codebook.metadata)
+    where = (f"step {position.step + 1} running, {', '.join(position.done) or 'no phase'} done"
+             if position.running else f"{position.step} step(s) completed")  # fmt: skip
+    metadata = {**codebook.metadata, **Lineage.of(codebook).new_epoch().as_metadata()}
+
+    def do() -> None:
+        _keep_copy(root / CODEBOOK_FILE, stamp)
+        wire.write_file(root / CODEBOOK_FILE, replace(codebook, metadata=metadata))
+
+    name = source.relative_to(root)
+    return Action(f"restore {CODEBOOK_FILE} from {name} (version {codebook.version}, {where}) "
+                  "on a new version line", do)  # fmt: skip
+
+
+def _lines(root: Path) -> tuple[list[StepRecord], int]:
+    """The readable history records, and how many lines were damaged."""
+    path = root / HISTORY_FILE
+    records, damaged = [], 0
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                records.append(StepRecord.from_json(line))
+            except (ValueError, TypeError):
+                damaged += 1
+    return records, damaged
+
+
+def _finished_records(root: Path) -> bool:
+    return any(r.status in FINISHED for r in _lines(root)[0])
+
+
+def _pending(root: Path) -> StepRecord | None:
+    try:
+        return StepRecord.from_json((root / PENDING_FILE).read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _history(root: Path, position: Position, stamp: str) -> list[Action]:
+    """The records that agree with ``position``: each completed step once, failed attempts up
+    to the current step; an interrupted close's record added when its commit happened."""
+    records, damaged = _lines(root)
+    pending = _pending(root)
+    added = 0
+    if pending is not None and not any(
+        (r.step, r.attempt) == (pending.step, pending.attempt) for r in records
+    ):
+        committed = Position(pending.step if pending.status == FAILED else pending.step + 1)
+        if position == committed:
+            records.append(pending)
+            added = 1
+    kept: list[StepRecord] = []
+    finished: set[int] = set()
+    for record in records:
+        if record.status in FINISHED:
+            if record.step >= position.step or record.step in finished:
+                continue
+            finished.add(record.step)
+        elif record.step > position.step:
+            continue
+        kept.append(record)
+    dropped = len(records) - len(kept)
+    lost = [step for step in range(position.step) if step not in finished]
+    kept += [
+        StepRecord(step, COMPLETED, time.time(), 0.0, reason=LOST_RECORD) for step in lost
+    ]  # the codebook holds the step: it stays counted, its scores are gone
+    kept.sort(key=lambda r: (r.step, r.attempt))
+    if not damaged and not dropped and not added and not lost:
+        return []
+    parts = [
+        f"{damaged} damaged line(s)" if damaged else "",
+        f"{dropped} record(s) beyond or repeating step(s) of the codebook" if dropped else "",
+        f"the interrupted close of step {pending.step + 1}" if added and pending else "",
+        f"placeholders for the lost records of step(s) {', '.join(str(s + 1) for s in lost)}"
+        if lost else "",
+    ]  # fmt: skip
+    text = "".join(r.to_json() + "\n" for r in kept).encode()
+
+    def do() -> None:
+        _keep_copy(root / HISTORY_FILE, stamp)
+        write_atomic(root / HISTORY_FILE, text)
+
+    what = ", ".join(p for p in parts if p)
+    return [Action(f"rewrite {HISTORY_FILE} with {len(kept)} record(s) ({what})", do)]
+
+
+def _registry(root: Path, position: Position, names: set[str], stamp: str) -> list[Action]:
+    """Every codebook class registered (its readable entry kept; else from the history: the
+    step whose record names it, sites unknown), nothing else."""
+    path = root / REGISTRY_FILE
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+        current = {name: Registration(**entry) for name, entry in raw.items()}
+        damaged = False
+    except (OSError, ValueError, TypeError, AttributeError):
+        current, damaged = {}, True
+    records, _ = _lines(root)
+    brought = {name: r for r in records if r.status in FINISHED for name in r.classes}
+    registry = {}
+    for name in sorted(names, key=lambda n: brought[n].step if n in brought else position.step):
+        if name in current:
+            registry[name] = current[name]
+        elif name in brought:
+            ended = datetime.fromtimestamp(brought[name].ended, UTC).isoformat(timespec="seconds")
+            registry[name] = Registration(brought[name].step, ended)
+        else:
+            registry[name] = Registration(position.step)
+    if not damaged and registry == current:
+        return []
+    restored = len(set(registry) - set(current))
+    dropped = len(set(current) - set(registry))
+    text = json.dumps({n: asdict(r) for n, r in registry.items()}, indent=2).encode()
+
+    def do() -> None:
+        _keep_copy(path, stamp)
+        write_atomic(path, text)
+
+    why = "damaged: rebuilt from the codebook and the history, sites unknown" if damaged else (
+        f"{restored} class(es) added, {dropped} dropped")  # fmt: skip
+    return [Action(f"rewrite {REGISTRY_FILE} with {len(registry)} class(es) ({why})", do)]

@@ -1,0 +1,57 @@
+"""One process named robustly to PID reuse: its PID, its start time and the boot it ran in.
+
+A PID alone may have been reused; a PID with its start time (clock ticks since boot,
+``/proc/PID/stat`` field 22) and the boot id names one process. The federation's folder lock
+(``server.folder_lock``) tells a stale holder this way, and the operations that start and end
+Flower's processes (``server.ops.processes``) recognise them days later the same way. Linux
+only: processes are read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def boot_id() -> str:
+    """This boot's id: start times count from boot, so they only compare within one boot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time) of ``pid``, or None when it does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # the command name may hold spaces and ')'
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """One process, robust to PID reuse: its PID and its start time in ticks since boot."""
+
+    pid: int
+    started: int
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId | None:
+        stat = proc_stat(pid)
+        return None if stat is None else cls(pid, stat[2])
+
+    def alive(self) -> bool:
+        """The same process still runs (a zombie counts as gone: it only waits to be reaped)."""
+        stat = proc_stat(self.pid)
+        return stat is not None and stat[0] != "Z" and stat[2] == self.started
+
+    def to_json(self) -> dict[str, int]:
+        return {"pid": self.pid, "started": self.started}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> ProcessId:
+        return cls(int(data["pid"]), int(data["started"]))  # type: ignore[arg-type]

@@ -1,0 +1,498 @@
+"""Faults of the federation folder (issue 21): each ends in a clear message, and after the
+documented recovery in a folder that ``starfed server check`` accepts, with no completed step
+lost.
+
+One federation is built in process (two sites, one completed step) and copied for each fault;
+the faults are injected as they happen in the field — a file damaged on disk, a site's replies
+scaled by 10³⁰, a write that fails with a full disk, a second run over the same folder, a site
+clock 30 s fast (its refusal as the gateway sees it, and the site's own measurement) — and
+the recovery is what docs/federation.md tells an operator to do (`repair`, or just the next
+`round`). ``pytest -m faults`` runs them as a group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import email.utils
+import errno
+import http.server
+import itertools
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from base64 import b64encode
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cryptography.hazmat.primitives import serialization
+from flwr.app import Message
+from rich.console import Console
+from site_folders import CLASSES, site_folder
+
+from starfed.cli import main
+from starfed.client import answer
+from starfed.client import app as client_app
+from starfed.client.ops import supernode
+from starfed.proto import codebook_pb2 as pb
+from starfed.server import federation as federation_module
+from starfed.server import folder_check, folder_lock
+from starfed.server.app import RunFailed, run_server
+from starfed.server.federation import (
+    CODEBOOK_FILE,
+    COMPLETED,
+    HISTORY_FILE,
+    PENDING_FILE,
+    REGISTRY_FILE,
+    Federation,
+    FederationError,
+    Position,
+)
+from starfed.server.ops import clock, gateway, pki
+from starfed.server.ops.flower_internals import FLEET_HTTP_PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
+from starfed.server.ops.layout import ServerFolder
+from starfed.server.process_identity import ProcessId
+from starfed.shared.codebook import wire
+from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
+from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.schema import FIELDS, Kind, ModelDims
+from starfed.simulations.local_grid import LocalGrid
+
+pytestmark = pytest.mark.faults
+
+CONFIG = {
+    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
+    "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5,
+}  # fmt: skip
+PAPER_DIMS = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
+_run_ids = itertools.count(21000)
+
+
+def run(root: Path, faults: dict | None = None) -> dict:
+    """One server run over ``root/server/federation`` with the sites farm-a (node 1) and farm-b
+    (node 2)."""
+    config = {**CONFIG, "federation-dir": str(root / "server" / "federation")}
+    nodes = {
+        i + 1: {"data-dir": str(root / site), "state-dir": str(root / f"{site}-state"),
+                "site-name": site, "cache-dir": str(root / "cache")}
+        for i, site in enumerate(("farm-a", "farm-b"))
+    }  # fmt: skip
+    grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
+    grid.faults.update(faults or {})
+    try:
+        return run_server(grid, config, grid.run_id, Console(quiet=True))
+    finally:
+        answer.SITES.clear()
+
+
+def starfed(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """A federation after one completed step (farm-a: two classes, farm-b: two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("faults")
+    site_folder(root / "farm-a", {"2026-03": CLASSES[0:2]})
+    site_folder(root / "farm-b", {"2026-04": CLASSES[2:4]})
+    assert run(root)["status"] == COMPLETED
+    yield root
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def root(built: Path, tmp_path: Path) -> Path:
+    """A copy of the built federation (and its sites' folders) to damage."""
+    copy = tmp_path / "copy"
+    shutil.copytree(built, copy)
+    return copy
+
+
+def folder(root: Path) -> Path:
+    return root / "server" / "federation"
+
+
+def checked(root: Path) -> folder_check.Report:
+    return folder_check.check(folder(root))
+
+
+def finished_steps(root: Path) -> list[int]:
+    """The steps the history records as finished, one entry per record."""
+    return [r.step for r in Federation.open(folder(root)).history() if r.status != "failed"]
+
+
+def next_task(root: Path) -> None:
+    """farm-a brings a new task: the next round has a step to run."""
+    site_folder(root / "farm-a", {"2026-06": CLASSES[4:5]})
+
+
+def repaired(root: Path, capsys) -> str:
+    """`starfed server repair` (after its dry run), which ends in a whole folder."""
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "repair", "--dir", server, "--dry-run")
+    assert code == 0 and out.startswith("would: "), out
+    code, out, _ = starfed(capsys, "server", "repair", "--dir", server)
+    assert code == 0 and "still:" not in out, out
+    assert checked(root).ok, checked(root).problems
+    return out
+
+
+def test_the_built_federation_is_whole(built: Path, capsys) -> None:
+    code, out, _ = starfed(capsys, "server", "check", "--dir", str(built / "server"))
+    assert code == 0 and "whole" in out, out
+    code, out, _ = starfed(capsys, "server", "check", "--dir", str(built / "server"), "--json")
+    assert code == 0 and json.loads(out)["success"] is True
+
+
+# --- a federation past ~320 classes at paper dims ----------------------------------------------
+
+
+def paper_entry(name: str, generator: torch.Generator) -> ClassEntry:
+    """One class with every field at the paper's dims (5 components per mixture)."""
+    values = {}
+    for f in FIELDS:
+        shape = f.shape(PAPER_DIMS)
+        if f.kind is Kind.TENSOR:
+            values[f.name] = torch.randn(shape, generator=generator)
+        else:
+            means = torch.randn((5, *shape), generator=generator, dtype=torch.float64)
+            values[f.name] = GaussianMixture(
+                torch.full((5,), 0.2, dtype=torch.float64), means, means.abs() + 0.1, 40
+            )
+    return ClassEntry(name, 40, values, frozen=True)
+
+
+def test_a_thousand_classes_at_paper_dims_round_trip_through_the_folder(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(21)
+    fingerprint = "ab" * 32
+    federation = Federation(tmp_path / "federation", fingerprint, PAPER_DIMS)
+    entries = [paper_entry(f"class {i:04d}", generator) for i in range(1000)]
+    codebook = Codebook(fingerprint, PAPER_DIMS).register(entries)
+    federation.register(codebook.names, 0, {})
+    federation.checkpoint(codebook, Position(0))
+    size = (tmp_path / "federation" / CODEBOOK_FILE).stat().st_size
+    assert size > 3 * DEFAULT_MAX_BYTES  # well past the old 64 MiB wall
+    back = Federation(tmp_path / "federation", fingerprint, PAPER_DIMS).codebook()
+    assert back.names == codebook.names
+    for name in (codebook.names[0], codebook.names[-1]):
+        for field, value in codebook[name].values.items():
+            got = back[name].values[field]
+            if isinstance(value, GaussianMixture):
+                assert torch.equal(got.means, value.means)
+            else:
+                assert torch.equal(got, value)
+    report = folder_check.check(tmp_path / "federation")
+    assert report.ok and report.codebook_version == 1, report.problems
+
+
+# --- a merge whose values overflow in replay ------------------------------------------------
+
+
+def times_1e30(reply: Message) -> Message:
+    """A site's stage-1 update scaled by 10³⁰: finite, so it passes validation on its own."""
+    message = pb.ClientUpdate.FromString(reply.content["update"]["data"])
+    for entry in message.entries:
+        values = np.frombuffer(entry.prompt.data, dtype="<f4") * np.float32(1e30)
+        entry.prompt.data = values.astype("<f4").tobytes()
+    reply.content["update"]["data"] = message.SerializeToString()
+    return reply
+
+
+def test_an_overflowing_merge_is_never_checkpointed(root: Path) -> None:
+    next_task(root)
+    before = Federation.open(folder(root)).last_checkpoint()
+    with pytest.raises(RunFailed) as failed:
+        run(root, {(1, "train.stage1"): times_1e30})
+    message = str(failed.value)
+    assert f"class {CLASSES[4]!r}" in message and "farm-a" in message, message
+    assert "prompt" in message  # the field the site's values came in
+    after = Federation.open(folder(root)).last_checkpoint()
+    assert after.position == Position(1) and after.classes == before.classes  # rolled back
+    assert checked(root).ok, checked(root).problems
+    metrics = run(root)  # the next run, without that site's poison, completes the step
+    assert metrics["status"] == COMPLETED and finished_steps(root) == [0, 1]
+    assert checked(root).ok
+
+
+# --- codebook.bin missing, truncated, bit-flipped or empty -----------------------------------
+
+
+def test_a_missing_codebook_is_never_replaced_by_an_empty_one(root: Path, capsys) -> None:
+    (folder(root) / CODEBOOK_FILE).unlink()
+    with pytest.raises(RunFailed, match=r"codebook\.bin is missing.*repair"):
+        run(root)
+    assert not (folder(root) / CODEBOOK_FILE).exists() and finished_steps(root) == [0]
+    code, out, _ = starfed(capsys, "server", "status", "--dir", str(root / "server"))
+    assert code == 1 and "DAMAGED    codebook.bin: missing" in out, out
+    code, _, err = starfed(capsys, "server", "round", "--dir", str(root / "server"))
+    assert code == 1 and err.count("\n") == 1, err  # refused before anything is submitted
+    assert "the federation folder is damaged: codebook.bin: missing" in err
+    out = repaired(root, capsys)
+    assert "restore codebook.bin from checkpoints/step-0001.bin" in out, out
+    next_task(root)
+    assert run(root)["steps"] == 2 and finished_steps(root) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda data: data[: len(data) // 2], "header announces"),
+        (lambda data: data[:-5] + bytes([data[-5] ^ 1]) + data[-4:], "checksum mismatch"),
+        (lambda data: b"", "too short"),
+    ],
+    ids=["truncated", "bit-flipped", "empty"],
+)
+def test_a_damaged_codebook_makes_status_fail_and_repair_restores_it(
+    root: Path, capsys, damage, reason
+) -> None:
+    path = folder(root) / CODEBOOK_FILE
+    path.write_bytes(damage(path.read_bytes()))
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server, "--json")
+    status = json.loads(out)
+    assert code == 1 and status["success"] is False
+    assert any(p.startswith("codebook.bin: ") and reason in p for p in status["problems"])
+    code, out, _ = starfed(capsys, "server", "check", "--dir", server)
+    assert code == 1 and out.splitlines() == [f"codebook.bin: {reason}" + out.split(reason)[1]
+                                              .splitlines()[0]]  # fmt: skip
+    with pytest.raises(RunFailed, match=reason):
+        run(root)
+    repaired(root, capsys)
+    assert finished_steps(root) == [0]
+    next_task(root)
+    assert run(root)["steps"] == 2
+
+
+# --- history.jsonl and registry.json damaged -------------------------------------------------
+
+
+def test_a_damaged_history_line_is_named_and_repaired(root: Path, capsys) -> None:
+    path = folder(root) / HISTORY_FILE
+    path.write_text(path.read_text() + '{"step": 1, "status": "compl\n')  # a torn append
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server)
+    assert code == 1 and "DAMAGED    history.jsonl:2: damaged" in out, out
+    assert "JSONDecodeError" not in out
+    with pytest.raises(RunFailed, match=r"history\.jsonl:2 is damaged"):
+        run(root)
+    repaired(root, capsys)
+    assert finished_steps(root) == [0]
+
+
+def test_a_lost_history_record_stays_counted(root: Path, capsys) -> None:
+    path = folder(root) / HISTORY_FILE
+    path.write_text("garbage\n")  # the only record, damaged
+    assert any("no record of completed step(s) 1" in p for p in checked(root).problems)
+    out = repaired(root, capsys)
+    assert "placeholders for the lost records of step(s) 1" in out
+    assert finished_steps(root) == [0]
+
+
+def test_a_damaged_registry_is_rebuilt(root: Path, capsys) -> None:
+    (folder(root) / REGISTRY_FILE).write_text("{ not json")
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server)
+    assert code == 1 and "DAMAGED    registry.json: damaged" in out
+    assert "creates it" not in out  # it is not a new federation
+    with pytest.raises(RunFailed, match=r"registry\.json is damaged"):
+        run(root)
+    repaired(root, capsys)
+    registry = json.loads((folder(root) / REGISTRY_FILE).read_text())
+    assert sorted(registry) == sorted(CLASSES[0:4])
+    assert all(entry["step"] == 0 for entry in registry.values())
+    next_task(root)
+    assert run(root)["steps"] == 2
+
+
+# --- the disk fills while a step is closed ---------------------------------------------------
+
+
+@pytest.mark.parametrize("fails", [HISTORY_FILE, CODEBOOK_FILE])
+def test_a_full_disk_while_closing_a_step_never_duplicates_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """The history write after the commit, or the commit itself, fails with ENOSPC; the next
+    run finishes the close (or the step) and records it once."""
+    next_task(root)
+    real = {module: module.write_atomic for module in (federation_module, wire)}
+
+    def full(module):
+        def write(path, data):
+            if Path(path).name == fails and (folder(root) / PENDING_FILE).exists():
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            real[module](path, data)
+
+        return write
+
+    for module in real:
+        monkeypatch.setattr(module, "write_atomic", full(module))
+    with pytest.raises(OSError, match="No space left"):
+        run(root)
+    for module, write in real.items():
+        monkeypatch.setattr(module, "write_atomic", write)
+    assert finished_steps(root) == [0]  # nothing recorded before the close finished
+    metrics = run(root)
+    assert finished_steps(root) == [0, 1]
+    assert metrics["steps"] == 2 and len(metrics["accuracy_matrix"]) == 2
+    assert checked(root).ok, checked(root).problems
+
+
+# --- two runs at once ------------------------------------------------------------------------
+
+
+def test_a_second_run_is_refused_naming_the_holder(root: Path, capsys) -> None:
+    holder = folder_lock.acquire(folder(root), "server run 77")
+    try:
+        with pytest.raises(RunFailed, match=r"in use by server run 77, PID \d+"):
+            run(root)
+        code, _, err = starfed(capsys, "server", "round", "--dir", str(root / "server"))
+        assert code == 1 and "in use by server run 77" in err and err.count("\n") == 1, err
+        assert checked(root).notes == [f"in use by {holder.describe()}"]
+    finally:
+        folder_lock.release(folder(root), holder)
+    assert not (folder(root) / folder_lock.LOCK_FILE).exists()
+    next_task(root)
+    assert run(root)["steps"] == 2  # released: the next run goes ahead
+
+
+def test_a_stale_lock_is_taken_over(root: Path) -> None:
+    """A holder killed with SIGKILL leaves its lock; its PID and start time no longer name a
+    running process, so the next run takes the lock over."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead = ProcessId.of(child.pid)
+    child.kill()
+    child.wait()
+    stale = folder_lock.Holder.me("server run 5")
+    stale = folder_lock.Holder(dead.pid, dead.started, stale.boot, stale.host, stale.what,
+                               stale.since)  # fmt: skip
+    (folder(root) / folder_lock.LOCK_FILE).write_text(json.dumps(vars(stale)))
+    assert "stale lock of server run 5" in checked(root).notes[0]
+    next_task(root)
+    assert run(root)["steps"] == 2
+    assert not (folder(root) / folder_lock.LOCK_FILE).exists()
+
+
+def test_a_half_closed_step_is_finished_by_the_next_run(root: Path) -> None:
+    """A crash between the commit and the history line (the record written ahead): the next
+    run appends the record once; a record of a step never committed is dropped."""
+    fed = Federation.open(folder(root))
+    [record] = fed.history()
+    (folder(root) / HISTORY_FILE).write_text("")
+    (folder(root) / PENDING_FILE).write_text(record.to_json())
+    assert any(PENDING_FILE in p for p in checked(root).problems)
+    assert "finished closing step 1" in fed.recover()
+    assert finished_steps(root) == [0] and checked(root).ok
+    uncommitted = type(record)(**{**vars(record), "step": 1})
+    (folder(root) / PENDING_FILE).write_text(uncommitted.to_json())
+    assert "step 2 was not committed" in Federation.open(folder(root)).recover()
+    assert finished_steps(root) == [0] and checked(root).ok
+
+
+def test_a_missing_codebook_without_any_good_checkpoint_cannot_be_repaired(
+    root: Path, capsys
+) -> None:
+    for path in [folder(root) / CODEBOOK_FILE, folder(root) / "previous.bin",
+                 *(folder(root) / "checkpoints").iterdir()]:  # fmt: skip
+        path.unlink()
+    code, _, err = starfed(capsys, "server", "repair", "--dir", str(root / "server"))
+    assert code == 1 and "no good codebook is left" in err
+    with pytest.raises(FederationError, match="missing"):
+        Federation.open(folder(root)).codebook()
+
+
+# --- a site whose clock runs 30 s fast -------------------------------------------------------
+
+
+class _DateAhead(http.server.BaseHTTPRequestHandler):
+    """The gateway's answer to a GET (403), with a Date 30 s behind this machine's clock: as
+    seen from a site whose clock runs 30 s fast."""
+
+    def date_time_string(self, timestamp: float | None = None) -> str:
+        return email.utils.formatdate(time.time() - 30, usegmt=True)
+
+    def do_GET(self) -> None:
+        self.send_response(403)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_site_refused_for_its_clock_is_told_so_not_that_its_key_was_removed(
+    tmp_path: Path,
+) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DateAhead)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        offset = clock.server_offset(address, None, insecure=True)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert offset is not None and 29 <= offset <= 31.5, offset  # Date has whole seconds
+    (tmp_path / "data").mkdir()
+    options = supernode.prepare(address, tmp_path / "data", ca=None, key=None, insecure=True)
+    told = supernode._self_stopped(options, offset)
+    assert "refused for clock skew, not for the key" in told and "Flower answered 401" in told
+    assert f"{offset:.0f} s ahead of the server's" in told
+    assert "keygen" not in told
+    assert "keygen" in supernode._self_stopped(options, 0.4)  # in time: the key it is
+
+
+def test_the_operator_sees_a_clock_skew_refusal(tmp_path: Path, caplog, capsys) -> None:
+    """The gateway logs a 401 to a call signed 30 s in the future as clock skew, with the key;
+    `starfed server sites refused` shows it."""
+    key = pki.write_site_key(tmp_path / "farm-c.key", "c")
+    pem = serialization.load_ssh_public_key(key.openssh.encode()).public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )  # what a SuperNode sends
+    signed = (datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=30)).isoformat()
+    headers = {TIMESTAMP_HEADER: signed, FLEET_HTTP_PUBLIC_KEY_HEADER: b64encode(pem).decode()}
+    with caplog.at_level(logging.WARNING, logger="starfed.gateway"):
+        gateway._log_clock_skew(headers, "/v1/fleet/pull-messages", "10.0.0.7")
+        in_time = {**headers, TIMESTAMP_HEADER: datetime.datetime.now(datetime.UTC).isoformat()}
+        gateway._log_clock_skew(in_time, "/v1/fleet/pull-messages", "10.0.0.7")  # a key issue
+    [record] = caplog.records
+    folder = ServerFolder.at(tmp_path / "server")
+    folder.gateway_log.parent.mkdir(parents=True, exist_ok=True)
+    line = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s").format(record)
+    folder.gateway_log.write_text(line + "\n")
+    code, out, _ = starfed(capsys, "server", "sites", "refused", "--dir", str(folder.root),
+                           "--json")  # fmt: skip
+    [refusal] = json.loads(out)["refused"]
+    assert code == 0 and refusal["fingerprint"] == key.fingerprint
+    assert refusal["code"] == "clock" and 29 <= refusal["offset_s"] <= 30.5
+    assert "clock skew" in refusal["reason"] and "ahead of the server's" in refusal["reason"]
+
+
+def test_repair_rolls_back_to_a_chosen_step(root: Path, capsys) -> None:
+    next_task(root)
+    assert run(root)["steps"] == 2
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "repair", "--dir", server, "--to", "1", "--dry-run")
+    assert code == 0 and "would: restore codebook.bin from checkpoints/step-0002.bin" not in out
+    assert "would: restore codebook.bin from checkpoints/step-0001.bin" in out, out
+    assert finished_steps(root) == [0, 1]  # a dry run changes nothing
+    code, out, _ = starfed(capsys, "server", "repair", "--dir", server, "--to", "1")
+    assert code == 0 and checked(root).ok, out
+    assert finished_steps(root) == [0]
+    assert CLASSES[4] not in json.loads((folder(root) / REGISTRY_FILE).read_text())
+    kept = sorted(p.name for p in folder(root).glob("*.before-repair-*"))
+    assert [name.split(".before")[0] for name in kept] == [
+        CODEBOOK_FILE,
+        HISTORY_FILE,
+        REGISTRY_FILE,
+    ]  # nothing is lost: every replaced file is kept beside
+    assert run(root)["steps"] == 2 and finished_steps(root) == [0, 1]  # step 2 again
