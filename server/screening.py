@@ -14,8 +14,8 @@ step holds each site to what it can show (docs/security.md):
   reported for that class at the sync (and, with ``max-class-share``, by its share of the
   class's sync counts); rows for classes it did not report rejected; a row whose change from
   the value the phase was sent with is beyond ``update-bound`` times the phase's median change
-  of that field rejected; mixtures whose variances or means lie beyond ``mixture-bound`` of the
-  phase's medians rejected. The bounds are learned from the replies themselves, so a phase is
+  of that field rejected; mixtures whose variances or means are over ``mixture-bound`` times
+  the phase's medians, or whose variances are below any fit's, rejected. The bounds are learned from the replies themselves, so a phase is
   read twice: a first pass measures every row, a second hands the screened updates on.
 - **in the evaluation** (``report``): a report of more images than the site said at the sync
   it holds is rejected.
@@ -43,7 +43,7 @@ from starfed.shared import progress
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
-from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 from starfed.shared.config import Options, knob
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.protocol import Phase
@@ -60,6 +60,9 @@ BROADCAST_SHARE = 0.9
 ENTRY_OVERHEAD = 512  # bytes of one broadcast entry besides its tensors: name, tags, versions
 TEST_IMAGES_KEY = "test-images"  # sync metadata: the test images a site holds
 CAPPED, REJECTED, QUARANTINED = "capped", "rejected", "quarantined"
+#: No fitted variance is below the fitting's regularisation, which is added to every variance;
+#: half of it leaves room for rounding.
+VARIANCE_FLOOR = DEFAULT_REG / 2
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,8 @@ def _median(values: list[float]) -> float:
 @dataclass
 class _Rows:
     """What the first pass measured: per field, each row's change; per mixture field, each
-    row's largest and smallest mean variance and largest mean norm."""
+    row's largest variance of a component (averaged over dimensions), its smallest variance,
+    and the largest norm of a component's mean."""
 
     changes: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
     mixtures: dict[str, list[tuple[str, str, float, float, float]]] = field(default_factory=dict)
@@ -272,11 +276,9 @@ class PhaseScreen:
             sent = self.codebook[entry.name].values
             for name, value in entry.values.items():
                 if isinstance(value, GaussianMixture):
-                    per_component = value.variances.mean(1)
-                    norms = value.means.norm(dim=1)
                     self.rows.mixtures.setdefault(name, []).append((
-                        site, entry.name, float(per_component.max()),
-                        float(per_component.min()), float(norms.max()),
+                        site, entry.name, float(value.variances.mean(1).max()),
+                        float(value.variances.min()), float(value.means.norm(dim=1).max()),
                     ))  # fmt: skip
                 elif name in sent:
                     change = float((value.double() - sent[name].double()).norm())
@@ -296,13 +298,14 @@ class PhaseScreen:
         factor = self.screen.options.mixture_bound
         if factor:
             for name, rows in self.rows.mixtures.items():
-                variance = _median([(hi * lo) ** 0.5 for _, _, hi, lo, _ in rows])
+                variance = _median([hi for _, _, hi, _, _ in rows])
                 norm = _median([n for *_, n in rows])
                 for site, cls, hi, lo, n in rows:
                     problem = None
-                    if hi > factor * variance or lo < variance / factor:
-                        problem = (f"{name} variances {lo:.3g}..{hi:.3g}, the median "
-                                   f"{variance:.3g}")  # fmt: skip
+                    if hi > factor * variance:
+                        problem = f"{name} variances up to {hi:.3g}, the median {variance:.3g}"
+                    elif lo < VARIANCE_FLOOR:
+                        problem = f"{name} variances down to {lo:.3g}, below any fit's"
                     elif n > factor * max(norm, 1e-12):
                         problem = f"{name} means of norm {n:.3g}, the median {norm:.3g}"
                     if problem and (site, cls) not in self.rejected:
