@@ -15,8 +15,9 @@ step holds each site to what it can show (docs/security.md):
   class's sync counts); rows for classes it did not report rejected; a row whose change from
   the value the phase was sent with is beyond ``update-bound`` times the phase's median change
   of that field rejected; mixtures whose variances or means are over ``mixture-bound`` times
-  the phase's medians, or whose variances are below any fit's, rejected. The bounds are learned from the replies themselves, so a phase is
-  read twice: a first pass measures every row, a second hands the screened updates on.
+  the phase's medians, or whose variances are below any fit's, rejected. The bounds are
+  learned from the replies themselves, so a phase is read twice: a first pass measures every
+  row, a second hands the screened updates on.
 - **in the evaluation** (``report``): a report of more images than the site said at the sync
   it holds is rejected.
 
@@ -290,6 +291,10 @@ class PhaseScreen:
         if bound:
             for name, rows in self.rows.changes.items():
                 median = _median([change for *_, change in rows])
+                largest = max(change for *_, change in rows)
+                logger.info("screening %s/%d %s: largest change %.3g × the median (bound %g)",
+                            self.phase.key, self.round, name, largest / max(median, 1e-300),
+                            bound)  # fmt: skip
                 for site, cls, change in rows:
                     if change > bound * median and (site, cls) not in self.rejected:
                         self.rejected.add((site, cls))
@@ -300,6 +305,12 @@ class PhaseScreen:
             for name, rows in self.rows.mixtures.items():
                 variance = _median([hi for _, _, hi, _, _ in rows])
                 norm = _median([n for *_, n in rows])
+                logger.info(
+                    "screening %s %s: largest variance %.3g × the median, mean norm %.3g × the "
+                    "median, smallest variance %.3g (bound %g)", self.phase.key, name,
+                    max(r[2] for r in rows) / variance, max(r[4] for r in rows) / max(norm, 1e-12),
+                    min(r[3] for r in rows), factor,
+                )  # fmt: skip
                 for site, cls, hi, lo, n in rows:
                     problem = None
                     if hi > factor * variance:
