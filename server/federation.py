@@ -322,7 +322,10 @@ class Federation:
 
     def quarantine(self) -> dict[str, dict]:
         """Sites kept out of later steps: site -> the step and reason that put it there."""
-        return self._read(QUARANTINE_FILE, {})
+        held = self._read(QUARANTINE_FILE, {})
+        if not isinstance(held, dict) or not all(isinstance(v, dict) for v in held.values()):
+            raise FederationError(f"{self.root / QUARANTINE_FILE} is damaged: not site -> entry")
+        return held
 
     def add_quarantine(self, sites: dict[str, str], step: int) -> None:
         """Keep ``sites`` (site -> why) out of later steps (``quarantine-persists``)."""

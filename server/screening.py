@@ -81,11 +81,11 @@ class ScreeningOptions(Options):
 
 @dataclass
 class Enrolled:
-    """What one site said at the sync: images per class key, and its test images (None when
-    it did not say)."""
+    """What one site said at the sync: images per class key, and its test images (0 when it
+    did not say, or said something that is no count: its reports then count no image)."""
 
     counts: dict[str, int]
-    test_images: int | None
+    test_images: int
 
 
 def broadcast_bytes_per_class(codebook: Codebook, wire_dtype: str) -> int:
@@ -182,7 +182,7 @@ class Screen:
             kept = [(e, u) for e, u in kept if e.node_id != node]
         for entry, update in kept:
             raw = update.metadata.get(TEST_IMAGES_KEY, "")
-            test = int(raw) if raw.isdigit() else None
+            test = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
             counts = {class_key(e.name): e.count for e in update.entries}
             self.enrolled[entry.site] = Enrolled(counts, test)
         return kept
@@ -199,7 +199,7 @@ class Screen:
     def caps(self, site: str) -> dict[str, int]:
         """The count each class of ``site`` may carry: what it reported at the sync, and with
         ``max-class-share`` < 1 at most that share of the class's sync counts over sites."""
-        mine = self.enrolled.get(site, Enrolled({}, None)).counts
+        mine = self.enrolled.get(site, Enrolled({}, 0)).counts
         share = self.options.max_class_share
         caps = dict(mine)
         if share < 1:
@@ -216,8 +216,8 @@ class Screen:
         if entry.site in self.quarantined:
             return False
         images = sum(score.images for score in report.classes)
-        held = self.enrolled.get(entry.site, Enrolled({}, None)).test_images
-        if held is not None and images > held:
+        held = self.enrolled.get(entry.site, Enrolled({}, 0)).test_images
+        if images > held:
             self._reject(entry, f"reports {images} test images, holds {held} (its sync)")
             return False
         return True

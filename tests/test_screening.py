@@ -118,3 +118,16 @@ def test_registration_is_bounded_per_site_and_in_all(make_codebook, options, cla
     kept = screen.enrol([honest, (entry, greedy)], codebook, {}, "float32")
     assert [e.site for e, _ in kept] == ["a"]
     assert entry.status.startswith("rejected") and why in entry.status
+
+
+def test_a_count_beyond_any_site_and_a_taken_name_sit_the_step_out(make_codebook) -> None:
+    codebook = make_codebook(n_classes=0)
+    screen = Screen(ScreeningOptions(), step=0)
+    sites = ((1, "a", 3), (2, "a", 3), (3, "m", 2**63 - 1))
+    entries = [Exchange(0, "sync", 0, node, site, 0) for node, site, _ in sites]
+    syncs = [_sync(codebook, {f"class {node}": count}) for node, _, count in sites]
+    kept = screen.enrol(list(zip(entries, syncs, strict=True)), codebook, {}, "float32")
+    assert [e.node_id for e, _ in kept] == [1]
+    assert "taken in this step by node 1" in entries[1].status
+    assert "claims 9223372036854775807 images of one class" in entries[2].status
+    assert screen.enrolled["a"].counts == {"class_1": 3} and screen.enrolled["a"].test_images == 0
