@@ -205,8 +205,9 @@ class Screen:
         if share < 1:
             for key, count in mine.items():
                 others = sum(e.counts.get(key, 0) for s, e in self.enrolled.items() if s != site)
-                if others:
-                    caps[key] = min(count, max(1, math.floor(share / (1 - share) * others)))
+                if others:  # share x of the total: others * x / (1 - x), rounding forgiven
+                    bound = math.floor(share / (1 - share) * others + 1e-9)
+                    caps[key] = min(count, max(1, bound))
         return caps
 
     # --- the evaluation -------------------------------------------------------------------

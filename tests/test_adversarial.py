@@ -158,6 +158,21 @@ def test_claimed_examples_are_capped_by_the_sync(folders, tmp_path, honest, coun
     assert codebook[C0].count == 3 * 12  # the three sites' images, as reported at the sync
 
 
+def test_a_claim_made_already_at_the_sync_is_bounded_by_max_class_share(
+    folders, tmp_path, honest
+) -> None:
+    """farm-m claims 10^6 images of C0 at the sync and in training: consistent, so only the
+    operator's share bound holds it (docs/security.md): a third, as much as each of the others."""
+    faults = {t: edit_update(set_count(10**6)) for t in ("query.sync", *TRAINING)}
+    metrics = federate(folders, tmp_path, faults, **{"max-class-share": 1 / 3})
+    assert_contained(metrics, honest)
+    capped = findings(tmp_path, "capped")
+    assert [(f.site, f.phase, f.name) for f in capped] == [
+        ("farm-m", "stage1", C0), ("farm-m", "stage2", C0)
+    ]  # fmt: skip
+    assert all("capped at 12 (max-class-share)" in f.reason for f in capped)
+
+
 def test_a_class_overwritten_with_another_is_outvoted_by_the_median(
     folders, tmp_path, honest
 ) -> None:
