@@ -27,6 +27,8 @@ from starfed.client import app as client_app
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import run_server
 from starfed.server.federation import Federation
+from starfed.server.ops import dashboard, status
+from starfed.server.ops.layout import ServerFolder
 from starfed.shared.codebook import wire
 from starfed.simulations.local_grid import LocalGrid
 
@@ -311,6 +313,16 @@ def test_a_quarantine_that_persists_keeps_the_site_out_of_later_runs(tmp_path) -
     faults = {t: edit_update(scale_tensors(1e6)) for t in TRAINING}
     federate(sites, tmp_path, faults, **{"quarantine-persists": True})
     assert set(Federation.open(tmp_path / "federation").quarantine()) == {"farm-m"}
+    shown = status.read(ServerFolder(tmp_path), tmp_path / "federation").status  # as the operator
+    # its two classes rejected in stage 1 and in stage 2, quarantined at the third
+    assert shown.steps[0].quarantined == ["farm-m"] and shown.steps[0].findings == 4
+    assert {(f.site, f.action) for f in shown.findings} == {
+        ("farm-m", "rejected"), ("farm-m", "quarantined")
+    }  # fmt: skip
+    assert set(shown.to_json()["quarantine"]) == {"farm-m"}
+    html = dashboard.page(dashboard.build_state(status.Reading(shown), ServerFolder(tmp_path),
+                                                [], []), 5)  # fmt: skip
+    assert "quarantined sites" in html and "screened contributions" in html
     site_folder(sites / "farm-m", {"t2": [CLASSES[4]]}, train=12, test=5)
     again = federate(sites, tmp_path)
     assert again["status"] == "degraded" and again["steps"] == 1  # no step: nothing else new
