@@ -145,7 +145,10 @@ class Screen:
                 if over is not None:
                     problem = f"claims {over.count} images of one class (at most {MAX_IMAGES})"
             if problem:
-                self._reject(entry, problem)
+                # a taken name is not the node's to be recorded under: its finding must not
+                # count against the site that holds the name
+                taken = site in names and site not in held
+                self._reject(entry, problem, f"node-{entry.node_id}" if taken else site)
                 continue
             names[site] = entry.node_id
             kept.append((entry, update))
@@ -187,9 +190,9 @@ class Screen:
             self.enrolled[entry.site] = Enrolled(counts, test)
         return kept
 
-    def _reject(self, entry, reason: str) -> None:
+    def _reject(self, entry, reason: str, site: str | None = None) -> None:
         reject(entry, reason)
-        self.note(entry.site, entry.phase, entry.round, REJECTED, reason)
+        self.note(site or entry.site, entry.phase, entry.round, REJECTED, reason)
 
     # --- codebook phases ------------------------------------------------------------------
 

@@ -299,8 +299,8 @@ def test_two_sites_with_one_name_are_not_merged_into_one(folders, tmp_path, hone
     metrics = federate(folders, tmp_path, {"query.sync": edit_update(impersonate)})
     assert metrics["status"] == "degraded"
     (finding,) = findings(tmp_path)
-    assert (finding.site, finding.phase, finding.action) == ("farm-a", "sync", "rejected")
-    assert "taken in this step by node 1" in finding.reason
+    assert (finding.site, finding.phase, finding.action) == ("node-3", "sync", "rejected")
+    assert "'farm-a' is taken in this step by node 1" in finding.reason
     codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
     assert codebook[C0].count == 2 * 12  # farm-a once and farm-b, not farm-a twice
     assert M1 not in codebook

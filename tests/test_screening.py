@@ -129,5 +129,6 @@ def test_a_count_beyond_any_site_and_a_taken_name_sit_the_step_out(make_codebook
     kept = screen.enrol(list(zip(entries, syncs, strict=True)), codebook, {}, "float32")
     assert [e.node_id for e, _ in kept] == [1]
     assert "taken in this step by node 1" in entries[1].status
+    assert [f.site for f in screen.findings] == ["node-2", "m"]
     assert "claims 9223372036854775807 images of one class" in entries[2].status
     assert screen.enrolled["a"].counts == {"class_1": 3} and screen.enrolled["a"].test_images == 0
