@@ -235,10 +235,12 @@ def _median(values: list[float]) -> float:
 class _Rows:
     """What the first pass measured: per field, each row's change; per mixture field, each
     row's largest variance of a component (averaged over dimensions), its smallest variance,
-    and the largest norm of a component's mean."""
+    the largest norm of a component's mean, and the dimension."""
 
     changes: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
-    mixtures: dict[str, list[tuple[str, str, float, float, float]]] = field(default_factory=dict)
+    mixtures: dict[str, list[tuple[str, str, float, float, float, int]]] = field(
+        default_factory=dict
+    )
 
 
 class PhaseScreen:
@@ -284,6 +286,7 @@ class PhaseScreen:
                     self.rows.mixtures.setdefault(name, []).append((
                         site, entry.name, float(value.variances.mean(1).max()),
                         float(value.variances.min()), float(value.means.norm(dim=1).max()),
+                        value.dim,
                     ))  # fmt: skip
                 elif name in sent:
                     change = float((value.double() - sent[name].double()).norm())
@@ -307,25 +310,29 @@ class PhaseScreen:
         factor = self.screen.options.mixture_bound
         if factor:
             for name, rows in self.rows.mixtures.items():
-                variance = _median([hi for _, _, hi, _, _ in rows])
-                norm = _median([n for *_, n in rows])
+                # Features of norm about r spread by at most about r² / D per dimension, so the
+                # median norm of the means bounds plausible variances; a median of variances
+                # would not (sites with few images fit components at the variance floor).
+                norm = _median([r[4] for r in rows])
+                variance = max(norm**2 / rows[0][5], DEFAULT_REG)
                 logger.info(
-                    "screening %s %s: largest variance %.3g × the median, mean norm %.3g × the "
+                    "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g × the "
                     "median, smallest variance %.3g (bound %g)", self.phase.key, name,
                     max(r[2] for r in rows) / variance, max(r[4] for r in rows) / max(norm, 1e-12),
                     min(r[3] for r in rows), factor,
                 )  # fmt: skip
-                for site, cls, hi, lo, n in rows:
+                for site, cls, hi, lo, n, _ in rows:
                     problem = None
                     if hi > factor * variance:
-                        problem = f"{name} variances up to {hi:.3g}, the median {variance:.3g}"
+                        problem = (f"{name} variances up to {hi:.3g}, over {factor:g} × "
+                                   f"{variance:.3g} (the median mean norm² / D)")  # fmt: skip
                     elif lo < VARIANCE_FLOOR:
                         problem = f"{name} variances down to {lo:.3g}, below any fit's"
                     elif n > factor * max(norm, 1e-12):
-                        problem = f"{name} means of norm {n:.3g}, the median {norm:.3g}"
+                        problem = f"{name} means of norm {n:.3g}, over {factor:g} × the median"
                     if problem and (site, cls) not in self.rejected:
                         self.rejected.add((site, cls))
-                        self._note(site, REJECTED, f"{problem} (mixture-bound {factor:g})", cls)
+                        self._note(site, REJECTED, problem, cls)
 
     def apply(self, site: str, update: ClientUpdate) -> ClientUpdate | None:
         """Second pass: the update as it may be merged (None: its site is quarantined)."""
