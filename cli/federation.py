@@ -424,6 +424,19 @@ def _print_status(status: Status) -> None:
         out.print(table)
     else:
         say("errors     none in the last steps")
+    if status.findings:
+        table = Table("site", "step", "phase", "class", "what", "why",
+                      title="screened contributions in the last steps")  # fmt: skip
+        for f in status.findings:
+            table.add_row(f.site, str(f.step + 1), f"{f.phase}/{f.round}", f.name or "—",
+                          f.action, f.reason)  # fmt: skip
+        out.print(table)
+    else:
+        say("screening  nothing capped or rejected in the last steps")
+    for site, held in status.quarantine.items():
+        since, why = held.get("step", 0) + 1, held.get("reason", "")
+        say(f"quarantine {site}: kept out since step {since} ({why}); remove it from "
+            "quarantine.json to let it back in")  # fmt: skip
     if status.last_run:
         run = status.last_run
         reason = f" · {run['reason']}" if run.get("reason") else ""

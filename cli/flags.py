@@ -25,6 +25,7 @@ SECTIONS = {
     "backbones": "backbones",
     "training": "training",
     "protocol": "protocol and output",
+    "screening": "screening: what the server believes of a site",
     "command": "this command",
 }
 

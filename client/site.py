@@ -185,7 +185,9 @@ class Site:
         current = self.current(folder, frozen)
         for task in folder.tasks[: None if current is None else current[0]]:
             self.memory.complete(task.name, step)
-        entries, metadata = [], {"site": self.name, "task": ""}
+        test_images = sum(len(paths) for paths in folder.test.values())
+        # what the server bounds this site's evaluation reports by (server/screening.py)
+        entries, metadata = [], {"site": self.name, "task": "", "test-images": str(test_images)}
         if current is not None:
             _, task = current
             metadata["task"] = task.name

@@ -27,11 +27,20 @@ from rich.console import Console
 from starfed.server import folder_lock
 from starfed.server.coordinator import Coordinator, RunLog
 from starfed.server.federation import FAILED, METRICS_FILE, Federation, FederationError
+from starfed.server.robust import MedianStrategy
 from starfed.server.scores import accuracy_matrix, selection_matrix
+from starfed.server.screening import ScreeningOptions
 from starfed.server.strategy import Strategy
 from starfed.server.test_set import ServerTestSet
 from starfed.shared import progress
-from starfed.shared.config import BackboneOptions, ProtocolOptions, parse, run_dir, writable_dir
+from starfed.shared.config import (
+    BackboneOptions,
+    ConfigError,
+    ProtocolOptions,
+    parse,
+    run_dir,
+    writable_dir,
+)
 from starfed.shared.files import write_atomic
 from starfed.shared.metrics import (
     final_average_accuracy,
@@ -72,6 +81,12 @@ def run_server(
     started = time.perf_counter()
     values = parse(run_config)
     protocol = ProtocolOptions.from_config(values)
+    if strategy is not None and protocol.merge != "mean":
+        raise ConfigError(
+            f"merge = {protocol.merge} picks starfed's own strategy; {strategy_name(strategy)} "
+            "merges its own way"
+        )
+    strategy = strategy or (MedianStrategy() if protocol.merge == "median" else None)
     folder = writable_dir(protocol.federation_dir or run_dir(values, run_id), "federation-dir")
     try:
         with folder_lock.locked(folder, f"server run {run_id}"):
@@ -114,6 +129,7 @@ def _run_locked(
     coordinator = Coordinator(
         grid, backbones, train, protocol, federation, console, server_eval,
         strategy=strategy, before_step=before_step,
+        screening=ScreeningOptions.from_config(values),
     )  # fmt: skip
     log = coordinator.run(protocol.max_steps or None)
     metrics = summarize(federation, log, time.perf_counter() - started)

@@ -45,6 +45,7 @@ from starfed.server.federation import (
     StepScores,
 )
 from starfed.server.messaging import Reply, exchange, malformed, reject, update_digest
+from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import ConfigValue, PhaseState, Strategy
 from starfed.shared import progress
 from starfed.shared.codebook import schema, wire
@@ -103,6 +104,7 @@ class Coordinator:
         *,
         strategy: Strategy | None = None,
         before_step: Callable[[int], None] | None = None,
+        screening: ScreeningOptions | None = None,
     ) -> None:
         self.grid = grid
         self.backbones = backbones
@@ -113,8 +115,10 @@ class Coordinator:
         self.server_eval = server_eval
         self.strategy = strategy or Strategy()
         self.before_step = before_step
+        self.screening = screening or ScreeningOptions()
         self.codebook = federation.codebook()
         self.position = federation.position(self.codebook)
+        self.screen = Screen(self.screening, self.position.step)  # the step's: run_step
         self.log = RunLog()
         self.in_play: list[str] = list(self.position.in_play)
         self.sites: dict[int, str] = {}  # node id -> site name (from its enrolment)
@@ -192,6 +196,7 @@ class Coordinator:
             self.before_step(step)
         started, status, reason = time.time(), COMPLETED, ""
         self._steps, self._scores, self._largest = [], None, {}
+        self.screen = Screen(self.screening, step)
         self._node_ids = sorted(self.grid.get_node_ids())
         t0 = time.perf_counter()
         if not self._enrol(step):
@@ -216,8 +221,12 @@ class Coordinator:
             self.grid.get_node_ids()
             status, reason = FAILED, str(err)
             self.console.print(f"[red]step {step + 1} failed: {reason}; rolled back")
-        if status != FAILED and any(e.status != "ok" for e in self._steps):
+        if status != FAILED and (
+            any(e.status != "ok" for e in self._steps) or self.screen.findings
+        ):
             status = DEGRADED
+        if self.screening.quarantine_persists and self.screen.quarantined:
+            self.federation.add_quarantine(self.screen.quarantined, step)
         record = self._record(step, status, reason, started, phase_seconds)
         kept = None if status == FAILED else self.codebook
         self.codebook = self.federation.end_step(record, kept, self.protocol.checkpoints_kept)
@@ -238,7 +247,7 @@ class Coordinator:
             self._print_scores(step)
             return
         carried: set[str] = set()
-        updates = self._updates(replies, spec.phase, carried)
+        updates = self._updates(replies, state, spec.phase, carried)
         aggregate = (self.strategy.aggregate_statistics if spec.phase in STATISTICS
                      else self.strategy.aggregate_train)  # fmt: skip
         codebook = aggregate(spec.phase, updates, state)
@@ -257,6 +266,7 @@ class Coordinator:
         except CodebookError as err:
             self.codebook, self.position = before
             raise StepFailed(self._blame(spec.phase, err)) from None
+        self._leave_quarantined()
 
     def _blame(self, phase: Phase, err: CodebookError) -> str:
         """Why a phase's result cannot be kept: the class and field, and the site whose
@@ -282,6 +292,12 @@ class Coordinator:
                     magnitude = float(value.means.detach().abs().max())
                 if magnitude > self._largest.get(entry.name, (-1.0, "", ""))[0]:
                     self._largest[entry.name] = (magnitude, site, field_name)
+
+    def _leave_quarantined(self) -> None:
+        """Quarantined sites get no more messages in this step."""
+        out = [node for node in self._node_ids if self.sites.get(node) in self.screen.quarantined]
+        if out:
+            self._node_ids = [node for node in self._node_ids if node not in out]
 
     def _checkpoint(self, done: str) -> None:
         finished = tuple(dict.fromkeys((*self.position.done, done)))
@@ -310,6 +326,7 @@ class Coordinator:
             classes=tuple(self.in_play), sites=tuple(sorted(set(self.sites.values()))),
             phase_seconds=tuple(seconds), exchanges=tuple(self._steps),
             codebook_version=self.codebook.version, scores=self._scores, server_eval=server_eval,
+            findings=tuple(self.screen.findings), quarantined=tuple(self.screen.quarantined),
         )  # fmt: skip
 
     def _print_scores(self, step: int) -> None:
@@ -356,10 +373,14 @@ class Coordinator:
         not one per phase; a node with other backbones or a malformed reply sits the step
         out."""
         accepted = sorted(self._decoded(replies, Phase.SYNC), key=lambda r: r[0].node_id)
-        self._node_ids = [entry.node_id for entry, _ in accepted]
         for entry, update in accepted:
             site = update.metadata.get("site") or f"node-{entry.node_id}"
             self.sites[entry.node_id] = entry.site = site
+        accepted = self.screen.enrol(
+            accepted, self.codebook, self.federation.quarantine(), self.protocol.wire_dtype
+        )
+        self._node_ids = [entry.node_id for entry, _ in accepted]
+        for entry, update in accepted:
             self._brings[entry.node_id] = {class_key(e.name) for e in update.entries}
             held = update.base_version
             if 0 < held <= self.codebook.version:
@@ -492,19 +513,33 @@ class Coordinator:
             yield entry, update
 
     def _updates(
-        self, replies: list[Reply], phase: Phase, carried: set[str]
+        self, replies: list[Reply], state: PhaseState, phase: Phase, carried: set[str]
     ) -> Iterator[ClientUpdate]:
-        """The phase's valid updates without rows of classes not in play; the classes they
-        carry are added to ``carried`` as they go by."""
+        """The phase's valid updates without rows of classes not in play, screened
+        (``server.screening``: a first pass measures every row, the second hands the screened
+        updates on, in the same order); the classes they carry are added to ``carried`` as they
+        go by."""
         in_play = set(self.in_play)
+        screen = self.screen.phase(phase, state.round, state.codebook)
+        messages = {entry.node_id: reply for entry, reply in replies}
+        valid = []
         for entry, update in self._decoded(replies, phase):
             stray = [e.name for e in update.entries if e.name not in in_play]
             if stray:
-                logger.info("node %s sent rows of classes not in play: %s", entry.node_id, stray)
-                update = update.only(in_play)
-            carried.update(e.name for e in update.entries)
-            self._note_largest(entry.site, update)
-            yield update
+                logger.info("node %s sent rows of classes not in play: %s", entry.node_id,
+                            stray[:10])  # fmt: skip
+            screen.observe(entry.site, update.only(in_play))
+            valid.append((entry, messages[entry.node_id]))
+        screen.decide()
+        for entry, reply in valid:
+            data = reply.content["update"]["data"]
+            update = wire.decode_update(data, against=self.codebook, phase=phase)
+            screened = screen.apply(entry.site, update.only(in_play))
+            if screened is None:
+                continue
+            carried.update(e.name for e in screened.entries)
+            self._note_largest(entry.site, screened)
+            yield screened
 
     def _reports(
         self, replies: list[Reply], codebook: Codebook
@@ -517,7 +552,8 @@ class Coordinator:
             except (CodebookError, KeyError, TypeError) as err:
                 reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
                 continue
-            yield entry.site, report
+            if self.screen.report(entry, report):
+                yield entry.site, report
 
     def _drop_unfitted(self, codebook: Codebook, phase: Phase) -> Codebook:
         """Classes no site sent statistics for cannot be replayed: unregister them."""

@@ -14,10 +14,12 @@ each run performs aggregation steps over what they bring, continuing where the l
                       newest ``checkpoints-kept`` of them (0: all): what ``repair`` rolls back to
     registry.json     every class: the step that registered it, the sites that brought it, when
     history.jsonl     one ``StepRecord`` per finished step: status, phases, participation,
-                      scores (written and read here only)
+                      screening findings, scores (written and read here only)
     step-end.json     the record of a step being closed, between its commit and its history
                       line (the next run finishes an interrupted close)
     lock.json         the run that writes the folder now (``server.folder_lock``)
+    quarantine.json   sites kept out of later steps (``quarantine-persists``; the operator
+                      deletes an entry to let a site back in)
     metrics.json      the federation's scores after the last server run (``server.app``)
 
 Closing a step has one commit point: ``codebook.bin`` written with the next position. The step's
@@ -62,6 +64,7 @@ PENDING_FILE = "step-end.json"
 REGISTRY_FILE = "registry.json"
 HISTORY_FILE = "history.jsonl"
 METRICS_FILE = "metrics.json"
+QUARANTINE_FILE = "quarantine.json"
 POSITION_KEY = "position"  # codebook metadata key of the protocol position
 COMPLETED, DEGRADED, FAILED = "completed", "degraded", "failed"  # a step's (and a run's) status
 
@@ -119,6 +122,19 @@ class Exchange:
 
 
 @dataclass(frozen=True)
+class Finding:
+    """One contribution the server's screening capped or rejected, or a site it quarantined
+    (``server.screening``): kept in the step's record so an operator sees who did what."""
+
+    site: str
+    phase: str
+    round: int
+    action: str  # capped | rejected | quarantined
+    reason: str
+    name: str = ""  # the class, when the finding is about one class's row
+
+
+@dataclass(frozen=True)
 class PhaseTime:
     """The wall time of one phase round of a step."""
 
@@ -155,6 +171,8 @@ class StepRecord:
     codebook_version: int = 0
     scores: StepScores | None = None  # the sites' evaluation
     server_eval: StepScores | None = None  # the server's test set (``server-test-dir``)
+    findings: tuple[Finding, ...] = ()  # contributions capped or rejected (``server.screening``)
+    quarantined: tuple[str, ...] = ()  # sites excluded from the rest of the step
 
     @property
     def ended(self) -> float:
@@ -173,6 +191,8 @@ class StepRecord:
             "classes": tuple(raw.get("classes", ())), "sites": tuple(raw.get("sites", ())),
             "phase_seconds": tuple(PhaseTime(**p) for p in raw.get("phase_seconds", ())),
             "exchanges": tuple(Exchange(**e) for e in raw.get("exchanges", ())),
+            "findings": tuple(Finding(**f) for f in raw.get("findings", ())),
+            "quarantined": tuple(raw.get("quarantined", ())),
         })  # fmt: skip
 
 
@@ -358,6 +378,20 @@ class Federation:
     def _write_registry(self) -> None:
         registry = {name: asdict(entry) for name, entry in self.registry.items()}
         write_atomic(self.root / REGISTRY_FILE, json.dumps(registry, indent=2).encode())
+
+    def quarantine(self) -> dict[str, dict]:
+        """Sites kept out of later steps: site -> the step and reason that put it there."""
+        held = self._read(QUARANTINE_FILE, {})
+        if not isinstance(held, dict) or not all(isinstance(v, dict) for v in held.values()):
+            raise FederationError(f"{self.root / QUARANTINE_FILE} is damaged: not site -> entry")
+        return held
+
+    def add_quarantine(self, sites: dict[str, str], step: int) -> None:
+        """Keep ``sites`` (site -> why) out of later steps (``quarantine-persists``)."""
+        held = self.quarantine()
+        for site, reason in sites.items():
+            held.setdefault(site, {"step": step, "since": now(), "reason": reason})
+        write_atomic(self.root / QUARANTINE_FILE, json.dumps(held, indent=2).encode())
 
     def history(self) -> list[StepRecord]:
         """One record per finished step, in step order (a record written again wins)."""

@@ -43,13 +43,14 @@ Value = int | float | bool | str
 Values = Mapping[str, Value]
 
 WIRE_DTYPES = ("float32", "float16")
+MERGES = ("mean", "median")  # the default strategy's per-class estimator (server/robust.py)
 RUNTIMES = ("flower", "local")  # `starfed simulate --runtime` (docs/simulation.md)
 ISOLATIONS = ("process", "subprocess")  # `starfed server start --isolation`
 OUTPUT_FORMATS = ("csv", "json")  # `starfed predict --format`
 
 #: Groups whose knobs form Flower's run config; "node" is the node config and "command" holds
 #: options of one command that never travel in a Flower config.
-RUN_GROUPS = ("scenario", "protocol", "training", "backbones")
+RUN_GROUPS = ("scenario", "protocol", "screening", "training", "backbones")
 
 
 class ConfigError(ValueError):
@@ -193,6 +194,27 @@ SCHEMA: tuple[Knob, ...] = (
          ge=1),
     Knob("server-test-dir", str, "", 'a folder of class folders the server also scores each '
          'step on (e.g. a simulation\'s test set); "": none', "protocol", path=True),
+    Knob("merge", str, "mean", "how the default strategy merges a class: mean (weighted by "
+         "examples) or median (coordinate-wise, for classes that 3 or more sites hold)",
+         "protocol", choices=MERGES),
+    # screening: what the server believes of a site (server/screening.py, docs/security.md)
+    Knob("update-bound", float, 20.0, "reject a class's update row whose change from the value "
+         "sent is over this multiple of the phase's median change (per field); 0: no bound",
+         "screening", ge=0),
+    Knob("mixture-bound", float, 1000.0, "reject mixture statistics whose variances or means are "
+         "over this multiple of the phase's median (and variances below any fit's); 0: no bound",
+         "screening", ge=0),
+    Knob("max-class-share", float, 1.0, "the largest share of one site's examples in the merge "
+         "of a class that other sites also hold (counts from the sync); 1: no cap", "screening",
+         gt=0, le=1),
+    Knob("quarantine-after", int, 3, "screening findings after which a site is left out of the "
+         "rest of the step; 0: never", "screening", ge=0),
+    Knob("quarantine-persists", bool, False, "keep a quarantined site out of later steps too "
+         "(until the operator removes it from the federation's quarantine.json)", "screening"),
+    Knob("max-new-classes", int, 1000, "new classes one site may bring in one step (a site "
+         "bringing more sits the step out)", "screening", ge=1),
+    Knob("max-classes", int, 10000, "classes the federation may hold, and the broadcast must "
+         "fit the message limit", "screening", ge=1),
     # training: one task's hyper-parameters (shared/model/training.py: TrainConfig)
     Knob("stage1-epochs", int, 5, "local epochs of stage 1 (per round)", "training", ge=0),
     Knob("stage2-epochs", int, 5, "local epochs of stage 2 (per round)", "training", ge=0),
@@ -393,6 +415,7 @@ class ProtocolOptions(Options):
     fraction_train: float = knob("fraction-train")  # share of sites per training round
     min_train_sites: int = knob("min-train-sites")
     server_test_dir: str | None = knob("server-test-dir", optional)
+    merge: str = knob("merge")  # the default strategy's estimator (server/robust.py)
 
 
 @dataclass(frozen=True)

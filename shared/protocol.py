@@ -56,7 +56,8 @@ UPDATE = "an update: its classes with the fields the phase trains (codebook sche
 ENROLMENT = PhaseSpec(
     Phase.SYNC, "query.sync", False,
     "an update: the classes of its current task with their image counts (names and counts "
-    "only) and the codebook version it holds", None, None,
+    "only), the codebook version it holds and, in its metadata, its site name and test images",
+    None, None,
 )  # fmt: skip
 
 PHASES: tuple[PhaseSpec, ...] = (

@@ -13,6 +13,7 @@ import pytest
 
 from starfed.client import answer
 from starfed.server.app import run_server
+from starfed.server.screening import ScreeningOptions
 from starfed.shared.config import (
     SCHEMA,
     TABLES,
@@ -80,13 +81,22 @@ def _group(name: str) -> set[str]:
 def test_each_group_of_knobs_is_read_by_its_options() -> None:
     assert _knobs_read(ScenarioConfig) == _group("scenario")
     assert _knobs_read(ProtocolOptions) == _group("protocol")
+    assert _knobs_read(ScreeningOptions) == _group("screening")
     # + train-local's single-site ablation (a federation's is its strategy, starfed-no-replay)
     assert _knobs_read(TrainConfig) == _group("training") | {"seed", "generative-replay"}
     assert _knobs_read(BackboneOptions) == _group("backbones") - {"device"}  # load(device)
 
 
 @pytest.mark.parametrize(
-    "options", [ScenarioConfig, ProtocolOptions, TrainConfig, BackboneOptions, LocalRunOptions]
+    "options",
+    [
+        ScenarioConfig,
+        ProtocolOptions,
+        ScreeningOptions,
+        TrainConfig,
+        BackboneOptions,
+        LocalRunOptions,
+    ],
 )
 def test_options_take_defaults_and_values_from_the_knobs(options: type[Options]) -> None:
     """Defaults are the knobs' (as parsed); set every knob to another value and each field

@@ -87,6 +87,9 @@ COLOURS = {
     "offline": "#c62828",
     "registered": "#6d6d6d",
     "unregistered": "#6d6d6d",
+    "capped": "#ef6c00",  # screening findings (server/screening.py)
+    "rejected": "#c62828",
+    "quarantined": "#c62828",
 }
 PHASE_ORDER = [phase.key for phase in Phase]  # the enrolment, then the codebook phases
 
@@ -501,9 +504,23 @@ def _sites(state: State) -> str:
         ((e.site, e.step + 1, f"{e.phase}/{e.round}", e.status) for e in s.errors),
         "none in the last steps",
     )
+    screened = _table(
+        ("site", "step", "phase", "class", "what", "why"),
+        ((f.site, f.step + 1, f"{f.phase}/{f.round}", f.name or None, _badge(f.action),
+          f.reason) for f in s.findings),
+        "nothing capped or rejected in the last steps",
+    )  # fmt: skip
+    quarantine = _table(
+        ("site", "since step", "why"),
+        ((site, held.get("step", 0) + 1, held.get("reason")) for site, held in
+         s.quarantine.items()),
+        "no site is kept out of later steps",
+    )  # fmt: skip
     return _section(
         "sites", table, "<h3>registered keys</h3>", keys, "<h3>refused keys</h3>", refused,
         "<h3>failed exchanges in the last steps</h3>", errors,
+        "<h3>screened contributions in the last steps</h3>", screened,
+        "<h3>quarantined sites</h3>", quarantine,
     )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from starfed.server.federation import (
     HISTORY_FILE,
     IDENTITY_FILE,
     METRICS_FILE,
+    QUARANTINE_FILE,
     REGISTRY_FILE,
     Federation,
     FederationError,
@@ -37,7 +38,7 @@ from starfed.server.ops import flower_runs, sites, superlink
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.processes import ProcessError
 
-RECENT_STEPS = 3  # steps whose failed exchanges count as recent errors
+RECENT_STEPS = 3  # steps whose failed exchanges and screening findings count as recent
 #: What reading a file of the folders may raise when it is damaged or cannot be read.
 UNREADABLE = (
     FederationError,
@@ -71,6 +72,8 @@ class StepRow:
     faa: float | None  # mean accuracy over the arrival steps after this step (%)
     wall_s: float
     finished: str
+    findings: int = 0  # contributions the screening capped or rejected (server/screening.py)
+    quarantined: list[str] = field(default_factory=list)  # sites left out of the step's rest
 
 
 @dataclass
@@ -97,6 +100,19 @@ class ErrorRow:
 
 
 @dataclass
+class FindingRow:
+    """A contribution the server's screening capped or rejected, or a site it quarantined."""
+
+    site: str
+    step: int
+    phase: str
+    round: int
+    action: str  # capped | rejected | quarantined
+    name: str  # the class ("" for a whole reply)
+    reason: str
+
+
+@dataclass
 class Status:
     server_dir: str
     federation_dir: str
@@ -108,6 +124,8 @@ class Status:
     steps: list[StepRow] = field(default_factory=list)
     sites: list[SiteRow] = field(default_factory=list)
     errors: list[ErrorRow] = field(default_factory=list)
+    findings: list[FindingRow] = field(default_factory=list)  # of the last steps
+    quarantine: dict[str, dict] = field(default_factory=dict)  # sites kept out of later steps
     last_run: dict | None = None
     server: dict = field(default_factory=dict)
     runs: list[dict] = field(default_factory=list)  # unfinished runs on the SuperLink
@@ -279,6 +297,13 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
         for e in record.exchanges
         if e.status != "ok"
     ]
+    status.findings = [
+        FindingRow(f.site, record.step, f.phase, f.round, f.action, f.name, f.reason)
+        for record in history
+        if record.step in recent
+        for f in record.findings
+    ]
+    status.quarantine = _guarded(status, root / QUARANTINE_FILE, federation.quarantine, {})
     metrics = root / METRICS_FILE
     status.last_run = _guarded(status, metrics, lambda: _last_run(metrics), None)
     return history
@@ -320,6 +345,8 @@ def _step(record: StepRecord) -> StepRow:
         _number(record.scores.mean_accuracy if record.scores else None),
         record.wall_s,
         _when(record.ended),
+        len([f for f in record.findings if f.action != "quarantined"]),
+        list(record.quarantined),
     )
 
 

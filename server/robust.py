@@ -1,0 +1,60 @@
+"""A robust per-class merge: the coordinate-wise median of the sites that hold a class.
+
+starfed's strategy averages a class over its holders weighted by their examples, so one site
+that holds a class with others moves it by its own rows as far as its weight allows — with
+consistent lies about its own data (docs/security.md), as far as it likes. When three or more
+sites hold a class, the coordinate-wise median of their rows ignores any one of them, whatever
+its count: ``merge = median`` in the run config makes this the default strategy. Classes held
+by one or two sites, and every mixture, merge as in ``Strategy``.
+
+The median needs every row of the class at once, so unlike the streamed mean this strategy
+holds the tensor rows of a phase's classes until its end: memory grows with the sites that
+hold a class, not only with the classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from starfed.server.strategy import PhaseState, Strategy
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.codebook.merge import MergeAccumulator
+from starfed.shared.codebook.mixture import GaussianMixture
+
+MIN_HOLDERS = 3  # below this, a median is no more robust than a mean
+
+
+class MedianStrategy(Strategy):
+    """``Strategy`` with the coordinate-wise median of the tensor rows of every class that at
+    least ``MIN_HOLDERS`` updates carry."""
+
+    @staticmethod
+    def merge(updates: Iterable[ClientUpdate], state: PhaseState) -> Codebook:
+        """Tensor rows are held per class until the end; the classes with enough holders get
+        one row, their median, with their summed count; the rest merge as in ``Strategy``."""
+        held = list(updates)
+        rows: dict[str, list[ClassEntry]] = {}
+        for update in held:
+            for entry in update.entries:
+                if not any(isinstance(v, GaussianMixture) for v in entry.values.values()):
+                    rows.setdefault(entry.name, []).append(entry)
+        robust = {name for name, entries in rows.items() if len(entries) >= MIN_HOLDERS}
+        merge = MergeAccumulator(state.codebook, n_components=state.train.mixture_components)
+        for update in held:
+            merge.add(update.only({e.name for e in update.entries} - robust))
+        medians = []
+        for name in sorted(robust):
+            entries = rows[name]
+            values = {  # the lower of the two middle rows for an even number of holders
+                field: torch.stack([e.values[field] for e in entries]).median(dim=0).values
+                for field in entries[0].values
+            }
+            medians.append(ClassEntry(name, sum(e.count for e in entries), values))
+        if medians:
+            first = held[0]
+            merge.add(ClientUpdate(first.fingerprint, first.dims, first.phase,
+                                   first.base_version, tuple(medians)))  # fmt: skip
+        return merge.result()

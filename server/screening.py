@@ -1,0 +1,359 @@
+"""What the server believes of a site: every reply screened before the strategy sees it.
+
+Decoding (``wire.decode_update``) proves that a reply is well formed; it says nothing about
+whether its numbers are plausible. A site could claim a million examples of a class it shares
+with others and so own the class's merge, send rows for classes it never said it holds, send
+tensors a million times too large, or register eighteen thousand classes so that the next
+broadcast no longer fits the message limit and the step fails for everyone. The ``Screen`` of a
+step holds each site to what it can show (docs/security.md):
+
+- **at the sync** (``enrol``): a site name once per step, counts a class could have, a bounded
+  number of new classes per site and in all (and a whole-codebook broadcast that fits the
+  message limit); sites the operator's quarantine names sit out.
+- **in a codebook phase** (``PhaseScreen``): the count of a row capped by what the site
+  reported for that class at the sync (and, with ``max-class-share``, by its share of the
+  class's sync counts); rows for classes it did not report rejected; a row whose change from
+  the value the phase was sent with is beyond ``update-bound`` times the phase's median change
+  of that field rejected; mixtures whose variances or means are over ``mixture-bound`` times
+  the phase's medians, or whose variances are below any fit's, rejected. The bounds are
+  learned from the replies themselves, so a phase is read twice: a first pass measures every
+  row, a second hands the screened updates on.
+- **in the evaluation** (``report``): a report of more images than the site said at the sync
+  it holds is rejected.
+
+Every cap and rejection is a ``Finding`` in the step's record; a site with ``quarantine-after``
+findings is left out of the rest of the step (and, with ``quarantine-persists``, of later
+steps), and the step ends ``degraded``. Honest sites are not touched by the defaults: their
+counts never exceed what they reported, and their changes stay within a small factor of the
+median (the default simulation's largest ratio is in docs/security.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from starfed.server.federation import Finding
+from starfed.server.messaging import reject
+from starfed.shared import progress
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
+from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
+from starfed.shared.config import Options, knob
+from starfed.shared.data.site_folder import class_key
+from starfed.shared.protocol import Phase
+from starfed.shared.report import EvaluationReport
+
+logger = logging.getLogger(__name__)
+
+#: Images of one class at one site, at most: far beyond any real site, and a sum of such counts
+#: over any number of sites a federation can have stays inside the wire's 64-bit counts.
+MAX_IMAGES = 2**31 - 1
+#: Share of the message limit a whole-codebook broadcast may fill: the rest is headroom for the
+#: metadata and for the protobuf framing the per-class estimate leaves out.
+BROADCAST_SHARE = 0.9
+ENTRY_OVERHEAD = 512  # bytes of one broadcast entry besides its tensors: name, tags, versions
+TEST_IMAGES_KEY = "test-images"  # sync metadata: the test images a site holds
+CAPPED, REJECTED, QUARANTINED = "capped", "rejected", "quarantined"
+#: No fitted variance is below the fitting's regularisation, which is added to every variance;
+#: half of it leaves room for rounding.
+VARIANCE_FLOOR = DEFAULT_REG / 2
+
+
+@dataclass(frozen=True)
+class ScreeningOptions(Options):
+    """The operator's bounds on what one site can do (knobs; docs/federation.md)."""
+
+    update_bound: float = knob("update-bound")
+    mixture_bound: float = knob("mixture-bound")
+    max_class_share: float = knob("max-class-share")
+    quarantine_after: int = knob("quarantine-after")
+    quarantine_persists: bool = knob("quarantine-persists")
+    max_new_classes: int = knob("max-new-classes")
+    max_classes: int = knob("max-classes")
+
+
+@dataclass
+class Enrolled:
+    """What one site said at the sync: images per class key, and its test images (0 when it
+    did not say, or said something that is no count: its reports then count no image)."""
+
+    counts: dict[str, int]
+    test_images: int
+
+
+def broadcast_bytes_per_class(codebook: Codebook, wire_dtype: str) -> int:
+    """An upper estimate of one class's bytes in a whole-codebook broadcast."""
+    itemsize = torch.empty((), dtype=getattr(torch, wire_dtype)).element_size()
+    fields = (f for f in schema.FIELDS if f.name in schema.BROADCAST)
+    return ENTRY_OVERHEAD + sum(math.prod(f.shape(codebook.dims)) * itemsize for f in fields)
+
+
+class Screen:
+    """One step's screening: what each site enrolled with, the findings, who is quarantined."""
+
+    def __init__(self, options: ScreeningOptions, step: int) -> None:
+        self.options = options
+        self.step = step
+        self.enrolled: dict[str, Enrolled] = {}  # site -> its sync
+        self.findings: list[Finding] = []
+        self.quarantined: dict[str, str] = {}  # site -> why
+
+    # --- findings -------------------------------------------------------------------------
+
+    def note(self, site: str, phase: str, round_index: int, action: str, reason: str,
+             name: str = "") -> None:  # fmt: skip
+        """Record one finding; a site reaching ``quarantine-after`` findings is quarantined."""
+        self.findings.append(Finding(site, phase, round_index, action, reason, name))
+        logger.warning("screening: %s %s of %s%s: %s", action, phase, site,
+                       f" ({name[:60]})" if name else "", reason)  # fmt: skip
+        limit = self.options.quarantine_after
+        if limit and site not in self.quarantined:
+            mine = sum(f.site == site and f.action != QUARANTINED for f in self.findings)
+            if mine >= limit:
+                why = f"{progress.counted(mine, 'finding')} in step {self.step + 1}"
+                self.quarantined[site] = why
+                self.findings.append(Finding(site, phase, round_index, QUARANTINED, why))
+                logger.warning("screening: %s is quarantined for the rest of the step (%s)",
+                               site, why)  # fmt: skip
+
+    # --- the sync -------------------------------------------------------------------------
+
+    def enrol(self, accepted: list, codebook: Codebook, held: Mapping[str, dict],
+              wire_dtype: str) -> list:  # fmt: skip
+        """The enrolments (``(Exchange, ClientUpdate)`` by node id) that may take part: sites
+        ``held`` in quarantine, a second node with a taken name, impossible counts and too many
+        new classes are rejected (the site sits the step out), each with a finding."""
+        kept, names = [], {}
+        for entry, update in accepted:
+            site = entry.site
+            problem = None
+            if site in held:
+                problem = f"quarantined since step {held[site].get('step', 0) + 1}: " + str(
+                    held[site].get("reason", "")
+                )
+            elif site in names:
+                problem = f"site name {site!r} is taken in this step by node {names[site]}"
+            else:
+                over = next((e for e in update.entries if e.count > MAX_IMAGES), None)
+                if over is not None:
+                    problem = f"claims {over.count} images of one class (at most {MAX_IMAGES})"
+            if problem:
+                # a taken name is not the node's to be recorded under: its finding must not
+                # count against the site that holds the name
+                taken = site in names and site not in held
+                self._reject(entry, problem, f"node-{entry.node_id}" if taken else site)
+                continue
+            names[site] = entry.node_id
+            kept.append((entry, update))
+        return self._bound_registration(kept, codebook, wire_dtype)
+
+    def _bound_registration(self, accepted: list, codebook: Codebook, wire_dtype: str) -> list:
+        """Sites whose new classes exceed ``max-new-classes``, then — the largest bringers
+        first — those whose new classes would take the federation past ``max-classes`` or its
+        broadcast past the message limit, are rejected."""
+        known = {class_key(name) for name in codebook.names}
+        per_class = broadcast_bytes_per_class(codebook, wire_dtype)
+        fit = int(BROADCAST_SHARE * DEFAULT_MAX_BYTES) // per_class
+        limit = min(self.options.max_classes, fit)
+        brings: dict[int, set[str]] = {}
+        kept = []
+        for entry, update in accepted:
+            new = {class_key(e.name) for e in update.entries} - known
+            if len(new) > self.options.max_new_classes:
+                self._reject(
+                    entry,
+                    f"brings {len(new)} new classes, at most "
+                    f"{self.options.max_new_classes} per site and step (max-new-classes)",
+                )
+                continue  # fmt: skip
+            brings[entry.node_id] = new
+            kept.append((entry, update))
+        while len(known | set().union(*brings.values())) > limit:
+            node = max(brings, key=lambda n: (len(brings[n]), n))
+            entry = next(e for e, _ in kept if e.node_id == node)
+            why = ("max-classes" if limit == self.options.max_classes
+                   else f"a broadcast over {BROADCAST_SHARE:.0%} of the message limit")  # fmt: skip
+            self._reject(entry, f"its {len(brings.pop(node))} new classes would take the "
+                         f"federation past {limit} classes ({why})")  # fmt: skip
+            kept = [(e, u) for e, u in kept if e.node_id != node]
+        for entry, update in kept:
+            raw = update.metadata.get(TEST_IMAGES_KEY, "")
+            test = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
+            counts = {class_key(e.name): e.count for e in update.entries}
+            self.enrolled[entry.site] = Enrolled(counts, test)
+        return kept
+
+    def _reject(self, entry, reason: str, site: str | None = None) -> None:
+        reject(entry, reason)
+        self.note(site or entry.site, entry.phase, entry.round, REJECTED, reason)
+
+    # --- codebook phases ------------------------------------------------------------------
+
+    def phase(self, phase: Phase, round_index: int, codebook: Codebook) -> PhaseScreen:
+        return PhaseScreen(self, phase, round_index, codebook)
+
+    def caps(self, site: str) -> dict[str, int]:
+        """The count each class of ``site`` may carry: what it reported at the sync, and with
+        ``max-class-share`` < 1 at most that share of the class's sync counts over sites."""
+        mine = self.enrolled.get(site, Enrolled({}, 0)).counts
+        share = self.options.max_class_share
+        caps = dict(mine)
+        if share < 1:
+            for key, count in mine.items():
+                others = sum(e.counts.get(key, 0) for s, e in self.enrolled.items() if s != site)
+                if others:  # share x of the total: others * x / (1 - x), rounding forgiven
+                    bound = math.floor(share / (1 - share) * others + 1e-9)
+                    caps[key] = min(count, max(1, bound))
+        return caps
+
+    # --- the evaluation -------------------------------------------------------------------
+
+    def report(self, entry, report: EvaluationReport) -> bool:
+        """Whether a site's evaluation report may count: no more images than it holds."""
+        if entry.site in self.quarantined:
+            return False
+        images = sum(score.images for score in report.classes)
+        held = self.enrolled.get(entry.site, Enrolled({}, 0)).test_images
+        if images > held:
+            self._reject(entry, f"reports {images} test images, holds {held} (its sync)")
+            return False
+        return True
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+@dataclass
+class _Rows:
+    """What the first pass measured: per field, each row's change; per mixture field, each
+    row's largest variance of a component (averaged over dimensions), its smallest variance,
+    the largest norm of a component's mean, and the dimension."""
+
+    changes: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
+    mixtures: dict[str, list[tuple[str, str, float, float, float, int]]] = field(
+        default_factory=dict
+    )
+
+
+class PhaseScreen:
+    """One phase round's screening: ``observe`` every decoded update (first pass), ``decide``,
+    then ``apply`` to each again (second pass, same order)."""
+
+    def __init__(self, screen: Screen, phase: Phase, round_index: int, codebook: Codebook):
+        self.screen = screen
+        self.phase = phase
+        self.round = round_index
+        self.codebook = codebook
+        self.rows = _Rows()
+        self.rejected: set[tuple[str, str]] = set()  # (site, class)
+        self.capped: dict[tuple[str, str], int] = {}  # (site, class) -> count
+
+    def _note(self, site: str, action: str, reason: str, name: str = "") -> None:
+        self.screen.note(site, self.phase.key, self.round, action, reason, name)
+
+    def observe(self, site: str, update: ClientUpdate) -> None:
+        """First pass: check counts and classes against the sync; measure every row."""
+        if site in self.screen.quarantined:
+            return
+        caps = self.screen.caps(site)
+        for entry in update.entries:
+            key = (site, entry.name)
+            cap = caps.get(class_key(entry.name))
+            if cap is None:
+                self.rejected.add(key)
+                self._note(site, REJECTED, "a class it did not report at the sync", entry.name)
+                continue
+            counts = [entry.count] + [
+                v.count for v in entry.values.values() if isinstance(v, GaussianMixture)
+            ]
+            if max(counts) > cap:
+                self.capped[key] = cap
+                synced = self.screen.enrolled[site].counts[class_key(entry.name)]
+                why = f"its sync reported {synced}" if cap == synced else "max-class-share"
+                self._note(site, CAPPED, f"count {max(counts)} capped at {cap} ({why})",
+                           entry.name)  # fmt: skip
+            sent = self.codebook[entry.name].values
+            for name, value in entry.values.items():
+                if isinstance(value, GaussianMixture):
+                    self.rows.mixtures.setdefault(name, []).append((
+                        site, entry.name, float(value.variances.mean(1).max()),
+                        float(value.variances.min()), float(value.means.norm(dim=1).max()),
+                        value.dim,
+                    ))  # fmt: skip
+                elif name in sent:
+                    change = float((value.double() - sent[name].double()).norm())
+                    self.rows.changes.setdefault(name, []).append((site, entry.name, change))
+
+    def decide(self) -> None:
+        """The bounds from the medians of what was observed; the rows beyond them rejected."""
+        bound = self.screen.options.update_bound
+        if bound:
+            for name, rows in self.rows.changes.items():
+                median = _median([change for *_, change in rows])
+                largest = max(change for *_, change in rows)
+                logger.info("screening %s/%d %s: largest change %.3g × the median (bound %g)",
+                            self.phase.key, self.round, name, largest / max(median, 1e-300),
+                            bound)  # fmt: skip
+                for site, cls, change in rows:
+                    if change > bound * median and (site, cls) not in self.rejected:
+                        self.rejected.add((site, cls))
+                        self._note(site, REJECTED, f"{name} changed by {change:.3g}, over "
+                                   f"{bound:g} × the median {median:.3g}", cls)  # fmt: skip
+        factor = self.screen.options.mixture_bound
+        if factor:
+            for name, rows in self.rows.mixtures.items():
+                # Features of norm about r spread by at most about r² / D per dimension, so the
+                # median norm of the means bounds plausible variances; a median of variances
+                # would not (sites with few images fit components at the variance floor).
+                norm = _median([r[4] for r in rows])
+                variance = max(norm**2 / rows[0][5], DEFAULT_REG)
+                logger.info(
+                    "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g × the "
+                    "median, smallest variance %.3g (bound %g)", self.phase.key, name,
+                    max(r[2] for r in rows) / variance, max(r[4] for r in rows) / max(norm, 1e-12),
+                    min(r[3] for r in rows), factor,
+                )  # fmt: skip
+                for site, cls, hi, lo, n, _ in rows:
+                    problem = None
+                    if hi > factor * variance:
+                        problem = (f"{name} variances up to {hi:.3g}, over {factor:g} × "
+                                   f"{variance:.3g} (the median mean norm² / D)")  # fmt: skip
+                    elif lo < VARIANCE_FLOOR:
+                        problem = f"{name} variances down to {lo:.3g}, below any fit's"
+                    elif n > factor * max(norm, 1e-12):
+                        problem = f"{name} means of norm {n:.3g}, over {factor:g} × the median"
+                    if problem and (site, cls) not in self.rejected:
+                        self.rejected.add((site, cls))
+                        self._note(site, REJECTED, problem, cls)
+
+    def apply(self, site: str, update: ClientUpdate) -> ClientUpdate | None:
+        """Second pass: the update as it may be merged (None: its site is quarantined)."""
+        if site in self.screen.quarantined:
+            return None
+        entries = []
+        for entry in update.entries:
+            key = (site, entry.name)
+            if key in self.rejected:
+                continue
+            if key in self.capped:
+                entry = _capped(entry, self.capped[key])
+            entries.append(entry)
+        return replace(update, entries=tuple(entries))
+
+
+def _capped(entry, cap: int):
+    """The entry with its count, and its mixtures' counts, at most ``cap``."""
+    values = {
+        name: replace(value, count=min(value.count, cap))
+        if isinstance(value, GaussianMixture) else value
+        for name, value in entry.values.items()
+    }  # fmt: skip
+    return replace(entry, count=min(entry.count, cap), values=values)

@@ -1,0 +1,134 @@
+"""The screening's rules and the median strategy on small synthetic updates (no training).
+
+tests/test_adversarial.py drives the same through real sites; here each rule is pinned down
+where its numbers are easy to check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from starfed.server.federation import Exchange
+from starfed.server.robust import MedianStrategy
+from starfed.server.screening import Screen, ScreeningOptions
+from starfed.server.strategy import PhaseState, Strategy
+from starfed.shared.codebook.codebook import ClientUpdate
+from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.model.training import TrainConfig
+from starfed.shared.protocol import Phase
+
+
+def _update(codebook, rows: dict[str, tuple[float, int]], phase=Phase.STAGE1) -> ClientUpdate:
+    """An update whose prompt of each class is the sent prompt plus ``shift``, with ``count``."""
+    entries = [
+        ClassEntry(name, count, {"prompt": codebook[name].values["prompt"] + shift})
+        for name, (shift, count) in rows.items()
+    ]
+    return ClientUpdate(codebook.fingerprint, codebook.dims, phase, codebook.version, entries)
+
+
+def _state(codebook) -> PhaseState:
+    return PhaseState(0, 0, codebook, tuple(codebook.names), {}, None, TrainConfig())
+
+
+def _sync(codebook, counts: dict[str, int]) -> ClientUpdate:
+    entries = [ClassEntry(name, count) for name, count in counts.items()]
+    return ClientUpdate(codebook.fingerprint, codebook.dims, Phase.SYNC, 0, entries)
+
+
+def _enrolled(screen: Screen, codebook, sites: dict[str, dict[str, int]]) -> None:
+    accepted = [
+        (Exchange(0, "sync", 0, node, site, 0), _sync(codebook, counts))
+        for node, (site, counts) in enumerate(sites.items(), start=1)
+    ]
+    kept = screen.enrol(accepted, codebook, {}, "float32")
+    assert len(kept) == len(sites)
+
+
+def test_the_median_of_three_holders_ignores_one_outlier(make_codebook) -> None:
+    codebook = make_codebook(n_classes=2)
+    first, second = codebook.names
+    updates = [
+        _update(codebook, {first: (1.0, 10), second: (1.0, 10)}),
+        _update(codebook, {first: (2.0, 10), second: (3.0, 30)}),
+        _update(codebook, {first: (100.0, 10**6)}),
+    ]
+    merged = MedianStrategy.merge(iter(updates), _state(codebook))
+    sent = codebook[first].values["prompt"]
+    assert torch.allclose(merged[first].values["prompt"], sent + 2.0)
+    assert merged[first].count == 10 + 10 + 10**6
+    # two holders: the count-weighted mean, as starfed's strategy
+    mean = Strategy.merge(iter(updates[:2]), _state(codebook))
+    assert torch.equal(merged[second].values["prompt"], mean[second].values["prompt"])
+
+
+def test_counts_are_capped_by_the_sync_and_the_share_of_the_others(make_codebook) -> None:
+    codebook = make_codebook(n_classes=1)
+    (name,) = codebook.names
+    screen = Screen(ScreeningOptions(max_class_share=0.5), step=0)
+    _enrolled(screen, codebook, {"a": {name: 10}, "b": {name: 10}, "m": {name: 1000}})
+    assert screen.caps("m") == {name: 20}  # half of the class: as much as a and b together
+    assert screen.caps("a") == {name: 10}
+    phase = screen.phase(Phase.STAGE1, 0, codebook)
+    update = _update(codebook, {name: (0.1, 10**9)})
+    phase.observe("m", update)
+    phase.decide()
+    assert phase.apply("m", update).entries[0].count == 20
+    assert [(f.site, f.action) for f in screen.findings] == [("m", "capped")]
+
+
+def test_a_change_beyond_the_bound_is_rejected_and_enough_findings_quarantine(
+    make_codebook,
+) -> None:
+    codebook = make_codebook(n_classes=3)
+    screen = Screen(ScreeningOptions(update_bound=20, quarantine_after=3), step=0)
+    sites = {site: dict.fromkeys(codebook.names, 10) for site in "abm"}
+    _enrolled(screen, codebook, sites)
+    phase = screen.phase(Phase.STAGE1, 0, codebook)
+    updates = {
+        "a": _update(codebook, dict.fromkeys(codebook.names, (0.1, 10))),
+        "b": _update(codebook, dict.fromkeys(codebook.names, (0.2, 10))),
+        "m": _update(codebook, dict.fromkeys(codebook.names, (1e6, 10))),
+    }
+    for site, update in updates.items():
+        phase.observe(site, update)
+    phase.decide()
+    for site in "ab":
+        assert phase.apply(site, updates[site]).entries == updates[site].entries
+    assert phase.apply("m", updates["m"]) is None  # three rows rejected: quarantined
+    actions = [(f.site, f.action) for f in screen.findings]
+    assert actions == [("m", "rejected")] * 3 + [("m", "quarantined")]
+    assert screen.quarantined == {"m": "3 findings in step 1"}
+
+
+@pytest.mark.parametrize(
+    ("options", "claimed", "why"),
+    [
+        (ScreeningOptions(max_new_classes=5), 6, "at most 5 per site and step"),
+        (ScreeningOptions(max_classes=4), 5, "past 4 classes (max-classes)"),
+    ],
+)
+def test_registration_is_bounded_per_site_and_in_all(make_codebook, options, claimed, why) -> None:
+    codebook = make_codebook(n_classes=0)
+    screen = Screen(options, step=0)
+    honest = (Exchange(0, "sync", 0, 1, "a", 0), _sync(codebook, {"x": 3}))
+    greedy = _sync(codebook, {f"new {i}": 1 for i in range(claimed)})
+    entry = Exchange(0, "sync", 0, 2, "m", 0)
+    kept = screen.enrol([honest, (entry, greedy)], codebook, {}, "float32")
+    assert [e.site for e, _ in kept] == ["a"]
+    assert entry.status.startswith("rejected") and why in entry.status
+
+
+def test_a_count_beyond_any_site_and_a_taken_name_sit_the_step_out(make_codebook) -> None:
+    codebook = make_codebook(n_classes=0)
+    screen = Screen(ScreeningOptions(), step=0)
+    sites = ((1, "a", 3), (2, "a", 3), (3, "m", 2**63 - 1))
+    entries = [Exchange(0, "sync", 0, node, site, 0) for node, site, _ in sites]
+    syncs = [_sync(codebook, {f"class {node}": count}) for node, _, count in sites]
+    kept = screen.enrol(list(zip(entries, syncs, strict=True)), codebook, {}, "float32")
+    assert [e.node_id for e, _ in kept] == [1]
+    assert "taken in this step by node 1" in entries[1].status
+    assert [f.site for f in screen.findings] == ["node-2", "m"]
+    assert "claims 9223372036854775807 images of one class" in entries[2].status
+    assert screen.enrolled["a"].counts == {"class_1": 3} and screen.enrolled["a"].test_images == 0
