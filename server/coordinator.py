@@ -43,7 +43,15 @@ from starfed.server.federation import (
     StepRecord,
     StepScores,
 )
-from starfed.server.messaging import Reply, exchange, malformed, reject, update_digest
+from starfed.server.messaging import (
+    Reply,
+    exchange,
+    malformed,
+    note_privacy,
+    refused_classes,
+    reject,
+    update_digest,
+)
 from starfed.server.strategy import ConfigValue, PhaseState, Strategy
 from starfed.shared import progress
 from starfed.shared.codebook import schema, wire
@@ -214,7 +222,7 @@ class Coordinator:
             self.grid.get_node_ids()
             status, reason = FAILED, str(err)
             self.console.print(f"[red]step {step + 1} failed: {reason}; rolled back")
-        if status != FAILED and any(e.status != "ok" for e in self._steps):
+        if status != FAILED and any(e.failed for e in self._steps):
             status = DEGRADED
         record = self._record(step, status, reason, started, phase_seconds)
         kept = None if status == FAILED else self.codebook
@@ -454,7 +462,8 @@ class Coordinator:
             try:
                 data = reply.content["update"]["data"]
                 update = wire.decode_update(data, against=self.codebook, phase=phase)
-            except (CodebookError, KeyError, TypeError) as err:
+                note_privacy(entry, update)
+            except (CodebookError, KeyError, TypeError, ValueError) as err:
                 reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
                 continue
             yield entry, update
@@ -471,6 +480,7 @@ class Coordinator:
                 logger.info("node %s sent rows of classes not in play: %s", entry.node_id, stray)
                 update = update.only(in_play)
             carried.update(e.name for e in update.entries)
+            carried.update(refused_classes(update))  # answered: kept as they are
             yield update
 
     def _reports(
