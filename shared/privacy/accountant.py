@@ -21,7 +21,7 @@ MAX_NOISE_MULTIPLIER = 100.0
 #: The smallest noise multiplier searched (a budget so large that less noise would do).
 MIN_NOISE_MULTIPLIER = 0.05
 #: How close the calibrated noise multiplier is to the smallest that fits the budget.
-TOLERANCE = 1e-4
+TOLERANCE = 1e-6
 
 
 def event(noise_multipliers: Sequence[float]) -> dp_accounting.DpEvent:
