@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.config import Options, Values, knob
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.training import MixtureFit
 from starfed.shared.privacy import accountant
@@ -47,31 +48,26 @@ STATISTICS = (Phase.STAGE1_STATS, Phase.STAGE2_STATS)
 
 
 @dataclass(frozen=True)
-class PrivacySetting:
+class PrivacySetting(Options):
     """The target (ε, δ), the clipping bounds, and the rounds a class's task plans."""
 
-    epsilon: float
-    delta: float
-    clip_radius: float  # CLIP features: × √dim, about a mid-gray image's feature
-    vit_radius: float  # ViT features: × √dim, about the origin
-    stage1_clip: float
-    stage2_clip: float
-    stage1_rounds: int
-    stage2_rounds: int
+    epsilon: float = knob("privacy-epsilon")
+    delta: float = knob("privacy-delta")
+    clip_radius: float = knob("privacy-clip-radius")  # × √dim, about a mid-gray image's feature
+    vit_radius: float = knob("privacy-vit-radius")  # × √dim, about the origin
+    stage1_clip: float = knob("privacy-stage1-clip")
+    stage2_clip: float = knob("privacy-stage2-clip")
+    stage1_rounds: int = knob("stage1-rounds")
+    stage2_rounds: int = knob("stage2-rounds")
 
     @classmethod
-    def of(cls, run: Mapping[str, object], node: Mapping[str, object]) -> PrivacySetting | None:
+    def of(cls, run: Values, node: Values) -> PrivacySetting | None:
         """The setting from parsed run and node configs (a node's own target wins); None when
         off."""
-        epsilon = float(node["privacy-epsilon"] or run["privacy-epsilon"])
-        if not epsilon:
-            return None
-        return cls(
-            epsilon, float(node["privacy-delta"] or run["privacy-delta"]),
-            float(run["privacy-clip-radius"]), float(run["privacy-vit-radius"]),
-            float(run["privacy-stage1-clip"]), float(run["privacy-stage2-clip"]),
-            int(run["stage1-rounds"]), int(run["stage2-rounds"]),
-        )  # fmt: skip
+        setting = cls.from_config(run)
+        epsilon = float(node["privacy-epsilon"]) or setting.epsilon
+        delta = float(node["privacy-delta"]) or setting.delta
+        return replace(setting, epsilon=epsilon, delta=delta) if epsilon else None
 
     def releases_left(self, phase: Phase, round_index: int = 0) -> int:
         """Releases of a class from this one to the end of its task: its count, the stage-1

@@ -49,7 +49,7 @@ OUTPUT_FORMATS = ("csv", "json")  # `starfed predict --format`
 
 #: Groups whose knobs form Flower's run config; "node" is the node config and "command" holds
 #: options of one command that never travel in a Flower config.
-RUN_GROUPS = ("scenario", "protocol", "training", "backbones")
+RUN_GROUPS = ("scenario", "protocol", "training", "privacy", "backbones")
 
 
 class ConfigError(ValueError):
@@ -203,16 +203,16 @@ SCHEMA: tuple[Knob, ...] = (
          "selection's confidence", "training"),
     # differential privacy of what a site releases (docs/security.md#differential-privacy)
     Knob("privacy-epsilon", float, 0.0, "each site's target epsilon for one training image "
-         "over the federation's life; 0: off (no noise)", "training", ge=0),
-    Knob("privacy-delta", float, 1e-5, "each site's target delta", "training", gt=0, le=0.1),
+         "over the federation's life; 0: off (no noise)", "privacy", ge=0),
+    Knob("privacy-delta", float, 1e-5, "each site's target delta", "privacy", gt=0, le=0.1),
     Knob("privacy-clip-radius", float, 0.4, "CLIP features are clipped to this radius x "
-         "sqrt(dim) about a mid-gray image's feature", "training", gt=0),
+         "sqrt(dim) about a mid-gray image's feature", "privacy", gt=0),
     Knob("privacy-vit-radius", float, 1.0, "ViT features are clipped to this radius x sqrt(dim) "
-         "about the origin", "training", gt=0),
+         "about the origin", "privacy", gt=0),
     Knob("privacy-stage1-clip", float, 0.02, "L2 bound of one class's stage-1 update (prompt)",
-         "training", gt=0),
+         "privacy", gt=0),
     Knob("privacy-stage2-clip", float, 0.05, "L2 bound of one class's stage-2 update (query "
-         "prompt and weights, head row)", "training", gt=0),
+         "prompt and weights, head row)", "privacy", gt=0),
     # backbones: the frozen pair every participant loads (fingerprints must match)
     Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
     Knob("device", str, "auto", "where the server and simulated sites compute: auto (the GPU "
