@@ -27,6 +27,7 @@ from dp_accounting.rdp import RdpAccountant
 from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.client.memory import SiteMemory
+from starfed.client.ops.supernode import SiteOptions
 from starfed.client.privacy import PrivacySetting, PrivateReleases
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE
@@ -178,6 +179,16 @@ def test_setting_comes_from_the_node_before_the_run():
     node = parse({"privacy-epsilon": 2.0, "privacy-delta": 1e-6}, "node-config")
     own = PrivacySetting.of(run, node)
     assert (own.epsilon, own.delta) == (2.0, 1e-6)
+
+
+def test_site_start_puts_its_own_target_in_the_node_config(tmp_path):
+    options = SiteOptions("127.0.0.1:9092", tmp_path, tmp_path / "state", "clinic",
+                          privacy=(2.0, 1e-6))  # fmt: skip
+    node = parse(options.node_config(), "node-config")
+    own = PrivacySetting.of(parse({}), node)
+    assert (own.epsilon, own.delta) == (2.0, 1e-6)
+    off = SiteOptions("127.0.0.1:9092", tmp_path, tmp_path / "state", "clinic")
+    assert "privacy-epsilon" not in off.node_config()
 
 
 # --- federations --------------------------------------------------------------------------------
