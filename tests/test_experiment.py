@@ -61,7 +61,7 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 
 def test_shipped_grids_are_valid() -> None:
     shipped = grids.shipped_grids()
-    assert set(shipped) == {"default", "sites", "alpha", "arrival", "gap"}
+    assert set(shipped) == {"default", "sites", "alpha", "arrival", "gap", "privacy"}
     default = grids.load("default")
     assert default.seeds == (1993, 1996, 1997)
     assert default.methods == (

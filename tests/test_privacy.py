@@ -40,6 +40,7 @@ from starfed.shared.data.site_folder import class_key
 from starfed.shared.privacy import accountant
 from starfed.shared.privacy.mechanisms import MOMENTS_SENSITIVITY, private_gaussian
 from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, Phase
+from starfed.simulations import grid as grids
 from starfed.simulations.local_grid import LocalGrid
 from starfed.simulations.simulated_sites import SimulatedSites
 
@@ -189,6 +190,17 @@ def test_site_start_puts_its_own_target_in_the_node_config(tmp_path):
     assert (own.epsilon, own.delta) == (2.0, 1e-6)
     off = SiteOptions("127.0.0.1:9092", tmp_path, tmp_path / "state", "clinic")
     assert "privacy-epsilon" not in off.node_config()
+
+
+def test_privacy_grid_sweeps_epsilon_over_the_default_scenario():
+    grid = grids.load("privacy")
+    assert grid.seeds == (1993, 1996, 1997) and grid.methods == ("starfed",)
+    assert [s.values["privacy-epsilon"] for s in grid.scenarios] == [0.0, 8.0, 4.0, 1.0]
+    default = grids.load("default").scenarios[0].values
+    for scenario in grid.scenarios:  # the default scenario otherwise
+        assert {k: v for k, v in scenario.values.items() if k != "privacy-epsilon"} == {
+            k: v for k, v in default.items() if k != "privacy-epsilon"
+        }
 
 
 # --- federations --------------------------------------------------------------------------------
