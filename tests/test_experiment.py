@@ -163,7 +163,7 @@ def test_a_missing_grid_names_the_shipped_ones() -> None:
     assert code == 2
     assert err == (
         "starfed experiment: error: grid no-such-grid: no such file, nor a shipped grid "
-        "(alpha, arrival, default, gap, sites)\n"
+        "(alpha, arrival, default, gap, privacy, sites)\n"
     )
 
 
