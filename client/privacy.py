@@ -90,13 +90,12 @@ class PrivateReleases:
         setting: PrivacySetting,
         memory: SiteMemory,
         clip_centre: torch.Tensor,
-        rng: np.random.Generator | None = None,
     ) -> None:
         self.setting = setting
         self.memory = memory
         self.clip_centre = clip_centre  # CLIP feature of a mid-gray image: public
-        # The operating system's entropy by default: noise from a known seed hides nothing.
-        self.rng = rng if rng is not None else np.random.default_rng()
+        # The operating system's entropy: noise from a seed others know hides nothing.
+        self.rng = np.random.default_rng()
 
     # --- the budget -----------------------------------------------------------------------
 
@@ -113,9 +112,6 @@ class PrivateReleases:
                 return None
             needed.append(z)
         return max(needed)
-
-    def class_epsilon(self, key: str) -> float:
-        return accountant.epsilon(self.memory.ledger().releases.get(key, []), self.setting.delta)
 
     def epsilon(self) -> float:
         """The site's ε: the largest of its classes' (each image is of one class)."""
