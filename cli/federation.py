@@ -407,12 +407,15 @@ def _print_status(status: Status) -> None:
             f"{r.wall_s:.0f}", r.finished,
         )  # fmt: skip
     out.print(table)
-    table = Table("site", "last step", "last seen", "now", "online at", "offline at", title="sites")
+    table = Table(
+        "site", "last step", "last seen", "now", "online at", "offline at", "privacy ε",
+        title="sites",
+    )  # fmt: skip
     for site in status.sites:
         table.add_row(
             site.name, "—" if site.last_step is None else str(site.last_step + 1),
             site.last_seen or "—", site.status or "—", site.online_at or "—",
-            site.offline_at or "—",
+            site.offline_at or "—", "—" if site.epsilon is None else f"{site.epsilon:.3g}",
         )  # fmt: skip
     out.print(table)
     if status.sites_error:

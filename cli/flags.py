@@ -24,6 +24,7 @@ SECTIONS = {
     "scenario": "scenario",
     "backbones": "backbones",
     "training": "training",
+    "privacy": "privacy",
     "protocol": "protocol and output",
     "screening": "screening: what the server believes of a site",
     "command": "this command",

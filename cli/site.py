@@ -17,14 +17,20 @@ from pathlib import Path
 
 from starfed.cli import site_check
 from starfed.cli._common import add_group, add_switches, fail, guard
-from starfed.cli.flags import add_command, device_flag, parsed, same_name
+from starfed.cli.flags import Flag, add_command, device_flag, parsed, same_name
 from starfed.client.ops import supernode
 from starfed.server.ops import pki, processes
 from starfed.server.ops.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 KEYGEN, START = "site keygen", "site start"  # the tables of their own knobs
 KEYGEN_FLAGS = same_name("out")
-START_FLAGS = (device_flag("this site computes"),)
+START_FLAGS = (
+    device_flag("this site computes"),
+    Flag("--privacy-epsilon", ("privacy-epsilon",), help="this site's target epsilon for one "
+         "of its training images over the federation's life (docs/security.md); 0: the run "
+         "config's"),
+    Flag("--privacy-delta", ("privacy-delta",), help="this site's target delta"),
+)  # fmt: skip
 guarded = guard(bad_input=(pki.SiteKeyError,))
 
 
@@ -111,6 +117,7 @@ def run_start(args: argparse.Namespace) -> int:
             state=args.state,
             name=args.name,
             device=values["device"],
+            privacy=(values["privacy-epsilon"], values["privacy-delta"]),
             insecure=args.insecure,
             worker=not args.no_worker,
         )

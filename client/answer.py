@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from starfed.client.memory import SiteMemory
+from starfed.client.privacy import PrivacySetting
 from starfed.client.site import Site
 from starfed.shared.codebook import wire
 from starfed.shared.config import BackboneOptions, parse, run_dir
@@ -69,7 +70,8 @@ def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> 
             )
         memory = SiteMemory(state_dir, backbones.fingerprint, backbones.dims)
         config = TrainConfig.from_config(values)
-        SITES[key] = Site(name, data_dir, memory, backbones, config, cache_dir)
+        privacy = PrivacySetting.of(values, node)
+        SITES[key] = Site(name, data_dir, memory, backbones, config, cache_dir, privacy)
     return SITES[key]
 
 

@@ -6,15 +6,19 @@ offline for steps, so what a site must remember lives on disk (docs/sites.md):
 * ``codebook.bin``: the last codebook received, so the server can send only what changed (a
   ``Delta``) — a site that lost it simply receives the whole codebook again;
 * ``site.json``: which federation that codebook belongs to, and which of the site's tasks are
-  completed (all their classes finished) and at which federation step.
+  completed (all their classes finished) and at which federation step;
+* ``privacy.json``, for a site with the privacy setting: what it has released of each class's
+  images (``PrivacyLedger``), so a restart never resets its privacy budget. It belongs to the
+  images, not to a federation: joining another federation keeps it.
 
-Both are written atomically.
+All are written atomically.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from starfed.shared.codebook.codebook import Codebook
@@ -27,6 +31,21 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "site.json"
 CODEBOOK_FILE = "codebook.bin"
+PRIVACY_FILE = "privacy.json"
+
+
+@dataclass
+class PrivacyLedger:
+    """A private site's releases by class key: the noise multiplier of every Gaussian release
+    that depended on the class's images, in order, and the noisy image count it released
+    (once; every later message reuses it)."""
+
+    releases: dict[str, list[float]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def record(self, keys: list[str], noise_multiplier: float) -> None:
+        for key in keys:
+            self.releases.setdefault(key, []).append(noise_multiplier)
 
 
 class SiteMemory:
@@ -75,6 +94,20 @@ class SiteMemory:
         if task not in self.completed:
             self.completed[task] = step
             self._save()
+
+    def ledger(self) -> PrivacyLedger:
+        """The privacy ledger as it is on disk (empty when the site never released privately)."""
+        path = self.root / PRIVACY_FILE
+        if not path.is_file():
+            return PrivacyLedger()
+        raw = json.loads(path.read_text())
+        releases = {str(k): [float(z) for z in v] for k, v in raw.get("releases", {}).items()}
+        counts = {str(k): int(v) for k, v in raw.get("counts", {}).items()}
+        return PrivacyLedger(releases, counts)
+
+    def save_ledger(self, ledger: PrivacyLedger) -> None:
+        state = {"releases": ledger.releases, "counts": ledger.counts}
+        write_atomic(self.root / PRIVACY_FILE, json.dumps(state, indent=2).encode())
 
     def _save(self) -> None:
         state = {"federation": self.federation, "completed": self.completed}

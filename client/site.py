@@ -7,7 +7,8 @@ catches up. Its memory — the last codebook, its completed tasks — is its sta
 (``SiteMemory``); decoded images and CLIP features are cached on disk. A phase sees the current
 task through the codebook (``TaskView``), and ``HANDLERS`` maps each training or statistics
 phase to its step on that view (``starfed.shared.model.training``). Only codebook updates and
-evaluation counts leave a site: prompts, head rows, mixture statistics.
+evaluation counts leave a site: prompts, head rows, mixture statistics — with the privacy
+setting, clipped and noised within the site's budget (``starfed.client.privacy``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from starfed.client.memory import SiteMemory
+from starfed.client.privacy import STATISTICS, PrivacySetting, PrivateReleases
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
@@ -34,7 +36,13 @@ from starfed.shared.model import training
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.evaluation import score_classes
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, clip_features, clip_features_signature
+from starfed.shared.model.training import (
+    MixtureFit,
+    TrainConfig,
+    clip_features,
+    clip_features_signature,
+    fit_mixtures,
+)
 from starfed.shared.protocol import Phase
 from starfed.shared.report import EvaluationReport
 
@@ -112,6 +120,7 @@ class Site:
         backbones: Backbones,
         config: TrainConfig,
         cache_dir: str | Path,
+        privacy: PrivacySetting | None = None,
     ) -> None:
         self.name = name
         self.data_dir = Path(data_dir)
@@ -119,6 +128,12 @@ class Site:
         self.backbones = backbones
         self.config = config
         self.cache_dir = Path(cache_dir)
+        self.private: PrivateReleases | None = None
+        if privacy is not None:
+            size = backbones.config.image_size  # a mid-gray image: a point the backbone fixes
+            gray = torch.full((1, 3, size, size), 128, dtype=torch.uint8)
+            centre = clip_features(backbones, gray)[0].to(torch.float64)
+            self.private = PrivateReleases(privacy, memory, centre)
         self._data: dict[str, TaskData] = {}
         self._view: tuple[tuple, TaskView] | None = None  # the last phase's, with its classes
 
@@ -191,7 +206,12 @@ class Site:
         if current is not None:
             _, task = current
             metadata["task"] = task.name
-            entries = [ClassEntry(name, len(paths)) for name, paths in task.train.items() if paths]
+            counts = {name: len(paths) for name, paths in task.train.items() if paths}
+            if self.private is None:
+                entries = [ClassEntry(name, count) for name, count in counts.items()]
+            else:
+                entries, refused = self.private.counts(counts)
+                metadata.update(self.private.metadata(refused))
         return ClientUpdate(
             self.fingerprint, self.backbones.dims, Phase.SYNC,
             self.memory.held_version(epoch), entries, metadata,
@@ -240,15 +260,29 @@ class Site:
         """Train or fit statistics for ``phase``; the update carries this site's classes."""
         current = self.current(self.scan(), codebook.frozen)
         entries: list[ClassEntry] = []
+        metadata = {} if self.private is None else self.private.metadata([])
         if current is not None:
             stage2 = phase in (Phase.STAGE2, Phase.STAGE2_STATS)
             view = self.view(codebook, *current, stage2, round_index)
             if view is not None:
-                HANDLERS[phase](view, self.config)
                 trained = schema.trained_in(phase)
-                view.written(trained)
-                entries = view.model.bank.entries(view.own, fields=trained)
-        return ClientUpdate(self.fingerprint, codebook.dims, phase, codebook.version, entries)
+                if self.private is None:
+                    HANDLERS[phase](view, self.config)
+                    view.written(trained)
+                    entries = view.model.bank.entries(view.own, fields=trained)
+                else:
+                    plan = self.private.plan(view.own, phase, round_index)
+                    if phase in STATISTICS:
+                        fit = self.private.mixture_fit(phase, view.own, plan)
+                        HANDLERS[phase](view, self.config, fit=fit)
+                    else:
+                        HANDLERS[phase](view, self.config)
+                    view.written(trained)
+                    entries = view.model.bank.entries(view.own, fields=trained)
+                    entries, metadata = self.private.release(phase, entries, codebook, plan)
+        return ClientUpdate(
+            self.fingerprint, codebook.dims, phase, codebook.version, entries, metadata
+        )
 
     def evaluate(
         self, codebook: Codebook, class_steps: list[int], use_keys: bool = False
@@ -290,8 +324,10 @@ def _stage1(view: TaskView, config: TrainConfig) -> None:
     )
 
 
-def _stage1_stats(view: TaskView, config: TrainConfig) -> None:
-    training.stage1_stats(view.model, view.features, view.labels, view.n_past, config, view.task)
+def _stage1_stats(view: TaskView, config: TrainConfig, fit: MixtureFit = fit_mixtures) -> None:
+    training.stage1_stats(
+        view.model, view.features, view.labels, view.n_past, config, view.task, fit
+    )
 
 
 def _stage2(view: TaskView, config: TrainConfig) -> None:
@@ -300,11 +336,12 @@ def _stage2(view: TaskView, config: TrainConfig) -> None:
     )
 
 
-def _stage2_stats(view: TaskView, config: TrainConfig) -> None:
-    training.stage2_stats(view.model, view.images, view.labels, view.n_past, config, view.task)
+def _stage2_stats(view: TaskView, config: TrainConfig, fit: MixtureFit = fit_mixtures) -> None:
+    training.stage2_stats(view.model, view.images, view.labels, view.n_past, config, view.task, fit)
 
 
-HANDLERS: dict[Phase, Callable[[TaskView, TrainConfig], None]] = {
+#: Each phase's step; the statistics steps also take the mixture fit (a private site's own).
+HANDLERS: dict[Phase, Callable[..., None]] = {
     Phase.STAGE1: _stage1,
     Phase.STAGE1_STATS: _stage1_stats,
     Phase.STAGE2: _stage2,

@@ -168,9 +168,12 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
     last = history[-1].scores if history else None
     participation: dict[str, dict[str, int]] = {}
     traffic: list[dict] = []
+    epsilon: dict[str, float] = {}  # each private site's ε, as its last reply said
     for record in history:
         per_site: dict[str, dict] = {}
         for e in record.exchanges:
+            if e.epsilon is not None:
+                epsilon[e.site or str(e.node_id)] = e.epsilon
             counts = participation.setdefault(e.site or str(e.node_id), {})
             key = f"{e.phase}:{e.status.split(':')[0]}"
             counts[key] = counts.get(key, 0) + 1
@@ -195,6 +198,7 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
         "site_accuracy": {site: s["accuracy"] for site, s in last.sites.items()} if last else {},
         "sites": sorted(participation),
         "participation": participation,
+        "privacy_epsilon": epsilon,
         "traffic": traffic,
         "exchanges": [dataclasses.asdict(e) for e in log.exchanges],  # this run's
         "phase_wall_time_s": [

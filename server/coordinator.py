@@ -44,7 +44,15 @@ from starfed.server.federation import (
     StepRecord,
     StepScores,
 )
-from starfed.server.messaging import Reply, exchange, malformed, reject, update_digest
+from starfed.server.messaging import (
+    Reply,
+    exchange,
+    malformed,
+    note_privacy,
+    refused_classes,
+    reject,
+    update_digest,
+)
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import ConfigValue, PhaseState, Strategy
 from starfed.shared import progress
@@ -222,7 +230,7 @@ class Coordinator:
             status, reason = FAILED, str(err)
             self.console.print(f"[red]step {step + 1} failed: {reason}; rolled back")
         if status != FAILED and (
-            any(e.status != "ok" for e in self._steps) or self.screen.findings
+            any(e.failed for e in self._steps) or self.screen.findings
         ):
             status = DEGRADED
         if self.screening.quarantine_persists and self.screen.quarantined:
@@ -507,7 +515,8 @@ class Coordinator:
             try:
                 data = reply.content["update"]["data"]
                 update = wire.decode_update(data, against=self.codebook, phase=phase)
-            except (CodebookError, KeyError, TypeError) as err:
+                note_privacy(entry, update)
+            except (CodebookError, KeyError, TypeError, ValueError) as err:
                 reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
                 continue
             yield entry, update
@@ -538,6 +547,7 @@ class Coordinator:
             if screened is None:
                 continue
             carried.update(e.name for e in screened.entries)
+            carried.update(refused_classes(update))  # answered: kept as they are
             self._note_largest(entry.site, screened)
             yield screened
 

@@ -106,6 +106,10 @@ class Position:
         return {POSITION_KEY: json.dumps(asdict(self))}
 
 
+#: The status prefix of a reply in which a private site refused classes (``messaging``).
+REFUSED = "refused"
+
+
 @dataclass
 class Exchange:
     """One message to one node and its answer: what the wire carried and what came back (filled
@@ -118,7 +122,14 @@ class Exchange:
     site: str
     bytes_down: int
     bytes_up: int = 0
-    status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason>
+    status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason> | refused: <why>
+    epsilon: float | None = None  # a private site's ε so far, as its reply says
+
+    @property
+    def failed(self) -> bool:
+        """Not answered as asked: an error, no reply or a rejected reply. A private site's
+        refusal (its budget is exhausted) is an answer."""
+        return self.status != "ok" and not self.status.startswith(REFUSED)
 
 
 @dataclass(frozen=True)

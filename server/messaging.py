@@ -2,21 +2,25 @@
 
 Every send has a timeout; error replies and missing replies are recorded per node with the phase
 (``Exchange``), and the phase goes on with the others. Replies are pulled after short, growing
-waits rather than Flower's fixed 3 s (docs/benchmarks.md).
+waits rather than Flower's fixed 3 s (docs/benchmarks.md). A site with the privacy setting says
+its ε and the classes whose budget is exhausted in its update's metadata: recorded as a
+refusal, not a failure (``note_privacy``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from starfed.server.federation import Exchange
-from starfed.shared.protocol import PhaseSpec
+from starfed.server.federation import REFUSED, Exchange
+from starfed.shared.codebook.codebook import ClientUpdate
+from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, PhaseSpec
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,25 @@ def send_and_receive(grid, messages: list[Message], timeout: float) -> list[Mess
 def reject(entry: Exchange, reason: str) -> None:
     entry.status = f"rejected: {reason}"
     logger.warning("rejected %s reply of %s: %s", entry.phase, who(entry), reason)
+
+
+def refused_classes(update: ClientUpdate) -> list[str]:
+    """The classes a private site refused to share in ``update``: their budget is exhausted."""
+    return [name for name in update.metadata.get(BUDGET_EXHAUSTED, "").split(",") if name]
+
+
+def note_privacy(entry: Exchange, update: ClientUpdate) -> None:
+    """Record a private site's ε and its refusals on its log entry (ValueError: a malformed
+    ε, rejected as a malformed reply)."""
+    if PRIVACY_EPSILON in update.metadata:
+        epsilon = float(update.metadata[PRIVACY_EPSILON])
+        if not math.isfinite(epsilon) or epsilon < 0:
+            raise ValueError(f"privacy epsilon {epsilon!r}")
+        entry.epsilon = epsilon
+    refused = refused_classes(update)
+    if refused:
+        entry.status = f"{REFUSED}: privacy budget exhausted for {', '.join(refused)}"
+        logger.info("%s refused %s: %s", who(entry), entry.phase, entry.status)
 
 
 def malformed(err: Exception) -> str:

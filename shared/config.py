@@ -50,7 +50,7 @@ OUTPUT_FORMATS = ("csv", "json")  # `starfed predict --format`
 
 #: Groups whose knobs form Flower's run config; "node" is the node config and "command" holds
 #: options of one command that never travel in a Flower config.
-RUN_GROUPS = ("scenario", "protocol", "screening", "training", "backbones")
+RUN_GROUPS = ("scenario", "protocol", "screening", "training", "privacy", "backbones")
 
 
 class ConfigError(ValueError):
@@ -226,6 +226,18 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("mixture-components", int, 5, "Gaussians per class and feature space", "training", ge=1),
     Knob("confidence-modulation", bool, True, "scale first-level logits by the prompt "
          "selection's confidence", "training"),
+    # differential privacy of what a site releases (docs/security.md#differential-privacy)
+    Knob("privacy-epsilon", float, 0.0, "each site's target epsilon for one training image "
+         "over the federation's life; 0: off (no noise)", "privacy", ge=0),
+    Knob("privacy-delta", float, 1e-5, "each site's target delta", "privacy", gt=0, le=0.1),
+    Knob("privacy-clip-radius", float, 0.4, "CLIP features are clipped to this radius x "
+         "sqrt(dim) about a mid-gray image's feature", "privacy", gt=0),
+    Knob("privacy-vit-radius", float, 1.0, "ViT features are clipped to this radius x sqrt(dim) "
+         "about the origin", "privacy", gt=0),
+    Knob("privacy-stage1-clip", float, 0.02, "L2 bound of one class's stage-1 update (prompt)",
+         "privacy", gt=0),
+    Knob("privacy-stage2-clip", float, 0.05, "L2 bound of one class's stage-2 update (query "
+         "prompt and weights, head row)", "privacy", gt=0),
     # backbones: the frozen pair every participant loads (fingerprints must match)
     Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
     Knob("device", str, "auto", "where the server and simulated sites compute: auto (the GPU "
@@ -253,6 +265,10 @@ SCHEMA: tuple[Knob, ...] = (
          path=True),
     Knob("device", str, "", 'where this deployed site computes (auto, cpu, cuda, cuda:N, mps); "": '
          "the run config's", "node", check=check_device),
+    Knob("privacy-epsilon", float, 0.0, "this site's target epsilon for one of its training "
+         "images over the federation's life; 0: the run config's", "node", ge=0),
+    Knob("privacy-delta", float, 0.0, "this site's target delta; 0: the run config's", "node",
+         ge=0, le=0.1),
     # command options: never part of a Flower config
     Knob("cache-dir", str, "", 'reuse decoded images across runs; "": no cache', "command",
          path=True, command="train-local"),

@@ -77,3 +77,9 @@ SPECS: dict[Phase, PhaseSpec] = {spec.phase: spec for spec in MESSAGES}
 #: Evaluate-message config key: predict with the first-level keys alone (the keys ablation,
 #: ``starfed.simulations.methods.keys``); absent means the full two-level prediction.
 CLASSIFY_WITH_KEYS = "classify-with-keys"
+
+#: Update-metadata keys of a site with the privacy setting (``starfed.client.privacy``): its ε
+#: so far for one training image, and the classes it refused to share because their privacy
+#: budget is exhausted (comma-separated; the server records a refusal, not a failure).
+PRIVACY_EPSILON = "privacy-epsilon"
+BUDGET_EXHAUSTED = "privacy-budget-exhausted"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from starfed.client import answer
+from starfed.client.privacy import PrivacySetting
 from starfed.server.app import run_server
 from starfed.server.screening import ScreeningOptions
 from starfed.shared.config import (
@@ -85,6 +86,8 @@ def test_each_group_of_knobs_is_read_by_its_options() -> None:
     # + train-local's single-site ablation (a federation's is its strategy, starfed-no-replay)
     assert _knobs_read(TrainConfig) == _group("training") | {"seed", "generative-replay"}
     assert _knobs_read(BackboneOptions) == _group("backbones") - {"device"}  # load(device)
+    # + the rounds a class's task plans releases for
+    assert _knobs_read(PrivacySetting) == _group("privacy") | {"stage1-rounds", "stage2-rounds"}
 
 
 @pytest.mark.parametrize(
@@ -96,6 +99,7 @@ def test_each_group_of_knobs_is_read_by_its_options() -> None:
         TrainConfig,
         BackboneOptions,
         LocalRunOptions,
+        PrivacySetting,
     ],
 )
 def test_options_take_defaults_and_values_from_the_knobs(options: type[Options]) -> None:

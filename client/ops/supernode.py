@@ -142,6 +142,7 @@ class SiteOptions:
     insecure: bool = False
     fingerprint: str = ""
     worker: bool = True  # answer messages in a long-lived site worker (starfed.client.worker)
+    privacy: tuple[float, float] = (0.0, 0.0)  # the site's own target (ε, δ); ε 0: none
 
     @property
     def worker_socket(self) -> Path:
@@ -165,6 +166,8 @@ class SiteOptions:
         }
         if self.worker:
             config["worker-socket"] = str(self.worker_socket)
+        if self.privacy[0]:
+            config["privacy-epsilon"], config["privacy-delta"] = map(str, self.privacy)
         return config
 
 
@@ -189,6 +192,7 @@ def prepare(
     state: Path | None = None,
     name: str | None = None,
     device: str = DEVICE.default,
+    privacy: tuple[float, float] = (0.0, 0.0),
     insecure: bool = False,
     worker: bool = True,
 ) -> SiteOptions:
@@ -217,7 +221,9 @@ def prepare(
         raise SiteError(f"--state {state} must not be inside --data {data}")
     if not device.strip() or any(c.isspace() for c in device):
         raise SiteError(f"--device must be one word, e.g. auto, cpu, cuda:0; got {device!r}")
-    return SiteOptions(server, data, state, name, device, ca, key, insecure, fingerprint, worker)
+    return SiteOptions(
+        server, data, state, name, device, ca, key, insecure, fingerprint, worker, privacy
+    )
 
 
 def write_node_config(path: Path, options: SiteOptions) -> None:

@@ -88,6 +88,7 @@ class SiteRow:
     status: str | None = None  # Flower's: registered | online | offline | unregistered
     online_at: str | None = None
     offline_at: str | None = None
+    epsilon: float | None = None  # privacy spent (ε for one image), as its last reply said
 
 
 @dataclass
@@ -283,11 +284,14 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
     history = _guarded(status, root / HISTORY_FILE, federation.history, [])
     status.steps = [_step(record) for record in history]
     last: dict[str, SiteRow] = {}
+    epsilon: dict[str, float] = {}
     for record in history:
-        answered = {e.site: e.node_id for e in record.exchanges if e.status == "ok" and e.site}
+        answered = {e.site: e.node_id for e in record.exchanges if not e.failed and e.site}
+        epsilon.update({e.site: e.epsilon for e in record.exchanges if e.epsilon is not None})
         heard = _heard_at(record)
         for site, node_id in answered.items():
             last[site] = SiteRow(site, node_id, record.step, _when(heard[site]))
+            last[site].epsilon = epsilon.get(site)
     status.sites = sorted(last.values(), key=lambda row: row.name)
     recent = {r.step for r in history[-RECENT_STEPS:]}
     status.errors = [
@@ -295,7 +299,7 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
         for record in history
         if record.step in recent
         for e in record.exchanges
-        if e.status != "ok"
+        if e.failed
     ]
     status.findings = [
         FindingRow(f.site, record.step, f.phase, f.round, f.action, f.name, f.reason)
@@ -328,7 +332,7 @@ def _heard_at(record: StepRecord) -> dict[str, float]:
         ended[phase.phase, phase.round] = clock
     heard: dict[str, float] = {}
     for e in record.exchanges:
-        if e.status == "ok" and e.site:
+        if not e.failed and e.site:
             when = ended.get((e.phase, e.round), record.ended)  # a failed phase: no time of its own
             heard[e.site] = max(heard.get(e.site, when), when)
     return heard

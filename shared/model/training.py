@@ -14,6 +14,7 @@ features of augmented views, which change every epoch.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -195,6 +196,11 @@ def fit_mixtures(
     return mixtures
 
 
+#: How a statistics step turns features into its classes' mixtures: ``fit_mixtures``'s
+#: signature (a private site passes its own, ``starfed.client.privacy``).
+MixtureFit = Callable[[torch.Tensor, torch.Tensor, range, int, int], list[GaussianMixture]]
+
+
 def replay1(
     model: StarPrompt,
     n_past: int,
@@ -305,10 +311,11 @@ def stage1_stats(
     n_past: int,
     config: TrainConfig,
     task: int,
+    fit: MixtureFit = fit_mixtures,
 ) -> None:
     """Fit G_c of the current classes on their (un-augmented) CLIP features."""
     rows = range(n_past, len(model))
-    mixtures = fit_mixtures(
+    mixtures = fit(
         image_features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
     )
     model.bank.set_rows("clip_mixture", n_past, mixtures)
@@ -321,12 +328,13 @@ def stage2_stats(
     n_past: int,
     config: TrainConfig,
     task: int,
+    fit: MixtureFit = fit_mixtures,
 ) -> None:
     """Fit H_c of the current classes on prompted CLS features of augmented views."""
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].site_stream)
     features = vit_features(model, images, generator)
     rows = range(n_past, len(model))
-    mixtures = fit_mixtures(
+    mixtures = fit(
         features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
     )
     model.bank.set_rows("vit_mixture", n_past, mixtures)

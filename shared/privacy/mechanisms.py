@@ -1,0 +1,93 @@
+"""The Gaussian mechanisms of a private site: clipped, noised counts, moments and updates.
+
+Each function bounds one image's influence (its L2 sensitivity) by clipping, then adds Gaussian
+noise of ``noise_multiplier`` × that sensitivity, so the accountant can compose it as one
+``GaussianDpEvent``. Noise comes from the generator the caller passes: a private site draws it
+from the operating system's entropy (``numpy.random.default_rng()``), never from a seed others
+know. What follows the noise is post-processing (rounding, projecting onto values clipped data
+can have) and costs no privacy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
+
+#: L2 sensitivity of the moments (Σ(x−c)/R, Σ((x−c)/R)²) to adding or removing one clipped
+#: image: √(‖u‖² + ‖u²‖²) ≤ √2 for ‖u‖ ≤ 1.
+MOMENTS_SENSITIVITY = math.sqrt(2.0)
+
+
+def noisy_count(count: int, noise_multiplier: float, rng: np.random.Generator) -> int:
+    """A count released with Gaussian noise (sensitivity 1), rounded, at least 1 (the wire's
+    smallest count)."""
+    return max(1, round(count + rng.normal(0.0, noise_multiplier)))
+
+
+def clip_rows(x: torch.Tensor, centre: torch.Tensor, radius: float) -> torch.Tensor:
+    """``x − centre``, each row scaled into the ball of ``radius`` (rows inside unchanged)."""
+    offset = x.detach().to("cpu", torch.float64) - centre.to("cpu", torch.float64)
+    norms = offset.norm(dim=1, keepdim=True)
+    return offset * torch.clamp(radius / norms.clamp_min(1e-12), max=1.0)
+
+
+def private_gaussian(
+    features: torch.Tensor,
+    centre: torch.Tensor,
+    radius: float,
+    count: int,
+    noise_multiplier: float,
+    rng: np.random.Generator,
+) -> GaussianMixture:
+    """One Gaussian from the noisy sum and sum of squares of the features clipped to the ball
+    (``centre``, ``radius``), normalised by the already-released noisy ``count``.
+
+    The noisy mean is projected into the ball and the variances into what clipped data can
+    have (each ≥ the mixture regulariser, together ≤ radius²), so the wire's checks hold.
+    """
+    unit = clip_rows(features, centre, radius) / radius  # rows of norm ≤ 1
+    std = noise_multiplier * MOMENTS_SENSITIVITY
+    dim = unit.shape[1]
+    total = unit.sum(0).numpy() + rng.normal(0.0, std, dim)
+    squares = unit.pow(2).sum(0).numpy() + rng.normal(0.0, std, dim)
+    mean = total / count
+    norm = float(np.linalg.norm(mean))
+    if norm > 1.0:
+        mean = mean / norm
+    variance = np.clip(squares / count - mean**2, DEFAULT_REG / radius**2, 1.0)
+    variance = variance / max(1.0, float(variance.sum()))
+    means = centre.to("cpu", torch.float64) + torch.from_numpy(mean) * radius
+    return GaussianMixture(
+        weights=torch.ones(1, dtype=torch.float64),
+        means=means.unsqueeze(0),
+        variances=torch.from_numpy(variance * radius**2).unsqueeze(0),
+        count=count,
+    )
+
+
+def private_update(
+    before: dict[str, torch.Tensor],
+    after: dict[str, torch.Tensor],
+    clip: float,
+    noise_std: float,
+    rng: np.random.Generator,
+) -> dict[str, torch.Tensor]:
+    """One class's values ``before`` plus its update ``after − before`` (all its fields as one
+    vector) clipped to L2 norm ``clip``, plus Gaussian noise of standard deviation
+    ``noise_std`` (the caller sets it from the sensitivity of the whole release)."""
+    names = list(before)
+    start = {name: before[name].to(torch.float64).cpu() for name in names}
+    update = torch.cat([(after[n].to(torch.float64).cpu() - start[n]).reshape(-1) for n in names])
+    update = update * min(1.0, clip / max(float(update.norm()), 1e-12))
+    update = update + torch.from_numpy(rng.normal(0.0, noise_std, update.numel()))
+    released, offset = {}, 0
+    for name in names:
+        size = start[name].numel()
+        value = start[name] + update[offset : offset + size].reshape(start[name].shape)
+        released[name] = value.to(before[name].dtype)
+        offset += size
+    return released
