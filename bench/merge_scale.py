@@ -1,11 +1,14 @@
 """Server merge at scale: N site updates × C classes at the paper's dims, time and peak memory.
 
-The coordinator orders a phase's replies by a digest of their bytes, then decodes (= validates)
-each one and adds it to a ``MergeAccumulator`` (docs/design.md#the-codebook). This measures that
-path for a training phase (stage 2: Q, A and head rows) and a statistics phase (stage2_stats: ViT
-mixtures), each case in a fresh process so that its peak RSS is its own. Updates are random,
-every site carries every class, and they are generated one at a time outside the timings: the
-peak is the merge's (plus one update in flight), not the replies', which a server holds anyway.
+The coordinator orders a phase's replies by a digest of their bytes (``merge.content_order``,
+hashed on every core), then decodes (= validates) each one and adds it to a
+``MergeAccumulator`` (docs/design.md#the-codebook). This measures that path for a training
+phase (stage 2: Q, A and head rows) and a statistics phase (stage2_stats: ViT mixtures), each
+case in a fresh process so that its peak RSS is its own, against the time of copying the same
+replies' bytes once (each into a new buffer), measured in the same process: ``ratio`` is the
+whole merge's wall time over the copy's. Updates are random, every site carries every class;
+they are generated before the timings and held, as a server holds the replies it pulled: the
+peak is what the merge adds to them.
 
     python bench/merge_scale.py                          # 10, 100, 1000 sites; median of 3 runs
     python bench/merge_scale.py --sites 10,100 --runs 1 --phases stage2
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import platform
@@ -30,12 +32,12 @@ from codebook_sizes import PAPER, parse_dims, random_codebook, random_mixture
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
-from starfed.shared.codebook.merge import MergeAccumulator
+from starfed.shared.codebook.merge import MergeAccumulator, content_order
 from starfed.shared.protocol import Phase
 
 PHASES = {"stage2": Phase.STAGE2, "stage2_stats": Phase.STAGE2_STATS}
 PARTS = ("merge", "decode", "digest")
-COLUMNS = ("merge", "decode", "digest", "total")
+COLUMNS = ("merge", "decode", "digest", "total", "copy")
 
 
 def site_update(codebook: Codebook, phase: Phase, site: int, n_components: int) -> bytes:
@@ -58,10 +60,6 @@ def site_update(codebook: Codebook, phase: Phase, site: int, n_components: int) 
     return wire.encode(update)
 
 
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def decode(data: bytes, codebook: Codebook, phase: Phase) -> ClientUpdate:
     return wire.decode_update(data, against=codebook, phase=phase)
 
@@ -73,18 +71,23 @@ def memory_mb(key: str) -> float:
     return int(line.split()[1]) / 1024
 
 
+def copy_once(replies: list[bytes]) -> None:
+    """Each reply's bytes copied once into a new buffer: what the merge is measured against."""
+    for data in replies:
+        copy = bytearray(data)
+        del copy
+
+
 def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) -> dict:
-    """One merge, timed by part, with the peak RSS above what the process held before it."""
+    """One merge, timed by part, with the peak RSS above what the process held before it (the
+    replies included), and the copy of the replies' bytes."""
     codebook = random_codebook(dims, classes, n_components)
     warm_up = MergeAccumulator(codebook, n_components=n_components)  # imports, thread pools
     warm_up.add(wire.decode_update(site_update(codebook, phase, -1, n_components),
                                         against=codebook, phase=phase))  # fmt: skip
     warm_up.result()
     del warm_up
-    before = memory_mb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # resets VmHWM to the current RSS
-    merge = MergeAccumulator(codebook, n_components=n_components)
+    replies = [site_update(codebook, phase, site, n_components) for site in range(sites)]
     wall = dict.fromkeys(PARTS, 0.0)
     cpu = dict.fromkeys(PARTS, 0.0)
 
@@ -95,18 +98,31 @@ def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) ->
         cpu[part] += time.process_time() - c0
         return out
 
-    for site in range(sites):
-        data = site_update(codebook, phase, site, n_components)
-        timed("digest", digest, data)  # the coordinator's order (messaging.update_digest)
-        update = timed("decode", decode, data, codebook, phase)
+    w0, c0 = time.perf_counter(), time.process_time()
+    copy_once(replies)
+    copy_s, copy_cpu = time.perf_counter() - w0, time.process_time() - c0
+    before = memory_mb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current RSS
+    merge = MergeAccumulator(codebook, n_components=n_components)
+    order = timed("digest", content_order, replies)  # the coordinator's order
+    for index in order:
+        update = timed("decode", decode, replies[index], codebook, phase)
         timed("merge", merge.add, update)
-        del data, update
+        del update
     timed("merge", merge.result)
     times = {f"{part}_s": wall[part] for part in PARTS} | {
         f"{part}_cpu": cpu[part] for part in PARTS
     }
     times["total_s"], times["total_cpu"] = sum(wall.values()), sum(cpu.values())
-    return {**times, "peak_mb": memory_mb("VmHWM") - before, "state_mb": merge.nbytes / 2**20}
+    times["copy_s"], times["copy_cpu"] = copy_s, copy_cpu
+    return {
+        **times,
+        "ratio": times["total_s"] / copy_s,
+        "peak_mb": memory_mb("VmHWM") - before,
+        "state_mb": merge.nbytes / 2**20,
+        "replies_mb": sum(map(len, replies)) / 2**20,
+    }
 
 
 def main() -> None:
@@ -129,8 +145,9 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}; dims {d.d_txt},{d.d_clip},{d.d_vit},{d.n_layers}, "
           f"{args.classes} classes per update, M={args.components}, "
           f"median of {args.runs} runs")  # fmt: skip
-    print("| phase | sites | merge s | decode s | digest s | total s | peak RSS MB | state MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| phase | sites | replies MB | merge s | decode s | digest s | total s | copy s | "
+          "total ÷ copy | peak RSS MB | state MB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for phase in args.phases.split(","):
         for sites in (int(n) for n in args.sites.split(",")):
             command = [sys.executable, __file__, "--case", f"{phase}:{sites}",
@@ -145,8 +162,8 @@ def main() -> None:
             median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
             times = [f"{median[f'{c}_s']:.2f} ({median[f'{c}_cpu']:.2f})" for c in COLUMNS]
             print(
-                f"| {phase} | {sites} | {' | '.join(times)} | {median['peak_mb']:.0f} | "
-                f"{median['state_mb']:.1f} |",
+                f"| {phase} | {sites} | {median['replies_mb']:.0f} | {' | '.join(times)} | "
+                f"{median['ratio']:.1f} | {median['peak_mb']:.0f} | {median['state_mb']:.1f} |",
                 flush=True,
             )
 

@@ -10,6 +10,7 @@ Flower process starts; the life cycle of the run itself is ``starfed.simulations
 from __future__ import annotations
 
 import argparse
+import os
 from datetime import UTC, datetime
 
 from starfed.cli.flags import Flag, add_command, add_run_config, parsed, run_config, same_name
@@ -23,7 +24,8 @@ FLAGS = (
     *same_name("classes-per-task", "alpha", "seed", "arrival-offset"),
     *same_name("stage1-rounds", "stage2-rounds"),
     Flag("--epochs", ("stage1-epochs", "stage2-epochs"), help="local epochs of stages 1 and 2"),
-    *same_name("results-dir", "run-name", "runtime", "timeout", "gpus-per-client"),
+    *same_name("fraction-train", "min-train-sites"),
+    *same_name("results-dir", "run-name", "runtime", "timeout", "gpus-per-client", "ray-address"),
 )
 
 
@@ -64,11 +66,13 @@ def _main(args: argparse.Namespace) -> int:
             f"run folder {run_dir} already exists: choose another --run-name (a federation "
             "continues with `starfed server round`, not by simulating into its folder)"
         )
-    gpus = options["gpus-per-client"]
+    gpus, ray_address = options["gpus-per-client"], options["ray-address"]
     if gpus > 0 and options["runtime"] == "local":
         raise ConfigError("--gpus-per-client is Ray's: the local runtime computes on --run-config "
                           "device (auto: the GPU when there is one)")  # fmt: skip
-    if gpus > 0:
+    if ray_address and options["runtime"] == "local":
+        raise ConfigError("--ray-address is Ray's: the local runtime runs in this process")
+    if gpus > 0 and not (ray_address or os.environ.get("RAY_ADDRESS")):  # a cluster's own GPUs
         import torch  # only now: the check needs CUDA's driver
 
         if not torch.cuda.is_available():
@@ -77,4 +81,4 @@ def _main(args: argparse.Namespace) -> int:
         from starfed.simulations.local_grid import simulate_locally  # Flower, torch: only now
 
         return simulate_locally(overrides)
-    return simulate(overrides, options["timeout"], gpus)
+    return simulate(overrides, options["timeout"], gpus, ray_address)

@@ -15,6 +15,7 @@ must not train on data it was never given.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,13 @@ from starfed.shared.config import BackboneOptions, parse, run_dir
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import CLASSIFY_WITH_KEYS, Phase
 
-#: The sites this process has built, by (run id, node id): backbones and caches load once.
-SITES: dict[tuple[int, int], Site] = {}
+#: The sites this process has built, by (run id, node id), the last one used last: backbones
+#: and caches load once. A process of a simulation answers for many sites; it keeps the
+#: ``SITES_KEPT`` it used last, so its memory does not grow with the number of sites (what a
+#: site must remember is in its folders: a site built again reads it there, as a deployed
+#: site's next ClientApp process does).
+SITES: OrderedDict[tuple[int, int], Site] = OrderedDict()
+SITES_KEPT = 128
 
 
 class NoDataError(RuntimeError):
@@ -51,7 +57,9 @@ def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> 
     Run and node config are checked against the schema (``starfed.shared.config``) first.
     """
     key = (run_id, node_id)
-    if key not in SITES:
+    if key in SITES:
+        SITES.move_to_end(key)
+    else:
         values, node = parse(run_config), parse(node_config, "node-config")
         backbones = BackboneOptions.from_config(values).load(node["device"] or values["device"])
         if node["data-dir"]:
@@ -72,6 +80,8 @@ def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> 
         config = TrainConfig.from_config(values)
         privacy = PrivacySetting.of(values, node)
         SITES[key] = Site(name, data_dir, memory, backbones, config, cache_dir, privacy)
+        while len(SITES) > SITES_KEPT:
+            SITES.popitem(last=False)
     return SITES[key]
 
 

@@ -51,7 +51,7 @@ from starfed.server.messaging import (
     note_privacy,
     refused_classes,
     reject,
-    update_digest,
+    update_bytes,
 )
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import ConfigValue, PhaseState, Strategy
@@ -59,6 +59,7 @@ from starfed.shared import progress
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
 from starfed.shared.codebook.lineage import Lineage
+from starfed.shared.codebook.merge import content_order
 from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import Backbones
@@ -511,7 +512,8 @@ class Coordinator:
         """Decode (= validate) each update against the codebook the phase was sent with, one at
         a time (a phase never holds every decoded update); reject bad ones."""
         # Merge order changes float rounding: order by content, not by node id (random per run).
-        for entry, reply in sorted(replies, key=lambda r: update_digest(r[1])):
+        for index in content_order([update_bytes(reply) for _, reply in replies]):
+            entry, reply = replies[index]
             try:
                 data = reply.content["update"]["data"]
                 update = wire.decode_update(data, against=self.codebook, phase=phase)

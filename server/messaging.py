@@ -9,7 +9,6 @@ refusal, not a failure (``note_privacy``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import re
@@ -130,11 +129,13 @@ def malformed(err: Exception) -> str:
     return f"malformed reply ({err})"
 
 
-def update_digest(reply: Message) -> str:
+def update_bytes(reply: Message) -> bytes | None:
+    """A reply's serialised update, or None when it has none (rejected when it is decoded)."""
     try:
-        return hashlib.sha256(reply.content["update"]["data"]).hexdigest()
+        data = reply.content["update"]["data"]
     except (KeyError, TypeError):
-        return ""  # malformed: rejected when it is decoded
+        return None
+    return data if isinstance(data, bytes) else None
 
 
 def who(entry: Exchange) -> str:

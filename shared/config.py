@@ -62,6 +62,11 @@ def _existing_file(path: str) -> None:
         raise ValueError("no such file")
 
 
+def _ray_address(address: str) -> None:
+    if any(c.isspace() for c in address) or address.startswith("ray://"):
+        raise ValueError("expected host:port of a Ray cluster's head (not a Ray Client ray://)")
+
+
 def _existing_dir(path: str) -> None:
     if not Path(path).expanduser().is_dir():
         raise ValueError("no such folder")
@@ -292,6 +297,10 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("gpus-per-client", float, 0.0, "GPU share of each simulated client (Flower's "
          "client-resources-num-gpus; 0.25: four clients share a GPU; 0: clients see no GPU)",
          "command", ge=0, command="simulate"),
+    Knob("ray-address", str, "", "an existing Ray cluster to run the simulated clients on "
+         "(the head's address, e.g. 10.0.0.1:6379; docs/simulation.md); empty: RAY_ADDRESS "
+         "when set, else a Ray instance of the run's own", "command", check=_ray_address,
+         command="simulate"),
     Knob("json", bool, False, "print a JSON summary on stdout (the progress lines stay on "
          "stderr)", "command", command="experiment"),
     Knob("batch-size", int, 64, "images per forward pass", "command", ge=1, command="predict"),

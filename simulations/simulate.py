@@ -44,6 +44,9 @@ CLIENT_CPUS = 1
 #: FutureWarnings, typer's DeprecationWarnings. Warnings only: errors and logs still show.
 QUIET = "ignore::FutureWarning,ignore::DeprecationWarning"
 INTERRUPTED_FILE = "interrupted.json"
+#: ``RAY_ADDRESS`` that makes ``ray.init`` start a Ray instance of its own: without one it joins
+#: the cluster whose address a ``ray start`` left in /tmp/ray, whoever started it.
+OWN_RAY = "local"
 #: Lines of the run's log (``flwr log``) not shown: Flower 1.42's simulation runtime warns on
 #: every run that its default number of simulated SuperNodes changed from 10 to 2, and says how
 #: to resize the federation (``flwr/simulation/app.py``), whatever the run asked for; this
@@ -68,10 +71,15 @@ class SimulationError(RuntimeError):
     """A problem the user can fix; printed without a traceback."""
 
 
-def flower_env(flwr_home: Path) -> dict[str, str]:
-    """Flower's settings (``shared.processes.flower_env``) and quiet warnings (``QUIET``)."""
+def flower_env(flwr_home: Path, ray_address: str = "") -> dict[str, str]:
+    """Flower's settings (``shared.processes.flower_env``), quiet warnings (``QUIET``) and the
+    Ray cluster to run on: ``ray_address``, else ``RAY_ADDRESS``, else none — a Ray of the
+    run's own, even where a ``ray start`` on this machine left its address for ``ray.init``."""
     warnings = ",".join(filter(None, [QUIET, os.environ.get("PYTHONWARNINGS")]))
-    return processes.flower_env(flwr_home, {"PYTHONWARNINGS": warnings})
+    extra = {"PYTHONWARNINGS": warnings}
+    address = ray_address or os.environ.get("RAY_ADDRESS", "")
+    extra["RAY_ADDRESS"] = address or OWN_RAY
+    return processes.flower_env(flwr_home, extra)
 
 
 class LocalSuperLink:
@@ -184,7 +192,9 @@ def filtered_stdout(dropped: tuple[str, ...] = FLOWER_NOISE) -> Iterator[IO[byte
         thread.join(DRAIN_S)
 
 
-def simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> int:
+def simulate(
+    overrides: dict, timeout: float, gpus_per_client: float = 0.0, ray_address: str = ""
+) -> int:
     """Run one simulation to its end; the exit code of ``flower_runs.exit_code`` (0 completed,
     3 degraded, 1 failed, 130 interrupted), 1 as well when a process survived the stop.
 
@@ -192,6 +202,12 @@ def simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> i
     process only its GPU (``CUDA_VISIBLE_DEVICES``), and none at 0, so ``device=auto`` follows it.
     SIGTERM is handled like Ctrl-C (stop the run, mark the folder, stop every process), so a CI
     or test timeout that terminates this command leaves nothing behind.
+
+    ``ray_address`` (else ``RAY_ADDRESS``) is an existing Ray cluster's: Flower's simulation
+    runtime calls ``ray.init`` with none, which connects to ``RAY_ADDRESS``, so the clients'
+    actors run on the cluster's nodes and nothing of the cluster is this command's to stop
+    (docs/simulation.md#on-a-ray-cluster). Without either, Ray would also join the cluster a
+    plain ``ray start`` on this machine last recorded; the run gets a Ray of its own instead.
     """
     run_dir = Path(str(overrides["results-dir"])) / str(overrides["run-name"])
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -200,7 +216,7 @@ def simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> i
     n_supernodes = int(overrides["num-clients"])  # ClientApps read num-partitions from it
     started = time.monotonic()
     submitted_at = time.time()
-    superlink = LocalSuperLink(flwr_home, run_dir, flower_env(flwr_home))
+    superlink = LocalSuperLink(flwr_home, run_dir, flower_env(flwr_home, ray_address))
     flower_runs.write_connection(flwr_home, superlink.address)
     app = flower_runs.write_app(flwr_home / "app", APP_COMPONENTS)
     outcome = RunOutcome(None, "not started")

@@ -454,6 +454,51 @@ def test_invalid_updates_are_rejected(codebook: Codebook, mutation: str) -> None
         wire.decode_update(message.SerializeToString(), against=codebook, phase=Phase.STAGE2)
 
 
+def test_update_tensors_are_views_of_the_reply_bytes(codebook: Codebook) -> None:
+    """float32 rows are not copied out of the message: they are read where they lie in it."""
+    data = wire.encode(site_update(codebook, Phase.STAGE2))
+    start = np.frombuffer(data, np.uint8).ctypes.data
+    decoded = wire.decode_update(data, against=codebook, phase=Phase.STAGE2)
+    for entry in decoded.entries:
+        for name, value in entry.values.items():
+            assert start <= value.data_ptr() < start + len(data), name
+            assert torch.equal(value, codebook[entry.name].values[name])
+    halved = wire.encode(site_update(codebook, Phase.STAGE2), dtype="float16")
+    decoded = wire.decode_update(halved, against=codebook, phase=Phase.STAGE2)
+    assert decoded.entries[0].values["head_weight"].dtype == torch.float32  # converted: a copy
+
+
+def _length_delimited(field: int, payload: bytes) -> bytes:
+    return bytes([field << 3 | 2]) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+@pytest.mark.parametrize("twice", ["tensor", "data"])
+def test_an_update_with_a_field_twice_is_rejected(codebook: Codebook, twice: str) -> None:
+    """protobuf merges a field that appears twice; the views would see only one of them."""
+    message = wire.to_proto(site_update(codebook, Phase.STAGE2))
+    entry = message.entries[1]
+    head = entry.head_weight.SerializeToString(deterministic=True)
+    if twice == "data":
+        data = pb.Tensor(data=entry.head_weight.data).SerializeToString()
+        entry.ClearField("head_weight")
+        body = entry.SerializeToString(deterministic=True) + _length_delimited(7, head + data)
+    else:
+        body = entry.SerializeToString(deterministic=True) + _length_delimited(7, head)
+    del message.entries[1]
+    data = message.SerializeToString(deterministic=True) + _length_delimited(6, body)
+    pb.ClientUpdate().ParseFromString(data)  # protobuf itself takes it
+    with pytest.raises(CodebookError, match="twice"):
+        wire.decode_update(data, against=codebook, phase=Phase.STAGE2)
+
+
 # --- the held codebook ---------------------------------------------------------------------------
 
 

@@ -43,7 +43,9 @@ def _counts_by_folder(scenario: Scenario) -> dict[str, list[int]]:
     return out
 
 
-def test_train_partitions_are_disjoint_and_cover_each_task(scenario: Scenario) -> None:
+@pytest.mark.parametrize("clients", [5, 1000])  # 1000: more sites than images in a task
+def test_train_partitions_are_disjoint_and_cover_each_task(clients: int) -> None:
+    scenario = Scenario(ScenarioConfig(n_clients=clients))
     for task in range(scenario.n_tasks):
         expected = scenario.split.samples("train", [task])
         parts = [scenario.train_samples(c, task) for c in range(scenario.n_clients)]
@@ -169,6 +171,20 @@ def test_a_class_without_training_images_gets_no_local_test_images() -> None:
     assert missing
     for c, lab in missing:
         assert all(label != lab for _, label in s.test_samples(c, [0]))
+
+
+def test_more_sites_than_images_leave_most_sites_without_a_task() -> None:
+    """Past one site per image, the same Dirichlet draw per class, without the partitioner's
+    refusal: deterministic, and a site mostly holds one class of a task, or nothing."""
+    many = Scenario(ScenarioConfig(n_clients=1000))
+    counts = many.class_counts(0)
+    holding = counts.sum(axis=1) > 0
+    assert 0 < holding.sum() < 500
+    assert ((counts[holding] > 0).sum(axis=1) == 1).mean() > 0.8
+    again = Scenario(ScenarioConfig(n_clients=1000))
+    assert all(many.train_samples(c, 3) == again.train_samples(c, 3) for c in range(1000))
+    other_seed = Scenario(ScenarioConfig(n_clients=1000, seed=7))
+    assert not (other_seed.class_counts(0) == counts).all()
 
 
 def test_min_partition_size() -> None:

@@ -23,9 +23,11 @@ Sizes at the paper's dims are in docs/benchmarks.md.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -112,9 +114,18 @@ def _check_mixture(mixture: GaussianMixture, what: str) -> None:
 
 
 def _decode_array(
-    msg: pb.Tensor, shape: tuple[int, ...], what: str, dtypes: Iterable[int], to: np.dtype
+    msg: pb.Tensor,
+    shape: tuple[int, ...],
+    what: str,
+    dtypes: Iterable[int],
+    to: np.dtype,
+    view: memoryview | None = None,
 ) -> torch.Tensor:
-    """The array as ``to`` (float32 tensors, float64 mixtures), checked finite after that."""
+    """The array as ``to`` (float32 tensors, float64 mixtures), checked finite after that.
+
+    ``view`` is the tensor's ``data`` bytes inside the received message (``_tensor_views``): when
+    they are already ``to`` in this machine's byte order, the array is a read-only view of them,
+    not a copy (it keeps the message's bytes alive; nothing writes to an update's values)."""
     if msg.dtype not in dtypes:
         allowed = ", ".join(pb.DType.Name(d) for d in dtypes)
         raise CodebookError(f"{what}: dtype {msg.dtype} is not one of {allowed}")
@@ -122,11 +133,15 @@ def _decode_array(
         raise CodebookError(f"{what}: shape {tuple(msg.shape)}, expected {shape}")
     dtype = _NUMPY_DTYPES[msg.dtype]
     expected = math.prod(shape) * dtype.itemsize
-    if len(msg.data) != expected:
-        raise CodebookError(f"{what}: {len(msg.data)} bytes of data, expected {expected}")
-    array = np.frombuffer(msg.data, dtype=dtype).reshape(shape)
-    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: rejected
-        out = array.astype(to)
+    data = msg.data if view is None or dtype != to else view  # '<f4' == to only little-endian
+    if len(data) != expected:
+        raise CodebookError(f"{what}: {len(data)} bytes of data, expected {expected}")
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    if data is view:
+        out = array
+    else:
+        with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: rejected
+            out = array.astype(to)
     if not np.isfinite(out).all():
         raise CodebookError(f"{what}: contains NaN or infinite values")
     return torch.from_numpy(out)
@@ -153,8 +168,11 @@ def _present(msg: pb.ClassEntry) -> set[str]:
     return {f.name for f in schema.FIELDS if msg.HasField(f.name)}
 
 
-def _decode_values(msg: pb.ClassEntry, dims: ModelDims) -> dict[str, Value]:
-    """The schema fields set in one entry message, decoded and checked."""
+def _decode_values(
+    msg: pb.ClassEntry, dims: ModelDims, views: Mapping[str, memoryview] | None = None
+) -> dict[str, Value]:
+    """The schema fields set in one entry message, decoded and checked; ``views`` are its
+    tensors' data bytes in the received message, by field name (``_tensor_views``)."""
     values: dict[str, Value] = {}
     f32 = np.dtype(np.float32)
     for f in schema.FIELDS:
@@ -163,7 +181,8 @@ def _decode_values(msg: pb.ClassEntry, dims: ModelDims) -> dict[str, Value]:
         what = f"{label(msg.name)}: {f.name}"
         if f.kind is schema.Kind.TENSOR:
             tensor = getattr(msg, f.name)
-            values[f.name] = _decode_array(tensor, f.shape(dims), what, _NUMPY_DTYPES, f32)
+            view = views.get(f.name) if views else None
+            values[f.name] = _decode_array(tensor, f.shape(dims), what, _NUMPY_DTYPES, f32, view)
         else:
             values[f.name] = _decode_mixture(getattr(msg, f.name), f.shape(dims)[0], what)
     return values
@@ -189,6 +208,87 @@ def _decode_header(message: pb.Codebook | pb.ClientUpdate, fingerprint, dims) ->
     if dims is not None and decoded != dims:
         raise CodebookError(f"dims {decoded} do not match the expected {dims}")
     return decoded
+
+
+# --- where a message's tensor bytes are ---------------------------------------------------------
+# protobuf's Python API hands out a copy of every bytes field it is asked for; an update's
+# tensors are most of its bytes, and the server only reads them once (to validate and add them).
+# These few lines find each tensor's ``data`` inside the received bytes instead, following the
+# wire format (varint tags, length-delimited fields), so the arrays can be views of them. They
+# run only on a message protobuf has already parsed, and agree with it or reject it.
+
+_LENGTH_DELIMITED = 2
+_SKIP = {1: 8, 5: 4}  # fixed64, fixed32
+_UPDATE_ENTRIES = pb.ClientUpdate.DESCRIPTOR.fields_by_name["entries"].number
+_TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_TENSOR_FIELDS = {
+    pb.ClassEntry.DESCRIPTOR.fields_by_name[name].number: name for name in schema.TENSORS
+}
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        i += 1
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def _fields(data: bytes, start: int, end: int) -> list[tuple[int, int, int]]:
+    """(field number, start, end) of every length-delimited field in ``data[start:end]``."""
+    fields = []
+    i = start
+    while i < end:
+        tag, i = (data[i], i + 1) if data[i] < 0x80 else _varint(data, i)
+        kind = tag & 7
+        if kind == _LENGTH_DELIMITED:
+            length, i = (data[i], i + 1) if data[i] < 0x80 else _varint(data, i)
+            fields.append((tag >> 3, i, i + length))
+            i += length
+        elif kind == 0:
+            i = i + 1 if data[i] < 0x80 else _varint(data, i)[1]
+        elif kind in _SKIP:
+            i += _SKIP[kind]
+        else:
+            raise CodebookError(f"unexpected wire type {kind} in an update")
+    if i != end:
+        raise CodebookError("a field runs past the end of its message")
+    return fields
+
+
+def _tensor_views(data: bytes) -> list[dict[str, memoryview]]:
+    """Per entry of a parsed ``ClientUpdate``, its tensor fields' ``data`` bytes as views of
+    ``data``. A field that appears twice (protobuf would merge the two) is rejected: no encoder
+    of this schema writes one."""
+    whole = memoryview(data)
+    entries = []
+    for number, start, end in _fields(data, 0, len(data)):
+        if number != _UPDATE_ENTRIES:
+            continue
+        views: dict[str, memoryview] = {}
+        for field, f_start, f_end in _fields(data, start, end):
+            name = _TENSOR_FIELDS.get(field)
+            if name is None:
+                continue
+            spans = [(s, e) for n, s, e in _fields(data, f_start, f_end) if n == _TENSOR_DATA]
+            if name in views or len(spans) > 1:
+                raise CodebookError(f"{name} appears twice in an entry")
+            views[name] = whole[spans[0][0] : spans[0][1]] if spans else whole[0:0]
+        entries.append(views)
+    return entries
+
+
+@functools.cache
+def _quiet_read_only_views() -> None:
+    """An update's tensors are views of the received bytes, which are read-only; torch warns
+    once per process when it wraps one (it cannot mark a tensor read-only). Nothing writes to
+    an update's values, so that one warning is spent here, silenced, rather than in a log."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.from_numpy(np.frombuffer(b"\0\0\0\0", dtype=np.float32))
 
 
 def parse(message_type: type, data: bytes, max_bytes: int | None):
@@ -303,8 +403,13 @@ def decode_update(
         raise CodebookError(f"update answers {found}, not PHASE_{phase.name}")
     _check_names([e.name for e in message.entries])
     wanted = set(schema.trained_in(phase))
+    tensors = isinstance(data, bytes) and not wanted.isdisjoint(schema.TENSORS)
+    views = _tensor_views(data) if tensors else [None] * len(message.entries)
+    if len(views) != len(message.entries):
+        raise CodebookError("the update's entries do not match its bytes")
+    _quiet_read_only_views()
     entries = []
-    for msg in message.entries:
+    for msg, entry_views in zip(message.entries, views, strict=True):
         what = label(msg.name)
         if msg.version or msg.frozen:
             raise CodebookError(f"{what}: an update cannot set version/frozen")
@@ -314,7 +419,7 @@ def decode_update(
                 f"{what}: carries {sorted(_present(msg)) or 'no fields'}, "
                 f"{phase.key} carries {sorted(wanted) or 'none'}"
             )
-        values = _decode_values(msg, dims)
+        values = _decode_values(msg, dims, entry_views)
         if phase is not Phase.SYNC and msg.name not in against:
             raise CodebookError(f"{what} is not registered")
         entries.append(ClassEntry(msg.name, msg.count, values))

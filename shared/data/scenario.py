@@ -165,6 +165,9 @@ class Scenario:
     def _train_partition(self, task: int) -> list[list[Sample]]:
         if task not in self._train:
             samples = self.split.samples("train", [task])
+            if self.n_clients >= len(samples) and not self.config.min_partition_size:
+                self._train[task] = self._sparse_partition(task, samples)
+                return self._train[task]
             partitioner = DirichletPartitioner(
                 num_partitions=self.n_clients,
                 partition_by="label",
@@ -185,6 +188,24 @@ class Scenario:
                 raise ValueError(f"cannot partition task {task}: {err}") from err
             self._train[task] = [[samples[i] for i in part] for part in parts]
         return self._train[task]
+
+    def _sparse_partition(self, task: int, samples: list[Sample]) -> list[list[Sample]]:
+        """A Dirichlet partition over at least as many sites as there are images, which
+        flwr-datasets' ``DirichletPartitioner`` refuses: its algorithm — per class, shares
+        drawn from Dir(alpha) over the sites, the class's shuffled images cut at their
+        cumulative sums — without that check, so most sites hold no image of the task (a
+        site then brings nothing to its step). Smaller scenarios keep the partitioner's."""
+        rng = np.random.default_rng(_task_seed(self.config.seed, task))
+        labels = np.array([label for _, label in samples])
+        parts: list[list[int]] = [[] for _ in range(self.n_clients)]
+        for label in np.unique(labels):
+            indices = np.flatnonzero(labels == label)
+            rng.shuffle(indices)
+            shares = rng.dirichlet(np.full(self.n_clients, self.config.alpha))
+            cuts = (np.cumsum(shares) * len(indices)).astype(int)[:-1]
+            for part, chunk in zip(parts, np.split(indices, cuts), strict=True):
+                part.extend(chunk.tolist())
+        return [[samples[i] for i in sorted(part)] for part in parts]
 
     def _test_partition(self, task: int) -> list[list[Sample]]:
         if task not in self._test:
