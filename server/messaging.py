@@ -107,9 +107,9 @@ def malformed(err: Exception) -> str:
     return f"malformed reply ({err})"
 
 
-def update_digest(reply: Message) -> str:
+def update_digest(reply: Message, record: str = "update") -> str:
     try:
-        return hashlib.sha256(reply.content["update"]["data"]).hexdigest()
+        return hashlib.sha256(reply.content[record]["data"]).hexdigest()
     except (KeyError, TypeError):
         return ""  # malformed: rejected when it is decoded
 

@@ -50,14 +50,14 @@ def sync_header(tmp_path: Path) -> dict:
 
 def test_the_worker_answers_as_the_clientapp_does(worker: Path, tmp_path: Path) -> None:
     header = sync_header(tmp_path)
-    record, data = request(worker, header, b"")
+    [(record, data)] = request(worker, header, b"")
     assert record == "update"
     own = BackboneOptions.from_config(parse({"preset": "tiny"})).load()
     update = wire.decode_update(data, against=Codebook(own.fingerprint, own.dims), phase=Phase.SYNC)
     assert sorted(e.name for e in update.entries) == CLASSES[0:2]
     assert update.metadata["site"] == "farm"
     answer.SITES.clear()  # answered in this process too: the same reply
-    assert answer.answer(header, b"") == (record, data)
+    assert answer.answer(header, b"") == [(record, data)]
 
 
 def test_errors_and_garbage(worker: Path, tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def test_errors_and_garbage(worker: Path, tmp_path: Path) -> None:
     with socket.socket(socket.AF_UNIX) as stream:  # a frame announcing a huge header
         stream.connect(str(worker))
         stream.sendall(struct.pack("<I", 2**31))
-    record, _ = request(worker, sync_header(tmp_path), b"")  # the worker still answers
+    [(record, _)] = request(worker, sync_header(tmp_path), b"")  # the worker still answers
     assert record == "update"
     with pytest.raises(WorkerError, match="no site worker"):
         request(tmp_path / "absent.sock", header, b"")
