@@ -20,7 +20,7 @@ from starfed.shared.protocol import PhaseSpec
 
 logger = logging.getLogger(__name__)
 
-PULL_WAITS_S = (0.05, 0.5)  # the first and the longest wait between two pulls of replies
+PULL_WAITS_S = (0.05, 0.2)  # the first and the longest wait between two pulls of replies
 #: Flower's own reasons begin so (e.g. "Error: Node Unavailable — ..." in Flower 1.42).
 ERROR_PREFIX = re.compile(r"^error:\s*", re.IGNORECASE)
 
