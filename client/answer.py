@@ -25,7 +25,7 @@ from starfed.client.site import Site
 from starfed.shared.codebook import wire
 from starfed.shared.config import BackboneOptions, parse, run_dir
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import CLASSIFY_WITH_KEYS, Phase
+from starfed.shared.protocol import ALSO, CLASSIFY_WITH_KEYS, Phase
 
 #: The sites this process has built, by (run id, node id), the last one used last: backbones
 #: and caches load once. A process of a simulation answers for many sites; it keeps the
@@ -85,8 +85,9 @@ def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> 
     return SITES[key]
 
 
-def answer(header: dict[str, Any], payload: bytes) -> tuple[str, bytes]:
-    """The reply to one message: (record name, bytes) — an update, or the site's report.
+def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
+    """The reply to one message: its records as (name, bytes) — an update, or the site's
+    report — then the update of each phase that travels with it (``ALSO``), named by its key.
 
     ``header`` holds the phase, the message's config and the run's and node's configs;
     ``payload`` the codebook the message carries (or nothing).
@@ -97,15 +98,20 @@ def answer(header: dict[str, Any], payload: bytes) -> tuple[str, bytes]:
                     header["node-config"])  # fmt: skip
     step, round_index = int(config["step"]), int(config.get("round", 0))
     federation = str(config["federation"])
+    wire_dtype = str(config.get("wire-dtype", "float32"))
     if phase is Phase.SYNC:
         frozen = [str(name) for name in config.get("frozen", [])]
         update = site.sync(step, frozen, federation, str(config["epoch"]))
-    else:
-        site.memory.join(federation)
-        codebook = site.memory.receive(payload)
-        if phase is Phase.EVALUATE:
-            use_keys = bool(config.get(CLASSIFY_WITH_KEYS, False))
-            report = site.evaluate(codebook, [int(s) for s in config["class-steps"]], use_keys)
-            return "report", report.to_bytes()
-        update = site.run_phase(phase, codebook, step, round_index)
-    return "update", wire.encode(update, str(config.get("wire-dtype", "float32")))
+        return [("update", wire.encode(update, wire_dtype))]
+    site.memory.join(federation)
+    codebook = site.memory.receive(payload)
+    if phase is Phase.EVALUATE:
+        use_keys = bool(config.get(CLASSIFY_WITH_KEYS, False))
+        report = site.evaluate(codebook, [int(s) for s in config["class-steps"]], use_keys)
+        return [("report", report.to_bytes())]
+    update = site.run_phase(phase, codebook, step, round_index)
+    records = [("update", wire.encode(update, wire_dtype))]
+    for key in config.get(ALSO, []):
+        also = site.run_phase(Phase[str(key).upper()], codebook, step)
+        records.append((also.phase.key, wire.encode(also, wire_dtype)))
+    return records

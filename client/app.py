@@ -8,10 +8,13 @@ Which folders a node's site reads is ``answer``'s (``data-dir``, or a simulated 
 Message contents (``RecordDict``):
 
 * in: ``config`` (ConfigRecord: ``step``, ``round``, ``wire-dtype``, ``federation``; for sync
-  the ``frozen`` class names, for evaluation the ``class-steps``) and, where the phase sends it,
-  ``codebook`` (ConfigRecord ``data``: the codebook, or a delta from the one the site holds);
+  the ``frozen`` class names, for evaluation the ``class-steps``, for the last stage-1 round
+  ``also``) and, where the phase sends it, ``codebook`` (ConfigRecord ``data``: the codebook,
+  or a delta from the one the site holds);
 * out: ``update`` (ConfigRecord ``data``: a serialised ``ClientUpdate``, for sync the classes
-  of the site's current task) or, for evaluation, ``report`` (an ``EvaluationReport``).
+  of the site's current task) or, for evaluation, ``report`` (an ``EvaluationReport``); when
+  the config names phases that travel with this one (``also``), one more update record per
+  phase, named by its key (``stage1_stats``).
 
 Anything decoded is validated against this site's backbones; a bad codebook raises, which
 Flower turns into an error reply the server logs. Raw images and features never leave.
@@ -42,14 +45,15 @@ def _handle(phase: Phase, message: Message, context: Context) -> Message:
     payload = message.content["codebook"]["data"] if "codebook" in message.content else b""
     worker = parse(context.node_config, "node-config")["worker-socket"]
     if worker:
-        record, data = request(worker, header, payload)
+        records = request(worker, header, payload)
     else:
         # Imported here, not above, to keep a forwarding ClientApp light: it never needs the
         # site code (torch, the backbones). Not a cycle: ``answer`` imports nothing from here.
         from starfed.client.answer import answer
 
-        record, data = answer(header, payload)
-    return Message(RecordDict({record: ConfigRecord({"data": data})}), reply_to=message)
+        records = answer(header, payload)
+    content = RecordDict({name: ConfigRecord({"data": data}) for name, data in records})
+    return Message(content, reply_to=message)
 
 
 def _register(spec: PhaseSpec) -> None:

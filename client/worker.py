@@ -72,8 +72,9 @@ def read_frame(stream: socket.socket) -> tuple[dict[str, Any], bytes]:
     return header, _read_exactly(stream, size)
 
 
-def request(path: str | Path, header: dict[str, Any], payload: bytes) -> tuple[str, bytes]:
-    """Ask the worker at ``path`` to answer one message: (reply record name, reply bytes)."""
+def request(path: str | Path, header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
+    """Ask the worker at ``path`` to answer one message: the reply's records, (name, bytes)
+    each (their bytes travel back to back in one frame, their names and sizes in its header)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stream:
         try:
             stream.connect(str(path))
@@ -83,7 +84,13 @@ def request(path: str | Path, header: dict[str, Any], payload: bytes) -> tuple[s
         reply, data = read_frame(stream)
     if not reply.get("ok"):
         raise WorkerError(str(reply.get("error", "the worker failed")))
-    return str(reply["record"]), data
+    records, start = [], 0
+    for name, size in zip(reply["records"], reply["sizes"], strict=True):
+        records.append((str(name), data[start : start + int(size)]))
+        start += int(size)
+    if start != len(data):
+        raise WorkerError(f"the reply's records hold {start} bytes, its frame {len(data)}")
+    return records
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -99,8 +106,10 @@ class _Handler(socketserver.BaseRequestHandler):
             return
         try:
             with self.server.lock:  # one message at a time: they share the site's state
-                record, data = answer(header, payload)
-            send_frame(self.request, {"ok": True, "record": record}, data)
+                records = answer(header, payload)
+            names, sizes = [name for name, _ in records], [len(data) for _, data in records]
+            reply = {"ok": True, "records": names, "sizes": sizes}
+            send_frame(self.request, reply, b"".join(data for _, data in records))
         except Exception as err:  # reported to the ClientApp, which turns it into an error reply
             logger.exception("answering %s failed", header.get("phase"))
             send_frame(self.request, {"ok": False, "error": f"{type(err).__name__}: {err}"})

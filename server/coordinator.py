@@ -6,9 +6,12 @@ registered. Then, for each codebook phase, the ``Coordinator`` sends one message
 sites (a seeded share of them for training and statistics rounds, ``fraction-train``), decodes
 (= validates) the replies one at a time and hands them to its ``Strategy``
 (``starfed.server.strategy``), which reduces them into a new codebook (or, for evaluation, the
-step's scores). The codebook is the single source of truth: each phase replaces it with a new
-value, checkpointed in the federation folder with the protocol position, so an interrupted step
-can resume (``server.federation``).
+step's scores). A phase that travels with another (``PhaseSpec.travels_with``: the stage-1
+statistics, with the last stage-1 round) is asked for in that phase's message and reduced from
+the same replies, right after it — a message less per step — unless a resumed step checkpointed
+the phase it travels with before it. The codebook is the single source of truth: each phase
+replaces it with a new value, checkpointed in the federation folder with the protocol position,
+so an interrupted step can resume (``server.federation``).
 
 A run performs steps until no site brings a new class (or ``max_steps``). A phase in which no
 class in play gets an update fails the step (rolled back); a step in which some site failed or
@@ -64,7 +67,7 @@ from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import ENROLMENT, PHASES, SPECS, Phase, PhaseSpec
+from starfed.shared.protocol import ALSO, ENROLMENT, PHASES, SPECS, Phase, PhaseSpec
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -211,18 +214,12 @@ class Coordinator:
         if not self._enrol(step):
             return None  # nothing new: no step
         phase_seconds = [PhaseTime(ENROLMENT.phase.key, 0, time.perf_counter() - t0)]
-        rounds = {Phase.STAGE1: self.protocol.stage1_rounds,
-                  Phase.STAGE2: self.protocol.stage2_rounds}  # fmt: skip
         try:
             for spec in PHASES:
-                for round_index in range(rounds.get(spec.phase, 1)):
+                for round_index in range(self._rounds(spec.phase)):
                     done = f"{spec.phase.key}/{round_index}"
-                    if done in self.position.done:
-                        continue
-                    t0 = time.perf_counter()
-                    self._run_phase(spec, step, round_index, done)
-                    seconds = time.perf_counter() - t0
-                    phase_seconds.append(PhaseTime(spec.phase.key, round_index, seconds))
+                    if done not in self.position.done:
+                        phase_seconds += self._run_phase(spec, step, round_index, done)
         except StepFailed as err:
             # Sites that all stop answering may be a run that was stopped (`flwr stop`): then
             # this grid call fails in Flower (its token is revoked) and the run ends here,
@@ -230,9 +227,7 @@ class Coordinator:
             self.grid.get_node_ids()
             status, reason = FAILED, str(err)
             self.console.print(f"[red]step {step + 1} failed: {reason}; rolled back")
-        if status != FAILED and (
-            any(e.failed for e in self._steps) or self.screen.findings
-        ):
+        if status != FAILED and (any(e.failed for e in self._steps) or self.screen.findings):
             status = DEGRADED
         if self.screening.quarantine_persists and self.screen.quarantined:
             self.federation.add_quarantine(self.screen.quarantined, step)
@@ -244,19 +239,64 @@ class Coordinator:
         self.log.steps.append(record)
         return record
 
-    def _run_phase(self, spec: PhaseSpec, step: int, round_index: int, done: str) -> None:
-        """Send one codebook phase, hand the validated replies to the strategy, keep what it
-        makes of them: a new codebook (checkpointed) or, for evaluation, the step's scores
-        (recorded when the step ends, which follows at once)."""
+    def _rounds(self, phase: Phase) -> int:
+        rounds = {Phase.STAGE1: self.protocol.stage1_rounds,
+                  Phase.STAGE2: self.protocol.stage2_rounds}  # fmt: skip
+        return rounds.get(phase, 1)
+
+    def _riders(self, spec: PhaseSpec, state: PhaseState) -> list[PhaseSpec]:
+        """The phases that travel with this round of ``spec``: at its last round, those that
+        name it (``travels_with``), not done yet and whose message the strategy adds nothing
+        to (their config would be the protocol's alone)."""
+        if state.round != self._rounds(spec.phase) - 1:
+            return []
+        return [
+            rider for rider in PHASES
+            if rider.travels_with is spec.phase
+            and f"{rider.phase.key}/0" not in self.position.done
+            and not self.strategy.configure(rider.phase, state)
+        ]  # fmt: skip
+
+    def _run_phase(
+        self, spec: PhaseSpec, step: int, round_index: int, done: str
+    ) -> list[PhaseTime]:
+        """Send one codebook phase, asking for the updates of the phases that travel with it,
+        and reduce the replies phase by phase; the seconds of each."""
+        t0 = time.perf_counter()
         state = self._state(step, round_index)
-        replies = self._exchange(spec, state, self._sample(spec.phase, step, round_index))
+        riders = self._riders(spec, state)
+        nodes = self._sample(spec.phase, step, round_index)
+        replies = self._exchange(spec, state, nodes, [rider.phase.key for rider in riders])
+        self._reduce(spec, state, replies, done)
+        seconds = [PhaseTime(spec.phase.key, round_index, time.perf_counter() - t0)]
+        for rider in riders:
+            t0 = time.perf_counter()
+            # decoded against the codebook the message carried, merged into the one just made
+            self._reduce(rider, self._state(step, 0), replies, f"{rider.phase.key}/0",
+                         record=rider.phase.key, sent=state.codebook)  # fmt: skip
+            seconds.append(PhaseTime(rider.phase.key, 0, time.perf_counter() - t0))
+        return seconds
+
+    def _reduce(
+        self,
+        spec: PhaseSpec,
+        state: PhaseState,
+        replies: list[Reply],
+        done: str,
+        record: str = "update",
+        sent: Codebook | None = None,
+    ) -> None:
+        """Hand a phase's validated updates (the replies' ``record``, made from ``sent``: by
+        default the codebook now) to the strategy and keep what it makes of them: a new
+        codebook (checkpointed) or, for evaluation, the step's scores (recorded when the step
+        ends, which follows at once)."""
         if spec.phase is Phase.EVALUATE:
             reports = self._reports(replies, state.codebook)
             self._scores = self.strategy.aggregate_evaluate(reports, state)
-            self._print_scores(step)
+            self._print_scores(state.step)
             return
         carried: set[str] = set()
-        updates = self._updates(replies, state, spec.phase, carried)
+        updates = self._updates(replies, state, spec.phase, carried, record, sent or self.codebook)
         aggregate = (self.strategy.aggregate_statistics if spec.phase in STATISTICS
                      else self.strategy.aggregate_train)  # fmt: skip
         codebook = aggregate(spec.phase, updates, state)
@@ -422,12 +462,17 @@ class Coordinator:
 
     # --- messaging --------------------------------------------------------------------------
 
-    def _config(self, spec: PhaseSpec, state: PhaseState) -> dict[str, ConfigValue]:
-        """The message config of a codebook phase: the protocol's, then the strategy's."""
+    def _config(
+        self, spec: PhaseSpec, state: PhaseState, also: list[str] | None = None
+    ) -> dict[str, ConfigValue]:
+        """The message config of a codebook phase: the protocol's (with the keys of the phases
+        that travel with it, ``also``), then the strategy's."""
         config: dict[str, ConfigValue] = {
             "step": state.step, "round": state.round, "wire-dtype": self.protocol.wire_dtype,
             **Lineage.of(state.codebook).as_metadata(),
         }  # fmt: skip
+        if also:
+            config[ALSO] = also
         if spec.phase is Phase.EVALUATE:
             config["class-steps"] = [state.class_steps[name] for name in state.codebook.names]
         extra = self.strategy.configure(spec.phase, state)
@@ -475,10 +520,12 @@ class Coordinator:
                 chosen.add(holders[0])
         return sorted(chosen)
 
-    def _exchange(self, spec: PhaseSpec, state: PhaseState, nodes: list[int]) -> list[Reply]:
-        """Send one codebook phase to ``nodes``; the good replies. A site that answered holds
-        the codebook it was sent."""
-        config = self._config(spec, state)
+    def _exchange(
+        self, spec: PhaseSpec, state: PhaseState, nodes: list[int], also: list[str]
+    ) -> list[Reply]:
+        """Send one codebook phase to ``nodes``, asking for the updates of the phases ``also``
+        too; the good replies. A site that answered holds the codebook it was sent."""
+        config = self._config(spec, state, also)
         return self._send(spec, state.step, state.round, config, nodes, self._payloads())
 
     def _send(
@@ -507,16 +554,21 @@ class Coordinator:
     # --- replies: decoded (= validated) one at a time ---------------------------------------
 
     def _decoded(
-        self, replies: list[Reply], phase: Phase
+        self,
+        replies: list[Reply],
+        phase: Phase,
+        record: str = "update",
+        sent: Codebook | None = None,
     ) -> Iterator[tuple[Exchange, ClientUpdate]]:
-        """Decode (= validate) each update against the codebook the phase was sent with, one at
-        a time (a phase never holds every decoded update); reject bad ones."""
+        """Decode (= validate) each update (the replies' ``record``) against the codebook the
+        phase was sent with (``sent``, by default the codebook now), one at a time (a phase
+        never holds every decoded update); reject bad ones."""
         # Merge order changes float rounding: order by content, not by node id (random per run).
-        for index in content_order([update_bytes(reply) for _, reply in replies]):
+        for index in content_order([update_bytes(reply, record) for _, reply in replies]):
             entry, reply = replies[index]
             try:
-                data = reply.content["update"]["data"]
-                update = wire.decode_update(data, against=self.codebook, phase=phase)
+                data = reply.content[record]["data"]
+                update = wire.decode_update(data, against=sent or self.codebook, phase=phase)
                 note_privacy(entry, update)
             except (CodebookError, KeyError, TypeError, ValueError) as err:
                 reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
@@ -524,17 +576,23 @@ class Coordinator:
             yield entry, update
 
     def _updates(
-        self, replies: list[Reply], state: PhaseState, phase: Phase, carried: set[str]
+        self,
+        replies: list[Reply],
+        state: PhaseState,
+        phase: Phase,
+        carried: set[str],
+        record: str,
+        sent: Codebook,
     ) -> Iterator[ClientUpdate]:
-        """The phase's valid updates without rows of classes not in play, screened
-        (``server.screening``: a first pass measures every row, the second hands the screened
-        updates on, in the same order); the classes they carry are added to ``carried`` as they
-        go by."""
+        """The phase's valid updates (``_decoded``: the replies' ``record``, made from ``sent``)
+        without rows of classes not in play, screened (``server.screening``: a first pass
+        measures every row, the second hands the screened updates on, in the same order); the
+        classes they carry are added to ``carried`` as they go by."""
         in_play = set(self.in_play)
         screen = self.screen.phase(phase, state.round, state.codebook)
         messages = {entry.node_id: reply for entry, reply in replies}
         valid = []
-        for entry, update in self._decoded(replies, phase):
+        for entry, update in self._decoded(replies, phase, record, sent):
             stray = [e.name for e in update.entries if e.name not in in_play]
             if stray:
                 logger.info("node %s sent rows of classes not in play: %s", entry.node_id,
@@ -543,8 +601,8 @@ class Coordinator:
             valid.append((entry, messages[entry.node_id]))
         screen.decide()
         for entry, reply in valid:
-            data = reply.content["update"]["data"]
-            update = wire.decode_update(data, against=self.codebook, phase=phase)
+            data = reply.content[record]["data"]
+            update = wire.decode_update(data, against=sent, phase=phase)
             screened = screen.apply(entry.site, update.only(in_play))
             if screened is None:
                 continue

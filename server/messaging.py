@@ -23,7 +23,7 @@ from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, PhaseSpec
 
 logger = logging.getLogger(__name__)
 
-PULL_WAITS_S = (0.05, 0.5)  # the first and the longest wait between two pulls of replies
+PULL_WAITS_S = (0.05, 0.2)  # the first and the longest wait between two pulls of replies
 #: Flower's own reasons begin so (e.g. "Error: Node Unavailable — ..." in Flower 1.42).
 ERROR_PREFIX = re.compile(r"^error:\s*", re.IGNORECASE)
 
@@ -129,10 +129,11 @@ def malformed(err: Exception) -> str:
     return f"malformed reply ({err})"
 
 
-def update_bytes(reply: Message) -> bytes | None:
-    """A reply's serialised update, or None when it has none (rejected when it is decoded)."""
+def update_bytes(reply: Message, record: str = "update") -> bytes | None:
+    """A reply's serialised update (its ``record``), or None when it has none (rejected when it
+    is decoded)."""
     try:
-        data = reply.content["update"]["data"]
+        data = reply.content[record]["data"]
     except (KeyError, TypeError):
         return None
     return data if isinstance(data, bytes) else None

@@ -10,6 +10,13 @@ which random streams the work draws from. ``MESSAGES`` is every message a site a
 ClientApp registers a handler for each); how the server reduces the replies of a phase is its
 strategy's (``starfed.server.strategy``). docs/design.md#the-protocol shows the table.
 
+A phase that needs nothing the phase before it produced travels with that phase's last round
+(``travels_with``): the message's config names it (``ALSO``) and the site adds its update to the
+same reply, so the step costs one message less — each message waits for a deployed site's
+SuperNode to ask for work, every 3 s when idle (docs/benchmarks.md). The stage-1 statistics
+depend only on the frozen CLIP image features; they are sent on their own only when the step
+resumes after stage 1 was checkpointed without them.
+
 Random streams are named so that a single site (``starfed train-local``) and a federation draw
 the same numbers for the same work (``starfed.shared.model.training.phase_generator``); the names
 are part of what makes results reproducible, so they never change.
@@ -49,6 +56,7 @@ class PhaseSpec:
     returns: str  # what a site returns
     site_stream: str | None  # random stream of the site's work
     server_stream: str | None  # random stream of the server's reduction (its replay)
+    travels_with: Phase | None = None  # answered in the reply to this phase's last round
 
 
 UPDATE = "an update: its classes with the fields the phase trains (codebook schema)"
@@ -62,7 +70,8 @@ ENROLMENT = PhaseSpec(
 
 PHASES: tuple[PhaseSpec, ...] = (
     PhaseSpec(Phase.STAGE1, "train.stage1", True, UPDATE, "stage1", None),
-    PhaseSpec(Phase.STAGE1_STATS, "query.stage1_stats", True, UPDATE, None, "replay1"),
+    PhaseSpec(Phase.STAGE1_STATS, "query.stage1_stats", True, UPDATE, None, "replay1",
+              travels_with=Phase.STAGE1),
     PhaseSpec(Phase.STAGE2, "train.stage2", True, UPDATE, "stage2", None),
     PhaseSpec(Phase.STAGE2_STATS, "query.stage2_stats", True, UPDATE, "stage2_stats", "replay2"),
     PhaseSpec(Phase.EVALUATE, "evaluate", True, "metrics: accuracy on its own test images",
@@ -73,6 +82,10 @@ PHASES: tuple[PhaseSpec, ...] = (
 MESSAGES: tuple[PhaseSpec, ...] = (ENROLMENT, *PHASES)
 
 SPECS: dict[Phase, PhaseSpec] = {spec.phase: spec for spec in MESSAGES}
+
+#: Message config key: the keys of the phases whose updates travel in this message's reply, each
+#: in a record named after its phase key (the message's own update is the ``update`` record).
+ALSO = "also"
 
 #: Evaluate-message config key: predict with the first-level keys alone (the keys ablation,
 #: ``starfed.simulations.methods.keys``); absent means the full two-level prediction.

@@ -12,6 +12,7 @@ from starfed.shared.codebook import schema
 from starfed.shared.protocol import ENROLMENT, MESSAGES, PHASES, Phase
 
 ROOT = Path(__file__).parent.parent
+NUMBERS = {4: "four", 5: "five", 6: "six"}
 DESIGN = (ROOT / "docs" / "design.md").read_text()
 
 
@@ -73,6 +74,12 @@ def test_protocol_table_matches_the_protocol() -> None:
     # the enrolment carries names and counts only: no class order, no codebook either way
     assert "order" not in ENROLMENT.returns and not ENROLMENT.sends_codebook
     assert set(HANDLERS) == {spec.phase for spec in PHASES} - {Phase.EVALUATE}
+    for spec in PHASES:  # the message plan: which phase travels with which
+        if spec.travels_with is not None:
+            said = f"`{spec.phase.key}` travels with the last `{spec.travels_with.name.lower()}`"
+            assert said in DESIGN, said
+    travelling = sum(spec.travels_with is not None for spec in PHASES)
+    assert f"A step sends {NUMBERS[len(MESSAGES) - travelling]} messages" in DESIGN
 
 
 def test_layout_links_point_at_the_tree() -> None:

@@ -145,9 +145,10 @@ def test_disjoint_sites_then_a_new_task_in_a_second_run(fed):
     for name in before.names:
         for field in ("prompt", "key", "query_prompt", "query_weight", "head_weight"):
             assert torch.equal(after[name].values[field], before[name].values[field])
-    # The second run's stage-1 updates carried the new classes only, from farm-a only.
+    # The second run's stage-1 updates carried the new classes only, from farm-a only (a reply
+    # without rows holds two empty updates, stage 1's and its statistics': 164 bytes).
     for entry in (e for e in second["exchanges"] if e["phase"] == "stage1"):
-        assert (entry["bytes_up"] > 100) == (entry["site"] == "farm-a")
+        assert (entry["bytes_up"] > 200) == (entry["site"] == "farm-a")
     assert len(second["accuracy_matrix"]) == 2 and len(second["accuracy_matrix"][1]) == 2
     # Both sites held the codebook of run 1: the new run sent them deltas, not the codebook.
     first_download = next(e for e in grid.sent if "codebook" in e.content)
@@ -324,8 +325,7 @@ def test_a_site_lost_mid_run_makes_the_run_degraded(fed):
         return None
 
     fed.faults[(2, "train.stage2")] = gone
-    for message_type in ("query.stage2_stats", "evaluate", "query.sync", "train.stage1",
-                         "query.stage1_stats"):  # fmt: skip
+    for message_type in ("query.stage2_stats", "evaluate", "query.sync", "train.stage1"):
         fed.faults[(2, message_type)] = lambda reply: None if lost["after"] else reply
     metrics, _ = fed.run()
     assert metrics["status"] == "degraded"
@@ -352,7 +352,8 @@ def test_a_seeded_fraction_of_sites_trains_and_every_class_keeps_a_holder(fed):
         rounds.setdefault(f"{e['phase']}/{e['round']}", []).append(e["site"])
     assert len(rounds["sync/0"]) == 4 * 2 and len(rounds["evaluate/0"]) == 4  # everyone
     codebook = fed.codebook()
-    for phase in ("stage1/0", "stage1_stats/0", "stage2/0", "stage2_stats/0"):
+    assert "stage1_stats/0" not in rounds  # the statistics travel with stage 1's draw
+    for phase in ("stage1/0", "stage2/0", "stage2_stats/0"):
         drawn = set(rounds[phase])
         assert 2 <= len(drawn) <= 4  # two drawn, plus holders of classes the draw missed
         holders = {name: {f"farm-{'abcd'[i]}" for i in range(4) if name in CLASSES[i : i + 2]}

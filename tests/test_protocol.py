@@ -6,9 +6,10 @@ Sizes are the smallest that exercise the protocol: tiny backbones, the bundled m
 2 tasks x 2 classes, one epoch everywhere. All runs share one on-disk cache (decoded images,
 CLIP features), so only the first run pays for decoding.
 
-What the server merged at each phase is read back from what it broadcast next: the codebook in
-the ``query.stage1_stats`` message is the stage-1 merge, the one in ``query.stage2_stats`` the
-stage-2 merge (nothing runs between the merge and that broadcast).
+What the server merged at each phase is read back from the codebook it checkpointed after it
+(``Recorded.merged``): the one after ``stage1/0`` is the stage-1 merge, the one after
+``stage2/0`` the stage-2 merge (what ``query.stage2_stats`` broadcasts). The stage-1 statistics
+travel in the reply to ``train.stage1``; they are recorded as ``query.stage1_stats`` updates.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from starfed.client.memory import SiteMemory
 from starfed.client.site import Site
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import run_server
-from starfed.server.federation import CODEBOOK_FILE
+from starfed.server.federation import CODEBOOK_FILE, Federation, Position
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import create_backbones
-from starfed.shared.protocol import MESSAGES, Phase
+from starfed.shared.protocol import ALSO, MESSAGES, Phase
 from starfed.simulations.local_grid import LocalGrid
 from starfed.simulations.simulated_sites import SimulatedSites
 
@@ -58,13 +59,14 @@ BASE_CONFIG = {
 }
 UPDATE_TYPES = ("train.stage1", "query.stage1_stats", "train.stage2", "query.stage2_stats")
 ALL_TYPES = ("query.sync", *UPDATE_TYPES, "evaluate")
-PHASES_PER_STEP = len(ALL_TYPES)
+MESSAGES_PER_STEP = len(ALL_TYPES) - 1  # the stage-1 statistics travel with stage 1
 STAGE1_FIELDS = schema.trained_in(Phase.STAGE1)
 STAGE2_FIELDS = schema.trained_in(Phase.STAGE2)
 # The server re-aligns the prediction head over all seen classes at every step (head replay,
 # docs/model.md); every other part of a frozen class is final.
 FINAL_FIELDS = tuple(f for f in schema.TENSORS if not f.startswith("aligned_"))
 PHASE_OF = {spec.message_type: spec.phase for spec in MESSAGES}
+TYPE_OF = {spec.phase.key: spec.message_type for spec in MESSAGES}
 
 _run_ids = itertools.count(1000)
 
@@ -75,11 +77,13 @@ _run_ids = itertools.count(1000)
 @dataclass
 class Recorded:
     """Replies captured by recording faults, keyed by (step, message type, node), each with the
-    id of the message it answers."""
+    id of the message it answers (an update that travelled with another message under its own
+    phase's message type), and the codebooks checkpointed by (step, the phase done)."""
 
     grid: LocalGrid
     updates: dict[tuple[int, str, int], tuple[bytes, str]] = field(default_factory=dict)
     syncs: dict[tuple[int, int], ClientUpdate] = field(default_factory=dict)
+    merged: dict[tuple[int, str], Codebook] = field(default_factory=dict)
 
     def update(self, step: int, message_type: str, node: int) -> ClientUpdate:
         data, message_id = self.updates[(step, message_type, node)]
@@ -118,6 +122,9 @@ def recording(grid: LocalGrid, recorded: Recorded):
                 recorded.syncs[(step, node)] = sync
             else:
                 recorded.updates[(step, message_type, node)] = (data, sent.metadata.message_id)
+            for key in sent.content["config"].get(ALSO, []):
+                data = reply.content[key]["data"]
+                recorded.updates[(step, TYPE_OF[key], node)] = (data, sent.metadata.message_id)
         return reply
 
     return fault
@@ -141,11 +148,25 @@ def broadcast(grid: LocalGrid, step: int, message_type: str) -> Codebook:
     raise AssertionError(f"no {message_type} broadcast at step {step}")
 
 
-def run(grid: LocalGrid, results: Path, name: str = "run") -> dict:
+def run(
+    grid: LocalGrid, results: Path, name: str = "run", recorded: Recorded | None = None
+) -> dict:
+    """The server's run; with ``recorded``, every checkpointed codebook is kept there too."""
     config = {**grid.run_config, "results-dir": str(results), "run-name": name}
     grid.run_config = config
     sites = SimulatedSites.of(config, grid.run_id)  # the simulation writes the sites' folders
-    return run_server(grid, config, grid.run_id, before_step=sites)
+    with pytest.MonkeyPatch.context() as patch:
+        if recorded is not None:
+            checkpoint = Federation.checkpoint
+
+            def keep(federation: Federation, codebook: Codebook, position: Position) -> Codebook:
+                kept = checkpoint(federation, codebook, position)
+                if position.done:  # not the end of a step
+                    recorded.merged[(position.step, position.done[-1])] = kept
+                return kept
+
+            patch.setattr(Federation, "checkpoint", keep)
+        return run_server(grid, config, grid.run_id, before_step=sites)
 
 
 def exchanges(metrics: dict, node: int | None = None, phase: str | None = None) -> list[dict]:
@@ -253,7 +274,7 @@ def baseline(cache_dir, tmp_path_factory) -> BaselineRun:
     grid = make_grid(cache_dir, 3, alpha=0.1)
     recorded = record_all(grid)
     results = tmp_path_factory.mktemp("results")
-    metrics = run(grid, results, "baseline")
+    metrics = run(grid, results, "baseline", recorded)
     scenario = scenario_of(grid)
     counts = {task: class_counts(scenario, task) for task in range(2)}
     return BaselineRun(grid, recorded, metrics, results / "baseline", counts)
@@ -272,7 +293,8 @@ def test_baseline_exchanges_all_ok(baseline):
     n_nodes = len(baseline.grid.node_configs)
     assert metrics["steps"] == 2 and metrics["status"] == "completed"
     # two steps, then a sync that finds nothing new and ends the run
-    assert len(metrics["exchanges"]) == (2 * PHASES_PER_STEP + 1) * n_nodes
+    assert len(metrics["exchanges"]) == (2 * MESSAGES_PER_STEP + 1) * n_nodes
+    assert "stage1_stats" not in {e["phase"] for e in metrics["exchanges"]}
     assert {e["status"] for e in metrics["exchanges"]} == {"ok"}
     for e in metrics["exchanges"]:
         assert e["bytes_up"] > 0
@@ -300,10 +322,10 @@ def test_shared_class_row_is_count_weighted_average(baseline):
     name = shared[0]
     nodes = holders(baseline.counts[0], name)
     for message_type, merged_at, fields in (
-        ("train.stage1", "query.stage1_stats", STAGE1_FIELDS),
-        ("train.stage2", "query.stage2_stats", STAGE2_FIELDS),
+        ("train.stage1", "stage1/0", STAGE1_FIELDS),
+        ("train.stage2", "stage2/0", STAGE2_FIELDS),
     ):
-        merged = broadcast(grid, 0, merged_at)
+        merged = recorded.merged[(0, merged_at)]
         entries = [entry(recorded.update(0, message_type, node), name) for node in nodes]
         counts = [e.count for e in entries]
         assert counts == [baseline.counts[0][name][node - 1] for node in nodes]
@@ -343,10 +365,10 @@ def test_single_holder_class_row_is_that_clients_row(baseline):
     name = single[0]
     (node,) = holders(baseline.counts[0], name)
     for message_type, merged_at, fields in (
-        ("train.stage1", "query.stage1_stats", STAGE1_FIELDS),
-        ("train.stage2", "query.stage2_stats", STAGE2_FIELDS),
+        ("train.stage1", "stage1/0", STAGE1_FIELDS),
+        ("train.stage2", "stage2/0", STAGE2_FIELDS),
     ):
-        merged = broadcast(grid, 0, merged_at)
+        merged = recorded.merged[(0, merged_at)]
         own = entry(recorded.update(0, message_type, node), name)
         assert row_count(merged, name) == own.count == baseline.counts[0][name][node - 1]
         for field_name in fields:
@@ -492,7 +514,7 @@ def test_malformed_and_nan_updates_are_rejected(pair, tmp_path):
     recorded = record_all(pair, [1])
     pair.faults[(2, "train.stage1")] = garbage_update
     pair.faults[(2, "train.stage2")] = nan_update
-    metrics = run(pair, tmp_path)
+    metrics = run(pair, tmp_path, recorded=recorded)
 
     stage1 = exchanges(metrics, node=2, phase="stage1")
     stage2 = exchanges(metrics, node=2, phase="stage2")
@@ -513,10 +535,10 @@ def test_malformed_and_nan_updates_are_rejected(pair, tmp_path):
     # The rejected updates left no trace: each merge equals node 1's rows exactly.
     for step in range(2):
         for message_type, merged_at, fields in (
-            ("train.stage1", "query.stage1_stats", STAGE1_FIELDS),
-            ("train.stage2", "query.stage2_stats", STAGE2_FIELDS),
+            ("train.stage1", "stage1/0", STAGE1_FIELDS),
+            ("train.stage2", "stage2/0", STAGE2_FIELDS),
         ):
-            merged = broadcast(pair, step, merged_at)
+            merged = recorded.merged[(step, merged_at)]
             assert_finite(merged)
             update = recorded.update(step, message_type, 1)
             assert update.entries

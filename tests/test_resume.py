@@ -1,7 +1,9 @@
 """Crash safety: a server run that dies inside a step is continued by the next run.
 
-The crash is the grid raising in the middle of a phase (the real-process variant, SIGKILL of
-the ServerApp, is in tests/test_e2e_resume.py). The next run over the same federation folder
+The crash is the grid raising in the middle of a phase, or the server's first-level replay
+raising — after the last stage-1 round, whose replies carried the statistics, was checkpointed,
+so the next run sends the statistics' own message (the real-process variant, SIGKILL of the
+ServerApp, is in tests/test_e2e_resume.py). The next run over the same federation folder
 resumes from the last completed phase, and the final codebook equals that of a run that never
 crashed, tensor by tensor: nothing learned before the crash is lost or merged twice.
 """
@@ -22,8 +24,10 @@ from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE, Federation
+from starfed.server.strategy import PhaseState, Strategy
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.protocol import Phase
 from starfed.simulations.local_grid import LocalGrid
 
 CONFIG = {
@@ -98,12 +102,21 @@ def same_entries(a: Codebook, b: Codebook) -> None:
                 assert torch.equal(value, y.values[field]), (name, field)
 
 
-@pytest.mark.parametrize(
-    "crash_at", ["train.stage1/1", "query.stage1_stats", "train.stage2", "evaluate"]
-)
-def test_a_crashed_step_resumes_to_the_same_codebook(sites, uninterrupted, tmp_path, crash_at):
-    with pytest.raises(Crash):
-        run(tmp_path, "federation", sites, crash_at)
+def crash_in_replay1(phase: Phase, codebook: Codebook, state: PhaseState) -> Codebook:
+    if phase is Phase.STAGE1_STATS:
+        raise Crash("replay1")
+    return Strategy().replay(phase, codebook, state)
+
+
+@pytest.mark.parametrize("crash_at", ["train.stage1/1", "replay1", "train.stage2", "evaluate"])
+def test_a_crashed_step_resumes_to_the_same_codebook(
+    sites, uninterrupted, tmp_path, monkeypatch, crash_at
+):
+    in_replay = crash_at == "replay1"
+    with pytest.raises(Crash), monkeypatch.context() as patch:
+        if in_replay:
+            patch.setattr(Strategy, "replay", lambda self, *args: crash_in_replay1(*args))
+        run(tmp_path, "federation", sites, None if in_replay else crash_at)
     folder = Federation(tmp_path / "federation", uninterrupted.fingerprint, uninterrupted.dims)
     position = folder.position(folder.codebook())
     assert position.running and position.step == 0
@@ -115,11 +128,16 @@ def test_a_crashed_step_resumes_to_the_same_codebook(sites, uninterrupted, tmp_p
     resumed = wire.read_file(tmp_path / "federation" / CODEBOOK_FILE)
     same_entries(resumed, uninterrupted)
     # the resumed step repeated none of the phases it had finished before the crash (only
-    # the sync, which tells the server who is here)
+    # the sync, which tells the server who is here); the statistics travel with the last
+    # stage-1 round when it is sent, else on their own
     assert metrics["steps_this_run"][0]["step"] == 0
     record = folder.history()[0]
-    phases = {f"{e.phase}/{e.round}" for e in record.exchanges}
-    assert phases == {"sync/0"} | (ALL_PHASES - set(done_before))
+    left = ALL_PHASES - set(done_before)
+    messages = left - {"stage1_stats/0"} if "stage1/1" in left else left
+    assert {f"{e.phase}/{e.round}" for e in record.exchanges} == {"sync/0"} | messages
+    assert {f"{p.phase}/{p.round}" for p in record.phase_seconds} == {"sync/0"} | left
+    if in_replay:
+        assert done_before == ["sync/0", "stage1/0", "stage1/1"]
 
 
 def test_the_position_is_inside_the_checkpoint(sites, tmp_path):

@@ -6,6 +6,7 @@ import socket
 import struct
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,12 @@ from site_folders import CLASSES, site_folder
 
 from starfed.client import answer
 from starfed.client.worker import WorkerError, read_frame, request, send_frame, serve
+from starfed.server import replay
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import BackboneOptions, parse
-from starfed.shared.protocol import Phase
+from starfed.shared.model.training import TrainConfig
+from starfed.shared.protocol import ALSO, Phase
 
 
 @pytest.fixture
@@ -50,14 +53,39 @@ def sync_header(tmp_path: Path) -> dict:
 
 def test_the_worker_answers_as_the_clientapp_does(worker: Path, tmp_path: Path) -> None:
     header = sync_header(tmp_path)
-    record, data = request(worker, header, b"")
+    [(record, data)] = request(worker, header, b"")
     assert record == "update"
     own = BackboneOptions.from_config(parse({"preset": "tiny"})).load()
     update = wire.decode_update(data, against=Codebook(own.fingerprint, own.dims), phase=Phase.SYNC)
     assert sorted(e.name for e in update.entries) == CLASSES[0:2]
     assert update.metadata["site"] == "farm"
     answer.SITES.clear()  # answered in this process too: the same reply
-    assert answer.answer(header, b"") == (record, data)
+    assert answer.answer(header, b"") == [(record, data)]
+
+
+def test_updates_that_travel_with_a_message_come_back_in_the_same_reply(
+    worker: Path, tmp_path: Path
+) -> None:
+    """The last stage-1 round asks for the statistics too: two records, back to back in one
+    frame, each the update of its phase, as the ClientApp answers in process."""
+    header = sync_header(tmp_path)
+    values = parse({"preset": "tiny"})
+    own = BackboneOptions.from_config(values).load()
+    lineage = {"federation": "f", "epoch": "e"}
+    empty = replace(Codebook(own.fingerprint, own.dims), metadata=lineage)
+    codebook = replay.register(empty, CLASSES[0:2], own, TrainConfig.from_config(values))
+    header["phase"] = "stage1"
+    header["config"] = {"step": 0, "round": 0, "wire-dtype": "float32", **lineage,
+                        ALSO: ["stage1_stats"]}  # fmt: skip
+    header["run-config"] = {"preset": "tiny", "stage1-epochs": 1}
+    payload = wire.encode(codebook.broadcast())
+    records = request(worker, header, payload)
+    assert [name for name, _ in records] == ["update", "stage1_stats"]
+    for (_, data), phase in zip(records, (Phase.STAGE1, Phase.STAGE1_STATS), strict=True):
+        update = wire.decode_update(data, against=codebook, phase=phase)
+        assert sorted(e.name for e in update.entries) == CLASSES[0:2]
+    answer.SITES.clear()  # answered in this process too: the same reply
+    assert answer.answer(header, payload) == records
 
 
 def test_errors_and_garbage(worker: Path, tmp_path: Path) -> None:
@@ -67,7 +95,7 @@ def test_errors_and_garbage(worker: Path, tmp_path: Path) -> None:
     with socket.socket(socket.AF_UNIX) as stream:  # a frame announcing a huge header
         stream.connect(str(worker))
         stream.sendall(struct.pack("<I", 2**31))
-    record, _ = request(worker, sync_header(tmp_path), b"")  # the worker still answers
+    [(record, _)] = request(worker, sync_header(tmp_path), b"")  # the worker still answers
     assert record == "update"
     with pytest.raises(WorkerError, match="no site worker"):
         request(tmp_path / "absent.sock", header, b"")
