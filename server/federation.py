@@ -393,7 +393,8 @@ class Federation:
     def quarantine(self) -> dict[str, dict]:
         """Sites kept out of later steps: site -> the step and reason that put it there."""
         held = self._read(QUARANTINE_FILE, {})
-        if not isinstance(held, dict) or not all(isinstance(v, dict) for v in held.values()):
+        entries = held.values() if isinstance(held, dict) else [None]
+        if not all(isinstance(v, dict) and isinstance(v.get("step"), int) for v in entries):
             raise FederationError(f"{self.root / QUARANTINE_FILE} is damaged: not site -> entry")
         return held
 
