@@ -58,8 +58,12 @@ def private_gaussian(
     norm = float(np.linalg.norm(mean))
     if norm > 1.0:
         mean = mean / norm
-    variance = np.clip(squares / count - mean**2, DEFAULT_REG / radius**2, 1.0)
-    variance = variance / max(1.0, float(variance.sum()))
+    # each ≥ the regulariser (no fit's variance is below it: the screening checks so), the
+    # excess over it shrunk until they sum to at most 1
+    floor = DEFAULT_REG / radius**2
+    excess = np.clip(squares / count - mean**2, floor, 1.0) - floor
+    room = 1.0 - floor * dim
+    variance = floor + excess * min(1.0, room / max(float(excess.sum()), 1e-300))
     means = centre.to("cpu", torch.float64) + torch.from_numpy(mean) * radius
     return GaussianMixture(
         weights=torch.ones(1, dtype=torch.float64),
