@@ -278,7 +278,7 @@ class Coordinator:
             self._print_scores(state.step)
             return
         carried: set[str] = set()
-        updates = self._updates(replies, spec.phase, carried, record, sent or self.codebook)
+        updates = self._updates(replies, spec.phase, carried, record, sent)
         aggregate = (self.strategy.aggregate_statistics if spec.phase in STATISTICS
                      else self.strategy.aggregate_train)  # fmt: skip
         codebook = aggregate(spec.phase, updates, state)
@@ -501,10 +501,12 @@ class Coordinator:
         sent: Codebook | None = None,
     ) -> Iterator[tuple[Exchange, ClientUpdate]]:
         """Decode (= validate) each update (the replies' ``record``) against the codebook the
-        phase was sent with (``sent``, by default the codebook now), one at a time (a phase
-        never holds every decoded update); reject bad ones."""
-        # Merge order changes float rounding: order by content, not by node id (random per run).
-        for entry, reply in sorted(replies, key=lambda r: update_digest(r[1], record)):
+        phase was sent with (``sent``: the message it travelled with; by default the codebook
+        now), one at a time (a phase never holds every decoded update); reject bad ones."""
+        # Merge order changes float rounding: order by content, not by node id (random per run);
+        # an update that travelled with an earlier message as if sent with the codebook now.
+        stamp = None if sent is None else self.codebook.version
+        for entry, reply in sorted(replies, key=lambda r: update_digest(r[1], record, stamp)):
             try:
                 data = reply.content[record]["data"]
                 update = wire.decode_update(data, against=sent or self.codebook, phase=phase)
@@ -514,7 +516,12 @@ class Coordinator:
             yield entry, update
 
     def _updates(
-        self, replies: list[Reply], phase: Phase, carried: set[str], record: str, sent: Codebook
+        self,
+        replies: list[Reply],
+        phase: Phase,
+        carried: set[str],
+        record: str,
+        sent: Codebook | None,
     ) -> Iterator[ClientUpdate]:
         """The phase's valid updates (``_decoded``) without rows of classes not in play; the
         classes they carry are added to ``carried`` as they go by."""

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from starfed.server.federation import Exchange
+from starfed.shared.codebook import wire
+from starfed.shared.codebook.codebook import CodebookError
 from starfed.shared.protocol import PhaseSpec
 
 logger = logging.getLogger(__name__)
@@ -107,10 +109,18 @@ def malformed(err: Exception) -> str:
     return f"malformed reply ({err})"
 
 
-def update_digest(reply: Message, record: str = "update") -> str:
+def update_digest(reply: Message, record: str = "update", base_version: int | None = None) -> str:
+    """The digest of a reply's update (its ``record``), which fixes the order the server merges
+    updates in (float rounding, the k-means of pooled mixtures). With ``base_version``: of the
+    update as made from that codebook version (``wire.restamped``) — for an update that
+    travelled with an earlier message, the version its own message would have carried, so the
+    message plan does not move the numbers."""
     try:
-        return hashlib.sha256(reply.content[record]["data"]).hexdigest()
-    except (KeyError, TypeError):
+        data = reply.content[record]["data"]
+        if base_version is not None:
+            data = wire.restamped(data, base_version)
+        return hashlib.sha256(data).hexdigest()
+    except (KeyError, TypeError, CodebookError):
         return ""  # malformed: rejected when it is decoded
 
 
