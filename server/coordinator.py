@@ -296,7 +296,7 @@ class Coordinator:
             self._print_scores(state.step)
             return
         carried: set[str] = set()
-        updates = self._updates(replies, state, spec.phase, carried, record, sent or self.codebook)
+        updates = self._updates(replies, state, spec.phase, carried, record, sent)
         aggregate = (self.strategy.aggregate_statistics if spec.phase in STATISTICS
                      else self.strategy.aggregate_train)  # fmt: skip
         codebook = aggregate(spec.phase, updates, state)
@@ -561,10 +561,13 @@ class Coordinator:
         sent: Codebook | None = None,
     ) -> Iterator[tuple[Exchange, ClientUpdate]]:
         """Decode (= validate) each update (the replies' ``record``) against the codebook the
-        phase was sent with (``sent``, by default the codebook now), one at a time (a phase
-        never holds every decoded update); reject bad ones."""
-        # Merge order changes float rounding: order by content, not by node id (random per run).
-        for index in content_order([update_bytes(reply, record) for _, reply in replies]):
+        phase was sent with (``sent``: the message it travelled with; by default the codebook
+        now), one at a time (a phase never holds every decoded update); reject bad ones."""
+        # Merge order changes float rounding: order by content, not by node id (random per run);
+        # an update that travelled with an earlier message as if sent with the codebook now.
+        stamp = None if sent is None else self.codebook.version
+        order = content_order([update_bytes(reply, record, stamp) for _, reply in replies])
+        for index in order:
             entry, reply = replies[index]
             try:
                 data = reply.content[record]["data"]
@@ -582,7 +585,7 @@ class Coordinator:
         phase: Phase,
         carried: set[str],
         record: str,
-        sent: Codebook,
+        sent: Codebook | None,
     ) -> Iterator[ClientUpdate]:
         """The phase's valid updates (``_decoded``: the replies' ``record``, made from ``sent``)
         without rows of classes not in play, screened (``server.screening``: a first pass
@@ -602,7 +605,7 @@ class Coordinator:
         screen.decide()
         for entry, reply in valid:
             data = reply.content[record]["data"]
-            update = wire.decode_update(data, against=sent, phase=phase)
+            update = wire.decode_update(data, against=sent or self.codebook, phase=phase)
             screened = screen.apply(entry.site, update.only(in_play))
             if screened is None:
                 continue

@@ -34,6 +34,7 @@ from starfed.client.site import Site
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE, Federation, Position
+from starfed.server.strategy import ConfigValue, PhaseState, Strategy
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.config import BackboneOptions, parse
@@ -149,9 +150,14 @@ def broadcast(grid: LocalGrid, step: int, message_type: str) -> Codebook:
 
 
 def run(
-    grid: LocalGrid, results: Path, name: str = "run", recorded: Recorded | None = None
+    grid: LocalGrid,
+    results: Path,
+    name: str = "run",
+    recorded: Recorded | None = None,
+    strategy: Strategy | None = None,
 ) -> dict:
-    """The server's run; with ``recorded``, every checkpointed codebook is kept there too."""
+    """The server's run (with ``strategy``); with ``recorded``, every checkpointed codebook is
+    kept there too."""
     config = {**grid.run_config, "results-dir": str(results), "run-name": name}
     grid.run_config = config
     sites = SimulatedSites.of(config, grid.run_id)  # the simulation writes the sites' folders
@@ -166,7 +172,7 @@ def run(
                 return kept
 
             patch.setattr(Federation, "checkpoint", keep)
-        return run_server(grid, config, grid.run_id, before_step=sites)
+        return run_server(grid, config, grid.run_id, before_step=sites, strategy=strategy)
 
 
 def exchanges(metrics: dict, node: int | None = None, phase: str | None = None) -> list[dict]:
@@ -405,6 +411,38 @@ def test_checkpoint_files(baseline):
     saved = json.loads((run_dir / "metrics.json").read_text())
     assert saved["classes"] == metrics["classes"]
     assert len(saved["exchanges"]) == len(metrics["exchanges"])
+
+
+class StatisticsOnTheirOwn(Strategy):
+    """starfed's strategy with a config entry for the stage-1 statistics, which therefore
+    cannot travel with stage 1: they are sent in their own message, as before."""
+
+    def configure(self, phase: Phase, state: PhaseState) -> dict[str, ConfigValue]:
+        return {"own-message": True} if phase is Phase.STAGE1_STATS else {}
+
+
+def test_the_message_plan_does_not_move_the_numbers(baseline, cache_dir, tmp_path):
+    """The stage-1 statistics travelling with stage 1 (the baseline run) or in their own
+    message: the same codebook, tensor by tensor and mixture by mixture — the same values,
+    merged in the same order — and the same scores."""
+    grid = make_grid(cache_dir, 3, alpha=0.1)
+    metrics = run(grid, tmp_path, "own-message", strategy=StatisticsOnTheirOwn())
+    sent = [m.metadata.message_type for m in grid.sent]
+    assert sent.count("query.stage1_stats") == 2 * len(grid.node_configs)
+    assert "query.stage1_stats" not in {m.metadata.message_type for m in baseline.grid.sent}
+    assert metrics["accuracy_matrix"] == baseline.metrics["accuracy_matrix"]
+    own = wire.read_file(tmp_path / "own-message" / CODEBOOK_FILE)
+    travelled = wire.read_file(baseline.run_dir / CODEBOOK_FILE)
+    assert own.names == travelled.names and own.version == travelled.version
+    for name in own.names:
+        a, b = own[name], travelled[name]
+        assert (a.count, a.frozen, set(a.values)) == (b.count, b.frozen, set(b.values))
+        for field_name, value in a.values.items():
+            if field_name in schema.MIXTURES:
+                for part in ("weights", "means", "variances"):
+                    assert torch.equal(getattr(value, part), getattr(b.values[field_name], part))
+            else:
+                assert torch.equal(value, b.values[field_name]), (name, field_name)
 
 
 # --- failing and misbehaving clients ------------------------------------------------------------
