@@ -13,7 +13,7 @@ on one data folder are tests/test_deploy_gateway.py's.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ from starfed.server.federation import Federation
 from starfed.server.ops import dashboard, status
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.codebook import wire
+from starfed.shared.protocol import PHASES
 from starfed.simulations.local_grid import LocalGrid
 
 pytestmark = pytest.mark.adversarial
@@ -46,7 +47,9 @@ CONFIG = {
 #: scored against). Without the defences, ×10^6 tensors take farm-b from 50 % to 0 %.
 TOLERANCE = 10.0
 TRAINING = ("train.stage1", "train.stage2")
-STATISTICS = ("query.stage1_stats", "query.stage2_stats")
+UPDATE_RECORDS = {"update", *(spec.phase.key for spec in PHASES)}
+# the stage-1 statistics travel with the last stage-1 round's message (shared/protocol.py)
+STATISTICS = ("train.stage1", "query.stage2_stats")
 _run_ids = itertools.count(7000)
 
 Edit = Callable[[pb.ClientUpdate], None]
@@ -87,15 +90,17 @@ def federate(
         answer.SITES.clear()
 
 
-def edit_update(edit: Edit) -> Callable[[Message], Message]:
-    """A fault that edits farm-m's update message in place, as bytes on the wire."""
+def edit_update(edit: Edit, records: Collection[str] = ("update",)) -> Callable[[Message], Message]:
+    """A fault that edits farm-m's update messages in place, as bytes on the wire: the reply's
+    own, and with ``records`` those of the phases that travel with it."""
 
     def fault(reply: Message) -> Message:
         assert not reply.has_error(), reply.error.reason
-        message = pb.ClientUpdate()
-        message.ParseFromString(reply.content["update"]["data"])
-        edit(message)
-        reply.content["update"]["data"] = message.SerializeToString()
+        for record in [key for key in reply.content if key in records]:
+            message = pb.ClientUpdate()
+            message.ParseFromString(reply.content[record]["data"])
+            edit(message)
+            reply.content[record]["data"] = message.SerializeToString()
         return reply
 
     return fault
@@ -236,7 +241,7 @@ def test_implausible_mixtures_are_rejected(folders, tmp_path, honest, part) -> N
                     tensor = getattr(value, part)
                     tensor.data = np.full(len(tensor.data) // 8, 1e30).tobytes()
 
-    faults = {t: edit_update(inflate) for t in STATISTICS}
+    faults = {t: edit_update(inflate, UPDATE_RECORDS) for t in STATISTICS}
     metrics = federate(folders, tmp_path, faults)
     assert_contained(metrics, honest)
     rejected = findings(tmp_path, "rejected")
