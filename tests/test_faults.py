@@ -54,7 +54,7 @@ from starfed.server.federation import (
     Position,
 )
 from starfed.server.ops import clock, gateway, pki
-from starfed.server.ops.flower_internals import FLEET_HTTP_PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
+from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.process_identity import ProcessId
 from starfed.shared.codebook import wire
@@ -459,7 +459,7 @@ def test_the_operator_sees_a_clock_skew_refusal(tmp_path: Path, caplog, capsys) 
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )  # what a SuperNode sends
     signed = (datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=30)).isoformat()
-    headers = {TIMESTAMP_HEADER: signed, FLEET_HTTP_PUBLIC_KEY_HEADER: b64encode(pem).decode()}
+    headers = {TIMESTAMP_HEADER: signed, PUBLIC_KEY_HEADER: b64encode(pem).decode()}
     with caplog.at_level(logging.WARNING, logger="starfed.gateway"):
         gateway._log_clock_skew(headers, "/v1/fleet/pull-messages", "10.0.0.7")
         in_time = {**headers, TIMESTAMP_HEADER: datetime.datetime.now(datetime.UTC).isoformat()}

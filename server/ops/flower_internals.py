@@ -35,9 +35,6 @@ Clock skew (``starfed.server.ops.clock``): Flower refuses a SuperNode whose sign
 outside its window with the same answer as a removed key (401 "Invalid SuperNode
 authentication"), so starfed measures the time difference itself, against the window:
 
-- ``TIMESTAMP_HEADER``, ``FLEET_HTTP_PUBLIC_KEY_HEADER``: the Fleet API request headers holding
-  the signed timestamp and the SuperNode's public key (``flwr.common.constant``,
-  ``flwr.supercore.constant``).
 - ``TIMESTAMP_TOLERANCE``, ``SYSTEM_TIME_TOLERANCE``: the window, an age within
   (-SYSTEM_TIME_TOLERANCE, TIMESTAMP_TOLERANCE + SYSTEM_TIME_TOLERANCE) seconds
   (``flwr.common.constant``).
@@ -52,13 +49,12 @@ reduction without FedAvg's rounds:
 from flwr.common.constant import (
     SUPERLINK_NODE_ID,
     SYSTEM_TIME_TOLERANCE,
-    TIMESTAMP_HEADER,
     TIMESTAMP_TOLERANCE,
 )
 from flwr.proto.runtime_pb2 import AcquireTaskRequest
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret
-from flwr.supercore.constant import FLEET_HTTP_PUBLIC_KEY_HEADER, TaskType
+from flwr.supercore.constant import TaskType
 from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
 from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
@@ -71,11 +67,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.supernode.runtime.run_clientapp import run_clientapp
 
 __all__ = [
-    "FLEET_HTTP_PUBLIC_KEY_HEADER",
     "SUPEREXEC_AUTH_METHODS",
     "SUPERLINK_NODE_ID",
     "SYSTEM_TIME_TOLERANCE",
-    "TIMESTAMP_HEADER",
     "TIMESTAMP_TOLERANCE",
     "AcquireTaskRequest",
     "AutoExecPlugin",
