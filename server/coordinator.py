@@ -54,7 +54,6 @@ from starfed.server.messaging import (
     note_privacy,
     refused_classes,
     reject,
-    update_bytes,
 )
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import ConfigValue, PhaseState, Strategy
@@ -62,7 +61,6 @@ from starfed.shared import progress
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
 from starfed.shared.codebook.lineage import Lineage
-from starfed.shared.codebook.merge import content_order
 from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import Backbones
@@ -563,12 +561,11 @@ class Coordinator:
         """Decode (= validate) each update (the replies' ``record``) against the codebook the
         phase was sent with (``sent``: the message it travelled with; by default the codebook
         now), one at a time (a phase never holds every decoded update); reject bad ones."""
-        # Merge order changes float rounding: order by content, not by node id (random per run);
-        # an update that travelled with an earlier message as if sent with the codebook now.
-        stamp = None if sent is None else self.codebook.version
-        order = content_order([update_bytes(reply, record, stamp) for _, reply in replies])
-        for index in order:
-            entry, reply = replies[index]
+        # Merge order changes float rounding and the k-means of pooled mixtures: merge in the
+        # order of site names (unique in a step: the screening refuses a second enrolment under
+        # one), the same from run to run and whatever message carried an update — not in node
+        # id order (random per run) nor as they arrived.
+        for entry, reply in sorted(replies, key=lambda r: (r[0].site, r[0].node_id)):
             try:
                 data = reply.content[record]["data"]
                 update = wire.decode_update(data, against=sent or self.codebook, phase=phase)

@@ -18,8 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from starfed.server.federation import REFUSED, Exchange
-from starfed.shared.codebook import wire
-from starfed.shared.codebook.codebook import ClientUpdate, CodebookError
+from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, PhaseSpec
 
 logger = logging.getLogger(__name__)
@@ -128,23 +127,6 @@ def note_privacy(entry: Exchange, update: ClientUpdate) -> None:
 
 def malformed(err: Exception) -> str:
     return f"malformed reply ({err})"
-
-
-def update_bytes(
-    reply: Message, record: str = "update", base_version: int | None = None
-) -> bytes | None:
-    """A reply's serialised update (its ``record``), whose digest fixes the order the server
-    merges updates in (float rounding, the k-means of pooled mixtures); None when it has none
-    (rejected when it is decoded). With ``base_version``: the update as made from that codebook
-    version (``wire.restamped``) — for an update that travelled with an earlier message, the
-    version its own message would have carried, so the message plan does not move the numbers."""
-    try:
-        data = reply.content[record]["data"]
-        if not isinstance(data, bytes):
-            return None
-        return data if base_version is None else wire.restamped(data, base_version)
-    except (KeyError, TypeError, CodebookError):
-        return None
 
 
 def who(entry: Exchange) -> str:

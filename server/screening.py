@@ -14,7 +14,7 @@ step holds each site to what it can show (docs/security.md):
   reported for that class at the sync (and, with ``max-class-share``, by its share of the
   class's sync counts); rows for classes it did not report rejected; a row whose change from
   the value the phase was sent with is beyond ``update-bound`` times the phase's median change
-  of that field rejected; mixtures whose variances or means are over ``mixture-bound`` times
+  of that field (over the rows that changed) rejected; mixtures whose variances or means are over ``mixture-bound`` times
   the phase's medians, or whose variances are below any fit's, rejected. The bounds are
   learned from the replies themselves, so a phase is read twice: a first pass measures every
   row, a second hands the screened updates on.
@@ -297,8 +297,14 @@ class PhaseScreen:
         bound = self.screen.options.update_bound
         if bound:
             for name, rows in self.rows.changes.items():
-                median = _median([change for *_, change in rows])
-                largest = max(change for *_, change in rows)
+                # Rows that did not move say nothing of how far training moves one: a site that
+                # holds a single class of its task has a one-logit loss and sends its rows back
+                # unchanged, and with many small sites those are most rows (a median of 0 would
+                # reject every site that trained at all).
+                moved = [change for *_, change in rows if change > 0]
+                if not moved:
+                    continue
+                median, largest = _median(moved), max(moved)
                 logger.info("screening %s/%d %s: largest change %.3g × the median (bound %g)",
                             self.phase.key, self.round, name, largest / max(median, 1e-300),
                             bound)  # fmt: skip

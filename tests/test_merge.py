@@ -3,7 +3,6 @@ and the streamed merge (order, moments through intermediate reductions, bounded 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,9 +16,7 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassBank, ClassEntry
 from starfed.shared.codebook.merge import (
     POOL_BOUND,
-    POOL_MIN_BYTES,
     MergeAccumulator,
-    content_order,
     merge_mixtures,
 )
 from starfed.shared.codebook.mixture import GaussianMixture
@@ -295,17 +292,3 @@ def test_accumulator_memory_does_not_grow_with_updates(
     # at most a full pool plus one site's mixture per class (weights, means and variances)
     limit = 2 * (bound + 5) * (2 * dims.d_clip + 1) * 8
     assert max(held) <= limit < sum(m.means.nbytes + m.variances.nbytes for m in sites)
-
-
-@pytest.mark.parametrize("size", [100, POOL_MIN_BYTES // 4])
-def test_replies_are_merged_in_the_order_of_their_digests(size: int) -> None:
-    """The order that fixes a merge's rounding: sha256 of each reply's bytes, hashed one after
-    the other or (past ``POOL_MIN_BYTES`` in all) in a thread pool; a reply without an update
-    sorts first; equal bytes keep their arrival order."""
-    replies = [bytes([i]) * size for i in range(8)] + [None, bytes([3]) * size]
-    expected = sorted(
-        range(len(replies)),
-        key=lambda i: "" if replies[i] is None else hashlib.sha256(replies[i]).hexdigest(),
-    )
-    assert content_order(replies) == expected
-    assert expected[0] == 8 and expected.index(3) < expected.index(9)

@@ -102,6 +102,25 @@ def test_a_change_beyond_the_bound_is_rejected_and_enough_findings_quarantine(
     assert screen.quarantined == {"m": "3 findings in step 1"}
 
 
+def test_rows_sent_back_unchanged_do_not_set_the_bound(make_codebook) -> None:
+    """Many small sites hold one class of their task and send its rows back unchanged (a
+    one-logit loss has no gradient): the bound is set by the rows that moved, so the sites that
+    trained are kept and a site far beyond them is still rejected."""
+    codebook = make_codebook(n_classes=1)
+    (name,) = codebook.names
+    screen = Screen(ScreeningOptions(update_bound=20), step=0)
+    shifts = {f"still-{i}": 0.0 for i in range(6)} | {"a": 0.1, "b": 0.2, "c": 0.15, "m": 1e3}
+    _enrolled(screen, codebook, {site: {name: 10} for site in shifts})
+    phase = screen.phase(Phase.STAGE1, 0, codebook)
+    updates = {site: _update(codebook, {name: (shift, 10)}) for site, shift in shifts.items()}
+    for site, update in updates.items():
+        phase.observe(site, update)
+    phase.decide()
+    kept = [site for site, update in updates.items() if phase.apply(site, update).entries]
+    assert kept == [site for site in shifts if site != "m"]
+    assert [(f.site, f.action) for f in screen.findings] == [("m", "rejected")]
+
+
 @pytest.mark.parametrize(
     ("options", "claimed", "why"),
     [

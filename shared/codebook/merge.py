@@ -10,11 +10,8 @@ sites (docs/benchmarks.md#server-merge-at-scale-benchmerge_scalepy).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,9 +33,6 @@ POOL_BOUND = 256
 # Assignment passes of a streamed reduction, at most: warm-started, Lloyd settles in a few, and
 # more did not change held-out likelihoods in a synthetic check (docs/benchmarks.md).
 LLOYD_ITERATIONS = 3
-# Below this many bytes in all, replies are hashed one after the other: a thread pool's start
-# costs more than it saves (sync replies are a few hundred bytes each).
-POOL_MIN_BYTES = 1 << 20
 
 
 @functools.cache
@@ -200,24 +194,6 @@ class _Pool:
 
 
 # --- updates ------------------------------------------------------------------------------------
-
-
-def digest(data: bytes | None) -> str:
-    """The sha256 (hex) of a reply's update bytes; "" for a reply without them."""
-    return "" if data is None else hashlib.sha256(data).hexdigest()
-
-
-def content_order(replies: Sequence[bytes | None]) -> list[int]:
-    """The replies' indices in the order of their bytes' digests: the order a phase's updates
-    are merged in, which fixes its float rounding whatever order they arrived in
-    (docs/design.md#the-codebook). Each reply is hashed once, large ones on every core:
-    hashlib lets go of the GIL while it hashes."""
-    if sum(len(data) for data in replies if data is not None) < POOL_MIN_BYTES:
-        digests = [digest(data) for data in replies]
-    else:
-        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="digest") as pool:
-            digests = list(pool.map(digest, replies))
-    return sorted(range(len(replies)), key=digests.__getitem__)
 
 
 @dataclass

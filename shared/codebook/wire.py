@@ -306,16 +306,6 @@ def parse(message_type: type, data: bytes, max_bytes: int | None):
     return message
 
 
-def restamped(data: bytes, base_version: int, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """An update's bytes as they would be had it been made from codebook version
-    ``base_version``: the rest of its content unchanged, encoded as ``encode`` does. The server
-    orders an update that travelled with an earlier message by these bytes, as if its own
-    message had carried it (docs/design.md#the-protocol). CodebookError for bad bytes."""
-    message = parse(pb.ClientUpdate, data, max_bytes)
-    message.base_version = base_version
-    return message.SerializeToString(deterministic=True)
-
-
 def _decode_entries(message: pb.Codebook, dims: ModelDims, full: bool) -> dict[str, ClassEntry]:
     """Entries of a codebook (every tensor field required) or a delta (any subset)."""
     _check_names([e.name for e in message.entries])
