@@ -1,8 +1,9 @@
 """Server merge at scale: N site updates × C classes at the paper's dims, time and peak memory.
 
-The coordinator orders a phase's replies by a digest of their bytes (``merge.content_order``,
-hashed on every core), then decodes (= validates) each one and adds it to a
-``MergeAccumulator`` (docs/design.md#the-codebook). This measures that path for a training
+The coordinator takes a phase's replies in the order of site names, decodes (= validates) each
+one and measures its rows for the screening (``server.screening``: first pass), sets the
+screening's bounds, then screens each decoded update and adds it to a ``MergeAccumulator``
+(second pass; docs/design.md#the-codebook). This measures that path for a training
 phase (stage 2: Q, A and head rows) and a statistics phase (stage2_stats: ViT mixtures), each
 case in a fresh process so that its peak RSS is its own, against the time of copying the same
 replies' bytes once (each into a new buffer), measured in the same process: ``ratio`` is the
@@ -29,15 +30,18 @@ import time
 import torch
 from codebook_sizes import PAPER, parse_dims, random_codebook, random_mixture
 
+from starfed.server.coordinator import without_cyclic_gc
+from starfed.server.federation import Exchange
+from starfed.server.screening import Screen, ScreeningOptions
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
-from starfed.shared.codebook.merge import MergeAccumulator, content_order
+from starfed.shared.codebook.merge import MergeAccumulator
 from starfed.shared.protocol import Phase
 
 PHASES = {"stage2": Phase.STAGE2, "stage2_stats": Phase.STAGE2_STATS}
-PARTS = ("merge", "decode", "digest")
-COLUMNS = ("merge", "decode", "digest", "total", "copy")
+PARTS = ("decode", "screen", "merge")
+COLUMNS = ("decode", "screen", "merge", "total", "copy")
 
 
 def site_update(codebook: Codebook, phase: Phase, site: int, n_components: int) -> bytes:
@@ -58,6 +62,21 @@ def site_update(codebook: Codebook, phase: Phase, site: int, n_components: int) 
         entries.append(ClassEntry(name, count, values))
     update = ClientUpdate(codebook.fingerprint, codebook.dims, phase, codebook.version, entries)
     return wire.encode(update)
+
+
+def site_name(site: int) -> str:
+    return f"site-{site:04d}"
+
+
+def enrolled(codebook: Codebook, sites: int) -> Screen:
+    """The step's screening with every site enrolled, each reporting the most examples an
+    update of ``site_update`` can claim for every class."""
+    sync = ClientUpdate(codebook.fingerprint, codebook.dims, Phase.SYNC, 0,
+                        [ClassEntry(name, 10**6) for name in codebook.names])  # fmt: skip
+    screen = Screen(ScreeningOptions(), step=0)
+    accepted = [(Exchange(0, "sync", 0, i + 1, site_name(i), 0), sync) for i in range(sites)]
+    screen.enrol(accepted, codebook, {}, "float32")
+    return screen
 
 
 def decode(data: bytes, codebook: Codebook, phase: Phase) -> ClientUpdate:
@@ -104,13 +123,22 @@ def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) ->
     before = memory_mb("VmRSS")
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets VmHWM to the current RSS
+    screen = enrolled(codebook, sites)
     merge = MergeAccumulator(codebook, n_components=n_components)
-    order = timed("digest", content_order, replies)  # the coordinator's order
-    for index in order:
-        update = timed("decode", decode, replies[index], codebook, phase)
-        timed("merge", merge.add, update)
-        del update
+    phase_screen = timed("screen", screen.phase, phase, 0, codebook)
+    updates = []  # views of the replies' bytes: held between the passes, as the coordinator does
+    with without_cyclic_gc():
+        for site, data in enumerate(replies):  # in the order of site names: site-0000, site-0001
+            update = timed("decode", decode, data, codebook, phase)
+            timed("screen", phase_screen.observe, site_name(site), update)
+            updates.append(update)
+    timed("screen", phase_screen.decide)
+    for site, update in enumerate(updates):
+        screened = timed("screen", phase_screen.apply, site_name(site), update)
+        timed("merge", merge.add, screened)
+    del updates, update, screened
     timed("merge", merge.result)
+    assert not screen.findings, screen.findings[:3]  # random rows of one scale: none is out
     times = {f"{part}_s": wall[part] for part in PARTS} | {
         f"{part}_cpu": cpu[part] for part in PARTS
     }
@@ -145,7 +173,7 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}; dims {d.d_txt},{d.d_clip},{d.d_vit},{d.n_layers}, "
           f"{args.classes} classes per update, M={args.components}, "
           f"median of {args.runs} runs")  # fmt: skip
-    print("| phase | sites | replies MB | merge s | decode s | digest s | total s | copy s | "
+    print("| phase | sites | replies MB | decode s | screen s | merge s | total s | copy s | "
           "total ÷ copy | peak RSS MB | state MB |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for phase in args.phases.split(","):

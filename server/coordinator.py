@@ -25,6 +25,8 @@ boundary; a bad one is rejected, never half-applied.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
 import time
@@ -32,7 +34,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import torch
 from rich.console import Console
 
 from starfed.server import replay
@@ -78,6 +79,21 @@ WAIT_POLL_S = 1.0
 #: A simulation's scores on a global test set: (codebook, class steps, step, the evaluate
 #: message's config) -> scores.
 ServerEval = Callable[[Codebook, Mapping[str, int], int, Mapping[str, ConfigValue]], StepScores]
+
+
+@contextlib.contextmanager
+def without_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a phase's updates are decoded and held:
+    each holds a few objects per tensor (140 for 35 classes at stage 2) and none is part of a
+    cycle, but every collection walks all of them again — at 1000 sites that cost more than the
+    decoding (docs/benchmarks.md#server-merge-at-scale-benchmerge_scalepy)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class StepFailed(RuntimeError):
@@ -137,7 +153,6 @@ class Coordinator:
         self._held: dict[int, int] = {}  # node id -> codebook version it holds (when known)
         self._steps: list[Exchange] = []
         self._scores: StepScores | None = None
-        self._largest: dict[str, tuple[float, str, str]] = {}  # class -> |value|, site, field
 
     # --- runs and steps ---------------------------------------------------------------------
 
@@ -205,7 +220,7 @@ class Coordinator:
         if self.before_step is not None:
             self.before_step(step)
         started, status, reason = time.time(), COMPLETED, ""
-        self._steps, self._scores, self._largest = [], None, {}
+        self._steps, self._scores = [], None
         self.screen = Screen(self.screening, step)
         self._node_ids = sorted(self.grid.get_node_ids())
         t0 = time.perf_counter()
@@ -316,29 +331,17 @@ class Coordinator:
         self._leave_quarantined()
 
     def _blame(self, phase: Phase, err: CodebookError) -> str:
-        """Why a phase's result cannot be kept: the class and field, and the site whose
-        updates to that class this step held the largest values (an update passes validation
-        on its own; what overflows is what the merge or the replay made of it)."""
+        """Why a phase's result cannot be kept: the class and field, and the site whose kept
+        update to that class went furthest this step (``Screen.furthest``: an update passes
+        validation on its own; what overflows is what the merge or the replay made of it)."""
         name, field_name = getattr(err, "name", None), getattr(err, "field", None)
         where = f"class {name!r}, field {field_name}" if name else "its codebook"
         detail = str(err).removeprefix(f"{name}/{field_name}: ")
-        largest = self._largest.get(name) if name else None
-        source = "" if largest is None else (
-            f"; the largest values came from site {largest[1]} ({largest[2]}, |x| up to "
-            f"{largest[0]:.3g})"
+        furthest = self.screen.furthest.get(name) if name else None
+        source = "" if furthest is None else (
+            f"; the furthest update to it came from site {furthest[1]} ({furthest[2]})"
         )  # fmt: skip
         return f"the {phase.key} result is invalid at {where}: {detail}{source}"
-
-    def _note_largest(self, site: str, update: ClientUpdate) -> None:
-        """Per class, the site whose update this step held the largest |value| (for blame)."""
-        for entry in update.entries:
-            for field_name, value in entry.values.items():
-                if isinstance(value, torch.Tensor):
-                    magnitude = float(value.detach().abs().max()) if value.numel() else 0.0
-                else:  # a mixture: its means
-                    magnitude = float(value.means.detach().abs().max())
-                if magnitude > self._largest.get(entry.name, (-1.0, "", ""))[0]:
-                    self._largest[entry.name] = (magnitude, site, field_name)
 
     def _leave_quarantined(self) -> None:
         """Quarantined sites get no more messages in this step."""
@@ -587,28 +590,27 @@ class Coordinator:
         """The phase's valid updates (``_decoded``: the replies' ``record``, made from ``sent``)
         without rows of classes not in play, screened (``server.screening``: a first pass
         measures every row, the second hands the screened updates on, in the same order); the
-        classes they carry are added to ``carried`` as they go by."""
+        classes they carry are added to ``carried`` as they go by. The decoded updates are held
+        between the passes: their tensors are views of the replies' bytes, which the phase
+        holds anyway, so that costs a few objects per update, not a copy."""
         in_play = set(self.in_play)
         screen = self.screen.phase(phase, state.round, state.codebook)
-        messages = {entry.node_id: reply for entry, reply in replies}
         valid = []
-        for entry, update in self._decoded(replies, phase, record, sent):
-            stray = [e.name for e in update.entries if e.name not in in_play]
-            if stray:
-                logger.info("node %s sent rows of classes not in play: %s", entry.node_id,
-                            stray[:10])  # fmt: skip
-            screen.observe(entry.site, update.only(in_play))
-            valid.append((entry, messages[entry.node_id]))
+        with without_cyclic_gc():
+            for entry, update in self._decoded(replies, phase, record, sent):
+                stray = [e.name for e in update.entries if e.name not in in_play]
+                if stray:
+                    logger.info("node %s sent rows of classes not in play: %s", entry.node_id,
+                                stray[:10])  # fmt: skip
+                screen.observe(entry.site, update.only(in_play))
+                valid.append((entry, update))
         screen.decide()
-        for entry, reply in valid:
-            data = reply.content[record]["data"]
-            update = wire.decode_update(data, against=sent or self.codebook, phase=phase)
+        for entry, update in valid:
             screened = screen.apply(entry.site, update.only(in_play))
             if screened is None:
                 continue
             carried.update(e.name for e in screened.entries)
             carried.update(refused_classes(update))  # answered: kept as they are
-            self._note_largest(entry.site, screened)
             yield screened
 
     def _reports(

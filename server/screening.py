@@ -14,10 +14,10 @@ step holds each site to what it can show (docs/security.md):
   reported for that class at the sync (and, with ``max-class-share``, by its share of the
   class's sync counts); rows for classes it did not report rejected; a row whose change from
   the value the phase was sent with is beyond ``update-bound`` times the phase's median change
-  of that field (over the rows that changed) rejected; mixtures whose variances or means are over ``mixture-bound`` times
-  the phase's medians, or whose variances are below any fit's, rejected. The bounds are
-  learned from the replies themselves, so a phase is read twice: a first pass measures every
-  row, a second hands the screened updates on.
+  of that field (over the rows that changed) rejected; mixtures whose variances or means are
+  over ``mixture-bound`` times the phase's medians, or whose variances are below any fit's,
+  rejected. The bounds are learned from the replies themselves, so a phase is read twice: a
+  first pass measures every row, a second hands the screened updates on.
 - **in the evaluation** (``report``): a report of more images than the site said at the sync
   it holds is rejected.
 
@@ -104,6 +104,9 @@ class Screen:
         self.enrolled: dict[str, Enrolled] = {}  # site -> its sync
         self.findings: list[Finding] = []
         self.quarantined: dict[str, str] = {}  # site -> why
+        # class -> (measure, site, what) of the kept row that went furthest this step: a tensor
+        # field's change, a mixture's largest mean norm; whom to name if a result is invalid
+        self.furthest: dict[str, tuple[float, str, str]] = {}
 
     # --- findings -------------------------------------------------------------------------
 
@@ -227,6 +230,15 @@ class Screen:
         return True
 
 
+def _distance(value: torch.Tensor, sent: torch.Tensor) -> float:
+    """‖value − sent‖: in one float32 pass, which overflows past ≈ 1e19 per element; such
+    values are measured again in float64 (to ≈ 1e154), so a scaled row still has a size."""
+    distance = float(torch.dist(value, sent))
+    if math.isfinite(distance):
+        return distance
+    return float(torch.dist(value.double(), sent.double()))
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
@@ -289,7 +301,7 @@ class PhaseScreen:
                         value.dim,
                     ))  # fmt: skip
                 elif name in sent:
-                    change = float((value.double() - sent[name].double()).norm())
+                    change = _distance(value, sent[name])
                     self.rows.changes.setdefault(name, []).append((site, entry.name, change))
 
     def decide(self) -> None:
@@ -339,6 +351,25 @@ class PhaseScreen:
                     if problem and (site, cls) not in self.rejected:
                         self.rejected.add((site, cls))
                         self._note(site, REJECTED, problem, cls)
+        self._note_furthest()
+
+    def _note_furthest(self) -> None:
+        """Per class, the kept row that went furthest (``Screen.furthest``), from what the first
+        pass measured: no second look at the values."""
+        measured = [
+            (change, site, cls, f"{name} changed by {change:.3g}")
+            for name, rows in self.rows.changes.items()
+            for site, cls, change in rows
+        ] + [
+            (norm, site, cls, f"{name} means of norm up to {norm:.3g}")
+            for name, rows in self.rows.mixtures.items()
+            for site, cls, _, _, norm, _ in rows
+        ]  # fmt: skip
+        furthest = self.screen.furthest
+        for measure, site, cls, what in measured:
+            kept = (site, cls) not in self.rejected and site not in self.screen.quarantined
+            if kept and measure > furthest.get(cls, (-1.0, "", ""))[0]:
+                furthest[cls] = (measure, site, what)
 
     def apply(self, site: str, update: ClientUpdate) -> ClientUpdate | None:
         """Second pass: the update as it may be merged (None: its site is quarantined)."""

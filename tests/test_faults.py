@@ -216,7 +216,7 @@ def test_an_overflowing_merge_is_never_checkpointed(root: Path) -> None:
         run(root, {(1, "train.stage1"): times_1e30})
     message = str(failed.value)
     assert f"class {CLASSES[4]!r}" in message and "farm-a" in message, message
-    assert "prompt" in message  # the field the site's values came in
+    assert "farm-a (prompt changed by" in message  # the site and the field its values came in
     after = Federation.open(folder(root)).last_checkpoint()
     assert after.position == Position(1) and after.classes == before.classes  # rolled back
     assert checked(root).ok, checked(root).problems

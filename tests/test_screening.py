@@ -119,6 +119,7 @@ def test_rows_sent_back_unchanged_do_not_set_the_bound(make_codebook) -> None:
     kept = [site for site, update in updates.items() if phase.apply(site, update).entries]
     assert kept == [site for site in shifts if site != "m"]
     assert [(f.site, f.action) for f in screen.findings] == [("m", "rejected")]
+    assert screen.furthest[name][1] == "b"  # whom a failed step names: a kept row, not m's
 
 
 @pytest.mark.parametrize(

@@ -147,17 +147,26 @@ def _decode_array(
     return torch.from_numpy(out)
 
 
-def _decode_mixture(msg: pb.Mixture, dim: int, what: str) -> GaussianMixture:
+def _decode_mixture(
+    msg: pb.Mixture, dim: int, what: str, views: Mapping[str, memoryview] | None = None
+) -> GaussianMixture:
+    """``views``: its parts' data bytes in the received message, by part name."""
     float64 = (pb.DTYPE_FLOAT64,)
     shape = tuple(msg.weights.shape)
     if len(shape) != 1 or shape[0] < 1:
         raise CodebookError(f"{what}: weights shape {shape} is not [M] with M >= 1")
     m = shape[0]
     f64 = np.dtype(np.float64)
+    views = views or {}
+
+    def part(name: str, part_shape: tuple[int, ...]) -> torch.Tensor:
+        return _decode_array(getattr(msg, name), part_shape, f"{what}: {name}", float64, f64,
+                             views.get(name))  # fmt: skip
+
     mixture = GaussianMixture(
-        weights=_decode_array(msg.weights, (m,), f"{what}: weights", float64, f64),
-        means=_decode_array(msg.means, (m, dim), f"{what}: means", float64, f64),
-        variances=_decode_array(msg.variances, (m, dim), f"{what}: variances", float64, f64),
+        weights=part("weights", (m,)),
+        means=part("means", (m, dim)),
+        variances=part("variances", (m, dim)),
         count=msg.count,
     )
     _check_mixture(mixture, what)
@@ -184,7 +193,12 @@ def _decode_values(
             view = views.get(f.name) if views else None
             values[f.name] = _decode_array(tensor, f.shape(dims), what, _NUMPY_DTYPES, f32, view)
         else:
-            values[f.name] = _decode_mixture(getattr(msg, f.name), f.shape(dims)[0], what)
+            parts = {
+                key.removeprefix(f"{f.name}."): view
+                for key, view in (views or {}).items()
+                if key.startswith(f"{f.name}.")
+            }
+            values[f.name] = _decode_mixture(getattr(msg, f.name), f.shape(dims)[0], what, parts)
     return values
 
 
@@ -224,6 +238,12 @@ _TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _TENSOR_FIELDS = {
     pb.ClassEntry.DESCRIPTOR.fields_by_name[name].number: name for name in schema.TENSORS
 }
+_MIXTURE_FIELDS = {
+    pb.ClassEntry.DESCRIPTOR.fields_by_name[name].number: name for name in schema.MIXTURES
+}
+_MIXTURE_PARTS = {
+    field.number: field.name for field in pb.Mixture.DESCRIPTOR.fields if field.name != "count"
+}
 
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:
@@ -259,10 +279,19 @@ def _fields(data: bytes, start: int, end: int) -> list[tuple[int, int, int]]:
     return fields
 
 
+def _data_view(data: bytes, whole: memoryview, start: int, end: int, what: str) -> memoryview:
+    """The ``data`` bytes of the Tensor message in ``data[start:end]``, as a view."""
+    spans = [(s, e) for n, s, e in _fields(data, start, end) if n == _TENSOR_DATA]
+    if len(spans) > 1:
+        raise CodebookError(f"{what} appears twice in an entry")
+    return whole[spans[0][0] : spans[0][1]] if spans else whole[0:0]
+
+
 def _tensor_views(data: bytes) -> list[dict[str, memoryview]]:
-    """Per entry of a parsed ``ClientUpdate``, its tensor fields' ``data`` bytes as views of
-    ``data``. A field that appears twice (protobuf would merge the two) is rejected: no encoder
-    of this schema writes one."""
+    """Per entry of a parsed ``ClientUpdate``, the ``data`` bytes of its tensors as views of
+    ``data``, by field name (a mixture's as ``field.part``: ``means.weights`` and so on). A
+    field that appears twice (protobuf would merge the two) is rejected: no encoder of this
+    schema writes one."""
     whole = memoryview(data)
     entries = []
     for number, start, end in _fields(data, 0, len(data)):
@@ -270,13 +299,21 @@ def _tensor_views(data: bytes) -> list[dict[str, memoryview]]:
             continue
         views: dict[str, memoryview] = {}
         for field, f_start, f_end in _fields(data, start, end):
-            name = _TENSOR_FIELDS.get(field)
-            if name is None:
+            if field in _TENSOR_FIELDS:
+                parts = {_TENSOR_FIELDS[field]: (f_start, f_end)}
+            elif field in _MIXTURE_FIELDS:
+                name = _MIXTURE_FIELDS[field]
+                parts = {
+                    f"{name}.{_MIXTURE_PARTS[n]}": (s, e)
+                    for n, s, e in _fields(data, f_start, f_end)
+                    if n in _MIXTURE_PARTS
+                }
+            else:
                 continue
-            spans = [(s, e) for n, s, e in _fields(data, f_start, f_end) if n == _TENSOR_DATA]
-            if name in views or len(spans) > 1:
-                raise CodebookError(f"{name} appears twice in an entry")
-            views[name] = whole[spans[0][0] : spans[0][1]] if spans else whole[0:0]
+            for name, (p_start, p_end) in parts.items():
+                if name in views:
+                    raise CodebookError(f"{name} appears twice in an entry")
+                views[name] = _data_view(data, whole, p_start, p_end, name)
         entries.append(views)
     return entries
 
@@ -403,7 +440,7 @@ def decode_update(
         raise CodebookError(f"update answers {found}, not PHASE_{phase.name}")
     _check_names([e.name for e in message.entries])
     wanted = set(schema.trained_in(phase))
-    tensors = isinstance(data, bytes) and not wanted.isdisjoint(schema.TENSORS)
+    tensors = isinstance(data, bytes) and bool(wanted)
     views = _tensor_views(data) if tensors else [None] * len(message.entries)
     if len(views) != len(message.entries):
         raise CodebookError("the update's entries do not match its bytes")
