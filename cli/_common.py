@@ -9,8 +9,9 @@ import argparse
 import functools
 import inspect
 import json
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from starfed.server.ops.exit_codes import (
     EXIT_FAILED,
 )
 from starfed.server.ops.layout import DIR_ENV, ServerFolder, default_dir
-from starfed.shared.config import ConfigError
+from starfed.shared.config import ConfigError, Value
 from starfed.shared.progress import console as console  # the one rule for output width
 
 Run = Callable[[argparse.Namespace], int]
@@ -104,3 +105,22 @@ def add_switches(parser: argparse.ArgumentParser, switches: dict[str, str]) -> N
     """On/off flags (``--insecure``, ``--json``, ...): flag name -> help."""
     for name, text in switches.items():
         parser.add_argument(name, action="store_true", help=text)
+
+
+def ray_options(options: Mapping[str, Value]) -> tuple[float, str]:
+    """``--gpus-per-client`` and ``--ray-address`` checked against ``--runtime``, the same for
+    every command that runs Flower on Ray: both are Ray's, so the local runtime refuses them,
+    and a GPU share needs CUDA here unless a cluster (either address) brings its own GPUs."""
+    gpus, ray_address = options["gpus-per-client"], options["ray-address"]
+    if gpus > 0 and options["runtime"] == "local":
+        raise ConfigError("--gpus-per-client is Ray's: the local runtime computes on the run "
+                          "config's device (auto: the GPU when there is one)")  # fmt: skip
+    if ray_address and options["runtime"] == "local":
+        raise ConfigError("--ray-address is Ray's: the local runtime runs without Ray "
+                          "(--runtime flower)")  # fmt: skip
+    if gpus > 0 and not (ray_address or os.environ.get("RAY_ADDRESS")):  # a cluster's own GPUs
+        import torch  # only now: the check needs CUDA's driver
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--gpus-per-client {gpus}: this machine has no CUDA GPU")
+    return gpus, ray_address

@@ -12,13 +12,18 @@ import argparse
 import json
 import sys
 
+from starfed.cli._common import ray_options
 from starfed.cli.flags import add_command, parsed, same_name, switch
 from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from starfed.shared.config import writable_dir
+from starfed.shared.config import ConfigError, writable_dir
 from starfed.simulations.grid import load, shipped_grids
+from starfed.simulations.methods import FLOWER_METHODS
 
 COMMAND = "experiment"
-FLAGS = (*same_name("results-dir"), switch("--json", "json", True))
+FLAGS = (
+    *same_name("results-dir", "runtime", "timeout", "gpus-per-client", "ray-address"),
+    switch("--json", "json", True),
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -37,15 +42,26 @@ def _main(args: argparse.Namespace) -> int:
     process, into <results-dir>/<experiment>/<cell>/. A complete cell is skipped, so re-running
     continues an interrupted experiment. Writes table.md (FAA, forgetting, prompt selection,
     bytes per site per round, wall time: mean ± sd over seeds) and plots. docs/results.md
-    describes grids and methods.
+    describes grids and methods. With --runtime flower each starfed cell is a `starfed simulate`
+    run; --ray-address (or RAY_ADDRESS) runs its clients on an existing Ray cluster's nodes
+    (docs/simulation.md).
     """
     values, options, names = parsed(args, FLAGS, COMMAND)
     experiment = load(args.grid)
+    gpus, ray_address = ray_options(options)
+    local_only = [m for m in experiment.methods if m not in FLOWER_METHODS]
+    if options["runtime"] == "flower" and local_only:
+        raise ConfigError(
+            f"--runtime flower: methods {', '.join(local_only)} run on the local runtime only "
+            f"(Flower runs {', '.join(FLOWER_METHODS)}): give them a grid of their own"
+        )
     results = writable_dir(values["results-dir"], names.get("results-dir", "results-dir"))
+    from starfed.simulations.cell import Runtime
     from starfed.simulations.experiment import run_experiment  # matplotlib: only now
 
+    runtime = Runtime(options["runtime"], options["timeout"], gpus, ray_address)
     try:
-        summary = run_experiment(experiment, results.resolve())
+        summary = run_experiment(experiment, results.resolve(), runtime)
     except KeyboardInterrupt:  # the running cell is stopped; complete ones stay
         print(
             f"starfed experiment: interrupted; the same command continues "

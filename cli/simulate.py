@@ -10,9 +10,9 @@ Flower process starts; the life cycle of the run itself is ``starfed.simulations
 from __future__ import annotations
 
 import argparse
-import os
 from datetime import UTC, datetime
 
+from starfed.cli._common import ray_options
 from starfed.cli.flags import Flag, add_command, add_run_config, parsed, run_config, same_name
 from starfed.shared.config import ConfigError, writable_dir
 from starfed.simulations.simulate import simulate
@@ -66,17 +66,7 @@ def _main(args: argparse.Namespace) -> int:
             f"run folder {run_dir} already exists: choose another --run-name (a federation "
             "continues with `starfed server round`, not by simulating into its folder)"
         )
-    gpus, ray_address = options["gpus-per-client"], options["ray-address"]
-    if gpus > 0 and options["runtime"] == "local":
-        raise ConfigError("--gpus-per-client is Ray's: the local runtime computes on --run-config "
-                          "device (auto: the GPU when there is one)")  # fmt: skip
-    if ray_address and options["runtime"] == "local":
-        raise ConfigError("--ray-address is Ray's: the local runtime runs in this process")
-    if gpus > 0 and not (ray_address or os.environ.get("RAY_ADDRESS")):  # a cluster's own GPUs
-        import torch  # only now: the check needs CUDA's driver
-
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--gpus-per-client {gpus}: this machine has no CUDA GPU")
+    gpus, ray_address = ray_options(options)
     if options["runtime"] == "local":
         from starfed.simulations.local_grid import simulate_locally  # Flower, torch: only now
 

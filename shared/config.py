@@ -45,6 +45,8 @@ Values = Mapping[str, Value]
 WIRE_DTYPES = ("float32", "float16")
 MERGES = ("mean", "median")  # the default strategy's per-class estimator (server/robust.py)
 RUNTIMES = ("flower", "local")  # `starfed simulate --runtime` (docs/simulation.md)
+#: The commands that run Flower simulations on Ray: they take its options (--ray-address, ...).
+RAY_COMMANDS = ("simulate", "experiment")
 ISOLATIONS = ("process", "subprocess")  # `starfed server start --isolation`
 OUTPUT_FORMATS = ("csv", "json")  # `starfed predict --format`
 
@@ -87,7 +89,12 @@ class Knob:
     choices: tuple[str, ...] = ()
     check: Callable[[str], object] | None = None  # non-empty strings: ValueError if unusable
     path: bool = False  # a file or folder (made absolute where it travels to other processes)
-    command: str | None = None  # group "command": the command whose option this is
+    command: str | tuple[str, ...] | None = None  # group "command": whose option it is
+
+    @property
+    def commands(self) -> tuple[str, ...]:
+        """The commands whose option this is (one knob for all: the same check and help)."""
+        return (self.command,) if isinstance(self.command, str) else self.command or ()
 
     @property
     def allowed(self) -> str:
@@ -292,15 +299,18 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("runtime", str, "flower", "where the apps run: flower (a SuperLink and Ray, as "
          "deployed) or local (in this process, sites one after another: no start-up cost)",
          "command", choices=RUNTIMES, command="simulate"),
-    Knob("timeout", float, 3600.0, "seconds for the whole run (flower runtime)", "command", gt=0,
-         command="simulate"),
+    Knob("runtime", str, "local", "where the starfed cells' federations run: local (in each "
+         "cell's process: no start-up cost) or flower (a `starfed simulate` run per cell: a "
+         "SuperLink and Ray, --ray-address)", "command", choices=RUNTIMES, command="experiment"),
+    Knob("timeout", float, 3600.0, "seconds for the whole run (flower runtime; experiment: per "
+         "cell)", "command", gt=0, command=RAY_COMMANDS),
     Knob("gpus-per-client", float, 0.0, "GPU share of each simulated client (Flower's "
          "client-resources-num-gpus; 0.25: four clients share a GPU; 0: clients see no GPU)",
-         "command", ge=0, command="simulate"),
+         "command", ge=0, command=RAY_COMMANDS),
     Knob("ray-address", str, "", "an existing Ray cluster to run the simulated clients on "
          "(the head's address, e.g. 10.0.0.1:6379; docs/simulation.md); empty: RAY_ADDRESS "
          "when set, else a Ray instance of the run's own", "command", check=_ray_address,
-         command="simulate"),
+         command=RAY_COMMANDS),
     Knob("json", bool, False, "print a JSON summary on stdout (the progress lines stay on "
          "stderr)", "command", command="experiment"),
     Knob("batch-size", int, 64, "images per forward pass", "command", ge=1, command="predict"),
@@ -338,8 +348,8 @@ TABLES: dict[str, dict[str, Knob]] = {
     "run-config": {k.key: k for k in SCHEMA if k.group in RUN_GROUPS},
     "node-config": {k.key: k for k in SCHEMA if k.group == "node"},
     **{
-        command: {k.key: k for k in SCHEMA if k.command == command}
-        for command in dict.fromkeys(k.command for k in SCHEMA if k.command)
+        command: {k.key: k for k in SCHEMA if command in k.commands}
+        for command in dict.fromkeys(c for k in SCHEMA for c in k.commands)
     },
 }
 

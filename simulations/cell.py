@@ -3,8 +3,12 @@
 A cell runs in a process of its own (``python -m starfed.simulations.cell CELL_DIR``), as each
 Flower run does: its memory is returned when it ends (the ClientApp keeps its sites per
 process), a crash ends that cell only, and Ctrl-C stops it by PID. Its folder holds
-``cell.json`` (what it is: method, seed, the scenario's run config; its wall and CPU time),
-``log.txt`` (everything it printed) and what its method writes, ``metrics.json`` first.
+``cell.json`` (what it is: method, seed, the scenario's run config; its runtime, wall and CPU
+time), ``log.txt`` (everything it printed) and what its method writes, ``metrics.json`` first.
+
+A cell of the ``starfed`` method runs on the local runtime (in its process), or on Flower's
+(``Runtime``): then the cell's process is one ``starfed simulate`` run into the cell's folder,
+its SuperLink and Ray its own, or the Ray cluster of ``--ray-address`` (``RAY_ADDRESS``).
 
 A cell is **complete** when ``metrics.json`` holds a final average accuracy, its status is not
 ``failed`` and ``cell.json`` defines the same cell; anything else runs again from scratch.
@@ -19,17 +23,29 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from starfed.server.ops.exit_codes import EXIT_DEGRADED, EXIT_OK
 from starfed.shared.files import write_atomic
 from starfed.simulations.grid import Cell
-from starfed.simulations.simulate import flower_env
+from starfed.simulations.simulate import flower_env, simulate
 
 CELL_FILE = "cell.json"
 METRICS_FILE = "metrics.json"
 LOG_FILE = "log.txt"
 STOP_GRACE_S = 20.0
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where a cell's federation runs, with ``starfed simulate``'s options (the same knobs):
+    it does not change what a cell computes, so a complete cell is complete on either."""
+
+    name: str  # local, or flower: the cell is a `starfed simulate` run
+    timeout: float
+    gpus_per_client: float
+    ray_address: str  # "": RAY_ADDRESS, else a Ray of the run's own (flower_env)
 
 
 @dataclass
@@ -73,11 +89,12 @@ def complete(folder: Path, cell: Cell) -> Outcome | None:
     return Outcome("skipped", record.get("seconds"), metrics, cpu_seconds=record.get("cpu_seconds"))
 
 
-def run(folder: Path, cell: Cell) -> Outcome:
-    """Run the cell in a child process, from an empty folder; wait for it."""
+def run(folder: Path, cell: Cell, runtime: Runtime) -> Outcome:
+    """Run the cell in a child process, from an empty folder; wait for it. The child's
+    environment names the Ray cluster (``flower_env``), as a ``starfed simulate``'s does."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    _write_record(folder, cell, None)
+    _write_record(folder, cell, runtime, None)
     command = [sys.executable, "-m", "starfed.simulations.cell", str(folder)]
     started, cpu = time.monotonic(), _cpu_seconds()
     with (folder / LOG_FILE).open("wb") as log:
@@ -86,7 +103,7 @@ def run(folder: Path, cell: Cell) -> Outcome:
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=flower_env(folder / ".flwr"),
+            env=flower_env(folder / ".flwr", runtime.ray_address),
         )
         try:
             code = child.wait()
@@ -99,7 +116,7 @@ def run(folder: Path, cell: Cell) -> Outcome:
                 child.wait()
             raise
     seconds, cpu = time.monotonic() - started, _cpu_seconds() - cpu
-    _write_record(folder, cell, seconds, cpu)
+    _write_record(folder, cell, runtime, seconds, cpu)
     finished = complete(folder, cell)
     if code == 0 and finished is not None:
         return Outcome("done", seconds, finished.metrics, cpu_seconds=cpu)
@@ -115,11 +132,16 @@ def _cpu_seconds() -> float:
 
 
 def _write_record(
-    folder: Path, cell: Cell, seconds: float | None, cpu_seconds: float | None = None
+    folder: Path,
+    cell: Cell,
+    runtime: Runtime,
+    seconds: float | None,
+    cpu_seconds: float | None = None,
 ) -> None:
     record = {
         "cell": cell.name,
         "definition": definition(cell),
+        "runtime": asdict(runtime),
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
     }
@@ -132,15 +154,21 @@ def _last_line(log: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """The child: run the cell that ``CELL_DIR/cell.json`` defines."""
+    """The child: run the cell that ``CELL_DIR/cell.json`` defines, on its runtime."""
     from rich.console import Console
 
     from starfed.shared.config import parse
-    from starfed.simulations.methods import METHODS
+    from starfed.simulations.methods import METHODS, cell_run_config
 
     folder = Path(argv[0])
-    spec = json.loads((folder / CELL_FILE).read_text())["definition"]
+    record = json.loads((folder / CELL_FILE).read_text())
+    spec, runtime = record["definition"], Runtime(**record["runtime"])
     values = parse({**spec["run_config"], "seed": spec["seed"]})
+    if runtime.name == "flower":  # a FLOWER_METHODS cell; Ray's address is in RAY_ADDRESS
+        code = simulate(
+            cell_run_config(values, spec["seed"], folder), runtime.timeout, runtime.gpus_per_client
+        )
+        return EXIT_OK if code == EXIT_DEGRADED else code  # degraded: complete, as locally
     method = METHODS[spec["method"]].load()
     console = Console(file=sys.stdout, width=110, log_path=False)
     method(values, spec["seed"], folder, console)

@@ -68,9 +68,11 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def run_experiment(experiment: Experiment, results_dir: Path, out: TextIO | None = None) -> dict:
-    """Run or skip every cell; write the table and plots; return the summary (``--json``).
-    Progress lines go to ``out`` (standard error by default)."""
+def run_experiment(
+    experiment: Experiment, results_dir: Path, runtime: cells.Runtime, out: TextIO | None = None
+) -> dict:
+    """Run or skip every cell, each on ``runtime``; write the table and plots; return the
+    summary (``--json``). Progress lines go to ``out`` (standard error by default)."""
     out = out or sys.stderr
     folder = results_dir / experiment.name
     folder.mkdir(parents=True, exist_ok=True)
@@ -84,7 +86,7 @@ def run_experiment(experiment: Experiment, results_dir: Path, out: TextIO | None
     report: list[dict] = []
     for index, cell in enumerate(todo, 1):
         where = folder / cell.name
-        outcome = finished[cell.name] or cells.run(where, cell)
+        outcome = finished[cell.name] or cells.run(where, cell, runtime)
         if outcome.status == "done":
             progress.record(cell.method, outcome.seconds)
         if outcome.metrics is not None:

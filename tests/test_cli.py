@@ -29,8 +29,8 @@ FLAG_NAMES = {
     "--classify-with-keys --results-dir --run-name --threads",
     "simulate": "--clients --tasks --classes-per-task --alpha --seed --arrival-offset "
     "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --runtime "
-    "--timeout --gpus-per-client",
-    "experiment": "--results-dir --json",
+    "--timeout --gpus-per-client --ray-address",
+    "experiment": "--results-dir --runtime --timeout --gpus-per-client --ray-address --json",
 }
 FLAGS = {
     "train-local": train_local_cli.FLAGS,
@@ -68,6 +68,13 @@ def test_help_text(capsys) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "--clients CLIENTS sites (in simulation: SuperNodes) (default: 5)" in text
     assert "--alpha ALPHA Dirichlet concentration" in text and "(default: 0.5)" in text
+    with pytest.raises(SystemExit):
+        main(["experiment", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--runtime {flower,local} where the starfed cells' federations run" in text
+    assert "(default: local)" in text
+    assert "--ray-address RAY_ADDRESS an existing Ray cluster to run the simulated clients" in text
+    assert "--ray-address (or RAY_ADDRESS) runs its clients on an existing Ray cluster" in text
 
 
 @pytest.fixture
@@ -137,6 +144,13 @@ BAD_INPUT = {
         "--timeout -5: expected a number > 0",
         "--runtime ray: expected one of flower, local",
         UNWRITABLE,
+    ],
+    "experiment --results-dir {tmp}/results sites": [
+        "--runtime ray: expected one of flower, local",
+        "--timeout 0: expected a number > 0",
+        "--gpus-per-client -1: expected a number >= 0",
+        "--ray-address ray://h:1: expected host:port of a Ray cluster's head (not a Ray Client "
+        "ray://)",
     ],
     "site start --server h:1 --data {tmp}": [f"--device cudax: {DEVICES}"],
     "server start --dir {tmp}/server": [
@@ -237,3 +251,33 @@ def test_gpus_per_client_needs_a_gpu_and_the_flower_runtime(
         )
     line = _fails_at_once(["simulate", "--gpus-per-client", "-1"], capsys)
     assert "--gpus-per-client" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["--ray-address", "127.0.0.1:6379"],
+            "--ray-address is Ray's: the local runtime runs without Ray (--runtime flower)",
+        ),
+        (["--gpus-per-client", "0.5"], "--gpus-per-client is Ray's: the local runtime computes"),
+    ],
+)
+def test_experiment_takes_ray_options_on_the_flower_runtime_only(
+    argv: list[str], line: str, tmp_path, nothing_heavy, capsys
+) -> None:
+    """The same check as simulate's: Ray's options with cells on the local runtime (the
+    experiment's default) are bad input, before any cell runs."""
+    got = _fails_at_once(["experiment", "sites", "--results-dir", str(tmp_path), *argv], capsys)
+    assert got.startswith(f"starfed experiment: error: {line}"), got
+
+
+def test_experiment_on_flower_refuses_methods_of_the_local_runtime(
+    tmp_path, nothing_heavy, capsys
+) -> None:
+    argv = ["experiment", "default", "--results-dir", str(tmp_path), "--runtime", "flower"]
+    assert _fails_at_once(argv, capsys) == (
+        "starfed experiment: error: --runtime flower: methods starfed-positional, "
+        "starfed-unmerged, starfed-no-replay, starfed-keys, fedavg, single-site, joint run on "
+        "the local runtime only (Flower runs starfed): give them a grid of their own"
+    )

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from starfed.cli import main
+from starfed.server.ops.exit_codes import EXIT_DEGRADED
 from starfed.shared.metrics import final_average_accuracy
+from starfed.simulations import cell as cells
 from starfed.simulations import grid as grids
 from starfed.simulations import tabulate
 from starfed.simulations.methods import METHODS
@@ -356,3 +359,72 @@ def test_table_and_plots_of_a_sweep_over_seeds(tmp_path: Path) -> None:
         "accuracy_over_time__num-clients-5.png",
         "faa_vs_num-clients.png",
     ]
+
+
+# --- on Flower's runtime, on a Ray cluster -------------------------------------------------
+
+
+@pytest.mark.parametrize("given", ["--ray-address", "RAY_ADDRESS"])
+def test_flower_cells_are_simulate_runs_on_the_ray_cluster(
+    given: str, tmp_path: Path, monkeypatch
+) -> None:
+    """--runtime flower with --ray-address (or RAY_ADDRESS): each cell's process gets the
+    cluster in RAY_ADDRESS (as simulate's SuperLink does) and is one `simulate` run into the
+    cell's folder with the command's options. The cells' processes run here, `simulate` a
+    stand-in writing metrics; tests/test_ray_cluster.py runs the real thing."""
+    address = "10.0.0.1:6379"
+    if given == "RAY_ADDRESS":
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    runs: list[tuple[dict, float, float, str]] = []
+
+    def fake_simulate(overrides: dict, timeout: float, gpus_per_client: float = 0.0) -> int:
+        runs.append((overrides, timeout, gpus_per_client, os.environ["RAY_ADDRESS"]))
+        folder = Path(overrides["results-dir"]) / overrides["run-name"]
+        metrics = {
+            "status": "degraded",
+            "accuracy_matrix": [[50.0], [40.0, 60.0]],
+            "final_average_accuracy": 50.0,
+            "final_forgetting": 10.0,
+        }
+        (folder / cells.METRICS_FILE).write_text(json.dumps(metrics))
+        return EXIT_DEGRADED  # a complete cell, as on the local runtime
+
+    class CellProcess:
+        """The cell's child process, run in this one with the environment it was given."""
+
+        def __init__(self, command: list[str], *, env: dict[str, str], **_: object) -> None:
+            assert command[1:3] == ["-m", "starfed.simulations.cell"], command
+            with monkeypatch.context() as child:
+                child.setattr(os, "environ", env)
+                self.code = cells.main(command[3:])
+
+        def wait(self, timeout: float | None = None) -> int:
+            return self.code
+
+    monkeypatch.setattr(cells, "simulate", fake_simulate)
+    monkeypatch.setattr(cells.subprocess, "Popen", CellProcess)
+    path = tmp_path / "grid.toml"
+    path.write_text(
+        '[experiment]\nname = "ray"\nseeds = [1, 2]\nmethods = ["starfed"]\n'
+        "[[scenario]]\nnum-clients = 2\n"
+    )
+    argv = ["--runtime=flower", "--timeout=99"]
+    argv += [f"--ray-address={address}"] if given == "--ray-address" else []
+    code, printed, progress = run_cli(str(path), f"--results-dir={tmp_path}", "--json", *argv)
+    assert code == 0, progress
+    assert [c["status"] for c in json.loads(printed)["cells"]] == ["done", "done"]
+    folders = [tmp_path / "ray" / f"num-clients-2__starfed__seed{seed}" for seed in (1, 2)]
+    assert [(Path(o["results-dir"]) / o["run-name"], o["seed"]) for o, *_ in runs] == [
+        (folder, seed) for folder, seed in zip(folders, (1, 2), strict=True)
+    ]
+    assert all(o["num-clients"] == 2 for o, *_ in runs)
+    assert [run[1:] for run in runs] == [(99.0, 0.0, address)] * 2
+    record = json.loads((folders[0] / cells.CELL_FILE).read_text())
+    assert record["runtime"] == {
+        "name": "flower",
+        "timeout": 99.0,
+        "gpus_per_client": 0.0,
+        "ray_address": address if given == "--ray-address" else "",
+    }

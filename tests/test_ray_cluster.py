@@ -1,11 +1,13 @@
-"""`starfed simulate --ray-address`: the simulated clients run on an existing Ray cluster.
+"""`starfed simulate --ray-address` and `starfed experiment --runtime flower --ray-address`:
+the simulated clients run on an existing Ray cluster.
 
 A one-node cluster on 127.0.0.1 (``ray start --head --block``, its own temp folder, so no other
-``ray.init`` on this machine finds it) stands for several machines. Every process of the
-cluster carries a marker in its environment, so the test knows them by PID: it checks that the
-run's ClientApp actors were the cluster's workers, that the run started no Ray of its own, and
-at the end stops the cluster's processes by PID (never ``ray stop``, which ends every Ray on
-the machine by name). The numbers equal those of the same run on a Ray of its own.
+``ray.init`` on this machine finds it) stands for several machines; the module's tests share
+it. Every process of the cluster carries a marker in its environment, so the tests know them by
+PID: they check that a run's ClientApp actors were the cluster's workers and that the run
+started no Ray of its own; at the end the cluster's processes are stopped by PID (never ``ray
+stop``, which ends every Ray on the machine by name). The numbers of a simulation equal those
+of the same run on a Ray of its own.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 from process_sampler import ProcessSampler
 
 from starfed.server.ops import processes
+from starfed.server.ops.processes import ProcessId
 from starfed.shared.codebook import wire
 
 pytestmark = [
@@ -46,35 +50,24 @@ def _ray() -> str:
     return str(Path(sys.executable).parent / "ray")
 
 
-def _simulate(tmp_path: Path, name: str, *extra: str) -> tuple[dict, ProcessSampler]:
-    """One run to its end; its metrics and the processes it started."""
-    results = tmp_path / "results"
-    command = [*SMALL, f"--results-dir={results}", f"--run-name={name}", *extra]
-    env = dict(os.environ, STARFED_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("RAY_ADDRESS", None)
-    sampler = ProcessSampler(f"FLWR_HOME={results / name / '.flwr'}")
-    sampler.start()
-    log = tmp_path / f"{name}.log"
-    try:
-        with log.open("wb") as out:
-            rc = subprocess.run(
-                command, env=env, stdout=out, stderr=out, timeout=TIMEOUT_S
-            ).returncode
-    finally:
-        leftovers = sampler.stop()
-    assert rc == 0, log.read_text()
-    assert not leftovers, leftovers
-    return json.loads((results / name / "metrics.json").read_text()), sampler
+@dataclass(frozen=True)
+class Cluster:
+    """The running cluster: its head's address and a record of its processes."""
+
+    address: str
+    processes: ProcessSampler
 
 
-def test_simulate_runs_its_clients_on_an_existing_ray_cluster(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A one-node Ray cluster on 127.0.0.1 for the module's tests, then stopped by PID."""
     # A short temp folder: Ray's sockets live there, and socket paths are limited to 107 bytes.
     ray_temp = Path(tempfile.mkdtemp(prefix="sfray-", dir="/tmp"))
     port = processes.free_port()
     marker = f"STARFED_RAY_CLUSTER_TEST={ray_temp}"
     env = dict(os.environ, STARFED_RAY_CLUSTER_TEST=str(ray_temp), RAY_USAGE_STATS_ENABLED="0")
-    cluster = ProcessSampler(marker)
-    cluster.start()
+    sampler = ProcessSampler(marker)
+    sampler.start()
     head = subprocess.Popen(
         [_ray(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
          f"--num-cpus={CLUSTER_CPUS}", "--num-gpus=0", "--include-dashboard=false",
@@ -85,25 +78,65 @@ def test_simulate_runs_its_clients_on_an_existing_ray_cluster(tmp_path: Path) ->
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not any("raylet" in command for command in cluster.seen.values()):
+        while not any("raylet" in command for command in sampler.seen.values()):
             assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start"
             time.sleep(0.5)
         time.sleep(5)  # the head registers its node before clients connect
-        before = set(cluster.seen)
-        on_cluster, run = _simulate(tmp_path, "cluster", f"--ray-address=127.0.0.1:{port}")
-        # The run's ClientApp actors: the cluster's Ray workers started with the run's app
-        # folder on their path (Flower's runtime env), none of the run's own processes.
-        app = str(tmp_path / "results" / "cluster" / ".flwr" / "apps")
-        actors = [c for p, c in cluster.seen.items() if p not in before and app in c]
+        yield Cluster(f"127.0.0.1:{port}", sampler)
     finally:
         head.terminate()
-        survivors = processes.terminate(set(cluster.seen), 20)
-        cluster.stop()
+        survivors = processes.terminate(set(sampler.seen), 20)
+        sampler.stop()
         shutil.rmtree(ray_temp, ignore_errors=True)
     assert not survivors, survivors
-    assert actors, f"no worker of the run among the cluster's processes: {cluster.seen}"
-    assert not any("raylet" in command or "gcs_server" in command
-                   for command in run.seen.values()), run.seen  # fmt: skip
+
+
+def _run(command: list[str], tmp_path: Path, flwr_home: Path, log: Path) -> ProcessSampler:
+    """One command to its end, exit code 0; the processes it started (those of ``flwr_home``),
+    none of them left running."""
+    env = dict(os.environ, STARFED_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("RAY_ADDRESS", None)
+    sampler = ProcessSampler(f"FLWR_HOME={flwr_home}")
+    sampler.start()
+    try:
+        with log.open("wb") as out:
+            rc = subprocess.run(
+                command, env=env, stdout=out, stderr=out, timeout=TIMEOUT_S
+            ).returncode
+    finally:
+        leftovers = sampler.stop()
+    assert rc == 0, log.read_text()
+    assert not leftovers, leftovers
+    return sampler
+
+
+def _simulate(tmp_path: Path, name: str, *extra: str) -> tuple[dict, ProcessSampler]:
+    """One run to its end; its metrics and the processes it started."""
+    results = tmp_path / "results"
+    command = [*SMALL, f"--results-dir={results}", f"--run-name={name}", *extra]
+    sampler = _run(command, tmp_path, results / name / ".flwr", tmp_path / f"{name}.log")
+    return json.loads((results / name / "metrics.json").read_text()), sampler
+
+
+def _actors(cluster: Cluster, before: set[ProcessId], flwr_home: Path) -> list[str]:
+    """A run's ClientApp actors: the cluster's Ray workers started since ``before`` with the
+    run's app folder on their path (Flower's runtime env)."""
+    app = str(flwr_home / "apps")
+    return [c for p, c in cluster.processes.seen.items() if p not in before and app in c]
+
+
+def _own_ray(run: ProcessSampler) -> bool:
+    return any("raylet" in command or "gcs_server" in command for command in run.seen.values())
+
+
+def test_simulate_runs_its_clients_on_an_existing_ray_cluster(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    before = set(cluster.processes.seen)
+    on_cluster, run = _simulate(tmp_path, "cluster", f"--ray-address={cluster.address}")
+    actors = _actors(cluster, before, tmp_path / "results" / "cluster" / ".flwr")
+    assert actors, f"no worker of the run among the cluster's processes: {cluster.processes.seen}"
+    assert not _own_ray(run), run.seen
 
     on_its_own, own = _simulate(tmp_path, "own")
     assert any("raylet" in command for command in own.seen.values())  # a Ray of the run's own
@@ -114,3 +147,45 @@ def test_simulate_runs_its_clients_on_an_existing_ray_cluster(tmp_path: Path) ->
         for name in ("cluster", "own")
     )  # the metadata names each run's federation
     assert wire.encode(cluster_codebook) == wire.encode(own_codebook)
+
+
+GRID = """
+[experiment]
+name = "ray"
+seeds = [1993]
+methods = ["starfed"]
+
+[[scenario]]
+name = "two-sites"
+num-clients = 2
+num-tasks = 2
+classes-per-task = 2
+stage1-epochs = 1
+stage2-epochs = 1
+replay1-epochs = 1
+replay2-epochs = 1
+replay2-epochs-per-task = 0
+"""
+
+
+def test_experiment_runs_its_flower_cells_on_an_existing_ray_cluster(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A one-cell grid, `--runtime flower --ray-address`: the cell's clients are the cluster's
+    workers, and neither the experiment nor its cell starts a Ray of its own."""
+    grid, results = tmp_path / "grid.toml", tmp_path / "results"
+    grid.write_text(GRID)
+    cell = results / "ray" / "two-sites__starfed__seed1993"
+    command = [
+        sys.executable, "-m", "starfed.cli", "experiment", str(grid), "--runtime=flower",
+        f"--ray-address={cluster.address}", f"--results-dir={results}",
+        f"--timeout={TIMEOUT_S - 60}",
+    ]  # fmt: skip
+    before = set(cluster.processes.seen)
+    run = _run(command, tmp_path, cell / ".flwr", tmp_path / "experiment.log")
+    summary = json.loads((results / "ray" / "summary.json").read_text())
+    assert [(c["cell"], c["status"]) for c in summary["cells"]] == [(cell.name, "done")]
+    assert isinstance(summary["cells"][0]["final_average_accuracy"], float)
+    actors = _actors(cluster, before, cell / ".flwr")
+    assert actors, f"no worker of the cell among the cluster's processes: {cluster.processes.seen}"
+    assert run.seen and not _own_ray(run), run.seen

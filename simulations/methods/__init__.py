@@ -30,6 +30,10 @@ from rich.console import Console
 from starfed.shared.config import Value, Values
 
 FEDERATED = "starfed"  # the method a strategy's name is prefixed with (and its runner module)
+#: The methods a Flower run computes (``starfed experiment --runtime flower``): the simulation's
+#: ServerApp runs starfed's own strategy; the baselines' strategies and the other methods run on
+#: the local runtime only.
+FLOWER_METHODS = (FEDERATED,)
 
 
 class Method(Protocol):
