@@ -1,9 +1,10 @@
-"""Shared fixtures: small random codebooks with tiny dims for codebook and merge tests."""
+"""Shared fixtures: small random codebooks with tiny dims for codebook and merge tests, and
+what in-process federation runs need around them (one torch thread, the site cache emptied)."""
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -93,3 +94,25 @@ def tiny_dims() -> ModelDims:
 @pytest.fixture(scope="session")
 def fingerprint() -> str:
     return FINGERPRINT
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for a module's federation runs: they are tiny, and on a shared 2-core
+    machine two threads contending with other processes made a module 3-6x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def forget_sites() -> Iterator[None]:
+    """Drop the sites a module's runs built from the ClientApp's process-wide cache
+    (``answer.SITES``), so that they hold no memory once the module is done."""
+    from starfed.client import answer  # here: most test modules never build a site
+
+    kept = set(answer.SITES)
+    yield
+    for key in [k for k in answer.SITES if k not in kept]:
+        del answer.SITES[key]

@@ -19,13 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Message
-from rich.console import Console
+from in_process import TINY_RUN, run_grid
 from site_folders import CLASSES, site_folder
 
-from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.proto import codebook_pb2 as pb
-from starfed.server.app import run_server
 from starfed.server.federation import Federation
 from starfed.server.ops import dashboard, status
 from starfed.server.ops.layout import ServerFolder
@@ -38,10 +36,7 @@ pytestmark = pytest.mark.adversarial
 C0, A1, B1, M1 = CLASSES[0], CLASSES[1], CLASSES[2], CLASSES[3]
 SITES = {"farm-a": [C0, A1], "farm-b": [C0, B1], "farm-m": [C0, M1]}
 M = 3  # farm-m's node id
-CONFIG = {
-    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
-    "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5, "max-steps": 1,
-}  # fmt: skip
+CONFIG = {**TINY_RUN, "max-steps": 1}
 #: Percentage points the honest sites' accuracy may differ from the honest federation's: one of
 #: each honest site's ten test images (a site left out changes the classes the others are
 #: scored against). Without the defences, ×10^6 tensors take farm-b from 50 % to 0 %.
@@ -84,10 +79,7 @@ def federate(
     grid = LocalGrid(client_app.app, run_config, nodes, run_id=next(_run_ids))
     for message_type, fault in (faults or {}).items():
         grid.faults[(M, message_type)] = fault
-    try:
-        return run_server(grid, run_config, grid.run_id, Console(quiet=True))
-    finally:
-        answer.SITES.clear()
+    return run_grid(grid, run_config)
 
 
 def edit_update(edit: Edit, records: Collection[str] = ("update",)) -> Callable[[Message], Message]:

@@ -293,30 +293,26 @@ CHROMIUM = shutil.which("chromium")
 
 
 @pytest.fixture(scope="module")
-def live_federation(tmp_path_factory) -> Path:
+def live_federation(tmp_path_factory, one_torch_thread) -> Path:
     """A real federation in process: step 1 degraded (farm-b silent at evaluation), step 2
     completed, step 3 left running by a server that died in stage 2."""
-    import torch
+    from in_process import Crash, run_two_sites
     from site_folders import CLASSES, site_folder
-    from test_server_status import Crash, _run
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("dashboard")
     site_folder(root / "farm-a", {"2026-03": CLASSES[0:2]})
     site_folder(root / "farm-b", {"2026-04": CLASSES[2:4]})
-    assert _run(root, {(2, "evaluate"): lambda reply: None})["status"] == "degraded"
+    assert run_two_sites(root, {(2, "evaluate"): lambda reply: None})["status"] == "degraded"
     site_folder(root / "farm-a", {"2026-05": CLASSES[4:6]})
     site_folder(root / "farm-b", {"2026-05": CLASSES[6:8]})
-    assert _run(root, {})["status"] == "completed"
+    assert run_two_sites(root, {})["status"] == "completed"
     site_folder(root / "farm-a", {"2026-06": CLASSES[8:10]})
 
     def crash(reply):
         raise Crash
 
     with pytest.raises(Crash):
-        _run(root, {(1, "train.stage2"): crash})
-    torch.set_num_threads(threads)
+        run_two_sites(root, {(1, "train.stage2"): crash})
     logs = root / "server" / "logs"
     logs.mkdir()
     (logs / "superlink.log").write_text(REFUSAL)

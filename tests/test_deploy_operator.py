@@ -17,8 +17,8 @@ from pathlib import Path
 import fake_flwr as fake
 import pytest
 from conftest import FINGERPRINT, TINY_DIMS
+from in_process import starfed
 
-from starfed.cli import main
 from starfed.server.federation import Exchange, Federation, PhaseTime, Position, StepRecord
 from starfed.server.ops import pki, processes, status, superlink
 from starfed.server.ops.layout import ServerFolder
@@ -55,12 +55,6 @@ def _step_running(federation: Path) -> None:
     fed = Federation(federation, FINGERPRINT, TINY_DIMS)
     fed.begin_step(fed.codebook())  # what a step rolls back to (`server check` wants it)
     fed.checkpoint(fed.codebook(), Position(0, running=True, done=("sync/0",)))
-
-
-def starfed(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 # --- the working folder ----------------------------------------------------------------------

@@ -16,7 +16,6 @@ import datetime
 import email.utils
 import errno
 import http.server
-import itertools
 import json
 import logging
 import shutil
@@ -32,17 +31,14 @@ import pytest
 import torch
 from cryptography.hazmat.primitives import serialization
 from flwr.app import Message
-from rich.console import Console
+from in_process import run_two_sites, starfed
 from site_folders import CLASSES, site_folder
 
-from starfed.cli import main
-from starfed.client import answer
-from starfed.client import app as client_app
 from starfed.client.ops import supernode
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import federation as federation_module
 from starfed.server import folder_check, folder_lock
-from starfed.server.app import RunFailed, run_server
+from starfed.server.app import RunFailed
 from starfed.server.federation import (
     CODEBOOK_FILE,
     COMPLETED,
@@ -63,52 +59,20 @@ from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import FIELDS, Kind, ModelDims
-from starfed.simulations.local_grid import LocalGrid
 
 pytestmark = pytest.mark.faults
 
-CONFIG = {
-    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
-    "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5,
-}  # fmt: skip
 PAPER_DIMS = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
-_run_ids = itertools.count(21000)
-
-
-def run(root: Path, faults: dict | None = None) -> dict:
-    """One server run over ``root/server/federation`` with the sites farm-a (node 1) and farm-b
-    (node 2)."""
-    config = {**CONFIG, "federation-dir": str(root / "server" / "federation")}
-    nodes = {
-        i + 1: {"data-dir": str(root / site), "state-dir": str(root / f"{site}-state"),
-                "site-name": site, "cache-dir": str(root / "cache")}
-        for i, site in enumerate(("farm-a", "farm-b"))
-    }  # fmt: skip
-    grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
-    grid.faults.update(faults or {})
-    try:
-        return run_server(grid, config, grid.run_id, Console(quiet=True))
-    finally:
-        answer.SITES.clear()
-
-
-def starfed(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
+def built(tmp_path_factory, one_torch_thread) -> Path:
     """A federation after one completed step (farm-a: two classes, farm-b: two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("faults")
     site_folder(root / "farm-a", {"2026-03": CLASSES[0:2]})
     site_folder(root / "farm-b", {"2026-04": CLASSES[2:4]})
-    assert run(root)["status"] == COMPLETED
-    yield root
-    torch.set_num_threads(threads)
+    assert run_two_sites(root)["status"] == COMPLETED
+    return root
 
 
 @pytest.fixture
@@ -213,14 +177,14 @@ def test_an_overflowing_merge_is_never_checkpointed(root: Path) -> None:
     next_task(root)
     before = Federation.open(folder(root)).last_checkpoint()
     with pytest.raises(RunFailed) as failed:
-        run(root, {(1, "train.stage1"): times_1e30})
+        run_two_sites(root, {(1, "train.stage1"): times_1e30})
     message = str(failed.value)
     assert f"class {CLASSES[4]!r}" in message and "farm-a" in message, message
     assert "farm-a (prompt changed by" in message  # the site and the field its values came in
     after = Federation.open(folder(root)).last_checkpoint()
     assert after.position == Position(1) and after.classes == before.classes  # rolled back
     assert checked(root).ok, checked(root).problems
-    metrics = run(root)  # the next run, without that site's poison, completes the step
+    metrics = run_two_sites(root)  # the next run, without that site's poison, completes the step
     assert metrics["status"] == COMPLETED and finished_steps(root) == [0, 1]
     assert checked(root).ok
 
@@ -231,7 +195,7 @@ def test_an_overflowing_merge_is_never_checkpointed(root: Path) -> None:
 def test_a_missing_codebook_is_never_replaced_by_an_empty_one(root: Path, capsys) -> None:
     (folder(root) / CODEBOOK_FILE).unlink()
     with pytest.raises(RunFailed, match=r"codebook\.bin is missing.*repair"):
-        run(root)
+        run_two_sites(root)
     assert not (folder(root) / CODEBOOK_FILE).exists() and finished_steps(root) == [0]
     code, out, _ = starfed(capsys, "server", "status", "--dir", str(root / "server"))
     assert code == 1 and "DAMAGED    codebook.bin: missing" in out, out
@@ -241,7 +205,7 @@ def test_a_missing_codebook_is_never_replaced_by_an_empty_one(root: Path, capsys
     out = repaired(root, capsys)
     assert "restore codebook.bin from checkpoints/step-0001.bin" in out, out
     next_task(root)
-    assert run(root)["steps"] == 2 and finished_steps(root) == [0, 1]
+    assert run_two_sites(root)["steps"] == 2 and finished_steps(root) == [0, 1]
 
 
 @pytest.mark.parametrize(
@@ -267,11 +231,11 @@ def test_a_damaged_codebook_makes_status_fail_and_repair_restores_it(
     assert code == 1 and out.splitlines() == [f"codebook.bin: {reason}" + out.split(reason)[1]
                                               .splitlines()[0]]  # fmt: skip
     with pytest.raises(RunFailed, match=reason):
-        run(root)
+        run_two_sites(root)
     repaired(root, capsys)
     assert finished_steps(root) == [0]
     next_task(root)
-    assert run(root)["steps"] == 2
+    assert run_two_sites(root)["steps"] == 2
 
 
 # --- history.jsonl and registry.json damaged -------------------------------------------------
@@ -285,7 +249,7 @@ def test_a_damaged_history_line_is_named_and_repaired(root: Path, capsys) -> Non
     assert code == 1 and "DAMAGED    history.jsonl:2: damaged" in out, out
     assert "JSONDecodeError" not in out
     with pytest.raises(RunFailed, match=r"history\.jsonl:2 is damaged"):
-        run(root)
+        run_two_sites(root)
     repaired(root, capsys)
     assert finished_steps(root) == [0]
 
@@ -306,13 +270,13 @@ def test_a_damaged_registry_is_rebuilt(root: Path, capsys) -> None:
     assert code == 1 and "DAMAGED    registry.json: damaged" in out
     assert "creates it" not in out  # it is not a new federation
     with pytest.raises(RunFailed, match=r"registry\.json is damaged"):
-        run(root)
+        run_two_sites(root)
     repaired(root, capsys)
     registry = json.loads((folder(root) / REGISTRY_FILE).read_text())
     assert sorted(registry) == sorted(CLASSES[0:4])
     assert all(entry["step"] == 0 for entry in registry.values())
     next_task(root)
-    assert run(root)["steps"] == 2
+    assert run_two_sites(root)["steps"] == 2
 
 
 # --- the disk fills while a step is closed ---------------------------------------------------
@@ -338,11 +302,11 @@ def test_a_full_disk_while_closing_a_step_never_duplicates_it(
     for module in real:
         monkeypatch.setattr(module, "write_atomic", full(module))
     with pytest.raises(OSError, match="No space left"):
-        run(root)
+        run_two_sites(root)
     for module, write in real.items():
         monkeypatch.setattr(module, "write_atomic", write)
     assert finished_steps(root) == [0]  # nothing recorded before the close finished
-    metrics = run(root)
+    metrics = run_two_sites(root)
     assert finished_steps(root) == [0, 1]
     assert metrics["steps"] == 2 and len(metrics["accuracy_matrix"]) == 2
     assert checked(root).ok, checked(root).problems
@@ -355,7 +319,7 @@ def test_a_second_run_is_refused_naming_the_holder(root: Path, capsys) -> None:
     holder = folder_lock.acquire(folder(root), "server run 77")
     try:
         with pytest.raises(RunFailed, match=r"in use by server run 77, PID \d+"):
-            run(root)
+            run_two_sites(root)
         code, _, err = starfed(capsys, "server", "round", "--dir", str(root / "server"))
         assert code == 1 and "in use by server run 77" in err and err.count("\n") == 1, err
         assert checked(root).notes == [f"in use by {holder.describe()}"]
@@ -363,7 +327,7 @@ def test_a_second_run_is_refused_naming_the_holder(root: Path, capsys) -> None:
         folder_lock.release(folder(root), holder)
     assert not (folder(root) / folder_lock.LOCK_FILE).exists()
     next_task(root)
-    assert run(root)["steps"] == 2  # released: the next run goes ahead
+    assert run_two_sites(root)["steps"] == 2  # released: the next run goes ahead
 
 
 def test_a_stale_lock_is_taken_over(root: Path) -> None:
@@ -379,7 +343,7 @@ def test_a_stale_lock_is_taken_over(root: Path) -> None:
     (folder(root) / folder_lock.LOCK_FILE).write_text(json.dumps(vars(stale)))
     assert "stale lock of server run 5" in checked(root).notes[0]
     next_task(root)
-    assert run(root)["steps"] == 2
+    assert run_two_sites(root)["steps"] == 2
     assert not (folder(root) / folder_lock.LOCK_FILE).exists()
 
 
@@ -479,7 +443,7 @@ def test_the_operator_sees_a_clock_skew_refusal(tmp_path: Path, caplog, capsys) 
 
 def test_repair_rolls_back_to_a_chosen_step(root: Path, capsys) -> None:
     next_task(root)
-    assert run(root)["steps"] == 2
+    assert run_two_sites(root)["steps"] == 2
     server = str(root / "server")
     code, out, _ = starfed(capsys, "server", "repair", "--dir", server, "--to", "1", "--dry-run")
     assert code == 0 and "would: restore codebook.bin from checkpoints/step-0002.bin" not in out
@@ -495,4 +459,4 @@ def test_repair_rolls_back_to_a_chosen_step(root: Path, capsys) -> None:
         HISTORY_FILE,
         REGISTRY_FILE,
     ]  # nothing is lost: every replaced file is kept beside
-    assert run(root)["steps"] == 2 and finished_steps(root) == [0, 1]  # step 2 again
+    assert run_two_sites(root)["steps"] == 2 and finished_steps(root) == [0, 1]  # step 2 again

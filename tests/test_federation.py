@@ -38,27 +38,11 @@ from starfed.shared.data.site_folder import class_key
 from starfed.simulations.local_grid import LocalGrid
 
 sys.path.insert(0, str(Path(__file__).parent))
+from in_process import TINY_RUN
 from site_folders import CLASSES, site_folder
 
-CONFIG = {
-    "preset": "tiny",
-    "seed": 1993,
-    "stage1-epochs": 1,
-    "stage2-epochs": 1,
-    "replay1-epochs": 1,
-    "replay2-epochs": 1,
-    "timeout-s": 5,
-    "wait-s": 0.5,
-}
 _run_ids = itertools.count(5000)
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Federation:
@@ -83,7 +67,7 @@ class Federation:
     def run(
         self, nodes: list[int] | None = None, before_step=None, **overrides
     ) -> tuple[dict, LocalGrid]:
-        config = {**CONFIG, "federation-dir": str(self.folder), **overrides}
+        config = {**TINY_RUN, "federation-dir": str(self.folder), **overrides}
         chosen = {n: self.sites[n] for n in (nodes if nodes is not None else self.sites)}
         grid = LocalGrid(client_app.app, config, chosen, run_id=next(_run_ids), record=True)
         grid.faults.update(self.faults)
@@ -297,7 +281,7 @@ def test_a_run_stopped_mid_phase_records_no_failed_step(fed):
 
     for node in (1, 2):
         fed.faults[(node, "train.stage2")] = stop
-    config = {**CONFIG, "federation-dir": str(fed.folder)}
+    config = {**TINY_RUN, "federation-dir": str(fed.folder)}
     grid = LocalGrid(client_app.app, config, fed.sites, run_id=next(_run_ids))
     grid.faults.update(fed.faults)
     node_ids = grid.get_node_ids

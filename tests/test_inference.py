@@ -18,13 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from rich.console import Console
 
 from starfed.cli import main
-from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.proto import codebook_pb2 as pb
-from starfed.server.app import run_server
 from starfed.server.federation import Federation, Position
 from starfed.server.ops.certs import ensure_certificates
 from starfed.server.ops.layout import ServerFolder
@@ -42,12 +39,9 @@ from starfed.simulations.local_grid import LocalGrid
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import random_entries
+from in_process import TINY_RUN, run_grid, starfed
 from site_folders import BUNDLED, CLASSES, site_folder
 
-CONFIG = {
-    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1, "replay1-epochs": 1,
-    "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5,
-}  # fmt: skip
 TRAINED = CLASSES[0:4]
 ONE_BATCH = "256"  # >= the test images: one forward pass, like the server's evaluation
 
@@ -65,24 +59,21 @@ def federation(tmp_path_factory) -> dict:
         data = site_folder(tmp / site / "data", {"t1": classes})
         nodes[node] = {"data-dir": str(data), "state-dir": str(tmp / site / "state"),
                        "site-name": site, "cache-dir": str(tmp / "cache")}  # fmt: skip
-    config = {**CONFIG, "federation-dir": str(tmp / "federation"), "server-test-dir": str(test_dir)}
+    config = {
+        **TINY_RUN,
+        "federation-dir": str(tmp / "federation"),
+        "server-test-dir": str(test_dir),
+    }
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         grid = LocalGrid(client_app.app, config, nodes, run_id=7001)
-        metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
+        metrics = run_grid(grid, config)
     finally:
-        answer.SITES.clear()
         torch.set_num_threads(threads)
     assert metrics["status"] == "completed"
     history = Federation.open(tmp / "federation").history()
     return {"dir": tmp / "federation", "test": test_dir, "tmp": tmp, "record": history[-1]}
-
-
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +121,8 @@ def test_export_holds_what_devices_need_and_a_model_card(federation, exported, c
 
     # A value of what the federation finished: the same bytes again; float16 is half the size.
     again = exported.with_name("again.bin")
-    code, out, _ = run(["server", "export", "--federation", federation["dir"], "--out", again,
-                        "--float16", "--json"], capsys)  # fmt: skip
+    code, out, _ = starfed(capsys, "server", "export", "--federation", federation["dir"],
+                           "--out", again, "--float16", "--json")  # fmt: skip
     assert code == 0 and json.loads(out)["codebook"]["dtype"] == "float16"
     half = wire.read_file(again)
     assert again.stat().st_size < 0.6 * exported.stat().st_size
@@ -149,7 +140,7 @@ def test_a_step_in_progress_is_left_out_and_named(federation, exported, tmp_path
     fed.register([e.name for e in half_trained], 1, {"new_0": ["farm-a"], "new_1": ["farm-a"]})
     fed.checkpoint(codebook.register(half_trained), Position(1, running=True, done=("stage1/0",)))
     out = tmp_path / "cb.bin"
-    code, text, _ = run(["server", "export", "--federation", folder, "--out", out], capsys)
+    code, text, _ = starfed(capsys, "server", "export", "--federation", folder, "--out", out)
     assert code == 0
     assert "left out (step in progress, not finished): new_0, new_1" in text
     assert out.read_bytes() == exported.read_bytes()  # exactly the finished classes
@@ -157,7 +148,7 @@ def test_a_step_in_progress_is_left_out_and_named(federation, exported, tmp_path
 
 
 def test_export_refuses_what_is_not_a_federation(tmp_path, capsys):
-    code, out, err = run(["server", "export", "--federation", tmp_path], capsys)
+    code, out, err = starfed(capsys, "server", "export", "--federation", tmp_path)
     assert code == 2 and out == ""
     assert err == f"starfed server export: error: {tmp_path} is not a federation folder (no " \
         "federation.json)\n"  # fmt: skip
@@ -168,8 +159,8 @@ def test_export_refuses_what_is_not_a_federation(tmp_path, capsys):
 
 def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tmp_path, capsys):
     server = federation["record"].server_eval
-    code, out, err = run(["predict", "--codebook", exported, "--batch-size", ONE_BATCH,
-                          federation["test"]], capsys)  # fmt: skip
+    code, out, err = starfed(capsys, "predict", "--codebook", exported, "--batch-size", ONE_BATCH,
+                             federation["test"])  # fmt: skip
     assert (code, err) == (0, "")
     rows = list(csv.DictReader(io.StringIO(out)))
     assert len(rows) == 20 * len(TRAINED)
@@ -178,8 +169,8 @@ def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tm
     assert all(0 < float(r["probability"]) <= 1 for r in rows)
 
     plot = tmp_path / "confusion.png"
-    code, out, _ = run(["evaluate", "--codebook", exported, "--data", federation["test"],
-                        "--plot", plot, "--json"], capsys)  # fmt: skip
+    code, out, _ = starfed(capsys, "evaluate", "--codebook", exported, "--data", federation["test"],
+                           "--plot", plot, "--json")  # fmt: skip
     result = json.loads(out)
     assert code == 0 and result["images"] == len(rows)
     assert result["accuracy"] == result["tasks"][0]["accuracy"] == server.accuracy[0]
@@ -195,8 +186,8 @@ def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tm
         assert by_class[name]["correct"] == sum(r["class"] == name for r in mine)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    code, out, _ = run(["evaluate", "--codebook", exported, "--data", federation["test"],
-                        "--plot", plot], capsys)  # fmt: skip
+    code, out, _ = starfed(capsys, "evaluate", "--codebook", exported, "--data", federation["test"],
+                           "--plot", plot)  # fmt: skip
     assert code == 0 and f"accuracy {server.accuracy[0]:.2f}%" in out and str(plot) in out
 
 
@@ -205,15 +196,15 @@ def test_evaluate_leaves_out_classes_the_codebook_lacks(federation, exported, tm
     data.mkdir()
     for name in (TRAINED[0], CLASSES[9]):
         (data / name).symlink_to(BUNDLED / "test" / name)
-    code, out, _ = run(["evaluate", "--codebook", exported, "--data", data, "--plot",
-                        tmp_path / "c.png", "--json"], capsys)  # fmt: skip
+    code, out, _ = starfed(capsys, "evaluate", "--codebook", exported, "--data", data, "--plot",
+                           tmp_path / "c.png", "--json")  # fmt: skip
     result = json.loads(out)
     assert code == 0 and result["images"] == 20
     assert result["left_out"] == {class_key(CLASSES[9]): 20}
     assert [t["images"] for t in result["tasks"]] == [20]
     assert {c["name"]: c["accuracy"] is None for c in result["classes"]}[TRAINED[1]]
-    code, out, _ = run(["evaluate", "--codebook", exported, "--data", data, "--plot",
-                        tmp_path / "c.png"], capsys)  # fmt: skip
+    code, out, _ = starfed(capsys, "evaluate", "--codebook", exported, "--data", data, "--plot",
+                           tmp_path / "c.png")  # fmt: skip
     assert code == 0 and "codebook v" in out and " on " in out and ": 20 images · " in out
     assert f"left out: 20 images of 1 class the codebook lacks ({class_key(CLASSES[9])})" in out
 
@@ -222,8 +213,8 @@ def test_predict_json_and_one_warning_per_unreadable_image(exported, tmp_path, c
     images = [str(sorted((BUNDLED / "test" / name).iterdir())[0]) for name in TRAINED[:2]]
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(b"not an image at all")
-    code, out, err = run(["predict", "--codebook", exported, "--format", "json", images[0],
-                          broken, images[1]], capsys)  # fmt: skip
+    code, out, err = starfed(capsys, "predict", "--codebook", exported, "--format", "json",
+                             images[0], broken, images[1])  # fmt: skip
     assert code == 0
     assert err == f"starfed predict: warning: cannot read {broken}: skipped\n"
     result = json.loads(out)
@@ -232,7 +223,7 @@ def test_predict_json_and_one_warning_per_unreadable_image(exported, tmp_path, c
     assert set(result["predictions"][0]) == {"path", "class", "probability", "task"}
     assert result["codebook"]["classes"] == len(TRAINED)
 
-    code, out, err = run(["predict", "--codebook", exported, broken], capsys)
+    code, out, err = starfed(capsys, "predict", "--codebook", exported, broken)
     assert code == 2
     assert err.splitlines() == [
         f"starfed predict: warning: cannot read {broken}: skipped",
@@ -245,7 +236,7 @@ def test_a_codebook_of_other_backbones_is_one_line_and_exit_2(exported, tmp_path
     other = tmp_path / "other.bin"
     wire.write_file(other, codebook)
     image = sorted((BUNDLED / "test" / TRAINED[0]).iterdir())[0]
-    code, out, err = run(["predict", "--codebook", other, image], capsys)
+    code, out, err = starfed(capsys, "predict", "--codebook", other, image)
     assert code == 2 and out == ""
     assert err.count("\n") == 1
     assert err.startswith(
@@ -264,7 +255,7 @@ def test_predict_input_errors_are_one_line_and_exit_2(exported, tmp_path, capsys
         (["--from", "h:1", tmp_path], "--from needs --ca (the federation's ca.pem)"),
         (["--from", "h", "--insecure", BUNDLED / "test"], "--from: expected HOST:PORT, got 'h'"),
     ):  # fmt: skip
-        code, out, err = run(["predict", *argv], capsys)
+        code, out, err = starfed(capsys, "predict", *argv)
         assert (code, out, err) == (2, "", f"starfed predict: error: {message}\n")
 
 
@@ -277,24 +268,24 @@ def test_predict_from_the_service_keeps_a_copy_and_predicts_like_the_export(
     options = ServeOptions(federation["dir"], address, server.server_cert, server.server_key)
     service, _, _ = distribution.start(options)
     images = [str(sorted((BUNDLED / "test" / name).iterdir())[0]) for name in TRAINED]
-    local = run(["predict", "--codebook", exported, *images], capsys)
+    local = starfed(capsys, "predict", "--codebook", exported, *images)
     device = ["predict", "--from", address, "--ca", server.ca_cert, "--cache", tmp_path / "cache"]
     version = wire.read_file(exported).version
     try:
-        code, out, err = run([*device, *images], capsys)
+        code, out, err = starfed(capsys, *device, *images)
         assert (code, out) == (0, local[1])
         assert err.startswith(f"starfed predict: codebook version {version} (full, ")
         assert (tmp_path / "cache" / CACHE_FILE).read_bytes() == exported.read_bytes()
-        code, out, err = run([*device, *images], capsys)
+        code, out, err = starfed(capsys, *device, *images)
         assert (code, out) == (0, local[1]) and f"version {version} (unchanged, " in err
     finally:
         service.stop(grace=None).wait()
-    code, out, err = run([*device, *images], capsys)  # the service is gone: the copy serves
+    code, out, err = starfed(capsys, *device, *images)  # the service is gone: the copy serves
     assert (code, out) == (0, local[1])
     assert err.count("\n") == 1 and err.startswith(
         f"starfed predict: warning: cannot update the codebook ({address}: UNAVAILABLE: "
     )
     assert err.endswith(f"; using version {version} in {tmp_path / 'cache'}\n")
-    code, out, err = run([*device[:5], "--cache", tmp_path / "empty", *images], capsys)
+    code, out, err = starfed(capsys, *device[:5], "--cache", tmp_path / "empty", *images)
     assert code == 1 and out == "" and err.count("\n") == 1
     assert err.startswith(f"starfed predict: error: {address}: UNAVAILABLE: ")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import math
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import dp_accounting
@@ -24,7 +23,6 @@ import torch
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.client.memory import SiteMemory
 from starfed.client.ops.supernode import SiteOptions
@@ -46,7 +44,7 @@ from starfed.simulations.simulated_sites import SimulatedSites
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-pytestmark = pytest.mark.privacy
+pytestmark = [pytest.mark.privacy, pytest.mark.usefixtures("one_torch_thread", "forget_sites")]
 
 DELTA = 1e-5
 CONFIG = {
@@ -209,22 +207,6 @@ def test_privacy_grid_sweeps_epsilon_over_the_default_scenario():
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("site-cache")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _forget_sites() -> Iterator[None]:
-    first = next(_run_ids)
-    yield
-    for key in [k for k in answer.SITES if k[0] >= first]:
-        del answer.SITES[key]
 
 
 def run(cache_dir: Path, results: Path, prepare=None) -> tuple[dict, Path]:

@@ -18,7 +18,6 @@ import itertools
 import json
 import math
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +67,8 @@ STAGE2_FIELDS = schema.trained_in(Phase.STAGE2)
 FINAL_FIELDS = tuple(f for f in schema.TENSORS if not f.startswith("aligned_"))
 PHASE_OF = {spec.message_type: spec.phase for spec in MESSAGES}
 TYPE_OF = {spec.phase.key: spec.message_type for spec in MESSAGES}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "forget_sites")
 
 _run_ids = itertools.count(1000)
 
@@ -244,25 +245,6 @@ def assert_completed(metrics: dict, run_dir: Path, n_classes: int = 4) -> Codebo
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("site-cache")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: these runs are tiny, and on a shared 2-core machine two threads
-    contending with other processes made the module 3-6x slower (one thread: ~16 s either way)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _forget_sites() -> Iterator[None]:
-    """Drop the sites this module's runs built from the ClientApp's process-wide cache."""
-    first = next(_run_ids)
-    yield
-    for key in [k for k in answer.SITES if k[0] >= first]:
-        del answer.SITES[key]
 
 
 @dataclass

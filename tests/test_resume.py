@@ -17,12 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import Message
-from rich.console import Console
+from in_process import TINY_RUN, Crash, run_grid
 from site_folders import CLASSES, site_folder
 
-from starfed.client import answer
 from starfed.client import app as client_app
-from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE, Federation
 from starfed.server.strategy import PhaseState, Strategy
 from starfed.shared.codebook import wire
@@ -30,18 +28,10 @@ from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.protocol import Phase
 from starfed.simulations.local_grid import LocalGrid
 
-CONFIG = {
-    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
-    "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5,
-    "stage1-rounds": 2,
-}  # fmt: skip
+CONFIG = {**TINY_RUN, "stage1-rounds": 2}
 ALL_PHASES = {"sync/0", "stage1/0", "stage1/1", "stage1_stats/0", "stage2/0",
               "stage2_stats/0", "evaluate/0"}  # fmt: skip
 _run_ids = itertools.count(7000)
-
-
-class Crash(BaseException):
-    """The server process dying: nothing in the server catches it."""
 
 
 def run(tmp: Path, name: str, data: dict[str, Path], crash_at: str | None = None) -> dict:
@@ -65,10 +55,7 @@ def run(tmp: Path, name: str, data: dict[str, Path], crash_at: str | None = None
             return reply
 
         grid.faults[(2, message_type)] = crash
-    try:
-        return run_server(grid, config, grid.run_id, Console(quiet=True))
-    finally:
-        answer.SITES.clear()
+    return run_grid(grid, config)
 
 
 @pytest.fixture(scope="module")

@@ -9,65 +9,23 @@ input before anything.
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
 import pytest
-import torch
 from flwr.app import Message
-from rich.console import Console
+from in_process import Crash, run_two_sites, starfed
 from site_folders import CLASSES, site_folder
-
-from starfed.cli import main
-from starfed.client import answer
-from starfed.client import app as client_app
-from starfed.server.app import run_server
-from starfed.simulations.local_grid import LocalGrid
-
-CONFIG = {
-    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
-    "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5,
-}  # fmt: skip
-_run_ids = itertools.count(9000)
-
-
-class Crash(BaseException):
-    """The server process dying: nothing in the server catches it."""
-
-
-def _run(root: Path, faults: dict) -> dict:
-    config = {**CONFIG, "federation-dir": str(root / "server" / "federation")}
-    nodes = {
-        i + 1: {"data-dir": str(root / site), "state-dir": str(root / f"{site}-state"),
-                "site-name": site, "cache-dir": str(root / "cache")}
-        for i, site in enumerate(("farm-a", "farm-b"))
-    }  # fmt: skip
-    grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
-    grid.faults.update(faults)
-    try:
-        return run_server(grid, config, grid.run_id, Console(quiet=True))
-    finally:
-        answer.SITES.clear()
-
-
-def starfed(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def root(tmp_path_factory, one_torch_thread) -> Path:
     root = tmp_path_factory.mktemp("status")
     site_folder(root / "farm-a", {"2026-03": CLASSES[0:2]})
     site_folder(root / "farm-b", {"2026-04": CLASSES[2:4]})
-    metrics = _run(root, {(2, "evaluate"): lambda reply: None})
+    metrics = run_two_sites(root, {(2, "evaluate"): lambda reply: None})
     assert metrics["status"] == "degraded"
-    yield root
-    torch.set_num_threads(threads)
+    return root
 
 
 def test_status_of_a_finished_federation_without_a_server(root, capsys) -> None:
@@ -109,7 +67,7 @@ def test_status_and_resume_of_a_step_left_running(root, capsys) -> None:
         raise Crash
 
     with pytest.raises(Crash):
-        _run(root, {(1, "train.stage2"): crash})
+        run_two_sites(root, {(1, "train.stage2"): crash})
     server = str(root / "server")
     code, out, _ = starfed(capsys, "server", "status", "--dir", server, "--json")
     position = json.loads(out)["position"]

@@ -12,19 +12,14 @@ import itertools
 from pathlib import Path
 
 from flwr.app import Message
-from rich.console import Console
+from in_process import TINY_RUN, run_grid
 from site_folders import CLASSES, site_folder
 
-from starfed.client import answer
 from starfed.client import app as client_app
-from starfed.server.app import run_server
 from starfed.server.federation import Federation
 from starfed.simulations.local_grid import LocalGrid
 
-CONFIG = {
-    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
-    "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5, "max-steps": 1,
-}  # fmt: skip
+CONFIG = {**TINY_RUN, "max-steps": 1}
 _run_ids = itertools.count(9000)
 
 
@@ -50,10 +45,7 @@ def run(tmp: Path, silent_after_sync: bool) -> dict:
                 return None
 
             grid.faults[(2, message_type)] = silent
-    try:
-        return run_server(grid, config, grid.run_id, Console(quiet=True))
-    finally:
-        answer.SITES.clear()
+    return run_grid(grid, config)
 
 
 def test_classes_dropped_for_a_lost_site_are_registered_when_it_returns(tmp_path) -> None:

@@ -26,13 +26,20 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-#: Flower 1.42's header names and time window (flwr/common/constant.py, flwr/supercore/constant.py:
-#: TIMESTAMP_TOLERANCE 300 s plus SYSTEM_TIME_TOLERANCE 5 s); tests compare them with Flower's.
+from starfed.server.ops import clock
+
+#: Flower 1.42's header names (flwr/common/constant.py, flwr/supercore/constant.py); tests
+#: compare them with Flower's.
 PUBLIC_KEY_HEADER = "flwr-public-key"
 SIGNATURE_HEADER = "flwr-signature"
 TIMESTAMP_HEADER = "flwr-timestamp"
-MIN_AGE_S = -5.0
-MAX_AGE_S = 305.0
+#: The ages (seconds, on the server's clock) a signed timestamp must lie strictly between:
+#: Flower's time window, read from ``flower_internals`` as ``clock.limits`` reads it, so the
+#: gateway's check and the clock-skew diagnosis cannot drift apart (the gateway imports
+#: Flower's constants once, at its start).
+_AHEAD_S, _BEHIND_S = clock.limits()
+MIN_AGE_S = -_AHEAD_S
+MAX_AGE_S = _BEHIND_S
 
 log = logging.getLogger("starfed.gateway")
 
