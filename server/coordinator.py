@@ -563,7 +563,8 @@ class Coordinator:
     ) -> Iterator[tuple[Exchange, ClientUpdate]]:
         """Decode (= validate) each update (the replies' ``record``) against the codebook the
         phase was sent with (``sent``: the message it travelled with; by default the codebook
-        now), one at a time (a phase never holds every decoded update); reject bad ones."""
+        now), one at a time; reject bad ones. A decoded update's tensors are views of its
+        reply's bytes, so holding one costs a few objects per tensor, not a copy."""
         # Merge order changes float rounding and the k-means of pooled mixtures: merge in the
         # order of site names (unique in a step: the screening refuses a second enrolment under
         # one), the same from run to run and whatever message carried an update — not in node

@@ -210,8 +210,9 @@ SCHEMA: tuple[Knob, ...] = (
          "examples) or median (coordinate-wise, for classes that 3 or more sites hold)",
          "protocol", choices=MERGES),
     # screening: what the server believes of a site (server/screening.py, docs/security.md)
-    Knob("update-bound", float, 20.0, "reject a class's update row whose change from the value "
-         "sent is over this multiple of the phase's median change (per field); 0: no bound",
+    Knob("update-bound", float, 1000.0, "reject a class's update row whose change from the "
+         "value sent is over this multiple of the phase's median change (per field, over the "
+         "rows that changed); 0: no bound",
          "screening", ge=0),
     Knob("mixture-bound", float, 1000.0, "reject mixture statistics whose variances or means are "
          "over this multiple of the phase's median (and variances below any fit's); 0: no bound",

@@ -56,21 +56,22 @@ def test_flag_names_are_kept_and_help_shows_the_real_defaults(command: str) -> N
         assert options[flag.name].help.endswith(f"(default: {show(default)})"), flag.name
 
 
-def test_help_text(capsys) -> None:
+def _help(capsys, command: str) -> str:
+    """``starfed COMMAND --help`` with its lines joined: wrapping does not split a phrase."""
     with pytest.raises(SystemExit):
-        main(["train-local", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
+        main([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_text(capsys) -> None:
+    text = _help(capsys, "train-local")
     assert "--epochs EPOCHS local epochs of stages 1 and 2 (default: 5)" in text
     assert "--batch-size BATCH_SIZE training batch size (default: 128)" in text
     assert "--no-generative-replay ablation (paper, Tab. 3): generative-replay=false" in text
-    with pytest.raises(SystemExit):
-        main(["simulate", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
+    text = _help(capsys, "simulate")
     assert "--clients CLIENTS sites (in simulation: SuperNodes) (default: 5)" in text
     assert "--alpha ALPHA Dirichlet concentration" in text and "(default: 0.5)" in text
-    with pytest.raises(SystemExit):
-        main(["experiment", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
+    text = _help(capsys, "experiment")
     assert "--runtime {flower,local} where the starfed cells' federations run" in text
     assert "(default: local)" in text
     assert "--ray-address RAY_ADDRESS an existing Ray cluster to run the simulated clients" in text

@@ -209,8 +209,8 @@ class MergeAccumulator:
     new codebook, one version later, with the updates merged class by class.
 
     The updates were validated when they were decoded (``wire.decode_update``), so they name
-    registered classes and carry their phase's fields. They are consumed one at a time: a
-    generator of decoded replies never holds them all.
+    registered classes and carry their phase's fields. They are consumed one at a time, so
+    the merge's own state does not grow with the number of updates.
 
     - Per class and per field, the new value is the average over the updates that carry that
       class, weighted by their example counts (FedAvg per class: the previous value does not
