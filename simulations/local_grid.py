@@ -28,7 +28,6 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from threadpoolctl import threadpool_limits
 
 from starfed.client.app import app as client_app
 from starfed.server.app import RunFailed, run_server
@@ -36,7 +35,7 @@ from starfed.server.ops.exit_codes import EXIT_DEGRADED
 from starfed.server.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server.ops.flower_runs import summarize
 from starfed.server.strategy import Strategy
-from starfed.shared import progress
+from starfed.shared import progress, thread_pools
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
 from starfed.shared.config import parse
@@ -144,7 +143,7 @@ def _threads(n: int) -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
-        with threadpool_limits(limits=n):
+        with thread_pools.controller().limit(limits=n):
             yield
     finally:
         torch.set_num_threads(before)

@@ -9,7 +9,6 @@ sites (docs/benchmarks.md#server-merge-at-scale-benchmerge_scalepy).
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from sklearn.cluster import KMeans, kmeans_plusplus
-from threadpoolctl import ThreadpoolController
 
+from starfed.shared import thread_pools
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import Value
@@ -35,17 +34,12 @@ POOL_BOUND = 256
 LLOYD_ITERATIONS = 3
 
 
-@functools.cache
-def _threadpools() -> ThreadpoolController:
-    return ThreadpoolController()
-
-
 def _one_thread():
     """A merge's k-means and sums are small (at most ``POOL_BOUND`` points, one class at a time):
     BLAS and OpenMP thread teams cost more than they save, and far more when the server shares
     its cores with sites (docs/benchmarks.md). Results do not change: below 512 points
     scikit-learn's k-means runs in one chunk whatever the thread count."""
-    return _threadpools().limit(limits=1)
+    return thread_pools.controller().limit(limits=1)
 
 
 # --- mixtures -----------------------------------------------------------------------------------
