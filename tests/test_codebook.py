@@ -468,6 +468,40 @@ def test_update_tensors_are_views_of_the_reply_bytes(codebook: Codebook) -> None
     assert decoded.entries[0].values["head_weight"].dtype == torch.float32  # converted: a copy
 
 
+def test_update_mixtures_are_views_of_the_reply_bytes(codebook: Codebook) -> None:
+    """A statistics update's float64 mixtures are read where they lie too: the server holds a
+    phase's decoded updates between the screening's passes, and that must not copy them."""
+    update = site_update(codebook, Phase.STAGE2_STATS)
+    data = wire.encode(update)
+    start = np.frombuffer(data, np.uint8).ctypes.data
+    decoded = wire.decode_update(data, against=codebook, phase=Phase.STAGE2_STATS)
+    for entry, sent in zip(decoded.entries, update.entries, strict=True):
+        mixture, expected = entry.values["vit_mixture"], sent.values["vit_mixture"]
+        for part in ("weights", "means", "variances"):
+            value = getattr(mixture, part)
+            assert start <= value.data_ptr() < start + len(data), part
+            assert torch.equal(value, getattr(expected, part).double()), part
+
+
+def test_an_update_with_a_mixture_part_twice_is_rejected(codebook: Codebook) -> None:
+    """A mixture's means sent twice: protobuf merges them, the views would see one."""
+    message = wire.to_proto(site_update(codebook, Phase.STAGE2_STATS))
+    mixture = message.entries[0].vit_mixture
+    means = mixture.means.SerializeToString(deterministic=True)
+    number = pb.Mixture.DESCRIPTOR.fields_by_name["means"].number
+    mixture_bytes = mixture.SerializeToString(deterministic=True) + _length_delimited(number, means)
+    message.entries[0].ClearField("vit_mixture")
+    field = pb.ClassEntry.DESCRIPTOR.fields_by_name["vit_mixture"].number
+    entry = message.entries[0].SerializeToString(deterministic=True)
+    entry += _length_delimited(field, mixture_bytes)
+    del message.entries[0]
+    entries = pb.ClientUpdate.DESCRIPTOR.fields_by_name["entries"].number
+    data = message.SerializeToString(deterministic=True) + _length_delimited(entries, entry)
+    pb.ClientUpdate().ParseFromString(data)  # protobuf itself takes it
+    with pytest.raises(CodebookError, match="twice"):
+        wire.decode_update(data, against=codebook, phase=Phase.STAGE2_STATS)
+
+
 def _length_delimited(field: int, payload: bytes) -> bytes:
     return bytes([field << 3 | 2]) + _varint(len(payload)) + payload
 

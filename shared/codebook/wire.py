@@ -300,17 +300,17 @@ def _tensor_views(data: bytes) -> list[dict[str, memoryview]]:
         views: dict[str, memoryview] = {}
         for field, f_start, f_end in _fields(data, start, end):
             if field in _TENSOR_FIELDS:
-                parts = {_TENSOR_FIELDS[field]: (f_start, f_end)}
+                parts = [(_TENSOR_FIELDS[field], f_start, f_end)]
             elif field in _MIXTURE_FIELDS:
                 name = _MIXTURE_FIELDS[field]
-                parts = {
-                    f"{name}.{_MIXTURE_PARTS[n]}": (s, e)
+                parts = [
+                    (f"{name}.{_MIXTURE_PARTS[n]}", s, e)
                     for n, s, e in _fields(data, f_start, f_end)
                     if n in _MIXTURE_PARTS
-                }
+                ]
             else:
                 continue
-            for name, (p_start, p_end) in parts.items():
+            for name, p_start, p_end in parts:
                 if name in views:
                     raise CodebookError(f"{name} appears twice in an entry")
                 views[name] = _data_view(data, whole, p_start, p_end, name)
