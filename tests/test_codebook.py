@@ -536,6 +536,24 @@ def test_an_update_with_a_field_twice_is_rejected(codebook: Codebook, twice: str
 # --- the held codebook ---------------------------------------------------------------------------
 
 
+def test_a_held_version_is_read_from_the_file_header_and_a_bad_file_announces_none(
+    codebook: Codebook, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site announces its held version at every sync: read from the checksummed header, not by
+    decoding every class; a damaged file or one of other backbones announces 0 (the site then
+    gets the whole codebook), as when the whole file was decoded."""
+    line = Lineage("fed-1", "epoch-a")
+    path = tmp_path / "codebook.bin"
+    wire.write_file(path, replace(codebook, metadata=line.as_metadata()))
+    monkeypatch.setattr(wire, "decode_codebook", None)  # any full decode would fail the test
+    assert HeldCodebook(path, fingerprint=codebook.fingerprint).version_for(line) == 5
+    assert HeldCodebook(path, fingerprint="cd" * 32).version_for(line) == 0
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert HeldCodebook(path, fingerprint=codebook.fingerprint).version_for(line) == 0
+
+
 def test_a_held_codebook_takes_a_delta_only_of_its_lineage_and_version(
     codebook: Codebook, tmp_path: Path
 ) -> None:

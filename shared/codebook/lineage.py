@@ -11,6 +11,7 @@ in the codebook's metadata under the two keys below, the only spellings of them 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,9 +32,11 @@ class Lineage:
     @classmethod
     def of(cls, codebook: Codebook | Delta | None) -> Lineage:
         """The lineage a codebook (or a delta) carries (empty for none, or for one without)."""
-        if codebook is None:
-            return cls()
-        metadata = codebook.metadata
+        return cls() if codebook is None else cls.in_metadata(codebook.metadata)
+
+    @classmethod
+    def in_metadata(cls, metadata: Mapping[str, str]) -> Lineage:
+        """The lineage these metadata carry (empty where they carry none)."""
         return cls(metadata.get(FEDERATION_KEY, ""), metadata.get(EPOCH_KEY, ""))
 
     def new_epoch(self) -> Lineage:

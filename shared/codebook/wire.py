@@ -566,6 +566,21 @@ def write_file(path: str | os.PathLike[str], codebook: Codebook, dtype: str = "f
     write_atomic(path, frame(payload))
 
 
+def read_version(
+    path: str | os.PathLike[str],
+    *,
+    fingerprint: str | None = None,
+    dims: ModelDims | None = None,
+) -> tuple[int, dict[str, str]]:
+    """A codebook file's version and metadata, without decoding its classes: the checksum is
+    verified and the header checked (schema, backbones) as ``read_file`` does; the values were
+    validated when the file was written (``write_file``), and the checksum says they are the
+    same. What a receiver announces at every sync (``HeldCodebook.version_for``)."""
+    message = parse(pb.Codebook, read_payload(path), None)
+    _decode_header(message, fingerprint, dims)
+    return message.version, dict(message.metadata)
+
+
 def read_file(
     path: str | os.PathLike[str],
     *,
