@@ -593,7 +593,9 @@ class Coordinator:
         measures every row, the second hands the screened updates on, in the same order); the
         classes they carry are added to ``carried`` as they go by. The decoded updates are held
         between the passes: their tensors are views of the replies' bytes, which the phase
-        holds anyway, so that costs a few objects per update, not a copy."""
+        holds anyway, so that costs a few objects per update, not a copy — except with
+        ``wire-dtype = "float16"``, whose rows are converted: then the phase holds their float32
+        copies, twice the replies' bytes."""
         in_play = set(self.in_play)
         screen = self.screen.phase(phase, state.round, state.codebook)
         valid = []
