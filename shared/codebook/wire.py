@@ -289,7 +289,7 @@ def _data_view(data: bytes, whole: memoryview, start: int, end: int, what: str) 
 
 def _tensor_views(data: bytes) -> list[dict[str, memoryview]]:
     """Per entry of a parsed ``ClientUpdate``, the ``data`` bytes of its tensors as views of
-    ``data``, by field name (a mixture's as ``field.part``: ``means.weights`` and so on). A
+    ``data``, by field name (a mixture's parts as ``vit_mixture.means`` and so on). A
     field that appears twice (protobuf would merge the two) is rejected: no encoder of this
     schema writes one."""
     whole = memoryview(data)
