@@ -40,11 +40,9 @@ from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.training import MixtureFit
 from starfed.shared.privacy import accountant
 from starfed.shared.privacy.mechanisms import noisy_count, private_gaussian, private_update
-from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, Phase
+from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, STATISTICS, Phase
 
 logger = logging.getLogger(__name__)
-
-STATISTICS = (Phase.STAGE1_STATS, Phase.STAGE2_STATS)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from starfed.client.memory import SiteMemory
-from starfed.client.privacy import STATISTICS, PrivacySetting, PrivateReleases
+from starfed.client.privacy import PrivacySetting, PrivateReleases
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
@@ -43,7 +43,7 @@ from starfed.shared.model.training import (
     clip_features_signature,
     fit_mixtures,
 )
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import STATISTICS, Phase
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -266,20 +266,17 @@ class Site:
             view = self.view(codebook, *current, stage2, round_index)
             if view is not None:
                 trained = schema.trained_in(phase)
-                if self.private is None:
-                    HANDLERS[phase](view, self.config)
-                    view.written(trained)
-                    entries = view.model.bank.entries(view.own, fields=trained)
+                private = self.private
+                plan = None if private is None else private.plan(view.own, phase, round_index)
+                if plan is not None and phase in STATISTICS:  # a private site's own fit
+                    fit = private.mixture_fit(phase, view.own, plan)
+                    HANDLERS[phase](view, self.config, fit=fit)
                 else:
-                    plan = self.private.plan(view.own, phase, round_index)
-                    if phase in STATISTICS:
-                        fit = self.private.mixture_fit(phase, view.own, plan)
-                        HANDLERS[phase](view, self.config, fit=fit)
-                    else:
-                        HANDLERS[phase](view, self.config)
-                    view.written(trained)
-                    entries = view.model.bank.entries(view.own, fields=trained)
-                    entries, metadata = self.private.release(phase, entries, codebook, plan)
+                    HANDLERS[phase](view, self.config)
+                view.written(trained)
+                entries = view.model.bank.entries(view.own, fields=trained)
+                if plan is not None:
+                    entries, metadata = private.release(phase, entries, codebook, plan)
         return ClientUpdate(
             self.fingerprint, codebook.dims, phase, codebook.version, entries, metadata
         )

@@ -66,13 +66,20 @@ from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import ALSO, ENROLMENT, PHASES, SPECS, Phase, PhaseSpec
+from starfed.shared.protocol import (
+    ALSO,
+    ENROLMENT,
+    PHASES,
+    SPECS,
+    STATISTICS,
+    Phase,
+    PhaseSpec,
+)
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
 
 SAMPLED = (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS)  # fraction-train
-STATISTICS = (Phase.STAGE1_STATS, Phase.STAGE2_STATS)  # merged, then replayed
 ENROLLED = f"{ENROLMENT.phase.key}/0"  # the position's mark of a step's finished enrolment
 WAIT_POLL_S = 1.0
 
@@ -345,9 +352,8 @@ class Coordinator:
 
     def _leave_quarantined(self) -> None:
         """Quarantined sites get no more messages in this step."""
-        out = [node for node in self._node_ids if self.sites.get(node) in self.screen.quarantined]
-        if out:
-            self._node_ids = [node for node in self._node_ids if node not in out]
+        quarantined = self.screen.quarantined
+        self._node_ids = [n for n in self._node_ids if self.sites.get(n) not in quarantined]
 
     def _checkpoint(self, done: str) -> None:
         finished = tuple(dict.fromkeys((*self.position.done, done)))
@@ -605,11 +611,12 @@ class Coordinator:
                 if stray:
                     logger.info("node %s sent rows of classes not in play: %s", entry.node_id,
                                 stray[:10])  # fmt: skip
-                screen.observe(entry.site, update.only(in_play))
+                update = update.only(in_play)
+                screen.observe(entry.site, update)
                 valid.append((entry, update))
         screen.decide()
         for entry, update in valid:
-            screened = screen.apply(entry.site, update.only(in_play))
+            screened = screen.apply(entry.site, update)
             if screened is None:
                 continue
             carried.update(e.name for e in screened.entries)

@@ -489,10 +489,10 @@ class Federation:
     def _finish(self, record: StepRecord, keep_steps: int) -> None:
         """After the commit: the history line (unless already there), the registry of a failed
         step rolled back, the completed step's codebook kept; then the record written ahead goes."""
-        history = self.root / HISTORY_FILE
-        lines = history.read_text() if history.is_file() else ""
         if not any(r.step == record.step and r.attempt == record.attempt
                    for r in self.history()):  # fmt: skip
+            history = self.root / HISTORY_FILE
+            lines = history.read_text() if history.is_file() else ""
             write_atomic(history, (lines + record.to_json() + "\n").encode())
         if record.status == FAILED:
             self.registry = {n: r for n, r in self.registry.items() if r.step != record.step}

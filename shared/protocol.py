@@ -83,6 +83,10 @@ MESSAGES: tuple[PhaseSpec, ...] = (ENROLMENT, *PHASES)
 
 SPECS: dict[Phase, PhaseSpec] = {spec.phase: spec for spec in MESSAGES}
 
+#: The phases that return statistics: the server merges them, then replays; a private site
+#: releases them per class (its other updates are one release over all its classes).
+STATISTICS = (Phase.STAGE1_STATS, Phase.STAGE2_STATS)
+
 #: Message config key: the keys of the phases whose updates travel in this message's reply, each
 #: in a record named after its phase key (the message's own update is the ``update`` record).
 ALSO = "also"

@@ -29,8 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Self
 
-from starfed.server.process_identity import ProcessId, boot_id
-from starfed.server.process_identity import proc_stat as _stat
+from starfed.server.process_identity import ProcessId, boot_id, proc_stat
 from starfed.shared.files import write_atomic
 
 #: Flower/Ray settings every Flower process starfed starts gets: no telemetry, no update
@@ -121,7 +120,7 @@ def process_table() -> dict[int, tuple[int, int]]:
     """pid -> (parent pid, start time) of every live process; zombies are left out."""
     table = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (stat := _stat(int(entry.name))) and stat[0] != "Z":
+        if entry.name.isdigit() and (stat := proc_stat(int(entry.name))) and stat[0] != "Z":
             table[int(entry.name)] = (stat[1], stat[2])
     return table
 

@@ -36,7 +36,7 @@ from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassEntry, Value
-from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, read_payload
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, read_message, read_payload
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
@@ -178,7 +178,7 @@ def _present(msg: pb.ClassEntry) -> set[str]:
 
 
 def _decode_values(
-    msg: pb.ClassEntry, dims: ModelDims, views: Mapping[str, memoryview] | None = None
+    msg: pb.ClassEntry, dims: ModelDims, views: EntryViews | None = None
 ) -> dict[str, Value]:
     """The schema fields set in one entry message, decoded and checked; ``views`` are its
     tensors' data bytes in the received message, by field name (``_tensor_views``)."""
@@ -193,11 +193,7 @@ def _decode_values(
             view = views.get(f.name) if views else None
             values[f.name] = _decode_array(tensor, f.shape(dims), what, _NUMPY_DTYPES, f32, view)
         else:
-            parts = {
-                key.removeprefix(f"{f.name}."): view
-                for key, view in (views or {}).items()
-                if key.startswith(f"{f.name}.")
-            }
+            parts = views.get(f.name) if views else None
             values[f.name] = _decode_mixture(getattr(msg, f.name), f.shape(dims)[0], what, parts)
     return values
 
@@ -244,6 +240,9 @@ _MIXTURE_FIELDS = {
 _MIXTURE_PARTS = {
     field.number: field.name for field in pb.Mixture.DESCRIPTOR.fields if field.name != "count"
 }
+#: One entry's tensor bytes in a received message: a tensor field's view, or a mixture field's
+#: views by part.
+EntryViews = dict[str, "memoryview | dict[str, memoryview]"]
 
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:
@@ -287,33 +286,36 @@ def _data_view(data: bytes, whole: memoryview, start: int, end: int, what: str) 
     return whole[spans[0][0] : spans[0][1]] if spans else whole[0:0]
 
 
-def _tensor_views(data: bytes) -> list[dict[str, memoryview]]:
+def _tensor_views(data: bytes) -> list[EntryViews]:
     """Per entry of a parsed ``ClientUpdate``, the ``data`` bytes of its tensors as views of
-    ``data``, by field name (a mixture's parts as ``vit_mixture.means`` and so on). A
-    field that appears twice (protobuf would merge the two) is rejected: no encoder of this
-    schema writes one."""
+    ``data``: by field name, a tensor's view, or a mixture's views by part (``means``, ...). A
+    field or part that appears twice (protobuf would merge the two) is rejected: no encoder of
+    this schema writes one."""
     whole = memoryview(data)
     entries = []
     for number, start, end in _fields(data, 0, len(data)):
         if number != _UPDATE_ENTRIES:
             continue
-        views: dict[str, memoryview] = {}
+        views: EntryViews = {}
         for field, f_start, f_end in _fields(data, start, end):
             if field in _TENSOR_FIELDS:
-                parts = [(_TENSOR_FIELDS[field], f_start, f_end)]
+                name = _TENSOR_FIELDS[field]
+                view: memoryview | dict[str, memoryview] = _data_view(
+                    data, whole, f_start, f_end, name
+                )
             elif field in _MIXTURE_FIELDS:
-                name = _MIXTURE_FIELDS[field]
-                parts = [
-                    (f"{name}.{_MIXTURE_PARTS[n]}", s, e)
-                    for n, s, e in _fields(data, f_start, f_end)
-                    if n in _MIXTURE_PARTS
-                ]
+                name, view = _MIXTURE_FIELDS[field], {}
+                for n, s, e in _fields(data, f_start, f_end):
+                    if n in _MIXTURE_PARTS:
+                        part = _MIXTURE_PARTS[n]
+                        if part in view:
+                            raise CodebookError(f"{name}.{part} appears twice in an entry")
+                        view[part] = _data_view(data, whole, s, e, f"{name}.{part}")
             else:
                 continue
-            for name, p_start, p_end in parts:
-                if name in views:
-                    raise CodebookError(f"{name} appears twice in an entry")
-                views[name] = _data_view(data, whole, p_start, p_end, name)
+            if name in views:
+                raise CodebookError(f"{name} appears twice in an entry")
+            views[name] = view
         entries.append(views)
     return entries
 
@@ -572,11 +574,11 @@ def read_version(
     fingerprint: str | None = None,
     dims: ModelDims | None = None,
 ) -> tuple[int, dict[str, str]]:
-    """A codebook file's version and metadata, without decoding its classes: the checksum is
-    verified and the header checked (schema, backbones) as ``read_file`` does; the values were
-    validated when the file was written (``write_file``), and the checksum says they are the
-    same. What a receiver announces at every sync (``HeldCodebook.version_for``)."""
-    message = parse(pb.Codebook, read_payload(path), None)
+    """A codebook file's version and metadata, without decoding its classes
+    (``framing.read_message``), its header checked (schema, backbones) as ``read_file`` does;
+    the values were validated when the file was written (``write_file``), and the checksum says
+    they are the same. What a receiver announces at every sync (``HeldCodebook.version_for``)."""
+    message = read_message(path)
     _decode_header(message, fingerprint, dims)
     return message.version, dict(message.metadata)
 
