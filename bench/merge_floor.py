@@ -1,0 +1,117 @@
+"""The floor of the stage-2 merge if each update held one array per field (a packed layout).
+
+starfed's updates carry one tensor per class and field (``proto/codebook.proto``), and at the
+paper's dims the merge's time is per tensor, not per byte (docs/benchmarks.md, "Server merge at
+scale"). This asks what the same work costs without that: each site's reply is one buffer of
+four [C, ...] float32 arrays (Q, A, head weight and bias, the classes in the codebook's order);
+its "decode" is a view of each array and its finiteness check, its "screen" each row's
+‖value − sent‖ (one subtraction into a reused buffer, one norm per field), its "merge" a
+float64 ``addcmul_`` of count × rows into the sums. No protobuf, no validation of shapes or
+names, no Python per class: a lower bound on what a packed wire layout could reach with torch
+and numpy, against the same copy ``merge_scale.py`` measures, in the same process.
+
+    python bench/merge_floor.py                     # 1000 sites × 35 classes, 1 and 2 threads
+    python bench/merge_floor.py --sites 100 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import time
+import warnings
+
+import numpy as np
+import torch
+from codebook_sizes import PAPER, parse_dims
+
+from starfed.shared.codebook import schema
+from starfed.shared.protocol import Phase
+
+
+def packed_replies(sites: int, shapes: dict, generator: torch.Generator) -> list[bytes]:
+    """One buffer per site: each field's rows for every class, field after field."""
+    return [
+        b"".join(torch.randn(shape, generator=generator).numpy().tobytes()
+                 for shape in shapes.values())  # fmt: skip
+        for _ in range(sites)
+    ]
+
+
+def copy_once(replies: list[bytes]) -> float:
+    """Seconds to copy each reply into a new buffer once (as ``merge_scale.copy_once``)."""
+    started = time.perf_counter()
+    for data in replies:
+        copy = bytearray(data)
+        del copy
+    return time.perf_counter() - started
+
+
+def merge(replies: list[bytes], shapes: dict, sent: dict, counts: torch.Tensor) -> dict:
+    """Seconds of decode, screen and merge over ``replies``, the three passes as the coordinator
+    makes them: views and changes of every reply first, then the sums."""
+    scratch = {name: torch.empty(shape) for name, shape in shapes.items()}
+    sums = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in shapes.items()}
+    wall = dict.fromkeys(("decode", "screen", "merge"), 0.0)
+    held = []
+    for data in replies:
+        started = time.perf_counter()
+        whole, offset, arrays = np.frombuffer(data, dtype=np.float32), 0, {}
+        for name, shape in shapes.items():
+            size = math.prod(shape)
+            array = whole[offset : offset + size].reshape(shape)
+            offset += size
+            if not np.isfinite(array).all():
+                raise ValueError(f"{name}: not finite")
+            arrays[name] = torch.from_numpy(array)
+        measured = time.perf_counter()
+        for name, rows in arrays.items():
+            torch.sub(rows, sent[name], out=scratch[name])
+            torch.linalg.vector_norm(scratch[name].reshape(len(rows), -1), dim=1)
+        wall["decode"] += measured - started
+        wall["screen"] += time.perf_counter() - measured
+        held.append(arrays)
+    started = time.perf_counter()
+    for site, arrays in enumerate(held):
+        for name, rows in arrays.items():
+            weights = counts[site].view(-1, *[1] * (rows.dim() - 1))
+            sums[name].addcmul_(rows, weights)
+    wall["merge"] = time.perf_counter() - started
+    return wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sites", type=int, default=1000)
+    parser.add_argument("--classes", type=int, default=35, help="classes every site carries")
+    parser.add_argument("--dims", type=parse_dims, default=PAPER, help="d_txt,d_clip,d_vit,L")
+    parser.add_argument("--threads", default="1,2", help="torch intra-op threads to try")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    shapes = {
+        name: (args.classes, *schema.BY_NAME[name].shape(args.dims))
+        for name in schema.trained_in(Phase.STAGE2)
+    }
+    generator = torch.Generator().manual_seed(0)
+    sent = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    counts = torch.randint(1, 200, (args.sites, args.classes), generator=generator).double()
+    replies = packed_replies(args.sites, shapes, generator)
+    megabytes = sum(map(len, replies)) / 2**20
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
+          f"{os.getloadavg()[0]:.1f}; {args.sites} sites × {args.classes} classes, "
+          f"{megabytes:.0f} MB")  # fmt: skip
+    print("| threads | decode s | screen s | merge s | total s | copy s | total ÷ copy |")
+    print("|---|---|---|---|---|---|---|")
+    for threads in (int(n) for n in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        copy = copy_once(replies)
+        wall = merge(replies, shapes, sent, counts)
+        total = sum(wall.values())
+        print(f"| {threads} | {wall['decode']:.3f} | {wall['screen']:.3f} | {wall['merge']:.3f} "
+              f"| {total:.3f} | {copy:.3f} | {total / copy:.1f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
