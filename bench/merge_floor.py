@@ -33,11 +33,13 @@ from starfed.shared.protocol import Phase
 
 def packed_replies(sites: int, shapes: dict, generator: torch.Generator) -> list[bytes]:
     """One buffer per site: each field's rows for every class, field after field."""
-    return [
-        b"".join(torch.randn(shape, generator=generator).numpy().tobytes()
-                 for shape in shapes.values())  # fmt: skip
-        for _ in range(sites)
-    ]
+
+    def reply() -> bytes:
+        return b"".join(
+            torch.randn(s, generator=generator).numpy().tobytes() for s in shapes.values()
+        )
+
+    return [reply() for _ in range(sites)]
 
 
 def copy_once(replies: list[bytes]) -> float:
