@@ -3,7 +3,7 @@
 The grid file is read and every run-config key in it checked (``starfed.simulations.grid``)
 before anything runs: a bad grid is one line and exit code 2. Exit code 1 means some cell
 failed (the others still ran; its ``log.txt`` says why); 0, every cell is complete; 130,
-interrupted (Ctrl-C: the running cell is stopped, the complete ones stay).
+interrupted (Ctrl-C: the running cells are stopped, the complete ones stay).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from starfed.simulations.methods import FLOWER_METHODS
 
 COMMAND = "experiment"
 FLAGS = (
-    *same_name("results-dir", "runtime", "timeout", "gpus-per-client", "ray-address"),
+    *same_name("results-dir", "runtime", "jobs", "timeout", "gpus-per-client", "ray-address"),
     switch("--json", "json", True),
 )
 
@@ -38,13 +38,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     """run a grid of scenarios × methods × seeds; write a paper-style table and plots
 
-    Run every cell (scenario × method × seed) of a grid file, one after another, each in its own
-    process, into <results-dir>/<experiment>/<cell>/. A complete cell is skipped, so re-running
-    continues an interrupted experiment. Writes table.md (FAA, forgetting, prompt selection,
-    bytes per site per round, wall time: mean ± sd over seeds) and plots. docs/results.md
-    describes grids and methods. With --runtime flower each starfed cell is a `starfed simulate`
-    run; --ray-address (or RAY_ADDRESS) runs its clients on an existing Ray cluster's nodes
-    (docs/simulation.md).
+    Run every cell (scenario × method × seed) of a grid file, --jobs at once (default one after
+    another), each in its own process, into <results-dir>/<experiment>/<cell>/. A complete cell
+    is skipped, so re-running continues an interrupted experiment. Writes table.md (FAA,
+    forgetting, prompt selection, bytes per site per round, wall time: mean ± sd over seeds) and
+    plots. docs/results.md describes grids and methods. With --runtime flower each starfed cell
+    is a `starfed simulate` run; --ray-address (or RAY_ADDRESS) runs its clients on an existing
+    Ray cluster's nodes (docs/simulation.md).
     """
     values, options, names = parsed(args, FLAGS, COMMAND)
     experiment = load(args.grid)
@@ -61,8 +61,8 @@ def _main(args: argparse.Namespace) -> int:
 
     runtime = Runtime(options["runtime"], options["timeout"], gpus, ray_address)
     try:
-        summary = run_experiment(experiment, results.resolve(), runtime)
-    except KeyboardInterrupt:  # the running cell is stopped; complete ones stay
+        summary = run_experiment(experiment, results.resolve(), runtime, options["jobs"])
+    except KeyboardInterrupt:  # the running cells are stopped; complete ones stay
         print(
             f"starfed experiment: interrupted; the same command continues "
             f"({results / experiment.name})",

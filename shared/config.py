@@ -312,6 +312,9 @@ SCHEMA: tuple[Knob, ...] = (
          "(the head's address, e.g. 10.0.0.1:6379; docs/simulation.md); empty: RAY_ADDRESS "
          "when set, else a Ray instance of the run's own", "command", check=_ray_address,
          command=RAY_COMMANDS),
+    Knob("jobs", int, 1, "cells run at once, each in its own process (1: one after another), "
+         "each with its share of this machine's cores (OMP_NUM_THREADS, unless set)", "command",
+         ge=1, command="experiment"),
     Knob("json", bool, False, "print a JSON summary on stdout (the progress lines stay on "
          "stderr)", "command", command="experiment"),
     Knob("batch-size", int, 64, "images per forward pass", "command", ge=1, command="predict"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-import resource
+import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from starfed.server.ops import processes
 from starfed.server.ops.exit_codes import EXIT_DEGRADED, EXIT_OK
 from starfed.shared.files import write_atomic
 from starfed.simulations.grid import Cell
@@ -89,46 +90,67 @@ def complete(folder: Path, cell: Cell) -> Outcome | None:
     return Outcome("skipped", record.get("seconds"), metrics, cpu_seconds=record.get("cpu_seconds"))
 
 
-def run(folder: Path, cell: Cell, runtime: Runtime) -> Outcome:
-    """Run the cell in a child process, from an empty folder; wait for it. The child's
-    environment names the Ray cluster (``flower_env``), as a ``starfed simulate``'s does."""
+@dataclass
+class Running:
+    """A cell's process, started by ``start``: ``poll`` it until it has an outcome; ``stop``
+    ends it (Ctrl-C, SIGTERM of the experiment)."""
+
+    folder: Path
+    cell: Cell
+    runtime: Runtime
+    child: subprocess.Popen
+    started: float
+
+    def poll(self) -> Outcome | None:
+        """The cell's outcome once its process has ended (its record then written), else None."""
+        ended = _reap(self.child)
+        if ended is None:
+            return None
+        code, cpu = ended
+        seconds = time.monotonic() - self.started
+        _write_record(self.folder, self.cell, self.runtime, seconds, cpu)
+        finished = complete(self.folder, self.cell)
+        if code == 0 and finished is not None:
+            return Outcome("done", seconds, finished.metrics, cpu_seconds=cpu)
+        error = _last_line(self.folder / LOG_FILE) or f"exit code {code}"
+        return Outcome("failed", seconds, None, error, cpu)
+
+    def stop(self) -> None:
+        """End the process by its PID: SIGTERM (a `simulate` run stops what it started), then
+        SIGKILL after ``STOP_GRACE_S``."""
+        processes.stop_child(self.child, STOP_GRACE_S)
+
+
+def start(folder: Path, cell: Cell, runtime: Runtime, threads: int = 0) -> Running:
+    """Start the cell in a child process, from an empty folder. The child's environment names
+    the Ray cluster (``flower_env``), as a ``starfed simulate``'s does, and with ``threads``
+    (cells side by side) its thread pools' size (``OMP_NUM_THREADS``, read by torch, numpy and
+    scikit-learn when they load), unless the user set that: cells that each start a pool as
+    large as the machine wait on each other's threads and take twice the CPU time."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     _write_record(folder, cell, runtime, None)
     command = [sys.executable, "-m", "starfed.simulations.cell", str(folder)]
-    started, cpu = time.monotonic(), _cpu_seconds()
-    with (folder / LOG_FILE).open("wb") as log:
+    env = flower_env(folder / ".flwr", runtime.ray_address)
+    if threads:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+    with (folder / LOG_FILE).open("wb") as log:  # the child holds its own descriptor
         child = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=flower_env(folder / ".flwr", runtime.ray_address),
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
         )
-        try:
-            code = child.wait()
-        except BaseException:  # Ctrl-C, SIGTERM: stop the child by its PID, then give up
-            child.terminate()
-            try:
-                child.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-            raise
-    seconds, cpu = time.monotonic() - started, _cpu_seconds() - cpu
-    _write_record(folder, cell, runtime, seconds, cpu)
-    finished = complete(folder, cell)
-    if code == 0 and finished is not None:
-        return Outcome("done", seconds, finished.metrics, cpu_seconds=cpu)
-    error = _last_line(folder / LOG_FILE) or f"exit code {code}"
-    return Outcome("failed", seconds, None, error, cpu)
+    return Running(folder, cell, runtime, child, time.monotonic())
 
 
-def _cpu_seconds() -> float:
-    """CPU time of this process's finished children: on a shared machine a cell's CPU time
-    says more about its cost than its wall time."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def _reap(child: subprocess.Popen) -> tuple[int, float] | None:
+    """The exit code and CPU seconds of an ended child (its own and its waited-for
+    descendants'), or None while it runs. ``os.wait4`` gives one child's resource use, where
+    ``getrusage(RUSAGE_CHILDREN)`` sums every child's: cells may run side by side (``--jobs``),
+    and on a shared machine a cell's CPU time says more about its cost than its wall time."""
+    pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+    if pid == 0:
+        return None
+    child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait
+    return child.returncode, usage.ru_utime + usage.ru_stime
 
 
 def _write_record(

@@ -1,15 +1,20 @@
-"""`starfed experiment`: every cell of a grid, one after another, then the table and plots.
+"""`starfed experiment`: every cell of a grid, one or several at once, then the table and plots.
 
-Cells (``starfed.simulations.grid``) run in grid order, seed by seed, each in its own process
-(``starfed.simulations.cell``) into ``<results-dir>/<experiment>/<cell>/``; a complete cell is
-skipped, so an interrupted experiment continues where it stopped. One line per cell says how
-far the grid is (done/total, the cell, its time, elapsed, ETA). ``table.md`` is rewritten after
-every cell; the plots are drawn at the end (``starfed.simulations.tabulate``).
+Cells (``starfed.simulations.grid``) start in grid order, seed by seed, each in its own process
+(``starfed.simulations.cell``) into ``<results-dir>/<experiment>/<cell>/``, at most ``jobs`` at
+a time; a complete cell is skipped, so an interrupted experiment continues where it stopped.
+One line per cell, as it ends, says how far the grid is (done/total, the cell, its time,
+elapsed, ETA). ``table.md`` is rewritten after every cell; the plots are drawn at the end
+(``starfed.simulations.tabulate``). Side by side, each cell's thread pools get its share of the
+cores (``cells.start``); a cell is seeded and its clients' thread counts are fixed
+(``local_grid``, Ray's CPUs per client), so only the float rounding of work that uses the
+process's threads (the server's replays) can differ from a cell run alone (docs/results.md).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,6 +28,7 @@ from starfed.simulations import tabulate
 from starfed.simulations.grid import Cell, Experiment
 
 SUMMARY_FILE = "summary.json"
+POLL_S = 0.5  # how often running cells are looked at: cells take minutes
 
 
 @dataclass
@@ -30,6 +36,7 @@ class Progress:
     """Time per finished cell, by method, for the ETA (methods differ by minutes)."""
 
     total: int
+    jobs: int = 1  # cells at once: the ETA divides the remaining cells' time by it
     started: float = field(default_factory=time.monotonic)
     seconds: dict[str, list[float]] = field(default_factory=dict)
 
@@ -37,14 +44,22 @@ class Progress:
         if seconds is not None:
             self.seconds.setdefault(method, []).append(seconds)
 
-    def eta(self, remaining: list[Cell]) -> float | None:
+    def eta(self, remaining: list[tuple[Cell, float]]) -> float | None:
+        """Seconds until the last cell ends: what each remaining cell is expected to take (its
+        method's mean), less the seconds it has run, shared among the jobs."""
         every = [s for times in self.seconds.values() for s in times]
         if not every:
             return None
         overall = statistics.fmean(every)
-        return sum(statistics.fmean(self.seconds.get(c.method, [overall])) for c in remaining)
+        left = sum(
+            max(0.0, statistics.fmean(self.seconds.get(cell.method, [overall])) - ran)
+            for cell, ran in remaining
+        )
+        return left / min(self.jobs, max(len(remaining), 1))
 
-    def line(self, index: int, cell: Cell, outcome: cells.Outcome, remaining: list[Cell]) -> str:
+    def line(
+        self, index: int, cell: Cell, outcome: cells.Outcome, remaining: list[tuple[Cell, float]]
+    ) -> str:
         eta = self.eta(remaining)
         took = "" if outcome.seconds is None else f" {_duration(outcome.seconds)}"
         what = {
@@ -69,34 +84,72 @@ def _duration(seconds: float) -> str:
 
 
 def run_experiment(
-    experiment: Experiment, results_dir: Path, runtime: cells.Runtime, out: TextIO | None = None
+    experiment: Experiment,
+    results_dir: Path,
+    runtime: cells.Runtime,
+    jobs: int = 1,
+    out: TextIO | None = None,
 ) -> dict:
-    """Run or skip every cell, each on ``runtime``; write the table and plots; return the
-    summary (``--json``). Progress lines go to ``out`` (standard error by default)."""
+    """Run or skip every cell, at most ``jobs`` at once, each on ``runtime``; write the table
+    and plots; return the summary (``--json``). Progress lines go to ``out`` (standard error by
+    default), one per cell as it ends; the summary lists the cells in grid order. An exception
+    (Ctrl-C, SIGTERM) stops every running cell by its PID before it goes on."""
     out = out or sys.stderr
     folder = results_dir / experiment.name
     folder.mkdir(parents=True, exist_ok=True)
     todo = experiment.cells()
     finished = {cell.name: cells.complete(folder / cell.name, cell) for cell in todo}
-    progress = Progress(len(todo))
+    progress = Progress(len(todo), jobs)
     for outcome, cell in zip(finished.values(), todo, strict=True):
         if outcome is not None:  # its time from when it ran: a better first ETA than none
             progress.record(cell.method, outcome.seconds)
     results: dict[str, tuple[dict, float | None]] = {}
-    report: list[dict] = []
-    for index, cell in enumerate(todo, 1):
-        where = folder / cell.name
-        outcome = finished[cell.name] or cells.run(where, cell, runtime)
+    reports: dict[str, dict] = {}
+    table_rows = tabulate.rows(experiment, results)
+    running: list[cells.Running] = []
+
+    def ended(cell: Cell, outcome: cells.Outcome) -> None:
+        nonlocal table_rows
         if outcome.status == "done":
             progress.record(cell.method, outcome.seconds)
         if outcome.metrics is not None:
             results[cell.name] = (outcome.metrics, outcome.seconds)
-        remaining = [c for c in todo[index:] if finished[c.name] is None]
-        print(progress.line(index, cell, outcome, remaining), file=out, flush=True)
-        report.append(_cell_summary(cell, outcome, where))
+        reports[cell.name] = _cell_summary(cell, outcome, folder / cell.name)
+        ran = {r.cell.name: time.monotonic() - r.started for r in running}
+        remaining = [(c, ran.get(c.name, 0.0)) for c in todo if c.name not in reports]
+        print(progress.line(len(reports), cell, outcome, remaining), file=out, flush=True)
         table_rows = tabulate.rows(experiment, results)
         write_atomic(folder / tabulate.TABLE_FILE, tabulate.table(experiment, table_rows).encode())
+
+    waiting = []
+    for cell in todo:  # complete cells first, in grid order
+        if finished[cell.name] is None:
+            waiting.append(cell)
+        else:
+            ended(cell, finished[cell.name])
+    # side by side, each cell's thread pools get its share of this machine's cores
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                cell = waiting.pop(0)
+                running.append(cells.start(folder / cell.name, cell, runtime, threads))
+            still = []
+            for cell_run in running:
+                outcome = cell_run.poll()
+                if outcome is None:
+                    still.append(cell_run)
+                else:
+                    ended(cell_run.cell, outcome)
+            if len(still) == len(running):
+                time.sleep(POLL_S)
+            running[:] = still
+    except BaseException:
+        for cell_run in running:
+            cell_run.stop()
+        raise
     plots = tabulate.plots(experiment, table_rows, folder)
+    report = [reports[cell.name] for cell in todo]
     summary = {
         "experiment": experiment.name,
         "grid": experiment.source,
@@ -104,6 +157,7 @@ def run_experiment(
         "table": str(folder / tabulate.TABLE_FILE),
         "plots": [str(p) for p in plots],
         "wall_s": time.monotonic() - progress.started,
+        "jobs": jobs,
         "failed": sum(c["status"] == "failed" for c in report),
         "cells": report,
         "rows": [row.summary() for row in table_rows],

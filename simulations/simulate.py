@@ -155,12 +155,7 @@ class LocalSuperLink:
             self.process.wait()
             return survivors
         if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            processes.stop_child(self.process, STOP_GRACE_S)
         if processes.wait_gone(self.seen, STOP_GRACE_S / 2):
             return processes.terminate(self.seen, STOP_GRACE_S / 2)
         return set()

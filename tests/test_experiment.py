@@ -3,7 +3,8 @@ computed from the cells' metrics.json.
 
 The end-to-end test runs a two-cell grid on the smallest sizes (tiny backbones, 2 sites, 2 tasks
 x 2 classes, one epoch everywhere, one seed): federated and single-site, each cell in its own
-process; then runs it again, which skips both cells.
+process, both at once (``--jobs 2``); then runs it again, which skips both cells. How cells are
+scheduled (at most ``--jobs`` at once, stopped on Ctrl-C) is tested with stand-in cell processes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from starfed.cli import main
 from starfed.server.ops.exit_codes import EXIT_DEGRADED
 from starfed.shared.metrics import final_average_accuracy
 from starfed.simulations import cell as cells
+from starfed.simulations import experiment as experiment_module
 from starfed.simulations import grid as grids
 from starfed.simulations import tabulate
 from starfed.simulations.methods import METHODS
@@ -233,7 +236,7 @@ def two_cells(tmp_path_factory) -> tuple[Path, Path, tuple]:
     path.write_text(TWO_CELLS)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STARFED_CACHE_DIR", str(out / "cache"))
-        first = run_cli(str(path), f"--results-dir={out / 'results'}", "--json")
+        first = run_cli(str(path), f"--results-dir={out / 'results'}", "--json", "--jobs=2")
     return out, path, first
 
 
@@ -245,14 +248,21 @@ def test_two_cells_end_to_end(two_cells) -> None:
     assert summary["results"] == str(folder) and summary["failed"] == 0
     assert [c["status"] for c in summary["cells"]] == ["done", "done"]
     assert all(c["cpu_seconds"] > 0 and c["seconds"] > 0 for c in summary["cells"])
+    assert summary["jobs"] == 2
+    assert [c["cell"] for c in summary["cells"]] == [  # grid order, whichever ended first
+        "two-sites__starfed__seed1993",
+        "two-sites__single-site__seed1993",
+    ]
     lines = progress.strip().splitlines()
     assert len(lines) == 2, progress
+    first, second = (re.match(r"\[(\d)/2\] (\S+): done", line) for line in lines)
+    assert (first[1], second[1]) == ("1", "2"), progress
+    assert {first[2], second[2]} == {c["cell"] for c in summary["cells"]}, progress
     assert re.match(
-        r"\[1/2\] two-sites__starfed__seed1993: done \d+m\d\ds · FAA [\d.]+ · "
+        r"\[1/2\] two-sites__\S+__seed1993: done \d+m\d\ds · FAA [\d.]+ · "
         r"elapsed \d+m\d\ds · ETA \d+m\d\ds$",
         lines[0],
     ), lines[0]
-    assert lines[1].startswith("[2/2] two-sites__single-site__seed1993: done")
 
     table = (folder / "table.md").read_text()
     rows = _table_rows(table)
@@ -400,11 +410,9 @@ def test_flower_cells_are_simulate_runs_on_the_ray_cluster(
                 child.setattr(os, "environ", env)
                 self.code = cells.main(command[3:])
 
-        def wait(self, timeout: float | None = None) -> int:
-            return self.code
-
     monkeypatch.setattr(cells, "simulate", fake_simulate)
     monkeypatch.setattr(cells.subprocess, "Popen", CellProcess)
+    monkeypatch.setattr(cells, "_reap", lambda child: (child.code, 0.0))  # it ran in here
     path = tmp_path / "grid.toml"
     path.write_text(
         '[experiment]\nname = "ray"\nseeds = [1, 2]\nmethods = ["starfed"]\n'
@@ -428,3 +436,103 @@ def test_flower_cells_are_simulate_runs_on_the_ray_cluster(
         "gpus_per_client": 0.0,
         "ray_address": address if given == "--ray-address" else "",
     }
+
+
+# --- cells at once (--jobs) ---------------------------------------------------------------
+
+# A cell's process, stood in for: it notes when it starts (with the size it was given for its
+# thread pools) and ends, one appended line each, so the lines of cells running at once
+# interleave; it waits, and writes a complete metrics.json.
+STAND_IN = """
+import json, os, sys, time
+trace = os.environ["STAND_IN_TRACE"]
+with open(trace, "a") as out:
+    out.write("+" + os.environ.get("OMP_NUM_THREADS", "unset") + "\\n")
+time.sleep(float(os.environ["STAND_IN_S"]))
+metrics = {"accuracy_matrix": [[50.0]], "final_average_accuracy": 50.0, "final_forgetting": 0.0}
+with open(os.path.join(sys.argv[1], "metrics.json"), "w") as out:
+    json.dump(metrics, out)
+with open(trace, "a") as out:
+    out.write("-\\n")
+"""
+
+
+@pytest.fixture
+def stand_in_cells(tmp_path: Path, monkeypatch) -> tuple[Path, Path, list]:
+    """A four-cell grid whose cells' processes are ``STAND_IN``: the grid file, the trace, and
+    the processes started (to check that none outlives the command)."""
+    trace = tmp_path / "trace.txt"
+    monkeypatch.setenv("STAND_IN_TRACE", str(trace))
+    monkeypatch.setenv("STAND_IN_S", "1.0")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def stand_in(command: list[str], **kwargs) -> subprocess.Popen:
+        assert command[1:3] == ["-m", "starfed.simulations.cell"], command
+        started.append(popen([sys.executable, "-c", STAND_IN, command[3]], **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(cells.subprocess, "Popen", stand_in)
+    path = tmp_path / "grid.toml"
+    path.write_text(
+        '[experiment]\nname = "jobs"\nseeds = [1, 2, 3, 4]\nmethods = ["single-site"]\n'
+        "[[scenario]]\nnum-clients = 2\n"
+    )
+    return path, trace, started
+
+
+def _most_at_once(trace: Path) -> int:
+    running = most = 0
+    for line in trace.read_text().split():
+        running += 1 if line.startswith("+") else -1
+        most = max(most, running)
+    return most
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_at_most_jobs_cells_run_at_once(jobs: int, stand_in_cells, tmp_path: Path) -> None:
+    """--jobs N: N cells' processes at once, never more, each with its share of the cores for
+    its thread pools; each cell's record is its own (its time, the CPU time of its own
+    process); the summary lists the cells in grid order."""
+    path, trace, started = stand_in_cells
+    code, printed, progress = run_cli(
+        str(path), f"--results-dir={tmp_path}", "--json", f"--jobs={jobs}"
+    )
+    assert code == 0, progress
+    assert _most_at_once(trace) == jobs, trace.read_text()
+    share = "unset" if jobs == 1 else str(max(1, (os.cpu_count() or 1) // jobs))
+    assert {line[1:] for line in trace.read_text().split() if line[0] == "+"} == {share}
+    summary = json.loads(printed)
+    assert [c["seed"] for c in summary["cells"]] == [1, 2, 3, 4]
+    assert all(c["status"] == "done" and c["seconds"] >= 1.0 for c in summary["cells"])
+    assert all(0 < c["cpu_seconds"] < c["seconds"] for c in summary["cells"]), summary["cells"]
+    assert [line.split("]")[0] for line in progress.splitlines()] == [
+        f"[{i}/4" for i in range(1, 5)
+    ]
+    assert all(child.returncode == 0 for child in started)
+
+
+def test_ctrl_c_stops_every_running_cell(stand_in_cells, tmp_path: Path, monkeypatch) -> None:
+    """An interrupt while two cells run stops both by their PIDs (none is left running) and
+    exits 130; the same command then runs them again, and the others."""
+    path, trace, started = stand_in_cells
+    monkeypatch.setenv("STAND_IN_S", "60")
+    sleep = time.sleep
+
+    def interrupt_once_both_started(seconds: float) -> None:
+        if len(started) == 2 and trace.exists() and trace.read_text().count("+") == 2:
+            raise KeyboardInterrupt
+        sleep(seconds)
+
+    clock = types.SimpleNamespace(monotonic=time.monotonic, sleep=interrupt_once_both_started)
+    with monkeypatch.context() as patch:
+        patch.setattr(experiment_module, "time", clock)  # the scheduler's wait, not Popen's
+        code, _, progress = run_cli(str(path), f"--results-dir={tmp_path}", "--jobs=2")
+    assert code == 130, progress
+    assert "interrupted; the same command continues" in progress
+    assert len(started) == 2 and all(child.poll() is not None for child in started)
+    monkeypatch.setenv("STAND_IN_S", "0")
+    code, printed, progress = run_cli(str(path), f"--results-dir={tmp_path}", "--json", "--jobs=2")
+    assert code == 0, progress
+    assert [c["status"] for c in json.loads(printed)["cells"]] == ["done"] * 4

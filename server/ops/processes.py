@@ -160,6 +160,17 @@ def send_signal(processes: Iterable[ProcessId], sig: signal.Signals) -> None:
                 os.kill(p.pid, sig)
 
 
+def stop_child(child: subprocess.Popen, grace: float) -> None:
+    """SIGTERM one child of this process, wait ``grace`` seconds, SIGKILL it if it is still
+    there; it is reaped either way."""
+    child.terminate()
+    try:
+        child.wait(grace)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def terminate(processes: Iterable[ProcessId], grace: float = 10.0) -> set[ProcessId]:
     """SIGTERM, wait ``grace`` seconds, SIGKILL what is left; returns what survived even that.
 
