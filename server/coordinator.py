@@ -229,6 +229,8 @@ class Coordinator:
         started, status, reason = time.time(), COMPLETED, ""
         self._steps, self._scores = [], None
         self.screen = Screen(self.screening, step)
+        if ENROLLED in self.position.done:
+            self._restore_findings(step)
         self._node_ids = sorted(self.grid.get_node_ids())
         t0 = time.perf_counter()
         if not self._enrol(step):
@@ -355,7 +357,24 @@ class Coordinator:
         quarantined = self.screen.quarantined
         self._node_ids = [n for n in self._node_ids if self.sites.get(n) not in quarantined]
 
+    def _restore_findings(self, step: int) -> None:
+        """A resumed step goes on with what the screening found in the phases it does not
+        repeat (the enrolment is repeated, and records its own)."""
+        kept = [
+            f for f in self.federation.step_findings(step)
+            if f"{f.phase}/{f.round}" in self.position.done and f"{f.phase}/{f.round}" != ENROLLED
+        ]  # fmt: skip
+        if kept:
+            self.screen.restore(kept)
+            held = sorted(self.screen.quarantined)
+            self.console.print(
+                f"step {step + 1} resumes with {progress.counted(len(kept), 'finding')} of the "
+                "screening from before" + (f"; quarantined: {', '.join(held)}" if held else "")
+            )
+
     def _checkpoint(self, done: str) -> None:
+        # ahead of the commit: what a crash after it must not lose (``_restore_findings``)
+        self.federation.save_findings(self.position.step, self.screen.findings)
         finished = tuple(dict.fromkeys((*self.position.done, done)))
         self.position = replace(self.position, done=finished, in_play=tuple(self.in_play))
         self.codebook = self.federation.checkpoint(self.codebook, self.position)
@@ -436,6 +455,7 @@ class Coordinator:
             accepted, self.codebook, self.federation.quarantine(), self.protocol.wire_dtype
         )
         self._node_ids = [entry.node_id for entry, _ in accepted]
+        self._leave_quarantined()  # a resumed step's quarantines hold
         for entry, update in accepted:
             self._brings[entry.node_id] = {class_key(e.name) for e in update.entries}
             held = update.base_version

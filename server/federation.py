@@ -20,6 +20,8 @@ each run performs aggregation steps over what they bring, continuing where the l
     lock.json         the run that writes the folder now (``server.folder_lock``)
     quarantine.json   sites kept out of later steps (``quarantine-persists``; the operator
                       deletes an entry to let a site back in)
+    step-findings.json  the screening's findings in the step in progress, written ahead of each
+                      of its checkpoints: a resumed step keeps those of the phases it had done
     metrics.json      the federation's scores after the last server run (``server.app``)
 
 Closing a step has one commit point: ``codebook.bin`` written with the next position. The step's
@@ -40,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -61,6 +63,7 @@ STEP_START_FILE = "step-start.bin"
 PREVIOUS_FILE = "previous.bin"
 CHECKPOINTS_DIR = "checkpoints"
 PENDING_FILE = "step-end.json"
+STEP_FINDINGS_FILE = "step-findings.json"
 REGISTRY_FILE = "registry.json"
 HISTORY_FILE = "history.jsonl"
 METRICS_FILE = "metrics.json"
@@ -368,6 +371,7 @@ class Federation:
             write_atomic(self.root / STEP_START_FILE, current.read_bytes())
         else:
             wire.write_file(self.root / STEP_START_FILE, codebook)
+        (self.root / STEP_FINDINGS_FILE).unlink(missing_ok=True)  # an earlier attempt's
 
     def register(self, names: list[str], step: int, brought: dict[str, list[str]]) -> None:
         """Record newly registered classes and which sites brought which class."""
@@ -404,6 +408,27 @@ class Federation:
         for site, reason in sites.items():
             held.setdefault(site, {"step": step, "since": now(), "reason": reason})
         write_atomic(self.root / QUARANTINE_FILE, json.dumps(held, indent=2).encode())
+
+    def save_findings(self, step: int, findings: Sequence[Finding]) -> None:
+        """The screening's findings so far in ``step``, written ahead of each of its
+        checkpoints, so that a crash loses none of a committed phase's (``step_findings``)."""
+        value = {"step": step, "findings": [asdict(f) for f in findings]}
+        write_atomic(self.root / STEP_FINDINGS_FILE, json.dumps(value, indent=1).encode())
+
+    def step_findings(self, step: int) -> list[Finding]:
+        """What ``save_findings`` last kept for ``step``, none for another step. Written ahead
+        of a checkpoint, it may hold a phase that was not committed: the caller keeps those of
+        the phases its position has done."""
+        value = self._read(STEP_FINDINGS_FILE, {})
+        if not isinstance(value, dict) or value.get("step") != step:
+            return []
+        try:
+            return [Finding(**f) for f in value.get("findings", ())]
+        except TypeError as err:
+            raise FederationError(
+                f"{self.root / STEP_FINDINGS_FILE} is damaged ({err}); delete it to resume "
+                "without the step's findings so far"
+            ) from None
 
     def history(self) -> list[StepRecord]:
         """One record per finished step, in step order (a record written again wins)."""

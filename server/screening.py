@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -109,6 +109,15 @@ class Screen:
         self.furthest: dict[str, tuple[float, str, str]] = {}
 
     # --- findings -------------------------------------------------------------------------
+
+    def restore(self, findings: Iterable[Finding]) -> None:
+        """A resumed step's findings from before its interruption
+        (``Federation.step_findings``): they count toward ``quarantine-after`` as if just made,
+        and the quarantines among them hold."""
+        for finding in findings:
+            self.findings.append(finding)
+            if finding.action == QUARANTINED:
+                self.quarantined[finding.site] = finding.reason
 
     def note(self, site: str, phase: str, round_index: int, action: str, reason: str,
              name: str = "") -> None:  # fmt: skip

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Message
-from in_process import TINY_RUN, run_grid
+from in_process import TINY_RUN, Crash, run_grid
 from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
@@ -62,10 +62,12 @@ def federate(
     folders: Path,
     tmp: Path,
     faults: dict[str, Callable[[Message], Message]] | None = None,
+    others: dict[tuple[int, str], Callable[[Message], Message]] | None = None,
     **config: object,
 ) -> dict:
     """One server run over the three sites; farm-m's replies of each message type in
-    ``faults`` pass through it. The run's metrics."""
+    ``faults`` pass through it, and any node's of ``others`` (node, message type). The run's
+    metrics."""
     run_config = {**CONFIG, **config, "federation-dir": str(tmp / "federation")}
     nodes = {
         node: {
@@ -79,6 +81,7 @@ def federate(
     grid = LocalGrid(client_app.app, run_config, nodes, run_id=next(_run_ids))
     for message_type, fault in (faults or {}).items():
         grid.faults[(M, message_type)] = fault
+    grid.faults.update(others or {})
     return run_grid(grid, run_config)
 
 
@@ -205,6 +208,35 @@ def test_scaled_tensors_are_rejected_and_the_site_quarantined(
     assert record.quarantined == ("farm-m",)
     codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")  # finite: it decodes
     assert max(float(e.values["prompt"].abs().max()) for e in codebook.entries.values()) < 1e3
+
+
+def test_a_resumed_step_keeps_the_screenings_findings_and_quarantine(
+    folders, tmp_path, honest
+) -> None:
+    """The server dies after farm-m's scaled rows were rejected and farm-m quarantined (stage 1
+    and 2), before the step ends; the next run resumes the step with farm-m sending honest
+    replies. The step's record is the one of the same attack without the crash: the same
+    findings, once each, farm-m quarantined and sent nothing after the enrolment."""
+    faults = {t: edit_update(scale_tensors(1e6)) for t in TRAINING}
+    uninterrupted = federate(folders, tmp_path / "uninterrupted", faults)
+
+    def die(reply: Message) -> Message:
+        raise Crash("the server process dies")
+
+    crashed = tmp_path / "crashed"
+    with pytest.raises(Crash):
+        federate(folders, crashed, faults, others={(1, "query.stage2_stats"): die})
+    assert Federation.open(crashed / "federation").history() == []  # the step is not closed
+    resumed = federate(folders, crashed)  # farm-m honest now: it is still held to the step's
+    assert_contained(resumed, honest)
+    assert findings(crashed) == findings(tmp_path / "uninterrupted")
+    assert {(f.site, f.action) for f in findings(crashed)} == {
+        ("farm-m", "rejected"), ("farm-m", "quarantined")
+    }  # fmt: skip
+    (record,) = Federation.open(crashed / "federation").history()
+    assert record.quarantined == ("farm-m",)
+    assert {e.phase for e in record.exchanges if e.site == "farm-m"} == {"sync"}
+    assert resumed["site_accuracy"].keys() == uninterrupted["site_accuracy"].keys()
 
 
 def test_rows_for_classes_not_reported_at_the_sync_are_rejected(folders, tmp_path, honest) -> None:

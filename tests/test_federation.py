@@ -24,8 +24,10 @@ from starfed.client import app as client_app
 from starfed.server.app import RunFailed, run_server
 from starfed.server.federation import (
     CODEBOOK_FILE,
+    STEP_FINDINGS_FILE,
     Exchange,
     FederationError,
+    Finding,
     PhaseTime,
     StepRecord,
     StepScores,
@@ -225,6 +227,23 @@ def test_the_history_is_step_records(fed):
     history.write_text("{not json\n")
     with pytest.raises(FederationError, match=r"history\.jsonl:1 is damaged"):
         folder.history()
+
+
+def test_a_steps_findings_are_kept_for_that_step_only(tmp_path: Path):
+    """step-findings.json: what the screening found in the step in progress; another step's
+    is none, and a damaged file is one line that says how to go on."""
+    folder = FederationFolder(tmp_path, "f" * 64, ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2))
+    assert folder.step_findings(0) == []
+    found = [Finding("farm-m", "stage1", 0, "rejected", "scaled", "a"),
+             Finding("farm-m", "stage2", 0, "quarantined", "3 findings in step 1")]  # fmt: skip
+    folder.save_findings(0, found)
+    assert folder.step_findings(0) == found and folder.step_findings(1) == []
+    (tmp_path / STEP_FINDINGS_FILE).write_text('{"step": 0, "findings": [{"who": 1}]}')
+    with pytest.raises(FederationError, match="delete it to resume without"):
+        folder.step_findings(0)
+    (tmp_path / CODEBOOK_FILE).write_bytes(b"the last checkpoint")  # what begin_step keeps
+    folder.begin_step(None)  # a new step (or attempt) starts without them
+    assert not (tmp_path / STEP_FINDINGS_FILE).exists()
 
 
 def test_no_site_connected_fails_the_run(fed):
