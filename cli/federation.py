@@ -133,6 +133,8 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     _, overrides = run_config(args, FLAGS)
     if "federation-dir" in overrides:
         raise ConfigError("--run-config federation-dir: use --federation")
+    if "site-names" in overrides:
+        raise ConfigError("--run-config site-names: set from `starfed server sites`")
     say = _sayer(args)
     if (federation_dir / "federation.json").is_file():  # damaged: say so before submitting
         report = folder_check.check(federation_dir, decode=False, kept=False)
@@ -168,6 +170,11 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
             f"it (FLWR_HOME={cli.flwr_home} flwr stop {run_id} {flower_runs.CONNECTION})"
         )
     overrides["federation-dir"] = str(writable_dir(federation_dir, "--federation"))
+    # a registered site is known by the name the operator gave its key, whatever it says
+    registered = sites.Registry.load(folder.sites_file).sites
+    overrides["site-names"] = " ".join(
+        f"{r.node_id}:{r.name}" for r in registered if r.removed_at is None
+    )
     if running:
         say(_continues(checkpoint))
     app = flower_runs.write_app(folder.app)

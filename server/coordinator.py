@@ -449,7 +449,8 @@ class Coordinator:
         out."""
         accepted = sorted(self._decoded(replies, Phase.SYNC), key=lambda r: r[0].node_id)
         for entry, update in accepted:
-            site = update.metadata.get("site") or f"node-{entry.node_id}"
+            claimed = update.metadata.get("site") or f"node-{entry.node_id}"
+            site = self.screen.name_of(entry.node_id, claimed)
             self.sites[entry.node_id] = entry.site = site
         accepted = self.screen.enrol(
             accepted, self.codebook, self.federation.quarantine(), self.protocol.wire_dtype

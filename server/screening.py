@@ -45,7 +45,7 @@ from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
-from starfed.shared.config import Options, knob
+from starfed.shared.config import Options, knob, parse_site_names
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.protocol import Phase
 from starfed.shared.report import EvaluationReport
@@ -75,6 +75,7 @@ class ScreeningOptions(Options):
     max_class_share: float = knob("max-class-share")
     quarantine_after: int = knob("quarantine-after")
     quarantine_persists: bool = knob("quarantine-persists")
+    site_names: str = knob("site-names")
     max_new_classes: int = knob("max-new-classes")
     max_classes: int = knob("max-classes")
 
@@ -101,6 +102,7 @@ class Screen:
     def __init__(self, options: ScreeningOptions, step: int) -> None:
         self.options = options
         self.step = step
+        self.registered = parse_site_names(options.site_names)  # node id -> the operator's name
         self.enrolled: dict[str, Enrolled] = {}  # site -> its sync
         self.findings: list[Finding] = []
         self.quarantined: dict[str, str] = {}  # site -> why
@@ -137,14 +139,31 @@ class Screen:
 
     # --- the sync -------------------------------------------------------------------------
 
+    def name_of(self, node_id: int, claimed: str) -> str:
+        """The name a node is known by in this step: the operator's for a registered node
+        (``site-names``), whatever it calls itself; else the name it gives."""
+        name = self.registered.get(node_id)
+        if name is None:
+            return claimed
+        if name != claimed:
+            logger.warning("node %d calls itself %r; it is registered as %r: known as %r",
+                           node_id, claimed[:60], name, name)  # fmt: skip
+        return name
+
     def enrol(self, accepted: list, codebook: Codebook, held: Mapping[str, dict],
               wire_dtype: str) -> list:  # fmt: skip
         """The enrolments (``(Exchange, ClientUpdate)`` by node id) that may take part: sites
-        ``held`` in quarantine, a second node with a taken name, impossible counts and too many
-        new classes are rejected (the site sits the step out), each with a finding."""
+        ``held`` in quarantine, a second node with a taken name, a node using a name registered
+        to another (``site-names``), impossible counts and too many new classes are rejected
+        (the site sits the step out), each with a finding."""
         kept, names = [], {}
+        registered_names = set(self.registered.values())
         for entry, update in accepted:
             site = entry.site
+            # a name that is not the node's: its finding must not count against the name's site
+            borrowed = site in names or (
+                site in registered_names and self.registered.get(entry.node_id) != site
+            )
             problem = None
             if site in held:
                 problem = f"quarantined since step {held[site].get('step', 0) + 1}: " + str(
@@ -152,15 +171,14 @@ class Screen:
                 )
             elif site in names:
                 problem = f"site name {site!r} is taken in this step by node {names[site]}"
+            elif borrowed:
+                problem = f"site name {site!r} is registered to another node (site-names)"
             else:
                 over = next((e for e in update.entries if e.count > MAX_IMAGES), None)
                 if over is not None:
                     problem = f"claims {over.count} images of one class (at most {MAX_IMAGES})"
             if problem:
-                # a taken name is not the node's to be recorded under: its finding must not
-                # count against the site that holds the name
-                taken = site in names and site not in held
-                self._reject(entry, problem, f"node-{entry.node_id}" if taken else site)
+                self._reject(entry, problem, f"node-{entry.node_id}" if borrowed else site)
                 continue
             names[site] = entry.node_id
             kept.append((entry, update))

@@ -69,6 +69,18 @@ def _ray_address(address: str) -> None:
         raise ValueError("expected host:port of a Ray cluster's head (not a Ray Client ray://)")
 
 
+def parse_site_names(text: str) -> dict[int, str]:
+    """``site-names``: "NODE:NAME ..." — the operator's registered sites by SuperNode id (a run
+    config value cannot hold quotes, so no JSON). ValueError if one pair is not that."""
+    names = {}
+    for pair in text.split():
+        node, sep, name = pair.partition(":")
+        if not (sep and node.isdigit() and name) or int(node) in names:
+            raise ValueError(f"expected NODE:NAME pairs, one per node, not {pair[:40]!r}")
+        names[int(node)] = name
+    return names
+
+
 def _existing_dir(path: str) -> None:
     if not Path(path).expanduser().is_dir():
         raise ValueError("no such folder")
@@ -224,6 +236,10 @@ SCHEMA: tuple[Knob, ...] = (
          "rest of the step; 0: never", "screening", ge=0),
     Knob("quarantine-persists", bool, False, "keep a quarantined site out of later steps too "
          "(until the operator removes it from the federation's quarantine.json)", "screening"),
+    Knob("site-names", str, "", "the registered sites, NODE:NAME ... (`starfed server round` "
+         "sets it from sites.json): a registered node is known by its registered name, whatever "
+         'it calls itself, and no other node may use that name; "": sites are known by the '
+         "names they give", "screening", check=parse_site_names),
     Knob("max-new-classes", int, 1000, "new classes one site may bring in one step (a site "
          "bringing more sits the step out)", "screening", ge=1),
     Knob("max-classes", int, 10000, "classes the federation may hold, and the broadcast must "

@@ -335,6 +335,42 @@ def test_two_sites_with_one_name_are_not_merged_into_one(folders, tmp_path, hone
     assert M1 not in codebook
 
 
+def test_a_registered_site_is_known_by_its_registered_name(folders, tmp_path, honest) -> None:
+    """With the operator's registered sites (``site-names``, as `starfed server round` sets it
+    from sites.json), farm-m calling itself farm-a is still farm-m: nothing of it is recorded
+    or merged under farm-a's name, and farm-a takes part as itself."""
+
+    def impersonate(message: pb.ClientUpdate) -> None:
+        message.metadata["site"] = "farm-a"
+
+    registered = {"site-names": "1:farm-a 2:farm-b 3:farm-m"}
+    metrics = federate(folders, tmp_path, {"query.sync": edit_update(impersonate)}, **registered)
+    assert metrics["status"] == "completed" and not findings(tmp_path)
+    assert metrics["site_accuracy"].keys() == honest["site_accuracy"].keys()
+    (record,) = Federation.open(tmp_path / "federation").history()
+    assert {e.site for e in record.exchanges if e.node_id == M} == {"farm-m"}
+    codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
+    assert codebook[C0].count == 3 * 12 and M1 in codebook
+
+
+def test_an_unregistered_node_cannot_use_a_registered_name(folders, tmp_path, honest) -> None:
+    """farm-m's key was not registered through `starfed server sites` (so site-names leaves it
+    out) and it calls itself farm-z, the registered name of a site that is not connected: it
+    sits the step out, recorded by its node id, not under farm-z's name."""
+
+    def impersonate(message: pb.ClientUpdate) -> None:
+        message.metadata["site"] = "farm-z"
+
+    registered = {"site-names": "1:farm-a 2:farm-b 9:farm-z"}
+    metrics = federate(folders, tmp_path, {"query.sync": edit_update(impersonate)}, **registered)
+    assert metrics["status"] == "degraded"
+    (finding,) = findings(tmp_path)
+    assert (finding.site, finding.phase, finding.action) == ("node-3", "sync", "rejected")
+    assert "'farm-z' is registered to another node" in finding.reason
+    codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
+    assert codebook[C0].count == 2 * 12 and M1 not in codebook
+
+
 def test_a_quarantine_that_persists_keeps_the_site_out_of_later_runs(tmp_path) -> None:
     sites = tmp_path / "sites"
     for name, classes in SITES.items():

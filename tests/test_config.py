@@ -180,6 +180,10 @@ def test_text_and_typed_values_parse_alike() -> None:
         ({"confidence-modulation": "maybe"}, "confidence-modulation=maybe: expected true or false"),
         ({"data-root": 3}, "data-root=3: expected a string"),
         ({"preset": "huge"}, "preset=huge: expected one of tiny, paper, paper-random"),
+        (
+            {"site-names": "7:farm-a 7:farm-b"},
+            "site-names=7:farm-a 7:farm-b: expected NODE:NAME pairs, one per node, not '7:farm-b'",
+        ),
     ],
 )
 def test_bad_values_are_one_line_naming_key_value_and_what_is_allowed(raw, message) -> None:

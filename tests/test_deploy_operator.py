@@ -99,6 +99,8 @@ def test_every_action_that_runs_flwr_gives_the_same_result_from_a_checkout(
             ("supernode", "register"), ("supernode", "list"), ("supernode", "unregister"),
             ("run", str(folder.app)), ("ls", "starfed"),
         }  # fmt: skip
+        (submitted,) = [call["argv"] for call in calls if call["argv"][0] == "run"]
+        assert "--run-config" in submitted and 'site-names="42:farm-a"' in submitted, submitted
     assert results["checkout"] == results["plain"]
     listed = json.loads(results["checkout"][1][1])["sites"]
     assert [(s["name"], s["node_id"], s["status"]) for s in listed] == [("farm-a", 42, "online")]

@@ -120,9 +120,18 @@ def _simulate(tmp_path: Path, name: str, *extra: str) -> tuple[dict, ProcessSamp
 
 def _actors(cluster: Cluster, before: set[ProcessId], flwr_home: Path) -> list[str]:
     """A run's ClientApp actors: the cluster's Ray workers started since ``before`` with the
-    run's app folder on their path (Flower's runtime env)."""
+    run's app folder on their path (Flower's runtime env) — seen while Ray's ``setup_worker``
+    prepares them — or, once they have become the worker proper, with a job's runtime env (a
+    runtime-env hash other than 0, the idle workers' own; the run is the cluster's only job).
+    The sampler may see a short-lived ``setup_worker`` or not, so either counts."""
     app = str(flwr_home / "apps")
-    return [c for p, c in cluster.processes.seen.items() if p not in before and app in c]
+    return [
+        command for process, command in cluster.processes.seen.items()
+        if process not in before and (
+            app in command
+            or ("default_worker.py" in command and "--runtime-env-hash=0" not in command)
+        )
+    ]  # fmt: skip
 
 
 def _own_ray(run: ProcessSampler) -> bool:

@@ -89,6 +89,7 @@ def test_round_checks_its_input_before_anything(root, capsys) -> None:
         (["--run-config", "stage1-epochs=-1"], "stage1-epochs=-1: expected an integer >= 0"),
         (["--min-sites", "0"], "--min-sites 0: expected an integer >= 1"),
         (["--run-config", "federation-dir=/x"], "use --federation"),
+        (["--run-config", "site-names=1:farm-a"], "set from `starfed server sites`"),
         (["--run-config", "nope=1"], "unknown run-config key 'nope'"),
     ):
         code, out, err = starfed(capsys, "server", "round", "--dir", server, *argv)
