@@ -17,6 +17,8 @@ from flwr.app import Message
 from in_process import Crash, run_two_sites, starfed
 from site_folders import CLASSES, site_folder
 
+from starfed.proto import codebook_pb2 as pb
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, one_torch_thread) -> Path:
@@ -61,21 +63,35 @@ def test_status_of_a_finished_federation_without_a_server(root, capsys) -> None:
 
 
 def test_status_and_resume_of_a_step_left_running(root, capsys) -> None:
+    """Run 2 dies in stage 2, after farm-a claimed more images in stage 1 than its sync said:
+    the step is running, and the screening's finding so far shows before the step ends."""
     site_folder(root / "farm-a", {"2026-06": CLASSES[4:5]})
+
+    def overclaim(reply: Message) -> Message:
+        update = pb.ClientUpdate()
+        update.ParseFromString(reply.content["update"]["data"])
+        for entry in update.entries:
+            entry.count = 10**6
+        reply.content["update"]["data"] = update.SerializeToString()
+        return reply
 
     def crash(reply: Message) -> Message:
         raise Crash
 
     with pytest.raises(Crash):
-        run_two_sites(root, {(1, "train.stage2"): crash})
+        run_two_sites(root, {(1, "train.stage1"): overclaim, (1, "train.stage2"): crash})
     server = str(root / "server")
     code, out, _ = starfed(capsys, "server", "status", "--dir", server, "--json")
-    position = json.loads(out)["position"]
+    status = json.loads(out)
+    position = status["position"]
     assert position["running"] and position["step"] == 1
     assert position["done"] == ["sync/0", "stage1/0", "stage1_stats/0"]
     assert position["in_play"] == [CLASSES[4]]
+    [finding] = [f for f in status["findings"] if f["step"] == 1]
+    assert (finding["site"], finding["phase"], finding["action"]) == ("farm-a", "stage1", "capped")
+    assert finding["name"] == CLASSES[4]
     code, out, _ = starfed(capsys, "server", "status", "--dir", server)
-    assert "step 2 RUNNING" in out
+    assert "step 2 RUNNING" in out and "capped" in out
 
     # resume gets past "nothing to resume" and stops at the missing server (exit 1)
     code, out, err = starfed(capsys, "server", "resume", "--dir", server, "--json")

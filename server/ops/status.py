@@ -30,6 +30,7 @@ from starfed.server.federation import (
     METRICS_FILE,
     QUARANTINE_FILE,
     REGISTRY_FILE,
+    STEP_FINDINGS_FILE,
     Federation,
     FederationError,
     StepRecord,
@@ -125,7 +126,7 @@ class Status:
     steps: list[StepRow] = field(default_factory=list)
     sites: list[SiteRow] = field(default_factory=list)
     errors: list[ErrorRow] = field(default_factory=list)
-    findings: list[FindingRow] = field(default_factory=list)  # of the last steps
+    findings: list[FindingRow] = field(default_factory=list)  # of the last steps and this one
     quarantine: dict[str, dict] = field(default_factory=dict)  # sites kept out of later steps
     last_run: dict | None = None
     server: dict = field(default_factory=dict)
@@ -301,11 +302,17 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
         for e in record.exchanges
         if e.failed
     ]
+    findings = [(record.step, f) for record in history if record.step in recent
+                for f in record.findings]  # fmt: skip
+    if checkpoint is not None and checkpoint.position.running:  # the step in progress, so far
+        step = checkpoint.position.step
+        so_far = _guarded(
+            status, root / STEP_FINDINGS_FILE, lambda: federation.step_findings(step), []
+        )
+        findings += [(step, f) for f in so_far]
     status.findings = [
-        FindingRow(f.site, record.step, f.phase, f.round, f.action, f.name, f.reason)
-        for record in history
-        if record.step in recent
-        for f in record.findings
+        FindingRow(f.site, step, f.phase, f.round, f.action, f.name, f.reason)
+        for step, f in findings
     ]
     status.quarantine = _guarded(status, root / QUARANTINE_FILE, federation.quarantine, {})
     metrics = root / METRICS_FILE
