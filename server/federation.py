@@ -76,6 +76,23 @@ class FederationError(ValueError):
     """A federation folder that cannot be used (other backbones, damaged files)."""
 
 
+def read_step_findings(root: Path) -> tuple[int | None, list[Finding]]:
+    """``step-findings.json`` of the federation folder ``root``: its step (None without the
+    file) and findings. FederationError when it is damaged (``starfed server repair`` sets it
+    aside)."""
+    path = root / STEP_FINDINGS_FILE
+    if not path.is_file():
+        return None, []
+    try:
+        value = json.loads(path.read_text())
+        return int(value["step"]), [Finding(**f) for f in value["findings"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise FederationError(
+            f"{path} is damaged ({err}); `starfed server repair` sets it aside (the step then "
+            "goes on without the findings so far)"
+        ) from None
+
+
 def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -419,16 +436,8 @@ class Federation:
         """What ``save_findings`` last kept for ``step``, none for another step. Written ahead
         of a checkpoint, it may hold a phase that was not committed: the caller keeps those of
         the phases its position has done."""
-        value = self._read(STEP_FINDINGS_FILE, {})
-        if not isinstance(value, dict) or value.get("step") != step:
-            return []
-        try:
-            return [Finding(**f) for f in value.get("findings", ())]
-        except TypeError as err:
-            raise FederationError(
-                f"{self.root / STEP_FINDINGS_FILE} is damaged ({err}); delete it to resume "
-                "without the step's findings so far"
-            ) from None
+        kept_for, findings = read_step_findings(self.root)
+        return findings if kept_for == step else []
 
     def history(self) -> list[StepRecord]:
         """One record per finished step, in step order (a record written again wins)."""

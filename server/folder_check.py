@@ -30,12 +30,14 @@ from starfed.server.federation import (
     PENDING_FILE,
     PREVIOUS_FILE,
     REGISTRY_FILE,
+    STEP_FINDINGS_FILE,
     STEP_START_FILE,
     FederationError,
     Identity,
     Position,
     Registration,
     StepRecord,
+    read_step_findings,
 )
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.protocol import ENROLMENT, PHASES
@@ -98,6 +100,13 @@ def check(root: str | Path, *, decode: bool = True, kept: bool = True) -> Report
         report.problems.append(
             f"{PENDING_FILE}: a step's close was interrupted; the next run (or `starfed server "
             "repair`) finishes it"
+        )
+    try:
+        read_step_findings(root)
+    except FederationError:
+        report.problems.append(
+            f"{STEP_FINDINGS_FILE}: damaged; `starfed server repair` sets it aside (a resumed "
+            "step then goes on without the screening's findings so far)"
         )
     if (root / METRICS_FILE).is_file():
         try:

@@ -34,11 +34,13 @@ from starfed.server.federation import (
     PENDING_FILE,
     PREVIOUS_FILE,
     REGISTRY_FILE,
+    STEP_FINDINGS_FILE,
     FederationError,
     Identity,
     Position,
     Registration,
     StepRecord,
+    read_step_findings,
 )
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
@@ -117,6 +119,11 @@ def plan(root: str | Path, to: int | None = None) -> Plan:
     if (root / PENDING_FILE).exists():
         actions.append(Action(f"remove {PENDING_FILE} (handled above)",
                               lambda: (root / PENDING_FILE).unlink(missing_ok=True)))  # fmt: skip
+    try:
+        read_step_findings(root)
+    except FederationError:
+        actions.append(_aside(root, STEP_FINDINGS_FILE, stamp, "damaged; a resumed step goes on "
+                              "without the screening's findings so far"))  # fmt: skip
     metrics = root / METRICS_FILE
     if metrics.is_file() and not _json_ok(metrics):
         actions.append(_aside(root, METRICS_FILE, stamp, "damaged; the next run rewrites it"))

@@ -45,6 +45,7 @@ from starfed.server.federation import (
     HISTORY_FILE,
     PENDING_FILE,
     REGISTRY_FILE,
+    STEP_FINDINGS_FILE,
     Federation,
     FederationError,
     Position,
@@ -252,6 +253,19 @@ def test_a_damaged_history_line_is_named_and_repaired(root: Path, capsys) -> Non
         run_two_sites(root)
     repaired(root, capsys)
     assert finished_steps(root) == [0]
+
+
+def test_damaged_step_findings_are_named_and_set_aside(root: Path, capsys) -> None:
+    """step-findings.json (the screening's findings of a running step, docs/federation.md):
+    damaged, it is a problem `round` refuses to run over, and `repair` sets it aside."""
+    (folder(root) / STEP_FINDINGS_FILE).write_text('{"step": 1, "findings": [{"sit')
+    code, out, _ = starfed(capsys, "server", "status", "--dir", str(root / "server"))
+    assert code == 1 and "DAMAGED    step-findings.json: damaged" in out, out
+    out = repaired(root, capsys)
+    assert "move step-findings.json aside" in out, out
+    assert not (folder(root) / STEP_FINDINGS_FILE).exists()
+    next_task(root)
+    assert run_two_sites(root)["steps"] == 2
 
 
 def test_a_lost_history_record_stays_counted(root: Path, capsys) -> None:

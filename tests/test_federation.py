@@ -231,7 +231,8 @@ def test_the_history_is_step_records(fed):
 
 def test_a_steps_findings_are_kept_for_that_step_only(tmp_path: Path):
     """step-findings.json: what the screening found in the step in progress; another step's
-    is none, and a damaged file is one line that says how to go on."""
+    is none, and a damaged file is one line that says how to go on (folder_check reports it,
+    repair sets it aside: tests/test_folder_repair.py)."""
     folder = FederationFolder(tmp_path, "f" * 64, ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2))
     assert folder.step_findings(0) == []
     found = [Finding("farm-m", "stage1", 0, "rejected", "scaled", "a"),
@@ -239,7 +240,7 @@ def test_a_steps_findings_are_kept_for_that_step_only(tmp_path: Path):
     folder.save_findings(0, found)
     assert folder.step_findings(0) == found and folder.step_findings(1) == []
     (tmp_path / STEP_FINDINGS_FILE).write_text('{"step": 0, "findings": [{"who": 1}]}')
-    with pytest.raises(FederationError, match="delete it to resume without"):
+    with pytest.raises(FederationError, match="`starfed server repair` sets it aside"):
         folder.step_findings(0)
     (tmp_path / CODEBOOK_FILE).write_bytes(b"the last checkpoint")  # what begin_step keeps
     folder.begin_step(None)  # a new step (or attempt) starts without them
