@@ -360,10 +360,9 @@ class Coordinator:
     def _restore_findings(self, step: int) -> None:
         """A resumed step goes on with what the screening found in the phases it does not
         repeat (the enrolment is repeated, and records its own)."""
-        kept = [
-            f for f in self.federation.step_findings(step)
-            if f"{f.phase}/{f.round}" in self.position.done and f"{f.phase}/{f.round}" != ENROLLED
-        ]  # fmt: skip
+        not_repeated = set(self.position.done) - {ENROLLED}
+        kept = [f for f in self.federation.step_findings(step)
+                if f"{f.phase}/{f.round}" in not_repeated]  # fmt: skip
         if kept:
             self.screen.restore(kept)
             held = sorted(self.screen.quarantined)

@@ -24,6 +24,17 @@ TINY_RUN = {
     "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
     "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5,
 }  # fmt: skip
+#: A grid file's [defaults] for the smallest cells: two tasks of two classes, one epoch each.
+SMALL_GRID_DEFAULTS = """
+[defaults]
+num-tasks = 2
+classes-per-task = 2
+stage1-epochs = 1
+stage2-epochs = 1
+replay1-epochs = 1
+replay2-epochs = 1
+replay2-epochs-per-task = 0
+"""
 _run_ids = itertools.count(9000)
 
 

@@ -22,6 +22,7 @@ import types
 from pathlib import Path
 
 import pytest
+from in_process import SMALL_GRID_DEFAULTS
 
 from starfed.cli import main
 from starfed.server.ops.exit_codes import EXIT_DEGRADED
@@ -32,22 +33,12 @@ from starfed.simulations import grid as grids
 from starfed.simulations import tabulate
 from starfed.simulations.methods import METHODS
 
-SMALL = """
-[defaults]
-num-tasks = 2
-classes-per-task = 2
-stage1-epochs = 1
-stage2-epochs = 1
-replay1-epochs = 1
-replay2-epochs = 1
-replay2-epochs-per-task = 0
-"""
 TWO_CELLS = f"""
 [experiment]
 name = "tiny"
 seeds = [1993]
 methods = ["starfed", "single-site"]
-{SMALL}
+{SMALL_GRID_DEFAULTS}
 [[scenario]]
 name = "two-sites"
 num-clients = 2

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from in_process import SMALL_GRID_DEFAULTS
 from process_sampler import ProcessSampler
 
 from starfed.server.ops import processes
@@ -158,22 +159,15 @@ def test_simulate_runs_its_clients_on_an_existing_ray_cluster(
     assert wire.encode(cluster_codebook) == wire.encode(own_codebook)
 
 
-GRID = """
+GRID = f"""
 [experiment]
 name = "ray"
 seeds = [1993]
 methods = ["starfed"]
-
+{SMALL_GRID_DEFAULTS}
 [[scenario]]
 name = "two-sites"
 num-clients = 2
-num-tasks = 2
-classes-per-task = 2
-stage1-epochs = 1
-stage2-epochs = 1
-replay1-epochs = 1
-replay2-epochs = 1
-replay2-epochs-per-task = 0
 """
 
 
