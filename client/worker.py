@@ -95,16 +95,17 @@ def request(path: str | Path, header: dict[str, Any], payload: bytes) -> list[tu
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        # Imported here, not above, so the worker listens before torch is loaded (``PRELOAD``
-        # loads it meanwhile); not a cycle: ``answer`` imports nothing from this module.
-        from starfed.client.answer import answer
-
         try:
             header, payload = read_frame(self.request)
         except (WorkerError, ValueError, OSError) as err:
             logger.warning("dropped a malformed request: %s", err)
             return
         try:
+            # Imported here, not above, so the worker listens before torch is loaded
+            # (``PRELOAD`` loads it meanwhile), and inside the ``try`` so a failed import is
+            # the reply's error; not a cycle: ``answer`` imports nothing from this module.
+            from starfed.client.answer import answer
+
             with self.server.lock:  # one message at a time: they share the site's state
                 records = answer(header, payload)
             names, sizes = [name for name, _ in records], [len(data) for _, data in records]
@@ -123,15 +124,25 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 #: What a site's first message would import (torch, torchvision, scikit-learn, scipy: ≈ 14 s of
 #: a deployed step's first sync on 2 cores, measured); imported while the SuperNode connects.
 PRELOAD = "starfed.client.answer"
+#: The worker's last line when it cannot work (``site start`` shows what follows it).
+CANNOT_START = "the site worker cannot start: "
 
 
-def serve(path: str | Path) -> None:
+def _preload(server: _Server, failed: list[str]) -> None:
+    """Import what every message needs; if that fails no message can be answered, so the
+    traceback goes to the log, the reason to the last line, and the worker stops."""
+    try:
+        importlib.import_module(PRELOAD)
+    except Exception as err:  # any start-up failure: the site cannot work
+        logger.exception("importing %s failed", PRELOAD)
+        failed.append(f"{type(err).__name__}: {err}")
+        server.shutdown()
+
+
+def serve(path: str | Path) -> str | None:
     """Answer requests at ``path`` until interrupted (the socket file is private); the heavy
     modules are imported in the background meanwhile (a request that needs them first waits on
-    Python's import lock)."""
-    threading.Thread(
-        target=importlib.import_module, args=(PRELOAD,), name="preload", daemon=True
-    ).start()
+    Python's import lock). Returns why it stopped by itself: its start-up failed."""
     path = Path(path)
     path.unlink(missing_ok=True)
     old = os.umask(0o177)
@@ -139,12 +150,17 @@ def serve(path: str | Path) -> None:
         server = _Server(str(path), _Handler)
     finally:
         os.umask(old)
+    failed: list[str] = []
+    preload = threading.Thread(target=_preload, args=(server, failed), name="preload")
+    preload.daemon = True
+    preload.start()
     logger.info("site worker listening on %s", path)
     try:
         server.serve_forever()
     finally:
         server.server_close()
         path.unlink(missing_ok=True)
+    return failed[0] if failed else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,8 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, type=Path, help="Unix socket to listen on")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    failed = None
     with contextlib.suppress(KeyboardInterrupt):
-        serve(args.socket)
+        failed = serve(args.socket)
+    if failed:
+        print(CANNOT_START + failed, file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -223,3 +223,42 @@ def test_site_start_refuses_while_a_recorded_process_still_runs(site: dict) -> N
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+#: Put on PYTHONPATH, it makes one module unimportable in every process of the site, as a
+#: wheel that left ``starfed.shared.privacy`` out did (issue 31): only the worker imports it.
+BLOCK_MODULE = """
+import sys
+
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name == "starfed.shared.privacy":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Missing())
+"""
+
+
+@pytest.mark.e2e
+def test_a_worker_that_cannot_start_stops_site_start_with_its_error(
+    site: dict, tmp_path: Path
+) -> None:
+    """A real ``site start`` (nothing listens at its server address) whose worker cannot
+    import the site code: it stops with the import's error on stderr and exit 1, instead of
+    a SuperNode whose every message fails; nothing it started is left."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(BLOCK_MODULE)
+    env = {**os.environ, "PYTHONPATH": str(blocker), "FLWR_HOME": str(tmp_path / "flwr-home")}
+    server = f"127.0.0.1:{processes.free_port()}"
+    command = [sys.executable, "-m", "starfed.cli", "site", "start", "--server", server,
+               "--insecure", "--data", str(site["data"]), "--state", str(site["state"]),
+               "--name", "a", "--device", "cpu", "--quiet"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 1, done.stderr
+    [error] = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert error.startswith("starfed site start: error: the site worker cannot start: ")
+    assert "ModuleNotFoundError: No module named 'starfed.shared.privacy'" in error
+    log = site["state"] / "logs" / "supernode.log"
+    assert str(log) in error and "Traceback" in log.read_text()
+    assert not (site["state"] / "run.json").exists()  # every process it started has ended

@@ -13,6 +13,7 @@ import pytest
 from site_folders import CLASSES, site_folder
 
 from starfed.client import answer
+from starfed.client import worker as site_worker
 from starfed.client.worker import WorkerError, read_frame, request, send_frame, serve
 from starfed.server import replay
 from starfed.shared.codebook import wire
@@ -132,3 +133,15 @@ def test_a_frame_without_payload_survives_an_answer_that_comes_at_once(tmp_path:
             send_frame(stream, {"phase": "sync"})
             assert read_frame(stream) == ({"ok": True, "echo": {"phase": "sync"}}, b"")
         peer.join(5)
+
+
+def test_a_worker_that_cannot_import_the_site_code_stops_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No message could be answered: the worker ends (``site start`` then stops) with the
+    reason, instead of listening and failing every message."""
+    monkeypatch.setattr(site_worker, "PRELOAD", "starfed.client.no_such_module")
+    path = tmp_path / "worker.sock"
+    why = serve(path)
+    assert why == "ModuleNotFoundError: No module named 'starfed.client.no_such_module'"
+    assert not path.exists()

@@ -13,7 +13,9 @@ traceback-sized log. This wrapper:
 - gives the SuperNode a free Runtime API port on 127.0.0.1 and its own ``FLWR_HOME`` in the
   state folder;
 - runs the site worker (``starfed.client.worker``) next to it, so the per-message ClientApp
-  processes only forward (no torch, no backbones, no cache reads per message);
+  processes only forward (no torch, no backbones, no cache reads per message); a worker that
+  ends (its site code cannot be imported: every message would fail) stops the site at once,
+  its reason as the error line;
 - runs the SuperNode in Flower's ``process`` isolation with the site's own SuperExec
   (``starfed.client.ops.superexec``): each message's ClientApp process is forked from it instead of
   started from nothing (no Python start, no Flower import per message), and its Runtime API asks
@@ -57,6 +59,7 @@ from typing import IO
 import tomli_w
 
 from starfed.client.ops import data_lock
+from starfed.client.worker import CANNOT_START
 from starfed.server.ops import clock, pki, processes
 from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared import addresses
@@ -287,14 +290,22 @@ class SiteRun:
 
 
 def _supervise(
-    popen: subprocess.Popen, seen: set[ProcessId], outcome: SiteRun, stop_reason: list[str]
+    popen: subprocess.Popen,
+    worker: _Worker | None,
+    seen: set[ProcessId],
+    outcome: SiteRun,
+    stop_reason: list[str],
 ) -> str | None:
-    """Wait until the SuperNode ends, a stop signal arrives or a failure line was seen (then
-    give Flower 10 s to exit by itself); SIGTERM it if it still runs. Records its process tree
-    in ``seen`` as it grows; returns the signal that stopped it, if any."""
+    """Wait until the SuperNode ends, a stop signal arrives, the site worker ends (no message
+    could be answered: stop at once, with its reason) or a failure line was seen (then give
+    Flower 10 s to exit by itself); SIGTERM it if it still runs. Records its process tree in
+    ``seen`` as it grows; returns the signal that stopped it, if any."""
     fatal_since: float | None = None
     while popen.poll() is None and not stop_reason:
         seen |= processes.descendants(seen)
+        if worker is not None and (ended := worker.ended()):
+            outcome.failure = outcome.failure or ended
+            break
         if outcome.failure and fatal_since is None:
             fatal_since = time.monotonic()
         if fatal_since and time.monotonic() - fatal_since > 10:
@@ -320,22 +331,51 @@ def _state_lock(state: Path) -> Iterator[None]:
         yield
 
 
-def _start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> subprocess.Popen:
+@dataclass
+class _Worker:
+    """The running site worker, and the reason it gave (``CANNOT_START``) if it stopped."""
+
+    popen: subprocess.Popen
+    log: Path
+    said: list[str] = field(default_factory=list)
+    pump: threading.Thread | None = None  # copies its output to the log
+
+    def listen(self, log: IO[str]) -> None:
+        self.pump = threading.Thread(
+            target=_pump, args=(self.popen.stdout, log, None, self.hear), daemon=True
+        )
+        self.pump.start()
+
+    def hear(self, line: str) -> None:
+        if line.startswith(CANNOT_START):
+            self.said.append(line.removeprefix(CANNOT_START).strip())
+
+    def ended(self) -> str | None:
+        """Why the worker is gone, once it is: its own reason, or its exit code."""
+        if self.popen.poll() is None:
+            return None
+        if self.pump is not None:
+            self.pump.join(5.0)  # its last lines
+        why = self.said[-1] if self.said else f"it exited with code {self.popen.returncode}"
+        return f"{CANNOT_START}{why} (the traceback is in {self.log})"
+
+
+def _start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> _Worker:
     """The site worker (``starfed.client.worker``): built once, it answers every message, so
     no message pays for importing torch, building the backbones and reading the caches."""
     socket_path = options.worker_socket
     socket_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "starfed.client.worker", "--socket", str(socket_path)]
     popen = processes.spawn(command, env=env, cwd=options.state)
-    threading.Thread(target=_pump, args=(popen.stdout, log, None, lambda _: None),
-                     daemon=True).start()  # fmt: skip
+    worker = _Worker(popen, Path(log.name))
+    worker.listen(log)
     deadline = time.monotonic() + WORKER_START_S
     while not socket_path.exists():
-        if popen.poll() is not None or time.monotonic() > deadline:
+        if (ended := worker.ended()) or time.monotonic() > deadline:
             popen.kill()
-            raise SiteError(f"the site worker did not start; see {log.name}")
+            raise SiteError(ended or f"the site worker did not start in {WORKER_START_S:.0f} s")
         time.sleep(0.1)
-    return popen
+    return worker
 
 
 def _start_superexec(
@@ -439,7 +479,7 @@ def _run(
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     seen: set[ProcessId] = set()
     popen: subprocess.Popen | None = None
-    worker: subprocess.Popen | None = None
+    worker: _Worker | None = None
     superexec: subprocess.Popen | None = None
     pump: threading.Thread | None = None
     try:
@@ -447,7 +487,7 @@ def _run(
             try:
                 if options.worker:
                     worker = _start_worker(options, env, log)
-                    seen |= {root} if (root := ProcessId.of(worker.pid)) else set()
+                    seen |= {root} if (root := ProcessId.of(worker.popen.pid)) else set()
                 write_superexec_secret(options.superexec_secret)
                 runtime_port = processes.free_port()
                 command = supernode_command(options, node_config, runtime_port)
@@ -459,13 +499,14 @@ def _run(
                     target=_pump, args=(popen.stdout, log, echo, on_line), daemon=True
                 )
                 pump.start()
-                started = {"worker": worker, "supernode": popen, "superexec": superexec}
+                started = {"worker": worker and worker.popen, "supernode": popen,
+                           "superexec": superexec}  # fmt: skip
                 record = _record(started, log_file)
                 record.save(options.run_file)
                 on_started(record)
-                outcome.stopped_by = _supervise(popen, seen, outcome, stop_reason)
+                outcome.stopped_by = _supervise(popen, worker, seen, outcome, stop_reason)
             finally:  # whatever happened: nothing of the SuperNode outlives us
-                for helper in (worker, superexec):
+                for helper in (worker and worker.popen, superexec):
                     if helper is not None and helper.poll() is None:
                         helper.terminate()
                 if popen is not None:
