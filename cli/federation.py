@@ -419,12 +419,16 @@ def _print_status(status: Status) -> None:
         title="sites",
     )  # fmt: skip
     for site in status.sites:
+        now = site.status or "—"
         table.add_row(
             site.name, "—" if site.last_step is None else str(site.last_step + 1),
-            site.last_seen or "—", site.status or "—", site.online_at or "—",
-            site.offline_at or "—", "—" if site.epsilon is None else f"{site.epsilon:.3g}",
+            site.last_seen or "—", f"failing ({now})" if site.failing else now,
+            site.online_at or "—", site.offline_at or "—",
+            "—" if site.epsilon is None else f"{site.epsilon:.3g}",
         )  # fmt: skip
     out.print(table)
+    for site in (site for site in status.sites if site.failing):
+        say(f"failing    {site.name}: {site.failure}")
     if status.sites_error:
         say(f"sites now: unknown ({status.sites_error})")
     if status.errors:

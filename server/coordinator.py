@@ -564,8 +564,11 @@ class Coordinator:
         nodes: list[int],
         payload: Callable[[int], bytes] | None,
     ) -> list[Reply]:
+        # A registered site's name is known before its enrolment: a site that fails even
+        # that is recorded under the operator's name for it, not as node-<id>.
+        sites = {**self.screen.registered, **self.sites}
         good, exchanges = exchange(
-            self.grid, spec, step, round_index, config, nodes, self.sites, payload,
+            self.grid, spec, step, round_index, config, nodes, sites, payload,
             self.protocol.timeout_s,
         )  # fmt: skip
         if payload:

@@ -50,11 +50,12 @@ def starfed(capture: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int
     return code, out, err
 
 
-def run_two_sites(root: Path, faults: dict | None = None) -> dict:
+def run_two_sites(root: Path, faults: dict | None = None, **config: object) -> dict:
     """One server run over ``root/server/federation`` with the sites farm-a (node 1) and farm-b
     (node 2), whose folders are ``root/farm-a`` and ``root/farm-b``; ``faults`` as
-    ``LocalGrid.faults`` takes them. The run's metrics."""
-    config = {**TINY_RUN, "federation-dir": str(root / "server" / "federation")}
+    ``LocalGrid.faults`` takes them; ``config``: run-config keys beyond ``TINY_RUN``. The run's
+    metrics."""
+    config = {**TINY_RUN, **config, "federation-dir": str(root / "server" / "federation")}
     nodes = {
         i + 1: {"data-dir": str(root / site), "state-dir": str(root / f"{site}-state"),
                 "site-name": site, "cache-dir": str(root / "cache")}

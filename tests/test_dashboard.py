@@ -122,6 +122,9 @@ def test_the_page_shows_the_sites_the_steps_the_running_phase_and_the_plots(fold
     page = reply.text
     sites_table = page.partition('<table id="sites-table">')[2].partition("</table>")[0]
     assert "farm-a" in sites_table and "farm-b" in sites_table
+    farm_a, farm_b = sites_table.split("<tr><td>farm-")[1:]
+    assert ">failing<" in farm_b and "its last exchange failed, the last with no reply" in farm_b
+    assert "failing" not in farm_a  # step 2's last exchanges: farm-b silent at evaluation
     steps_table = page.partition('<table id="steps-table">')[2].partition("</table>")[0]
     assert re.findall(r">(?:completed|degraded)<", steps_table) == [">completed<", ">degraded<"]
     assert "<td>0.15</td>" in steps_table  # MiB down in step 1: 2 sites x 80,010 bytes

@@ -18,6 +18,7 @@ from in_process import Crash, run_two_sites, starfed
 from site_folders import CLASSES, site_folder
 
 from starfed.proto import codebook_pb2 as pb
+from starfed.server.app import RunFailed
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +137,34 @@ def test_flower_nodes_join_the_federation_sites_by_node_id() -> None:
         ("farm-a", 7, "online", 0),
         ("hospital-x", 9, "registered", None),
     ]
+
+
+def test_a_registered_site_whose_exchanges_fail_shows_failing(tmp_path, capsys) -> None:
+    """farm-b (registered, as `server round` passes ``site-names``) cannot answer: its data
+    folder is gone. Its failed sync is recorded under its registered name, and ``status``
+    shows it failing with its error — also after a run whose enrolment failed everywhere,
+    which records no step, only its metrics."""
+    site_folder(tmp_path / "farm-a", {"2026-03": CLASSES[0:2]})
+    registered = {"site-names": "1:farm-a 2:farm-b"}
+    assert run_two_sites(tmp_path, **registered)["status"] == "degraded"
+    (tmp_path / "farm-a").rename(tmp_path / "elsewhere")  # farm-a fails too now
+    with pytest.raises(RunFailed, match="no site answered the sync"):
+        run_two_sites(tmp_path, **registered)
+    server = str(tmp_path / "server")
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server, "--json")
+    status = json.loads(out)
+    assert code == 0 and len(status["steps"]) == 1  # the second run recorded no step
+    sites = {s["name"]: s for s in status["sites"]}
+    assert sites.keys() == {"farm-a", "farm-b"}  # no node-2
+    assert sites["farm-b"]["failed_in_a_row"] == 2 and sites["farm-a"]["failed_in_a_row"] == 1
+    error = sites["farm-b"]["failing"]
+    assert error.startswith("error: DatasetError: site data folder") and "farm-b" in error
+    assert sites["farm-a"]["last_step"] == 0  # it answered in step 1, before it failed
+    errors = [(e["site"], e["step"], e["phase"]) for e in status["errors"]]
+    assert errors == [("farm-b", 0, "sync"), ("farm-a", 1, "sync"), ("farm-b", 1, "sync")]
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server)
+    assert code == 0 and "errors     none" not in out
+    line = f"failing farm-b: its last 2 exchanges failed, the last with {error}"
+    assert line in " ".join(out.split())
+    assert "failing farm-a: its last exchange failed" in " ".join(out.split())
+    assert "failing (—)" in out  # the sites table's "now": failing, Flower's word unknown

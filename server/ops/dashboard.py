@@ -85,6 +85,7 @@ COLOURS = {
     RUNNING: "#1565c0",
     "online": "#2e7d32",
     "offline": "#c62828",
+    status.FAILING: "#c62828",  # its last exchanges failed (server/ops/status.py)
     "registered": "#6d6d6d",
     "unregistered": "#6d6d6d",
     "capped": "#ef6c00",  # screening findings (server/screening.py)
@@ -472,12 +473,21 @@ def _now(state: State) -> str:
     return _section("now", text)
 
 
+def _site_state(row: status.SiteRow) -> Html | None:
+    """Flower's word for the node, after ``failing`` and the last error when its last
+    exchanges failed (an online site can fail every message)."""
+    now = _badge(row.status) if row.status else ""
+    if not row.failing:
+        return now or None
+    return Html(f"{_badge(row.state)} {now} <small>{_text(row.failure)}</small>")
+
+
 def _sites(state: State) -> str:
     s = state.status
     table = _table(
         ("site", "node", "now", "last step", "last seen", "online at", "offline at"),
         (
-            (r.name, r.node_id, _badge(r.status) if r.status else None,
+            (r.name, r.node_id, _site_state(r),
              None if r.last_step is None else r.last_step + 1, r.last_seen, r.online_at,
              r.offline_at)
             for r in s.sites

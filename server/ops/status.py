@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +31,7 @@ from starfed.server.federation import (
     QUARANTINE_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
+    Exchange,
     Federation,
     FederationError,
     StepRecord,
@@ -40,6 +41,9 @@ from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.processes import ProcessError
 
 RECENT_STEPS = 3  # steps whose failed exchanges and screening findings count as recent
+#: A site whose last exchanges failed, whatever Flower says of it (an online site can fail
+#: every message: a broken install, a missing data folder).
+FAILING = "failing"
 #: What reading a file of the folders may raise when it is damaged or cannot be read.
 UNREADABLE = (
     FederationError,
@@ -90,6 +94,20 @@ class SiteRow:
     online_at: str | None = None
     offline_at: str | None = None
     epsilon: float | None = None  # privacy spent (ε for one image), as its last reply said
+    failing: str | None = None  # its last exchange's error, when its last exchanges failed
+    failed_in_a_row: int = 0  # how many of its last exchanges failed
+
+    @property
+    def state(self) -> str | None:
+        """What to show first: ``failing`` over Flower's word for the node."""
+        return FAILING if self.failing else self.status
+
+    @property
+    def failure(self) -> str:
+        """Its failing streak in words (``status`` and the dashboard say it alike)."""
+        n = self.failed_in_a_row
+        which = "its last exchange" if n == 1 else f"its last {n} exchanges"
+        return f"{which} failed, the last with {self.failing}"
 
 
 @dataclass
@@ -284,22 +302,14 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
     ]
     history = _guarded(status, root / HISTORY_FILE, federation.history, [])
     status.steps = [_step(record) for record in history]
-    last: dict[str, SiteRow] = {}
-    epsilon: dict[str, float] = {}
-    for record in history:
-        answered = {e.site: e.node_id for e in record.exchanges if not e.failed and e.site}
-        epsilon.update({e.site: e.epsilon for e in record.exchanges if e.epsilon is not None})
-        heard = _heard_at(record)
-        for site, node_id in answered.items():
-            last[site] = SiteRow(site, node_id, record.step, _when(heard[site]))
-            last[site].epsilon = epsilon.get(site)
-    status.sites = sorted(last.values(), key=lambda row: row.name)
+    metrics = root / METRICS_FILE
+    run = _guarded(status, metrics, lambda: _read_metrics(metrics), None)
+    unrecorded = _unrecorded(history, run[2]) if run else []
+    status.sites = _site_rows(history, (run[1], unrecorded) if run else None)
     recent = {r.step for r in history[-RECENT_STEPS:]}
     status.errors = [
-        ErrorRow(e.site or f"node-{e.node_id}", e.step, e.phase, e.round, e.status)
-        for record in history
-        if record.step in recent
-        for e in record.exchanges
+        ErrorRow(_name(e), e.step, e.phase, e.round, e.status)
+        for e in [e for r in history if r.step in recent for e in r.exchanges] + unrecorded
         if e.failed
     ]
     findings = [(record.step, f) for record in history if record.step in recent
@@ -315,19 +325,71 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
         for step, f in findings
     ]
     status.quarantine = _guarded(status, root / QUARANTINE_FILE, federation.quarantine, {})
-    metrics = root / METRICS_FILE
-    status.last_run = _guarded(status, metrics, lambda: _last_run(metrics), None)
+    status.last_run = _last_run(run[0], run[1]) if run else None
     return history
 
 
-def _last_run(metrics: Path) -> dict | None:
+def _site_rows(
+    history: list[StepRecord], unrecorded: tuple[float, list[Exchange]] | None
+) -> list[SiteRow]:
+    """Each site as its last answer left it, and failing when its last exchanges failed (in
+    the step records, or ``unrecorded`` by them at that time: ``_unrecorded``)."""
+    last: dict[str, SiteRow] = {}
+    epsilon: dict[str, float] = {}
+    for record in history:
+        answered = {e.site: e.node_id for e in record.exchanges if not e.failed and e.site}
+        epsilon.update({e.site: e.epsilon for e in record.exchanges if e.epsilon is not None})
+        heard = _heard_at(record)
+        for site, node_id in answered.items():
+            last[site] = SiteRow(site, node_id, record.step, _when(heard[site]))
+            last[site].epsilon = epsilon.get(site)
+    batches = [(r.ended, r.exchanges) for r in history] + ([unrecorded] if unrecorded else [])
+    for name, (node_id, error, count) in _failing(batches).items():
+        row = last.setdefault(name, SiteRow(name, node_id))
+        row.failing, row.failed_in_a_row = error, count
+    return sorted(last.values(), key=lambda row: row.name)
+
+
+def _read_metrics(metrics: Path) -> tuple[dict, float, list[Exchange]] | None:
+    """The last finished run's metrics.json, when it was written, and the run's exchanges."""
     if not metrics.is_file():
         return None
     with_metrics = json.loads(metrics.read_text())
+    exchanges = [Exchange(**e) for e in with_metrics.get("exchanges", ())]
+    return with_metrics, metrics.stat().st_mtime, exchanges
+
+
+def _last_run(with_metrics: dict, written: float) -> dict:
     keys = ("status", "reason", "steps_this_run", "wall_time_s", "final_average_accuracy")
-    last_run = {k: with_metrics.get(k) for k in keys}
-    last_run["written"] = _when(metrics.stat().st_mtime)
-    return last_run
+    return {**{k: with_metrics.get(k) for k in keys}, "written": _when(written)}
+
+
+def _name(e: Exchange) -> str:
+    """A site as the records name it: by its name once known, else by its node id."""
+    return e.site or f"node-{e.node_id}"
+
+
+def _unrecorded(history: list[StepRecord], exchanges: list[Exchange]) -> list[Exchange]:
+    """The last run's exchanges that no step record holds: a run whose enrolment found nothing
+    to do (every site failed it, say) records no step, only its metrics."""
+    recorded = {(e.step, e.phase, e.round, e.node_id, e.status)
+                for r in history for e in r.exchanges}  # fmt: skip
+    return [e for e in exchanges if (e.step, e.phase, e.round, e.node_id, e.status) not in recorded]
+
+
+def _failing(
+    batches: list[tuple[float, Sequence[Exchange]]],
+) -> dict[str, tuple[int, str, int]]:
+    """Sites whose last exchanges failed -> (node id, the last one's error, how many in a
+    row), from batches of exchanges with the time each batch ended, read oldest first."""
+    streak: dict[str, tuple[int, str, int]] = {}
+    for _, exchanges in sorted(batches, key=lambda batch: batch[0]):
+        for e in exchanges:
+            if e.failed:
+                streak[_name(e)] = (e.node_id, e.status, streak.get(_name(e), (0, "", 0))[2] + 1)
+            else:
+                streak.pop(_name(e), None)
+    return streak
 
 
 def _heard_at(record: StepRecord) -> dict[str, float]:
