@@ -207,6 +207,26 @@ def test_site_start_records_its_processes_while_they_run(
     assert not options.run_file.exists()  # all ended: nothing left to find
 
 
+def test_a_worker_that_dies_stops_site_start(site: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every message needs the worker: once it is gone (here killed, as the OOM killer would),
+    ``site start`` stops with one line saying so rather than failing every message."""
+    monkeypatch.setenv("FLWR_HOME", str(site["state"] / "unused-home"))  # never the user's
+    options = supernode.prepare(
+        f"127.0.0.1:{processes.free_port()}", site["data"], ca=None, key=None,
+        state=site["state"], name="a", device="cpu", insecure=True,
+    )  # fmt: skip
+
+    def started(record: ProcessRecord) -> None:
+        [worker] = [p for p in record.processes if p.name == "worker"]
+        os.kill(worker.pid, signal.SIGKILL)
+
+    outcome = supernode.run(options, echo=None, on_started=started)
+    assert outcome.failure is not None and outcome.exit_code == 1
+    assert outcome.failure.startswith("the site worker ended (exit code -9)"), outcome.failure
+    assert outcome.stopped_by is None and not outcome.survivors
+    assert not options.run_file.exists()
+
+
 def test_site_start_refuses_while_a_recorded_process_still_runs(site: dict) -> None:
     options = _prepare(site, name="a")
     sleeper = subprocess.Popen(["sleep", "60"])

@@ -14,8 +14,8 @@ traceback-sized log. This wrapper:
   state folder;
 - runs the site worker (``starfed.client.worker``) next to it, so the per-message ClientApp
   processes only forward (no torch, no backbones, no cache reads per message); a worker that
-  ends (its site code cannot be imported: every message would fail) stops the site at once,
-  its reason as the error line;
+  ends (its site code cannot be imported, or it died: every message would fail) stops the
+  site at once, its reason as the error line;
 - runs the SuperNode in Flower's ``process`` isolation with the site's own SuperExec
   (``starfed.client.ops.superexec``): each message's ClientApp process is forked from it instead of
   started from nothing (no Python start, no Flower import per message), and its Runtime API asks
@@ -356,8 +356,12 @@ class _Worker:
             return None
         if self.pump is not None:
             self.pump.join(5.0)  # its last lines
-        why = self.said[-1] if self.said else f"it exited with code {self.popen.returncode}"
-        return f"{CANNOT_START}{why} (the traceback is in {self.log})"
+        if self.said:
+            return f"{CANNOT_START}{self.said[-1]} (the traceback is in {self.log})"
+        return (
+            f"the site worker ended (exit code {self.popen.returncode}) and no message can be "
+            f"answered without it; its output is in {self.log}"
+        )
 
 
 def _start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> _Worker:
