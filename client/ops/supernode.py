@@ -351,11 +351,13 @@ class _Worker:
             self.said.append(line.removeprefix(CANNOT_START).strip())
 
     def ended(self) -> str | None:
-        """Why the worker is gone, once it is: its own reason, or its exit code."""
-        if self.popen.poll() is None:
-            return None
-        if self.pump is not None:
-            self.pump.join(5.0)  # its last lines
+        """Why the worker is gone, once it is or once it said it cannot work (its exit may
+        take a while): its own reason, or its exit code."""
+        if not self.said:
+            if self.popen.poll() is None:
+                return None
+            if self.pump is not None:
+                self.pump.join(5.0)  # its last lines
         if self.said:
             return f"{CANNOT_START}{self.said[-1]} (the traceback is in {self.log})"
         return (
