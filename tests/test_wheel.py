@@ -143,20 +143,12 @@ def test_installed_wheel_imports_simulates_and_checks_a_site(wheel: Path, tmp_pa
         [python, "-c", IMPORT_EVERY_MODULE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, cwd=work, env=env,
     )  # fmt: skip
-    starfed = str(venv / "bin" / "starfed")
-    # the quick start's scenario, made small: 2 classes, 1 epoch (the command is what's tested)
-    simulate = [starfed, "simulate", "--runtime", "local", "--tasks", "1", "--clients", "2"]
-    simulate += ["--classes-per-task", "2", "--epochs", "1", "--run-config", "batch-size=16"]
-    done = run([*simulate, "--results-dir", "results", "--run-name", "wheel"], cwd=work, env=env)
-    assert "completed · 1 step" in done.stdout
-    site = work / "results" / "wheel" / "sites" / "site-0"
-    check = [starfed, "site", "check", "--data", str(site / "data"), "--state", "new-state"]
-    check += ["--codebook", str(work / "results" / "wheel" / "codebook.bin"), "--json"]
-    report = json.loads(run(check, cwd=work, env=env).stdout)
-    assert report["ready"], report["findings"]
-    assert report["fingerprint"] == report["federation_fingerprint"]
-
-    out, err = importing.communicate(timeout=300)
+    try:
+        simulate_and_check(str(venv / "bin" / "starfed"), work, env)
+        out, err = importing.communicate(timeout=300)
+    finally:
+        importing.kill()  # only if a command failed first: it has ended otherwise
+        importing.wait()
     assert importing.returncode == 0, err[-3000:]
     imported = json.loads(out)
     modules = [p for p in package_files() if p.endswith(".py") and not p.endswith("__main__.py")]
@@ -172,6 +164,21 @@ def test_installed_wheel_imports_simulates_and_checks_a_site(wheel: Path, tmp_pa
         env=env,
     )
     assert [line for line in pip_check.stdout.splitlines() if line.startswith("starfed ")] == []
+
+
+def simulate_and_check(starfed: str, work: Path, env: dict[str, str]) -> None:
+    """The quick start's scenario, made small (2 classes, 1 epoch: the command is what is
+    tested), then ``site check`` on one of its sites against its codebook."""
+    simulate = [starfed, "simulate", "--runtime", "local", "--tasks", "1", "--clients", "2"]
+    simulate += ["--classes-per-task", "2", "--epochs", "1", "--run-config", "batch-size=16"]
+    done = run([*simulate, "--results-dir", "results", "--run-name", "wheel"], cwd=work, env=env)
+    assert "completed · 1 step" in done.stdout
+    site = work / "results" / "wheel" / "sites" / "site-0"
+    check = [starfed, "site", "check", "--data", str(site / "data"), "--state", "new-state"]
+    check += ["--codebook", str(work / "results" / "wheel" / "codebook.bin"), "--json"]
+    report = json.loads(run(check, cwd=work, env=env).stdout)
+    assert report["ready"], report["findings"]
+    assert report["fingerprint"] == report["federation_fingerprint"]
 
 
 def venv_with(wheel: Path, venv: Path) -> str:
