@@ -274,9 +274,17 @@ def test_a_worker_that_cannot_start_stops_site_start_with_its_error(
     command = [sys.executable, "-m", "starfed.cli", "site", "start", "--server", server,
                "--insecure", "--data", str(site["data"]), "--state", str(site["state"]),
                "--name", "a", "--device", "cpu", "--quiet"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
-    assert done.returncode == 1, done.stderr
-    [error] = [line for line in done.stderr.splitlines() if "error:" in line]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        _, stderr = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        process.terminate()  # as Ctrl-C would: site start stops what it started
+        _, stderr = process.communicate(timeout=60)
+        pytest.fail(f"site start did not stop by itself:\n{stderr[-2000:]}")
+    assert process.returncode == 1, stderr
+    [error] = [line for line in stderr.splitlines() if "error:" in line]
     assert error.startswith("starfed site start: error: the site worker cannot start: ")
     assert "ModuleNotFoundError: No module named 'starfed.shared.privacy'" in error
     log = site["state"] / "logs" / "supernode.log"
