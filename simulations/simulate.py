@@ -72,7 +72,7 @@ class SimulationError(RuntimeError):
 
 
 def flower_env(flwr_home: Path, ray_address: str = "") -> dict[str, str]:
-    """Flower's settings (``shared.processes.flower_env``), quiet warnings (``QUIET``) and the
+    """Flower's settings (``server.ops.processes.flower_env``), quiet warnings (``QUIET``) and the
     Ray cluster to run on: ``ray_address``, else ``RAY_ADDRESS``, else none — a Ray of the
     run's own, even where a ``ray start`` on this machine left its address for ``ray.init``."""
     warnings = ",".join(filter(None, [QUIET, os.environ.get("PYTHONWARNINGS")]))

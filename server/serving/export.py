@@ -8,7 +8,7 @@ out: they are half trained.
 
 Its version is the version at which its classes last changed (every step's head replay touches
 every class and freezes the new ones), so it is a function of what the federation finished:
-exporting twice gives the same bytes, and the codebook service (``server.distribution``)
+exporting twice gives the same bytes, and the codebook service (``server.serving.distribution``)
 answers a device holding version v with ``Codebook.delta(v)`` of it. Every class a device lacks
 arrived after the version it holds, so the delta carries all of such a class's fields.
 

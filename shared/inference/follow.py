@@ -1,7 +1,7 @@
 """The device's side of the codebook-distribution service: a local copy kept current.
 
-``fetch`` asks the service (``server.distribution``) what changed since the version the cached
-copy holds and hands the reply to the cached copy, a ``HeldCodebook`` like a site's: it
+``fetch`` asks the service (``server.serving.distribution``) what changed since the version the
+cached copy holds and hands the reply to the cached copy, a ``HeldCodebook`` like a site's: it
 validates what arrives (``wire``), applies a delta by the same rule as a site, and replaces the
 cache file atomically. A device that cannot reach the service keeps predicting with the copy it
 has (``offline``, with the reason). A delta the held copy refuses (a damaged cache, or another
