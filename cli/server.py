@@ -228,12 +228,11 @@ def _print_started(
     names: list[str],
     record: superlink.RunRecord,
 ) -> None:
-    rows = [
-        (
-            "sites connect to",
-            f"{', '.join(names)}  (gateway on {options.public_address}, Fleet API only)",
-        )
-    ]
+    listening = f"gateway listens on {options.public_address}"
+    if addresses.is_wildcard(options.listen_host):
+        listening += ": all interfaces, a bind address, not one sites can dial"
+    where = "names in the server certificate" if not options.insecure else "no TLS"
+    rows = [("sites connect to", f"{', '.join(names)}  ({where}; {listening}; Fleet API only)")]
     if not options.insecure:
         rows.append(("CA certificate", f"{folder.ca_cert}  (send it to every site)"))
     rows += [
