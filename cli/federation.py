@@ -27,13 +27,19 @@ from pathlib import Path
 
 from rich.table import Table
 
-from starfed.cli._common import console, emit_json, guard, server_folder
+from starfed.cli import _common
+from starfed.cli._common import (
+    console,
+    emit_json,
+    federation_option,
+    guard,
+    server_folder,
+)
 from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
 from starfed.server import folder_check, folder_lock, folder_repair
 from starfed.server.federation import Checkpoint, Federation, FederationError
 from starfed.server.ops import exit_codes, flower_runs, processes, sites, superlink
 from starfed.server.ops.exit_codes import EXIT_OK
-from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import Status, gather
 from starfed.shared.config import ConfigError, writable_dir
 from starfed.shared.progress import counted
@@ -56,13 +62,13 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     group."""
     for run in (run_round, run_resume):
         parser = add_command(actions, run.__name__[4:], run, FLAGS, parents=[common])
-        _federation_option(parser)
+        federation_option(parser)
         add_run_config(parser)
     for run in (run_status, run_check):
         parser = add_command(actions, run.__name__[4:], run, parents=[common])
-        _federation_option(parser)
+        federation_option(parser)
     parser = add_command(actions, "repair", run_repair, parents=[common])
-    _federation_option(parser)
+    federation_option(parser)
     parser.add_argument(
         "--to",
         type=int,
@@ -75,20 +81,6 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     parser.add_argument(
         "--dry-run", action="store_true", help="say what it would do, change nothing"
     )
-
-
-def _federation_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--federation",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="the federation folder (default: <server dir>/federation)",
-    )
-
-
-def _federation_dir(args: argparse.Namespace, folder: ServerFolder) -> Path:
-    return (args.federation or folder.federation).expanduser().resolve()
 
 
 def _checkpoint(federation_dir: Path) -> Checkpoint | None:
@@ -129,7 +121,7 @@ def run_resume(args: argparse.Namespace) -> int:
 
 def _round(args: argparse.Namespace, resume: bool) -> int:
     folder = server_folder(args)
-    federation_dir = _federation_dir(args, folder)
+    federation_dir = _common.federation_dir(args, folder)
     _, overrides = run_config(args, FLAGS)
     if "federation-dir" in overrides:
         raise ConfigError("--run-config federation-dir: use --federation")
@@ -291,7 +283,7 @@ def run_status(args: argparse.Namespace) -> int:
     tensors) and then exits 1.
     """
     folder = server_folder(args)
-    status = gather(folder, _federation_dir(args, folder))
+    status = gather(folder, _common.federation_dir(args, folder))
     if args.json:
         emit_json({"success": not status.damaged, **status.to_json()})
     else:
@@ -309,7 +301,7 @@ def run_check(args: argparse.Namespace) -> int:
     server stopped or running.
     """
     folder = server_folder(args)
-    report = folder_check.check(_federation_dir(args, folder))
+    report = folder_check.check(_common.federation_dir(args, folder))
     if args.json:
         emit_json({"success": report.ok, **dataclasses.asdict(report)})
     else:
@@ -335,7 +327,7 @@ def run_repair(args: argparse.Namespace) -> int:
     0 when the folder is whole.
     """
     folder = server_folder(args)
-    federation_dir = _federation_dir(args, folder)
+    federation_dir = _common.federation_dir(args, folder)
     repair = folder_repair.plan(federation_dir, args.to)
     if not args.dry_run:
         folder_repair.apply(repair)

@@ -16,14 +16,14 @@ import contextlib
 import os
 import signal
 import sys
-from pathlib import Path
 
-from starfed.cli import federation, inference_server, server_sites
+from starfed.cli import _common, federation, inference_server, server_sites
 from starfed.cli._common import (
     Failed,
     add_group,
     add_switches,
     emit_json,
+    federation_option,
     guard,
     server_folder,
     server_options,
@@ -84,12 +84,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         actions, "dashboard", guarded(run_dashboard), DASHBOARD_FLAGS, parents=[common],
         table=DASHBOARD,
     )  # fmt: skip
-    p.add_argument(
-        "--federation",
-        type=Path,
-        metavar="DIR",
-        help="the federation folder (default: <server dir>/federation)",
-    )
+    federation_option(p)
     add_switches(
         p,
         {
@@ -305,7 +300,7 @@ def run_dashboard(args: argparse.Namespace) -> int:
             "127.0.0.1 and use an SSH tunnel, or add --allow-remote"
         )
     folder = server_folder(args)
-    federation_dir = (args.federation or folder.federation).expanduser().resolve()
+    federation_dir = _common.federation_dir(args, folder)
     if not local:
         print(
             f"WARNING: --allow-remote: anyone who reaches {own['listen']} reads the federation's "
