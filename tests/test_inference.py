@@ -113,9 +113,10 @@ def test_export_holds_what_devices_need_and_a_model_card(federation, exported, c
     assert card["codebook"]["bytes"] == exported.stat().st_size
     assert card["backbones"]["fingerprint"] == codebook.fingerprint
     assert card["backbones"]["config"] == "tiny"
+    # steps are 1-based wherever users see them; the metadata above keeps the 0-based index
     assert {c["name"]: (c["step"], sorted(c["sites"])) for c in card["classes"]} == {
         **{n: (1, ["farm-a"]) for n in TRAINED[:2]}, **{n: (1, ["farm-b"]) for n in TRAINED[2:]}
-    }  # fmt: skip  (steps are 1-based wherever users see them; the metadata keeps the index)
+    }  # fmt: skip
     assert card["metrics"]["final_average_accuracy"] == metrics["final_average_accuracy"]
     assert card["metrics"]["accuracy_matrix"] == metrics["accuracy_matrix"]
     assert card["left_out"] == [] and card["starfed_version"]
