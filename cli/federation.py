@@ -40,6 +40,7 @@ from starfed.server import folder_check, folder_lock, folder_repair
 from starfed.server.federation import Checkpoint, Federation, FederationError
 from starfed.server.ops import exit_codes, flower_runs, processes, sites, superlink
 from starfed.server.ops.exit_codes import EXIT_OK
+from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import Status, gather
 from starfed.shared.config import ConfigError, writable_dir
 from starfed.shared.progress import counted
@@ -163,12 +164,14 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
         )
     overrides["federation-dir"] = str(writable_dir(federation_dir, "--federation"))
     # a registered site is known by the name the operator gave its key, whatever it says
-    registered = sites.Registry.load(folder.sites_file).sites
-    overrides["site-names"] = " ".join(
-        f"{r.node_id}:{r.name}" for r in registered if r.removed_at is None
-    )
+    registered = [r for r in sites.Registry.load(folder.sites_file).sites if r.removed_at is None]
+    overrides["site-names"] = " ".join(f"{r.node_id}:{r.name}" for r in registered)
     if running:
         say(_continues(checkpoint))
+    offline = _offline(folder, registered)
+    if registered and offline is not None and len(offline) == len(registered):
+        say(f"no registered site is online now ({', '.join(offline)}): the run waits for them "
+            "up to --wait-s")  # fmt: skip
     app = flower_runs.write_app(folder.app)
     submitted_at = time.time()
     try:
@@ -193,7 +196,10 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     resume_command = f"starfed server resume --dir {folder.root}" + (
         f" --federation {federation_dir}" if args.federation else ""
     )
-    details = "" if code != exit_codes.EXIT_FAILED else _failure(cli, outcome, metrics)
+    details = ""
+    if code == exit_codes.EXIT_FAILED:
+        offline = _offline(folder, registered)
+        details = _failure(cli, outcome, metrics, offline)
     if args.json:
         emit_json(
             {
@@ -204,6 +210,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
                 "status": (metrics or {}).get("status"),
                 "reason": details or (metrics or {}).get("reason") or None,
                 "federation_dir": str(federation_dir),
+                "offline_sites": offline,
                 "metrics": metrics,
                 "resume": resume_command if code == exit_codes.EXIT_INTERRUPTED else None,
             }
@@ -221,6 +228,15 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
             print(f"degraded: {_lost(metrics or {})}")
         print(f"federation {federation_dir}; see `starfed server status --dir {folder.root}`")
     return code
+
+
+def _offline(folder: ServerFolder, registered: list[sites.SiteRecord]) -> list[str] | None:
+    """The registered sites Flower does not see online; None when it cannot say."""
+    try:
+        online = {s.node_id for s in sites.status(folder) if s.status == "online"}
+    except sites.SitesError:
+        return None
+    return [r.name for r in registered if r.node_id not in online]
 
 
 def _sayer(args: argparse.Namespace) -> Callable[[str], None]:
@@ -246,9 +262,13 @@ def _continues(checkpoint: Checkpoint) -> str:
 
 
 def _failure(
-    cli: flower_runs.FlowerCli, outcome: flower_runs.RunOutcome, metrics: dict | None
+    cli: flower_runs.FlowerCli,
+    outcome: flower_runs.RunOutcome,
+    metrics: dict | None,
+    offline: list[str] | None,
 ) -> str:
-    """Why a run failed, in one line, and where to read more."""
+    """Why a run failed, in one line, which registered sites were offline, and where to read
+    more."""
     if outcome.run_id is None:
         return outcome.status
     reason = (metrics or {}).get("reason") or ""
@@ -256,6 +276,8 @@ def _failure(
         with contextlib.suppress(flower_runs.FlowerRunError):
             reason = str(cli.run_info(outcome.run_id).get("status-details") or "")
     reason = " ".join(reason.split()) or "no metrics.json written"
+    if offline:
+        reason += f"; registered sites offline: {', '.join(offline)} (`starfed site start`)"
     return (
         f"run {outcome.run_id} {outcome.status}: {reason} (its log: "
         f"FLWR_HOME={cli.flwr_home} flwr log {outcome.run_id} {flower_runs.CONNECTION} --show)"

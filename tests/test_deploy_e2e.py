@@ -362,6 +362,21 @@ def _sites(deployment: Deployment) -> list[dict]:
     return json.loads(out)["sites"]
 
 
+@pytest.mark.slow  # a ServerApp starts: about 50 s on 2 loaded cores
+def test_a_round_with_no_site_online_names_the_offline_sites(
+    deployment: Deployment, capsys: pytest.CaptureFixture
+) -> None:
+    folder = deployment.folder.root  # site-a and site-b are registered and went offline above
+    settings = ("--min-sites", "1", "--wait-s", "1", "--run-config", "preset=tiny")
+    code, out = starfed("server", "round", "--dir", str(folder), *settings, "--json")
+    answer = json.loads(out)
+    assert code == answer["exit_code"] == 1 and answer["offline_sites"] == ["site-a", "site-b"]
+    assert "0 sites connected, 1 needed" in answer["reason"]
+    assert "registered sites offline: site-a, site-b" in answer["reason"]
+    log = capsys.readouterr().err  # the ServerApp's log: its reason, not Flower's traceback
+    assert "0 sites connected, 1 needed" in log and "Traceback" not in log, log
+
+
 def test_unregistered_key_is_refused_and_the_operator_sees_it(deployment: Deployment) -> None:
     key = deployment.folder.site_key("stranger")  # made by `certs`, never registered
     fingerprint = pki.read_private_key(key).fingerprint

@@ -72,6 +72,11 @@ def test_run_summary_line() -> None:
     assert summarize({**metrics, "steps": 2, "final_forgetting": 1.0}) == (
         "completed · 2 steps · FAA 41.67% · forgetting 1.00 · server wall 59s"
     )
+    # counted as the ServerApp's own last line counts them: this run's steps, then the total
+    second = {**metrics, "steps_this_run": [], "final_forgetting": 1.0}
+    assert summarize(second).startswith("completed · 0 steps this run, 1 in the federation · ")
+    first = {**second, "steps_this_run": [{"step": 0, "status": "completed"}]}
+    assert summarize(first).startswith("completed · 1 step this run · FAA")
 
 
 #: The start of a simulation's log as ``flwr log`` prints it (Flower 1.42, colours and all).
