@@ -197,11 +197,13 @@ def plot_accuracy_over_time(
     ax.set_xlabel("after step")
     ax.set_ylabel("accuracy (%)")
     ax.set_xlim(0.5, n + 0.5)
-    ax.set_ylim(0, 100)
+    ax.set_ylim(-3, 103)  # a point at 0 % or 100 % drawn whole
+    ax.set_yticks(range(0, 101, 20))
     ax.set_xticks([t + 1 for t in task_ticks(n)])
     _title(ax, title, width)
     _note(fig, note, width)
-    ax.legend(fontsize=7, ncol=2 if few else 1, loc="upper right")
+    # beside the axes, where it hides no line
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path, dpi=120)
     return fig
 
