@@ -412,7 +412,9 @@ def test_a_wrong_port_is_named_and_given_up_on(deployment: Deployment) -> None:
     assert f"error: gave up: could not reach the server at {wrong} in 2 s" in out, out
     log = (deployment.root / "state" / "site-a" / "logs" / "supernode.log").read_text()
     assert f"dials the server at {wrong}" in log and f"cannot reach the server at {wrong}" in log
-    assert "Connection successful" not in out  # the SuperExec's local connection stays in the log
+    assert "Connection successful" not in out  # the SuperExec's local connection: log only,
+    local = [line for line in log.splitlines() if "Connection successful" in line]
+    assert all(line.startswith("(local SuperExec, not the server) ") for line in local)  # marked
 
 
 def test_server_stop_leaves_nothing(deployment: Deployment) -> None:

@@ -362,7 +362,7 @@ def _start_superexec(
                "--secret-file", str(options.superexec_secret)]  # fmt: skip
     popen = processes.spawn(command, env=env, cwd=options.state)
     threading.Thread(target=_pump, args=(popen.stdout, log, echo, lambda _: None),
-                     kwargs={"unechoed": dialling.LOCAL_RETRY}, daemon=True).start()  # fmt: skip
+                     kwargs={"local": dialling.LOCAL_RETRY}, daemon=True).start()  # fmt: skip
     return popen
 
 
@@ -371,17 +371,19 @@ def _pump(
     log: IO[str],
     echo: IO[str] | None,
     on_line: Callable[[str], str | None],
-    unechoed: re.Pattern[str] | None = None,
+    local: re.Pattern[str] | None = None,
 ) -> None:
     """Copy the SuperNode's output line by line to the log (and terminal), classifying it;
-    ``on_line`` may add a line of ours after it; lines ``unechoed`` matches go to the log only."""
+    ``on_line`` may add a line of ours after it. Lines ``local`` matches are about a local
+    connection (the SuperExec's to its SuperNode), not the server: to the log only, marked."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
         note = on_line(line)
         lines = line + (f"starfed: {note}\n" if note else "")
+        is_local = local is not None and local.search(line) is not None
         try:
-            _write(log, lines)
-            if echo is not None and not (unechoed and unechoed.search(line)):
+            _write(log, f"(local SuperExec, not the server) {line}" if is_local else lines)
+            if echo is not None and not is_local:
                 _write(echo, lines)
         except (OSError, ValueError):  # closed after we gave up waiting: drop the rest
             return
