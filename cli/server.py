@@ -226,7 +226,9 @@ def _print_started(
     listening = f"gateway listens on {options.public_address}"
     if addresses.is_wildcard(options.listen_host):
         listening += ": all interfaces, a bind address, not one sites can dial"
-    where = "names in the server certificate" if not options.insecure else "no TLS"
+    where = "names in the server certificate"
+    if options.insecure:
+        where = "no TLS: or any other name or address of this machine"
     rows = [("sites connect to", f"{', '.join(names)}  ({where}; {listening}; Fleet API only)")]
     if not options.insecure:
         rows.append(("CA certificate", f"{folder.ca_cert}  (send it to every site)"))
