@@ -45,6 +45,7 @@ from starfed.shared.files import write_atomic
 from starfed.shared.metrics import (
     MATRIX_PLOT,
     OVER_TIME_PLOT,
+    faa_text,
     final_average_accuracy,
     final_forgetting,
     forgetting_text,
@@ -152,8 +153,8 @@ def _run_locked(
         plot_accuracy_matrix(matrix, folder / MATRIX_PLOT, title, note)
         plot_accuracy_over_time(matrix, folder / OVER_TIME_PLOT, title, note)
     console.print(
-        f"[bold]{log.status}[/] · {progress.counted(len(log.steps), 'step')} this run · FAA "
-        f"{metrics['final_average_accuracy']:.2f}% · "
+        f"[bold]{log.status}[/] · {progress.counted(len(log.steps), 'step')} this run · "
+        f"{faa_text(metrics['final_average_accuracy'])} · "
         f"{forgetting_text(metrics['final_forgetting'])} · wall {metrics['wall_time_s']:.0f}s"
     )
     if log.status == FAILED:

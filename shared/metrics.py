@@ -55,6 +55,14 @@ def final_forgetting(matrix: AccuracyMatrix) -> float:
 SCORES_DOC = "docs/results.md#the-scores"
 
 
+def faa_text(faa: object) -> str:
+    """``FAA 41.67%`` for a summary line; ``FAA n/a`` before any score (no step, no test
+    image: NaN or None)."""
+    if isinstance(faa, int | float) and not math.isnan(faa):
+        return f"FAA {faa:.2f}%"
+    return "FAA n/a"
+
+
 def forgetting_text(forgetting: float) -> str:
     """``forgetting 3.21`` for a summary line. A reader takes forgetting for a loss, so a
     negative value says what it means and where it is defined."""

@@ -38,7 +38,7 @@ from starfed.server.ops import processes
 from starfed.server.ops.exit_codes import EXIT_DEGRADED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from starfed.shared.config import TABLES, ConfigError
 from starfed.shared.files import write_atomic
-from starfed.shared.metrics import forgetting_text
+from starfed.shared.metrics import faa_text, forgetting_text
 from starfed.shared.progress import counted
 
 CONNECTION = "starfed"  # the one SuperLink connection in every Flower config starfed writes
@@ -403,7 +403,7 @@ def summarize(metrics: dict) -> str:
         total = metrics.get("steps", 0)
         steps = mine if len(this_run) == total else f"{mine}, {total} in the federation"
     parts = [f"{metrics.get('status', '?')} · {steps}"]
-    parts.append(f"FAA {faa:.2f}%" if isinstance(faa, int | float) else "FAA n/a")
+    parts.append(faa_text(faa))
     forgetting = metrics.get("final_forgetting")
     if isinstance(forgetting, int | float):
         parts.append(forgetting_text(forgetting))
