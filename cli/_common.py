@@ -41,6 +41,17 @@ def emit_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
+def warn(args: argparse.Namespace, message: str) -> None:
+    """One line on stderr that does not stop the command."""
+    print(f"starfed {command_name(args)}: warning: {message}", file=sys.stderr)
+
+
+def warn_unreadable(args: argparse.Namespace, paths: list[str]) -> None:
+    """An image file that could not be decoded: one line each, the same in every command."""
+    for path in paths:
+        warn(args, f"cannot read {path}: skipped")
+
+
 def fail(args: argparse.Namespace, err: Exception | str, code: int) -> int:
     """Say why in one line on stderr (and, with ``--json``, as one JSON object on stdout)."""
     message = " ".join(str(err).split())
@@ -99,6 +110,23 @@ def server_options() -> argparse.ArgumentParser:
 def server_folder(args: argparse.Namespace) -> ServerFolder:
     """The server folder a ``server`` action works on."""
     return ServerFolder.at(args.dir if args.dir is not None else default_dir())
+
+
+def federation_option(parser: argparse.ArgumentParser) -> None:
+    """``--federation``: every ``server`` action that reads the federation folder finds it in
+    the server folder unless told otherwise."""
+    parser.add_argument(
+        "--federation",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the federation folder (default: <server dir>/federation)",
+    )
+
+
+def federation_dir(args: argparse.Namespace, folder: ServerFolder) -> Path:
+    """The federation folder a ``server`` action works on (``federation_option``)."""
+    return (args.federation or folder.federation).expanduser().resolve()
 
 
 def add_switches(parser: argparse.ArgumentParser, switches: dict[str, str]) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.table import Column, Table
 from rich.text import Text
 
-from starfed.cli._common import add_switches, console
+from starfed.cli._common import add_switches, console, warn_unreadable
 from starfed.cli.flags import BACKBONE_FLAGS, add_command, parsed, same_name
 from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.shared.config import BackboneOptions, ConfigError
@@ -92,6 +92,7 @@ def _main(args: argparse.Namespace) -> int:
 
     codebook = wire.read_file(args.codebook)
     evaluation = evaluate(codebook, options.load(), args.data)
+    warn_unreadable(args, evaluation.unreadable)
     title = f"codebook v{codebook.version} on {args.data.name}"
     plot_confusion_matrix(evaluation.confusion.numpy(), codebook.names, plot, title)
     result = {

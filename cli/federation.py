@@ -27,7 +27,14 @@ from pathlib import Path
 
 from rich.table import Table
 
-from starfed.cli._common import console, emit_json, guard, server_folder
+from starfed.cli import _common
+from starfed.cli._common import (
+    console,
+    emit_json,
+    federation_option,
+    guard,
+    server_folder,
+)
 from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
 from starfed.server import folder_check, folder_lock, folder_repair
 from starfed.server.federation import Checkpoint, Federation, FederationError
@@ -56,13 +63,13 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     group."""
     for run in (run_round, run_resume):
         parser = add_command(actions, run.__name__[4:], run, FLAGS, parents=[common])
-        _federation_option(parser)
+        federation_option(parser)
         add_run_config(parser)
     for run in (run_status, run_check):
         parser = add_command(actions, run.__name__[4:], run, parents=[common])
-        _federation_option(parser)
+        federation_option(parser)
     parser = add_command(actions, "repair", run_repair, parents=[common])
-    _federation_option(parser)
+    federation_option(parser)
     parser.add_argument(
         "--to",
         type=int,
@@ -75,20 +82,6 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     parser.add_argument(
         "--dry-run", action="store_true", help="say what it would do, change nothing"
     )
-
-
-def _federation_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--federation",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="the federation folder (default: <server dir>/federation)",
-    )
-
-
-def _federation_dir(args: argparse.Namespace, folder: ServerFolder) -> Path:
-    return (args.federation or folder.federation).expanduser().resolve()
 
 
 def _checkpoint(federation_dir: Path) -> Checkpoint | None:
@@ -129,7 +122,7 @@ def run_resume(args: argparse.Namespace) -> int:
 
 def _round(args: argparse.Namespace, resume: bool) -> int:
     folder = server_folder(args)
-    federation_dir = _federation_dir(args, folder)
+    federation_dir = _common.federation_dir(args, folder)
     _, overrides = run_config(args, FLAGS)
     if "federation-dir" in overrides:
         raise ConfigError("--run-config federation-dir: use --federation")
@@ -171,12 +164,14 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
         )
     overrides["federation-dir"] = str(writable_dir(federation_dir, "--federation"))
     # a registered site is known by the name the operator gave its key, whatever it says
-    registered = sites.Registry.load(folder.sites_file).sites
-    overrides["site-names"] = " ".join(
-        f"{r.node_id}:{r.name}" for r in registered if r.removed_at is None
-    )
+    registered = [r for r in sites.Registry.load(folder.sites_file).sites if r.removed_at is None]
+    overrides["site-names"] = " ".join(f"{r.node_id}:{r.name}" for r in registered)
     if running:
         say(_continues(checkpoint))
+    offline = _offline(folder, registered)
+    if registered and offline is not None and len(offline) == len(registered):
+        say(f"no registered site is online now ({', '.join(offline)}): the run waits for them "
+            "up to --wait-s")  # fmt: skip
     app = flower_runs.write_app(folder.app)
     submitted_at = time.time()
     try:
@@ -201,7 +196,10 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     resume_command = f"starfed server resume --dir {folder.root}" + (
         f" --federation {federation_dir}" if args.federation else ""
     )
-    details = "" if code != exit_codes.EXIT_FAILED else _failure(cli, outcome, metrics)
+    details = ""
+    if code == exit_codes.EXIT_FAILED:
+        offline = _offline(folder, registered)
+        details = _failure(cli, outcome, metrics, offline)
     if args.json:
         emit_json(
             {
@@ -212,6 +210,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
                 "status": (metrics or {}).get("status"),
                 "reason": details or (metrics or {}).get("reason") or None,
                 "federation_dir": str(federation_dir),
+                "offline_sites": offline,
                 "metrics": metrics,
                 "resume": resume_command if code == exit_codes.EXIT_INTERRUPTED else None,
             }
@@ -229,6 +228,15 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
             print(f"degraded: {_lost(metrics or {})}")
         print(f"federation {federation_dir}; see `starfed server status --dir {folder.root}`")
     return code
+
+
+def _offline(folder: ServerFolder, registered: list[sites.SiteRecord]) -> list[str] | None:
+    """The registered sites Flower does not see online; None when it cannot say."""
+    try:
+        online = {s.node_id for s in sites.status(folder) if s.status == "online"}
+    except sites.SitesError:
+        return None
+    return [r.name for r in registered if r.node_id not in online]
 
 
 def _sayer(args: argparse.Namespace) -> Callable[[str], None]:
@@ -254,9 +262,13 @@ def _continues(checkpoint: Checkpoint) -> str:
 
 
 def _failure(
-    cli: flower_runs.FlowerCli, outcome: flower_runs.RunOutcome, metrics: dict | None
+    cli: flower_runs.FlowerCli,
+    outcome: flower_runs.RunOutcome,
+    metrics: dict | None,
+    offline: list[str] | None,
 ) -> str:
-    """Why a run failed, in one line, and where to read more."""
+    """Why a run failed, in one line, which registered sites were offline, and where to read
+    more."""
     if outcome.run_id is None:
         return outcome.status
     reason = (metrics or {}).get("reason") or ""
@@ -264,6 +276,8 @@ def _failure(
         with contextlib.suppress(flower_runs.FlowerRunError):
             reason = str(cli.run_info(outcome.run_id).get("status-details") or "")
     reason = " ".join(reason.split()) or "no metrics.json written"
+    if offline:
+        reason += f"; registered sites offline: {', '.join(offline)} (`starfed site start`)"
     return (
         f"run {outcome.run_id} {outcome.status}: {reason} (its log: "
         f"FLWR_HOME={cli.flwr_home} flwr log {outcome.run_id} {flower_runs.CONNECTION} --show)"
@@ -291,7 +305,7 @@ def run_status(args: argparse.Namespace) -> int:
     tensors) and then exits 1.
     """
     folder = server_folder(args)
-    status = gather(folder, _federation_dir(args, folder))
+    status = gather(folder, _common.federation_dir(args, folder))
     if args.json:
         emit_json({"success": not status.damaged, **status.to_json()})
     else:
@@ -309,7 +323,7 @@ def run_check(args: argparse.Namespace) -> int:
     server stopped or running.
     """
     folder = server_folder(args)
-    report = folder_check.check(_federation_dir(args, folder))
+    report = folder_check.check(_common.federation_dir(args, folder))
     if args.json:
         emit_json({"success": report.ok, **dataclasses.asdict(report)})
     else:
@@ -335,7 +349,7 @@ def run_repair(args: argparse.Namespace) -> int:
     0 when the folder is whole.
     """
     folder = server_folder(args)
-    federation_dir = _federation_dir(args, folder)
+    federation_dir = _common.federation_dir(args, folder)
     repair = folder_repair.plan(federation_dir, args.to)
     if not args.dry_run:
         folder_repair.apply(repair)

@@ -16,7 +16,14 @@ import sys
 import threading
 from pathlib import Path
 
-from starfed.cli._common import Failed, add_switches, guard, server_folder
+from starfed.cli._common import (
+    Failed,
+    add_switches,
+    federation_dir,
+    federation_option,
+    guard,
+    server_folder,
+)
 from starfed.cli.flags import add_command, parsed, same_name
 from starfed.shared.config import ConfigError
 
@@ -26,23 +33,15 @@ SERVE_FLAGS = same_name("listen", "max-mib")
 
 def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Register ``export`` and ``serve`` on the ``server`` group."""
-    federation = argparse.ArgumentParser(add_help=False)
-    federation.add_argument(
-        "--federation", type=Path, required=True, metavar="FEDERATION", help="federation folder"
-    )
-    p = add_command(actions, "export", guard()(run_export), parents=[federation])
+    p = add_command(actions, "export", guard()(run_export), parents=[common])
+    federation_option(p)
     p.add_argument("--out", type=Path, help="codebook file (default: codebook-v<VERSION>.bin here)")
-    add_switches(
-        p,
-        {
-            "--float16": "tensors in float16 (half the bytes)",
-            "--json": "the model card as one JSON object",
-        },
-    )
+    add_switches(p, {"--float16": "tensors in float16 (half the bytes)"})
 
     p = add_command(
-        actions, "serve", guard()(run_serve), SERVE_FLAGS, parents=[common, federation], table=SERVE
+        actions, "serve", guard()(run_serve), SERVE_FLAGS, parents=[common], table=SERVE
     )
+    federation_option(p)
     p.add_argument("--cert", type=Path, help="server certificate (default: DIR/certs/server.pem)")
     p.add_argument("--key", type=Path, help="its private key (default: DIR/certs/server.key)")
     add_switches(
@@ -77,7 +76,7 @@ def run_export(args: argparse.Namespace) -> int:
     from starfed.server.federation import FederationError
     from starfed.server.serving import export
 
-    federation = _federation(args.federation)
+    federation = _federation(federation_dir(args, server_folder(args)))
     dtype = "float16" if args.float16 else "float32"
     try:
         result = export.deployable(federation)
@@ -115,9 +114,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     _, own, _ = parsed(args, SERVE_FLAGS, SERVE)
     folder = server_folder(args)
-    _federation(args.federation)
+    federation = federation_dir(args, folder)
+    _federation(federation)
     options = distribution.ServeOptions(
-        federation=args.federation,
+        federation=federation,
         listen=own["listen"],
         cert=None if args.insecure else (args.cert or folder.server_cert),
         key=None if args.insecure else (args.key or folder.server_key),

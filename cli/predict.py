@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from starfed.cli._common import warn, warn_unreadable
 from starfed.cli.flags import BACKBONE_FLAGS, add_command, device_flag, parsed, same_name
 from starfed.server.ops.exit_codes import EXIT_FAILED
 from starfed.shared.config import BackboneOptions, ConfigError
@@ -54,10 +55,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--insecure", action="store_true", help="--from without TLS: loopback addresses only"
     )
-
-
-def warn(message: str) -> None:
-    print(f"starfed {COMMAND}: warning: {message}", file=sys.stderr)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -113,8 +110,9 @@ def _codebook(args: argparse.Namespace, cache: Path):
         return None
     if fetched.status == "offline":
         warn(
+            args,
             f"cannot update the codebook ({fetched.reason}); using version "
-            f"{fetched.codebook.version} in {cache}"
+            f"{fetched.codebook.version} in {cache}",
         )
     else:
         print(
@@ -153,8 +151,7 @@ def _main(args: argparse.Namespace) -> int:
     if writer:
         writer.writerow(["path", "class", "probability", "task"])
     for predictions, unreadable in predictor.predict_files(paths, own["batch-size"]):
-        for path in unreadable:
-            warn(f"cannot read {path}: skipped")
+        warn_unreadable(args, unreadable)
         skipped += unreadable
         if writer:
             writer.writerows([p.path, p.name, f"{p.probability:.6f}", p.task] for p in predictions)

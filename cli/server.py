@@ -16,14 +16,14 @@ import contextlib
 import os
 import signal
 import sys
-from pathlib import Path
 
-from starfed.cli import federation, inference_server, server_sites
+from starfed.cli import _common, federation, inference_server, server_sites
 from starfed.cli._common import (
     Failed,
     add_group,
     add_switches,
     emit_json,
+    federation_option,
     guard,
     server_folder,
     server_options,
@@ -84,12 +84,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         actions, "dashboard", guarded(run_dashboard), DASHBOARD_FLAGS, parents=[common],
         table=DASHBOARD,
     )  # fmt: skip
-    p.add_argument(
-        "--federation",
-        type=Path,
-        metavar="DIR",
-        help="the federation folder (default: <server dir>/federation)",
-    )
+    federation_option(p)
     add_switches(
         p,
         {
@@ -228,12 +223,13 @@ def _print_started(
     names: list[str],
     record: superlink.RunRecord,
 ) -> None:
-    rows = [
-        (
-            "sites connect to",
-            f"{', '.join(names)}  (gateway on {options.public_address}, Fleet API only)",
-        )
-    ]
+    listening = f"gateway listens on {options.public_address}"
+    if addresses.is_wildcard(options.listen_host):
+        listening += ": all interfaces, a bind address, not one sites can dial"
+    where = "names in the server certificate"
+    if options.insecure:
+        where = "no TLS: or any other name or address of this machine"
+    rows = [("sites connect to", f"{', '.join(names)}  ({where}; {listening}; Fleet API only)")]
     if not options.insecure:
         rows.append(("CA certificate", f"{folder.ca_cert}  (send it to every site)"))
     rows += [
@@ -306,7 +302,7 @@ def run_dashboard(args: argparse.Namespace) -> int:
             "127.0.0.1 and use an SSH tunnel, or add --allow-remote"
         )
     folder = server_folder(args)
-    federation_dir = (args.federation or folder.federation).expanduser().resolve()
+    federation_dir = _common.federation_dir(args, folder)
     if not local:
         print(
             f"WARNING: --allow-remote: anyone who reaches {own['listen']} reads the federation's "

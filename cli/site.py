@@ -18,7 +18,7 @@ from pathlib import Path
 from starfed.cli import site_check
 from starfed.cli._common import add_group, add_switches, fail, guard
 from starfed.cli.flags import Flag, add_command, device_flag, parsed, same_name
-from starfed.client.ops import supernode
+from starfed.client.ops import dialling, supernode
 from starfed.server.ops import pki, processes
 from starfed.server.ops.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
@@ -55,6 +55,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "~/.local/share, then starfed/sites/NAME)",
     )
     p.add_argument("--name", help="site name given to the ClientApp (default: the data folder's)")
+    p.add_argument(
+        "--give-up-after",
+        type=float,
+        default=dialling.GIVE_UP_S,
+        metavar="SECONDS",
+        help="stop (exit 1) when the server could not be reached once in this long since the "
+        "first failed attempt (a wrong --server); once reached, it retries until the server is "
+        "back; 0: never give up",
+    )
     add_switches(
         p,
         {
@@ -120,6 +129,7 @@ def run_start(args: argparse.Namespace) -> int:
             privacy=(values["privacy-epsilon"], values["privacy-delta"]),
             insecure=args.insecure,
             worker=not args.no_worker,
+            give_up_s=args.give_up_after,
         )
     except (ValueError, supernode.SiteError) as err:  # SiteKeyError is a ValueError
         return fail(args, err, EXIT_BAD_INPUT)

@@ -40,7 +40,12 @@ def add_action(actions: argparse._SubParsersAction) -> None:
         type=Path,
         help="a codebook of the federation (e.g. an export): its backbone fingerprint",
     )
-    expected.add_argument("--fingerprint", help="the federation's backbone fingerprint (hex)")
+    expected.add_argument(
+        "--fingerprint",
+        help="the federation's backbone fingerprint (hex, a prefix will do): `server status` "
+        "shows it once the first round ran; before, `site check` with the federation's "
+        "--preset/--backbone-config prints it",
+    )
     add_switches(parser, {"--json": "one JSON object on stdout"})
 
 

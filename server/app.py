@@ -43,12 +43,16 @@ from starfed.shared.config import (
 )
 from starfed.shared.files import write_atomic
 from starfed.shared.metrics import (
+    MATRIX_PLOT,
+    OVER_TIME_PLOT,
+    faa_text,
     final_average_accuracy,
     final_forgetting,
     forgetting_text,
     nan_to_none,
     plot_accuracy_matrix,
     plot_accuracy_over_time,
+    random_backbones_note,
 )
 from starfed.shared.model.training import TrainConfig
 
@@ -113,7 +117,8 @@ def _run_locked(
     """``run_server``'s work, with the federation folder locked: first finish what a crash
     interrupted (``Federation.recover``), then the steps, then metrics.json."""
     train = TrainConfig.from_config(values)
-    backbones = BackboneOptions.from_config(values).load(values["device"])
+    options = BackboneOptions.from_config(values)
+    backbones = options.load(values["device"])
     federation = Federation(folder, backbones.fingerprint, backbones.dims)
     if note := federation.recover(protocol.checkpoints_kept):
         console.print(f"[yellow]federation folder: {note}")
@@ -143,11 +148,13 @@ def _run_locked(
     matrix = metrics["accuracy_matrix"]
     if matrix:
         title = f"federation {federation.id[:8]}, {progress.counted(len(metrics['sites']), 'site')}"
-        plot_accuracy_matrix(matrix, folder / "accuracy_matrix.png", title)
-        plot_accuracy_over_time(matrix, folder / "accuracy_over_time.png", title)
+        weights = bool(options.clip_weights and options.vit_weights)
+        note = random_backbones_note(backbones.config.name, weights)
+        plot_accuracy_matrix(matrix, folder / MATRIX_PLOT, title, note)
+        plot_accuracy_over_time(matrix, folder / OVER_TIME_PLOT, title, note)
     console.print(
-        f"[bold]{log.status}[/] · {progress.counted(len(log.steps), 'step')} this run · FAA "
-        f"{metrics['final_average_accuracy']:.2f}% · "
+        f"[bold]{log.status}[/] · {progress.counted(len(log.steps), 'step')} this run · "
+        f"{faa_text(metrics['final_average_accuracy'])} · "
         f"{forgetting_text(metrics['final_forgetting'])} · wall {metrics['wall_time_s']:.0f}s"
     )
     if log.status == FAILED:

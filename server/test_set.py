@@ -9,6 +9,7 @@ scored by ``LabelledImages``, as ``starfed evaluate`` does on a device.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from starfed.server.federation import StepScores
 from starfed.server.scores import aggregate
 from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.data.images import skipped_files
 from starfed.shared.inference.predict import LabelledImages
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.star_prompt import StarPrompt
@@ -30,6 +32,8 @@ class ServerTestSet:
 
     def __init__(self, folder: str | Path, backbones: Backbones, train: TrainConfig) -> None:
         self.images = LabelledImages(folder, backbones)
+        if self.images.unreadable:
+            warnings.warn(f"server test set: {skipped_files(self.images.unreadable)}", stacklevel=2)
         self.backbones, self.train = backbones, train
 
     def __call__(

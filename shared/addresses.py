@@ -29,5 +29,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` is a bind-everywhere address (``0.0.0.0``, ``::``): something a server
+    listens on, never an address anyone can dial."""
+    return host in ("0.0.0.0", "::", "")
+
+
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -9,6 +9,7 @@ best earlier accuracy to its final one. A NaN (no test images of a task anywhere
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from pathlib import Path
 
@@ -54,6 +55,14 @@ def final_forgetting(matrix: AccuracyMatrix) -> float:
 SCORES_DOC = "docs/results.md#the-scores"
 
 
+def faa_text(faa: object) -> str:
+    """``FAA 41.67%`` for a summary line; ``FAA n/a`` before any score (no step, no test
+    image: NaN or None)."""
+    if isinstance(faa, int | float) and not math.isnan(faa):
+        return f"FAA {faa:.2f}%"
+    return "FAA n/a"
+
+
 def forgetting_text(forgetting: float) -> str:
     """``forgetting 3.21`` for a summary line. A reader takes forgetting for a loss, so a
     negative value says what it means and where it is defined."""
@@ -68,6 +77,57 @@ def forgetting_text(forgetting: float) -> str:
 #: Up to this many tasks the plots label every cell and every task; beyond, a sparser axis.
 LABEL_EVERY_TASK = 12
 TITLE_CHARS_PER_INCH = 11  # at fontsize 10: a longer title wraps instead of being clipped
+#: The plots every federation run writes into its folder (``server/app.py``).
+MATRIX_PLOT, OVER_TIME_PLOT = "accuracy_matrix.png", "accuracy_over_time.png"
+#: Per-task lines: a qualitative map (neighbours differ in hue), then line styles, so 30 tasks
+#: stay told apart; a sequential map makes T4-T6 one shade.
+TASK_COLOURS = matplotlib.colormaps["tab10"].colors
+TASK_STYLES = ("-", "--", ":")
+NAME_CHARS = 28  # a class name on an axis or in a table cell, at most
+
+
+def results_line(run_dir: Path) -> str:
+    """A run's last line: its folder and every result file it wrote there, plots included."""
+    names = ("metrics.json", MATRIX_PLOT, OVER_TIME_PLOT, "codebook.bin")
+    return f"results: {run_dir} ({', '.join(n for n in names if (run_dir / n).exists())})"
+
+
+def short_class_name(name: str, limit: int = NAME_CHARS) -> str:
+    """``name`` in at most ``limit`` characters, cut in the middle so the end stays: in
+    PlantVillage's ``Plant___Disease`` the disease is what tells classes apart, so
+    ``Cherry_(including_sour)___Powdery_mildew`` becomes ``Cherry…Powdery_mildew``."""
+    if len(name) <= limit:
+        return name
+    plant, sep, disease = name.partition("___")
+    if sep:  # the plant's first word, then as much of the disease's end as fits
+        head = plant.replace("(", "_").replace(",", "_").split("_")[0][: limit // 3]
+        room = limit - 1 - len(head)
+        tail = disease[-room:]
+        if len(disease) > room and (cut := re.search(r"[_ -]", tail)):  # from a word's start
+            tail = tail[cut.end() :] or tail
+        return f"{head}…{tail}"
+    tail = (limit - 1) * 2 // 3
+    return f"{name[: limit - 1 - tail]}…{name[-tail:]}"
+
+
+def random_backbones_note(backbones: str, has_weights: bool) -> str | None:
+    """What a plot of a run on random backbones must say, so a low accuracy reads as expected
+    (None with weight files)."""
+    if has_weights:
+        return None
+    return (
+        f"backbones {backbones} with random weights (no --clip-weights/--vit-weights): a check "
+        "that the pipeline runs, not a score of the model; low accuracy is expected "
+        "(docs/results.md#what-tiny-backbones-can-and-cannot-show)"
+    )
+
+
+def _note(fig: Figure, note: str | None, width: float) -> None:
+    """A line under the plot that says how to read it (e.g. random backbones)."""
+    if note:
+        chars = int(TITLE_CHARS_PER_INCH * 1.2 * width)
+        wrapped = textwrap.fill(note, chars, break_on_hyphens=False)
+        fig.supxlabel(wrapped, fontsize=8, color="#8a2b06")
 
 
 def task_ticks(n: int) -> list[int]:
@@ -80,8 +140,11 @@ def _title(ax, title: str, width: float) -> None:
     ax.set_title(textwrap.fill(title, int(TITLE_CHARS_PER_INCH * width)), fontsize=10)
 
 
-def plot_accuracy_matrix(matrix: AccuracyMatrix, path: Path, title: str) -> Figure:
-    """Heat map of the accuracy matrix, values written in the cells while they fit.
+def plot_accuracy_matrix(
+    matrix: AccuracyMatrix, path: Path, title: str, note: str | None = None
+) -> Figure:
+    """Heat map of the accuracy matrix, values written in the cells while they fit; ``note``
+    under it.
 
     The figure grows with the tasks up to a cap, so it reads from 1 to 50 tasks; the
     constrained layout keeps the (wrapped) title clear of the colour bar.
@@ -104,25 +167,28 @@ def plot_accuracy_matrix(matrix: AccuracyMatrix, path: Path, title: str) -> Figu
                 )
     ticks = task_ticks(n)
     ax.set_xticks(ticks, [f"T{j + 1}" for j in ticks])
-    ax.set_yticks(ticks, [f"T{i + 1}" for i in ticks])
-    ax.set_xlabel("evaluated task")
-    ax.set_ylabel("after learning task")
+    ax.set_yticks(ticks, [str(i + 1) for i in ticks])
+    ax.set_xlabel("evaluated task (the classes that step brought)")
+    ax.set_ylabel("after step")  # the accuracy-over-time plot's x axis: one name
     _title(ax, title, width)
+    _note(fig, note, width)
     fig.colorbar(image, ax=ax, label="accuracy (%)", shrink=0.9)
     fig.savefig(path, dpi=120)
     return fig
 
 
-def plot_accuracy_over_time(matrix: AccuracyMatrix, path: Path, title: str) -> Figure:
+def plot_accuracy_over_time(
+    matrix: AccuracyMatrix, path: Path, title: str, note: str | None = None
+) -> Figure:
     """One line per task (its accuracy at every step after it was learned) and their mean;
-    integer steps. Beyond ``LABEL_EVERY_TASK`` tasks only the mean is in the legend."""
+    integer steps; ``note`` under it. Beyond ``LABEL_EVERY_TASK`` tasks only the mean is in
+    the legend."""
     width = 6.5
     fig = Figure(figsize=(width, 4), layout="constrained")
     ax = fig.subplots()
     n = len(matrix)
     n_tasks = max(len(row) for row in matrix)
     few = n_tasks <= LABEL_EVERY_TASK
-    colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, n_tasks))
     for task in range(n_tasks):
         steps = [i for i in range(n) if len(matrix[i]) > task]
         ax.plot(
@@ -130,18 +196,22 @@ def plot_accuracy_over_time(matrix: AccuracyMatrix, path: Path, title: str) -> F
             [matrix[s][task] for s in steps],
             marker="o" if few else None,
             markersize=4,
-            lw=1.2 if few else 0.7,
-            color=colors[task],
+            lw=1.2 if few else 0.9,
+            color=TASK_COLOURS[task % len(TASK_COLOURS)],
+            linestyle=TASK_STYLES[task // len(TASK_COLOURS) % len(TASK_STYLES)],
             label=f"T{task + 1}" if few else None,
         )
     ax.plot(range(1, n + 1), [_nanmean(row) for row in matrix], "k--", lw=2, label="mean")
     ax.set_xlabel("after step")
     ax.set_ylabel("accuracy (%)")
     ax.set_xlim(0.5, n + 0.5)
-    ax.set_ylim(0, 100)
+    ax.set_ylim(-3, 103)  # a point at 0 % or 100 % drawn whole
+    ax.set_yticks(range(0, 101, 20))
     ax.set_xticks([t + 1 for t in task_ticks(n)])
     _title(ax, title, width)
-    ax.legend(fontsize=7, ncol=2 if few else 1, loc="upper right")
+    _note(fig, note, width)
+    # beside the axes, where it hides no line
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path, dpi=120)
     return fig
 
@@ -149,8 +219,10 @@ def plot_accuracy_over_time(matrix: AccuracyMatrix, path: Path, title: str) -> F
 def plot_confusion_matrix(
     counts: np.ndarray, names: list[str], path: Path, title: str, max_labels: int = 40
 ) -> Figure:
-    """Rows: true class, columns: predicted class; colour is the share of the row (so classes
-    with few test images read like the others), counts are written in the cells when few.
+    """Rows: true class (with its image count), columns: predicted class; colour and the
+    number in a cell are both the share of the row in % (so classes with few test images read
+    like the others), written in the cells when few; long names cut in the middle
+    (:func:`short_class_name`).
 
     The figure grows with the classes from a floor that leaves the matrix, and so the colour
     bar beside it, taller than the bar's label even under the rotated class names; the
@@ -168,15 +240,17 @@ def plot_confusion_matrix(
     if n <= 25:
         for i, j in zip(*np.nonzero(counts), strict=True):
             color = "black" if share[i, j] > 0.6 else "white"
-            ax.text(j, i, str(counts[i, j]), ha="center", va="center", color=color, fontsize=7)
+            text = f"{100 * share[i, j]:.0f}"
+            ax.text(j, i, text, ha="center", va="center", color=color, fontsize=7)
     if n <= max_labels:
-        short = [name if len(name) <= 28 else name[:27] + "…" for name in names]
+        short = [short_class_name(name) for name in names]
         ax.set_xticks(range(n), short, rotation=90, fontsize=7)
-        ax.set_yticks(range(n), short, fontsize=7)
+        rows = [f"{name} ({int(total)})" for name, total in zip(short, totals[:, 0], strict=True)]
+        ax.set_yticks(range(n), rows, fontsize=7)
     ax.set_xlabel("predicted class")
-    ax.set_ylabel("true class")
+    ax.set_ylabel("true class (its images)")
     # Over the figure, not the matrix: the class names push the matrix off its centre.
     fig.suptitle(textwrap.fill(title, int(TITLE_CHARS_PER_INCH * width)), fontsize=10)
-    fig.colorbar(image, ax=ax, label="% of the true class's images")
+    fig.colorbar(image, ax=ax, label="% of the true class's images (the numbers in the cells)")
     fig.savefig(path, dpi=120)
     return fig

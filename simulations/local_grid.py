@@ -39,6 +39,7 @@ from starfed.shared import progress, thread_pools
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
 from starfed.shared.config import parse
+from starfed.shared.metrics import results_line
 from starfed.shared.protocol import MESSAGES
 from starfed.simulations.simulate import CLIENT_CPUS
 from starfed.simulations.simulated_sites import SimulatedSites
@@ -229,5 +230,5 @@ def simulate_locally(overrides: Mapping[str, object]) -> int:
         )
         return 1
     print(f"finished in {time.monotonic() - started:.0f}s · {summarize(metrics)}")
-    print(f"results: {run_dir} (metrics.json, accuracy_matrix.png, codebook.bin)")
+    print(results_line(run_dir))
     return EXIT_DEGRADED if metrics.get("status") == "degraded" else 0

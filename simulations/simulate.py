@@ -33,6 +33,7 @@ from starfed.server.federation import Federation, FederationError
 from starfed.server.ops import exit_codes, flower_runs, processes
 from starfed.server.ops.flower_runs import COMPLETED, FlowerCli, FlowerRunError, RunOutcome
 from starfed.server.ops.processes import ProcessId
+from starfed.shared.metrics import results_line
 from starfed.shared.progress import counted
 
 STARTUP_TIMEOUT_S = 60.0
@@ -261,7 +262,7 @@ def simulate(
         )
         return exit_codes.EXIT_FAILED
     print(f"{outcome.status} in {wall:.0f}s · {flower_runs.summarize(metrics)}")
-    print(f"results: {run_dir} (metrics.json, accuracy_matrix.png, codebook.bin)")
+    print(results_line(run_dir))
     return exit_codes.EXIT_FAILED if survivors else flower_runs.exit_code(outcome, metrics)
 
 

@@ -30,10 +30,12 @@ from starfed.shared.data.images import decode_images
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.device import resolve
 from starfed.shared.metrics import (
+    MATRIX_PLOT,
     final_average_accuracy,
     final_forgetting,
     forgetting_text,
     plot_accuracy_matrix,
+    random_backbones_note,
 )
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.evaluation import evaluate_decoded
@@ -183,11 +185,13 @@ def run_local(options: LocalRunOptions, console: Console | None = None) -> dict:
     metadata = {"producer": "starfed train-local", "seed": str(config.seed)}
     codebook = Codebook(backbones.fingerprint, backbones.dims, finished, split.n_tasks, metadata)
     wire.write_file(run_dir / CODEBOOK_FILE, codebook)
+    weights = options.download or bool(options.clip_weights and options.vit_weights)
     plot_accuracy_matrix(
         matrix,
-        run_dir / "accuracy_matrix.png",
+        run_dir / MATRIX_PLOT,
         f"STAR-Prompt, {backbones.config.name} backbones, seed {config.seed}: "
         f"FAA {metrics['final_average_accuracy']:.1f}%",
+        random_backbones_note(backbones.config.name, weights),
     )
     console.print(
         f"[bold green]FAA {metrics['final_average_accuracy']:.2f}%[/] · "

@@ -11,6 +11,7 @@ starts the dashboard as a real process and looks at it in headless Chromium.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import html
 import json
@@ -27,6 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import FINGERPRINT, TINY_DIMS, random_codebook
+from matplotlib.figure import Figure
 from starlette.testclient import TestClient
 
 from starfed.cli import main
@@ -41,7 +43,7 @@ from starfed.server.federation import (
     StepScores,
 )
 from starfed.server.ops import sites
-from starfed.server.ops.dashboard import PLOTS, Dashboard
+from starfed.server.ops.dashboard import PLOTS, Dashboard, _clock_axis, fragment
 from starfed.server.ops.layout import ServerFolder
 
 T0 = 1_790_000_000.0  # 2026-09-21, when the first step started
@@ -149,6 +151,32 @@ def test_the_page_shows_the_sites_the_steps_the_running_phase_and_the_plots(fold
     live = client.get("/live").text
     assert live.startswith("<header>") and "<html" not in live and 'id="sites-table"' in live
     assert client.get("/plots/nope.png").status_code == 404
+
+
+def test_the_plots_read_as_a_person_reads_them(folder) -> None:
+    """Clock times on the steps' axis, never fractions of a second; a large accuracy matrix on
+    a row of its own (scrolling, never squeezed); long class names cut in the middle with the
+    whole name on hover."""
+    fig = Figure()
+    ax = fig.subplots()
+    _clock_axis(ax, T0, T0 + 4.0)  # a 4 s step
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert labels and all(re.fullmatch(r"\d\d:\d\d:\d\d", label) for label in labels), labels
+    assert ax.get_xlabel() == "UTC, 2026-09-21"
+
+    state = Dashboard(folder, folder.federation, 5.0).state()
+    assert "class=wide" not in fragment(state)  # two steps: beside the other plots
+    big = dataclasses.replace(state, accuracy_matrix=[[50.0] * (i + 1) for i in range(28)])
+    assert '<figure class=wide><img class="plot" src="plots/matrix.png' in fragment(big)
+
+    long = "Cherry_(including_sour)___Powdery_mildew"
+    classes = [dataclasses.replace(state.status.classes[0], name=long)]
+    page = fragment(
+        dataclasses.replace(state, status=dataclasses.replace(state.status, classes=classes))
+    )
+    table = page.partition('<table id="classes-table">')[2].partition("</table>")[0]
+    assert f'<span title="{html.escape(long)}">Cherry…Powdery_mildew</span>' in table
 
 
 def test_api_state_is_the_reading_that_status_prints(folder, capsys) -> None:

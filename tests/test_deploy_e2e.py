@@ -89,8 +89,9 @@ class Deployment:
     folder: ServerFolder
     public: str
     internal_port: int
+    started: dict  # what `server start --json` printed
 
-    def site(self, name: str, key: Path, ca: Path | None = None) -> SiteProcess:
+    def site(self, name: str, key: Path, ca: Path | None = None, *extra: str) -> SiteProcess:
         data = self.root / "data" / name
         data.mkdir(parents=True, exist_ok=True)
         log = self.root / f"site-{name}-{time.monotonic_ns()}.log"
@@ -98,6 +99,7 @@ class Deployment:
             *("site", "start", "--server", self.public, "--data", str(data)),
             *("--ca", str(ca or self.folder.ca_cert), "--key", str(key), "--name", name),
             *("--state", str(self.root / "state" / name), "--device", "cpu"),
+            *extra,
         ]
         with log.open("wb") as out:
             popen = subprocess.Popen(
@@ -152,7 +154,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                 *("--listen", f"127.0.0.1:{public_port}", "--internal-port", str(internal_port)),
             )
             assert code == 0, out
-            yield Deployment(root, folder, f"127.0.0.1:{public_port}", internal_port)
+            yield Deployment(
+                root, folder, f"127.0.0.1:{public_port}", internal_port, json.loads(out)
+            )
         finally:
             starfed("server", "stop", "--dir", str(folder.root))
             # never leak into the rest of the session
@@ -195,6 +199,10 @@ def test_server_runs_in_the_safe_layout(deployment: Deployment) -> None:
     superlink = " ".join(record["processes"][0]["command"])
     for flag in ("--enable-supernode-auth", "--database", "--isolation process", "--log-file"):
         assert flag in superlink
+    # sites are told names they can dial (the certificate's), and start-up probes log nothing
+    port = addresses.parse_address(deployment.public)[1]
+    assert deployment.started["sites_connect_to"] == [f"127.0.0.1:{port}", f"localhost:{port}"]
+    assert "refused" not in deployment.folder.gateway_log.read_text()
 
 
 def test_control_api_answers_only_on_the_internal_port(deployment: Deployment) -> None:
@@ -354,6 +362,21 @@ def _sites(deployment: Deployment) -> list[dict]:
     return json.loads(out)["sites"]
 
 
+@pytest.mark.slow  # a ServerApp starts: about 50 s on 2 loaded cores
+def test_a_round_with_no_site_online_names_the_offline_sites(
+    deployment: Deployment, capsys: pytest.CaptureFixture
+) -> None:
+    folder = deployment.folder.root  # site-a and site-b are registered and went offline above
+    settings = ("--min-sites", "1", "--wait-s", "1", "--run-config", "preset=tiny")
+    code, out = starfed("server", "round", "--dir", str(folder), *settings, "--json")
+    answer = json.loads(out)
+    assert code == answer["exit_code"] == 1 and answer["offline_sites"] == ["site-a", "site-b"]
+    assert "0 sites connected, 1 needed" in answer["reason"]
+    assert "registered sites offline: site-a, site-b" in answer["reason"]
+    log = capsys.readouterr().err  # the ServerApp's log: its reason, not Flower's traceback
+    assert "0 sites connected, 1 needed" in log and "Traceback" not in log, log
+
+
 def test_unregistered_key_is_refused_and_the_operator_sees_it(deployment: Deployment) -> None:
     key = deployment.folder.site_key("stranger")  # made by `certs`, never registered
     fingerprint = pki.read_private_key(key).fingerprint
@@ -375,6 +398,23 @@ def test_wrong_ca_fails_with_one_clear_line(deployment: Deployment) -> None:
     site = deployment.site("site-a", deployment.folder.site_key("site-a"), ca=wrong)
     assert site.finish() == 1, site.output()
     assert "error: TLS: the server's certificate is not signed by" in site.output()
+
+
+def test_a_wrong_port_is_named_and_given_up_on(deployment: Deployment) -> None:
+    wrong = f"127.0.0.1:{processes.free_port()}"  # nothing listens there
+    key = deployment.folder.site_key("site-a")
+    # the last --server wins (argparse): the fixture's own comes first
+    command = ["--server", wrong, "--give-up-after", "2", "--no-worker"]
+    site = deployment.site("site-a", key, None, *command)
+    assert site.finish() == 1, site.output()
+    out = site.output()
+    assert f"starfed: cannot reach the server at {wrong}" in out, out
+    assert f"error: gave up: could not reach the server at {wrong} in 2 s" in out, out
+    log = (deployment.root / "state" / "site-a" / "logs" / "supernode.log").read_text()
+    assert f"dials the server at {wrong}" in log and f"cannot reach the server at {wrong}" in log
+    assert "Connection successful" not in out  # the SuperExec's local connection: log only,
+    local = [line for line in log.splitlines() if "Connection successful" in line]
+    assert all(line.startswith("(local SuperExec, not the server) ") for line in local)  # marked
 
 
 def test_server_stop_leaves_nothing(deployment: Deployment) -> None:

@@ -183,3 +183,43 @@ def test_flower_errors_become_one_line(folder: ServerFolder) -> None:
     assert sites._flower_message(message).startswith("[code: 23] Public key already in use.")
     with pytest.raises(sites.SitesError, match="starfed server start"):
         sites.flwr_json(folder, "supernode", "list")  # no config: never a default SuperLink
+
+
+def test_sites_are_told_names_in_the_certificate_never_a_bind_address(
+    folder: ServerFolder,
+) -> None:
+    from starfed.server.ops import certs
+
+    def names(listen: str) -> list[str]:
+        host, port = listen.rsplit(":", 1)
+        return list(superlink.public_names(folder, superlink.ServerOptions(host, int(port))))
+
+    certs.ensure_certificates(folder, [], [])
+    assert names("0.0.0.0:9092") == ["127.0.0.1:9092", "localhost:9092"]
+    certs.ensure_certificates(folder, ["hospital.example"], [], renew_server=True)
+    assert names("0.0.0.0:9092") == ["hospital.example:9092"]
+    assert names("127.0.0.1:9092") == ["127.0.0.1:9092", "localhost:9092"]  # loopback only
+    insecure = superlink.ServerOptions("0.0.0.0", 9092, insecure=True)
+    assert superlink.public_names(folder, insecure) == ["127.0.0.1:9092"]
+
+
+def test_a_site_that_cannot_reach_its_server_says_where_and_gives_up() -> None:
+    from starfed.client.ops.dialling import Dialling
+
+    retry = "WARNING :      Connection attempt failed, retrying in 2.51 seconds\n"
+    dial = Dialling("hospital.example:9093", give_up_s=300)
+    assert "cannot reach the server at hospital.example:9093" in dial.see(retry, 10.0)
+    assert dial.see(retry, 40.0) is None  # one line a minute, not one per attempt
+    assert "still cannot reach the server at hospital.example:9093 after 60 s" in dial.see(
+        retry, 70.0
+    )
+    assert dial.gave_up(309.0) is None
+    assert "gave up: could not reach the server at hospital.example:9093 in 300 s" in (
+        dial.gave_up(310.0) or ""
+    )
+    # reached once: it waits for the server for as long as it takes
+    back = "INFO :      Connection successful after 330.00 seconds and 40 tries.\n"
+    assert "reached the server at hospital.example:9093 after 330 s" in dial.see(back, 340.0)
+    dial.see(retry, 400.0)
+    assert dial.gave_up(10_000.0) is None
+    assert Dialling("x:1", give_up_s=0).gave_up(1e9) is None

@@ -189,3 +189,35 @@ def test_exit_codes_come_from_flower_and_this_runs_metrics(tmp_path: Path) -> No
     assert flower_runs.exit_code(done, None) == 1
     assert flower_runs.exit_code(RunOutcome(1, "finished:failed"), {"status": "failed"}) == 1
     assert flower_runs.exit_code(RunOutcome(1, "interrupted"), None) == 130
+
+
+#: What `flwr log --stream` showed for `server round` with no site online (Flower 1.42).
+NO_SITE_LOG = """\
+starfed server federation 7118f3ce in /srv/federation · 0 steps so far · backbones tiny (012a)
+0 sites connected, 1 needed (waited 3s)
+failed · 0 steps this run · FAA nan% · forgetting 0.00 · wall 5s
+\x1b[91mERROR \x1b[0m:     ServerApp raised an exception
+Traceback (most recent call last):
+  File "/venv/flwr/superlink/runtime/run_serverapp.py", line 221, in run_serverapp
+    context = run_(
+              ^^^^^
+  File "/starfed/server/app.py", line 154, in _run_locked
+    raise RunFailed(log.reason)
+starfed.server.app.RunFailed: 0 sites connected, 1 needed (waited 3s)
+\x1b[91mERROR \x1b[0m:     Exit Code: 201
+
+An unhandled exception occurred in the ServerApp.
+
+For more information, visit: <https://flower.ai/docs/framework/1.42/en/ref-exit-codes/201.html>
+"""
+
+
+def test_an_expected_failure_is_its_one_line_not_flowers_traceback() -> None:
+    from starfed.server.app import RunFailed
+
+    assert f"{RunFailed.__module__}.{RunFailed.__qualname__}: " == flower_runs.EXPECTED_FAILURE
+    kept = "".join(flower_runs.without_expected_failure(NO_SITE_LOG.splitlines(keepends=True)))
+    assert kept == "".join(NO_SITE_LOG.splitlines(keepends=True)[:3])
+    # any other exception keeps its traceback
+    bug = NO_SITE_LOG.replace("starfed.server.app.RunFailed", "KeyError")
+    assert "".join(flower_runs.without_expected_failure(bug.splitlines(True))) == bug

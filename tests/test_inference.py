@@ -13,6 +13,7 @@ import io
 import json
 import shutil
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -112,8 +113,9 @@ def test_export_holds_what_devices_need_and_a_model_card(federation, exported, c
     assert card["codebook"]["bytes"] == exported.stat().st_size
     assert card["backbones"]["fingerprint"] == codebook.fingerprint
     assert card["backbones"]["config"] == "tiny"
+    # steps are 1-based wherever users see them; the metadata above keeps the 0-based index
     assert {c["name"]: (c["step"], sorted(c["sites"])) for c in card["classes"]} == {
-        **{n: (0, ["farm-a"]) for n in TRAINED[:2]}, **{n: (0, ["farm-b"]) for n in TRAINED[2:]}
+        **{n: (1, ["farm-a"]) for n in TRAINED[:2]}, **{n: (1, ["farm-b"]) for n in TRAINED[2:]}
     }  # fmt: skip
     assert card["metrics"]["final_average_accuracy"] == metrics["final_average_accuracy"]
     assert card["metrics"]["accuracy_matrix"] == metrics["accuracy_matrix"]
@@ -132,7 +134,7 @@ def test_export_holds_what_devices_need_and_a_model_card(federation, exported, c
 
 
 def test_a_step_in_progress_is_left_out_and_named(federation, exported, tmp_path, capsys):
-    folder = tmp_path / "federation"
+    folder = tmp_path / "server" / "federation"  # the server folder's: no --federation needed
     shutil.copytree(federation["dir"], folder)
     fed = Federation.open(folder)
     codebook = fed.codebook()
@@ -140,7 +142,7 @@ def test_a_step_in_progress_is_left_out_and_named(federation, exported, tmp_path
     fed.register([e.name for e in half_trained], 1, {"new_0": ["farm-a"], "new_1": ["farm-a"]})
     fed.checkpoint(codebook.register(half_trained), Position(1, running=True, done=("stage1/0",)))
     out = tmp_path / "cb.bin"
-    code, text, _ = starfed(capsys, "server", "export", "--federation", folder, "--out", out)
+    code, text, _ = starfed(capsys, "server", "export", "--dir", folder.parent, "--out", out)
     assert code == 0
     assert "left out (step in progress, not finished): new_0, new_1" in text
     assert out.read_bytes() == exported.read_bytes()  # exactly the finished classes
@@ -165,7 +167,7 @@ def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tm
     rows = list(csv.DictReader(io.StringIO(out)))
     assert len(rows) == 20 * len(TRAINED)
     assert accuracy(rows) == server.accuracy[0]
-    assert {r["task"] for r in rows} == {"0"} and {r["class"] for r in rows} <= set(TRAINED)
+    assert {r["task"] for r in rows} == {"1"} and {r["class"] for r in rows} <= set(TRAINED)
     assert all(0 < float(r["probability"]) <= 1 for r in rows)
 
     plot = tmp_path / "confusion.png"
@@ -175,6 +177,7 @@ def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tm
     assert code == 0 and result["images"] == len(rows)
     assert result["accuracy"] == result["tasks"][0]["accuracy"] == server.accuracy[0]
     assert result["tasks"][0]["selection_accuracy"] == server.selection_accuracy[0]
+    assert result["tasks"][0]["step"] == 1 and {c["step"] for c in result["classes"]} == {1}
     assert result["left_out"] == {} and result["unreadable"] == 0
     confusion = torch.tensor(result["confusion_matrix"])
     assert int(confusion.sum()) == len(rows)
@@ -229,6 +232,24 @@ def test_predict_json_and_one_warning_per_unreadable_image(exported, tmp_path, c
         f"starfed predict: warning: cannot read {broken}: skipped",
         "starfed predict: error: none of the 1 image could be read",
     ]
+
+
+def test_evaluate_warns_of_an_unreadable_image_as_predict_does(exported, tmp_path, capsys):
+    data = tmp_path / "data"
+    (data / TRAINED[0]).mkdir(parents=True)
+    for image in sorted((BUNDLED / "test" / TRAINED[0]).iterdir())[:2]:
+        (data / TRAINED[0] / image.name).symlink_to(image)
+    broken = data / TRAINED[0] / "broken.jpg"
+    broken.write_bytes(b"not an image at all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no Python warning reaches the user
+        code, out, err = starfed(capsys, "evaluate", "--codebook", exported, "--data", data,
+                                 "--plot", tmp_path / "c.png", "--json")  # fmt: skip
+    assert code == 0
+    assert err == f"starfed evaluate: warning: cannot read {broken}: skipped\n"
+    result = json.loads(out)
+    assert result["images"] == 2 and result["unreadable"] == 1
+    assert result["unreadable_files"] == [str(broken)]
 
 
 def test_a_codebook_of_other_backbones_is_one_line_and_exit_2(exported, tmp_path, capsys):

@@ -4,18 +4,26 @@ bar, integer steps, a bounded size, cell values only while they fit. The confusi
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import to_hex
 from matplotlib.transforms import Bbox
 
 from starfed.shared.metrics import (
     LABEL_EVERY_TASK,
+    MATRIX_PLOT,
+    NAME_CHARS,
+    OVER_TIME_PLOT,
     plot_accuracy_matrix,
     plot_accuracy_over_time,
     plot_confusion_matrix,
+    random_backbones_note,
+    results_line,
+    short_class_name,
 )
 
 TITLE = "STAR-Prompt, tiny backbones, seed 1993: FAA 17.3% (a title of a usual length)"
@@ -78,3 +86,59 @@ def test_confusion_matrix_title_and_colour_bar_label_are_inside_the_figure(
     assert _inside(title, fig.bbox), (title, fig.bbox)
     assert not label.overlaps(title)
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("n", [7, 28])
+def test_per_task_lines_are_told_apart(n: int, tmp_path: Path) -> None:
+    """A qualitative colour map, then line styles: no two task lines look alike."""
+    fig = plot_accuracy_over_time(matrix(n), tmp_path / "t.png", TITLE)
+    lines = fig.axes[0].get_lines()[:n]  # the tasks' lines; the mean comes last
+    looks = {(to_hex(line.get_color()), line.get_linestyle()) for line in lines}
+    assert len(looks) == n
+    neighbours = [to_hex(a.get_color()) != to_hex(b.get_color()) for a, b in pairwise(lines)]
+    assert all(neighbours)  # T4, T5, T6 are three colours, not three shades of one
+
+
+def test_the_step_axis_has_one_name_and_random_backbones_say_so(tmp_path: Path) -> None:
+    note = random_backbones_note("tiny", has_weights=False)
+    assert note and "random weights" in note and random_backbones_note("paper", True) is None
+    grid = plot_accuracy_matrix(matrix(7), tmp_path / "m.png", TITLE, note)
+    lines = plot_accuracy_over_time(matrix(7), tmp_path / "t.png", TITLE, note)
+    assert grid.axes[0].get_ylabel() == lines.axes[0].get_xlabel() == "after step"
+    for fig in (grid, lines):
+        shown = " ".join(fig._supxlabel.get_text().split())
+        assert shown == note  # wrapped, never cut, under the plot
+        renderer = fig._get_renderer()
+        assert _inside(fig._supxlabel.get_window_extent(renderer), fig.bbox)
+
+
+def test_confusion_cells_show_what_the_colour_bar_says(tmp_path: Path) -> None:
+    counts = np.array([[3, 1], [0, 4]])
+    names = ["Cherry_(including_sour)___Powdery_mildew", "Apple___healthy"]
+    fig = plot_confusion_matrix(counts, names, tmp_path / "c.png", TITLE)
+    ax, colorbar = fig.axes
+    assert sorted(t.get_text() for t in ax.texts) == ["100", "25", "75"]  # % of the row
+    assert "% of the true class's images" in colorbar.get_ylabel()
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    assert rows == ["Cherry…Powdery_mildew (4)", "Apple___healthy (4)"]
+
+
+def test_long_class_names_are_cut_in_the_middle_keeping_the_disease() -> None:
+    assert short_class_name("Cherry_(including_sour)___Powdery_mildew") == "Cherry…Powdery_mildew"
+    assert short_class_name("Tomato___Spider_mites Two-spotted_spider_mite") == (
+        "Tomato…spotted_spider_mite"
+    )
+    assert short_class_name("Apple___healthy") == "Apple___healthy"
+    cut = short_class_name("x" * 60)
+    assert len(cut) == NAME_CHARS and "…" in cut[1:-1]
+    for name in ("Corn_(maize)___Cercospora_leaf_spot Gray_leaf_spot", "a" * 29):
+        assert len(short_class_name(name)) <= NAME_CHARS
+
+
+def test_a_runs_last_line_lists_every_plot_it_wrote(tmp_path: Path) -> None:
+    for name in ("metrics.json", MATRIX_PLOT, OVER_TIME_PLOT, "codebook.bin"):
+        (tmp_path / name).write_bytes(b"")
+    assert results_line(tmp_path) == (
+        f"results: {tmp_path} (metrics.json, accuracy_matrix.png, accuracy_over_time.png, "
+        "codebook.bin)"
+    )

@@ -11,7 +11,7 @@ import pytest
 from rich.table import Table
 
 from starfed.server.ops.flower_runs import summarize
-from starfed.shared.metrics import SCORES_DOC, forgetting_text
+from starfed.shared.metrics import SCORES_DOC, faa_text, forgetting_text
 from starfed.shared.progress import PIPED_WIDTH, console, counted
 from starfed.simulations.simulate import filtered_stdout
 
@@ -72,6 +72,14 @@ def test_run_summary_line() -> None:
     assert summarize({**metrics, "steps": 2, "final_forgetting": 1.0}) == (
         "completed · 2 steps · FAA 41.67% · forgetting 1.00 · server wall 59s"
     )
+    # counted as the ServerApp's own last line counts them: this run's steps, then the total
+    second = {**metrics, "steps_this_run": [], "final_forgetting": 1.0}
+    assert summarize(second).startswith("completed · 0 steps this run, 1 in the federation · ")
+    first = {**second, "steps_this_run": [{"step": 0, "status": "completed"}]}
+    assert summarize(first).startswith("completed · 1 step this run · FAA")
+    none_yet = {"status": "failed", "steps": 0, "steps_this_run": []}  # no FAA yet
+    assert summarize(none_yet).startswith("failed · 0 steps this run · FAA n/a · ")
+    assert faa_text(float("nan")) == "FAA n/a" and faa_text(16.8) == "FAA 16.80%"
 
 
 #: The start of a simulation's log as ``flwr log`` prints it (Flower 1.42, colours and all).

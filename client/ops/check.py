@@ -11,16 +11,14 @@ it would do that the engineer may not expect (skip a task, score no test image o
 from __future__ import annotations
 
 import json
-import os
 import tempfile
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from starfed.client import memory
 from starfed.shared.codebook.framing import read_message
 from starfed.shared.config import BackboneOptions
-from starfed.shared.data.images import DatasetError, decode_images
+from starfed.shared.data.images import DatasetError, decode_quietly
 from starfed.shared.data.site_folder import HELD_OUT_SHARE, TEST_FOLDER, SiteFolder, class_key
 from starfed.shared.model.backbone_config import BackboneError, preset_config, read_backbone_config
 from starfed.shared.progress import counted
@@ -178,14 +176,10 @@ def _images(report: SiteCheck, folder: SiteFolder, size: int, progress: bool) ->
     for key, paths in folder.test.items():
         owners |= {p: owners.get(p, f"{TEST_FOLDER}/{key}") for p in paths}
     paths = list(owners)
-    readable: set[str] = set()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # decode_images warns about what is reported here
-        for start in range(0, len(paths), DECODE_BATCH):
-            batch = paths[start : start + DECODE_BATCH]
-            decoded = decode_images([(p, 0) for p in batch], size, None, progress)
-            readable |= set(decoded.paths)
-    report.unreadable = [p for p in paths if os.path.realpath(p) not in readable]
+    report.unreadable = []
+    for start in range(0, len(paths), DECODE_BATCH):
+        batch = paths[start : start + DECODE_BATCH]
+        report.unreadable += decode_quietly([(p, 0) for p in batch], size, progress)[1]
     if not report.unreadable:
         report.add(OK, "images", f"all {len(paths)} images decode")
         return

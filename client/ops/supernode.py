@@ -58,7 +58,7 @@ from typing import IO
 
 import tomli_w
 
-from starfed.client.ops import data_lock
+from starfed.client.ops import data_lock, dialling
 from starfed.client.worker import CANNOT_START
 from starfed.server.ops import clock, pki, processes
 from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
@@ -146,6 +146,7 @@ class SiteOptions:
     fingerprint: str = ""
     worker: bool = True  # answer messages in a long-lived site worker (starfed.client.worker)
     privacy: tuple[float, float] = (0.0, 0.0)  # the site's own target (ε, δ); ε 0: none
+    give_up_s: float = dialling.GIVE_UP_S  # not reached once in this long: stop (0: never)
 
     @property
     def worker_socket(self) -> Path:
@@ -198,6 +199,7 @@ def prepare(
     privacy: tuple[float, float] = (0.0, 0.0),
     insecure: bool = False,
     worker: bool = True,
+    give_up_s: float = dialling.GIVE_UP_S,
 ) -> SiteOptions:
     """Check every input once, here; what comes out is what the SuperNode gets."""
     addresses.parse_address(server)  # ValueError: bad input
@@ -224,9 +226,12 @@ def prepare(
         raise SiteError(f"--state {state} must not be inside --data {data}")
     if not device.strip() or any(c.isspace() for c in device):
         raise SiteError(f"--device must be one word, e.g. auto, cpu, cuda:0; got {device!r}")
+    if not give_up_s >= 0:
+        raise SiteError(f"--give-up-after must be 0 (never) or more seconds, got {give_up_s}")
     return SiteOptions(
-        server, data, state, name, device, ca, key, insecure, fingerprint, worker, privacy
-    )
+        server, data, state, name, device, ca, key, insecure, fingerprint, worker, privacy,
+        give_up_s,
+    )  # fmt: skip
 
 
 def write_node_config(path: Path, options: SiteOptions) -> None:
@@ -295,16 +300,21 @@ def _supervise(
     seen: set[ProcessId],
     outcome: SiteRun,
     stop_reason: list[str],
+    dial: dialling.Dialling,
 ) -> str | None:
     """Wait until the SuperNode ends, a stop signal arrives, the site worker ends (no message
-    could be answered: stop at once, with its reason) or a failure line was seen (then give
-    Flower 10 s to exit by itself); SIGTERM it if it still runs. Records its process tree in
-    ``seen`` as it grows; returns the signal that stopped it, if any."""
+    could be answered: stop at once, with its reason), it gave up reaching the server, or a
+    failure line was seen (then give Flower 10 s to exit by itself); SIGTERM it if it still
+    runs. Records its process tree in ``seen`` as it grows; returns the signal that stopped
+    it, if any."""
     fatal_since: float | None = None
     while popen.poll() is None and not stop_reason:
         seen |= processes.descendants(seen)
         if worker is not None and (ended := worker.ended()):
             outcome.failure = outcome.failure or ended
+            break
+        if outcome.failure is None and (why := dial.gave_up(time.monotonic())):
+            outcome.failure = why
             break
         if outcome.failure and fatal_since is None:
             fatal_since = time.monotonic()
@@ -395,23 +405,36 @@ def _start_superexec(
                "--secret-file", str(options.superexec_secret)]  # fmt: skip
     popen = processes.spawn(command, env=env, cwd=options.state)
     threading.Thread(target=_pump, args=(popen.stdout, log, echo, lambda _: None),
-                     daemon=True).start()  # fmt: skip
+                     kwargs={"local": dialling.LOCAL_RETRY}, daemon=True).start()  # fmt: skip
     return popen
 
 
-def _pump(stream: IO[bytes], log: IO[str], echo: IO[str] | None, on_line: Callable[[str], None]):
-    """Copy the SuperNode's output line by line to the log (and terminal), classifying it."""
+def _pump(
+    stream: IO[bytes],
+    log: IO[str],
+    echo: IO[str] | None,
+    on_line: Callable[[str], str | None],
+    local: re.Pattern[str] | None = None,
+) -> None:
+    """Copy the SuperNode's output line by line to the log (and terminal), classifying it;
+    ``on_line`` may add a line of ours after it. Lines ``local`` matches are about a local
+    connection (the SuperExec's to its SuperNode), not the server: to the log only, marked."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
-        on_line(line)
+        note = on_line(line)
+        lines = line + (f"starfed: {note}\n" if note else "")
+        is_local = local is not None and local.search(line) is not None
         try:
-            log.write(line)
-            log.flush()
-            if echo is not None:
-                echo.write(line)
-                echo.flush()
+            _write(log, f"(local SuperExec, not the server) {line}" if is_local else lines)
+            if echo is not None and not is_local:
+                _write(echo, lines)
         except (OSError, ValueError):  # closed after we gave up waiting: drop the rest
             return
+
+
+def _write(out: IO[str], text: str) -> None:
+    out.write(text)
+    out.flush()
 
 
 def _record(started: dict[str, subprocess.Popen | None], log: Path) -> ProcessRecord:
@@ -473,14 +496,17 @@ def _run(
 
     self_stopped: list[bool] = []
 
-    def on_line(line: str) -> None:
+    dial = dialling.Dialling(options.server, options.give_up_s)
+
+    def on_line(line: str) -> str | None:
         if SELF_STOP.search(line):
             self_stopped.append(True)
         if outcome.failure is None:
             for failure in FAILURES:
                 if failure.pattern.search(line):
                     outcome.failure = failure.explain(options)
-                    return
+                    return None
+        return dial.see(line, time.monotonic())
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     seen: set[ProcessId] = set()
@@ -490,6 +516,7 @@ def _run(
     pump: threading.Thread | None = None
     try:
         with log_file.open("a") as log:
+            _write(log, f"starfed: site {options.name} dials the server at {options.server}\n")
             try:
                 if options.worker:
                     worker = _start_worker(options, env, log)
@@ -510,7 +537,7 @@ def _run(
                 record = _record(started, log_file)
                 record.save(options.run_file)
                 on_started(record)
-                outcome.stopped_by = _supervise(popen, worker, seen, outcome, stop_reason)
+                outcome.stopped_by = _supervise(popen, worker, seen, outcome, stop_reason, dial)
             finally:  # whatever happened: nothing of the SuperNode outlives us
                 for helper in (worker and worker.popen, superexec):
                     if helper is not None and helper.poll() is None:

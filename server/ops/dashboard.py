@@ -46,7 +46,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import matplotlib
 import uvicorn
 from matplotlib import dates
 from matplotlib.figure import Figure
@@ -66,10 +65,14 @@ from starfed.server.federation import CODEBOOK_FILE, COMPLETED, DEGRADED, FAILED
 from starfed.server.ops import sites, status
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.metrics import (
+    LABEL_EVERY_TASK,
+    TASK_COLOURS,
     AccuracyMatrix,
     nan_to_none,
     plot_accuracy_matrix,
     plot_accuracy_over_time,
+    short_class_name,
+    task_ticks,
 )
 from starfed.shared.progress import counted
 from starfed.shared.protocol import Phase
@@ -263,8 +266,23 @@ def _timeline_data(state: State) -> list[tuple[str, str, float, float]]:
     return bars
 
 
+def _clock_axis(ax, first: float, last: float) -> None:
+    """UTC clock times from ``first`` to ``last`` (seconds) on the x axis, the date in its
+    label; a span under a minute is widened to one, so no tick reads as a fraction."""
+    pad = max(60.0 - (last - first), 0.0) / 2 + 0.02 * (last - first)
+    ends = (dates.date2num(datetime.fromtimestamp(t, UTC)) for t in (first - pad, last + pad))
+    ax.set_xlim(*ends)
+    ax.xaxis.set_major_locator(dates.AutoDateLocator(minticks=3, maxticks=6, tz=UTC))
+    days = sorted({datetime.fromtimestamp(t, UTC).date() for t in (first, last)})
+    clock = "%H:%M:%S" if len(days) == 1 else "%d %b %H:%M"
+    ax.xaxis.set_major_formatter(dates.DateFormatter(clock, tz=UTC))
+    ax.set_xlabel("UTC, " + " to ".join(f"{day:%Y-%m-%d}" for day in days))
+
+
 def _draw_timeline(bars: list[tuple[str, str, float, float]], out: BinaryIO) -> None:
-    fig = Figure(figsize=(6.5, 1.4 + 0.3 * len(bars)), layout="constrained")
+    """Clock times on the axis (the date in its label), never fractions of a second: a span
+    shorter than a minute is widened to one."""
+    fig = Figure(figsize=(6.5, 1.6 + 0.3 * len(bars)), layout="constrained")
     ax = fig.subplots()
     for row, (_, state, start, wall) in enumerate(bars):
         left = dates.date2num(datetime.fromtimestamp(start, UTC))
@@ -272,13 +290,13 @@ def _draw_timeline(bars: list[tuple[str, str, float, float]], out: BinaryIO) -> 
     ax.set_yticks(range(len(bars)), [label for label, *_ in bars])
     ax.invert_yaxis()
     ax.set_ylabel("step")
-    ax.xaxis.set_major_formatter(dates.ConciseDateFormatter(ax.xaxis.get_major_locator()))
+    first = min(start for *_, start, _ in bars)
+    _clock_axis(ax, first, max(start + max(wall, 1.0) for *_, start, wall in bars))
     shown = dict.fromkeys(state for _, state, *_ in bars)
     ax.legend(
         handles=[Patch(color=COLOURS.get(s, "#9e9e9e"), label=s) for s in shown],
         fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False,
     )  # fmt: skip
-    ax.set_title("steps over time (UTC)", fontsize=10)
     fig.savefig(out, format="png", dpi=110)
 
 
@@ -296,7 +314,6 @@ def _draw_bytes(rows: list[tuple[str, int, int]], out: BinaryIO) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("MiB on the wire")
     ax.legend(fontsize=7)
-    ax.set_title("bytes per step", fontsize=10)
     fig.savefig(out, format="png", dpi=110)
 
 
@@ -307,17 +324,17 @@ def _sites_data(state: State) -> dict[str, dict[int, float]]:
 def _draw_sites(series: dict[str, dict[int, float]], out: BinaryIO) -> None:
     fig = Figure(figsize=(6.5, 3.2), layout="constrained")
     ax = fig.subplots()
-    colours = matplotlib.colormaps["tab10"]
     for i, (site, by_step) in enumerate(series.items()):
         steps = sorted(by_step, key=int)
         ax.plot([int(s) + 1 for s in steps], [by_step[s] for s in steps], marker="o",
-                color=colours(i % 10), label=site)  # fmt: skip
+                color=TASK_COLOURS[i % len(TASK_COLOURS)], label=site)  # fmt: skip
     ax.set_xlabel("after step")
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, 100)
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    shown = sorted({int(s) + 1 for by_step in series.values() for s in by_step})
+    ax.set_xlim(shown[0] - 0.5, shown[-1] + 0.5)
+    ax.set_xticks([t + 1 for t in task_ticks(shown[-1])])
     ax.legend(fontsize=7, loc="lower left")
-    ax.set_title("each site's accuracy on its own test images", fontsize=10)
     fig.savefig(out, format="png", dpi=110)
 
 
@@ -326,19 +343,19 @@ def _matrix_data(state: State) -> AccuracyMatrix:
 
 
 PLOTS: dict[str, Plot] = {
-    "steps": Plot("the steps over time, by status", _timeline_data, _draw_timeline),
+    "steps": Plot("the steps over time (UTC), by status", _timeline_data, _draw_timeline),
     "accuracy": Plot(
         "the federation's accuracy by arrival step, and their mean (FAA)",
         _matrix_data,
         lambda m, out: plot_accuracy_over_time(m, out, "accuracy by arrival step (sites' tests)"),
     ),
-    "sites": Plot("each site's accuracy", _sites_data, _draw_sites),
+    "sites": Plot("each site's accuracy on its own test images", _sites_data, _draw_sites),
     "matrix": Plot(
         "the accuracy matrix: row i after step i, column j the classes of step j",
         _matrix_data,
         lambda m, out: plot_accuracy_matrix(m, out, "accuracy matrix (sites' test images)"),
     ),
-    "bytes": Plot("bytes per step", _bytes_data, _draw_bytes),
+    "bytes": Plot("bytes per step, to the sites and from them", _bytes_data, _draw_bytes),
 }
 
 
@@ -377,6 +394,14 @@ def _table(
     return Html(f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
+def _class_name(name: str | None) -> Html | None:
+    """A class name that fits a table cell, cut in the middle (the disease stays); the whole
+    name on hover."""
+    if name is None:
+        return None
+    return Html(f'<span title="{_text(name)}">{_text(short_class_name(name))}</span>')
+
+
 def _percent(value: float | None) -> str:
     return "—" if value is None or value != value else f"{value:.2f}"
 
@@ -389,13 +414,16 @@ def _section(title: str, *parts: str) -> str:
     return f'<section id="{title}"><h2>{_text(title)}</h2>{"".join(parts)}</section>'
 
 
-def _plot(state: State, name: str) -> str:
+def _plot(state: State, name: str, wide: bool = False) -> str:
+    """A plot in the grid; ``wide``: a row of its own, at its own size (scrolls when the window
+    is narrower), so a large accuracy matrix is never squeezed into a column."""
     plot = PLOTS[name]
     data = plot.data(state)
     if not data:
         return f'<p class="empty">{_text(plot.title)}: nothing to draw yet</p>'
     return (
-        f'<figure><img class="plot" src="plots/{name}.png?v={_digest(data)}" '
+        f"<figure{' class=wide' if wide else ''}>"
+        f'<img class="plot" src="plots/{name}.png?v={_digest(data)}" '
         f'alt="{_text(plot.title)}"><figcaption>{_text(plot.title)}</figcaption></figure>'
     )
 
@@ -516,7 +544,7 @@ def _sites(state: State) -> str:
     )
     screened = _table(
         ("site", "step", "phase", "class", "what", "why"),
-        ((f.site, f.step + 1, f"{f.phase}/{f.round}", f.name or None, _badge(f.action),
+        ((f.site, f.step + 1, f"{f.phase}/{f.round}", _class_name(f.name or None), _badge(f.action),
           f.reason) for f in s.findings),
         "nothing capped or rejected in the last steps",
     )  # fmt: skip
@@ -554,13 +582,15 @@ def _steps(state: State) -> str:
 
 
 def _accuracy(state: State) -> str:
-    plots = "".join(_plot(state, name) for name in ("accuracy", "sites", "matrix"))
+    wide = len(state.accuracy_matrix) > LABEL_EVERY_TASK
+    plots = _plot(state, "accuracy") + _plot(state, "sites") + _plot(state, "matrix", wide)
     return _section("accuracy", f'<div class="plots">{plots}</div>')
 
 
 def _classes(state: State) -> str:
     rows = (
-        (c.name, c.step + 1, ", ".join(f"{site} ({when})" for site, when in c.sites.items()),
+        (_class_name(c.name), c.step + 1,
+         ", ".join(f"{site} ({when})" for site, when in c.sites.items()),
          "yes" if c.frozen else "no", _percent(state.class_accuracy.get(c.name)))
         for c in state.status.classes
     )  # fmt: skip
@@ -605,6 +635,7 @@ th{background:#f3f3f3}.badge{color:#fff;border-radius:3px;padding:0 6px;font-siz
 .phase.now{background:#1565c0;border-color:#1565c0;color:#fff;font-weight:bold}
 .plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(440px,1fr));gap:1em}
 figure{margin:0}figcaption{color:#555;font-size:12px}img.plot{width:100%;height:auto}
+figure.wide{grid-column:1/-1;overflow-x:auto}figure.wide img.plot{width:auto;max-width:none}
 #lost{background:#fff3e0;border:1px solid #ef6c00;padding:.3em .8em}
 """
 

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -35,7 +38,7 @@ from starfed.server.ops import processes
 from starfed.server.ops.exit_codes import EXIT_DEGRADED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from starfed.shared.config import TABLES, ConfigError
 from starfed.shared.files import write_atomic
-from starfed.shared.metrics import forgetting_text
+from starfed.shared.metrics import faa_text, forgetting_text
 from starfed.shared.progress import counted
 
 CONNECTION = "starfed"  # the one SuperLink connection in every Flower config starfed writes
@@ -215,13 +218,75 @@ class FlowerCli:
     def stop(self, run_id: int) -> None:
         self.ask("stop", str(run_id))
 
-    def stream_logs(self, run_id: int, sink: IO | None = None) -> subprocess.Popen:
+    def stream_logs(self, run_id: int, sink: IO | None = None) -> LogStream:
         """``flwr log --stream`` in the background onto ``sink`` (our stdout when None): the
-        ServerApp's progress. It ends by itself once the run has finished. Its own messages
-        (stderr) are dropped: the follower reports a lost SuperLink in one line, where the
-        stream would print Flower's "Connection to the SuperLink is unavailable" box."""
-        options = {**self.process_options, "stdout": sink, "stderr": subprocess.DEVNULL}
-        return subprocess.Popen(self.command("log", str(run_id), "--stream"), **options)
+        ServerApp's progress, less Flower's report of an expected failure
+        (:func:`without_expected_failure`). It ends by itself once the run has finished. Its
+        own messages (stderr) are dropped: the follower reports a lost SuperLink in one line,
+        where the stream would print Flower's "Connection to the SuperLink is unavailable"
+        box."""
+        options = {**self.process_options, "stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL}
+        popen = subprocess.Popen(self.command("log", str(run_id), "--stream"), **options)
+        return LogStream(popen, sink)
+
+
+#: How an expected failure of the ServerApp ends Flower's traceback (``server.app.RunFailed``,
+#: raised after the ServerApp printed its reason as one line).
+EXPECTED_FAILURE = "starfed.server.app.RunFailed: "
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_BOX_LINES = 8  # Flower's "Exit Code: 201" box after the traceback, at most
+
+
+def without_expected_failure(lines: Iterable[str]) -> Iterator[str]:
+    """``lines`` of a run's log less Flower's report of a ServerApp that failed as expected —
+    "ServerApp raised an exception", the traceback, the "Exit Code: 201" box: it repeats the
+    reason the ServerApp printed, which the command says again at its end. Any other
+    exception's traceback passes whole; ``flwr log RUN --show`` keeps everything."""
+    held: list[str] = []
+    box = 0  # lines of Flower's exit box still to drop
+    for line in lines:
+        plain = _ANSI.sub("", line)
+        if box:
+            box = 0 if "For more information" in plain else box - 1
+        elif held:
+            held.append(line)
+            if plain.startswith(EXPECTED_FAILURE):
+                held, box = [], _BOX_LINES
+            elif plain.strip() and not plain.startswith((" ", "Traceback")):
+                yield from held  # another exception: the user needs all of it
+                held = []
+        elif "ServerApp raised an exception" in plain:
+            held = [line]
+        else:
+            yield line
+    yield from held
+
+
+class LogStream:
+    """A run's log streaming in the background (``flwr log --stream``), filtered onto a sink."""
+
+    def __init__(self, popen: subprocess.Popen, sink: IO | None) -> None:
+        self.popen = popen
+        self._pump = threading.Thread(target=self._copy, args=(sink,), daemon=True)
+        self._pump.start()
+
+    def _copy(self, sink: IO | None) -> None:
+        lines = (raw.decode(errors="replace") for raw in iter(self.popen.stdout.readline, b""))
+        for line in without_expected_failure(lines):
+            out = sink or sys.stdout
+            with contextlib.suppress(OSError, ValueError):
+                out.write(line)
+                out.flush()
+
+    def wait(self, timeout: float) -> None:
+        """Until the stream ended (TimeoutExpired if it has not) and all of it was copied."""
+        self.popen.wait(timeout)
+        self._pump.join(timeout)
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+        self.popen.wait()
+        self._pump.join(5.0)
 
 
 # --- a run, start to end ---------------------------------------------------------------------
@@ -272,7 +337,7 @@ def run_to_end(
     be submitted or followed.
     """
     run_id: int | None = None
-    logs: subprocess.Popen | None = None
+    logs: LogStream | None = None
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         run_id = cli.submit(app, overrides, federation_config)
@@ -300,7 +365,6 @@ def run_to_end(
                 logs.wait(10)  # the stream ends by itself once the run has finished
             except subprocess.TimeoutExpired:
                 logs.terminate()
-                logs.wait()
 
 
 # --- the result ------------------------------------------------------------------------------
@@ -330,10 +394,16 @@ def exit_code(outcome: RunOutcome, metrics: dict | None) -> int:
 
 
 def summarize(metrics: dict) -> str:
-    """One line of a run's ``metrics.json``."""
+    """One line of a run's ``metrics.json``; its steps counted as the ServerApp's last line
+    counts them ("N steps this run"), with the federation's total when that differs."""
     faa = metrics.get("final_average_accuracy")
-    parts = [f"{metrics.get('status', '?')} · {counted(metrics.get('steps', 0), 'step')}"]
-    parts.append(f"FAA {faa:.2f}%" if isinstance(faa, int | float) else "FAA n/a")
+    steps = counted(metrics.get("steps", 0), "step")
+    if (this_run := metrics.get("steps_this_run")) is not None:
+        mine = f"{counted(len(this_run), 'step')} this run"
+        total = metrics.get("steps", 0)
+        steps = mine if len(this_run) == total else f"{mine}, {total} in the federation"
+    parts = [f"{metrics.get('status', '?')} · {steps}"]
+    parts.append(faa_text(faa))
     forgetting = metrics.get("final_forgetting")
     if isinstance(forgetting, int | float):
         parts.append(forgetting_text(forgetting))

@@ -25,20 +25,21 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import ssl
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from starfed.server.ops import flower_runs, processes
-from starfed.server.ops.certs import certificate_sans
+from starfed.server.ops.certs import LOCAL_NAMES, certificate_sans
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
-from starfed.shared.addresses import format_address
+from starfed.shared.addresses import format_address, is_loopback, is_wildcard
 from starfed.shared.files import write_atomic
 
 DEFAULT_LISTEN = "0.0.0.0:9092"  # Flower's traditional Fleet API port
@@ -258,16 +259,33 @@ def _ssl_context(
     return context
 
 
-def _answers(url: str, verify: ssl.SSLContext | bool, status: int) -> bool:
-    try:
-        return httpx.get(url, verify=verify, timeout=2.0, trust_env=False).status_code == status
-    except httpx.HTTPError:
-        return False
+def _answers(url: str, verify: ssl.SSLContext | bool, status: int) -> Callable[[], bool]:
+    def ready() -> bool:
+        try:
+            return httpx.get(url, verify=verify, timeout=2.0, trust_env=False).status_code == status
+        except httpx.HTTPError:
+            return False
+
+    return ready
 
 
-def _wait_until_answers(
-    managed: ManagedProcess, url: str, verify: ssl.SSLContext | bool, status: int
-) -> None:
+def _accepts(host: str, port: int, context: ssl.SSLContext | bool) -> Callable[[], bool]:
+    """Whether ``host:port`` completes a connection (and a TLS handshake with our CA): the
+    gateway's readiness, asked without a request, which the gateway would log as refused."""
+
+    def ready() -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=2.0) as raw:
+                if isinstance(context, ssl.SSLContext):
+                    context.wrap_socket(raw, server_hostname=host).close()
+            return True
+        except OSError:  # ssl.SSLError too
+            return False
+
+    return ready
+
+
+def _wait_until(managed: ManagedProcess, ready: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if not managed.id.alive():
@@ -275,10 +293,10 @@ def _wait_until_answers(
                 f"{managed.name} exited during start-up: {_tail(Path(managed.output))} "
                 f"(full output: {managed.output})"
             )
-        if _answers(url, verify, status):
+        if ready():
             return
         time.sleep(0.3)
-    raise ServerError(f"{managed.name} did not answer {url} within {STARTUP_TIMEOUT_S:.0f}s")
+    raise ServerError(f"{managed.name} did not answer {what} within {STARTUP_TIMEOUT_S:.0f}s")
 
 
 def _launch(name: str, command: list[str], folder: ServerFolder) -> ManagedProcess:
@@ -294,8 +312,6 @@ def _launch(name: str, command: list[str], folder: ServerFolder) -> ManagedProce
 
 def _local_url(options: ServerOptions, host: str, port: int, path: str) -> str:
     scheme = "http" if options.insecure else "https"
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"  # a wildcard bind answers on loopback too, under a name we signed
     return f"{scheme}://{format_address(host, port)}{path}"
 
 
@@ -322,7 +338,7 @@ def start(folder: ServerFolder, options: ServerOptions) -> RunRecord:
         record.processes.append(superlink)
         record.save(folder.run_file)  # from here on, `stop` can clean up even if we die
         health = _local_url(options, "127.0.0.1", options.internal_port, "/health")
-        _wait_until_answers(superlink, health, _ssl_context(folder, options), 200)
+        _wait_until(superlink, _answers(health, _ssl_context(folder, options), 200), health)
         if options.isolation == "process":
             superexec = _launch(
                 "superexec", superexec_command(folder, options, superlink.pid), folder
@@ -332,8 +348,10 @@ def start(folder: ServerFolder, options: ServerOptions) -> RunRecord:
         gateway = _launch("gateway", gateway_command(folder, options, superlink.pid), folder)
         record.processes.append(gateway)
         record.save(folder.run_file)
-        probe = _local_url(options, options.listen_host, options.listen_port, "/")
-        _wait_until_answers(gateway, probe, _ssl_context(folder, options, False), 403)
+        # a wildcard bind answers on loopback too, under a name we signed
+        host = "127.0.0.1" if is_wildcard(options.listen_host) else options.listen_host
+        accepts = _accepts(host, options.listen_port, _ssl_context(folder, options, False))
+        _wait_until(gateway, accepts, format_address(host, options.listen_port))
         if options.isolation == "process":
             time.sleep(1.0)  # the SuperExec has no port to probe: it must at least stay up
             if not superexec.id.alive():
@@ -398,8 +416,14 @@ def wait_foreground(record: RunRecord) -> str:
 
 
 def public_names(folder: ServerFolder, options: ServerOptions) -> Sequence[str]:
-    """Addresses sites can dial: the server certificate's names, or the listen host."""
+    """Addresses sites can dial, never a wildcard bind address (``0.0.0.0``): the server
+    certificate's names (a site's TLS refuses any other) — the remote ones, or the local ones
+    when it has no other or the gateway listens on loopback; without TLS the listen host."""
+    host, port = options.listen_host, options.listen_port
     if options.insecure or not folder.server_cert.exists():
-        return [options.public_address]
-    names = [n for n in certificate_sans(folder.server_cert) if n not in ("127.0.0.1", "localhost")]
-    return [format_address(n, options.listen_port) for n in names] or [options.public_address]
+        return [format_address("127.0.0.1" if is_wildcard(host) else host, port)]
+    names = certificate_sans(folder.server_cert)
+    local = [n for n in names if n in LOCAL_NAMES]
+    remote = [n for n in names if n not in LOCAL_NAMES]
+    chosen = local if is_loopback(host) or not remote else remote
+    return [format_address(n, port) for n in chosen]

@@ -111,7 +111,7 @@ def model_card(federation: Federation, export: Deployable, out: Path, dtype: str
         },
         "confidence_modulation": codebook.metadata[CONFIDENCE_KEY] == "true",
         "classes": [
-            {"name": name, "step": federation.registry[name].step,
+            {"name": name, "step": federation.registry[name].step + 1,  # 1-based, as shown
              "registered": federation.registry[name].registered,
              "sites": federation.registry[name].sites}
             for name in codebook.names

@@ -173,18 +173,32 @@ def decode_images(
     # A fresh array already in sample order is used as is; a read-only memmap is always copied.
     images = stored if in_place and stored.flags.writeable else stored[rows]
     if failed:
-        shown = ", ".join(failed[:5]) + (", ..." if len(failed) > 5 else "")
-        warnings.warn(
-            f"skipped {counted(len(failed), 'unreadable image file')}: {shown}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        warnings.warn(skipped_files(failed), RuntimeWarning, stacklevel=2)
     return DecodedImages(
         images=torch.from_numpy(np.ascontiguousarray(images)),
         labels=torch.tensor([label for _, label in kept], dtype=torch.int64),
         paths=[p for p, _ in kept],
         n_skipped=len(samples) - len(kept),
     )
+
+
+def skipped_files(paths: Sequence[str]) -> str:
+    """One line naming unreadable files (the first five)."""
+    shown = ", ".join(paths[:5]) + (", ..." if len(paths) > 5 else "")
+    return f"skipped {counted(len(paths), 'unreadable image file')}: {shown}"
+
+
+def decode_quietly(
+    samples: Sequence[tuple[str, int]], image_size: int, progress: bool = False
+) -> tuple[DecodedImages, list[str]]:
+    """``decode_images`` for whoever names each unreadable file itself (``predict``,
+    ``evaluate``, ``site check``: one clean line, not a Python warning): the decoded images and
+    the unreadable paths, as given."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        decoded = decode_images(samples, image_size, progress=progress)
+    read = set(decoded.paths)
+    return decoded, [p for p, _ in samples if os.path.realpath(p) not in read]
 
 
 def to_unit(images: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ What the model needs besides tensors travels in the codebook's metadata
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.deployment import class_steps, confidence_modulation
-from starfed.shared.data.images import DatasetError, decode_images, to_unit
+from starfed.shared.data.images import DatasetError, decode_quietly, to_unit
 from starfed.shared.data.site_folder import class_key, folder_test_images
 from starfed.shared.metrics import nan_to_none
 from starfed.shared.model.backbones import Backbones
@@ -57,7 +56,7 @@ class ImagePrediction:
     path: str
     name: str  # predicted class
     probability: float  # softmax of the aligned head's logits, for that class
-    task: int  # registration step of the class selected in most blocks
+    task: int  # registration step (1-based, as users see steps) of the class selected most
 
 
 class Predictor:
@@ -89,23 +88,17 @@ class Predictor:
         names = self.codebook.names
         for start in range(0, len(paths), batch_size):
             batch = list(paths[start : start + batch_size])
-            with warnings.catch_warnings():  # unreadable files are returned, one by one
-                warnings.simplefilter("ignore", RuntimeWarning)
-                decoded = decode_images(
-                    [(p, i) for i, p in enumerate(batch)],
-                    self.backbones.config.image_size,
-                    progress=False,
-                )
+            decoded, skipped = decode_quietly(  # unreadable files are returned, one by one
+                [(p, i) for i, p in enumerate(batch)], self.backbones.config.image_size
+            )
             kept = decoded.labels.tolist()
-            readable = set(kept)
-            skipped = [p for i, p in enumerate(batch) if i not in readable]
             if not kept:
                 yield [], skipped
                 continue
             rows, probability, tasks = (t.tolist() for t in self.classify(decoded.images))
             columns = zip(kept, rows, probability, tasks, strict=True)
             predictions = [
-                ImagePrediction(batch[i], names[row], p, self.steps[names[task]])
+                ImagePrediction(batch[i], names[row], p, self.steps[names[task]] + 1)
                 for i, row, p, task in columns
             ]
             yield predictions, skipped
@@ -121,8 +114,7 @@ class LabelledImages:
         samples = [(p, i) for i, key in enumerate(self.keys) for p in classes[key]]
         if not samples:
             raise DatasetError(f"{folder}: no test images (class folders, or a site's test/)")
-        self.n_files = len(samples)
-        self.test = decode_images(samples, backbones.config.image_size, progress=False)
+        self.test, self.unreadable = decode_quietly(samples, backbones.config.image_size)
         self.features = clip_features(backbones, self.test.images)
 
     def rows(self, names: Sequence[str]) -> torch.Tensor:
@@ -159,15 +151,16 @@ class Evaluation:
     scores: ClassScores
     confusion: torch.Tensor  # int64 [C, C]: true row x predicted row
     left_out: dict[str, int]  # class keys of the folder the codebook lacks -> images
-    unreadable: int  # image files that could not be decoded
+    unreadable: list[str]  # image files that could not be decoded
 
     def to_dict(self) -> dict:
-        """Accuracy and prompt-selection accuracy per class, per task (registration step)
-        and overall, in % (None where there is no test image), and the confusion matrix."""
+        """Accuracy and prompt-selection accuracy per class, per task (registration step,
+        1-based as users see steps) and overall, in % (None where there is no test image), and
+        the confusion matrix."""
         s = self.scores
         group = torch.tensor([self.steps[name] for name in self.names], dtype=torch.long)
         classes = [
-            {"name": name, "step": self.steps[name], "images": int(s.images[row]),
+            {"name": name, "step": self.steps[name] + 1, "images": int(s.images[row]),
              "correct": int(s.correct[row]),
              "accuracy": _percent(int(s.correct[row]), int(s.images[row])),
              "selection_accuracy": _percent(int(s.selection_hits[row]), int(s.selections[row]))}
@@ -175,7 +168,7 @@ class Evaluation:
         ]  # fmt: skip
         by_task = group_scores(s, group, max(self.steps.values(), default=-1) + 1)
         tasks = [
-            {"step": step, "classes": int((group == step).sum()),
+            {"step": step + 1, "classes": int((group == step).sum()),
              "images": int(s.images[group == step].sum()),
              "accuracy": nan_to_none(by_task.accuracy[step]),
              "selection_accuracy": nan_to_none(by_task.selection_accuracy[step])}
@@ -188,7 +181,8 @@ class Evaluation:
             "classes": classes,
             "tasks": tasks,
             "left_out": self.left_out,
-            "unreadable": self.unreadable,
+            "unreadable": len(self.unreadable),
+            "unreadable_files": self.unreadable,
             "confusion_matrix": self.confusion.tolist(),
         }
 
@@ -206,5 +200,4 @@ def evaluate(codebook: Codebook, backbones: Backbones, folder: str | Path) -> Ev
     left_out: dict[str, int] = {}
     for label in images.test.labels[lacking].tolist():
         left_out[images.keys[label]] = left_out.get(images.keys[label], 0) + 1
-    unreadable = images.n_files - len(images.test.labels)
-    return Evaluation(names, steps, scores, confusion, left_out, unreadable)
+    return Evaluation(names, steps, scores, confusion, left_out, images.unreadable)
