@@ -71,7 +71,7 @@ def steps(config: TrainConfig, level: int, classes: int, step: int) -> int:
     )
     replay_config = config.replay_config(epochs, 0.0)
     if config.replay_schedule is ReplaySchedule.BOUNDED:
-        return replay_config.bounded_steps(classes)
+        return replay_config.steps
     return replay_config.reference_steps(classes)
 
 
@@ -120,12 +120,16 @@ def measure_level(
 
 
 def measure_point(
-    backbones: Backbones, classes: int, step: int, caps: tuple[int, int]
+    backbones: Backbones,
+    classes: int,
+    step: int,
+    caps: tuple[int, int],
+    schedules: list[ReplaySchedule],
 ) -> list[dict]:
     codebook, before = aged_codebook(backbones, classes)
     in_play = codebook.names[-NEW_PER_STEP:]
     rows = []
-    for schedule in ReplaySchedule:
+    for schedule in schedules:
         config = TrainConfig(replay_schedule=schedule)
         row = {"classes": classes, "step": step, "schedule": schedule.value}
         row["register_cpu_s"], _ = timed(
@@ -151,6 +155,8 @@ def main() -> None:
                         help="first-level replay steps run before extrapolating")  # fmt: skip
     parser.add_argument("--level2-cap", type=int, default=1000,
                         help="head replay steps run before extrapolating")  # fmt: skip
+    parser.add_argument("--schedules", default="reference,bounded",
+                        help="replay-schedule values (default: %(default)s)")  # fmt: skip
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -161,7 +167,9 @@ def main() -> None:
     rows = []
     for point in args.points.split(","):
         classes, step = (int(v) for v in point.split(":"))
-        rows += measure_point(backbones, classes, step, (args.level1_cap, args.level2_cap))
+        caps = (args.level1_cap, args.level2_cap)
+        schedules = [ReplaySchedule(s) for s in args.schedules.split(",")]
+        rows += measure_point(backbones, classes, step, caps, schedules)
     print(f"# load at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -254,10 +254,10 @@ SCHEMA: tuple[Knob, ...] = (
          "training", ge=0),
     Knob("replay-schedule", str, "reference", "how many optimizer steps each replay takes: "
          "reference (the paper's epochs over every seen class: a step costs O(t x classes)) or "
-         "bounded (at most replay-steps class-balanced batches, the head warm-started from its "
+         "bounded (replay-steps class-balanced batches at every step, the head warm-started from its "
          "last alignment: docs/model.md#bounded-replay)", "training", choices=REPLAY_SCHEDULES),
-    Knob("replay-steps", int, 500, "the bounded schedule's most optimizer steps of one replay "
-         "(each level)", "training", ge=1),
+    Knob("replay-steps", int, 250, "the bounded schedule's optimizer steps of one replay (each "
+         "level), whatever the step and the number of classes", "training", ge=1),
     Knob("batch-size", int, 128, "training batch size", "training", ge=1),
     Knob("mixture-components", int, 5, "Gaussians per class and feature space", "training", ge=1),
     Knob("confidence-modulation", bool, True, "scale first-level logits by the prompt "

@@ -10,8 +10,8 @@ epoch, redrawn every epoch, shuffled, batches of 128) and used to (the steps ``r
   aligned copy is used for prediction while the next task resumes from the real-data head.
 
 That is the ``reference`` schedule: O(t · C) optimizer steps at step t with C seen classes. The
-``bounded`` schedule (``replay_steps``) minimises the same class-balanced objective with at most
-a fixed number of optimizer steps, each on a batch whose labels cycle through the classes and
+``bounded`` schedule (``replay_steps``) minimises the same class-balanced objective with a fixed
+number of optimizer steps, each on a batch whose labels cycle through the classes and
 whose features are drawn for exactly those labels in one float32 draw on the training device
 (docs/model.md#bounded-replay).
 """
@@ -40,7 +40,7 @@ class ReplaySchedule(StrEnum):
     """How many optimizer steps a replay takes (knob ``replay-schedule``)."""
 
     REFERENCE = "reference"  # epochs over samples_per_class samples of every class: O(t · C)
-    BOUNDED = "bounded"  # at most ``max_steps`` class-balanced batches: O(1) steps in t and C
+    BOUNDED = "bounded"  # ``steps`` class-balanced batches: O(1) steps in t and C
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,11 @@ class ReplayConfig:
     samples_per_class: int = 256
     batch_size: int = 128
     schedule: ReplaySchedule = ReplaySchedule.REFERENCE
-    max_steps: int = 500  # the bounded schedule's budget
+    steps: int = 250  # the bounded schedule's optimizer steps
 
     def reference_steps(self, n_classes: int) -> int:
         """Optimizer steps the reference schedule takes over ``n_classes`` classes."""
         return self.epochs * -(-n_classes * self.samples_per_class // self.batch_size)
-
-    def bounded_steps(self, n_classes: int) -> int:
-        """The reference's steps while they fit the budget, then the budget."""
-        return min(self.reference_steps(n_classes), self.max_steps)
 
 
 @dataclass(frozen=True)
@@ -147,14 +143,14 @@ def replay_steps(
     description: str,
     progress: Progress | None,
 ) -> ReplayWork:
-    """The bounded schedule: SGD (as ``replay_epochs``) for ``config.bounded_steps`` steps, each
+    """The bounded schedule: SGD (as ``replay_epochs``) for ``config.steps`` steps, each
     on a batch of balanced labels whose features are drawn just for them, on the params' device.
     Work: O(steps · batch · C) for the logits, independent of t."""
     device = params[0].device
     stack = MixtureStack.of(mixtures, device)
     draw = device_generator(generator, device)
     optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0.0, weight_decay=0.0)
-    steps = config.bounded_steps(len(stack))
+    steps = config.steps
     labels = balanced_labels(len(stack), config.batch_size, generator)
     with progress_task(progress, description, steps) as advance:
         for _ in range(steps):
