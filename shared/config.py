@@ -254,8 +254,8 @@ SCHEMA: tuple[Knob, ...] = (
          "training", ge=0),
     Knob("replay-schedule", str, "reference", "how many optimizer steps each replay takes: "
          "reference (the paper's epochs over every seen class: a step costs O(t x classes)) or "
-         "bounded (replay-steps class-balanced batches at every step, the head warm-started from its "
-         "last alignment: docs/model.md#bounded-replay)", "training", choices=REPLAY_SCHEDULES),
+         "bounded (replay-steps class-balanced batches at every step, the head warm-started from "
+         "its last alignment: docs/model.md#bounded-replay)", "training", choices=REPLAY_SCHEDULES),
     Knob("replay-steps", int, 250, "the bounded schedule's optimizer steps of one replay (each "
          "level), whatever the step and the number of classes", "training", ge=1),
     Knob("batch-size", int, 128, "training batch size", "training", ge=1),
