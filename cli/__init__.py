@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import NoReturn
 
@@ -17,6 +18,13 @@ from starfed.cli._common import fail
 from starfed.server.ops.exit_codes import EXIT_BAD_INPUT
 from starfed.shared.config import ConfigError
 from starfed.shared.version import package_version
+
+# Before any module loads torch and its OpenMP runtime, which reads this once: a thread waiting
+# for its pool's others sleeps instead of spinning. Spinning threads of two processes on a busy
+# machine wait out each other's time slices: one run slowed 10x when another shared its two
+# cores (docs/benchmarks.md#a-busy-machine-benchbusy_machinepy). Children (cells, Flower's
+# processes, Ray's workers) inherit it; a value the user set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Modules that define `add_parser(subparsers)`, in help order; each module's name is its
 # command's (train_local: `starfed train-local`).

@@ -54,7 +54,8 @@ def replay_head(
 ) -> Codebook:
     """The prediction head of every class re-aligned by replay on every class's H_c (on
     ``device``); the classes ``freeze`` (the step's) are finished."""
+    n_past = _past_prefix(codebook)
     bank = codebook.bank().to(device)
-    replay2(bank, config, step)
+    replay2(bank, n_past, config, step)
     aligned = bank.entries(fields=("aligned_head_weight", "aligned_head_bias"))
     return codebook.set_values({entry.name: entry.values for entry in aligned}, freeze=freeze)

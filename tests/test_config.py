@@ -112,7 +112,8 @@ def test_options_take_defaults_and_values_from_the_knobs(options: type[Options])
     follows it, with "" and 0 as None where a field is optional."""
     own = parse({}, "train-local")
     assert options.from_config(parse({}) | own) == options()
-    others = {"preset": "paper", "wire-dtype": "float16", "device": "cpu", "vit-tag": "augreg"}
+    others = {"preset": "paper", "wire-dtype": "float16", "device": "cpu", "vit-tag": "augreg",
+              "replay-schedule": "bounded"}  # fmt: skip
     changed: dict[str, object] = {}
     for key, knob in {**TABLES["run-config"], **TABLES["train-local"]}.items():
         if knob.kind is bool:
@@ -146,6 +147,7 @@ def test_train_config_keeps_the_reference_values() -> None:
         "stage2_epochs": 5, "stage2_lr": 0.001, "lambda_oq": 5.0, "replay1_epochs": 10,
         "replay1_lr": 0.01, "replay2_epochs": 10, "replay2_epochs_per_task": 5,
         "replay2_lr": 0.001, "replay_samples": 256, "replay_batch_size": 128,
+        "replay_schedule": "reference", "replay_steps": 250,
         "mixture_components": 5, "generative_replay": True, "confidence_modulation": True,
         "seed": 1993,
     }  # fmt: skip

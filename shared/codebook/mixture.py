@@ -94,6 +94,41 @@ class GaussianMixture:
         return self.weights @ self.means
 
 
+@dataclass(frozen=True)
+class MixtureStack:
+    """The mixtures of many classes as stacked float32 tensors on one device, so a batch of
+    samples of any classes is one draw: the bounded replay's memory (``shared/model/replay.py``).
+    Mixtures with fewer components are padded with components of weight 0."""
+
+    weights: torch.Tensor  # [C, M]
+    means: torch.Tensor  # [C, M, D]
+    stds: torch.Tensor  # [C, M, D]
+
+    @classmethod
+    def of(cls, mixtures: list[GaussianMixture], device: torch.device) -> MixtureStack:
+        m = max(mixture.n_components for mixture in mixtures)
+
+        def stacked(field: str) -> torch.Tensor:
+            rows = [getattr(mixture, field) for mixture in mixtures]
+            padded = [torch.cat([r, r.new_zeros(m - len(r), *r.shape[1:])]) for r in rows]
+            return torch.stack(padded).to(device, torch.float32)
+
+        variances = stacked("variances")
+        return cls(stacked("weights"), stacked("means"), variances.clamp_min(0).sqrt())
+
+    def __len__(self) -> int:
+        return int(self.weights.shape[0])
+
+    def sample(self, labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """One float32 feature vector per label (a class row), drawn on the stack's device with
+        ``generator`` (a generator of that device)."""
+        component = torch.multinomial(self.weights[labels], 1, generator=generator).squeeze(1)
+        noise = torch.randn(
+            len(labels), self.means.shape[2], generator=generator, device=self.means.device
+        )
+        return self.means[labels, component] + noise * self.stds[labels, component]
+
+
 def sample_replay_features(
     mixtures: list[GaussianMixture], n_per_class: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

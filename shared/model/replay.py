@@ -8,21 +8,39 @@ epoch, redrawn every epoch, shuffled, batches of 128) and used to (the steps ``r
   fixed), so new keys do not steal past classes' images; the keys are then frozen;
 * second level: train a copy of the head on LogitNorm-ed logits for 10 + 5·t epochs; the
   aligned copy is used for prediction while the next task resumes from the real-data head.
+
+That is the ``reference`` schedule: O(t · C) optimizer steps at step t with C seen classes. The
+``bounded`` schedule (``replay_steps``) minimises the same class-balanced objective with a fixed
+number of optimizer steps, each on a batch whose labels cycle through the classes and
+whose features are drawn for exactly those labels in one float32 draw on the training device
+(docs/model.md#bounded-replay).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
-from starfed.shared.codebook.mixture import GaussianMixture, sample_replay_features
+from starfed.shared.codebook.mixture import (
+    GaussianMixture,
+    MixtureStack,
+    sample_replay_features,
+)
 from starfed.shared.model.first_level import TextKeyEncoder, first_level_logits
 from starfed.shared.model.losses import logit_norm
 from starfed.shared.progress import progress_task
+
+
+class ReplaySchedule(StrEnum):
+    """How many optimizer steps a replay takes (knob ``replay-schedule``)."""
+
+    REFERENCE = "reference"  # epochs over samples_per_class samples of every class: O(t · C)
+    BOUNDED = "bounded"  # ``steps`` class-balanced batches: O(1) steps in t and C
 
 
 @dataclass(frozen=True)
@@ -31,6 +49,20 @@ class ReplayConfig:
     lr: float
     samples_per_class: int = 256
     batch_size: int = 128
+    schedule: ReplaySchedule = ReplaySchedule.REFERENCE
+    steps: int = 250  # the bounded schedule's optimizer steps
+
+    def reference_steps(self, n_classes: int) -> int:
+        """Optimizer steps the reference schedule takes over ``n_classes`` classes."""
+        return self.epochs * -(-n_classes * self.samples_per_class // self.batch_size)
+
+
+@dataclass(frozen=True)
+class ReplayWork:
+    """What one replay did: the quantities that must not grow with t under ``bounded``."""
+
+    steps: int
+    samples: int
 
 
 def first_level_replay_loss(
@@ -63,9 +95,10 @@ def replay_epochs(
     generator: torch.Generator,
     description: str,
     progress: Progress | None,
-) -> None:
+) -> ReplayWork:
     """SGD (no momentum, no weight decay) over freshly sampled features each epoch."""
     optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0.0, weight_decay=0.0)
+    work = ReplayWork(0, 0)
     with progress_task(progress, description, config.epochs) as advance:
         for _ in range(config.epochs):
             features, labels = sample_replay_features(mixtures, config.samples_per_class, generator)
@@ -75,4 +108,59 @@ def replay_epochs(
                 optimizer.zero_grad(set_to_none=True)
                 loss_fn(features[batch], labels[batch]).backward()
                 optimizer.step()
+                work = ReplayWork(work.steps + 1, work.samples + len(batch))
             advance()
+    return work
+
+
+def balanced_labels(
+    n_classes: int, batch_size: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """Endless batches of class rows that cycle through random permutations of all classes:
+    every class is drawn equally often (±1), as the reference's 256 per class per epoch."""
+    pending = torch.zeros(0, dtype=torch.long)
+    while True:
+        while len(pending) < batch_size:
+            pending = torch.cat([pending, torch.randperm(n_classes, generator=generator)])
+        yield pending[:batch_size]
+        pending = pending[batch_size:]
+
+
+def device_generator(generator: torch.Generator, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded from ``generator`` (itself when that is the device)."""
+    if generator.device.type == device.type:
+        return generator
+    seed = int(torch.randint(2**62, (1,), generator=generator))
+    return torch.Generator(device).manual_seed(seed)
+
+
+def replay_steps(
+    mixtures: list[GaussianMixture],
+    config: ReplayConfig,
+    params: list[torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    generator: torch.Generator,
+    description: str,
+    progress: Progress | None,
+) -> ReplayWork:
+    """The bounded schedule: SGD (as ``replay_epochs``) for ``config.steps`` steps, each
+    on a batch of balanced labels whose features are drawn just for them, on the params' device.
+    Work: O(steps · batch · C) for the logits, independent of t."""
+    device = params[0].device
+    stack = MixtureStack.of(mixtures, device)
+    draw = device_generator(generator, device)
+    optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0.0, weight_decay=0.0)
+    steps = config.steps
+    labels = balanced_labels(len(stack), config.batch_size, generator)
+    with progress_task(progress, description, steps) as advance:
+        for _ in range(steps):
+            batch = next(labels).to(device)
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(stack.sample(batch, draw), batch).backward()
+            optimizer.step()
+            advance()
+    return ReplayWork(steps, steps * config.batch_size)
+
+
+#: Each schedule's loop, by the knob's value: the same arguments, the same objective.
+SCHEDULES = {ReplaySchedule.REFERENCE: replay_epochs, ReplaySchedule.BOUNDED: replay_steps}

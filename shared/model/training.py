@@ -36,10 +36,12 @@ from starfed.shared.model.losses import (
     query_orthogonality_loss,
 )
 from starfed.shared.model.replay import (
+    SCHEDULES,
     ReplayConfig,
+    ReplaySchedule,
+    ReplayWork,
     first_level_replay_loss,
     head_replay_loss,
-    replay_epochs,
 )
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.progress import progress_task
@@ -67,6 +69,8 @@ class TrainConfig(Options):
     replay2_lr: float = 0.001
     replay_samples: int = 256
     replay_batch_size: int = 128
+    replay_schedule: ReplaySchedule = knob("replay-schedule", ReplaySchedule)  # noqa: RUF009
+    replay_steps: int = knob("replay-steps")  # the bounded schedule's budget per replay
     mixture_components: int = knob("mixture-components")  # 1 = the paper's "unimodal" ablation
     generative_replay: bool = knob("generative-replay", table="train-local")  # federation: strategy
     confidence_modulation: bool = knob("confidence-modulation")
@@ -74,6 +78,13 @@ class TrainConfig(Options):
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def replay_config(self, epochs: int, lr: float) -> ReplayConfig:
+        """One replay's settings: its epochs and rate, the shared sampling and schedule."""
+        return ReplayConfig(
+            epochs, lr, self.replay_samples, self.replay_batch_size, self.replay_schedule,
+            self.replay_steps,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -207,13 +218,14 @@ def replay1(
     config: TrainConfig,
     task: int,
     progress: Progress | None = None,
-) -> None:
+) -> ReplayWork:
     """First-level replay (unless disabled), then the current keys computed once and frozen.
 
     The current prompts are trained against the keys of all seen classes (past ones fixed) on
     features sampled from every seen class's G_c, so new keys do not steal past classes' images.
     """
     bank, rows = model.bank, slice(n_past, len(model))
+    work = ReplayWork(0, 0)
     if config.generative_replay:
         if any(m is None for m in bank["clip_mixture"]):
             raise ValueError("every seen class needs a CLIP-feature mixture before replay")
@@ -226,18 +238,15 @@ def replay1(
                 model.encoder, features, labels, past_keys, prompts, embeds, eot
             )
 
-        replay = ReplayConfig(
-            config.replay1_epochs, config.replay1_lr, config.replay_samples,
-            config.replay_batch_size,
-        )  # fmt: skip
         generator = phase_generator(config.seed, task, SPECS[Phase.STAGE1_STATS].server_stream)
-        replay_epochs(
-            list(bank["clip_mixture"]), replay, [prompts], loss_fn, generator, "replay: prompts",
-            progress,
+        work = SCHEDULES[config.replay_schedule](
+            list(bank["clip_mixture"]), config.replay_config(config.replay1_epochs,
+            config.replay1_lr), [prompts], loss_fn, generator, "replay: prompts", progress,
         )  # fmt: skip
         bank.set_rows("prompt", n_past, prompts)
     with torch.no_grad():
         bank.set_rows("key", n_past, model.compute_keys(bank["prompt"][rows], rows))
+    return work
 
 
 def stage2(
@@ -340,34 +349,48 @@ def stage2_stats(
     model.bank.set_rows("vit_mixture", n_past, mixtures)
 
 
+def head_start(
+    bank: ClassBank, n_past: int, schedule: ReplaySchedule
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where head replay starts: the real-data head (reference), or the last aligned head of
+    the past classes — already aligned with each other — with the current classes' real-data
+    rows (bounded: only the new rows need aligning, so a fixed budget suffices)."""
+    weight, bias = bank["head_weight"], bank["head_bias"]
+    if schedule is ReplaySchedule.BOUNDED:
+        weight = torch.cat([bank["aligned_head_weight"][:n_past], weight[n_past:]])
+        bias = torch.cat([bank["aligned_head_bias"][:n_past], bias[n_past:]])
+    return weight.detach().clone().requires_grad_(True), bias.detach().clone().requires_grad_(True)
+
+
 def replay2(
-    bank: ClassBank, config: TrainConfig, task: int, progress: Progress | None = None
-) -> None:
+    bank: ClassBank,
+    n_past: int,
+    config: TrainConfig,
+    task: int,
+    progress: Progress | None = None,
+) -> ReplayWork:
     """The head that predicts: a copy of the real-data head aligned by replay on every seen
     class's H_c for 10 + 5·t epochs (from the second task on, unless disabled), else the
     real-data head itself. The next task resumes from the real-data head."""
     if not (config.generative_replay and task > 0):
         bank["aligned_head_weight"] = bank["head_weight"].clone()
         bank["aligned_head_bias"] = bank["head_bias"].clone()
-        return
+        return ReplayWork(0, 0)
     if any(m is None for m in bank["vit_mixture"]):
         raise ValueError("every seen class needs a ViT-feature mixture before replay")
-    weight = bank["head_weight"].detach().clone().requires_grad_(True)
-    bias = bank["head_bias"].detach().clone().requires_grad_(True)
+    weight, bias = head_start(bank, n_past, config.replay_schedule)
 
     def loss_fn(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return head_replay_loss(features, labels, weight, bias)
 
     epochs = config.replay2_epochs + config.replay2_epochs_per_task * task
-    replay = ReplayConfig(
-        epochs, config.replay2_lr, config.replay_samples, config.replay_batch_size
-    )
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].server_stream)
-    replay_epochs(
-        list(bank["vit_mixture"]), replay, [weight, bias], loss_fn, generator, "replay: head",
-        progress,
+    work = SCHEDULES[config.replay_schedule](
+        list(bank["vit_mixture"]), config.replay_config(epochs, config.replay2_lr),
+        [weight, bias], loss_fn, generator, "replay: head", progress,
     )  # fmt: skip
     bank["aligned_head_weight"], bank["aligned_head_bias"] = weight.detach(), bias.detach()
+    return work
 
 
 def learn_task(
@@ -391,7 +414,7 @@ def learn_task(
     replay1(model, n_past, config, task, progress)
     stage2(model, images, labels, n_past, config, task, progress=progress)
     stage2_stats(model, images, labels, n_past, config, task)
-    replay2(model.bank, config, task, progress)
+    replay2(model.bank, n_past, config, task, progress)
     add_counts(model, labels, n_past)
 
 
