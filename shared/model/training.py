@@ -24,6 +24,7 @@ from rich.progress import Progress
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.mixture_fit import fit_on
 from starfed.shared.config import Options, knob
 from starfed.shared.data.images import augment, normalize, to_unit
 from starfed.shared.device import backbone_dtype
@@ -201,6 +202,14 @@ def fit_mixtures(
 MixtureFit = Callable[[torch.Tensor, torch.Tensor, range, int, int], list[GaussianMixture]]
 
 
+def mixture_fit_for(device: torch.device) -> MixtureFit:
+    """The statistics steps' fit where the model computes: on a CUDA GPU every class at once in
+    torch (``starfed.shared.codebook.mixture_fit``: the CPU fits left the card idle, issue 37);
+    elsewhere scikit-learn's, one class at a time (the reference point: the CPU codebook stays
+    as it was)."""
+    return fit_on(device) if device.type == "cuda" else fit_mixtures
+
+
 def replay1(
     model: StarPrompt,
     n_past: int,
@@ -311,10 +320,12 @@ def stage1_stats(
     n_past: int,
     config: TrainConfig,
     task: int,
-    fit: MixtureFit = fit_mixtures,
+    fit: MixtureFit | None = None,
 ) -> None:
-    """Fit G_c of the current classes on their (un-augmented) CLIP features."""
+    """Fit G_c of the current classes on their (un-augmented) CLIP features (``fit``: the
+    device's, ``mixture_fit_for``, unless given)."""
     rows = range(n_past, len(model))
+    fit = fit or mixture_fit_for(model.device)
     mixtures = fit(
         image_features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
     )
@@ -328,12 +339,14 @@ def stage2_stats(
     n_past: int,
     config: TrainConfig,
     task: int,
-    fit: MixtureFit = fit_mixtures,
+    fit: MixtureFit | None = None,
 ) -> None:
-    """Fit H_c of the current classes on prompted CLS features of augmented views."""
+    """Fit H_c of the current classes on prompted CLS features of augmented views (``fit``:
+    the device's, ``mixture_fit_for``, unless given)."""
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].site_stream)
     features = vit_features(model, images, generator)
     rows = range(n_past, len(model))
+    fit = fit or mixture_fit_for(model.device)
     mixtures = fit(
         features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
     )
