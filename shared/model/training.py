@@ -26,7 +26,7 @@ from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.mixture_fit import fit_on
 from starfed.shared.config import Options, knob
-from starfed.shared.data.images import augment, normalize, to_unit
+from starfed.shared.data.images import augment, device_batches, normalize, to_unit
 from starfed.shared.device import backbone_dtype
 from starfed.shared.model import frozen_towers
 from starfed.shared.model.backbones import Backbones
@@ -139,10 +139,8 @@ def clip_features(backbones: Backbones, images: torch.Tensor) -> torch.Tensor:
     (they are cached on disk; the training steps move them to the model's device)."""
     views = Views.of(backbones)
     out = [
-        backbones.clip_image_features(
-            views.pair(to_unit(images[i : i + EVAL_BATCH_SIZE].to(backbones.device)))[1]
-        ).cpu()
-        for i in range(0, len(images), EVAL_BATCH_SIZE)
+        backbones.clip_image_features(views.pair(to_unit(chunk))[1]).cpu()
+        for chunk in device_batches(images, EVAL_BATCH_SIZE, backbones.device)
     ]
     return torch.cat(out) if out else torch.zeros(0, backbones.dims.d_clip)
 
@@ -304,8 +302,7 @@ def vit_features(
     reference fits H_c on its training loader, which augments)."""
     views = Views.of(model.backbones)
     out = []
-    for i in range(0, len(images), EVAL_BATCH_SIZE):
-        chunk = images[i : i + EVAL_BATCH_SIZE].to(model.device)
+    for chunk in device_batches(images, EVAL_BATCH_SIZE, model.device):
         unit = augment(chunk, generator) if generator is not None else to_unit(chunk)
         vit_in, clip_in = views.pair(unit)
         z = model.backbones.clip_image_features(clip_in)
