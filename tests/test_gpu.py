@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 from site_folders import CLASSES, site_folder
 from test_mixture_fit import blobs, log_likelihood
-from test_paper_dims import PAPER_DIMS, small_root
+from test_paper_dims import PAPER_DIMS, one_step_config
 
 from starfed.client import answer
 from starfed.client import app as client_app
@@ -77,15 +77,7 @@ def test_one_federated_step_at_paper_dims_on_cuda(tmp_path: Path, monkeypatch) -
     """Two sites, one step, the local runtime, ``device=cuda``: the statistics steps take the
     batched fit there (``mixture_fit_for``)."""
     monkeypatch.setenv("STARFED_CACHE_DIR", str(tmp_path / "cache"))
-    config = {
-        "preset": "paper-random", "device": "cuda", "seed": 1993,
-        "data-root": str(small_root(tmp_path / "data", CLASSES[:4])),
-        "num-clients": 2, "num-tasks": 2, "classes-per-task": 2, "alpha": 1000.0,
-        "max-steps": 1, "batch-size": 4, "stage1-epochs": 1, "stage2-epochs": 1,
-        "replay1-epochs": 1, "replay2-epochs": 1, "replay2-epochs-per-task": 0,
-        "timeout-s": 600, "wait-s": 1, "results-dir": str(tmp_path / "results"),
-        "run-name": "paper-cuda",
-    }  # fmt: skip
+    config = one_step_config(tmp_path, "cuda", "paper-cuda")
     try:
         metrics = run_locally(config)
     finally:
