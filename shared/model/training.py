@@ -14,6 +14,7 @@ features of augmented views, which change every epoch.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -47,6 +48,11 @@ from starfed.shared.progress import progress_task
 from starfed.shared.protocol import SPECS, Phase
 
 EVAL_BATCH_SIZE = 256
+
+#: ``STARFED_FUSED_ADAM=1``: stage 2's Adam updates all its tensors in one fused kernel
+#: (``fused=True``) instead of a loop of small ones, which are launch-bound on a GPU (issue 37).
+#: Off until a GPU measures it; on the CPU it agrees with the default to float32 rounding.
+FUSED_ADAM = os.environ.get("STARFED_FUSED_ADAM", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -266,7 +272,7 @@ def stage2(
         for name in schema.trained_in(Phase.STAGE2)
     }
     past = {name: bank[name][:n_past] for name in current}
-    optimizer = torch.optim.Adam(current.values(), lr=config.stage2_lr)
+    optimizer = torch.optim.Adam(current.values(), lr=config.stage2_lr, fused=FUSED_ADAM or None)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.stage2_epochs)
     batches_per_epoch = -(-len(labels) // config.batch_size)
 
