@@ -118,6 +118,7 @@ def test_bad_input_is_a_clear_error() -> None:
     x, y = blobs([10, 10], dim=4, spread=1.0, seed=0)
     with pytest.raises(ValueError, match="no training features for class row 2"):
         fit_mixtures_batched(x, y, range(3), 5, seed=0)
+    assert fit_mixtures_batched(x, y, range(0), 5, seed=0) == fit_mixtures(x, y, range(0), 5, 0)
     x[3, 1] = float("nan")
     with pytest.raises(ValueError, match="NaN or infinite"):
         fit_mixtures_batched(x, y, range(2), 5, seed=0)

@@ -43,6 +43,8 @@ def fit_mixtures_batched(
     """One mixture per class row in ``rows`` (``MixtureFit``'s signature), fitted on ``device``
     (default: where ``features`` are). Class ``row`` has ``min(n_components, its count)``
     components, like ``GaussianMixture.fit``; results come back on the CPU."""
+    if len(rows) == 0:
+        return []
     device = features.device if device is None else torch.device(device)
     x, mask = _pack(features, labels, rows, device)
     counts = mask.sum(1)
