@@ -84,13 +84,12 @@ def main() -> None:
         "dims": args.dims, "device": args.device, "batch": args.batch, "threads": args.threads,
         "torch": torch.__version__, "load_1min": os.getloadavg()[0], "units": {},
     }  # fmt: skip
-    for unit in units:
+    for unit in units:  # each unit's table as soon as it is done (a paper-dims CPU run is slow)
         result["units"][unit] = profile_unit(worker, unit, args.trace_dir, args.rows)
-    result["load_1min_end"] = os.getloadavg()[0]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+        result["load_1min_end"] = os.getloadavg()[0]
+        print(json.dumps({unit: result["units"][unit]}, indent=2), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
