@@ -186,13 +186,18 @@ def main() -> None:
     }  # fmt: skip
     for d in dims:
         result["fits"][d] = bench_fits(sizes[d], torch.device(args.device), args.repeats)
+    report(result, args.json)  # the fits now: the steps part takes minutes per task on a CPU
     if args.steps:
         result["steps_T"] = bench_steps(split, backbones, args.steps, max(1, args.repeats // 2))
+        report(result, args.json)
+
+
+def report(result: dict, path: str | None) -> None:
     result["load_1min_end"] = os.getloadavg()[0]
     text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    print(text, flush=True)
+    if path:
+        Path(path).write_text(text + "\n")
 
 
 if __name__ == "__main__":
