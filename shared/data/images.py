@@ -218,8 +218,8 @@ def device_batches(
 ) -> Iterator[torch.Tensor]:
     """Consecutive ``batch_size`` slices of ``images`` on ``device``, the next one's copy started
     before this one is handed out, so on a CUDA GPU the copies overlap the caller's compute
-    (docs/benchmarks.md#the-gpu-kept-busy). The same loop runs on the CPU, where a copy is a
-    slice."""
+    (docs/benchmarks.md#the-gpu-kept-busy-issue-37). The same loop runs on the CPU, where a copy
+    is a slice."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     copier = _Copier(torch.device(device))
