@@ -41,7 +41,6 @@ from starfed.shared.model.training import (
     TrainConfig,
     clip_features,
     clip_features_signature,
-    fit_mixtures,
 )
 from starfed.shared.protocol import STATISTICS, Phase
 from starfed.shared.report import EvaluationReport
@@ -321,7 +320,7 @@ def _stage1(view: TaskView, config: TrainConfig) -> None:
     )
 
 
-def _stage1_stats(view: TaskView, config: TrainConfig, fit: MixtureFit = fit_mixtures) -> None:
+def _stage1_stats(view: TaskView, config: TrainConfig, fit: MixtureFit | None = None) -> None:
     training.stage1_stats(
         view.model, view.features, view.labels, view.n_past, config, view.task, fit
     )
@@ -333,7 +332,7 @@ def _stage2(view: TaskView, config: TrainConfig) -> None:
     )
 
 
-def _stage2_stats(view: TaskView, config: TrainConfig, fit: MixtureFit = fit_mixtures) -> None:
+def _stage2_stats(view: TaskView, config: TrainConfig, fit: MixtureFit | None = None) -> None:
     training.stage2_stats(view.model, view.images, view.labels, view.n_past, config, view.task, fit)
 
 

@@ -78,18 +78,23 @@ def small_root(root: Path, classes: list[str]) -> Path:
     return root
 
 
-@pytest.mark.slow
-def test_one_federated_step_at_paper_dims_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("STARFED_CACHE_DIR", str(tmp_path / "cache"))
-    config = {
-        "preset": "paper-random", "device": "cpu", "seed": 1993,
+def one_step_config(tmp_path: Path, device: str, run_name: str) -> dict:
+    """One step of two sites at paper dims, every epoch count 1 (results in ``run_name``)."""
+    return {
+        "preset": "paper-random", "device": device, "seed": 1993,
         "data-root": str(small_root(tmp_path / "data", CLASSES[:4])),
         "num-clients": 2, "num-tasks": 2, "classes-per-task": 2, "alpha": 1000.0,
         "max-steps": 1, "batch-size": 4, "stage1-epochs": 1, "stage2-epochs": 1,
         "replay1-epochs": 1, "replay2-epochs": 1, "replay2-epochs-per-task": 0,
         "timeout-s": 1800, "wait-s": 1, "results-dir": str(tmp_path / "results"),
-        "run-name": "paper",
+        "run-name": run_name,
     }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_one_federated_step_at_paper_dims_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("STARFED_CACHE_DIR", str(tmp_path / "cache"))
+    config = one_step_config(tmp_path, "cpu", "paper")
     try:
         metrics = run_locally(config)
     finally:

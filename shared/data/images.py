@@ -2,6 +2,7 @@
 
 Images are decoded once (Resize + CenterCrop, the reference test view) into a uint8 tensor, and
 training augmentation runs batched on tensors (:func:`augment`), which keeps a CPU run fast.
+Batches reach the device through :func:`device_batches`, the next copy in flight on a GPU.
 Deviation from the reference: RandomResizedCrop crops the decoded ``S x S`` image instead of the
 original 256x256 photo, so crops are upsampled from fewer pixels.
 """
@@ -199,6 +200,48 @@ def decode_quietly(
         decoded = decode_images(samples, image_size, progress=progress)
     read = set(decoded.paths)
     return decoded, [p for p, _ in samples if os.path.realpath(p) not in read]
+
+
+class _Copier:
+    """Host→device copies of batches: on a CUDA device issued on a side stream from page-locked
+    memory, so a copy runs while the default stream computes; elsewhere a plain ``to``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.stream is None or batch.device.type == "cuda":
+            return batch.to(self.device)
+        host = batch if batch.is_pinned() else batch.pin_memory()
+        with torch.cuda.stream(self.stream):
+            return host.to(self.device, non_blocking=True)
+
+    def ready(self, batch: torch.Tensor) -> torch.Tensor:
+        """``batch`` usable on the current stream (its copy finished first; its memory kept
+        until the current stream is done with it)."""
+        if self.stream is not None and batch.device.type == "cuda":
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.stream)
+            batch.record_stream(current)
+        return batch
+
+
+def device_batches(
+    images: torch.Tensor, batch_size: int, device: torch.device
+) -> Iterator[torch.Tensor]:
+    """Consecutive ``batch_size`` slices of ``images`` on ``device``, the next one's copy started
+    before this one is handed out, so on a CUDA GPU the copies overlap the caller's compute
+    (docs/benchmarks.md#the-gpu-kept-busy-issue-37). The same loop runs on the CPU, where a copy
+    is a slice."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    copier = _Copier(torch.device(device))
+    pending = copier.start(images[:batch_size]) if len(images) else None
+    for i in range(batch_size, len(images) + batch_size, batch_size):
+        batch = copier.ready(pending)
+        pending = copier.start(images[i : i + batch_size]) if i < len(images) else None
+        yield batch
 
 
 def to_unit(images: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from starfed.shared.data.cropdiseases import SplitCropDiseases
-from starfed.shared.data.images import DecodedImages, to_unit
+from starfed.shared.data.images import DecodedImages, device_batches, to_unit
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import EVAL_BATCH_SIZE, Views
 
@@ -53,9 +53,10 @@ def score_classes(
     groups = group_of_row.to(device)
     pairs = None if confusion is None else torch.zeros_like(confusion, device=device)
     views = Views.of(model.backbones)
-    for i in range(0, len(rows), EVAL_BATCH_SIZE):
+    batches = device_batches(images, EVAL_BATCH_SIZE, device)
+    for i, batch in zip(range(0, len(rows), EVAL_BATCH_SIZE), batches, strict=True):
         chunk = slice(i, i + EVAL_BATCH_SIZE)
-        vit_in, _ = views.pair(to_unit(images[chunk].to(device)))
+        vit_in, _ = views.pair(to_unit(batch))
         prediction = model.predict(vit_in, image_features[chunk], use_keys=use_keys)
         target = rows[chunk].to(device)
         predicted = prediction.logits.argmax(-1)

@@ -14,6 +14,7 @@ features of augmented views, which change every epoch.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -24,8 +25,9 @@ from rich.progress import Progress
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.mixture_fit import fit_on
 from starfed.shared.config import Options, knob
-from starfed.shared.data.images import augment, normalize, to_unit
+from starfed.shared.data.images import augment, device_batches, normalize, to_unit
 from starfed.shared.device import backbone_dtype
 from starfed.shared.model import frozen_towers
 from starfed.shared.model.backbones import Backbones
@@ -48,6 +50,11 @@ from starfed.shared.progress import progress_task
 from starfed.shared.protocol import SPECS, Phase
 
 EVAL_BATCH_SIZE = 256
+
+#: ``STARFED_FUSED_ADAM=1``: stage 2's Adam updates all its tensors in one fused kernel
+#: (``fused=True``) instead of a loop of small ones, which are launch-bound on a GPU (issue 37).
+#: Off until a GPU measures it; on the CPU it agrees with the default to float32 rounding.
+FUSED_ADAM = os.environ.get("STARFED_FUSED_ADAM", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -149,10 +156,8 @@ def clip_features(backbones: Backbones, images: torch.Tensor) -> torch.Tensor:
     (they are cached on disk; the training steps move them to the model's device)."""
     views = Views.of(backbones)
     out = [
-        backbones.clip_image_features(
-            views.pair(to_unit(images[i : i + EVAL_BATCH_SIZE].to(backbones.device)))[1]
-        ).cpu()
-        for i in range(0, len(images), EVAL_BATCH_SIZE)
+        backbones.clip_image_features(views.pair(to_unit(chunk))[1]).cpu()
+        for chunk in device_batches(images, EVAL_BATCH_SIZE, backbones.device)
     ]
     return torch.cat(out) if out else torch.zeros(0, backbones.dims.d_clip)
 
@@ -212,6 +217,14 @@ def fit_mixtures(
 MixtureFit = Callable[[torch.Tensor, torch.Tensor, range, int, int], list[GaussianMixture]]
 
 
+def mixture_fit_for(device: torch.device) -> MixtureFit:
+    """The statistics steps' fit where the model computes: on a CUDA GPU every class at once in
+    torch (``starfed.shared.codebook.mixture_fit``: the CPU fits left the card idle, issue 37);
+    elsewhere scikit-learn's, one class at a time (the reference point: the CPU codebook stays
+    as it was)."""
+    return fit_on(device) if device.type == "cuda" else fit_mixtures
+
+
 def replay1(
     model: StarPrompt,
     n_past: int,
@@ -268,7 +281,7 @@ def stage2(
         for name in schema.trained_in(Phase.STAGE2)
     }
     past = {name: bank[name][:n_past] for name in current}
-    optimizer = torch.optim.Adam(current.values(), lr=config.stage2_lr)
+    optimizer = torch.optim.Adam(current.values(), lr=config.stage2_lr, fused=FUSED_ADAM or None)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.stage2_epochs)
     batches_per_epoch = -(-len(labels) // config.batch_size)
 
@@ -304,8 +317,7 @@ def vit_features(
     reference fits H_c on its training loader, which augments)."""
     views = Views.of(model.backbones)
     out = []
-    for i in range(0, len(images), EVAL_BATCH_SIZE):
-        chunk = images[i : i + EVAL_BATCH_SIZE].to(model.device)
+    for chunk in device_batches(images, EVAL_BATCH_SIZE, model.device):
         unit = augment(chunk, generator) if generator is not None else to_unit(chunk)
         vit_in, clip_in = views.pair(unit)
         z = model.backbones.clip_image_features(clip_in)
@@ -320,10 +332,12 @@ def stage1_stats(
     n_past: int,
     config: TrainConfig,
     task: int,
-    fit: MixtureFit = fit_mixtures,
+    fit: MixtureFit | None = None,
 ) -> None:
-    """Fit G_c of the current classes on their (un-augmented) CLIP features."""
+    """Fit G_c of the current classes on their (un-augmented) CLIP features (``fit``: the
+    device's, ``mixture_fit_for``, unless given)."""
     rows = range(n_past, len(model))
+    fit = fit or mixture_fit_for(model.device)
     mixtures = fit(
         image_features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
     )
@@ -337,12 +351,14 @@ def stage2_stats(
     n_past: int,
     config: TrainConfig,
     task: int,
-    fit: MixtureFit = fit_mixtures,
+    fit: MixtureFit | None = None,
 ) -> None:
-    """Fit H_c of the current classes on prompted CLS features of augmented views."""
+    """Fit H_c of the current classes on prompted CLS features of augmented views (``fit``:
+    the device's, ``mixture_fit_for``, unless given)."""
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].site_stream)
     features = vit_features(model, images, generator)
     rows = range(n_past, len(model))
+    fit = fit or mixture_fit_for(model.device)
     mixtures = fit(
         features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
     )
