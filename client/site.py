@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from starfed.client.memory import SiteMemory
-from starfed.client.privacy import PrivacySetting, PrivateReleases
+from starfed.client.privacy import PrivacySetting, PrivacyUnit, PrivateReleases
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.data.images import DecodedImages, decode_images
-from starfed.shared.data.site_folder import SiteFolder, SiteTask, class_key
+from starfed.shared.data.site_folder import SiteFolder, SiteTask, class_key, file_digests
 from starfed.shared.files import write_atomic
 from starfed.shared.model import training
 from starfed.shared.model.backbones import Backbones
@@ -145,8 +145,16 @@ class Site:
 
     def scan(self) -> SiteFolder:
         """The data folder as it is now (read at every message: it may grow; a simulation
-        writes its simulated sites' folders before each step)."""
-        return SiteFolder.scan(self.data_dir)
+        writes its simulated sites' folders before each step). With the patient privacy unit,
+        at most ``privacy-patient-images`` images of a patient per class, and the budget
+        site-wide when a patient has images in several classes."""
+        folder = SiteFolder.scan(self.data_dir)
+        private = self.private
+        if private is None or private.setting.unit is not PrivacyUnit.PATIENT:
+            return folder
+        folder = folder.per_patient(private.setting.patient_images)
+        private.site_wide = any(len(keys) > 1 for keys in folder.patients().values())
+        return folder
 
     @staticmethod
     def current(folder: SiteFolder, frozen: Iterable[str]) -> tuple[int, SiteTask] | None:
@@ -210,7 +218,10 @@ class Site:
             if self.private is None:
                 entries = [ClassEntry(name, count) for name, count in counts.items()]
             else:
-                entries, refused = self.private.counts(counts)
+                self.private.setting.check_delta(len(folder.patients()))  # images or patients
+                entries, refused = self.private.counts(
+                    counts, lambda name: file_digests(task.train[name])
+                )
                 metadata.update(self.private.metadata(refused))
         return ClientUpdate(
             self.fingerprint, self.backbones.dims, Phase.SYNC,
@@ -334,7 +345,10 @@ def _stage2(view: TaskView, config: TrainConfig) -> None:
 
 
 def _stage2_stats(view: TaskView, config: TrainConfig, fit: MixtureFit = fit_mixtures) -> None:
-    training.stage2_stats(view.model, view.images, view.labels, view.n_past, config, view.task, fit)
+    per_image = fit is not fit_mixtures  # a private site's fit: views augmented per image
+    training.stage2_stats(
+        view.model, view.images, view.labels, view.n_past, config, view.task, fit, per_image
+    )
 
 
 #: Each phase's step; the statistics steps also take the mixture fit (a private site's own).

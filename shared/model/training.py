@@ -25,7 +25,7 @@ from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.config import Options, knob
-from starfed.shared.data.images import augment, normalize, to_unit
+from starfed.shared.data.images import augment, augment_each, normalize, to_unit
 from starfed.shared.device import backbone_dtype
 from starfed.shared.model import frozen_towers
 from starfed.shared.model.backbones import Backbones
@@ -287,17 +287,21 @@ def stage2(
         bank.set_rows(name, n_past, value)
 
 
+#: uint8 images to augmented [0, 1] views (``augment`` with a generator, or ``augment_each``).
+Augmentation = Callable[[torch.Tensor], torch.Tensor]
+
+
 @torch.no_grad()
 def vit_features(
-    model: StarPrompt, images: torch.Tensor, generator: torch.Generator | None
+    model: StarPrompt, images: torch.Tensor, augmentation: Augmentation | None
 ) -> torch.Tensor:
-    """Prompted final-LN CLS features; augmented views when a generator is given (as the
-    reference fits H_c on its training loader, which augments)."""
+    """Prompted final-LN CLS features; of augmented views when ``augmentation`` is given (as
+    the reference fits H_c on its training loader, which augments)."""
     views = Views.of(model.backbones)
     out = []
     for i in range(0, len(images), EVAL_BATCH_SIZE):
         chunk = images[i : i + EVAL_BATCH_SIZE].to(model.device)
-        unit = augment(chunk, generator) if generator is not None else to_unit(chunk)
+        unit = augmentation(chunk) if augmentation is not None else to_unit(chunk)
         vit_in, clip_in = views.pair(unit)
         z = model.backbones.clip_image_features(clip_in)
         out.append(model.second_level(vit_in, z).features)
@@ -329,10 +333,20 @@ def stage2_stats(
     config: TrainConfig,
     task: int,
     fit: MixtureFit = fit_mixtures,
+    per_image: bool = False,
 ) -> None:
-    """Fit H_c of the current classes on prompted CLS features of augmented views."""
+    """Fit H_c of the current classes on prompted CLS features of augmented views.
+
+    ``per_image`` (a private site): each image's view is drawn from the phase's seed and the
+    image itself (``augment_each``), so removing an image moves no other image's features and
+    no other class's H_c; otherwise the views are drawn in chunks from the phase's stream.
+    """
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].site_stream)
-    features = vit_features(model, images, generator)
+    if per_image:
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        features = vit_features(model, images, lambda chunk: augment_each(chunk, seed))
+    else:
+        features = vit_features(model, images, lambda chunk: augment(chunk, generator))
     rows = range(n_past, len(model))
     mixtures = fit(
         features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)

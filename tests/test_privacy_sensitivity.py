@@ -1,0 +1,303 @@
+"""Every release a private site makes moves by at most its claimed sensitivity when one image
+is removed, and every other class's releases do not move at all.
+
+Each test runs the real release pipeline of a site (``starfed.client.site``'s phase handlers and
+``starfed.client.privacy.PrivateReleases``) with the noise switched off (``ZeroNoise`` in place
+of the site's generator) on the bundled images D and on D minus one image, for several choices
+of the image across several classes, and compares the two releases: the noisy count, the G_c and
+H_c moments (``clipped_moments``, what ``private_gaussian`` noises), and the stage-1 (prompt)
+and stage-2 (query prompt, query weights, head row) updates. A second group checks that each
+mechanism's noise has the standard deviation its calibration says.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from starfed.client.memory import SiteMemory
+from starfed.client.privacy import PrivacyError, PrivacySetting, PrivateReleases
+from starfed.client.site import HANDLERS, TaskView
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.config import parse
+from starfed.shared.data.cropdiseases import bundled_dataset_root
+from starfed.shared.data.images import decode_images
+from starfed.shared.data.site_folder import file_digests
+from starfed.shared.model.backbones import create_backbones
+from starfed.shared.model.star_prompt import StarPrompt
+from starfed.shared.model.training import TrainConfig, clip_features
+from starfed.shared.privacy.mechanisms import (
+    MOMENTS_SENSITIVITY,
+    clipped_moments,
+    noisy_count,
+    private_update,
+)
+from starfed.shared.protocol import Phase
+
+pytestmark = [pytest.mark.privacy, pytest.mark.usefixtures("one_torch_thread")]
+
+CLASSES = ["Apple___Apple_scab", "Apple___Black_rot", "Apple___healthy"]
+PER_CLASS = 8
+#: Removed images: first, middle and last of the task, and others across the classes.
+REMOVED = [0, 5, PER_CLASS + 3, 2 * PER_CLASS, 3 * PER_CLASS - 1]
+CONFIG = TrainConfig(stage1_epochs=1, stage2_epochs=1, batch_size=8, seed=1993)
+#: Clipping bounds small enough that every class's update is clipped (the bound binds).
+SETTING = PrivacySetting(4.0, 1e-5, 0.4, 1.0, 1e-4, 1e-4, 1, 1)
+#: What float arithmetic may leave of a change that is zero in exact arithmetic.
+FLOAT_SLACK = 1e-9
+
+
+class ZeroNoise:
+    """A generator that draws no noise: the release pipeline with its noise switched off."""
+
+    def normal(self, loc: float = 0.0, scale: float = 1.0, size: int | None = None):
+        return np.zeros(size) if size is not None else 0.0
+
+
+@pytest.fixture(scope="module")
+def backbones():
+    return create_backbones("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def task(backbones):
+    """The bundled training images of three classes, in class order."""
+    root = bundled_dataset_root() / "train"
+    samples = [
+        (str(path), label)
+        for label, name in enumerate(CLASSES)
+        for path in sorted((root / name).iterdir())[:PER_CLASS]
+    ]
+    decoded = decode_images(samples, backbones.config.image_size, progress=False)
+    return decoded.images, decoded.labels
+
+
+def releases(backbones, tmp_path: Path) -> PrivateReleases:
+    memory = SiteMemory(tmp_path / "state", "fingerprint", backbones.dims)
+    size = backbones.config.image_size
+    gray = torch.full((1, 3, size, size), 128, dtype=torch.uint8)
+    private = PrivateReleases(SETTING, memory, clip_features(backbones, gray)[0].double())
+    private.rng = ZeroNoise()
+    return private
+
+
+def view(backbones, images, labels) -> TaskView:
+    """A site's view of the task: its three classes trainable, from one fixed initialisation."""
+    model = StarPrompt(backbones)
+    model.add_classes(CLASSES, seed=0)
+    features = clip_features(backbones, images)
+    return TaskView(model, 0, list(CLASSES), labels, images, features, 0, 0, {})
+
+
+def without(images, labels, index: int):
+    keep = torch.arange(len(labels)) != index
+    return images[keep], labels[keep]
+
+
+# --- the statistics: count, G_c, H_c ----------------------------------------------------------
+
+
+def test_noisy_count_moves_by_one_for_its_class_only(backbones, task, tmp_path):
+    _, labels = task
+    for index in REMOVED:
+        released = []
+        for folder, kept in (("d", labels), ("d-minus-one", without(labels, labels, index)[1])):
+            private = releases(backbones, tmp_path / folder / str(index))
+            counts = {name: int((kept == row).sum()) for row, name in enumerate(CLASSES)}
+            entries, refused = private.counts(counts)
+            assert not refused
+            released.append({e.name: e.count for e in entries})
+        own = CLASSES[int(labels[index])]
+        assert released[0][own] - released[1][own] == 1
+        assert all(released[0][n] == released[1][n] for n in CLASSES if n != own)
+
+
+def moments_of(phase: Phase, backbones, images, labels, tmp_path) -> dict[str, np.ndarray]:
+    """Each class's clipped moments as the site's statistics phase computes them."""
+    private = releases(backbones, tmp_path)
+    moments = {}
+
+    def fit(features, labels_, rows, n_components, seed):
+        centre, radius = private.ball(phase, features.shape[1])
+        for row in rows:
+            total, squares = clipped_moments(features[labels_ == row], centre, radius)
+            moments[CLASSES[row]] = np.concatenate([total, squares])
+        return [None] * len(rows)
+
+    HANDLERS[phase](view(backbones, images, labels), CONFIG, fit=fit)
+    return moments
+
+
+@pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
+def test_mixture_moments_move_within_sensitivity_for_their_class_only(
+    phase, backbones, task, tmp_path
+):
+    images, labels = task
+    full = moments_of(phase, backbones, images, labels, tmp_path)
+    for index in REMOVED:
+        less = moments_of(phase, backbones, *without(images, labels, index), tmp_path)
+        own = CLASSES[int(labels[index])]
+        changes = {n: float(np.linalg.norm(full[n] - less[n])) for n in CLASSES}
+        assert 0 < changes[own] <= MOMENTS_SENSITIVITY + FLOAT_SLACK, (index, changes)
+        others = {n: c for n, c in changes.items() if n != own}
+        assert all(c <= FLOAT_SLACK for c in others.values()), (index, own, changes)
+
+
+# --- the training updates: prompts; query prompts, query weights and head rows ---------------
+
+
+def released_update(phase: Phase, backbones, images, labels, tmp_path) -> torch.Tensor:
+    """The task's update as the site releases it (noise off): every class's fields, flat."""
+    private = releases(backbones, tmp_path)
+    private.counts({name: PER_CLASS for name in CLASSES})
+    task_view = view(backbones, images, labels)
+    sent = {e.name: e for e in task_view.model.bank.entries(CLASSES)}  # what the site received
+    plan = private.plan(CLASSES, phase, 0)
+    assert all(z is not None for z in plan.values())
+    HANDLERS[phase](task_view, CONFIG)
+    entries = task_view.model.bank.entries(CLASSES, fields=schema.trained_in(phase))
+    shared, _ = private.release(phase, entries, sent, plan)
+    return torch.cat(
+        [
+            (e.values[f].double() - sent[e.name].values[f].double()).reshape(-1)
+            for e in shared
+            for f in sorted(e.values)
+        ]
+    )
+
+
+@pytest.mark.parametrize("phase", [Phase.STAGE1, Phase.STAGE2], ids=["prompts", "head-Q-A"])
+def test_update_moves_within_its_sensitivity(phase, backbones, task, tmp_path):
+    """Every class of the task is charged for a training release (an image moves every class's
+    update through the softmax), so the whole release's change is bounded: 2·C·√K."""
+    images, labels = task
+    clip = SETTING.stage1_clip if phase is Phase.STAGE1 else SETTING.stage2_clip
+    bound = 2 * clip * math.sqrt(len(CLASSES))
+    full = released_update(phase, backbones, images, labels, tmp_path / "d")
+    per_class = full.reshape(len(CLASSES), -1).norm(dim=1)
+    torch.testing.assert_close(per_class, torch.full_like(per_class, clip, dtype=torch.float64))
+    for index in REMOVED[:3]:
+        less = released_update(
+            phase, backbones, *without(images, labels, index), tmp_path / str(index)
+        )
+        assert 0 < float((full - less).norm()) <= bound + FLOAT_SLACK
+
+
+# --- each mechanism's noise against its calibration ------------------------------------------
+
+
+def test_noisy_count_noise_has_the_calibrated_scale():
+    """Noise z (sensitivity 1), then rounding: variance z² + 1/12."""
+    z, rng = 3.0, np.random.default_rng(0)
+    counts = np.array([noisy_count(1000, z, rng) for _ in range(20000)])
+    assert counts.mean() == pytest.approx(1000, abs=0.1)
+    assert counts.std() == pytest.approx(math.sqrt(z**2 + 1 / 12), rel=0.02)
+
+
+def test_private_update_clips_then_adds_the_noise_asked_for():
+    before = {"a": torch.zeros(40, dtype=torch.float64), "b": torch.zeros(2, 30)}
+    after = {"a": torch.full((40,), 5.0, dtype=torch.float64), "b": torch.ones(2, 30)}
+    clipped = private_update(before, after, 0.5, 0.0, np.random.default_rng(0))
+    flat = torch.cat([clipped["a"].reshape(-1), clipped["b"].double().reshape(-1)])
+    assert float(flat.norm()) == pytest.approx(0.5)
+    assert clipped["b"].dtype == torch.float32  # each field keeps its dtype
+    noisy = private_update(before, before, 0.5, 0.7, np.random.default_rng(1))
+    flat = torch.cat([noisy["a"].reshape(-1), noisy["b"].double().reshape(-1)])
+    assert float(flat.std()) == pytest.approx(0.7, rel=0.15)  # 100 coordinates
+    many = [private_update(before, before, 0.5, 0.7, np.random.default_rng(s)) for s in range(50)]
+    assert float(torch.stack([m["a"] for m in many]).std()) == pytest.approx(0.7, rel=0.03)
+
+
+@pytest.mark.parametrize("phase", [Phase.STAGE1, Phase.STAGE2], ids=["prompts", "head-Q-A"])
+def test_training_release_noise_is_z_times_its_sensitivity(phase, tmp_path):
+    """A training release of K classes: each coordinate's noise is z·2·C·√K."""
+    dims = create_backbones("tiny", seed=0).dims
+    private = PrivateReleases(SETTING, SiteMemory(tmp_path, "f", dims), torch.zeros(dims.d_clip))
+    private.rng = np.random.default_rng(2)
+    names = ["a", "b", "c", "d"]
+    private.counts(dict.fromkeys(names, 50))
+    plan = private.plan(names, phase, 0)
+    z = plan["a"]
+    assert z is not None and set(plan.values()) == {z}
+    fields = schema.trained_in(phase)
+    values = {f: torch.zeros(200, dtype=torch.float64) for f in fields}
+    entries = [ClassEntry(name, 50, values) for name in names]
+    sent = {name: ClassEntry(name, 50, values) for name in names}
+    shared, _ = private.release(phase, entries, sent, plan)
+    clip = SETTING.stage1_clip if phase is Phase.STAGE1 else SETTING.stage2_clip
+    noise = torch.cat([e.values[f].reshape(-1) for e in shared for f in fields])
+    assert float(noise.std()) == pytest.approx(z * 2 * clip * math.sqrt(len(names)), rel=0.05)
+    assert len(private.memory.ledger().releases["a"]) == 2  # the count, then this release
+
+
+# --- the site owns its guarantee -----------------------------------------------------------
+
+
+def test_the_run_config_cannot_raise_a_sites_delta():
+    run = parse({"privacy-epsilon": 8.0, "privacy-delta": 0.1})
+    assert PrivacySetting.of(run, parse({}, "node-config")).delta == 1e-5  # the local default
+    own = parse({"privacy-delta": 1e-3}, "node-config")
+    assert PrivacySetting.of(run, own).delta == 1e-3
+    stricter = parse({"privacy-epsilon": 8.0, "privacy-delta": 1e-7})
+    assert PrivacySetting.of(stricter, own).delta == 1e-7  # it may lower it
+
+
+def test_a_delta_above_one_over_n_is_refused_in_one_line():
+    setting = PrivacySetting.of(parse({"privacy-epsilon": 4.0}), parse({}, "node-config"))
+    setting.check_delta(100_000)  # 1e-5 = 1/n: allowed
+    with pytest.raises(PrivacyError, match=r"^privacy-delta 1e-05 is more than 1/n = 1e-05") as e:
+        setting.check_delta(100_001)
+    assert "\n" not in str(e.value)
+
+
+def test_a_renamed_class_folder_continues_its_budget(tmp_path, caplog):
+    """The ledger knows a class's images by digest: renaming its folder does not reset it;
+    a new state folder says that it starts from zero."""
+    data = tmp_path / "data"
+    for name in ("scab", "rot"):
+        (data / name).mkdir(parents=True)
+        for i in range(3):
+            (data / name / f"{i}.jpg").write_bytes(f"{name} {i}".encode())
+    files = {name: sorted(str(p) for p in (data / name).iterdir()) for name in ("scab", "rot")}
+    dims = ModelDims(8, 8, 8, 1)
+    with caplog.at_level(logging.WARNING):
+        private = PrivateReleases(SETTING, SiteMemory(tmp_path / "s", "f", dims), torch.zeros(8))
+    assert "budget starts at zero" in caplog.text
+    private.counts({"scab": 3, "rot": 3}, lambda n: file_digests(files[n]))
+    private._record([private.key("scab")], 2.0, "G_c")
+    (data / "scab").rename(data / "apple scab")
+    renamed = sorted(str(p) for p in (data / "apple scab").iterdir())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = PrivateReleases(SETTING, SiteMemory(tmp_path / "s", "f", dims), torch.zeros(8))
+        entries, _ = again.counts({"apple scab": 3}, lambda n: file_digests(renamed))
+    assert "budget starts at zero" not in caplog.text
+    assert "holds images released as scab" in caplog.text
+    assert again.key("apple scab") == "scab"
+    assert entries[0].count == again.memory.ledger().counts["scab"]  # the count is reused
+    assert len(again.memory.ledger().releases["scab"]) == 2  # nothing new spent
+
+
+def test_ledger_updates_from_two_processes_are_not_lost(tmp_path):
+    dims = ModelDims(8, 8, 8, 1)
+    code = (
+        "import sys\nfrom starfed.client.memory import SiteMemory\n"
+        "from starfed.shared.codebook.schema import ModelDims\n"
+        "m = SiteMemory(sys.argv[1], 'f', ModelDims(8, 8, 8, 1))\n"
+        "for _ in range(40):\n"
+        "    with m.updating_ledger() as ledger:\n"
+        "        ledger.record([sys.argv[2]], 1.0)\n"
+    )
+    workers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), key]) for key in "ab"]
+    assert [w.wait(timeout=120) for w in workers] == [0, 0]
+    releases = SiteMemory(tmp_path, "f", dims).ledger().releases
+    assert {key: len(z) for key, z in releases.items()} == {"a": 40, "b": 40}
