@@ -193,6 +193,7 @@ class Audit:
     def one_run(self, epsilon: float, m: int, guesses: int, confidence: float, rng) -> dict:
         """Steinke et al.'s audit: ``m`` canaries, each in with probability ½, one release."""
         z = accountant.noise_multiplier([], 1, epsilon, DELTA)
+        m = min(m, len(self.candidates))
         units, features = self.units[:m], self.candidates[:m]
         included = rng.random(m) < 0.5
         count = len(self.base) + m // 2

@@ -75,6 +75,7 @@ class PrivacySetting(Options):
     stage2_rounds: int = knob("stage2-rounds")
     unit: PrivacyUnit = knob("privacy-unit", PrivacyUnit)  # noqa: RUF009 (an enum: immutable)
     patient_images: int = knob("privacy-patient-images")  # the cap k of the patient unit
+    site_tasks: int = knob("privacy-site-tasks")  # what a site-wide budget is planned over
 
     @property
     def group(self) -> int:
@@ -133,6 +134,7 @@ class PrivateReleases:
         # patients with images in several classes: every release charges the site's one key
         self.site_wide = False
         self.task_classes = 1  # classes of the current task (what the site's key plans)
+        self.task_index = 0  # the current task among the site's (what the site's key plans)
         if not memory.has_ledger():
             logger.warning(
                 "privacy: no ledger in %s: this site's budget starts at zero here; releases "
@@ -144,8 +146,11 @@ class PrivateReleases:
     def noise(self, keys: list[str], phase: Phase, round_index: int = 0) -> float | None:
         """The noise multiplier one release depending on the images of ``keys`` needs so that
         every one of them stays within budget; None when one of them cannot afford it."""
-        classes = self.task_classes if self.site_wide else 1
-        left = self.setting.releases_left(phase, round_index, classes)
+        left = self.setting.releases_left(phase, round_index)
+        if self.site_wide:  # this task's releases of every class, then as many per later task
+            later = max(0, self.setting.site_tasks - self.task_index - 1)
+            left = self.setting.releases_left(phase, round_index, self.task_classes)
+            left += later * self.setting.releases_left(Phase.SYNC, 0, self.task_classes)
         needed = []
         for key in keys:
             z = accountant.noise_multiplier(

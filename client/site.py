@@ -212,13 +212,14 @@ class Site:
         # what the server bounds this site's evaluation reports by (server/screening.py)
         entries, metadata = [], {"site": self.name, "task": "", "test-images": str(test_images)}
         if current is not None:
-            _, task = current
+            index, task = current
             metadata["task"] = task.name
             counts = {name: len(paths) for name, paths in task.train.items() if paths}
             if self.private is None:
                 entries = [ClassEntry(name, count) for name, count in counts.items()]
             else:
                 self.private.setting.check_delta(len(folder.patients()))  # images or patients
+                self.private.task_index = index
                 entries, refused = self.private.counts(
                     counts, lambda name: file_digests(task.train[name])
                 )
@@ -275,6 +276,8 @@ class Site:
         if current is not None:
             stage2 = phase in (Phase.STAGE2, Phase.STAGE2_STATS)
             view = self.view(codebook, *current, stage2, round_index)
+            if self.private is not None:
+                self.private.task_index = current[0]
             if view is not None:
                 trained = schema.trained_in(phase)
                 private = self.private

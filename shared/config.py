@@ -192,6 +192,9 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("arrival-offset", int, 0, "site i joins i x offset steps after site 0", "scenario", ge=0),
     Knob("min-partition-size", int, 0, "per task, resample the partition until every site has "
          "this many images", "scenario", ge=0),
+    Knob("simulated-patient-images", int, 0, "simulated sites: name every run of this many "
+         "consecutive training images of a class as one patient's, for the patient privacy unit "
+         "(0: no patient names)", "scenario", ge=0),
     # protocol: how the server drives the phases, and where results go
     Knob("stage1-rounds", int, 1, "federated rounds of stage 1 per task", "protocol", ge=1),
     Knob("stage2-rounds", int, 1, "federated rounds of stage 2 per task", "protocol", ge=1),
@@ -275,9 +278,9 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("privacy-patient-images", int, 5, "unit patient: the most images of one patient a "
          "class uses (the others are left out); count and mixture noise grow with it", "privacy",
          ge=1),
-    Knob("simulated-patient-images", int, 0, "simulated sites: name every run of this many "
-         "consecutive training images of a class as one patient's (0: no patient names)",
-         "privacy", ge=0),
+    Knob("privacy-site-tasks", int, 7, "unit patient, patients across classes: the tasks one "
+         "site-wide budget is planned over (a task beyond them gets what is left)", "privacy",
+         ge=1),
     # backbones: the frozen pair every participant loads (fingerprints must match)
     Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
     Knob("device", str, "auto", "where the server and simulated sites compute: auto (the GPU "

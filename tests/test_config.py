@@ -113,6 +113,7 @@ def test_options_take_defaults_and_values_from_the_knobs(options: type[Options])
     own = parse({}, "train-local")
     assert options.from_config(parse({}) | own) == options()
     others = {"preset": "paper", "wire-dtype": "float16", "device": "cpu", "vit-tag": "augreg"}
+    others["privacy-unit"] = "patient"  # a choice knob: another of its choices
     changed: dict[str, object] = {}
     for key, knob in {**TABLES["run-config"], **TABLES["train-local"]}.items():
         if knob.kind is bool:

@@ -16,6 +16,7 @@ import logging
 import math
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -23,22 +24,31 @@ import pytest
 import torch
 
 from starfed.client.memory import SiteMemory
-from starfed.client.privacy import PrivacyError, PrivacySetting, PrivateReleases
+from starfed.client.privacy import (
+    SITE_KEY,
+    PrivacyError,
+    PrivacySetting,
+    PrivacyUnit,
+    PrivateReleases,
+)
 from starfed.client.site import HANDLERS, TaskView
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
-from starfed.shared.data.images import decode_images
-from starfed.shared.data.site_folder import file_digests
+from starfed.shared.data.images import DatasetError, decode_images
+from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.shared.data.site_folder import SiteFolder, capped, file_digests, patient_of
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig, clip_features
+from starfed.shared.privacy import accountant
 from starfed.shared.privacy.mechanisms import (
     MOMENTS_SENSITIVITY,
     clipped_moments,
     noisy_count,
+    private_gaussian,
     private_update,
 )
 from starfed.shared.protocol import Phase
@@ -301,3 +311,98 @@ def test_ledger_updates_from_two_processes_are_not_lost(tmp_path):
     assert [w.wait(timeout=120) for w in workers] == [0, 0]
     releases = SiteMemory(tmp_path, "f", dims).ledger().releases
     assert {key: len(z) for key, z in releases.items()} == {"a": 40, "b": 40}
+
+
+# --- the patient unit ------------------------------------------------------------------------
+
+K = 2  # images per patient the tests cap at
+
+
+def patient_task(task):
+    """The task's images as patients' (three images each, of one class), capped at K each:
+    what ``SiteFolder.per_patient`` keeps, in the same order."""
+    images, labels = task
+    paths = [f"p{i // 3:03d}__{i:03d}.jpg" for i in range(len(labels))]
+    kept = set(capped(paths, K))
+    keep = torch.tensor([p in kept for p in paths])
+    patients = [patient_of(p) for p, k in zip(paths, keep.tolist(), strict=True) if k]
+    return images[keep], labels[keep], patients
+
+
+def test_patient_names_and_the_cap(tmp_path):
+    assert patient_of("/d/scab/p0042__scan-3.jpg") == "p0042"
+    assert patient_of("/d/scab/scan-3.jpg") is None and patient_of("/d/__x.jpg") is None
+    paths = [f"/d/a/{p}__{i}.jpg" for i, p in enumerate("xxxyxyy")]
+    assert capped(paths, 2) == [paths[0], paths[1], paths[3], paths[5]]
+    with pytest.raises(DatasetError, match=r"scan\.jpg: no patient in its name"):
+        capped(["/d/a/scan.jpg"], 2)
+    for name, files in {"scab": ["a__1", "a__2", "a__3", "b__1"], "rot": ["c__1"]}.items():
+        (tmp_path / name).mkdir()
+        for f in files:
+            (tmp_path / name / f"{f}.jpg").write_bytes(f.encode())
+    folder = SiteFolder.scan(tmp_path)
+    kept = folder.per_patient(2)
+    n_train = sum(len(p) for p in kept.tasks[0].train.values())
+    assert n_train == sum(min(len(p), 2) for p in folder.tasks[0].train.values())
+    assert all(len(keys) == 1 for keys in kept.patients().values())
+
+
+@pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
+def test_removing_a_patient_moves_its_class_within_k_times_the_bound(
+    phase, backbones, task, tmp_path
+):
+    images, labels, patients = patient_task(task)
+    full = moments_of(phase, backbones, images, labels, tmp_path)
+    for patient in ("p000", "p004", "p007"):
+        keep = torch.tensor([p != patient for p in patients])
+        less = moments_of(phase, backbones, images[keep], labels[keep], tmp_path)
+        own = CLASSES[int(labels[~keep][0])]
+        changes = {n: float(np.linalg.norm(full[n] - less[n])) for n in CLASSES}
+        assert 0 < changes[own] <= K * MOMENTS_SENSITIVITY + FLOAT_SLACK, (patient, changes)
+        assert all(c <= FLOAT_SLACK for n, c in changes.items() if n != own), changes
+
+
+def test_patient_unit_scales_the_noise_by_the_cap():
+    z, k, rng = 2.0, 4, np.random.default_rng(3)
+    counts = np.array([noisy_count(1000, z, rng, k) for _ in range(20000)])
+    assert counts.std() == pytest.approx(math.sqrt((z * k) ** 2 + 1 / 12), rel=0.02)
+    n, dim, radius = 50, 16, 2.0
+    means = torch.stack(
+        [
+            private_gaussian(torch.zeros(n, dim), torch.zeros(dim), radius, n, z, rng, k).means[0]
+            for _ in range(400)
+        ]
+    )
+    assert means.std().item() == pytest.approx(z * MOMENTS_SENSITIVITY * k * radius / n, rel=0.05)
+
+
+def test_patients_across_classes_share_one_site_budget(tmp_path):
+    """A patient with images in two classes: every release is charged to the site's one key,
+    the plan counts every class's release, and the site's ε is all its releases composed."""
+    setting = PrivacySetting(4.0, 1e-5, 0.4, 1.0, 0.02, 0.05, 1, 1, PrivacyUnit.PATIENT, 3, 2)
+    private = PrivateReleases(setting, SiteMemory(tmp_path, "f", ModelDims(8, 8, 8, 1)), None)
+    private.site_wide = True
+    private.counts({"a": 30, "b": 30, "c": 30})
+    releases = private.memory.ledger().releases
+    assert list(releases) == [SITE_KEY] and len(releases[SITE_KEY]) == 3
+    first = releases[SITE_KEY][0]  # planned: 3 × 3 statistics releases and 2 rounds, 2 tasks
+    assert first == pytest.approx(accountant.noise_multiplier([], 22, 4.0, 1e-5), rel=1e-4)
+    assert private.epsilon() == pytest.approx(accountant.epsilon(releases[SITE_KEY], 1e-5))
+    assert private.epsilon() < 4.0
+    per_class = PrivateReleases(
+        setting, SiteMemory(tmp_path / "per-class", "f", ModelDims(8, 8, 8, 1)), None
+    )
+    per_class.counts({"a": 30, "b": 30, "c": 30})
+    assert per_class.memory.ledger().releases["a"][0] < first  # one class plans 5 releases
+
+
+def test_a_simulated_site_names_its_images_as_patients_of_one_class(tmp_path):
+    scenario = Scenario(ScenarioConfig(n_clients=2, patient_images=5))
+    scenario.write_site(0, tmp_path, scenario.config.n_steps)
+    folder = SiteFolder.scan(tmp_path)
+    patients = folder.patients()
+    assert patients and all(len(keys) == 1 for keys in patients.values())
+    counts = Counter(patient_of(p) for t in folder.tasks for ps in t.train.values() for p in ps)
+    assert max(counts.values()) <= 5
+    assert folder.per_patient(5).tasks == folder.tasks  # nothing over the cap
+    assert all(patient_of(p) is None for ps in folder.test.values() for p in ps)

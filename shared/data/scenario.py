@@ -162,7 +162,8 @@ class Scenario:
 
     def _patient_names(self, samples: list[Sample]) -> dict[str, str]:
         """Link names that make every run of ``patient_images`` consecutive images of a class
-        (in ``split.samples`` order) one simulated patient's (none when 0)."""
+        (in ``split.samples`` order) one simulated patient's, a patient of one class only
+        (none when 0)."""
         k = self.config.patient_images
         if not k:
             return {}
@@ -170,7 +171,10 @@ class Scenario:
         for i, (_, label) in enumerate(self.split.train_samples):
             first.setdefault(label, i)
         rank = {path: i - first[label] for i, (path, label) in enumerate(self.split.train_samples)}
-        return {path: patient_name(f"p{rank[path] // k:04d}", path) for path, _ in samples}
+        return {
+            path: patient_name(f"c{label:02d}p{rank[path] // k:04d}", path)
+            for path, label in samples
+        }
 
     def _check_client(self, client: int) -> int:
         if not 0 <= client < self.n_clients:
