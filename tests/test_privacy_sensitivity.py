@@ -297,6 +297,7 @@ def test_a_renamed_class_folder_continues_its_budget(tmp_path, caplog):
     assert len(again.memory.ledger().releases["scab"]) == 2  # nothing new spent
 
 
+@pytest.mark.slow  # two fresh interpreters importing torch
 def test_ledger_updates_from_two_processes_are_not_lost(tmp_path):
     dims = ModelDims(8, 8, 8, 1)
     code = (
