@@ -87,12 +87,14 @@ class PrivacySetting(Options):
     @classmethod
     def of(cls, run: Values, node: Values) -> PrivacySetting | None:
         """The setting from parsed run and node configs; None when off. A node's own ε wins;
-        its δ (default 1e-5) is a ceiling the run config may lower, never raise: the server
-        cannot weaken a site's guarantee."""
+        its δ (default 1e-5) is a ceiling the run config may lower, never raise; its unit is
+        the patient when either asks for it: the server cannot weaken a site's guarantee."""
         setting = cls.from_config(run)
         epsilon = float(node["privacy-epsilon"]) or setting.epsilon
         delta = min(float(node["privacy-delta"]), setting.delta)
-        return replace(setting, epsilon=epsilon, delta=delta) if epsilon else None
+        units = {setting.unit, PrivacyUnit(node["privacy-unit"])}  # the stricter of the two
+        unit = PrivacyUnit.PATIENT if PrivacyUnit.PATIENT in units else PrivacyUnit.IMAGE
+        return replace(setting, epsilon=epsilon, delta=delta, unit=unit) if epsilon else None
 
     def check_delta(self, n: int) -> None:
         """Refuse a δ above 1/n for a site of ``n`` protected units: such a δ allows a release

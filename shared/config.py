@@ -310,6 +310,9 @@ SCHEMA: tuple[Knob, ...] = (
          "the run config's", "node", check=check_device),
     Knob("privacy-epsilon", float, 0.0, "this site's target epsilon for one of its training "
          "images over the federation's life; 0: the run config's", "node", ge=0),
+    Knob("privacy-unit", str, "image", "what this site's epsilon protects: one training "
+         "image, or one patient (docs/sites.md#patients); a run config's patient wins",
+         "node", choices=PRIVACY_UNITS),
     Knob("privacy-delta", float, 1e-5, "this site's target delta (at most 1/n for its n "
          "training images or patients); the run config's may lower it, never raise it", "node",
          gt=0, le=0.1),

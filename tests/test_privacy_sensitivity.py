@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from starfed.client.memory import SiteMemory
+from starfed.client.ops.supernode import SiteOptions
 from starfed.client.privacy import (
     SITE_KEY,
     PrivacyError,
@@ -259,6 +260,20 @@ def test_the_run_config_cannot_raise_a_sites_delta():
     assert PrivacySetting.of(run, own).delta == 1e-3
     stricter = parse({"privacy-epsilon": 8.0, "privacy-delta": 1e-7})
     assert PrivacySetting.of(stricter, own).delta == 1e-7  # it may lower it
+
+
+def test_the_run_config_cannot_make_a_patient_site_per_image():
+    run = parse({"privacy-epsilon": 4.0})
+    node = parse({"privacy-unit": "patient"}, "node-config")
+    assert PrivacySetting.of(run, node).unit is PrivacyUnit.PATIENT
+    patient_run = parse({"privacy-epsilon": 4.0, "privacy-unit": "patient"})
+    assert PrivacySetting.of(patient_run, parse({}, "node-config")).unit is PrivacyUnit.PATIENT
+    assert PrivacySetting.of(run, parse({}, "node-config")).unit is PrivacyUnit.IMAGE
+    options = SiteOptions("127.0.0.1:9092", Path("d"), Path("s"), "clinic", privacy=(4.0, 1e-6),
+                          privacy_unit="patient")  # fmt: skip
+    assert PrivacySetting.of(run, parse(options.node_config(), "node-config")).unit is (
+        PrivacyUnit.PATIENT
+    )
 
 
 def test_a_delta_above_one_over_n_is_refused_in_one_line():

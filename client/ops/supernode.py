@@ -143,6 +143,7 @@ class SiteOptions:
     fingerprint: str = ""
     worker: bool = True  # answer messages in a long-lived site worker (starfed.client.worker)
     privacy: tuple[float, float] = (0.0, 0.0)  # the site's own target (ε, δ); ε 0: none
+    privacy_unit: str = "image"  # what the site's ε protects: an image or a patient
 
     @property
     def worker_socket(self) -> Path:
@@ -168,6 +169,7 @@ class SiteOptions:
             config["worker-socket"] = str(self.worker_socket)
         if self.privacy[0]:
             config["privacy-epsilon"], config["privacy-delta"] = map(str, self.privacy)
+            config["privacy-unit"] = self.privacy_unit
         return config
 
 
@@ -195,6 +197,7 @@ def prepare(
     privacy: tuple[float, float] = (0.0, 0.0),
     insecure: bool = False,
     worker: bool = True,
+    privacy_unit: str = "image",
 ) -> SiteOptions:
     """Check every input once, here; what comes out is what the SuperNode gets."""
     addresses.parse_address(server)  # ValueError: bad input
@@ -222,8 +225,9 @@ def prepare(
     if not device.strip() or any(c.isspace() for c in device):
         raise SiteError(f"--device must be one word, e.g. auto, cpu, cuda:0; got {device!r}")
     return SiteOptions(
-        server, data, state, name, device, ca, key, insecure, fingerprint, worker, privacy
-    )
+        server, data, state, name, device, ca, key, insecure, fingerprint, worker, privacy,
+        privacy_unit,
+    )  # fmt: skip
 
 
 def write_node_config(path: Path, options: SiteOptions) -> None:
