@@ -2,22 +2,27 @@
 
 Opt-in (``privacy-epsilon`` in the node config of a deployed site, or the run config of
 simulated ones; docs/security.md#differential-privacy). The unit protected is one training
-image. Every release that can depend on an image is a Gaussian mechanism recorded, by its
-noise multiplier, under the image's class in the site's ledger (``SiteMemory``, so a restart
-never resets it):
+image, or one patient (``PrivacyUnit``: at most k images of a patient per class, count and
+statistics noise × k). Every release that can depend on an image is a Gaussian mechanism
+recorded, by its noise multiplier, under the image's class in the site's ledger (``SiteMemory``,
+locked, so a restart never resets it; ``SITE_KEY`` for every release when patients span
+classes):
 
 * the enrolment's image count of the class (once; later messages reuse it);
 * each training phase's update, one mechanism over all the classes of the task (an image of one
   class moves every class's update through the softmax): each class's update clipped to the
   phase's bound C, noise C·2·√K per coordinate for K classes (two clipped updates differ by at
   most 2C per class);
-* each statistics phase's Gaussian of the class (``private_gaussian``; only that class's images).
+* each statistics phase's Gaussian of the class (``private_gaussian``; only that class's images:
+  H_c's views are augmented per image, ``augment_each``).
 
 Each release takes the smallest noise with which the class's releases so far and the ones its
 task still plans (the rounds of the run config) stay within the target (ε, δ); a release that
 would need more than ``MAX_NOISE_MULTIPLIER`` is refused: the class is trained but not shared,
-and the reply says so (``BUDGET_EXHAUSTED``). The site's ε is the largest of its classes' (an
-image belongs to one class), reported in every reply (``PRIVACY_EPSILON``) and logged.
+and the reply says so (``BUDGET_EXHAUSTED``): the ledger is a privacy filter. The site's ε is
+the largest of its classes' (an image belongs to one class), reported in every reply
+(``PRIVACY_EPSILON``) and logged with its unit. The site's δ is its own (the run config may only
+lower it) and at most 1/n.
 """
 
 from __future__ import annotations
