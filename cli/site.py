@@ -30,6 +30,8 @@ START_FLAGS = (
          "of its training images over the federation's life (docs/security.md); 0: the run "
          "config's"),
     Flag("--privacy-delta", ("privacy-delta",), help="this site's target delta"),
+    Flag("--privacy-unit", ("privacy-unit",), help="what the epsilon protects: one training "
+         "image, or one patient (images named <patient>__<name>: docs/sites.md#patients)"),
 )  # fmt: skip
 guarded = guard(bad_input=(pki.SiteKeyError,))
 
@@ -130,6 +132,7 @@ def run_start(args: argparse.Namespace) -> int:
             insecure=args.insecure,
             worker=not args.no_worker,
             give_up_s=args.give_up_after,
+            privacy_unit=values["privacy-unit"],
         )
     except (ValueError, supernode.SiteError) as err:  # SiteKeyError is a ValueError
         return fail(args, err, EXIT_BAD_INPUT)

@@ -16,8 +16,11 @@ All are written atomically.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,20 +35,38 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "site.json"
 CODEBOOK_FILE = "codebook.bin"
 PRIVACY_FILE = "privacy.json"
+PRIVACY_LOCK = "privacy.lock"
 
 
 @dataclass
 class PrivacyLedger:
-    """A private site's releases by class key: the noise multiplier of every Gaussian release
-    that depended on the class's images, in order, and the noisy image count it released
-    (once; every later message reuses it)."""
+    """A private site's releases by ledger key: the noise multiplier of every Gaussian release
+    that depended on the key's images, in order, and the noisy image count it released (once;
+    every later message reuses it).
+
+    A key is the class key of the class folder that first released, and it remembers the
+    digests of that class's images (``images``): a class folder renamed later, whose images the
+    ledger already knows, continues the old key's budget (``aliases``) instead of starting a new
+    one.
+    """
 
     releases: dict[str, list[float]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
+    images: dict[str, list[str]] = field(default_factory=dict)  # key -> image digests
+    aliases: dict[str, str] = field(default_factory=dict)  # class key -> ledger key
 
     def record(self, keys: list[str], noise_multiplier: float) -> None:
         for key in keys:
             self.releases.setdefault(key, []).append(noise_multiplier)
+
+    def key(self, class_key: str) -> str:
+        """The ledger key of a class (its own, unless a renamed folder continues another's)."""
+        return self.aliases.get(class_key, class_key)
+
+    def known(self, digests: list[str]) -> str | None:
+        """The ledger key that already holds one of these images, if any."""
+        wanted = set(digests)
+        return next((key for key, held in self.images.items() if wanted & set(held)), None)
 
 
 class SiteMemory:
@@ -95,6 +116,9 @@ class SiteMemory:
             self.completed[task] = step
             self._save()
 
+    def has_ledger(self) -> bool:
+        return (self.root / PRIVACY_FILE).is_file()
+
     def ledger(self) -> PrivacyLedger:
         """The privacy ledger as it is on disk (empty when the site never released privately)."""
         path = self.root / PRIVACY_FILE
@@ -103,11 +127,25 @@ class SiteMemory:
         raw = json.loads(path.read_text())
         releases = {str(k): [float(z) for z in v] for k, v in raw.get("releases", {}).items()}
         counts = {str(k): int(v) for k, v in raw.get("counts", {}).items()}
-        return PrivacyLedger(releases, counts)
+        images = {str(k): [str(d) for d in v] for k, v in raw.get("images", {}).items()}
+        aliases = {str(k): str(v) for k, v in raw.get("aliases", {}).items()}
+        return PrivacyLedger(releases, counts, images, aliases)
 
-    def save_ledger(self, ledger: PrivacyLedger) -> None:
-        state = {"releases": ledger.releases, "counts": ledger.counts}
-        write_atomic(self.root / PRIVACY_FILE, json.dumps(state, indent=2).encode())
+    @contextmanager
+    def updating_ledger(self) -> Iterator[PrivacyLedger]:
+        """The ledger to change, read and written back under an exclusive lock on
+        ``privacy.lock``: two processes of one site never lose each other's releases."""
+        with open(self.root / PRIVACY_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            ledger = self.ledger()
+            yield ledger
+            state = {
+                "releases": ledger.releases,
+                "counts": ledger.counts,
+                "images": ledger.images,
+                "aliases": ledger.aliases,
+            }
+            write_atomic(self.root / PRIVACY_FILE, json.dumps(state, indent=2).encode())
 
     def _save(self) -> None:
         state = {"federation": self.federation, "completed": self.completed}

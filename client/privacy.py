@@ -2,29 +2,35 @@
 
 Opt-in (``privacy-epsilon`` in the node config of a deployed site, or the run config of
 simulated ones; docs/security.md#differential-privacy). The unit protected is one training
-image. Every release that can depend on an image is a Gaussian mechanism recorded, by its
-noise multiplier, under the image's class in the site's ledger (``SiteMemory``, so a restart
-never resets it):
+image, or one patient (``PrivacyUnit``: at most k images of a patient per class, count and
+statistics noise × k). Every release that can depend on an image is a Gaussian mechanism
+recorded, by its noise multiplier, under the image's class in the site's ledger (``SiteMemory``,
+locked, so a restart never resets it; ``SITE_KEY`` for every release when patients span
+classes):
 
 * the enrolment's image count of the class (once; later messages reuse it);
 * each training phase's update, one mechanism over all the classes of the task (an image of one
   class moves every class's update through the softmax): each class's update clipped to the
   phase's bound C, noise C·2·√K per coordinate for K classes (two clipped updates differ by at
   most 2C per class);
-* each statistics phase's Gaussian of the class (``private_gaussian``; only that class's images).
+* each statistics phase's Gaussian of the class (``private_gaussian``; only that class's images:
+  H_c's views are augmented per image, ``augment_each``).
 
 Each release takes the smallest noise with which the class's releases so far and the ones its
 task still plans (the rounds of the run config) stay within the target (ε, δ); a release that
 would need more than ``MAX_NOISE_MULTIPLIER`` is refused: the class is trained but not shared,
-and the reply says so (``BUDGET_EXHAUSTED``). The site's ε is the largest of its classes' (an
-image belongs to one class), reported in every reply (``PRIVACY_EPSILON``) and logged.
+and the reply says so (``BUDGET_EXHAUSTED``): the ledger is a privacy filter. The site's ε is
+the largest of its classes' (an image belongs to one class), reported in every reply
+(``PRIVACY_EPSILON``) and logged with its unit. The site's δ is its own (the run config may only
+lower it) and at most 1/n.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -45,6 +51,21 @@ from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, STATISTIC
 logger = logging.getLogger(__name__)
 
 
+class PrivacyUnit(enum.Enum):
+    """What a site's ε protects: one training image, or one patient (all their images)."""
+
+    IMAGE = "image"
+    PATIENT = "patient"
+
+
+#: The ledger key of every release of a site whose patients span classes: one budget.
+SITE_KEY = "*site*"
+
+
+class PrivacyError(ValueError):
+    """A privacy setting the site cannot honour (its δ is too large for its data)."""
+
+
 @dataclass(frozen=True)
 class PrivacySetting(Options):
     """The target (ε, δ), the clipping bounds, and the rounds a class's task plans."""
@@ -57,26 +78,49 @@ class PrivacySetting(Options):
     stage2_clip: float = knob("privacy-stage2-clip")
     stage1_rounds: int = knob("stage1-rounds")
     stage2_rounds: int = knob("stage2-rounds")
+    unit: PrivacyUnit = knob("privacy-unit", PrivacyUnit)  # noqa: RUF009 (an enum: immutable)
+    patient_images: int = knob("privacy-patient-images")  # the cap k of the patient unit
+    site_tasks: int = knob("privacy-site-tasks")  # what a site-wide budget is planned over
+
+    @property
+    def group(self) -> int:
+        """The most images of one protected unit in a class: the factor on the sensitivity
+        of its count and moments (a class's training update is clipped as a whole, so its
+        bound holds for any change of the class's images)."""
+        return self.patient_images if self.unit is PrivacyUnit.PATIENT else 1
 
     @classmethod
     def of(cls, run: Values, node: Values) -> PrivacySetting | None:
-        """The setting from parsed run and node configs (a node's own target wins); None when
-        off."""
+        """The setting from parsed run and node configs; None when off. A node's own ε wins;
+        its δ (default 1e-5) is a ceiling the run config may lower, never raise; its unit is
+        the patient when either asks for it: the server cannot weaken a site's guarantee."""
         setting = cls.from_config(run)
         epsilon = float(node["privacy-epsilon"]) or setting.epsilon
-        delta = float(node["privacy-delta"]) or setting.delta
-        return replace(setting, epsilon=epsilon, delta=delta) if epsilon else None
+        delta = min(float(node["privacy-delta"]), setting.delta)
+        units = {setting.unit, PrivacyUnit(node["privacy-unit"])}  # the stricter of the two
+        unit = PrivacyUnit.PATIENT if PrivacyUnit.PATIENT in units else PrivacyUnit.IMAGE
+        return replace(setting, epsilon=epsilon, delta=delta, unit=unit) if epsilon else None
 
-    def releases_left(self, phase: Phase, round_index: int = 0) -> int:
-        """Releases of a class from this one to the end of its task: its count, the stage-1
-        rounds, G_c, the stage-2 rounds, H_c."""
-        r1, r2 = self.stage1_rounds, self.stage2_rounds
+    def check_delta(self, n: int) -> None:
+        """Refuse a δ above 1/n for a site of ``n`` protected units: such a δ allows a release
+        that reveals one of them outright."""
+        if n and self.delta > 1 / n:
+            raise PrivacyError(
+                f"privacy-delta {self.delta:g} is more than 1/n = {1 / n:.3g} for this site's "
+                f"{n} training {self.unit.value}s: set privacy-delta to at most {1 / n:.3g}"
+            )
+
+    def releases_left(self, phase: Phase, round_index: int = 0, classes: int = 1) -> int:
+        """Releases of a ledger key from this one to the end of its task: the counts, the
+        stage-1 rounds, the G_c, the stage-2 rounds, the H_c — one each for a class's key,
+        one per class of the task (``classes``) for the site's key."""
+        r1, r2, c = self.stage1_rounds, self.stage2_rounds, classes
         return {
-            Phase.SYNC: r1 + r2 + 3,
-            Phase.STAGE1: r1 - round_index + r2 + 2,
-            Phase.STAGE1_STATS: r2 + 2,
-            Phase.STAGE2: r2 - round_index + 1,
-            Phase.STAGE2_STATS: 1,
+            Phase.SYNC: r1 + r2 + 3 * c,
+            Phase.STAGE1: r1 - round_index + r2 + 2 * c,
+            Phase.STAGE1_STATS: r2 + 2 * c,
+            Phase.STAGE2: r2 - round_index + c,
+            Phase.STAGE2_STATS: c,
         }[phase]
 
 
@@ -94,17 +138,30 @@ class PrivateReleases:
         self.clip_centre = clip_centre  # CLIP feature of a mid-gray image: public
         # The operating system's entropy: noise from a seed others know hides nothing.
         self.rng = np.random.default_rng()
+        # patients with images in several classes: every release charges the site's one key
+        self.site_wide = False
+        self.task_classes = 1  # classes of the current task (what the site's key plans)
+        self.task_index = 0  # the current task among the site's (what the site's key plans)
+        if not memory.has_ledger():
+            logger.warning(
+                "privacy: no ledger in %s: this site's budget starts at zero here; releases "
+                "made from another state folder are not counted", memory.root,
+            )  # fmt: skip
 
     # --- the budget -----------------------------------------------------------------------
 
     def noise(self, keys: list[str], phase: Phase, round_index: int = 0) -> float | None:
         """The noise multiplier one release depending on the images of ``keys`` needs so that
         every one of them stays within budget; None when one of them cannot afford it."""
-        ledger, left = self.memory.ledger(), self.setting.releases_left(phase, round_index)
+        left = self.setting.releases_left(phase, round_index)
+        if self.site_wide:  # this task's releases of every class, then as many per later task
+            later = max(0, self.setting.site_tasks - self.task_index - 1)
+            left = self.setting.releases_left(phase, round_index, self.task_classes)
+            left += later * self.setting.releases_left(Phase.SYNC, 0, self.task_classes)
         needed = []
         for key in keys:
             z = accountant.noise_multiplier(
-                ledger.releases.get(key, []), left, self.setting.epsilon, self.setting.delta
+                self._past(key), left, self.setting.epsilon, self.setting.delta
             )
             if z is None:
                 return None
@@ -112,22 +169,39 @@ class PrivateReleases:
         return max(needed)
 
     def epsilon(self) -> float:
-        """The site's ε: the largest of its classes' (each image is of one class)."""
+        """The site's ε per unit: the largest of its classes' (each image, or patient, is of
+        one class), or of all its releases composed when patients span classes."""
         ledger = self.memory.ledger()
+        keys = [SITE_KEY] if self.site_wide else list(ledger.releases)
         return max(
-            (accountant.epsilon(z, self.setting.delta) for z in ledger.releases.values()),
-            default=0.0,
+            (accountant.epsilon(self._past(k), self.setting.delta) for k in keys), default=0.0
         )
 
-    def _record(self, keys: list[str], z: float, what: str) -> None:
-        ledger = self.memory.ledger()
-        ledger.record(keys, z)
-        self.memory.save_ledger(ledger)
-        spent = max(accountant.epsilon(ledger.releases[key], self.setting.delta) for key in keys)
+    def _past(self, key: str) -> list[float]:
+        """The releases a key's units took part in: the site's key took part in all."""
+        releases = self.memory.ledger().releases
+        if key == SITE_KEY:
+            return [z for zs in releases.values() for z in zs]
+        return releases.get(key, [])
+
+    def key(self, name: str) -> str:
+        """The ledger key of class ``name``: what its count is kept under."""
+        return self.memory.ledger().key(class_key(name))
+
+    def budget(self, name: str) -> str:
+        """The ledger key a release of class ``name`` is charged to: the class's, or the
+        site's one key when patients span classes."""
+        return SITE_KEY if self.site_wide else self.key(name)
+
+    def _record(self, names: list[str], z: float, what: str) -> None:
+        keys = sorted({self.budget(name) for name in names})
+        with self.memory.updating_ledger() as ledger:
+            ledger.record(keys, z)
+        spent = max(accountant.epsilon(self._past(key), self.setting.delta) for key in keys)
         logger.info(
             "privacy: released %s of %s with noise multiplier %.3g: their ε %.3g, the site's "
-            "%.3g, of %.3g (δ %g)", what, ", ".join(keys), z, spent, self.epsilon(),
-            self.setting.epsilon, self.setting.delta,
+            "%.3g, of %.3g (δ %g, per %s)", what, ", ".join(names), z, spent, self.epsilon(),
+            self.setting.epsilon, self.setting.delta, self.setting.unit.value,
         )  # fmt: skip
 
     def metadata(self, refused: list[str]) -> dict[str, str]:
@@ -142,53 +216,76 @@ class PrivateReleases:
 
     # --- the releases ---------------------------------------------------------------------
 
-    def counts(self, counts: Mapping[str, int]) -> tuple[list[ClassEntry], list[str]]:
+    def counts(
+        self, counts: Mapping[str, int], digests: Callable[[str], list[str]] | None = None
+    ) -> tuple[list[ClassEntry], list[str]]:
         """The enrolment's entries: each class's noisy count (drawn once, then reused), and
-        the classes whose budget cannot afford even that."""
+        the classes whose budget cannot afford even that. ``digests``: a class's image digests
+        (asked once per new class), so a renamed class folder continues its images' budget."""
         entries, refused = [], []
+        self.task_classes = len(counts)
         for name, count in counts.items():
-            key = class_key(name)
+            key = self._enrol(class_key(name), lambda n=name: digests(n) if digests else [])
             released = self.memory.ledger().counts.get(key)
             if released is None:
-                z = self.noise([key], Phase.SYNC)
+                z = self.noise([self.budget(name)], Phase.SYNC)
                 if z is None:
                     refused.append(name)
                     continue
-                released = noisy_count(count, z, self.rng)
-                ledger = self.memory.ledger()
-                ledger.counts[key] = released
-                self.memory.save_ledger(ledger)
-                self._record([key], z, "the image count")
+                released = noisy_count(count, z, self.rng, self.setting.group)
+                with self.memory.updating_ledger() as ledger:
+                    ledger.counts[key] = released
+                    ledger.images[key] = digests(name) if digests else []
+                self._record([name], z, "the image count")
             entries.append(ClassEntry(name, released))
         return entries, refused
+
+    def _enrol(self, own: str, images: Callable[[], list[str]]) -> str:
+        """The ledger key of a class: its own, or the key that already holds its images (a
+        class folder renamed since; logged)."""
+        ledger = self.memory.ledger()
+        if own in ledger.aliases or own in ledger.counts:
+            return ledger.key(own)
+        with self.memory.updating_ledger() as ledger:
+            known = ledger.known(images())
+            if known is None:
+                return own
+            ledger.aliases[own] = known
+        logger.warning("privacy: class %s holds images released as %s: it continues that "
+                       "budget", own, known)  # fmt: skip
+        return known
 
     def plan(self, names: list[str], phase: Phase, round_index: int) -> dict[str, float | None]:
         """The noise multiplier of each class's release in ``phase`` (None: refused). A
         training phase is one release over all the classes; a class without a released count
         is refused (its enrolment was)."""
         counts = self.memory.ledger().counts
-        keys = {name: class_key(name) for name in names if class_key(name) in counts}
+        self.task_classes = len(names)
+        keys = {name: self.budget(name) for name in names if self.key(name) in counts}
         if phase in STATISTICS:
             plan = {name: self.noise([key], phase) for name, key in keys.items()}
         else:  # every class's images move every class's update: all share, or none
             whole = len(keys) == len(names)
-            z = self.noise(list(keys.values()), phase, round_index) if whole else None
+            z = self.noise(sorted(set(keys.values())), phase, round_index) if whole else None
             plan = dict.fromkeys(keys, z)
         return {name: plan.get(name) for name in names}
+
+    def ball(self, phase: Phase, dim: int) -> tuple[torch.Tensor, float]:
+        """The (centre, radius) a statistics phase clips its ``dim``-dimensional features to:
+        CLIP features about a mid-gray image's, ViT features about the origin."""
+        if phase is Phase.STAGE1_STATS:
+            return self.clip_centre, self.setting.clip_radius * math.sqrt(dim)
+        return torch.zeros(dim, dtype=torch.float64), self.setting.vit_radius * math.sqrt(dim)
 
     def mixture_fit(
         self, phase: Phase, names: list[str], plan: Mapping[str, float | None]
     ) -> MixtureFit:
         """The statistics step's fit: for a class to share, one private Gaussian of its
         clipped features (records the release); for a refused one the ordinary fit, kept."""
-        stage1 = phase is Phase.STAGE1_STATS
         counts = self.memory.ledger().counts
 
         def fit(features, labels, rows, n_components, seed) -> list[GaussianMixture]:
-            dim = features.shape[1]
-            radius = self.setting.clip_radius if stage1 else self.setting.vit_radius
-            radius *= math.sqrt(dim)
-            centre = self.clip_centre if stage1 else torch.zeros(dim, dtype=torch.float64)
+            centre, radius = self.ball(phase, features.shape[1])
             mixtures = []
             for i, row in enumerate(rows):
                 name, own = names[i], features[labels == row]
@@ -196,9 +293,9 @@ class PrivateReleases:
                 if z is None:
                     mixtures.append(GaussianMixture.fit(own, n_components, seed=seed + row))
                     continue
-                count = counts[class_key(name)]
-                mixtures.append(private_gaussian(own, centre, radius, count, z, self.rng))
-                self._record([class_key(name)], z, schema.trained_in(phase)[0])
+                count, group = counts[self.key(name)], self.setting.group
+                mixtures.append(private_gaussian(own, centre, radius, count, z, self.rng, group))
+                self._record([name], z, schema.trained_in(phase)[0])
             return mixtures
 
         return fit
@@ -225,6 +322,6 @@ class PrivateReleases:
                 values = private_update(before, dict(entry.values), clip, std, self.rng)
                 released.append(ClassEntry(entry.name, entry.count, values))
             shared = released
-            self._record([class_key(e.name) for e in shared], z, f"the {phase.key} update")
-        shared = [ClassEntry(e.name, counts[class_key(e.name)], e.values) for e in shared]
+            self._record([e.name for e in shared], z, f"the {phase.key} update")
+        shared = [ClassEntry(e.name, counts[self.key(e.name)], e.values) for e in shared]
         return shared, self.metadata(refused)

@@ -44,6 +44,7 @@ Values = Mapping[str, Value]
 
 WIRE_DTYPES = ("float32", "float16")
 REPLAY_SCHEDULES = ("reference", "bounded")  # shared/model/replay.py: ReplaySchedule
+PRIVACY_UNITS = ("image", "patient")  # what a site's ε protects (client/privacy.py)
 MERGES = ("mean", "median")  # the default strategy's per-class estimator (server/robust.py)
 RUNTIMES = ("flower", "local")  # `starfed simulate --runtime` (docs/simulation.md)
 #: The commands that run Flower simulations on Ray: they take its options (--ray-address, ...).
@@ -192,6 +193,9 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("arrival-offset", int, 0, "site i joins i x offset steps after site 0", "scenario", ge=0),
     Knob("min-partition-size", int, 0, "per task, resample the partition until every site has "
          "this many images", "scenario", ge=0),
+    Knob("simulated-patient-images", int, 0, "simulated sites: name every run of this many "
+         "consecutive training images of a class as one patient's, for the patient privacy unit "
+         "(0: no patient names)", "scenario", ge=0),
     # protocol: how the server drives the phases, and where results go
     Knob("stage1-rounds", int, 1, "federated rounds of stage 1 per task", "protocol", ge=1),
     Knob("stage2-rounds", int, 1, "federated rounds of stage 2 per task", "protocol", ge=1),
@@ -265,7 +269,8 @@ SCHEMA: tuple[Knob, ...] = (
     # differential privacy of what a site releases (docs/security.md#differential-privacy)
     Knob("privacy-epsilon", float, 0.0, "each site's target epsilon for one training image "
          "over the federation's life; 0: off (no noise)", "privacy", ge=0),
-    Knob("privacy-delta", float, 1e-5, "each site's target delta", "privacy", gt=0, le=0.1),
+    Knob("privacy-delta", float, 1e-5, "each site's target delta, unless the site's own "
+         "(node config) is lower", "privacy", gt=0, le=0.1),
     Knob("privacy-clip-radius", float, 0.4, "CLIP features are clipped to this radius x "
          "sqrt(dim) about a mid-gray image's feature", "privacy", gt=0),
     Knob("privacy-vit-radius", float, 1.0, "ViT features are clipped to this radius x sqrt(dim) "
@@ -274,6 +279,15 @@ SCHEMA: tuple[Knob, ...] = (
          "privacy", gt=0),
     Knob("privacy-stage2-clip", float, 0.05, "L2 bound of one class's stage-2 update (query "
          "prompt and weights, head row)", "privacy", gt=0),
+    Knob("privacy-unit", str, "image", "what each site's epsilon protects: one training image, "
+         "or one patient (images named <patient>__<name>: docs/sites.md#patients)", "privacy",
+         choices=PRIVACY_UNITS),
+    Knob("privacy-patient-images", int, 5, "unit patient: the most images of one patient a "
+         "class uses (the others are left out); count and mixture noise grow with it", "privacy",
+         ge=1),
+    Knob("privacy-site-tasks", int, 7, "unit patient, patients across classes: the tasks one "
+         "site-wide budget is planned over (a task beyond them gets what is left)", "privacy",
+         ge=1),
     # backbones: the frozen pair every participant loads (fingerprints must match)
     Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
     Knob("device", str, "auto", "where the server and simulated sites compute: auto (the GPU "
@@ -303,8 +317,12 @@ SCHEMA: tuple[Knob, ...] = (
          "the run config's", "node", check=check_device),
     Knob("privacy-epsilon", float, 0.0, "this site's target epsilon for one of its training "
          "images over the federation's life; 0: the run config's", "node", ge=0),
-    Knob("privacy-delta", float, 0.0, "this site's target delta; 0: the run config's", "node",
-         ge=0, le=0.1),
+    Knob("privacy-unit", str, "image", "what this site's epsilon protects: one training "
+         "image, or one patient (docs/sites.md#patients); a run config's patient wins",
+         "node", choices=PRIVACY_UNITS),
+    Knob("privacy-delta", float, 1e-5, "this site's target delta (at most 1/n for its n "
+         "training images or patients); the run config's may lower it, never raise it", "node",
+         gt=0, le=0.1),
     # command options: never part of a Flower config
     Knob("cache-dir", str, "", 'reuse decoded images across runs; "": no cache', "command",
          path=True, command="train-local"),

@@ -113,7 +113,7 @@ def test_options_take_defaults_and_values_from_the_knobs(options: type[Options])
     own = parse({}, "train-local")
     assert options.from_config(parse({}) | own) == options()
     others = {"preset": "paper", "wire-dtype": "float16", "device": "cpu", "vit-tag": "augreg",
-              "replay-schedule": "bounded"}  # fmt: skip
+              "replay-schedule": "bounded", "privacy-unit": "patient"}  # fmt: skip
     changed: dict[str, object] = {}
     for key, knob in {**TABLES["run-config"], **TABLES["train-local"]}.items():
         if knob.kind is bool:

@@ -153,9 +153,8 @@ def test_class_at_its_budget_is_trained_but_not_shared(tmp_path):
     private = PrivateReleases(setting(), site, torch.zeros(8))
     private.counts({"a": 10, "b": 10})
     z = accountant.noise_multiplier([], 5, 4.0, DELTA)
-    ledger = site.ledger()
-    ledger.releases["a"] = [z] * 5  # a spent its whole budget
-    site.save_ledger(ledger)
+    with site.updating_ledger() as ledger:
+        ledger.releases["a"] = [z] * 5  # a spent its whole budget
     restarted = PrivateReleases(setting(), memory(tmp_path), torch.zeros(8))
     # a training release moves both classes: refused for both
     plan = restarted.plan(["a", "b"], Phase.STAGE1, 0)
@@ -251,10 +250,9 @@ def test_site_at_its_budget_refuses_and_the_federation_goes_on(cache_dir, tmp_pa
 
     def exhaust(sites: Path) -> None:
         site = memory(sites / "site-0" / "state")
-        ledger = site.ledger()
-        ledger.releases = {key: [z] * 5 for key in keys}
-        ledger.counts = dict.fromkeys(keys, 20)
-        site.save_ledger(ledger)
+        with site.updating_ledger() as ledger:
+            ledger.releases = {key: [z] * 5 for key in keys}
+            ledger.counts = dict.fromkeys(keys, 20)
 
     metrics, run_dir = run(cache_dir, tmp_path, exhaust)
     assert metrics["status"] == "completed", metrics["reason"]

@@ -147,6 +147,7 @@ class SiteOptions:
     worker: bool = True  # answer messages in a long-lived site worker (starfed.client.worker)
     privacy: tuple[float, float] = (0.0, 0.0)  # the site's own target (ε, δ); ε 0: none
     give_up_s: float = dialling.GIVE_UP_S  # not reached once in this long: stop (0: never)
+    privacy_unit: str = "image"  # what the site's ε protects: an image or a patient
 
     @property
     def worker_socket(self) -> Path:
@@ -172,6 +173,7 @@ class SiteOptions:
             config["worker-socket"] = str(self.worker_socket)
         if self.privacy[0]:
             config["privacy-epsilon"], config["privacy-delta"] = map(str, self.privacy)
+            config["privacy-unit"] = self.privacy_unit
         return config
 
 
@@ -200,6 +202,7 @@ def prepare(
     insecure: bool = False,
     worker: bool = True,
     give_up_s: float = dialling.GIVE_UP_S,
+    privacy_unit: str = "image",
 ) -> SiteOptions:
     """Check every input once, here; what comes out is what the SuperNode gets."""
     addresses.parse_address(server)  # ValueError: bad input
@@ -231,6 +234,7 @@ def prepare(
     return SiteOptions(
         server, data, state, name, device, ca, key, insecure, fingerprint, worker, privacy,
         give_up_s,
+        privacy_unit,
     )  # fmt: skip
 
 

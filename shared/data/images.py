@@ -294,17 +294,50 @@ def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Reference train view on a uint8 batch: RandomResizedCrop (bicubic) + horizontal flip.
 
     Returns float32 ``[B, 3, S, S]`` in [0, 1], equal to torchvision's tensor ``resized_crop``
-    (antialiased bicubic, as PIL) and ``hflip`` with parameters drawn from ``generator``. A loop
-    of small ``interpolate`` calls beats one batched bicubic ``grid_sample`` on CPU.
+    (antialiased bicubic, as PIL) and ``hflip`` with parameters drawn from ``generator``.
     """
+    _check_batch(images)
+    b, _, h, w = images.shape
+    boxes = torch.stack(_crop_boxes(b, h, w, generator), dim=1)
+    flip = torch.rand(b, generator=generator, device=generator.device) < 0.5
+    return _apply_views(images, boxes, flip)
+
+
+def augment_each(images: torch.Tensor, seed: int) -> torch.Tensor:
+    """``augment`` with each image's crop and flip drawn from its own generator, seeded by
+    ``seed`` and the image's pixels: an image's view does not depend on which other images are
+    in the batch, so removing one image changes no other image's view (what a private site's
+    released statistics need, docs/security.md#differential-privacy)."""
+    _check_batch(images)
+    b, _, h, w = images.shape
+    boxes, flips = [], []
+    for image in images.cpu():
+        generator = torch.Generator().manual_seed(image_seed(image, seed))
+        boxes.append(torch.stack(_crop_boxes(1, h, w, generator), dim=1))
+        flips.append(torch.rand(1, generator=generator) < 0.5)
+    empty = torch.zeros(0, 4), torch.zeros(0, dtype=torch.bool)
+    boxes_all, flip = (torch.cat(boxes), torch.cat(flips)) if b else empty
+    return _apply_views(images, boxes_all, flip)
+
+
+def image_seed(image: torch.Tensor, seed: int) -> int:
+    """A generator seed from ``seed`` and one uint8 image's pixels (its identity)."""
+    digest = hashlib.sha256(f"{seed}/".encode() + image.contiguous().numpy().tobytes()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _check_batch(images: torch.Tensor) -> None:
     if images.dtype != torch.uint8 or images.ndim != 4:
         raise ValueError(f"expected a uint8 [B, C, H, W] batch, got {images.dtype} {images.shape}")
-    b, _, h, w = images.shape
+
+
+def _apply_views(images: torch.Tensor, boxes: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+    """Crop each image to its box (top, left, h, w), resize back, flip where ``flip``. A loop of
+    small ``interpolate`` calls beats one batched bicubic ``grid_sample`` on CPU."""
     x = to_unit(images)
-    boxes = torch.stack(_crop_boxes(b, h, w, generator), dim=1).to(torch.int64).tolist()
-    flip = torch.rand(b, generator=generator, device=generator.device) < 0.5
+    h, w = images.shape[-2:]
     out = torch.empty_like(x)
-    for k, (top, left, ch, cw) in enumerate(boxes):
+    for k, (top, left, ch, cw) in enumerate(boxes.to(torch.int64).tolist()):
         crop = x[k : k + 1, :, top : top + ch, left : left + cw]
         out[k] = F.interpolate(crop, size=(h, w), mode="bicubic", antialias=True)[0]
     out = torch.where(flip.to(x.device).view(-1, 1, 1, 1), out.flip(-1), out)

@@ -27,6 +27,7 @@ from flwr_datasets.partitioner import DirichletPartitioner
 
 from starfed.shared.config import Options, knob, optional
 from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root
+from starfed.shared.data.site_folder import patient_name
 
 Sample = tuple[str, int]
 
@@ -43,6 +44,7 @@ class ScenarioConfig(Options):
     alpha: float = knob("alpha")  # Dirichlet concentration: small = each site sees few classes
     arrival_offset: int = knob("arrival-offset")  # site i starts i * offset steps after site 0
     min_partition_size: int = knob("min-partition-size")  # per task, for every site
+    patient_images: int = knob("simulated-patient-images")  # 0: images without patients
 
     @property
     def n_steps(self) -> int:
@@ -152,10 +154,27 @@ class Scenario:
                 staging = root / f".{target.name}.tmp"
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)  # an empty task is still a task folder
-                _write_class_folders(staging, self.train_samples(client, task), self.split)
+                samples = self.train_samples(client, task)
+                _write_class_folders(staging, samples, self.split, self._patient_names(samples))
                 staging.rename(target)
             # test images of a class appear with its task
             _write_class_folders(root / "test", self.test_samples(client, [task]), self.split)
+
+    def _patient_names(self, samples: list[Sample]) -> dict[str, str]:
+        """Link names that make every run of ``patient_images`` consecutive images of a class
+        (in ``split.samples`` order) one simulated patient's, a patient of one class only
+        (none when 0)."""
+        k = self.config.patient_images
+        if not k:
+            return {}
+        first: dict[int, int] = {}
+        for i, (_, label) in enumerate(self.split.train_samples):
+            first.setdefault(label, i)
+        rank = {path: i - first[label] for i, (path, label) in enumerate(self.split.train_samples)}
+        return {
+            path: patient_name(f"c{label:02d}p{rank[path] // k:04d}", path)
+            for path, label in samples
+        }
 
     def _check_client(self, client: int) -> int:
         if not 0 <= client < self.n_clients:
@@ -228,9 +247,15 @@ class Scenario:
         return self._test[task]
 
 
-def _write_class_folders(parent: Path, samples: list[Sample], split: SplitCropDiseases) -> None:
-    """``parent/<class>/<file>`` links to ``samples``; each class folder is written aside and
-    renamed into place, so a reader never sees half of one. Existing class folders are kept."""
+def _write_class_folders(
+    parent: Path,
+    samples: list[Sample],
+    split: SplitCropDiseases,
+    names: dict[str, str] | None = None,
+) -> None:
+    """``parent/<class>/<file>`` links to ``samples`` (named as ``names`` says, else as their
+    files); each class folder is written aside and renamed into place, so a reader never sees
+    half of one. Existing class folders are kept."""
     by_class: dict[str, list[str]] = {}
     for path, label in samples:
         by_class.setdefault(split.class_folders[label], []).append(path)
@@ -242,5 +267,5 @@ def _write_class_folders(parent: Path, samples: list[Sample], split: SplitCropDi
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         for path in paths:
-            (staging / Path(path).name).symlink_to(Path(path).resolve())
+            (staging / (names or {}).get(path, Path(path).name)).symlink_to(Path(path).resolve())
         staging.rename(target)

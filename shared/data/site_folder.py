@@ -28,12 +28,49 @@ from starfed.shared.data.images import IMAGE_EXTENSIONS, DatasetError
 
 TEST_FOLDER = "test"
 HELD_OUT_SHARE = 0.2  # of each class's images, when the site has no test/ folder
+PATIENT_SEPARATOR = "__"  # <patient>__<name>: an image's patient (the patient privacy unit)
 _SEPARATORS = re.compile(r"[\s_\-]+")
 
 
 def class_key(name: str) -> str:
     """The identity of a class name (see the module docstring)."""
     return _SEPARATORS.sub("_", unicodedata.normalize("NFKC", name).casefold()).strip("_")
+
+
+def patient_of(path: str) -> str | None:
+    """The patient an image belongs to: its file name's part before ``__`` (docs/sites.md:
+    ``p0042__scan-3.jpg`` is patient ``p0042``'s); None for a name without one."""
+    name = Path(path).name
+    return name.split(PATIENT_SEPARATOR, 1)[0] if PATIENT_SEPARATOR in name[1:] else None
+
+
+def patient_name(patient: str, path: str) -> str:
+    """The file name that says ``path`` is ``patient``'s image."""
+    return f"{patient}{PATIENT_SEPARATOR}{Path(path).name}"
+
+
+def capped(paths: list[str], per_patient: int) -> list[str]:
+    """The first ``per_patient`` images (in name order) of each patient: a patient's weight in
+    a class is bounded, whatever the folder holds. An image without a patient is an error."""
+    kept: dict[str, int] = {}
+    out = []
+    for path in paths:
+        patient = patient_of(path)
+        if patient is None:
+            raise DatasetError(
+                f"{path}: no patient in its name; with the patient privacy unit name every "
+                f"training image <patient>{PATIENT_SEPARATOR}<name> (docs/sites.md#patients)"
+            )
+        if kept.get(patient, 0) < per_patient:
+            kept[patient] = kept.get(patient, 0) + 1
+            out.append(path)
+    return out
+
+
+def file_digests(paths: list[str]) -> list[str]:
+    """The files' contents as short digests (sha256, 16 hex digits): an image's identity that
+    survives renaming its file or folder (a private site's ledger knows its images by it)."""
+    return [hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16] for p in paths]
 
 
 def _images(folder: Path) -> list[str]:
@@ -119,6 +156,24 @@ class SiteFolder:
                 test.setdefault(class_key(name), []).extend(held)
             split.append(SiteTask(task.name, train))
         return cls(root, split, test)
+
+    def per_patient(self, images: int) -> SiteFolder:
+        """The folder with at most ``images`` training images of a patient per class
+        (``capped``), for the patient privacy unit."""
+        tasks = [
+            SiteTask(t.name, {name: capped(paths, images) for name, paths in t.train.items()})
+            for t in self.tasks
+        ]
+        return SiteFolder(self.root, tasks, self.test)
+
+    def patients(self) -> dict[str, set[str]]:
+        """The class keys each patient has training images in."""
+        found: dict[str, set[str]] = {}
+        for task in self.tasks:
+            for name, paths in task.train.items():
+                for path in paths:
+                    found.setdefault(patient_of(path) or path, set()).add(class_key(name))
+        return found
 
 
 def folder_test_images(root: str | Path) -> dict[str, list[str]]:

@@ -27,7 +27,7 @@ from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.mixture_fit import fit_on
 from starfed.shared.config import Options, knob
-from starfed.shared.data.images import augment, device_batches, normalize, to_unit
+from starfed.shared.data.images import augment, augment_each, device_batches, normalize, to_unit
 from starfed.shared.device import backbone_dtype
 from starfed.shared.model import frozen_towers
 from starfed.shared.model.backbones import Backbones
@@ -309,16 +309,20 @@ def stage2(
         bank.set_rows(name, n_past, value)
 
 
+#: uint8 images to augmented [0, 1] views (``augment`` with a generator, or ``augment_each``).
+Augmentation = Callable[[torch.Tensor], torch.Tensor]
+
+
 @torch.no_grad()
 def vit_features(
-    model: StarPrompt, images: torch.Tensor, generator: torch.Generator | None
+    model: StarPrompt, images: torch.Tensor, augmentation: Augmentation | None
 ) -> torch.Tensor:
-    """Prompted final-LN CLS features; augmented views when a generator is given (as the
-    reference fits H_c on its training loader, which augments)."""
+    """Prompted final-LN CLS features; of augmented views when ``augmentation`` is given (as
+    the reference fits H_c on its training loader, which augments)."""
     views = Views.of(model.backbones)
     out = []
     for chunk in device_batches(images, EVAL_BATCH_SIZE, model.device):
-        unit = augment(chunk, generator) if generator is not None else to_unit(chunk)
+        unit = augmentation(chunk) if augmentation is not None else to_unit(chunk)
         vit_in, clip_in = views.pair(unit)
         z = model.backbones.clip_image_features(clip_in)
         out.append(model.second_level(vit_in, z).features)
@@ -352,11 +356,21 @@ def stage2_stats(
     config: TrainConfig,
     task: int,
     fit: MixtureFit | None = None,
+    per_image: bool = False,
 ) -> None:
     """Fit H_c of the current classes on prompted CLS features of augmented views (``fit``:
-    the device's, ``mixture_fit_for``, unless given)."""
+    the device's, ``mixture_fit_for``, unless given).
+
+    ``per_image`` (a private site): each image's view is drawn from the phase's seed and the
+    image itself (``augment_each``), so removing an image moves no other image's features and
+    no other class's H_c; otherwise the views are drawn in chunks from the phase's stream.
+    """
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].site_stream)
-    features = vit_features(model, images, generator)
+    if per_image:
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        features = vit_features(model, images, lambda chunk: augment_each(chunk, seed))
+    else:
+        features = vit_features(model, images, lambda chunk: augment(chunk, generator))
     rows = range(n_past, len(model))
     fit = fit or mixture_fit_for(model.device)
     mixtures = fit(

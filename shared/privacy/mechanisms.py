@@ -22,10 +22,12 @@ from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 MOMENTS_SENSITIVITY = math.sqrt(2.0)
 
 
-def noisy_count(count: int, noise_multiplier: float, rng: np.random.Generator) -> int:
-    """A count released with Gaussian noise (sensitivity 1), rounded, at least 1 (the wire's
-    smallest count)."""
-    return max(1, round(count + rng.normal(0.0, noise_multiplier)))
+def noisy_count(
+    count: int, noise_multiplier: float, rng: np.random.Generator, group: int = 1
+) -> int:
+    """A count released with Gaussian noise (sensitivity ``group``: the most images one
+    protected unit has in the class), rounded, at least 1 (the wire's smallest count)."""
+    return max(1, round(count + rng.normal(0.0, noise_multiplier * group)))
 
 
 def clip_rows(x: torch.Tensor, centre: torch.Tensor, radius: float) -> torch.Tensor:
@@ -35,6 +37,16 @@ def clip_rows(x: torch.Tensor, centre: torch.Tensor, radius: float) -> torch.Ten
     return offset * torch.clamp(radius / norms.clamp_min(1e-12), max=1.0)
 
 
+def clipped_moments(
+    features: torch.Tensor, centre: torch.Tensor, radius: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """What ``private_gaussian`` noises: the sum and the sum of squares of the features clipped
+    to the ball (``centre``, ``radius``), in units of the radius (one image moves the pair by
+    at most ``MOMENTS_SENSITIVITY``)."""
+    unit = clip_rows(features, centre, radius) / radius  # rows of norm ≤ 1
+    return unit.sum(0).numpy(), unit.pow(2).sum(0).numpy()
+
+
 def private_gaussian(
     features: torch.Tensor,
     centre: torch.Tensor,
@@ -42,18 +54,21 @@ def private_gaussian(
     count: int,
     noise_multiplier: float,
     rng: np.random.Generator,
+    group: int = 1,
 ) -> GaussianMixture:
     """One Gaussian from the noisy sum and sum of squares of the features clipped to the ball
-    (``centre``, ``radius``), normalised by the already-released noisy ``count``.
+    (``centre``, ``radius``), normalised by the already-released noisy ``count``. ``group``:
+    the most images one protected unit has among the features (a patient's cap; sensitivity
+    ``group`` × ``MOMENTS_SENSITIVITY``).
 
     The noisy mean is projected into the ball and the variances into what clipped data can
     have (each ≥ the mixture regulariser, together ≤ radius²), so the wire's checks hold.
     """
-    unit = clip_rows(features, centre, radius) / radius  # rows of norm ≤ 1
-    std = noise_multiplier * MOMENTS_SENSITIVITY
-    dim = unit.shape[1]
-    total = unit.sum(0).numpy() + rng.normal(0.0, std, dim)
-    squares = unit.pow(2).sum(0).numpy() + rng.normal(0.0, std, dim)
+    total, squares = clipped_moments(features, centre, radius)
+    std = noise_multiplier * MOMENTS_SENSITIVITY * group
+    dim = total.shape[0]
+    total = total + rng.normal(0.0, std, dim)
+    squares = squares + rng.normal(0.0, std, dim)
     mean = total / count
     norm = float(np.linalg.norm(mean))
     if norm > 1.0:

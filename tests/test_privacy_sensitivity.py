@@ -1,0 +1,424 @@
+"""Every release a private site makes moves by at most its claimed sensitivity when one image
+is removed, and every other class's releases do not move at all.
+
+Each test runs the real release pipeline of a site (``starfed.client.site``'s phase handlers and
+``starfed.client.privacy.PrivateReleases``) with the noise switched off (``ZeroNoise`` in place
+of the site's generator) on the bundled images D and on D minus one image, for several choices
+of the image across several classes, and compares the two releases: the noisy count, the G_c and
+H_c moments (``clipped_moments``, what ``private_gaussian`` noises), and the stage-1 (prompt)
+and stage-2 (query prompt, query weights, head row) updates. A second group checks that each
+mechanism's noise has the standard deviation its calibration says.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from starfed.client.memory import SiteMemory
+from starfed.client.ops.supernode import SiteOptions
+from starfed.client.privacy import (
+    SITE_KEY,
+    PrivacyError,
+    PrivacySetting,
+    PrivacyUnit,
+    PrivateReleases,
+)
+from starfed.client.site import HANDLERS, TaskView
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.config import parse
+from starfed.shared.data.cropdiseases import bundled_dataset_root
+from starfed.shared.data.images import DatasetError, decode_images
+from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.shared.data.site_folder import SiteFolder, capped, file_digests, patient_of
+from starfed.shared.model.backbones import create_backbones
+from starfed.shared.model.star_prompt import StarPrompt
+from starfed.shared.model.training import TrainConfig, clip_features
+from starfed.shared.privacy import accountant
+from starfed.shared.privacy.mechanisms import (
+    MOMENTS_SENSITIVITY,
+    clipped_moments,
+    noisy_count,
+    private_gaussian,
+    private_update,
+)
+from starfed.shared.protocol import Phase
+
+pytestmark = [pytest.mark.privacy, pytest.mark.usefixtures("one_torch_thread")]
+
+CLASSES = ["Apple___Apple_scab", "Apple___Black_rot", "Apple___healthy"]
+PER_CLASS = 8
+#: Removed images: first, middle and last of the task, and others across the classes.
+REMOVED = [0, 5, PER_CLASS + 3, 2 * PER_CLASS, 3 * PER_CLASS - 1]
+CONFIG = TrainConfig(stage1_epochs=1, stage2_epochs=1, batch_size=8, seed=1993)
+#: Clipping bounds small enough that every class's update is clipped (the bound binds).
+SETTING = PrivacySetting(4.0, 1e-5, 0.4, 1.0, 1e-4, 1e-4, 1, 1)
+#: What float arithmetic may leave of a change that is zero in exact arithmetic.
+FLOAT_SLACK = 1e-9
+
+
+class ZeroNoise:
+    """A generator that draws no noise: the release pipeline with its noise switched off."""
+
+    def normal(self, loc: float = 0.0, scale: float = 1.0, size: int | None = None):
+        return np.zeros(size) if size is not None else 0.0
+
+
+@pytest.fixture(scope="module")
+def backbones():
+    return create_backbones("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def task(backbones):
+    """The bundled training images of three classes, in class order."""
+    root = bundled_dataset_root() / "train"
+    samples = [
+        (str(path), label)
+        for label, name in enumerate(CLASSES)
+        for path in sorted((root / name).iterdir())[:PER_CLASS]
+    ]
+    decoded = decode_images(samples, backbones.config.image_size, progress=False)
+    return decoded.images, decoded.labels
+
+
+def releases(backbones, tmp_path: Path) -> PrivateReleases:
+    memory = SiteMemory(tmp_path / "state", "fingerprint", backbones.dims)
+    size = backbones.config.image_size
+    gray = torch.full((1, 3, size, size), 128, dtype=torch.uint8)
+    private = PrivateReleases(SETTING, memory, clip_features(backbones, gray)[0].double())
+    private.rng = ZeroNoise()
+    return private
+
+
+def view(backbones, images, labels) -> TaskView:
+    """A site's view of the task: its three classes trainable, from one fixed initialisation."""
+    model = StarPrompt(backbones)
+    model.add_classes(CLASSES, seed=0)
+    features = clip_features(backbones, images)
+    return TaskView(model, 0, list(CLASSES), labels, images, features, 0, 0, {})
+
+
+def without(images, labels, index: int):
+    keep = torch.arange(len(labels)) != index
+    return images[keep], labels[keep]
+
+
+# --- the statistics: count, G_c, H_c ----------------------------------------------------------
+
+
+def test_noisy_count_moves_by_one_for_its_class_only(backbones, task, tmp_path):
+    _, labels = task
+    for index in REMOVED:
+        released = []
+        for folder, kept in (("d", labels), ("d-minus-one", without(labels, labels, index)[1])):
+            private = releases(backbones, tmp_path / folder / str(index))
+            counts = {name: int((kept == row).sum()) for row, name in enumerate(CLASSES)}
+            entries, refused = private.counts(counts)
+            assert not refused
+            released.append({e.name: e.count for e in entries})
+        own = CLASSES[int(labels[index])]
+        assert released[0][own] - released[1][own] == 1
+        assert all(released[0][n] == released[1][n] for n in CLASSES if n != own)
+
+
+def moments_of(phase: Phase, backbones, images, labels, tmp_path) -> dict[str, np.ndarray]:
+    """Each class's clipped moments as the site's statistics phase computes them."""
+    private = releases(backbones, tmp_path)
+    moments = {}
+
+    def fit(features, labels_, rows, n_components, seed):
+        centre, radius = private.ball(phase, features.shape[1])
+        for row in rows:
+            total, squares = clipped_moments(features[labels_ == row], centre, radius)
+            moments[CLASSES[row]] = np.concatenate([total, squares])
+        return [None] * len(rows)
+
+    HANDLERS[phase](view(backbones, images, labels), CONFIG, fit=fit)
+    return moments
+
+
+@pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
+def test_mixture_moments_move_within_sensitivity_for_their_class_only(
+    phase, backbones, task, tmp_path
+):
+    images, labels = task
+    full = moments_of(phase, backbones, images, labels, tmp_path)
+    for index in REMOVED:
+        less = moments_of(phase, backbones, *without(images, labels, index), tmp_path)
+        own = CLASSES[int(labels[index])]
+        changes = {n: float(np.linalg.norm(full[n] - less[n])) for n in CLASSES}
+        assert 0 < changes[own] <= MOMENTS_SENSITIVITY + FLOAT_SLACK, (index, changes)
+        others = {n: c for n, c in changes.items() if n != own}
+        assert all(c <= FLOAT_SLACK for c in others.values()), (index, own, changes)
+
+
+# --- the training updates: prompts; query prompts, query weights and head rows ---------------
+
+
+def released_update(phase: Phase, backbones, images, labels, tmp_path) -> torch.Tensor:
+    """The task's update as the site releases it (noise off): every class's fields, flat."""
+    private = releases(backbones, tmp_path)
+    private.counts({name: PER_CLASS for name in CLASSES})
+    task_view = view(backbones, images, labels)
+    sent = {e.name: e for e in task_view.model.bank.entries(CLASSES)}  # what the site received
+    plan = private.plan(CLASSES, phase, 0)
+    assert all(z is not None for z in plan.values())
+    HANDLERS[phase](task_view, CONFIG)
+    entries = task_view.model.bank.entries(CLASSES, fields=schema.trained_in(phase))
+    shared, _ = private.release(phase, entries, sent, plan)
+    return torch.cat(
+        [
+            (e.values[f].double() - sent[e.name].values[f].double()).reshape(-1)
+            for e in shared
+            for f in sorted(e.values)
+        ]
+    )
+
+
+@pytest.mark.parametrize("phase", [Phase.STAGE1, Phase.STAGE2], ids=["prompts", "head-Q-A"])
+def test_update_moves_within_its_sensitivity(phase, backbones, task, tmp_path):
+    """Every class of the task is charged for a training release (an image moves every class's
+    update through the softmax), so the whole release's change is bounded: 2·C·√K."""
+    images, labels = task
+    clip = SETTING.stage1_clip if phase is Phase.STAGE1 else SETTING.stage2_clip
+    bound = 2 * clip * math.sqrt(len(CLASSES))
+    full = released_update(phase, backbones, images, labels, tmp_path / "d")
+    per_class = full.reshape(len(CLASSES), -1).norm(dim=1)
+    torch.testing.assert_close(per_class, torch.full_like(per_class, clip, dtype=torch.float64))
+    for index in REMOVED[:3]:
+        less = released_update(
+            phase, backbones, *without(images, labels, index), tmp_path / str(index)
+        )
+        assert 0 < float((full - less).norm()) <= bound + FLOAT_SLACK
+
+
+# --- each mechanism's noise against its calibration ------------------------------------------
+
+
+def test_noisy_count_noise_has_the_calibrated_scale():
+    """Noise z (sensitivity 1), then rounding: variance z² + 1/12."""
+    z, rng = 3.0, np.random.default_rng(0)
+    counts = np.array([noisy_count(1000, z, rng) for _ in range(20000)])
+    assert counts.mean() == pytest.approx(1000, abs=0.1)
+    assert counts.std() == pytest.approx(math.sqrt(z**2 + 1 / 12), rel=0.02)
+
+
+def test_private_update_clips_then_adds_the_noise_asked_for():
+    before = {"a": torch.zeros(40, dtype=torch.float64), "b": torch.zeros(2, 30)}
+    after = {"a": torch.full((40,), 5.0, dtype=torch.float64), "b": torch.ones(2, 30)}
+    clipped = private_update(before, after, 0.5, 0.0, np.random.default_rng(0))
+    flat = torch.cat([clipped["a"].reshape(-1), clipped["b"].double().reshape(-1)])
+    assert float(flat.norm()) == pytest.approx(0.5)
+    assert clipped["b"].dtype == torch.float32  # each field keeps its dtype
+    noisy = private_update(before, before, 0.5, 0.7, np.random.default_rng(1))
+    flat = torch.cat([noisy["a"].reshape(-1), noisy["b"].double().reshape(-1)])
+    assert float(flat.std()) == pytest.approx(0.7, rel=0.15)  # 100 coordinates
+    many = [private_update(before, before, 0.5, 0.7, np.random.default_rng(s)) for s in range(50)]
+    assert float(torch.stack([m["a"] for m in many]).std()) == pytest.approx(0.7, rel=0.03)
+
+
+@pytest.mark.parametrize("phase", [Phase.STAGE1, Phase.STAGE2], ids=["prompts", "head-Q-A"])
+def test_training_release_noise_is_z_times_its_sensitivity(phase, tmp_path):
+    """A training release of K classes: each coordinate's noise is z·2·C·√K."""
+    dims = create_backbones("tiny", seed=0).dims
+    private = PrivateReleases(SETTING, SiteMemory(tmp_path, "f", dims), torch.zeros(dims.d_clip))
+    private.rng = np.random.default_rng(2)
+    names = ["a", "b", "c", "d"]
+    private.counts(dict.fromkeys(names, 50))
+    plan = private.plan(names, phase, 0)
+    z = plan["a"]
+    assert z is not None and set(plan.values()) == {z}
+    fields = schema.trained_in(phase)
+    values = {f: torch.zeros(200, dtype=torch.float64) for f in fields}
+    entries = [ClassEntry(name, 50, values) for name in names]
+    sent = {name: ClassEntry(name, 50, values) for name in names}
+    shared, _ = private.release(phase, entries, sent, plan)
+    clip = SETTING.stage1_clip if phase is Phase.STAGE1 else SETTING.stage2_clip
+    noise = torch.cat([e.values[f].reshape(-1) for e in shared for f in fields])
+    assert float(noise.std()) == pytest.approx(z * 2 * clip * math.sqrt(len(names)), rel=0.05)
+    assert len(private.memory.ledger().releases["a"]) == 2  # the count, then this release
+
+
+# --- the site owns its guarantee -----------------------------------------------------------
+
+
+def test_the_run_config_cannot_raise_a_sites_delta():
+    run = parse({"privacy-epsilon": 8.0, "privacy-delta": 0.1})
+    assert PrivacySetting.of(run, parse({}, "node-config")).delta == 1e-5  # the local default
+    own = parse({"privacy-delta": 1e-3}, "node-config")
+    assert PrivacySetting.of(run, own).delta == 1e-3
+    stricter = parse({"privacy-epsilon": 8.0, "privacy-delta": 1e-7})
+    assert PrivacySetting.of(stricter, own).delta == 1e-7  # it may lower it
+
+
+def test_the_run_config_cannot_make_a_patient_site_per_image():
+    run = parse({"privacy-epsilon": 4.0})
+    node = parse({"privacy-unit": "patient"}, "node-config")
+    assert PrivacySetting.of(run, node).unit is PrivacyUnit.PATIENT
+    patient_run = parse({"privacy-epsilon": 4.0, "privacy-unit": "patient"})
+    assert PrivacySetting.of(patient_run, parse({}, "node-config")).unit is PrivacyUnit.PATIENT
+    assert PrivacySetting.of(run, parse({}, "node-config")).unit is PrivacyUnit.IMAGE
+    options = SiteOptions("127.0.0.1:9092", Path("d"), Path("s"), "clinic", privacy=(4.0, 1e-6),
+                          privacy_unit="patient")  # fmt: skip
+    assert PrivacySetting.of(run, parse(options.node_config(), "node-config")).unit is (
+        PrivacyUnit.PATIENT
+    )
+
+
+def test_a_delta_above_one_over_n_is_refused_in_one_line():
+    setting = PrivacySetting.of(parse({"privacy-epsilon": 4.0}), parse({}, "node-config"))
+    setting.check_delta(100_000)  # 1e-5 = 1/n: allowed
+    with pytest.raises(PrivacyError, match=r"^privacy-delta 1e-05 is more than 1/n = 1e-05") as e:
+        setting.check_delta(100_001)
+    assert "\n" not in str(e.value)
+
+
+def test_a_renamed_class_folder_continues_its_budget(tmp_path, caplog):
+    """The ledger knows a class's images by digest: renaming its folder does not reset it;
+    a new state folder says that it starts from zero."""
+    data = tmp_path / "data"
+    for name in ("scab", "rot"):
+        (data / name).mkdir(parents=True)
+        for i in range(3):
+            (data / name / f"{i}.jpg").write_bytes(f"{name} {i}".encode())
+    files = {name: sorted(str(p) for p in (data / name).iterdir()) for name in ("scab", "rot")}
+    dims = ModelDims(8, 8, 8, 1)
+    with caplog.at_level(logging.WARNING):
+        private = PrivateReleases(SETTING, SiteMemory(tmp_path / "s", "f", dims), torch.zeros(8))
+    assert "budget starts at zero" in caplog.text
+    private.counts({"scab": 3, "rot": 3}, lambda n: file_digests(files[n]))
+    private._record([private.key("scab")], 2.0, "G_c")
+    (data / "scab").rename(data / "apple scab")
+    renamed = sorted(str(p) for p in (data / "apple scab").iterdir())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = PrivateReleases(SETTING, SiteMemory(tmp_path / "s", "f", dims), torch.zeros(8))
+        entries, _ = again.counts({"apple scab": 3}, lambda n: file_digests(renamed))
+    assert "budget starts at zero" not in caplog.text
+    assert "holds images released as scab" in caplog.text
+    assert again.key("apple scab") == "scab"
+    assert entries[0].count == again.memory.ledger().counts["scab"]  # the count is reused
+    assert len(again.memory.ledger().releases["scab"]) == 2  # nothing new spent
+
+
+@pytest.mark.slow  # two fresh interpreters importing torch
+def test_ledger_updates_from_two_processes_are_not_lost(tmp_path):
+    dims = ModelDims(8, 8, 8, 1)
+    code = (
+        "import sys\nfrom starfed.client.memory import SiteMemory\n"
+        "from starfed.shared.codebook.schema import ModelDims\n"
+        "m = SiteMemory(sys.argv[1], 'f', ModelDims(8, 8, 8, 1))\n"
+        "for _ in range(40):\n"
+        "    with m.updating_ledger() as ledger:\n"
+        "        ledger.record([sys.argv[2]], 1.0)\n"
+    )
+    workers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), key]) for key in "ab"]
+    assert [w.wait(timeout=120) for w in workers] == [0, 0]
+    releases = SiteMemory(tmp_path, "f", dims).ledger().releases
+    assert {key: len(z) for key, z in releases.items()} == {"a": 40, "b": 40}
+
+
+# --- the patient unit ------------------------------------------------------------------------
+
+K = 2  # images per patient the tests cap at
+
+
+def patient_task(task):
+    """The task's images as patients' (three images each, of one class), capped at K each:
+    what ``SiteFolder.per_patient`` keeps, in the same order."""
+    images, labels = task
+    paths = [f"p{i // 3:03d}__{i:03d}.jpg" for i in range(len(labels))]
+    kept = set(capped(paths, K))
+    keep = torch.tensor([p in kept for p in paths])
+    patients = [patient_of(p) for p, k in zip(paths, keep.tolist(), strict=True) if k]
+    return images[keep], labels[keep], patients
+
+
+def test_patient_names_and_the_cap(tmp_path):
+    assert patient_of("/d/scab/p0042__scan-3.jpg") == "p0042"
+    assert patient_of("/d/scab/scan-3.jpg") is None and patient_of("/d/__x.jpg") is None
+    paths = [f"/d/a/{p}__{i}.jpg" for i, p in enumerate("xxxyxyy")]
+    assert capped(paths, 2) == [paths[0], paths[1], paths[3], paths[5]]
+    with pytest.raises(DatasetError, match=r"scan\.jpg: no patient in its name"):
+        capped(["/d/a/scan.jpg"], 2)
+    for name, files in {"scab": ["a__1", "a__2", "a__3", "b__1"], "rot": ["c__1"]}.items():
+        (tmp_path / name).mkdir()
+        for f in files:
+            (tmp_path / name / f"{f}.jpg").write_bytes(f.encode())
+    folder = SiteFolder.scan(tmp_path)
+    kept = folder.per_patient(2)
+    n_train = sum(len(p) for p in kept.tasks[0].train.values())
+    assert n_train == sum(min(len(p), 2) for p in folder.tasks[0].train.values())
+    assert all(len(keys) == 1 for keys in kept.patients().values())
+
+
+@pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
+def test_removing_a_patient_moves_its_class_within_k_times_the_bound(
+    phase, backbones, task, tmp_path
+):
+    images, labels, patients = patient_task(task)
+    full = moments_of(phase, backbones, images, labels, tmp_path)
+    for patient in ("p000", "p004", "p007"):
+        keep = torch.tensor([p != patient for p in patients])
+        less = moments_of(phase, backbones, images[keep], labels[keep], tmp_path)
+        own = CLASSES[int(labels[~keep][0])]
+        changes = {n: float(np.linalg.norm(full[n] - less[n])) for n in CLASSES}
+        assert 0 < changes[own] <= K * MOMENTS_SENSITIVITY + FLOAT_SLACK, (patient, changes)
+        assert all(c <= FLOAT_SLACK for n, c in changes.items() if n != own), changes
+
+
+def test_patient_unit_scales_the_noise_by_the_cap():
+    z, k, rng = 2.0, 4, np.random.default_rng(3)
+    counts = np.array([noisy_count(1000, z, rng, k) for _ in range(20000)])
+    assert counts.std() == pytest.approx(math.sqrt((z * k) ** 2 + 1 / 12), rel=0.02)
+    n, dim, radius = 50, 16, 2.0
+    means = torch.stack(
+        [
+            private_gaussian(torch.zeros(n, dim), torch.zeros(dim), radius, n, z, rng, k).means[0]
+            for _ in range(400)
+        ]
+    )
+    assert means.std().item() == pytest.approx(z * MOMENTS_SENSITIVITY * k * radius / n, rel=0.05)
+
+
+def test_patients_across_classes_share_one_site_budget(tmp_path):
+    """A patient with images in two classes: every release is charged to the site's one key,
+    the plan counts every class's release, and the site's ε is all its releases composed."""
+    setting = PrivacySetting(4.0, 1e-5, 0.4, 1.0, 0.02, 0.05, 1, 1, PrivacyUnit.PATIENT, 3, 2)
+    private = PrivateReleases(setting, SiteMemory(tmp_path, "f", ModelDims(8, 8, 8, 1)), None)
+    private.site_wide = True
+    private.counts({"a": 30, "b": 30, "c": 30})
+    releases = private.memory.ledger().releases
+    assert list(releases) == [SITE_KEY] and len(releases[SITE_KEY]) == 3
+    first = releases[SITE_KEY][0]  # planned: 3 × 3 statistics releases and 2 rounds, 2 tasks
+    assert first == pytest.approx(accountant.noise_multiplier([], 22, 4.0, 1e-5), rel=1e-4)
+    assert private.epsilon() == pytest.approx(accountant.epsilon(releases[SITE_KEY], 1e-5))
+    assert private.epsilon() < 4.0
+    per_class = PrivateReleases(
+        setting, SiteMemory(tmp_path / "per-class", "f", ModelDims(8, 8, 8, 1)), None
+    )
+    per_class.counts({"a": 30, "b": 30, "c": 30})
+    assert per_class.memory.ledger().releases["a"][0] < first  # one class plans 5 releases
+
+
+def test_a_simulated_site_names_its_images_as_patients_of_one_class(tmp_path):
+    scenario = Scenario(ScenarioConfig(n_clients=2, patient_images=5))
+    scenario.write_site(0, tmp_path, scenario.config.n_steps)
+    folder = SiteFolder.scan(tmp_path)
+    patients = folder.patients()
+    assert patients and all(len(keys) == 1 for keys in patients.values())
+    counts = Counter(patient_of(p) for t in folder.tasks for ps in t.train.values() for p in ps)
+    assert max(counts.values()) <= 5
+    assert folder.per_patient(5).tasks == folder.tasks  # nothing over the cap
+    assert all(patient_of(p) is None for ps in folder.test.values() for p in ps)
