@@ -598,7 +598,9 @@ class Coordinator:
         for entry, reply in sorted(replies, key=lambda r: (r[0].site, r[0].node_id)):
             try:
                 data = reply.content[record]["data"]
-                update = wire.decode_update(data, against=sent or self.codebook, phase=phase)
+                against = sent or self.codebook
+                bound = self.screen.max_entries(entry.site, phase, against)
+                update = wire.decode_update(data, against=against, phase=phase, max_entries=bound)
                 note_privacy(entry, update)
             except (CodebookError, KeyError, TypeError, ValueError) as err:
                 reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))

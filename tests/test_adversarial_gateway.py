@@ -10,6 +10,7 @@ so that the per-address limits apply to them and not to the site on 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import resource
 import socket
 import ssl
 import subprocess
@@ -100,7 +101,8 @@ def start_gateway(server, upstream, tmp_path) -> Iterator[Callable[..., tuple[in
     folder, _ = server
     started: list[subprocess.Popen] = []
 
-    def start(*flags: str) -> tuple[int, int]:
+    def start(*flags: str, files: int | None = None) -> tuple[int, int]:
+        """``files``: the gateway's limit of open files (soft and hard)."""
         port = _free_port()
         command = [
             sys.executable,
@@ -120,7 +122,10 @@ def start_gateway(server, upstream, tmp_path) -> Iterator[Callable[..., tuple[in
             str(tmp_path / f"gateway-{port}.log"),
             *flags,
         ]
-        process = subprocess.Popen(command)
+        limit = None if files is None else (
+            lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+        )  # fmt: skip
+        process = subprocess.Popen(command, preexec_fn=limit)
         started.append(process)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -373,3 +378,73 @@ def test_flowers_own_supernode_client_uploads_through_the_signature_check(
     assert app.bodies[-1] == request.ByteSize()
     assert push(pki.new_private_key()) == 401
     assert app.bodies[-1] == request.ByteSize()  # nothing more reached the upstream
+
+
+def _unfinished_handshakes(port: int, n: int) -> list[socket.socket]:
+    """``n`` TCP connections from 127.0.0.2-127.0.0.5 that start a TLS handshake (a record
+    header announcing a 512-byte ClientHello) and never finish it."""
+    socks = []
+    for i in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10,
+                                        source_address=(f"127.0.0.{2 + i % 4}", 0))  # fmt: skip
+        sock.sendall(b"\x16\x03\x01\x02\x00")
+        socks.append(sock)
+    return socks
+
+
+def _raw_closed(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(64) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_unfinished_tls_handshakes_are_bounded_per_address_in_all_and_in_time(
+    server, start_gateway, tmp_path
+) -> None:
+    """300 connections that never finish their handshake: beyond 16 per address (64 in all)
+    they are closed at once, the rest when the 3 s handshake timeout ends; meanwhile a site
+    gets in and the gateway's memory stays flat (asyncio gave each 60 s and 256 KiB)."""
+    folder, key = server
+    port, pid = start_gateway("--max-handshakes", "64", "--max-handshakes-per-address", "16",
+                              "--handshake-timeout", "3")  # fmt: skip
+    before = _rss_mib(pid)
+    socks = _unfinished_handshakes(port, 300)
+    assert _site_call(folder, key, port) < 3.0
+    grew = _rss_mib(pid) - before
+    closed_at_once = sum(_raw_closed(sock, 0.01) for sock in socks)
+    assert closed_at_once >= 300 - 64, closed_at_once
+    time.sleep(3.5)
+    assert all(_raw_closed(sock, 1.0) for sock in socks)
+    for sock in socks:
+        sock.close()
+    assert grew < 32, grew
+    log = (tmp_path / f"gateway-{port}.log").read_text()
+    assert "16 TLS handshakes from this address under way" in log
+
+
+def test_a_gateway_out_of_file_handles_keeps_serving(server, start_gateway, tmp_path) -> None:
+    """With 48 file handles the gateway runs out while unfinished handshakes hold them: it can
+    no longer read the SuperLink's status in /proc. That is its own trouble, not the
+    SuperLink's end: it logs it and serves the site once the handles are back."""
+    folder, key = server
+    superlink = subprocess.Popen(["sleep", "120"])  # the SuperLink's place: alive throughout
+    try:
+        port, pid = start_gateway("--max-handshakes", "128", "--max-handshakes-per-address",
+                                  "64", "--handshake-timeout", "6", "--exit-with",
+                                  str(superlink.pid), files=48)  # fmt: skip
+        socks = _unfinished_handshakes(port, 60)
+        time.sleep(4.5)  # two of the watcher's looks, every 2 s
+        assert Path(f"/proc/{pid}").exists()
+        for sock in socks:
+            sock.close()
+        time.sleep(0.5)
+        assert _site_call(folder, key, port) < 3.0
+        log = (tmp_path / f"gateway-{port}.log").read_text()
+        assert "cannot read the upstream process" in log and "shutting down" not in log
+    finally:
+        superlink.kill()
+        superlink.wait()

@@ -60,6 +60,9 @@ class ClassRow:
     registered: str
     sites: dict[str, str]  # site -> when it first brought the class
     frozen: bool
+    #: brought by one site alone: no median over sites checks its rows, only the screening's
+    #: references (server/screening.py, docs/security.md)
+    single_site: bool = False
 
 
 @dataclass
@@ -279,7 +282,7 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
                 "(missing or older than the codebook): their steps and sites are unknown"
             )
     status.classes = [
-        ClassRow(name, r.step, r.registered, dict(r.sites), name in frozen)
+        ClassRow(name, r.step, r.registered, dict(r.sites), name in frozen, len(r.sites) == 1)
         for name, r in federation.registry.items()
     ]
     history = _guarded(status, root / HISTORY_FILE, federation.history, [])
