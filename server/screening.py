@@ -366,6 +366,12 @@ class PhaseScreen:
                         (site, entry.name, change, reference_size(sent[name]))
                     )
 
+    def frozen_rows(self, site: str, names: list[str]) -> None:
+        """Rows for finished (frozen) classes: no site trains them (``client.site``), so they
+        are a finding, not merged."""
+        for name in names:
+            self._reject_row(site, name, "rows for a finished (frozen) class")
+
     def decide(self) -> None:
         """The bounds of what was observed; the rows beyond them rejected."""
         if self.screen.options.update_bound or self.screen.options.reference_bound:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from test_adversarial import STATISTICS, TOLERANCE, TRAINING, UPDATE_RECORDS, ed
 
 from starfed.client import app as client_app
 from starfed.proto import codebook_pb2 as pb
+from starfed.server.app import RunFailed
 from starfed.server.federation import Federation
 from starfed.shared.codebook import wire
 from starfed.simulations.local_grid import LocalGrid
@@ -93,6 +95,18 @@ def assert_contained(metrics: dict, honest: dict) -> None:
 
 # --- a lone sender: farm-m alone brings X in step 2 -------------------------------------------
 
+
+def rolled_back(sites: dict, tmp: Path, faults: dict) -> dict:
+    """A run whose step 2 fails because the screening rejected every update of its one class
+    in play (farm-m's): the step is rolled back, the honest sites keep what step 1 gave them.
+    The run's metrics (written before the run reports its failure)."""
+    with pytest.raises(RunFailed, match="the screening rejected every"):
+        federate(sites, tmp, faults, **{"max-steps": 2})
+    (first, second) = Federation.open(tmp / "federation").history()
+    assert (first.status, second.status) == ("completed", "failed")
+    return json.loads((tmp / "federation" / "metrics.json").read_text())
+
+
 LONE = {
     "farm-a": {"t1": [C0, A1]},
     "farm-b": {"t1": [C0, B1]},
@@ -111,7 +125,7 @@ def test_a_lone_senders_scaled_rows_are_held_to_the_classs_own_size(tmp_path, lo
     """In step 2 farm-m is the only site that trains: the phase's median is its own change.
     Its ×10⁶ rows of X are over ``reference-bound`` × X's own size and rejected."""
     faults = {t: edit_update(scaled(1e6, {X})) for t in TRAINING}
-    metrics = federate(LONE, tmp_path, faults, **{"max-steps": 2})
+    metrics = rolled_back(LONE, tmp_path, faults)
     assert_contained(metrics, lone_honest)
     found = findings(tmp_path)
     assert found and {f.site for f in found} == {"farm-m"}
@@ -134,7 +148,7 @@ def test_a_lone_senders_mixture_is_held_to_the_codebooks_fitted_mixtures(
                     value.means.data = np.full(len(value.means.data) // 8, 1e30).tobytes()
 
     faults = {t: edit_update(inflate, UPDATE_RECORDS) for t in STATISTICS}
-    metrics = federate(LONE, tmp_path, faults, **{"max-steps": 2})
+    metrics = rolled_back(LONE, tmp_path, faults)
     assert_contained(metrics, lone_honest)
     rejected = [f for f in findings(tmp_path) if f.action == "rejected"]
     assert {(f.site, f.name) for f in rejected} == {("farm-m", X)}
@@ -144,6 +158,26 @@ def test_a_lone_senders_mixture_is_held_to_the_codebooks_fitted_mixtures(
         for name in ("clip_mixture", "vit_mixture"):
             if name in entry.values:
                 assert float(entry.values[name].means.abs().max()) < 1e3
+
+
+def test_rows_for_a_frozen_class_are_a_finding(tmp_path, lone_honest) -> None:
+    """In step 2 C0 is finished (frozen); farm-m sends its X prompt as C0's too."""
+
+    def add_frozen(message: pb.ClientUpdate) -> None:
+        rows = {entry.name: entry for entry in message.entries}
+        if X in rows:
+            stolen = message.entries.add()
+            stolen.CopyFrom(rows[X])
+            stolen.name = C0
+
+    metrics = federate(LONE, tmp_path, {"train.stage1": edit_update(add_frozen)},
+                       **{"max-steps": 2})  # fmt: skip
+    assert_contained(metrics, lone_honest)
+    found = findings(tmp_path)
+    assert [(f.site, f.phase, f.action, f.name) for f in found] == [
+        ("farm-m", "stage1", "rejected", C0)
+    ]  # fmt: skip
+    assert "frozen" in found[0].reason
 
 
 # --- one vote per site: farm-m brings ten more classes than the others ------------------------

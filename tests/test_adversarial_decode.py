@@ -57,7 +57,7 @@ def test_a_reply_of_millions_of_empty_parts_is_rejected_before_it_is_parsed(
     result = subprocess.run(
         [sys.executable, "-c", PROBE, kind, str(PARTS)],
         capture_output=True, text=True, timeout=120, check=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.getenv("PYTHONPATH", "")])},
     )  # fmt: skip
     probe = json.loads(result.stdout.strip().splitlines()[-1])
     assert probe["error"], probe

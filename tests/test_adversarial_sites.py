@@ -8,6 +8,7 @@ other key was Flower's only, could not be added again (``[code: 23]``) and neede
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import sqlalchemy
 from cryptography.hazmat.primitives import serialization
 from flwr.supercore.state.schema.linkstate_tables import create_linkstate_metadata
+from in_process import starfed
 
 from starfed.server.ops import pki, sites
 from starfed.server.ops.layout import ServerFolder
@@ -118,3 +120,13 @@ def test_a_key_flower_knows_and_sites_json_does_not_is_adopted(
     other = pki.write_site_key(tmp_path / "b.key", "b")
     with pytest.raises(sites.SitesError, match=f"no registration of key {other.fingerprint}"):
         sites.add(folder, "b", tmp_path / "b.pub", adopt=True)
+
+
+def test_a_sites_json_edited_into_garbage_is_damage_that_status_reports(
+    folder: ServerFolder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder.sites_file.write_text("{ not json")
+    code, out, _ = starfed(capsys, "server", "status", "--dir", str(folder.root), "--json")
+    status = json.loads(out)
+    assert code == 1 and not status["success"]
+    assert any("sites.json is damaged" in line and "--adopt" in line for line in status["problems"])

@@ -209,6 +209,13 @@ def read(folder: ServerFolder, federation_dir: Path) -> Reading:
     if (federation_dir / IDENTITY_FILE).is_file():  # a folder with no identity is a new one
         report = folder_check.check(federation_dir, decode=False, kept=False)
         status.problems, status.notes = report.problems, report.notes
+    try:  # the registered sites: a damaged sites.json is damage too (exit 1), not a detail
+        sites.Registry.load(folder.sites_file)
+    except sites.SitesError as err:
+        status.problems.append(
+            f"{err}: restore it, or move it aside and record the sites again "
+            "(`starfed server sites add NAME KEY --adopt`)"
+        )
     try:
         federation = Federation.open(federation_dir)  # reads federation.json and registry.json
     except UNREADABLE as err:
