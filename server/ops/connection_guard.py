@@ -11,7 +11,7 @@ gets in while slow connections are being held. uvicorn's own HTTP/1.1 protocol o
 header buffer is bounded: 400 past 16 KiB) does the HTTP; this only adds the bookkeeping.
 
 The TLS handshake is the guard's too (``TlsGate``): the listening socket is plain TCP, and each
-connection is upgraded here (``loop.start_tls``) once it is counted — at most
+connection gets asyncio's TLS protocol here once it is counted — at most
 ``max_handshakes`` handshakes under way in all and ``handshakes_per_address`` from one address,
 each given ``handshake_timeout`` seconds, with a small TLS read buffer. Before, asyncio did the
 handshake before any protocol saw the address, gave it 60 s and a 256 KiB buffer: 20,000
@@ -25,8 +25,10 @@ addresses) helps.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
+from asyncio import sslproto
 from collections import Counter
 
 import h11
@@ -183,10 +185,10 @@ class GuardedH11Protocol(H11Protocol):
 
 class TlsGate(asyncio.Protocol):
     """A TCP connection before its TLS handshake: counted against the guard's handshake limits,
-    upgraded with ``loop.start_tls`` within ``handshake_timeout``, then handed to the h11
-    protocol (built the way uvicorn builds it, with the same arguments) as if uvicorn's own
-    TLS listener had made it. ``guard``, ``tls`` and ``inner`` are set by
-    ``ConnectionGuard.protocol_class``."""
+    then handed to asyncio's own TLS protocol (``sslproto.SSLProtocol``, as asyncio's TLS
+    listener makes it, with ``handshake_timeout``) over the h11 protocol (built the way uvicorn
+    builds it, with the same arguments), which starts once the handshake is done. ``guard``,
+    ``tls`` and ``inner`` are set by ``ConnectionGuard.protocol_class``."""
 
     guard: ConnectionGuard
     tls: ssl.SSLContext
@@ -194,10 +196,8 @@ class TlsGate(asyncio.Protocol):
 
     def __init__(self, *args, **kwargs) -> None:
         self._args, self._kwargs = args, kwargs
-        self._task: asyncio.Task | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        transport.pause_reading()  # the ClientHello is start_tls's, not this protocol's
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if peer else "?"
         refusal = self.guard.begin_handshake(address)
@@ -205,28 +205,21 @@ class TlsGate(asyncio.Protocol):
             log.warning("closed a connection from %s: %s", address, refusal)
             transport.abort()
             return
-        self._task = asyncio.get_running_loop().create_task(self._upgrade(transport, address))
-
-    async def _upgrade(self, transport: asyncio.Transport, address: str) -> None:
-        protocol = self.inner(*self._args, **self._kwargs)
         loop = asyncio.get_running_loop()
-        try:
-            secure = await loop.start_tls(
-                transport,
-                protocol,
-                self.tls,
-                server_side=True,
-                ssl_handshake_timeout=self.guard.handshake_timeout,
-            )
-        except (OSError, ssl.SSLError, ConnectionError, TimeoutError) as err:
-            log.debug("TLS handshake from %s failed: %r", address, err)
-            transport.abort()
-            return
-        finally:
-            self.guard.end_handshake(address)
-        protocol.connection_made(secure)
+        done = loop.create_future()  # set when the handshake ends, either way
+        done.add_done_callback(functools.partial(self._handshake_done, address))
+        secure = sslproto.SSLProtocol(
+            loop,
+            self.inner(*self._args, **self._kwargs),
+            self.tls,
+            done,
+            server_side=True,
+            ssl_handshake_timeout=self.guard.handshake_timeout,
+        )
+        transport.set_protocol(secure)  # the bytes that follow are the handshake's
+        secure.connection_made(transport)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        """Only before the upgrade (after it, the TLS transport talks to the h11 protocol)."""
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+    def _handshake_done(self, address: str, done: asyncio.Future) -> None:
+        self.guard.end_handshake(address)
+        if not done.cancelled() and (err := done.exception()) is not None:
+            log.debug("TLS handshake from %s failed: %r", address, err)
