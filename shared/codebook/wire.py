@@ -267,7 +267,7 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
 
 
 def _fields(
-    data: bytes, start: int, end: int, limit: int | None = None
+    data: bytes, start: int, end: int, limit: int | None = None, what: str = "one message"
 ) -> list[tuple[int, int, int]]:
     """(field number, start, end) of every length-delimited field in ``data[start:end]``; with
     ``limit``, ``CodebookError`` as soon as there are more fields than that (of any type)."""
@@ -277,7 +277,7 @@ def _fields(
     while i < end:
         count += 1
         if limit is not None and count > limit:
-            raise CodebookError(f"more than {limit} fields in one message")
+            raise CodebookError(f"more than {limit} fields in {what}")
         tag, i = (data[i], i + 1) if data[i] < 0x80 else _varint(data, i)
         kind = tag & 7
         if kind == _LENGTH_DELIMITED:
@@ -309,7 +309,8 @@ def check_parts(data: bytes, max_entries: int) -> None:
     and the bounds above on everything inside them, so that decoding a reply costs memory in
     proportion to its tensors' bytes, not to the number of (empty) parts it packs."""
     try:
-        top = _fields(data, 0, len(data), limit=max_entries + MAX_METADATA + 16)
+        what = f"the update (at most {max_entries} entries: the classes its site can send)"
+        top = _fields(data, 0, len(data), limit=max_entries + MAX_METADATA + 16, what=what)
         entries = [(s, e) for n, s, e in top if n == _UPDATE_ENTRIES]
         if len(entries) > max_entries:
             raise CodebookError(f"the update carries {len(entries)} entries, at most "
