@@ -9,7 +9,10 @@ so that the per-address limits apply to them and not to the site on 127.0.0.1.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
+import os
 import resource
 import socket
 import ssl
@@ -22,6 +25,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -33,9 +37,10 @@ from flwr.proto.node_pb2 import Node
 from flwr.supernode.fleet_http_client import FleetHttpClient
 from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
 
-from starfed.server.ops import certs, fleet_signatures, pki
+from starfed.server.ops import certs, fleet_signatures, gateway, pki
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.sites import Registry, SiteRecord
+from starfed.server.process_identity import ProcessId
 
 pytestmark = [pytest.mark.adversarial, pytest.mark.e2e]
 
@@ -405,46 +410,87 @@ def _raw_closed(sock: socket.socket, within: float) -> bool:
 def test_unfinished_tls_handshakes_are_bounded_per_address_in_all_and_in_time(
     server, start_gateway, tmp_path
 ) -> None:
-    """300 connections that never finish their handshake: beyond 16 per address (64 in all)
-    they are closed at once, the rest when the 3 s handshake timeout ends; meanwhile a site
-    gets in and the gateway's memory stays flat (asyncio gave each 60 s and 256 KiB)."""
+    """300 connections from 4 addresses that never finish their handshake: beyond 8 per
+    address they are closed at once, the rest when the 3 s handshake timeout ends; meanwhile a
+    site gets in (the attackers' 32 leave room in the 64 places) and the gateway's memory stays
+    flat (asyncio gave each 60 s and 256 KiB)."""
     folder, key = server
-    port, pid = start_gateway("--max-handshakes", "64", "--max-handshakes-per-address", "16",
+    port, pid = start_gateway("--max-handshakes", "64", "--max-handshakes-per-address", "8",
                               "--handshake-timeout", "3")  # fmt: skip
     before = _rss_mib(pid)
     socks = _unfinished_handshakes(port, 300)
     assert _site_call(folder, key, port) < 3.0
     grew = _rss_mib(pid) - before
     closed_at_once = sum(_raw_closed(sock, 0.01) for sock in socks)
-    assert closed_at_once >= 300 - 64, closed_at_once
+    assert closed_at_once >= 300 - 4 * 8, closed_at_once
     time.sleep(3.5)
     assert all(_raw_closed(sock, 1.0) for sock in socks)
     for sock in socks:
         sock.close()
     assert grew < 32, grew
     log = (tmp_path / f"gateway-{port}.log").read_text()
-    assert "16 TLS handshakes from this address under way" in log
+    assert "8 TLS handshakes from this address under way" in log
 
 
-def test_a_gateway_out_of_file_handles_keeps_serving(server, start_gateway, tmp_path) -> None:
-    """With 48 file handles the gateway runs out while unfinished handshakes hold them: it can
-    no longer read the SuperLink's status in /proc. That is its own trouble, not the
-    SuperLink's end: it logs it and serves the site once the handles are back."""
+def test_a_low_open_file_limit_lowers_the_limits_before_handles_run_out(
+    server, start_gateway, tmp_path
+) -> None:
+    """With 400 file handles (most kept for the upstream's connections) the gateway takes in
+    fewer handshakes than asked and refuses the rest while it still has handles: asyncio never
+    runs out of them accepting, and a site gets in."""
     folder, key = server
-    superlink = subprocess.Popen(["sleep", "120"])  # the SuperLink's place: alive throughout
+    port, pid = start_gateway("--max-handshakes", "128", "--max-handshakes-per-address", "2",
+                              "--handshake-timeout", "6", files=400)  # fmt: skip
+    socks = _unfinished_handshakes(port, 200)
+    assert _site_call(folder, key, port) < 3.0
+    assert Path(f"/proc/{pid}").exists()
+    for sock in socks:
+        sock.close()
+    log = (tmp_path / f"gateway-{port}.log").read_text()
+    assert "open-file limit 400: at most 64 connections and 16 TLS handshakes" in log
+    assert "Too many open files" not in log
+
+
+def test_a_process_status_unreadable_for_want_of_handles_is_not_its_end() -> None:
+    """Out of file handles, /proc cannot be read: that says nothing of the SuperLink (the
+    gateway used to take it for its end and shut itself down)."""
+    me = ProcessId.of(os.getpid())
+    assert me is not None and me.alive()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
     try:
-        port, pid = start_gateway("--max-handshakes", "128", "--max-handshakes-per-address",
-                                  "64", "--handshake-timeout", "6", "--exit-with",
-                                  str(superlink.pid), files=48)  # fmt: skip
-        socks = _unfinished_handshakes(port, 60)
-        time.sleep(4.5)  # two of the watcher's looks, every 2 s
-        assert Path(f"/proc/{pid}").exists()
-        for sock in socks:
-            sock.close()
-        time.sleep(0.5)
-        assert _site_call(folder, key, port) < 3.0
-        log = (tmp_path / f"gateway-{port}.log").read_text()
-        assert "cannot read the upstream process" in log and "shutting down" not in log
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        with pytest.raises(OSError, match="Too many open files"):
+            me.alive()
     finally:
-        superlink.kill()
-        superlink.wait()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert me.alive()
+
+
+def test_the_gateway_keeps_serving_while_it_cannot_look(monkeypatch, caplog) -> None:
+    """``_exit_with`` logs a look that failed and goes on; it stops only when the process is
+    seen gone."""
+    looks = iter([OSError(errno.EMFILE, "Too many open files"), True, False])
+
+    def alive(process: ProcessId) -> bool:
+        look = next(looks)
+        if isinstance(look, OSError):
+            raise look
+        return look
+
+    async def no_wait(seconds: float) -> None:
+        return None
+
+    monkeypatch.setattr(ProcessId, "alive", alive)
+    monkeypatch.setattr(gateway.asyncio, "sleep", no_wait)
+    server = SimpleNamespace(should_exit=False)
+    with caplog.at_level("WARNING", logger="starfed.gateway"):
+        asyncio.run(gateway._exit_with(server, ProcessId(1, 1)))
+    assert server.should_exit
+    assert "cannot read the upstream process 1's status" in caplog.text
+    assert "upstream process 1 ended" in caplog.text

@@ -73,6 +73,9 @@ from starfed.server.ops.processes import ProcessId
 from starfed.shared.addresses import parse_address
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 
+UPSTREAM_CONNECTIONS = 256  # to the SuperLink, at most: each a file handle
+OWN_FILES = 64  # the process's own: the listening socket, logs, /proc, the interpreter's
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -162,7 +165,9 @@ class FleetGateway:
         self._client_options: dict[str, Any] = {
             "verify": verify,
             "timeout": httpx.Timeout(timeout, connect=10.0),
-            "limits": httpx.Limits(max_connections=256, max_keepalive_connections=32),
+            "limits": httpx.Limits(
+                max_connections=UPSTREAM_CONNECTIONS, max_keepalive_connections=32
+            ),
             "transport": transport,
             "follow_redirects": False,
             "trust_env": False,  # never route the SuperLink's traffic through a proxy
@@ -423,13 +428,30 @@ async def _exit_with(server: uvicorn.Server, process: ProcessId) -> None:
     server.should_exit = True
 
 
-def _raise_open_files_limit() -> None:
+def _raise_open_files_limit() -> int:
     """Every connection is a file descriptor; the usual soft limit (1024) would run out before
-    the connection limit does, and then nobody gets in."""
+    the connection limit does, and then nobody gets in. The limit now."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft = wanted
+    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
+
+
+def _fit_open_files(guard: ConnectionGuard, files: int) -> None:
+    """Lower the guard's limits to what the open-file limit leaves after the upstream's
+    connections and the process's own files: a gateway out of file handles cannot even accept a
+    connection to close it (asyncio then logs and retries every accept), so it refuses them
+    while it still has handles."""
+    budget = max(2, files - UPSTREAM_CONNECTIONS - OWN_FILES)
+    if guard.max_connections + guard.max_handshakes <= budget:
+        return
+    asked = guard.max_connections, guard.max_handshakes
+    guard.max_handshakes = max(1, min(guard.max_handshakes, budget // 5))
+    guard.max_connections = budget - guard.max_handshakes
+    log.warning("open-file limit %d: at most %d connections and %d TLS handshakes (asked: %d "
+                "and %d)", files, guard.max_connections, guard.max_handshakes, *asked)  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -456,7 +478,7 @@ def serve(args: argparse.Namespace) -> None:
         handshakes_per_address=args.max_handshakes_per_address,
         handshake_timeout=args.handshake_timeout,
     )
-    _raise_open_files_limit()
+    _fit_open_files(guard, _raise_open_files_limit())
     # The handshake is the guard's (connection_guard.TlsGate): uvicorn listens on plain TCP, on
     # asyncio's own loop, whose TLS read buffer can be made small (this process's only).
     sslproto.SSLProtocol.max_size = TLS_READ_BUFFER
