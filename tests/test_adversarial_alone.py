@@ -116,9 +116,18 @@ LONE = {
 
 @pytest.fixture(scope="module")
 def lone_honest(tmp_path_factory) -> dict:
-    metrics = federate(LONE, tmp_path_factory.mktemp("lone-honest"), **{"max-steps": 2})
+    """The honest run's metrics, and each site's accuracy after each of its steps."""
+    tmp = tmp_path_factory.mktemp("lone-honest")
+    metrics = federate(LONE, tmp, **{"max-steps": 2})
     assert metrics["status"] == "completed" and metrics["steps"] == 2
-    return metrics
+    history = Federation.open(tmp / "federation").history()
+    steps = [{site: s["accuracy"] for site, s in r.scores.sites.items()} for r in history]
+    return {**metrics, "steps_site_accuracy": steps}
+
+
+def assert_as_after_step_1(metrics: dict, honest: dict) -> None:
+    """A rolled-back step 2 leaves the honest sites as the honest federation was after step 1."""
+    assert_contained(metrics, {"site_accuracy": honest["steps_site_accuracy"][0]})
 
 
 def test_a_lone_senders_scaled_rows_are_held_to_the_classs_own_size(tmp_path, lone_honest) -> None:
@@ -126,7 +135,7 @@ def test_a_lone_senders_scaled_rows_are_held_to_the_classs_own_size(tmp_path, lo
     Its ×10⁶ rows of X are over ``reference-bound`` × X's own size and rejected."""
     faults = {t: edit_update(scaled(1e6, {X})) for t in TRAINING}
     metrics = rolled_back(LONE, tmp_path, faults)
-    assert_contained(metrics, lone_honest)
+    assert_as_after_step_1(metrics, lone_honest)
     found = findings(tmp_path)
     assert found and {f.site for f in found} == {"farm-m"}
     assert {(f.phase, f.name) for f in found if f.action == "rejected"} >= {("stage1", X)}
@@ -149,7 +158,7 @@ def test_a_lone_senders_mixture_is_held_to_the_codebooks_fitted_mixtures(
 
     faults = {t: edit_update(inflate, UPDATE_RECORDS) for t in STATISTICS}
     metrics = rolled_back(LONE, tmp_path, faults)
-    assert_contained(metrics, lone_honest)
+    assert_as_after_step_1(metrics, lone_honest)
     rejected = [f for f in findings(tmp_path) if f.action == "rejected"]
     assert {(f.site, f.name) for f in rejected} == {("farm-m", X)}
     assert all("fitted mixtures" in f.reason for f in rejected)
@@ -161,7 +170,8 @@ def test_a_lone_senders_mixture_is_held_to_the_codebooks_fitted_mixtures(
 
 
 def test_rows_for_a_frozen_class_are_a_finding(tmp_path, lone_honest) -> None:
-    """In step 2 C0 is finished (frozen); farm-m sends its X prompt as C0's too."""
+    """In step 2 C0 is finished (frozen); farm-m holds it again in its task 2 (so its sync
+    allows two rows) and sends its X prompt as C0's too."""
 
     def add_frozen(message: pb.ClientUpdate) -> None:
         rows = {entry.name: entry for entry in message.entries}
@@ -170,7 +180,8 @@ def test_rows_for_a_frozen_class_are_a_finding(tmp_path, lone_honest) -> None:
             stolen.CopyFrom(rows[X])
             stolen.name = C0
 
-    metrics = federate(LONE, tmp_path, {"train.stage1": edit_update(add_frozen)},
+    again = {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, C0]}}
+    metrics = federate(again, tmp_path, {"train.stage1": edit_update(add_frozen)},
                        **{"max-steps": 2})  # fmt: skip
     assert_contained(metrics, lone_honest)
     found = findings(tmp_path)
