@@ -603,7 +603,7 @@ class Coordinator:
             try:
                 data = reply.content[record]["data"]
                 against = sent or self.codebook
-                bound = self.screen.max_entries(entry.site, phase, against)
+                bound = self.screen.max_entries(phase, against)
                 update = wire.decode_update(data, against=against, phase=phase, max_entries=bound)
                 note_privacy(entry, update)
             except (CodebookError, KeyError, TypeError, ValueError) as err:

@@ -250,15 +250,15 @@ class Screen:
                     caps[key] = min(count, max(1, bound))
         return caps
 
-    def max_entries(self, site: str, phase: Phase, codebook: Codebook) -> int:
-        """The entries a reply of ``site`` may carry, counted before it is parsed
-        (``wire.check_parts``): in a codebook phase, the classes it reported at the sync; at
+    def max_entries(self, phase: Phase, codebook: Codebook) -> int:
+        """The entries a reply may carry, counted before it is parsed (``wire.check_parts``):
+        in a codebook phase, the classes of the codebook it answers (a site can name no other;
+        rows of classes it did not report at the sync are each a finding, ``PhaseScreen``); at
         the sync, the classes known and as many new ones as the federation may take and more
         (the sync's own checks then name what is wrong: max-new-classes, max-classes)."""
         if phase is Phase.SYNC:
             return len(codebook) + self.options.max_classes + self.options.max_new_classes
-        enrolled = self.enrolled.get(site)
-        return len(enrolled.counts) if enrolled else len(codebook)
+        return len(codebook)
 
     # --- the evaluation -------------------------------------------------------------------
 
