@@ -415,6 +415,7 @@ def _print_status(status: Status) -> None:
     table = Table("class", "step", "brought by (first time)", "frozen", title="classes")
     for c in status.classes:
         brought = ", ".join(f"{site} ({when})" for site, when in c.sites.items())
+        brought += " · one site alone" if c.single_site else ""
         table.add_row(c.name, str(c.step + 1), brought or "—", "yes" if c.frozen else "no")
     out.print(table)
     table = Table(

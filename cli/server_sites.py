@@ -31,6 +31,13 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     p = add_command(site_actions, "add", guarded(run_sites_add), parents=[common])
     p.add_argument("name", help="site name (letters, digits, . _ -)")
     p.add_argument("pubkey", type=Path, help="the site's public key file (.pub)")
+    add_switches(
+        p,
+        {
+            "--adopt": "record a key Flower has already registered (bare `flwr "
+            "supernode register`, or an add that died halfway) under NAME"
+        },
+    )
     p = add_command(site_actions, "remove", guarded(run_sites_remove), parents=[common])
     p.add_argument("name")
     add_switches(p, {"--yes": "do not ask for confirmation"})
@@ -42,9 +49,10 @@ def run_sites_add(args: argparse.Namespace) -> int:
     """register a site's public key under a name
 
     Register PUBKEY (one OpenSSH line, EC P-384; `starfed site keygen` makes it) for site NAME.
-    Keep the site's private key where it is: only the .pub travels.
+    Keep the site's private key where it is: only the .pub travels. A key Flower knows but
+    sites.json does not (Flower answers "[code: 23]") is recorded with --adopt.
     """
-    record = sites.add(server_folder(args), args.name, args.pubkey)
+    record = sites.add(server_folder(args), args.name, args.pubkey, adopt=args.adopt)
     if args.json:
         emit_json({"success": True, **asdict(record)})
     else:

@@ -325,7 +325,11 @@ class Coordinator:
         for _ in updates:  # a strategy that stopped early: the rest is validated all the same
             pass
         if not carried & set(self.in_play):
-            raise StepFailed(f"no site's {spec.phase.key} update arrived for any class in play")
+            key = spec.phase.key
+            if any(f.phase == key for f in self.screen.findings):  # arrived, and all rejected
+                raise StepFailed(f"the screening rejected every {key} update of the classes in "
+                                 "play (the step's findings: `starfed server status`)")  # fmt: skip
+            raise StepFailed(f"no site's {key} update arrived for any class in play")
         if spec.phase in STATISTICS:
             codebook = self._drop_unfitted(codebook, spec.phase)
             state = replace(state, in_play=tuple(self.in_play))
@@ -601,7 +605,9 @@ class Coordinator:
         for entry, reply in sorted(replies, key=lambda r: (r[0].site, r[0].node_id)):
             try:
                 data = reply.content[record]["data"]
-                update = wire.decode_update(data, against=sent or self.codebook, phase=phase)
+                against = sent or self.codebook
+                bound = self.screen.max_entries(phase, against)
+                update = wire.decode_update(data, against=against, phase=phase, max_entries=bound)
                 note_privacy(entry, update)
             except (CodebookError, KeyError, TypeError, ValueError) as err:
                 reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))
@@ -634,6 +640,7 @@ class Coordinator:
                 if stray:
                     logger.info("node %s sent rows of classes not in play: %s", entry.node_id,
                                 stray[:10])  # fmt: skip
+                    screen.frozen_rows(entry.site, [n for n in stray if n in state.codebook.frozen])
                 update = update.only(in_play)
                 screen.observe(entry.site, update)
                 valid.append((entry, update))

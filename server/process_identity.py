@@ -23,10 +23,12 @@ def boot_id() -> str:
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start time) of ``pid``, or None when it does not exist."""
+    """(state, parent pid, start time) of ``pid``, or None when it does not exist. A
+    ``/proc`` this process cannot read for its own reasons (out of file handles: EMFILE,
+    ENFILE; out of memory) raises ``OSError``: that says nothing of ``pid``."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except (OSError, ValueError):
+    except (FileNotFoundError, ProcessLookupError, ValueError):
         return None
     fields = stat[stat.rfind(")") + 2 :].split()  # the command name may hold spaces and ')'
     return fields[0], int(fields[1]), int(fields[19])
@@ -45,7 +47,8 @@ class ProcessId:
         return None if stat is None else cls(pid, stat[2])
 
     def alive(self) -> bool:
-        """The same process still runs (a zombie counts as gone: it only waits to be reaped)."""
+        """The same process still runs (a zombie counts as gone: it only waits to be reaped);
+        ``OSError`` when this process cannot tell (``proc_stat``)."""
         stat = proc_stat(self.pid)
         return stat is not None and stat[0] != "Z" and stat[2] == self.started
 

@@ -64,6 +64,12 @@ CAPPED, REJECTED, QUARANTINED = "capped", "rejected", "quarantined"
 #: No fitted variance is below the fitting's regularisation, which is added to every variance;
 #: half of it leaves room for rounding.
 VARIANCE_FLOOR = DEFAULT_REG / 2
+#: Sites that must send a field in a phase before their median sets its bound: with one the
+#: median is the sender's own change, with two the mean of an honest and a hostile one.
+MIN_SITES = 3
+#: The smallest per-element scale a tensor field starts at (prompts and heads are drawn with
+#: std 0.02, shared/model; head biases start at 0): a class's reference size is at least this.
+INIT_SCALE = 0.02
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class ScreeningOptions(Options):
     """The operator's bounds on what one site can do (knobs; docs/federation.md)."""
 
     update_bound: float = knob("update-bound")
+    reference_bound: float = knob("reference-bound")
     mixture_bound: float = knob("mixture-bound")
     max_class_share: float = knob("max-class-share")
     quarantine_after: int = knob("quarantine-after")
@@ -243,6 +250,16 @@ class Screen:
                     caps[key] = min(count, max(1, bound))
         return caps
 
+    def max_entries(self, phase: Phase, codebook: Codebook) -> int:
+        """The entries a reply may carry, counted before it is parsed (``wire.check_parts``):
+        in a codebook phase, the classes of the codebook it answers (a site can name no other;
+        rows of classes it did not report at the sync are each a finding, ``PhaseScreen``); at
+        the sync, the classes known and as many new ones as the federation may take and more
+        (the sync's own checks then name what is wrong: max-new-classes, max-classes)."""
+        if phase is Phase.SYNC:
+            return len(codebook) + self.options.max_classes + self.options.max_new_classes
+        return len(codebook)
+
     # --- the evaluation -------------------------------------------------------------------
 
     def report(self, entry, report: EvaluationReport) -> bool:
@@ -270,13 +287,29 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def _by_site(rows: Iterable[tuple[str, float]]) -> float:
+    """The median over sites of each site's median: one vote per site, however many rows it
+    sends (a site bringing ten classes of its own does not own the phase's median)."""
+    per_site: dict[str, list[float]] = {}
+    for site, value in rows:
+        per_site.setdefault(site, []).append(value)
+    return _median([statistics.median(values) for values in per_site.values()])
+
+
+def reference_size(sent: torch.Tensor) -> float:
+    """A class's own size before the phase: its row's norm, at least the initialisation's
+    scale (``INIT_SCALE`` per element) — what no sender of the phase can move."""
+    return max(float(sent.norm()), INIT_SCALE * math.sqrt(sent.numel()))
+
+
 @dataclass
 class _Rows:
-    """What the first pass measured: per field, each row's change; per mixture field, each
-    row's largest variance of a component (averaged over dimensions), its smallest variance,
-    the largest norm of a component's mean, and the dimension."""
+    """What the first pass measured: per field, each row's change and its class's reference
+    size (``reference_size``); per mixture field, each row's largest variance of a component
+    (averaged over dimensions), its smallest variance, the largest norm of a component's mean,
+    and the dimension."""
 
-    changes: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
+    changes: dict[str, list[tuple[str, str, float, float]]] = field(default_factory=dict)
     mixtures: dict[str, list[tuple[str, str, float, float, float, int]]] = field(
         default_factory=dict
     )
@@ -329,56 +362,106 @@ class PhaseScreen:
                     ))  # fmt: skip
                 elif name in sent:
                     change = _distance(value, sent[name])
-                    self.rows.changes.setdefault(name, []).append((site, entry.name, change))
+                    self.rows.changes.setdefault(name, []).append(
+                        (site, entry.name, change, reference_size(sent[name]))
+                    )
+
+    def frozen_rows(self, site: str, names: list[str]) -> None:
+        """Rows for finished (frozen) classes: no site trains them (``client.site``), so they
+        are a finding, not merged."""
+        for name in names:
+            self._reject_row(site, name, "rows for a finished (frozen) class")
 
     def decide(self) -> None:
-        """The bounds from the medians of what was observed; the rows beyond them rejected."""
-        bound = self.screen.options.update_bound
-        if bound:
+        """The bounds of what was observed; the rows beyond them rejected."""
+        if self.screen.options.update_bound or self.screen.options.reference_bound:
             for name, rows in self.rows.changes.items():
-                # Rows that did not move say nothing of how far training moves one: a site that
-                # holds a single class of its task has a one-logit loss and sends its rows back
-                # unchanged, and with many small sites those are most rows (a median of 0 would
-                # reject every site that trained at all).
-                moved = [change for *_, change in rows if change > 0]
-                if not moved:
-                    continue
-                median, largest = _median(moved), max(moved)
-                logger.info("screening %s/%d %s: largest change %.3g × the median (bound %g)",
-                            self.phase.key, self.round, name, largest / max(median, 1e-300),
-                            bound)  # fmt: skip
-                for site, cls, change in rows:
-                    if change > bound * median and (site, cls) not in self.rejected:
-                        self.rejected.add((site, cls))
-                        self._note(site, REJECTED, f"{name} changed by {change:.3g}, over "
-                                   f"{bound:g} × the median {median:.3g}", cls)  # fmt: skip
-        factor = self.screen.options.mixture_bound
-        if factor:
+                self._bound_changes(name, rows)
+        if self.screen.options.mixture_bound:
             for name, rows in self.rows.mixtures.items():
-                # Features of norm about r spread by at most about r² / D per dimension, so the
-                # median norm of the means bounds plausible variances; a median of variances
-                # would not (sites with few images fit components at the variance floor).
-                norm = _median([r[4] for r in rows])
-                variance = max(norm**2 / rows[0][5], DEFAULT_REG)
-                logger.info(
-                    "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g × the "
-                    "median, smallest variance %.3g (bound %g)", self.phase.key, name,
-                    max(r[2] for r in rows) / variance, max(r[4] for r in rows) / max(norm, 1e-12),
-                    min(r[3] for r in rows), factor,
-                )  # fmt: skip
-                for site, cls, hi, lo, n, _ in rows:
-                    problem = None
-                    if hi > factor * variance:
-                        problem = (f"{name} variances up to {hi:.3g}, over {factor:g} × "
-                                   f"{variance:.3g} (the median mean norm² / D)")  # fmt: skip
-                    elif lo < VARIANCE_FLOOR:
-                        problem = f"{name} variances down to {lo:.3g}, below any fit's"
-                    elif n > factor * max(norm, 1e-12):
-                        problem = f"{name} means of norm {n:.3g}, over {factor:g} × the median"
-                    if problem and (site, cls) not in self.rejected:
-                        self.rejected.add((site, cls))
-                        self._note(site, REJECTED, problem, cls)
+                self._bound_mixtures(name, rows)
         self._note_furthest()
+
+    def _reject_row(self, site: str, cls: str, problem: str) -> None:
+        if (site, cls) not in self.rejected:
+            self.rejected.add((site, cls))
+            self._note(site, REJECTED, problem, cls)
+
+    def _bound_changes(self, name: str, rows: list[tuple[str, str, float, float]]) -> None:
+        """Where ``MIN_SITES`` sites or more moved the field: ``update-bound`` × the median over
+        sites of their changes. Where fewer did, their median is no bound (a lone sender's is
+        its own change): each row is held to ``reference-bound`` × its class's own size."""
+        options = self.screen.options
+        # Rows that did not move say nothing of how far training moves one: a site that holds
+        # a single class of its task has a one-logit loss and sends its rows back unchanged,
+        # and with many small sites those are most rows (a median of 0 would reject every
+        # site that trained at all).
+        moved = [(site, change) for site, _, change, _ in rows if change > 0]
+        if not moved:
+            return
+        senders = len({site for site, _ in moved})
+        if senders >= MIN_SITES:
+            if not options.update_bound:
+                return
+            median = _by_site(moved)
+            largest = max(change for _, change in moved)
+            logger.info("screening %s/%d %s: largest change %.3g × the median over %d sites "
+                        "(bound %g)", self.phase.key, self.round, name,
+                        largest / max(median, 1e-300), senders, options.update_bound)  # fmt: skip
+            for site, cls, change, _ in rows:
+                if change > options.update_bound * median:
+                    self._reject_row(site, cls, f"{name} changed by {change:.3g}, over "
+                                     f"{options.update_bound:g} × the median over "
+                                     f"{senders} sites {median:.3g}")  # fmt: skip
+            return
+        if not options.reference_bound:
+            return
+        for site, cls, change, size in rows:
+            if change > options.reference_bound * size:
+                self._reject_row(site, cls, f"{name} changed by {change:.3g}, over "
+                                 f"{options.reference_bound:g} × the class's size {size:.3g} "
+                                 f"(sent by {senders} site{'s' * (senders > 1)}: "
+                                 "no median)")  # fmt: skip
+
+    def _mixture_reference(self, name: str, rows: list) -> tuple[float, str]:
+        """The mean norm a field's mixtures are measured by, and what it is: the median over
+        sites where ``MIN_SITES`` or more send; else the median of the mixtures the codebook
+        already holds (fitted and screened in earlier steps); else, in a federation's first
+        fit by fewer sites, the senders' own median (docs/security.md)."""
+        if len({r[0] for r in rows}) < MIN_SITES:
+            held = [
+                float(entry.values[name].means.norm(dim=1).max())
+                for entry in self.codebook.entries.values()
+                if name in entry.values
+            ]
+            if held:
+                return _median(held), "the median of the codebook's fitted mixtures"
+        return _by_site((r[0], r[4]) for r in rows), "the median over sites"
+
+    def _bound_mixtures(self, name: str, rows: list) -> None:
+        factor = self.screen.options.mixture_bound
+        # Features of norm about r spread by at most about r² / D per dimension, so the
+        # median norm of the means bounds plausible variances; a median of variances would
+        # not (sites with few images fit components at the variance floor).
+        norm, what = self._mixture_reference(name, rows)
+        variance = max(norm**2 / rows[0][5], DEFAULT_REG)
+        logger.info(
+            "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g × %s, "
+            "smallest variance %.3g (bound %g)", self.phase.key, name,
+            max(r[2] for r in rows) / variance, max(r[4] for r in rows) / max(norm, 1e-12),
+            what, min(r[3] for r in rows), factor,
+        )  # fmt: skip
+        for site, cls, hi, lo, n, _ in rows:
+            problem = None
+            if hi > factor * variance:
+                problem = (f"{name} variances up to {hi:.3g}, over {factor:g} × "
+                           f"{variance:.3g} (the reference mean norm² / D)")  # fmt: skip
+            elif lo < VARIANCE_FLOOR:
+                problem = f"{name} variances down to {lo:.3g}, below any fit's"
+            elif n > factor * max(norm, 1e-12):
+                problem = f"{name} means of norm {n:.3g}, over {factor:g} × {what}"
+            if problem:
+                self._reject_row(site, cls, problem)
 
     def _note_furthest(self) -> None:
         """Per class, the kept row that went furthest (``Screen.furthest``), from what the first
@@ -386,7 +469,7 @@ class PhaseScreen:
         measured = [
             (change, site, cls, f"{name} changed by {change:.3g}")
             for name, rows in self.rows.changes.items()
-            for site, cls, change in rows
+            for site, cls, change, _ in rows
         ] + [
             (norm, site, cls, f"{name} means of norm up to {norm:.3g}")
             for name, rows in self.rows.mixtures.items()

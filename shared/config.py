@@ -231,6 +231,10 @@ SCHEMA: tuple[Knob, ...] = (
          "value sent is over this multiple of the phase's median change (per field, over the "
          "rows that changed); 0: no bound",
          "screening", ge=0),
+    Knob("reference-bound", float, 100.0, "where fewer than 3 sites send a field in a phase "
+         "(their median is no bound: a lone sender is its own), reject a row whose change is "
+         "over this multiple of the class's own size before the phase (its norm, at least the "
+         "initialisation's 0.02 per element); 0: no bound", "screening", ge=0),
     Knob("mixture-bound", float, 1000.0, "reject mixture statistics whose variances or means are "
          "over this multiple of the phase's median (and variances below any fit's); 0: no bound",
          "screening", ge=0),

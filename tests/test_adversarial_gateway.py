@@ -9,7 +9,11 @@ so that the per-address limits apply to them and not to the site on 127.0.0.1.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
+import os
+import resource
 import socket
 import ssl
 import subprocess
@@ -21,6 +25,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -32,9 +37,10 @@ from flwr.proto.node_pb2 import Node
 from flwr.supernode.fleet_http_client import FleetHttpClient
 from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
 
-from starfed.server.ops import certs, fleet_signatures, pki
+from starfed.server.ops import certs, fleet_signatures, gateway, pki
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.sites import Registry, SiteRecord
+from starfed.server.process_identity import ProcessId
 
 pytestmark = [pytest.mark.adversarial, pytest.mark.e2e]
 
@@ -100,7 +106,8 @@ def start_gateway(server, upstream, tmp_path) -> Iterator[Callable[..., tuple[in
     folder, _ = server
     started: list[subprocess.Popen] = []
 
-    def start(*flags: str) -> tuple[int, int]:
+    def start(*flags: str, files: int | None = None) -> tuple[int, int]:
+        """``files``: the gateway's limit of open files (soft and hard)."""
         port = _free_port()
         command = [
             sys.executable,
@@ -120,7 +127,10 @@ def start_gateway(server, upstream, tmp_path) -> Iterator[Callable[..., tuple[in
             str(tmp_path / f"gateway-{port}.log"),
             *flags,
         ]
-        process = subprocess.Popen(command)
+        limit = None if files is None else (
+            lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+        )  # fmt: skip
+        process = subprocess.Popen(command, preexec_fn=limit)
         started.append(process)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -373,3 +383,114 @@ def test_flowers_own_supernode_client_uploads_through_the_signature_check(
     assert app.bodies[-1] == request.ByteSize()
     assert push(pki.new_private_key()) == 401
     assert app.bodies[-1] == request.ByteSize()  # nothing more reached the upstream
+
+
+def _unfinished_handshakes(port: int, n: int) -> list[socket.socket]:
+    """``n`` TCP connections from 127.0.0.2-127.0.0.5 that start a TLS handshake (a record
+    header announcing a 512-byte ClientHello) and never finish it."""
+    socks = []
+    for i in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10,
+                                        source_address=(f"127.0.0.{2 + i % 4}", 0))  # fmt: skip
+        sock.sendall(b"\x16\x03\x01\x02\x00")
+        socks.append(sock)
+    return socks
+
+
+def _raw_closed(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(64) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_unfinished_tls_handshakes_are_bounded_per_address_in_all_and_in_time(
+    server, start_gateway, tmp_path
+) -> None:
+    """300 connections from 4 addresses that never finish their handshake: beyond 8 per
+    address they are closed at once, the rest when the 3 s handshake timeout ends; meanwhile a
+    site gets in (the attackers' 32 leave room in the 64 places) and the gateway's memory stays
+    flat (asyncio gave each 60 s and 256 KiB)."""
+    folder, key = server
+    port, pid = start_gateway("--max-handshakes", "64", "--max-handshakes-per-address", "8",
+                              "--handshake-timeout", "3")  # fmt: skip
+    before = _rss_mib(pid)
+    socks = _unfinished_handshakes(port, 300)
+    assert _site_call(folder, key, port) < 3.0
+    grew = _rss_mib(pid) - before
+    closed_at_once = sum(_raw_closed(sock, 0.01) for sock in socks)
+    assert closed_at_once >= 300 - 4 * 8, closed_at_once
+    time.sleep(3.5)
+    assert all(_raw_closed(sock, 1.0) for sock in socks)
+    for sock in socks:
+        sock.close()
+    assert grew < 32, grew
+    log = (tmp_path / f"gateway-{port}.log").read_text()
+    assert "8 TLS handshakes from this address under way" in log
+
+
+def test_a_low_open_file_limit_lowers_the_limits_before_handles_run_out(
+    server, start_gateway, tmp_path
+) -> None:
+    """With 400 file handles (most kept for the upstream's connections) the gateway takes in
+    fewer handshakes than asked and refuses the rest while it still has handles: asyncio never
+    runs out of them accepting, and a site gets in."""
+    folder, key = server
+    port, pid = start_gateway("--max-handshakes", "128", "--max-handshakes-per-address", "2",
+                              "--handshake-timeout", "6", files=400)  # fmt: skip
+    socks = _unfinished_handshakes(port, 200)
+    assert _site_call(folder, key, port) < 3.0
+    assert Path(f"/proc/{pid}").exists()
+    for sock in socks:
+        sock.close()
+    log = (tmp_path / f"gateway-{port}.log").read_text()
+    assert "open-file limit 400: at most 64 connections and 16 TLS handshakes" in log
+    assert "Too many open files" not in log
+
+
+def test_a_process_status_unreadable_for_want_of_handles_is_not_its_end() -> None:
+    """Out of file handles, /proc cannot be read: that says nothing of the SuperLink (the
+    gateway used to take it for its end and shut itself down)."""
+    me = ProcessId.of(os.getpid())
+    assert me is not None and me.alive()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        with pytest.raises(OSError, match="Too many open files"):
+            me.alive()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert me.alive()
+
+
+def test_the_gateway_keeps_serving_while_it_cannot_look(monkeypatch, caplog) -> None:
+    """``_exit_with`` logs a look that failed and goes on; it stops only when the process is
+    seen gone."""
+    looks = iter([OSError(errno.EMFILE, "Too many open files"), True, False])
+
+    def alive(process: ProcessId) -> bool:
+        look = next(looks)
+        if isinstance(look, OSError):
+            raise look
+        return look
+
+    async def no_wait(seconds: float) -> None:
+        return None
+
+    monkeypatch.setattr(ProcessId, "alive", alive)
+    monkeypatch.setattr(gateway.asyncio, "sleep", no_wait)
+    server = SimpleNamespace(should_exit=False)
+    with caplog.at_level("WARNING", logger="starfed.gateway"):
+        asyncio.run(gateway._exit_with(server, ProcessId(1, 1)))
+    assert server.should_exit
+    assert "cannot read the upstream process 1's status" in caplog.text
+    assert "upstream process 1 ended" in caplog.text

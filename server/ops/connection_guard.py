@@ -10,15 +10,25 @@ yet sent a request is the one evicted when the gateway is full, a newly arriving
 gets in while slow connections are being held. uvicorn's own HTTP/1.1 protocol over h11 (whose
 header buffer is bounded: 400 past 16 KiB) does the HTTP; this only adds the bookkeeping.
 
-Not covered here: connections still in the TLS handshake (asyncio gives them 60 s and they are
-not yet a protocol instance with an address), and an attacker with more addresses than
-``max_connections / per_address``: against those the firewall (only the sites' addresses) helps.
+The TLS handshake is the guard's too (``TlsGate``): the listening socket is plain TCP, and each
+connection gets asyncio's TLS protocol here once it is counted — at most
+``max_handshakes`` handshakes under way in all and ``handshakes_per_address`` from one address,
+each given ``handshake_timeout`` seconds, with a small TLS read buffer. Before, asyncio did the
+handshake before any protocol saw the address, gave it 60 s and a 256 KiB buffer: 20,000
+unfinished handshakes from one address took the gateway to 6 GB and all its file handles.
+
+Not covered here: an attacker with more addresses than ``max_connections / per_address`` (or
+``max_handshakes / handshakes_per_address``): against those the firewall (only the sites'
+addresses) helps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import ssl
+from asyncio import sslproto
 from collections import Counter
 
 import h11
@@ -27,6 +37,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 512
 MAX_PER_ADDRESS = 32
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_HANDSHAKES = 128
+MAX_HANDSHAKES_PER_ADDRESS = 8
+#: asyncio's TLS read buffer per connection (256 KiB by default, allocated at the handshake's
+#: start); one TLS record is at most 16 KiB of payload, and a smaller buffer only means more
+#: reads of a large body.
+TLS_READ_BUFFER = 32 * 1024
 
 log = logging.getLogger("starfed.gateway")
 
@@ -41,18 +58,43 @@ class ConnectionGuard:
         max_connections: int = MAX_CONNECTIONS,
         per_address: int = MAX_PER_ADDRESS,
         header_timeout: float = HEADER_TIMEOUT_S,
+        max_handshakes: int = MAX_HANDSHAKES,
+        handshakes_per_address: int = MAX_HANDSHAKES_PER_ADDRESS,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self.max_connections = max_connections
         self.per_address = per_address
         self.header_timeout = header_timeout
+        self.max_handshakes = max_handshakes
+        self.handshakes_per_address = handshakes_per_address
+        self.handshake_timeout = handshake_timeout
+        self.handshakes: Counter[str] = Counter()  # address -> TLS handshakes under way
         self.open: set[GuardedH11Protocol] = set()
         self.by_address: Counter[str] = Counter()
         #: connections with no request under way, oldest first (a dict keeps insertion order)
         self.idle: dict[GuardedH11Protocol, None] = {}
 
-    def protocol_class(self) -> type[H11Protocol]:
-        """uvicorn's ``http=``: its h11 protocol, bound to this guard."""
-        return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": self})
+    def protocol_class(self, tls: ssl.SSLContext | None = None) -> type:
+        """uvicorn's ``http=``: its h11 protocol, bound to this guard; with ``tls``, behind a
+        ``TlsGate`` that does the handshake (uvicorn then listens on plain TCP)."""
+        h11_class = type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": self})
+        if tls is None:
+            return h11_class
+        return type("BoundTlsGate", (TlsGate,), {"guard": self, "tls": tls, "inner": h11_class})
+
+    def begin_handshake(self, address: str) -> str | None:
+        """Count a handshake from ``address`` in, or say why not."""
+        if self.handshakes[address] >= self.handshakes_per_address:
+            return f"{self.handshakes_per_address} TLS handshakes from this address under way"
+        if self.handshakes.total() >= self.max_handshakes:
+            return f"{self.max_handshakes} TLS handshakes under way"
+        self.handshakes[address] += 1
+        return None
+
+    def end_handshake(self, address: str) -> None:
+        self.handshakes[address] -= 1
+        if not self.handshakes[address]:
+            del self.handshakes[address]
 
     def admit(self, connection: GuardedH11Protocol) -> str | None:
         """Take ``connection`` in, or say why not."""
@@ -139,3 +181,45 @@ class GuardedH11Protocol(H11Protocol):
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             timeout = self.guard.header_timeout
             self.close(f"no complete request headers within {timeout:g} s")
+
+
+class TlsGate(asyncio.Protocol):
+    """A TCP connection before its TLS handshake: counted against the guard's handshake limits,
+    then handed to asyncio's own TLS protocol (``sslproto.SSLProtocol``, as asyncio's TLS
+    listener makes it, with ``handshake_timeout``) over the h11 protocol (built the way uvicorn
+    builds it, with the same arguments), which starts once the handshake is done. ``guard``,
+    ``tls`` and ``inner`` are set by ``ConnectionGuard.protocol_class``."""
+
+    guard: ConnectionGuard
+    tls: ssl.SSLContext
+    inner: type[GuardedH11Protocol]
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._args, self._kwargs = args, kwargs
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if peer else "?"
+        refusal = self.guard.begin_handshake(address)
+        if refusal is not None:
+            log.warning("closed a connection from %s: %s", address, refusal)
+            transport.abort()
+            return
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()  # set when the handshake ends, either way
+        done.add_done_callback(functools.partial(self._handshake_done, address))
+        secure = sslproto.SSLProtocol(
+            loop,
+            self.inner(*self._args, **self._kwargs),
+            self.tls,
+            done,
+            server_side=True,
+            ssl_handshake_timeout=self.guard.handshake_timeout,
+        )
+        transport.set_protocol(secure)  # the bytes that follow are the handshake's
+        secure.connection_made(transport)
+
+    def _handshake_done(self, address: str, done: asyncio.Future) -> None:
+        self.guard.end_handshake(address)
+        if not done.cancelled() and (err := done.exception()) is not None:
+            log.debug("TLS handshake from %s failed: %r", address, err)

@@ -31,6 +31,12 @@ runtime does before it calls ``main``:
 - ``TaskIdentity``, ``SUPERLINK_NODE_ID``: that identity, and the node id a ServerApp sends from
   (``flwr.supercore.task_identity``, ``flwr.common.constant``).
 
+Adopting a registered key (``starfed.server.ops.sites.flower_node_of``): ``flwr supernode list``
+shows neither keys nor names, so a key Flower holds but sites.json does not is looked up, read
+only, in the SuperLink's database: its ``node`` table's ``node_id``, ``status`` and
+``public_key`` (the key's PEM, SubjectPublicKeyInfo) columns (``flwr.supercore.state.schema``;
+tests/test_adversarial_sites.py builds the table with Flower's own schema).
+
 Clock skew (``starfed.server.ops.clock``): Flower refuses a SuperNode whose signed timestamp is
 outside its window with the same answer as a removed key (401 "Invalid SuperNode
 authentication"), so starfed measures the time difference itself, against the window:

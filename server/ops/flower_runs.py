@@ -128,6 +128,16 @@ def flower_message(text: str) -> str:
     return message
 
 
+_BOX = "│╭╮╰╯─┃┏┓┗┛━ "
+
+
+def _unboxed(output: str) -> str:
+    """What a ``flwr`` that failed before its JSON printed, on one line: its rich panel's text
+    without the panel's border (whose last line, ``╰───╯``, says nothing)."""
+    lines = [ln.strip(_BOX) for ln in output.splitlines()]
+    return flower_message("\n".join(ln for ln in lines if ln)) if any(lines) else ""
+
+
 # --- the flwr CLI ----------------------------------------------------------------------------
 
 
@@ -175,8 +185,8 @@ class FlowerCli:
         try:
             answer = json.loads(text[text.index("{") :])
         except ValueError:
-            detail = (result.stdout + result.stderr).strip().splitlines()[-1:] or ["no output"]
-            raise FlowerRunError(f"`flwr {' '.join(args[:2])}` failed: {detail[0]}") from None
+            detail = _unboxed(result.stdout + result.stderr) or "no output"
+            raise FlowerRunError(f"`flwr {' '.join(args[:2])}` failed: {detail}") from None
         if not answer.get("success"):
             raise FlowerRunError(flower_message(str(answer.get("error-message", answer))))
         return answer

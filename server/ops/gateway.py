@@ -49,6 +49,7 @@ import resource
 import ssl
 import sys
 import time
+from asyncio import sslproto
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -58,15 +59,22 @@ import uvicorn
 
 from starfed.server.ops import clock, pki
 from starfed.server.ops.connection_guard import (
+    HANDSHAKE_TIMEOUT_S,
     HEADER_TIMEOUT_S,
     MAX_CONNECTIONS,
+    MAX_HANDSHAKES,
+    MAX_HANDSHAKES_PER_ADDRESS,
     MAX_PER_ADDRESS,
+    TLS_READ_BUFFER,
     ConnectionGuard,
 )
 from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER, SiteKeys
 from starfed.server.ops.processes import ProcessId
 from starfed.shared.addresses import parse_address
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
+
+UPSTREAM_CONNECTIONS = 256  # to the SuperLink, at most: each a file handle
+OWN_FILES = 64  # the process's own: the listening socket, logs, /proc, the interpreter's
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -157,7 +165,9 @@ class FleetGateway:
         self._client_options: dict[str, Any] = {
             "verify": verify,
             "timeout": httpx.Timeout(timeout, connect=10.0),
-            "limits": httpx.Limits(max_connections=256, max_keepalive_connections=32),
+            "limits": httpx.Limits(
+                max_connections=UPSTREAM_CONNECTIONS, max_keepalive_connections=32
+            ),
             "transport": transport,
             "follow_redirects": False,
             "trust_env": False,  # never route the SuperLink's traffic through a proxy
@@ -390,27 +400,58 @@ def _setup_logging(log_file: Path | None, debug: bool = False) -> None:
         logger.propagate = False
 
 
-def _tls_context_factory(config: uvicorn.Config, default: Callable[[], ssl.SSLContext]):
-    context = default()
+def _tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """The server side of TLS 1.2 or later, with the gateway's certificate."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
     return context
 
 
 async def _exit_with(server: uvicorn.Server, process: ProcessId) -> None:
-    """Stop when ``process`` (the SuperLink) ends: a gateway to nothing only misleads."""
-    while process.alive():
+    """Stop when ``process`` (the SuperLink) ends: a gateway to nothing only misleads. Not
+    being able to look (``/proc`` unreadable: out of file handles or memory) is the gateway's
+    own trouble, not the SuperLink's end: logged, and it keeps serving."""
+    while True:
+        try:
+            if not process.alive():
+                break
+        except OSError as err:
+            log.warning(
+                "cannot read the upstream process %d's status (%s): the gateway's own "
+                "resources, not the SuperLink's end; still serving",
+                process.pid,
+                err,
+            )
         await asyncio.sleep(2.0)
     log.warning("upstream process %d ended; shutting down", process.pid)
     server.should_exit = True
 
 
-def _raise_open_files_limit() -> None:
+def _raise_open_files_limit() -> int:
     """Every connection is a file descriptor; the usual soft limit (1024) would run out before
-    the connection limit does, and then nobody gets in."""
+    the connection limit does, and then nobody gets in. The limit now."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft = wanted
+    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
+
+
+def _fit_open_files(guard: ConnectionGuard, files: int) -> None:
+    """Lower the guard's limits to what the open-file limit leaves after the upstream's
+    connections and the process's own files: a gateway out of file handles cannot even accept a
+    connection to close it (asyncio then logs and retries every accept), so it refuses them
+    while it still has handles."""
+    budget = max(2, files - UPSTREAM_CONNECTIONS - OWN_FILES)
+    if guard.max_connections + guard.max_handshakes <= budget:
+        return
+    asked = guard.max_connections, guard.max_handshakes
+    guard.max_handshakes = max(1, min(guard.max_handshakes, budget // 5))
+    guard.max_connections = budget - guard.max_handshakes
+    log.warning("open-file limit %d: at most %d connections and %d TLS handshakes (asked: %d "
+                "and %d)", files, guard.max_connections, guard.max_handshakes, *asked)  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -433,13 +474,20 @@ def serve(args: argparse.Namespace) -> None:
         max_connections=args.max_connections,
         per_address=args.max_per_address,
         header_timeout=args.header_timeout,
+        max_handshakes=args.max_handshakes,
+        handshakes_per_address=args.max_handshakes_per_address,
+        handshake_timeout=args.handshake_timeout,
     )
-    _raise_open_files_limit()
+    _fit_open_files(guard, _raise_open_files_limit())
+    # The handshake is the guard's (connection_guard.TlsGate): uvicorn listens on plain TCP, on
+    # asyncio's own loop, whose TLS read buffer can be made small (this process's only).
+    sslproto.SSLProtocol.max_size = TLS_READ_BUFFER
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=guard.protocol_class(),
+        loop="asyncio",
+        http=guard.protocol_class(_tls_context(args.cert, args.key) if tls else None),
         ws="none",  # the Fleet API has no websockets: never upgrade
         log_config=None,
         access_log=False,
@@ -448,14 +496,11 @@ def serve(args: argparse.Namespace) -> None:
         limit_concurrency=None,  # the guard's limits instead: uvicorn's counts slow connections
         timeout_keep_alive=30,
         timeout_graceful_shutdown=5,
-        ssl_certfile=str(args.cert) if tls else None,
-        ssl_keyfile=str(args.key) if tls else None,
-        ssl_context_factory=_tls_context_factory if tls else None,
     )
     server = uvicorn.Server(config)
     log.info(
         "fleet gateway on %s:%d (%s) -> %s, max body %d MiB (%s), %d connections, %d per "
-        "address, headers within %g s",
+        "address, headers within %g s, %d TLS handshakes, %d per address, within %g s",
         host,
         port,
         "TLS" if tls else "PLAIN HTTP",
@@ -465,6 +510,9 @@ def serve(args: argparse.Namespace) -> None:
         args.max_connections,
         args.max_per_address,
         args.header_timeout,
+        args.max_handshakes,
+        args.max_handshakes_per_address,
+        args.handshake_timeout,
     )
 
     async def main() -> None:
@@ -515,6 +563,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--header-timeout", type=float, default=HEADER_TIMEOUT_S, help="seconds per request"
     )
+    p.add_argument("--max-handshakes", type=int, default=MAX_HANDSHAKES,
+                   help="TLS handshakes under way at once; more are closed at once")  # fmt: skip
+    p.add_argument("--max-handshakes-per-address", type=int, default=MAX_HANDSHAKES_PER_ADDRESS)
+    p.add_argument("--handshake-timeout", type=float, default=HANDSHAKE_TIMEOUT_S,
+                   help="seconds a TLS handshake may take")  # fmt: skip
     p.add_argument("--exit-with", type=int, help="PID: stop when this process ends")
     p.add_argument("--debug", action="store_true", help="log every forwarded call too")
     return p

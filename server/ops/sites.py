@@ -16,23 +16,34 @@ same fingerprint the site prints for its key.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import re
-from collections.abc import Iterable, Sequence
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
 
 from starfed.server.ops import clock, flower_runs, pki
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.files import write_atomic
 
 FLWR_TIMEOUT_S = 60.0
+SITES_LOCK = "sites.lock"  # in the server folder: one `sites add|remove` at a time
 #: Fleet API errors of a refused SuperNode (flwr/supercore/error/base.py in Flower 1.42).
 REFUSAL_CODES = {
     "2001": "tried to register itself (no registered key)",
     "2004": "key not registered",
 }
+
+
+#: Flower's node statuses of a key it no longer lets in (``flwr supernode list --verbose``).
+UNREGISTERED = ("unregistered", "deleted")
 
 
 class SitesError(RuntimeError):
@@ -107,51 +118,105 @@ def _flower_message(message: str) -> str:
     if "SuperLink running?" in text:
         text += " (`starfed server start`)"
     elif "[code: 23]" in text:
-        text += " (registered before, perhaps with bare `flwr`: see `starfed server sites list`)"
+        text += (" (registered before, perhaps with bare `flwr`: `starfed server sites add "
+                 "--adopt NAME KEY` records it under NAME)")  # fmt: skip
     return text
 
 
 # --- add, remove, list ---------------------------------------------------------------------
 
 
-def add(folder: ServerFolder, name: str, public_key: Path) -> SiteRecord:
-    """Register ``public_key`` for site ``name``; refuse what Flower would refuse, but clearly."""
+@contextlib.contextmanager
+def _registering(folder: ServerFolder) -> Iterator[Registry]:
+    """``sites.json`` read and written under the server folder's sites lock: what Flower is
+    told and what sites.json keeps change as one, so two `sites add` at once both land (an
+    advisory ``flock``: the kernel releases it when its holder dies)."""
+    folder.root.mkdir(parents=True, exist_ok=True)
+    with (folder.root / SITES_LOCK).open("a") as lock:
+        deadline = time.monotonic() + FLWR_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise SitesError(f"another `starfed server sites` holds {lock.name} for "
+                                     f"over {FLWR_TIMEOUT_S:.0f} s") from None  # fmt: skip
+                time.sleep(0.1)
+        try:
+            yield Registry.load(folder.sites_file)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def add(folder: ServerFolder, name: str, public_key: Path, adopt: bool = False) -> SiteRecord:
+    """Register ``public_key`` for site ``name``; refuse what Flower would refuse, but clearly.
+    With ``adopt``, a key Flower has registered (bare ``flwr supernode register``, or a `sites
+    add` that died between the two) is recorded under ``name`` with its node id instead."""
     pki.check_site_name(name)
+    public_key = Path.cwd() / public_key.expanduser()  # flwr runs in the Flower home
+    if not public_key.is_file():
+        raise pki.SiteKeyError(f"Public key file {str(public_key)!r} does not exist")
     key = pki.read_public_key(public_key)
-    registry = Registry.load(folder.sites_file)
-    if (current := registry.active(name)) is not None:
-        raise SitesError(
-            f"site {name} is registered (node {current.node_id}, key {current.fingerprint}); "
-            "remove it first to give it a new key"
-        )
-    if (previous := registry.by_fingerprint(key.fingerprint)) is not None:
-        if previous.removed_at:
+    with _registering(folder) as registry:
+        if (current := registry.active(name)) is not None:
             raise SitesError(
-                f"key {key.fingerprint} was removed from site {previous.name} on "
-                f"{previous.removed_at}; Flower never accepts a removed key again: the site "
-                "needs a new key (`starfed site keygen`)"
+                f"site {name} is registered (node {current.node_id}, key {current.fingerprint}); "
+                "remove it first to give it a new key"
             )
-        raise SitesError(f"key {key.fingerprint} already belongs to site {previous.name}")
-    answer = flwr_json(folder, "supernode", "register", str(public_key), "--name", name)
-    record = SiteRecord(name, int(answer["node-id"]), key.openssh, key.fingerprint, _now())
-    registry.sites.append(record)
-    registry.save(folder.sites_file)
+        if (previous := registry.by_fingerprint(key.fingerprint)) is not None:
+            if previous.removed_at:
+                raise SitesError(
+                    f"key {key.fingerprint} was removed from site {previous.name} on "
+                    f"{previous.removed_at}; Flower never accepts a removed key again: the site "
+                    "needs a new key (`starfed site keygen`)"
+                )
+            raise SitesError(f"key {key.fingerprint} already belongs to site {previous.name}")
+        if adopt:
+            node_id = flower_node_of(folder, key)
+        else:
+            answer = flwr_json(folder, "supernode", "register", str(public_key), "--name", name)
+            node_id = int(answer["node-id"])
+        record = SiteRecord(name, node_id, key.openssh, key.fingerprint, _now())
+        registry.sites.append(record)
+        registry.save(folder.sites_file)
     return record
+
+
+def flower_node_of(folder: ServerFolder, key: pki.SiteKey) -> int:
+    """The node id Flower registered ``key`` under, from the SuperLink's database (its ``node``
+    table: server.ops.flower_internals); ``SitesError`` when Flower does not hold the key."""
+    pem = serialization.load_ssh_public_key(key.openssh.encode()).public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )  # as Flower stores it (flwr.supercore.primitives.asymmetric.public_key_to_bytes)
+    try:
+        with contextlib.closing(
+            sqlite3.connect(f"file:{folder.database}?mode=ro", uri=True, timeout=10)
+        ) as db:
+            rows = db.execute("SELECT node_id, status FROM node WHERE public_key = ?",
+                              (pem,)).fetchall()  # fmt: skip
+    except sqlite3.Error as err:
+        raise SitesError(f"cannot read Flower's registry {folder.database}: {err}") from None
+    live = [node_id for node_id, status in rows if status not in UNREGISTERED]
+    if not live:
+        raise SitesError(f"Flower holds no registration of key {key.fingerprint}: register it "
+                         "with `starfed server sites add` (without --adopt)")  # fmt: skip
+    return int(live[0])
 
 
 def remove(folder: ServerFolder, name: str) -> SiteRecord:
     """Unregister site ``name``'s key: a running SuperNode with it stops within seconds."""
-    registry = Registry.load(folder.sites_file)
-    record = registry.active(name)
-    if record is None:
-        raise SitesError(f"no registered site named {name} (see `starfed server sites list`)")
-    try:
-        flwr_json(folder, "supernode", "unregister", str(record.node_id))
-    except SitesError as err:
-        if "[code: 24]" not in str(err):  # "Node ID not found": already gone in Flower
-            raise
-    record.removed_at = _now()
-    registry.save(folder.sites_file)
+    with _registering(folder) as registry:
+        record = registry.active(name)
+        if record is None:
+            raise SitesError(f"no registered site named {name} (see `starfed server sites list`)")
+        try:
+            flwr_json(folder, "supernode", "unregister", str(record.node_id))
+        except SitesError as err:
+            if "[code: 24]" not in str(err):  # "Node ID not found": already gone in Flower
+                raise
+        record.removed_at = _now()
+        registry.save(folder.sites_file)
     return record
 
 

@@ -64,6 +64,9 @@ class ClassRow:
     registered: str
     sites: dict[str, str]  # site -> when it first brought the class
     frozen: bool
+    #: brought by one site alone: no median over sites checks its rows, only the screening's
+    #: references (server/screening.py, docs/security.md)
+    single_site: bool = False
 
 
 @dataclass
@@ -224,6 +227,13 @@ def read(folder: ServerFolder, federation_dir: Path) -> Reading:
     if (federation_dir / IDENTITY_FILE).is_file():  # a folder with no identity is a new one
         report = folder_check.check(federation_dir, decode=False, kept=False)
         status.problems, status.notes = report.problems, report.notes
+    try:  # the registered sites: a damaged sites.json is damage too (exit 1), not a detail
+        sites.Registry.load(folder.sites_file)
+    except sites.SitesError as err:
+        status.problems.append(
+            f"{err}: restore it, or move it aside and record the sites again "
+            "(`starfed server sites add NAME KEY --adopt`)"
+        )
     try:
         federation = Federation.open(federation_dir)  # reads federation.json and registry.json
     except UNREADABLE as err:
@@ -297,7 +307,7 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
                 "(missing or older than the codebook): their steps and sites are unknown"
             )
     status.classes = [
-        ClassRow(name, r.step, r.registered, dict(r.sites), name in frozen)
+        ClassRow(name, r.step, r.registered, dict(r.sites), name in frozen, len(r.sites) == 1)
         for name, r in federation.registry.items()
     ]
     history = _guarded(status, root / HISTORY_FILE, federation.history, [])

@@ -230,6 +230,16 @@ def _decode_header(message: pb.Codebook | pb.ClientUpdate, fingerprint, dims) ->
 _LENGTH_DELIMITED = 2
 _SKIP = {1: 8, 5: 4}  # fixed64, fixed32
 _UPDATE_ENTRIES = pb.ClientUpdate.DESCRIPTOR.fields_by_name["entries"].number
+_UPDATE_METADATA = pb.ClientUpdate.DESCRIPTOR.fields_by_name["metadata"].number
+_TENSOR_SHAPE = pb.Tensor.DESCRIPTOR.fields_by_name["shape"].number
+#: What one update may hold besides its entries, before protobuf makes an object of each part:
+#: metadata pairs, fields of an entry (its tensors, mixtures and field versions, one each per
+#: schema field), fields of a tensor or mixture, and the bytes of a tensor's packed shape (a
+#: handful of dimensions of up to 10 bytes each).
+MAX_METADATA = 256
+MAX_ENTRY_FIELDS = 4 * len(schema.FIELDS) + 8
+MAX_PART_FIELDS = 16
+MAX_SHAPE_BYTES = 80
 _TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _TENSOR_FIELDS = {
     pb.ClassEntry.DESCRIPTOR.fields_by_name[name].number: name for name in schema.TENSORS
@@ -256,11 +266,18 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(data: bytes, start: int, end: int) -> list[tuple[int, int, int]]:
-    """(field number, start, end) of every length-delimited field in ``data[start:end]``."""
+def _fields(
+    data: bytes, start: int, end: int, limit: int | None = None, what: str = "one message"
+) -> list[tuple[int, int, int]]:
+    """(field number, start, end) of every length-delimited field in ``data[start:end]``; with
+    ``limit``, ``CodebookError`` as soon as there are more fields than that (of any type)."""
     fields = []
     i = start
+    count = 0
     while i < end:
+        count += 1
+        if limit is not None and count > limit:
+            raise CodebookError(f"more than {limit} fields in {what}")
         tag, i = (data[i], i + 1) if data[i] < 0x80 else _varint(data, i)
         kind = tag & 7
         if kind == _LENGTH_DELIMITED:
@@ -284,6 +301,38 @@ def _data_view(data: bytes, whole: memoryview, start: int, end: int, what: str) 
     if len(spans) > 1:
         raise CodebookError(f"{what} appears twice in an entry")
     return whole[spans[0][0] : spans[0][1]] if spans else whole[0:0]
+
+
+def check_parts(data: bytes, max_entries: int) -> None:
+    """Count an update's parts in its bytes before protobuf materialises any: at most
+    ``max_entries`` entries (what its site can have: e.g. the classes it reported at the sync)
+    and the bounds above on everything inside them, so that decoding a reply costs memory in
+    proportion to its tensors' bytes, not to the number of (empty) parts it packs."""
+    try:
+        what = f"the update (at most {max_entries} entries: the classes its site can send)"
+        top = _fields(data, 0, len(data), limit=max_entries + MAX_METADATA + 16, what=what)
+        entries = [(s, e) for n, s, e in top if n == _UPDATE_ENTRIES]
+        if len(entries) > max_entries:
+            raise CodebookError(f"the update carries {len(entries)} entries, at most "
+                                f"{max_entries} (the classes its site can send)")  # fmt: skip
+        if sum(n == _UPDATE_METADATA for n, _, _ in top) > MAX_METADATA:
+            raise CodebookError(f"the update carries over {MAX_METADATA} metadata pairs")
+        for start, end in entries:
+            for field, f_start, f_end in _fields(data, start, end, limit=MAX_ENTRY_FIELDS):
+                if field in _TENSOR_FIELDS:
+                    _check_tensor(data, f_start, f_end)
+                elif field in _MIXTURE_FIELDS:
+                    for n, s, e in _fields(data, f_start, f_end, limit=MAX_PART_FIELDS):
+                        if n in _MIXTURE_PARTS:
+                            _check_tensor(data, s, e)
+    except IndexError:
+        raise CodebookError("not a valid ClientUpdate message (truncated)") from None
+
+
+def _check_tensor(data: bytes, start: int, end: int) -> None:
+    for number, s, e in _fields(data, start, end, limit=MAX_PART_FIELDS):
+        if number == _TENSOR_SHAPE and e - s > MAX_SHAPE_BYTES:
+            raise CodebookError(f"a tensor shape of {e - s} bytes (at most {MAX_SHAPE_BYTES})")
 
 
 def _tensor_views(data: bytes) -> list[EntryViews]:
@@ -426,15 +475,28 @@ def broadcast_from_proto(
 
 
 def decode_update(
-    data: bytes, *, against: Codebook, phase: Phase, max_bytes: int = DEFAULT_MAX_BYTES
+    data: bytes,
+    *,
+    against: Codebook,
+    phase: Phase,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_entries: int | None = None,
 ) -> ClientUpdate:
     """A validated update answering ``phase`` of the codebook ``against`` (what was sent).
 
     Sync answers no codebook: its classes may be new, it carries names and counts only, and its
     base version is the version of the codebook the site holds. Every other phase must start
     from ``against``'s version, name registered classes only, and carry exactly the fields its
-    phase trains for each of them.
+    phase trains for each of them. Its parts are counted before they are parsed
+    (``check_parts``): at most ``max_entries`` entries (default: ``against``'s classes, or for a
+    sync, whose classes may be new, only the byte limit).
     """
+    if max_entries is None and phase is not Phase.SYNC:
+        max_entries = len(against)
+    if max_entries is not None and isinstance(data, bytes | bytearray | memoryview):
+        if max_bytes is not None and len(data) > max_bytes:
+            raise CodebookError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+        check_parts(data, max_entries)
     message = parse(pb.ClientUpdate, data, max_bytes)
     dims = _decode_header(message, against.fingerprint, against.dims)
     if message.phase != phase:

@@ -1,0 +1,242 @@
+"""No site its own judge: an attacker that sends alone, or sends most of a phase's rows.
+
+Three sites through the real ClientApp (``LocalGrid``, tiny backbones), as in
+tests/test_adversarial.py, whose helpers edit farm-m's replies as protobuf bytes. Here the
+screening's bounds cannot come from the phase's rows: farm-m is the only site that sends in a
+step (it alone brings a new class), or it brings ten classes of its own and so owns most of a
+phase's rows. The honest sites' accuracy stays within ``TOLERANCE`` of the same federation with
+farm-m honest, and what is recorded is against farm-m.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Message
+from in_process import TINY_RUN, run_grid
+from site_folders import CLASSES, site_folder
+from test_adversarial import STATISTICS, TOLERANCE, TRAINING, UPDATE_RECORDS, edit_update
+
+from starfed.client import app as client_app
+from starfed.proto import codebook_pb2 as pb
+from starfed.server.app import RunFailed
+from starfed.server.federation import Federation
+from starfed.shared.codebook import wire
+from starfed.simulations.local_grid import LocalGrid
+
+pytestmark = pytest.mark.adversarial
+
+C0, A1, B1, M1, X = CLASSES[0], CLASSES[1], CLASSES[2], CLASSES[3], CLASSES[4]
+OWN = CLASSES[5:15]  # farm-m's ten extra classes (max-new-classes is 1000)
+M = 3  # farm-m's node id
+_run_ids = itertools.count(7500)
+
+
+def federate(sites: dict[str, dict[str, list[str]]], tmp: Path, faults=None, **config) -> dict:
+    """One server run over ``sites`` (name -> task -> classes; farm-m is node 3), farm-m's
+    replies of each message type in ``faults`` passed through it; the run's metrics."""
+    run_config = {**TINY_RUN, **config, "federation-dir": str(tmp / "federation")}
+    nodes = {}
+    for node, (name, tasks) in enumerate(sites.items(), start=1):
+        site_folder(tmp / name, tasks, train=12, test=5)
+        nodes[node] = {"data-dir": str(tmp / name), "state-dir": str(tmp / f"{name}-state"),
+                       "site-name": name, "cache-dir": str(tmp / "cache")}  # fmt: skip
+    grid = LocalGrid(client_app.app, run_config, nodes, run_id=next(_run_ids))
+    for message_type, fault in (faults or {}).items():
+        grid.faults[(M, message_type)] = fault
+        if fault is barely_moved:  # it reads the message it answers
+            grid.faults[(M, message_type)] = functools.partial(fault, grid=grid)
+    return run_grid(grid, run_config)
+
+
+def scaled(factor: float, names: set[str]) -> Callable[[pb.ClientUpdate], None]:
+    """Multiply every tensor of the entries of ``names`` by ``factor`` (as bytes)."""
+
+    def edit(message: pb.ClientUpdate) -> None:
+        for entry in message.entries:
+            for _, value in entry.ListFields():
+                if isinstance(value, pb.Tensor) and entry.name in names:
+                    dtype = np.float16 if value.dtype == pb.DTYPE_FLOAT16 else np.float32
+                    array = np.frombuffer(value.data, dtype).astype(np.float64) * factor
+                    value.data = array.astype(dtype).tobytes()
+
+    return edit
+
+
+def barely_moved(reply: Message, grid: LocalGrid) -> Message:
+    """farm-m's stage-1 prompts moved 10⁻⁶ of the way it trained them from what it was sent
+    (the broadcast it answers: ``LocalGrid.sent``)."""
+    sent = wire.decode_broadcast(grid.sent[-1].content["codebook"]["data"]).entries
+    message = pb.ClientUpdate()
+    message.ParseFromString(reply.content["update"]["data"])
+    for entry in message.entries:
+        start = sent[entry.name].values["prompt"].numpy().astype(np.float64)
+        trained = np.frombuffer(entry.prompt.data, np.float32).astype(np.float64)
+        entry.prompt.data = (start + (trained - start) * 1e-6).astype(np.float32).tobytes()
+    reply.content["update"]["data"] = message.SerializeToString()
+    return reply
+
+
+def findings(tmp: Path) -> list:
+    return [f for record in Federation.open(tmp / "federation").history() for f in record.findings]
+
+
+def assert_contained(metrics: dict, honest: dict) -> None:
+    for site in ("farm-a", "farm-b"):
+        got, want = metrics["site_accuracy"][site], honest["site_accuracy"][site]
+        assert abs(got - want) <= TOLERANCE, (site, got, want)
+
+
+# --- a lone sender: farm-m alone brings X in step 2 -------------------------------------------
+
+
+def rolled_back(sites: dict, tmp: Path, faults: dict) -> dict:
+    """A run whose step 2 fails because the screening rejected every update of its one class
+    in play (farm-m's): the step is rolled back, the honest sites keep what step 1 gave them.
+    The run's metrics (written before the run reports its failure)."""
+    with pytest.raises(RunFailed, match="the screening rejected every"):
+        federate(sites, tmp, faults, **{"max-steps": 2})
+    (first, second) = Federation.open(tmp / "federation").history()
+    assert (first.status, second.status) == ("completed", "failed")
+    return json.loads((tmp / "federation" / "metrics.json").read_text())
+
+
+LONE = {
+    "farm-a": {"t1": [C0, A1]},
+    "farm-b": {"t1": [C0, B1]},
+    "farm-m": {"t1": [C0, M1], "t2": [X]},
+}
+
+
+@pytest.fixture(scope="module")
+def lone_honest(tmp_path_factory) -> dict:
+    """The honest run's metrics, and each site's accuracy after each of its steps."""
+    tmp = tmp_path_factory.mktemp("lone-honest")
+    metrics = federate(LONE, tmp, **{"max-steps": 2})
+    assert metrics["status"] == "completed" and metrics["steps"] == 2
+    history = Federation.open(tmp / "federation").history()
+    steps = [{site: s["accuracy"] for site, s in r.scores.sites.items()} for r in history]
+    return {**metrics, "steps_site_accuracy": steps}
+
+
+def assert_as_after_step_1(metrics: dict, honest: dict) -> None:
+    """A rolled-back step 2 leaves the honest sites as the honest federation was after step 1."""
+    assert_contained(metrics, {"site_accuracy": honest["steps_site_accuracy"][0]})
+
+
+def test_a_lone_senders_scaled_rows_are_held_to_the_classs_own_size(tmp_path, lone_honest) -> None:
+    """In step 2 farm-m is the only site that trains: the phase's median is its own change.
+    Its ×10⁶ rows of X are over ``reference-bound`` × X's own size and rejected."""
+    faults = {t: edit_update(scaled(1e6, {X})) for t in TRAINING}
+    metrics = rolled_back(LONE, tmp_path, faults)
+    assert_as_after_step_1(metrics, lone_honest)
+    found = findings(tmp_path)
+    assert found and {f.site for f in found} == {"farm-m"}
+    assert {(f.phase, f.name) for f in found if f.action == "rejected"} >= {("stage1", X)}
+    assert all("× the class's size" in f.reason for f in found if f.action == "rejected")
+    codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
+    assert max(float(e.values["head_weight"].abs().max()) for e in codebook.entries.values()) < 1e3
+
+
+def test_a_lone_senders_mixture_is_held_to_the_codebooks_fitted_mixtures(
+    tmp_path, lone_honest
+) -> None:
+    """farm-m alone fits X's statistics in step 2, with means of 10³⁰: the phase's median is
+    its own, the mixtures the codebook holds from step 1 are not."""
+
+    def inflate(message: pb.ClientUpdate) -> None:
+        for entry in message.entries:
+            for _, value in entry.ListFields():
+                if isinstance(value, pb.Mixture) and entry.name == X:
+                    value.means.data = np.full(len(value.means.data) // 8, 1e30).tobytes()
+
+    faults = {t: edit_update(inflate, UPDATE_RECORDS) for t in STATISTICS}
+    metrics = rolled_back(LONE, tmp_path, faults)
+    assert_as_after_step_1(metrics, lone_honest)
+    rejected = [f for f in findings(tmp_path) if f.action == "rejected"]
+    assert {(f.site, f.name) for f in rejected} == {("farm-m", X)}
+    assert all("fitted mixtures" in f.reason for f in rejected)
+    codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
+    for entry in codebook.entries.values():
+        for name in ("clip_mixture", "vit_mixture"):
+            if name in entry.values:
+                assert float(entry.values[name].means.abs().max()) < 1e3
+
+
+def test_rows_for_a_frozen_class_are_a_finding(tmp_path, lone_honest) -> None:
+    """In step 2 C0 is finished (frozen); farm-m holds it again in its task 2 (so its sync
+    allows two rows) and sends its X prompt as C0's too."""
+
+    def add_frozen(message: pb.ClientUpdate) -> None:
+        rows = {entry.name: entry for entry in message.entries}
+        if X in rows:
+            stolen = message.entries.add()
+            stolen.CopyFrom(rows[X])
+            stolen.name = C0
+
+    again = {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, C0]}}
+    metrics = federate(again, tmp_path, {"train.stage1": edit_update(add_frozen)},
+                       **{"max-steps": 2})  # fmt: skip
+    assert_contained(metrics, lone_honest)
+    found = findings(tmp_path)
+    assert [(f.site, f.phase, f.action, f.name) for f in found] == [
+        ("farm-m", "stage1", "rejected", C0)
+    ]  # fmt: skip
+    assert "frozen" in found[0].reason
+
+
+# --- one vote per site: farm-m brings ten more classes than the others ------------------------
+
+MANY = {
+    "farm-a": {"t1": [C0, A1]},
+    "farm-b": {"t1": [C0, B1]},
+    "farm-m": {"t1": [C0, M1, *OWN]},
+}
+
+
+@pytest.fixture(scope="module")
+def many_honest(tmp_path_factory) -> dict:
+    metrics = federate(MANY, tmp_path_factory.mktemp("many-honest"), **{"max-steps": 1})
+    assert metrics["status"] == "completed"
+    return metrics
+
+
+def test_a_site_with_most_rows_and_tiny_changes_does_not_get_the_others_rejected(
+    tmp_path, many_honest
+) -> None:
+    """farm-m's twelve prompts barely move (10⁻⁶ of its trained change, from the codebook it
+    was sent): over rows, their median made every honest change look huge; over sites, farm-m
+    has one vote of three."""
+    metrics = federate(MANY, tmp_path, {"train.stage1": barely_moved}, **{
+        "max-steps": 1, "quarantine-persists": True,
+    })  # fmt: skip
+    assert_contained(metrics, many_honest)
+    assert not [f for f in findings(tmp_path) if f.site != "farm-m"]
+    assert not Federation.open(tmp_path / "federation").quarantine()
+    assert metrics["classes"][C0]["sites"] == sorted(MANY)
+
+
+def test_a_site_with_most_rows_and_huge_changes_cannot_hide_a_scaled_shared_class(
+    tmp_path, many_honest
+) -> None:
+    """farm-m's own rows ×10⁴ set the median over rows; its C0 ×10⁶ was then within the
+    bound. Over sites, the median is an honest site's change: farm-m's rows are rejected."""
+
+    def edit(message: pb.ClientUpdate) -> None:
+        scaled(1e4, {M1, *OWN})(message)
+        scaled(1e6, {C0})(message)
+
+    faults = {t: edit_update(edit) for t in TRAINING}
+    metrics = federate(MANY, tmp_path, faults, **{"max-steps": 1})
+    assert_contained(metrics, many_honest)
+    found = findings(tmp_path)
+    assert {f.site for f in found} == {"farm-m"}
+    assert ("stage1", C0) in {(f.phase, f.name) for f in found if f.action == "rejected"}
+    codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
+    assert float(codebook[C0].values["prompt"].abs().max()) < 1e3
