@@ -33,6 +33,8 @@ from starfed.server.federation import (
 from starfed.shared.codebook import store, stored, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.codebook.held import HeldCodebook
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 
@@ -230,3 +232,26 @@ def test_a_damaged_store_is_named_by_check(tmp_path: Path, generator) -> None:
     with pytest.raises(CodebookError, match="beyond the end of the log"):
         wire.read_file(root / CODEBOOK_FILE)
     assert (root / STEP_START_FILE).exists() is False
+
+
+def test_a_held_codebook_writes_what_a_delta_changed(tmp_path: Path, generator) -> None:
+    """A site's held copy (``HeldCodebook``): a delta received appends what it changed; the
+    copy reads back whole, in this process and another."""
+    line = Lineage("fed-1", "epoch-a").as_metadata()
+    path = tmp_path / "state" / "codebook.bin"
+    held = HeldCodebook(path, fingerprint=FINGERPRINT, dims=DIMS)
+    server = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(40)])
+    held.receive(wire.encode(replace(server.broadcast(), metadata=line)))
+    for _ in range(3):
+        newer = server.set_values(
+            {n: {"key": torch.randn(DIMS.d_clip, generator=generator)} for n in server.names[:2]}
+        )
+        delta = wire.encode(replace(newer.delta(since=server.version), metadata=line))
+        before = sum(p.stat().st_size for p in path.parent.rglob("*.bin"))
+        held.receive(delta)
+        written = sum(p.stat().st_size for p in path.parent.rglob("*.bin")) - before
+        assert written <= 2 * len(delta) + path.stat().st_size, (written, len(delta))
+        server = newer
+    assert equal(HeldCodebook(path).codebook(), replace(server.broadcast(), metadata=line))
+    held.forget()
+    assert not list(path.parent.rglob("*.bin"))
