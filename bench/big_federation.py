@@ -43,7 +43,7 @@ from starfed.server.federation import (
     Position,
     StepRecord,
 )
-from starfed.shared.codebook import store, stored, wire
+from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.framing import CODEBOOK_MAGIC, frame
@@ -54,6 +54,7 @@ from starfed.shared.files import write_atomic
 PAPER_DIMS = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
 FINGERPRINT = "be" * 32
 CHUNK = 250  # classes encoded at a time
+COMPARE_UP_TO = 1000  # the layout before writes ~16 codebooks a step: 32 GB at 10,000 classes
 
 
 def entry(name: str, generator: torch.Generator, version: int) -> ClassEntry:
@@ -71,8 +72,11 @@ def entry(name: str, generator: torch.Generator, version: int) -> ClassEntry:
     return ClassEntry(name, 40, values, version, True, stamps)
 
 
-def build(root: Path, n: int) -> Path:
-    """``root/server/federation`` after one completed step that registered ``n`` classes."""
+def build(root: Path, n: int, before: bool = False) -> Path:
+    """``root/server/federation`` after one completed step that registered ``n`` classes;
+    ``before``: in the layout before the store (``codebook.bin`` a whole codebook file)."""
+    from starfed.shared.codebook import store, stored  # not in a checkout before the store
+
     folder = root / "server" / "federation"
     federation = Federation(folder, FINGERPRINT, PAPER_DIMS)
     names = [f"class {i:05d}" for i in range(n)]
@@ -98,6 +102,9 @@ def build(root: Path, n: int) -> Path:
     ref = store.Ref(base, base.replace("base-", "log-", 1))
     manifest.metadata.update(ref.as_metadata())
     write_atomic(folder / "codebook.bin", frame(manifest.SerializeToString(deterministic=True)))
+    if before:
+        os.replace(folder / store.STORE_DIR / base, folder / "codebook.bin")
+        (folder / store.STORE_DIR).rmdir()
     federation.register(names, 0, {name: ["site-a"] for name in names})
     record = StepRecord(0, COMPLETED, time.time(), 1.0, classes=tuple(names), codebook_version=1)
     (folder / HISTORY_FILE).write_text(record.to_json() + "\n")
@@ -208,9 +215,6 @@ def synthetic_step(folder: Path, new: int = 4) -> dict:
         "bytes_written": step_written,
         "changed_bytes": changed,
         "bound_bytes": 2 * changed + 2**20,
-        "whole_codebook_bytes": (folder / store.STORE_DIR / federation._stored.ref.base)
-        .stat()
-        .st_size,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
     }
 
@@ -240,6 +244,7 @@ def measure(n: int, timeout: float) -> dict:
         started = time.perf_counter()
         folder = build(root, n)
         result: dict = {"classes": n, "build_s": round(time.perf_counter() - started, 1)}
+        result["whole_codebook_bytes"] = max(p.stat().st_size for p in folder.rglob("*.bin"))
         server = str(root / "server")
         starfed = [str(Path(sys.executable).parent / "starfed")]
         result["status"] = timed([*starfed, "server", "status", "--dir", server, "--json"],
@@ -263,16 +268,47 @@ def measure(n: int, timeout: float) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def before_step(n: int, checkout: Path, timeout: float) -> dict:
+    """The same step over a folder of the layout before the store, run by the code of
+    ``checkout`` (a starfed checkout of that time): its bytes written, for comparison."""
+    root = Path(tempfile.mkdtemp(prefix=f"starfed-before-{n}-"))
+    try:
+        folder = build(root, n, before=True)
+        shim = root / "path"
+        shim.mkdir()
+        (shim / "starfed").symlink_to(checkout.resolve())
+        env = {**os.environ, "PYTHONPATH": str(shim)}
+        done = subprocess.run([sys.executable, __file__, "--step-only", str(folder)], env=env,
+                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        if done.returncode:
+            return {"exit": done.returncode, "error": done.stderr.strip().splitlines()[-1:]}
+        return {"checkout": str(checkout), **json.loads(done.stdout.splitlines()[-1])}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--classes", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--timeout", type=float, default=600, help="seconds per command")
+    parser.add_argument(
+        "--compare-with",
+        type=Path,
+        metavar="CHECKOUT",
+        help="also run the step with the code of this checkout (before the store)",
+    )
+    parser.add_argument("--step-only", type=Path, help=argparse.SUPPRESS)  # before_step's child
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.step_only:
+        print(json.dumps(synthetic_step(args.step_only)))
+        return
     results = []
     for n in args.classes:
         load = os.getloadavg()[0]
         result = {**measure(n, args.timeout), "load_1min_before": round(load, 1)}
+        if args.compare_with and n <= COMPARE_UP_TO:
+            result["step_before"] = before_step(n, args.compare_with, args.timeout)
         print(json.dumps(result), flush=True)
         results.append(result)
     if args.out:
