@@ -17,6 +17,7 @@ import pytest
 import torch
 from codebooks import full_entry
 
+from starfed.cli import main as cli_main
 from starfed.server import folder_check, folder_repair
 from starfed.server.federation import (
     CHECKPOINTS_DIR,
@@ -255,3 +256,12 @@ def test_a_held_codebook_writes_what_a_delta_changed(tmp_path: Path, generator) 
     assert equal(HeldCodebook(path).codebook(), replace(server.broadcast(), metadata=line))
     held.forget()
     assert not list(path.parent.rglob("*.bin"))
+
+
+def test_inspect_reads_a_manifest_as_its_codebook(tmp_path: Path, generator, capsys) -> None:
+    federation = Federation(tmp_path / "federation", FINGERPRINT, DIMS)
+    codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(3)])
+    federation.checkpoint(codebook, Position(0))
+    assert cli_main(["codebook", "inspect", str(tmp_path / "federation" / CODEBOOK_FILE)]) == 0
+    out = capsys.readouterr().out
+    assert "3 (3 frozen)" in out and "M=3, n=40" in out, out

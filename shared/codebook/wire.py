@@ -596,8 +596,7 @@ def read_file(
     """Read, verify the checksum, decode and validate (``OSError`` if unreadable). A file has no
     size limit unless the caller sets one (``framing``).
     A manifest (``store``) reads as the codebook it names: its base, then its records."""
-    payload = read_payload(path, max_bytes)
-    message = parse(pb.Codebook, payload, max_bytes)
+    message = parse(pb.Codebook, read_payload(path, max_bytes), max_bytes)  # bytes freed
     if store.MANIFEST_KEY not in message.metadata:
         return _whole(message, fingerprint, dims)
     return read_manifest(Path(path), message, fingerprint=fingerprint, dims=dims)
