@@ -323,6 +323,7 @@ class Federation:
         self._stored: Stored | None = None  # codebook.bin's codebook as saved: saves follow it
         self._start: Stored | None = None  # step-start.bin's, when this run began the step
         self._migrated = False
+        self._whole: Codebook | None = None  # codebook.bin's codebook, read from a whole file
 
     @classmethod
     def open(cls, root: str | Path) -> Federation:
@@ -376,6 +377,9 @@ class Federation:
             base = stored.new_name(0)
             _link(path, folder / base)
             write_atomic(path, stored.manifest_of(path, base))
+            if path.name == CODEBOOK_FILE and self._whole is not None:  # saves follow it
+                ref = store.Ref(base, base.replace("base-", "log-", 1))
+                self._stored = stored.Stored(self._whole, ref, (folder / base).stat().st_size)
             moved.append(str(path.relative_to(self.root)))
         self._migrated = True
         return moved
@@ -395,6 +399,7 @@ class Federation:
             metadata = Lineage(self.id).new_epoch().as_metadata()
             return Codebook(self.fingerprint, self.dims, metadata=metadata)
         codebook, self._stored = self._load(CODEBOOK_FILE)
+        self._whole = codebook if self._stored is None else None  # a file of the layout before
         return codebook
 
     @staticmethod

@@ -203,7 +203,12 @@ def test_a_folder_of_the_layout_before_moves_in_once(tmp_path: Path, generator) 
     codebook = Federation.open(root).codebook()
     assert equal(codebook, old)
     assert folder_check.check(root).ok, folder_check.check(root).problems
+    federation = Federation.open(root)
+    (root / CODEBOOK_FILE).write_bytes(whole)  # a folder not moved in yet, read by a run
+    codebook = federation.codebook()
+    before = store_bytes(root) + len(whole)  # + the whole file linked in as a base
     later = federation.checkpoint(codebook.set_values(heads(codebook, generator)), Position(1))
+    assert store_bytes(root) - before < len(whole) / 4  # the moved file is followed, not copied
     assert equal(Federation.open(root).codebook(), later)
     os.unlink(root / CODEBOOK_FILE)
     repair = folder_repair.plan(root)
