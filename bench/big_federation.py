@@ -146,6 +146,22 @@ body = json.dumps(state.to_json())
 print(json.dumps({{"in_process_s": round(time.perf_counter() - t, 2), "bytes": len(body)}}))
 """
 
+IN_PROCESS = """
+import json, resource, time
+from starfed.server import folder_check
+from starfed.server.ops import status
+from starfed.server.ops.layout import ServerFolder
+folder = ServerFolder.at({server!r})
+t = time.perf_counter()
+status.read(folder, folder.federation)
+s = time.perf_counter() - t
+t = time.perf_counter()
+report = folder_check.check(folder.federation)
+print(json.dumps({{"status_s": round(s, 2), "check_s": round(time.perf_counter() - t, 2),
+    "check_ok": report.ok,
+    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}}))
+"""
+
 PREDICT_LOAD = """
 import json, resource, time
 from starfed.shared.codebook import wire
@@ -251,6 +267,7 @@ def measure(n: int, timeout: float) -> dict:
                                  timeout)  # fmt: skip
         result["api_state"] = python(API_STATE.format(server=server), timeout)
         result["check"] = timed([*starfed, "server", "check", "--dir", server], timeout)
+        result["in_process"] = python(IN_PROCESS.format(server=server), timeout)
         result["repair_dry_run"] = timed([*starfed, "server", "repair", "--dir", server,
                                           "--dry-run"], timeout)  # fmt: skip
         out = root / "export.bin"

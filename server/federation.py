@@ -373,10 +373,14 @@ class Federation:
         for path in Identity(self.root, self.fingerprint, self.dims).manifests():
             if path.stat().st_size <= store.MANIFEST_MAX_BYTES and _is_manifest(path):
                 continue
-            folder.mkdir(exist_ok=True)
             base = stored.new_name(0)
+            try:
+                manifest = stored.manifest_of(path, base)
+            except CodebookError:
+                continue  # damaged: ``check`` names it, ``repair`` sets it right
+            folder.mkdir(exist_ok=True)
             _link(path, folder / base)
-            write_atomic(path, stored.manifest_of(path, base))
+            write_atomic(path, manifest)
             if path.name == CODEBOOK_FILE and self._whole is not None:  # saves follow it
                 ref = store.Ref(base, base.replace("base-", "log-", 1))
                 self._stored = stored.Stored(self._whole, ref, (folder / base).stat().st_size)
