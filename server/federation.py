@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -378,8 +377,7 @@ class Federation:
                 manifest = stored.manifest_of(path, base)
             except CodebookError:
                 continue  # damaged: ``check`` names it, ``repair`` sets it right
-            folder.mkdir(exist_ok=True)
-            _link(path, folder / base)
+            stored.link_base(path, folder, base)
             write_atomic(path, manifest)
             if path.name == CODEBOOK_FILE and self._whole is not None:  # saves follow it
                 ref = store.Ref(base, base.replace("base-", "log-", 1))
@@ -620,15 +618,6 @@ def _is_manifest(path: Path) -> bool:
         return store.Ref.of(read_message(path).metadata) is not None
     except (CodebookError, OSError):
         return True
-
-
-def _link(source: Path, target: Path) -> None:
-    """``target`` names ``source``'s bytes (a copy where the file system has no hard links);
-    ``source`` is replaced right after, so damage in place never reaches both."""
-    try:
-        os.link(source, target)
-    except OSError:
-        _copy_atomic(source, target)
 
 
 def _copy_atomic(source: Path, target: Path) -> None:

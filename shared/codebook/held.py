@@ -3,10 +3,11 @@
 A site (``starfed.client.memory``) and an inference device (``starfed.shared.inference.follow``)
 both keep the last codebook they received in a file, so that the sender can send only what
 changed since (a ``Delta``). ``HeldCodebook`` is that file and the one rule for when a delta
-applies. The file is the manifest of a codebook store beside it (``store``, ``stored``): a
-delta received appends what it changed, not the whole codebook; the manifest is replaced
-atomically and read again whenever it changed on disk, as several worker processes of a
-simulation may answer for the same site.
+applies. A whole codebook received is written as one file; the first delta after it moves
+that file into a codebook store beside it as its base (``store``, ``stored``: linked, not
+copied) and the file becomes the store's manifest, so a delta writes what it changed, not the
+whole codebook. The file is replaced atomically and read again whenever it changed on disk, as
+several worker processes of a simulation may answer for the same site.
 """
 
 from __future__ import annotations
@@ -96,12 +97,14 @@ class HeldCodebook:
         """The codebook a message carries (bytes are decoded and validated here): as sent, or
         the held one with the delta applied; it is held from now on.
 
-        Raises CodebookError for bad bytes or a delta the rule refuses. A delta's classes are
-        written as what it changed; a whole codebook as a new base of the store."""
+        Raises CodebookError for bad bytes or a delta the rule refuses. A whole codebook is
+        written as one file; a delta as what it changed, appended to a store beside it (the
+        whole file moved in as its base, once)."""
         if isinstance(received, bytes | bytearray | memoryview):
             received = wire.decode_broadcast(
                 bytes(received), fingerprint=self.fingerprint, dims=self.dims
             )
+        folder = self.path.parent / store.STORE_DIR
         if isinstance(received, Delta):
             held = self.codebook()
             if held is None or Lineage.of(held) != Lineage.of(received):
@@ -110,17 +113,25 @@ class HeldCodebook:
                     "is not held here"
                 )
             received = held.apply(received)
-            since = self._stored
+            since = self._stored or self._moved_in(held, folder)
+            self._stored, manifest = stored.save(folder, received, since)
+            write_atomic(self.path, manifest)
         else:
-            since = None  # every class is new to what is held
-        folder = self.path.parent / store.STORE_DIR
-        self._stored, manifest = stored.save(folder, received, since)
-        write_atomic(self.path, manifest)
-        if since is None or self._stored.ref.base != since.ref.base:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            wire.write_file(self.path, received)
+            self._stored = None
+        if self._stored is None or since is None or self._stored.ref.base != since.ref.base:
             store.collect(folder, [self.path])  # the bases no longer held
         stat = self.path.stat()
         self._held, self._stamp = received, (stat.st_mtime_ns, stat.st_size)
         return received
+
+    def _moved_in(self, held: Codebook, folder: Path) -> stored.Stored:
+        """The held whole file as the base of a store (its bytes linked, not copied)."""
+        base = stored.new_name(held.version)
+        stored.link_base(self.path, folder, base)
+        ref = store.Ref(base, base.replace("base-", "log-", 1))
+        return stored.Stored(held, ref, (folder / base).stat().st_size)
 
     def forget(self) -> None:
         """Hold nothing (the next message must carry the whole codebook)."""

@@ -24,6 +24,7 @@ from starfed.shared.codebook import schema, store, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.framing import frame, read_message
+from starfed.shared.files import write_atomic
 
 COMPACT_AT = 2  # a new base once the records applied pass this many times the base's bytes
 
@@ -85,6 +86,17 @@ def manifest_of(whole: Path, base: str) -> bytes:
     message = store.header(read_message(whole))
     message.metadata.update(store.Ref(base, base.replace("base-", "log-", 1)).as_metadata())
     return frame(message.SerializeToString(deterministic=True))
+
+
+def link_base(whole: Path, folder: Path, name: str) -> None:
+    """The whole codebook file ``whole`` named ``name`` in the store ``folder`` (a hard link:
+    no bytes copied; a copy where the file system has none). ``whole`` is replaced by a
+    manifest right after, so damage in place never reaches both."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(whole, folder / name)
+    except OSError:
+        write_atomic(folder / name, whole.read_bytes())
 
 
 def new_name(version: int) -> str:
