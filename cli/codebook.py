@@ -18,12 +18,12 @@ from starfed.cli._common import add_group, console, guard
 from starfed.cli.flags import add_command
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.ops.exit_codes import EXIT_OK
-from starfed.shared.codebook import schema
+from starfed.shared.codebook import schema, store
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.framing import read_payload
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
-from starfed.shared.codebook.wire import decode_codebook
+from starfed.shared.codebook.wire import decode_codebook, parse, read_file, to_proto
 
 #: A missing, corrupt or invalid file is bad input (exit 2).
 guarded = guard(bad_input=(CodebookError, OSError))
@@ -43,8 +43,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _load(path: Path) -> tuple[Codebook, pb.Codebook]:
+    """The codebook and its message (a federation folder's manifest: the codebook it names)."""
     payload = read_payload(path)
-    return decode_codebook(payload), pb.Codebook.FromString(payload)
+    message = parse(pb.Codebook, payload, None)
+    if store.Ref.of(message.metadata) is not None:
+        codebook = read_file(path)
+        return codebook, to_proto(codebook)
+    return decode_codebook(payload), message
 
 
 def _mixture_label(mixture: GaussianMixture | None) -> str:

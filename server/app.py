@@ -128,7 +128,7 @@ def _run_locked(
         server_eval = ServerTestSet(protocol.server_test_dir, backbones, train)
     console.print(
         f"[bold]starfed server[/] federation {federation.id[:8]} in {folder} · "
-        f"{progress.counted(federation.position(federation.codebook()).step, 'step')} so far · "
+        f"{progress.counted(_steps_done(federation), 'step')} so far · "
         f"backbones {backbones.config.name} ({backbones.fingerprint[:12]})"
     )
     coordinator = Coordinator(
@@ -165,6 +165,12 @@ def _run_locked(
 def strategy_name(strategy: Strategy) -> str:
     """Where the strategy's class lives ("module.Class"), for metrics.json."""
     return f"{type(strategy).__module__}.{type(strategy).__qualname__}"
+
+
+def _steps_done(federation: Federation) -> int:
+    """The steps the saved codebook has completed, from its manifest (no codebook decoded)."""
+    checkpoint = federation.last_checkpoint()
+    return 0 if checkpoint is None else checkpoint.position.step
 
 
 def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
@@ -218,7 +224,7 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
             name: {"step": reg.step, "sites": sorted(reg.sites)}
             for name, reg in federation.registry.items()
         },
-        "codebook_version": federation.codebook().version,
+        "codebook_version": getattr(federation.last_checkpoint(), "version", 0),
         "backbone_fingerprint": federation.fingerprint,
     }
 

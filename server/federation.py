@@ -5,13 +5,18 @@ each run performs aggregation steps over what they bring, continuing where the l
 (docs/federation.md). The folder holds::
 
     federation.json   its identity: id, creation time, backbone fingerprint and dims
-    codebook.bin      the codebook with mixtures after the last completed phase, and in its
-                      metadata the protocol position (the step, its completed phases, the
-                      classes in play): one atomic file, so a checkpoint is never half written
+    codebook.bin      the manifest of the codebook with mixtures after the last completed phase
+                      (``shared.codebook.store``), and in its metadata the protocol position
+                      (the step, its completed phases, the classes in play): one small atomic
+                      file, so a checkpoint is never half written
+    codebook-store/   the codebooks' bytes: bases and the records of what each save changed,
+                      shared by the manifests (a save writes what changed, ``stored``)
     previous.bin      the checkpoint before the current one (the last good one beside it)
     step-start.bin    the codebook when the step in progress started (a failed step rolls back)
     checkpoints/      the codebook after each completed step, ``step-NNNN.bin`` (1-based), the
                       newest ``checkpoints-kept`` of them (0: all): what ``repair`` rolls back to
+                      (every ``.bin`` here is a manifest; a folder written before the store had
+                      whole codebooks there, moved into the store once, ``Federation.migrate``)
     registry.json     every class: the step that registered it, the sites that brought it, when
     history.jsonl     one ``StepRecord`` per finished step: status, phases, participation,
                       screening findings, scores (written and read here only)
@@ -24,13 +29,14 @@ each run performs aggregation steps over what they bring, continuing where the l
                       of its checkpoints: a resumed step keeps those of the phases it had done
     metrics.json      the federation's scores after the last server run (``server.app``)
 
-Closing a step has one commit point: ``codebook.bin`` written with the next position. The step's
-record is written ahead (``step-end.json``), then the codebook is committed, then the record is
-appended to the history and the registry follows; a crash before the commit leaves the step
-running (the next run resumes it and records it once), a crash after it leaves a record that
-``recover`` appends — never twice, never lost. Nothing is written that does not decode
-(``wire.write_file`` validates first), and a missing codebook is never replaced by an empty one
-once the folder has done any work.
+Closing a step has one commit point: ``codebook.bin`` written with the next position (its
+records are appended to the store before it; no reader reads a record no manifest names). The
+step's record is written ahead (``step-end.json``), then the codebook is committed, then the
+record is appended to the history and the registry follows; a crash before the commit leaves
+the step running (the next run resumes it and records it once), a crash after it leaves a
+record that ``recover`` appends — never twice, never lost. Nothing is written that does not
+decode (``wire.write_file`` and ``stored.save`` validate first), and a missing codebook is never
+replaced by an empty one once the folder has done any work.
 
 The codebook's metadata carries its lineage (``starfed.shared.codebook.lineage``: the federation
 id and the epoch of its version line) and the protocol position (``Position``, under
@@ -48,6 +54,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
@@ -56,6 +63,7 @@ from starfed.shared.files import write_atomic
 if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook is decoded, so
     # the folder's records can be read without it (`starfed server status`)
     from starfed.shared.codebook.codebook import Codebook
+    from starfed.shared.codebook.stored import Stored
 
 IDENTITY_FILE = "federation.json"
 CODEBOOK_FILE = "codebook.bin"
@@ -276,6 +284,16 @@ class Identity:
                 found.append((int(path.stem.removeprefix("step-")), path))
         return sorted(found)
 
+    def manifests(self) -> list[Path]:
+        """The codebook files a run writes (each a manifest once the folder is migrated)."""
+        names = (CODEBOOK_FILE, PREVIOUS_FILE, STEP_START_FILE)
+        return [self.root / n for n in names if (self.root / n).is_file()] + [
+            path for _, path in self.step_checkpoints()]  # fmt: skip
+
+    def kept_copies(self) -> list[Path]:
+        """The manifests ``repair`` kept beside (``<name>.before-repair-<time>``)."""
+        return sorted(self.root.glob("*.bin.before-repair-*"))
+
 
 class Federation:
     """One federation folder (created on first use)."""
@@ -301,6 +319,10 @@ class Federation:
         self.registry: dict[str, Registration] = {
             name: Registration(**entry) for name, entry in self._read(REGISTRY_FILE, {}).items()
         }
+        self._stored: Stored | None = None  # codebook.bin's codebook as saved: saves follow it
+        self._start: Stored | None = None  # step-start.bin's, when this run began the step
+        self._migrated = False
+        self._whole: Codebook | None = None  # codebook.bin's codebook, read from a whole file
 
     @classmethod
     def open(cls, root: str | Path) -> Federation:
@@ -320,13 +342,49 @@ class Federation:
         except json.JSONDecodeError as err:
             raise FederationError(f"{path} is damaged: {err}") from None
 
-    def _load(self, name: str) -> Codebook:
-        from starfed.shared.codebook import wire
+    def _load(self, name: str) -> tuple[Codebook, Stored | None]:
+        from starfed.shared.codebook import stored
 
         try:
-            return wire.read_file(self.root / name, fingerprint=self.fingerprint, dims=self.dims)
+            return stored.load(self.root / name, fingerprint=self.fingerprint, dims=self.dims)
         except CodebookError as err:
             raise FederationError(f"{self.root / name}: {err}") from None
+
+    def _save(self, name: str, codebook: Codebook, since: Stored | None) -> Stored:
+        """``codebook`` written as what changed since ``since``; its manifest ``name`` (the
+        commit) written last."""
+        from starfed.shared.codebook import stored
+
+        saved, manifest = stored.save(self.root / store.STORE_DIR, codebook, since)
+        write_atomic(self.root / name, manifest)
+        return saved
+
+    def migrate(self) -> list[str]:
+        """Move a folder written before the store into it, once: each whole codebook file
+        becomes a base of the store (a hard link: no bytes copied) and a manifest takes its
+        place. The names moved (none when there were none)."""
+        from starfed.shared.codebook import stored
+
+        if self._migrated:
+            return []
+        moved = []
+        folder = self.root / store.STORE_DIR
+        for path in Identity(self.root, self.fingerprint, self.dims).manifests():
+            if path.stat().st_size <= store.MANIFEST_MAX_BYTES and _is_manifest(path):
+                continue
+            base = stored.new_name(0)
+            try:
+                manifest = stored.manifest_of(path, base)
+            except CodebookError:
+                continue  # damaged: ``check`` names it, ``repair`` sets it right
+            stored.link_base(path, folder, base)
+            write_atomic(path, manifest)
+            if path.name == CODEBOOK_FILE and self._whole is not None:  # saves follow it
+                ref = store.Ref(base, base.replace("base-", "log-", 1))
+                self._stored = stored.Stored(self._whole, ref, (folder / base).stat().st_size)
+            moved.append(str(path.relative_to(self.root)))
+        self._migrated = True
+        return moved
 
     # --- the codebook and the position ----------------------------------------------------
 
@@ -342,7 +400,9 @@ class Federation:
                 )
             metadata = Lineage(self.id).new_epoch().as_metadata()
             return Codebook(self.fingerprint, self.dims, metadata=metadata)
-        return self._load(CODEBOOK_FILE)
+        codebook, self._stored = self._load(CODEBOOK_FILE)
+        self._whole = codebook if self._stored is None else None  # a file of the layout before
+        return codebook
 
     @staticmethod
     def position(codebook: Codebook) -> Position:
@@ -364,30 +424,31 @@ class Federation:
         return Checkpoint(message.version, names, frozen, Position.from_metadata(message.metadata))
 
     def checkpoint(self, codebook: Codebook, position: Position) -> Codebook:
-        """Save ``codebook`` with ``position`` in its metadata (one atomic write)."""
-        from starfed.shared.codebook import wire
-
+        """Save ``codebook`` with ``position`` in its metadata: what changed since the last
+        checkpoint appended to the store, then its manifest (one atomic write, the commit)."""
+        self.migrate()
         lineage = replace(Lineage.of(codebook), federation=self.id)
         metadata = {**codebook.metadata, **lineage.as_metadata(), **position.as_metadata()}
         saved = replace(codebook, metadata=metadata)
         current = self.root / CODEBOOK_FILE
         if current.is_file():  # the last good checkpoint stays beside the new one
             _copy_atomic(current, self.root / PREVIOUS_FILE)
-        wire.write_file(current, saved)  # validated before it is written
+        self._stored = self._save(CODEBOOK_FILE, saved, self._stored)  # validated first
         return saved
 
     # --- steps ----------------------------------------------------------------------------
 
     def begin_step(self, codebook: Codebook) -> None:
-        """Keep the codebook a step starts from, the last checkpoint, for a rollback: its file
-        copied (``codebook`` saved for a new federation, which has none yet)."""
-        from starfed.shared.codebook import wire
-
+        """Keep the codebook a step starts from, the last checkpoint, for a rollback: its
+        manifest copied (``codebook`` saved for a new federation, which has none yet)."""
+        self.migrate()
         current = self.root / CODEBOOK_FILE
         if current.is_file():
             write_atomic(self.root / STEP_START_FILE, current.read_bytes())
+            held = self._stored is not None and self._stored.codebook.entries is codebook.entries
+            self._start = self._stored if held else None
         else:
-            wire.write_file(self.root / STEP_START_FILE, codebook)
+            self._stored = self._start = self._save(STEP_START_FILE, codebook, self._stored)
         (self.root / STEP_FINDINGS_FILE).unlink(missing_ok=True)  # an earlier attempt's
 
     def register(self, names: list[str], step: int, brought: dict[str, list[str]]) -> None:
@@ -468,7 +529,10 @@ class Federation:
         and the registry follow; ``keep_steps`` completed steps' codebooks are kept (0: all)."""
         write_atomic(self.root / PENDING_FILE, record.to_json().encode())
         if codebook is None:
-            start = self._load(STEP_START_FILE)
+            self.migrate()
+            start, self._stored = (
+                (self._start.codebook, self._start) if self._start else self._load(STEP_START_FILE)
+            )  # the step's start as stored: going back to it appends no record
             metadata = {**start.metadata, **Lineage.of(start).new_epoch().as_metadata()}
             saved = self.checkpoint(replace(start, metadata=metadata), Position(record.step))
         else:
@@ -541,9 +605,19 @@ class Federation:
         folder = self.root / CHECKPOINTS_DIR
         folder.mkdir(exist_ok=True)
         _copy_atomic(self.root / CODEBOOK_FILE, folder / f"step-{completed:04d}.bin")
-        kept = Identity(self.root, self.fingerprint, self.dims).step_checkpoints()
+        identity = Identity(self.root, self.fingerprint, self.dims)
+        kept = identity.step_checkpoints()
         for _, path in kept[: max(0, len(kept) - keep_steps) if keep_steps else 0]:
             path.unlink(missing_ok=True)
+        store.collect(self.root / store.STORE_DIR, identity.manifests() + identity.kept_copies())
+
+
+def _is_manifest(path: Path) -> bool:
+    """Whether ``path`` reads as a manifest (a damaged file is left to ``check``/``repair``)."""
+    try:
+        return store.Ref.of(read_message(path).metadata) is not None
+    except (CodebookError, OSError):
+        return True
 
 
 def _copy_atomic(source: Path, target: Path) -> None:

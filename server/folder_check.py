@@ -39,6 +39,7 @@ from starfed.server.federation import (
     StepRecord,
     read_step_findings,
 )
+from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.protocol import ENROLMENT, PHASES
 
@@ -83,7 +84,8 @@ def check(root: str | Path, *, decode: bool = True, kept: bool = True) -> Report
         report.problems.append(str(err))
         return report
     _lock(report, root)
-    names = _codebook(report, federation, decode)
+    seen: dict = {}  # store pieces decoded so far: each is read once, however many share it
+    names = _codebook(report, federation, decode, seen)
     registry = _registry(report, root)
     history = _history(report, root)
     position = Position(**report.position) if report.position else None
@@ -92,10 +94,10 @@ def check(root: str | Path, *, decode: bool = True, kept: bool = True) -> Report
     if position is not None and history is not None:
         _agree_history(report, position, history)
     if position is not None and names is not None:
-        _position(report, position, names, federation, decode)
+        _position(report, position, names, federation, decode, seen)
     previous = [root / PREVIOUS_FILE] if (root / PREVIOUS_FILE).exists() else []
     for path in [*previous, *(p for _, p in federation.step_checkpoints())] if kept else ():
-        _codebook_file(report, federation, path, decode)
+        _codebook_file(report, federation, path, decode, seen)
     if (root / PENDING_FILE).is_file():
         report.problems.append(
             f"{PENDING_FILE}: a step's close was interrupted; the next run (or `starfed server "
@@ -131,19 +133,28 @@ def _lock(report: Report, root: Path) -> None:
 
 
 def _codebook_file(
-    report: Report, federation: Identity, path: Path, decode: bool
+    report: Report, federation: Identity, path: Path, decode: bool, seen: dict
 ) -> pb.Codebook | None:
-    """One codebook file: frame, checksum, backbones (and tensors with ``decode``); its
-    message, None (and a problem) when it is damaged."""
+    """One codebook file: frame, checksum, backbones, its store's files (and tensors with
+    ``decode``, each store piece once per ``seen``); its message, None (and a problem) when it
+    is damaged."""
     name = path.relative_to(federation.root)
+    fingerprint, dims = federation.fingerprint, federation.dims
     try:
         message = read_message(path)
-        if message.backbone_fingerprint != federation.fingerprint:
+        if message.backbone_fingerprint != fingerprint:
             raise CodebookError("a codebook of other backbones")
-        if decode:
-            from starfed.shared.codebook import wire  # torch: only when decoding
+        ref = store.Ref.of(message.metadata)
+        if ref is not None and (problem := store.missing(path, ref)):
+            raise CodebookError(problem)
+        if decode:  # torch: only when decoding
+            from starfed.shared.codebook import stored, wire
 
-            wire.read_file(path, fingerprint=federation.fingerprint, dims=federation.dims)
+            if ref is None:
+                wire.read_file(path, fingerprint=fingerprint, dims=dims)
+            else:
+                names = [entry.name for entry in message.entries]
+                stored.verify(path, ref, names, fingerprint=fingerprint, dims=dims, seen=seen)
     except (CodebookError, OSError) as err:
         report.problems.append(f"{name}: {_short(err, path)}")
         return None
@@ -155,7 +166,7 @@ def _short(err: Exception, path: Path) -> str:
     return str(err).removeprefix(f"{path}: ")
 
 
-def _codebook(report: Report, federation: Identity, decode: bool) -> set[str] | None:
+def _codebook(report: Report, federation: Identity, decode: bool, seen: dict) -> set[str] | None:
     """The codebook's class names (None when it cannot be read); its version and position
     go into the report."""
     path = federation.root / CODEBOOK_FILE
@@ -169,7 +180,7 @@ def _codebook(report: Report, federation: Identity, decode: bool) -> set[str] | 
         report.notes.append("no codebook yet: the first `starfed server round` makes it")
         report.position = vars(Position()) | {"done": [], "in_play": []}
         return set()
-    message = _codebook_file(report, federation, path, decode)
+    message = _codebook_file(report, federation, path, decode, seen)
     if message is None:
         return None
     try:
@@ -257,7 +268,12 @@ def _agree_history(report: Report, position: Position, history: list[StepRecord]
 
 
 def _position(
-    report: Report, position: Position, names: set[str], federation: Identity, decode: bool
+    report: Report,
+    position: Position,
+    names: set[str],
+    federation: Identity,
+    decode: bool,
+    seen: dict,
 ) -> None:
     """A position the protocol can be in, with the files it needs."""
     marks = phase_marks()
@@ -280,4 +296,4 @@ def _position(
             "not roll back)"
         )
     else:
-        _codebook_file(report, federation, start, decode)
+        _codebook_file(report, federation, start, decode, seen)

@@ -42,6 +42,7 @@ from starfed.server.federation import (
     StepRecord,
     read_step_findings,
 )
+from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.files import write_atomic
@@ -173,17 +174,24 @@ def _keep_copy(path: Path, stamp: str) -> None:
 
 
 def _restore(root: Path, source: Path, codebook, stamp: str) -> Action:
-    """``codebook.bin`` replaced by ``source``'s codebook on a new version line."""
-    from starfed.shared.codebook import wire
+    """``codebook.bin`` replaced by ``source``'s codebook on a new version line: a manifest
+    naming the same store bytes (a whole file when ``source`` is one of the layout before)."""
+    from starfed.shared.codebook import stored, wire
 
     position = Position.from_metadata(codebook.metadata)
     where = (f"step {position.step + 1} running, {', '.join(position.done) or 'no phase'} done"
              if position.running else f"{position.step} step(s) completed")  # fmt: skip
     metadata = {**codebook.metadata, **Lineage.of(codebook).new_epoch().as_metadata()}
 
+    ref = store.Ref.of(read_message(source).metadata)
+
     def do() -> None:
         _keep_copy(root / CODEBOOK_FILE, stamp)
-        wire.write_file(root / CODEBOOK_FILE, replace(codebook, metadata=metadata))
+        restored = replace(codebook, metadata=metadata)
+        if ref is None:
+            wire.write_file(root / CODEBOOK_FILE, restored)
+        else:
+            write_atomic(root / CODEBOOK_FILE, stored.manifest(restored, ref))
 
     name = source.relative_to(root)
     return Action(f"restore {CODEBOOK_FILE} from {name} (version {codebook.version}, {where}) "

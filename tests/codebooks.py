@@ -12,8 +12,10 @@ from collections.abc import Iterable
 import torch
 
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.merge import MergeAccumulator
 from starfed.shared.codebook.mixture import DEFAULT_COMPONENTS, GaussianMixture
+from starfed.shared.codebook.schema import FIELDS, Kind, ModelDims
 
 
 def merge_updates(
@@ -35,3 +37,20 @@ def covariance_diagonal(mixture: GaussianMixture) -> torch.Tensor:
     """Diagonal of the mixture's overall covariance, [D] (law of total variance)."""
     second_moment = mixture.weights @ (mixture.variances + mixture.means**2)
     return second_moment - mixture.mean() ** 2
+
+
+def full_entry(
+    name: str, dims: ModelDims, generator: torch.Generator, components: int = 5
+) -> ClassEntry:
+    """One frozen class with every field at ``dims``, random values (mixtures of equal
+    weights)."""
+    values = {}
+    for f in FIELDS:
+        shape = f.shape(dims)
+        if f.kind is Kind.TENSOR:
+            values[f.name] = torch.randn(shape, generator=generator)
+        else:
+            means = torch.randn((components, *shape), generator=generator, dtype=torch.float64)
+            weights = torch.full((components,), 1 / components, dtype=torch.float64)
+            values[f.name] = GaussianMixture(weights, means, means.abs() + 0.1, 40)
+    return ClassEntry(name, 40, values, frozen=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from codebooks import full_entry
 from cryptography.hazmat.primitives import serialization
 from flwr.app import Message
 from in_process import run_two_sites, starfed
@@ -59,7 +60,8 @@ from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.codebook.mixture import GaussianMixture
-from starfed.shared.codebook.schema import FIELDS, Kind, ModelDims
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.codebook.store import STORE_DIR
 
 pytestmark = pytest.mark.faults
 
@@ -125,17 +127,7 @@ def test_the_built_federation_is_whole(built: Path, capsys) -> None:
 
 def paper_entry(name: str, generator: torch.Generator) -> ClassEntry:
     """One class with every field at the paper's dims (5 components per mixture)."""
-    values = {}
-    for f in FIELDS:
-        shape = f.shape(PAPER_DIMS)
-        if f.kind is Kind.TENSOR:
-            values[f.name] = torch.randn(shape, generator=generator)
-        else:
-            means = torch.randn((5, *shape), generator=generator, dtype=torch.float64)
-            values[f.name] = GaussianMixture(
-                torch.full((5,), 0.2, dtype=torch.float64), means, means.abs() + 0.1, 40
-            )
-    return ClassEntry(name, 40, values, frozen=True)
+    return full_entry(name, PAPER_DIMS, generator)
 
 
 def test_a_thousand_classes_at_paper_dims_round_trip_through_the_folder(tmp_path: Path) -> None:
@@ -146,7 +138,8 @@ def test_a_thousand_classes_at_paper_dims_round_trip_through_the_folder(tmp_path
     codebook = Codebook(fingerprint, PAPER_DIMS).register(entries)
     federation.register(codebook.names, 0, {})
     federation.checkpoint(codebook, Position(0))
-    size = (tmp_path / "federation" / CODEBOOK_FILE).stat().st_size
+    stored = (tmp_path / "federation" / STORE_DIR).glob("*.bin")  # codebook.bin: its manifest
+    size = sum(path.stat().st_size for path in stored)
     assert size > 3 * DEFAULT_MAX_BYTES  # well past the old 64 MiB wall
     back = Federation(tmp_path / "federation", fingerprint, PAPER_DIMS).codebook()
     assert back.names == codebook.names

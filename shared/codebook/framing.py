@@ -61,6 +61,23 @@ def read_payload(path: str | os.PathLike[str], max_bytes: int | None = None) -> 
     return payload
 
 
+def unframe(data: bytes, what: str) -> bytes:
+    """The checksum-verified payload of one frame held in ``data`` (a record of an append-only
+    log, ``store``); ``what`` names it in the error."""
+    if len(data) < _HEADER.size:
+        raise CodebookError(f"{what}: too short to be a starfed codebook file")
+    found, length, digest = _HEADER.unpack_from(data)
+    if found != CODEBOOK_MAGIC:
+        raise CodebookError(f"{what}: not a starfed codebook file")
+    if length != len(data) - _HEADER.size:
+        raise CodebookError(f"{what}: header announces {length} bytes, file holds "
+                            f"{len(data) - _HEADER.size}")  # fmt: skip
+    payload = data[_HEADER.size :]
+    if hashlib.sha256(payload).digest() != digest:
+        raise CodebookError(f"{what}: checksum mismatch (file corrupted)")
+    return bytes(payload)
+
+
 def read_message(path: str | os.PathLike[str]) -> pb.Codebook:
     """A codebook file's message, tensors left as bytes: its version, fingerprint, metadata and
     entry names without decoding (nothing here is validated beyond the frame)."""

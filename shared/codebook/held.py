@@ -3,8 +3,11 @@
 A site (``starfed.client.memory``) and an inference device (``starfed.shared.inference.follow``)
 both keep the last codebook they received in a file, so that the sender can send only what
 changed since (a ``Delta``). ``HeldCodebook`` is that file and the one rule for when a delta
-applies; the file is replaced atomically (``wire.write_file``) and read again whenever it changed
-on disk, as several worker processes of a simulation may answer for the same site.
+applies. A whole codebook received is written as one file; the first delta after it moves
+that file into a codebook store beside it as its base (``store``, ``stored``: linked, not
+copied) and the file becomes the store's manifest, so a delta writes what it changed, not the
+whole codebook. The file is replaced atomically and read again whenever it changed on disk, as
+several worker processes of a simulation may answer for the same site.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import logging
 import os
 from pathlib import Path
 
-from starfed.shared.codebook import wire
+from starfed.shared.codebook import store, stored, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ class HeldCodebook:
         self.path = Path(path)
         self.fingerprint, self.dims = fingerprint, dims  # the receiver's backbones, if known
         self._held: Codebook | None = None
+        self._stored: stored.Stored | None = None  # the held codebook as its store has it
         self._stamp: tuple[int, int] = (0, 0)  # the file's mtime and size when read
 
     def codebook(self) -> Codebook | None:
@@ -57,9 +62,12 @@ class HeldCodebook:
             self._held = None
             return None
         if self._held is None or self._stamp != (stat.st_mtime_ns, stat.st_size):
-            self._held, self._stamp = None, (stat.st_mtime_ns, stat.st_size)
+            self._held, self._stored = None, None
+            self._stamp = (stat.st_mtime_ns, stat.st_size)
             try:
-                self._held = wire.read_file(self.path, fingerprint=self.fingerprint, dims=self.dims)
+                self._held, self._stored = stored.load(
+                    self.path, fingerprint=self.fingerprint, dims=self.dims
+                )
             except (OSError, CodebookError) as err:
                 logger.warning("ignoring the held codebook: %s", err)
         return self._held
@@ -89,11 +97,14 @@ class HeldCodebook:
         """The codebook a message carries (bytes are decoded and validated here): as sent, or
         the held one with the delta applied; it is held from now on.
 
-        Raises CodebookError for bad bytes or a delta the rule refuses."""
+        Raises CodebookError for bad bytes or a delta the rule refuses. A whole codebook is
+        written as one file; a delta as what it changed, appended to a store beside it (the
+        whole file moved in as its base, once)."""
         if isinstance(received, bytes | bytearray | memoryview):
             received = wire.decode_broadcast(
                 bytes(received), fingerprint=self.fingerprint, dims=self.dims
             )
+        folder = self.path.parent / store.STORE_DIR
         if isinstance(received, Delta):
             held = self.codebook()
             if held is None or Lineage.of(held) != Lineage.of(received):
@@ -102,13 +113,28 @@ class HeldCodebook:
                     "is not held here"
                 )
             received = held.apply(received)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        wire.write_file(self.path, received)
+            since = self._stored or self._moved_in(held, folder)
+            self._stored, manifest = stored.save(folder, received, since)
+            write_atomic(self.path, manifest)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            wire.write_file(self.path, received)
+            self._stored = None
+        if self._stored is None or since is None or self._stored.ref.base != since.ref.base:
+            store.collect(folder, [self.path])  # the bases no longer held
         stat = self.path.stat()
         self._held, self._stamp = received, (stat.st_mtime_ns, stat.st_size)
         return received
 
+    def _moved_in(self, held: Codebook, folder: Path) -> stored.Stored:
+        """The held whole file as the base of a store (its bytes linked, not copied)."""
+        base = stored.new_name(held.version)
+        stored.link_base(self.path, folder, base)
+        ref = store.Ref(base, base.replace("base-", "log-", 1))
+        return stored.Stored(held, ref, (folder / base).stat().st_size)
+
     def forget(self) -> None:
         """Hold nothing (the next message must carry the whole codebook)."""
         self.path.unlink(missing_ok=True)
-        self._held = None
+        store.collect(self.path.parent / store.STORE_DIR, [])
+        self._held, self._stored = None, None

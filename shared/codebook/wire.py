@@ -23,17 +23,20 @@ Sizes at the paper's dims are in docs/benchmarks.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 import os
 import warnings
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.codebook import schema
+from starfed.shared.codebook import schema, store
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassEntry, Value
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, read_message, read_payload
@@ -653,6 +656,77 @@ def read_file(
     max_bytes: int | None = None,
 ) -> Codebook:
     """Read, verify the checksum, decode and validate (``OSError`` if unreadable). A file has no
-    size limit unless the caller sets one (``framing``)."""
-    payload = read_payload(path, max_bytes)
-    return decode_codebook(payload, fingerprint=fingerprint, dims=dims, max_bytes=max_bytes)
+    size limit unless the caller sets one (``framing``).
+    A manifest (``store``) reads as the codebook it names: its base, then its records."""
+    message = parse(pb.Codebook, read_payload(path, max_bytes), max_bytes)  # bytes freed
+    if store.MANIFEST_KEY not in message.metadata:
+        return _whole(message, fingerprint, dims)
+    return read_manifest(Path(path), message, fingerprint=fingerprint, dims=dims)
+
+
+def _whole(message: pb.Codebook, fingerprint: str | None, dims: ModelDims | None) -> Codebook:
+    received = broadcast_from_proto(message, fingerprint=fingerprint, dims=dims)
+    if isinstance(received, Delta):
+        raise CodebookError("a delta, not a whole codebook")
+    return received
+
+
+def decode_changes(
+    data: bytes, *, fingerprint: str | None, dims: ModelDims | None
+) -> tuple[dict[str, ClassEntry], set[str]]:
+    """A store record (``store``): the entries it carries, each with only the fields that
+    changed (validated as a delta's), and the classes whose entries it replaces whole."""
+    message = parse(pb.Codebook, data, None)
+    model_dims = _decode_header(message, fingerprint, dims)
+    entries = _decode_entries(message, model_dims, full=False)
+    try:
+        replaced = set(json.loads(message.metadata.get(store.REPLACED_KEY, "[]")))
+    except (ValueError, TypeError) as err:
+        raise CodebookError(f"a store record's replaced classes are damaged ({err})") from None
+    if not replaced <= set(entries):
+        raise CodebookError("a store record replaces a class it does not carry")
+    return entries, replaced
+
+
+def read_manifest(
+    path: Path, message: pb.Codebook, *, fingerprint: str | None, dims: ModelDims | None
+) -> Codebook:
+    """The codebook the manifest ``message`` (read from ``path``) names: its base with its
+    records applied in order, in the manifest's class order, with its metadata."""
+    ref = store.Ref.of(message.metadata)
+    folder = store.find_dir(path)
+    base_path = folder / ref.base
+    base_message = parse(pb.Codebook, read_payload(base_path), None)
+    if store.MANIFEST_KEY in base_message.metadata:
+        raise CodebookError(f"{base_path}: a store's base is a manifest")
+    base = _whole(base_message, fingerprint, dims)
+    del base_message
+    entries = dict(base.entries)
+    for payload in store.records(folder, ref):
+        changes, replaced = decode_changes(payload, fingerprint=base.fingerprint, dims=base.dims)
+        for name, new in changes.items():
+            old = entries.get(name)
+            entries[name] = new if old is None or name in replaced else dataclasses.replace(
+                new, values={**old.values, **new.values},
+                field_versions={**old.field_versions, **new.field_versions},
+            )  # fmt: skip
+    return _assembled(path, message, entries, base)
+
+
+def _assembled(
+    path: Path, message: pb.Codebook, entries: dict[str, ClassEntry], base: Codebook
+) -> Codebook:
+    """The manifest's classes from ``entries``, each checked against the manifest's line."""
+    kept = {}
+    for line in message.entries:
+        entry = entries.get(line.name)
+        if entry is None:
+            raise CodebookError(f"{path}: class {line.name!r} is in no record of its store")
+        if (entry.count, entry.version, entry.frozen) != (line.count, line.version, line.frozen):
+            raise CodebookError(f"{path}: class {line.name!r} differs from its store's record")
+        absent = [f for f in schema.TENSORS if f not in entry.values]
+        if absent:
+            raise CodebookError(f"{label(line.name)}: {absent[0]}: missing")
+        kept[line.name] = entry
+    metadata = {k: v for k, v in message.metadata.items() if k != store.MANIFEST_KEY}
+    return Codebook(base.fingerprint, base.dims, kept, message.version, metadata)

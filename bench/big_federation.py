@@ -1,0 +1,336 @@
+"""A federation of N paper-dims classes: what each view of it costs, and what a step writes.
+
+Builds a synthetic federation folder (one completed step registered N random classes at the
+paper's dims, float32 tensors, 5-component float64 mixtures) and measures, each in a fresh
+process where a user would start one:
+
+* ``starfed server status --json``, ``starfed server check``, ``repair --dry-run``: wall;
+* the dashboard's ``/api/state`` (``status.read`` + ``dashboard.build_state``, as the handler);
+* ``starfed server export`` and loading the exported codebook as ``predict`` does
+  (``wire.read_file`` + the class bank);
+* one synthetic step in process, checkpointed phase by phase as the coordinator does (4 new
+  classes trained, their mixtures fitted, every class's aligned head re-aligned, the classes
+  frozen): the bytes it wrote (``/proc/self/io`` wchar) against the encoded size of what it
+  changed, and the step's wall and peak RSS.
+
+    python bench/big_federation.py --classes 100 1000 10000 --out bench/results-big-federation.json
+
+The base is written in chunks of classes (a protobuf message's repeated field concatenates), so
+building 10,000 classes (about 2 GB) never holds the codebook's bytes twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from starfed.server.federation import (
+    COMPLETED,
+    HISTORY_FILE,
+    Federation,
+    Position,
+    StepRecord,
+)
+from starfed.shared.codebook import wire
+from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.codebook.framing import CODEBOOK_MAGIC, frame
+from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.schema import FIELDS, TENSORS, Kind, ModelDims
+from starfed.shared.files import write_atomic
+
+PAPER_DIMS = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
+FINGERPRINT = "be" * 32
+CHUNK = 250  # classes encoded at a time
+COMPARE_UP_TO = 1000  # the layout before writes ~16 codebooks a step: 32 GB at 10,000 classes
+
+
+def entry(name: str, generator: torch.Generator, version: int) -> ClassEntry:
+    """One finished class with every field at the paper's dims."""
+    values = {}
+    for f in FIELDS:
+        shape = f.shape(PAPER_DIMS)
+        if f.kind is Kind.TENSOR:
+            values[f.name] = torch.randn(shape, generator=generator)
+        else:
+            means = torch.randn((5, *shape), generator=generator, dtype=torch.float64)
+            weights = torch.full((5,), 0.2, dtype=torch.float64)
+            values[f.name] = GaussianMixture(weights, means, means.abs() + 0.1, 40)
+    stamps = dict.fromkeys(values, version)
+    return ClassEntry(name, 40, values, version, True, stamps)
+
+
+def build(root: Path, n: int, before: bool = False) -> Path:
+    """``root/server/federation`` after one completed step that registered ``n`` classes;
+    ``before``: in the layout before the store (``codebook.bin`` a whole codebook file)."""
+    from starfed.shared.codebook import store, stored  # not in a checkout before the store
+
+    folder = root / "server" / "federation"
+    federation = Federation(folder, FINGERPRINT, PAPER_DIMS)
+    names = [f"class {i:05d}" for i in range(n)]
+    metadata = {**Federation.open(folder).codebook().metadata, **Position(1).as_metadata()}
+    head = Codebook(FINGERPRINT, PAPER_DIMS, version=1, metadata=metadata)
+    (folder / store.STORE_DIR).mkdir()
+    base = stored.new_name(1)
+    generator = torch.Generator().manual_seed(n)
+    lines = []
+    with open(folder / store.STORE_DIR / base, "wb") as file:
+        file.write(b"\0" * 48)  # the frame's header, written last
+        digest, length = hashlib.sha256(), 0
+        for start in range(0, n, CHUNK):
+            chunk = [entry(name, generator, 1) for name in names[start : start + CHUNK]]
+            part = wire.encode(replace(head, entries={e.name: e for e in chunk}))
+            digest.update(part)
+            length += len(part)
+            file.write(part)
+            lines += [replace(e, values={}, field_versions={}) for e in chunk]
+        file.seek(0)
+        file.write(CODEBOOK_MAGIC + length.to_bytes(8, "little") + digest.digest())
+    manifest = store.header(wire.to_proto(replace(head, entries={e.name: e for e in lines})))
+    ref = store.Ref(base, base.replace("base-", "log-", 1))
+    manifest.metadata.update(ref.as_metadata())
+    write_atomic(folder / "codebook.bin", frame(manifest.SerializeToString(deterministic=True)))
+    if before:
+        os.replace(folder / store.STORE_DIR / base, folder / "codebook.bin")
+        (folder / store.STORE_DIR).rmdir()
+    federation.register(names, 0, {name: ["site-a"] for name in names})
+    record = StepRecord(0, COMPLETED, time.time(), 1.0, classes=tuple(names), codebook_version=1)
+    (folder / HISTORY_FILE).write_text(record.to_json() + "\n")
+    return folder
+
+
+def timed(command: list[str], timeout: float) -> dict:
+    """A command's wall and exit code (a fresh process, as a user runs it)."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, timeout=timeout, text=True)
+        code = done.returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    return {"wall_s": round(time.perf_counter() - started, 2), "exit": code}
+
+
+def python(code: str, timeout: float) -> dict:
+    """``code`` in a fresh interpreter: its wall and the line it prints (JSON)."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=timeout,
+                              text=True)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"wall_s": timeout, "exit": "timeout"}
+    out = json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else {}
+    return {"wall_s": round(time.perf_counter() - started, 2), "exit": done.returncode, **out}
+
+
+API_STATE = """
+import json, time
+from pathlib import Path
+from starfed.server.ops import dashboard, status
+from starfed.server.ops.layout import ServerFolder
+t = time.perf_counter()
+folder = ServerFolder.at({server!r})
+state = dashboard.build_state(status.read(folder, folder.federation), folder, [], [])
+body = json.dumps(state.to_json())
+print(json.dumps({{"in_process_s": round(time.perf_counter() - t, 2), "bytes": len(body)}}))
+"""
+
+IN_PROCESS = """
+import json, resource, time
+from starfed.server import folder_check
+from starfed.server.ops import status
+from starfed.server.ops.layout import ServerFolder
+folder = ServerFolder.at({server!r})
+t = time.perf_counter()
+status.read(folder, folder.federation)
+s = time.perf_counter() - t
+t = time.perf_counter()
+report = folder_check.check(folder.federation)
+print(json.dumps({{"status_s": round(s, 2), "check_s": round(time.perf_counter() - t, 2),
+    "check_ok": report.ok,
+    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}}))
+"""
+
+PREDICT_LOAD = """
+import json, resource, time
+from starfed.shared.codebook import wire
+t = time.perf_counter()
+codebook = wire.read_file({path!r})
+bank = codebook.bank()
+print(json.dumps({{"load_s": round(time.perf_counter() - t, 2), "classes": len(codebook),
+    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}}))
+"""
+
+
+def wchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
+
+
+def synthetic_step(folder: Path, new: int = 4) -> dict:
+    """One step checkpointed phase by phase as the coordinator does, with random values."""
+    generator = torch.Generator().manual_seed(34)
+    federation = Federation.open(folder)
+    started = time.perf_counter()
+    codebook = federation.codebook()
+    loaded_s = time.perf_counter() - started
+    step, start = 1, codebook
+    written, t0 = wchar(), time.perf_counter()
+    names = [f"new {i}" for i in range(new)]
+    federation.register(names, step, {})
+    federation.begin_step(start)
+    fresh = [replace(entry(n, generator, 0), frozen=False) for n in names]
+    untrained = [replace(e, values={f: v for f, v in e.values.items() if f in TENSORS})
+                 for e in fresh]  # fmt: skip
+    codebook = codebook.register(untrained)
+    done: tuple[str, ...] = ()
+
+    def phase(mark: str, values: dict) -> None:
+        nonlocal codebook, done
+        codebook = codebook.set_values(values) if values else codebook
+        done = (*done, mark)
+        position = Position(step, running=True, done=done, in_play=tuple(names))
+        codebook = federation.checkpoint(codebook, position)
+
+    def fresh_values(fields: tuple[str, ...], classes: list[str]) -> dict:
+        by_name = {e.name: e for e in fresh}
+        return {n: {f: _other(by_name[n].values[f], generator) for f in fields} for n in classes}
+
+    phase("sync/0", {})
+    phase("stage1/0", fresh_values(("prompt",), names))
+    phase("stage1_stats/0", fresh_values(("clip_mixture",), names))
+    phase("stage1/1", fresh_values(("prompt", "key"), names))  # the first-level replay
+    phase("stage2/0", fresh_values(("query_prompt", "query_weight", "head_weight",
+                                    "head_bias"), names))  # fmt: skip
+    phase("stage2_stats/0", fresh_values(("vit_mixture",), names))
+    heads = {n: {"aligned_head_weight": torch.randn(PAPER_DIMS.d_vit, generator=generator),
+                 "aligned_head_bias": torch.randn((), generator=generator)}
+             for n in codebook.names}  # fmt: skip
+    codebook = codebook.set_values(heads, freeze=names)
+    record = StepRecord(step, COMPLETED, time.time(), 1.0, classes=tuple(names),
+                        codebook_version=codebook.version)  # fmt: skip
+    federation.end_step(record, codebook, keep_steps=10)
+    step_written = wchar() - written
+    changed = _changed_bytes(start, codebook)
+    return {
+        "load_s": round(loaded_s, 2),
+        "step_s": round(time.perf_counter() - t0, 2),
+        "bytes_written": step_written,
+        "changed_bytes": changed,
+        "bound_bytes": 2 * changed + 2**20,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+    }
+
+
+def _other(value, generator):
+    if isinstance(value, GaussianMixture):
+        means = torch.randn(value.means.shape, generator=generator, dtype=torch.float64)
+        return GaussianMixture(value.weights, means, means.abs() + 0.1, value.count)
+    return torch.randn(value.shape, generator=generator)
+
+
+def _changed_bytes(before: Codebook, after: Codebook) -> int:
+    """The encoded size of the entries ``after`` changed, with only the fields it changed."""
+    entries = {}
+    for name, e in after.entries.items():
+        old = before.entries.get(name)
+        if old is not e:
+            fields = {f: v for f, v in e.values.items() if old is None or old.values[f] is not v}
+            entries[name] = replace(e, values=fields, field_versions={})
+    message = wire.to_proto(Codebook(after.fingerprint, after.dims, entries, after.version))
+    return len(message.SerializeToString())
+
+
+def measure(n: int, timeout: float) -> dict:
+    root = Path(tempfile.mkdtemp(prefix=f"starfed-big-{n}-"))
+    try:
+        started = time.perf_counter()
+        folder = build(root, n)
+        result: dict = {"classes": n, "build_s": round(time.perf_counter() - started, 1)}
+        result["whole_codebook_bytes"] = max(p.stat().st_size for p in folder.rglob("*.bin"))
+        server = str(root / "server")
+        starfed = [str(Path(sys.executable).parent / "starfed")]
+        result["status"] = timed([*starfed, "server", "status", "--dir", server, "--json"],
+                                 timeout)  # fmt: skip
+        result["api_state"] = python(API_STATE.format(server=server), timeout)
+        result["check"] = timed([*starfed, "server", "check", "--dir", server], timeout)
+        result["in_process"] = python(IN_PROCESS.format(server=server), timeout)
+        result["repair_dry_run"] = timed([*starfed, "server", "repair", "--dir", server,
+                                          "--dry-run"], timeout)  # fmt: skip
+        out = root / "export.bin"
+        export = [*starfed, "server", "export", "--federation", str(folder), "--out", str(out)]
+        result["export"] = timed(export, timeout)
+        if out.exists():
+            result["export"]["bytes"] = out.stat().st_size
+            result["predict_load"] = python(PREDICT_LOAD.format(path=str(out)), timeout)
+            out.unlink()
+        result["step"] = synthetic_step(folder)
+        result["step"]["check_after"] = timed([*starfed, "server", "check", "--dir", server],
+                                              timeout)  # fmt: skip
+        return result
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def before_step(n: int, checkout: Path, timeout: float) -> dict:
+    """The same step over a folder of the layout before the store, run by the code of
+    ``checkout`` (a starfed checkout of that time): its bytes written, for comparison."""
+    root = Path(tempfile.mkdtemp(prefix=f"starfed-before-{n}-"))
+    try:
+        folder = build(root, n, before=True)
+        shim = root / "path"
+        shim.mkdir()
+        (shim / "starfed").symlink_to(checkout.resolve())
+        env = {**os.environ, "PYTHONPATH": str(shim)}
+        done = subprocess.run([sys.executable, __file__, "--step-only", str(folder)], env=env,
+                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        if done.returncode:
+            return {"exit": done.returncode, "error": done.stderr.strip().splitlines()[-1:]}
+        return {"checkout": str(checkout), **json.loads(done.stdout.splitlines()[-1])}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--classes", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per command")
+    parser.add_argument(
+        "--compare-with",
+        type=Path,
+        metavar="CHECKOUT",
+        help="also run the step with the code of this checkout (before the store)",
+    )
+    parser.add_argument("--step-only", type=Path, help=argparse.SUPPRESS)  # before_step's child
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.step_only:
+        print(json.dumps(synthetic_step(args.step_only)))
+        return
+    results = []
+    for n in args.classes:
+        load = os.getloadavg()[0]
+        result = {**measure(n, args.timeout), "load_1min_before": round(load, 1)}
+        if args.compare_with and n <= COMPARE_UP_TO:
+            result["step_before"] = before_step(n, args.compare_with, args.timeout)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
