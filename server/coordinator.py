@@ -326,9 +326,12 @@ class Coordinator:
             pass
         if not carried & set(self.in_play):
             key = spec.phase.key
-            if any(f.phase == key for f in self.screen.findings):  # arrived, and all rejected
+            in_play = set(self.in_play)
+            rejected = [f for f in self.screen.findings if f.phase == key and f.name in in_play]
+            if rejected:  # they arrived, and the screening rejected them all
+                named = "; ".join(f"class {f.name!r}: {f.site} ({f.reason})" for f in rejected[:3])
                 raise StepFailed(f"the screening rejected every {key} update of the classes in "
-                                 "play (the step's findings: `starfed server status`)")  # fmt: skip
+                                 f"play: {named}")  # fmt: skip
             raise StepFailed(f"no site's {key} update arrived for any class in play")
         if spec.phase in STATISTICS:
             codebook = self._drop_unfitted(codebook, spec.phase)
