@@ -81,6 +81,7 @@ def test_overlapping_clusters_agree_in_log_likelihood_and_moments() -> None:
         assert mixture.weights.sum().item() == pytest.approx(1.0, abs=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore:Number of distinct clusters")  # scikit-learn, on duplicates
 def test_degenerate_classes_are_fitted_like_scikit_learns() -> None:
     """Fewer points than components, one point, and duplicate points, in one batch."""
     g = torch.Generator().manual_seed(2)
