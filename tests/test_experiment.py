@@ -58,7 +58,8 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 
 def test_shipped_grids_are_valid() -> None:
     shipped = grids.shipped_grids()
-    assert set(shipped) == {"default", "sites", "alpha", "arrival", "gap", "privacy"}
+    assert set(shipped) == {"default", "sites", "alpha", "arrival", "gap", "privacy",
+                            "privacy-patients"}  # fmt: skip
     default = grids.load("default")
     assert default.seeds == (1993, 1996, 1997)
     assert default.methods == (
@@ -160,7 +161,7 @@ def test_a_missing_grid_names_the_shipped_ones() -> None:
     assert code == 2
     assert err == (
         "starfed experiment: error: grid no-such-grid: no such file, nor a shipped grid "
-        "(alpha, arrival, default, gap, privacy, sites)\n"
+        "(alpha, arrival, default, gap, privacy-patients, privacy, sites)\n"
     )
 
 

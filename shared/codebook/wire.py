@@ -292,9 +292,9 @@ def _fields(
         elif kind in _SKIP:
             i += _SKIP[kind]
         else:
-            raise CodebookError(f"unexpected wire type {kind} in an update")
+            raise CodebookError(f"not a valid ClientUpdate message (unexpected wire type {kind})")
     if i != end:
-        raise CodebookError("a field runs past the end of its message")
+        raise CodebookError("not a valid ClientUpdate message (a field runs past its end)")
     return fields
 
 
