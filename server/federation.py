@@ -392,17 +392,24 @@ class Federation:
         """The codebook after the last completed phase (empty for a new federation)."""
         from starfed.shared.codebook.codebook import Codebook
 
-        if not (self.root / CODEBOOK_FILE).is_file():
-            if traces := Identity(self.root, self.fingerprint, self.dims).traces():
-                raise FederationError(
-                    f"{self.root / CODEBOOK_FILE} is missing, but the folder holds {traces}: "
-                    "`starfed server repair` restores the last good checkpoint"
-                )
+        if not self._has_codebook():
             metadata = Lineage(self.id).new_epoch().as_metadata()
             return Codebook(self.fingerprint, self.dims, metadata=metadata)
         codebook, self._stored = self._load(CODEBOOK_FILE)
         self._whole = codebook if self._stored is None else None  # a file of the layout before
         return codebook
+
+    def _has_codebook(self) -> bool:
+        """Whether ``codebook.bin`` exists; its absence where the folder has completed work is
+        an error, raised before anything is written (the registry, the step's close)."""
+        if (self.root / CODEBOOK_FILE).is_file():
+            return True
+        if traces := Identity(self.root, self.fingerprint, self.dims).traces():
+            raise FederationError(
+                f"{self.root / CODEBOOK_FILE} is missing, but the folder holds {traces}: "
+                "`starfed server repair` restores the last good checkpoint"
+            )
+        return False
 
     @staticmethod
     def position(codebook: Codebook) -> Position:
@@ -543,7 +550,9 @@ class Federation:
     def recover(self, keep_steps: int = 0) -> str | None:
         """Finish a step close that a crash interrupted (``step-end.json``): after the commit,
         its record is appended (once); before it, the record is dropped (the step is still
-        running and the next run records it). What was done, None when nothing was."""
+        running and the next run records it). What was done, None when nothing was. A folder
+        whose codebook is missing is refused first (``codebook``), with nothing written."""
+        self._has_codebook()
         notes = [note for note in (self._recover_close(keep_steps), self._align_registry())
                  if note]  # fmt: skip
         return "; ".join(notes) or None

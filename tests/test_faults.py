@@ -188,8 +188,12 @@ def test_an_overflowing_merge_is_never_checkpointed(root: Path) -> None:
 
 def test_a_missing_codebook_is_never_replaced_by_an_empty_one(root: Path, capsys) -> None:
     (folder(root) / CODEBOOK_FILE).unlink()
+    before = {path.name: path.read_bytes() for path in folder(root).iterdir() if path.is_file()}
     with pytest.raises(RunFailed, match=r"codebook\.bin is missing.*repair"):
         run_two_sites(root)
+    after = {path.name: path.read_bytes() for path in folder(root).iterdir() if path.is_file()}
+    assert after == before  # refused before anything is written: who brought each class kept
+    assert json.loads(before[REGISTRY_FILE])  # (it held the classes)
     assert not (folder(root) / CODEBOOK_FILE).exists() and finished_steps(root) == [0]
     code, out, _ = starfed(capsys, "server", "status", "--dir", str(root / "server"))
     assert code == 1 and "DAMAGED    codebook.bin: missing" in out, out
