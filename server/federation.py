@@ -46,6 +46,7 @@ id and the epoch of its version line) and the protocol position (``Position``, u
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -533,7 +534,16 @@ class Federation:
         with. A failed step (``codebook`` None) goes back to the codebook it started from, on
         a new version line, and the next step keeps its index. One commit point (the module
         docstring): the record is written ahead, the codebook committed, then the history
-        and the registry follow; ``keep_steps`` completed steps' codebooks are kept (0: all)."""
+        and the registry follow; ``keep_steps`` completed steps' codebooks are kept (0: all).
+        A full disk is one ``FederationError`` that says what the next run will do."""
+        try:
+            return self._end_step(record, codebook, keep_steps)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            raise FederationError(self._full_disk(record, err)) from None
+
+    def _end_step(self, record: StepRecord, codebook: Codebook | None, keep_steps: int) -> Codebook:
         write_atomic(self.root / PENDING_FILE, record.to_json().encode())
         if codebook is None:
             self.migrate()
@@ -546,6 +556,22 @@ class Federation:
             saved = self.checkpoint(codebook, Position(record.step + 1))
         self._finish(record, keep_steps)
         return saved
+
+    def _committed(self, record: StepRecord) -> bool:
+        """Whether ``codebook.bin`` holds the position the close of ``record`` commits."""
+        checkpoint = self.last_checkpoint()
+        done = Position(record.step if record.status == FAILED else record.step + 1)
+        return checkpoint is not None and checkpoint.position == done
+
+    def _full_disk(self, record: StepRecord, err: OSError) -> str:
+        where = Path(err.filename).name if err.filename else "a file"
+        step = f"step {record.step + 1}"
+        if self._committed(record):
+            then = f"{step} was committed and nothing was lost; the next run finishes recording it"
+        else:
+            then = (f"{step} was not committed ({CODEBOOK_FILE} is unchanged) and nothing was "
+                    "lost; the next run resumes the step")  # fmt: skip
+        return f"the disk is full (writing {where} of {self.root}): {then}, once space is freed"
 
     def recover(self, keep_steps: int = 0) -> str | None:
         """Finish a step close that a crash interrupted (``step-end.json``): after the commit,
@@ -566,9 +592,7 @@ class Federation:
         except (json.JSONDecodeError, TypeError) as err:
             path.unlink()
             return f"dropped a damaged {PENDING_FILE} ({err}); the step resumes"
-        checkpoint = self.last_checkpoint()
-        done = Position(record.step if record.status == FAILED else record.step + 1)
-        if checkpoint is None or checkpoint.position != done:
+        if not self._committed(record):
             path.unlink()
             return f"step {record.step + 1} was not committed: it resumes"
         self._finish(record, keep_steps)
