@@ -46,6 +46,7 @@ id and the epoch of its version line) and the protocol position (``Position``, u
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -392,17 +393,24 @@ class Federation:
         """The codebook after the last completed phase (empty for a new federation)."""
         from starfed.shared.codebook.codebook import Codebook
 
-        if not (self.root / CODEBOOK_FILE).is_file():
-            if traces := Identity(self.root, self.fingerprint, self.dims).traces():
-                raise FederationError(
-                    f"{self.root / CODEBOOK_FILE} is missing, but the folder holds {traces}: "
-                    "`starfed server repair` restores the last good checkpoint"
-                )
+        if not self._has_codebook():
             metadata = Lineage(self.id).new_epoch().as_metadata()
             return Codebook(self.fingerprint, self.dims, metadata=metadata)
         codebook, self._stored = self._load(CODEBOOK_FILE)
         self._whole = codebook if self._stored is None else None  # a file of the layout before
         return codebook
+
+    def _has_codebook(self) -> bool:
+        """Whether ``codebook.bin`` exists; its absence where the folder has completed work is
+        an error, raised before anything is written (the registry, the step's close)."""
+        if (self.root / CODEBOOK_FILE).is_file():
+            return True
+        if traces := Identity(self.root, self.fingerprint, self.dims).traces():
+            raise FederationError(
+                f"{self.root / CODEBOOK_FILE} is missing, but the folder holds {traces}: "
+                "`starfed server repair` restores the last good checkpoint"
+            )
+        return False
 
     @staticmethod
     def position(codebook: Codebook) -> Position:
@@ -526,7 +534,16 @@ class Federation:
         with. A failed step (``codebook`` None) goes back to the codebook it started from, on
         a new version line, and the next step keeps its index. One commit point (the module
         docstring): the record is written ahead, the codebook committed, then the history
-        and the registry follow; ``keep_steps`` completed steps' codebooks are kept (0: all)."""
+        and the registry follow; ``keep_steps`` completed steps' codebooks are kept (0: all).
+        A full disk is one ``FederationError`` that says what the next run will do."""
+        try:
+            return self._end_step(record, codebook, keep_steps)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            raise FederationError(self._full_disk(record, err)) from None
+
+    def _end_step(self, record: StepRecord, codebook: Codebook | None, keep_steps: int) -> Codebook:
         write_atomic(self.root / PENDING_FILE, record.to_json().encode())
         if codebook is None:
             self.migrate()
@@ -540,10 +557,28 @@ class Federation:
         self._finish(record, keep_steps)
         return saved
 
+    def _committed(self, record: StepRecord) -> bool:
+        """Whether ``codebook.bin`` holds the position the close of ``record`` commits."""
+        checkpoint = self.last_checkpoint()
+        done = Position(record.step if record.status == FAILED else record.step + 1)
+        return checkpoint is not None and checkpoint.position == done
+
+    def _full_disk(self, record: StepRecord, err: OSError) -> str:
+        where = Path(err.filename).name if err.filename else "a file"
+        step = f"step {record.step + 1}"
+        if self._committed(record):
+            then = f"{step} was committed and nothing was lost; the next run finishes recording it"
+        else:
+            then = (f"{step} was not committed ({CODEBOOK_FILE} is unchanged) and nothing was "
+                    "lost; the next run resumes the step")  # fmt: skip
+        return f"the disk is full (writing {where} of {self.root}): {then}, once space is freed"
+
     def recover(self, keep_steps: int = 0) -> str | None:
         """Finish a step close that a crash interrupted (``step-end.json``): after the commit,
         its record is appended (once); before it, the record is dropped (the step is still
-        running and the next run records it). What was done, None when nothing was."""
+        running and the next run records it). What was done, None when nothing was. A folder
+        whose codebook is missing is refused first (``codebook``), with nothing written."""
+        self._has_codebook()
         notes = [note for note in (self._recover_close(keep_steps), self._align_registry())
                  if note]  # fmt: skip
         return "; ".join(notes) or None
@@ -557,9 +592,7 @@ class Federation:
         except (json.JSONDecodeError, TypeError) as err:
             path.unlink()
             return f"dropped a damaged {PENDING_FILE} ({err}); the step resumes"
-        checkpoint = self.last_checkpoint()
-        done = Position(record.step if record.status == FAILED else record.step + 1)
-        if checkpoint is None or checkpoint.position != done:
+        if not self._committed(record):
             path.unlink()
             return f"step {record.step + 1} was not committed: it resumes"
         self._finish(record, keep_steps)

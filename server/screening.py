@@ -15,9 +15,10 @@ step holds each site to what it can show (docs/security.md):
   class's sync counts); rows for classes it did not report rejected; a row whose change from
   the value the phase was sent with is beyond ``update-bound`` times the phase's median change
   of that field (over the rows that changed) rejected; mixtures whose variances or means are
-  over ``mixture-bound`` times the phase's medians, or whose variances are below any fit's,
-  rejected. The bounds are learned from the replies themselves, so a phase is read twice: a
-  first pass measures every row, a second hands the screened updates on.
+  over ``mixture-bound`` times the phase's medians (their E‖x‖², every component by its
+  weight, over it times the median norm²), or whose variances are below any fit's, rejected.
+  The bounds are learned from the replies themselves, so a phase is read twice: a first pass
+  measures every row, a second hands the screened updates on.
 - **in the evaluation** (``report``): a report of more images than the site said at the sync
   it holds is rejected.
 
@@ -307,12 +308,21 @@ class _Rows:
     """What the first pass measured: per field, each row's change and its class's reference
     size (``reference_size``); per mixture field, each row's largest variance of a component
     (averaged over dimensions), its smallest variance, the largest norm of a component's mean,
-    and the dimension."""
+    the dimension, and its second moment (``second_moment``)."""
 
     changes: dict[str, list[tuple[str, str, float, float]]] = field(default_factory=dict)
-    mixtures: dict[str, list[tuple[str, str, float, float, float, int]]] = field(
+    mixtures: dict[str, list[tuple[str, str, float, float, float, int, float]]] = field(
         default_factory=dict
     )
+
+
+def second_moment(mixture: GaussianMixture) -> float:
+    """E‖x‖² of the mixture's features: Σ_k w_k (‖μ_k‖² + Σ_d σ²_kd). Every component counts by
+    its weight, its mean and its spread: honest features of norm about r give about r² (the
+    median norm of the means), a component far away carrying the weight gives its distance²,
+    one of negligible weight almost nothing (replay draws it almost never)."""
+    per_component = mixture.means.double().pow(2).sum(1) + mixture.variances.double().sum(1)
+    return float((mixture.weights.double() * per_component).sum())
 
 
 class PhaseScreen:
@@ -358,7 +368,7 @@ class PhaseScreen:
                     self.rows.mixtures.setdefault(name, []).append((
                         site, entry.name, float(value.variances.mean(1).max()),
                         float(value.variances.min()), float(value.means.norm(dim=1).max()),
-                        value.dim,
+                        value.dim, second_moment(value),
                     ))  # fmt: skip
                 elif name in sent:
                     change = _distance(value, sent[name])
@@ -447,11 +457,12 @@ class PhaseScreen:
         variance = max(norm**2 / rows[0][5], DEFAULT_REG)
         logger.info(
             "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g × %s, "
-            "smallest variance %.3g (bound %g)", self.phase.key, name,
+            "E‖x‖² %.3g × norm², smallest variance %.3g (bound %g)", self.phase.key, name,
             max(r[2] for r in rows) / variance, max(r[4] for r in rows) / max(norm, 1e-12),
-            what, min(r[3] for r in rows), factor,
+            what, max(r[6] for r in rows) / (variance * rows[0][5]), min(r[3] for r in rows),
+            factor,
         )  # fmt: skip
-        for site, cls, hi, lo, n, _ in rows:
+        for site, cls, hi, lo, n, dim, moment in rows:
             problem = None
             if hi > factor * variance:
                 problem = (f"{name} variances up to {hi:.3g}, over {factor:g} × "
@@ -460,6 +471,9 @@ class PhaseScreen:
                 problem = f"{name} variances down to {lo:.3g}, below any fit's"
             elif n > factor * max(norm, 1e-12):
                 problem = f"{name} means of norm {n:.3g}, over {factor:g} × {what}"
+            elif moment > factor * variance * dim:
+                problem = (f"{name} weighted E‖x‖² {moment:.3g}, over {factor:g} × "
+                           f"{variance * dim:.3g} (the reference mean norm²)")  # fmt: skip
             if problem:
                 self._reject_row(site, cls, problem)
 
@@ -473,7 +487,7 @@ class PhaseScreen:
         ] + [
             (norm, site, cls, f"{name} means of norm up to {norm:.3g}")
             for name, rows in self.rows.mixtures.items()
-            for site, cls, _, _, norm, _ in rows
+            for site, cls, _, _, norm, _, _ in rows
         ]  # fmt: skip
         furthest = self.screen.furthest
         for measure, site, cls, what in measured:

@@ -188,8 +188,12 @@ def test_an_overflowing_merge_is_never_checkpointed(root: Path) -> None:
 
 def test_a_missing_codebook_is_never_replaced_by_an_empty_one(root: Path, capsys) -> None:
     (folder(root) / CODEBOOK_FILE).unlink()
+    before = {path.name: path.read_bytes() for path in folder(root).iterdir() if path.is_file()}
     with pytest.raises(RunFailed, match=r"codebook\.bin is missing.*repair"):
         run_two_sites(root)
+    after = {path.name: path.read_bytes() for path in folder(root).iterdir() if path.is_file()}
+    assert after == before  # refused before anything is written: who brought each class kept
+    assert json.loads(before[REGISTRY_FILE])  # (it held the classes)
     assert not (folder(root) / CODEBOOK_FILE).exists() and finished_steps(root) == [0]
     code, out, _ = starfed(capsys, "server", "status", "--dir", str(root / "server"))
     assert code == 1 and "DAMAGED    codebook.bin: missing" in out, out
@@ -293,8 +297,9 @@ def test_a_damaged_registry_is_rebuilt(root: Path, capsys) -> None:
 def test_a_full_disk_while_closing_a_step_never_duplicates_it(
     root: Path, monkeypatch: pytest.MonkeyPatch, fails: str
 ) -> None:
-    """The history write after the commit, or the commit itself, fails with ENOSPC; the next
-    run finishes the close (or the step) and records it once."""
+    """The history write after the commit, or the commit itself, fails with ENOSPC: one line
+    says the disk is full and whether the commit point moved; the next run finishes the close
+    (or the step) and records it once."""
     next_task(root)
     real = {module: module.write_atomic for module in (federation_module, wire)}
 
@@ -308,8 +313,13 @@ def test_a_full_disk_while_closing_a_step_never_duplicates_it(
 
     for module in real:
         monkeypatch.setattr(module, "write_atomic", full(module))
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RunFailed, match=r"^the disk is full \(writing ") as failed:
         run_two_sites(root)
+    said = str(failed.value)
+    assert "\n" not in said and f"writing {fails} of " in said and "nothing was lost" in said
+    committed = fails == HISTORY_FILE
+    assert ("step 2 was committed" in said) is committed, said
+    assert ("step 2 was not committed (codebook.bin is unchanged)" in said) is not committed
     for module, write in real.items():
         monkeypatch.setattr(module, "write_atomic", write)
     assert finished_steps(root) == [0]  # nothing recorded before the close finished

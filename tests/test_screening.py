@@ -15,6 +15,7 @@ from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import PhaseState, Strategy
 from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import Phase
 
@@ -152,3 +153,47 @@ def test_a_count_beyond_any_site_and_a_taken_name_sit_the_step_out(make_codebook
     assert [f.site for f in screen.findings] == ["node-2", "m"]
     assert "claims 9223372036854775807 images of one class" in entries[2].status
     assert screen.enrolled["a"].counts == {"class_1": 3} and screen.enrolled["a"].test_images == 0
+
+
+def _mixture(means: torch.Tensor, weights: list[float]) -> GaussianMixture:
+    return GaussianMixture(torch.tensor(weights, dtype=torch.float64), means,
+                           torch.full_like(means, 1e-3), count=10)  # fmt: skip
+
+
+@pytest.mark.adversarial
+def test_a_mixture_with_its_weight_on_a_far_component_is_rejected(make_codebook) -> None:
+    """m puts all the weight on one component 500 × as far from zero as the others' means
+    (under ``mixture-bound`` 1000 × on the largest mean norm): its E‖x‖² is 500² × theirs.
+    An honest mixture whose far outlier carries a negligible weight is kept."""
+    codebook = make_codebook(n_classes=1)
+    (name,) = codebook.names
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.randn(5, 5, 16, generator=generator, dtype=torch.float64)
+    unit = torch.nn.functional.normalize(draws, dim=-1)  # five mixtures of unit means
+    honest = [0.2] * 5
+    far = unit[3].clone()
+    far[0] *= 500
+    outlier = unit[4].clone()
+    outlier[0] *= 20  # 20 × away, weight 10⁻³: E‖x‖² grows by 0.4 × norm²
+    mixtures = {
+        "a": _mixture(unit[0], honest),
+        "b": _mixture(unit[1], honest),
+        "c": _mixture(unit[2], honest),
+        "m": _mixture(far, [1.0, 0.0, 0.0, 0.0, 0.0]),
+        "d": _mixture(outlier, [0.001] + [0.24975] * 4),
+    }
+    screen = Screen(ScreeningOptions(mixture_bound=1000), step=0)
+    _enrolled(screen, codebook, {site: {name: 10} for site in mixtures})
+    phase = screen.phase(Phase.STAGE1_STATS, 0, codebook)
+    updates = {
+        site: ClientUpdate(codebook.fingerprint, codebook.dims, Phase.STAGE1_STATS,
+                           codebook.version, [ClassEntry(name, 10, {"clip_mixture": mixture})])
+        for site, mixture in mixtures.items()
+    }  # fmt: skip
+    for site, update in updates.items():
+        phase.observe(site, update)
+    phase.decide()
+    kept = [site for site, update in updates.items() if phase.apply(site, update).entries]
+    assert kept == ["a", "b", "c", "d"]
+    assert [(f.site, f.action) for f in screen.findings] == [("m", "rejected")]
+    assert "E‖x‖²" in screen.findings[0].reason
