@@ -470,4 +470,7 @@ def _print_status(status: Status) -> None:
         run = status.last_run
         reason = f" · {run['reason']}" if run.get("reason") else ""
         say(f"metrics    {run['status']} (of the last finished run, {run['written']}){reason}")
-    say(f"logs       {status.logs['superlink']}; ServerApps: {status.logs['serverapps']}")
+    say(
+        f"logs       {status.logs['superlink']}; SuperExec: {status.logs['serverapps']}; "
+        "a run's ServerApp output: flwr log RUN_ID"
+    )
