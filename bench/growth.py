@@ -69,16 +69,19 @@ def steps(config: TrainConfig, level: int, classes: int, step: int) -> int:
         if level == 1
         else config.replay2_epochs + config.replay2_epochs_per_task * step
     )
-    replay_config = config.replay_config(epochs, 0.0)
-    if config.replay_schedule is ReplaySchedule.BOUNDED:
+    budget = config.replay1_steps if level == 1 else config.replay2_steps
+    replay_config = config.replay_config(epochs, 0.0, budget, step)
+    if replay_config.schedule is ReplaySchedule.BOUNDED:
         return replay_config.steps
     return replay_config.reference_steps(classes)
 
 
-def shortened(config: TrainConfig, level: int, classes: int, cap: int) -> TrainConfig:
+def shortened(
+    config: TrainConfig, level: int, classes: int, step: int, cap: int
+) -> TrainConfig:
     """The same replay cut to about ``cap`` optimizer steps (0: none), as module docs say."""
-    if config.replay_schedule is ReplaySchedule.BOUNDED:
-        return dataclasses.replace(config, replay_steps=cap)
+    if config.replay_schedule.at(step) is ReplaySchedule.BOUNDED:
+        return dataclasses.replace(config, **{f"replay{level}_steps": cap})
     samples = max(1, cap * config.replay_batch_size // classes) if cap else 1
     epochs = 1 if cap else 0
     if level == 1:
@@ -105,9 +108,9 @@ def measure_level(
     if full <= cap:
         cpu, wall = run(config)
         return {"steps": full, "cpu_s": cpu, "wall_s": wall, "extrapolated": False}
-    part = shortened(config, level, classes, cap)
+    part = shortened(config, level, classes, step, cap)
     measured = steps(part, level, classes, step)
-    fixed_cpu, fixed_wall = run(shortened(config, level, classes, 0))
+    fixed_cpu, fixed_wall = run(shortened(config, level, classes, step, 0))
     cpu, wall = run(part)
     scale = full / measured
     return {

@@ -43,7 +43,7 @@ Value = int | float | bool | str
 Values = Mapping[str, Value]
 
 WIRE_DTYPES = ("float32", "float16")
-REPLAY_SCHEDULES = ("reference", "bounded")  # shared/model/replay.py: ReplaySchedule
+REPLAY_SCHEDULES = ("reference", "bounded", "auto")  # shared/model/replay.py: ReplaySchedule
 PRIVACY_UNITS = ("image", "patient")  # what a site's ε protects (client/privacy.py)
 MERGES = ("mean", "median")  # the default strategy's per-class estimator (server/robust.py)
 RUNTIMES = ("flower", "local")  # `starfed simulate --runtime` (docs/simulation.md)
@@ -260,12 +260,17 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("replay2-epochs", int, 10, "second-level replay epochs at task 0", "training", ge=0),
     Knob("replay2-epochs-per-task", int, 5, "extra second-level replay epochs per task index",
          "training", ge=0),
-    Knob("replay-schedule", str, "reference", "how many optimizer steps each replay takes: "
-         "reference (the paper's epochs over every seen class: a step costs O(t x classes)) or "
-         "bounded (replay-steps class-balanced batches at every step, the head warm-started from "
-         "its last alignment: docs/model.md#bounded-replay)", "training", choices=REPLAY_SCHEDULES),
-    Knob("replay-steps", int, 250, "the bounded schedule's optimizer steps of one replay (each "
-         "level), whatever the step and the number of classes", "training", ge=1),
+    Knob("replay-schedule", str, "auto", "how many optimizer steps each replay takes: "
+         "reference (the paper's epochs over every seen class: a step costs O(t x classes)), "
+         "bounded (replay1-steps and replay2-steps class-balanced batches at every step, the "
+         "head warm-started from its last alignment: docs/model.md#bounded-replay) or auto "
+         "(reference for the first 10 tasks, bounded after)", "training",
+         choices=REPLAY_SCHEDULES),
+    Knob("replay1-steps", int, 25, "the bounded schedule's optimizer steps of one first-level "
+         "replay (each a pass of CLIP's text tower), whatever the step and the classes",
+         "training", ge=1),
+    Knob("replay2-steps", int, 250, "the bounded schedule's optimizer steps of one head "
+         "replay, whatever the step and the number of classes", "training", ge=1),
     Knob("batch-size", int, 128, "training batch size", "training", ge=1),
     Knob("mixture-components", int, 5, "Gaussians per class and feature space", "training", ge=1),
     Knob("confidence-modulation", bool, True, "scale first-level logits by the prompt "

@@ -147,7 +147,7 @@ def test_train_config_keeps_the_reference_values() -> None:
         "stage2_epochs": 5, "stage2_lr": 0.001, "lambda_oq": 5.0, "replay1_epochs": 10,
         "replay1_lr": 0.01, "replay2_epochs": 10, "replay2_epochs_per_task": 5,
         "replay2_lr": 0.001, "replay_samples": 256, "replay_batch_size": 128,
-        "replay_schedule": "reference", "replay_steps": 250,
+        "replay_schedule": "auto", "replay1_steps": 25, "replay2_steps": 250,
         "mixture_components": 5, "generative_replay": True, "confidence_modulation": True,
         "seed": 1993,
     }  # fmt: skip

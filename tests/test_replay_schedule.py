@@ -7,12 +7,17 @@ import torch
 
 from starfed.shared.codebook.mixture import GaussianMixture, MixtureStack
 from starfed.shared.model.backbones import create_backbones
-from starfed.shared.model.replay import ReplaySchedule, ReplayWork, balanced_labels
+from starfed.shared.model.replay import (
+    REFERENCE_TASKS,
+    ReplaySchedule,
+    ReplayWork,
+    balanced_labels,
+)
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig, replay1, replay2
 
 NEW_PER_STEP = 4
-BUDGET = 12
+BUDGET1, BUDGET2 = 5, 12
 BOUNDED = TrainConfig(
     replay1_epochs=1,
     replay2_epochs=1,
@@ -20,7 +25,8 @@ BOUNDED = TrainConfig(
     replay_samples=16,
     replay_batch_size=8,
     replay_schedule=ReplaySchedule.BOUNDED,
-    replay_steps=BUDGET,
+    replay1_steps=BUDGET1,
+    replay2_steps=BUDGET2,
 )
 
 
@@ -73,9 +79,11 @@ def test_bounded_work_per_step_does_not_grow_with_t(backbones, monkeypatch) -> N
         work[step, 1] = replay1(model, n_past, BOUNDED, step)
         work[step, 2] = replay2(model.bank, n_past, BOUNDED, step)
         assert sum(drawn) == work[step, 1].samples + work[step, 2].samples  # counted honestly
-    full = ReplayWork(BUDGET, BUDGET * BOUNDED.replay_batch_size)
+    first = ReplayWork(BUDGET1, BUDGET1 * BOUNDED.replay_batch_size)
+    head = ReplayWork(BUDGET2, BUDGET2 * BOUNDED.replay_batch_size)
     # 8 classes at t = 1, 204 at t = 50 (where the reference runs 1 + 50 epochs over each)
-    assert work[1, 1] == work[1, 2] == work[50, 1] == work[50, 2] == full
+    assert work[1, 1] == work[50, 1] == first
+    assert work[1, 2] == work[50, 2] == head
     # the reference schedule grows: 1 + t epochs over 16 samples of each of 4 (t + 1) classes
     model, n_past = model_at(backbones, 3)
     reference = TrainConfig(**{**BOUNDED.to_dict(), "replay_schedule": ReplaySchedule.REFERENCE})
@@ -101,3 +109,16 @@ def test_bounded_head_replay_starts_from_the_last_alignment(backbones) -> None:
     reference = TrainConfig(**{**still.to_dict(), "replay_schedule": ReplaySchedule.REFERENCE})
     replay2(bank, n_past, reference, 2)
     assert torch.equal(bank["aligned_head_weight"], bank["head_weight"])
+
+
+def test_auto_replays_as_the_reference_for_the_papers_tasks_then_bounded(backbones) -> None:
+    reference, bounded = ReplaySchedule.REFERENCE, ReplaySchedule.BOUNDED
+    tasks = (0, REFERENCE_TASKS - 1, REFERENCE_TASKS, 500)
+    assert [ReplaySchedule.AUTO.at(t) for t in tasks] == [reference, reference, bounded, bounded]
+    assert [s.at(500) for s in (reference, bounded)] == [reference, bounded]
+    auto = TrainConfig(**{**BOUNDED.to_dict(), "replay_schedule": ReplaySchedule.AUTO})
+    model, n_past = model_at(backbones, 3)
+    assert replay2(model.bank, n_past, auto, 3).steps == 4 * 16 * 16 // 8  # as the reference
+    model, n_past = model_at(backbones, REFERENCE_TASKS)
+    assert replay2(model.bank, n_past, auto, REFERENCE_TASKS).steps == BUDGET2
+    assert replay1(model, n_past, auto, REFERENCE_TASKS).steps == BUDGET1

@@ -77,7 +77,8 @@ class TrainConfig(Options):
     replay_samples: int = 256
     replay_batch_size: int = 128
     replay_schedule: ReplaySchedule = knob("replay-schedule", ReplaySchedule)  # noqa: RUF009
-    replay_steps: int = knob("replay-steps")  # the bounded schedule's budget per replay
+    replay1_steps: int = knob("replay1-steps")  # the bounded schedule's budget, first level
+    replay2_steps: int = knob("replay2-steps")  # the bounded schedule's budget, head
     mixture_components: int = knob("mixture-components")  # 1 = the paper's "unimodal" ablation
     generative_replay: bool = knob("generative-replay", table="train-local")  # federation: strategy
     confidence_modulation: bool = knob("confidence-modulation")
@@ -86,11 +87,12 @@ class TrainConfig(Options):
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def replay_config(self, epochs: int, lr: float) -> ReplayConfig:
-        """One replay's settings: its epochs and rate, the shared sampling and schedule."""
+    def replay_config(self, epochs: int, lr: float, steps: int, task: int) -> ReplayConfig:
+        """One replay's settings: its epochs, rate and bounded budget, the shared sampling, and
+        the schedule task ``task`` replays with."""
         return ReplayConfig(
-            epochs, lr, self.replay_samples, self.replay_batch_size, self.replay_schedule,
-            self.replay_steps,
+            epochs, lr, self.replay_samples, self.replay_batch_size,
+            self.replay_schedule.at(task), steps,
         )  # fmt: skip
 
 
@@ -252,9 +254,12 @@ def replay1(
             )
 
         generator = phase_generator(config.seed, task, SPECS[Phase.STAGE1_STATS].server_stream)
-        work = SCHEDULES[config.replay_schedule](
-            list(bank["clip_mixture"]), config.replay_config(config.replay1_epochs,
-            config.replay1_lr), [prompts], loss_fn, generator, "replay: prompts", progress,
+        replay = config.replay_config(
+            config.replay1_epochs, config.replay1_lr, config.replay1_steps, task
+        )
+        work = SCHEDULES[replay.schedule](
+            list(bank["clip_mixture"]), replay, [prompts], loss_fn, generator, "replay: prompts",
+            progress,
         )  # fmt: skip
         bank.set_rows("prompt", n_past, prompts)
     with torch.no_grad():
@@ -408,16 +413,17 @@ def replay2(
         return ReplayWork(0, 0)
     if any(m is None for m in bank["vit_mixture"]):
         raise ValueError("every seen class needs a ViT-feature mixture before replay")
-    weight, bias = head_start(bank, n_past, config.replay_schedule)
+    epochs = config.replay2_epochs + config.replay2_epochs_per_task * task
+    replay = config.replay_config(epochs, config.replay2_lr, config.replay2_steps, task)
+    weight, bias = head_start(bank, n_past, replay.schedule)
 
     def loss_fn(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return head_replay_loss(features, labels, weight, bias)
 
-    epochs = config.replay2_epochs + config.replay2_epochs_per_task * task
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].server_stream)
-    work = SCHEDULES[config.replay_schedule](
-        list(bank["vit_mixture"]), config.replay_config(epochs, config.replay2_lr),
-        [weight, bias], loss_fn, generator, "replay: head", progress,
+    work = SCHEDULES[replay.schedule](
+        list(bank["vit_mixture"]), replay, [weight, bias], loss_fn, generator, "replay: head",
+        progress,
     )  # fmt: skip
     bank["aligned_head_weight"], bank["aligned_head_bias"] = weight.detach(), bias.detach()
     return work
