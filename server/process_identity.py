@@ -57,4 +57,7 @@ class ProcessId:
 
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> ProcessId:
-        return cls(int(data["pid"]), int(data["started"]))  # type: ignore[arg-type]
+        pid, started = data["pid"], data["started"]
+        if not isinstance(pid, int | str) or not isinstance(started, int | str):
+            raise TypeError(f"a process id is two integers, not {pid!r} and {started!r}")
+        return cls(int(pid), int(started))

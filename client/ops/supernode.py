@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import tomli_w
 
@@ -67,7 +67,7 @@ from starfed.shared.config import TABLES
 
 STOP_GRACE_S = 15.0
 #: `starfed site start --device` (the knob table defines it; the CLI checks it at start).
-DEVICE = TABLES["run-config"]["device"]
+DEFAULT_DEVICE = str(TABLES["run-config"]["device"].default)
 WORKER_START_S = 30.0
 
 
@@ -139,7 +139,7 @@ class SiteOptions:
     data: Path
     state: Path
     name: str
-    device: str = DEVICE.default
+    device: str = DEFAULT_DEVICE
     ca: Path | None = None  # None only with insecure
     key: Path | None = None
     insecure: bool = False
@@ -197,7 +197,7 @@ def prepare(
     key: Path | None,
     state: Path | None = None,
     name: str | None = None,
-    device: str = DEVICE.default,
+    device: str = DEFAULT_DEVICE,
     privacy: tuple[float, float] = (0.0, 0.0),
     insecure: bool = False,
     worker: bool = True,
@@ -445,7 +445,9 @@ def _record(started: dict[str, subprocess.Popen | None], log: Path) -> ProcessRe
     """The record of the processes ``started`` that run (their output goes to ``log``)."""
     record = ProcessRecord.begin()
     for name, popen in started.items():
-        if popen is not None and (managed := ManagedProcess.of(name, popen, popen.args, log)):
+        if popen is not None and (
+            managed := ManagedProcess.of(name, popen, cast(list[str], popen.args), log)
+        ):
             record.processes.append(managed)
     return record
 
@@ -536,14 +538,14 @@ def _run(
                     target=_pump, args=(popen.stdout, log, echo, on_line), daemon=True
                 )
                 pump.start()
-                started = {"worker": worker and worker.popen, "supernode": popen,
+                started = {"worker": worker.popen if worker else None, "supernode": popen,
                            "superexec": superexec}  # fmt: skip
                 record = _record(started, log_file)
                 record.save(options.run_file)
                 on_started(record)
                 outcome.stopped_by = _supervise(popen, worker, seen, outcome, stop_reason, dial)
             finally:  # whatever happened: nothing of the SuperNode outlives us
-                for helper in (worker and worker.popen, superexec):
+                for helper in (worker.popen if worker else None, superexec):
                     if helper is not None and helper.poll() is None:
                         helper.terminate()
                 if popen is not None:
