@@ -26,7 +26,8 @@ traceback-sized log. This wrapper:
   by asking the server's time (``server.ops.clock``);
 - on Ctrl-C or SIGTERM sends SIGTERM to the SuperNode, which tells the SuperLink it goes offline
   (at once, instead of after the 60 s heartbeat patience), then ends whatever is left of its
-  process tree by PID. One SuperNode per state folder (a lock file), so two cannot share a key,
+  process tree by PID. One SuperNode per state folder (a lock file, ``starfed.host.locks``'s
+  like the data folder's), so two cannot share a key,
   and one running site per data folder (``data_lock``: the second start is refused with one line
   naming the holder), so two sites cannot report the same images unnoticed;
 - records the processes it starts (SuperNode, SuperExec, worker) in ``<state>/run.json`` and
@@ -42,7 +43,7 @@ process that holds it; run sites on machines (or containers) of their own (docs/
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import functools
 import os
 import re
 import secrets
@@ -60,6 +61,7 @@ import tomli_w
 
 from starfed.client.ops import data_lock, dialling
 from starfed.client.worker import CANNOT_START
+from starfed.host import locks
 from starfed.server.ops import clock, pki, processes
 from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared import addresses
@@ -333,16 +335,24 @@ def _supervise(
     return stop_reason[0] if stop_reason else None
 
 
+STATE_LOCK = ".starfed-state.lock"
+
+
 @contextlib.contextmanager
-def _state_lock(state: Path) -> Iterator[None]:
+def _state_lock(state: Path, name: str) -> Iterator[None]:
     """One SuperNode per state folder: two with one key would fight over one node id."""
     state.mkdir(parents=True, exist_ok=True)
-    with (state / ".lock").open("w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SiteError(f"another `starfed site start` uses {state}") from None
+    me = data_lock.Holder.me(name, state)
+    with locks.held(state / STATE_LOCK, me, functools.partial(_state_in_use, state)):
         yield
+
+
+def _state_in_use(state: Path, err: locks.LockError) -> SiteError:
+    if isinstance(err, locks.LockBusy) and isinstance(err.holder, data_lock.Holder):
+        return SiteError(f"another `starfed site start` uses {state}: {err.holder.describe()}")
+    if isinstance(err, locks.LockBusy):
+        return SiteError(f"another `starfed site start` uses {state}")
+    return SiteError(f"{err}; if no `starfed site start` uses {state}, remove it")
 
 
 @dataclass
@@ -459,7 +469,7 @@ def run(
 ) -> SiteRun:
     """Run the SuperNode until it ends or we are told to stop (SIGINT/SIGTERM); ``on_started``
     gets the record of the processes once they all run."""
-    with _state_lock(options.state), _data_lock(options):
+    with _state_lock(options.state, options.name), _data_lock(options):
         _check_none_left(options.run_file)
         return _run(options, echo, on_started)
 

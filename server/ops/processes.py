@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
 
-from starfed.server.process_identity import ProcessId, boot_id, proc_stat
+from starfed.host.process_identity import ProcessId, boot_id, proc_stat
 from starfed.shared.files import write_atomic
 
 #: Flower/Ray settings every Flower process starfed starts gets: no telemetry, no update
