@@ -51,7 +51,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that describe bad input (paths, configs, files) rather than a bug."""
     from starfed.shared.codebook.codebook import CodebookError
     from starfed.shared.data.images import DatasetError
-    from starfed.shared.model.backbones import BackboneError
+    from starfed.shared.model.backbone_config import BackboneError
     from starfed.simulations.simulate import SimulationError
 
     return (BackboneError, CodebookError, DatasetError, FileNotFoundError, SimulationError)

@@ -20,7 +20,7 @@ from starfed.server.ops.exit_codes import (
     EXIT_FAILED,
 )
 from starfed.server.ops.layout import DIR_ENV, ServerFolder, default_dir
-from starfed.shared.config import ConfigError, Value
+from starfed.shared.config import ConfigError, Value, as_float, as_str
 from starfed.shared.progress import console as console  # the one rule for output width
 
 Run = Callable[[argparse.Namespace], int]
@@ -67,14 +67,17 @@ def guard(
     """Every expected error of ``run`` as one line and its exit code: :class:`ConfigError` and
     ``bad_input`` exit 2; :class:`Failed`, ``OSError``, ``failed`` and Ctrl-C exit 1."""
 
+    bad: tuple[type[Exception], ...] = (ConfigError, *bad_input)
+    failing: tuple[type[Exception], ...] = (Failed, OSError, *failed)
+
     def decorate(run: Run) -> Run:
         @functools.wraps(run)
         def guarded(args: argparse.Namespace) -> int:
             try:
                 return run(args)
-            except (ConfigError, *bad_input) as err:
+            except bad as err:
                 return fail(args, err, EXIT_BAD_INPUT)
-            except (Failed, OSError, *failed) as err:
+            except failing as err:
                 return fail(args, err, EXIT_FAILED)
             except KeyboardInterrupt:  # what was started cleans up after itself; say so
                 return fail(args, "interrupted", EXIT_FAILED)
@@ -129,7 +132,9 @@ def federation_dir(args: argparse.Namespace, folder: ServerFolder) -> Path:
     return (args.federation or folder.federation).expanduser().resolve()
 
 
-def add_switches(parser: argparse.ArgumentParser, switches: dict[str, str]) -> None:
+def add_switches(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, switches: dict[str, str]
+) -> None:
     """On/off flags (``--insecure``, ``--json``, ...): flag name -> help."""
     for name, text in switches.items():
         parser.add_argument(name, action="store_true", help=text)
@@ -139,7 +144,7 @@ def ray_options(options: Mapping[str, Value]) -> tuple[float, str]:
     """``--gpus-per-client`` and ``--ray-address`` checked against ``--runtime``, the same for
     every command that runs Flower on Ray: both are Ray's, so the local runtime refuses them,
     and a GPU share needs CUDA here unless a cluster (either address) brings its own GPUs."""
-    gpus, ray_address = options["gpus-per-client"], options["ray-address"]
+    gpus, ray_address = as_float(options, "gpus-per-client"), as_str(options, "ray-address")
     if gpus > 0 and options["runtime"] == "local":
         raise ConfigError("--gpus-per-client is Ray's: the local runtime computes on the run "
                           "config's device (auto: the GPU when there is one)")  # fmt: skip

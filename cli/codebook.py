@@ -52,8 +52,13 @@ def _load(path: Path) -> tuple[Codebook, pb.Codebook]:
     return decode_codebook(payload), message
 
 
-def _mixture_label(mixture: GaussianMixture | None) -> str:
-    return "—" if mixture is None else f"M={mixture.n_components}, n={mixture.count}"
+def _mixture_label(mixture: object) -> str:
+    """A mixture field's value (None: not fitted yet)."""
+    return (
+        "—"
+        if not isinstance(mixture, GaussianMixture)
+        else f"M={mixture.n_components}, n={mixture.count}"
+    )
 
 
 def _dims_text(dims: ModelDims) -> str:
@@ -130,7 +135,11 @@ def _changes(old: Codebook, new: Codebook, name: str) -> str:
         elif f.kind is schema.Kind.MIXTURE:
             if value := _max_abs(x.mean(), y.mean()):
                 parts.append(f"{f.symbol} mean {value:.2e}")
-        elif value := _max_abs(x, y):
+        elif (
+            isinstance(x, torch.Tensor)
+            and isinstance(y, torch.Tensor)
+            and (value := _max_abs(x, y))
+        ):
             parts.append(f"{f.symbol} {value:.2e}")
     return ", ".join(parts) or "unchanged"
 

@@ -20,7 +20,7 @@ from rich.text import Text
 from starfed.cli._common import add_switches, console, warn_unreadable
 from starfed.cli.flags import BACKBONE_FLAGS, add_command, parsed, same_name
 from starfed.server.ops.exit_codes import EXIT_OK
-from starfed.shared.config import BackboneOptions, ConfigError
+from starfed.shared.config import BackboneOptions, ConfigError, as_str
 from starfed.shared.progress import counted
 
 COMMAND = "evaluate"
@@ -77,7 +77,7 @@ def _main(args: argparse.Namespace) -> int:
     plot.
     """
     values, own, _ = parsed(args, FLAGS, COMMAND)
-    plot = Path(own["plot"])
+    plot = Path(as_str(own, "plot"))
     if not args.codebook.is_file():
         raise ConfigError(f"--codebook {args.codebook}: no such file")
     if not args.data.is_dir():

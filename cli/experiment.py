@@ -15,7 +15,7 @@ import sys
 from starfed.cli._common import ray_options
 from starfed.cli.flags import add_command, parsed, same_name, switch
 from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from starfed.shared.config import ConfigError, writable_dir
+from starfed.shared.config import ConfigError, as_float, as_int, as_str, writable_dir
 from starfed.simulations.grid import load, shipped_grids
 from starfed.simulations.methods import FLOWER_METHODS
 
@@ -55,13 +55,13 @@ def _main(args: argparse.Namespace) -> int:
             f"--runtime flower: methods {', '.join(local_only)} run on the local runtime only "
             f"(Flower runs {', '.join(FLOWER_METHODS)}): give them a grid of their own"
         )
-    results = writable_dir(values["results-dir"], names.get("results-dir", "results-dir"))
+    results = writable_dir(as_str(values, "results-dir"), names.get("results-dir", "results-dir"))
     from starfed.simulations.cell import Runtime
     from starfed.simulations.experiment import run_experiment  # matplotlib: only now
 
-    runtime = Runtime(options["runtime"], options["timeout"], gpus, ray_address)
+    runtime = Runtime(as_str(options, "runtime"), as_float(options, "timeout"), gpus, ray_address)
     try:
-        summary = run_experiment(experiment, results.resolve(), runtime, options["jobs"])
+        summary = run_experiment(experiment, results.resolve(), runtime, as_int(options, "jobs"))
     except KeyboardInterrupt:  # the running cells are stopped; complete ones stay
         print(
             f"starfed experiment: interrupted; the same command continues "

@@ -166,7 +166,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     # a registered site is known by the name the operator gave its key, whatever it says
     registered = [r for r in sites.Registry.load(folder.sites_file).sites if r.removed_at is None]
     overrides["site-names"] = " ".join(f"{r.node_id}:{r.name}" for r in registered)
-    if running:
+    if running and checkpoint is not None:  # running: a checkpoint says so
         say(_continues(checkpoint))
     offline = _offline(folder, registered)
     if registered and offline is not None and len(offline) == len(registered):
@@ -456,15 +456,15 @@ def _print_status(status: Status) -> None:
     if status.findings:
         table = Table("site", "step", "phase", "class", "what", "why",
                       title="screened contributions in the last steps")  # fmt: skip
-        for f in status.findings:
-            table.add_row(f.site, str(f.step + 1), f"{f.phase}/{f.round}", f.name or "—",
-                          f.action, f.reason)  # fmt: skip
+        for finding in status.findings:
+            table.add_row(finding.site, str(finding.step + 1), f"{finding.phase}/{finding.round}",
+                          finding.name or "—", finding.action, finding.reason)  # fmt: skip
         out.print(table)
     else:
         say("screening  nothing capped or rejected in the last steps")
-    for site, held in status.quarantine.items():
+    for kept_out, held in status.quarantine.items():
         since, why = held.get("step", 0) + 1, held.get("reason", "")
-        say(f"quarantine {site}: kept out since step {since} ({why}); remove it from "
+        say(f"quarantine {kept_out}: kept out since step {since} ({why}); remove it from "
             "quarantine.json to let it back in")  # fmt: skip
     if status.last_run:
         run = status.last_run

@@ -25,7 +25,7 @@ from starfed.cli._common import (
     server_folder,
 )
 from starfed.cli.flags import add_command, parsed, same_name
-from starfed.shared.config import ConfigError
+from starfed.shared.config import ConfigError, as_int, as_str
 
 SERVE = "server serve"  # the table of `serve`'s own knobs
 SERVE_FLAGS = same_name("listen", "max-mib")
@@ -118,12 +118,12 @@ def run_serve(args: argparse.Namespace) -> int:
     _federation(federation)
     options = distribution.ServeOptions(
         federation=federation,
-        listen=own["listen"],
+        listen=as_str(own, "listen"),
         cert=None if args.insecure else (args.cert or folder.server_cert),
         key=None if args.insecure else (args.key or folder.server_key),
         insecure=args.insecure,
         dtype="float16" if args.float16 else "float32",
-        max_bytes=own["max-mib"] * 2**20,
+        max_bytes=as_int(own, "max-mib") * 2**20,
     )
     try:
         distribution.check(options)
@@ -144,7 +144,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info), flush=True)
     else:
-        print(f"serving federation {info['federation'][:8]} codebook version {current.version} "
+        served = current.metadata["federation"]
+        print(f"serving federation {served[:8]} codebook version {current.version} "
               f"({len(current)} classes) on port {port} ({'TLS' if info['tls'] else 'plain'}); "
               "devices: starfed predict --from HOST:PORT --ca ca.pem; Ctrl-C stops",
               flush=True)  # fmt: skip

@@ -20,7 +20,7 @@ from pathlib import Path
 from starfed.cli._common import warn, warn_unreadable
 from starfed.cli.flags import BACKBONE_FLAGS, add_command, device_flag, parsed, same_name
 from starfed.server.ops.exit_codes import EXIT_FAILED
-from starfed.shared.config import BackboneOptions, ConfigError
+from starfed.shared.config import BackboneOptions, ConfigError, as_int, as_str
 from starfed.shared.progress import counted
 
 COMMAND = "predict"
@@ -138,11 +138,11 @@ def _main(args: argparse.Namespace) -> int:
     from starfed.shared.inference.predict import Predictor
 
     paths = image_paths(args.inputs)
-    codebook = _codebook(args, Path(own["cache"]) if own["cache"] else default_cache())
+    codebook = _codebook(args, Path(as_str(own, "cache")) if own["cache"] else default_cache())
     if codebook is None:
         return EXIT_FAILED
     try:
-        backbones = options.load(values["device"])
+        backbones = options.load(as_str(values, "device"))
     except ValueError as err:  # a device this machine does not have
         raise ConfigError(f"--device {values['device']}: {err}") from None
     predictor = Predictor(codebook, backbones)
@@ -150,7 +150,7 @@ def _main(args: argparse.Namespace) -> int:
     writer = csv.writer(sys.stdout, lineterminator="\n") if own["format"] == "csv" else None
     if writer:
         writer.writerow(["path", "class", "probability", "task"])
-    for predictions, unreadable in predictor.predict_files(paths, own["batch-size"]):
+    for predictions, unreadable in predictor.predict_files(paths, as_int(own, "batch-size")):
         warn_unreadable(args, unreadable)
         skipped += unreadable
         if writer:
@@ -162,8 +162,8 @@ def _main(args: argparse.Namespace) -> int:
     if own["format"] == "json":
         codebook_info = {"version": codebook.version, "classes": len(codebook),
                          "fingerprint": codebook.fingerprint}  # fmt: skip
-        predictions = [{"path": p.path, "class": p.name, "probability": p.probability,
-                        "task": p.task} for p in rows]  # fmt: skip
-        print(json.dumps({"codebook": codebook_info, "predictions": predictions,
+        listed = [{"path": p.path, "class": p.name, "probability": p.probability,
+                   "task": p.task} for p in rows]  # fmt: skip
+        print(json.dumps({"codebook": codebook_info, "predictions": listed,
                           "skipped": skipped}, indent=2))  # fmt: skip
     return 0

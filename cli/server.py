@@ -33,7 +33,7 @@ from starfed.server.ops import certs, pki, processes, superlink
 from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared import addresses
-from starfed.shared.config import ConfigError
+from starfed.shared.config import ConfigError, as_float, as_int, as_str
 
 START = "server start"  # the table of `start`'s own knobs
 START_FLAGS = same_name("listen", "internal-port", "isolation", "max-body-mib", "max-per-address")
@@ -156,15 +156,15 @@ def run_certs(args: argparse.Namespace) -> int:
 
 def _options(args: argparse.Namespace) -> superlink.ServerOptions:
     _, own, _ = parsed(args, START_FLAGS, START)
-    host, port = addresses.parse_address(own["listen"])  # checked by the knob
+    host, port = addresses.parse_address(as_str(own, "listen"))  # checked by the knob
     return superlink.ServerOptions(
         listen_host=host,
         listen_port=port,
-        internal_port=own["internal-port"],
+        internal_port=as_int(own, "internal-port"),
         insecure=args.insecure,
-        isolation=own["isolation"],
-        max_body_mib=own["max-body-mib"],
-        max_per_address=own["max-per-address"],
+        isolation=as_str(own, "isolation"),
+        max_body_mib=as_int(own, "max-body-mib"),
+        max_per_address=as_int(own, "max-per-address"),
     )
 
 
@@ -294,7 +294,7 @@ def run_dashboard(args: argparse.Namespace) -> int:
     from starfed.server.ops import dashboard  # matplotlib and uvicorn: for this action only
 
     _, own, _ = parsed(args, DASHBOARD_FLAGS, DASHBOARD)
-    host, port = addresses.parse_address(own["listen"])  # checked by the knob
+    host, port = addresses.parse_address(as_str(own, "listen"))  # checked by the knob
     local = addresses.is_loopback(host)
     if not local and not args.allow_remote:
         raise ConfigError(
@@ -328,5 +328,7 @@ def run_dashboard(args: argparse.Namespace) -> int:
     # uvicorn stops gracefully on SIGINT/SIGTERM and raises the signal again: both end here
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how it ends
-        dashboard.serve(dashboard.Dashboard(folder, federation_dir, own["refresh-s"]), listening)
+        dashboard.serve(
+            dashboard.Dashboard(folder, federation_dir, as_float(own, "refresh-s")), listening
+        )
     return EXIT_OK

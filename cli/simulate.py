@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 
 from starfed.cli._common import ray_options
 from starfed.cli.flags import Flag, add_command, add_run_config, parsed, run_config, same_name
-from starfed.shared.config import ConfigError, writable_dir
+from starfed.shared.config import ConfigError, as_float, writable_dir
 from starfed.simulations.simulate import simulate
 
 COMMAND = "simulate"
@@ -71,4 +71,4 @@ def _main(args: argparse.Namespace) -> int:
         from starfed.simulations.local_grid import simulate_locally  # Flower, torch: only now
 
         return simulate_locally(overrides)
-    return simulate(overrides, options["timeout"], gpus, ray_address)
+    return simulate(overrides, as_float(options, "timeout"), gpus, ray_address)

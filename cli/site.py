@@ -21,6 +21,7 @@ from starfed.cli.flags import Flag, add_command, device_flag, parsed, same_name
 from starfed.client.ops import dialling, supernode
 from starfed.server.ops import pki, processes
 from starfed.server.ops.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from starfed.shared.config import as_float, as_str
 
 KEYGEN, START = "site keygen", "site start"  # the tables of their own knobs
 KEYGEN_FLAGS = same_name("out")
@@ -86,7 +87,7 @@ def run_keygen(args: argparse.Namespace) -> int:
     .pub (send it to the operator, who runs `starfed server sites add`).
     """
     _, own, _ = parsed(args, KEYGEN_FLAGS, KEYGEN)
-    out = Path(own["out"])
+    out = Path(as_str(own, "out"))
     key = pki.write_site_key(out, f"starfed-site@{socket.gethostname()}", force=args.force)
     public = pki.public_key_path(out)
     if args.json:
@@ -127,12 +128,12 @@ def run_start(args: argparse.Namespace) -> int:
             key=args.key,
             state=args.state,
             name=args.name,
-            device=values["device"],
-            privacy=(values["privacy-epsilon"], values["privacy-delta"]),
+            device=as_str(values, "device"),
+            privacy=(as_float(values, "privacy-epsilon"), as_float(values, "privacy-delta")),
             insecure=args.insecure,
             worker=not args.no_worker,
             give_up_s=args.give_up_after,
-            privacy_unit=values["privacy-unit"],
+            privacy_unit=as_str(values, "privacy-unit"),
         )
     except (ValueError, supernode.SiteError) as err:  # SiteKeyError is a ValueError
         return fail(args, err, EXIT_BAD_INPUT)

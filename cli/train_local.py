@@ -11,7 +11,7 @@ import argparse
 
 from starfed.cli.flags import Flag, add_command, parsed, same_name, switch
 from starfed.server.ops.exit_codes import EXIT_OK
-from starfed.shared.config import writable_dir
+from starfed.shared.config import as_int, as_str, writable_dir
 
 COMMAND = "train-local"
 FLAGS = (
@@ -44,12 +44,12 @@ def _main(args: argparse.Namespace) -> int:
     CropDiseases hyper-parameters.
     """
     values, options, names = parsed(args, FLAGS, COMMAND)
-    writable_dir(values["results-dir"], names.get("results-dir", "results-dir"))
+    writable_dir(as_str(values, "results-dir"), names.get("results-dir", "results-dir"))
 
     import torch  # only now: a bad value above costs no second of loading
 
     from starfed.simulations.train_local import LocalRunOptions, run_local
 
-    torch.set_num_threads(options["threads"])
+    torch.set_num_threads(as_int(options, "threads"))
     run_local(LocalRunOptions.from_config(values, options))
     return EXIT_OK

@@ -23,7 +23,7 @@ from starfed.client.memory import SiteMemory
 from starfed.client.privacy import PrivacySetting
 from starfed.client.site import Site
 from starfed.shared.codebook import wire
-from starfed.shared.config import BackboneOptions, parse, run_dir
+from starfed.shared.config import BackboneOptions, as_int, as_str, parse, run_dir
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import ALSO, CLASSIFY_WITH_KEYS, Phase
 
@@ -61,16 +61,17 @@ def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> 
         SITES.move_to_end(key)
     else:
         values, node = parse(run_config), parse(node_config, "node-config")
-        backbones = BackboneOptions.from_config(values).load(node["device"] or values["device"])
+        device = as_str(node, "device") or as_str(values, "device")
+        backbones = BackboneOptions.from_config(values).load(device)
         if node["data-dir"]:
-            name = node["site-name"] or f"node-{node_id}"
-            data_dir = Path(node["data-dir"])
-            state_dir = Path(node["state-dir"] or data_dir / ".starfed")
-            cache_dir = Path(node["cache-dir"] or state_dir / "cache")
+            name = as_str(node, "site-name") or f"node-{node_id}"
+            data_dir = Path(as_str(node, "data-dir"))
+            state_dir = Path(as_str(node, "state-dir") or data_dir / ".starfed")
+            cache_dir = Path(as_str(node, "cache-dir") or state_dir / "cache")
         elif "partition-id" in node_config:
-            root = simulated_site_dir(run_dir(values, run_id), node["partition-id"])
+            root = simulated_site_dir(run_dir(values, run_id), as_int(node, "partition-id"))
             name, data_dir, state_dir = root.name, root / "data", root / "state"
-            cache_dir = Path(node["cache-dir"] or default_cache_dir())
+            cache_dir = Path(as_str(node, "cache-dir") or default_cache_dir())
         else:
             raise NoDataError(
                 "this SuperNode has no data folder: start it with `starfed site start --data "

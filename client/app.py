@@ -26,8 +26,8 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from starfed.client.worker import request
-from starfed.shared.config import parse
-from starfed.shared.protocol import MESSAGES, Phase, PhaseSpec
+from starfed.shared.config import as_str, parse
+from starfed.shared.protocol import MESSAGES, Phase, PhaseSpec, record_bytes
 
 app = ClientApp()
 
@@ -42,8 +42,11 @@ def _handle(phase: Phase, message: Message, context: Context) -> Message:
         "run-id": context.run_id,
         "node-id": context.node_id,
     }
-    payload = message.content["codebook"]["data"] if "codebook" in message.content else b""
-    worker = parse(context.node_config, "node-config")["worker-socket"]
+    content = message.content
+    payload = (
+        record_bytes(content["codebook"]["data"], "codebook") if "codebook" in content else b""
+    )
+    worker = as_str(parse(context.node_config, "node-config"), "worker-socket")
     if worker:
         records = request(worker, header, payload)
     else:

@@ -28,6 +28,7 @@ lower it) and at most 1/n.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -225,7 +226,9 @@ class PrivateReleases:
         entries, refused = [], []
         self.task_classes = len(counts)
         for name, count in counts.items():
-            key = self._enrol(class_key(name), lambda n=name: digests(n) if digests else [])
+            key = self._enrol(
+                class_key(name), functools.partial(digests, name) if digests else list
+            )
             released = self.memory.ledger().counts.get(key)
             if released is None:
                 z = self.noise([self.budget(name)], Phase.SYNC)
@@ -313,13 +316,16 @@ class PrivateReleases:
         shared = [e for e in entries if plan[e.name] is not None]
         counts = self.memory.ledger().counts
         if phase not in STATISTICS and shared:
-            z = float(plan[shared[0].name])
+            noise = plan[shared[0].name]
+            assert noise is not None  # shared: the entries with a plan
+            z = float(noise)
             clip = self.setting.stage1_clip if phase is Phase.STAGE1 else self.setting.stage2_clip
             std = z * 2.0 * clip * math.sqrt(len(shared))
             released = []
             for entry in shared:
-                before = {f: sent[entry.name].values[f] for f in entry.values}
-                values = private_update(before, dict(entry.values), clip, std, self.rng)
+                before = {f: sent[entry.name].tensor(f) for f in entry.values}  # a training update
+                after = {f: entry.tensor(f) for f in entry.values}
+                values = private_update(before, after, clip, std, self.rng)
                 released.append(ClassEntry(entry.name, entry.count, values))
             shared = released
             self._record([e.name for e in shared], z, f"the {phase.key} update")

@@ -96,7 +96,7 @@ class TaskView:
             for f in schema.FIELDS:
                 value = entry.values.get(f.name)
                 if sources.get(f.name) is not value:
-                    rows = [value] if f.kind is schema.Kind.MIXTURE else value.unsqueeze(0)
+                    rows = value.unsqueeze(0) if isinstance(value, torch.Tensor) else [value]
                     bank.set_rows(f.name, row, rows)
                     sources[f.name] = value
             if row < self.n_past:
@@ -225,7 +225,7 @@ class Site:
                 metadata.update(self.private.metadata(refused))
         return ClientUpdate(
             self.fingerprint, self.backbones.dims, Phase.SYNC,
-            self.memory.held_version(epoch), entries, metadata,
+            self.memory.held_version(epoch), tuple(entries), metadata,
         )  # fmt: skip
 
     def view(
@@ -258,7 +258,9 @@ class Site:
         for name in own:
             model.bank.counts[row[class_key(name)]] = data.counts[class_key(name)]
         images, features = data.images[mine], data.features[mine]
-        sources = {name: dict(codebook[name].values) for name in model.bank.names}
+        sources: dict[str, dict[str, object]] = {
+            name: dict(codebook[name].values) for name in model.bank.names
+        }
         view = TaskView(
             model, len(context), own, labels, images, features, index, round_index, sources
         )
@@ -281,17 +283,17 @@ class Site:
                 trained = schema.trained_in(phase)
                 private = self.private
                 plan = None if private is None else private.plan(view.own, phase, round_index)
-                if plan is not None and phase in STATISTICS:  # a private site's own fit
+                if private is not None and plan is not None and phase in STATISTICS:  # its own fit
                     fit = private.mixture_fit(phase, view.own, plan)
                     HANDLERS[phase](view, self.config, fit=fit)
                 else:
                     HANDLERS[phase](view, self.config)
                 view.written(trained)
                 entries = view.model.bank.entries(view.own, fields=trained)
-                if plan is not None:
+                if private is not None and plan is not None:
                     entries, metadata = private.release(phase, entries, codebook, plan)
         return ClientUpdate(
-            self.fingerprint, codebook.dims, phase, codebook.version, entries, metadata
+            self.fingerprint, codebook.dims, phase, codebook.version, tuple(entries), metadata
         )
 
     def evaluate(

@@ -106,7 +106,7 @@ class _Handler(socketserver.BaseRequestHandler):
             # the reply's error; not a cycle: ``answer`` imports nothing from this module.
             from starfed.client.answer import answer
 
-            with self.server.lock:  # one message at a time: they share the site's state
+            with _Server.lock:  # one message at a time: they share the site's state
                 records = answer(header, payload)
             names, sizes = [name for name, _ in records], [len(data) for _, data in records]
             reply = {"ok": True, "records": names, "sizes": sizes}

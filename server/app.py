@@ -27,6 +27,7 @@ from rich.console import Console
 from starfed.server import folder_lock
 from starfed.server.coordinator import Coordinator, RunLog
 from starfed.server.federation import FAILED, METRICS_FILE, Federation, FederationError
+from starfed.server.messaging import SiteGrid
 from starfed.server.robust import MedianStrategy
 from starfed.server.scores import accuracy_matrix, selection_matrix
 from starfed.server.screening import ScreeningOptions
@@ -64,7 +65,7 @@ class RunFailed(RuntimeError):
 
 
 def run_server(
-    grid: Grid,
+    grid: SiteGrid,
     run_config: dict,
     run_id: int = 0,
     console: Console | None = None,
@@ -102,7 +103,7 @@ def run_server(
 
 
 def _run_locked(
-    grid: Grid,
+    grid: SiteGrid,
     values: dict,
     run_config: dict,
     run_id: int,

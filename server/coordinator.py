@@ -50,6 +50,7 @@ from starfed.server.federation import (
 )
 from starfed.server.messaging import (
     Reply,
+    SiteGrid,
     exchange,
     malformed,
     note_privacy,
@@ -74,6 +75,7 @@ from starfed.shared.protocol import (
     STATISTICS,
     Phase,
     PhaseSpec,
+    record_bytes,
 )
 from starfed.shared.report import EvaluationReport
 
@@ -127,7 +129,7 @@ class Coordinator:
 
     def __init__(
         self,
-        grid,
+        grid: SiteGrid,
         backbones: Backbones,
         train: TrainConfig,
         protocol: ProtocolOptions,
@@ -314,8 +316,8 @@ class Coordinator:
         ends, which follows at once)."""
         if spec.phase is Phase.EVALUATE:
             reports = self._reports(replies, state.codebook)
-            self._scores = self.strategy.aggregate_evaluate(reports, state)
-            self._print_scores(state.step)
+            self._scores = scores = self.strategy.aggregate_evaluate(reports, state)
+            self._print_scores(state.step, scores)
             return
         carried: set[str] = set()
         updates = self._updates(replies, state, spec.phase, carried, record, sent)
@@ -410,11 +412,11 @@ class Coordinator:
             findings=tuple(self.screen.findings), quarantined=tuple(self.screen.quarantined),
         )  # fmt: skip
 
-    def _print_scores(self, step: int) -> None:
-        row = " ".join(f"{a:.0f}" for a in self._scores.accuracy)
+    def _print_scores(self, step: int, scores: StepScores) -> None:
+        row = " ".join(f"{a:.0f}" for a in scores.accuracy)
         self.console.print(
             f"step {step + 1}: {progress.counted(len(self.codebook), 'class')} · "
-            f"federation accuracy {self._scores.mean_accuracy:.1f}% by arrival step: {row}"
+            f"federation accuracy {scores.mean_accuracy:.1f}% by arrival step: {row}"
         )
 
     # --- the enrolment ----------------------------------------------------------------------
@@ -424,7 +426,8 @@ class Coordinator:
         federation does not know yet and begins (False when there are none: no step); a resumed
         step, enrolled before, only learns who is here. Either way the sites that answered
         take part in the rest of the step."""
-        config = {"step": step, "round": 0, "wire-dtype": self.protocol.wire_dtype,
+        config: dict[str, ConfigValue] = {"step": step, "round": 0,
+                  "wire-dtype": self.protocol.wire_dtype,
                   **Lineage.of(self.codebook).as_metadata(),
                   "frozen": sorted(self.codebook.frozen)}  # fmt: skip
         replies = self._send(ENROLMENT, step, 0, config, self._node_ids, None)
@@ -607,7 +610,7 @@ class Coordinator:
         # id order (random per run) nor as they arrived.
         for entry, reply in sorted(replies, key=lambda r: (r[0].site, r[0].node_id)):
             try:
-                data = reply.content[record]["data"]
+                data = record_bytes(reply.content[record]["data"], record)
                 against = sent or self.codebook
                 bound = self.screen.max_entries(phase, against)
                 update = wire.decode_update(data, against=against, phase=phase, max_entries=bound)
@@ -662,7 +665,7 @@ class Coordinator:
         """The valid evaluation reports, with their sites, one at a time."""
         for entry, reply in replies:
             try:
-                data = reply.content["report"]["data"]
+                data = record_bytes(reply.content["report"]["data"], "report")
                 report = EvaluationReport.from_bytes(data, against=codebook)
             except (CodebookError, KeyError, TypeError) as err:
                 reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))

@@ -128,7 +128,8 @@ class Position:
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, str]) -> Position:
         raw = json.loads(metadata.get(POSITION_KEY, "{}"))
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+        return cls(**fields)
 
     def as_metadata(self) -> dict[str, str]:
         """The metadata entry that carries it."""

@@ -13,9 +13,11 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
 
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
 
 from starfed.server.federation import REFUSED, Exchange
 from starfed.shared.codebook.codebook import ClientUpdate
@@ -31,8 +33,19 @@ ERROR_PREFIX = re.compile(r"^error:\s*", re.IGNORECASE)
 Reply = tuple[Exchange, Message]
 
 
+class SiteGrid(Protocol):
+    """What the coordinator asks of a grid: Flower's ``Grid``, or one that answers at once
+    (``simulations/local_grid.py``, the tests' grids)."""
+
+    def get_node_ids(self) -> Iterable[int]: ...
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]: ...
+
+
 def exchange(
-    grid,
+    grid: SiteGrid,
     spec: PhaseSpec,
     step: int,
     round_index: int,
@@ -80,12 +93,12 @@ def exchange(
     return good, exchanges
 
 
-def send_and_receive(grid, messages: list[Message], timeout: float) -> list[Message]:
+def send_and_receive(grid: SiteGrid, messages: list[Message], timeout: float) -> list[Message]:
     """Push the messages, then pull replies after short, growing waits until all came or
     ``timeout`` passed. Flower's ``Grid.send_and_receive`` sleeps 3 s between pulls, which a
     deployed step would pay in every phase (docs/benchmarks.md). Grids without push/pull (test
     grids that answer at once) use their own ``send_and_receive``."""
-    if not hasattr(grid, "push_messages"):
+    if not isinstance(grid, Grid):
         return list(grid.send_and_receive(messages, timeout=timeout))
     pending = set(grid.push_messages(messages))
     replies: list[Message] = []

@@ -49,7 +49,7 @@ class MedianStrategy(Strategy):
         for name in sorted(robust):
             entries = rows[name]
             values = {  # the lower of the two middle rows for an even number of holders
-                field: torch.stack([e.values[field] for e in entries]).median(dim=0).values
+                field: torch.stack([e.tensor(field) for e in entries]).median(dim=0).values
                 for field in entries[0].values
             }
             medians.append(ClassEntry(name, sum(e.count for e in entries), values))

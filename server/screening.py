@@ -164,7 +164,7 @@ class Screen:
         ``held`` in quarantine, a second node with a taken name, a node using a name registered
         to another (``site-names``), impossible counts and too many new classes are rejected
         (the site sits the step out), each with a finding."""
-        kept, names = [], {}
+        kept, names = [], dict[str, int]()
         registered_names = set(self.registered.values())
         for entry, update in accepted:
             site = entry.site
@@ -371,9 +371,10 @@ class PhaseScreen:
                         value.dim, second_moment(value),
                     ))  # fmt: skip
                 elif name in sent:
-                    change = _distance(value, sent[name])
+                    held = self.codebook[entry.name].tensor(name)
+                    change = _distance(value, held)
                     self.rows.changes.setdefault(name, []).append(
-                        (site, entry.name, change, reference_size(sent[name]))
+                        (site, entry.name, change, reference_size(held))
                     )
 
     def frozen_rows(self, site: str, names: list[str]) -> None:
@@ -388,8 +389,8 @@ class PhaseScreen:
             for name, rows in self.rows.changes.items():
                 self._bound_changes(name, rows)
         if self.screen.options.mixture_bound:
-            for name, rows in self.rows.mixtures.items():
-                self._bound_mixtures(name, rows)
+            for name, stats in self.rows.mixtures.items():
+                self._bound_mixtures(name, stats)
         self._note_furthest()
 
     def _reject_row(self, site: str, cls: str, problem: str) -> None:
@@ -440,7 +441,7 @@ class PhaseScreen:
         fit by fewer sites, the senders' own median (docs/security.md)."""
         if len({r[0] for r in rows}) < MIN_SITES:
             held = [
-                float(entry.values[name].means.norm(dim=1).max())
+                float(entry.mixture(name).means.norm(dim=1).max())
                 for entry in self.codebook.entries.values()
                 if name in entry.values
             ]

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 from starfed.shared.addresses import parse_address
 from starfed.shared.device import check as check_device
@@ -131,7 +131,7 @@ class Knob:
         value = _convert(self.kind, raw)
         if value is None or not self._admits(value):
             raise ConfigError(f"{shown}: expected {self.allowed}")
-        if self.check is not None and value:
+        if self.check is not None and isinstance(value, str) and value:
             try:
                 self.check(value)
             except ValueError as err:
@@ -141,7 +141,7 @@ class Knob:
     def _admits(self, value: Value) -> bool:
         if self.choices:
             return value in self.choices
-        if self.kind in (bool, str):
+        if isinstance(value, bool | str):  # the knob's kind: ``_convert`` made it one
             return True
         return not (
             (self.ge is not None and value < self.ge)
@@ -446,7 +446,42 @@ def optional(value: Value) -> Value | None:
 def run_dir(values: Values, run_id: int) -> Path:
     """The folder of a run: ``<results-dir>/<run-name>``, where an empty run name becomes
     ``fed-<run id>`` — the server and the simulated sites derive the same folder."""
-    return Path(values["results-dir"]) / (values["run-name"] or f"fed-{run_id}")
+    return Path(as_str(values, "results-dir")) / (as_str(values, "run-name") or f"fed-{run_id}")
+
+
+# --- one value, typed: ``parse`` gave each knob its kind; these say which to the type checker --
+
+_Kind = TypeVar("_Kind", str, int, bool)
+
+
+def _of(values: Values, key: str, kind: type[_Kind]) -> _Kind:
+    value = values[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}={show(value)}: expected {kind.__name__}")
+    return value
+
+
+def as_str(values: Values, key: str) -> str:
+    """A text knob's value (a path, a name, a choice)."""
+    return _of(values, key, str)
+
+
+def as_int(values: Values, key: str) -> int:
+    """An integer knob's value."""
+    return _of(values, key, int)
+
+
+def as_bool(values: Values, key: str) -> bool:
+    """A true/false knob's value."""
+    return _of(values, key, bool)
+
+
+def as_float(values: Values, key: str) -> float:
+    """A number knob's value (an integer given for it reads as a float)."""
+    value = values[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{key}={show(value)}: expected a number")
+    return float(value)
 
 
 # --- typed options, derived from the table ------------------------------------------------
@@ -466,6 +501,8 @@ class Options:
     """Options whose fields are declared with :func:`knob` (and options nested as a field with
     ``default_factory=`` their class): built from parsed values by one generic rule, never
     copied field by field."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # subclasses: dataclasses
 
     @classmethod
     def from_config(cls, values: Values) -> Self:

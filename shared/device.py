@@ -49,7 +49,7 @@ def backbone_dtype(device: torch.device) -> torch.dtype:
     return torch.float16 if device.type in ("cuda", "mps") else torch.float32
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+def autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
     """Half-precision matrix products with float32 accumulation on a GPU; nothing on the CPU."""
     import torch
 

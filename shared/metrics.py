@@ -12,9 +12,11 @@ import math
 import re
 import textwrap
 from pathlib import Path
+from typing import Any, BinaryIO, overload
 
 import matplotlib
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # no pyplot: files only, no display or global state
 
 AccuracyMatrix = list[list[float]]  # row i has i + 1 entries
@@ -25,7 +27,11 @@ def _nanmean(values: list[float]) -> float:
     return float(np.mean(finite)) if finite else float("nan")
 
 
-def nan_to_none(value):
+@overload
+def nan_to_none(value: dict[str, Any]) -> dict[str, object]: ...
+@overload
+def nan_to_none(value: object) -> object: ...
+def nan_to_none(value: object) -> object:
     """Scores, in (nested) lists and dicts, for strict JSON: NaN (no test images) -> None."""
     if isinstance(value, dict):
         return {k: nan_to_none(v) for k, v in value.items()}
@@ -81,7 +87,7 @@ TITLE_CHARS_PER_INCH = 11  # at fontsize 10: a longer title wraps instead of bei
 MATRIX_PLOT, OVER_TIME_PLOT = "accuracy_matrix.png", "accuracy_over_time.png"
 #: Per-task lines: a qualitative map (neighbours differ in hue), then line styles, so 30 tasks
 #: stay told apart; a sequential map makes T4-T6 one shade.
-TASK_COLOURS = matplotlib.colormaps["tab10"].colors
+TASK_COLOURS = [matplotlib.colormaps["tab10"](i) for i in range(10)]
 TASK_STYLES = ("-", "--", ":")
 NAME_CHARS = 28  # a class name on an axis or in a table cell, at most
 
@@ -106,8 +112,8 @@ def short_class_name(name: str, limit: int = NAME_CHARS) -> str:
         if len(disease) > room and (cut := re.search(r"[_ -]", tail)):  # from a word's start
             tail = tail[cut.end() :] or tail
         return f"{head}…{tail}"
-    tail = (limit - 1) * 2 // 3
-    return f"{name[: limit - 1 - tail]}…{name[-tail:]}"
+    kept = (limit - 1) * 2 // 3
+    return f"{name[: limit - 1 - kept]}…{name[-kept:]}"
 
 
 def random_backbones_note(backbones: str, has_weights: bool) -> str | None:
@@ -136,12 +142,12 @@ def task_ticks(n: int) -> list[int]:
     return list(range(0, n, stride))
 
 
-def _title(ax, title: str, width: float) -> None:
+def _title(ax: Axes, title: str, width: float) -> None:
     ax.set_title(textwrap.fill(title, int(TITLE_CHARS_PER_INCH * width)), fontsize=10)
 
 
 def plot_accuracy_matrix(
-    matrix: AccuracyMatrix, path: Path, title: str, note: str | None = None
+    matrix: AccuracyMatrix, path: Path | BinaryIO, title: str, note: str | None = None
 ) -> Figure:
     """Heat map of the accuracy matrix, values written in the cells while they fit; ``note``
     under it.
@@ -178,7 +184,7 @@ def plot_accuracy_matrix(
 
 
 def plot_accuracy_over_time(
-    matrix: AccuracyMatrix, path: Path, title: str, note: str | None = None
+    matrix: AccuracyMatrix, path: Path | BinaryIO, title: str, note: str | None = None
 ) -> Figure:
     """One line per task (its accuracy at every step after it was learned) and their mean;
     integer steps; ``note`` under it. Beyond ``LABEL_EVERY_TASK`` tasks only the mean is in

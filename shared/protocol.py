@@ -100,3 +100,21 @@ CLASSIFY_WITH_KEYS = "classify-with-keys"
 #: budget is exhausted (comma-separated; the server records a refusal, not a failure).
 PRIVACY_EPSILON = "privacy-epsilon"
 BUDGET_EXHAUSTED = "privacy-budget-exhausted"
+
+
+# --- what a message's records hold, typed (Flower types a record value as any of its kinds) --
+
+
+def record_bytes(value: object, what: str) -> bytes:
+    """A record's ``data``: the bytes of a codebook, an update or a report; ``TypeError`` for a
+    malformed message."""
+    if not isinstance(value, bytes):
+        raise TypeError(f"{what}: expected bytes, got {type(value).__name__}")
+    return value
+
+
+def record_int(value: object, what: str) -> int:
+    """A message config's integer (``step``, ``round``); ``TypeError`` for a malformed one."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(f"{what}: expected an integer, got {type(value).__name__}")
+    return int(value)

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from starfed.server.ops import processes
-from starfed.server.ops.exit_codes import EXIT_DEGRADED, EXIT_OK
+from starfed.server.ops.exit_codes import EXIT_OK, FINISHED
 from starfed.shared.files import write_atomic
 from starfed.simulations.grid import Cell
 from starfed.simulations.simulate import flower_env, simulate
@@ -190,7 +190,7 @@ def main(argv: list[str]) -> int:
         code = simulate(
             cell_run_config(values, spec["seed"], folder), runtime.timeout, runtime.gpus_per_client
         )
-        return EXIT_OK if code == EXIT_DEGRADED else code  # degraded: complete, as locally
+        return EXIT_OK if code in FINISHED else code  # degraded: complete, as locally
     method = METHODS[spec["method"]].load()
     console = Console(file=sys.stdout, width=110, log_path=False)
     method(values, spec["seed"], folder, console)

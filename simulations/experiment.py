@@ -123,10 +123,10 @@ def run_experiment(
 
     waiting = []
     for cell in todo:  # complete cells first, in grid order
-        if finished[cell.name] is None:
+        if (outcome := finished[cell.name]) is None:
             waiting.append(cell)
         else:
-            ended(cell, finished[cell.name])
+            ended(cell, outcome)
     # side by side, each cell's thread pools get its share of this machine's cores
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
     try:

@@ -82,7 +82,7 @@ class Experiment:
 def shipped_grids() -> dict[str, Path]:
     """The grids that come with starfed (``simulations/grids/``), by name."""
     folder = files("starfed.simulations") / "grids"
-    found = sorted(p for p in folder.iterdir() if p.name.endswith(".toml"))
+    found = sorted((p for p in folder.iterdir() if p.name.endswith(".toml")), key=lambda p: p.name)
     return {Path(p.name).stem: Path(str(p)) for p in found}
 
 
@@ -121,7 +121,7 @@ def _experiment(raw: dict, source: str) -> Experiment:
     if not isinstance(raw_seeds, list) or not raw_seeds:
         raise ConfigError("[experiment] seeds: expected a non-empty list of integers")
     seed = TABLES["run-config"]["seed"]
-    seeds = tuple(seed.parse(s, "[experiment] seeds") for s in raw_seeds)
+    seeds = tuple(int(seed.parse(s, "[experiment] seeds")) for s in raw_seeds)  # an int knob
     methods = head.get("methods")
     if not isinstance(methods, list) or not methods:
         raise ConfigError(f"[experiment] methods: expected a non-empty list of {_known_methods()}")

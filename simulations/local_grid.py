@@ -27,20 +27,27 @@ import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from starfed.client.app import app as client_app
 from starfed.server.app import RunFailed, run_server
-from starfed.server.ops.exit_codes import EXIT_DEGRADED
+from starfed.server.ops.exit_codes import EXIT_FAILED, run_exit_code
 from starfed.server.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server.ops.flower_runs import summarize
 from starfed.server.strategy import Strategy
 from starfed.shared import progress, thread_pools
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
-from starfed.shared.config import parse
+from starfed.shared.config import Value, as_int, parse
 from starfed.shared.metrics import results_line
-from starfed.shared.protocol import MESSAGES
+from starfed.shared.protocol import MESSAGES, record_bytes, record_int
 from starfed.simulations.simulate import CLIENT_CPUS
 from starfed.simulations.simulated_sites import SimulatedSites
 
@@ -82,7 +89,9 @@ class LocalGrid:
             if "codebook" not in message.content:
                 continue
             node = message.metadata.dst_node_id
-            received = decode_broadcast(message.content["codebook"]["data"])
+            received = decode_broadcast(
+                record_bytes(message.content["codebook"]["data"], "codebook")
+            )
             if isinstance(received, Delta):
                 received = held[node].apply(received)
             held[node] = out[message.metadata.message_id] = received
@@ -154,22 +163,23 @@ class _PhaseBar:
     """One progress bar for one phase's messages ("step 3 · stage2 · 2/5 sites")."""
 
     def __init__(self, progress: Progress | None, messages: list[Message]) -> None:
-        self.progress = progress
-        self.task = None
+        self.bar: tuple[Progress, TaskID] | None = None
         if progress is not None and messages:
             first = messages[0]
-            step = int(first.content["config"]["step"]) + 1
+            step = record_int(first.content["config"]["step"], "step") + 1
             phase = PHASE_KEYS.get(first.metadata.message_type, first.metadata.message_type)
-            self.task = progress.add_task(f"step {step} · {phase}", total=len(messages))
+            self.bar = progress, progress.add_task(f"step {step} · {phase}", total=len(messages))
 
     def __enter__(self) -> Callable[[], None]:
-        if self.task is None:
+        if self.bar is None:
             return lambda: None
-        return lambda: self.progress.advance(self.task)
+        bars, task = self.bar
+        return lambda: bars.advance(task)
 
     def __exit__(self, *exc: object) -> None:
-        if self.task is not None:
-            self.progress.remove_task(self.task)
+        if self.bar is not None:
+            bars, task = self.bar
+            bars.remove_task(task)
 
 
 # --- a whole simulation ----------------------------------------------------------------------
@@ -215,11 +225,11 @@ def run_locally(
         return run_server(grid, config, run_id, console, strategy=strategy, before_step=sites)
 
 
-def simulate_locally(overrides: Mapping[str, object]) -> int:
-    """`starfed simulate --runtime local`: exit code 0 (completed), 3 (degraded) or 1 (failed),
-    as with the Flower runtime."""
+def simulate_locally(overrides: Mapping[str, Value]) -> int:
+    """`starfed simulate --runtime local`: the run's exit code (``exit_codes.RUN_EXIT_CODES``:
+    0 completed, 3 degraded, 1 failed), as with the Flower runtime."""
     run_dir = Path(str(overrides["results-dir"])) / str(overrides["run-name"])
-    sites = progress.counted(int(overrides["num-clients"]), "simulated site")
+    sites = progress.counted(as_int(overrides, "num-clients"), "simulated site")
     print(f"local runtime: {sites} in this process, results in {run_dir}")
     started = time.monotonic()
     try:
@@ -228,7 +238,7 @@ def simulate_locally(overrides: Mapping[str, object]) -> int:
         print(
             f"error: the run failed after {time.monotonic() - started:.0f}s: {err}", file=sys.stderr
         )
-        return 1
+        return EXIT_FAILED
     print(f"finished in {time.monotonic() - started:.0f}s · {summarize(metrics)}")
     print(results_line(run_dir))
-    return EXIT_DEGRADED if metrics.get("status") == "degraded" else 0
+    return run_exit_code(metrics.get("status"))

@@ -37,10 +37,10 @@ from flwr.proto.node_pb2 import Node
 from flwr.supernode.fleet_http_client import FleetHttpClient
 from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
 
+from starfed.host.process_identity import ProcessId
 from starfed.server.ops import certs, fleet_signatures, gateway, pki
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.sites import Registry, SiteRecord
-from starfed.server.process_identity import ProcessId
 
 pytestmark = [pytest.mark.adversarial, pytest.mark.e2e]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -76,7 +77,7 @@ def test_a_lock_of_a_dead_process_is_stale(data: Path, tmp_path: Path) -> None:
 
 def test_a_reused_pid_does_not_keep_a_lock(data: Path, tmp_path: Path) -> None:
     me = ProcessId.of(os.getpid())
-    stale = Holder("farm-a", "s", data_lock.socket.gethostname(), me.pid, me.started - 1, "t")
+    stale = Holder("farm-a", "s", socket.gethostname(), me.pid, me.started - 1, "t")
     (data / data_lock.LOCK_NAME).write_text(json.dumps(stale.__dict__))
     with data_lock.hold(data, "farm-b", tmp_path / "state-b") as holder:
         assert holder.site == "farm-b"

@@ -36,6 +36,7 @@ from in_process import run_two_sites, starfed
 from site_folders import CLASSES, site_folder
 
 from starfed.client.ops import supernode
+from starfed.host.process_identity import ProcessId
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import federation as federation_module
 from starfed.server import folder_check, folder_lock
@@ -54,7 +55,6 @@ from starfed.server.federation import (
 from starfed.server.ops import clock, gateway, pki
 from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.process_identity import ProcessId
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The folders that install as ``starfed.*`` (pyproject.toml's ``package-dir``).
-FOLDERS = ("cli", "client", "server", "shared", "proto", "simulations")
+FOLDERS = ("cli", "client", "server", "shared", "proto", "simulations", "host")
 #: Flower modules whose names are Flower's public API (its documentation's import paths).
 FLOWER_PUBLIC = {"flwr.app", "flwr.clientapp", "flwr.serverapp", "flwr.serverapp.strategy"}
 FLOWER_INTERNALS = "starfed.server.ops.flower_internals"
@@ -22,6 +22,7 @@ FLOWER_INTERNALS = "starfed.server.ops.flower_internals"
 #: Layer of a module, by prefix (the longest matching prefix wins); a module may import its
 #: own layer and the layers below it.
 LAYERS = {
+    "starfed.host": 0,  # the operating system's: process identity, lock files
     "starfed.shared": 0,  # the model
     "starfed.proto": 0,
     "starfed.server": 1,  # the federation
@@ -177,3 +178,16 @@ def test_a_cycle_would_be_found(monkeypatch):
     back = IMPORTS["starfed.shared.protocol"] | {"starfed.server.coordinator"}
     monkeypatch.setitem(IMPORTS, "starfed.shared.protocol", back)
     assert any("starfed.server.coordinator" in cycle for cycle in _cycles())
+
+
+def test_the_host_imports_nothing_else_of_starfed():
+    """``host/`` (process identity, lock files) serves the server and the site alike: below
+    every other layer, it depends on none."""
+    outside = [
+        f"{module} imports {target}"
+        for module, targets in IMPORTS.items()
+        if module.startswith("starfed.host")
+        for target in targets
+        if target.startswith("starfed.") and not target.startswith("starfed.host")
+    ]
+    assert "starfed.host.locks" in MODULES and outside == []

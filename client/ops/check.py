@@ -53,7 +53,7 @@ class SiteCheck:
     unreadable: list[str] = field(default_factory=list)
     fingerprint: str | None = None
     federation_fingerprint: str | None = None
-    remembered: dict | None = None  # site.json: federation, completed tasks
+    remembered: dict[str, object] | None = None  # site.json: federation, completed tasks
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -266,7 +266,7 @@ def _remembered(state: Path) -> dict | None:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):  # none yet (or damaged: the site starts its memory afresh)
         return None
-    remembered = {
+    remembered: dict[str, object] = {
         "federation": str(saved.get("federation", "")),
         "completed": {str(k): int(v) for k, v in saved.get("completed", {}).items()},
         "codebook_version": None,

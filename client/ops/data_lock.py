@@ -3,32 +3,30 @@
 Why: two ``starfed site start`` with different state folders (or names, or keys) on one data
 folder are, to the server, two sites that hold the same images: every count they report is
 doubled and the merge weighs those images twice, with nothing to show for it. The state folder
-has its own lock (``supernode._state_lock``); this one is on the data.
+has its own lock (``supernode._state_lock``, the same kind of lock); this one is on the data.
 
-The lock is a small JSON file naming the holder: its site name, state folder, host, and the
-``starfed site start`` process as PID and start time (``processes.ProcessId``), so a lock left by
-a process that died (or a PID reused since) is recognised as stale and replaced, while a second
-start on a live lock is refused with one line that names the holder. It lives in the data
-folder (``.starfed-site.lock``); a data folder that is a read-only mount gets it in a folder
-shared by the machine's users (``$TMPDIR/starfed-data-locks``), named after the folder's device
-and inode, so starts on this machine still see each other. Limits: a holder on another host
-(a shared network folder) cannot be checked for life, so its lock is only ever reported, never
-replaced; two starts that find the same stale lock in the same instant could both proceed.
+The lock is ``starfed.host.locks``'s, naming the holder: its site name, state folder, host, and
+the ``starfed site start`` process as PID, start time and boot id, so a lock left by a process
+that died (or a PID reused since) is recognised as stale and taken over, while a second start on
+a live lock is refused with one line that names the holder. It lives in the data folder
+(``.starfed-site.lock``); a data folder that is a read-only mount gets it in a folder shared by
+the machine's users (``$TMPDIR/starfed-data-locks``), named after the folder's device and inode,
+so starts on this machine still see each other. A holder on another host (a shared network
+folder) cannot be checked for life, so its lock is only ever reported, never replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
-import socket
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from starfed.server.ops.processes import ProcessId
+from starfed.host import locks
 
 LOCK_NAME = ".starfed-site.lock"
 SHARED_LOCKS = "starfed-data-locks"
@@ -40,7 +38,7 @@ class DataFolderInUse(RuntimeError):
 
 @dataclass(frozen=True)
 class Holder:
-    """Who holds a data folder."""
+    """Who holds a site's data (or state) folder."""
 
     site: str
     state: str
@@ -48,29 +46,20 @@ class Holder:
     pid: int
     started: int
     since: str
+    boot: str = ""  # a lock written without one (before starfed recorded it) is stale
 
     @classmethod
     def me(cls, site: str, state: Path) -> Holder:
-        process = ProcessId.of(os.getpid())
-        assert process is not None  # we are running
+        me = locks.Owner.me()
         now = datetime.now(UTC).isoformat(timespec="seconds")
-        return cls(site, str(state), socket.gethostname(), process.pid, process.started, now)
+        return cls(site, str(state), me.host, me.pid, me.started, now, me.boot)
 
     @classmethod
     def read(cls, path: Path) -> Holder | None:
-        """The holder a lock file names, or None when it cannot be read (a lock being written,
-        or a damaged one: treated as stale)."""
-        try:
-            data = json.loads(path.read_text())
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    def running(self) -> bool:
-        """Still running — or on another host, where we cannot tell."""
-        if self.host != socket.gethostname():
-            return True
-        return ProcessId(self.pid, self.started).alive()
+        """The holder a lock file names, or None when there is none or it cannot be read."""
+        with contextlib.suppress(locks.LockDamaged):
+            return locks.read(path, cls)
+        return None
 
     def describe(self) -> str:
         return (
@@ -93,14 +82,15 @@ def lock_path(data: Path) -> Path:
     return shared / f"{stat.st_dev}-{stat.st_ino}.lock"
 
 
-def _create(path: Path, holder: Holder) -> bool:
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as file:
-        json.dump(asdict(holder), file)
-    return True
+def _refused(data: Path, path: Path, err: locks.LockError) -> DataFolderInUse:
+    if isinstance(err, locks.LockBusy) and isinstance(err.holder, Holder):
+        return DataFolderInUse(
+            f"--data {data} is in use by {err.holder.describe()}: one data folder serves one "
+            f"site (if that site is not running, remove {path})"
+        )
+    if isinstance(err, locks.LockBusy):
+        return DataFolderInUse(f"--data {data} was taken at the same moment by another start")
+    return DataFolderInUse(f"--data {data}: {err}; if no site is running on it, remove it")
 
 
 @contextlib.contextmanager
@@ -108,23 +98,6 @@ def hold(data: Path, site: str, state: Path) -> Iterator[Holder]:
     """Hold ``data`` for this process while the block runs; ``DataFolderInUse`` if a running
     site holds it."""
     path = lock_path(data)
-    me = Holder.me(site, state)
-    if not _create(path, me):
-        holder = Holder.read(path)
-        if holder is not None and holder.running():
-            raise DataFolderInUse(
-                f"--data {data} is in use by {holder.describe()}: one data folder serves one "
-                f"site (if that site is not running, remove {path})"
-            )
-        path.unlink(missing_ok=True)  # stale: its process is gone
-        if not _create(path, me):
-            other = Holder.read(path)
-            raise DataFolderInUse(
-                f"--data {data} was taken at the same moment by "
-                f"{other.describe() if other else 'another start'}"
-            )
-    try:
+    refuse = functools.partial(_refused, data, path)
+    with locks.held(path, Holder.me(site, state), refuse) as me:
         yield me
-    finally:
-        if Holder.read(path) == me:
-            path.unlink(missing_ok=True)

@@ -109,6 +109,8 @@ def _run_task(spec: ExecutionSpec) -> None:
 def serve(runtime_api_address: str, secret_file: Path, poll_s: float) -> None:
     """Acquire the SuperNode's tasks and fork one child each, until the parent goes away."""
     parent = os.getppid()
+    secret = load_superexec_auth_secret(str(secret_file))
+    assert secret is not None  # None only when no file is named
     client = RuntimeHttpClient.from_server_address(
         server_address=runtime_api_address,
         insecure=True,  # the SuperNode's Runtime API listens on 127.0.0.1 only
@@ -116,7 +118,7 @@ def serve(runtime_api_address: str, secret_file: Path, poll_s: float) -> None:
         interceptors=[
             RuntimeVersionHttpInterceptor(component_name="SuperExec"),
             SuperExecAuthHttpInterceptor(
-                master_secret=load_superexec_auth_secret(str(secret_file)),
+                master_secret=secret,
                 protected_methods=SUPEREXEC_AUTH_METHODS,
             ),
         ],

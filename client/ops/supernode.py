@@ -26,7 +26,8 @@ traceback-sized log. This wrapper:
   by asking the server's time (``server.ops.clock``);
 - on Ctrl-C or SIGTERM sends SIGTERM to the SuperNode, which tells the SuperLink it goes offline
   (at once, instead of after the 60 s heartbeat patience), then ends whatever is left of its
-  process tree by PID. One SuperNode per state folder (a lock file), so two cannot share a key,
+  process tree by PID. One SuperNode per state folder (a lock file, ``starfed.host.locks``'s
+  like the data folder's), so two cannot share a key,
   and one running site per data folder (``data_lock``: the second start is refused with one line
   naming the holder), so two sites cannot report the same images unnoticed;
 - records the processes it starts (SuperNode, SuperExec, worker) in ``<state>/run.json`` and
@@ -42,7 +43,7 @@ process that holds it; run sites on machines (or containers) of their own (docs/
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import functools
 import os
 import re
 import secrets
@@ -54,12 +55,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import tomli_w
 
 from starfed.client.ops import data_lock, dialling
 from starfed.client.worker import CANNOT_START
+from starfed.host import locks
 from starfed.server.ops import clock, pki, processes
 from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared import addresses
@@ -67,7 +69,7 @@ from starfed.shared.config import TABLES
 
 STOP_GRACE_S = 15.0
 #: `starfed site start --device` (the knob table defines it; the CLI checks it at start).
-DEVICE = TABLES["run-config"]["device"]
+DEFAULT_DEVICE = str(TABLES["run-config"]["device"].default)
 WORKER_START_S = 30.0
 
 
@@ -139,7 +141,7 @@ class SiteOptions:
     data: Path
     state: Path
     name: str
-    device: str = DEVICE.default
+    device: str = DEFAULT_DEVICE
     ca: Path | None = None  # None only with insecure
     key: Path | None = None
     insecure: bool = False
@@ -197,7 +199,7 @@ def prepare(
     key: Path | None,
     state: Path | None = None,
     name: str | None = None,
-    device: str = DEVICE.default,
+    device: str = DEFAULT_DEVICE,
     privacy: tuple[float, float] = (0.0, 0.0),
     insecure: bool = False,
     worker: bool = True,
@@ -333,16 +335,24 @@ def _supervise(
     return stop_reason[0] if stop_reason else None
 
 
+STATE_LOCK = ".starfed-state.lock"
+
+
 @contextlib.contextmanager
-def _state_lock(state: Path) -> Iterator[None]:
+def _state_lock(state: Path, name: str) -> Iterator[None]:
     """One SuperNode per state folder: two with one key would fight over one node id."""
     state.mkdir(parents=True, exist_ok=True)
-    with (state / ".lock").open("w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SiteError(f"another `starfed site start` uses {state}") from None
+    me = data_lock.Holder.me(name, state)
+    with locks.held(state / STATE_LOCK, me, functools.partial(_state_in_use, state)):
         yield
+
+
+def _state_in_use(state: Path, err: locks.LockError) -> SiteError:
+    if isinstance(err, locks.LockBusy) and isinstance(err.holder, data_lock.Holder):
+        return SiteError(f"another `starfed site start` uses {state}: {err.holder.describe()}")
+    if isinstance(err, locks.LockBusy):
+        return SiteError(f"another `starfed site start` uses {state}")
+    return SiteError(f"{err}; if no `starfed site start` uses {state}, remove it")
 
 
 @dataclass
@@ -445,7 +455,9 @@ def _record(started: dict[str, subprocess.Popen | None], log: Path) -> ProcessRe
     """The record of the processes ``started`` that run (their output goes to ``log``)."""
     record = ProcessRecord.begin()
     for name, popen in started.items():
-        if popen is not None and (managed := ManagedProcess.of(name, popen, popen.args, log)):
+        if popen is not None and (
+            managed := ManagedProcess.of(name, popen, cast(list[str], popen.args), log)
+        ):
             record.processes.append(managed)
     return record
 
@@ -457,7 +469,7 @@ def run(
 ) -> SiteRun:
     """Run the SuperNode until it ends or we are told to stop (SIGINT/SIGTERM); ``on_started``
     gets the record of the processes once they all run."""
-    with _state_lock(options.state), _data_lock(options):
+    with _state_lock(options.state, options.name), _data_lock(options):
         _check_none_left(options.run_file)
         return _run(options, echo, on_started)
 
@@ -536,14 +548,14 @@ def _run(
                     target=_pump, args=(popen.stdout, log, echo, on_line), daemon=True
                 )
                 pump.start()
-                started = {"worker": worker and worker.popen, "supernode": popen,
+                started = {"worker": worker.popen if worker else None, "supernode": popen,
                            "superexec": superexec}  # fmt: skip
                 record = _record(started, log_file)
                 record.save(options.run_file)
                 on_started(record)
                 outcome.stopped_by = _supervise(popen, worker, seen, outcome, stop_reason, dial)
             finally:  # whatever happened: nothing of the SuperNode outlives us
-                for helper in (worker and worker.popen, superexec):
+                for helper in (worker.popen if worker else None, superexec):
                     if helper is not None and helper.poll() is None:
                         helper.terminate()
                 if popen is not None:

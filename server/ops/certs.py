@@ -167,8 +167,11 @@ def _load_ca(folder: ServerFolder) -> tuple[ec.EllipticCurvePrivateKey, x509.Cer
         cert = x509.load_pem_x509_certificate(folder.ca_cert.read_bytes())
     except (OSError, ValueError) as err:
         raise CertError(f"cannot load the CA in {folder.certs}: {err}") from None
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or (
-        key.public_key().public_numbers() != cert.public_key().public_numbers()
+    public = cert.public_key()
+    if (
+        not isinstance(key, ec.EllipticCurvePrivateKey)
+        or not isinstance(public, ec.EllipticCurvePublicKey)
+        or key.public_key().public_numbers() != public.public_numbers()
     ):
         raise CertError(f"{folder.ca_key} does not belong to {folder.ca_cert}")
     return key, cert

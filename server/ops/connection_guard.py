@@ -214,7 +214,8 @@ class TlsGate(asyncio.Protocol):
             self.tls,
             done,
             server_side=True,
-            ssl_handshake_timeout=self.guard.handshake_timeout,
+            # typeshed types the timeout as int; asyncio takes any number of seconds
+            ssl_handshake_timeout=self.guard.handshake_timeout,  # type: ignore[arg-type]
         )
         transport.set_protocol(secure)  # the bytes that follow are the handshake's
         secure.connection_made(transport)

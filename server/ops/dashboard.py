@@ -219,19 +219,19 @@ def build_state(
 ) -> State:
     """The page's data from one reading of the folders (and the slower parts, read apart)."""
     s = reading.status
-    scored = [r for r in reading.history if r.scores is not None]
+    scored = [(r, r.scores) for r in reading.history if r.scores is not None]
     site_accuracy: dict[str, dict[int, float]] = {}
-    for record in scored:
-        for site, score in sorted(record.scores.sites.items()):
-            site_accuracy.setdefault(site, {})[record.step] = score.get("accuracy")
-    classes = scored[-1].scores.classes if scored else {}
+    for record, scores in scored:
+        for site, score in sorted(scores.sites.items()):
+            site_accuracy.setdefault(site, {})[record.step] = score["accuracy"]
+    classes = scored[-1][1].classes if scored else {}
     now = time.time()
     return State(
         status=s,
         read_at=_iso(now),
         running=_running(s.position, Path(s.federation_dir), now),
         steps=[_detail(record) for record in reading.history],
-        accuracy_matrix=[r.scores.accuracy for r in scored],
+        accuracy_matrix=[scores.accuracy for _, scores in scored],
         site_accuracy=site_accuracy,
         class_accuracy={
             name: 100.0 * c["correct"] / c["images"] for name, c in classes.items() if c["images"]
@@ -251,7 +251,7 @@ class Plot:
 
     title: str
     data: Callable[[State], Any]  # falsy: nothing to draw yet
-    draw: Callable[[Any, BinaryIO], None]
+    draw: Callable[[Any, BinaryIO], object]
 
 
 def _step_label(step: int, attempt: int) -> str:
@@ -504,7 +504,7 @@ def _now(state: State) -> str:
 def _site_state(row: status.SiteRow) -> Html | None:
     """Flower's word for the node, after ``failing`` and the last error when its last
     exchanges failed (an online site can fail every message)."""
-    now = _badge(row.status) if row.status else ""
+    now = _badge(row.status) if row.status else Html("")
     if not row.failing:
         return now or None
     return Html(f"{_badge(row.state)} {now} <small>{_text(row.failure)}</small>")
@@ -524,7 +524,7 @@ def _sites(state: State) -> str:
         name="sites-table",
     )  # fmt: skip
     if not s.server.get("running"):
-        table += Html("<p class='muted'>now: known while the server runs</p>")
+        table = Html(table + "<p class='muted'>now: known while the server runs</p>")
     keys = _table(
         ("site", "node", "key", "added", "removed"),
         ((r.name, r.node_id, Html(f"<code>{_text(r.fingerprint)}</code>"), r.added_at,

@@ -8,8 +8,22 @@ SIGTERM stopped the run (as a shell reports Ctrl-C). They live with the operatio
 `simulations/` and `cli/` both return them.
 """
 
+from starfed.server.federation import COMPLETED, DEGRADED, FAILED
+
 EXIT_OK = 0  # done; a federation run: completed
 EXIT_FAILED = 1  # something failed: a process would not start, a peer refused, the run failed
 EXIT_BAD_INPUT = 2  # arguments, files, names: one line, before anything heavy runs
 EXIT_DEGRADED = 3  # a federation run whose steps finished while some site failed or was rejected
 EXIT_INTERRUPTED = 130  # a federation run stopped by Ctrl-C or SIGTERM
+
+#: A federation run's status (``metrics.json``) → the exit code of the command that ran it, on
+#: either runtime (``flower_runs.exit_code``, ``simulations.local_grid``); an experiment's cell
+#: is complete when its run's code is one of ``FINISHED`` (``simulations.cell``).
+RUN_EXIT_CODES = {COMPLETED: EXIT_OK, DEGRADED: EXIT_DEGRADED, FAILED: EXIT_FAILED}
+FINISHED = frozenset({EXIT_OK, EXIT_DEGRADED})  # the run's steps all ended
+
+
+def run_exit_code(status: object) -> int:
+    """The exit code of a run that ended with ``status``: any status the table does not name
+    (none: no metrics were written) is a failure."""
+    return RUN_EXIT_CODES.get(str(status), EXIT_FAILED)

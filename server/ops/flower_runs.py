@@ -30,12 +30,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import IO
+from typing import IO, TypedDict
 
 import tomli_w
 
 from starfed.server.ops import processes
-from starfed.server.ops.exit_codes import EXIT_DEGRADED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, run_exit_code
 from starfed.shared.config import TABLES, ConfigError
 from starfed.shared.files import write_atomic
 from starfed.shared.metrics import faa_text, forgetting_text
@@ -141,6 +141,14 @@ def _unboxed(output: str) -> str:
 # --- the flwr CLI ----------------------------------------------------------------------------
 
 
+class ProcessOptions(TypedDict):
+    """What every ``flwr`` we start is given besides its command (``FlowerCli.process_options``)."""
+
+    env: dict[str, str]
+    cwd: Path
+    stdin: int
+
+
 @dataclass(frozen=True)
 class FlowerCli:
     """``flwr`` with a Flower home whose config holds :data:`CONNECTION`: every ``flwr`` that
@@ -153,7 +161,7 @@ class FlowerCli:
         return processes.flower_env(self.flwr_home.absolute())
 
     @property
-    def process_options(self) -> dict[str, object]:
+    def process_options(self) -> ProcessOptions:
         """The environment and working folder of every ``flwr`` we start: the Flower home for
         both. ``flwr ACTION starfed`` takes a folder named ``starfed`` with a
         ``pyproject.toml`` in its working folder for an app of Flower's legacy usage ("Heads up
@@ -235,8 +243,11 @@ class FlowerCli:
         own messages (stderr) are dropped: the follower reports a lost SuperLink in one line,
         where the stream would print Flower's "Connection to the SuperLink is unavailable"
         box."""
-        options = {**self.process_options, "stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL}
-        popen = subprocess.Popen(self.command("log", str(run_id), "--stream"), **options)
+        command = self.command("log", str(run_id), "--stream")
+        options = self.process_options
+        popen = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, **options
+        )
         return LogStream(popen, sink)
 
 
@@ -281,7 +292,9 @@ class LogStream:
         self._pump.start()
 
     def _copy(self, sink: IO | None) -> None:
-        lines = (raw.decode(errors="replace") for raw in iter(self.popen.stdout.readline, b""))
+        stdout = self.popen.stdout
+        assert stdout is not None  # started with stdout=PIPE
+        lines = (raw.decode(errors="replace") for raw in iter(stdout.readline, b""))
         for line in without_expected_failure(lines):
             out = sink or sys.stdout
             with contextlib.suppress(OSError, ValueError):
@@ -399,8 +412,7 @@ def exit_code(outcome: RunOutcome, metrics: dict | None) -> int:
         return EXIT_INTERRUPTED
     if outcome.status != COMPLETED or metrics is None:
         return EXIT_FAILED
-    status = str(metrics.get("status"))
-    return {"completed": EXIT_OK, "degraded": EXIT_DEGRADED}.get(status, EXIT_FAILED)
+    return run_exit_code(metrics.get("status"))
 
 
 def summarize(metrics: dict) -> str:

@@ -27,9 +27,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
-from starfed.server.process_identity import ProcessId, boot_id, proc_stat
+from starfed.host.process_identity import ProcessId, boot_id, proc_stat
 from starfed.shared.files import write_atomic
 
 #: Flower/Ray settings every Flower process starfed starts gets: no telemetry, no update
@@ -81,7 +81,7 @@ class ProcessRecord:
     processes: list[ManagedProcess] = field(default_factory=list)
 
     @classmethod
-    def begin(cls, **details: object) -> Self:
+    def begin(cls, **details: Any) -> Self:
         """A record made now, of no process yet (``details``: a subclass's fields)."""
         now = datetime.now(UTC).isoformat(timespec="seconds")
         return cls(boot_id=boot_id(), started_at=now, **details)

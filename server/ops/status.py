@@ -34,6 +34,7 @@ from starfed.server.federation import (
     Exchange,
     Federation,
     FederationError,
+    Finding,
     StepRecord,
 )
 from starfed.server.ops import flower_runs, sites, superlink
@@ -310,7 +311,7 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
         ClassRow(name, r.step, r.registered, dict(r.sites), name in frozen, len(r.sites) == 1)
         for name, r in federation.registry.items()
     ]
-    history = _guarded(status, root / HISTORY_FILE, federation.history, [])
+    history: list[StepRecord] = _guarded(status, root / HISTORY_FILE, federation.history, [])
     status.steps = [_step(record) for record in history]
     metrics = root / METRICS_FILE
     run = _guarded(status, metrics, lambda: _read_metrics(metrics), None)
@@ -326,7 +327,7 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
                 for f in record.findings]  # fmt: skip
     if checkpoint is not None and checkpoint.position.running:  # the step in progress, so far
         step = checkpoint.position.step
-        so_far = _guarded(
+        so_far: list[Finding] = _guarded(
             status, root / STEP_FINDINGS_FILE, lambda: federation.step_findings(step), []
         )
         findings += [(step, f) for f in so_far]
@@ -353,7 +354,8 @@ def _site_rows(
         for site, node_id in answered.items():
             last[site] = SiteRow(site, node_id, record.step, _when(heard[site]))
             last[site].epsilon = epsilon.get(site)
-    batches = [(r.ended, r.exchanges) for r in history] + ([unrecorded] if unrecorded else [])
+    batches: list[tuple[float, Sequence[Exchange]]] = [(r.ended, r.exchanges) for r in history]
+    batches += [unrecorded] if unrecorded else []
     for name, (node_id, error, count) in _failing(batches).items():
         row = last.setdefault(name, SiteRow(name, node_id))
         row.failing, row.failed_in_a_row = error, count

@@ -20,12 +20,12 @@ from types import MappingProxyType
 
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank, ClassEntry, Value
-from starfed.shared.codebook.framing import CodebookError
+from starfed.shared.codebook.framing import CodebookError as CodebookError  # re-exported
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.protocol import Phase
 
 
-def _read_only(value: object, name: str, mapping: Mapping) -> None:
+def _read_only(value: object, name: str, mapping: Mapping[str, object]) -> None:
     """Store a private copy of ``mapping`` that cannot be changed through the value."""
     object.__setattr__(value, name, MappingProxyType(dict(mapping)))
 
@@ -135,7 +135,13 @@ class Codebook:
                 fields = {f: v for f, v in entry.values.items() if stamps.get(f, 0) > since}
                 changed[name] = replace(entry, values=fields)
         return Delta(
-            self.fingerprint, self.dims, self.version, since, self.names, changed, self.metadata
+            self.fingerprint,
+            self.dims,
+            self.version,
+            since,
+            tuple(self.names),
+            changed,
+            self.metadata,
         )
 
     def apply(self, delta: Delta) -> Codebook:

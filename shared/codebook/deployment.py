@@ -23,7 +23,9 @@ CLASS_STEPS_KEY = "class-steps"  # JSON {class: the step that registered it}
 CONFIDENCE_KEY = "confidence-modulation"  # "true" | "false", as the federation trained
 
 
-def deployment_metadata(lineage: Lineage, steps: Mapping[str, int], modulation: bool) -> dict:
+def deployment_metadata(
+    lineage: Lineage, steps: Mapping[str, int], modulation: bool
+) -> dict[str, str]:
     return {
         **lineage.as_metadata(),
         CLASS_STEPS_KEY: json.dumps(dict(steps)),

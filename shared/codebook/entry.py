@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, cast
 
 import torch
 
@@ -41,6 +42,20 @@ class ClassEntry:
         object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
         object.__setattr__(self, "field_versions", MappingProxyType(dict(self.field_versions)))
 
+    def tensor(self, field_name: str) -> torch.Tensor:
+        """A tensor field's value (``KeyError`` when it is not set)."""
+        value = self.values[field_name]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{self.name}: {field_name} holds a mixture, not a tensor")
+        return value
+
+    def mixture(self, field_name: str) -> GaussianMixture:
+        """A mixture field's value (``KeyError`` when it is not set)."""
+        value = self.values[field_name]
+        if not isinstance(value, GaussianMixture):
+            raise TypeError(f"{self.name}: {field_name} holds a tensor, not a mixture")
+        return value
+
 
 class ClassBank:
     """Per-class state stacked by field: float32 tensor columns ``[C, *row]`` and mixture lists.
@@ -62,10 +77,24 @@ class ClassBank:
     def __len__(self) -> int:
         return len(self.names)
 
-    def __getitem__(self, field_name: str):
+    def __getitem__(self, field_name: str) -> Any:
+        """The column: a tensor, or a list for a mixture field (its ``schema`` kind says which;
+        the model indexes both by name)."""
         return self._columns[field_name]
 
-    def __setitem__(self, field_name: str, column: torch.Tensor | list) -> None:
+    def _tensor(self, field_name: str) -> torch.Tensor:
+        column = self._columns[field_name]
+        assert isinstance(column, torch.Tensor), f"{field_name} is not a tensor field"
+        return column
+
+    def _mixtures(self, field_name: str) -> list[GaussianMixture | None]:
+        column = self._columns[field_name]
+        assert isinstance(column, list), f"{field_name} is not a mixture field"
+        return column
+
+    def __setitem__(
+        self, field_name: str, column: torch.Tensor | list[GaussianMixture | None]
+    ) -> None:
         """Replace a whole column (same length; tensors are stored detached, float32)."""
         if len(column) != len(self):
             raise ValueError(f"{field_name}: {len(column)} rows for {len(self)} classes")
@@ -77,13 +106,19 @@ class ClassBank:
         """The tensor columns moved to ``device`` (in place); mixtures are float64 statistics
         and stay on the CPU."""
         for name in schema.TENSORS:
-            self._columns[name] = self._columns[name].to(device)
+            self._columns[name] = self._tensor(name).to(device)
         return self
 
-    def set_rows(self, field_name: str, start: int, value: torch.Tensor | Sequence) -> None:
+    def set_rows(
+        self,
+        field_name: str,
+        start: int,
+        value: torch.Tensor | Sequence[GaussianMixture | None],
+    ) -> None:
         """Overwrite rows ``start : start + len(value)`` of one column."""
         column = self._columns[field_name]
         if isinstance(column, torch.Tensor):
+            assert isinstance(value, torch.Tensor), f"{field_name} takes tensor rows"
             rows = value.detach().to(device=column.device, dtype=column.dtype)
             column[start : start + value.shape[0]] = rows
         else:
@@ -96,10 +131,10 @@ class ClassBank:
         if duplicate or len(set(names)) != len(names):
             raise ValueError(f"classes already in the bank or repeated: {sorted(duplicate)}")
         for name in schema.TENSORS:
-            rows = [e.values.get(name) for e in entries]
-            if any(row is None for row in rows):
+            rows = [row for e in entries if isinstance(row := e.values.get(name), torch.Tensor)]
+            if len(rows) != len(entries):
                 raise ValueError(f"missing {name} for a new class")
-            current = self._columns[name]
+            current = self._tensor(name)
             if rows:
                 stacked = torch.stack([row.detach().to(current) for row in rows])
                 if stacked.shape[1:] != current.shape[1:]:
@@ -109,7 +144,9 @@ class ClassBank:
                     )
                 self._columns[name] = torch.cat([current, stacked])
         for name in schema.MIXTURES:
-            self._columns[name].extend(e.values.get(name) for e in entries)
+            self._mixtures(name).extend(
+                cast(GaussianMixture | None, e.values.get(name)) for e in entries
+            )
         self.names.extend(names)
         self.counts.extend(e.count for e in entries)
 
@@ -132,7 +169,7 @@ class ClassBank:
         row = {name: i for i, name in enumerate(self.names)}
         rows = [row[name] for name in (self.names if names is None else names)]
         index = torch.tensor(rows, dtype=torch.long)
-        columns = {}
+        columns: dict[str, torch.Tensor | list[GaussianMixture | None]] = {}
         for name in schema.BY_NAME if fields is None else fields:
             column = self._columns[name]
             if isinstance(column, torch.Tensor):
@@ -143,7 +180,7 @@ class ClassBank:
             ClassEntry(
                 self.names[i],
                 self.counts[i],
-                {f: column[k] for f, column in columns.items() if column[k] is not None},
+                {f: value for f, column in columns.items() if (value := column[k]) is not None},
             )
             for k, i in enumerate(rows)
         ]

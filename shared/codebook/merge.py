@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,12 +35,13 @@ POOL_BOUND = 256
 LLOYD_ITERATIONS = 3
 
 
-def _one_thread():
+def _one_thread() -> AbstractContextManager[object]:
     """A merge's k-means and sums are small (at most ``POOL_BOUND`` points, one class at a time):
     BLAS and OpenMP thread teams cost more than they save, and far more when the server shares
     its cores with sites (docs/benchmarks.md). Results do not change: below 512 points
     scikit-learn's k-means runs in one chunk whatever the thread count."""
-    return thread_pools.controller().limit(limits=1)
+    limited: AbstractContextManager[object] = thread_pools.controller().limit(limits=1)
+    return limited
 
 
 # --- mixtures -----------------------------------------------------------------------------------
@@ -86,7 +88,9 @@ def _moment_match(
     return np.array(mass), np.stack(mu), np.stack(var)
 
 
-def _mixture(weights: np.ndarray, means: np.ndarray, variances: np.ndarray, count: int):
+def _mixture(
+    weights: np.ndarray, means: np.ndarray, variances: np.ndarray, count: int
+) -> GaussianMixture:
     return GaussianMixture(
         weights=torch.from_numpy(weights / weights.sum()),
         means=torch.from_numpy(means),
@@ -117,7 +121,8 @@ def merge_mixtures(
 
 def _nearest(points: np.ndarray, centres: np.ndarray) -> np.ndarray:
     """Each point's nearest centre: ‖x - c‖² = ‖x‖² - 2 x·c + ‖c‖², ‖x‖² the same for all c."""
-    return ((centres**2).sum(1) - 2 * points @ centres.T).argmin(1)
+    nearest: np.ndarray = ((centres**2).sum(1) - 2 * points @ centres.T).argmin(1)
+    return nearest
 
 
 def _lloyd(points: np.ndarray, weights: np.ndarray, centres: np.ndarray) -> np.ndarray:
@@ -140,7 +145,9 @@ def _lloyd(points: np.ndarray, weights: np.ndarray, centres: np.ndarray) -> np.n
     return labels
 
 
-def _reduce(mixtures: Sequence[GaussianMixture], n_components: int, seed: int, warm: bool):
+def _reduce(
+    mixtures: Sequence[GaussianMixture], n_components: int, seed: int, warm: bool
+) -> GaussianMixture:
     """``merge_mixtures`` for a streamed pool: k-means as Lloyd iterations started from the
     running reduction's means (``warm``: ``mixtures[0]`` summarises every earlier site) or from a
     k-means++ draw, without restarts; the same moment matching, so the same invariant."""

@@ -221,10 +221,11 @@ def _em(
         norm = torch.logsumexp(joint, -1)  # [C, N]
         resp = (joint - norm[..., None]).exp() * mask[..., None]
         fitted = _m_step(x, resp, live, reg)
-        params = tuple(
+        weights, means, variances = (
             torch.where(active.view(-1, *[1] * (new.ndim - 1)), new, old)
             for new, old in zip(fitted, params, strict=True)
         )
+        params = (weights, means, variances)
         previous, bound = bound, torch.where(active, (norm * mask).sum(1) / counts, bound)
         active = active & ((bound - previous).abs() >= EM_TOL)
         if not bool(active.any()):

@@ -39,7 +39,7 @@ class Stored:
 
 
 def load(
-    path: Path, *, fingerprint: str | None = None, dims=None
+    path: Path, *, fingerprint: str | None = None, dims: schema.ModelDims | None = None
 ) -> tuple[Codebook, Stored | None]:
     """The codebook of the file ``path`` (a manifest, or a whole codebook of the layout before
     the store: then no ``Stored``); the file is read once."""
@@ -60,7 +60,7 @@ def save(folder: Path, codebook: Codebook, since: Stored | None) -> tuple[Stored
     folder.mkdir(parents=True, exist_ok=True)
     same_line = since is not None and (since.codebook.fingerprint, since.codebook.dims) == (
         codebook.fingerprint, codebook.dims)  # fmt: skip
-    if not same_line:
+    if since is None or not same_line:
         return _new_base(folder, codebook)
     changes, replaced = _changes(since.codebook, codebook)
     if not changes:
@@ -167,7 +167,13 @@ def _append(path: Path, data: bytes) -> int:
 
 
 def verify(
-    path: Path, ref: store.Ref, names: list[str], *, fingerprint: str, dims, seen: dict
+    path: Path,
+    ref: store.Ref,
+    names: list[str],
+    *,
+    fingerprint: str,
+    dims: schema.ModelDims,
+    seen: dict[tuple[str, int], frozenset[str]],
 ) -> None:
     """Read the store of the manifest at ``path`` as a reader would, each base and record
     decoded once across calls that share ``seen`` (the classes found in each): many manifests

@@ -31,15 +31,18 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any, TypedDict, TypeVar, cast, overload
 
 import numpy as np
 import torch
+from google.protobuf.message import Message
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema, store
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassEntry, Value
-from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, read_message, read_payload
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES as DEFAULT_MAX_BYTES  # re-exported
+from starfed.shared.codebook.framing import frame, read_message, read_payload
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
@@ -50,12 +53,12 @@ MAX_NAME_LENGTH = 256
 MAX_DIM = 65_536  # far above any CLIP/ViT width or depth; bounds what a message can allocate
 WEIGHT_SUM_TOLERANCE = 1e-6
 
-_NUMPY_DTYPES = {
+_NUMPY_DTYPES: dict[int, np.dtype[Any]] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
     pb.DTYPE_FLOAT16: np.dtype("<f2"),
     pb.DTYPE_FLOAT64: np.dtype("<f8"),
 }
-WIRE_DTYPES = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16}
+WIRE_DTYPES: dict[str, pb.DType] = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16}
 
 
 class InvalidValue(CodebookError):
@@ -194,14 +197,18 @@ def _decode_values(
         if f.kind is schema.Kind.TENSOR:
             tensor = getattr(msg, f.name)
             view = views.get(f.name) if views else None
+            view = view if isinstance(view, memoryview) else None  # a tensor's view is one
             values[f.name] = _decode_array(tensor, f.shape(dims), what, _NUMPY_DTYPES, f32, view)
         else:
             parts = views.get(f.name) if views else None
+            parts = parts if isinstance(parts, dict) else None  # a mixture's: one per part
             values[f.name] = _decode_mixture(getattr(msg, f.name), f.shape(dims)[0], what, parts)
     return values
 
 
-def _decode_header(message: pb.Codebook | pb.ClientUpdate, fingerprint, dims) -> ModelDims:
+def _decode_header(
+    message: pb.Codebook | pb.ClientUpdate, fingerprint: str | None, dims: ModelDims | None
+) -> ModelDims:
     if message.schema_version != SCHEMA_VERSION:
         raise CodebookError(
             f"schema version {message.schema_version}, this code reads {SCHEMA_VERSION}"
@@ -382,7 +389,10 @@ def _quiet_read_only_views() -> None:
         torch.from_numpy(np.frombuffer(b"\0\0\0\0", dtype=np.float32))
 
 
-def parse(message_type: type, data: bytes, max_bytes: int | None):
+_Message = TypeVar("_Message", bound=Message)
+
+
+def parse(message_type: type[_Message], data: bytes, max_bytes: int | None) -> _Message:
     """Parse with the size limit checked first (None: a file's payload, bounded by the file);
     every parser failure becomes CodebookError."""
     if not isinstance(data, bytes | bytearray | memoryview):
@@ -473,7 +483,7 @@ def broadcast_from_proto(
         raise CodebookError("a delta carries a class its name list leaves out")
     return Delta(
         message.backbone_fingerprint, model_dims, message.version, message.base_version,
-        names, entries, metadata,
+        tuple(names), entries, metadata,
     )  # fmt: skip
 
 
@@ -502,7 +512,7 @@ def decode_update(
         check_parts(data, max_entries)
     message = parse(pb.ClientUpdate, data, max_bytes)
     dims = _decode_header(message, against.fingerprint, against.dims)
-    if message.phase != phase:
+    if int(message.phase) != phase:
         found = pb.Phase.Name(message.phase) if message.phase in pb.Phase.values() else "?"
         raise CodebookError(f"update answers {found}, not PHASE_{phase.name}")
     _check_names([e.name for e in message.entries])
@@ -534,7 +544,7 @@ def decode_update(
         )
     _check_count(message.base_version, 0, "base version")
     return ClientUpdate(
-        message.backbone_fingerprint, dims, phase, message.base_version, entries,
+        message.backbone_fingerprint, dims, phase, message.base_version, tuple(entries),
         dict(message.metadata),
     )  # fmt: skip
 
@@ -542,7 +552,7 @@ def decode_update(
 # --- encoding -------------------------------------------------------------------------------------
 
 
-def _fill_tensor(target: pb.Tensor, value: np.ndarray, dtype: int, what: str) -> None:
+def _fill_tensor(target: pb.Tensor, value: np.ndarray, dtype: pb.DType, what: str) -> None:
     with np.errstate(over="ignore"):  # overflow shows as inf, reported below
         wire = np.asarray(value, dtype=_NUMPY_DTYPES[dtype])  # tobytes() is C order
     if not np.isfinite(wire).all():
@@ -552,14 +562,14 @@ def _fill_tensor(target: pb.Tensor, value: np.ndarray, dtype: int, what: str) ->
     target.data = wire.tobytes()
 
 
-def _fill_count(target, count: int, what: str) -> None:
+def _fill_count(target: pb.ClassEntry | pb.Mixture, count: int, what: str) -> None:
     """``target.count``: an int64 of the message; a count that does not fit is refused."""
     if not 0 <= count < 2**63:
         raise CodebookError(f"{what}: count {count!r} does not fit an int64")
     target.count = count
 
 
-def _fill_entry(target: pb.ClassEntry, entry: ClassEntry, dtype: int) -> None:
+def _fill_entry(target: pb.ClassEntry, entry: ClassEntry, dtype: pb.DType) -> None:
     target.name = entry.name
     _fill_count(target, entry.count, label(entry.name))
     for name, version in entry.field_versions.items():
@@ -585,30 +595,44 @@ def _dims_proto(dims: ModelDims) -> pb.ModelDims:
     )
 
 
-def to_proto(value: Codebook | Delta | ClientUpdate, dtype: str = "float32"):
+class _Header(TypedDict):
+    schema_version: int
+    backbone_fingerprint: str
+    dims: pb.ModelDims
+    metadata: Mapping[str, str]
+
+
+@overload
+def to_proto(value: Codebook | Delta, dtype: str = "float32") -> pb.Codebook: ...
+@overload
+def to_proto(value: ClientUpdate, dtype: str = "float32") -> pb.ClientUpdate: ...
+def to_proto(
+    value: Codebook | Delta | ClientUpdate, dtype: str = "float32"
+) -> pb.Codebook | pb.ClientUpdate:
     """The protobuf message: per-class tensors in ``dtype`` (float32/float16), mixtures float64."""
     if dtype not in WIRE_DTYPES:
         raise ValueError(f"wire dtype must be one of {sorted(WIRE_DTYPES)}, got {dtype!r}")
     wire = WIRE_DTYPES[dtype]
-    header = {
+    header: _Header = {
         "schema_version": SCHEMA_VERSION,
         "backbone_fingerprint": value.fingerprint,
         "dims": _dims_proto(value.dims),
         "metadata": value.metadata,
     }
     if isinstance(value, Codebook | Delta):
-        message = pb.Codebook(version=value.version, **header)
+        book = pb.Codebook(version=value.version, **header)
         if isinstance(value, Delta):
-            message.base_version = value.base_version
-            message.names[:] = value.names
+            book.base_version = value.base_version
+            book.names[:] = value.names
         for entry in value.entries.values():
-            target = message.entries.add(version=entry.version, frozen=entry.frozen)
+            target = book.entries.add(version=entry.version, frozen=entry.frozen)
             _fill_entry(target, entry, wire)
-    else:
-        message = pb.ClientUpdate(base_version=value.base_version, phase=int(value.phase), **header)
-        for entry in value.entries:
-            _fill_entry(message.entries.add(), entry, wire)
-    return message
+        return book
+    phase = cast(pb.Phase, int(value.phase))  # Phase's values are the wire enum's numbers
+    update = pb.ClientUpdate(base_version=value.base_version, phase=phase, **header)
+    for entry in value.entries:
+        _fill_entry(update.entries.add(), entry, wire)
+    return update
 
 
 def encode(value: Codebook | Delta | ClientUpdate, dtype: str = "float32") -> bytes:
@@ -694,6 +718,8 @@ def read_manifest(
     """The codebook the manifest ``message`` (read from ``path``) names: its base with its
     records applied in order, in the manifest's class order, with its metadata."""
     ref = store.Ref.of(message.metadata)
+    if ref is None:
+        raise CodebookError(f"{path}: not a store's manifest")
     folder = store.find_dir(path)
     base_path = folder / ref.base
     base_message = parse(pb.Codebook, read_payload(base_path), None)

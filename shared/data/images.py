@@ -14,7 +14,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +65,7 @@ def _decode_one(path: str, size: int) -> np.ndarray | None:
 
 def _cache_key(paths: Sequence[str], size: int) -> str:
     """Digest of what the decoded array depends on; any edited/added/removed file changes it."""
-    files = []
+    files: list[tuple[str, int | None, int | None]] = []
     for p in sorted(paths):
         try:
             st = os.stat(p)
@@ -112,7 +112,7 @@ def _decode_all(paths: list[str], size: int, progress: bool) -> tuple[np.ndarray
     ok = np.zeros(len(paths), dtype=bool)
     workers = min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        results: Iterator[np.ndarray | None] = pool.map(lambda p: _decode_one(p, size), paths)
+        results: Iterable[np.ndarray | None] = pool.map(lambda p: _decode_one(p, size), paths)
         if progress and len(paths) >= _PROGRESS_MIN:
             results = track(
                 results, total=len(paths), description="Decoding images", transient=True
@@ -239,6 +239,7 @@ def device_batches(
     copier = _Copier(torch.device(device))
     pending = copier.start(images[:batch_size]) if len(images) else None
     for i in range(batch_size, len(images) + batch_size, batch_size):
+        assert pending is not None  # started above or in the previous pass: images remain
         batch = copier.ready(pending)
         pending = copier.start(images[i : i + batch_size]) if i < len(images) else None
         yield batch

@@ -73,11 +73,14 @@ def open_channel(address: str, ca: Path | None, insecure: bool, max_bytes: int) 
     return grpc.secure_channel(address, credentials, options=options)
 
 
-def _ask(stub: pb_grpc.CodebookDistributionStub, held: Codebook | None, timeout: float):
+def _ask(
+    stub: pb_grpc.CodebookDistributionStub, held: Codebook | None, timeout: float
+) -> pb.FetchReply:
     request = pb.FetchRequest(
         held_version=held.version if held else 0, federation=Lineage.of(held).federation
     )
-    return stub.Fetch(request, timeout=timeout)
+    reply: pb.FetchReply = stub.Fetch(request, timeout=timeout)  # generated stubs: untyped
+    return reply
 
 
 def _receive(reply: pb.FetchReply, held: HeldCodebook) -> tuple[Codebook, str]:
@@ -124,7 +127,7 @@ def fetch(
                 codebook, status = _receive(reply, held)
         except grpc.RpcError as err:
             reason = _reason(address, ca, err)
-            if held.codebook() is None:
+            if (cached := held.codebook()) is None:
                 raise DistributionError(reason) from None
-            return Fetched(held.codebook(), "offline", reason=reason)
+            return Fetched(cached, "offline", reason=reason)
     return Fetched(codebook, status, reply.ByteSize())

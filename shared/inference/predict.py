@@ -153,7 +153,7 @@ class Evaluation:
     left_out: dict[str, int]  # class keys of the folder the codebook lacks -> images
     unreadable: list[str]  # image files that could not be decoded
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         """Accuracy and prompt-selection accuracy per class, per task (registration step,
         1-based as users see steps) and overall, in % (None where there is no test image), and
         the confusion matrix."""

@@ -51,7 +51,9 @@ class BackboneConfig:
         if unknown:
             raise BackboneError(f"unknown backbone config keys: {sorted(unknown)}")
         try:
-            values = {k: tuple(v) if k.endswith(("_mean", "_std")) else v for k, v in data.items()}
+            values: dict[str, Any] = {
+                k: tuple(v) if k.endswith(("_mean", "_std")) else v for k, v in data.items()
+            }
             return cls(**values)
         except TypeError as err:
             raise BackboneError(f"incomplete backbone config: {err}") from None

@@ -90,7 +90,8 @@ class Backbones(nn.Module):
         with autocast(self.device):
             if self.fast_clip:
                 return clip_image_embedding(self.clip.visual, images).float()
-            return self.clip.encode_image(images).float()
+            features: torch.Tensor = self.clip.encode_image(images).float()
+            return features
 
     @property
     def fingerprint(self) -> str:

@@ -67,7 +67,7 @@ def score_classes(
         selections.index_add_(0, target, torch.full_like(target, same_group.shape[1]))
         if pairs is not None:
             pairs.index_put_((target, predicted), torch.ones_like(target), accumulate=True)
-    if confusion is not None:
+    if confusion is not None and pairs is not None:  # pairs: counted when confusion is asked
         confusion += pairs.cpu()
     return ClassScores(*(count.cpu() for count in counts))
 

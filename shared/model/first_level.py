@@ -46,13 +46,15 @@ class TextKeyEncoder(nn.Module):
 
     @property
     def logit_scale(self) -> torch.Tensor:
-        return self.clip.logit_scale.detach().exp()
+        scale: torch.Tensor = self.clip.logit_scale.detach().exp()
+        return scale
 
     def tokenize(self, class_texts: list[str]) -> torch.Tensor:
         """BPE ids [C, context_length] of the class texts (EOT is the largest id per row)."""
-        return open_clip.tokenize(
+        ids: torch.Tensor = open_clip.tokenize(
             [class_prompt_text(t) for t in class_texts], context_length=self.clip.context_length
         )
+        return ids
 
     @torch.no_grad()
     def embed_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from open_clip.transformer import QuickGELU
+from open_clip.transformer import QuickGELU, ResidualAttentionBlock
 from open_clip.transformer import VisionTransformer as ClipVisionTransformer
-from timm.layers import Mlp
+from timm.layers import Attention, Mlp
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
@@ -42,13 +43,21 @@ class _FrozenLinearFn(torch.autograd.Function):
     """``y = base + x @ W.T (+ b)`` for a frozen ``W``: the backward forms only ``g @ W``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, base):  # type: ignore[override]
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        base: torch.Tensor | None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(weight)
         ctx.has_base = base is not None
         return _linear(x, weight, bias, base, in_place=False)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, torch.Tensor | None]:
         (weight,) = ctx.saved_tensors
         grad_x = grad @ weight.to(grad.dtype) if ctx.needs_input_grad[0] else None
         grad_base = grad if ctx.has_base and ctx.needs_input_grad[3] else None
@@ -98,7 +107,7 @@ def frozen_linear(
         x.requires_grad or (base is not None and base.requires_grad)
     )
     if needs_graph:
-        out = _FrozenLinearFn.apply(x2, weight, bias, b2)
+        out: torch.Tensor = _FrozenLinearFn.apply(x2, weight, bias, b2)
     else:
         out = _linear(x2, weight, bias, b2, in_place=in_place and not torch.is_grad_enabled())
     return out.view(*shape[:-1], out_features)
@@ -116,7 +125,8 @@ def _gelu(x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         return x.mul_(torch.sigmoid(1.702 * x))
     if torch.is_grad_enabled() and x.requires_grad:
         return F.gelu(x)
-    return torch.ops.aten.gelu_(x)
+    result: torch.Tensor = torch.ops.aten.gelu_(x)
+    return result
 
 
 # --- timm ViT -------------------------------------------------------------------------------
@@ -127,7 +137,7 @@ def supports_timm_vit(vit: VisionTransformer) -> bool:
     if not ENABLED:
         return False
     for block in vit.blocks:
-        attn = block.attn
+        attn = cast(Attention, block.attn)
         if not isinstance(block, Block) or not isinstance(block.mlp, Mlp):
             return False
         plain = (
@@ -193,9 +203,15 @@ def _offset(bias: torch.Tensor | None, shift: torch.Tensor | None, x: torch.Tens
     return shift if bias is None else shift + bias
 
 
+def _timm_parts(block: Block) -> tuple[Attention, Mlp]:
+    """The block's attention and MLP, of the plain kinds :func:`supports_timm_vit` admitted
+    (timm types them as any module)."""
+    return cast(Attention, block.attn), cast(Mlp, block.mlp)
+
+
 def _timm_block(block: Block, x: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
     """One ViT block on all tokens; ``shift`` [B, C] is added to the attention output."""
-    attn, mlp = block.attn, block.mlp
+    attn, mlp = _timm_parts(block)
     qkv = frozen_linear(block.norm1(x), attn.qkv.weight, attn.qkv.bias)
     attended = _attention_all(qkv, attn.num_heads)
     base = x + _offset(attn.proj.bias, shift, x)[:, None, :]  # one pass over the tokens
@@ -206,7 +222,7 @@ def _timm_block(block: Block, x: torch.Tensor, shift: torch.Tensor | None) -> to
 
 def _timm_last_block(block: Block, x: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
     """The last ViT block, for the class token only → [B, C]."""
-    attn, mlp = block.attn, block.mlp
+    attn, mlp = _timm_parts(block)
     attended = _attention_cls(block.norm1(x), attn.qkv.weight, attn.qkv.bias, attn.num_heads)
     base = x[:, 0] + _offset(attn.proj.bias, shift, x)
     cls = frozen_linear(attended, attn.proj.weight, None, base, in_place=True)
@@ -222,11 +238,12 @@ def timm_vit_cls(
     x = vit._pos_embed(x)
     x = vit.patch_drop(x)
     x = vit.norm_pre(x)
-    blocks = list(vit.blocks)
+    blocks = cast(list[Block], list(vit.blocks))  # supports_timm_vit admitted only these
     for layer, block in enumerate(blocks[:-1]):
         x = _timm_block(block, x, None if shifts is None else shifts[:, layer])
     cls = _timm_last_block(blocks[-1], x, None if shifts is None else shifts[:, -1])
-    return vit.norm(cls)
+    features: torch.Tensor = vit.norm(cls)
+    return features
 
 
 # --- open_clip image tower --------------------------------------------------------------------
@@ -258,7 +275,7 @@ def supports_clip_visual(visual: nn.Module) -> bool:
     return isinstance(visual.ln_post, nn.LayerNorm)
 
 
-def _clip_block(block: nn.Module, x: torch.Tensor, last: bool) -> torch.Tensor:
+def _clip_block(block: ResidualAttentionBlock, x: torch.Tensor, last: bool) -> torch.Tensor:
     """One open_clip residual block; ``last`` computes the class token only → [B, C]."""
     attn: nn.MultiheadAttention = block.attn
     mlp = block.mlp
@@ -280,5 +297,5 @@ def clip_image_embedding(visual: ClipVisionTransformer, images: torch.Tensor) ->
     blocks = list(visual.transformer.resblocks)
     for i, block in enumerate(blocks):
         x = _clip_block(block, x, last=i == len(blocks) - 1)
-    cls = visual.ln_post(x)
+    cls: torch.Tensor = visual.ln_post(x)
     return cls @ visual.proj if visual.proj is not None else cls

@@ -48,4 +48,5 @@ def query_orthogonality_loss(current: torch.Tensor, past: torch.Tensor) -> torch
 def logit_norm(logits: torch.Tensor) -> torch.Tensor:
     """LogitNorm of the head replay: ℓ / (0.1 · (‖ℓ‖₂ + 1e−7)), norm over classes."""
     norm = logits.norm(p=2, dim=-1, keepdim=True) + LOGIT_NORM_EPS
-    return logits / (LOGIT_NORM_TEMPERATURE * norm)
+    normed: torch.Tensor = logits / (LOGIT_NORM_TEMPERATURE * norm)
+    return normed

@@ -11,10 +11,12 @@ output projections of all blocks stacked once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
-from timm.models.vision_transformer import VisionTransformer
+from timm.layers import Attention
+from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from starfed.shared.model.frozen_towers import supports_timm_vit, timm_vit_cls
@@ -88,6 +90,11 @@ def select_residuals(
     return torch.einsum("blc,cld->bld", weights, query_prompts), selected
 
 
+def _blocks(vit: VisionTransformer) -> list[Block]:
+    """A timm ViT's blocks (timm types them as any module)."""
+    return cast(list[Block], list(vit.blocks))
+
+
 class PromptedViT(nn.Module):
     """A frozen timm ViT whose blocks take one residual per image (the semantic residual).
 
@@ -102,7 +109,7 @@ class PromptedViT(nn.Module):
 
     def output_projections(self) -> torch.Tensor:
         """[L, d_out, d_in] stacked ``attn.proj`` weights (read each call: they are frozen)."""
-        return torch.stack([block.attn.proj.weight for block in self.vit.blocks])
+        return torch.stack([cast(Attention, b.attn).proj.weight for b in _blocks(self.vit)])
 
     def forward(self, images: torch.Tensor, residuals: torch.Tensor | None = None) -> torch.Tensor:
         """Final-LayerNorm CLS features [B, d_vit]; ``residuals`` [B, L, d_vit] or None."""
@@ -116,13 +123,14 @@ class PromptedViT(nn.Module):
         x = vit._pos_embed(x)
         x = vit.patch_drop(x)
         x = vit.norm_pre(x)
-        for layer, block in enumerate(vit.blocks):
+        for layer, block in enumerate(_blocks(vit)):
             attended = block.attn(block.norm1(x))
             if shifts is not None:
                 attended = attended + shifts[:, layer, None, :]
             x = x + block.drop_path1(block.ls1(attended))
             x = x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
-        return vit.norm(x)[:, 0]
+        features: torch.Tensor = vit.norm(x)[:, 0]
+        return features
 
 
 @dataclass

@@ -122,7 +122,8 @@ class StarPrompt:
     def compute_keys(self, prompts: torch.Tensor, rows: slice) -> torch.Tensor:
         """Keys of the classes in ``rows`` for the given prompts (differentiable)."""
         embeds, eot = self.text_inputs(rows)
-        return self.encoder(prompts, embeds, eot)
+        keys: torch.Tensor = self.encoder(prompts, embeds, eot)
+        return keys
 
     def second_level(
         self,

@@ -84,7 +84,7 @@ class TrainConfig(Options):
     confidence_modulation: bool = knob("confidence-modulation")
     seed: int = knob("seed")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
     def replay_config(self, epochs: int, lr: float, steps: int, task: int) -> ReplayConfig:
@@ -118,7 +118,9 @@ class Views:
         )
 
 
-def phase_generator(seed: int, task: int, stream: str, round_index: int = 0) -> torch.Generator:
+def phase_generator(
+    seed: int, task: int, stream: str | None, round_index: int = 0
+) -> torch.Generator:
     """The random stream of one step of one task: independent of where the step runs.
 
     A single site and a federation (site phases on sites, replay on the server) draw the same

@@ -26,24 +26,28 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from rich.console import Console
 from torch import nn
 
 from starfed.client.answer import default_cache_dir
-from starfed.shared.config import BackboneOptions, Values, parse
+from starfed.shared.config import BackboneOptions, Values, as_float, as_int, as_str, parse
 from starfed.shared.data.images import decode_images, to_unit
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.metrics import final_average_accuracy, final_forgetting, nan_to_none
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.second_level import PromptedViT
 from starfed.shared.model.training import EVAL_BATCH_SIZE, TrainConfig, Views, phase_generator
+from starfed.shared.protocol import record_int
 from starfed.simulations.local_grid import LocalGrid, new_run_id, node_configs
 from starfed.simulations.methods import cell_run_config
 
@@ -122,13 +126,14 @@ def client_app(features: SiteFeatures, n_classes: int, train: TrainConfig) -> Cl
     @app.train()
     def fit(message: Message, context: Context) -> Message:
         config = message.content["config"]
-        site, step = int(context.node_config["partition-id"]), int(config["step"])
+        site, step = int(context.node_config["partition-id"]), record_int(config["step"], "step")
         head = nn.Linear(features.train.x.shape[1], n_classes)
-        head.load_state_dict(message.content["arrays"].to_torch_state_dict())
+        head.load_state_dict(message.content.array_records["arrays"].to_torch_state_dict())
         data = features.site_task(site, step)
         if len(data.y):
-            stream = phase_generator(train.seed, step, f"fedavg/{site}", int(config["round"]))
-            local_training(head, data, int(config["seen"]), train, stream)
+            round_index = record_int(config["round"], "round")
+            stream = phase_generator(train.seed, step, f"fedavg/{site}", round_index)
+            local_training(head, data, record_int(config["seen"], "seen"), train, stream)
         reply = RecordDict(
             {
                 "arrays": ArrayRecord(head.state_dict()),
@@ -145,7 +150,9 @@ class CountingGrid(LocalGrid):
 
     exchanges: list[dict]
 
-    def send_and_receive(self, messages, *, timeout=None):
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
         messages = list(messages)
         sizes = {m.metadata.dst_node_id: _array_bytes(m.content) for m in messages}
         replies = super().send_and_receive(messages, timeout=timeout)
@@ -183,7 +190,7 @@ def run(values: Values, seed: int, out_dir: Path, console: Console) -> None:
     random.seed(seed)  # FedAvg samples its nodes with ``random``
     scenario = Scenario(ScenarioConfig.from_config(config))
     split = scenario.split
-    backbones = BackboneOptions.from_config(config).load(config["device"])
+    backbones = BackboneOptions.from_config(config).load(as_str(config, "device"))
     features = SiteFeatures(scenario, backbones, default_cache_dir() / "images")
     n_sites = scenario.n_clients
     head = nn.Linear(backbones.dims.d_vit, split.n_classes)
@@ -193,21 +200,25 @@ def run(values: Values, seed: int, out_dir: Path, console: Console) -> None:
     )  # fmt: skip
     grid.exchanges = []
     strategy = FedAvg(
-        fraction_train=config["fraction-train"],
+        fraction_train=as_float(config, "fraction-train"),
         fraction_evaluate=0.0,
-        min_train_nodes=min(config["min-train-sites"], n_sites),
+        min_train_nodes=min(as_int(config, "min-train-sites"), n_sites),
         min_available_nodes=n_sites,
     )
     matrix: list[list[float]] = []
     for step in range(scenario.n_steps):
         arrived = min(step, split.n_tasks - 1) + 1
         seen = arrived * split.classes_per_task
-        for round_index in range(config["stage2-rounds"]):
+        for round_index in range(as_int(config, "stage2-rounds")):
             # One FedAvg round per call: a site trains on its task at ``step``.
             sent = ConfigRecord({"step": step, "round": round_index, "seen": seen})
             arrays = ArrayRecord(head.state_dict())
             result = strategy.start(
-                grid, arrays, num_rounds=1, timeout=config["timeout-s"], train_config=sent
+                cast(Grid, grid),  # Flower types it so; a LocalGrid serves it duck-typed
+                arrays,
+                num_rounds=1,
+                timeout=as_float(config, "timeout-s"),
+                train_config=sent,
             )
             head.load_state_dict(result.arrays.to_torch_state_dict())
         matrix.append(accuracy_per_task(head, features.test, scenario, arrived))

@@ -36,12 +36,13 @@ class PositionalAveraging(Strategy):
         merge. Without any update the codebook stays as sent (the step then fails)."""
         codebook, fields = state.codebook, schema.trained_in(phase)
         in_play = [name for name in state.in_play if not codebook[name].frozen]
-        records, counts = [], {}
+        records: list[RecordDict] = []
+        counts: dict[str, int] = {}
         for update in updates:
             trained = {entry.name: entry for entry in update.entries}
             arrays = {
                 f"{name}/{f}": Array(
-                    (trained[name] if name in trained else codebook[name]).values[f].numpy()
+                    (trained[name] if name in trained else codebook[name]).tensor(f).numpy()
                 )
                 for name in in_play
                 for f in fields

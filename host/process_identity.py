@@ -1,8 +1,8 @@
 """One process named robustly to PID reuse: its PID, its start time and the boot it ran in.
 
 A PID alone may have been reused; a PID with its start time (clock ticks since boot,
-``/proc/PID/stat`` field 22) and the boot id names one process. The federation's folder lock
-(``server.folder_lock``) tells a stale holder this way, and the operations that start and end
+``/proc/PID/stat`` field 22) and the boot id names one process. Every lock file
+(``starfed.host.locks``) tells a stale holder this way, and the operations that start and end
 Flower's processes (``server.ops.processes``) recognise them days later the same way. Linux
 only: processes are read from ``/proc``.
 """
@@ -57,4 +57,7 @@ class ProcessId:
 
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> ProcessId:
-        return cls(int(data["pid"]), int(data["started"]))  # type: ignore[arg-type]
+        pid, started = data["pid"], data["started"]
+        if not isinstance(pid, int | str) or not isinstance(started, int | str):
+            raise TypeError(f"a process id is two integers, not {pid!r} and {started!r}")
+        return cls(int(pid), int(started))
