@@ -21,10 +21,10 @@ from flwr.supercore import constant as supercore_constant
 from flwr.supercore.date import now as flwr_now
 from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
 
-from starfed.server.ops import fleet_signatures, gateway, pki
+from starfed.server.ops import fleet_proxy, fleet_signatures, pki
 from starfed.server.ops.connection_guard import MAX_PER_ADDRESS
 from starfed.server.ops.fleet_signatures import SiteKeys
-from starfed.server.ops.gateway import FleetGateway, allowed
+from starfed.server.ops.fleet_proxy import FleetGateway, allowed
 from starfed.server.ops.sites import Registry, SiteRecord
 from starfed.server.ops.superlink import ServerOptions
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
@@ -201,9 +201,9 @@ def test_gateway_header_names_and_time_window_are_flowers() -> None:
 
 
 def test_the_body_limit_is_the_codebook_wire_limit_plus_an_envelope() -> None:
-    assert gateway.MAX_BODY_BYTES == DEFAULT_MAX_BYTES + gateway.ENVELOPE_BYTES
-    mib = gateway.MAX_BODY_BYTES >> 20
-    assert mib << 20 == gateway.MAX_BODY_BYTES
+    assert fleet_proxy.MAX_BODY_BYTES == DEFAULT_MAX_BYTES + fleet_proxy.ENVELOPE_BYTES
+    mib = fleet_proxy.MAX_BODY_BYTES >> 20
+    assert mib << 20 == fleet_proxy.MAX_BODY_BYTES
     assert TABLES["server start"]["max-body-mib"].default == mib
     assert ServerOptions("0.0.0.0", 9092).max_body_mib == mib
 
