@@ -94,7 +94,6 @@ def run_experiment(
     and plots; return the summary (``--json``). Progress lines go to ``out`` (standard error by
     default), one per cell as it ends; the summary lists the cells in grid order. An exception
     (Ctrl-C, SIGTERM) stops every running cell by its PID before it goes on."""
-    out = out or sys.stderr
     folder = results_dir / experiment.name
     folder.mkdir(parents=True, exist_ok=True)
     todo = experiment.cells()
@@ -103,53 +102,16 @@ def run_experiment(
     for outcome, cell in zip(finished.values(), todo, strict=True):
         if outcome is not None:  # its time from when it ran: a better first ETA than none
             progress.record(cell.method, outcome.seconds)
-    results: dict[str, tuple[dict, float | None]] = {}
-    reports: dict[str, dict] = {}
-    table_rows = tabulate.rows(experiment, results)
-    running: list[cells.Running] = []
-
-    def ended(cell: Cell, outcome: cells.Outcome) -> None:
-        nonlocal table_rows
-        if outcome.status == "done":
-            progress.record(cell.method, outcome.seconds)
-        if outcome.metrics is not None:
-            results[cell.name] = (outcome.metrics, outcome.seconds)
-        reports[cell.name] = _cell_summary(cell, outcome, folder / cell.name)
-        ran = {r.cell.name: time.monotonic() - r.started for r in running}
-        remaining = [(c, ran.get(c.name, 0.0)) for c in todo if c.name not in reports]
-        print(progress.line(len(reports), cell, outcome, remaining), file=out, flush=True)
-        table_rows = tabulate.rows(experiment, results)
-        write_atomic(folder / tabulate.TABLE_FILE, tabulate.table(experiment, table_rows).encode())
-
+    tracker = _Tracker(experiment, folder, todo, progress, out or sys.stderr)
     waiting = []
     for cell in todo:  # complete cells first, in grid order
         if (outcome := finished[cell.name]) is None:
             waiting.append(cell)
         else:
-            ended(cell, outcome)
-    # side by side, each cell's thread pools get its share of this machine's cores
-    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
-    try:
-        while waiting or running:
-            while waiting and len(running) < jobs:
-                cell = waiting.pop(0)
-                running.append(cells.start(folder / cell.name, cell, runtime, threads))
-            still = []
-            for cell_run in running:
-                outcome = cell_run.poll()
-                if outcome is None:
-                    still.append(cell_run)
-                else:
-                    ended(cell_run.cell, outcome)
-            if len(still) == len(running):
-                time.sleep(POLL_S)
-            running[:] = still
-    except BaseException:
-        for cell_run in running:
-            cell_run.stop()
-        raise
-    plots = tabulate.plots(experiment, table_rows, folder)
-    report = [reports[cell.name] for cell in todo]
+            tracker.ended(cell, outcome)
+    tracker.run(waiting, runtime, jobs)
+    plots = tabulate.plots(experiment, tracker.table_rows, folder)
+    report = [tracker.reports[cell.name] for cell in todo]
     summary = {
         "experiment": experiment.name,
         "grid": experiment.source,
@@ -160,10 +122,69 @@ def run_experiment(
         "jobs": jobs,
         "failed": sum(c["status"] == "failed" for c in report),
         "cells": report,
-        "rows": [row.summary() for row in table_rows],
+        "rows": [row.summary() for row in tracker.table_rows],
     }
     write_atomic(folder / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
     return summary
+
+
+@dataclass
+class _Tracker:
+    """An experiment's cells as they end: their results and reports, the table rewritten."""
+
+    experiment: Experiment
+    folder: Path
+    todo: list[Cell]
+    progress: Progress
+    out: TextIO
+    results: dict[str, tuple[dict, float | None]] = field(default_factory=dict)
+    reports: dict[str, dict] = field(default_factory=dict)
+    running: list[cells.Running] = field(default_factory=list)
+    table_rows: list[tabulate.Row] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.table_rows = tabulate.rows(self.experiment, self.results)
+
+    def ended(self, cell: Cell, outcome: cells.Outcome) -> None:
+        """One progress line, and the table with the cell's result."""
+        if outcome.status == "done":
+            self.progress.record(cell.method, outcome.seconds)
+        if outcome.metrics is not None:
+            self.results[cell.name] = (outcome.metrics, outcome.seconds)
+        self.reports[cell.name] = _cell_summary(cell, outcome, self.folder / cell.name)
+        ran = {r.cell.name: time.monotonic() - r.started for r in self.running}
+        remaining = [(c, ran.get(c.name, 0.0)) for c in self.todo if c.name not in self.reports]
+        line = self.progress.line(len(self.reports), cell, outcome, remaining)
+        print(line, file=self.out, flush=True)
+        self.table_rows = tabulate.rows(self.experiment, self.results)
+        table = tabulate.table(self.experiment, self.table_rows)
+        write_atomic(self.folder / tabulate.TABLE_FILE, table.encode())
+
+    def run(self, waiting: list[Cell], runtime: cells.Runtime, jobs: int) -> None:
+        """Start cells while fewer than ``jobs`` run, until all ended; on any exception, stop
+        the running ones by their PIDs first."""
+        # side by side, each cell's thread pools get its share of this machine's cores
+        threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
+        running = self.running
+        try:
+            while waiting or running:
+                while waiting and len(running) < jobs:
+                    cell = waiting.pop(0)
+                    running.append(cells.start(self.folder / cell.name, cell, runtime, threads))
+                still = []
+                for cell_run in running:
+                    outcome = cell_run.poll()
+                    if outcome is None:
+                        still.append(cell_run)
+                    else:
+                        self.ended(cell_run.cell, outcome)
+                if len(still) == len(running):
+                    time.sleep(POLL_S)
+                running[:] = still
+        except BaseException:
+            for cell_run in running:
+                cell_run.stop()
+            raise
 
 
 def _cell_summary(cell: Cell, outcome: cells.Outcome, where: Path) -> dict:
