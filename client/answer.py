@@ -14,7 +14,6 @@ must not train on data it was never given.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from starfed.client.memory import SiteMemory
 from starfed.client.privacy import PrivacySetting
 from starfed.client.site import Site
 from starfed.shared.codebook import wire
-from starfed.shared.config import BackboneOptions, as_int, as_str, parse, run_dir
+from starfed.shared.config import BackboneOptions, as_int, as_str, environment, parse, run_dir
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import ALSO, CLASSIFY_WITH_KEYS, Phase
 
@@ -42,7 +41,7 @@ class NoDataError(RuntimeError):
 
 def default_cache_dir() -> Path:
     """Where a simulated site caches decoded images and CLIP features, shared by all of them."""
-    return Path(os.environ.get("STARFED_CACHE_DIR", Path.home() / ".cache" / "starfed"))
+    return Path(as_str(environment(), "cache-dir") or Path.home() / ".cache" / "starfed")
 
 
 def simulated_site_dir(run_folder: Path, partition: int) -> Path:

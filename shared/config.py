@@ -52,8 +52,9 @@ RAY_COMMANDS = ("simulate", "experiment")
 ISOLATIONS = ("process", "subprocess")  # `starfed server start --isolation`
 OUTPUT_FORMATS = ("csv", "json")  # `starfed predict --format`
 
-#: Groups whose knobs form Flower's run config; "node" is the node config and "command" holds
-#: options of one command that never travel in a Flower config.
+#: Groups whose knobs form Flower's run config; "node" is the node config, "command" holds
+#: options of one command that never travel in a Flower config, "environment" what a process
+#: reads from ``STARFED_<KEY>`` variables (:func:`environment`).
 RUN_GROUPS = ("scenario", "protocol", "screening", "training", "privacy", "backbones")
 
 
@@ -395,12 +396,20 @@ SCHEMA: tuple[Knob, ...] = (
          command="server dashboard"),
     Knob("out", str, "site.key", "private key file", "command", path=True,
          command="site keygen"),
+    # environment: what a process reads from STARFED_<KEY> (``environment()``), whoever starts it
+    Knob("cache-dir", str, "", 'decoded images and CLIP features of simulated sites and '
+         'the experiment\'s single-site methods; "": ~/.cache/starfed', "environment", path=True),
+    Knob("server-dir", str, "", "the server folder of `starfed server` actions without --dir; "
+         '"": ./starfed-server', "environment", path=True),
+    Knob("fused-adam", bool, False, "stage 2's Adam updates all its tensors in one fused kernel "
+         "(a GPU option, docs/benchmarks.md)", "environment"),
 )  # fmt: skip
 
 #: Knob tables by where their values come from: Flower's configs, or one command's options.
 TABLES: dict[str, dict[str, Knob]] = {
     "run-config": {k.key: k for k in SCHEMA if k.group in RUN_GROUPS},
     "node-config": {k.key: k for k in SCHEMA if k.group == "node"},
+    "environment": {k.key: k for k in SCHEMA if k.group == "environment"},
     **{
         command: {k.key: k for k in SCHEMA if command in k.commands}
         for command in dict.fromkeys(c for k in SCHEMA for c in k.commands)
@@ -424,6 +433,19 @@ def parse(
         key: knob.parse(raw[key], names.get(key)) if key in raw else knob.default
         for key, knob in knobs.items()
     }
+
+
+def environment_variable(key: str) -> str:
+    """The variable an environment knob is read from: ``cache-dir`` → ``STARFED_CACHE_DIR``."""
+    return "STARFED_" + key.upper().replace("-", "_")
+
+
+def environment() -> dict[str, Value]:
+    """Typed values of the environment knobs: those set (and not empty) checked, the rest
+    defaults; a bad one is a ``ConfigError`` naming its variable."""
+    raw = {key: os.environ.get(environment_variable(key), "") for key in TABLES["environment"]}
+    set_ = {key: value for key, value in raw.items() if value}
+    return parse(set_, "environment", {key: environment_variable(key) for key in set_})
 
 
 def writable_dir(path: str | os.PathLike[str], name: str) -> Path:

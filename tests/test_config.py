@@ -276,3 +276,29 @@ def test_client_app_checks_run_and_node_config(
     monkeypatch.setattr(BackboneOptions, "load", lambda self: pytest.fail("backbones loaded"))
     with pytest.raises(ConfigError, match=f"^{message}"):
         answer.site_for(1, 1, run_config, node_config)
+
+
+def test_environment_knobs_are_read_typed_from_their_variables(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``STARFED_<KEY>`` for each knob of the environment table: defaults when unset or empty,
+    checked like every knob when set, and what the code that reads them gets."""
+    from starfed.server.ops import layout
+    from starfed.shared.config import environment, environment_variable
+
+    for key in TABLES["environment"]:
+        monkeypatch.delenv(environment_variable(key), raising=False)
+    assert environment() == {"cache-dir": "", "server-dir": "", "fused-adam": False}
+    assert answer.default_cache_dir() == Path.home() / ".cache" / "starfed"
+    assert layout.default_dir() == Path(layout.DEFAULT_DIR)
+
+    monkeypatch.setenv("STARFED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("STARFED_SERVER_DIR", str(tmp_path / "server"))
+    monkeypatch.setenv("STARFED_FUSED_ADAM", "1")
+    assert environment()["fused-adam"] is True
+    assert answer.default_cache_dir() == tmp_path / "cache"
+    assert layout.default_dir() == tmp_path / "server"
+
+    monkeypatch.setenv("STARFED_FUSED_ADAM", "maybe")
+    with pytest.raises(ConfigError, match=r"^STARFED_FUSED_ADAM=maybe: expected true or false$"):
+        environment()

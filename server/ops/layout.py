@@ -11,13 +11,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from starfed.shared.config import as_str, environment, environment_variable
+
 #: ``--dir`` default when the environment does not name a folder.
 DEFAULT_DIR = "starfed-server"
-DIR_ENV = "STARFED_SERVER_DIR"
+DIR_ENV = environment_variable("server-dir")
 
 
 def default_dir() -> Path:
-    return Path(os.environ.get(DIR_ENV) or DEFAULT_DIR)
+    return Path(as_str(environment(), "server-dir") or DEFAULT_DIR)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ from timm.layers import Attention, Mlp
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-#: False when ``STARFED_FAST_TOWERS=0``: every tower then runs its own modules' forward.
+#: False when ``STARFED_FAST_TOWERS=0``: every tower then runs its own modules' forward. Not in
+#: the knob table (shared/config.py) like the other environment knobs: shared.config loads the
+#: backbones, which use this module, so reading it here would close an import cycle.
 ENABLED = os.environ.get("STARFED_FAST_TOWERS", "1") != "0"
 
 

@@ -14,7 +14,6 @@ features of augmented views, which change every epoch.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -26,7 +25,7 @@ from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.mixture_fit import fit_on
-from starfed.shared.config import Options, knob
+from starfed.shared.config import Options, as_bool, environment, knob
 from starfed.shared.data.images import augment, augment_each, device_batches, normalize, to_unit
 from starfed.shared.device import backbone_dtype
 from starfed.shared.model import frozen_towers
@@ -54,7 +53,7 @@ EVAL_BATCH_SIZE = 256
 #: ``STARFED_FUSED_ADAM=1``: stage 2's Adam updates all its tensors in one fused kernel
 #: (``fused=True``) instead of a loop of small ones, which are launch-bound on a GPU (issue 37).
 #: Off until a GPU measures it; on the CPU it agrees with the default to float32 rounding.
-FUSED_ADAM = os.environ.get("STARFED_FUSED_ADAM", "0") == "1"
+FUSED_ADAM = as_bool(environment(), "fused-adam")
 
 
 @dataclass(frozen=True)
