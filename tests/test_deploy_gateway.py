@@ -23,8 +23,8 @@ from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_messa
 
 from starfed.server.ops import fleet_proxy, fleet_signatures, pki
 from starfed.server.ops.connection_guard import MAX_PER_ADDRESS
-from starfed.server.ops.fleet_signatures import SiteKeys
 from starfed.server.ops.fleet_proxy import FleetGateway, allowed
+from starfed.server.ops.fleet_signatures import SiteKeys
 from starfed.server.ops.sites import Registry, SiteRecord
 from starfed.server.ops.superlink import ServerOptions
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
