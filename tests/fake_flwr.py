@@ -8,7 +8,7 @@ legacy usage ("Heads up from Flower!", exit 1; flwr/cli/config_migration.py). Ev
 logged to ``calls.jsonl`` with its arguments and working folder.
 
 Two statuses act: ``"gone"`` kills the process ``state["superlink"]`` names and answers as
-Flower does once the SuperLink is unreachable; a run-config ``federation-dir`` gets
+Flower does once the SuperLink is unreachable (``log`` too, from then on: ``state["killed"]``); a run-config ``federation-dir`` gets
 ``state["metrics"]`` as its ``metrics.json`` when the run is submitted (the ServerApp's result).
 """
 
@@ -46,7 +46,7 @@ def answer(**fields):
 action = args[0]
 if action == "log":
     print("ServerApp: step 1 ...", flush=True)
-    if "gone" in state["statuses"]:
+    if state.get("killed"):  # only once `ls` killed it: before, it still answered (a race)
         print("Error: " + UNAVAILABLE, file=sys.stderr)
         sys.exit(1)
 elif action == "run" and state.get("refuse"):
@@ -64,6 +64,8 @@ elif action == "ls":
     save()
     if status == "gone":
         os.kill(state["superlink"], signal.SIGKILL)
+        state["killed"] = True
+        save()
         print(json.dumps({"success": False, "error-message": UNAVAILABLE}))
     else:
         answer(runs=[{"run-id": "42", "status": status}])

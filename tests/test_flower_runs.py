@@ -168,7 +168,7 @@ def test_the_legacy_usage_check_is_what_a_checkout_trips(fake_flwr, tmp_path) ->
 def test_the_log_stream_drops_flowers_own_messages(fake_flwr, tmp_path, capfd) -> None:
     """Its stdout is the ServerApp's progress; its stderr, e.g. the "Connection to the
     SuperLink is unavailable" box, is said once, in one line, by whoever follows the run."""
-    _statuses(fake_flwr, "gone")
+    fake.set_state(fake_flwr, statuses=["gone"], killed=True)  # the SuperLink is gone
     _cli(tmp_path).stream_logs(42).wait(30)
     out, err = capfd.readouterr()
     assert "ServerApp: step 1" in out and fake.UNAVAILABLE not in out + err
