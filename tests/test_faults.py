@@ -52,7 +52,7 @@ from starfed.server.federation import (
     FederationError,
     Position,
 )
-from starfed.server.ops import clock, gateway, pki
+from starfed.server.ops import clock, fleet_proxy, pki
 from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.codebook import wire
@@ -442,9 +442,9 @@ def test_the_operator_sees_a_clock_skew_refusal(tmp_path: Path, caplog, capsys) 
     signed = (datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=30)).isoformat()
     headers = {TIMESTAMP_HEADER: signed, PUBLIC_KEY_HEADER: b64encode(pem).decode()}
     with caplog.at_level(logging.WARNING, logger="starfed.gateway"):
-        gateway._log_clock_skew(headers, "/v1/fleet/pull-messages", "10.0.0.7")
+        fleet_proxy._log_clock_skew(headers, "/v1/fleet/pull-messages", "10.0.0.7")
         in_time = {**headers, TIMESTAMP_HEADER: datetime.datetime.now(datetime.UTC).isoformat()}
-        gateway._log_clock_skew(in_time, "/v1/fleet/pull-messages", "10.0.0.7")  # a key issue
+        fleet_proxy._log_clock_skew(in_time, "/v1/fleet/pull-messages", "10.0.0.7")  # a key issue
     [record] = caplog.records
     folder = ServerFolder.at(tmp_path / "server")
     folder.gateway_log.parent.mkdir(parents=True, exist_ok=True)
