@@ -223,9 +223,9 @@ SCHEMA: tuple[Knob, ...] = (
          ge=1),
     Knob("server-test-dir", str, "", 'a folder of class folders the server also scores each '
          'step on (e.g. a simulation\'s test set); "": none', "protocol", path=True),
-    Knob("merge", str, "mean", "how the default strategy merges a class: mean (weighted by "
-         "examples) or median (coordinate-wise, for classes that 3 or more sites hold)",
-         "protocol", choices=MERGES),
+    Knob("merge", str, "median", "how a class is merged: median (coordinate-wise over its "
+         "sites' rows, where 3 or more sites hold it: no one site moves it) or mean (weighted "
+         "by examples; always, where fewer sites hold it)", "protocol", choices=MERGES),
     # screening: what the server believes of a site (server/screening.py, docs/security.md)
     Knob("update-bound", float, 1000.0, "reject a class's update row whose change from the "
          "value sent is over this multiple of the phase's median change (per field, over the "

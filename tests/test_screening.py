@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from starfed.server.federation import Exchange
-from starfed.server.robust import MedianStrategy
+from starfed.server.robust import MedianStrategy, robust
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import PhaseState, Strategy
 from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.config import ConfigError
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import Phase
+from starfed.simulations.methods.no_replay import NoReplay
 
 
 def _update(codebook, rows: dict[str, tuple[float, int]], phase=Phase.STAGE1) -> ClientUpdate:
@@ -62,6 +64,27 @@ def test_the_median_of_three_holders_ignores_one_outlier(make_codebook) -> None:
     # two holders: the count-weighted mean, as starfed's strategy
     mean = Strategy.merge(iter(updates[:2]), _state(codebook))
     assert torch.equal(merged[second].values["prompt"], mean[second].values["prompt"])
+
+
+def test_a_baseline_merges_with_the_median_by_default_and_keeps_its_own_hooks() -> None:
+    """``merge = median`` (the default) gives a baseline's strategy the median merge, so it
+    differs from starfed only in the hook it changes; it keeps its name (metrics.json)."""
+    assert type(robust(None)) is MedianStrategy
+    median = MedianStrategy()
+    assert robust(median) is median
+    baseline = robust(NoReplay())
+    assert isinstance(baseline, NoReplay) and isinstance(baseline, MedianStrategy)
+    assert baseline.replay.__func__ is NoReplay.replay and baseline.merge is MedianStrategy.merge
+    assert f"{type(baseline).__module__}.{type(baseline).__qualname__}" == (
+        f"{NoReplay.__module__}.NoReplay")  # fmt: skip
+
+    class OwnMerge(Strategy):
+        @staticmethod
+        def merge(updates, state):
+            raise AssertionError("not called")
+
+    with pytest.raises(ConfigError, match=r"^merge = median: .*OwnMerge merges its own way"):
+        robust(OwnMerge())
 
 
 def test_counts_are_capped_by_the_sync_and_the_share_of_the_others(make_codebook) -> None:
