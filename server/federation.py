@@ -23,6 +23,8 @@ each run performs aggregation steps over what they bring, continuing where the l
     step-end.json     the record of a step being closed, between its commit and its history
                       line (the next run finishes an interrupted close)
     lock.json         the run that writes the folder now (``server.folder_lock``)
+    change-scale.json the scale of honest changes per field over completed steps, the
+                      reference of a lone sender's bound (``server.change_scale``)
     quarantine.json   sites kept out of later steps (``quarantine-persists``; the operator
                       deletes an entry to let a site back in)
     step-findings.json  the screening's findings in the step in progress, written ahead of each

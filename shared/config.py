@@ -235,6 +235,11 @@ SCHEMA: tuple[Knob, ...] = (
          "(their median is no bound: a lone sender is its own), reject a row whose change is "
          "over this multiple of the class's own size before the phase (its norm, at least the "
          "initialisation's 0.02 per element); 0: no bound", "screening", ge=0),
+    Knob("history-bound", float, 20.0, "where fewer than 3 sites send a field, also reject a "
+         "row whose change is over this multiple of the scale of honest changes in earlier "
+         "steps (the median change ÷ class size of each site, where 3 or more sites sent the "
+         "field; kept in the federation folder's change-scale.json) × the class's size; 0: no "
+         "bound", "screening", ge=0),
     Knob("mixture-bound", float, 1000.0, "reject mixture statistics whose variances or means are "
          "over this multiple of the phase's median (and variances below any fit's); 0: no bound",
          "screening", ge=0),

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from starfed.server.change_scale import FILE, ChangeScale
 from starfed.server.federation import Exchange
 from starfed.server.robust import MedianStrategy, robust
-from starfed.server.screening import Screen, ScreeningOptions
+from starfed.server.screening import Screen, ScreeningOptions, reference_size
 from starfed.server.strategy import PhaseState, Strategy
 from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.codebook.entry import ClassEntry
@@ -124,6 +125,51 @@ def test_a_change_beyond_the_bound_is_rejected_and_enough_findings_quarantine(
     actions = [(f.site, f.action) for f in screen.findings]
     assert actions == [("m", "rejected")] * 3 + [("m", "quarantined")]
     assert screen.quarantined == {"m": "3 findings in step 1"}
+
+
+def test_a_lone_sender_is_held_to_the_scale_of_honest_changes_in_earlier_steps(
+    make_codebook, tmp_path
+) -> None:
+    """Step 1: three sites move every class's prompt by 0.1–0.3 per element; each site's
+    median change ÷ size is kept (change-scale.json). Step 2: one site sends alone. A change of
+    50 × its class's size passes ``reference-bound`` (100) but not ``history-bound`` (20) ×
+    that scale; an honest-sized change passes; without the kept scale, so does the 50 ×."""
+    codebook = make_codebook(n_classes=3)
+    name = codebook.names[0]
+    sites = {site: dict.fromkeys(codebook.names, 10) for site in "abc"}
+    first = Screen(ScreeningOptions(), step=0, scale=ChangeScale.read(tmp_path))
+    _enrolled(first, codebook, sites)
+    phase = first.phase(Phase.STAGE1, 0, codebook)
+    for site, shift in zip("abc", (0.1, 0.2, 0.3), strict=True):
+        phase.observe(site, _update(codebook, dict.fromkeys(codebook.names, (shift, 10))))
+    phase.decide()
+    assert not first.findings and len(first.observed["prompt"]) == 3
+    first.scale.save(tmp_path, 0, first.observed)
+    first.scale.save(tmp_path, 0, first.observed)  # a step is added once
+    kept = ChangeScale.read(tmp_path)
+    assert kept.through_step == 0 and kept.fields["prompt"] == first.observed["prompt"]
+    sent = codebook[name].values["prompt"]
+    size, elements = reference_size(sent), sent.numel() ** 0.5
+    per_element = {ratio: ratio * size / elements for ratio in (50.0, 2 * kept.reference("prompt"))}
+
+    def lone(scale: ChangeScale, ratio: float) -> list:
+        screen = Screen(ScreeningOptions(), step=1, scale=scale)
+        _enrolled(screen, codebook, {"m": {name: 10}})
+        phase = screen.phase(Phase.STAGE1, 0, codebook)
+        phase.observe("m", _update(codebook, {name: (per_element[ratio], 10)}))
+        phase.decide()
+        return [f.reason for f in screen.findings]
+
+    (reason,) = lone(kept, 50.0)
+    assert "over 20 × the scale of honest changes in earlier steps" in reason, reason
+    assert lone(kept, 2 * kept.reference("prompt")) == []
+    assert lone(ChangeScale(), 50.0) == []  # under 100 × the class's size: today's bound
+
+
+def test_an_unreadable_change_scale_is_no_scale(tmp_path, caplog) -> None:
+    (tmp_path / FILE).write_text("{not json")
+    assert ChangeScale.read(tmp_path) == ChangeScale()
+    assert "is unreadable" in caplog.text
 
 
 def test_rows_sent_back_unchanged_do_not_set_the_bound(make_codebook) -> None:
