@@ -76,6 +76,7 @@ def robust(strategy: Strategy | None) -> Strategy:
         raise ConfigError(f"merge = median: {cls.__qualname__} merges its own way; "
                           "set merge = mean")  # fmt: skip
     names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    variant = object.__new__(type(cls.__name__, (MedianStrategy, cls), names))
+    variant_class: type[Strategy] = type(cls.__name__, (MedianStrategy, cls), names)
+    variant = variant_class.__new__(variant_class)
     variant.__dict__.update(vars(strategy))
     return variant
