@@ -49,7 +49,7 @@ from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 from starfed.shared.config import Options, knob, parse_site_names
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import PRIVACY_EPSILON, Phase
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -341,6 +341,9 @@ class PhaseScreen:
         self.rows = _Rows()
         self.rejected: set[tuple[str, str]] = set()  # (site, class)
         self.capped: dict[tuple[str, str], int] = {}  # (site, class) -> count
+        # sites that declare a privacy setting: their rows carry calibrated noise, not the
+        # scale of training (neither observed for ``ChangeScale`` nor held to it)
+        self.private: set[str] = set()
 
     def _note(self, site: str, action: str, reason: str, name: str = "") -> None:
         self.screen.note(site, self.phase.key, self.round, action, reason, name)
@@ -349,6 +352,8 @@ class PhaseScreen:
         """First pass: check counts and classes against the sync; measure every row."""
         if site in self.screen.quarantined:
             return
+        if PRIVACY_EPSILON in update.metadata:
+            self.private.add(site)
         caps = self.screen.caps(site)
         for entry in update.entries:
             key = (site, entry.name)
@@ -407,7 +412,8 @@ class PhaseScreen:
         sites of their changes (and the kept rows are this step's observations of the scale of
         honest changes). Where fewer did, their median is no bound (a lone sender's is its own
         change): each row is held to the tighter of ``reference-bound`` × its class's own size
-        and ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size."""
+        and ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (a
+        private site's to the first only: its noise is not the scale of training)."""
         options = self.screen.options
         # Rows that did not move say nothing of how far training moves one: a site that holds
         # a single class of its task has a one-logit loss and sends its rows back unchanged,
@@ -432,7 +438,8 @@ class PhaseScreen:
                                      f"{options.update_bound:g} × the median over "
                                      f"{senders} sites {median:.3g}")  # fmt: skip
         kept = [(site, change / size) for site, cls, change, size in rows
-                if change > 0 and (site, cls) not in self.rejected]  # fmt: skip
+                if change > 0 and (site, cls) not in self.rejected
+                and site not in self.private]  # fmt: skip
         if len({site for site, _ in kept}) >= MIN_SITES:
             per_site: dict[str, list[float]] = {}
             for site, ratio in kept:
@@ -453,7 +460,7 @@ class PhaseScreen:
                         f"{options.reference_bound:g} × the class's size {size:.3g}",
                     )
                 )
-            if options.history_bound and scale is not None:
+            if options.history_bound and scale is not None and site not in self.private:
                 limits.append(
                     (
                         options.history_bound * scale * size,

@@ -6,6 +6,8 @@ where its numbers are easy to check.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.config import ConfigError
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import PRIVACY_EPSILON, Phase
 from starfed.simulations.methods.no_replay import NoReplay
 
 
@@ -152,11 +154,14 @@ def test_a_lone_sender_is_held_to_the_scale_of_honest_changes_in_earlier_steps(
     size, elements = reference_size(sent), sent.numel() ** 0.5
     per_element = {ratio: ratio * size / elements for ratio in (50.0, 2 * kept.reference("prompt"))}
 
-    def lone(scale: ChangeScale, ratio: float) -> list:
+    def lone(scale: ChangeScale, ratio: float, private: bool = False) -> list:
         screen = Screen(ScreeningOptions(), step=1, scale=scale)
         _enrolled(screen, codebook, {"m": {name: 10}})
         phase = screen.phase(Phase.STAGE1, 0, codebook)
-        phase.observe("m", _update(codebook, {name: (per_element[ratio], 10)}))
+        update = _update(codebook, {name: (per_element[ratio], 10)})
+        if private:
+            update = replace(update, metadata={PRIVACY_EPSILON: "8"})
+        phase.observe("m", update)
         phase.decide()
         return [f.reason for f in screen.findings]
 
@@ -164,6 +169,21 @@ def test_a_lone_sender_is_held_to_the_scale_of_honest_changes_in_earlier_steps(
     assert "over 20 × the scale of honest changes in earlier steps" in reason, reason
     assert lone(kept, 2 * kept.reference("prompt")) == []
     assert lone(ChangeScale(), 50.0) == []  # under 100 × the class's size: today's bound
+    # a private site's rows carry calibrated noise: held to reference-bound only
+    assert lone(kept, 50.0, private=True) == []
+
+
+def test_private_sites_add_nothing_to_the_scale_of_honest_changes(make_codebook) -> None:
+    codebook = make_codebook(n_classes=1)
+    screen = Screen(ScreeningOptions(), step=0)
+    _enrolled(screen, codebook, {site: dict.fromkeys(codebook.names, 10) for site in "abcd"})
+    phase = screen.phase(Phase.STAGE1, 0, codebook)
+    for site, shift in zip("abcd", (0.1, 0.2, 0.3, 5.0), strict=True):
+        update = _update(codebook, dict.fromkeys(codebook.names, (shift, 10)))
+        private = {PRIVACY_EPSILON: "1"} if site == "d" else {}
+        phase.observe(site, replace(update, metadata=private))
+    phase.decide()
+    assert len(screen.observed["prompt"]) == 3  # a, b and c: d's noise is not training
 
 
 def test_an_unreadable_change_scale_is_no_scale(tmp_path, caplog) -> None:
