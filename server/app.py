@@ -28,7 +28,7 @@ from starfed.server import folder_lock
 from starfed.server.coordinator import Coordinator, RunLog
 from starfed.server.federation import FAILED, METRICS_FILE, Federation, FederationError
 from starfed.server.messaging import SiteGrid
-from starfed.server.robust import MedianStrategy
+from starfed.server.robust import robust
 from starfed.server.scores import accuracy_matrix, selection_matrix
 from starfed.server.screening import ScreeningOptions
 from starfed.server.strategy import Strategy
@@ -36,7 +36,6 @@ from starfed.server.test_set import ServerTestSet
 from starfed.shared import progress
 from starfed.shared.config import (
     BackboneOptions,
-    ConfigError,
     ProtocolOptions,
     parse,
     run_dir,
@@ -86,12 +85,7 @@ def run_server(
     started = time.perf_counter()
     values = parse(run_config)
     protocol = ProtocolOptions.from_config(values)
-    if strategy is not None and protocol.merge != "mean":
-        raise ConfigError(
-            f"merge = {protocol.merge} picks starfed's own strategy; {strategy_name(strategy)} "
-            "merges its own way"
-        )
-    strategy = strategy or (MedianStrategy() if protocol.merge == "median" else None)
+    strategy = robust(strategy) if protocol.merge == "median" else strategy
     folder = writable_dir(protocol.federation_dir or run_dir(values, run_id), "federation-dir")
     try:
         with folder_lock.locked(folder, f"server run {run_id}"):

@@ -37,6 +37,7 @@ import numpy as np
 from rich.console import Console
 
 from starfed.server import replay
+from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import (
     COMPLETED,
     DEGRADED,
@@ -230,7 +231,7 @@ class Coordinator:
             self.before_step(step)
         started, status, reason = time.time(), COMPLETED, ""
         self._steps, self._scores = [], None
-        self.screen = Screen(self.screening, step)
+        self.screen = Screen(self.screening, step, ChangeScale.read(self.federation.root))
         if ENROLLED in self.position.done:
             self._restore_findings(step)
         self._node_ids = sorted(self.grid.get_node_ids())
@@ -258,6 +259,8 @@ class Coordinator:
         record = self._record(step, status, reason, started, phase_seconds)
         kept = None if status == FAILED else self.codebook
         self.codebook = self.federation.end_step(record, kept, self.protocol.checkpoints_kept)
+        if kept is not None:  # committed: its phases' honest changes inform later steps' bounds
+            self.screen.scale.save(self.federation.root, step, self.screen.observed)
         self.position = self.federation.position(self.codebook)
         self.in_play = []
         self.log.steps.append(record)

@@ -23,6 +23,8 @@ each run performs aggregation steps over what they bring, continuing where the l
     step-end.json     the record of a step being closed, between its commit and its history
                       line (the next run finishes an interrupted close)
     lock.json         the run that writes the folder now (``server.folder_lock``)
+    change-scale.json the scale of honest changes per field over completed steps, the
+                      reference of a lone sender's bound (``server.change_scale``)
     quarantine.json   sites kept out of later steps (``quarantine-persists``; the operator
                       deletes an entry to let a site back in)
     step-findings.json  the screening's findings in the step in progress, written ahead of each
@@ -34,7 +36,9 @@ records are appended to the store before it; no reader reads a record no manifes
 step's record is written ahead (``step-end.json``), then the codebook is committed, then the
 record is appended to the history and the registry follows; a crash before the commit leaves
 the step running (the next run resumes it and records it once), a crash after it leaves a
-record that ``recover`` appends — never twice, never lost. Nothing is written that does not
+record that ``recover`` appends — never twice, never lost. A full disk (ENOSPC) at any write
+of a step is one ``FederationError`` that says what was being written, where the commit point
+stands and what the next run does. Nothing is written that does not
 decode (``wire.write_file`` and ``stored.save`` validate first), and a missing codebook is never
 replaced by an empty one once the folder has done any work.
 
@@ -49,7 +53,7 @@ import contextlib
 import errno
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -435,6 +439,10 @@ class Federation:
     def checkpoint(self, codebook: Codebook, position: Position) -> Codebook:
         """Save ``codebook`` with ``position`` in its metadata: what changed since the last
         checkpoint appended to the store, then its manifest (one atomic write, the commit)."""
+        with self._mid_step(f"the checkpoint of {position.done[-1] if position.done else 'it'}"):
+            return self._checkpoint(codebook, position)
+
+    def _checkpoint(self, codebook: Codebook, position: Position) -> Codebook:
         self.migrate()
         lineage = replace(Lineage.of(codebook), federation=self.id)
         metadata = {**codebook.metadata, **lineage.as_metadata(), **position.as_metadata()}
@@ -450,6 +458,10 @@ class Federation:
     def begin_step(self, codebook: Codebook) -> None:
         """Keep the codebook a step starts from, the last checkpoint, for a rollback: its
         manifest copied (``codebook`` saved for a new federation, which has none yet)."""
+        with self._mid_step("the codebook it starts from"):
+            self._begin_step(codebook)
+
+    def _begin_step(self, codebook: Codebook) -> None:
         self.migrate()
         current = self.root / CODEBOOK_FILE
         if current.is_file():
@@ -468,14 +480,16 @@ class Federation:
         for name, sites in brought.items():
             for site in sites:
                 self.registry[name].sites.setdefault(site, when)
-        self._write_registry()
+        with self._mid_step("the registry of its new classes"):
+            self._write_registry()
 
     def unregister(self, names: list[str]) -> None:
         """Forget classes that left the step in progress (no site sent their statistics), so
         the step that brings them again registers them, and scores group them under it."""
         for name in names:
             self.registry.pop(name, None)
-        self._write_registry()
+        with self._mid_step("the registry without the classes that left it"):
+            self._write_registry()
 
     def _write_registry(self) -> None:
         registry = {name: asdict(entry) for name, entry in self.registry.items()}
@@ -494,13 +508,15 @@ class Federation:
         held = self.quarantine()
         for site, reason in sites.items():
             held.setdefault(site, {"step": step, "since": now(), "reason": reason})
-        write_atomic(self.root / QUARANTINE_FILE, json.dumps(held, indent=2).encode())
+        with self._mid_step("the sites it quarantined"):
+            write_atomic(self.root / QUARANTINE_FILE, json.dumps(held, indent=2).encode())
 
     def save_findings(self, step: int, findings: Sequence[Finding]) -> None:
         """The screening's findings so far in ``step``, written ahead of each of its
         checkpoints, so that a crash loses none of a committed phase's (``step_findings``)."""
         value = {"step": step, "findings": [asdict(f) for f in findings]}
-        write_atomic(self.root / STEP_FINDINGS_FILE, json.dumps(value, indent=1).encode())
+        with self._mid_step("the screening's findings ahead of its next checkpoint"):
+            write_atomic(self.root / STEP_FINDINGS_FILE, json.dumps(value, indent=1).encode())
 
     def step_findings(self, step: int) -> list[Finding]:
         """What ``save_findings`` last kept for ``step``, none for another step. Written ahead
@@ -552,9 +568,9 @@ class Federation:
                 (self._start.codebook, self._start) if self._start else self._load(STEP_START_FILE)
             )  # the step's start as stored: going back to it appends no record
             metadata = {**start.metadata, **Lineage.of(start).new_epoch().as_metadata()}
-            saved = self.checkpoint(replace(start, metadata=metadata), Position(record.step))
+            saved = self._checkpoint(replace(start, metadata=metadata), Position(record.step))
         else:
-            saved = self.checkpoint(codebook, Position(record.step + 1))
+            saved = self._checkpoint(codebook, Position(record.step + 1))
         self._finish(record, keep_steps)
         return saved
 
@@ -573,6 +589,32 @@ class Federation:
             then = (f"{step} was not committed ({CODEBOOK_FILE} is unchanged) and nothing was "
                     "lost; the next run resumes the step")  # fmt: skip
         return f"the disk is full (writing {where} of {self.root}): {then}, once space is freed"
+
+    @contextlib.contextmanager
+    def _mid_step(self, writing: str) -> Iterator[None]:
+        """A full disk while ``writing`` (one of a step's writes before its close): one
+        ``FederationError``. Each such write ends before the commit point or is the commit
+        itself (atomic), so ``codebook.bin`` still holds the last checkpoint: nothing done
+        before it is lost, and the next run resumes from it."""
+        try:
+            yield
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            where = Path(err.filename).name if err.filename else "a file"
+            checkpoint = self.last_checkpoint()
+            position = Position() if checkpoint is None else checkpoint.position
+            step = f"step {position.step + 1}"
+            then = (
+                f"the next run resumes {step} after its {position.done[-1]}"
+                if position.running and position.done
+                else f"the next run starts {step}"
+            )
+            raise FederationError(
+                f"the disk is full (writing {where} of {self.root}, {writing}, in {step}): the "
+                f"commit point did not move ({CODEBOOK_FILE} is unchanged) and nothing was lost; "
+                f"{then}, once space is freed"
+            ) from None
 
     def recover(self, keep_steps: int = 0) -> str | None:
         """Finish a step close that a crash interrupted (``step-end.json``): after the commit,

@@ -4,8 +4,9 @@ starfed's strategy averages a class over its holders weighted by their examples,
 that holds a class with others moves it by its own rows as far as its weight allows — with
 consistent lies about its own data (docs/security.md), as far as it likes. When three or more
 sites hold a class, the coordinate-wise median of their rows ignores any one of them, whatever
-its count: ``merge = median`` in the run config makes this the default strategy. Classes held
-by one or two sites, and every mixture, merge as in ``Strategy``.
+its count: ``merge = median`` (the default) makes this the default strategy, and ``robust``
+gives a baseline's strategy the same merge. Classes held by one or two sites, and every
+mixture, merge as in ``Strategy``.
 
 The median needs every row of the class at once, so unlike the streamed mean this strategy
 holds the tensor rows of a phase's classes until its end: memory grows with the sites that
@@ -23,6 +24,7 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.merge import MergeAccumulator
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.config import ConfigError
 
 MIN_HOLDERS = 3  # below this, a median is no more robust than a mean
 
@@ -58,3 +60,23 @@ class MedianStrategy(Strategy):
             merge.add(ClientUpdate(first.fingerprint, first.dims, first.phase,
                                    first.base_version, tuple(medians)))  # fmt: skip
         return merge.result()
+
+
+def robust(strategy: Strategy | None) -> Strategy:
+    """``strategy`` (None: starfed's) merging with the median: a baseline that changes another
+    hook (``starfed.simulations.methods``) is then compared with starfed at the same merge. Its
+    class is subclassed under its own name (metrics.json names the baseline; the estimator is
+    the protocol's ``merge``). A strategy with a ``merge`` of its own is refused."""
+    if strategy is None:
+        return MedianStrategy()
+    if isinstance(strategy, MedianStrategy):
+        return strategy
+    cls = type(strategy)
+    if cls.merge is not Strategy.merge:
+        raise ConfigError(f"merge = median: {cls.__qualname__} merges its own way; "
+                          "set merge = mean")  # fmt: skip
+    names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    variant_class: type[Strategy] = type(cls.__name__, (MedianStrategy, cls), names)
+    variant = variant_class.__new__(variant_class)
+    variant.__dict__.update(vars(strategy))
+    return variant

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import Finding
 from starfed.server.messaging import reject
 from starfed.shared import progress
@@ -48,7 +49,7 @@ from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 from starfed.shared.config import Options, knob, parse_site_names
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import PRIVACY_EPSILON, Phase
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class ScreeningOptions(Options):
 
     update_bound: float = knob("update-bound")
     reference_bound: float = knob("reference-bound")
+    history_bound: float = knob("history-bound")
     mixture_bound: float = knob("mixture-bound")
     max_class_share: float = knob("max-class-share")
     quarantine_after: int = knob("quarantine-after")
@@ -107,9 +109,11 @@ def broadcast_bytes_per_class(codebook: Codebook, wire_dtype: str) -> int:
 class Screen:
     """One step's screening: what each site enrolled with, the findings, who is quarantined."""
 
-    def __init__(self, options: ScreeningOptions, step: int) -> None:
+    def __init__(self, options: ScreeningOptions, step: int, scale: ChangeScale | None = None):
         self.options = options
         self.step = step
+        self.scale = scale or ChangeScale()  # of the earlier steps: no sender of this one moves it
+        self.observed: dict[str, list[float]] = {}  # this step's, for ``ChangeScale.save``
         self.registered = parse_site_names(options.site_names)  # node id -> the operator's name
         self.enrolled: dict[str, Enrolled] = {}  # site -> its sync
         self.findings: list[Finding] = []
@@ -337,6 +341,9 @@ class PhaseScreen:
         self.rows = _Rows()
         self.rejected: set[tuple[str, str]] = set()  # (site, class)
         self.capped: dict[tuple[str, str], int] = {}  # (site, class) -> count
+        # sites that declare a privacy setting: their rows carry calibrated noise, not the
+        # scale of training (neither observed for ``ChangeScale`` nor held to it)
+        self.private: set[str] = set()
 
     def _note(self, site: str, action: str, reason: str, name: str = "") -> None:
         self.screen.note(site, self.phase.key, self.round, action, reason, name)
@@ -345,6 +352,8 @@ class PhaseScreen:
         """First pass: check counts and classes against the sync; measure every row."""
         if site in self.screen.quarantined:
             return
+        if PRIVACY_EPSILON in update.metadata:
+            self.private.add(site)
         caps = self.screen.caps(site)
         for entry in update.entries:
             key = (site, entry.name)
@@ -385,7 +394,8 @@ class PhaseScreen:
 
     def decide(self) -> None:
         """The bounds of what was observed; the rows beyond them rejected."""
-        if self.screen.options.update_bound or self.screen.options.reference_bound:
+        options = self.screen.options
+        if options.update_bound or options.reference_bound or options.history_bound:
             for name, rows in self.rows.changes.items():
                 self._bound_changes(name, rows)
         if self.screen.options.mixture_bound:
@@ -400,8 +410,11 @@ class PhaseScreen:
 
     def _bound_changes(self, name: str, rows: list[tuple[str, str, float, float]]) -> None:
         """Where ``MIN_SITES`` sites or more moved the field: ``update-bound`` × the median over
-        sites of their changes. Where fewer did, their median is no bound (a lone sender's is
-        its own change): each row is held to ``reference-bound`` × its class's own size."""
+        sites of their changes (and the kept rows are this step's observations of the scale of
+        honest changes). Where fewer did, their median is no bound (a lone sender's is its own
+        change): each row is held to the tighter of ``reference-bound`` × its class's own size
+        and ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (a
+        private site's to the first only: its noise is not the scale of training)."""
         options = self.screen.options
         # Rows that did not move say nothing of how far training moves one: a site that holds
         # a single class of its task has a one-logit loss and sends its rows back unchanged,
@@ -411,9 +424,10 @@ class PhaseScreen:
         if not moved:
             return
         senders = len({site for site, _ in moved})
-        if senders >= MIN_SITES:
-            if not options.update_bound:
-                return
+        if senders < MIN_SITES:
+            self._bound_lone(name, rows, senders)
+            return
+        if options.update_bound:
             median = _by_site(moved)
             largest = max(change for _, change in moved)
             logger.info("screening %s/%d %s: largest change %.3g × the median over %d sites "
@@ -424,15 +438,40 @@ class PhaseScreen:
                     self._reject_row(site, cls, f"{name} changed by {change:.3g}, over "
                                      f"{options.update_bound:g} × the median over "
                                      f"{senders} sites {median:.3g}")  # fmt: skip
-            return
-        if not options.reference_bound:
-            return
+        kept = [(site, change / size) for site, cls, change, size in rows
+                if change > 0 and (site, cls) not in self.rejected
+                and site not in self.private]  # fmt: skip
+        if len({site for site, _ in kept}) >= MIN_SITES:
+            per_site: dict[str, list[float]] = {}
+            for site, ratio in kept:
+                per_site.setdefault(site, []).append(ratio)
+            observed = self.screen.observed.setdefault(name, [])
+            observed += [statistics.median(ratios) for ratios in per_site.values()]
+
+    def _bound_lone(self, name: str, rows: list, senders: int) -> None:
+        options = self.screen.options
+        scale = self.screen.scale.reference(name)
+        sent_by = f"sent by {senders} site{'s' * (senders > 1)}: no median"
         for site, cls, change, size in rows:
-            if change > options.reference_bound * size:
+            limits = []
+            if options.reference_bound:
+                limits.append(
+                    (
+                        options.reference_bound * size,
+                        f"{options.reference_bound:g} × the class's size {size:.3g}",
+                    )
+                )
+            if options.history_bound and scale is not None and site not in self.private:
+                limits.append(
+                    (
+                        options.history_bound * scale * size,
+                        f"{options.history_bound:g} × the scale of honest changes in "
+                        f"earlier steps ({scale:.3g} × the class's size {size:.3g})",
+                    )
+                )
+            if limits and change > min(limits)[0]:
                 self._reject_row(site, cls, f"{name} changed by {change:.3g}, over "
-                                 f"{options.reference_bound:g} × the class's size {size:.3g} "
-                                 f"(sent by {senders} site{'s' * (senders > 1)}: "
-                                 "no median)")  # fmt: skip
+                                 f"{min(limits)[1]} ({sent_by})")  # fmt: skip
 
     def _mixture_reference(self, name: str, rows: list) -> tuple[float, str]:
         """The mean norm a field's mixtures are measured by, and what it is: the median over

@@ -224,9 +224,9 @@ SCHEMA: tuple[Knob, ...] = (
          ge=1),
     Knob("server-test-dir", str, "", 'a folder of class folders the server also scores each '
          'step on (e.g. a simulation\'s test set); "": none', "protocol", path=True),
-    Knob("merge", str, "mean", "how the default strategy merges a class: mean (weighted by "
-         "examples) or median (coordinate-wise, for classes that 3 or more sites hold)",
-         "protocol", choices=MERGES),
+    Knob("merge", str, "median", "how a class is merged: median (coordinate-wise over its "
+         "sites' rows, where 3 or more sites hold it: no one site moves it) or mean (weighted "
+         "by examples; always, where fewer sites hold it)", "protocol", choices=MERGES),
     # screening: what the server believes of a site (server/screening.py, docs/security.md)
     Knob("update-bound", float, 1000.0, "reject a class's update row whose change from the "
          "value sent is over this multiple of the phase's median change (per field, over the "
@@ -236,6 +236,11 @@ SCHEMA: tuple[Knob, ...] = (
          "(their median is no bound: a lone sender is its own), reject a row whose change is "
          "over this multiple of the class's own size before the phase (its norm, at least the "
          "initialisation's 0.02 per element); 0: no bound", "screening", ge=0),
+    Knob("history-bound", float, 20.0, "where fewer than 3 sites send a field, also reject a "
+         "row whose change is over this multiple of the scale of honest changes in earlier "
+         "steps (the median change ÷ class size of each site, where 3 or more sites sent the "
+         "field; kept in the federation folder's change-scale.json) × the class's size; 0: no "
+         "bound", "screening", ge=0),
     Knob("mixture-bound", float, 1000.0, "reject mixture statistics whose variances or means are "
          "over this multiple of the phase's median (and variances below any fit's); 0: no bound",
          "screening", ge=0),

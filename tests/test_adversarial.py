@@ -28,6 +28,7 @@ from starfed.server.federation import Federation
 from starfed.server.ops import dashboard, status
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.codebook import wire
+from starfed.shared.config import parse
 from starfed.shared.protocol import PHASES
 from starfed.simulations.local_grid import LocalGrid
 
@@ -36,7 +37,12 @@ pytestmark = pytest.mark.adversarial
 C0, A1, B1, M1 = CLASSES[0], CLASSES[1], CLASSES[2], CLASSES[3]
 SITES = {"farm-a": [C0, A1], "farm-b": [C0, B1], "farm-m": [C0, M1]}
 M = 3  # farm-m's node id
-CONFIG = {**TINY_RUN, "max-steps": 1}
+#: The screening's tests run with the mean merge, which their honest reference and TOLERANCE were
+#: measured with: at this size the merge itself moves farm-b by two of its ten test images (the
+#: honest federation's 50 % with the mean, 30 % with the default median); the tests of the merge
+#: name theirs.
+CONFIG = {**TINY_RUN, "max-steps": 1, "merge": "mean"}
+DEFAULT_MERGE = parse({})["merge"]
 #: Percentage points the honest sites' accuracy may differ from the honest federation's: one of
 #: each honest site's ten test images (a site left out changes the classes the others are
 #: scored against). Without the defences, ×10^6 tensors take farm-b from 50 % to 0 %.
@@ -175,24 +181,39 @@ def test_a_claim_made_already_at_the_sync_is_bounded_by_max_class_share(
     assert all("capped at 12 (max-class-share)" in f.reason for f in capped)
 
 
+def _swap_in_own_class(message: pb.ClientUpdate) -> None:
+    """farm-m's own class's rows sent as C0's, claiming 10^6 examples of C0."""
+    rows = {entry.name: entry for entry in message.entries}
+    for field, value in rows[M1].ListFields():
+        if isinstance(value, pb.Tensor):
+            getattr(rows[C0], field.name).CopyFrom(value)
+    rows[C0].count = 10**6
+
+
 def test_a_class_overwritten_with_another_is_outvoted_by_the_median(
     folders, tmp_path, honest
 ) -> None:
     """farm-m sends its own class's rows as C0's, claiming 10^6 examples: capped, and the
-    median of three holders ignores it."""
-
-    def swap(message: pb.ClientUpdate) -> None:
-        rows = {entry.name: entry for entry in message.entries}
-        for field, value in rows[M1].ListFields():
-            if isinstance(value, pb.Tensor):
-                getattr(rows[C0], field.name).CopyFrom(value)
-        rows[C0].count = 10**6
-
-    faults = {t: edit_update(swap) for t in TRAINING}
-    metrics = federate(folders, tmp_path, faults, merge="median")
+    median of three holders — the default merge — ignores it."""
+    faults = {t: edit_update(_swap_in_own_class) for t in TRAINING}
+    metrics = federate(folders, tmp_path, faults, merge=DEFAULT_MERGE)
+    assert DEFAULT_MERGE == "median"
     assert_contained(metrics, honest)
     assert {f.name for f in findings(tmp_path, "capped")} == {C0}
     assert metrics["classes"][C0]["sites"] == sorted(SITES)
+
+
+def test_the_mean_merges_a_class_overwritten_with_another(folders, tmp_path, honest) -> None:
+    """What the default defends: with ``merge = mean`` the same lie, capped to a third of C0's
+    examples, moves C0 as far as that share allows, and an honest site's accuracy falls by
+    more than TOLERANCE (here farm-a's, 20 → 0 %; issue 35 saw 10/20 → 2/20)."""
+    faults = {t: edit_update(_swap_in_own_class) for t in TRAINING}
+    metrics = federate(folders, tmp_path, faults, merge="mean")
+    assert metrics["status"] == "degraded"  # capped, so recorded; not outvoted
+    assert any(
+        honest["site_accuracy"][site] - metrics["site_accuracy"][site] > TOLERANCE
+        for site in ("farm-a", "farm-b")
+    )
 
 
 @pytest.mark.parametrize("factor", [1e6, 1e30])

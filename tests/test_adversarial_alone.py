@@ -26,6 +26,7 @@ from test_adversarial import STATISTICS, TOLERANCE, TRAINING, UPDATE_RECORDS, ed
 from starfed.client import app as client_app
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import RunFailed
+from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import Federation
 from starfed.shared.codebook import wire
 from starfed.simulations.local_grid import LocalGrid
@@ -142,6 +143,23 @@ def test_a_lone_senders_scaled_rows_are_held_to_the_classs_own_size(tmp_path, lo
     assert all("× the class's size" in f.reason for f in found if f.action == "rejected")
     codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
     assert max(float(e.values["head_weight"].abs().max()) for e in codebook.entries.values()) < 1e3
+
+
+def test_a_lone_senders_50x_rows_are_held_to_the_scale_of_earlier_steps(
+    tmp_path, lone_honest
+) -> None:
+    """farm-m alone trains X in step 2 with rows × 50: under ``reference-bound`` (100 × X's
+    size), so only step 1's scale of honest changes (three sites sent every field: kept in
+    change-scale.json) rejects them; the honest run (``lone_honest``) passed the same bound."""
+    faults = {t: edit_update(scaled(50.0, {X})) for t in TRAINING}
+    metrics = rolled_back(LONE, tmp_path, faults)
+    assert_as_after_step_1(metrics, lone_honest)
+    scale = ChangeScale.read(tmp_path / "federation")
+    assert scale.through_step == 0 and scale.reference("prompt") is not None
+    rejected = [f for f in findings(tmp_path) if f.action == "rejected"]
+    assert rejected and {(f.site, f.name) for f in rejected} == {("farm-m", X)}
+    assert all("× the scale of honest changes in earlier steps" in f.reason for f in rejected)
+    assert lone_honest["status"] == "completed"  # its lone X rows: within the same bound
 
 
 def test_a_lone_senders_mixture_is_held_to_the_codebooks_fitted_mixtures(

@@ -194,6 +194,25 @@ def test_api_state_is_the_reading_that_status_prints(folder, capsys) -> None:
     assert [f["name"] for f in state["logs"]] == ["superlink.log"]
 
 
+def test_a_class_one_site_brought_alone_is_marked_on_the_page_and_in_api_state(folder) -> None:
+    """As `server status` marks it: class_1 is brought again by farm-a (two sites), every
+    other class by one site alone."""
+    Federation.open(folder.federation).register([], 0, {"class_1": ["farm-a"]})
+    client = _client(folder)
+    classes = client.get("/").text.partition('<table id="classes-table">')[2]
+    rows = {
+        re.search(r'<span title="(class_\d)">', row)[1]: row
+        for row in classes.partition("</table>")[0].split("<tr>")[2:]
+    }
+    assert sorted(rows) == [f"class_{i}" for i in range(5)]
+    marked = {name for name, row in rows.items() if ">one site alone</span>" in row}
+    assert marked == {"class_0", "class_2", "class_3", "class_4"}
+    assert "farm-b (" in rows["class_1"] and "farm-a (" in rows["class_1"]
+    state = client.get("/api/state").json()["status"]["classes"]
+    assert {c["name"]: c["single_site"] for c in state} == {
+        f"class_{i}": i != 1 for i in range(5)}  # fmt: skip
+
+
 def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
     return {
         str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).digest(), p.stat().st_mtime_ns)

@@ -329,6 +329,49 @@ def test_a_full_disk_while_closing_a_step_never_duplicates_it(
     assert checked(root).ok, checked(root).problems
 
 
+@pytest.mark.parametrize(
+    ("fails", "nth", "writing", "then"),
+    [
+        (CODEBOOK_FILE, 2, "the checkpoint of stage1/0", "resumes step 2 after its sync/0"),
+        (REGISTRY_FILE, 1, "the registry of its new classes", "starts step 2"),
+        (STEP_FINDINGS_FILE, 2, "the screening's findings", "resumes step 2 after its sync/0"),
+    ],
+)
+def test_a_full_disk_mid_step_is_one_line_and_the_step_resumes(
+    root: Path, monkeypatch: pytest.MonkeyPatch, fails: str, nth: int, writing: str, then: str
+) -> None:
+    """ENOSPC at the ``nth`` write of ``fails`` in a step — the commit of its first training
+    phase's checkpoint, the registry of its new classes at the enrolment, the findings written
+    ahead of a checkpoint: one line says what was being written, that the commit point did not
+    move and nothing was lost, and what the next run does; the run fails (exit 1) and the next
+    run completes the step, recorded once, in a folder ``check`` accepts."""
+    next_task(root)
+    real = federation_module.write_atomic
+    seen: list[bytes] = []
+
+    def full(path, data):
+        if Path(path).name == fails:
+            seen.append((folder(root) / CODEBOOK_FILE).read_bytes())
+            if len(seen) == nth:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)
+
+    monkeypatch.setattr(federation_module, "write_atomic", full)
+    with pytest.raises(RunFailed, match=r"^the disk is full \(writing ") as failed:
+        run_two_sites(root)
+    said = str(failed.value)
+    assert "\n" not in said and f"writing {fails} of " in said and f"{writing}" in said, said
+    assert "the commit point did not move (codebook.bin is unchanged)" in said, said
+    assert "nothing was lost" in said and f"the next run {then}, once space is freed" in said
+    assert (folder(root) / CODEBOOK_FILE).read_bytes() == seen[-1]  # the commit point
+    monkeypatch.setattr(federation_module, "write_atomic", real)
+    assert finished_steps(root) == [0]
+    metrics = run_two_sites(root)
+    assert finished_steps(root) == [0, 1]
+    assert metrics["steps"] == 2 and len(metrics["accuracy_matrix"]) == 2
+    assert checked(root).ok, checked(root).problems
+
+
 # --- two runs at once ------------------------------------------------------------------------
 
 

@@ -256,16 +256,26 @@ class BaselineRun:
     counts: dict[int, dict[str, list[int]]]  # task -> class -> per-client counts
 
 
-@pytest.fixture(scope="module")
-def baseline(cache_dir, tmp_path_factory) -> BaselineRun:
-    """3 clients, alpha 0.1: in task 0 one class is held by all three, the other by one."""
-    grid = make_grid(cache_dir, 3, alpha=0.1)
+def _baseline_run(cache_dir: Path, tmp_path_factory, **overrides) -> BaselineRun:
+    grid = make_grid(cache_dir, 3, alpha=0.1, **overrides)
     recorded = record_all(grid)
     results = tmp_path_factory.mktemp("results")
     metrics = run(grid, results, "baseline", recorded)
     scenario = scenario_of(grid)
     counts = {task: class_counts(scenario, task) for task in range(2)}
     return BaselineRun(grid, recorded, metrics, results / "baseline", counts)
+
+
+@pytest.fixture(scope="module")
+def baseline(cache_dir, tmp_path_factory) -> BaselineRun:
+    """3 clients, alpha 0.1: in task 0 one class is held by all three, the other by one."""
+    return _baseline_run(cache_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mean_baseline(cache_dir, tmp_path_factory) -> BaselineRun:
+    """The baseline's federation with ``merge = mean``: the examples-weighted average."""
+    return _baseline_run(cache_dir, tmp_path_factory, merge="mean")
 
 
 def holders(counts: dict[str, list[int]], name: str) -> list[int]:
@@ -303,7 +313,26 @@ def test_baseline_exchanges_all_ok(baseline):
     assert 0.0 <= metrics["final_average_accuracy"] <= 100.0
 
 
-def test_shared_class_row_is_count_weighted_average(baseline):
+def test_a_class_three_sites_hold_is_their_median_by_default(baseline):
+    """The default merge (``median``): each number of a class that three sites hold is the
+    median of their rows, whatever their counts; the count is their sum."""
+    counts = baseline.counts[0]
+    (name,) = [n for n, c in counts.items() if len(holders(counts, n)) == 3]
+    nodes = holders(counts, name)
+    for message_type, merged_at, fields in (
+        ("train.stage1", "stage1/0", STAGE1_FIELDS),
+        ("train.stage2", "stage2/0", STAGE2_FIELDS),
+    ):
+        merged = baseline.recorded.merged[(0, merged_at)]
+        entries = [entry(baseline.recorded.update(0, message_type, node), name) for node in nodes]
+        assert row_count(merged, name) == sum(e.count for e in entries)
+        for field_name in fields:
+            rows = torch.stack([e.values[field_name] for e in entries])
+            assert torch.equal(row(merged, field_name, name), rows.median(dim=0).values)
+
+
+def test_shared_class_row_is_count_weighted_average(mean_baseline):
+    baseline = mean_baseline
     grid, recorded = baseline.grid, baseline.recorded
     shared = [n for n, c in baseline.counts[0].items() if len(holders(baseline.counts[0], n)) > 1]
     assert shared, "the scenario must have a class several clients hold"

@@ -6,18 +6,23 @@ where its numbers are easy to check.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from starfed.server.change_scale import FILE, ChangeScale
 from starfed.server.federation import Exchange
-from starfed.server.robust import MedianStrategy
-from starfed.server.screening import Screen, ScreeningOptions
+from starfed.server.robust import MedianStrategy, robust
+from starfed.server.screening import Screen, ScreeningOptions, reference_size
 from starfed.server.strategy import PhaseState, Strategy
 from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.config import ConfigError
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import PRIVACY_EPSILON, Phase
+from starfed.simulations.methods.no_replay import NoReplay
 
 
 def _update(codebook, rows: dict[str, tuple[float, int]], phase=Phase.STAGE1) -> ClientUpdate:
@@ -64,6 +69,27 @@ def test_the_median_of_three_holders_ignores_one_outlier(make_codebook) -> None:
     assert torch.equal(merged[second].values["prompt"], mean[second].values["prompt"])
 
 
+def test_a_baseline_merges_with_the_median_by_default_and_keeps_its_own_hooks() -> None:
+    """``merge = median`` (the default) gives a baseline's strategy the median merge, so it
+    differs from starfed only in the hook it changes; it keeps its name (metrics.json)."""
+    assert type(robust(None)) is MedianStrategy
+    median = MedianStrategy()
+    assert robust(median) is median
+    baseline = robust(NoReplay())
+    assert isinstance(baseline, NoReplay) and isinstance(baseline, MedianStrategy)
+    assert baseline.replay.__func__ is NoReplay.replay and baseline.merge is MedianStrategy.merge
+    assert f"{type(baseline).__module__}.{type(baseline).__qualname__}" == (
+        f"{NoReplay.__module__}.NoReplay")  # fmt: skip
+
+    class OwnMerge(Strategy):
+        @staticmethod
+        def merge(updates, state):
+            raise AssertionError("not called")
+
+    with pytest.raises(ConfigError, match=r"^merge = median: .*OwnMerge merges its own way"):
+        robust(OwnMerge())
+
+
 def test_counts_are_capped_by_the_sync_and_the_share_of_the_others(make_codebook) -> None:
     codebook = make_codebook(n_classes=1)
     (name,) = codebook.names
@@ -101,6 +127,69 @@ def test_a_change_beyond_the_bound_is_rejected_and_enough_findings_quarantine(
     actions = [(f.site, f.action) for f in screen.findings]
     assert actions == [("m", "rejected")] * 3 + [("m", "quarantined")]
     assert screen.quarantined == {"m": "3 findings in step 1"}
+
+
+def test_a_lone_sender_is_held_to_the_scale_of_honest_changes_in_earlier_steps(
+    make_codebook, tmp_path
+) -> None:
+    """Step 1: three sites move every class's prompt by 0.1–0.3 per element; each site's
+    median change ÷ size is kept (change-scale.json). Step 2: one site sends alone. A change of
+    50 × its class's size passes ``reference-bound`` (100) but not ``history-bound`` (20) ×
+    that scale; an honest-sized change passes; without the kept scale, so does the 50 ×."""
+    codebook = make_codebook(n_classes=3)
+    name = codebook.names[0]
+    sites = {site: dict.fromkeys(codebook.names, 10) for site in "abc"}
+    first = Screen(ScreeningOptions(), step=0, scale=ChangeScale.read(tmp_path))
+    _enrolled(first, codebook, sites)
+    phase = first.phase(Phase.STAGE1, 0, codebook)
+    for site, shift in zip("abc", (0.1, 0.2, 0.3), strict=True):
+        phase.observe(site, _update(codebook, dict.fromkeys(codebook.names, (shift, 10))))
+    phase.decide()
+    assert not first.findings and len(first.observed["prompt"]) == 3
+    first.scale.save(tmp_path, 0, first.observed)
+    first.scale.save(tmp_path, 0, first.observed)  # a step is added once
+    kept = ChangeScale.read(tmp_path)
+    assert kept.through_step == 0 and kept.fields["prompt"] == first.observed["prompt"]
+    sent = codebook[name].values["prompt"]
+    size, elements = reference_size(sent), sent.numel() ** 0.5
+    per_element = {ratio: ratio * size / elements for ratio in (50.0, 2 * kept.reference("prompt"))}
+
+    def lone(scale: ChangeScale, ratio: float, private: bool = False) -> list:
+        screen = Screen(ScreeningOptions(), step=1, scale=scale)
+        _enrolled(screen, codebook, {"m": {name: 10}})
+        phase = screen.phase(Phase.STAGE1, 0, codebook)
+        update = _update(codebook, {name: (per_element[ratio], 10)})
+        if private:
+            update = replace(update, metadata={PRIVACY_EPSILON: "8"})
+        phase.observe("m", update)
+        phase.decide()
+        return [f.reason for f in screen.findings]
+
+    (reason,) = lone(kept, 50.0)
+    assert "over 20 × the scale of honest changes in earlier steps" in reason, reason
+    assert lone(kept, 2 * kept.reference("prompt")) == []
+    assert lone(ChangeScale(), 50.0) == []  # under 100 × the class's size: today's bound
+    # a private site's rows carry calibrated noise: held to reference-bound only
+    assert lone(kept, 50.0, private=True) == []
+
+
+def test_private_sites_add_nothing_to_the_scale_of_honest_changes(make_codebook) -> None:
+    codebook = make_codebook(n_classes=1)
+    screen = Screen(ScreeningOptions(), step=0)
+    _enrolled(screen, codebook, {site: dict.fromkeys(codebook.names, 10) for site in "abcd"})
+    phase = screen.phase(Phase.STAGE1, 0, codebook)
+    for site, shift in zip("abcd", (0.1, 0.2, 0.3, 5.0), strict=True):
+        update = _update(codebook, dict.fromkeys(codebook.names, (shift, 10)))
+        private = {PRIVACY_EPSILON: "1"} if site == "d" else {}
+        phase.observe(site, replace(update, metadata=private))
+    phase.decide()
+    assert len(screen.observed["prompt"]) == 3  # a, b and c: d's noise is not training
+
+
+def test_an_unreadable_change_scale_is_no_scale(tmp_path, caplog) -> None:
+    (tmp_path / FILE).write_text("{not json")
+    assert ChangeScale.read(tmp_path) == ChangeScale()
+    assert "is unreadable" in caplog.text
 
 
 def test_rows_sent_back_unchanged_do_not_set_the_bound(make_codebook) -> None:

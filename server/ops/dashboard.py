@@ -80,6 +80,11 @@ from starfed.shared.protocol import Phase
 READ_EVERY_S = 1.0  # a page and its images share one reading of the folders
 SLOW_EVERY_S = 15.0  # Flower's node list and the SuperLink log's refused keys
 RUNNING = "running"
+#: the hover text of a class one site brought alone (``status.ClassRow.single_site``)
+SINGLE_SITE = (
+    "brought by one site alone: no median over sites checks its rows, only the "
+    "screening's references (docs/security.md)"
+)
 #: A status word -> its colour (badges and the timeline); anything else is drawn grey.
 COLOURS = {
     COMPLETED: "#2e7d32",
@@ -587,11 +592,18 @@ def _accuracy(state: State) -> str:
     return _section("accuracy", f'<div class="plots">{plots}</div>')
 
 
+def _brought(row: status.ClassRow) -> Html:
+    """Who brought the class; one site alone marked, as `server status` marks it."""
+    sites = _text(", ".join(f"{site} ({when})" for site, when in row.sites.items()))
+    if not row.single_site:
+        return Html(sites)
+    return Html(f'{sites} <span class="alone" title="{_text(SINGLE_SITE)}">one site alone</span>')
+
+
 def _classes(state: State) -> str:
     rows = (
-        (_class_name(c.name), c.step + 1,
-         ", ".join(f"{site} ({when})" for site, when in c.sites.items()),
-         "yes" if c.frozen else "no", _percent(state.class_accuracy.get(c.name)))
+        (_class_name(c.name), c.step + 1, _brought(c), "yes" if c.frozen else "no",
+         _percent(state.class_accuracy.get(c.name)))
         for c in state.status.classes
     )  # fmt: skip
     table = _table(
@@ -637,6 +649,7 @@ th{background:#f3f3f3}.badge{color:#fff;border-radius:3px;padding:0 6px;font-siz
 figure{margin:0}figcaption{color:#555;font-size:12px}img.plot{width:100%;height:auto}
 figure.wide{grid-column:1/-1;overflow-x:auto}figure.wide img.plot{width:auto;max-width:none}
 #lost{background:#fff3e0;border:1px solid #ef6c00;padding:.3em .8em}
+.alone{border:1px solid #ef6c00;border-radius:3px;padding:0 4px;color:#ef6c00;font-size:12px}
 """
 
 SCRIPT = """
