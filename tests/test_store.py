@@ -230,10 +230,10 @@ def test_a_damaged_store_is_named_by_check(tmp_path: Path, generator) -> None:
     log.write_bytes(bytes(data))
     problems = folder_check.check(root).problems
     assert any(p.startswith("codebook.bin: ") and "checksum mismatch" in p for p in problems)
-    quick = folder_check.check(root, decode=False, kept=False)
+    quick = folder_check.check(root, depth=folder_check.Depth.HEADERS, kept=False)
     assert quick.ok  # status reads no store bytes: a log's bytes are check's to verify
     log.write_bytes(bytes(data[:-10]))
-    quick = folder_check.check(root, decode=False, kept=False)
+    quick = folder_check.check(root, depth=folder_check.Depth.HEADERS, kept=False)
     assert any("truncated" in p for p in quick.problems), quick.problems
     with pytest.raises(CodebookError, match="beyond the end of the log"):
         wire.read_file(root / CODEBOOK_FILE)
