@@ -111,27 +111,38 @@ def build(root: Path, n: int, before: bool = False) -> Path:
     return folder
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def timed(command: list[str], timeout: float) -> dict:
-    """A command's wall and exit code (a fresh process, as a user runs it)."""
-    started = time.perf_counter()
+    """A command's wall, its own CPU time (user + system: what the machine's other load does
+    not change much) and exit code (a fresh process, as a user runs it), with the 1-minute
+    load when it started."""
+    load, cpu, started = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, timeout=timeout, text=True)
         code = done.returncode
     except subprocess.TimeoutExpired:
         code = "timeout"
-    return {"wall_s": round(time.perf_counter() - started, 2), "exit": code}
+    return {"wall_s": round(time.perf_counter() - started, 2),
+            "cpu_s": round(_children_cpu() - cpu, 2), "exit": code, "load": round(load, 1)}
 
 
 def python(code: str, timeout: float) -> dict:
-    """``code`` in a fresh interpreter: its wall and the line it prints (JSON)."""
-    started = time.perf_counter()
+    """``code`` in a fresh interpreter: as ``timed``, with the line it prints (JSON)."""
+    load, cpu, started = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=timeout,
                               text=True)  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"wall_s": timeout, "exit": "timeout"}
-    out = json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else {}
-    return {"wall_s": round(time.perf_counter() - started, 2), "exit": done.returncode, **out}
+    out = json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else {
+        "error": done.stderr.strip().splitlines()[-1:]}  # fmt: skip
+    return {"wall_s": round(time.perf_counter() - started, 2),
+            "cpu_s": round(_children_cpu() - cpu, 2), "exit": done.returncode,
+            "load": round(load, 1), **out}  # fmt: skip
 
 
 API_STATE = """
@@ -254,35 +265,53 @@ def _changed_bytes(before: Codebook, after: Codebook) -> int:
     return len(message.SerializeToString())
 
 
-def measure(n: int, timeout: float) -> dict:
-    root = Path(tempfile.mkdtemp(prefix=f"starfed-big-{n}-"))
+VIEWS = ("status", "api_state", "check", "check_deep", "in_process", "repair_dry_run", "export",
+         "predict_load", "step")  # fmt: skip
+
+
+def measure(n: int, timeout: float, views: tuple[str, ...], keep: Path | None = None) -> dict:
+    """The ``views`` of a federation of ``n`` classes, built in a temporary folder (or in
+    ``keep``/<n>, built once and kept for later runs; the step then runs on a copy)."""
+    root = keep / str(n) if keep else Path(tempfile.mkdtemp(prefix=f"starfed-big-{n}-"))
     try:
         started = time.perf_counter()
-        folder = build(root, n)
+        built = (root / "server" / "federation" / "codebook.bin").is_file()
+        folder = root / "server" / "federation" if built else build(root, n)
         result: dict = {"classes": n, "build_s": round(time.perf_counter() - started, 1)}
         result["whole_codebook_bytes"] = max(p.stat().st_size for p in folder.rglob("*.bin"))
         server = str(root / "server")
         starfed = [str(Path(sys.executable).parent / "starfed")]
-        result["status"] = timed([*starfed, "server", "status", "--dir", server, "--json"],
-                                 timeout)  # fmt: skip
-        result["api_state"] = python(API_STATE.format(server=server), timeout)
-        result["check"] = timed([*starfed, "server", "check", "--dir", server], timeout)
-        result["in_process"] = python(IN_PROCESS.format(server=server), timeout)
-        result["repair_dry_run"] = timed([*starfed, "server", "repair", "--dir", server,
-                                          "--dry-run"], timeout)  # fmt: skip
+        commands = {
+            "status": [*starfed, "server", "status", "--dir", server, "--json"],
+            "check": [*starfed, "server", "check", "--dir", server],
+            "check_deep": [*starfed, "server", "check", "--dir", server, "--deep"],
+            "repair_dry_run": [*starfed, "server", "repair", "--dir", server, "--dry-run"],
+        }
+        for view in views:
+            if view in commands:
+                result[view] = timed(commands[view], timeout)
+            elif view == "api_state":
+                result[view] = python(API_STATE.format(server=server), timeout)
+            elif view == "in_process":
+                result[view] = python(IN_PROCESS.format(server=server), timeout)
         out = root / "export.bin"
-        export = [*starfed, "server", "export", "--federation", str(folder), "--out", str(out)]
-        result["export"] = timed(export, timeout)
-        if out.exists():
-            result["export"]["bytes"] = out.stat().st_size
+        if "export" in views:
+            export = [*starfed, "server", "export", "--federation", str(folder), "--out", str(out)]
+            result["export"] = timed(export, timeout)
+            if out.exists():
+                result["export"]["bytes"] = out.stat().st_size
+        if "predict_load" in views and out.exists():
             result["predict_load"] = python(PREDICT_LOAD.format(path=str(out)), timeout)
-            out.unlink()
-        result["step"] = synthetic_step(folder)
-        result["step"]["check_after"] = timed([*starfed, "server", "check", "--dir", server],
-                                              timeout)  # fmt: skip
+        if "step" in views:
+            if keep:  # the kept folder stays as built
+                shutil.copytree(folder, root / "step" / "federation")
+                folder, server = root / "step" / "federation", str(root / "step")
+            result["step"] = synthetic_step(folder)
+            result["step"]["check_after"] = timed([*starfed, "server", "check", "--dir", server],
+                                                  timeout)  # fmt: skip
         return result
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root / "step" if keep else root, ignore_errors=True)
 
 
 def before_step(n: int, checkout: Path, timeout: float) -> dict:
@@ -316,6 +345,10 @@ def main() -> None:
     )
     parser.add_argument("--step-only", type=Path, help=argparse.SUPPRESS)  # before_step's child
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--views", nargs="+", choices=VIEWS, default=VIEWS,
+                        help="what to measure (default: all)")  # fmt: skip
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="build each federation once in DIR/<classes> and keep it")  # fmt: skip
     args = parser.parse_args()
     if args.step_only:
         print(json.dumps(synthetic_step(args.step_only)))
@@ -323,7 +356,8 @@ def main() -> None:
     results = []
     for n in args.classes:
         load = os.getloadavg()[0]
-        result = {**measure(n, args.timeout), "load_1min_before": round(load, 1)}
+        result = {**measure(n, args.timeout, tuple(args.views), args.keep),
+                  "load_1min_before": round(load, 1)}  # fmt: skip
         if args.compare_with and n <= COMPARE_UP_TO:
             result["step_before"] = before_step(n, args.compare_with, args.timeout)
         print(json.dumps(result), flush=True)
