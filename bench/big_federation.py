@@ -126,8 +126,12 @@ def timed(command: list[str], timeout: float) -> dict:
         code = done.returncode
     except subprocess.TimeoutExpired:
         code = "timeout"
-    return {"wall_s": round(time.perf_counter() - started, 2),
-            "cpu_s": round(_children_cpu() - cpu, 2), "exit": code, "load": round(load, 1)}
+    return {
+        "wall_s": round(time.perf_counter() - started, 2),
+        "cpu_s": round(_children_cpu() - cpu, 2),
+        "exit": code,
+        "load": round(load, 1),
+    }
 
 
 def python(code: str, timeout: float) -> dict:

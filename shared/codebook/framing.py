@@ -53,27 +53,29 @@ def read_payload(path: str | os.PathLike[str], max_bytes: int | None = None) -> 
     return payload
 
 
-def verify_file(path: str | os.PathLike[str]) -> int:
+def verify_file(path: str | os.PathLike[str], name: str | None = None) -> int:
     """Check a codebook file's frame and checksum as ``read_payload`` does (same errors), its
     bytes streamed through sha256 a chunk at a time: memory stays at one chunk however large
     the file (a 10,000-class base is 2 GB). The payload's length; it starts at ``HEADER_SIZE``.
+    ``name``: the file in errors (default: its path).
 
     sha256 rather than a faster hash: it is the frame's own checksum (every file ever written
     carries it), and with the SHA extensions of current CPUs hashlib's sha256 runs at about
     2 GB/s, twice blake2b (docs/benchmarks.md, issue 34)."""
+    name = path if name is None else name
     with open(path, "rb") as file:
-        length, digest = _header(file, path, None)
+        length, digest = _header(file, name, None)
         hasher, chunk, left = hashlib.sha256(), bytearray(_CHUNK), length
         view = memoryview(chunk)
         while left:
             got = file.readinto(view[: min(left, _CHUNK)])
             if not got:
-                raise CodebookError(f"{path}: header announces {length} bytes, file holds "
+                raise CodebookError(f"{name}: header announces {length} bytes, file holds "
                                     f"{length - left}")  # fmt: skip
             hasher.update(view[:got])
             left -= got
     if hasher.digest() != digest:
-        raise CodebookError(f"{path}: checksum mismatch (file corrupted)")
+        raise CodebookError(f"{name}: checksum mismatch (file corrupted)")
     return length
 
 

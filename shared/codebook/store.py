@@ -105,7 +105,7 @@ def records(folder: Path, ref: Ref) -> Iterator[bytes]:
     with file:
         size = os.fstat(file.fileno()).st_size
         for offset, length in ref.records:
-            what = f"{path} record at {offset}"
+            what = f"{STORE_DIR}/{ref.log} record at {offset}"
             if offset < 0 or length < 0 or offset + length > size:
                 raise CodebookError(f"{what}: beyond the end of the log ({size} bytes)")
             file.seek(offset)
@@ -234,9 +234,10 @@ def _text(data, start: int, end: int, what: str) -> str:
 def scan_file(path: Path) -> Piece:
     """A whole codebook file's ``Piece``, its checksum verified first (``verify_file``: streamed,
     about 1 s for a 2 GB base); the walk reads only the pages that hold field headers."""
-    length = verify_file(path)
+    name = f"{STORE_DIR}/{path.name}"
+    length = verify_file(path, name)
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return scan(data, HEADER_SIZE, HEADER_SIZE + length, str(path))
+        return scan(data, HEADER_SIZE, HEADER_SIZE + length, name)
 
 
 def verify(manifest: Path, message: pb.Codebook, *, fingerprint: str, dims, seen: dict) -> None:
@@ -252,12 +253,12 @@ def verify(manifest: Path, message: pb.Codebook, *, fingerprint: str, dims, seen
         seen[ref.base, -1] = scan_file(folder / ref.base)
     todo = replace(ref, records=tuple(r for r in ref.records if (ref.log, r[0]) not in seen))
     for (offset, _), payload in zip(todo.records, records(folder, todo), strict=True):
-        seen[ref.log, offset] = scan(payload, 0, len(payload), f"{folder / ref.log} record at "
-                                     f"{offset}")  # fmt: skip
+        seen[ref.log, offset] = scan(payload, 0, len(payload), f"{STORE_DIR}/{ref.log} record "
+                                     f"at {offset}")  # fmt: skip
     pieces = {ref.base: seen[ref.base, -1]}
     pieces |= {f"{ref.log} record at {offset}": seen[ref.log, offset] for offset, _ in ref.records}
     if pieces[ref.base].names_a_store:
-        raise CodebookError(f"{folder / ref.base}: a store's base is a manifest")
+        raise CodebookError(f"{STORE_DIR}/{ref.base}: a store's base is a manifest")
     want = (fingerprint, (dims.d_txt, dims.d_clip, dims.d_vit, dims.n_layers))
     lines: dict[str, tuple[int, int, bool]] = {}
     for name, piece in pieces.items():
