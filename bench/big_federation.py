@@ -4,16 +4,21 @@ Builds a synthetic federation folder (one completed step registered N random cla
 paper's dims, float32 tensors, 5-component float64 mixtures) and measures, each in a fresh
 process where a user would start one:
 
-* ``starfed server status --json``, ``starfed server check``, ``repair --dry-run``: wall;
+* ``starfed server status --json``, ``check``, ``check --deep``, ``repair --dry-run``: wall and
+  own CPU time, with the 1-minute load (the machine may be shared);
 * the dashboard's ``/api/state`` (``status.read`` + ``dashboard.build_state``, as the handler);
 * ``starfed server export`` and loading the exported codebook as ``predict`` does
   (``wire.read_file`` + the class bank);
+* the throughput of each stdlib hash over the largest store file (``--views hashes``);
 * one synthetic step in process, checkpointed phase by phase as the coordinator does (4 new
   classes trained, their mixtures fitted, every class's aligned head re-aligned, the classes
   frozen): the bytes it wrote (``/proc/self/io`` wchar) against the encoded size of what it
   changed, and the step's wall and peak RSS.
 
     python bench/big_federation.py --classes 100 1000 10000 --out bench/results-big-federation.json
+
+``--views`` picks what to measure; ``--keep DIR`` builds each federation once in ``DIR/<N>`` and
+keeps it for later runs (the step then runs on a copy).
 
 The base is written in chunks of classes (a protobuf message's repeated field concatenates), so
 building 10,000 classes (about 2 GB) never holds the codebook's bytes twice.
@@ -270,7 +275,25 @@ def _changed_bytes(before: Codebook, after: Codebook) -> int:
 
 
 VIEWS = ("status", "api_state", "check", "check_deep", "in_process", "repair_dry_run", "export",
-         "predict_load", "step")  # fmt: skip
+         "predict_load", "step", "hashes")  # fmt: skip
+HASHES = ("sha256", "blake2b", "blake2s", "sha1", "md5", "sha512")  # hashlib's, all stdlib
+
+
+def hash_rates(path: Path) -> dict:
+    """MB/s of each hashlib hash over ``path`` (the largest store file), streamed in 8 MiB
+    chunks as ``framing.verify_file`` does, interleaved twice (the machine is shared): which
+    checksum ``server check`` can afford."""
+    rates: dict = {name: [] for name in HASHES}
+    buffer = bytearray(8 * 2**20)
+    view = memoryview(buffer)
+    for _ in range(2):
+        for name in HASHES:
+            hasher, started = hashlib.new(name), time.perf_counter()
+            with open(path, "rb") as file:
+                while got := file.readinto(view):
+                    hasher.update(view[:got])
+            rates[name].append(path.stat().st_size / (time.perf_counter() - started) / 1e6)
+    return {name: round(max(r)) for name, r in rates.items()} | {"load": os.getloadavg()[0]}
 
 
 def measure(n: int, timeout: float, views: tuple[str, ...], keep: Path | None = None) -> dict:
@@ -298,6 +321,9 @@ def measure(n: int, timeout: float, views: tuple[str, ...], keep: Path | None = 
                 result[view] = python(API_STATE.format(server=server), timeout)
             elif view == "in_process":
                 result[view] = python(IN_PROCESS.format(server=server), timeout)
+        if "hashes" in views:
+            result["hash_mb_per_s"] = hash_rates(max(folder.rglob("*.bin"),
+                                                     key=lambda p: p.stat().st_size))  # fmt: skip
         out = root / "export.bin"
         if "export" in views:
             export = [*starfed, "server", "export", "--federation", str(folder), "--out", str(out)]
