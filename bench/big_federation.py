@@ -121,13 +121,13 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def timed(command: list[str], timeout: float) -> dict:
+def timed(command: list[str], timeout: float, env: dict | None = None) -> dict:
     """A command's wall, its own CPU time (user + system: what the machine's other load does
     not change much) and exit code (a fresh process, as a user runs it), with the 1-minute
     load when it started."""
     load, cpu, started = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, timeout=timeout, text=True)
+        done = subprocess.run(command, capture_output=True, timeout=timeout, text=True, env=env)
         code = done.returncode
     except subprocess.TimeoutExpired:
         code = "timeout"
@@ -139,12 +139,12 @@ def timed(command: list[str], timeout: float) -> dict:
     }
 
 
-def python(code: str, timeout: float) -> dict:
+def python(code: str, timeout: float, env: dict | None = None) -> dict:
     """``code`` in a fresh interpreter: as ``timed``, with the line it prints (JSON)."""
     load, cpu, started = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=timeout,
-                              text=True)  # fmt: skip
+                              text=True, env=env)  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"wall_s": timeout, "exit": "timeout"}
     out = json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else {
@@ -296,9 +296,13 @@ def hash_rates(path: Path) -> dict:
     return {name: round(max(r)) for name, r in rates.items()} | {"load": os.getloadavg()[0]}
 
 
-def measure(n: int, timeout: float, views: tuple[str, ...], keep: Path | None = None) -> dict:
+def measure(
+    n: int, timeout: float, views: tuple[str, ...], keep: Path | None, before: Path | None
+) -> dict:
     """The ``views`` of a federation of ``n`` classes, built in a temporary folder (or in
-    ``keep``/<n>, built once and kept for later runs; the step then runs on a copy)."""
+    ``keep``/<n>, built once and kept for later runs; the step then runs on a copy). With
+    ``before`` (a checkout), ``check`` and the predict load are also run by its code, each
+    right after this one's: their ratio is what the machine's load changes least."""
     root = keep / str(n) if keep else Path(tempfile.mkdtemp(prefix=f"starfed-big-{n}-"))
     try:
         started = time.perf_counter()
@@ -314,9 +318,14 @@ def measure(n: int, timeout: float, views: tuple[str, ...], keep: Path | None = 
             "check_deep": [*starfed, "server", "check", "--dir", server, "--deep"],
             "repair_dry_run": [*starfed, "server", "repair", "--dir", server, "--dry-run"],
         }
+        shim = _shim(root, before) if before else None
         for view in views:
             if view in commands:
                 result[view] = timed(commands[view], timeout)
+                if shim and view == "check":
+                    cli = [sys.executable, "-c", "import sys; from starfed.cli import main; "
+                           "sys.exit(main(sys.argv[1:]))", *commands[view][1:]]  # fmt: skip
+                    result["check_before"] = timed(cli, timeout, shim)
             elif view == "api_state":
                 result[view] = python(API_STATE.format(server=server), timeout)
             elif view == "in_process":
@@ -332,6 +341,9 @@ def measure(n: int, timeout: float, views: tuple[str, ...], keep: Path | None = 
                 result["export"]["bytes"] = out.stat().st_size
         if "predict_load" in views and out.exists():
             result["predict_load"] = python(PREDICT_LOAD.format(path=str(out)), timeout)
+            if shim:
+                result["predict_load_before"] = python(PREDICT_LOAD.format(path=str(out)),
+                                                       timeout, shim)  # fmt: skip
         if "step" in views:
             if keep:  # the kept folder stays as built
                 shutil.copytree(folder, root / "step" / "federation")
@@ -341,7 +353,17 @@ def measure(n: int, timeout: float, views: tuple[str, ...], keep: Path | None = 
                                                   timeout)  # fmt: skip
         return result
     finally:
-        shutil.rmtree(root / "step" if keep else root, ignore_errors=True)
+        for path in (root / "step", root / "path") if keep else (root,):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _shim(root: Path, checkout: Path) -> dict:
+    """The environment that imports ``starfed`` from ``checkout``."""
+    shim = root / "path"
+    if not shim.is_dir():
+        shim.mkdir()
+        (shim / "starfed").symlink_to(checkout.resolve())
+    return {**os.environ, "PYTHONPATH": str(shim)}
 
 
 def before_step(n: int, checkout: Path, timeout: float) -> dict:
@@ -350,10 +372,7 @@ def before_step(n: int, checkout: Path, timeout: float) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"starfed-before-{n}-"))
     try:
         folder = build(root, n, before=True)
-        shim = root / "path"
-        shim.mkdir()
-        (shim / "starfed").symlink_to(checkout.resolve())
-        env = {**os.environ, "PYTHONPATH": str(shim)}
+        env = _shim(root, checkout)
         done = subprocess.run([sys.executable, __file__, "--step-only", str(folder)], env=env,
                               capture_output=True, text=True, timeout=timeout)  # fmt: skip
         if done.returncode:
@@ -371,7 +390,8 @@ def main() -> None:
         "--compare-with",
         type=Path,
         metavar="CHECKOUT",
-        help="also run the step with the code of this checkout (before the store)",
+        help="also run the step (N <= 1,000), check and the predict load with the code of "
+        "this checkout (the step: one before the store)",
     )
     parser.add_argument("--step-only", type=Path, help=argparse.SUPPRESS)  # before_step's child
     parser.add_argument("--out", type=Path)
@@ -386,9 +406,9 @@ def main() -> None:
     results = []
     for n in args.classes:
         load = os.getloadavg()[0]
-        result = {**measure(n, args.timeout, tuple(args.views), args.keep),
+        result = {**measure(n, args.timeout, tuple(args.views), args.keep, args.compare_with),
                   "load_1min_before": round(load, 1)}  # fmt: skip
-        if args.compare_with and n <= COMPARE_UP_TO:
+        if args.compare_with and n <= COMPARE_UP_TO and "step" in args.views:
             result["step_before"] = before_step(n, args.compare_with, args.timeout)
         print(json.dumps(result), flush=True)
         results.append(result)
