@@ -246,11 +246,17 @@ def verify(manifest: Path, message: pb.Codebook, *, fingerprint: str, dims, seen
     and every class line of the manifest (count, version, frozen) as the last piece carrying it
     says. The pieces were validated before they were written (``stored``), and the checksums
     say they are those bytes. ``seen`` holds the pieces scanned so far, so several manifests
-    sharing a base read it once. ``CodebookError`` for what a reader would refuse."""
+    sharing a base read it once. ``CodebookError`` for what a reader would refuse (``OSError``
+    for a base that cannot be read)."""
     ref = Ref.of(message.metadata)
     folder = find_dir(manifest)
     if (ref.base, -1) not in seen:
-        seen[ref.base, -1] = scan_file(folder / ref.base)
+        try:
+            seen[ref.base, -1] = scan_file(folder / ref.base)
+        except (CodebookError, OSError) as err:
+            seen[ref.base, -1] = err  # a damaged base is read once too, however many share it
+    if isinstance(seen[ref.base, -1], Exception):
+        raise seen[ref.base, -1]
     todo = replace(ref, records=tuple(r for r in ref.records if (ref.log, r[0]) not in seen))
     for (offset, _), payload in zip(todo.records, records(folder, todo), strict=True):
         seen[ref.log, offset] = scan(payload, 0, len(payload), f"{STORE_DIR}/{ref.log} record "
