@@ -39,7 +39,12 @@ from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema, store
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassEntry, Value
-from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, read_message, read_payload
+from starfed.shared.codebook.framing import (
+    DEFAULT_MAX_BYTES,
+    frame,
+    payload_checked_alongside,
+    read_message,
+)
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
@@ -669,10 +674,10 @@ def read_file(
     """Read, verify the checksum, decode and validate (``OSError`` if unreadable). A file has no
     size limit unless the caller sets one (``framing``).
     A manifest (``store``) reads as the codebook it names: its base, then its records."""
-    payload = read_payload(path, max_bytes)
-    message = parse(pb.Codebook, payload, max_bytes)
-    if store.MANIFEST_KEY not in message.metadata:
-        return _whole(message, payload, fingerprint, dims)
+    with payload_checked_alongside(path, max_bytes) as payload:
+        message = parse(pb.Codebook, payload, max_bytes)
+        if store.MANIFEST_KEY not in message.metadata:
+            return _whole(message, payload, fingerprint, dims)
     del payload
     return read_manifest(Path(path), message, fingerprint=fingerprint, dims=dims)
 
@@ -717,11 +722,11 @@ def read_manifest(
     ref = store.Ref.of(message.metadata)
     folder = store.find_dir(path)
     base_path = folder / ref.base
-    base_payload = read_payload(base_path)
-    base_message = parse(pb.Codebook, base_payload, None)
-    if store.MANIFEST_KEY in base_message.metadata:
-        raise CodebookError(f"{base_path}: a store's base is a manifest")
-    base = _whole(base_message, base_payload, fingerprint, dims)
+    with payload_checked_alongside(base_path) as base_payload:
+        base_message = parse(pb.Codebook, base_payload, None)
+        if store.MANIFEST_KEY in base_message.metadata:
+            raise CodebookError(f"{base_path}: a store's base is a manifest")
+        base = _whole(base_message, base_payload, fingerprint, dims)
     del base_message, base_payload
     entries = dict(base.entries)
     for payload in store.records(folder, ref):
