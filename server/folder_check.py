@@ -51,7 +51,7 @@ class Depth(enum.Enum):
 
     HEADERS = "headers"  # frames of the manifests, store files present: ``status``, ~1 s
     CHECKSUMS = "checksums"  # every store byte checksummed, class lines found: ``check``, ~2 s
-    DECODE = "decode"  # every tensor decoded as a run would: ``check --deep``, minutes
+    DECODE = "decode"  # every tensor decoded as a run would: ``check --deep``, ~15 s
 
 
 @dataclass
