@@ -4,16 +4,21 @@ Builds a synthetic federation folder (one completed step registered N random cla
 paper's dims, float32 tensors, 5-component float64 mixtures) and measures, each in a fresh
 process where a user would start one:
 
-* ``starfed server status --json``, ``starfed server check``, ``repair --dry-run``: wall;
+* ``starfed server status --json``, ``check``, ``check --deep``, ``repair --dry-run``: wall and
+  own CPU time, with the 1-minute load (the machine may be shared);
 * the dashboard's ``/api/state`` (``status.read`` + ``dashboard.build_state``, as the handler);
 * ``starfed server export`` and loading the exported codebook as ``predict`` does
   (``wire.read_file`` + the class bank);
+* the throughput of each stdlib hash over the largest store file (``--views hashes``);
 * one synthetic step in process, checkpointed phase by phase as the coordinator does (4 new
   classes trained, their mixtures fitted, every class's aligned head re-aligned, the classes
   frozen): the bytes it wrote (``/proc/self/io`` wchar) against the encoded size of what it
   changed, and the step's wall and peak RSS.
 
     python bench/big_federation.py --classes 100 1000 10000 --out bench/results-big-federation.json
+
+``--views`` picks what to measure; ``--keep DIR`` builds each federation once in ``DIR/<N>`` and
+keeps it for later runs (the step then runs on a copy).
 
 The base is written in chunks of classes (a protobuf message's repeated field concatenates), so
 building 10,000 classes (about 2 GB) never holds the codebook's bytes twice.
@@ -111,27 +116,42 @@ def build(root: Path, n: int, before: bool = False) -> Path:
     return folder
 
 
-def timed(command: list[str], timeout: float) -> dict:
-    """A command's wall and exit code (a fresh process, as a user runs it)."""
-    started = time.perf_counter()
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(command: list[str], timeout: float, env: dict | None = None) -> dict:
+    """A command's wall, its own CPU time (user + system: what the machine's other load does
+    not change much) and exit code (a fresh process, as a user runs it), with the 1-minute
+    load when it started."""
+    load, cpu, started = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, timeout=timeout, text=True)
+        done = subprocess.run(command, capture_output=True, timeout=timeout, text=True, env=env)
         code = done.returncode
     except subprocess.TimeoutExpired:
         code = "timeout"
-    return {"wall_s": round(time.perf_counter() - started, 2), "exit": code}
+    return {
+        "wall_s": round(time.perf_counter() - started, 2),
+        "cpu_s": round(_children_cpu() - cpu, 2),
+        "exit": code,
+        "load": round(load, 1),
+    }
 
 
-def python(code: str, timeout: float) -> dict:
-    """``code`` in a fresh interpreter: its wall and the line it prints (JSON)."""
-    started = time.perf_counter()
+def python(code: str, timeout: float, env: dict | None = None) -> dict:
+    """``code`` in a fresh interpreter: as ``timed``, with the line it prints (JSON)."""
+    load, cpu, started = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=timeout,
-                              text=True)  # fmt: skip
+                              text=True, env=env)  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"wall_s": timeout, "exit": "timeout"}
-    out = json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else {}
-    return {"wall_s": round(time.perf_counter() - started, 2), "exit": done.returncode, **out}
+    out = json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else {
+        "error": done.stderr.strip().splitlines()[-1:]}  # fmt: skip
+    return {"wall_s": round(time.perf_counter() - started, 2),
+            "cpu_s": round(_children_cpu() - cpu, 2), "exit": done.returncode,
+            "load": round(load, 1), **out}  # fmt: skip
 
 
 API_STATE = """
@@ -254,35 +274,96 @@ def _changed_bytes(before: Codebook, after: Codebook) -> int:
     return len(message.SerializeToString())
 
 
-def measure(n: int, timeout: float) -> dict:
-    root = Path(tempfile.mkdtemp(prefix=f"starfed-big-{n}-"))
+VIEWS = ("status", "api_state", "check", "check_deep", "in_process", "repair_dry_run", "export",
+         "predict_load", "step", "hashes")  # fmt: skip
+HASHES = ("sha256", "blake2b", "blake2s", "sha1", "md5", "sha512")  # hashlib's, all stdlib
+
+
+def hash_rates(path: Path) -> dict:
+    """MB/s of each hashlib hash over ``path`` (the largest store file), streamed in 8 MiB
+    chunks as ``framing.verify_file`` does, interleaved twice (the machine is shared): which
+    checksum ``server check`` can afford."""
+    rates: dict = {name: [] for name in HASHES}
+    buffer = bytearray(8 * 2**20)
+    view = memoryview(buffer)
+    for _ in range(2):
+        for name in HASHES:
+            hasher, started = hashlib.new(name), time.perf_counter()
+            with open(path, "rb") as file:
+                while got := file.readinto(view):
+                    hasher.update(view[:got])
+            rates[name].append(path.stat().st_size / (time.perf_counter() - started) / 1e6)
+    return {name: round(max(r)) for name, r in rates.items()} | {"load": os.getloadavg()[0]}
+
+
+def measure(
+    n: int, timeout: float, views: tuple[str, ...], keep: Path | None, before: Path | None
+) -> dict:
+    """The ``views`` of a federation of ``n`` classes, built in a temporary folder (or in
+    ``keep``/<n>, built once and kept for later runs; the step then runs on a copy). With
+    ``before`` (a checkout), ``check`` and the predict load are also run by its code, each
+    right after this one's: their ratio is what the machine's load changes least."""
+    root = keep / str(n) if keep else Path(tempfile.mkdtemp(prefix=f"starfed-big-{n}-"))
     try:
         started = time.perf_counter()
-        folder = build(root, n)
+        built = (root / "server" / "federation" / "codebook.bin").is_file()
+        folder = root / "server" / "federation" if built else build(root, n)
         result: dict = {"classes": n, "build_s": round(time.perf_counter() - started, 1)}
         result["whole_codebook_bytes"] = max(p.stat().st_size for p in folder.rglob("*.bin"))
         server = str(root / "server")
         starfed = [str(Path(sys.executable).parent / "starfed")]
-        result["status"] = timed([*starfed, "server", "status", "--dir", server, "--json"],
-                                 timeout)  # fmt: skip
-        result["api_state"] = python(API_STATE.format(server=server), timeout)
-        result["check"] = timed([*starfed, "server", "check", "--dir", server], timeout)
-        result["in_process"] = python(IN_PROCESS.format(server=server), timeout)
-        result["repair_dry_run"] = timed([*starfed, "server", "repair", "--dir", server,
-                                          "--dry-run"], timeout)  # fmt: skip
+        commands = {
+            "status": [*starfed, "server", "status", "--dir", server, "--json"],
+            "check": [*starfed, "server", "check", "--dir", server],
+            "check_deep": [*starfed, "server", "check", "--dir", server, "--deep"],
+            "repair_dry_run": [*starfed, "server", "repair", "--dir", server, "--dry-run"],
+        }
+        shim = _shim(root, before) if before else None
+        for view in views:
+            if view in commands:
+                result[view] = timed(commands[view], timeout)
+                if shim and view == "check":
+                    cli = [sys.executable, "-c", "import sys; from starfed.cli import main; "
+                           "sys.exit(main(sys.argv[1:]))", *commands[view][1:]]  # fmt: skip
+                    result["check_before"] = timed(cli, timeout, shim)
+            elif view == "api_state":
+                result[view] = python(API_STATE.format(server=server), timeout)
+            elif view == "in_process":
+                result[view] = python(IN_PROCESS.format(server=server), timeout)
+        if "hashes" in views:
+            result["hash_mb_per_s"] = hash_rates(max(folder.rglob("*.bin"),
+                                                     key=lambda p: p.stat().st_size))  # fmt: skip
         out = root / "export.bin"
-        export = [*starfed, "server", "export", "--federation", str(folder), "--out", str(out)]
-        result["export"] = timed(export, timeout)
-        if out.exists():
-            result["export"]["bytes"] = out.stat().st_size
+        if "export" in views:
+            export = [*starfed, "server", "export", "--federation", str(folder), "--out", str(out)]
+            result["export"] = timed(export, timeout)
+            if out.exists():
+                result["export"]["bytes"] = out.stat().st_size
+        if "predict_load" in views and out.exists():
             result["predict_load"] = python(PREDICT_LOAD.format(path=str(out)), timeout)
-            out.unlink()
-        result["step"] = synthetic_step(folder)
-        result["step"]["check_after"] = timed([*starfed, "server", "check", "--dir", server],
-                                              timeout)  # fmt: skip
+            if shim:
+                result["predict_load_before"] = python(PREDICT_LOAD.format(path=str(out)),
+                                                       timeout, shim)  # fmt: skip
+        if "step" in views:
+            if keep:  # the kept folder stays as built
+                shutil.copytree(folder, root / "step" / "federation")
+                folder, server = root / "step" / "federation", str(root / "step")
+            result["step"] = synthetic_step(folder)
+            result["step"]["check_after"] = timed([*starfed, "server", "check", "--dir", server],
+                                                  timeout)  # fmt: skip
         return result
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        for path in (root / "step", root / "path") if keep else (root,):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _shim(root: Path, checkout: Path) -> dict:
+    """The environment that imports ``starfed`` from ``checkout``."""
+    shim = root / "path"
+    if not shim.is_dir():
+        shim.mkdir()
+        (shim / "starfed").symlink_to(checkout.resolve())
+    return {**os.environ, "PYTHONPATH": str(shim)}
 
 
 def before_step(n: int, checkout: Path, timeout: float) -> dict:
@@ -291,10 +372,7 @@ def before_step(n: int, checkout: Path, timeout: float) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"starfed-before-{n}-"))
     try:
         folder = build(root, n, before=True)
-        shim = root / "path"
-        shim.mkdir()
-        (shim / "starfed").symlink_to(checkout.resolve())
-        env = {**os.environ, "PYTHONPATH": str(shim)}
+        env = _shim(root, checkout)
         done = subprocess.run([sys.executable, __file__, "--step-only", str(folder)], env=env,
                               capture_output=True, text=True, timeout=timeout)  # fmt: skip
         if done.returncode:
@@ -312,10 +390,15 @@ def main() -> None:
         "--compare-with",
         type=Path,
         metavar="CHECKOUT",
-        help="also run the step with the code of this checkout (before the store)",
+        help="also run the step (N <= 1,000), check and the predict load with the code of "
+        "this checkout (the step: one before the store)",
     )
     parser.add_argument("--step-only", type=Path, help=argparse.SUPPRESS)  # before_step's child
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--views", nargs="+", choices=VIEWS, default=VIEWS,
+                        help="what to measure (default: all)")  # fmt: skip
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="build each federation once in DIR/<classes> and keep it")  # fmt: skip
     args = parser.parse_args()
     if args.step_only:
         print(json.dumps(synthetic_step(args.step_only)))
@@ -323,8 +406,9 @@ def main() -> None:
     results = []
     for n in args.classes:
         load = os.getloadavg()[0]
-        result = {**measure(n, args.timeout), "load_1min_before": round(load, 1)}
-        if args.compare_with and n <= COMPARE_UP_TO:
+        result = {**measure(n, args.timeout, tuple(args.views), args.keep, args.compare_with),
+                  "load_1min_before": round(load, 1)}  # fmt: skip
+        if args.compare_with and n <= COMPARE_UP_TO and "step" in args.views:
             result["step_before"] = before_step(n, args.compare_with, args.timeout)
         print(json.dumps(result), flush=True)
         results.append(result)

@@ -68,8 +68,10 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     for run in (run_status, run_check):
         parser = add_command(actions, run.__name__[4:], run, parents=[common])
         federation_option(parser)
+    _deep_option(parser)
     parser = add_command(actions, "repair", run_repair, parents=[common])
     federation_option(parser)
+    _deep_option(parser)
     parser.add_argument(
         "--to",
         type=int,
@@ -82,6 +84,19 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     parser.add_argument(
         "--dry-run", action="store_true", help="say what it would do, change nothing"
     )
+
+
+def _deep_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--deep",
+        action="store_true",
+        help="also decode every tensor of every codebook file, as a run reads them (tens of "
+        "seconds at 10,000 classes; without it every byte is still checksummed)",
+    )
+
+
+def _depth(args: argparse.Namespace) -> folder_check.Depth:
+    return folder_check.Depth.DECODE if args.deep else folder_check.Depth.CHECKSUMS
 
 
 def _checkpoint(federation_dir: Path) -> Checkpoint | None:
@@ -130,7 +145,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
         raise ConfigError("--run-config site-names: set from `starfed server sites`")
     say = _sayer(args)
     if (federation_dir / "federation.json").is_file():  # damaged: say so before submitting
-        report = folder_check.check(federation_dir, decode=False, kept=False)
+        report = folder_check.check(federation_dir, depth=folder_check.Depth.HEADERS, kept=False)
         if blocking := report.blocking:
             raise FederationError(
                 f"the federation folder is damaged: {blocking[0]}"
@@ -317,13 +332,14 @@ def run_status(args: argparse.Namespace) -> int:
 def run_check(args: argparse.Namespace) -> int:
     """verify every file of the federation folder: exit 0 whole, 1 damaged
 
-    Checks the codebook (checksum, every tensor decoded as a run would), the kept checkpoints,
-    the registry and the history (each line) and whether they agree with the codebook and the
-    protocol position. One line per problem; `starfed server repair` fixes them. Works with the
-    server stopped or running.
+    Checks the codebook (the checksum of every byte of it and of its store, each class's
+    line; with --deep every tensor decoded as a run would), the kept checkpoints, the registry
+    and the history (each line) and whether they agree with the codebook and the protocol
+    position. One line per problem; `starfed server repair` fixes them. Works with the server
+    stopped or running.
     """
     folder = server_folder(args)
-    report = folder_check.check(_common.federation_dir(args, folder))
+    report = folder_check.check(_common.federation_dir(args, folder), depth=_depth(args))
     if args.json:
         emit_json({"success": report.ok, **dataclasses.asdict(report)})
     else:
@@ -340,8 +356,9 @@ def run_check(args: argparse.Namespace) -> int:
 def run_repair(args: argparse.Namespace) -> int:
     """roll a damaged federation folder back to a good state (--dry-run: only say how)
 
-    Restores a damaged or missing codebook from the kept checkpoint furthest along that decodes
-    (or the one --to names, whatever the state of the current one), on a new version line;
+    Restores a damaged or missing codebook from the kept checkpoint furthest along that reads
+    whole (its checksums; with --deep every tensor decoded), or from the one --to names,
+    whatever the state of the current one, on a new version line;
     rewrites the history and the registry to agree with it (damaged lines, duplicates and steps
     beyond it left out, an interrupted step's record added, a completed step whose record is
     lost kept as a placeholder without scores). Every replaced file is kept beside as
@@ -350,10 +367,10 @@ def run_repair(args: argparse.Namespace) -> int:
     """
     folder = server_folder(args)
     federation_dir = _common.federation_dir(args, folder)
-    repair = folder_repair.plan(federation_dir, args.to)
+    repair = folder_repair.plan(federation_dir, args.to, depth=_depth(args))
     if not args.dry_run:
         folder_repair.apply(repair)
-    report = folder_check.check(federation_dir) if not args.dry_run else None
+    report = None if args.dry_run else folder_check.check(federation_dir, depth=_depth(args))
     if args.json:
         emit_json({
             "success": report is None or report.ok,

@@ -2,8 +2,9 @@
 
 A federation folder is years of a consortium's work; a damaged file must be found before a run
 builds on it, and said plainly. ``check`` reads every file of the folder on its own (one that
-cannot be read never hides the others): the identity, the lock, the codebook (its frame and
-checksum, and with ``decode`` every tensor, as a run would read it), the kept checkpoints, the
+cannot be read never hides the others): the identity, the lock, the codebook (its frame, the
+checksum of every byte of its store and each class's line; with ``Depth.DECODE`` every tensor,
+as a run would read it), the kept checkpoints, the
 registry and the history — and whether they agree: the registry names exactly the codebook's
 classes, the history holds one finished record per completed step and none beyond the protocol
 position, the position itself is one the protocol can be in. ``starfed server status`` shows the
@@ -13,6 +14,7 @@ same problems of the current files, without decoding tensors (no torch, about a 
 
 from __future__ import annotations
 
+import enum
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -44,6 +46,14 @@ from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.protocol import ENROLMENT, PHASES
 
 
+class Depth(enum.Enum):
+    """How far ``check`` reads the codebook files."""
+
+    HEADERS = "headers"  # frames of the manifests, store files present: ``status``, ~1 s
+    CHECKSUMS = "checksums"  # every store byte checksummed, class lines found: ``check``, ~2 s
+    DECODE = "decode"  # every tensor decoded as a run would: ``check --deep``, ~15 s
+
+
 @dataclass
 class Report:
     """What ``check`` found: ``problems`` (the folder is damaged: exit 1) and ``notes`` (worth
@@ -71,11 +81,13 @@ def phase_marks() -> set[str]:
     return {ENROLMENT.phase.key, *(spec.phase.key for spec in PHASES)}
 
 
-def check(root: str | Path, *, decode: bool = True, kept: bool = True) -> Report:
-    """Every file of the federation folder ``root``; ``decode`` also decodes (= validates)
-    every codebook file's tensors (needs torch), ``kept`` also reads the kept checkpoints
-    (``previous.bin``, ``checkpoints/``). ``status`` leaves both out: it answers in about a
-    second, however large the codebook and however many steps are kept."""
+def check(root: str | Path, *, depth: Depth = Depth.CHECKSUMS, kept: bool = True) -> Report:
+    """Every file of the federation folder ``root``, its codebook files read to ``depth``;
+    ``kept`` also reads the kept checkpoints (``previous.bin``, ``checkpoints/``). ``status``
+    reads headers only, not the kept ones: it answers in about a second, however large the
+    codebook and however many steps are kept. ``Depth.CHECKSUMS`` (``check``) finds every
+    flipped byte (each base and record is sha256-framed, and was validated before it was
+    written); ``Depth.DECODE`` also decodes every tensor (needs torch)."""
     root = Path(root).expanduser()
     report = Report(str(root))
     try:
@@ -85,7 +97,7 @@ def check(root: str | Path, *, decode: bool = True, kept: bool = True) -> Report
         return report
     _lock(report, root)
     seen: dict = {}  # store pieces decoded so far: each is read once, however many share it
-    names = _codebook(report, federation, decode, seen)
+    names = _codebook(report, federation, depth, seen)
     registry = _registry(report, root)
     history = _history(report, root)
     position = Position(**report.position) if report.position else None
@@ -94,10 +106,10 @@ def check(root: str | Path, *, decode: bool = True, kept: bool = True) -> Report
     if position is not None and history is not None:
         _agree_history(report, position, history)
     if position is not None and names is not None:
-        _position(report, position, names, federation, decode, seen)
+        _position(report, position, names, federation, depth, seen)
     previous = [root / PREVIOUS_FILE] if (root / PREVIOUS_FILE).exists() else []
     for path in [*previous, *(p for _, p in federation.step_checkpoints())] if kept else ():
-        _codebook_file(report, federation, path, decode, seen)
+        _codebook_file(report, federation, path, depth, seen)
     if (root / PENDING_FILE).is_file():
         report.problems.append(
             f"{PENDING_FILE}: a step's close was interrupted; the next run (or `starfed server "
@@ -133,11 +145,11 @@ def _lock(report: Report, root: Path) -> None:
 
 
 def _codebook_file(
-    report: Report, federation: Identity, path: Path, decode: bool, seen: dict
+    report: Report, federation: Identity, path: Path, depth: Depth, seen: dict
 ) -> pb.Codebook | None:
-    """One codebook file: frame, checksum, backbones, its store's files (and tensors with
-    ``decode``, each store piece once per ``seen``); its message, None (and a problem) when it
-    is damaged."""
+    """One codebook file: frame, checksum, backbones, its store's files, and past
+    ``Depth.HEADERS`` its store's bytes (each store piece once per ``seen``); its message, None
+    (and a problem) when it is damaged."""
     name = path.relative_to(federation.root)
     fingerprint, dims = federation.fingerprint, federation.dims
     try:
@@ -147,7 +159,7 @@ def _codebook_file(
         ref = store.Ref.of(message.metadata)
         if ref is not None and (problem := store.missing(path, ref)):
             raise CodebookError(problem)
-        if decode:  # torch: only when decoding
+        if depth is Depth.DECODE:  # torch: only when decoding
             from starfed.shared.codebook import stored, wire
 
             if ref is None:
@@ -155,6 +167,8 @@ def _codebook_file(
             else:
                 names = [entry.name for entry in message.entries]
                 stored.verify(path, ref, names, fingerprint=fingerprint, dims=dims, seen=seen)
+        elif depth is Depth.CHECKSUMS and ref is not None:  # a whole file: read_message did
+            store.verify(path, message, fingerprint=fingerprint, dims=dims, seen=seen)
     except (CodebookError, OSError) as err:
         report.problems.append(f"{name}: {_short(err, path)}")
         return None
@@ -166,7 +180,7 @@ def _short(err: Exception, path: Path) -> str:
     return str(err).removeprefix(f"{path}: ")
 
 
-def _codebook(report: Report, federation: Identity, decode: bool, seen: dict) -> set[str] | None:
+def _codebook(report: Report, federation: Identity, depth: Depth, seen: dict) -> set[str] | None:
     """The codebook's class names (None when it cannot be read); its version and position
     go into the report."""
     path = federation.root / CODEBOOK_FILE
@@ -180,7 +194,7 @@ def _codebook(report: Report, federation: Identity, decode: bool, seen: dict) ->
         report.notes.append("no codebook yet: the first `starfed server round` makes it")
         report.position = vars(Position()) | {"done": [], "in_play": []}
         return set()
-    message = _codebook_file(report, federation, path, decode, seen)
+    message = _codebook_file(report, federation, path, depth, seen)
     if message is None:
         return None
     try:
@@ -272,7 +286,7 @@ def _position(
     position: Position,
     names: set[str],
     federation: Identity,
-    decode: bool,
+    depth: Depth,
     seen: dict,
 ) -> None:
     """A position the protocol can be in, with the files it needs."""
@@ -296,4 +310,4 @@ def _position(
             "not roll back)"
         )
     else:
-        _codebook_file(report, federation, start, decode, seen)
+        _codebook_file(report, federation, start, depth, seen)

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from starfed.proto import codebook_pb2 as pb
 from starfed.server import folder_lock
 from starfed.server.federation import (
     CODEBOOK_FILE,
@@ -42,6 +43,7 @@ from starfed.server.federation import (
     StepRecord,
     read_step_findings,
 )
+from starfed.server.folder_check import Depth
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
@@ -68,20 +70,21 @@ class Plan:
     position: Position  # where the federation stands after them
 
 
-def plan(root: str | Path, to: int | None = None) -> Plan:
+def plan(root: str | Path, to: int | None = None, *, depth: Depth = Depth.CHECKSUMS) -> Plan:
     """What ``repair`` would do to ``root``; ``to``: roll back to the codebook after that many
-    completed steps (``checkpoints/step-NNNN.bin``). ``FederationError`` when no good state is
-    left to go back to (the message says what was tried)."""
-    from starfed.shared.codebook import wire  # torch: decoding codebooks
-
+    completed steps (``checkpoints/step-NNNN.bin``); a codebook file is good when it reads to
+    ``depth`` (``folder_check.Depth``: its checksums, or every tensor decoded).
+    ``FederationError`` when no good state is left to go back to (the message says what was
+    tried)."""
     root = Path(root).expanduser()
     identity = Identity.read(root)
-    fingerprint, dims = identity.fingerprint, identity.dims
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    seen: dict = {}  # store pieces read so far (kept checkpoints share a base)
 
-    def good(path: Path):
+    def good(path: Path) -> pb.Codebook | None:
+        """The file's message (a manifest: metadata and class lines) when it reads whole."""
         try:
-            return wire.read_file(path, fingerprint=fingerprint, dims=dims)
+            return read_good(identity, path, depth, seen)
         except (CodebookError, OSError):
             return None
 
@@ -93,17 +96,17 @@ def plan(root: str | Path, to: int | None = None) -> Plan:
             have = ", ".join(map(str, sorted(kept))) or "none"
             raise FederationError(f"no kept codebook after step {to} (kept: {have})")
         sources = [kept[to]]
-    elif (codebook := good(current)) is not None:
+    elif (found := good(current)) is not None:
         sources = []
     else:
         sources = _by_progress([root / PREVIOUS_FILE, *kept.values()])
-        codebook = None
+        found = None
     for source in sources:
-        codebook = good(source)
-        if codebook is not None:
-            actions.append(_restore(root, source, codebook, stamp))
+        found = good(source)
+        if found is not None:
+            actions.append(_restore(root, source, found, stamp))
             break
-    if codebook is None:
+    if found is None:
         if _finished_records(root):
             tried = ", ".join(str(s.relative_to(root)) for s in sources if s.exists())
             raise FederationError(
@@ -114,7 +117,8 @@ def plan(root: str | Path, to: int | None = None) -> Plan:
             actions.append(_aside(root, CODEBOOK_FILE, stamp, "no step was completed: starts "
                                   "afresh"))  # fmt: skip
     else:
-        position, names = Position.from_metadata(codebook.metadata), set(codebook.names)
+        position = Position.from_metadata(found.metadata)
+        names = {entry.name for entry in found.entries}
     actions += _history(root, position, stamp)
     actions += _registry(root, position, names, stamp)
     if (root / PENDING_FILE).exists():
@@ -173,28 +177,43 @@ def _keep_copy(path: Path, stamp: str) -> None:
         write_atomic(path.with_name(f"{path.name}.before-repair-{stamp}"), path.read_bytes())
 
 
-def _restore(root: Path, source: Path, codebook, stamp: str) -> Action:
+def read_good(identity: Identity, path: Path, depth: Depth, seen: dict) -> pb.Codebook:
+    """The message of the codebook file ``path`` (a manifest's: metadata and class lines), read
+    to ``depth``; ``CodebookError`` or ``OSError`` when it does not read whole."""
+    fingerprint, dims = identity.fingerprint, identity.dims
+    if depth is Depth.DECODE:
+        from starfed.shared.codebook import wire  # torch: decoding codebooks
+
+        wire.read_file(path, fingerprint=fingerprint, dims=dims)
+    message = read_message(path)
+    if message.backbone_fingerprint != fingerprint:
+        raise CodebookError("a codebook of other backbones")
+    if depth is not Depth.DECODE and store.Ref.of(message.metadata) is not None:
+        store.verify(path, message, fingerprint=fingerprint, dims=dims, seen=seen)
+    return message
+
+
+def _restore(root: Path, source: Path, message: pb.Codebook, stamp: str) -> Action:
     """``codebook.bin`` replaced by ``source``'s codebook on a new version line: a manifest
     naming the same store bytes (a whole file when ``source`` is one of the layout before)."""
-    from starfed.shared.codebook import stored, wire
-
-    position = Position.from_metadata(codebook.metadata)
+    position = Position.from_metadata(message.metadata)
     where = (f"step {position.step + 1} running, {', '.join(position.done) or 'no phase'} done"
              if position.running else f"{position.step} step(s) completed")  # fmt: skip
-    metadata = {**codebook.metadata, **Lineage.of(codebook).new_epoch().as_metadata()}
-
-    ref = store.Ref.of(read_message(source).metadata)
+    epoch = Lineage.in_metadata(message.metadata).new_epoch().as_metadata()
+    metadata = {k: v for k, v in message.metadata.items() if k != store.MANIFEST_KEY} | epoch
 
     def do() -> None:
+        from starfed.shared.codebook import stored, wire  # torch: writing codebooks
+
         _keep_copy(root / CODEBOOK_FILE, stamp)
-        restored = replace(codebook, metadata=metadata)
-        if ref is None:
-            wire.write_file(root / CODEBOOK_FILE, restored)
+        if store.Ref.of(message.metadata) is None:
+            codebook = wire.read_file(source)
+            wire.write_file(root / CODEBOOK_FILE, replace(codebook, metadata=metadata))
         else:
-            write_atomic(root / CODEBOOK_FILE, stored.manifest(restored, ref))
+            write_atomic(root / CODEBOOK_FILE, stored.relabelled(message, metadata))
 
     name = source.relative_to(root)
-    return Action(f"restore {CODEBOOK_FILE} from {name} (version {codebook.version}, {where}) "
+    return Action(f"restore {CODEBOOK_FILE} from {name} (version {message.version}, {where}) "
                   "on a new version line", do)  # fmt: skip
 
 

@@ -31,7 +31,8 @@ from starfed.server.federation import (
     Position,
     StepRecord,
 )
-from starfed.shared.codebook import store, stored, wire
+from starfed.server.serving import export
+from starfed.shared.codebook import framing, schema, store, stored, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.held import HeldCodebook
@@ -230,10 +231,10 @@ def test_a_damaged_store_is_named_by_check(tmp_path: Path, generator) -> None:
     log.write_bytes(bytes(data))
     problems = folder_check.check(root).problems
     assert any(p.startswith("codebook.bin: ") and "checksum mismatch" in p for p in problems)
-    quick = folder_check.check(root, decode=False, kept=False)
+    quick = folder_check.check(root, depth=folder_check.Depth.HEADERS, kept=False)
     assert quick.ok  # status reads no store bytes: a log's bytes are check's to verify
     log.write_bytes(bytes(data[:-10]))
-    quick = folder_check.check(root, decode=False, kept=False)
+    quick = folder_check.check(root, depth=folder_check.Depth.HEADERS, kept=False)
     assert any("truncated" in p for p in quick.problems), quick.problems
     with pytest.raises(CodebookError, match="beyond the end of the log"):
         wire.read_file(root / CODEBOOK_FILE)
@@ -270,3 +271,98 @@ def test_inspect_reads_a_manifest_as_its_codebook(tmp_path: Path, generator, cap
     assert cli_main(["codebook", "inspect", str(tmp_path / "federation" / CODEBOOK_FILE)]) == 0
     out = capsys.readouterr().out
     assert "3 (3 frozen)" in out and "M=3, n=40" in out, out
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["base", "record", "base header", "record header"])
+def test_check_finds_a_flipped_byte_without_decoding(tmp_path: Path, generator, where) -> None:
+    """``check`` reads every byte of the store through its checksums (no tensor decoded, as
+    ``status`` does not): a byte flipped anywhere in the base or a record is named."""
+    root = tmp_path / "federation"
+    federation = Federation(root, FINGERPRINT, DIMS)
+    codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(4)])
+    codebook = federation.checkpoint(codebook, Position(0))
+    codebook = federation.checkpoint(codebook.set_values(heads(codebook, generator)), Position(0))
+    assert checked(federation, codebook) == []
+    ref = federation._stored.ref
+    ((offset, length),) = ref.records
+    folder = root / store.STORE_DIR
+    path, at = {
+        "base": (folder / ref.base, (folder / ref.base).stat().st_size // 2),
+        "record": (folder / ref.log, offset + length - 7),
+        "base header": (folder / ref.base, 20),  # the checksum itself
+        "record header": (folder / ref.log, offset + 2),  # the magic
+    }[where]
+    _flip(path, at)
+    problems = folder_check.check(root).problems
+    assert problems and all(p.startswith(("codebook.bin: ", "previous.bin: ")) for p in problems)
+    assert all(f" {store.STORE_DIR}/{path.name}" in p for p in problems), problems
+    assert any(("checksum mismatch" if "header" not in where or where == "base header"
+                else "not a starfed codebook file") in p for p in problems), problems  # fmt: skip
+    assert folder_check.check(root, depth=folder_check.Depth.HEADERS, kept=False).ok
+    assert folder_check.check(root, depth=folder_check.Depth.DECODE).problems
+
+
+def test_check_finds_a_manifest_that_disagrees_with_its_store(tmp_path: Path, generator) -> None:
+    """Each class's line in the manifest is the line its store's last piece holds."""
+    root = tmp_path / "federation"
+    federation = Federation(root, FINGERPRINT, DIMS)
+    codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(3)])
+    codebook = federation.checkpoint(codebook, Position(0))
+    federation.register(codebook.names, 0, {})
+    message = store.header(framing.read_message(root / CODEBOOK_FILE))
+    message.metadata.update(federation._stored.ref.as_metadata())
+    message.entries[1].count += 1
+    (root / CODEBOOK_FILE).write_bytes(framing.frame(message.SerializeToString()))
+    assert folder_check.check(root).problems == [
+        "codebook.bin: class 'c1' differs from its store's record"
+    ]
+    message.entries[1].name = "c9"
+    (root / CODEBOOK_FILE).write_bytes(framing.frame(message.SerializeToString()))
+    assert any("'c9' is in no record of its store" in p for p in folder_check.check(root).problems)
+
+
+def test_check_deep_and_repair_dry_run_on_the_command_line(tmp_path: Path, generator, capsys):
+    server = tmp_path / "server"
+    federation = Federation(server / "federation", FINGERPRINT, DIMS)
+    codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(3)])
+    federation.checkpoint(codebook, Position(0))
+    federation.register(codebook.names, 0, {})
+    for deep in ([], ["--deep"]):
+        assert cli_main(["server", "check", "--dir", str(server), *deep]) == 0
+        assert "whole (codebook version" in capsys.readouterr().out
+        assert cli_main(["server", "repair", "--dir", str(server), "--dry-run", *deep]) == 0
+        assert "nothing to repair" in capsys.readouterr().out
+
+
+def test_an_exported_codebook_loads_back_as_predict_reads_it(tmp_path: Path, generator) -> None:
+    """``starfed server export`` then ``wire.read_file`` (``starfed predict``'s loader): the
+    same classes and values bit for bit, its bank the stacked values; a flipped byte refused."""
+    root = tmp_path / "federation"
+    federation = Federation(root, FINGERPRINT, DIMS)
+    codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(5)])
+    federation.register(codebook.names, 0, {})
+    federation.checkpoint(codebook, Position(1))
+    deployable = export.deployable(Federation.open(root))
+    out = tmp_path / "export.bin"
+    export.write(Federation.open(root), deployable, out)
+    loaded = wire.read_file(out)
+    assert equal(loaded, deployable.codebook.broadcast())
+    assert loaded.metadata == deployable.codebook.metadata
+    bank = loaded.bank()
+    for field in schema.TENSORS:
+        want = torch.stack([deployable.codebook[n].values[field] for n in loaded.names])
+        assert torch.equal(bank[field], want), field
+    export.write(Federation.open(root), deployable, out, "float16")
+    half = wire.read_file(out)
+    assert half.names == loaded.names and all(
+        torch.allclose(half[n].values[f], v, rtol=2**-10, atol=1e-6)
+        for n in loaded.names for f, v in loaded[n].values.items())  # fmt: skip
+    _flip(out, out.stat().st_size - 100)
+    with pytest.raises(CodebookError, match="checksum mismatch"):
+        wire.read_file(out)

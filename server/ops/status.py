@@ -226,7 +226,7 @@ def read(folder: ServerFolder, federation_dir: Path) -> Reading:
     record = _guarded(status, folder.run_file, lambda: load(folder.run_file), None)
     status.server = _server(record)
     if (federation_dir / IDENTITY_FILE).is_file():  # a folder with no identity is a new one
-        report = folder_check.check(federation_dir, decode=False, kept=False)
+        report = folder_check.check(federation_dir, depth=folder_check.Depth.HEADERS, kept=False)
         status.problems, status.notes = report.problems, report.notes
     try:  # the registered sites: a damaged sites.json is damage too (exit 1), not a detail
         sites.Registry.load(folder.sites_file)

@@ -142,7 +142,7 @@ class ClassBank:
                         f"{name}: row shape {tuple(stacked.shape[1:])}, "
                         f"expected {tuple(current.shape[1:])}"
                     )
-                self._columns[name] = torch.cat([current, stacked])
+                self._columns[name] = torch.cat([current, stacked]) if len(current) else stacked
         for name in schema.MIXTURES:
             self._mixtures(name).extend(
                 cast(GaussianMixture | None, e.values.get(name)) for e in entries

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.mixture import GaussianMixture as _SkGaussianMixture
 
 DEFAULT_COMPONENTS = 5
 DEFAULT_REG = 1e-6
@@ -67,7 +66,10 @@ class GaussianMixture:
                 variances=torch.full_like(torch.from_numpy(x), reg),
                 count=1,
             )
-        sk = _SkGaussianMixture(
+        # sklearn only here: importing it costs every reader of a codebook 2 s (issue 34)
+        from sklearn.mixture import GaussianMixture as SkGaussianMixture
+
+        sk = SkGaussianMixture(
             n_components=m,
             covariance_type="diag",
             reg_covar=reg,

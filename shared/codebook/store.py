@@ -19,19 +19,30 @@ folder (``STORE_DIR``) sits beside the manifest, or one folder up (``checkpoints
     codebook-store/log-<version>-<token>.bin    frames appended after it (``framing.frame``)
 
 Reading and decoding are ``wire``'s (``wire.read_file`` reads a manifest as the codebook it
-names), writing is ``stored``'s; this module is the layout, without torch.
+names), writing is ``stored``'s; this module is the layout, without torch. ``verify`` is
+``starfed server check``'s reading of a store: every byte checksummed and every class line
+found by its field headers, no tensor decoded (``stored.verify`` decodes them: ``--deep``).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.codebook.framing import CodebookError, read_message, unframe
+from starfed.shared.codebook.framing import (
+    HEADER_SIZE,
+    CodebookError,
+    read_message,
+    unframe,
+    verify_file,
+)
+from starfed.shared.codebook.protowalk import LENGTH_DELIMITED, VARINT, fields
 
 STORE_DIR = "codebook-store"
 MANIFEST_KEY = "starfed.store"  # a manifest's metadata key naming its base and records
@@ -95,7 +106,7 @@ def records(folder: Path, ref: Ref) -> Iterator[bytes]:
     with file:
         size = os.fstat(file.fileno()).st_size
         for offset, length in ref.records:
-            what = f"{path} record at {offset}"
+            what = f"{STORE_DIR}/{ref.log} record at {offset}"
             if offset < 0 or length < 0 or offset + length > size:
                 raise CodebookError(f"{what}: beyond the end of the log ({size} bytes)")
             file.seek(offset)
@@ -157,3 +168,122 @@ def collect(folder: Path, manifests: list[Path]) -> list[str]:
     for name in gone:
         (folder / name).unlink(missing_ok=True)
     return gone
+
+
+_CODEBOOK = {f.name: f.number for f in pb.Codebook.DESCRIPTOR.fields}
+_ENTRY = {f.name: f.number for f in pb.ClassEntry.DESCRIPTOR.fields}
+_DIMS = tuple(f.number for f in pb.ModelDims.DESCRIPTOR.fields)  # d_txt, d_clip, d_vit, n_layers
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What a base or a record holds, read from its field headers (``scan``): its backbones,
+    dims, whether it names a store (a manifest: never a base), and each class's line (count,
+    version, frozen) by name."""
+
+    fingerprint: str
+    dims: tuple[int, ...]
+    names_a_store: bool
+    lines: dict[str, tuple[int, int, bool]]
+
+
+def scan(data, start: int, end: int, what: str) -> Piece:
+    """The ``Piece`` of the ``pb.Codebook`` message in ``data[start:end]`` (bytes or a memory
+    map), its tensors skipped: a walk over about 30 field headers per class."""
+    fingerprint, dims, names_a_store, lines = "", (0, 0, 0, 0), False, {}
+    for number, kind, value, stop in fields(data, start, end, what):
+        if kind != LENGTH_DELIMITED:
+            continue
+        if number == _CODEBOOK["entries"]:
+            name, line = _line(data, value, stop, what)
+            if name in lines:
+                raise CodebookError(f"{what}: class {name!r} appears twice")
+            lines[name] = line
+        elif number == _CODEBOOK["backbone_fingerprint"]:
+            fingerprint = _text(data, value, stop, what)
+        elif number == _CODEBOOK["dims"]:
+            found = {n: v for n, k, v, _ in fields(data, value, stop, what) if k == VARINT}
+            dims = tuple(found.get(n, 0) for n in _DIMS)
+        elif number == _CODEBOOK["metadata"]:
+            keys = [_text(data, v, e, what) for n, k, v, e in fields(data, value, stop, what)
+                    if n == 1 and k == LENGTH_DELIMITED]  # fmt: skip
+            names_a_store |= MANIFEST_KEY in keys
+    return Piece(fingerprint, dims, names_a_store, lines)
+
+
+def _line(data, start: int, end: int, what: str) -> tuple[str, tuple[int, int, bool]]:
+    name, count, version, frozen = "", 0, 0, False
+    for number, kind, value, stop in fields(data, start, end, what):
+        if number == _ENTRY["name"] and kind == LENGTH_DELIMITED:
+            name = _text(data, value, stop, what)
+        elif kind == VARINT and number == _ENTRY["count"]:
+            count = value
+        elif kind == VARINT and number == _ENTRY["version"]:
+            version = value
+        elif kind == VARINT and number == _ENTRY["frozen"]:
+            frozen = bool(value)
+    return name, (count, version, frozen)
+
+
+def _text(data, start: int, end: int, what: str) -> str:
+    try:
+        return bytes(data[start:end]).decode()
+    except UnicodeDecodeError:
+        raise CodebookError(f"{what}: a string is not UTF-8") from None
+
+
+def scan_file(path: Path) -> Piece:
+    """A whole codebook file's ``Piece`` and its checksum (``verify_file``: streamed, about 1 s
+    for a 2 GB base), the two at once: hashlib hashes in a thread without the GIL while the
+    walk reads the pages that hold field headers. A damaged file is named by its checksum."""
+    name = f"{STORE_DIR}/{path.name}"
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        checked = pool.submit(verify_file, path, name)
+        try:
+            with open(path, "rb") as file, mmap.mmap(file.fileno(), 0,
+                                                     access=mmap.ACCESS_READ) as data:  # fmt: skip
+                piece = scan(data, HEADER_SIZE, len(data), name)
+        except (CodebookError, ValueError):  # ValueError: an empty file cannot be mapped
+            checked.result()  # the checksum's error, when there is one
+            raise
+        checked.result()
+    return piece
+
+
+def verify(manifest: Path, message: pb.Codebook, *, fingerprint: str, dims, seen: dict) -> None:
+    """The store of the manifest ``message`` (read from ``manifest``) as a reader will find it,
+    without decoding a tensor: the base's and each record's checksum, their backbones and dims,
+    and every class line of the manifest (count, version, frozen) as the last piece carrying it
+    says. The pieces were validated before they were written (``stored``), and the checksums
+    say they are those bytes. ``seen`` holds the pieces scanned so far, so several manifests
+    sharing a base read it once. ``CodebookError`` for what a reader would refuse (``OSError``
+    for a base that cannot be read)."""
+    ref = Ref.of(message.metadata)
+    folder = find_dir(manifest)
+    if (ref.base, -1) not in seen:
+        try:
+            seen[ref.base, -1] = scan_file(folder / ref.base)
+        except (CodebookError, OSError) as err:
+            seen[ref.base, -1] = err  # a damaged base is read once too, however many share it
+    if isinstance(seen[ref.base, -1], Exception):
+        raise seen[ref.base, -1]
+    todo = replace(ref, records=tuple(r for r in ref.records if (ref.log, r[0]) not in seen))
+    for (offset, _), payload in zip(todo.records, records(folder, todo), strict=True):
+        seen[ref.log, offset] = scan(payload, 0, len(payload), f"{STORE_DIR}/{ref.log} record "
+                                     f"at {offset}")  # fmt: skip
+    pieces = {ref.base: seen[ref.base, -1]}
+    pieces |= {f"{ref.log} record at {offset}": seen[ref.log, offset] for offset, _ in ref.records}
+    if pieces[ref.base].names_a_store:
+        raise CodebookError(f"{STORE_DIR}/{ref.base}: a store's base is a manifest")
+    want = (fingerprint, (dims.d_txt, dims.d_clip, dims.d_vit, dims.n_layers))
+    lines: dict[str, tuple[int, int, bool]] = {}
+    for name, piece in pieces.items():
+        if (piece.fingerprint, piece.dims) != want:
+            raise CodebookError(f"{STORE_DIR}/{name}: made for other backbones or dims")
+        lines.update(piece.lines)
+    for entry in message.entries:
+        line = lines.get(entry.name)
+        if line is None:
+            raise CodebookError(f"class {entry.name!r} is in no record of its store")
+        if line != (entry.count, entry.version, entry.frozen):
+            raise CodebookError(f"class {entry.name!r} differs from its store's record")

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema, store, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.entry import ClassEntry
@@ -195,3 +196,12 @@ def verify(
     lost = [name for name in names if name not in found]
     if lost:
         raise CodebookError(f"class {lost[0]!r} is in no record of its store")
+
+
+def relabelled(message: pb.Codebook, metadata: dict[str, str]) -> bytes:
+    """The framed manifest ``message`` with ``metadata`` instead of its own, naming the same
+    store bytes (``starfed server repair``: a restored checkpoint on a new version line)."""
+    out = store.header(message)
+    out.metadata.clear()
+    out.metadata.update({**metadata, **store.Ref.of(message.metadata).as_metadata()})
+    return frame(out.SerializeToString(deterministic=True))

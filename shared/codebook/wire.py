@@ -42,7 +42,7 @@ from starfed.shared.codebook import schema, store
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassEntry, Value
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES as DEFAULT_MAX_BYTES  # re-exported
-from starfed.shared.codebook.framing import frame, read_message, read_payload
+from starfed.shared.codebook.framing import frame, payload_checked_alongside, read_message
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
@@ -240,6 +240,7 @@ def _decode_header(
 _LENGTH_DELIMITED = 2
 _SKIP = {1: 8, 5: 4}  # fixed64, fixed32
 _UPDATE_ENTRIES = pb.ClientUpdate.DESCRIPTOR.fields_by_name["entries"].number
+_CODEBOOK_ENTRIES = pb.Codebook.DESCRIPTOR.fields_by_name["entries"].number
 _UPDATE_METADATA = pb.ClientUpdate.DESCRIPTOR.fields_by_name["metadata"].number
 _TENSOR_SHAPE = pb.Tensor.DESCRIPTOR.fields_by_name["shape"].number
 #: What one update may hold besides its entries, before protobuf makes an object of each part:
@@ -345,15 +346,15 @@ def _check_tensor(data: bytes, start: int, end: int) -> None:
             raise CodebookError(f"a tensor shape of {e - s} bytes (at most {MAX_SHAPE_BYTES})")
 
 
-def _tensor_views(data: bytes) -> list[EntryViews]:
-    """Per entry of a parsed ``ClientUpdate``, the ``data`` bytes of its tensors as views of
-    ``data``: by field name, a tensor's view, or a mixture's views by part (``means``, ...). A
-    field or part that appears twice (protobuf would merge the two) is rejected: no encoder of
-    this schema writes one."""
+def _tensor_views(data: bytes, entries_field: int = _UPDATE_ENTRIES) -> list[EntryViews]:
+    """Per entry of a parsed ``ClientUpdate`` (or ``Codebook``: its ``entries_field``), the
+    ``data`` bytes of its tensors as views of ``data``: by field name, a tensor's view, or a
+    mixture's views by part (``means``, ...). A field or part that appears twice (protobuf
+    would merge the two) is rejected: no encoder of this schema writes one."""
     whole = memoryview(data)
     entries = []
     for number, start, end in _fields(data, 0, len(data)):
-        if number != _UPDATE_ENTRIES:
+        if number != entries_field:
             continue
         views: EntryViews = {}
         for field, f_start, f_end in _fields(data, start, end):
@@ -407,12 +408,17 @@ def parse(message_type: type[_Message], data: bytes, max_bytes: int | None) -> _
     return message
 
 
-def _decode_entries(message: pb.Codebook, dims: ModelDims, full: bool) -> dict[str, ClassEntry]:
-    """Entries of a codebook (every tensor field required) or a delta (any subset)."""
+def _decode_entries(
+    message: pb.Codebook, dims: ModelDims, full: bool, views: list[EntryViews] | None = None
+) -> dict[str, ClassEntry]:
+    """Entries of a codebook (every tensor field required) or a delta (any subset); ``views``:
+    each entry's tensor bytes in the message's bytes (``_tensor_views``)."""
     _check_names([e.name for e in message.entries])
+    if views is not None and len(views) != len(message.entries):
+        raise CodebookError("the codebook's entries do not match its bytes")
     entries = {}
-    for msg in message.entries:
-        values = _decode_values(msg, dims)
+    for i, msg in enumerate(message.entries):
+        values = _decode_values(msg, dims, None if views is None else views[i])
         missing = [name for name in schema.TENSORS if name not in values]
         if full and missing:
             raise CodebookError(f"{label(msg.name)}: {missing[0]}: missing")
@@ -458,17 +464,22 @@ def decode_broadcast(
 
 
 def broadcast_from_proto(
-    message: pb.Codebook, *, fingerprint: str | None = None, dims: ModelDims | None = None
+    message: pb.Codebook,
+    *,
+    fingerprint: str | None = None,
+    dims: ModelDims | None = None,
+    views: list[EntryViews] | None = None,
 ) -> Codebook | Delta:
     """``decode_broadcast`` of a message parsed elsewhere: a gRPC reply carries the codebook
-    message itself, its size limited by the channel (``starfed.shared.inference.follow``)."""
+    message itself, its size limited by the channel (``starfed.shared.inference.follow``);
+    ``views``: its entries' tensor bytes in the bytes it was parsed from (``_tensor_views``)."""
     model_dims = _decode_header(message, fingerprint, dims)
     _check_count(message.version, 0, "codebook version")
     metadata = dict(message.metadata)
     if message.base_version == 0:
         if message.names:
             raise CodebookError("a whole codebook lists no names")
-        entries = _decode_entries(message, model_dims, full=True)
+        entries = _decode_entries(message, model_dims, full=True, views=views)
         return Codebook(
             message.backbone_fingerprint, model_dims, entries, message.version, metadata
         )
@@ -682,14 +693,24 @@ def read_file(
     """Read, verify the checksum, decode and validate (``OSError`` if unreadable). A file has no
     size limit unless the caller sets one (``framing``).
     A manifest (``store``) reads as the codebook it names: its base, then its records."""
-    message = parse(pb.Codebook, read_payload(path, max_bytes), max_bytes)  # bytes freed
-    if store.MANIFEST_KEY not in message.metadata:
-        return _whole(message, fingerprint, dims)
+    with payload_checked_alongside(path, max_bytes) as payload:
+        message = parse(pb.Codebook, payload, max_bytes)
+        if store.MANIFEST_KEY not in message.metadata:
+            return _whole(message, payload, fingerprint, dims)
+    del payload
     return read_manifest(Path(path), message, fingerprint=fingerprint, dims=dims)
 
 
-def _whole(message: pb.Codebook, fingerprint: str | None, dims: ModelDims | None) -> Codebook:
-    received = broadcast_from_proto(message, fingerprint=fingerprint, dims=dims)
+def _whole(
+    message: pb.Codebook, payload: bytes, fingerprint: str | None, dims: ModelDims | None
+) -> Codebook:
+    """The whole codebook ``message`` parsed from a file's ``payload``: its tensors are views
+    of the payload's bytes, not copies of them (a 10,000-class codebook is 0.9-2 GB: each copy
+    costs seconds, ``starfed predict``'s load included; docs/benchmarks.md, issue 34). Nothing
+    writes to a codebook's values (a ``Codebook`` is immutable; a bank copies them)."""
+    _quiet_read_only_views()
+    views = _tensor_views(payload, _CODEBOOK_ENTRIES) if message.base_version == 0 else None
+    received = broadcast_from_proto(message, fingerprint=fingerprint, dims=dims, views=views)
     if isinstance(received, Delta):
         raise CodebookError("a delta, not a whole codebook")
     return received
@@ -722,11 +743,12 @@ def read_manifest(
         raise CodebookError(f"{path}: not a store's manifest")
     folder = store.find_dir(path)
     base_path = folder / ref.base
-    base_message = parse(pb.Codebook, read_payload(base_path), None)
-    if store.MANIFEST_KEY in base_message.metadata:
-        raise CodebookError(f"{base_path}: a store's base is a manifest")
-    base = _whole(base_message, fingerprint, dims)
-    del base_message
+    with payload_checked_alongside(base_path) as base_payload:
+        base_message = parse(pb.Codebook, base_payload, None)
+        if store.MANIFEST_KEY in base_message.metadata:
+            raise CodebookError(f"{base_path}: a store's base is a manifest")
+        base = _whole(base_message, base_payload, fingerprint, dims)
+    del base_message, base_payload
     entries = dict(base.entries)
     for payload in store.records(folder, ref):
         changes, replaced = decode_changes(payload, fingerprint=base.fingerprint, dims=base.dims)
