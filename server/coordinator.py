@@ -15,7 +15,8 @@ so an interrupted step can resume (``server.federation``).
 
 A run performs steps until no site brings a new class (or ``max_steps``). A phase in which no
 class in play gets an update fails the step (rolled back); a step in which some site failed or
-was rejected completes ``degraded``. Sites that keep the last codebook receive deltas.
+was rejected completes ``degraded``. Sites that keep the last codebook receive deltas; a site
+whose broadcast would pass one message is caught up in parts first (``server.catch_up``).
 
 It talks to sites only through a Flower ``Grid`` (``get_node_ids``, ``send_and_receive``), so
 tests drive it with an in-process grid. Every send has a timeout; error replies and missing
