@@ -151,6 +151,24 @@ def test_a_part_out_of_order_of_another_codebook_or_garbled_drops_the_staging(
     assert held.version_for(LINE) == codebook.version
 
 
+def test_parts_that_do_not_make_the_announced_codebook_are_not_held(
+    tmp_path: Path, codebook: Codebook, small_parts: int
+) -> None:
+    """Every part good, but one more class announced than they hold: nothing is held, nothing
+    is left behind, and a catch-up that announces the codebook as it is then succeeds."""
+    plan = parts.plan(codebook)
+    held = HeldCodebook(tmp_path / "codebook.bin", fingerprint=codebook.fingerprint,
+                        dims=codebook.dims)  # fmt: skip
+    with pytest.raises(CodebookError, match="the parts hold 5 classes, 6 announced"):
+        for i in range(len(plan.parts)):
+            held.stage(plan.encoded(i), i, len(plan.parts), len(codebook) + 1)
+    assert held.version_for(LINE) == 0 and sorted(p.name for p in tmp_path.iterdir()) == []
+    for i in range(len(plan.parts)):
+        held.stage(plan.encoded(i), i, len(plan.parts), len(codebook))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["codebook.bin"]
+    _same(held.codebook(), codebook)
+
+
 def test_the_nodes_behind_are_those_whose_broadcast_passes_a_part(
     codebook: Codebook, small_parts: int
 ) -> None:

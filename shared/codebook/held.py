@@ -133,13 +133,28 @@ class HeldCodebook:
 
     def stage(self, data: bytes, index: int, count: int, classes: int) -> Codebook | None:
         """Part ``index`` of a codebook sent in ``count`` parts (``parts``): staged, and after
-        the last part the assembled codebook, held from now on (None before). Until then
-        nothing new is held: ``version_for`` says what it said before the first part.
+        the last part the codebook they make, decoded (= validated) from the file they were
+        written to and held from now on (None before). Until then nothing new is held:
+        ``version_for`` says what it said before the first part.
 
         Raises CodebookError (the staging dropped: the next catch-up starts again) for a part
-        that does not decode, belongs to another codebook or comes out of order."""
-        assembled = self._staging().add(data, index, count, classes)
-        return None if assembled is None else self.receive(assembled)
+        that does not decode, belongs to another codebook or comes out of order, or parts that
+        do not make a valid codebook."""
+        assembled = self.path.with_name(f".{self.path.name}.assembled")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._staging().add(data, index, count, classes, assembled):
+            return None
+        try:
+            codebook = wire.read_file(assembled, fingerprint=self.fingerprint, dims=self.dims)
+        except CodebookError:
+            assembled.unlink(missing_ok=True)
+            raise
+        os.replace(assembled, self.path)
+        self._stored = None
+        store.collect(self.path.parent / store.STORE_DIR, [self.path])  # the bases no longer held
+        stat = self.path.stat()
+        self._held, self._stamp = codebook, (stat.st_mtime_ns, stat.st_size)
+        return codebook
 
     def _staging(self) -> parts.Staging:
         folder = self.path.parent / STAGING_DIR

@@ -13,12 +13,15 @@ fresh process) and holds nothing new until the last part arrived and the assembl
 passed its checks — a staged codebook is never "held". A part of another lineage or version,
 one out of order, or bytes that do not decode are refused with ``CodebookError`` and the
 staging is dropped: the next catch-up starts again from the first part. Each part is held in
-memory alone while it is staged, on both sides; only the assembled codebook, which the
-receiver works with anyway, is whole.
+memory alone, on both sides: the sender encodes one at a time, and the receiver writes the
+whole codebook file from the staged parts' messages, one after the other, then decodes it as
+it decodes any held codebook.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import math
 import shutil
@@ -28,9 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
-from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, read_payload
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, header, read_payload
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
@@ -139,19 +143,19 @@ class Staging:
         self.folder = folder
         self.fingerprint, self.dims = fingerprint, dims
 
-    def add(self, data: bytes, index: int, parts: int, classes: int) -> Codebook | None:
-        """Stage part ``index`` of ``parts`` (of a codebook of ``classes`` classes): the
-        assembled codebook after the last part, else None. Part 0 starts a new staging.
+    def add(self, data: bytes, index: int, parts: int, classes: int, target: Path) -> bool:
+        """Stage part ``index`` of ``parts`` (of a codebook of ``classes`` classes); after the
+        last, write the whole codebook file ``target`` (True). Part 0 starts a new staging.
 
         Raises CodebookError (and drops the staging) for a part that does not decode or
         is not the next of the codebook staged, or an assembled codebook that is not whole."""
         try:
-            return self._add(data, index, parts, classes)
+            return self._add(data, index, parts, classes, target)
         except CodebookError:
             self.drop()
             raise
 
-    def _add(self, data: bytes, index: int, parts: int, classes: int) -> Codebook | None:
+    def _add(self, data: bytes, index: int, parts: int, classes: int, target: Path) -> bool:
         if not 0 <= index < parts:
             raise CodebookError(f"part {index} of {parts} does not exist")
         part = self._decoded(data, f"part {index}")
@@ -171,7 +175,10 @@ class Staging:
         write_atomic(self.folder / f"part-{index:06d}.bin", frame(data))
         staged = replace(staged, received=index + 1)
         write_atomic(self.folder / STAGED_FILE, json.dumps(asdict(staged)).encode())
-        return self._assembled(staged) if staged.received == parts else None
+        if staged.received < parts:
+            return False
+        self._write(staged, target)
+        return True
 
     def _decoded(self, data: bytes, what: str) -> Codebook:
         part = wire.decode_broadcast(data, fingerprint=self.fingerprint, dims=self.dims)
@@ -186,27 +193,30 @@ class Staging:
         except (OSError, ValueError, TypeError) as err:
             raise CodebookError(f"no staged codebook to add a part to ({err})") from None
 
-    def _assembled(self, staged: Staged) -> Codebook:
-        """The staged parts as one codebook: every class once, as many as announced."""
-        entries: dict = {}
-        first: Codebook | None = None
-        for index, part in enumerate(self._parts(staged)):
-            first = first or part
-            clash = next((name for name in part.names if name in entries), None)
-            if clash is not None:
-                raise CodebookError(f"class {clash!r} arrives twice (part {index})")
-            entries.update(part.entries)
-        if first is None or len(entries) != staged.classes:
-            raise CodebookError(
-                f"the parts hold {len(entries)} classes, {staged.classes} announced"
-            )
+    def _write(self, staged: Staged, target: Path) -> None:
+        """The staged parts as one codebook file at ``target``, one part in memory at a time:
+        their messages one after the other, which protobuf reads as one message holding every
+        part's classes in order (each part's other fields are the same: lineage and version
+        checked as they arrived, fingerprint and dims the receiver's). Every class once, as
+        many as announced; the receiver then decodes the file whole (``HeldCodebook.stage``)."""
+        names: set[str] = set()
+        digest, length = hashlib.sha256(), 0
+        for index, payload in enumerate(self._payloads(staged)):
+            for entry in pb.Codebook.FromString(payload).entries:
+                if entry.name in names:
+                    raise CodebookError(f"class {entry.name[:80]!r} arrives twice (part {index})")
+                names.add(entry.name)
+            digest.update(payload)
+            length += len(payload)
+        if len(names) != staged.classes:
+            raise CodebookError(f"the parts hold {len(names)} classes, {staged.classes} announced")
+        pieces = itertools.chain([header(length, digest.digest())], self._payloads(staged))
+        write_atomic(target, pieces)
         self.drop()
-        return replace(first, entries=entries)
 
-    def _parts(self, staged: Staged) -> Iterator[Codebook]:
+    def _payloads(self, staged: Staged) -> Iterator[bytes]:
         for index in range(staged.parts):
-            path = self.folder / f"part-{index:06d}.bin"
-            yield self._decoded(read_payload(path, DEFAULT_MAX_BYTES), str(path))
+            yield read_payload(self.folder / f"part-{index:06d}.bin", DEFAULT_MAX_BYTES)
 
     def drop(self) -> None:
         """Forget every staged part."""
