@@ -2,11 +2,12 @@
 
 For a federation of C paper-dims classes (random tensors: float bytes do not compress), what a
 site that holds nothing receives before its first phase: the codebook in parts of at most
-``parts.PART_BYTES`` (``starfed.server.catch_up``). Measured without Flower, both ends in one
-process, each size in a fresh one so its peak RSS is its own: the server's plan and the
-encoding of every part, one at a time; the site's staging of each part (decoded, written) and
-the assembly after the last (decoded again, held: written as one file). Bytes and messages are
-what the wire would carry, the phase message's empty delta left out.
+``parts.PART_BYTES`` (``starfed.server.catch_up``). Measured without Flower (the wire is a folder),
+each end in a fresh process so that its peak RSS is its own: the server (holding the codebook)
+decides who is behind, plans and encodes every part, one at a time; the site stages each part
+as it arrives (decoded, written) and after the last writes the held file from the parts and
+decodes it. Bytes and messages are what the wire would carry, the phase message's empty delta
+left out.
 
     python bench/catch_up.py                        # 100, 1000, 10000 classes, float32
     python bench/catch_up.py --classes 100 1000 --dtype float16
@@ -52,50 +53,76 @@ def federation(n_classes: int) -> Codebook:
     return Codebook(FINGERPRINT, PAPER, {}, 0, LINE.as_metadata()).register(entries)
 
 
-def one(n_classes: int, dtype: str) -> dict[str, object]:
+def server(n_classes: int, dtype: str, folder: Path) -> dict[str, object]:
+    """The server's side: who is behind, the plan, every part encoded (and written to
+    ``folder`` for the site's side, outside the timing)."""
     codebook = federation(n_classes)
-    late = catch_up.behind(codebook, {}, [1], dtype)
+    rss_before = _rss_mb()
     t0 = time.perf_counter()
+    late = catch_up.behind(codebook, {}, [1], dtype)
     plan = parts.plan(codebook, dtype)
-    encode_s = stage_s = 0.0
-    sent = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        held = HeldCodebook(Path(tmp) / "codebook.bin", fingerprint=FINGERPRINT, dims=PAPER)
-        for index in range(len(plan.parts)):
-            t0 = time.perf_counter()
-            data = plan.encoded(index)
-            t1 = time.perf_counter()
-            held.stage(data, index, len(plan.parts), len(codebook))
-            encode_s += t1 - t0
-            stage_s += time.perf_counter() - t1
-            sent += len(data)
-            del data
-        assert held.version_for(LINE) == codebook.version
+    encode_s, sent = time.perf_counter() - t0, 0
+    for index in range(len(plan.parts)):
+        t0 = time.perf_counter()
+        data = plan.encoded(index)
+        encode_s += time.perf_counter() - t0
+        sent += len(data)
+        (folder / f"{index}.bin").write_bytes(data)
+        del data
     return {
         "classes": n_classes, "dtype": dtype, "behind": late == [1], "messages": len(plan.parts),
-        "bytes": sent, "largest_part_limit": parts.PART_BYTES,
-        "server_encode_s": round(encode_s, 2), "site_stage_and_hold_s": round(stage_s, 2),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "bytes": sent, "part_limit": parts.PART_BYTES, "server_encode_s": round(encode_s, 2),
+        "server_peak_rss_mb": _rss_mb(), "server_codebook_rss_mb": rss_before,
     }  # fmt: skip
+
+
+def site(n_classes: int, messages: int, folder: Path) -> dict[str, object]:
+    """The site's side: each part staged as it arrives, then the codebook held."""
+    baseline = _rss_mb()
+    held = HeldCodebook(folder / "state" / "codebook.bin", fingerprint=FINGERPRINT, dims=PAPER)
+    stage_s = 0.0
+    for index in range(messages):
+        data = (folder / f"{index}.bin").read_bytes()
+        t0 = time.perf_counter()
+        held.stage(data, index, messages, n_classes)
+        stage_s += time.perf_counter() - t0
+        del data
+    assert held.version_for(LINE) == 1 and len(held.codebook() or ()) == n_classes
+    return {"site_stage_and_hold_s": round(stage_s, 2), "site_peak_rss_mb": _rss_mb(),
+            "site_baseline_rss_mb": baseline}  # fmt: skip
+
+
+def _rss_mb() -> int:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def _side(*argv: str) -> dict[str, object]:
+    out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True,
+                         text=True).stdout  # fmt: skip
+    return json.loads(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--classes", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
-    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["server", "site"], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:
-        print(json.dumps(one(args.classes[0], args.dtype)))
+    if args.side == "server":
+        print(json.dumps(server(args.classes[0], args.dtype, args.folder)))
         return
-    rows = []
+    if args.side == "site":
+        print(json.dumps(site(args.classes[0], args.messages, args.folder)))
+        return
     for n in args.classes:
-        out = subprocess.run(
-            [sys.executable, __file__, "--one", "--classes", str(n), "--dtype", args.dtype],
-            check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
-        rows.append(json.loads(out))
-        print(json.dumps(rows[-1]), flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            row = _side("--side", "server", "--classes", str(n), "--dtype", args.dtype,
+                        "--folder", tmp)  # fmt: skip
+            row |= _side("--side", "site", "--classes", str(n), "--messages",
+                         str(row["messages"]), "--folder", tmp)  # fmt: skip
+        print(json.dumps(row), flush=True)
     load = os.getloadavg()[0]
     print(json.dumps({"machine": platform.node(), "cpus": os.cpu_count(), "load_1min": load}))
 
