@@ -114,6 +114,12 @@ def _another_version(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, i
     return [(plan.encoded(0), 0), (other.encoded(1), 1)]
 
 
+def _another_lineage(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
+    rolled_back = Lineage(LINE.federation, "epoch-b").as_metadata()
+    elsewhere = parts.Plan(replace(plan.codebook, metadata=rolled_back), plan.parts, plan.dtype)
+    return [(plan.encoded(0), 0), (elsewhere.encoded(1), 1)]
+
+
 def _garbled(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
     data = plan.encoded(1)
     return [(plan.encoded(0), 0), (data[: len(data) // 2], 1)]
@@ -128,6 +134,7 @@ def _no_first_part(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int
     [
         (_out_of_order, "part 2 arrived, part 1 was next"),
         (_another_version, "another codebook than the one staged"),
+        (_another_lineage, "another codebook than the one staged"),
         (_garbled, None),  # whatever the cut leaves undecodable
         (_no_first_part, "no staged codebook"),
     ],
