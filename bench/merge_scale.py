@@ -75,7 +75,7 @@ def enrolled(codebook: Codebook, sites: int) -> Screen:
                         [ClassEntry(name, 10**6) for name in codebook.names])  # fmt: skip
     screen = Screen(ScreeningOptions(), step=0)
     accepted = [(Exchange(0, "sync", 0, i + 1, site_name(i), 0), sync) for i in range(sites)]
-    screen.enrol(accepted, codebook, {}, "float32")
+    screen.enrol(accepted, codebook, {})
     return screen
 
 

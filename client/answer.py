@@ -24,7 +24,7 @@ from starfed.client.site import Site
 from starfed.shared.codebook import wire
 from starfed.shared.config import BackboneOptions, as_int, as_str, environment, parse, run_dir
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import ALSO, CLASSIFY_WITH_KEYS, Phase
+from starfed.shared.protocol import ALSO, CATCH_UP, CLASSIFY_WITH_KEYS, HELD, Phase
 
 #: The sites this process has built, by (run id, node id), the last one used last: backbones
 #: and caches load once. A process of a simulation answers for many sites; it keeps the
@@ -99,6 +99,11 @@ def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
     step, round_index = int(config["step"]), int(config.get("round", 0))
     federation = str(config["federation"])
     wire_dtype = str(config.get("wire-dtype", "float32"))
+    if phase is Phase.SYNC and CATCH_UP in config:  # a part of a codebook, not an enrolment
+        site.memory.join(federation)
+        index, count, classes = (int(value) for value in config[CATCH_UP])
+        site.memory.catch_up(payload, index, count, classes)
+        return [(HELD, str(site.memory.held_version(str(config["epoch"]))).encode())]
     if phase is Phase.SYNC:
         frozen = [str(name) for name in config.get("frozen", [])]
         update = site.sync(step, frozen, federation, str(config["epoch"]))

@@ -10,9 +10,11 @@ Message contents (``RecordDict``):
 * in: ``config`` (ConfigRecord: ``step``, ``round``, ``wire-dtype``, ``federation``; for sync
   the ``frozen`` class names, for evaluation the ``class-steps``, for the last stage-1 round
   ``also``) and, where the phase sends it, ``codebook`` (ConfigRecord ``data``: the codebook,
-  or a delta from the one the site holds);
+  or a delta from the one the site holds). A sync message whose config has ``catch-up``
+  carries one part of a codebook too large for one message instead (``CATCH_UP``);
 * out: ``update`` (ConfigRecord ``data``: a serialised ``ClientUpdate``, for sync the classes
-  of the site's current task) or, for evaluation, ``report`` (an ``EvaluationReport``); when
+  of the site's current task) or, for evaluation, ``report`` (an ``EvaluationReport``), or
+  for a catch-up part ``held`` (the codebook version the site holds after it); when
   the config names phases that travel with this one (``also``), one more update record per
   phase, named by its key (``stage1_stats``).
 

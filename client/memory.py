@@ -4,7 +4,8 @@ In deployment every message starts a fresh ClientApp process, and a site may res
 offline for steps, so what a site must remember lives on disk (docs/sites.md):
 
 * ``codebook.bin``: the last codebook received, so the server can send only what changed (a
-  ``Delta``) — a site that lost it simply receives the whole codebook again;
+  ``Delta``) — a site that lost it simply receives the whole codebook again, in parts when it
+  is too large for one message (staged in ``codebook-parts/`` until the last arrived);
 * ``site.json``: which federation that codebook belongs to, and which of the site's tasks are
   completed (all their classes finished) and at which federation step;
 * ``privacy.json``, for a site with the privacy setting: what it has released of each class's
@@ -109,6 +110,11 @@ class SiteMemory:
         (``CodebookError`` for a delta that does not apply: the server sends the whole
         codebook next)."""
         return self.held.receive(data)
+
+    def catch_up(self, data: bytes, index: int, count: int, classes: int) -> None:
+        """Stage part ``index`` of ``count`` of a codebook too large for one message; after the
+        last, it is held (``HeldCodebook.stage``; ``CodebookError`` for a part it refuses)."""
+        self.held.stage(data, index, count, classes)
 
     def complete(self, task: str, step: int) -> None:
         self._read_state()

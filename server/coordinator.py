@@ -15,7 +15,8 @@ so an interrupted step can resume (``server.federation``).
 
 A run performs steps until no site brings a new class (or ``max_steps``). A phase in which no
 class in play gets an update fails the step (rolled back); a step in which some site failed or
-was rejected completes ``degraded``. Sites that keep the last codebook receive deltas.
+was rejected completes ``degraded``. Sites that keep the last codebook receive deltas; a site
+whose broadcast would pass one message is caught up in parts first (``server.catch_up``).
 
 It talks to sites only through a Flower ``Grid`` (``get_node_ids``, ``send_and_receive``), so
 tests drive it with an in-process grid. Every send has a timeout; error replies and missing
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from rich.console import Console
 
-from starfed.server import replay
+from starfed.server import catch_up, replay
 from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import (
     COMPLETED,
@@ -464,9 +465,7 @@ class Coordinator:
             claimed = update.metadata.get("site") or f"node-{entry.node_id}"
             site = self.screen.name_of(entry.node_id, claimed)
             self.sites[entry.node_id] = entry.site = site
-        accepted = self.screen.enrol(
-            accepted, self.codebook, self.federation.quarantine(), self.protocol.wire_dtype
-        )
+        accepted = self.screen.enrol(accepted, self.codebook, self.federation.quarantine())
         self._node_ids = [entry.node_id for entry, _ in accepted]
         self._leave_quarantined()  # a resumed step's quarantines hold
         for entry, update in accepted:
@@ -530,8 +529,8 @@ class Coordinator:
 
         def payload(node: int) -> bytes:
             since = self._held.get(node, 0)
-            if since not in cache:
-                whole = not 0 < since < full.version
+            if since not in cache:  # held == version: caught up (catch_up), the delta is empty
+                whole = not 0 < since <= full.version
                 value = full if whole else replace(self.codebook.delta(since), metadata=lineage)
                 cache[since] = wire.encode(value, self.protocol.wire_dtype)
             return cache[since]
@@ -564,9 +563,39 @@ class Coordinator:
         self, spec: PhaseSpec, state: PhaseState, nodes: list[int], also: list[str]
     ) -> list[Reply]:
         """Send one codebook phase to ``nodes``, asking for the updates of the phases ``also``
-        too; the good replies. A site that answered holds the codebook it was sent."""
+        too; the good replies. A site that answered holds the codebook it was sent. Nodes too
+        far behind for one message are caught up first (``_catch_up``)."""
         config = self._config(spec, state, also)
+        nodes = self._catch_up(state.step, nodes)
         return self._send(spec, state.step, state.round, config, nodes, self._payloads())
+
+    def _catch_up(self, step: int, nodes: list[int]) -> list[int]:
+        """Send the codebook in parts to the nodes whose broadcast would pass one message
+        (``server.catch_up``); the nodes to send the phase to: all but those that failed a
+        part (they sit the phase out, and start their catch-up again at the next)."""
+        late = catch_up.behind(self.codebook, self._held, nodes, self.protocol.wire_dtype)
+        if not late:
+            return nodes
+        lineage = Lineage.of(self.codebook).as_metadata()
+        config = {"step": step, "wire-dtype": self.protocol.wire_dtype, **lineage}
+        codebook = replace(self.codebook, metadata=lineage)
+        caught, exchanges = catch_up.send(self.grid, codebook, late, config, self._site_names(),
+                                          self.protocol.timeout_s)  # fmt: skip
+        for node in late:
+            if node in caught:
+                self._held[node] = self.codebook.version
+            else:
+                self._held.pop(node, None)
+        self.log.exchanges.extend(exchanges)
+        self._steps.extend(exchanges)
+        left = set(late) - set(caught)
+        return [node for node in nodes if node not in left]
+
+    def _site_names(self) -> dict[int, str]:
+        """Node id -> site name for the log. A registered site's name is known before its
+        enrolment: a site that fails even that is recorded under the operator's name for it,
+        not as node-<id>."""
+        return {**self.screen.registered, **self.sites}
 
     def _send(
         self,
@@ -577,11 +606,8 @@ class Coordinator:
         nodes: list[int],
         payload: Callable[[int], bytes] | None,
     ) -> list[Reply]:
-        # A registered site's name is known before its enrolment: a site that fails even
-        # that is recorded under the operator's name for it, not as node-<id>.
-        sites = {**self.screen.registered, **self.sites}
         good, exchanges = exchange(
-            self.grid, spec, step, round_index, config, nodes, sites, payload,
+            self.grid, spec, step, round_index, config, nodes, self._site_names(), payload,
             self.protocol.timeout_s,
         )  # fmt: skip
         if payload:

@@ -3,13 +3,14 @@
 Decoding (``wire.decode_update``) proves that a reply is well formed; it says nothing about
 whether its numbers are plausible. A site could claim a million examples of a class it shares
 with others and so own the class's merge, send rows for classes it never said it holds, send
-tensors a million times too large, or register eighteen thousand classes so that the next
-broadcast no longer fits the message limit and the step fails for everyone. The ``Screen`` of a
+tensors a million times too large, or register millions of classes so that the federation's
+codebook outgrows what it can store and send. The ``Screen`` of a
 step holds each site to what it can show (docs/security.md):
 
 - **at the sync** (``enrol``): a site name once per step, counts a class could have, a bounded
-  number of new classes per site and in all (and a whole-codebook broadcast that fits the
-  message limit); sites the operator's quarantine names sit out.
+  number of new classes per site and in all (``max-classes``: a codebook past one message
+  reaches a site in parts, ``starfed.server.catch_up``); sites the operator's quarantine names
+  sit out.
 - **in a codebook phase** (``PhaseScreen``): the count of a row capped by what the site
   reported for that class at the sync (and, with ``max-class-share``, by its share of the
   class's sync counts); rows for classes it did not report rejected; a row whose change from
@@ -43,9 +44,7 @@ from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import Finding
 from starfed.server.messaging import reject
 from starfed.shared import progress
-from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
-from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 from starfed.shared.config import Options, knob, parse_site_names
 from starfed.shared.data.site_folder import class_key
@@ -57,10 +56,6 @@ logger = logging.getLogger(__name__)
 #: Images of one class at one site, at most: far beyond any real site, and a sum of such counts
 #: over any number of sites a federation can have stays inside the wire's 64-bit counts.
 MAX_IMAGES = 2**31 - 1
-#: Share of the message limit a whole-codebook broadcast may fill: the rest is headroom for the
-#: metadata and for the protobuf framing the per-class estimate leaves out.
-BROADCAST_SHARE = 0.9
-ENTRY_OVERHEAD = 512  # bytes of one broadcast entry besides its tensors: name, tags, versions
 TEST_IMAGES_KEY = "test-images"  # sync metadata: the test images a site holds
 CAPPED, REJECTED, QUARANTINED = "capped", "rejected", "quarantined"
 #: No fitted variance is below the fitting's regularisation, which is added to every variance;
@@ -97,13 +92,6 @@ class Enrolled:
 
     counts: dict[str, int]
     test_images: int
-
-
-def broadcast_bytes_per_class(codebook: Codebook, wire_dtype: str) -> int:
-    """An upper estimate of one class's bytes in a whole-codebook broadcast."""
-    itemsize = torch.empty((), dtype=getattr(torch, wire_dtype)).element_size()
-    fields = (f for f in schema.FIELDS if f.name in schema.BROADCAST)
-    return ENTRY_OVERHEAD + sum(math.prod(f.shape(codebook.dims)) * itemsize for f in fields)
 
 
 class Screen:
@@ -162,8 +150,7 @@ class Screen:
                            node_id, claimed[:60], name, name)  # fmt: skip
         return name
 
-    def enrol(self, accepted: list, codebook: Codebook, held: Mapping[str, dict],
-              wire_dtype: str) -> list:  # fmt: skip
+    def enrol(self, accepted: list, codebook: Codebook, held: Mapping[str, dict]) -> list:
         """The enrolments (``(Exchange, ClientUpdate)`` by node id) that may take part: sites
         ``held`` in quarantine, a second node with a taken name, a node using a name registered
         to another (``site-names``), impossible counts and too many new classes are rejected
@@ -194,16 +181,15 @@ class Screen:
                 continue
             names[site] = entry.node_id
             kept.append((entry, update))
-        return self._bound_registration(kept, codebook, wire_dtype)
+        return self._bound_registration(kept, codebook)
 
-    def _bound_registration(self, accepted: list, codebook: Codebook, wire_dtype: str) -> list:
+    def _bound_registration(self, accepted: list, codebook: Codebook) -> list:
         """Sites whose new classes exceed ``max-new-classes``, then — the largest bringers
-        first — those whose new classes would take the federation past ``max-classes`` or its
-        broadcast past the message limit, are rejected."""
+        first — those whose new classes would take the federation past ``max-classes``, are
+        rejected. A codebook past one message's limit is no bound: it reaches a site in parts
+        (``starfed.server.catch_up``)."""
         known = {class_key(name) for name in codebook.names}
-        per_class = broadcast_bytes_per_class(codebook, wire_dtype)
-        fit = int(BROADCAST_SHARE * DEFAULT_MAX_BYTES) // per_class
-        limit = min(self.options.max_classes, fit)
+        limit = self.options.max_classes
         brings: dict[int, set[str]] = {}
         kept = []
         for entry, update in accepted:
@@ -220,10 +206,8 @@ class Screen:
         while len(known | set().union(*brings.values())) > limit:
             node = max(brings, key=lambda n: (len(brings[n]), n))
             entry = next(e for e, _ in kept if e.node_id == node)
-            why = ("max-classes" if limit == self.options.max_classes
-                   else f"a broadcast over {BROADCAST_SHARE:.0%} of the message limit")  # fmt: skip
             self._reject(entry, f"its {len(brings.pop(node))} new classes would take the "
-                         f"federation past {limit} classes ({why})")  # fmt: skip
+                         f"federation past {limit} classes (max-classes)")  # fmt: skip
             kept = [(e, u) for e, u in kept if e.node_id != node]
         for entry, update in kept:
             raw = update.metadata.get(TEST_IMAGES_KEY, "")

@@ -257,8 +257,8 @@ SCHEMA: tuple[Knob, ...] = (
          "names they give", "screening", check=parse_site_names),
     Knob("max-new-classes", int, 1000, "new classes one site may bring in one step (a site "
          "bringing more sits the step out)", "screening", ge=1),
-    Knob("max-classes", int, 10000, "classes the federation may hold, and the broadcast must "
-         "fit the message limit", "screening", ge=1),
+    Knob("max-classes", int, 10000, "classes the federation may hold (a codebook past one "
+         "message reaches a site in parts)", "screening", ge=1),
     # training: one task's hyper-parameters (shared/model/training.py: TrainConfig)
     Knob("stage1-epochs", int, 5, "local epochs of stage 1 (per round)", "training", ge=0),
     Knob("stage2-epochs", int, 5, "local epochs of stage 2 (per round)", "training", ge=0),

@@ -91,6 +91,17 @@ STATISTICS = (Phase.STAGE1_STATS, Phase.STAGE2_STATS)
 #: in a record named after its phase key (the message's own update is the ``update`` record).
 ALSO = "also"
 
+#: Sync-message config key of a catch-up part (``starfed.server.catch_up``): [the part's index,
+#: the number of parts, the classes of the whole codebook]. Such a ``query.sync`` message
+#: carries one part of a codebook too large for one message (``starfed.shared.codebook.parts``)
+#: instead of asking for an enrolment; the site stages it and replies with ``HELD``.
+CATCH_UP = "catch-up"
+#: Reply record of a catch-up part: the codebook version the site holds after it (ASCII
+#: digits), 0 until the last part arrived and the assembled codebook passed its checks.
+HELD = "held"
+#: The phase key a catch-up's exchanges are recorded under (the step's exchanges, logs).
+CATCH_UP_KEY = "catch_up"
+
 #: Evaluate-message config key: predict with the first-level keys alone (the keys ablation,
 #: ``starfed.simulations.methods.keys``); absent means the full two-level prediction.
 CLASSIFY_WITH_KEYS = "classify-with-keys"

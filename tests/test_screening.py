@@ -16,9 +16,10 @@ from starfed.server.federation import Exchange
 from starfed.server.robust import MedianStrategy, robust
 from starfed.server.screening import Screen, ScreeningOptions, reference_size
 from starfed.server.strategy import PhaseState, Strategy
-from starfed.shared.codebook.codebook import ClientUpdate
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
+from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import ConfigError
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import PRIVACY_EPSILON, Phase
@@ -48,7 +49,7 @@ def _enrolled(screen: Screen, codebook, sites: dict[str, dict[str, int]]) -> Non
         (Exchange(0, "sync", 0, node, site, 0), _sync(codebook, counts))
         for node, (site, counts) in enumerate(sites.items(), start=1)
     ]
-    kept = screen.enrol(accepted, codebook, {}, "float32")
+    kept = screen.enrol(accepted, codebook, {})
     assert len(kept) == len(sites)
 
 
@@ -225,9 +226,27 @@ def test_registration_is_bounded_per_site_and_in_all(make_codebook, options, cla
     honest = (Exchange(0, "sync", 0, 1, "a", 0), _sync(codebook, {"x": 3}))
     greedy = _sync(codebook, {f"new {i}": 1 for i in range(claimed)})
     entry = Exchange(0, "sync", 0, 2, "m", 0)
-    kept = screen.enrol([honest, (entry, greedy)], codebook, {}, "float32")
+    kept = screen.enrol([honest, (entry, greedy)], codebook, {})
     assert [e.site for e, _ in kept] == ["a"]
     assert entry.status.startswith("rejected") and why in entry.status
+
+
+def test_registration_past_one_message_of_codebook_is_bounded_by_max_classes_alone() -> None:
+    """At the paper's dims 1,000 classes are ≈ 86 MB of broadcast, past one 64 MiB message (the
+    old bound refused new classes past ≈ 700): a codebook that large reaches a site in parts
+    (tests/test_catch_up.py), so only ``max-classes`` bounds the registration."""
+    paper = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
+    known = [ClassEntry(f"known {i}", 1) for i in range(700)]
+    codebook = Codebook("ab" * 32, paper, {e.name: e for e in known}, version=3)
+    brings = {f"new {i}": 1 for i in range(300)}
+    entry = Exchange(0, "sync", 0, 1, "a", 0)
+    kept = Screen(ScreeningOptions(), step=0).enrol(
+        [(entry, _sync(codebook, brings))], codebook, {}
+    )
+    assert [e.site for e, _ in kept] == ["a"] and entry.status == "ok"
+    bounded = Screen(ScreeningOptions(max_classes=999), step=0)
+    assert bounded.enrol([(entry, _sync(codebook, brings))], codebook, {}) == []
+    assert "past 999 classes (max-classes)" in entry.status
 
 
 def test_a_count_beyond_any_site_and_a_taken_name_sit_the_step_out(make_codebook) -> None:
@@ -236,7 +255,7 @@ def test_a_count_beyond_any_site_and_a_taken_name_sit_the_step_out(make_codebook
     sites = ((1, "a", 3), (2, "a", 3), (3, "m", 2**63 - 1))
     entries = [Exchange(0, "sync", 0, node, site, 0) for node, site, _ in sites]
     syncs = [_sync(codebook, {f"class {node}": count}) for node, _, count in sites]
-    kept = screen.enrol(list(zip(entries, syncs, strict=True)), codebook, {}, "float32")
+    kept = screen.enrol(list(zip(entries, syncs, strict=True)), codebook, {})
     assert [e.node_id for e, _ in kept] == [1]
     assert "taken in this step by node 1" in entries[1].status
     assert [f.site for f in screen.findings] == ["node-2", "m"]

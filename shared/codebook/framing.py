@@ -37,7 +37,13 @@ class CodebookError(ValueError):
 
 def frame(payload: bytes) -> bytes:
     """Header (magic, length, sha256) + ``payload``: a codebook file's bytes."""
-    return _HEADER.pack(CODEBOOK_MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload
+    return header(len(payload), hashlib.sha256(payload).digest()) + payload
+
+
+def header(length: int, digest: bytes) -> bytes:
+    """The header of a file whose payload of ``length`` bytes has the sha256 ``digest`` (for a
+    payload written in pieces, ``parts``)."""
+    return _HEADER.pack(CODEBOOK_MAGIC, length, digest)
 
 
 def read_payload(path: str | os.PathLike[str], max_bytes: int | None = None) -> bytes:

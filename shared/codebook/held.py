@@ -6,8 +6,10 @@ changed since (a ``Delta``). ``HeldCodebook`` is that file and the one rule for 
 applies. A whole codebook received is written as one file; the first delta after it moves
 that file into a codebook store beside it as its base (``store``, ``stored``: linked, not
 copied) and the file becomes the store's manifest, so a delta writes what it changed, not the
-whole codebook. The file is replaced atomically and read again whenever it changed on disk, as
-several worker processes of a simulation may answer for the same site.
+whole codebook. A codebook too large for one message arrives in parts (``stage``), staged
+beside the file and held only once the last part arrived. The file is replaced atomically and
+read again whenever it changed on disk, as several worker processes of a simulation may answer
+for the same site.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import logging
 import os
 from pathlib import Path
 
-from starfed.shared.codebook import store, stored, wire
+from starfed.shared.codebook import parts, store, stored, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
 
 logger = logging.getLogger(__name__)
+
+STAGING_DIR = "codebook-parts"  # beside the held file: the parts of a codebook being received
 
 
 class HeldCodebook:
@@ -104,6 +108,7 @@ class HeldCodebook:
             received = wire.decode_broadcast(
                 bytes(received), fingerprint=self.fingerprint, dims=self.dims
             )
+        self._staging().drop()  # a catch-up left unfinished is started again, if needed
         folder = self.path.parent / store.STORE_DIR
         if isinstance(received, Delta):
             held = self.codebook()
@@ -126,6 +131,35 @@ class HeldCodebook:
         self._held, self._stamp = received, (stat.st_mtime_ns, stat.st_size)
         return received
 
+    def stage(self, data: bytes, index: int, count: int, classes: int) -> Codebook | None:
+        """Part ``index`` of a codebook sent in ``count`` parts (``parts``): staged, and after
+        the last part the codebook they make, decoded (= validated) from the file they were
+        written to and held from now on (None before). Until then nothing new is held:
+        ``version_for`` says what it said before the first part.
+
+        Raises CodebookError (the staging dropped: the next catch-up starts again) for a part
+        that does not decode, belongs to another codebook or comes out of order, or parts that
+        do not make a valid codebook."""
+        assembled = self.path.with_name(f".{self.path.name}.assembled")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._staging().add(data, index, count, classes, assembled):
+            return None
+        try:
+            codebook = wire.read_file(assembled, fingerprint=self.fingerprint, dims=self.dims)
+        except CodebookError:
+            assembled.unlink(missing_ok=True)
+            raise
+        os.replace(assembled, self.path)
+        self._stored = None
+        store.collect(self.path.parent / store.STORE_DIR, [self.path])  # the bases no longer held
+        stat = self.path.stat()
+        self._held, self._stamp = codebook, (stat.st_mtime_ns, stat.st_size)
+        return codebook
+
+    def _staging(self) -> parts.Staging:
+        folder = self.path.parent / STAGING_DIR
+        return parts.Staging(folder, fingerprint=self.fingerprint, dims=self.dims)
+
     def _moved_in(self, held: Codebook, folder: Path) -> stored.Stored:
         """The held whole file as the base of a store (its bytes linked, not copied)."""
         base = stored.new_name(held.version)
@@ -136,5 +170,6 @@ class HeldCodebook:
     def forget(self) -> None:
         """Hold nothing (the next message must carry the whole codebook)."""
         self.path.unlink(missing_ok=True)
+        self._staging().drop()
         store.collect(self.path.parent / store.STORE_DIR, [])
         self._held, self._stored = None, None

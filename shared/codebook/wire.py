@@ -483,7 +483,7 @@ def broadcast_from_proto(
         return Codebook(
             message.backbone_fingerprint, model_dims, entries, message.version, metadata
         )
-    if not 0 < message.base_version < message.version:
+    if not 0 < message.base_version <= message.version:  # equal: nothing changed (a catch-up)
         raise CodebookError(
             f"a delta from version {message.base_version} to {message.version} goes backwards"
         )

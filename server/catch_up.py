@@ -1,0 +1,79 @@
+"""The catch-up: a codebook too large for one message, sent to the sites far behind in parts.
+
+A phase's message carries each site the delta from the codebook version it holds, or the whole
+codebook. Once the federation's codebook passes what one message may carry
+(``starfed.shared.codebook.parts.PART_BYTES``), a site that holds nothing recent — one joining
+late, one that lost its state — could not receive it at all. So before a codebook phase's
+message the coordinator finds the nodes whose broadcast would pass a part (``behind``) and sends
+them the codebook split by classes (``send``): one ``query.sync`` message per part, whose config
+says which part it is (``CATCH_UP``), all behind nodes served part by part. A site stages the
+parts and holds the codebook only after the last (``HeldCodebook.stage``); its last reply says
+the version it now holds (``HELD``), and the phase's own message then carries the empty delta
+from it. A node that fails a part (an error, no reply, a part refused) leaves the catch-up and
+sits that phase out; the next phase starts its catch-up again from the first part, so a site
+that went away mid-way costs only a restart. The server encodes one part at a time.
+
+Costs: a catch-up sends the broadcast's bytes once per behind node, in ⌈bytes / PART_BYTES⌉
+messages; deciding who is behind is one pass over the classes' versions per phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from starfed.server.federation import Exchange
+from starfed.server.messaging import exchange, reject
+from starfed.shared.codebook import parts
+from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.protocol import CATCH_UP, CATCH_UP_KEY, ENROLMENT, HELD
+
+
+def behind(
+    codebook: Codebook, held: Mapping[int, int], nodes: Sequence[int], dtype: str
+) -> list[int]:
+    """The nodes whose broadcast (the delta from the version ``held`` says they hold, else the
+    whole codebook) could pass one part (``parts.broadcast_bytes``: an upper bound)."""
+    sizes: dict[int, int] = {}  # held version -> the bound of its broadcast
+    late = []
+    for node in nodes:
+        since = held.get(node, 0)
+        since = since if 0 < since <= codebook.version else 0
+        if since not in sizes:
+            sizes[since] = parts.broadcast_bytes(codebook, since, dtype)
+        if sizes[since] > parts.PART_BYTES:
+            late.append(node)
+    return late
+
+
+def send(
+    grid: object,
+    codebook: Codebook,
+    nodes: Sequence[int],
+    config: Mapping[str, object],
+    sites: Mapping[int, str],
+    timeout: float,
+) -> tuple[list[int], list[Exchange]]:
+    """Send ``codebook`` (with its lineage in its metadata) in parts to ``nodes``; the nodes that
+    now hold it, and the log entry of every part sent (phase ``catch_up``, round = part).
+    ``config`` is the message config of the step (``step``, ``wire-dtype``, the lineage)."""
+    plan = parts.plan(codebook, str(config["wire-dtype"]))
+    count, step = len(plan.parts), int(str(config["step"]))
+    pending, logs = list(nodes), []
+    for index in range(count):
+        if not pending:
+            break
+        data = plan.encoded(index)
+        message = {**config, "round": index, CATCH_UP: [index, count, len(codebook)]}
+        good, exchanges = exchange(grid, ENROLMENT, step, index, message, pending, sites,
+                                   lambda node, part=data: part, timeout)  # fmt: skip
+        for entry in exchanges:
+            entry.phase = CATCH_UP_KEY
+        if index == count - 1:
+            for entry, reply in good:
+                said = reply.content[HELD]["data"] if HELD in reply.content else b""
+                if said != str(codebook.version).encode():
+                    reject(entry, f"holds {said[:20]!r} after the last part, not version "
+                                  f"{codebook.version}")  # fmt: skip
+        logs += exchanges
+        pending = [entry.node_id for entry in exchanges if entry.status == "ok"]
+    return pending, logs

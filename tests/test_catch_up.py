@@ -1,0 +1,248 @@
+"""A codebook too large for one message reaches a site in parts (issue 34, part 1).
+
+The split and the staging on small codebooks with the part size made small
+(``parts.PART_BYTES``); then a site joining a federation through the real apps on the local
+runtime: it catches up in several parts, a garbled part is refused and its catch-up starts again
+at the next phase, and it ends the step holding the server's codebook.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from in_process import TINY_RUN, run_grid
+from site_folders import CLASSES, site_folder
+
+from starfed.client import app as client_app
+from starfed.client.memory import CODEBOOK_FILE
+from starfed.server import catch_up
+from starfed.server.federation import Federation
+from starfed.shared.codebook import parts, wire
+from starfed.shared.codebook.codebook import Codebook, CodebookError
+from starfed.shared.codebook.held import STAGING_DIR, HeldCodebook
+from starfed.shared.codebook.lineage import Lineage
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.protocol import CATCH_UP, CATCH_UP_KEY
+from starfed.simulations.local_grid import LocalGrid
+
+LINE = Lineage("fed-1", "epoch-a")
+_run_ids = itertools.count(9500)
+
+
+def _same(held: Codebook, sent: Codebook) -> None:
+    """``held`` is ``sent``'s broadcast: its classes in order, version, lineage, counts, frozen
+    flags and every value."""
+    sent = sent.broadcast()
+    assert held.names == sent.names and held.version == sent.version
+    assert Lineage.of(held) == Lineage.of(sent)
+    for name in sent.names:
+        mine, theirs = held[name], sent[name]
+        assert (mine.count, mine.frozen) == (theirs.count, theirs.frozen)
+        assert mine.values.keys() == theirs.values.keys()
+        for field, value in theirs.values.items():
+            assert torch.equal(mine.values[field], value), (name, field)
+
+
+def one_class_parts(codebook: Codebook, slack: int = 0) -> int:
+    """A part size that holds one class of ``codebook`` (its longest-named), not two."""
+    name = max(codebook.names, key=lambda n: len(n.encode()))
+    one = parts.broadcast_bytes(replace(codebook, entries={name: codebook[name]}), 0, "float32")
+    return one + parts.class_bytes(codebook, name, "float32") // 2 + slack
+
+
+@pytest.fixture
+def codebook(make_entries, tiny_dims, fingerprint) -> Codebook:
+    """Five classes, the first frozen, registered at version 5 of lineage ``LINE``."""
+    entries = make_entries(n_classes=5)
+    entries[0] = replace(entries[0], frozen=True)
+    return Codebook(fingerprint, tiny_dims, {}, 4, LINE.as_metadata()).register(entries)
+
+
+@pytest.fixture
+def small_parts(monkeypatch: pytest.MonkeyPatch, codebook: Codebook) -> int:
+    size = one_class_parts(codebook)
+    monkeypatch.setattr(parts, "PART_BYTES", size)
+    return size
+
+
+def test_the_bounds_hold_for_a_whole_codebook_and_a_delta(
+    codebook: Codebook, make_entries, fingerprint
+) -> None:
+    """``broadcast_bytes`` bounds what is sent; at the paper's dims within 5 % (4 kB of slack)."""
+    paper = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
+    big = Codebook(fingerprint, paper, {}, 1, LINE.as_metadata())
+    big = big.register(make_entries(paper, n_classes=3, mixtures=False))
+    for start in (codebook, big):
+        newer = start.set_values({start.names[1]: {"prompt": torch.zeros(start.dims.d_txt)}})
+        for dtype in ("float32", "float16"):
+            whole = len(wire.encode(newer.broadcast(), dtype))
+            assert whole <= parts.broadcast_bytes(newer, 0, dtype)
+            delta = len(wire.encode(newer.delta(start.version), dtype))
+            assert delta <= parts.broadcast_bytes(newer, start.version, dtype)
+    assert parts.broadcast_bytes(newer, 0, "float16") < 1.05 * whole
+
+
+def test_a_codebook_in_parts_is_held_only_after_the_last_part(
+    tmp_path: Path, codebook: Codebook, small_parts: int
+) -> None:
+    plan = parts.plan(codebook)
+    assert len(plan.parts) == len(codebook) >= 3
+    held = HeldCodebook(tmp_path / "codebook.bin", fingerprint=codebook.fingerprint,
+                        dims=codebook.dims)  # fmt: skip
+    for index in range(len(plan.parts)):
+        data = plan.encoded(index)
+        assert len(data) <= small_parts
+        assert held.version_for(LINE) == 0 and held.codebook() is None  # staged, not held
+        got = held.stage(data, index, len(plan.parts), len(codebook))
+        assert (got is None) == (index < len(plan.parts) - 1)
+    assert held.version_for(LINE) == codebook.version
+    _same(HeldCodebook(held.path, fingerprint=codebook.fingerprint).codebook(), codebook)
+    assert not (tmp_path / STAGING_DIR).exists()
+    # the phase's message that follows: the empty delta from the version now held
+    assert held.receive(codebook.delta(codebook.version)).version == codebook.version
+
+
+def _out_of_order(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
+    return [(plan.encoded(0), 0), (plan.encoded(2), 2)]
+
+
+def _another_version(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
+    return [(plan.encoded(0), 0), (other.encoded(1), 1)]
+
+
+def _another_lineage(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
+    rolled_back = Lineage(LINE.federation, "epoch-b").as_metadata()
+    elsewhere = parts.Plan(replace(plan.codebook, metadata=rolled_back), plan.parts, plan.dtype)
+    return [(plan.encoded(0), 0), (elsewhere.encoded(1), 1)]
+
+
+def _garbled(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
+    data = plan.encoded(1)
+    return [(plan.encoded(0), 0), (data[: len(data) // 2], 1)]
+
+
+def _no_first_part(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
+    return [(plan.encoded(1), 1)]
+
+
+@pytest.mark.parametrize(
+    ("sent", "why"),
+    [
+        (_out_of_order, "part 2 arrived, part 1 was next"),
+        (_another_version, "another codebook than the one staged"),
+        (_another_lineage, "another codebook than the one staged"),
+        (_garbled, None),  # whatever the cut leaves undecodable
+        (_no_first_part, "no staged codebook"),
+    ],
+)
+def test_a_part_out_of_order_of_another_codebook_or_garbled_drops_the_staging(
+    tmp_path: Path, codebook: Codebook, small_parts: int, sent, why: str | None
+) -> None:
+    newer = codebook.set_values({}, counts={codebook.names[0]: 99})
+    plan, other = parts.plan(codebook), parts.plan(newer)
+    count = len(plan.parts)
+    held = HeldCodebook(tmp_path / "codebook.bin", fingerprint=codebook.fingerprint,
+                        dims=codebook.dims)  # fmt: skip
+    *good, (bad, index) = sent(plan, other)
+    for data, i in good:
+        assert held.stage(data, i, count, len(codebook)) is None
+    with pytest.raises(CodebookError, match=why):
+        held.stage(bad, index, count, len(codebook))
+    assert not (tmp_path / STAGING_DIR).exists() and held.version_for(LINE) == 0
+    for i in range(count):  # the next catch-up starts again, from the first part
+        held.stage(plan.encoded(i), i, count, len(codebook))
+    assert held.version_for(LINE) == codebook.version
+
+
+def test_parts_that_do_not_make_the_announced_codebook_are_not_held(
+    tmp_path: Path, codebook: Codebook, small_parts: int
+) -> None:
+    """Every part good, but one more class announced than they hold: nothing is held, nothing
+    is left behind, and a catch-up that announces the codebook as it is then succeeds."""
+    plan = parts.plan(codebook)
+    held = HeldCodebook(tmp_path / "codebook.bin", fingerprint=codebook.fingerprint,
+                        dims=codebook.dims)  # fmt: skip
+    with pytest.raises(CodebookError, match="the parts hold 5 classes, 6 announced"):
+        for i in range(len(plan.parts)):
+            held.stage(plan.encoded(i), i, len(plan.parts), len(codebook) + 1)
+    assert held.version_for(LINE) == 0 and sorted(p.name for p in tmp_path.iterdir()) == []
+    for i in range(len(plan.parts)):
+        held.stage(plan.encoded(i), i, len(plan.parts), len(codebook))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["codebook.bin"]
+    _same(held.codebook(), codebook)
+
+
+def test_the_nodes_behind_are_those_whose_broadcast_passes_a_part(
+    codebook: Codebook, small_parts: int
+) -> None:
+    newer = codebook.set_values({codebook.names[1]: {"prompt": torch.zeros(codebook.dims.d_txt)}})
+    held = {1: codebook.version, 2: 0, 3: codebook.version - 1, 4: newer.version}
+    # 1: the delta of one class fits; 2: nothing held; 3: every class changed since; 4: current
+    assert catch_up.behind(newer, held, [1, 2, 3, 4], "float32") == [2, 3]
+
+
+# --- through the real apps ------------------------------------------------------------------
+
+
+class GarblingGrid(LocalGrid):
+    """The local runtime, with the first catch-up part 1 to node 2 cut in half on the way."""
+
+    garbled: int = 0
+
+    def _deliver(self, message):  # type: ignore[no-untyped-def]
+        config = message.content["config"]
+        if (message.metadata.dst_node_id == 2 and CATCH_UP in config
+                and config[CATCH_UP][0] == 1 and not self.garbled):  # fmt: skip
+            data = message.content["codebook"]["data"]
+            message.content["codebook"]["data"] = data[: len(data) // 2]
+            self.garbled += 1
+        return super()._deliver(message)
+
+
+def _run(tmp: Path, sites: dict[str, dict[str, list[str]]]) -> dict:
+    config = {**TINY_RUN, "max-steps": 1, "federation-dir": str(tmp / "federation")}
+    nodes = {
+        node: {"data-dir": str(site_folder(tmp / name, tasks, train=4, test=2)),
+               "state-dir": str(tmp / f"{name}-state"), "site-name": name,
+               "cache-dir": str(tmp / "cache")}
+        for node, (name, tasks) in enumerate(sites.items(), start=1)
+    }  # fmt: skip
+    grid = GarblingGrid(client_app.app, config, nodes, run_id=next(_run_ids))
+    return run_grid(grid, config)
+
+
+def test_a_site_joining_late_catches_up_in_parts_and_recovers_from_a_garbled_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread
+) -> None:
+    """farm-a founds the federation with three classes; in a second run farm-b joins holding
+    nothing, with parts of one class: a garbled part ends its first catch-up (it sits that
+    phase out), the next phase catches it up in one part per class, and it ends the step with
+    the server's codebook. farm-a, one step behind, gets deltas only."""
+    farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4]}
+    first = _run(tmp_path, {"farm-a": farm_a})
+    assert first["status"] == "completed"
+    assert not any(e["phase"] == CATCH_UP_KEY for e in first["exchanges"])
+
+    founded = Federation.open(tmp_path / "federation").codebook()
+    size = one_class_parts(founded, slack=2 * len(CLASSES[3]))  # for the fourth class's name
+    monkeypatch.setattr(parts, "PART_BYTES", size)
+    second = _run(tmp_path, {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}})
+    assert second["status"] == "degraded"  # farm-b failed a part
+    server = Federation.open(tmp_path / "federation").codebook()
+    assert len(server) == 4
+
+    caught = [e for e in second["exchanges"] if e["phase"] == CATCH_UP_KEY]
+    assert {e["site"] for e in caught} == {"farm-b"}
+    statuses = [(e["round"], e["status"].split(":")[0]) for e in caught]
+    assert statuses[:2] == [(0, "ok"), (1, "error")]  # the garbled part, refused
+    assert statuses[2:] == [(i, "ok") for i in range(4)]  # the next phase: 4 parts, 1 class each
+    phases = [e["phase"] for e in second["exchanges"] if e["site"] == "farm-b"]
+    assert "stage1" not in phases and phases.count(CATCH_UP_KEY) == 6
+
+    held = HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook()
+    _same(held, server)
+    assert not (tmp_path / "farm-b-state" / STAGING_DIR).exists()
