@@ -21,7 +21,7 @@ traceback-sized log. This wrapper:
   started from nothing (no Python start, no Flower import per message), and its Runtime API asks
   for a SuperExec secret only the site's processes can read;
 - streams the SuperNode's log to the terminal and to ``<state>/logs/supernode.log``, and turns the
-  known failure lines into one clear line each (:data:`FAILURES`); a SuperNode that stopped
+  known failure lines into one clear line each (``supernode_log``); a SuperNode that stopped
   itself on Flower's 401 was refused either for its key or for this machine's clock, told apart
   by asking the server's time (``server.ops.clock``);
 - on Ctrl-C or SIGTERM sends SIGTERM to the SuperNode, which tells the SuperLink it goes offline
@@ -38,6 +38,10 @@ traceback-sized log. This wrapper:
 The Runtime API stays plain HTTP on 127.0.0.1: the secret keeps another local user from
 acquiring the site's tasks, but a ClientApp's own task token is not otherwise bound to the
 process that holds it; run sites on machines (or containers) of their own (docs/deployment.md).
+
+This module is the process, supervised and stopped; the inputs, checked once, and what the
+SuperNode gets from them are ``site_options``'s, the worker and SuperExec beside it and their
+record ``site_processes``', what its output says ``supernode_log``'s.
 """
 
 from __future__ import annotations
