@@ -19,29 +19,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rich.table import Table
-
 from starfed.cli import _common
 from starfed.cli._common import (
-    console,
     emit_json,
     federation_option,
     guard,
     server_folder,
 )
+from starfed.cli.federation_status import print_status
 from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
 from starfed.server import folder_check, folder_lock, folder_repair
 from starfed.server.federation import Checkpoint, Federation, FederationError
 from starfed.server.ops import exit_codes, flower_runs, processes, sites, superlink
 from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.status import Status, gather
+from starfed.server.ops.status import gather
 from starfed.shared.config import ConfigError, writable_dir
 from starfed.shared.progress import counted
 
@@ -144,14 +141,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
     if "site-names" in overrides:
         raise ConfigError("--run-config site-names: set from `starfed server sites`")
     say = _sayer(args)
-    if (federation_dir / "federation.json").is_file():  # damaged: say so before submitting
-        report = folder_check.check(federation_dir, depth=folder_check.Depth.HEADERS, kept=False)
-        if blocking := report.blocking:
-            raise FederationError(
-                f"the federation folder is damaged: {blocking[0]}"
-                + (f" (and {counted(len(blocking) - 1, 'more problem')})" if blocking[1:] else "")
-                + f"; `starfed server repair --dry-run --dir {folder.root}` says how to repair it"
-            )
+    _refuse_damaged(folder, federation_dir)
     checkpoint = _checkpoint(federation_dir)
     running = checkpoint is not None and checkpoint.position.running
     if resume and not running:
@@ -160,23 +150,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
             f"nothing to resume in {federation_dir}: no step is running ({counted(done, 'step')} "
             "finished); `starfed server round` runs the next"
         )
-    holder = folder_lock.holder(federation_dir) if federation_dir.is_dir() else None
-    if holder is not None and holder.alive():  # the ServerApp refuses too; this says it first
-        raise superlink.ServerError(
-            f"the federation folder {federation_dir} is in use by {holder.describe()}"
-        )
-    record = superlink.RunRecord.load(folder.run_file)
-    if record is None or not any(record.alive().values()):
-        raise superlink.ServerError(
-            f"the server is not running in {folder.root}: `starfed server start` first"
-        )
-    cli = flower_runs.FlowerCli(folder.flwr_home)
-    if busy := cli.unfinished_runs():  # two ServerApps must never write one federation
-        run_id = busy[0]["run-id"]
-        raise superlink.ServerError(
-            f"run {run_id} is still {busy[0]['status']} on this server: wait for it, or stop "
-            f"it (FLWR_HOME={cli.flwr_home} flwr stop {run_id} {flower_runs.CONNECTION})"
-        )
+    record, cli = _ready_server(folder, federation_dir)
     overrides["federation-dir"] = str(writable_dir(federation_dir, "--federation"))
     # a registered site is known by the name the operator gave its key, whatever it says
     registered = [r for r in sites.Registry.load(folder.sites_file).sites if r.removed_at is None]
@@ -208,13 +182,71 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
         raise superlink.ServerError(superlink.gone(folder, federation_dir, running)) from None
     metrics = flower_runs.read_metrics(federation_dir, since=submitted_at)
     code = flower_runs.exit_code(outcome, metrics)
+    if code == exit_codes.EXIT_FAILED:
+        offline = _offline(folder, registered)
+    return _report(args, folder, federation_dir, _Ended(code, cli, outcome, metrics, offline))
+
+
+def _refuse_damaged(folder: ServerFolder, federation_dir: Path) -> None:
+    """A damaged federation folder is said before anything is submitted."""
+    if not (federation_dir / "federation.json").is_file():
+        return
+    report = folder_check.check(federation_dir, depth=folder_check.Depth.HEADERS, kept=False)
+    if blocking := report.blocking:
+        raise FederationError(
+            f"the federation folder is damaged: {blocking[0]}"
+            + (f" (and {counted(len(blocking) - 1, 'more problem')})" if blocking[1:] else "")
+            + f"; `starfed server repair --dry-run --dir {folder.root}` says how to repair it"
+        )
+
+
+def _ready_server(
+    folder: ServerFolder, federation_dir: Path
+) -> tuple[superlink.RunRecord, flower_runs.FlowerCli]:
+    """The running server's record and its ``flwr``, once nothing else holds the federation."""
+    holder = folder_lock.holder(federation_dir) if federation_dir.is_dir() else None
+    if holder is not None and holder.alive():  # the ServerApp refuses too; this says it first
+        raise superlink.ServerError(
+            f"the federation folder {federation_dir} is in use by {holder.describe()}"
+        )
+    record = superlink.RunRecord.load(folder.run_file)
+    if record is None or not any(record.alive().values()):
+        raise superlink.ServerError(
+            f"the server is not running in {folder.root}: `starfed server start` first"
+        )
+    cli = flower_runs.FlowerCli(folder.flwr_home)
+    if busy := cli.unfinished_runs():  # two ServerApps must never write one federation
+        run_id = busy[0]["run-id"]
+        raise superlink.ServerError(
+            f"run {run_id} is still {busy[0]['status']} on this server: wait for it, or stop "
+            f"it (FLWR_HOME={cli.flwr_home} flwr stop {run_id} {flower_runs.CONNECTION})"
+        )
+    return record, cli
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ended:
+    """A run followed to its end: its exit code, what Flower and metrics.json say, and the
+    registered sites offline."""
+
+    code: int
+    cli: flower_runs.FlowerCli
+    outcome: flower_runs.RunOutcome
+    metrics: dict | None
+    offline: list[str] | None
+
+
+def _report(
+    args: argparse.Namespace, folder: ServerFolder, federation_dir: Path, ended: _Ended
+) -> int:
+    """Say how the run ended (one JSON object with --json); returns its exit code."""
+    code, outcome, metrics = ended.code, ended.outcome, ended.metrics
     resume_command = f"starfed server resume --dir {folder.root}" + (
         f" --federation {federation_dir}" if args.federation else ""
     )
     details = ""
     if code == exit_codes.EXIT_FAILED:
-        offline = _offline(folder, registered)
-        details = _failure(cli, outcome, metrics, offline)
+        details = _failure(ended.cli, outcome, metrics, ended.offline)
     if args.json:
         emit_json(
             {
@@ -225,7 +257,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
                 "status": (metrics or {}).get("status"),
                 "reason": details or (metrics or {}).get("reason") or None,
                 "federation_dir": str(federation_dir),
-                "offline_sites": offline,
+                "offline_sites": ended.offline,
                 "metrics": metrics,
                 "resume": resume_command if code == exit_codes.EXIT_INTERRUPTED else None,
             }
@@ -324,7 +356,7 @@ def run_status(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"success": not status.damaged, **status.to_json()})
     else:
-        _print_status(status)
+        print_status(status)
     return exit_codes.EXIT_FAILED if status.damaged else EXIT_OK
 
 
@@ -387,107 +419,3 @@ def run_repair(args: argparse.Namespace) -> int:
         for line in [] if report is None else report.problems:
             print(f"still: {line}")
     return EXIT_OK if report is None or report.ok else exit_codes.EXIT_FAILED
-
-
-def _print_status(status: Status) -> None:
-    out = console()
-    say = functools.partial(out.print, markup=False, highlight=False)
-    s = status.server
-    if s["running"]:
-        processes = ", ".join(
-            f"{name} {p['pid']}" + ("" if p["alive"] else " (gone)")
-            for name, p in s["processes"].items()
-        )
-        say(f"server     running since {s['started_at']} · {processes}")
-        for run in status.runs:
-            say(f"           run {run['run-id']} {run['status']} ({run['elapsed']})")
-    else:
-        say(f"server     not running ({status.server_dir}); showing the folders' state")
-    say(f"federation {status.federation_dir}")
-    for note in status.unreadable:
-        say(f"unreadable {note}")
-    for problem in status.problems:
-        say(f"DAMAGED    {problem}")
-    if status.problems:
-        say("           `starfed server repair --dry-run` says how to repair it")
-    for note in status.notes:
-        say(f"note       {note}")
-    if status.federation is None:
-        new = "" if status.problems else "; the first `starfed server round` creates it"
-        say(f"           {status.problem}{new}")
-        return
-    f = status.federation
-    say(f"           id {f['id'][:8]} · created {f['created']} · backbones {f['fingerprint'][:12]}")
-    position = status.position or {}
-    where = counted(len(status.steps), "step record")
-    if position.get("running"):
-        where = (
-            f"step {position['step'] + 1} RUNNING · done: {', '.join(position['done']) or '—'}"
-            f" · in play: {', '.join(position['in_play']) or '—'}"
-        )
-    say(f"codebook   version {status.codebook_version} · {len(status.classes)} classes · {where}")
-    if status.hint:
-        say(f"next       {status.hint}")
-
-    table = Table("class", "step", "brought by (first time)", "frozen", title="classes")
-    for c in status.classes:
-        brought = ", ".join(f"{site} ({when})" for site, when in c.sites.items())
-        brought += " · one site alone" if c.single_site else ""
-        table.add_row(c.name, str(c.step + 1), brought or "—", "yes" if c.frozen else "no")
-    out.print(table)
-    table = Table(
-        "step", "status", "classes", "sites", "FAA %", "wall s", "finished", title="steps"
-    )
-    for r in status.steps:
-        state = r.status + (f" (attempt {r.attempt + 1})" if r.attempt else "")
-        faa = "—" if r.faa is None else f"{r.faa:.2f}"
-        table.add_row(
-            str(r.step + 1), state, str(len(r.classes)), ", ".join(r.sites) or "—", faa,
-            f"{r.wall_s:.0f}", r.finished,
-        )  # fmt: skip
-    out.print(table)
-    table = Table(
-        "site", "last step", "last seen", "now", "online at", "offline at", "privacy ε",
-        title="sites",
-    )  # fmt: skip
-    for site in status.sites:
-        now = site.status or "—"
-        table.add_row(
-            site.name, "—" if site.last_step is None else str(site.last_step + 1),
-            site.last_seen or "—", f"failing ({now})" if site.failing else now,
-            site.online_at or "—", site.offline_at or "—",
-            "—" if site.epsilon is None else f"{site.epsilon:.3g}",
-        )  # fmt: skip
-    out.print(table)
-    for site in (site for site in status.sites if site.failing):
-        say(f"failing    {site.name}: {site.failure}")
-    if status.sites_error:
-        say(f"sites now: unknown ({status.sites_error})")
-    if status.errors:
-        table = Table("site", "step", "phase", "what", title="errors in the last steps")
-        for e in status.errors:
-            table.add_row(e.site, str(e.step + 1), f"{e.phase}/{e.round}", e.status)
-        out.print(table)
-    else:
-        say("errors     none in the last steps")
-    if status.findings:
-        table = Table("site", "step", "phase", "class", "what", "why",
-                      title="screened contributions in the last steps")  # fmt: skip
-        for finding in status.findings:
-            table.add_row(finding.site, str(finding.step + 1), f"{finding.phase}/{finding.round}",
-                          finding.name or "—", finding.action, finding.reason)  # fmt: skip
-        out.print(table)
-    else:
-        say("screening  nothing capped or rejected in the last steps")
-    for kept_out, held in status.quarantine.items():
-        since, why = held.get("step", 0) + 1, held.get("reason", "")
-        say(f"quarantine {kept_out}: kept out since step {since} ({why}); remove it from "
-            "quarantine.json to let it back in")  # fmt: skip
-    if status.last_run:
-        run = status.last_run
-        reason = f" · {run['reason']}" if run.get("reason") else ""
-        say(f"metrics    {run['status']} (of the last finished run, {run['written']}){reason}")
-    say(
-        f"logs       {status.logs['superlink']}; SuperExec: {status.logs['serverapps']}; "
-        "a run's ServerApp output: flwr log RUN_ID"
-    )

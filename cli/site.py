@@ -18,7 +18,7 @@ from pathlib import Path
 from starfed.cli import site_check
 from starfed.cli._common import add_group, add_switches, fail, guard
 from starfed.cli.flags import Flag, add_command, device_flag, parsed, same_name
-from starfed.client.ops import dialling, supernode
+from starfed.client.ops import dialling, site_options, supernode
 from starfed.server.ops import pki, processes
 from starfed.server.ops.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from starfed.shared.config import as_float, as_str
@@ -121,7 +121,7 @@ def run_start(args: argparse.Namespace) -> int:
     """
     values, _, _ = parsed(args, START_FLAGS, START)  # --device: bad input before anything runs
     try:
-        options = supernode.prepare(
+        options = site_options.prepare(
             args.server,
             args.data,
             ca=args.ca,
@@ -135,7 +135,7 @@ def run_start(args: argparse.Namespace) -> int:
             give_up_s=args.give_up_after,
             privacy_unit=as_str(values, "privacy-unit"),
         )
-    except (ValueError, supernode.SiteError) as err:  # SiteKeyError is a ValueError
+    except (ValueError, site_options.SiteError) as err:  # SiteKeyError is a ValueError
         return fail(args, err, EXIT_BAD_INPUT)
     print(
         f"site {options.name} -> {options.server}"
@@ -151,7 +151,7 @@ def run_start(args: argparse.Namespace) -> int:
                 f"processes {record.pids()} (recorded in {options.run_file})", flush=True
             ),
         )
-    except (supernode.SiteError, processes.ProcessError, OSError) as err:
+    except (site_options.SiteError, processes.ProcessError, OSError) as err:
         return fail(args, err, EXIT_FAILED)
     if outcome.failure:
         fail(args, outcome.failure, outcome.exit_code)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from starfed.cli._common import add_switches, guard
 from starfed.cli.flags import add_command, parsed, same_name
-from starfed.client.ops import supernode
+from starfed.client.ops import site_options
 from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.config import BackboneOptions, ConfigError
@@ -79,8 +79,8 @@ def run_check(args: argparse.Namespace) -> int:
     backbones = BackboneOptions.from_config(values)
     expected = _expected_fingerprint(args)
     data = args.data.expanduser().resolve()
-    name = args.name or supernode.site_name_from(data)
-    state = args.state.expanduser() if args.state else supernode.default_state_dir(name)
+    name = args.name or site_options.site_name_from(data)
+    state = args.state.expanduser() if args.state else site_options.default_state_dir(name)
 
     from starfed.client.ops.check import check_site  # torch: only once the input is good
 

@@ -246,18 +246,31 @@ def simulate(
             outcome = RunOutcome(outcome.run_id, f"failed: {err}")
         finally:
             survivors = superlink.stop(at_once=outcome.interrupted)
+    return _ended(run_dir, outcome, superlink.log_file, survivors, started, submitted_at)
+
+
+def _ended(
+    run_dir: Path,
+    outcome: RunOutcome,
+    superlink_log: Path,
+    survivors: set[ProcessId],
+    started: float,
+    submitted_at: float,
+) -> int:
+    """Say how the run ended (``started``: monotonic; ``submitted_at``: wall clock, the
+    oldest metrics.json that counts) and give its exit code."""
     wall = time.monotonic() - started
     if survivors:
         pids = sorted(p.pid for p in survivors)
         print(f"error: processes still running after stop: {pids}", file=sys.stderr)
     if outcome.interrupted:
-        report_interrupted(run_dir, outcome, superlink.log_file)
+        report_interrupted(run_dir, outcome, superlink_log)
         return exit_codes.EXIT_INTERRUPTED
     metrics = flower_runs.read_metrics(run_dir, since=submitted_at)
     if outcome.status != COMPLETED or metrics is None:
         print(
             f"error: run {outcome.run_id} {outcome.status} after {wall:.0f}s; logs: `flwr log` "
-            f"output above, {superlink.log_file}",
+            f"output above, {superlink_log}",
             file=sys.stderr,
         )
         return exit_codes.EXIT_FAILED

@@ -8,8 +8,9 @@ legacy usage ("Heads up from Flower!", exit 1; flwr/cli/config_migration.py). Ev
 logged to ``calls.jsonl`` with its arguments and working folder.
 
 Two statuses act: ``"gone"`` kills the process ``state["superlink"]`` names and answers as
-Flower does once the SuperLink is unreachable (``log`` too, from then on: ``state["killed"]``); a run-config ``federation-dir`` gets
-``state["metrics"]`` as its ``metrics.json`` when the run is submitted (the ServerApp's result).
+Flower does once the SuperLink is unreachable (``log`` too, from then on: ``state["killed"]``);
+a run-config ``federation-dir`` gets ``state["metrics"]`` as its ``metrics.json`` when the run
+is submitted (the ServerApp's result).
 """
 
 from __future__ import annotations

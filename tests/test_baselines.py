@@ -15,9 +15,12 @@ Each is a strategy passed to the coordinator (``starfed.server.strategy``), one 
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +28,7 @@ from codebooks import merge_updates
 from rich.console import Console
 
 from starfed.server.strategy import PhaseState, Strategy
-from starfed.shared.codebook import wire
+from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
@@ -33,7 +36,7 @@ from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import CLASSIFY_WITH_KEYS, Phase
 from starfed.simulations.methods import METHODS, fedavg, no_replay, positional, unmerged
 from starfed.simulations.methods import keys as keys_method
 from starfed.simulations.methods import starfed as federated
@@ -65,6 +68,11 @@ def test_the_baselines_are_registered() -> None:
         if spec.strategy:
             loaded = METHODS[name].load()
             assert isinstance(loaded.keywords["strategy"], Strategy), name
+            # starfed itself on the local runtime, with a new instance of the module's class
+            module = importlib.import_module(f"starfed.simulations.methods.{spec.module}")
+            assert loaded.func is federated.run, name
+            assert type(loaded.keywords["strategy"]) is getattr(module, spec.strategy), name
+    assert METHODS["fedavg"].load() is fedavg.run
 
 
 def test_a_baseline_is_one_module(tmp_path: Path, monkeypatch) -> None:
@@ -149,6 +157,16 @@ def test_positional_fedavg_without_any_update_keeps_the_codebook_sent() -> None:
     assert strategy.aggregate_train(Phase.STAGE1, iter([]), _state(codebook)) is codebook
 
 
+def test_only_the_evaluate_message_asks_the_sites_for_the_keys() -> None:
+    """`starfed-keys` changes one thing of what the server sends: the evaluate message's config
+    asks for the keys; starfed's own strategy asks nothing of any phase."""
+    state = _state(_codebook(ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2)))
+    for phase in Phase:
+        asked = keys_method.ClassifyWithKeys().configure(phase, state)
+        assert asked == ({CLASSIFY_WITH_KEYS: True} if phase is Phase.EVALUATE else {}), phase
+        assert Strategy().configure(phase, state) == {}, phase
+
+
 def _mixture(centre: float, count: int, generator: torch.Generator) -> GaussianMixture:
     """Three components around ``centre`` in 2 dimensions."""
     means = centre + torch.randn(3, 2, generator=generator, dtype=torch.float64)
@@ -180,6 +198,42 @@ def test_unmerged_statistics_keep_every_sites_gaussians() -> None:
     assert torch.equal(pooled.means, torch.cat([first.means, second.means]))
     # the merge keeps the union's mean: the pool's, exactly what the sites sent
     assert torch.allclose(merged.weights @ merged.means, pooled.weights @ pooled.means)
+
+
+def _head_entry(centre: float, generator: torch.Generator, frozen: bool = False) -> ClassEntry:
+    """A class with a real-data head, a different aligned one and a one-component H_c."""
+    dims = ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2)
+    values: dict[str, object] = {
+        f.name: torch.zeros(f.shape(dims)) for f in schema.FIELDS if f.kind is schema.Kind.TENSOR
+    }
+    weight = torch.randn(5, generator=generator)
+    values.update(head_weight=weight, head_bias=torch.tensor(0.1),
+                  aligned_head_weight=weight + 1, aligned_head_bias=torch.tensor(0.0))  # fmt: skip
+    means = centre + torch.randn(1, 5, generator=generator, dtype=torch.float64)
+    ones = torch.ones(1, 5, dtype=torch.float64)
+    values["vit_mixture"] = GaussianMixture(torch.ones(1, dtype=torch.float64), means, ones, 10)
+    return ClassEntry(f"c{centre:g}", 10, values, frozen=frozen)
+
+
+def test_without_replay_the_predicting_head_is_the_merged_real_data_head() -> None:
+    """After a second step's stage-2 statistics, starfed aligns every class's head by replay
+    on the H_c; `starfed-no-replay` keeps the merged real-data head of every class, and
+    finishes the step's classes all the same."""
+    generator = torch.Generator().manual_seed(0)
+    past, new = _head_entry(0.0, generator, frozen=True), _head_entry(3.0, generator)
+    dims = ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2)
+    codebook = Codebook("f" * 64, dims, {past.name: past, new.name: new}, version=1)
+    train = replace(TrainConfig(), replay2_epochs=1, replay2_epochs_per_task=0)
+    cpu = SimpleNamespace(device=torch.device("cpu"))  # the head's replay needs no backbone
+    state = PhaseState(1, 0, codebook, (new.name,), {past.name: 0, new.name: 1}, cpu, train)
+    replayed = Strategy().replay(Phase.STAGE2_STATS, codebook, state)
+    kept = no_replay.NoReplay().replay(Phase.STAGE2_STATS, codebook, state)
+    assert kept.frozen == replayed.frozen == {past.name, new.name}
+    for name in codebook.names:
+        head, bias = codebook[name].values["head_weight"], codebook[name].values["head_bias"]
+        assert torch.equal(kept[name].values["aligned_head_weight"], head), name
+        assert torch.equal(kept[name].values["aligned_head_bias"], bias), name
+        assert not torch.equal(replayed[name].values["aligned_head_weight"], head), name
 
 
 def test_starfed_without_generative_replay(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from starfed.client.ops import supernode
+from starfed.client.ops import site_options, supernode, supernode_log
 from starfed.server.ops import pki, processes
 from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared import addresses
@@ -45,21 +45,21 @@ def site(tmp_path: Path) -> dict:
     return {"data": data, "key": key, "ca": ca, "state": tmp_path / "st ate"}
 
 
-def _prepare(site: dict, data: Path | None = None, **overrides) -> supernode.SiteOptions:
+def _prepare(site: dict, data: Path | None = None, **overrides) -> site_options.SiteOptions:
     kwargs = {"ca": site["ca"], "key": site["key"], "state": site["state"], **overrides}
-    return supernode.prepare("fed.example.org:9092", data or site["data"], **kwargs)
+    return site_options.prepare("fed.example.org:9092", data or site["data"], **kwargs)
 
 
 def test_inputs_are_checked_before_anything_starts(site: dict, tmp_path: Path) -> None:
-    with pytest.raises(supernode.SiteError, match="must not join"):
-        supernode.prepare("h:1", tmp_path / "missing", ca=site["ca"], key=site["key"])
+    with pytest.raises(site_options.SiteError, match="must not join"):
+        site_options.prepare("h:1", tmp_path / "missing", ca=site["ca"], key=site["key"])
     with pytest.raises(ValueError, match="HOST:PORT"):
-        supernode.prepare("no-port", site["data"], ca=site["ca"], key=site["key"])
-    with pytest.raises(supernode.SiteError, match="--ca and --key"):
-        supernode.prepare("h:1", site["data"], ca=None, key=site["key"])
-    with pytest.raises(supernode.SiteError, match="inside --data"):
+        site_options.prepare("no-port", site["data"], ca=site["ca"], key=site["key"])
+    with pytest.raises(site_options.SiteError, match="--ca and --key"):
+        site_options.prepare("h:1", site["data"], ca=None, key=site["key"])
+    with pytest.raises(site_options.SiteError, match="inside --data"):
         _prepare(site, state=site["data"] / "state")
-    with pytest.raises(supernode.SiteError, match="one word"):
+    with pytest.raises(site_options.SiteError, match="one word"):
         _prepare(site, device="cuda 0")
     site["key"].chmod(0o640)
     with pytest.raises(pki.SiteKeyError, match="readable by others"):
@@ -73,7 +73,7 @@ def test_node_config_file_survives_spaces_quotes_and_unicode(site: dict, tmp_pat
     weird.mkdir()
     options = _prepare(site, data=weird, name="hospital-a", device="cuda:1")
     path = tmp_path / "node-config.toml"
-    supernode.write_node_config(path, options)
+    site_options.write_node_config(path, options)
     parsed = parse_config_args([str(path)])  # exactly what flower-supernode does
     assert parsed == {
         "data-dir": str(weird),
@@ -90,17 +90,17 @@ def test_default_state_folder_and_name(
     site: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    options = supernode.prepare("h:1", site["data"], ca=site["ca"], key=site["key"], name="a")
+    options = site_options.prepare("h:1", site["data"], ca=site["ca"], key=site["key"], name="a")
     assert options.state == tmp_path / "xdg" / "starfed" / "sites" / "a"
-    options = supernode.prepare("h:1", site["data"], ca=site["ca"], key=site["key"])
+    options = site_options.prepare("h:1", site["data"], ca=site["ca"], key=site["key"])
     assert options.name == "my-data"  # from the data folder's name "my data"
     with pytest.raises(pki.SiteKeyError, match="bad site name"):
-        supernode.prepare("h:1", site["data"], ca=site["ca"], key=site["key"], name="a b")
+        site_options.prepare("h:1", site["data"], ca=site["ca"], key=site["key"], name="a b")
 
 
 def test_supernode_command(site: dict) -> None:
     options = _prepare(site, name="a")
-    command = supernode.supernode_command(options, Path("/s/node-config.toml"), 40123)
+    command = site_options.supernode_command(options, Path("/s/node-config.toml"), 40123)
     assert command[command.index("--superlink") + 1] == "fed.example.org:9092"
     assert command[command.index("--node-config") + 1] == "/s/node-config.toml"
     assert command[command.index("--host") + 1] == "127.0.0.1"
@@ -125,9 +125,9 @@ def test_supernode_command(site: dict) -> None:
 )
 def test_failure_lines_get_one_clear_sentence(site: dict, line: str, expected: str) -> None:
     options = _prepare(site, name="a")
-    matches = [f.explain(options) for f in supernode.FAILURES if f.pattern.search(line)]
+    matches = [f.explain(options) for f in supernode_log.FAILURES if f.pattern.search(line)]
     assert matches and expected in matches[0]
-    assert all(not f.pattern.search("INFO: SuperNode ID: 123") for f in supernode.FAILURES)
+    assert all(not f.pattern.search("INFO: SuperNode ID: 123") for f in supernode_log.FAILURES)
 
 
 def test_exit_code_is_zero_only_when_stopped_as_told() -> None:
@@ -180,7 +180,7 @@ def test_site_start_records_its_processes_while_they_run(
     """A real ``site start`` against an address where nothing listens: the SuperNode keeps
     trying, its processes run, and we stop it as Ctrl-C would once they are recorded."""
     monkeypatch.setenv("FLWR_HOME", str(site["state"] / "unused-home"))  # never the user's
-    options = supernode.prepare(
+    options = site_options.prepare(
         f"127.0.0.1:{processes.free_port()}", site["data"], ca=None, key=None,
         state=site["state"], name="a", device="cpu", insecure=True, worker=False,
     )  # fmt: skip
@@ -211,7 +211,7 @@ def test_a_worker_that_dies_stops_site_start(site: dict, monkeypatch: pytest.Mon
     """Every message needs the worker: once it is gone (here killed, as the OOM killer would),
     ``site start`` stops with one line saying so rather than failing every message."""
     monkeypatch.setenv("FLWR_HOME", str(site["state"] / "unused-home"))  # never the user's
-    options = supernode.prepare(
+    options = site_options.prepare(
         f"127.0.0.1:{processes.free_port()}", site["data"], ca=None, key=None,
         state=site["state"], name="a", device="cpu", insecure=True,
     )  # fmt: skip
@@ -236,7 +236,7 @@ def test_site_start_refuses_while_a_recorded_process_still_runs(site: dict) -> N
         options.state.mkdir()
         ProcessRecord.begin(processes=[left]).save(options.run_file)
         with pytest.raises(
-            supernode.SiteError, match=f"earlier `site start` \\(supernode {left.pid}\\)"
+            site_options.SiteError, match=f"earlier `site start` \\(supernode {left.pid}\\)"
         ):
             supernode.run(options, echo=None)
         assert options.run_file.exists()

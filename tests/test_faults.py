@@ -35,7 +35,7 @@ from flwr.app import Message
 from in_process import run_two_sites, starfed
 from site_folders import CLASSES, site_folder
 
-from starfed.client.ops import supernode
+from starfed.client.ops import site_options, supernode_log
 from starfed.host.process_identity import ProcessId
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import federation as federation_module
@@ -467,12 +467,12 @@ def test_a_site_refused_for_its_clock_is_told_so_not_that_its_key_was_removed(
         server.server_close()
     assert offset is not None and 29 <= offset <= 31.5, offset  # Date has whole seconds
     (tmp_path / "data").mkdir()
-    options = supernode.prepare(address, tmp_path / "data", ca=None, key=None, insecure=True)
-    told = supernode._self_stopped(options, offset)
+    options = site_options.prepare(address, tmp_path / "data", ca=None, key=None, insecure=True)
+    told = supernode_log.self_stopped(options, offset)
     assert "refused for clock skew, not for the key" in told and "Flower answered 401" in told
     assert f"{offset:.0f} s ahead of the server's" in told
     assert "keygen" not in told
-    assert "keygen" in supernode._self_stopped(options, 0.4)  # in time: the key it is
+    assert "keygen" in supernode_log.self_stopped(options, 0.4)  # in time: the key it is
 
 
 def test_the_operator_sees_a_clock_skew_refusal(tmp_path: Path, caplog, capsys) -> None:

@@ -191,3 +191,27 @@ def test_the_host_imports_nothing_else_of_starfed():
         if target.startswith("starfed.") and not target.startswith("starfed.host")
     ]
     assert "starfed.host.locks" in MODULES and outside == []
+
+
+#: What the site's operations share with the server side, kept in ``server/ops/`` for now
+#: (docs/design.md#the-layout): processes and their records, site key files, the server's clock,
+#: Flower's internals.
+SHARED_OPERATIONS = {
+    "starfed.server.ops.processes",
+    "starfed.server.ops.pki",
+    "starfed.server.ops.clock",
+    "starfed.server.ops.flower_internals",
+}
+
+
+def test_the_sites_operations_take_only_the_shared_operations_from_the_server_side():
+    """``client/ops/`` runs on a site's machine: of ``server/`` it may use what both sides
+    share, never the federation's or the server's own operations."""
+    server_side = [
+        f"{module} imports {target}"
+        for module, targets in IMPORTS.items()
+        if module.startswith("starfed.client.ops")
+        for target in targets
+        if target.startswith("starfed.server") and target not in SHARED_OPERATIONS
+    ]
+    assert "starfed.client.ops.site_options" in MODULES and server_side == []

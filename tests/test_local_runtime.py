@@ -3,12 +3,14 @@
 The local runtime hands each message straight to the ClientApp in this process; the Flower
 runtime goes through a SuperLink, SuperExec and Ray actors. Same scenario, same seed: the final
 codebooks must hold the same tensors and the metrics the same accuracies. Smallest sizes: tiny
-backbones, 2 sites, 2 tasks x 2 classes, one epoch everywhere.
+backbones, 2 sites, 2 tasks x 2 classes, one epoch everywhere. In the fast suite, what the local
+run reports must be what the codebook it wrote does on the sites' test images.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -20,7 +22,12 @@ import pytest
 import torch
 
 from starfed.cli import main
+from starfed.server.federation import Federation
+from starfed.server.serving import export
 from starfed.shared.codebook import schema, wire
+from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.inference.predict import evaluate
+from starfed.shared.model.evaluation import ClassScores, group_scores
 
 SMALL = [
     "--clients=2",
@@ -58,6 +65,43 @@ def test_local_runtime_runs_the_federation(local_run) -> None:
     assert metrics["sites"] == ["site-0", "site-1"]
     for name in ("accuracy_matrix.png", "accuracy_over_time.png", "codebook.bin"):
         assert (out / "local" / name).is_file(), name
+
+
+def test_the_metrics_are_what_the_written_codebook_scores(local_run, monkeypatch) -> None:
+    """The codebook the run wrote, exported as devices get it and scored by `starfed
+    evaluate`'s scorer on each simulated site's test folder, gives each site's accuracy and,
+    pooled over the sites, the final rows of the accuracy and prompt-selection matrices; FAA
+    and forgetting follow from the matrix."""
+    out, code, _ = local_run
+    assert code == 0
+    run = out / "local"
+    metrics = json.loads((run / "metrics.json").read_text())
+    codebook = export.deployable(Federation.open(run)).codebook
+    assert sorted(codebook.names) == sorted(metrics["classes"])
+    assert codebook.frozen == set(codebook.names)  # every class of the run finished
+    monkeypatch.setenv("STARFED_CACHE_DIR", str(out / "cache"))
+    backbones = BackboneOptions.from_config(parse({})).load("cpu")  # refused if not the run's
+    pooled: ClassScores | None = None
+    for site in metrics["sites"]:
+        evaluation = evaluate(codebook, backbones, run / "sites" / site / "data")
+        assert evaluation.left_out == {} and evaluation.unreadable == []
+        scores = evaluation.scores
+        accuracy = 100 * int(scores.correct.sum()) / int(scores.images.sum())
+        assert accuracy == pytest.approx(metrics["site_accuracy"][site]), site
+        pooled = scores if pooled is None else ClassScores(*(
+            getattr(pooled, f.name) + getattr(scores, f.name)
+            for f in dataclasses.fields(ClassScores)
+        ))  # fmt: skip
+    assert pooled is not None
+    group = torch.tensor([evaluation.steps[name] for name in evaluation.names])
+    by_task = group_scores(pooled, group, metrics["steps"])
+    matrix = metrics["accuracy_matrix"]
+    assert by_task.accuracy == pytest.approx(matrix[-1])
+    assert by_task.selection_accuracy == pytest.approx(
+        metrics["prompt_selection_accuracy_matrix"][-1]
+    )
+    assert metrics["final_average_accuracy"] == pytest.approx(sum(matrix[-1]) / len(matrix[-1]))
+    assert metrics["final_forgetting"] == pytest.approx(matrix[0][0] - matrix[1][0])
 
 
 @pytest.mark.e2e

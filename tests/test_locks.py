@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from starfed.client.ops import supernode
-from starfed.client.ops.supernode import STATE_LOCK, SiteError
+from starfed.client.ops.site_options import SiteError
+from starfed.client.ops.supernode import STATE_LOCK
 from starfed.host import locks
 
 HOLD = """

@@ -25,7 +25,7 @@ from dp_accounting.rdp import RdpAccountant
 
 from starfed.client import app as client_app
 from starfed.client.memory import SiteMemory
-from starfed.client.ops.supernode import SiteOptions
+from starfed.client.ops.site_options import SiteOptions
 from starfed.client.privacy import PrivacySetting, PrivateReleases
 from starfed.server.app import run_server
 from starfed.server.federation import CODEBOOK_FILE

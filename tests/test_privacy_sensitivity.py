@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from starfed.client.memory import SiteMemory
-from starfed.client.ops.supernode import SiteOptions
+from starfed.client.ops.site_options import SiteOptions
 from starfed.client.privacy import (
     SITE_KEY,
     PrivacyError,

@@ -13,7 +13,7 @@ import pytest
 from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResultStatus
 
-from starfed.client.ops import superexec, supernode
+from starfed.client.ops import site_options, superexec
 
 
 def _spec(task_type: TaskType, token: str = "tok-1") -> ExecutionSpec:
@@ -69,8 +69,8 @@ def test_only_clientapp_tasks_are_acquired_or_launched() -> None:
 
 def test_the_superexec_secret_is_new_and_private_on_every_start(tmp_path: Path) -> None:
     path = tmp_path / "superexec.secret"
-    supernode.write_superexec_secret(path)
+    site_options.write_superexec_secret(path)
     first = path.read_bytes()
-    supernode.write_superexec_secret(path)
+    site_options.write_superexec_secret(path)
     assert len(first) == 32 and path.read_bytes() != first
     assert stat.S_IMODE(path.stat().st_mode) == 0o600

@@ -1,0 +1,113 @@
+"""The processes ``site start`` runs beside its SuperNode — the site worker
+(``starfed.client.worker``) and the site's SuperExec (``starfed.client.ops.superexec``) — and the
+record of them all in ``<state>/run.json`` (``processes.ProcessRecord``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, cast
+
+from starfed.client.ops import dialling, supernode_log
+from starfed.client.ops.site_options import SiteError, SiteOptions
+from starfed.client.worker import CANNOT_START
+from starfed.server.ops import processes
+from starfed.server.ops.processes import ManagedProcess, ProcessRecord
+
+WORKER_START_S = 30.0
+
+
+@dataclass
+class Worker:
+    """The running site worker, and the reason it gave (``CANNOT_START``) if it stopped."""
+
+    popen: subprocess.Popen
+    log: Path
+    said: list[str] = field(default_factory=list)
+    pump: threading.Thread | None = None  # copies its output to the log
+
+    def listen(self, log: IO[str]) -> None:
+        self.pump = threading.Thread(
+            target=supernode_log.pump, args=(self.popen.stdout, log, None, self.hear), daemon=True
+        )
+        self.pump.start()
+
+    def hear(self, line: str) -> None:
+        if line.startswith(CANNOT_START):
+            self.said.append(line.removeprefix(CANNOT_START).strip())
+
+    def ended(self) -> str | None:
+        """Why the worker is gone, once it is or once it said it cannot work (its exit may
+        take a while): its own reason, or its exit code."""
+        if not self.said:
+            if self.popen.poll() is None:
+                return None
+            if self.pump is not None:
+                self.pump.join(5.0)  # its last lines
+        if self.said:
+            return f"{CANNOT_START}{self.said[-1]} (the traceback is in {self.log})"
+        return (
+            f"the site worker ended (exit code {self.popen.returncode}) and no message can be "
+            f"answered without it; its output is in {self.log}"
+        )
+
+
+def start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> Worker:
+    """The site worker (``starfed.client.worker``): built once, it answers every message, so
+    no message pays for importing torch, building the backbones and reading the caches."""
+    socket_path = options.worker_socket
+    socket_path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "starfed.client.worker", "--socket", str(socket_path)]
+    popen = processes.spawn(command, env=env, cwd=options.state)
+    worker = Worker(popen, Path(log.name))
+    worker.listen(log)
+    deadline = time.monotonic() + WORKER_START_S
+    while not socket_path.exists():
+        if (ended := worker.ended()) or time.monotonic() > deadline:
+            popen.kill()
+            raise SiteError(ended or f"the site worker did not start in {WORKER_START_S:.0f} s")
+        time.sleep(0.1)
+    return worker
+
+
+def start_superexec(
+    options: SiteOptions, runtime_port: int, env: dict[str, str], log: IO[str], echo: IO[str] | None
+) -> subprocess.Popen:
+    """The site's SuperExec (``starfed.client.ops.superexec``); its tasks' output goes where the
+    SuperNode's does."""
+    address = f"127.0.0.1:{runtime_port}"
+    command = [sys.executable, "-m", "starfed.client.ops.superexec",
+               "--runtime-api-address", address,
+               "--secret-file", str(options.superexec_secret)]  # fmt: skip
+    popen = processes.spawn(command, env=env, cwd=options.state)
+    threading.Thread(target=supernode_log.pump, args=(popen.stdout, log, echo, lambda _: None),
+                     kwargs={"local": dialling.LOCAL_RETRY}, daemon=True).start()  # fmt: skip
+    return popen
+
+
+def record_of(started: dict[str, subprocess.Popen | None], log: Path) -> ProcessRecord:
+    """The record of the processes ``started`` that run (their output goes to ``log``)."""
+    record = ProcessRecord.begin()
+    for name, popen in started.items():
+        if popen is not None and (
+            managed := ManagedProcess.of(name, popen, cast(list[str], popen.args), log)
+        ):
+            record.processes.append(managed)
+    return record
+
+
+def check_none_left(run_file: Path) -> None:
+    """Refuse to start while a process an earlier start recorded still runs: a ``site start``
+    that was killed may leave its SuperNode connected with this site's key."""
+    record = ProcessRecord.load(run_file)
+    if record is None:
+        return
+    if running := record.running():
+        left = record.pids(running)
+        raise SiteError(f"still running from an earlier `site start` ({left}): end them first")
+    run_file.unlink()
