@@ -19,10 +19,10 @@ messages; deciding who is behind is one pass over the classes' versions per phas
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from starfed.server.federation import Exchange
-from starfed.server.messaging import exchange, reject
+from starfed.server.messaging import SiteGrid, exchange, reject
 from starfed.shared.codebook import parts
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.protocol import CATCH_UP, CATCH_UP_KEY, ENROLMENT, HELD
@@ -46,7 +46,7 @@ def behind(
 
 
 def send(
-    grid: object,
+    grid: SiteGrid,
     codebook: Codebook,
     nodes: Sequence[int],
     config: Mapping[str, object],
@@ -65,15 +65,21 @@ def send(
         data = plan.encoded(index)
         message = {**config, "round": index, CATCH_UP: [index, count, len(codebook)]}
         good, exchanges = exchange(grid, ENROLMENT, step, index, message, pending, sites,
-                                   lambda node, part=data: part, timeout)  # fmt: skip
+                                   _constant(data), timeout)  # fmt: skip
         for entry in exchanges:
             entry.phase = CATCH_UP_KEY
         if index == count - 1:
             for entry, reply in good:
-                said = reply.content[HELD]["data"] if HELD in reply.content else b""
+                held = reply.content[HELD]["data"] if HELD in reply.content else b""
+                said = held if isinstance(held, bytes) else b""  # anything else: rejected
                 if said != str(codebook.version).encode():
                     reject(entry, f"holds {said[:20]!r} after the last part, not version "
                                   f"{codebook.version}")  # fmt: skip
         logs += exchanges
         pending = [entry.node_id for entry in exchanges if entry.status == "ok"]
     return pending, logs
+
+
+def _constant(data: bytes) -> Callable[[int], bytes]:
+    """The same part for every node."""
+    return lambda node: data

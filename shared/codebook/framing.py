@@ -21,6 +21,7 @@ import os
 import struct
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import BinaryIO
 
 from starfed.proto import codebook_pb2 as pb
 
@@ -96,7 +97,7 @@ def verify_file(path: str | os.PathLike[str], name: str | None = None) -> int:
     sha256 rather than a faster hash: it is the frame's own checksum (every file ever written
     carries it), and with the SHA extensions of current CPUs hashlib's sha256 runs at about
     2 GB/s, twice blake2b (docs/benchmarks.md, issue 34)."""
-    name = path if name is None else name
+    name = str(path) if name is None else name
     with open(path, "rb") as file:
         length, digest = _header(file, name, None)
         hasher, chunk, left = hashlib.sha256(), bytearray(_CHUNK), length
@@ -113,7 +114,7 @@ def verify_file(path: str | os.PathLike[str], name: str | None = None) -> int:
     return length
 
 
-def _header(file, path, max_bytes: int | None) -> tuple[int, bytes]:
+def _header(file: BinaryIO, path: object, max_bytes: int | None) -> tuple[int, bytes]:
     """The payload length and digest of the frame ``file`` starts with, checked against the
     file's size before anything else is read (the header may be the damaged part)."""
     header = file.read(_HEADER.size)

@@ -10,15 +10,18 @@ runs past its message's end, or a wire type no encoder of this schema writes, is
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 
 from starfed.shared.codebook.framing import CodebookError
 
 VARINT, FIXED64, LENGTH_DELIMITED, FIXED32 = 0, 1, 2, 5
+#: What a walk reads: a message's bytes, or a memory map of a file holding them.
+Data = bytes | bytearray | memoryview | mmap.mmap
 _FIXED = {FIXED64: 8, FIXED32: 4}
 
 
-def varint(data, i: int) -> tuple[int, int]:
+def varint(data: Data, i: int) -> tuple[int, int]:
     """The varint at ``data[i]`` and the index after it (``IndexError`` past the end)."""
     value = shift = 0
     while True:
@@ -32,7 +35,7 @@ def varint(data, i: int) -> tuple[int, int]:
             raise CodebookError("a varint longer than 10 bytes")
 
 
-def fields(data, start: int, end: int, what: str) -> Iterator[tuple[int, int, int, int]]:
+def fields(data: Data, start: int, end: int, what: str) -> Iterator[tuple[int, int, int, int]]:
     """(field number, wire type, value, end) of each field in ``data[start:end]``: a varint's
     value, or a length-delimited field's start (its bytes are ``data[value:end]``); fixed-width
     fields give their start too. ``what`` names the message in errors."""

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook.framing import (
@@ -42,7 +43,10 @@ from starfed.shared.codebook.framing import (
     unframe,
     verify_file,
 )
-from starfed.shared.codebook.protowalk import LENGTH_DELIMITED, VARINT, fields
+from starfed.shared.codebook.protowalk import LENGTH_DELIMITED, VARINT, Data, fields
+
+if TYPE_CHECKING:
+    from starfed.shared.codebook.schema import ModelDims
 
 STORE_DIR = "codebook-store"
 MANIFEST_KEY = "starfed.store"  # a manifest's metadata key naming its base and records
@@ -187,10 +191,12 @@ class Piece:
     lines: dict[str, tuple[int, int, bool]]
 
 
-def scan(data, start: int, end: int, what: str) -> Piece:
+def scan(data: Data, start: int, end: int, what: str) -> Piece:
     """The ``Piece`` of the ``pb.Codebook`` message in ``data[start:end]`` (bytes or a memory
     map), its tensors skipped: a walk over about 30 field headers per class."""
-    fingerprint, dims, names_a_store, lines = "", (0, 0, 0, 0), False, {}
+    fingerprint, names_a_store = "", False
+    dims: tuple[int, ...] = (0, 0, 0, 0)
+    lines: dict[str, tuple[int, int, bool]] = {}
     for number, kind, value, stop in fields(data, start, end, what):
         if kind != LENGTH_DELIMITED:
             continue
@@ -211,7 +217,7 @@ def scan(data, start: int, end: int, what: str) -> Piece:
     return Piece(fingerprint, dims, names_a_store, lines)
 
 
-def _line(data, start: int, end: int, what: str) -> tuple[str, tuple[int, int, bool]]:
+def _line(data: Data, start: int, end: int, what: str) -> tuple[str, tuple[int, int, bool]]:
     name, count, version, frozen = "", 0, 0, False
     for number, kind, value, stop in fields(data, start, end, what):
         if number == _ENTRY["name"] and kind == LENGTH_DELIMITED:
@@ -225,7 +231,7 @@ def _line(data, start: int, end: int, what: str) -> tuple[str, tuple[int, int, b
     return name, (count, version, frozen)
 
 
-def _text(data, start: int, end: int, what: str) -> str:
+def _text(data: Data, start: int, end: int, what: str) -> str:
     try:
         return bytes(data[start:end]).decode()
     except UnicodeDecodeError:
@@ -250,7 +256,14 @@ def scan_file(path: Path) -> Piece:
     return piece
 
 
-def verify(manifest: Path, message: pb.Codebook, *, fingerprint: str, dims, seen: dict) -> None:
+def verify(
+    manifest: Path,
+    message: pb.Codebook,
+    *,
+    fingerprint: str,
+    dims: ModelDims,
+    seen: dict[tuple[str, int], Piece | Exception],
+) -> None:
     """The store of the manifest ``message`` (read from ``manifest``) as a reader will find it,
     without decoding a tensor: the base's and each record's checksum, their backbones and dims,
     and every class line of the manifest (count, version, frozen) as the last piece carrying it
@@ -259,21 +272,27 @@ def verify(manifest: Path, message: pb.Codebook, *, fingerprint: str, dims, seen
     sharing a base read it once. ``CodebookError`` for what a reader would refuse (``OSError``
     for a base that cannot be read)."""
     ref = Ref.of(message.metadata)
+    if ref is None:
+        raise CodebookError(f"{manifest}: not a store's manifest")
     folder = find_dir(manifest)
     if (ref.base, -1) not in seen:
         try:
             seen[ref.base, -1] = scan_file(folder / ref.base)
         except (CodebookError, OSError) as err:
             seen[ref.base, -1] = err  # a damaged base is read once too, however many share it
-    if isinstance(seen[ref.base, -1], Exception):
-        raise seen[ref.base, -1]
+    base = seen[ref.base, -1]
+    if isinstance(base, Exception):
+        raise base
     todo = replace(ref, records=tuple(r for r in ref.records if (ref.log, r[0]) not in seen))
     for (offset, _), payload in zip(todo.records, records(folder, todo), strict=True):
         seen[ref.log, offset] = scan(payload, 0, len(payload), f"{STORE_DIR}/{ref.log} record "
                                      f"at {offset}")  # fmt: skip
-    pieces = {ref.base: seen[ref.base, -1]}
-    pieces |= {f"{ref.log} record at {offset}": seen[ref.log, offset] for offset, _ in ref.records}
-    if pieces[ref.base].names_a_store:
+    pieces = {ref.base: base}
+    for offset, _ in ref.records:
+        record = seen[ref.log, offset]
+        assert isinstance(record, Piece)  # only a base is kept as its error
+        pieces[f"{ref.log} record at {offset}"] = record
+    if base.names_a_store:
         raise CodebookError(f"{STORE_DIR}/{ref.base}: a store's base is a manifest")
     want = (fingerprint, (dims.d_txt, dims.d_clip, dims.d_vit, dims.n_layers))
     lines: dict[str, tuple[int, int, bool]] = {}

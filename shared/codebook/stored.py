@@ -201,7 +201,10 @@ def verify(
 def relabelled(message: pb.Codebook, metadata: dict[str, str]) -> bytes:
     """The framed manifest ``message`` with ``metadata`` instead of its own, naming the same
     store bytes (``starfed server repair``: a restored checkpoint on a new version line)."""
+    ref = store.Ref.of(message.metadata)
+    if ref is None:
+        raise CodebookError("a relabelled codebook must be a store's manifest")
     out = store.header(message)
     out.metadata.clear()
-    out.metadata.update({**metadata, **store.Ref.of(message.metadata).as_metadata()})
+    out.metadata.update({**metadata, **ref.as_metadata()})
     return frame(out.SerializeToString(deterministic=True))
