@@ -29,7 +29,7 @@ from starfed.shared.protocol import Phase
 READ_EVERY_S = 1.0  # a page and its images share one reading of the folders
 SLOW_EVERY_S = 15.0  # Flower's node list and the SuperLink log's refused keys
 RUNNING = "running"  # the status word of the step in progress (badges, the timeline)
-PHASE_ORDER = [phase.key for phase in Phase]  # the enrolment, then the codebook phases
+PHASE_ORDER = [phase.key for phase in Phase]  # the sync, then the codebook phases
 
 
 @dataclass

@@ -378,7 +378,7 @@ def _name(e: Exchange) -> str:
 
 
 def _unrecorded(history: list[StepRecord], exchanges: list[Exchange]) -> list[Exchange]:
-    """The last run's exchanges that no step record holds: a run whose enrolment found nothing
+    """The last run's exchanges that no step record holds: a run whose sync found nothing
     to do (every site failed it, say) records no step, only its metrics."""
     recorded = {(e.step, e.phase, e.round, e.node_id, e.status)
                 for r in history for e in r.exchanges}  # fmt: skip
