@@ -25,7 +25,7 @@ from site_folders import CLASSES, site_folder
 from starfed.client import app as client_app
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.federation import Federation
-from starfed.server.ops import dashboard, status
+from starfed.server.ops import dashboard_page, dashboard_state, status
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.codebook import wire
 from starfed.shared.config import parse
@@ -408,8 +408,8 @@ def test_a_quarantine_that_persists_keeps_the_site_out_of_later_runs(tmp_path) -
         ("farm-m", "rejected"), ("farm-m", "quarantined")
     }  # fmt: skip
     assert set(shown.to_json()["quarantine"]) == {"farm-m"}
-    html = dashboard.page(dashboard.build_state(status.Reading(shown), ServerFolder(tmp_path),
-                                                [], []), 5)  # fmt: skip
+    state = dashboard_state.build_state(status.Reading(shown), ServerFolder(tmp_path), [], [])
+    html = dashboard_page.page(state, 5)
     assert "quarantined sites" in html and "screened contributions" in html
     site_folder(sites / "farm-m", {"t2": [CLASSES[4]]}, train=12, test=5)
     again = federate(sites, tmp_path)

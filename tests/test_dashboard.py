@@ -43,7 +43,9 @@ from starfed.server.federation import (
     StepScores,
 )
 from starfed.server.ops import sites
-from starfed.server.ops.dashboard import PLOTS, Dashboard, _clock_axis, fragment
+from starfed.server.ops.dashboard import Dashboard
+from starfed.server.ops.dashboard_page import fragment
+from starfed.server.ops.dashboard_plots import PLOTS, _clock_axis
 from starfed.server.ops.layout import ServerFolder
 
 T0 = 1_790_000_000.0  # 2026-09-21, when the first step started
@@ -211,6 +213,23 @@ def test_a_class_one_site_brought_alone_is_marked_on_the_page_and_in_api_state(f
     state = client.get("/api/state").json()["status"]["classes"]
     assert {c["name"]: c["single_site"] for c in state} == {
         f"class_{i}": i != 1 for i in range(5)}  # fmt: skip
+
+
+def test_names_from_the_folders_are_text_on_the_page_never_markup(folder) -> None:
+    """Autoescaping: a class or site name holding markup (a site chooses both) is shown as the
+    characters it is, in the page and in the live part, and the page runs its own script only."""
+    hostile = "<script>alert('x')</script>"
+    Federation.open(folder.federation).register([hostile], 2, {hostile: [f"farm-{hostile}"]})
+    client = _client(folder)
+    for text in (client.get("/").text, client.get("/live").text):
+        classes = text.partition('<table id="classes-table">')[2].partition("</table>")[0]
+        assert "<script>" not in classes
+        escaped = "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;"
+        assert f'<span title="{escaped}">' in classes and f"farm-{escaped} (" in classes
+    page = client.get("/").text
+    assert page.count("<script>") == 1 and "alert(" not in page.partition("<script>")[2]
+    names = [c["name"] for c in client.get("/api/state").json()["status"]["classes"]]
+    assert hostile in names  # the data as it is; only the page escapes it
 
 
 def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:

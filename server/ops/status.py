@@ -272,13 +272,9 @@ def join_flower(status: Status, view: FlowerView) -> None:
     _flower_sites(status, view.sites)
 
 
-def _stopped() -> dict:
-    return {"running": False, "processes": {}}
-
-
 def _server(record: superlink.RunRecord | None) -> dict:
     if record is None:
-        return _stopped()
+        return {"running": False, "processes": {}}
     alive = record.alive()
     return {
         "running": any(alive.values()),
@@ -382,7 +378,7 @@ def _name(e: Exchange) -> str:
 
 
 def _unrecorded(history: list[StepRecord], exchanges: list[Exchange]) -> list[Exchange]:
-    """The last run's exchanges that no step record holds: a run whose enrolment found nothing
+    """The last run's exchanges that no step record holds: a run whose sync found nothing
     to do (every site failed it, say) records no step, only its metrics."""
     recorded = {(e.step, e.phase, e.round, e.node_id, e.status)
                 for r in history for e in r.exchanges}  # fmt: skip
@@ -420,19 +416,12 @@ def _heard_at(record: StepRecord) -> dict[str, float]:
 
 
 def _step(record: StepRecord) -> StepRow:
+    faa = _number(record.scores.mean_accuracy if record.scores else None)
     return StepRow(
-        record.step,
-        record.attempt,
-        record.status,
-        record.reason,
-        list(record.classes),
-        list(record.sites),
-        _number(record.scores.mean_accuracy if record.scores else None),
-        record.wall_s,
-        _when(record.ended),
-        len([f for f in record.findings if f.action != "quarantined"]),
-        list(record.quarantined),
-    )
+        record.step, record.attempt, record.status, record.reason, list(record.classes),
+        list(record.sites), faa, record.wall_s, _when(record.ended),
+        len([f for f in record.findings if f.action != "quarantined"]), list(record.quarantined),
+    )  # fmt: skip
 
 
 def _flower_sites(status: Status, rows: list[sites.SiteStatus]) -> None:
