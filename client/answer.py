@@ -22,9 +22,21 @@ from starfed.client.memory import SiteMemory
 from starfed.client.privacy import PrivacySetting
 from starfed.client.site import Site
 from starfed.shared.codebook import wire
+from starfed.shared.codebook.lineage import EPOCH_KEY, FEDERATION_KEY
 from starfed.shared.config import BackboneOptions, as_int, as_str, environment, parse, run_dir
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import ALSO, CATCH_UP, CLASSIFY_WITH_KEYS, HELD, Phase
+from starfed.shared.protocol import (
+    ALSO,
+    CATCH_UP,
+    CLASS_STEPS,
+    CLASSIFY_WITH_KEYS,
+    FROZEN,
+    HELD,
+    ROUND,
+    STEP,
+    WIRE_DTYPE,
+    Phase,
+)
 
 #: The sites this process has built, by (run id, node id), the last one used last: backbones
 #: and caches load once. A process of a simulation answers for many sites; it keeps the
@@ -96,23 +108,23 @@ def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
     config = header["config"]
     site = site_for(header["run-id"], header["node-id"], header["run-config"],
                     header["node-config"])  # fmt: skip
-    step, round_index = int(config["step"]), int(config.get("round", 0))
-    federation = str(config["federation"])
-    wire_dtype = str(config.get("wire-dtype", "float32"))
+    step, round_index = int(config[STEP]), int(config.get(ROUND, 0))
+    federation = str(config[FEDERATION_KEY])
+    wire_dtype = str(config.get(WIRE_DTYPE, "float32"))
     if phase is Phase.SYNC and CATCH_UP in config:  # a part of a codebook, not an enrolment
         site.memory.join(federation)
         index, count, classes = (int(value) for value in config[CATCH_UP])
         site.memory.catch_up(payload, index, count, classes)
-        return [(HELD, str(site.memory.held_version(str(config["epoch"]))).encode())]
+        return [(HELD, str(site.memory.held_version(str(config[EPOCH_KEY]))).encode())]
     if phase is Phase.SYNC:
-        frozen = [str(name) for name in config.get("frozen", [])]
-        update = site.sync(step, frozen, federation, str(config["epoch"]))
+        frozen = [str(name) for name in config.get(FROZEN, [])]
+        update = site.sync(step, frozen, federation, str(config[EPOCH_KEY]))
         return [("update", wire.encode(update, wire_dtype))]
     site.memory.join(federation)
     codebook = site.memory.receive(payload)
     if phase is Phase.EVALUATE:
         use_keys = bool(config.get(CLASSIFY_WITH_KEYS, False))
-        report = site.evaluate(codebook, [int(s) for s in config["class-steps"]], use_keys)
+        report = site.evaluate(codebook, [int(s) for s in config[CLASS_STEPS]], use_keys)
         return [("report", report.to_bytes())]
     update = site.run_phase(phase, codebook, step, round_index)
     records = [("update", wire.encode(update, wire_dtype))]

@@ -25,12 +25,13 @@ from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
 from starfed.server import folder_lock
-from starfed.server.coordinator import Coordinator, RunLog
+from starfed.server.coordinator import Coordinator
 from starfed.server.federation import FAILED, METRICS_FILE, Federation, FederationError
 from starfed.server.messaging import SiteGrid
 from starfed.server.robust import robust
 from starfed.server.scores import accuracy_matrix, selection_matrix
 from starfed.server.screening import ScreeningOptions
+from starfed.server.step_records import RunLog
 from starfed.server.strategy import Strategy
 from starfed.server.test_set import ServerTestSet
 from starfed.shared import progress

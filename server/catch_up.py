@@ -20,12 +20,23 @@ messages; deciding who is behind is one pass over the classes' versions per phas
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
+from starfed.server.enrolment import Participants
 from starfed.server.federation import Exchange
 from starfed.server.messaging import SiteGrid, exchange, reject
 from starfed.shared.codebook import parts
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.protocol import CATCH_UP, CATCH_UP_KEY, ENROLMENT, HELD
+from starfed.shared.codebook.lineage import Lineage
+from starfed.shared.protocol import (
+    CATCH_UP,
+    CATCH_UP_KEY,
+    ENROLMENT,
+    HELD,
+    ROUND,
+    STEP,
+    WIRE_DTYPE,
+)
 
 
 def behind(
@@ -45,6 +56,32 @@ def behind(
     return late
 
 
+def before_phase(
+    grid: SiteGrid,
+    codebook: Codebook,
+    participants: Participants,
+    nodes: Sequence[int],
+    step: int,
+    dtype: str,
+    sites: Mapping[int, str],
+    timeout: float,
+) -> tuple[list[int], list[Exchange]]:
+    """Catch up the ``nodes`` of a phase that are ``behind`` (``send``), and note what each
+    holds after; the nodes to send the phase to — all but those that failed a part (they sit
+    the phase out, and start their catch-up again at the next) — and the log of every part."""
+    late = behind(codebook, participants.held, nodes, dtype)
+    if not late:
+        return list(nodes), []
+    lineage = Lineage.of(codebook).as_metadata()
+    config = {STEP: step, WIRE_DTYPE: dtype, **lineage}
+    caught, exchanges = send(grid, replace(codebook, metadata=lineage), late, config,
+                             sites, timeout)  # fmt: skip
+    for node in late:
+        participants.hold(node, codebook.version if node in caught else None)
+    left = set(late) - set(caught)
+    return [node for node in nodes if node not in left], exchanges
+
+
 def send(
     grid: SiteGrid,
     codebook: Codebook,
@@ -56,14 +93,14 @@ def send(
     """Send ``codebook`` (with its lineage in its metadata) in parts to ``nodes``; the nodes that
     now hold it, and the log entry of every part sent (phase ``catch_up``, round = part).
     ``config`` is the message config of the step (``step``, ``wire-dtype``, the lineage)."""
-    plan = parts.plan(codebook, str(config["wire-dtype"]))
-    count, step = len(plan.parts), int(str(config["step"]))
+    plan = parts.plan(codebook, str(config[WIRE_DTYPE]))
+    count, step = len(plan.parts), int(str(config[STEP]))
     pending, logs = list(nodes), []
     for index in range(count):
         if not pending:
             break
         data = plan.encoded(index)
-        message = {**config, "round": index, CATCH_UP: [index, count, len(codebook)]}
+        message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)]}
         good, exchanges = exchange(grid, ENROLMENT, step, index, message, pending, sites,
                                    _constant(data), timeout)  # fmt: skip
         for entry in exchanges:

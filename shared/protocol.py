@@ -87,6 +87,17 @@ SPECS: dict[Phase, PhaseSpec] = {spec.phase: spec for spec in MESSAGES}
 #: releases them per class (its other updates are one release over all its classes).
 STATISTICS = (Phase.STAGE1_STATS, Phase.STAGE2_STATS)
 
+#: Message config keys of every message, read by the site (``starfed.client.answer``): the
+#: step, the round of its phase (a catch-up's part), and the dtype of the tensors sent.
+STEP = "step"
+ROUND = "round"
+WIRE_DTYPE = "wire-dtype"
+#: Sync-message config key: the classes the federation has finished (frozen); a site brings
+#: them again as names only.
+FROZEN = "frozen"
+#: Evaluate-message config key: the step that registered each class, in the codebook's order.
+CLASS_STEPS = "class-steps"
+
 #: Message config key: the keys of the phases whose updates travel in this message's reply, each
 #: in a record named after its phase key (the message's own update is the ``update`` record).
 ALSO = "also"

@@ -47,7 +47,7 @@ from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
 from starfed.shared.config import Value, as_int, parse
 from starfed.shared.metrics import results_line
-from starfed.shared.protocol import MESSAGES, record_bytes, record_int
+from starfed.shared.protocol import MESSAGES, STEP, record_bytes, record_int
 from starfed.simulations.simulate import CLIENT_CPUS
 from starfed.simulations.simulated_sites import SimulatedSites
 
@@ -166,7 +166,7 @@ class _PhaseBar:
         self.bar: tuple[Progress, TaskID] | None = None
         if progress is not None and messages:
             first = messages[0]
-            step = record_int(first.content["config"]["step"], "step") + 1
+            step = record_int(first.content["config"][STEP], STEP) + 1
             phase = PHASE_KEYS.get(first.metadata.message_type, first.metadata.message_type)
             self.bar = progress, progress.add_task(f"step {step} · {phase}", total=len(messages))
 

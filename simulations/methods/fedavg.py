@@ -47,7 +47,7 @@ from starfed.shared.metrics import final_average_accuracy, final_forgetting, nan
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.second_level import PromptedViT
 from starfed.shared.model.training import EVAL_BATCH_SIZE, TrainConfig, Views, phase_generator
-from starfed.shared.protocol import record_int
+from starfed.shared.protocol import ROUND, STEP, record_int
 from starfed.simulations.local_grid import LocalGrid, new_run_id, node_configs
 from starfed.simulations.methods import cell_run_config
 
@@ -126,12 +126,12 @@ def client_app(features: SiteFeatures, n_classes: int, train: TrainConfig) -> Cl
     @app.train()
     def fit(message: Message, context: Context) -> Message:
         config = message.content["config"]
-        site, step = int(context.node_config["partition-id"]), record_int(config["step"], "step")
+        site, step = int(context.node_config["partition-id"]), record_int(config[STEP], STEP)
         head = nn.Linear(features.train.x.shape[1], n_classes)
         head.load_state_dict(message.content.array_records["arrays"].to_torch_state_dict())
         data = features.site_task(site, step)
         if len(data.y):
-            round_index = record_int(config["round"], "round")
+            round_index = record_int(config[ROUND], ROUND)
             stream = phase_generator(train.seed, step, f"fedavg/{site}", round_index)
             local_training(head, data, record_int(config["seen"], "seen"), train, stream)
         reply = RecordDict(
@@ -211,7 +211,7 @@ def run(values: Values, seed: int, out_dir: Path, console: Console) -> None:
         seen = arrived * split.classes_per_task
         for round_index in range(as_int(config, "stage2-rounds")):
             # One FedAvg round per call: a site trains on its task at ``step``.
-            sent = ConfigRecord({"step": step, "round": round_index, "seen": seen})
+            sent = ConfigRecord({STEP: step, ROUND: round_index, "seen": seen})
             arrays = ArrayRecord(head.state_dict())
             result = strategy.start(
                 cast(Grid, grid),  # Flower types it so; a LocalGrid serves it duck-typed

@@ -1,0 +1,171 @@
+"""The enrolment: who takes part in a step, and which classes it registers.
+
+A step starts with one ``query.sync`` message to every connected node (``ENROLMENT``). Each
+answer names the site, the classes its current task brings with their image counts, and the
+codebook version it holds. The screening (``server.screening``) names each site once and bounds
+what it may bring; the sites it accepts are the step's ``Participants``, which the rest of the
+step's messages go to — all of them, or for a training or statistics round a seeded share
+(``Participants.sample``) — each carrying the delta from the version that node holds
+(``Participants.payloads``). The classes no one brought before are the step's new classes
+(``new_classes``), registered by the coordinator (``server.coordinator``).
+
+Costs: the enrolment decodes one small update per node; a sample is one draw over the sites'
+names plus one pass over the classes in play and their holders; a phase's payloads encode the
+codebook once per distinct version the nodes hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from starfed.server import replies
+from starfed.server.federation import Exchange
+from starfed.server.messaging import Reply
+from starfed.server.screening import Screen
+from starfed.server.strategy import ConfigValue
+from starfed.shared.codebook import wire
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.lineage import Lineage
+from starfed.shared.config import ProtocolOptions
+from starfed.shared.data.site_folder import class_key
+from starfed.shared.protocol import FROZEN, ROUND, STEP, WIRE_DTYPE, Phase
+
+logger = logging.getLogger(__name__)
+
+SAMPLED = (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS)  # fraction-train
+
+Enrolled = tuple[Exchange, ClientUpdate]
+
+
+def enrolment_config(step: int, codebook: Codebook, wire_dtype: str) -> dict[str, ConfigValue]:
+    """The enrolment's message config: the step, the codebook's lineage and its finished
+    classes; no codebook travels either way."""
+    return {STEP: step, ROUND: 0, WIRE_DTYPE: wire_dtype,
+            **Lineage.of(codebook).as_metadata(),
+            FROZEN: sorted(codebook.frozen)}  # fmt: skip
+
+
+@dataclass
+class Participants:
+    """The nodes of the step and what the server knows of each: its site name (from its
+    enrolment), the class keys of its current task, and the codebook version it holds (when
+    known: it answered a message that carried that version)."""
+
+    node_ids: list[int] = field(default_factory=list)
+    sites: dict[int, str] = field(default_factory=dict)  # node id -> site name
+    brings: dict[int, set[str]] = field(default_factory=dict)  # node id -> class keys
+    held: dict[int, int] = field(default_factory=dict)  # node id -> codebook version
+
+    def enrol(
+        self,
+        answers: list[Reply],
+        screen: Screen,
+        codebook: Codebook,
+        quarantine: Mapping[str, dict],
+    ) -> list[Enrolled]:
+        """Accepted enrolments: the nodes that take part in the rest of the step, their site
+        names and the codebook version each holds. A silent node costs one timeout per step,
+        not one per phase; a node with other backbones or a malformed reply sits the step
+        out."""
+        accepted = sorted(replies.decoded(answers, Phase.SYNC, screen, codebook),
+                          key=lambda r: r[0].node_id)  # fmt: skip
+        for entry, update in accepted:
+            claimed = update.metadata.get("site") or f"node-{entry.node_id}"
+            site = screen.name_of(entry.node_id, claimed)
+            self.sites[entry.node_id] = entry.site = site
+        accepted = screen.enrol(accepted, codebook, quarantine)
+        self.node_ids = [entry.node_id for entry, _ in accepted]
+        self.leave(screen.quarantined)  # a resumed step's quarantines hold
+        for entry, update in accepted:
+            self.brings[entry.node_id] = {class_key(e.name) for e in update.entries}
+            held = update.base_version
+            if 0 < held <= codebook.version:
+                self.held[entry.node_id] = held
+            else:
+                self.held.pop(entry.node_id, None)
+        return accepted
+
+    def leave(self, quarantined: Collection[str]) -> None:
+        """Quarantined sites get no more messages in this step."""
+        self.node_ids = [n for n in self.node_ids if self.sites.get(n) not in quarantined]
+
+    def sample(
+        self,
+        phase: Phase,
+        step: int,
+        round_index: int,
+        in_play: Sequence[str],
+        protocol: ProtocolOptions,
+        seed: int,
+    ) -> list[int]:
+        """The nodes of one round: every participant, or for a training or statistics round a
+        seeded share of them (``fraction-train``, at least ``min-train-sites``), drawn over
+        site names (node ids change from run to run), plus the first holder of any class in
+        play the draw missed, so every class gets an update and statistics."""
+        nodes = self.node_ids
+        if phase not in SAMPLED or protocol.fraction_train >= 1 or not nodes:
+            return nodes
+        by_name = sorted(nodes, key=lambda node: self.sites[node])
+        size = max(protocol.min_train_sites, math.ceil(protocol.fraction_train * len(nodes)))
+        rng = np.random.default_rng([seed, step, phase.value, round_index])
+        chosen = {
+            by_name[i] for i in rng.choice(len(by_name), min(size, len(by_name)), replace=False)
+        }
+        for name in in_play:
+            holders = [node for node in by_name if class_key(name) in self.brings.get(node, ())]
+            if holders and not chosen & set(holders):
+                chosen.add(holders[0])
+        return sorted(chosen)
+
+    def payloads(self, codebook: Codebook, wire_dtype: str) -> Callable[[int], bytes]:
+        """The broadcast for each node: a delta from the version it holds, else the whole
+        codebook (each encoded once per distinct base version)."""
+        lineage = Lineage.of(codebook).as_metadata()
+        full = replace(codebook.broadcast(), metadata=lineage)
+        cache: dict[int, bytes] = {}
+
+        def payload(node: int) -> bytes:
+            since = self.held.get(node, 0)
+            if since not in cache:  # held == version: caught up (catch_up), the delta is empty
+                whole = not 0 < since <= full.version
+                value = full if whole else replace(codebook.delta(since), metadata=lineage)
+                cache[since] = wire.encode(value, wire_dtype)
+            return cache[since]
+
+        return payload
+
+    def hold(self, node: int, version: int | None) -> None:
+        """``node`` holds codebook ``version`` now (None: unknown — it gets the whole
+        codebook next)."""
+        if version is None:
+            self.held.pop(node, None)
+        else:
+            self.held[node] = version
+
+
+def new_classes(
+    codebook: Codebook, accepted: list[Enrolled]
+) -> tuple[list[str], dict[str, list[str]]]:
+    """The classes sites bring that the federation does not know yet, in the order of their
+    class keys (``class_key``), and the sites that bring each class. A class known under
+    another spelling is the same class; a finished (frozen) class brought again is logged
+    and stays frozen."""
+    known = {class_key(name): name for name in codebook.names}
+    new: dict[str, str] = {}  # key -> the first spelling in name order
+    brought: dict[str, list[str]] = {}
+    for entry, update in accepted:
+        for class_entry in update.entries:
+            key = class_key(class_entry.name)
+            if key in known and codebook[known[key]].frozen:
+                logger.info("site %s brings %r again: it is finished and stays frozen",
+                            entry.site, known[key])  # fmt: skip
+            name = known.get(key) or min(new.get(key, class_entry.name), class_entry.name)
+            if key not in known:
+                new[key] = name
+            brought.setdefault(name, []).append(entry.site)
+    return [new[key] for key in sorted(new)], brought
