@@ -183,7 +183,7 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
             if e.epsilon is not None:
                 epsilon[e.site or str(e.node_id)] = e.epsilon
             counts = participation.setdefault(e.site or str(e.node_id), {})
-            key = f"{e.phase}:{e.status.split(':')[0]}"
+            key = f"{e.phase}:{e.status.outcome}"
             counts[key] = counts.get(key, 0) + 1
             site = per_site.setdefault(e.site, {"bytes_down": 0, "bytes_up": 0})
             site["bytes_down"] += e.bytes_down

@@ -76,7 +76,7 @@ def send(
                     reject(entry, f"holds {said[:20]!r} after the last part, not version "
                                   f"{codebook.version}")  # fmt: skip
         logs += exchanges
-        pending = [entry.node_id for entry in exchanges if entry.status == "ok"]
+        pending = [entry.node_id for entry in exchanges if not entry.failed]
     return pending, logs
 
 

@@ -45,6 +45,7 @@ from starfed.server.federation import (
     FAILED,
     Exchange,
     Federation,
+    PhaseRound,
     PhaseTime,
     Position,
     StepRecord,
@@ -84,7 +85,7 @@ from starfed.shared.report import EvaluationReport
 logger = logging.getLogger(__name__)
 
 SAMPLED = (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS)  # fraction-train
-ENROLLED = f"{ENROLMENT.phase.key}/0"  # the position's mark of a step's finished enrolment
+ENROLLED = PhaseRound(ENROLMENT.phase.key)  # the position's mark of a step's finished enrolment
 WAIT_POLL_S = 1.0
 
 #: A simulation's scores on a global test set: (codebook, class steps, step, the evaluate
@@ -191,7 +192,7 @@ class Coordinator:
         """The enrolment found nothing in play: the run is over — unless sites failed to
         answer, which says nothing about what they hold (all failed: the run failed; some:
         degraded)."""
-        failed = [e for e in self._steps if e.status != "ok"]
+        failed = [e for e in self._steps if e.failed]
         if failed and len(failed) == len(self._steps):
             self.log.status = FAILED
             self.log.reason = f"no site answered the sync ({failed[0].site}: {failed[0].status})"
@@ -243,7 +244,7 @@ class Coordinator:
         try:
             for spec in PHASES:
                 for round_index in range(self._rounds(spec.phase)):
-                    done = f"{spec.phase.key}/{round_index}"
+                    done = PhaseRound(spec.phase.key, round_index)
                     if done not in self.position.done:
                         phase_seconds += self._run_phase(spec, step, round_index, done)
         except StepFailed as err:
@@ -281,12 +282,12 @@ class Coordinator:
         return [
             rider for rider in PHASES
             if rider.travels_with is spec.phase
-            and f"{rider.phase.key}/0" not in self.position.done
+            and PhaseRound(rider.phase.key) not in self.position.done
             and not self.strategy.configure(rider.phase, state)
         ]  # fmt: skip
 
     def _run_phase(
-        self, spec: PhaseSpec, step: int, round_index: int, done: str
+        self, spec: PhaseSpec, step: int, round_index: int, done: PhaseRound
     ) -> list[PhaseTime]:
         """Send one codebook phase, asking for the updates of the phases that travel with it,
         and reduce the replies phase by phase; the seconds of each."""
@@ -300,7 +301,7 @@ class Coordinator:
         for rider in riders:
             t0 = time.perf_counter()
             # decoded against the codebook the message carried, merged into the one just made
-            self._reduce(rider, self._state(step, 0), replies, f"{rider.phase.key}/0",
+            self._reduce(rider, self._state(step, 0), replies, PhaseRound(rider.phase.key),
                          record=rider.phase.key, sent=state.codebook)  # fmt: skip
             seconds.append(PhaseTime(rider.phase.key, 0, time.perf_counter() - t0))
         return seconds
@@ -310,7 +311,7 @@ class Coordinator:
         spec: PhaseSpec,
         state: PhaseState,
         replies: list[Reply],
-        done: str,
+        done: PhaseRound,
         record: str = "update",
         sent: Codebook | None = None,
     ) -> None:
@@ -375,7 +376,7 @@ class Coordinator:
         repeat (the enrolment is repeated, and records its own)."""
         not_repeated = set(self.position.done) - {ENROLLED}
         kept = [f for f in self.federation.step_findings(step)
-                if f"{f.phase}/{f.round}" in not_repeated]  # fmt: skip
+                if PhaseRound(f.phase, f.round) in not_repeated]  # fmt: skip
         if kept:
             self.screen.restore(kept)
             held = sorted(self.screen.quarantined)
@@ -384,7 +385,7 @@ class Coordinator:
                 "screening from before" + (f"; quarantined: {', '.join(held)}" if held else "")
             )
 
-    def _checkpoint(self, done: str) -> None:
+    def _checkpoint(self, done: PhaseRound) -> None:
         # ahead of the commit: what a crash after it must not lose (``_restore_findings``)
         self.federation.save_findings(self.position.step, self.screen.findings)
         finished = tuple(dict.fromkeys((*self.position.done, done)))
@@ -612,7 +613,7 @@ class Coordinator:
         )  # fmt: skip
         if payload:
             for entry in exchanges:
-                if entry.status == "ok":
+                if not entry.failed:
                     self._held[entry.node_id] = self.codebook.version
                 else:
                     self._held.pop(entry.node_id, None)

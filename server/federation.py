@@ -56,6 +56,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,35 +120,122 @@ class Registration:
     sites: dict[str, str] = field(default_factory=dict)  # site -> when it first brought it
 
 
+@dataclass(frozen=True, eq=False)
+class PhaseRound:
+    """One round of one phase of a step, as a position's ``done`` and the logs name it: its
+    text form ``"<phase>/<round>"`` (``"sync/0"``) is how a checkpoint stores it, and it equals
+    that text (a mark read back compares as written)."""
+
+    phase: str
+    round: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> PhaseRound:
+        """The phase round ``text`` names (ValueError: not ``<phase>/<round>``)."""
+        phase, slash, number = text.rpartition("/")
+        if not slash or not phase:
+            raise ValueError(f"phase round {text!r} is not <phase>/<round>")
+        return cls(phase, int(number))
+
+    def __str__(self) -> str:
+        return f"{self.phase}/{self.round}"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PhaseRound | str):
+            return str(self) == str(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
 @dataclass(frozen=True)
 class Position:
-    """Where the protocol stands: ``step`` is in progress (``running``) with the phases
-    ``done`` ("<phase>/<round>") and ``in_play`` classes, or it is the next step to run."""
+    """Where the protocol stands: ``step`` is in progress (``running``) with the phase rounds
+    ``done`` and ``in_play`` classes, or it is the next step to run. Phase rounds given as text
+    are read (``PhaseRound.parse``)."""
 
     step: int = 0
     running: bool = False
-    done: tuple[str, ...] = ()
+    done: tuple[PhaseRound, ...] = ()
     in_play: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        done = tuple(d if isinstance(d, PhaseRound) else PhaseRound.parse(d) for d in self.done)
+        object.__setattr__(self, "done", done)
+        object.__setattr__(self, "in_play", tuple(self.in_play))
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, str]) -> Position:
-        raw = json.loads(metadata.get(POSITION_KEY, "{}"))
-        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
-        return cls(**fields)
+        """The position a codebook's metadata carries (ValueError, TypeError: damaged)."""
+        return cls(**json.loads(metadata.get(POSITION_KEY, "{}")))
+
+    def to_json(self) -> dict[str, Any]:
+        """Its JSON form: phase rounds as their text (``"sync/0"``)."""
+        return {"step": self.step, "running": self.running,
+                "done": [str(d) for d in self.done], "in_play": list(self.in_play)}  # fmt: skip
 
     def as_metadata(self) -> dict[str, str]:
         """The metadata entry that carries it."""
-        return {POSITION_KEY: json.dumps(asdict(self))}
+        return {POSITION_KEY: json.dumps(self.to_json())}
+
+    def done_text(self) -> str:
+        """The phase rounds done, comma-separated ("" when none)."""
+        return ", ".join(str(d) for d in self.done)
 
 
-#: The status prefix of a reply in which a private site refused classes (``messaging``).
-REFUSED = "refused"
+class Outcome(StrEnum):
+    """How one message to one site ended."""
+
+    OK = "ok"
+    ERROR = "error"  # the site's app failed (Flower's error reply)
+    NO_REPLY = "no reply"  # nothing came back in time
+    REJECTED = "rejected"  # the reply failed the server's checks
+    REFUSED = "refused"  # a private site refused classes (its budget is exhausted): an answer
+
+
+class ExchangeStatus(str):
+    """An exchange's outcome and why, which is also its text, as the records hold it (``"ok"``,
+    ``"no reply"``, ``"error: <reason>"``, ``"rejected: <reason>"``, ``"refused: <why>"``):
+    written as that text, read back with ``parse``."""
+
+    outcome: Outcome
+    reason: str
+
+    def __new__(cls, outcome: Outcome = Outcome.OK, reason: str = "") -> ExchangeStatus:
+        text = f"{outcome}: {reason}" if outcome in _WITH_REASON else outcome.value
+        status = super().__new__(cls, text)
+        status.outcome, status.reason = outcome, reason
+        return status
+
+    def __reduce__(self) -> tuple[type[ExchangeStatus], tuple[Outcome, str]]:
+        return type(self), (self.outcome, self.reason)  # copies (``asdict``) keep the fields
+
+    @classmethod
+    def parse(cls, text: str) -> ExchangeStatus:
+        """The status ``text`` writes (ValueError: none of the forms above)."""
+        if text in (Outcome.OK, Outcome.NO_REPLY):
+            return cls(Outcome(text))
+        outcome, colon, reason = text.partition(": ")
+        if not colon or outcome not in _WITH_REASON:
+            raise ValueError(f"exchange status {text!r} is none of ok, no reply, <outcome>: why")
+        return cls(Outcome(outcome), reason)
+
+    @property
+    def failed(self) -> bool:
+        """Not answered as asked: an error, no reply or a rejected reply. A private site's
+        refusal (its budget is exhausted) is an answer."""
+        return self.outcome not in (Outcome.OK, Outcome.REFUSED)
+
+
+_WITH_REASON = (Outcome.ERROR, Outcome.REJECTED, Outcome.REFUSED)  # "<outcome>: <reason>"
 
 
 @dataclass
 class Exchange:
     """One message to one node and its answer: what the wire carried and what came back (filled
-    in while its phase runs, then kept in the step's record)."""
+    in while its phase runs, then kept in the step's record). A status given as text (a record
+    read back) is read (``ExchangeStatus.parse``)."""
 
     step: int
     phase: str
@@ -156,14 +244,20 @@ class Exchange:
     site: str
     bytes_down: int
     bytes_up: int = 0
-    status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason> | refused: <why>
+    status: ExchangeStatus = field(default_factory=ExchangeStatus)
     epsilon: float | None = None  # a private site's ε so far, as its reply says
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.status, ExchangeStatus):
+            self.status = ExchangeStatus.parse(self.status)
 
     @property
     def failed(self) -> bool:
-        """Not answered as asked: an error, no reply or a rejected reply. A private site's
-        refusal (its budget is exhausted) is an answer."""
-        return self.status != "ok" and not self.status.startswith(REFUSED)
+        """Not answered as asked (``ExchangeStatus.failed``)."""
+        return self.status.failed
+
+
+CAPPED, REJECTED, QUARANTINED = "capped", "rejected", "quarantined"  # a finding's action
 
 
 @dataclass(frozen=True)
@@ -174,7 +268,7 @@ class Finding:
     site: str
     phase: str
     round: int
-    action: str  # capped | rejected | quarantined
+    action: str  # CAPPED, REJECTED or QUARANTINED
     reason: str
     name: str = ""  # the class, when the finding is about one class's row
 
@@ -535,7 +629,7 @@ class Federation:
             if line.strip():
                 try:
                     record = StepRecord.from_json(line)
-                except (json.JSONDecodeError, TypeError) as err:
+                except (ValueError, TypeError) as err:
                     raise FederationError(f"{path}:{number} is damaged: {err}") from None
                 records[(record.step, record.attempt)] = record
         return [records[key] for key in sorted(records)]

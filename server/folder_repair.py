@@ -197,7 +197,7 @@ def _restore(root: Path, source: Path, message: pb.Codebook, stamp: str) -> Acti
     """``codebook.bin`` replaced by ``source``'s codebook on a new version line: a manifest
     naming the same store bytes (a whole file when ``source`` is one of the layout before)."""
     position = Position.from_metadata(message.metadata)
-    where = (f"step {position.step + 1} running, {', '.join(position.done) or 'no phase'} done"
+    where = (f"step {position.step + 1} running, {position.done_text() or 'no phase'} done"
              if position.running else f"{position.step} step(s) completed")  # fmt: skip
     epoch = Lineage.in_metadata(message.metadata).new_epoch().as_metadata()
     metadata = {k: v for k, v in message.metadata.items() if k != store.MANIFEST_KEY} | epoch

@@ -299,7 +299,7 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
     frozen: frozenset[str] = frozenset()
     if checkpoint is not None:
         status.codebook_version = checkpoint.version
-        status.position = asdict(checkpoint.position)
+        status.position = checkpoint.position.to_json()
         frozen = checkpoint.frozen
         unregistered = [name for name in checkpoint.classes if name not in federation.registry]
         if unregistered:
@@ -319,7 +319,7 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
     status.sites = _site_rows(history, (run[1], unrecorded) if run else None)
     recent = {r.step for r in history[-RECENT_STEPS:]}
     status.errors = [
-        ErrorRow(_name(e), e.step, e.phase, e.round, e.status)
+        ErrorRow(_name(e), e.step, e.phase, e.round, str(e.status))
         for e in [e for r in history if r.step in recent for e in r.exchanges] + unrecorded
         if e.failed
     ]
@@ -398,7 +398,8 @@ def _failing(
     for _, exchanges in sorted(batches, key=lambda batch: batch[0]):
         for e in exchanges:
             if e.failed:
-                streak[_name(e)] = (e.node_id, e.status, streak.get(_name(e), (0, "", 0))[2] + 1)
+                count = streak.get(_name(e), (0, "", 0))[2] + 1
+                streak[_name(e)] = (e.node_id, str(e.status), count)
             else:
                 streak.pop(_name(e), None)
     return streak
