@@ -34,11 +34,13 @@ from starfed.cli._common import (
 from starfed.cli.federation_status import print_status
 from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
 from starfed.server import folder_check, folder_lock, folder_repair
-from starfed.server.federation import Checkpoint, Exchange, Federation, FederationError
+from starfed.server.federation import Federation
+from starfed.server.folder_files import FederationError
 from starfed.server.ops import exit_codes, flower_runs, processes, sites, superlink
 from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import gather
+from starfed.server.records import Checkpoint, Exchange
 from starfed.shared.config import ConfigError, writable_dir
 from starfed.shared.progress import counted
 

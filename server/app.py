@@ -26,7 +26,8 @@ from rich.console import Console
 
 from starfed.server import folder_lock
 from starfed.server.coordinator import Coordinator, RunLog
-from starfed.server.federation import FAILED, METRICS_FILE, Federation, FederationError
+from starfed.server.federation import FAILED, Federation
+from starfed.server.folder_files import METRICS_FILE, FederationError
 from starfed.server.messaging import SiteGrid
 from starfed.server.robust import robust
 from starfed.server.scores import accuracy_matrix, selection_matrix

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from starfed.server.federation import Exchange
 from starfed.server.messaging import SiteGrid, exchange, reject
+from starfed.server.records import Exchange
 from starfed.shared.codebook import parts
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.protocol import CATCH_UP, CATCH_UP_KEY, ENROLMENT, HELD

@@ -39,18 +39,7 @@ from rich.console import Console
 
 from starfed.server import catch_up, replay
 from starfed.server.change_scale import ChangeScale
-from starfed.server.federation import (
-    COMPLETED,
-    DEGRADED,
-    FAILED,
-    Exchange,
-    Federation,
-    PhaseRound,
-    PhaseTime,
-    Position,
-    StepRecord,
-    StepScores,
-)
+from starfed.server.federation import COMPLETED, DEGRADED, FAILED, Federation
 from starfed.server.messaging import (
     Reply,
     SiteGrid,
@@ -60,6 +49,7 @@ from starfed.server.messaging import (
     refused_classes,
     reject,
 )
+from starfed.server.records import Exchange, PhaseRound, PhaseTime, Position, StepRecord, StepScores
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import ConfigValue, PhaseState, Strategy
 from starfed.shared import progress

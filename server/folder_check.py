@@ -22,11 +22,9 @@ from pathlib import Path
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import folder_lock
-from starfed.server.federation import (
+from starfed.server.federation import COMPLETED, DEGRADED, FAILED
+from starfed.server.folder_files import (
     CODEBOOK_FILE,
-    COMPLETED,
-    DEGRADED,
-    FAILED,
     HISTORY_FILE,
     METRICS_FILE,
     PENDING_FILE,
@@ -36,11 +34,9 @@ from starfed.server.federation import (
     STEP_START_FILE,
     FederationError,
     Identity,
-    Position,
-    Registration,
-    StepRecord,
     read_step_findings,
 )
+from starfed.server.records import Position, Registration, StepRecord
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.protocol import ENROLMENT, PHASES

@@ -19,7 +19,7 @@ from typing import Protocol
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from starfed.server.federation import Exchange, ExchangeStatus, Outcome
+from starfed.server.records import Exchange, ExchangeStatus, Outcome
 from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, PhaseSpec
 

@@ -28,7 +28,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-from starfed.server.federation import Federation, FederationError
+from starfed.server.federation import Federation
+from starfed.server.folder_files import FederationError
 from starfed.server.ops import exit_codes, flower_runs, processes
 from starfed.server.ops.flower_runs import COMPLETED, FlowerCli, FlowerRunError, RunOutcome
 from starfed.server.ops.processes import ProcessId

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from conftest import FINGERPRINT, TINY_DIMS
 
-from starfed.server.federation import (
+from starfed.server.federation import Federation
+from starfed.server.folder_files import FederationError
+from starfed.server.records import (
     Exchange,
     ExchangeStatus,
-    Federation,
-    FederationError,
     Outcome,
     PhaseRound,
     Position,

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from starfed.server import folder_check
-from starfed.server.federation import (
+from starfed.server.federation import Federation
+from starfed.server.folder_files import (
     CODEBOOK_FILE,
     HISTORY_FILE,
     IDENTITY_FILE,
@@ -31,15 +32,12 @@ from starfed.server.federation import (
     QUARANTINE_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
-    Exchange,
-    Federation,
     FederationError,
-    Finding,
-    StepRecord,
 )
 from starfed.server.ops import flower_runs, sites, superlink
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.processes import ProcessError
+from starfed.server.records import Exchange, Finding, StepRecord
 
 RECENT_STEPS = 3  # steps whose failed exchanges and screening findings count as recent
 #: A site whose last exchanges failed, whatever Flower says of it (an online site can fail
