@@ -34,11 +34,13 @@ from starfed.cli._common import (
 from starfed.cli.federation_status import print_status
 from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
 from starfed.server import folder_check, folder_lock, folder_repair
-from starfed.server.federation import Checkpoint, Federation, FederationError
+from starfed.server.federation import Federation
+from starfed.server.folder_files import FederationError
 from starfed.server.ops import exit_codes, flower_runs, processes, sites, superlink
 from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import gather
+from starfed.server.records import Checkpoint, Exchange
 from starfed.shared.config import ConfigError, writable_dir
 from starfed.shared.progress import counted
 
@@ -296,7 +298,7 @@ def _where(checkpoint: Checkpoint) -> str:
     p = checkpoint.position
     if not p.running:
         return f"{counted(p.step, 'step')} finished, none running"
-    return f"step {p.step + 1} running, {', '.join(p.done) or 'no phase'} done"
+    return f"step {p.step + 1} running, {p.done_text() or 'no phase'} done"
 
 
 def _continues(checkpoint: Checkpoint) -> str:
@@ -304,7 +306,7 @@ def _continues(checkpoint: Checkpoint) -> str:
     classes = ", ".join(p.in_play) or "none registered yet"
     return (
         f"continuing step {p.step + 1} after its completed phases "
-        f"({', '.join(p.done) or 'none'}); classes in play: {classes}"
+        f"({p.done_text() or 'none'}); classes in play: {classes}"
     )
 
 
@@ -334,9 +336,9 @@ def _failure(
 def _lost(metrics: dict) -> str:
     """Which sites did not answer what, in this run."""
     lost: dict[str, set[str]] = {}
-    for e in metrics.get("exchanges", []):
-        if e["status"] != "ok":
-            lost.setdefault(e["site"] or f"node-{e['node_id']}", set()).add(e["phase"])
+    for e in (Exchange(**raw) for raw in metrics.get("exchanges", [])):
+        if e.failed:
+            lost.setdefault(e.site or f"node-{e.node_id}", set()).add(e.phase)
     return "; ".join(f"{site}: {', '.join(sorted(p))}" for site, p in sorted(lost.items()))
 
 

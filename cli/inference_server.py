@@ -54,7 +54,8 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 
 def _federation(path: Path):
-    from starfed.server.federation import Federation, FederationError
+    from starfed.server.federation import Federation
+    from starfed.server.folder_files import FederationError
     from starfed.shared.codebook.codebook import CodebookError
 
     try:
@@ -73,7 +74,7 @@ def run_export(args: argparse.Namespace) -> int:
     registered each, the backbone fingerprint; and <out>.card.json with the classes, sites,
     backbones and the federation's scores.
     """
-    from starfed.server.federation import FederationError
+    from starfed.server.folder_files import FederationError
     from starfed.server.serving import export
 
     federation = _federation(federation_dir(args, server_folder(args)))

@@ -26,7 +26,8 @@ from rich.console import Console
 
 from starfed.server import folder_lock
 from starfed.server.coordinator import Coordinator
-from starfed.server.federation import FAILED, METRICS_FILE, Federation, FederationError
+from starfed.server.federation import FAILED, Federation
+from starfed.server.folder_files import METRICS_FILE, FederationError
 from starfed.server.messaging import SiteGrid
 from starfed.server.robust import robust
 from starfed.server.scores import accuracy_matrix, selection_matrix
@@ -184,7 +185,7 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
             if e.epsilon is not None:
                 epsilon[e.site or str(e.node_id)] = e.epsilon
             counts = participation.setdefault(e.site or str(e.node_id), {})
-            key = f"{e.phase}:{e.status.split(':')[0]}"
+            key = f"{e.phase}:{e.status.outcome}"
             counts[key] = counts.get(key, 0) + 1
             site = per_site.setdefault(e.site, {"bytes_down": 0, "bytes_up": 0})
             site["bytes_down"] += e.bytes_down

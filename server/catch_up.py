@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from starfed.server.enrolment import Participants
-from starfed.server.federation import Exchange
 from starfed.server.messaging import SiteGrid, exchange, reject
+from starfed.server.records import Exchange
 from starfed.shared.codebook import parts
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.lineage import Lineage
@@ -113,7 +113,7 @@ def send(
                     reject(entry, f"holds {said[:20]!r} after the last part, not version "
                                   f"{codebook.version}")  # fmt: skip
         logs += exchanges
-        pending = [entry.node_id for entry in exchanges if entry.status == "ok"]
+        pending = [entry.node_id for entry in exchanges if not entry.failed]
     return pending, logs
 
 

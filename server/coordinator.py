@@ -38,18 +38,9 @@ from rich.console import Console
 from starfed.server import catch_up, replay, step_records
 from starfed.server.change_scale import ChangeScale
 from starfed.server.enrolment import Participants, enrolment_config, new_classes
-from starfed.server.federation import (
-    COMPLETED,
-    DEGRADED,
-    FAILED,
-    Exchange,
-    Federation,
-    PhaseTime,
-    Position,
-    StepRecord,
-    StepScores,
-)
+from starfed.server.federation import COMPLETED, DEGRADED, FAILED, Federation
 from starfed.server.messaging import Reply, SiteGrid, exchange
+from starfed.server.records import Exchange, PhaseRound, PhaseTime, Position, StepRecord, StepScores
 from starfed.server.replies import reports, screened
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.step_records import RunLog, StepFailed, StepTally
@@ -77,7 +68,7 @@ from starfed.shared.protocol import (
 
 logger = logging.getLogger(__name__)
 
-ENROLLED = f"{ENROLMENT.phase.key}/0"  # the position's mark of a step's finished enrolment
+ENROLLED = PhaseRound(ENROLMENT.phase.key)  # the position's mark of a step's finished enrolment
 WAIT_POLL_S = 1.0
 
 #: A simulation's scores on a global test set: (codebook, class steps, step, the evaluate
@@ -183,7 +174,7 @@ class Coordinator:
         try:
             for spec in PHASES:
                 for round_index in range(self._rounds(spec.phase)):
-                    done = f"{spec.phase.key}/{round_index}"
+                    done = PhaseRound(spec.phase.key, round_index)
                     if done not in self.position.done:
                         self._run_phase(spec, step, round_index, done)
         except StepFailed as err:
@@ -225,11 +216,13 @@ class Coordinator:
         return [
             rider for rider in PHASES
             if rider.travels_with is spec.phase
-            and f"{rider.phase.key}/0" not in self.position.done
+            and PhaseRound(rider.phase.key) not in self.position.done
             and not self.strategy.configure(rider.phase, state)
         ]  # fmt: skip
 
-    def _run_phase(self, spec: PhaseSpec, step: int, round_index: int, done: str) -> None:
+    def _run_phase(
+        self, spec: PhaseSpec, step: int, round_index: int, done: PhaseRound
+    ) -> None:
         """Send one codebook phase, asking for the updates of the phases that travel with it,
         and reduce the replies phase by phase; the seconds of each go to the step's tally."""
         t0 = time.perf_counter()
@@ -243,7 +236,7 @@ class Coordinator:
         for rider in riders:
             t0 = time.perf_counter()
             # decoded against the codebook the message carried, merged into the one just made
-            self._reduce(rider, self._state(step, 0), replies, f"{rider.phase.key}/0",
+            self._reduce(rider, self._state(step, 0), replies, PhaseRound(rider.phase.key),
                          record=rider.phase.key, sent=state.codebook)  # fmt: skip
             seconds.append(PhaseTime(rider.phase.key, 0, time.perf_counter() - t0))
         self.tally.seconds.extend(seconds)
@@ -253,7 +246,7 @@ class Coordinator:
         spec: PhaseSpec,
         state: PhaseState,
         replies: list[Reply],
-        done: str,
+        done: PhaseRound,
         record: str = "update",
         sent: Codebook | None = None,
     ) -> None:
@@ -314,7 +307,7 @@ class Coordinator:
                 "screening from before" + (f"; quarantined: {', '.join(held)}" if held else "")
             )
 
-    def _checkpoint(self, done: str) -> None:
+    def _checkpoint(self, done: PhaseRound) -> None:
         # ahead of the commit: what a crash after it must not lose (``_restore_findings``)
         self.federation.save_findings(self.position.step, self.screen.findings)
         finished = tuple(dict.fromkeys((*self.position.done, done)))
@@ -427,7 +420,7 @@ class Coordinator:
         )  # fmt: skip
         if payload:
             for entry in exchanges:
-                if entry.status == "ok":
+                if not entry.failed:
                     self.participants.hold(entry.node_id, self.codebook.version)
                 else:
                     self.participants.hold(entry.node_id, None)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from starfed.server import replies
-from starfed.server.federation import Exchange
 from starfed.server.messaging import Reply
+from starfed.server.records import Exchange
 from starfed.server.screening import Screen
 from starfed.server.strategy import ConfigValue
 from starfed.shared.codebook import wire

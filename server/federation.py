@@ -2,34 +2,8 @@
 
 A federation lives longer than any server run: sites bring new tasks whenever they happen, and
 each run performs aggregation steps over what they bring, continuing where the last one stopped
-(docs/federation.md). The folder holds::
-
-    federation.json   its identity: id, creation time, backbone fingerprint and dims
-    codebook.bin      the manifest of the codebook with mixtures after the last completed phase
-                      (``shared.codebook.store``), and in its metadata the protocol position
-                      (the step, its completed phases, the classes in play): one small atomic
-                      file, so a checkpoint is never half written
-    codebook-store/   the codebooks' bytes: bases and the records of what each save changed,
-                      shared by the manifests (a save writes what changed, ``stored``)
-    previous.bin      the checkpoint before the current one (the last good one beside it)
-    step-start.bin    the codebook when the step in progress started (a failed step rolls back)
-    checkpoints/      the codebook after each completed step, ``step-NNNN.bin`` (1-based), the
-                      newest ``checkpoints-kept`` of them (0: all): what ``repair`` rolls back to
-                      (every ``.bin`` here is a manifest; a folder written before the store had
-                      whole codebooks there, moved into the store once, ``Federation.migrate``)
-    registry.json     every class: the step that registered it, the sites that brought it, when
-    history.jsonl     one ``StepRecord`` per finished step: status, phases, participation,
-                      screening findings, scores (written and read here only)
-    step-end.json     the record of a step being closed, between its commit and its history
-                      line (the next run finishes an interrupted close)
-    lock.json         the run that writes the folder now (``server.folder_lock``)
-    change-scale.json the scale of honest changes per field over completed steps, the
-                      reference of a lone sender's bound (``server.change_scale``)
-    quarantine.json   sites kept out of later steps (``quarantine-persists``; the operator
-                      deletes an entry to let a site back in)
-    step-findings.json  the screening's findings in the step in progress, written ahead of each
-                      of its checkpoints: a resumed step keeps those of the phases it had done
-    metrics.json      the federation's scores after the last server run (``server.app``)
+(docs/federation.md). Its files are named in ``starfed.server.folder_files``; its records
+(``starfed.server.records``) are written and read here.
 
 Closing a step has one commit point: ``codebook.bin`` written with the next position (its
 records are appended to the store before it; no reader reads a record no manifest names). The
@@ -38,13 +12,10 @@ record is appended to the history and the registry follows; a crash before the c
 the step running (the next run resumes it and records it once), a crash after it leaves a
 record that ``recover`` appends — never twice, never lost. A full disk (ENOSPC) at any write
 of a step is one ``FederationError`` that says what was being written, where the commit point
-stands and what the next run does. Nothing is written that does not
-decode (``wire.write_file`` and ``stored.save`` validate first), and a missing codebook is never
-replaced by an empty one once the folder has done any work.
-
-The codebook's metadata carries its lineage (``starfed.shared.codebook.lineage``: the federation
-id and the epoch of its version line) and the protocol position (``Position``, under
-``POSITION_KEY``).
+stands and what the next run does. Nothing is written that does not decode (``wire.write_file``
+and ``stored.save`` validate first), and a missing codebook is never replaced by an empty one
+once the folder has done any work. The codebook's metadata carries its lineage
+(``starfed.shared.codebook.lineage``) and the protocol position (``Position``).
 """
 
 from __future__ import annotations
@@ -53,12 +24,31 @@ import contextlib
 import errno
 import json
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from starfed.server.folder_files import (
+    CHECKPOINTS_DIR,
+    CODEBOOK_FILE,
+    HISTORY_FILE,
+    IDENTITY_FILE,
+    METRICS_FILE,
+    PENDING_FILE,
+    PREVIOUS_FILE,
+    QUARANTINE_FILE,
+    REGISTRY_FILE,
+    STEP_FINDINGS_FILE,
+    STEP_START_FILE,
+    FederationError,
+    Identity,
+    copy_atomic,
+    is_manifest,
+    read_step_findings,
+)
+from starfed.server.records import Checkpoint, Finding, Position, Registration, StepRecord, now
+from starfed.server.records import Exchange as Exchange  # bench/merge_scale.py imports it here
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
@@ -70,235 +60,7 @@ if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook 
     from starfed.shared.codebook.codebook import Codebook
     from starfed.shared.codebook.stored import Stored
 
-IDENTITY_FILE = "federation.json"
-CODEBOOK_FILE = "codebook.bin"
-STEP_START_FILE = "step-start.bin"
-PREVIOUS_FILE = "previous.bin"
-CHECKPOINTS_DIR = "checkpoints"
-PENDING_FILE = "step-end.json"
-STEP_FINDINGS_FILE = "step-findings.json"
-REGISTRY_FILE = "registry.json"
-HISTORY_FILE = "history.jsonl"
-METRICS_FILE = "metrics.json"
-QUARANTINE_FILE = "quarantine.json"
-POSITION_KEY = "position"  # codebook metadata key of the protocol position
 COMPLETED, DEGRADED, FAILED = "completed", "degraded", "failed"  # a step's (and a run's) status
-
-
-class FederationError(ValueError):
-    """A federation folder that cannot be used (other backbones, damaged files)."""
-
-
-def read_step_findings(root: Path) -> tuple[int | None, list[Finding]]:
-    """``step-findings.json`` of the federation folder ``root``: its step (None without the
-    file) and findings. FederationError when it is damaged (``starfed server repair`` sets it
-    aside)."""
-    path = root / STEP_FINDINGS_FILE
-    if not path.is_file():
-        return None, []
-    try:
-        value = json.loads(path.read_text())
-        return int(value["step"]), [Finding(**f) for f in value["findings"]]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise FederationError(
-            f"{path} is damaged ({err}); `starfed server repair` sets it aside (the step then "
-            "goes on without the findings so far)"
-        ) from None
-
-
-def now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-@dataclass
-class Registration:
-    """What the federation knows of one class besides its codebook entry."""
-
-    step: int  # the step that registered it
-    registered: str = field(default_factory=now)
-    sites: dict[str, str] = field(default_factory=dict)  # site -> when it first brought it
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where the protocol stands: ``step`` is in progress (``running``) with the phases
-    ``done`` ("<phase>/<round>") and ``in_play`` classes, or it is the next step to run."""
-
-    step: int = 0
-    running: bool = False
-    done: tuple[str, ...] = ()
-    in_play: tuple[str, ...] = ()
-
-    @classmethod
-    def from_metadata(cls, metadata: Mapping[str, str]) -> Position:
-        raw = json.loads(metadata.get(POSITION_KEY, "{}"))
-        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
-        return cls(**fields)
-
-    def as_metadata(self) -> dict[str, str]:
-        """The metadata entry that carries it."""
-        return {POSITION_KEY: json.dumps(asdict(self))}
-
-
-#: The status prefix of a reply in which a private site refused classes (``messaging``).
-REFUSED = "refused"
-
-
-@dataclass
-class Exchange:
-    """One message to one node and its answer: what the wire carried and what came back (filled
-    in while its phase runs, then kept in the step's record)."""
-
-    step: int
-    phase: str
-    round: int
-    node_id: int
-    site: str
-    bytes_down: int
-    bytes_up: int = 0
-    status: str = "ok"  # ok | error: <reason> | no reply | rejected: <reason> | refused: <why>
-    epsilon: float | None = None  # a private site's ε so far, as its reply says
-
-    @property
-    def failed(self) -> bool:
-        """Not answered as asked: an error, no reply or a rejected reply. A private site's
-        refusal (its budget is exhausted) is an answer."""
-        return self.status != "ok" and not self.status.startswith(REFUSED)
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One contribution the server's screening capped or rejected, or a site it quarantined
-    (``server.screening``): kept in the step's record so an operator sees who did what."""
-
-    site: str
-    phase: str
-    round: int
-    action: str  # capped | rejected | quarantined
-    reason: str
-    name: str = ""  # the class, when the finding is about one class's row
-
-
-@dataclass(frozen=True)
-class PhaseTime:
-    """The wall time of one phase round of a step."""
-
-    phase: str
-    round: int
-    seconds: float
-
-
-@dataclass
-class StepScores:
-    """The federation's scores after one step, by arrival step (``server.scores.aggregate``)."""
-
-    accuracy: list[float]  # % per arrival step 0..step (NaN: nobody holds test images of it)
-    selection_accuracy: list[float]  # % of prompt selections of a key of the same step
-    mean_accuracy: float  # over the arrival steps with test images
-    sites: dict[str, dict] = field(default_factory=dict)  # site -> images, correct, accuracy
-    classes: dict[str, dict] = field(default_factory=dict)  # class -> images, correct, sites
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One line of ``history.jsonl``: a finished step (or a failed attempt at one)."""
-
-    step: int
-    status: str  # COMPLETED, DEGRADED or FAILED
-    started: float  # time.time() at its start
-    wall_s: float
-    attempt: int = 0  # earlier failed attempts at the same step
-    reason: str = ""  # why it failed
-    classes: tuple[str, ...] = ()  # the classes it registered
-    sites: tuple[str, ...] = ()  # the sites that took part
-    phase_seconds: tuple[PhaseTime, ...] = ()
-    exchanges: tuple[Exchange, ...] = ()
-    codebook_version: int = 0
-    scores: StepScores | None = None  # the sites' evaluation
-    server_eval: StepScores | None = None  # the server's test set (``server-test-dir``)
-    findings: tuple[Finding, ...] = ()  # contributions capped or rejected (``server.screening``)
-    quarantined: tuple[str, ...] = ()  # sites excluded from the rest of the step
-
-    @property
-    def ended(self) -> float:
-        return self.started + self.wall_s
-
-    def to_json(self) -> str:
-        raw = asdict(self)
-        return json.dumps({k: v for k, v in raw.items() if v is not None})
-
-    @classmethod
-    def from_json(cls, line: str) -> StepRecord:
-        raw: dict[str, Any] = json.loads(line)
-        scores = {k: StepScores(**raw[k]) for k in ("scores", "server_eval") if raw.get(k)}
-        return cls(**{
-            **raw, **scores,
-            "classes": tuple(raw.get("classes", ())), "sites": tuple(raw.get("sites", ())),
-            "phase_seconds": tuple(PhaseTime(**p) for p in raw.get("phase_seconds", ())),
-            "exchanges": tuple(Exchange(**e) for e in raw.get("exchanges", ())),
-            "findings": tuple(Finding(**f) for f in raw.get("findings", ())),
-            "quarantined": tuple(raw.get("quarantined", ())),
-        })  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """What ``codebook.bin`` says without decoding its tensors (no torch): for views of the
-    folder (``starfed server status``, an interrupted run's marker)."""
-
-    version: int
-    classes: tuple[str, ...]
-    frozen: frozenset[str]
-    position: Position
-
-
-@dataclass(frozen=True)
-class Identity:
-    """What ``federation.json`` says of a folder: enough to read and check its codebook files
-    without the rest (``server.folder_check`` and ``folder_repair`` work on damaged folders)."""
-
-    root: Path
-    fingerprint: str
-    dims: ModelDims
-
-    @classmethod
-    def read(cls, root: str | Path) -> Identity:
-        path = Path(root).expanduser()
-        if not (path / IDENTITY_FILE).is_file():
-            raise FederationError(f"{path} is not a federation folder (no {IDENTITY_FILE})")
-        try:
-            identity = json.loads((path / IDENTITY_FILE).read_text())
-            return cls(path, identity["fingerprint"], ModelDims(**identity["dims"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise FederationError(f"{path / IDENTITY_FILE} is damaged: {err!r}") from None
-
-    def traces(self) -> str:
-        """What shows that the folder has completed work ("" for a new federation, or one that
-        crashed before its first checkpoint): a codebook must exist then."""
-        history = self.root / HISTORY_FILE
-        found = [HISTORY_FILE] if history.is_file() and history.read_text().strip() else []
-        found += [PREVIOUS_FILE] if (self.root / PREVIOUS_FILE).is_file() else []
-        found += [f"{CHECKPOINTS_DIR}/"] if self.step_checkpoints() else []
-        return ", ".join(found)
-
-    def step_checkpoints(self) -> list[tuple[int, Path]]:
-        """(steps completed, file) of the codebooks kept after completed steps, oldest first."""
-        folder = self.root / CHECKPOINTS_DIR
-        found = []
-        for path in folder.glob("step-*.bin") if folder.is_dir() else ():
-            with contextlib.suppress(ValueError):
-                found.append((int(path.stem.removeprefix("step-")), path))
-        return sorted(found)
-
-    def manifests(self) -> list[Path]:
-        """The codebook files a run writes (each a manifest once the folder is migrated)."""
-        names = (CODEBOOK_FILE, PREVIOUS_FILE, STEP_START_FILE)
-        return [self.root / n for n in names if (self.root / n).is_file()] + [
-            path for _, path in self.step_checkpoints()]  # fmt: skip
-
-    def kept_copies(self) -> list[Path]:
-        """The manifests ``repair`` kept beside (``<name>.before-repair-<time>``)."""
-        return sorted(self.root.glob("*.bin.before-repair-*"))
 
 
 class Federation:
@@ -376,7 +138,7 @@ class Federation:
         moved = []
         folder = self.root / store.STORE_DIR
         for path in Identity(self.root, self.fingerprint, self.dims).manifests():
-            if path.stat().st_size <= store.MANIFEST_MAX_BYTES and _is_manifest(path):
+            if path.stat().st_size <= store.MANIFEST_MAX_BYTES and is_manifest(path):
                 continue
             base = stored.new_name(0)
             try:
@@ -449,7 +211,7 @@ class Federation:
         saved = replace(codebook, metadata=metadata)
         current = self.root / CODEBOOK_FILE
         if current.is_file():  # the last good checkpoint stays beside the new one
-            _copy_atomic(current, self.root / PREVIOUS_FILE)
+            copy_atomic(current, self.root / PREVIOUS_FILE)
         self._stored = self._save(CODEBOOK_FILE, saved, self._stored)  # validated first
         return saved
 
@@ -535,7 +297,7 @@ class Federation:
             if line.strip():
                 try:
                     record = StepRecord.from_json(line)
-                except (json.JSONDecodeError, TypeError) as err:
+                except (ValueError, TypeError) as err:
                     raise FederationError(f"{path}:{number} is damaged: {err}") from None
                 records[(record.step, record.attempt)] = record
         return [records[key] for key in sorted(records)]
@@ -680,23 +442,9 @@ class Federation:
         ``codebook.bin``); the oldest beyond ``keep_steps`` are pruned."""
         folder = self.root / CHECKPOINTS_DIR
         folder.mkdir(exist_ok=True)
-        _copy_atomic(self.root / CODEBOOK_FILE, folder / f"step-{completed:04d}.bin")
+        copy_atomic(self.root / CODEBOOK_FILE, folder / f"step-{completed:04d}.bin")
         identity = Identity(self.root, self.fingerprint, self.dims)
         kept = identity.step_checkpoints()
         for _, path in kept[: max(0, len(kept) - keep_steps) if keep_steps else 0]:
             path.unlink(missing_ok=True)
         store.collect(self.root / store.STORE_DIR, identity.manifests() + identity.kept_copies())
-
-
-def _is_manifest(path: Path) -> bool:
-    """Whether ``path`` reads as a manifest (a damaged file is left to ``check``/``repair``)."""
-    try:
-        return store.Ref.of(read_message(path).metadata) is not None
-    except (CodebookError, OSError):
-        return True
-
-
-def _copy_atomic(source: Path, target: Path) -> None:
-    """``target`` becomes a copy of ``source`` (a copy, not a hard link: damage to one file's
-    bytes in place must not reach the other)."""
-    write_atomic(target, source.read_bytes())

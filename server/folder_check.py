@@ -22,11 +22,9 @@ from pathlib import Path
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import folder_lock
-from starfed.server.federation import (
+from starfed.server.federation import COMPLETED, DEGRADED, FAILED
+from starfed.server.folder_files import (
     CODEBOOK_FILE,
-    COMPLETED,
-    DEGRADED,
-    FAILED,
     HISTORY_FILE,
     METRICS_FILE,
     PENDING_FILE,
@@ -36,11 +34,9 @@ from starfed.server.federation import (
     STEP_START_FILE,
     FederationError,
     Identity,
-    Position,
-    Registration,
-    StepRecord,
     read_step_findings,
 )
+from starfed.server.records import Position, Registration, StepRecord
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.protocol import ENROLMENT, PHASES
@@ -192,7 +188,7 @@ def _codebook(report: Report, federation: Identity, depth: Depth, seen: dict) ->
             )
             return None
         report.notes.append("no codebook yet: the first `starfed server round` makes it")
-        report.position = vars(Position()) | {"done": [], "in_play": []}
+        report.position = Position().to_json()
         return set()
     message = _codebook_file(report, federation, path, depth, seen)
     if message is None:
@@ -203,8 +199,7 @@ def _codebook(report: Report, federation: Identity, depth: Depth, seen: dict) ->
         report.problems.append(f"{CODEBOOK_FILE}: its protocol position is damaged ({err})")
         return None
     report.codebook_version = message.version
-    report.position = {**vars(position), "done": list(position.done),
-                       "in_play": list(position.in_play)}  # fmt: skip
+    report.position = position.to_json()
     return {entry.name for entry in message.entries}
 
 
@@ -291,7 +286,7 @@ def _position(
 ) -> None:
     """A position the protocol can be in, with the files it needs."""
     marks = phase_marks()
-    odd = [d for d in position.done if d.partition("/")[0] not in marks]
+    odd = [str(d) for d in position.done if d.phase not in marks]
     if odd:
         report.problems.append(f"{CODEBOOK_FILE}: its position names unknown phases {odd}")
     if not position.running:

@@ -25,11 +25,10 @@ from pathlib import Path
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import folder_lock
-from starfed.server.federation import (
+from starfed.server.federation import COMPLETED, DEGRADED, FAILED
+from starfed.server.folder_check import Depth
+from starfed.server.folder_files import (
     CODEBOOK_FILE,
-    COMPLETED,
-    DEGRADED,
-    FAILED,
     HISTORY_FILE,
     METRICS_FILE,
     PENDING_FILE,
@@ -38,12 +37,9 @@ from starfed.server.federation import (
     STEP_FINDINGS_FILE,
     FederationError,
     Identity,
-    Position,
-    Registration,
-    StepRecord,
     read_step_findings,
 )
-from starfed.server.folder_check import Depth
+from starfed.server.records import Position, Registration, StepRecord
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
@@ -121,6 +117,13 @@ def plan(root: str | Path, to: int | None = None, *, depth: Depth = Depth.CHECKS
         names = {entry.name for entry in found.entries}
     actions += _history(root, position, stamp)
     actions += _registry(root, position, names, stamp)
+    return Plan(root, actions + _side_files(root, stamp), position)
+
+
+def _side_files(root: Path, stamp: str) -> list[Action]:
+    """The files beside the codebook and its records: a step's close written ahead (the
+    history's repair handled it), damaged step findings and metrics set aside."""
+    actions = []
     if (root / PENDING_FILE).exists():
         actions.append(Action(f"remove {PENDING_FILE} (handled above)",
                               lambda: (root / PENDING_FILE).unlink(missing_ok=True)))  # fmt: skip
@@ -132,7 +135,7 @@ def plan(root: str | Path, to: int | None = None, *, depth: Depth = Depth.CHECKS
     metrics = root / METRICS_FILE
     if metrics.is_file() and not _json_ok(metrics):
         actions.append(_aside(root, METRICS_FILE, stamp, "damaged; the next run rewrites it"))
-    return Plan(root, actions, position)
+    return actions
 
 
 def apply(repair: Plan) -> None:
@@ -197,7 +200,7 @@ def _restore(root: Path, source: Path, message: pb.Codebook, stamp: str) -> Acti
     """``codebook.bin`` replaced by ``source``'s codebook on a new version line: a manifest
     naming the same store bytes (a whole file when ``source`` is one of the layout before)."""
     position = Position.from_metadata(message.metadata)
-    where = (f"step {position.step + 1} running, {', '.join(position.done) or 'no phase'} done"
+    where = (f"step {position.step + 1} running, {position.done_text() or 'no phase'} done"
              if position.running else f"{position.step} step(s) completed")  # fmt: skip
     epoch = Lineage.in_metadata(message.metadata).new_epoch().as_metadata()
     metadata = {k: v for k, v in message.metadata.items() if k != store.MANIFEST_KEY} | epoch

@@ -19,7 +19,7 @@ from typing import Protocol
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from starfed.server.federation import REFUSED, Exchange
+from starfed.server.records import Exchange, ExchangeStatus, Outcome
 from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, PhaseSpec
 
@@ -79,7 +79,7 @@ def exchange(
             continue
         answered.add(entry.node_id)
         if reply.has_error():
-            entry.status = f"error: {short_reason(reply.error.reason)}"
+            entry.status = ExchangeStatus(Outcome.ERROR, short_reason(reply.error.reason))
             logger.warning("%s failed %s: %s", who(entry), spec.phase.key,
                            reply.error.reason)  # fmt: skip
             continue
@@ -87,7 +87,7 @@ def exchange(
         good.append((entry, reply))
     for entry in exchanges:
         if entry.node_id not in answered:
-            entry.status = "no reply"
+            entry.status = ExchangeStatus(Outcome.NO_REPLY)
             logger.warning("%s sent no %s reply within %.0fs", who(entry), spec.phase.key,
                            timeout)  # fmt: skip
     return good, exchanges
@@ -115,7 +115,7 @@ def send_and_receive(grid: SiteGrid, messages: list[Message], timeout: float) ->
 
 
 def reject(entry: Exchange, reason: str) -> None:
-    entry.status = f"rejected: {reason}"
+    entry.status = ExchangeStatus(Outcome.REJECTED, reason)
     logger.warning("rejected %s reply of %s: %s", entry.phase, who(entry), reason)
 
 
@@ -134,7 +134,8 @@ def note_privacy(entry: Exchange, update: ClientUpdate) -> None:
         entry.epsilon = epsilon
     refused = refused_classes(update)
     if refused:
-        entry.status = f"{REFUSED}: privacy budget exhausted for {', '.join(refused)}"
+        why = f"privacy budget exhausted for {', '.join(refused)}"
+        entry.status = ExchangeStatus(Outcome.REFUSED, why)
         logger.info("%s refused %s: %s", who(entry), entry.phase, entry.status)
 
 

@@ -15,8 +15,8 @@ import gc
 import logging
 from collections.abc import Collection, Iterator
 
-from starfed.server.federation import Exchange
 from starfed.server.messaging import Reply, malformed, note_privacy, refused_classes, reject
+from starfed.server.records import Exchange
 from starfed.server.screening import Screen
 from starfed.server.strategy import PhaseState
 from starfed.shared.codebook import wire

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from starfed.server.federation import StepRecord, StepScores
+from starfed.server.records import StepRecord, StepScores
 from starfed.shared.metrics import AccuracyMatrix
 from starfed.shared.report import EvaluationReport
 

@@ -11,11 +11,12 @@ step holds each site to what it can show (docs/security.md):
   number of new classes per site and in all (``max-classes``: a codebook past one message
   reaches a site in parts, ``starfed.server.catch_up``); sites the operator's quarantine names
   sit out.
-- **in a codebook phase** (``PhaseScreen``): the count of a row capped by what the site
-  reported for that class at the sync (and, with ``max-class-share``, by its share of the
-  class's sync counts); rows for classes it did not report rejected; a row whose change from
-  the value the phase was sent with is beyond ``update-bound`` times the phase's median change
-  of that field (over the rows that changed) rejected; mixtures whose variances or means are
+- **in a codebook phase** (``PhaseScreen``, ``starfed.server.field_bounds``): the count of a
+  row capped by what the site reported for that class at the sync (and, with
+  ``max-class-share``, by its share of the class's sync counts); rows for classes it did not
+  report rejected; a row whose change from the value the phase was sent with is beyond
+  ``update-bound`` times the phase's median change of that field (over the rows that changed)
+  rejected; mixtures whose variances or means are
   over ``mixture-bound`` times the phase's medians (their E‖x‖², every component by its
   weight, over it times the median norm²), or whose variances are below any fit's, rejected.
   The bounds are learned from the replies themselves, so a phase is read twice: a first pass
@@ -34,21 +35,18 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
-
-import torch
+from dataclasses import dataclass
 
 from starfed.server.change_scale import ChangeScale
-from starfed.server.federation import Finding
+from starfed.server.field_bounds import Furthest, PhaseScreen
 from starfed.server.messaging import reject
+from starfed.server.records import QUARANTINED, REJECTED, Finding
 from starfed.shared import progress
-from starfed.shared.codebook.codebook import ClientUpdate, Codebook
-from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
+from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import Options, knob, parse_site_names
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import PRIVACY_EPSILON, Phase
+from starfed.shared.protocol import Phase
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -57,16 +55,6 @@ logger = logging.getLogger(__name__)
 #: over any number of sites a federation can have stays inside the wire's 64-bit counts.
 MAX_IMAGES = 2**31 - 1
 TEST_IMAGES_KEY = "test-images"  # sync metadata: the test images a site holds
-CAPPED, REJECTED, QUARANTINED = "capped", "rejected", "quarantined"
-#: No fitted variance is below the fitting's regularisation, which is added to every variance;
-#: half of it leaves room for rounding.
-VARIANCE_FLOOR = DEFAULT_REG / 2
-#: Sites that must send a field in a phase before their median sets its bound: with one the
-#: median is the sender's own change, with two the mean of an honest and a hostile one.
-MIN_SITES = 3
-#: The smallest per-element scale a tensor field starts at (prompts and heads are drawn with
-#: std 0.02, shared/model; head biases start at 0): a class's reference size is at least this.
-INIT_SCALE = 0.02
 
 
 @dataclass(frozen=True)
@@ -106,9 +94,8 @@ class Screen:
         self.enrolled: dict[str, Enrolled] = {}  # site -> its sync
         self.findings: list[Finding] = []
         self.quarantined: dict[str, str] = {}  # site -> why
-        # class -> (measure, site, what) of the kept row that went furthest this step: a tensor
-        # field's change, a mixture's largest mean norm; whom to name if a result is invalid
-        self.furthest: dict[str, tuple[float, str, str]] = {}
+        # class -> the kept row that went furthest this step: whom to name if a result is invalid
+        self.furthest: dict[str, Furthest] = {}
 
     # --- findings -------------------------------------------------------------------------
 
@@ -261,284 +248,3 @@ class Screen:
             self._reject(entry, f"reports {images} test images, holds {held} (its sync)")
             return False
         return True
-
-
-def _distance(value: torch.Tensor, sent: torch.Tensor) -> float:
-    """‖value − sent‖: in one float32 pass, which overflows past ≈ 1e19 per element; such
-    values are measured again in float64 (to ≈ 1e154), so a scaled row still has a size."""
-    distance = float(torch.dist(value, sent))
-    if math.isfinite(distance):
-        return distance
-    return float(torch.dist(value.double(), sent.double()))
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else math.nan
-
-
-def _by_site(rows: Iterable[tuple[str, float]]) -> float:
-    """The median over sites of each site's median: one vote per site, however many rows it
-    sends (a site bringing ten classes of its own does not own the phase's median)."""
-    per_site: dict[str, list[float]] = {}
-    for site, value in rows:
-        per_site.setdefault(site, []).append(value)
-    return _median([statistics.median(values) for values in per_site.values()])
-
-
-def reference_size(sent: torch.Tensor) -> float:
-    """A class's own size before the phase: its row's norm, at least the initialisation's
-    scale (``INIT_SCALE`` per element) — what no sender of the phase can move."""
-    return max(float(sent.norm()), INIT_SCALE * math.sqrt(sent.numel()))
-
-
-@dataclass
-class _Rows:
-    """What the first pass measured: per field, each row's change and its class's reference
-    size (``reference_size``); per mixture field, each row's largest variance of a component
-    (averaged over dimensions), its smallest variance, the largest norm of a component's mean,
-    the dimension, and its second moment (``second_moment``)."""
-
-    changes: dict[str, list[tuple[str, str, float, float]]] = field(default_factory=dict)
-    mixtures: dict[str, list[tuple[str, str, float, float, float, int, float]]] = field(
-        default_factory=dict
-    )
-
-
-def second_moment(mixture: GaussianMixture) -> float:
-    """E‖x‖² of the mixture's features: Σ_k w_k (‖μ_k‖² + Σ_d σ²_kd). Every component counts by
-    its weight, its mean and its spread: honest features of norm about r give about r² (the
-    median norm of the means), a component far away carrying the weight gives its distance²,
-    one of negligible weight almost nothing (replay draws it almost never)."""
-    per_component = mixture.means.double().pow(2).sum(1) + mixture.variances.double().sum(1)
-    return float((mixture.weights.double() * per_component).sum())
-
-
-class PhaseScreen:
-    """One phase round's screening: ``observe`` every decoded update (first pass), ``decide``,
-    then ``apply`` to each again (second pass, same order)."""
-
-    def __init__(self, screen: Screen, phase: Phase, round_index: int, codebook: Codebook):
-        self.screen = screen
-        self.phase = phase
-        self.round = round_index
-        self.codebook = codebook
-        self.rows = _Rows()
-        self.rejected: set[tuple[str, str]] = set()  # (site, class)
-        self.capped: dict[tuple[str, str], int] = {}  # (site, class) -> count
-        # sites that declare a privacy setting: their rows carry calibrated noise, not the
-        # scale of training (neither observed for ``ChangeScale`` nor held to it)
-        self.private: set[str] = set()
-
-    def _note(self, site: str, action: str, reason: str, name: str = "") -> None:
-        self.screen.note(site, self.phase.key, self.round, action, reason, name)
-
-    def observe(self, site: str, update: ClientUpdate) -> None:
-        """First pass: check counts and classes against the sync; measure every row."""
-        if site in self.screen.quarantined:
-            return
-        if PRIVACY_EPSILON in update.metadata:
-            self.private.add(site)
-        caps = self.screen.caps(site)
-        for entry in update.entries:
-            key = (site, entry.name)
-            cap = caps.get(class_key(entry.name))
-            if cap is None:
-                self.rejected.add(key)
-                self._note(site, REJECTED, "a class it did not report at the sync", entry.name)
-                continue
-            counts = [entry.count] + [
-                v.count for v in entry.values.values() if isinstance(v, GaussianMixture)
-            ]
-            if max(counts) > cap:
-                self.capped[key] = cap
-                synced = self.screen.enrolled[site].counts[class_key(entry.name)]
-                why = f"its sync reported {synced}" if cap == synced else "max-class-share"
-                self._note(site, CAPPED, f"count {max(counts)} capped at {cap} ({why})",
-                           entry.name)  # fmt: skip
-            sent = self.codebook[entry.name].values
-            for name, value in entry.values.items():
-                if isinstance(value, GaussianMixture):
-                    self.rows.mixtures.setdefault(name, []).append((
-                        site, entry.name, float(value.variances.mean(1).max()),
-                        float(value.variances.min()), float(value.means.norm(dim=1).max()),
-                        value.dim, second_moment(value),
-                    ))  # fmt: skip
-                elif name in sent:
-                    held = self.codebook[entry.name].tensor(name)
-                    change = _distance(value, held)
-                    self.rows.changes.setdefault(name, []).append(
-                        (site, entry.name, change, reference_size(held))
-                    )
-
-    def frozen_rows(self, site: str, names: list[str]) -> None:
-        """Rows for finished (frozen) classes: no site trains them (``client.site``), so they
-        are a finding, not merged."""
-        for name in names:
-            self._reject_row(site, name, "rows for a finished (frozen) class")
-
-    def decide(self) -> None:
-        """The bounds of what was observed; the rows beyond them rejected."""
-        options = self.screen.options
-        if options.update_bound or options.reference_bound or options.history_bound:
-            for name, rows in self.rows.changes.items():
-                self._bound_changes(name, rows)
-        if self.screen.options.mixture_bound:
-            for name, stats in self.rows.mixtures.items():
-                self._bound_mixtures(name, stats)
-        self._note_furthest()
-
-    def _reject_row(self, site: str, cls: str, problem: str) -> None:
-        if (site, cls) not in self.rejected:
-            self.rejected.add((site, cls))
-            self._note(site, REJECTED, problem, cls)
-
-    def _bound_changes(self, name: str, rows: list[tuple[str, str, float, float]]) -> None:
-        """Where ``MIN_SITES`` sites or more moved the field: ``update-bound`` × the median over
-        sites of their changes (and the kept rows are this step's observations of the scale of
-        honest changes). Where fewer did, their median is no bound (a lone sender's is its own
-        change): each row is held to the tighter of ``reference-bound`` × its class's own size
-        and ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (a
-        private site's to the first only: its noise is not the scale of training)."""
-        options = self.screen.options
-        # Rows that did not move say nothing of how far training moves one: a site that holds
-        # a single class of its task has a one-logit loss and sends its rows back unchanged,
-        # and with many small sites those are most rows (a median of 0 would reject every
-        # site that trained at all).
-        moved = [(site, change) for site, _, change, _ in rows if change > 0]
-        if not moved:
-            return
-        senders = len({site for site, _ in moved})
-        if senders < MIN_SITES:
-            self._bound_lone(name, rows, senders)
-            return
-        if options.update_bound:
-            median = _by_site(moved)
-            largest = max(change for _, change in moved)
-            logger.info("screening %s/%d %s: largest change %.3g × the median over %d sites "
-                        "(bound %g)", self.phase.key, self.round, name,
-                        largest / max(median, 1e-300), senders, options.update_bound)  # fmt: skip
-            for site, cls, change, _ in rows:
-                if change > options.update_bound * median:
-                    self._reject_row(site, cls, f"{name} changed by {change:.3g}, over "
-                                     f"{options.update_bound:g} × the median over "
-                                     f"{senders} sites {median:.3g}")  # fmt: skip
-        kept = [(site, change / size) for site, cls, change, size in rows
-                if change > 0 and (site, cls) not in self.rejected
-                and site not in self.private]  # fmt: skip
-        if len({site for site, _ in kept}) >= MIN_SITES:
-            per_site: dict[str, list[float]] = {}
-            for site, ratio in kept:
-                per_site.setdefault(site, []).append(ratio)
-            observed = self.screen.observed.setdefault(name, [])
-            observed += [statistics.median(ratios) for ratios in per_site.values()]
-
-    def _bound_lone(self, name: str, rows: list, senders: int) -> None:
-        options = self.screen.options
-        scale = self.screen.scale.reference(name)
-        sent_by = f"sent by {senders} site{'s' * (senders > 1)}: no median"
-        for site, cls, change, size in rows:
-            limits = []
-            if options.reference_bound:
-                limits.append(
-                    (
-                        options.reference_bound * size,
-                        f"{options.reference_bound:g} × the class's size {size:.3g}",
-                    )
-                )
-            if options.history_bound and scale is not None and site not in self.private:
-                limits.append(
-                    (
-                        options.history_bound * scale * size,
-                        f"{options.history_bound:g} × the scale of honest changes in "
-                        f"earlier steps ({scale:.3g} × the class's size {size:.3g})",
-                    )
-                )
-            if limits and change > min(limits)[0]:
-                self._reject_row(site, cls, f"{name} changed by {change:.3g}, over "
-                                 f"{min(limits)[1]} ({sent_by})")  # fmt: skip
-
-    def _mixture_reference(self, name: str, rows: list) -> tuple[float, str]:
-        """The mean norm a field's mixtures are measured by, and what it is: the median over
-        sites where ``MIN_SITES`` or more send; else the median of the mixtures the codebook
-        already holds (fitted and screened in earlier steps); else, in a federation's first
-        fit by fewer sites, the senders' own median (docs/security.md)."""
-        if len({r[0] for r in rows}) < MIN_SITES:
-            held = [
-                float(entry.mixture(name).means.norm(dim=1).max())
-                for entry in self.codebook.entries.values()
-                if name in entry.values
-            ]
-            if held:
-                return _median(held), "the median of the codebook's fitted mixtures"
-        return _by_site((r[0], r[4]) for r in rows), "the median over sites"
-
-    def _bound_mixtures(self, name: str, rows: list) -> None:
-        factor = self.screen.options.mixture_bound
-        # Features of norm about r spread by at most about r² / D per dimension, so the
-        # median norm of the means bounds plausible variances; a median of variances would
-        # not (sites with few images fit components at the variance floor).
-        norm, what = self._mixture_reference(name, rows)
-        variance = max(norm**2 / rows[0][5], DEFAULT_REG)
-        logger.info(
-            "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g × %s, "
-            "E‖x‖² %.3g × norm², smallest variance %.3g (bound %g)", self.phase.key, name,
-            max(r[2] for r in rows) / variance, max(r[4] for r in rows) / max(norm, 1e-12),
-            what, max(r[6] for r in rows) / (variance * rows[0][5]), min(r[3] for r in rows),
-            factor,
-        )  # fmt: skip
-        for site, cls, hi, lo, n, dim, moment in rows:
-            problem = None
-            if hi > factor * variance:
-                problem = (f"{name} variances up to {hi:.3g}, over {factor:g} × "
-                           f"{variance:.3g} (the reference mean norm² / D)")  # fmt: skip
-            elif lo < VARIANCE_FLOOR:
-                problem = f"{name} variances down to {lo:.3g}, below any fit's"
-            elif n > factor * max(norm, 1e-12):
-                problem = f"{name} means of norm {n:.3g}, over {factor:g} × {what}"
-            elif moment > factor * variance * dim:
-                problem = (f"{name} weighted E‖x‖² {moment:.3g}, over {factor:g} × "
-                           f"{variance * dim:.3g} (the reference mean norm²)")  # fmt: skip
-            if problem:
-                self._reject_row(site, cls, problem)
-
-    def _note_furthest(self) -> None:
-        """Per class, the kept row that went furthest (``Screen.furthest``), from what the first
-        pass measured: no second look at the values."""
-        measured = [
-            (change, site, cls, f"{name} changed by {change:.3g}")
-            for name, rows in self.rows.changes.items()
-            for site, cls, change, _ in rows
-        ] + [
-            (norm, site, cls, f"{name} means of norm up to {norm:.3g}")
-            for name, rows in self.rows.mixtures.items()
-            for site, cls, _, _, norm, _, _ in rows
-        ]  # fmt: skip
-        furthest = self.screen.furthest
-        for measure, site, cls, what in measured:
-            kept = (site, cls) not in self.rejected and site not in self.screen.quarantined
-            if kept and measure > furthest.get(cls, (-1.0, "", ""))[0]:
-                furthest[cls] = (measure, site, what)
-
-    def apply(self, site: str, update: ClientUpdate) -> ClientUpdate | None:
-        """Second pass: the update as it may be merged (None: its site is quarantined)."""
-        if site in self.screen.quarantined:
-            return None
-        entries = []
-        for entry in update.entries:
-            key = (site, entry.name)
-            if key in self.rejected:
-                continue
-            if key in self.capped:
-                entry = _capped(entry, self.capped[key])
-            entries.append(entry)
-        return replace(update, entries=tuple(entries))
-
-
-def _capped(entry, cap: int):
-    """The entry with its count, and its mixtures' counts, at most ``cap``."""
-    values = {
-        name: replace(value, count=min(value.count, cap))
-        if isinstance(value, GaussianMixture) else value
-        for name, value in entry.values.items()
-    }  # fmt: skip
-    return replace(entry, count=min(entry.count, cap), values=values)

@@ -15,12 +15,11 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from starfed.server.federation import (
-    COMPLETED,
-    DEGRADED,
-    FAILED,
+from starfed.server.federation import COMPLETED, DEGRADED, FAILED
+from starfed.server.records import (
     Exchange,
     Finding,
+    PhaseRound,
     PhaseTime,
     StepRecord,
     StepScores,
@@ -59,7 +58,7 @@ class RunLog:
         """The enrolment found nothing in play: the run is over — unless sites failed to
         answer, which says nothing about what they hold (all failed: the run failed; some:
         degraded). The line to print."""
-        failed = [e for e in exchanges if e.status != "ok"]
+        failed = [e for e in exchanges if e.failed]
         if failed and len(failed) == len(exchanges):
             self.status = FAILED
             self.reason = f"no site answered the sync ({failed[0].site}: {failed[0].status})"
@@ -138,12 +137,14 @@ def blame(phase: Phase, err: CodebookError, screen: Screen) -> str:
     detail = str(err).removeprefix(f"{name}/{field_name}: ")
     furthest = screen.furthest.get(name) if name else None
     source = "" if furthest is None else (
-        f"; the furthest update to it came from site {furthest[1]} ({furthest[2]})"
+        f"; the furthest update to it came from site {furthest.site} ({furthest.what})"
     )  # fmt: skip
     return f"the {phase.key} result is invalid at {where}: {detail}{source}"
 
 
-def findings_kept(findings: Iterable[Finding], not_repeated: set[str]) -> list[Finding]:
+def findings_kept(
+    findings: Iterable[Finding], not_repeated: set[PhaseRound]
+) -> list[Finding]:
     """Of the findings saved ahead of a resumed step's checkpoints, those of the phases it does
-    not repeat (``not_repeated``: its position's "<phase>/<round>" marks)."""
-    return [f for f in findings if f"{f.phase}/{f.round}" in not_repeated]
+    not repeat (``not_repeated``: its position's marks)."""
+    return [f for f in findings if PhaseRound(f.phase, f.round) in not_repeated]

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from starfed.server import replay
-from starfed.server.federation import StepScores
+from starfed.server.records import StepScores
 from starfed.server.scores import aggregate
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.merge import MergeAccumulator

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from starfed.server.federation import StepScores
+from starfed.server.records import StepScores
 from starfed.server.scores import aggregate
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.images import skipped_files

@@ -24,12 +24,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-from starfed.server.federation import Federation, FederationError
+from starfed.server.federation import Federation
+from starfed.server.folder_files import FederationError
 from starfed.server.ops import exit_codes, flower_runs, processes
 from starfed.server.ops.flower_runs import COMPLETED, FlowerCli, FlowerRunError, RunOutcome
 from starfed.server.ops.processes import ProcessId
@@ -291,7 +291,7 @@ def report_interrupted(run_dir: Path, outcome: RunOutcome, superlink_log: Path) 
     marker = {
         "interrupted_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "run_id": outcome.run_id,
-        "position": None if position is None else asdict(position),
+        "position": None if position is None else position.to_json(),
         "codebook_version": None if checkpoint is None else checkpoint.version,
     }
     (run_dir / INTERRUPTED_FILE).write_text(json.dumps(marker, indent=2) + "\n")
@@ -302,7 +302,7 @@ def report_interrupted(run_dir: Path, outcome: RunOutcome, superlink_log: Path) 
             else f"after {counted(position.step, 'step')}"
         )
     else:
-        where = f"during step {position.step + 1} ({', '.join(position.done) or 'no phase'} done)"
+        where = f"during step {position.step + 1} ({position.done_text() or 'no phase'} done)"
     print(
         f"interrupted: run {outcome.run_id} stopped {where}; marked in "
         f"{run_dir / INTERRUPTED_FILE}",

@@ -26,10 +26,11 @@ import pytest
 from process_sampler import marked
 from site_folders import site_folder
 
-from starfed.server.federation import Checkpoint, Federation
+from starfed.server.federation import Federation
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.processes import ProcessId, descendants, free_port, send_signal
 from starfed.server.ops.superlink import RunRecord
+from starfed.server.records import Checkpoint
 
 MARKER = "STARFED_ROUND_TEST"
 SITE_MARKER = "STARFED_ROUND_TEST_SITE"  # which site a process belongs to

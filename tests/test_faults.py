@@ -41,20 +41,19 @@ from starfed.proto import codebook_pb2 as pb
 from starfed.server import federation as federation_module
 from starfed.server import folder_check, folder_lock
 from starfed.server.app import RunFailed
-from starfed.server.federation import (
+from starfed.server.federation import COMPLETED, Federation
+from starfed.server.folder_files import (
     CODEBOOK_FILE,
-    COMPLETED,
     HISTORY_FILE,
     PENDING_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
-    Federation,
     FederationError,
-    Position,
 )
 from starfed.server.ops import clock, fleet_proxy, pki
 from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
 from starfed.server.ops.layout import ServerFolder
+from starfed.server.records import Position
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry

@@ -22,17 +22,9 @@ from rich.console import Console
 from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import RunFailed, run_server
-from starfed.server.federation import (
-    CODEBOOK_FILE,
-    STEP_FINDINGS_FILE,
-    Exchange,
-    FederationError,
-    Finding,
-    PhaseTime,
-    StepRecord,
-    StepScores,
-)
 from starfed.server.federation import Federation as FederationFolder
+from starfed.server.folder_files import CODEBOOK_FILE, STEP_FINDINGS_FILE, FederationError
+from starfed.server.records import Exchange, Finding, PhaseTime, StepRecord, StepScores
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.schema import ModelDims

@@ -23,7 +23,7 @@ from test_paper_dims import PAPER_DIMS, one_step_config
 from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import run_server
-from starfed.server.federation import CODEBOOK_FILE
+from starfed.server.folder_files import CODEBOOK_FILE
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.mixture_fit import fit_mixtures_batched

@@ -22,7 +22,7 @@ from site_folders import BUNDLED, CLASSES
 
 from starfed.cli import main
 from starfed.client import answer
-from starfed.server.federation import CODEBOOK_FILE
+from starfed.server.folder_files import CODEBOOK_FILE
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.codebook.schema import ModelDims

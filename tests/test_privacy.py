@@ -28,7 +28,7 @@ from starfed.client.memory import SiteMemory
 from starfed.client.ops.site_options import SiteOptions
 from starfed.client.privacy import PrivacySetting, PrivateReleases
 from starfed.server.app import run_server
-from starfed.server.federation import CODEBOOK_FILE
+from starfed.server.folder_files import CODEBOOK_FILE
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.schema import ModelDims

@@ -32,7 +32,9 @@ from starfed.client.memory import SiteMemory
 from starfed.client.site import Site
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import run_server
-from starfed.server.federation import CODEBOOK_FILE, Federation, Position
+from starfed.server.federation import Federation
+from starfed.server.folder_files import CODEBOOK_FILE
+from starfed.server.records import Position
 from starfed.server.strategy import ConfigValue, PhaseState, Strategy
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook

@@ -21,7 +21,8 @@ from in_process import TINY_RUN, Crash, run_grid
 from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
-from starfed.server.federation import CODEBOOK_FILE, Federation
+from starfed.server.federation import Federation
+from starfed.server.folder_files import CODEBOOK_FILE
 from starfed.server.strategy import PhaseState, Strategy
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook

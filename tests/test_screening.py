@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from starfed.server.change_scale import FILE, ChangeScale
-from starfed.server.federation import Exchange
+from starfed.server.field_bounds import reference_size
+from starfed.server.records import Exchange
 from starfed.server.robust import MedianStrategy, robust
-from starfed.server.screening import Screen, ScreeningOptions, reference_size
+from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import PhaseState, Strategy
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry

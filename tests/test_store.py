@@ -19,18 +19,15 @@ from codebooks import full_entry
 
 from starfed.cli import main as cli_main
 from starfed.server import folder_check, folder_repair
-from starfed.server.federation import (
+from starfed.server.federation import COMPLETED, FAILED, Federation
+from starfed.server.folder_files import (
     CHECKPOINTS_DIR,
     CODEBOOK_FILE,
-    COMPLETED,
-    FAILED,
     HISTORY_FILE,
     PREVIOUS_FILE,
     STEP_START_FILE,
-    Federation,
-    Position,
-    StepRecord,
 )
+from starfed.server.records import Position, StepRecord
 from starfed.server.serving import export
 from starfed.shared.codebook import framing, schema, store, stored, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError

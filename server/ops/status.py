@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from starfed.server import folder_check
-from starfed.server.federation import (
+from starfed.server.federation import Federation
+from starfed.server.folder_files import (
     CODEBOOK_FILE,
     HISTORY_FILE,
     IDENTITY_FILE,
@@ -31,15 +32,12 @@ from starfed.server.federation import (
     QUARANTINE_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
-    Exchange,
-    Federation,
     FederationError,
-    Finding,
-    StepRecord,
 )
 from starfed.server.ops import flower_runs, sites, superlink
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.processes import ProcessError
+from starfed.server.records import Exchange, Finding, StepRecord
 
 RECENT_STEPS = 3  # steps whose failed exchanges and screening findings count as recent
 #: A site whose last exchanges failed, whatever Flower says of it (an online site can fail
@@ -295,7 +293,7 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
     frozen: frozenset[str] = frozenset()
     if checkpoint is not None:
         status.codebook_version = checkpoint.version
-        status.position = asdict(checkpoint.position)
+        status.position = checkpoint.position.to_json()
         frozen = checkpoint.frozen
         unregistered = [name for name in checkpoint.classes if name not in federation.registry]
         if unregistered:
@@ -315,7 +313,7 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
     status.sites = _site_rows(history, (run[1], unrecorded) if run else None)
     recent = {r.step for r in history[-RECENT_STEPS:]}
     status.errors = [
-        ErrorRow(_name(e), e.step, e.phase, e.round, e.status)
+        ErrorRow(_name(e), e.step, e.phase, e.round, str(e.status))
         for e in [e for r in history if r.step in recent for e in r.exchanges] + unrecorded
         if e.failed
     ]
@@ -394,7 +392,8 @@ def _failing(
     for _, exchanges in sorted(batches, key=lambda batch: batch[0]):
         for e in exchanges:
             if e.failed:
-                streak[_name(e)] = (e.node_id, e.status, streak.get(_name(e), (0, "", 0))[2] + 1)
+                count = streak.get(_name(e), (0, "", 0))[2] + 1
+                streak[_name(e)] = (e.node_id, str(e.status), count)
             else:
                 streak.pop(_name(e), None)
     return streak

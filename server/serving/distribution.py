@@ -27,7 +27,8 @@ import grpc
 
 from starfed.proto import distribution_pb2 as pb
 from starfed.proto import distribution_pb2_grpc as pb_grpc
-from starfed.server.federation import CODEBOOK_FILE, Federation, FederationError
+from starfed.server.federation import Federation
+from starfed.server.folder_files import CODEBOOK_FILE, FederationError
 from starfed.server.serving.export import Deployable, deployable
 from starfed.shared.addresses import format_address, is_loopback, parse_address
 from starfed.shared.codebook.lineage import Lineage

@@ -23,7 +23,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from starfed.server.federation import Federation, FederationError, now
+from starfed.server.federation import Federation
+from starfed.server.folder_files import FederationError
+from starfed.server.records import now
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.deployment import CONFIDENCE_KEY, deployment_metadata

@@ -1,0 +1,355 @@
+"""One phase round's screening: every row of a codebook phase measured, then held to bounds.
+
+A phase is read twice (``starfed.server.screening`` says what the screening believes of a site
+and why): ``PhaseScreen.observe`` checks each reply's counts and classes against the site's
+sync and measures every row (``Change``, ``MixtureRow``); ``decide`` sets each field's bounds
+from what was measured and rejects the rows beyond them; ``apply`` hands on the screened
+updates. Costs: one pass over the reply's values per site and a median per field, linear in
+the rows (sites × classes) of the phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from starfed.server.records import CAPPED, REJECTED
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.entry import ClassEntry
+from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
+from starfed.shared.data.site_folder import class_key
+from starfed.shared.protocol import PRIVACY_EPSILON, Phase
+
+if TYPE_CHECKING:
+    from starfed.server.screening import Screen
+
+logger = logging.getLogger(__name__)
+
+#: No fitted variance is below the fitting's regularisation, which is added to every variance;
+#: half of it leaves room for rounding.
+VARIANCE_FLOOR = DEFAULT_REG / 2
+#: Sites that must send a field in a phase before their median sets its bound: with one the
+#: median is the sender's own change, with two the mean of an honest and a hostile one.
+MIN_SITES = 3
+#: The smallest per-element scale a tensor field starts at (prompts and heads are drawn with
+#: std 0.02, shared/model; head biases start at 0): a class's reference size is at least this.
+INIT_SCALE = 0.02
+
+
+def _distance(value: torch.Tensor, sent: torch.Tensor) -> float:
+    """‖value − sent‖: in one float32 pass, which overflows past ≈ 1e19 per element; such
+    values are measured again in float64 (to ≈ 1e154), so a scaled row still has a size."""
+    distance = float(torch.dist(value, sent))
+    if math.isfinite(distance):
+        return distance
+    return float(torch.dist(value.double(), sent.double()))
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def _by_site(rows: Iterable[tuple[str, float]]) -> float:
+    """The median over sites of each site's median: one vote per site, however many rows it
+    sends (a site bringing ten classes of its own does not own the phase's median)."""
+    per_site: dict[str, list[float]] = {}
+    for site, value in rows:
+        per_site.setdefault(site, []).append(value)
+    return _median([statistics.median(values) for values in per_site.values()])
+
+
+def reference_size(sent: torch.Tensor) -> float:
+    """A class's own size before the phase: its row's norm, at least the initialisation's
+    scale (``INIT_SCALE`` per element) — what no sender of the phase can move."""
+    return max(float(sent.norm()), INIT_SCALE * math.sqrt(sent.numel()))
+
+
+@dataclass(frozen=True)
+class Change:
+    """One row's change in a tensor field, and its class's reference size
+    (``reference_size``)."""
+
+    site: str
+    cls: str
+    change: float
+    size: float
+
+
+@dataclass(frozen=True)
+class MixtureRow:
+    """What one row's mixture field measures: the largest variance of a component (averaged
+    over dimensions), the smallest variance, the largest norm of a component's mean, the
+    dimension, and the second moment (``second_moment``)."""
+
+    site: str
+    cls: str
+    variance: float
+    smallest: float
+    norm: float
+    dim: int
+    moment: float
+
+
+class Furthest(NamedTuple):
+    """The kept row that went furthest in a class this step (``Screen.furthest``): its
+    measure (a tensor field's change, a mixture's largest mean norm), its site and what."""
+
+    measure: float
+    site: str
+    what: str
+
+
+@dataclass
+class _Rows:
+    """What the first pass measured, per field."""
+
+    changes: dict[str, list[Change]] = field(default_factory=dict)
+    mixtures: dict[str, list[MixtureRow]] = field(default_factory=dict)
+
+
+def second_moment(mixture: GaussianMixture) -> float:
+    """E‖x‖² of the mixture's features: Σ_k w_k (‖μ_k‖² + Σ_d σ²_kd). Every component counts by
+    its weight, its mean and its spread: honest features of norm about r give about r² (the
+    median norm of the means), a component far away carrying the weight gives its distance²,
+    one of negligible weight almost nothing (replay draws it almost never)."""
+    per_component = mixture.means.double().pow(2).sum(1) + mixture.variances.double().sum(1)
+    return float((mixture.weights.double() * per_component).sum())
+
+
+class PhaseScreen:
+    """One phase round's screening: ``observe`` every decoded update (first pass), ``decide``,
+    then ``apply`` to each again (second pass, same order)."""
+
+    def __init__(self, screen: Screen, phase: Phase, round_index: int, codebook: Codebook):
+        self.screen = screen
+        self.phase = phase
+        self.round = round_index
+        self.codebook = codebook
+        self.rows = _Rows()
+        self.rejected: set[tuple[str, str]] = set()  # (site, class)
+        self.capped: dict[tuple[str, str], int] = {}  # (site, class) -> count
+        # sites that declare a privacy setting: their rows carry calibrated noise, not the
+        # scale of training (neither observed for ``ChangeScale`` nor held to it)
+        self.private: set[str] = set()
+
+    def _note(self, site: str, action: str, reason: str, name: str = "") -> None:
+        self.screen.note(site, self.phase.key, self.round, action, reason, name)
+
+    def observe(self, site: str, update: ClientUpdate) -> None:
+        """First pass: check counts and classes against the sync; measure every row."""
+        if site in self.screen.quarantined:
+            return
+        if PRIVACY_EPSILON in update.metadata:
+            self.private.add(site)
+        caps = self.screen.caps(site)
+        for entry in update.entries:
+            key = (site, entry.name)
+            cap = caps.get(class_key(entry.name))
+            if cap is None:
+                self.rejected.add(key)
+                self._note(site, REJECTED, "a class it did not report at the sync", entry.name)
+                continue
+            counts = [entry.count] + [
+                v.count for v in entry.values.values() if isinstance(v, GaussianMixture)
+            ]
+            if max(counts) > cap:
+                self.capped[key] = cap
+                synced = self.screen.enrolled[site].counts[class_key(entry.name)]
+                why = f"its sync reported {synced}" if cap == synced else "max-class-share"
+                self._note(site, CAPPED, f"count {max(counts)} capped at {cap} ({why})",
+                           entry.name)  # fmt: skip
+            sent = self.codebook[entry.name].values
+            for name, value in entry.values.items():
+                if isinstance(value, GaussianMixture):
+                    self.rows.mixtures.setdefault(name, []).append(MixtureRow(
+                        site, entry.name, float(value.variances.mean(1).max()),
+                        float(value.variances.min()), float(value.means.norm(dim=1).max()),
+                        value.dim, second_moment(value),
+                    ))  # fmt: skip
+                elif name in sent:
+                    held = self.codebook[entry.name].tensor(name)
+                    change = _distance(value, held)
+                    self.rows.changes.setdefault(name, []).append(
+                        Change(site, entry.name, change, reference_size(held))
+                    )
+
+    def frozen_rows(self, site: str, names: list[str]) -> None:
+        """Rows for finished (frozen) classes: no site trains them (``client.site``), so they
+        are a finding, not merged."""
+        for name in names:
+            self._reject_row(site, name, "rows for a finished (frozen) class")
+
+    def decide(self) -> None:
+        """The bounds of what was observed; the rows beyond them rejected."""
+        options = self.screen.options
+        if options.update_bound or options.reference_bound or options.history_bound:
+            for name, rows in self.rows.changes.items():
+                self._bound_changes(name, rows)
+        if self.screen.options.mixture_bound:
+            for name, stats in self.rows.mixtures.items():
+                self._bound_mixtures(name, stats)
+        self._note_furthest()
+
+    def _reject_row(self, site: str, cls: str, problem: str) -> None:
+        if (site, cls) not in self.rejected:
+            self.rejected.add((site, cls))
+            self._note(site, REJECTED, problem, cls)
+
+    def _bound_changes(self, name: str, rows: list[Change]) -> None:
+        """Where ``MIN_SITES`` sites or more moved the field: ``update-bound`` × the median over
+        sites of their changes (and the kept rows are this step's observations of the scale of
+        honest changes). Where fewer did, their median is no bound (a lone sender's is its own
+        change): each row is held to the tighter of ``reference-bound`` × its class's own size
+        and ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (a
+        private site's to the first only: its noise is not the scale of training)."""
+        options = self.screen.options
+        # Rows that did not move say nothing of how far training moves one: a site that holds
+        # a single class of its task has a one-logit loss and sends its rows back unchanged,
+        # and with many small sites those are most rows (a median of 0 would reject every
+        # site that trained at all).
+        moved = [(row.site, row.change) for row in rows if row.change > 0]
+        if not moved:
+            return
+        senders = len({site for site, _ in moved})
+        if senders < MIN_SITES:
+            self._bound_lone(name, rows, senders)
+            return
+        if options.update_bound:
+            median = _by_site(moved)
+            largest = max(change for _, change in moved)
+            logger.info("screening %s/%d %s: largest change %.3g × the median over %d sites "
+                        "(bound %g)", self.phase.key, self.round, name,
+                        largest / max(median, 1e-300), senders, options.update_bound)  # fmt: skip
+            for row in rows:
+                if row.change > options.update_bound * median:
+                    self._reject_row(row.site, row.cls, f"{name} changed by {row.change:.3g}, over "
+                                     f"{options.update_bound:g} × the median over "
+                                     f"{senders} sites {median:.3g}")  # fmt: skip
+        kept = [(row.site, row.change / row.size) for row in rows
+                if row.change > 0 and (row.site, row.cls) not in self.rejected
+                and row.site not in self.private]  # fmt: skip
+        if len({site for site, _ in kept}) >= MIN_SITES:
+            per_site: dict[str, list[float]] = {}
+            for site, ratio in kept:
+                per_site.setdefault(site, []).append(ratio)
+            observed = self.screen.observed.setdefault(name, [])
+            observed += [statistics.median(ratios) for ratios in per_site.values()]
+
+    def _bound_lone(self, name: str, rows: list[Change], senders: int) -> None:
+        options = self.screen.options
+        scale = self.screen.scale.reference(name)
+        sent_by = f"sent by {senders} site{'s' * (senders > 1)}: no median"
+        for row in rows:
+            site, size = row.site, row.size
+            limits = []
+            if options.reference_bound:
+                limits.append(
+                    (
+                        options.reference_bound * size,
+                        f"{options.reference_bound:g} × the class's size {size:.3g}",
+                    )
+                )
+            if options.history_bound and scale is not None and site not in self.private:
+                limits.append(
+                    (
+                        options.history_bound * scale * size,
+                        f"{options.history_bound:g} × the scale of honest changes in "
+                        f"earlier steps ({scale:.3g} × the class's size {size:.3g})",
+                    )
+                )
+            if limits and row.change > min(limits)[0]:
+                self._reject_row(site, row.cls, f"{name} changed by {row.change:.3g}, over "
+                                 f"{min(limits)[1]} ({sent_by})")  # fmt: skip
+
+    def _mixture_reference(self, name: str, rows: list[MixtureRow]) -> tuple[float, str]:
+        """The mean norm a field's mixtures are measured by, and what it is: the median over
+        sites where ``MIN_SITES`` or more send; else the median of the mixtures the codebook
+        already holds (fitted and screened in earlier steps); else, in a federation's first
+        fit by fewer sites, the senders' own median (docs/security.md)."""
+        if len({r.site for r in rows}) < MIN_SITES:
+            held = [
+                float(entry.mixture(name).means.norm(dim=1).max())
+                for entry in self.codebook.entries.values()
+                if name in entry.values
+            ]
+            if held:
+                return _median(held), "the median of the codebook's fitted mixtures"
+        return _by_site((r.site, r.norm) for r in rows), "the median over sites"
+
+    def _bound_mixtures(self, name: str, rows: list[MixtureRow]) -> None:
+        factor = self.screen.options.mixture_bound
+        # Features of norm about r spread by at most about r² / D per dimension, so the
+        # median norm of the means bounds plausible variances; a median of variances would
+        # not (sites with few images fit components at the variance floor).
+        norm, what = self._mixture_reference(name, rows)
+        variance = max(norm**2 / rows[0].dim, DEFAULT_REG)
+        logger.info(
+            "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g × %s, "
+            "E‖x‖² %.3g × norm², smallest variance %.3g (bound %g)", self.phase.key, name,
+            max(r.variance for r in rows) / variance, max(r.norm for r in rows) / max(norm, 1e-12),
+            what, max(r.moment for r in rows) / (variance * rows[0].dim),
+            min(r.smallest for r in rows),
+            factor,
+        )  # fmt: skip
+        for row in rows:
+            problem = None
+            if row.variance > factor * variance:
+                problem = (f"{name} variances up to {row.variance:.3g}, over {factor:g} × "
+                           f"{variance:.3g} (the reference mean norm² / D)")  # fmt: skip
+            elif row.smallest < VARIANCE_FLOOR:
+                problem = f"{name} variances down to {row.smallest:.3g}, below any fit's"
+            elif row.norm > factor * max(norm, 1e-12):
+                problem = f"{name} means of norm {row.norm:.3g}, over {factor:g} × {what}"
+            elif row.moment > factor * variance * row.dim:
+                problem = (f"{name} weighted E‖x‖² {row.moment:.3g}, over {factor:g} × "
+                           f"{variance * row.dim:.3g} (the reference mean norm²)")  # fmt: skip
+            if problem:
+                self._reject_row(row.site, row.cls, problem)
+
+    def _note_furthest(self) -> None:
+        """Per class, the kept row that went furthest (``Screen.furthest``), from what the first
+        pass measured: no second look at the values."""
+        measured = [
+            (row.cls, Furthest(row.change, row.site, f"{name} changed by {row.change:.3g}"))
+            for name, rows in self.rows.changes.items()
+            for row in rows
+        ] + [
+            (row.cls, Furthest(row.norm, row.site, f"{name} means of norm up to {row.norm:.3g}"))
+            for name, rows in self.rows.mixtures.items()
+            for row in rows
+        ]  # fmt: skip
+        furthest = self.screen.furthest
+        for cls, row in measured:
+            kept = (row.site, cls) not in self.rejected and row.site not in self.screen.quarantined
+            if kept and row.measure > (furthest[cls].measure if cls in furthest else -1.0):
+                furthest[cls] = row
+
+    def apply(self, site: str, update: ClientUpdate) -> ClientUpdate | None:
+        """Second pass: the update as it may be merged (None: its site is quarantined)."""
+        if site in self.screen.quarantined:
+            return None
+        entries = []
+        for entry in update.entries:
+            key = (site, entry.name)
+            if key in self.rejected:
+                continue
+            if key in self.capped:
+                entry = _capped(entry, self.capped[key])
+            entries.append(entry)
+        return replace(update, entries=tuple(entries))
+
+
+def _capped(entry: ClassEntry, cap: int) -> ClassEntry:
+    """The entry with its count, and its mixtures' counts, at most ``cap``."""
+    values = {
+        name: replace(value, count=min(value.count, cap))
+        if isinstance(value, GaussianMixture) else value
+        for name, value in entry.values.items()
+    }  # fmt: skip
+    return replace(entry, count=min(entry.count, cap), values=values)

@@ -1,0 +1,141 @@
+"""The federation folder's files: their names, the folder's identity, and the reads that need
+no ``Federation`` (``server.folder_check`` and ``folder_repair`` work on damaged folders). The
+folder holds::
+
+
+    federation.json   its identity: id, creation time, backbone fingerprint and dims
+    codebook.bin      the manifest of the codebook with mixtures after the last completed phase
+                      (``shared.codebook.store``), and in its metadata the protocol position
+                      (the step, its completed phases, the classes in play): one small atomic
+                      file, so a checkpoint is never half written
+    codebook-store/   the codebooks' bytes: bases and the records of what each save changed,
+                      shared by the manifests (a save writes what changed, ``stored``)
+    previous.bin      the checkpoint before the current one (the last good one beside it)
+    step-start.bin    the codebook when the step in progress started (a failed step rolls back)
+    checkpoints/      the codebook after each completed step, ``step-NNNN.bin`` (1-based), the
+                      newest ``checkpoints-kept`` of them (0: all): what ``repair`` rolls back to
+                      (every ``.bin`` here is a manifest; a folder written before the store had
+                      whole codebooks there, moved into the store once, ``Federation.migrate``)
+    registry.json     every class: the step that registered it, the sites that brought it, when
+    history.jsonl     one ``StepRecord`` per finished step: status, phases, participation,
+                      screening findings, scores (written and read here only)
+    step-end.json     the record of a step being closed, between its commit and its history
+                      line (the next run finishes an interrupted close)
+    lock.json         the run that writes the folder now (``server.folder_lock``)
+    change-scale.json the scale of honest changes per field over completed steps, the
+                      reference of a lone sender's bound (``server.change_scale``)
+    quarantine.json   sites kept out of later steps (``quarantine-persists``; the operator
+                      deletes an entry to let a site back in)
+    step-findings.json  the screening's findings in the step in progress, written ahead of each
+                      of its checkpoints: a resumed step keeps those of the phases it had done
+    metrics.json      the federation's scores after the last server run (``server.app``)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from starfed.server.records import Finding
+from starfed.shared.codebook import store
+from starfed.shared.codebook.framing import CodebookError, read_message
+from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.files import write_atomic
+
+IDENTITY_FILE = "federation.json"
+CODEBOOK_FILE = "codebook.bin"
+STEP_START_FILE = "step-start.bin"
+PREVIOUS_FILE = "previous.bin"
+CHECKPOINTS_DIR = "checkpoints"
+PENDING_FILE = "step-end.json"
+STEP_FINDINGS_FILE = "step-findings.json"
+REGISTRY_FILE = "registry.json"
+HISTORY_FILE = "history.jsonl"
+METRICS_FILE = "metrics.json"
+QUARANTINE_FILE = "quarantine.json"
+
+
+class FederationError(ValueError):
+    """A federation folder that cannot be used (other backbones, damaged files)."""
+
+
+def read_step_findings(root: Path) -> tuple[int | None, list[Finding]]:
+    """``step-findings.json`` of the federation folder ``root``: its step (None without the
+    file) and findings. FederationError when it is damaged (``starfed server repair`` sets it
+    aside)."""
+    path = root / STEP_FINDINGS_FILE
+    if not path.is_file():
+        return None, []
+    try:
+        value = json.loads(path.read_text())
+        return int(value["step"]), [Finding(**f) for f in value["findings"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise FederationError(
+            f"{path} is damaged ({err}); `starfed server repair` sets it aside (the step then "
+            "goes on without the findings so far)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What ``federation.json`` says of a folder: enough to read and check its codebook files
+    without the rest (``server.folder_check`` and ``folder_repair`` work on damaged folders)."""
+
+    root: Path
+    fingerprint: str
+    dims: ModelDims
+
+    @classmethod
+    def read(cls, root: str | Path) -> Identity:
+        path = Path(root).expanduser()
+        if not (path / IDENTITY_FILE).is_file():
+            raise FederationError(f"{path} is not a federation folder (no {IDENTITY_FILE})")
+        try:
+            identity = json.loads((path / IDENTITY_FILE).read_text())
+            return cls(path, identity["fingerprint"], ModelDims(**identity["dims"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise FederationError(f"{path / IDENTITY_FILE} is damaged: {err!r}") from None
+
+    def traces(self) -> str:
+        """What shows that the folder has completed work ("" for a new federation, or one that
+        crashed before its first checkpoint): a codebook must exist then."""
+        history = self.root / HISTORY_FILE
+        found = [HISTORY_FILE] if history.is_file() and history.read_text().strip() else []
+        found += [PREVIOUS_FILE] if (self.root / PREVIOUS_FILE).is_file() else []
+        found += [f"{CHECKPOINTS_DIR}/"] if self.step_checkpoints() else []
+        return ", ".join(found)
+
+    def step_checkpoints(self) -> list[tuple[int, Path]]:
+        """(steps completed, file) of the codebooks kept after completed steps, oldest first."""
+        folder = self.root / CHECKPOINTS_DIR
+        found = []
+        for path in folder.glob("step-*.bin") if folder.is_dir() else ():
+            with contextlib.suppress(ValueError):
+                found.append((int(path.stem.removeprefix("step-")), path))
+        return sorted(found)
+
+    def manifests(self) -> list[Path]:
+        """The codebook files a run writes (each a manifest once the folder is migrated)."""
+        names = (CODEBOOK_FILE, PREVIOUS_FILE, STEP_START_FILE)
+        return [self.root / n for n in names if (self.root / n).is_file()] + [
+            path for _, path in self.step_checkpoints()]  # fmt: skip
+
+    def kept_copies(self) -> list[Path]:
+        """The manifests ``repair`` kept beside (``<name>.before-repair-<time>``)."""
+        return sorted(self.root.glob("*.bin.before-repair-*"))
+
+
+def is_manifest(path: Path) -> bool:
+    """Whether ``path`` reads as a manifest (a damaged file is left to ``check``/``repair``)."""
+    try:
+        return store.Ref.of(read_message(path).metadata) is not None
+    except (CodebookError, OSError):
+        return True
+
+
+def copy_atomic(source: Path, target: Path) -> None:
+    """``target`` becomes a copy of ``source`` (a copy, not a hard link: damage to one file's
+    bytes in place must not reach the other)."""
+    write_atomic(target, source.read_bytes())

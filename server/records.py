@@ -1,0 +1,257 @@
+"""The federation's typed records: what a step's history line, a checkpoint's position and the
+folder's registry hold (``starfed.server.federation`` writes and reads them).
+
+Each is written as JSON exactly as the folders hold it: an exchange's status as its text
+(``"ok"``, ``"no reply"``, ``"<outcome>: <reason>"``), a position's phase rounds as
+``"<phase>/<round>"``; folders written before these types read unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+POSITION_KEY = "position"  # codebook metadata key of the protocol position
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@dataclass
+class Registration:
+    """What the federation knows of one class besides its codebook entry."""
+
+    step: int  # the step that registered it
+    registered: str = field(default_factory=now)
+    sites: dict[str, str] = field(default_factory=dict)  # site -> when it first brought it
+
+
+@dataclass(frozen=True, eq=False)
+class PhaseRound:
+    """One round of one phase of a step, as a position's ``done`` and the logs name it: its
+    text form ``"<phase>/<round>"`` (``"sync/0"``) is how a checkpoint stores it, and it equals
+    that text (a mark read back compares as written)."""
+
+    phase: str
+    round: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> PhaseRound:
+        """The phase round ``text`` names (ValueError: not ``<phase>/<round>``)."""
+        phase, slash, number = text.rpartition("/")
+        if not slash or not phase:
+            raise ValueError(f"phase round {text!r} is not <phase>/<round>")
+        return cls(phase, int(number))
+
+    def __str__(self) -> str:
+        return f"{self.phase}/{self.round}"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PhaseRound | str):
+            return str(self) == str(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the protocol stands: ``step`` is in progress (``running``) with the phase rounds
+    ``done`` and ``in_play`` classes, or it is the next step to run. Phase rounds given as text
+    are read (``PhaseRound.parse``)."""
+
+    step: int = 0
+    running: bool = False
+    done: tuple[PhaseRound, ...] = ()
+    in_play: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        done = tuple(d if isinstance(d, PhaseRound) else PhaseRound.parse(d) for d in self.done)
+        object.__setattr__(self, "done", done)
+        object.__setattr__(self, "in_play", tuple(self.in_play))
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, str]) -> Position:
+        """The position a codebook's metadata carries (ValueError, TypeError: damaged)."""
+        return cls(**json.loads(metadata.get(POSITION_KEY, "{}")))
+
+    def to_json(self) -> dict[str, Any]:
+        """Its JSON form: phase rounds as their text (``"sync/0"``)."""
+        return {"step": self.step, "running": self.running,
+                "done": [str(d) for d in self.done], "in_play": list(self.in_play)}  # fmt: skip
+
+    def as_metadata(self) -> dict[str, str]:
+        """The metadata entry that carries it."""
+        return {POSITION_KEY: json.dumps(self.to_json())}
+
+    def done_text(self) -> str:
+        """The phase rounds done, comma-separated ("" when none)."""
+        return ", ".join(str(d) for d in self.done)
+
+
+class Outcome(StrEnum):
+    """How one message to one site ended."""
+
+    OK = "ok"
+    ERROR = "error"  # the site's app failed (Flower's error reply)
+    NO_REPLY = "no reply"  # nothing came back in time
+    REJECTED = "rejected"  # the reply failed the server's checks
+    REFUSED = "refused"  # a private site refused classes (its budget is exhausted): an answer
+
+
+class ExchangeStatus(str):
+    """An exchange's outcome and why, which is also its text, as the records hold it (``"ok"``,
+    ``"no reply"``, ``"error: <reason>"``, ``"rejected: <reason>"``, ``"refused: <why>"``):
+    written as that text, read back with ``parse``."""
+
+    outcome: Outcome
+    reason: str
+
+    def __new__(cls, outcome: Outcome = Outcome.OK, reason: str = "") -> ExchangeStatus:
+        text = f"{outcome}: {reason}" if outcome in _WITH_REASON else outcome.value
+        status = super().__new__(cls, text)
+        status.outcome, status.reason = outcome, reason
+        return status
+
+    def __reduce__(self) -> tuple[type[ExchangeStatus], tuple[Outcome, str]]:
+        return type(self), (self.outcome, self.reason)  # copies (``asdict``) keep the fields
+
+    @classmethod
+    def parse(cls, text: str) -> ExchangeStatus:
+        """The status ``text`` writes (ValueError: none of the forms above)."""
+        if text in (Outcome.OK, Outcome.NO_REPLY):
+            return cls(Outcome(text))
+        outcome, colon, reason = text.partition(": ")
+        if not colon or outcome not in _WITH_REASON:
+            raise ValueError(f"exchange status {text!r} is none of ok, no reply, <outcome>: why")
+        return cls(Outcome(outcome), reason)
+
+    @property
+    def failed(self) -> bool:
+        """Not answered as asked: an error, no reply or a rejected reply. A private site's
+        refusal (its budget is exhausted) is an answer."""
+        return self.outcome not in (Outcome.OK, Outcome.REFUSED)
+
+
+_WITH_REASON = (Outcome.ERROR, Outcome.REJECTED, Outcome.REFUSED)  # "<outcome>: <reason>"
+
+
+@dataclass
+class Exchange:
+    """One message to one node and its answer: what the wire carried and what came back (filled
+    in while its phase runs, then kept in the step's record). A status given as text (a record
+    read back) is read (``ExchangeStatus.parse``)."""
+
+    step: int
+    phase: str
+    round: int
+    node_id: int
+    site: str
+    bytes_down: int
+    bytes_up: int = 0
+    status: ExchangeStatus = field(default_factory=ExchangeStatus)
+    epsilon: float | None = None  # a private site's ε so far, as its reply says
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.status, ExchangeStatus):
+            self.status = ExchangeStatus.parse(self.status)
+
+    @property
+    def failed(self) -> bool:
+        """Not answered as asked (``ExchangeStatus.failed``)."""
+        return self.status.failed
+
+
+CAPPED, REJECTED, QUARANTINED = "capped", "rejected", "quarantined"  # a finding's action
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One contribution the server's screening capped or rejected, or a site it quarantined
+    (``server.screening``): kept in the step's record so an operator sees who did what."""
+
+    site: str
+    phase: str
+    round: int
+    action: str  # CAPPED, REJECTED or QUARANTINED
+    reason: str
+    name: str = ""  # the class, when the finding is about one class's row
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """The wall time of one phase round of a step."""
+
+    phase: str
+    round: int
+    seconds: float
+
+
+@dataclass
+class StepScores:
+    """The federation's scores after one step, by arrival step (``server.scores.aggregate``)."""
+
+    accuracy: list[float]  # % per arrival step 0..step (NaN: nobody holds test images of it)
+    selection_accuracy: list[float]  # % of prompt selections of a key of the same step
+    mean_accuracy: float  # over the arrival steps with test images
+    sites: dict[str, dict] = field(default_factory=dict)  # site -> images, correct, accuracy
+    classes: dict[str, dict] = field(default_factory=dict)  # class -> images, correct, sites
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One line of ``history.jsonl``: a finished step (or a failed attempt at one)."""
+
+    step: int
+    status: str  # COMPLETED, DEGRADED or FAILED
+    started: float  # time.time() at its start
+    wall_s: float
+    attempt: int = 0  # earlier failed attempts at the same step
+    reason: str = ""  # why it failed
+    classes: tuple[str, ...] = ()  # the classes it registered
+    sites: tuple[str, ...] = ()  # the sites that took part
+    phase_seconds: tuple[PhaseTime, ...] = ()
+    exchanges: tuple[Exchange, ...] = ()
+    codebook_version: int = 0
+    scores: StepScores | None = None  # the sites' evaluation
+    server_eval: StepScores | None = None  # the server's test set (``server-test-dir``)
+    findings: tuple[Finding, ...] = ()  # contributions capped or rejected (``server.screening``)
+    quarantined: tuple[str, ...] = ()  # sites excluded from the rest of the step
+
+    @property
+    def ended(self) -> float:
+        return self.started + self.wall_s
+
+    def to_json(self) -> str:
+        raw = asdict(self)
+        return json.dumps({k: v for k, v in raw.items() if v is not None})
+
+    @classmethod
+    def from_json(cls, line: str) -> StepRecord:
+        raw: dict[str, Any] = json.loads(line)
+        scores = {k: StepScores(**raw[k]) for k in ("scores", "server_eval") if raw.get(k)}
+        return cls(**{
+            **raw, **scores,
+            "classes": tuple(raw.get("classes", ())), "sites": tuple(raw.get("sites", ())),
+            "phase_seconds": tuple(PhaseTime(**p) for p in raw.get("phase_seconds", ())),
+            "exchanges": tuple(Exchange(**e) for e in raw.get("exchanges", ())),
+            "findings": tuple(Finding(**f) for f in raw.get("findings", ())),
+            "quarantined": tuple(raw.get("quarantined", ())),
+        })  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What ``codebook.bin`` says without decoding its tensors (no torch): for views of the
+    folder (``starfed server status``, an interrupted run's marker)."""
+
+    version: int
+    classes: tuple[str, ...]
+    frozen: frozenset[str]
+    position: Position
