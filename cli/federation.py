@@ -39,7 +39,7 @@ from starfed.server.ops import exit_codes, flower_runs, processes, sites, superl
 from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import gather
-from starfed.shared.config import ConfigError, writable_dir
+from starfed.shared.knob import ConfigError, writable_dir
 from starfed.shared.progress import counted
 
 FLAGS = (Flag("--steps", ("max-steps",)), *same_name("min-sites", "wait-s", "timeout-s"))

@@ -21,14 +21,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from starfed.cli.command_knobs import knob, parse
 from starfed.shared import progress
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.config import Options, Values, knob, optional, parse
+from starfed.shared.config import Options
 from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root
 from starfed.shared.data.images import DecodedImages, decode_images
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.device import resolve
+from starfed.shared.knob import Values, optional
 from starfed.shared.metrics import (
     MATRIX_PLOT,
     final_average_accuracy,

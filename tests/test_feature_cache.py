@@ -14,9 +14,10 @@ from site_folders import BUNDLED, CLASSES
 
 from starfed.client.memory import SiteMemory
 from starfed.client.site import Site
-from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.config import parse
 from starfed.shared.data.images import decode_images
 from starfed.shared.model import frozen_towers
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig, clip_features_signature
 
 

@@ -25,9 +25,10 @@ from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.mixture_fit import fit_on
-from starfed.shared.config import Options, as_bool, environment, knob
+from starfed.shared.config import Options, environment, knob
 from starfed.shared.data.images import augment, augment_each, device_batches, normalize, to_unit
 from starfed.shared.device import backbone_dtype
+from starfed.shared.knob import as_bool
 from starfed.shared.model import frozen_towers
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.first_level import first_level_logits
