@@ -33,7 +33,7 @@ from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
 from starfed.shared.data.images import decode_images
 from starfed.shared.model.backbone_options import BackboneOptions
-from starfed.shared.model.training import clip_features
+from starfed.shared.model.features import clip_features
 from starfed.shared.privacy.accountant import noise_multiplier
 from starfed.shared.privacy.mechanisms import private_gaussian
 

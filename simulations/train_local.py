@@ -41,8 +41,9 @@ from starfed.shared.metrics import (
 )
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.evaluation import evaluate_decoded
+from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, clip_features, learn_task
+from starfed.shared.model.training import TrainConfig, learn_task
 
 CODEBOOK_FILE = "codebook.bin"
 COMMAND = "train-local"  # the table of the command's own knobs
