@@ -11,6 +11,7 @@ runs only on a message protobuf has already parsed, and agrees with it or reject
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import protowalk, schema
 from starfed.shared.codebook.framing import CodebookError
+from starfed.shared.codebook.protowalk import LENGTH_DELIMITED
 
 #: What a walk that fails says (the message is a ``ClientUpdate``, or a stored codebook).
 INVALID = "not a valid ClientUpdate message"
@@ -54,14 +56,11 @@ def _fields(
 ) -> list[tuple[int, int, int]]:
     """(field number, start, end) of every length-delimited field in ``data[start:end]``; with
     ``limit``, ``CodebookError`` as soon as there are more fields than that (of any type)."""
-    spans = []
     walk = protowalk.fields(data, start, end, INVALID)
-    for count, (number, kind, value, stop) in enumerate(walk, 1):
-        if limit is not None and count > limit:
-            raise CodebookError(f"more than {limit} fields in {what}")
-        if kind == protowalk.LENGTH_DELIMITED:
-            spans.append((number, value, stop))
-    return spans
+    found = list(walk if limit is None else itertools.islice(walk, limit + 1))
+    if limit is not None and len(found) > limit:  # the walk stops there: the rest is unread
+        raise CodebookError(f"more than {limit} fields in {what}")
+    return [(n, value, stop) for n, kind, value, stop in found if kind == LENGTH_DELIMITED]
 
 
 def _data_view(data: bytes, whole: memoryview, start: int, end: int, what: str) -> memoryview:
