@@ -29,10 +29,11 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from starfed.shared.codebook.mixture import DEFAULT_COMPONENTS, GaussianMixture
-from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
 from starfed.shared.data.images import decode_images
-from starfed.shared.model.training import clip_features
+from starfed.shared.model.backbone_options import BackboneOptions
+from starfed.shared.model.features import clip_features
 from starfed.shared.privacy.accountant import noise_multiplier
 from starfed.shared.privacy.mechanisms import private_gaussian
 

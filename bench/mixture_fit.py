@@ -37,6 +37,7 @@ import torch
 from starfed.shared.codebook.mixture_fit import fit_on
 from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_root
 from starfed.shared.data.images import decode_images
+from starfed.shared.model import features as model_features
 from starfed.shared.model import training
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.star_prompt import StarPrompt
@@ -56,8 +57,8 @@ def real_features(split: SplitCropDiseases, backbones) -> dict[str, tuple[torch.
     model.add_classes([split.class_folders[label] for label in split.task_labels(0)], SEED)
     generator = torch.Generator().manual_seed(SEED)
     return {
-        "stage1_stats": (training.clip_features(backbones, data.images), labels),
-        "stage2_stats": (training.vit_features(model, data.images, generator), labels),
+        "stage1_stats": (model_features.clip_features(backbones, data.images), labels),
+        "stage2_stats": (model_features.vit_features(model, data.images, generator), labels),
     }
 
 
@@ -132,7 +133,7 @@ def task_step(split: SplitCropDiseases, backbones, task: int, fit) -> dict[str, 
         n_past = len(model)
         model.add_classes([split.class_folders[label] for label in split.task_labels(t)], SEED)
         labels = data.labels - split.task_labels(t)[0] + n_past
-        features = training.clip_features(backbones, data.images)
+        features = model_features.clip_features(backbones, data.images)
         calls = phase_calls(model, features, data.images, labels, n_past, config, t, fit)
         seconds = {phase: timed(calls[phase], lambda: None)[1] for phase in PHASES}
         training.add_counts(model, labels, n_past)

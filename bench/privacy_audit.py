@@ -49,8 +49,9 @@ from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
 from starfed.shared.data.images import decode_images
 from starfed.shared.model.backbones import Backbones, create_backbones
+from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, clip_features
+from starfed.shared.model.training import TrainConfig
 from starfed.shared.privacy import accountant
 from starfed.shared.privacy.mechanisms import clipped_moments, private_gaussian
 from starfed.shared.protocol import Phase

@@ -15,15 +15,9 @@ import time
 import torch
 
 from starfed.shared.model.backbones import create_backbones
+from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import (
-    TrainConfig,
-    clip_features,
-    stage1,
-    stage1_stats,
-    stage2,
-    stage2_stats,
-)
+from starfed.shared.model.training import TrainConfig, stage1, stage1_stats, stage2, stage2_stats
 
 NEW = 4
 PER_CLASS = 20

@@ -70,12 +70,17 @@ def _import_starfed() -> dict[str, Any]:
         )
         from starfed.shared.mixture import GaussianMixture  # type: ignore[no-redef]
         from starfed.shared.model import StarPrompt  # type: ignore[no-redef]
+    try:  # the frozen towers' features: their own module since they left training.py
+        from starfed.shared.model import features
+    except ImportError:
+        features = training
     return {
         "GaussianMixture": GaussianMixture,
         "SplitCropDiseases": SplitCropDiseases,
         "bundled_dataset_root": bundled_dataset_root,
         "to_unit": to_unit,
         "training": training,
+        "features": features,
         "create_backbones": create_backbones,
         "StarPrompt": StarPrompt,
     }
@@ -148,8 +153,8 @@ class Worker:
         images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
         self.images = images.to(self.device)
         self.labels = torch.randint(N_PAST, N_SEEN, (n,), generator=g).to(self.device)
-        self.views = training.Views.of(backbones)
-        self.features = training.clip_features(backbones, self.images).to(self.device)
+        self.views = sf["features"].Views.of(backbones)
+        self.features = sf["features"].clip_features(backbones, self.images).to(self.device)
         d_vit = backbones.dims.d_vit
         self.mog_data = torch.randn(MOG_SAMPLES, d_vit, generator=g) + torch.arange(d_vit) / d_vit
         self.config = training.TrainConfig(stage1_epochs=1, stage2_epochs=1, batch_size=batch)
@@ -179,7 +184,7 @@ class Worker:
         self._train(1, self.features.repeat(4, 1), self.labels.repeat(4))
 
     def _stage1(self) -> None:
-        features = self.sf["training"].clip_features(self.backbones, self.images)
+        features = self.sf["features"].clip_features(self.backbones, self.images)
         self._train(1, features, self.labels)
 
     def _stage2(self) -> None:

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from starfed.cli._common import fail
 from starfed.server.ops.exit_codes import EXIT_BAD_INPUT
-from starfed.shared.config import ConfigError
+from starfed.shared.knob import ConfigError
 from starfed.shared.version import package_version
 
 # Before any module loads torch and its OpenMP runtime, which reads this once: a thread waiting

@@ -20,7 +20,7 @@ from starfed.server.ops.exit_codes import (
     EXIT_FAILED,
 )
 from starfed.server.ops.layout import DIR_ENV, ServerFolder, default_dir
-from starfed.shared.config import ConfigError, Value, as_float, as_str
+from starfed.shared.knob import ConfigError, Value, as_float, as_str
 from starfed.shared.progress import console as console  # the one rule for output width
 
 Run = Callable[[argparse.Namespace], int]

@@ -41,7 +41,7 @@ from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import gather
 from starfed.server.records import Checkpoint, Exchange
-from starfed.shared.config import ConfigError, writable_dir
+from starfed.shared.knob import ConfigError, writable_dir
 from starfed.shared.progress import counted
 
 FLAGS = (Flag("--steps", ("max-steps",)), *same_name("min-sites", "wait-s", "timeout-s"))

@@ -1,4 +1,4 @@
-"""Command-line flags generated from the configuration schema (``starfed.shared.config``).
+"""Command-line flags generated from the knob table (``starfed.cli.command_knobs``).
 
 A command lists its flags as a table of :class:`Flag`: the flag's name and the schema keys it
 sets, from the run config or the command's own table (``TABLES[command]``, e.g. ``server
@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from starfed.shared.config import TABLES, ConfigError, Knob, Value, parse, show
+from starfed.cli.command_knobs import TABLES, parse
+from starfed.shared.knob import ConfigError, Knob, Value, show
 
 #: Help sections, in order, by schema group.
 SECTIONS = {

@@ -25,7 +25,7 @@ from starfed.cli._common import (
     server_folder,
 )
 from starfed.cli.flags import add_command, parsed, same_name
-from starfed.shared.config import ConfigError, as_int, as_str
+from starfed.shared.knob import ConfigError, as_int, as_str
 
 SERVE = "server serve"  # the table of `serve`'s own knobs
 SERVE_FLAGS = same_name("listen", "max-mib")

@@ -33,7 +33,7 @@ from starfed.server.ops import certs, pki, processes, superlink
 from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared import addresses
-from starfed.shared.config import ConfigError, as_float, as_int, as_str
+from starfed.shared.knob import ConfigError, as_float, as_int, as_str
 
 START = "server start"  # the table of `start`'s own knobs
 START_FLAGS = same_name("listen", "internal-port", "isolation", "max-body-mib", "max-per-address")

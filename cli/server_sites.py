@@ -17,7 +17,7 @@ from starfed.cli._common import add_group, add_switches, console, emit_json, gua
 from starfed.cli.flags import add_command
 from starfed.server.ops import pki, processes, sites
 from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
-from starfed.shared.config import ConfigError
+from starfed.shared.knob import ConfigError
 
 guarded = guard(bad_input=(pki.SiteKeyError,), failed=(sites.SitesError, processes.ProcessError))
 

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 
 from starfed.cli._common import ray_options
 from starfed.cli.flags import Flag, add_command, add_run_config, parsed, run_config, same_name
-from starfed.shared.config import ConfigError, as_float, writable_dir
+from starfed.shared.knob import ConfigError, as_float, writable_dir
 from starfed.simulations.simulate import simulate
 
 COMMAND = "simulate"

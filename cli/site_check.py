@@ -16,7 +16,8 @@ from starfed.cli.flags import add_command, parsed, same_name
 from starfed.client.ops import site_options
 from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.shared.codebook.framing import CodebookError, read_message
-from starfed.shared.config import BackboneOptions, ConfigError
+from starfed.shared.knob import ConfigError
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.progress import counted
 
 COMMAND = "site check"

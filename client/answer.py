@@ -23,7 +23,9 @@ from starfed.client.privacy import PrivacySetting
 from starfed.client.site import Site
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.lineage import EPOCH_KEY, FEDERATION_KEY
-from starfed.shared.config import BackboneOptions, as_int, as_str, environment, parse, run_dir
+from starfed.shared.config import environment, parse, run_dir
+from starfed.shared.knob import as_int, as_str
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import (
     ALSO,

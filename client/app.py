@@ -28,7 +28,8 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from starfed.client.worker import request
-from starfed.shared.config import as_str, parse
+from starfed.shared.config import parse
+from starfed.shared.knob import as_str
 from starfed.shared.protocol import MESSAGES, Phase, PhaseSpec, record_bytes
 
 app = ClientApp()

@@ -42,8 +42,9 @@ from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
-from starfed.shared.config import Options, Values, knob
+from starfed.shared.config import Options, knob
 from starfed.shared.data.site_folder import class_key
+from starfed.shared.knob import Values
 from starfed.shared.model.training import MixtureFit
 from starfed.shared.privacy import accountant
 from starfed.shared.privacy.mechanisms import noisy_count, private_gaussian, private_update

@@ -35,13 +35,9 @@ from starfed.shared.files import write_atomic
 from starfed.shared.model import training
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.evaluation import score_classes
+from starfed.shared.model.features import clip_features, clip_features_signature
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import (
-    MixtureFit,
-    TrainConfig,
-    clip_features,
-    clip_features_signature,
-)
+from starfed.shared.model.training import MixtureFit, TrainConfig
 from starfed.shared.protocol import STATISTICS, Phase
 from starfed.shared.report import EvaluationReport
 

@@ -36,14 +36,9 @@ from starfed.server.step_records import RunLog
 from starfed.server.strategy import Strategy
 from starfed.server.test_set import ServerTestSet
 from starfed.shared import progress
-from starfed.shared.config import (
-    BackboneOptions,
-    ProtocolOptions,
-    parse,
-    run_dir,
-    writable_dir,
-)
+from starfed.shared.config import ProtocolOptions, parse, run_dir
 from starfed.shared.files import write_atomic
+from starfed.shared.knob import writable_dir
 from starfed.shared.metrics import (
     MATRIX_PLOT,
     OVER_TIME_PLOT,
@@ -56,6 +51,7 @@ from starfed.shared.metrics import (
     plot_accuracy_over_time,
     random_backbones_note,
 )
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
 
 app = ServerApp()

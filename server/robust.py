@@ -24,7 +24,7 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.merge import MergeAccumulator
 from starfed.shared.codebook.mixture import GaussianMixture
-from starfed.shared.config import ConfigError
+from starfed.shared.knob import ConfigError
 
 MIN_HOLDERS = 3  # below this, a median is no more robust than a mean
 

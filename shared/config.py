@@ -6,15 +6,18 @@ through :func:`parse`, which returns typed values or raises one :class:`ConfigEr
 one-line message names the key, the bad value and what is allowed.
 
 Everything else is derived from the table. The typed options the code reads
-(``ProtocolOptions`` and ``BackboneOptions`` here, ``ScenarioConfig``, ``TrainConfig``,
+(``ProtocolOptions`` here, ``BackboneOptions``, ``ScenarioConfig``, ``TrainConfig``,
 ``LocalRunOptions``) declare their fields with :func:`knob`, which takes the default from the
 knob, and are filled from parsed values by :meth:`Options.from_config`, so nothing downstream
 re-checks them. ``pyproject.toml``'s ``[tool.flwr.app.config]`` (Flower reads the run-config
 defaults there) is written from the table: ``python -m starfed.shared.config --write-pyproject
 pyproject.toml`` (``make pyproject``); ``--check`` is the CI check.
 
-This module imports nothing heavy: the command line validates with it before torch, data or
-Flower are loaded.
+One knob and the typed reading of its value are ``starfed.shared.knob``; the commands' own
+knobs (``server start``'s, ``predict``'s, ...) live with the commands
+(``starfed.cli.command_knobs``), which reads them with :func:`parse` and :func:`knob` over
+every table. This module imports nothing heavy: the command line validates with it before
+torch, data or Flower are loaded.
 """
 
 from __future__ import annotations
@@ -22,54 +25,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Self
 
-from starfed.shared.addresses import parse_address
 from starfed.shared.device import check as check_device
-from starfed.shared.model.backbone_config import PAPER_VIT_TAGS, PRESETS, read_backbone_config
-
-if TYPE_CHECKING:
-    from starfed.shared.model.backbones import Backbones
-
-Value = int | float | bool | str
-Values = Mapping[str, Value]
+from starfed.shared.knob import (
+    ConfigError,
+    Knob,
+    Value,
+    Values,
+    as_str,
+    existing_dir,
+    existing_file,
+    optional,
+    show,
+)
+from starfed.shared.model.backbone_config import PRESETS, read_backbone_config
 
 WIRE_DTYPES = ("float32", "float16")
 REPLAY_SCHEDULES = ("reference", "bounded", "auto")  # shared/model/replay.py: ReplaySchedule
 PRIVACY_UNITS = ("image", "patient")  # what a site's ε protects (client/privacy.py)
 MERGES = ("mean", "median")  # the default strategy's per-class estimator (server/robust.py)
-RUNTIMES = ("flower", "local")  # `starfed simulate --runtime` (docs/simulation.md)
-#: The commands that run Flower simulations on Ray: they take its options (--ray-address, ...).
-RAY_COMMANDS = ("simulate", "experiment")
-ISOLATIONS = ("process", "subprocess")  # `starfed server start --isolation`
-OUTPUT_FORMATS = ("csv", "json")  # `starfed predict --format`
 
 #: Groups whose knobs form Flower's run config; "node" is the node config, "command" holds
 #: options of one command that never travel in a Flower config, "environment" what a process
 #: reads from ``STARFED_<KEY>`` variables (:func:`environment`).
 RUN_GROUPS = ("scenario", "protocol", "screening", "training", "privacy", "backbones")
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message is one line for the user."""
-
-
-def _existing_file(path: str) -> None:
-    if not Path(path).expanduser().is_file():
-        raise ValueError("no such file")
-
-
-def _ray_address(address: str) -> None:
-    if any(c.isspace() for c in address) or address.startswith("ray://"):
-        raise ValueError("expected host:port of a Ray cluster's head (not a Ray Client ray://)")
 
 
 def parse_site_names(text: str) -> dict[int, str]:
@@ -84,104 +69,10 @@ def parse_site_names(text: str) -> dict[int, str]:
     return names
 
 
-def _existing_dir(path: str) -> None:
-    if not Path(path).expanduser().is_dir():
-        raise ValueError("no such folder")
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One setting: its dashed key, type, allowed values, default and help text."""
-
-    key: str
-    kind: type[Value]
-    default: Value
-    help: str
-    group: str
-    ge: float | None = None  # numbers: smallest allowed value
-    gt: float | None = None  # numbers: allowed values lie above this
-    le: float | None = None  # numbers: largest allowed value
-    choices: tuple[str, ...] = ()
-    check: Callable[[str], object] | None = None  # non-empty strings: ValueError if unusable
-    path: bool = False  # a file or folder (made absolute where it travels to other processes)
-    command: str | tuple[str, ...] | None = None  # group "command": whose option it is
-
-    @property
-    def commands(self) -> tuple[str, ...]:
-        """The commands whose option this is (one knob for all: the same check and help)."""
-        return (self.command,) if isinstance(self.command, str) else self.command or ()
-
-    @property
-    def allowed(self) -> str:
-        """What the knob accepts, in words (for errors)."""
-        if self.kind is bool:
-            return "true or false"
-        if self.kind is str:
-            return f"one of {', '.join(self.choices)}" if self.choices else "a string"
-        noun = "an integer" if self.kind is int else "a number"
-        if self.ge is not None and self.le is not None:
-            return f"{noun} in [{show(self.ge)}, {show(self.le)}]"
-        if self.ge is not None:
-            return f"{noun} >= {show(self.ge)}"
-        return f"{noun} > {show(self.gt)}" if self.gt is not None else noun
-
-    def parse(self, raw: object, name: str | None = None) -> Value:
-        """``raw`` (a typed value, or text from a command line) as this knob's type, checked."""
-        name = name or self.key
-        shown = f"{name} {show(raw)}" if name.startswith("-") else f"{name}={show(raw)}"
-        value = _convert(self.kind, raw)
-        if value is None or not self._admits(value):
-            raise ConfigError(f"{shown}: expected {self.allowed}")
-        if self.check is not None and isinstance(value, str) and value:
-            try:
-                self.check(value)
-            except ValueError as err:
-                raise ConfigError(f"{shown}: {err}") from None
-        return value
-
-    def _admits(self, value: Value) -> bool:
-        if self.choices:
-            return value in self.choices
-        if isinstance(value, bool | str):  # the knob's kind: ``_convert`` made it one
-            return True
-        return not (
-            (self.ge is not None and value < self.ge)
-            or (self.gt is not None and value <= self.gt)
-            or (self.le is not None and value > self.le)
-        )
-
-
-def _convert(kind: type[Value], raw: object) -> Value | None:
-    """``raw`` as ``kind``, or None. Text converts to any type; booleans are not numbers."""
-    if kind is str:
-        return raw if isinstance(raw, str) else None
-    if kind is bool:
-        if isinstance(raw, str):
-            return {"true": True, "false": False, "1": True, "0": False}.get(raw.strip().lower())
-        return raw if isinstance(raw, bool) else None
-    if isinstance(raw, str):
-        try:
-            raw = kind(raw.strip())
-        except ValueError:
-            return None
-    if isinstance(raw, bool) or not isinstance(raw, int | float):
-        return None
-    if kind is int:
-        return raw if isinstance(raw, int) else None
-    return float(raw) if math.isfinite(raw) else None
-
-
-def show(value: object) -> str:
-    """A value as a user would type it (messages, ``--help``)."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    return '""' if value == "" else str(value)
-
-
 SCHEMA: tuple[Knob, ...] = (
     # scenario: which images each site holds, and when (docs/simulation.md)
     Knob("data-root", str, "", "ImageFolder root (train/ and test/ class folders, or one folder "
-         'per class); "": the bundled cropdiseases-mini set', "scenario", check=_existing_dir,
+         'per class); "": the bundled cropdiseases-mini set', "scenario", check=existing_dir,
          path=True),
     Knob("num-tasks", int, 7, "tasks the classes are split into", "scenario", ge=1),
     Knob("classes-per-task", int, 0, "classes per task; 0: all classes spread evenly over the "
@@ -310,9 +201,9 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("backbone-config", str, "", 'JSON BackboneConfig, overrides preset; "": none',
          "backbones", check=read_backbone_config, path=True),
     Knob("clip-weights", str, "", 'local CLIP weights (.safetensors/.pt); "": none',
-         "backbones", check=_existing_file, path=True),
+         "backbones", check=existing_file, path=True),
     Knob("vit-weights", str, "", 'local ViT weights (.safetensors/.pt); "": none', "backbones",
-         check=_existing_file, path=True),
+         check=existing_file, path=True),
     # node config: what one SuperNode says about itself
     Knob("data-dir", str, "", "a deployed site's data folder: its task folders and test/ "
          "(docs/sites.md)", "node", path=True),
@@ -338,69 +229,11 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("privacy-delta", float, 1e-5, "this site's target delta (at most 1/n for its n "
          "training images or patients); the run config's may lower it, never raise it", "node",
          gt=0, le=0.1),
-    # command options: never part of a Flower config
-    Knob("cache-dir", str, "", 'reuse decoded images across runs; "": no cache', "command",
-         path=True, command="train-local"),
-    Knob("download", bool, False, "fetch the paper preset's weights from the hub", "command",
-         command="train-local"),
-    Knob("vit-tag", str, "augreg_in21k", "which ViT weights --download fetches", "command",
-         choices=PAPER_VIT_TAGS, command="train-local"),
+    # the model's own knob that one command sets (TrainConfig reads it; the other command
+    # options live with the commands: starfed.cli.command_knobs)
     Knob("generative-replay", bool, True, "replay features drawn from the class mixtures (a "
          "federation's is its strategy's: the starfed-no-replay baseline)", "command",
          command="train-local"),
-    Knob("classify-with-keys", bool, False, "ablation: predict with the first-level keys alone "
-         "(evaluation only; a federation's: the starfed-keys baseline)", "command",
-         command="train-local"),
-    Knob("threads", int, os.cpu_count() or 1, "torch CPU threads", "command", ge=1,
-         command="train-local"),
-    Knob("runtime", str, "flower", "where the apps run: flower (a SuperLink and Ray, as "
-         "deployed) or local (in this process, sites one after another: no start-up cost)",
-         "command", choices=RUNTIMES, command="simulate"),
-    Knob("runtime", str, "local", "where the starfed cells' federations run: local (in each "
-         "cell's process: no start-up cost) or flower (a `starfed simulate` run per cell: a "
-         "SuperLink and Ray, --ray-address)", "command", choices=RUNTIMES, command="experiment"),
-    Knob("timeout", float, 3600.0, "seconds for the whole run (flower runtime; experiment: per "
-         "cell)", "command", gt=0, command=RAY_COMMANDS),
-    Knob("gpus-per-client", float, 0.0, "GPU share of each simulated client (Flower's "
-         "client-resources-num-gpus; 0.25: four clients share a GPU; 0: clients see no GPU)",
-         "command", ge=0, command=RAY_COMMANDS),
-    Knob("ray-address", str, "", "an existing Ray cluster to run the simulated clients on "
-         "(the head's address, e.g. 10.0.0.1:6379; docs/simulation.md); empty: RAY_ADDRESS "
-         "when set, else a Ray instance of the run's own", "command", check=_ray_address,
-         command=RAY_COMMANDS),
-    Knob("jobs", int, 1, "cells run at once, each in its own process (1: one after another), "
-         "each with its share of this machine's cores (OMP_NUM_THREADS, unless set)", "command",
-         ge=1, command="experiment"),
-    Knob("json", bool, False, "print a JSON summary on stdout (the progress lines stay on "
-         "stderr)", "command", command="experiment"),
-    Knob("batch-size", int, 64, "images per forward pass", "command", ge=1, command="predict"),
-    Knob("format", str, "csv", "output", "command", choices=OUTPUT_FORMATS, command="predict"),
-    Knob("cache", str, "", 'where --from keeps its copy; "": $XDG_CACHE_HOME (or ~/.cache)'
-         "/starfed/codebook", "command", path=True, command="predict"),
-    Knob("plot", str, "confusion_matrix.png", "PNG to write", "command", path=True,
-         command="evaluate"),
-    Knob("listen", str, "0.0.0.0:9092", "public HOST:PORT of the gateway", "command",
-         check=parse_address, command="server start"),
-    Knob("internal-port", int, 9093, "the SuperLink's port on 127.0.0.1, serving Fleet, Control "
-         "and Runtime APIs", "command", ge=1, le=65535, command="server start"),
-    Knob("isolation", str, "process", "process: our SuperExec, authenticated with a shared "
-         "secret; subprocess: Flower's own (its task API is then open to local users)",
-         "command", choices=ISOLATIONS, command="server start"),
-    Knob("max-body-mib", int, 65, "gateway: largest body of a call signed by a registered site "
-         "(the codebook wire limit, 64 MiB, plus an envelope)", "command", ge=1,
-         command="server start"),
-    Knob("max-per-address", int, 32, "gateway: connections at once from one address (sites "
-         "behind one NAT address share it)", "command", ge=1, command="server start"),
-    Knob("listen", str, "0.0.0.0:9095", "HOST:PORT", "command", check=parse_address,
-         command="server serve"),
-    Knob("max-mib", int, 64, "largest reply", "command", ge=1, command="server serve"),
-    Knob("listen", str, "127.0.0.1:9097", "HOST:PORT of the page (no authentication: keep it "
-         "on 127.0.0.1 and use an SSH tunnel)", "command", check=parse_address,
-         command="server dashboard"),
-    Knob("refresh-s", float, 5.0, "seconds between the page's updates", "command", ge=1,
-         command="server dashboard"),
-    Knob("out", str, "site.key", "private key file", "command", path=True,
-         command="site keygen"),
     # environment: what a process reads from STARFED_<KEY> (``environment()``), whoever starts it
     Knob("cache-dir", str, "", 'decoded images and CLIP features of simulated sites and '
          'the experiment\'s single-site methods; "": ~/.cache/starfed', "environment", path=True),
@@ -408,28 +241,44 @@ SCHEMA: tuple[Knob, ...] = (
          '"": ./starfed-server', "environment", path=True),
     Knob("fused-adam", bool, False, "stage 2's Adam updates all its tensors in one fused kernel "
          "(a GPU option, docs/benchmarks.md)", "environment"),
+    Knob("fast-towers", bool, True, "the frozen towers run as one fused path "
+         "(shared/model/frozen_towers.py); false: each module's own forward, to compare both "
+         "(docs/benchmarks.md)", "environment"),
 )  # fmt: skip
 
-#: Knob tables by where their values come from: Flower's configs, or one command's options.
-TABLES: dict[str, dict[str, Knob]] = {
-    "run-config": {k.key: k for k in SCHEMA if k.group in RUN_GROUPS},
-    "node-config": {k.key: k for k in SCHEMA if k.group == "node"},
-    "environment": {k.key: k for k in SCHEMA if k.group == "environment"},
-    **{
-        command: {k.key: k for k in SCHEMA if command in k.commands}
-        for command in dict.fromkeys(c for k in SCHEMA for c in k.commands)
-    },
-}
+Tables = Mapping[str, Mapping[str, Knob]]
+
+
+def tables(schema: tuple[Knob, ...]) -> dict[str, dict[str, Knob]]:
+    """Knob tables by where their values come from: Flower's configs, the environment, or one
+    command's options."""
+    return {
+        "run-config": {k.key: k for k in schema if k.group in RUN_GROUPS},
+        "node-config": {k.key: k for k in schema if k.group == "node"},
+        "environment": {k.key: k for k in schema if k.group == "environment"},
+        **{
+            command: {k.key: k for k in schema if command in k.commands}
+            for command in dict.fromkeys(c for k in schema for c in k.commands)
+        },
+    }
+
+
+#: The model's tables; with the commands' own: ``starfed.cli.command_knobs.TABLES``.
+TABLES = tables(SCHEMA)
 
 
 def parse(
-    raw: Mapping[str, object], table: str = "run-config", names: Mapping[str, str] | None = None
+    raw: Mapping[str, object],
+    table: str = "run-config",
+    names: Mapping[str, str] | None = None,
+    tables: Tables = TABLES,
 ) -> dict[str, Value]:
     """Typed values of every knob of ``table``: those in ``raw`` checked, the rest defaults.
 
-    ``names`` says what the user typed for a key (a flag such as ``--tasks``), for the message.
+    ``names`` says what the user typed for a key (a flag such as ``--tasks``), for the message;
+    ``tables``: the model's, or every one (``starfed.cli.command_knobs.TABLES``).
     """
-    knobs = TABLES[table]
+    knobs = tables[table]
     unknown = [key for key in raw if key not in knobs]
     if unknown:
         raise ConfigError(f"unknown {table} key {unknown[0]!r} (known: {', '.join(knobs)})")
@@ -453,71 +302,24 @@ def environment() -> dict[str, Value]:
     return parse(set_, "environment", {key: environment_variable(key) for key in set_})
 
 
-def writable_dir(path: str | os.PathLike[str], name: str) -> Path:
-    """Create ``path`` if needed and prove it takes files, so a run never fails at its end."""
-    path = Path(path).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        raise ConfigError(f"{name} {path}: cannot write there ({err.strerror})") from None
-    return path
-
-
-def optional(value: Value) -> Value | None:
-    """An optional knob's value: "" (or 0) means not set."""
-    return value or None
-
-
 def run_dir(values: Values, run_id: int) -> Path:
     """The folder of a run: ``<results-dir>/<run-name>``, where an empty run name becomes
     ``fed-<run id>`` — the server and the simulated sites derive the same folder."""
     return Path(as_str(values, "results-dir")) / (as_str(values, "run-name") or f"fed-{run_id}")
 
 
-# --- one value, typed: ``parse`` gave each knob its kind; these say which to the type checker --
-
-_Kind = TypeVar("_Kind", str, int, bool)
-
-
-def _of(values: Values, key: str, kind: type[_Kind]) -> _Kind:
-    value = values[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}={show(value)}: expected {kind.__name__}")
-    return value
-
-
-def as_str(values: Values, key: str) -> str:
-    """A text knob's value (a path, a name, a choice)."""
-    return _of(values, key, str)
-
-
-def as_int(values: Values, key: str) -> int:
-    """An integer knob's value."""
-    return _of(values, key, int)
-
-
-def as_bool(values: Values, key: str) -> bool:
-    """A true/false knob's value."""
-    return _of(values, key, bool)
-
-
-def as_float(values: Values, key: str) -> float:
-    """A number knob's value (an integer given for it reads as a float)."""
-    value = values[key]
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{key}={show(value)}: expected a number")
-    return float(value)
-
-
 # --- typed options, derived from the table ------------------------------------------------
 
 
-def knob(key: str, convert: Callable[[Any], Any] | None = None, table: str = "run-config") -> Any:
+def knob(
+    key: str,
+    convert: Callable[[Any], Any] | None = None,
+    table: str = "run-config",
+    tables: Tables = TABLES,
+) -> Any:
     """A dataclass field read from knob ``key`` of ``table``: its default is the knob's, passed
     through ``convert`` (e.g. :func:`optional`: "" becomes None) like every parsed value."""
-    default = TABLES[table][key].default
+    default = tables[table][key].default
     metadata = {"knob": key, "convert": convert, "table": table}
     if convert is None:
         return dataclasses.field(default=default, metadata=metadata)
@@ -569,35 +371,6 @@ class ProtocolOptions(Options):
     min_train_sites: int = knob("min-train-sites")
     server_test_dir: str | None = knob("server-test-dir", optional)
     merge: str = knob("merge")  # the default strategy's estimator (server/robust.py)
-
-
-@dataclass(frozen=True)
-class BackboneOptions(Options):
-    """Which frozen backbone pair every participant loads (their fingerprints must match)."""
-
-    preset: str = knob("preset")
-    config_path: str | None = knob("backbone-config", optional)
-    clip_weights: str | None = knob("clip-weights", optional)
-    vit_weights: str | None = knob("vit-weights", optional)
-
-    def load(self, device: str = "cpu") -> Backbones:
-        """The pair, built once per process and device (``starfed.shared.device`` names)."""
-        return _load_backbones(self, device)
-
-
-@cache
-def _load_backbones(options: BackboneOptions, device: str) -> Backbones:
-    """One backbone pair per process: simulation actors and a long-lived client reuse it."""
-    from starfed.shared import device as devices  # torch: only when building
-    from starfed.shared.model.backbones import create_backbones
-
-    backbones = create_backbones(
-        options.preset,
-        config_path=options.config_path,
-        clip_weights=options.clip_weights,
-        vit_weights=options.vit_weights,
-    )
-    return backbones.place(devices.resolve(device))
 
 
 # --- pyproject.toml's run-config table, written from the knobs -----------------------------

@@ -13,7 +13,8 @@ import torch
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook.codebook import Codebook, CodebookError
-from starfed.shared.codebook.wire import DEFAULT_MAX_BYTES, SCHEMA_VERSION, check_name, parse
+from starfed.shared.codebook.decoding import SCHEMA_VERSION, check_name
+from starfed.shared.codebook.wire import DEFAULT_MAX_BYTES, parse
 from starfed.shared.model.evaluation import ClassScores
 
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
-from starfed.shared.config import TABLES, ConfigError, Value, parse, show
+from starfed.shared.config import TABLES, parse
+from starfed.shared.knob import ConfigError, Value, show
 from starfed.simulations.methods import METHODS
 
 PAPER_SEEDS = (1993, 1996, 1997)

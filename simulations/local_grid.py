@@ -45,7 +45,8 @@ from starfed.server.strategy import Strategy
 from starfed.shared import progress, thread_pools
 from starfed.shared.codebook.codebook import Codebook, Delta
 from starfed.shared.codebook.wire import decode_broadcast
-from starfed.shared.config import Value, as_int, parse
+from starfed.shared.config import parse
+from starfed.shared.knob import Value, as_int
 from starfed.shared.metrics import results_line
 from starfed.shared.protocol import MESSAGES, STEP, record_bytes, record_int
 from starfed.simulations.simulate import CLIENT_CPUS

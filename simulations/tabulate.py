@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from starfed.shared.config import show
+from starfed.shared.knob import show
 from starfed.shared.metrics import final_average_accuracy, task_ticks
 from starfed.simulations.grid import Experiment, Scenario
 

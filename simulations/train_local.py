@@ -21,14 +21,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from starfed.cli.command_knobs import knob, parse
 from starfed.shared import progress
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.config import Options, Values, knob, optional, parse
+from starfed.shared.config import Options
 from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root
 from starfed.shared.data.images import DecodedImages, decode_images
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.device import resolve
+from starfed.shared.knob import Values, optional
 from starfed.shared.metrics import (
     MATRIX_PLOT,
     final_average_accuracy,
@@ -39,8 +41,9 @@ from starfed.shared.metrics import (
 )
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.evaluation import evaluate_decoded
+from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, clip_features, learn_task
+from starfed.shared.model.training import TrainConfig, learn_task
 
 CODEBOOK_FILE = "codebook.bin"
 COMMAND = "train-local"  # the table of the command's own knobs

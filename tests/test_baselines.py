@@ -33,7 +33,8 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
-from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.config import parse
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import CLASSIFY_WITH_KEYS, Phase

@@ -20,7 +20,8 @@ from starfed.cli import build_parser, main
 from starfed.cli import experiment as experiment_cli
 from starfed.cli import simulate as simulate_cli
 from starfed.cli import train_local as train_local_cli
-from starfed.shared.config import TABLES, show
+from starfed.cli.command_knobs import TABLES
+from starfed.shared.knob import show
 
 FLAG_NAMES = {
     "train-local": "--data-root --tasks --classes-per-task --seed --cache-dir --preset "

@@ -11,23 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from starfed.cli.command_knobs import SCHEMA, TABLES, parse
 from starfed.client import answer
 from starfed.client.privacy import PrivacySetting
 from starfed.server.app import run_server
 from starfed.server.screening import ScreeningOptions
-from starfed.shared.config import (
-    SCHEMA,
-    TABLES,
-    BackboneOptions,
-    ConfigError,
-    Options,
-    ProtocolOptions,
-    parse,
-    with_run_config_table,
-    writable_dir,
-)
+from starfed.shared.config import Options, ProtocolOptions, with_run_config_table
 from starfed.shared.data.scenario import ScenarioConfig
+from starfed.shared.knob import ConfigError, writable_dir
 from starfed.shared.model.backbone_config import PRESETS, preset_config
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
 from starfed.simulations.train_local import LocalRunOptions
 
@@ -288,7 +281,12 @@ def test_environment_knobs_are_read_typed_from_their_variables(
 
     for key in TABLES["environment"]:
         monkeypatch.delenv(environment_variable(key), raising=False)
-    assert environment() == {"cache-dir": "", "server-dir": "", "fused-adam": False}
+    assert environment() == {
+        "cache-dir": "",
+        "server-dir": "",
+        "fused-adam": False,
+        "fast-towers": True,
+    }
     assert answer.default_cache_dir() == Path.home() / ".cache" / "starfed"
     assert layout.default_dir() == Path(layout.DEFAULT_DIR)
 

@@ -21,6 +21,7 @@ from flwr.supercore import constant as supercore_constant
 from flwr.supercore.date import now as flwr_now
 from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
 
+from starfed.cli.command_knobs import TABLES
 from starfed.server.ops import fleet_proxy, fleet_signatures, pki
 from starfed.server.ops.connection_guard import MAX_PER_ADDRESS
 from starfed.server.ops.fleet_proxy import FleetGateway, allowed
@@ -28,7 +29,6 @@ from starfed.server.ops.fleet_signatures import SiteKeys
 from starfed.server.ops.sites import Registry, SiteRecord
 from starfed.server.ops.superlink import ServerOptions
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
-from starfed.shared.config import TABLES
 
 UPSTREAM = "https://127.0.0.1:9093"
 

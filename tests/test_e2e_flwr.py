@@ -25,7 +25,7 @@ from process_sampler import ProcessSampler
 
 from starfed.cli import build_parser
 from starfed.cli.simulate import build_overrides
-from starfed.shared.config import ConfigError
+from starfed.shared.knob import ConfigError
 
 TIMEOUT_S = 170
 #: `starfed simulate` of the smallest scenario (add --clients, --tasks, the folders).

@@ -14,10 +14,12 @@ from site_folders import BUNDLED, CLASSES
 
 from starfed.client.memory import SiteMemory
 from starfed.client.site import Site
-from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.config import parse
 from starfed.shared.data.images import decode_images
 from starfed.shared.model import frozen_towers
-from starfed.shared.model.training import TrainConfig, clip_features_signature
+from starfed.shared.model.backbone_options import BackboneOptions
+from starfed.shared.model.features import clip_features_signature
+from starfed.shared.model.training import TrainConfig
 
 
 def test_features_cached_on_one_code_path_are_not_reused_on_the_other(tmp_path: Path, monkeypatch):

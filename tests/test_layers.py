@@ -215,3 +215,38 @@ def test_the_sites_operations_take_only_the_shared_operations_from_the_server_si
         if target.startswith("starfed.server") and target not in SHARED_OPERATIONS
     ]
     assert "starfed.client.ops.site_options" in MODULES and server_side == []
+
+
+def _knobs_read_from_command_tables(module: str) -> set[str]:
+    """Keys of ``knob("KEY", ..., table=...)`` fields in ``module``: options read from a
+    command's own table."""
+    return {
+        node.args[0].value
+        for node in ast.walk(ast.parse(MODULES[module].read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "knob"
+        and any(keyword.arg == "table" for keyword in node.keywords)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
+
+
+def test_the_commands_knobs_live_with_the_commands():
+    """The model's knob table (``shared/config.py``) holds the run config's, a node's and the
+    environment's knobs, and of the commands' options only those the model's own options read
+    (train-local's ``generative-replay``: ``TrainConfig``); every other command option lives
+    in the commands layer (``cli/command_knobs.py``), which nothing below it imports."""
+    from starfed.cli import command_knobs
+    from starfed.shared import config
+
+    model_reads = {
+        key
+        for module in MODULES
+        if _layer(module) == 0
+        for key in _knobs_read_from_command_tables(module)
+    }
+    in_the_model = {knob.key for knob in config.SCHEMA if knob.group == "command"}
+    assert in_the_model == model_reads == {"generative-replay"}
+    assert set(command_knobs.SCHEMA) == set(config.SCHEMA) | set(command_knobs.COMMAND_KNOBS)
+    assert all(knob.group == "command" for knob in command_knobs.COMMAND_KNOBS)
+    assert _layer("starfed.cli.command_knobs") == LAYER_NAMES.index("commands")

@@ -25,8 +25,9 @@ from starfed.cli import main
 from starfed.server.federation import Federation
 from starfed.server.serving import export
 from starfed.shared.codebook import schema, wire
-from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.config import parse
 from starfed.shared.inference.predict import evaluate
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.evaluation import ClassScores, group_scores
 
 SMALL = [

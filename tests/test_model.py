@@ -17,8 +17,9 @@ from starfed.shared.model.backbones import (
     preset_config,
     save_backbones,
 )
+from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, clip_features, learn_task
+from starfed.shared.model.training import TrainConfig, learn_task
 
 FAST = TrainConfig(
     stage1_epochs=1,

@@ -42,8 +42,9 @@ from starfed.shared.data.images import DatasetError, decode_images
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.data.site_folder import SiteFolder, capped, file_digests, patient_of
 from starfed.shared.model.backbones import create_backbones
+from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, clip_features
+from starfed.shared.model.training import TrainConfig
 from starfed.shared.privacy import accountant
 from starfed.shared.privacy.mechanisms import (
     MOMENTS_SENSITIVITY,

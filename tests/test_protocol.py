@@ -38,9 +38,10 @@ from starfed.server.records import Position
 from starfed.server.strategy import ConfigValue, PhaseState, Strategy
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
-from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.config import parse
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.data.site_folder import class_key
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.protocol import ALSO, MESSAGES, Phase
 from starfed.simulations.local_grid import LocalGrid

@@ -21,7 +21,7 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
-from starfed.shared.config import ConfigError
+from starfed.shared.knob import ConfigError
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import PRIVACY_EPSILON, Phase
 from starfed.simulations.methods.no_replay import NoReplay

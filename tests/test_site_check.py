@@ -12,7 +12,7 @@ from site_folders import CLASSES, site_folder
 from starfed.cli import main
 from starfed.client.ops.check import PROBLEM, WARNING, check_site
 from starfed.shared.codebook import wire
-from starfed.shared.config import BackboneOptions
+from starfed.shared.model.backbone_options import BackboneOptions
 
 TINY = BackboneOptions()
 

@@ -13,7 +13,8 @@ from starfed.client.site import Site
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassBank
-from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.config import parse
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import Phase

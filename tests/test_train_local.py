@@ -11,10 +11,10 @@ import torch
 from starfed.cli import main
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.config import BackboneOptions
 from starfed.shared.data.cropdiseases import bundled_dataset_root
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.inference.predict import LabelledImages, codebook_model
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.evaluation import group_scores
 
 

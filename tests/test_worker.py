@@ -18,7 +18,8 @@ from starfed.client.worker import WorkerError, read_frame, request, send_frame, 
 from starfed.server import replay
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.config import parse
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import ALSO, Phase
 

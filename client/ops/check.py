@@ -17,10 +17,10 @@ from pathlib import Path
 
 from starfed.client import memory
 from starfed.shared.codebook.framing import read_message
-from starfed.shared.config import BackboneOptions
 from starfed.shared.data.images import DatasetError, decode_quietly
 from starfed.shared.data.site_folder import HELD_OUT_SHARE, TEST_FOLDER, SiteFolder, class_key
 from starfed.shared.model.backbone_config import BackboneError, preset_config, read_backbone_config
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.progress import counted
 
 OK, WARNING, PROBLEM = "ok", "warning", "problem"

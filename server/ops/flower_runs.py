@@ -36,8 +36,9 @@ import tomli_w
 
 from starfed.server.ops import processes
 from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, run_exit_code
-from starfed.shared.config import TABLES, ConfigError
+from starfed.shared.config import TABLES
 from starfed.shared.files import write_atomic
+from starfed.shared.knob import ConfigError
 from starfed.shared.metrics import faa_text, forgetting_text
 from starfed.shared.progress import counted
 

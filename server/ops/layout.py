@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from starfed.shared.config import as_str, environment, environment_variable
+from starfed.shared.config import environment, environment_variable
+from starfed.shared.knob import as_str
 
 #: ``--dir`` default when the environment does not name a folder.
 DEFAULT_DIR = "starfed-server"

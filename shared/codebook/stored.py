@@ -23,6 +23,7 @@ from pathlib import Path
 from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema, store, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
+from starfed.shared.codebook.decoding import label
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.framing import frame, read_message
 from starfed.shared.files import write_atomic
@@ -124,7 +125,7 @@ def _changes(before: Codebook, after: Codebook) -> tuple[dict[str, ClassEntry], 
         if old is None or set(old.values) - set(entry.values):
             absent = [f for f in schema.TENSORS if f not in entry.values]
             if absent:
-                raise CodebookError(f"{wire.label(name)}: {absent[0]}: missing")
+                raise CodebookError(f"{label(name)}: {absent[0]}: missing")
             changes[name] = entry
             replaced.append(name)
             continue

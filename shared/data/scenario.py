@@ -25,9 +25,10 @@ import datasets
 import numpy as np
 from flwr_datasets.partitioner import DirichletPartitioner
 
-from starfed.shared.config import Options, knob, optional
+from starfed.shared.config import Options, knob
 from starfed.shared.data.cropdiseases import SplitCropDiseases, dataset_root
 from starfed.shared.data.site_folder import patient_name
+from starfed.shared.knob import optional
 
 Sample = tuple[str, int]
 

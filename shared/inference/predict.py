@@ -29,8 +29,8 @@ from starfed.shared.data.site_folder import class_key, folder_test_images
 from starfed.shared.metrics import nan_to_none
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.evaluation import ClassScores, group_scores, score_classes
+from starfed.shared.model.features import Views, clip_features
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import Views, clip_features
 
 
 def check_backbones(codebook: Codebook, backbones: Backbones) -> None:

@@ -14,8 +14,8 @@ import torch
 
 from starfed.shared.data.cropdiseases import SplitCropDiseases
 from starfed.shared.data.images import DecodedImages, device_batches, to_unit
+from starfed.shared.model.features import EVAL_BATCH_SIZE, Views
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import EVAL_BATCH_SIZE, Views
 
 
 @dataclass

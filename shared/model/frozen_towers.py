@@ -24,7 +24,6 @@ this file does not know (gates, extra norms, layer scale, other activations) mak
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, cast
 
 import torch
@@ -35,10 +34,12 @@ from timm.layers import Attention, Mlp
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-#: False when ``STARFED_FAST_TOWERS=0``: every tower then runs its own modules' forward. Not in
-#: the knob table (shared/config.py) like the other environment knobs: shared.config loads the
-#: backbones, which use this module, so reading it here would close an import cycle.
-ENABLED = os.environ.get("STARFED_FAST_TOWERS", "1") != "0"
+from starfed.shared.config import environment
+from starfed.shared.knob import as_bool
+
+#: False when ``STARFED_FAST_TOWERS=0`` (the knob table's environment knob ``fast-towers``):
+#: every tower then runs its own modules' forward.
+ENABLED = as_bool(environment(), "fast-towers")
 
 
 class _FrozenLinearFn(torch.autograd.Function):

@@ -25,11 +25,10 @@ from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.mixture_fit import fit_on
-from starfed.shared.config import Options, as_bool, environment, knob
-from starfed.shared.data.images import augment, augment_each, device_batches, normalize, to_unit
-from starfed.shared.device import backbone_dtype
-from starfed.shared.model import frozen_towers
-from starfed.shared.model.backbones import Backbones
+from starfed.shared.config import Options, environment, knob
+from starfed.shared.data.images import augment, augment_each
+from starfed.shared.knob import as_bool
+from starfed.shared.model.features import Views, vit_features
 from starfed.shared.model.first_level import first_level_logits
 from starfed.shared.model.losses import (
     masked_cross_entropy,
@@ -47,8 +46,6 @@ from starfed.shared.model.replay import (
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.progress import progress_task
 from starfed.shared.protocol import SPECS, Phase
-
-EVAL_BATCH_SIZE = 256
 
 #: ``STARFED_FUSED_ADAM=1``: stage 2's Adam updates all its tensors in one fused kernel
 #: (``fused=True``) instead of a loop of small ones, which are launch-bound on a GPU (issue 37).
@@ -95,28 +92,6 @@ class TrainConfig(Options):
         )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Views:
-    """How uint8 images become network inputs for one backbone pair."""
-
-    vit_mean: tuple[float, ...]
-    vit_std: tuple[float, ...]
-    clip_mean: tuple[float, ...]
-    clip_std: tuple[float, ...]
-
-    @classmethod
-    def of(cls, backbones: Backbones) -> Views:
-        c = backbones.config
-        return cls(c.vit_mean, c.vit_std, c.clip_mean, c.clip_std)
-
-    def pair(self, unit_images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ViT input, CLIP input) of the same [0, 1] pixels — the reference's renorm path."""
-        return (
-            normalize(unit_images, self.vit_mean, self.vit_std),
-            normalize(unit_images, self.clip_mean, self.clip_std),
-        )
-
-
 def phase_generator(
     seed: int, task: int, stream: str | None, round_index: int = 0
 ) -> torch.Generator:
@@ -132,37 +107,6 @@ def phase_generator(
 
 def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
     return list(torch.randperm(n, generator=generator).split(batch_size))
-
-
-#: Bump when ``clip_features`` returns other bits for the same backbones, device and images.
-CLIP_FEATURES_VERSION = 2
-
-
-def clip_features_signature(backbones: Backbones) -> str:
-    """What decides the bits ``clip_features`` returns, besides the images: the cache key of a
-    site's stored features. The weights, the code path (the frozen towers or each module's own
-    forward: another float32 summation order), the device kind and precision, torch's kernels.
-    Keyed by the weights alone, features cached by one of them were reused by the other."""
-    return "|".join([
-        backbones.fingerprint,
-        f"v{CLIP_FEATURES_VERSION}",
-        f"frozen-towers={frozen_towers.ENABLED}",
-        backbones.device.type,
-        str(backbone_dtype(backbones.device)),
-        f"torch-{torch.__version__}",
-    ])  # fmt: skip
-
-
-@torch.no_grad()
-def clip_features(backbones: Backbones, images: torch.Tensor) -> torch.Tensor:
-    """Raw CLIP features of un-augmented uint8 images (compute once, then cache), on the CPU
-    (they are cached on disk; the training steps move them to the model's device)."""
-    views = Views.of(backbones)
-    out = [
-        backbones.clip_image_features(views.pair(to_unit(chunk))[1]).cpu()
-        for chunk in device_batches(images, EVAL_BATCH_SIZE, backbones.device)
-    ]
-    return torch.cat(out) if out else torch.zeros(0, backbones.dims.d_clip)
 
 
 def stage1(
@@ -313,26 +257,6 @@ def stage2(
             scheduler.step()
     for name, value in current.items():
         bank.set_rows(name, n_past, value)
-
-
-#: uint8 images to augmented [0, 1] views (``augment`` with a generator, or ``augment_each``).
-Augmentation = Callable[[torch.Tensor], torch.Tensor]
-
-
-@torch.no_grad()
-def vit_features(
-    model: StarPrompt, images: torch.Tensor, augmentation: Augmentation | None
-) -> torch.Tensor:
-    """Prompted final-LN CLS features; of augmented views when ``augmentation`` is given (as
-    the reference fits H_c on its training loader, which augments)."""
-    views = Views.of(model.backbones)
-    out = []
-    for chunk in device_batches(images, EVAL_BATCH_SIZE, model.device):
-        unit = augmentation(chunk) if augmentation is not None else to_unit(chunk)
-        vit_in, clip_in = views.pair(unit)
-        z = model.backbones.clip_image_features(clip_in)
-        out.append(model.second_level(vit_in, z).features)
-    return torch.cat(out) if out else torch.zeros(0, model.bank.dims.d_vit)
 
 
 def stage1_stats(

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from rich.console import Console
 
-from starfed.shared.config import Value, Values
+from starfed.shared.knob import Value, Values
 
 FEDERATED = "starfed"  # the method a strategy's name is prefixed with (and its runner module)
 #: The methods a Flower run computes (``starfed experiment --runtime flower``): the simulation's

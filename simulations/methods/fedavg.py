@@ -40,13 +40,16 @@ from rich.console import Console
 from torch import nn
 
 from starfed.client.answer import default_cache_dir
-from starfed.shared.config import BackboneOptions, Values, as_float, as_int, as_str, parse
+from starfed.shared.config import parse
 from starfed.shared.data.images import decode_images, to_unit
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
+from starfed.shared.knob import Values, as_float, as_int, as_str
 from starfed.shared.metrics import final_average_accuracy, final_forgetting, nan_to_none
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.backbones import Backbones
+from starfed.shared.model.features import EVAL_BATCH_SIZE, Views
 from starfed.shared.model.second_level import PromptedViT
-from starfed.shared.model.training import EVAL_BATCH_SIZE, TrainConfig, Views, phase_generator
+from starfed.shared.model.training import TrainConfig, phase_generator
 from starfed.shared.protocol import ROUND, STEP, record_int
 from starfed.simulations.local_grid import LocalGrid, new_run_id, node_configs
 from starfed.simulations.methods import cell_run_config

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from starfed.shared.config import Values
 from starfed.shared.data.cropdiseases import SplitCropDiseases
+from starfed.shared.knob import Values
 from starfed.simulations.methods.single_site import local_options
 from starfed.simulations.train_local import run_local
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from starfed.server.strategy import Strategy
-from starfed.shared.config import Values
+from starfed.shared.knob import Values
 from starfed.simulations.local_grid import run_locally
 from starfed.simulations.methods import cell_run_config
 
