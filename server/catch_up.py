@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from starfed.server.enrolment import Participants
 from starfed.server.messaging import SiteGrid, exchange, reject
+from starfed.server.participants import Participants
 from starfed.server.records import Exchange
 from starfed.shared.codebook import parts
 from starfed.shared.codebook.codebook import Codebook

@@ -22,7 +22,7 @@ It talks to sites only through a Flower ``Grid`` (``get_node_ids``, ``send_and_r
 tests drive it with an in-process grid. Every send has a timeout; error replies and missing
 replies are logged with node and phase. Replies are decoded (= validated) and screened once, at
 this boundary (``server.replies``); a bad one is rejected, never half-applied. Who takes part
-and which classes a step registers is the enrolment's (``server.enrolment``); what a step
+and which classes a step registers is the enrolment's (``server.participants``); what a step
 leaves in the history is ``server.step_records``'s.
 """
 
@@ -37,9 +37,9 @@ from rich.console import Console
 
 from starfed.server import catch_up, replay, step_records
 from starfed.server.change_scale import ChangeScale
-from starfed.server.enrolment import Participants, enrolment_config, new_classes
 from starfed.server.federation import COMPLETED, DEGRADED, FAILED, Federation
 from starfed.server.messaging import Reply, SiteGrid, exchange
+from starfed.server.participants import Participants, new_classes, sync_config
 from starfed.server.records import Exchange, PhaseRound, PhaseTime, Position, StepRecord, StepScores
 from starfed.server.replies import reports, screened
 from starfed.server.screening import Screen, ScreeningOptions
@@ -220,9 +220,7 @@ class Coordinator:
             and not self.strategy.configure(rider.phase, state)
         ]  # fmt: skip
 
-    def _run_phase(
-        self, spec: PhaseSpec, step: int, round_index: int, done: PhaseRound
-    ) -> None:
+    def _run_phase(self, spec: PhaseSpec, step: int, round_index: int, done: PhaseRound) -> None:
         """Send one codebook phase, asking for the updates of the phases that travel with it,
         and reduce the replies phase by phase; the seconds of each go to the step's tally."""
         t0 = time.perf_counter()
@@ -337,11 +335,11 @@ class Coordinator:
     # --- the enrolment ----------------------------------------------------------------------
 
     def _enrol(self, step: int) -> bool:
-        """Ask every connected site what it brings (``server.enrolment``). A fresh step
+        """Ask every connected site what it brings (``server.participants``). A fresh step
         registers the classes the federation does not know yet and begins (False when there
         are none: no step); a resumed step, enrolled before, only learns who is here. Either
         way the sites that answered take part in the rest of the step."""
-        config = enrolment_config(step, self.codebook, self.protocol.wire_dtype)
+        config = sync_config(step, self.codebook, self.protocol.wire_dtype)
         replies = self._send(ENROLMENT, step, 0, config, self.participants.node_ids, None)
         accepted = self.participants.enrol(replies, self.screen, self.codebook,
                                            self.federation.quarantine())  # fmt: skip

@@ -1,11 +1,11 @@
-"""Who takes part in a round (``server.enrolment.Participants``): a seeded share of the sites,
+"""Who takes part in a round (``server.participants.Participants``): a seeded share of the sites,
 drawn over their names, that never leaves a class in play without an update."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from starfed.server.enrolment import Participants
+from starfed.server.participants import Participants
 from starfed.shared.config import ProtocolOptions, parse
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.protocol import Phase

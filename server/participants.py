@@ -42,7 +42,7 @@ SAMPLED = (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS)  
 Enrolled = tuple[Exchange, ClientUpdate]
 
 
-def enrolment_config(step: int, codebook: Codebook, wire_dtype: str) -> dict[str, ConfigValue]:
+def sync_config(step: int, codebook: Codebook, wire_dtype: str) -> dict[str, ConfigValue]:
     """The enrolment's message config: the step, the codebook's lineage and its finished
     classes; no codebook travels either way."""
     return {STEP: step, ROUND: 0, WIRE_DTYPE: wire_dtype,
