@@ -38,7 +38,7 @@ lint: $(STAMP)
 # mypy cannot follow the editable install (pyproject.toml's package-dir renames the folders), so
 # it reads them as `starfed.*` through a folder of links; settings in pyproject.toml [tool.mypy].
 MYPY_LINKS := .cache/mypy/starfed
-PACKAGES   := cli client server shared simulations proto host
+PACKAGES   := cli client server shared simulations proto host ops
 typecheck: $(STAMP)  ## mypy: strict on shared/, untyped bodies checked elsewhere
 	mkdir -p $(MYPY_LINKS)
 	for folder in $(PACKAGES); do ln -sfn ../../../$$folder $(MYPY_LINKS)/$$folder; done

@@ -15,7 +15,7 @@ import sys
 from typing import NoReturn
 
 from starfed.cli._common import fail
-from starfed.server.ops.exit_codes import EXIT_BAD_INPUT
+from starfed.ops.exit_codes import EXIT_BAD_INPUT
 from starfed.shared.knob import ConfigError
 from starfed.shared.version import package_version
 

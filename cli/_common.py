@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from starfed.server.ops.exit_codes import (
+from starfed.ops.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
 )

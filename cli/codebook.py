@@ -16,8 +16,8 @@ from rich.text import Text
 
 from starfed.cli._common import add_group, console, guard
 from starfed.cli.flags import add_command
+from starfed.ops.exit_codes import EXIT_OK
 from starfed.proto import codebook_pb2 as pb
-from starfed.server.ops.exit_codes import EXIT_OK
 from starfed.shared.codebook import schema, store
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.framing import read_payload

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from starfed.cli._common import add_switches, console, warn_unreadable
 from starfed.cli.flags import BACKBONE_FLAGS, add_command, parsed, same_name
-from starfed.server.ops.exit_codes import EXIT_OK
+from starfed.ops.exit_codes import EXIT_OK
 from starfed.shared.knob import ConfigError, as_str
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.progress import counted

@@ -14,7 +14,7 @@ import sys
 
 from starfed.cli._common import ray_options
 from starfed.cli.flags import add_command, parsed, same_name, switch
-from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from starfed.ops.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from starfed.shared.knob import ConfigError, as_float, as_int, as_str, writable_dir
 from starfed.simulations.grid import load, shipped_grids
 from starfed.simulations.methods import FLOWER_METHODS

@@ -2,7 +2,7 @@
 federation itself.
 
 Actions of the ``server`` group (``starfed.cli.server`` registers them), on the same server
-folder. ``round`` submits the generated app (``starfed.server.ops.flower_runs``) to the running
+folder. ``round`` submits the generated app (``starfed.ops.flower_runs``) to the running
 server with the federation folder (default ``<server dir>/federation``), streams the ServerApp's
 progress and follows the run to its end; ``resume`` is a ``round`` that first says which step it
 continues; ``status`` reads the folders (``starfed.server.ops.status``) and works with the server
@@ -33,11 +33,12 @@ from starfed.cli._common import (
 )
 from starfed.cli.federation_status import print_status
 from starfed.cli.flags import Flag, add_command, add_run_config, run_config, same_name
+from starfed.ops import exit_codes, flower_runs, processes
+from starfed.ops.exit_codes import EXIT_OK
 from starfed.server import folder_check, folder_lock, folder_repair
 from starfed.server.federation import Federation
 from starfed.server.folder_files import FederationError
-from starfed.server.ops import exit_codes, flower_runs, processes, sites, superlink
-from starfed.server.ops.exit_codes import EXIT_OK
+from starfed.server.ops import sites, superlink
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import gather
 from starfed.server.records import Checkpoint, Exchange

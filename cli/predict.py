@@ -19,7 +19,7 @@ from pathlib import Path
 
 from starfed.cli._common import warn, warn_unreadable
 from starfed.cli.flags import BACKBONE_FLAGS, add_command, device_flag, parsed, same_name
-from starfed.server.ops.exit_codes import EXIT_FAILED
+from starfed.ops.exit_codes import EXIT_FAILED
 from starfed.shared.knob import ConfigError, as_int, as_str
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.progress import counted

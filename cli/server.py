@@ -29,8 +29,9 @@ from starfed.cli._common import (
     server_options,
 )
 from starfed.cli.flags import add_command, parsed, same_name
-from starfed.server.ops import certs, pki, processes, superlink
-from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
+from starfed.ops import pki, processes
+from starfed.ops.exit_codes import EXIT_FAILED, EXIT_OK
+from starfed.server.ops import certs, superlink
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared import addresses
 from starfed.shared.knob import ConfigError, as_float, as_int, as_str
@@ -291,7 +292,7 @@ def run_dashboard(args: argparse.Namespace) -> int:
     is the same as JSON. On 127.0.0.1 (no authentication): from your machine, `ssh -N -L
     9097:127.0.0.1:9097 SERVER`, then open http://localhost:9097. Ctrl-C stops.
     """
-    from starfed.server.ops import dashboard  # matplotlib and uvicorn: for this action only
+    from starfed.server.ops import dashboard
 
     _, own, _ = parsed(args, DASHBOARD_FLAGS, DASHBOARD)
     host, port = addresses.parse_address(as_str(own, "listen"))  # checked by the knob

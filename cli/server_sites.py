@@ -15,8 +15,9 @@ from rich.table import Table
 
 from starfed.cli._common import add_group, add_switches, console, emit_json, guard, server_folder
 from starfed.cli.flags import add_command
-from starfed.server.ops import pki, processes, sites
-from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
+from starfed.ops import pki, processes
+from starfed.ops.exit_codes import EXIT_FAILED, EXIT_OK
+from starfed.server.ops import sites
 from starfed.shared.knob import ConfigError
 
 guarded = guard(bad_input=(pki.SiteKeyError,), failed=(sites.SitesError, processes.ProcessError))

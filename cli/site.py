@@ -19,8 +19,8 @@ from starfed.cli import site_check
 from starfed.cli._common import add_group, add_switches, fail, guard
 from starfed.cli.flags import Flag, add_command, device_flag, parsed, same_name
 from starfed.client.ops import dialling, site_options, supernode
-from starfed.server.ops import pki, processes
-from starfed.server.ops.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from starfed.ops import pki, processes
+from starfed.ops.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from starfed.shared.knob import as_float, as_str
 
 KEYGEN, START = "site keygen", "site start"  # the tables of their own knobs

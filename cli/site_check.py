@@ -14,7 +14,7 @@ from pathlib import Path
 from starfed.cli._common import add_switches, guard
 from starfed.cli.flags import add_command, parsed, same_name
 from starfed.client.ops import site_options
-from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_OK
+from starfed.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.knob import ConfigError
 from starfed.shared.model.backbone_options import BackboneOptions

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from starfed.cli.flags import Flag, add_command, parsed, same_name, switch
-from starfed.server.ops.exit_codes import EXIT_OK
+from starfed.ops.exit_codes import EXIT_OK
 from starfed.shared.knob import as_int, as_str, writable_dir
 
 COMMAND = "train-local"

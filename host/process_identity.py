@@ -3,7 +3,7 @@
 A PID alone may have been reused; a PID with its start time (clock ticks since boot,
 ``/proc/PID/stat`` field 22) and the boot id names one process. Every lock file
 (``starfed.host.locks``) tells a stale holder this way, and the operations that start and end
-Flower's processes (``server.ops.processes``) recognise them days later the same way. Linux
+Flower's processes (``ops.processes``) recognise them days later the same way. Linux
 only: processes are read from ``/proc``.
 """
 

@@ -26,8 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from starfed.server.ops import processes
-from starfed.server.ops.exit_codes import EXIT_OK, FINISHED
+from starfed.ops import processes
+from starfed.ops.exit_codes import EXIT_OK, FINISHED
 from starfed.shared.files import write_atomic
 from starfed.simulations.grid import Cell
 from starfed.simulations.simulate import flower_env, simulate

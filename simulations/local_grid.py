@@ -37,10 +37,10 @@ from rich.progress import (
 )
 
 from starfed.client.app import app as client_app
+from starfed.ops.exit_codes import EXIT_FAILED, run_exit_code
+from starfed.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
+from starfed.ops.flower_runs import summarize
 from starfed.server.app import RunFailed, run_server
-from starfed.server.ops.exit_codes import EXIT_FAILED, run_exit_code
-from starfed.server.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
-from starfed.server.ops.flower_runs import summarize
 from starfed.server.strategy import Strategy
 from starfed.shared import progress, thread_pools
 from starfed.shared.codebook.codebook import Codebook, Delta

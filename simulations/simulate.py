@@ -4,7 +4,7 @@ Plain `flwr run .` reads and writes ``~/.flwr``, rewrites connection settings, r
 per run, reports telemetry and leaves a detached SuperLink behind that later runs silently reuse
 (DESIGN §6). This command owns the whole life cycle instead: a Flower home inside the run's
 results folder, a SuperLink it starts itself on a free localhost port, the app generated from
-this installation and submitted, followed and stopped through ``starfed.server.ops.flower_runs``,
+this installation and submitted, followed and stopped through ``starfed.ops.flower_runs``,
 and at the end every process it started stopped by PID and checked gone. A run stopped by
 Ctrl-C or SIGTERM is marked in its folder (``interrupted.json``). The command line, which checks
 the run config before anything starts, is ``starfed.cli.simulate``.
@@ -28,11 +28,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
+from starfed.ops import exit_codes, flower_runs, processes
+from starfed.ops.flower_runs import COMPLETED, FlowerCli, FlowerRunError, RunOutcome
+from starfed.ops.processes import ProcessId
 from starfed.server.federation import Federation
 from starfed.server.folder_files import FederationError
-from starfed.server.ops import exit_codes, flower_runs, processes
-from starfed.server.ops.flower_runs import COMPLETED, FlowerCli, FlowerRunError, RunOutcome
-from starfed.server.ops.processes import ProcessId
 from starfed.shared.metrics import results_line
 from starfed.shared.progress import counted
 
@@ -73,7 +73,7 @@ class SimulationError(RuntimeError):
 
 
 def flower_env(flwr_home: Path, ray_address: str = "") -> dict[str, str]:
-    """Flower's settings (``server.ops.processes.flower_env``), quiet warnings (``QUIET``) and the
+    """Flower's settings (``ops.processes.flower_env``), quiet warnings (``QUIET``) and the
     Ray cluster to run on: ``ray_address``, else ``RAY_ADDRESS``, else none — a Ray of the
     run's own, even where a ``ray start`` on this machine left its address for ``ray.init``."""
     warnings = ",".join(filter(None, [QUIET, os.environ.get("PYTHONWARNINGS")]))

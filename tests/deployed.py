@@ -26,9 +26,9 @@ import pytest
 from process_sampler import marked
 from site_folders import site_folder
 
+from starfed.ops.processes import ProcessId, descendants, free_port, send_signal
 from starfed.server.federation import Federation
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.processes import ProcessId, descendants, free_port, send_signal
 from starfed.server.ops.superlink import RunRecord
 from starfed.server.records import Checkpoint
 

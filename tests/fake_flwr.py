@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from starfed.server.ops import flower_runs, processes
+from starfed.ops import flower_runs, processes
 
 UNAVAILABLE = (
     "Connection to the SuperLink is unavailable. Please check your network connection and "

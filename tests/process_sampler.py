@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from starfed.server.ops.processes import ProcessId, send_signal
+from starfed.ops.processes import ProcessId, send_signal
 
 
 def marked(marker: str, also: str | None = None, skip: Iterable[int] = ()) -> dict[ProcessId, str]:

@@ -38,7 +38,8 @@ from flwr.supernode.fleet_http_client import FleetHttpClient
 from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
 
 from starfed.host.process_identity import ProcessId
-from starfed.server.ops import certs, fleet_signatures, gateway, pki
+from starfed.ops import pki
+from starfed.server.ops import certs, fleet_signatures, gateway
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.sites import Registry, SiteRecord
 

@@ -14,7 +14,7 @@ import pytest
 
 from starfed.client.ops import data_lock
 from starfed.client.ops.data_lock import DataFolderInUse, Holder
-from starfed.server.ops.processes import ProcessId
+from starfed.ops.processes import ProcessId
 
 pytestmark = pytest.mark.adversarial
 

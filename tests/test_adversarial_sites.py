@@ -20,7 +20,8 @@ from cryptography.hazmat.primitives import serialization
 from flwr.supercore.state.schema.linkstate_tables import create_linkstate_metadata
 from in_process import starfed
 
-from starfed.server.ops import pki, sites
+from starfed.ops import pki
+from starfed.server.ops import sites
 from starfed.server.ops.layout import ServerFolder
 
 pytestmark = pytest.mark.adversarial

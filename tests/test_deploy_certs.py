@@ -16,7 +16,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from starfed.server.ops import certs, pki
+from starfed.ops import pki
+from starfed.server.ops import certs
 from starfed.server.ops.layout import ServerFolder
 
 

@@ -36,9 +36,10 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from process_sampler import marked
 
-from starfed.server.ops import certs, pki, processes
+from starfed.ops import pki, processes
+from starfed.ops.processes import ProcessId, ProcessRecord
+from starfed.server.ops import certs
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.processes import ProcessId, ProcessRecord
 from starfed.shared import addresses
 
 pytestmark = [

@@ -22,7 +22,8 @@ from flwr.supercore.date import now as flwr_now
 from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
 
 from starfed.cli.command_knobs import TABLES
-from starfed.server.ops import fleet_proxy, fleet_signatures, pki
+from starfed.ops import pki
+from starfed.server.ops import fleet_proxy, fleet_signatures
 from starfed.server.ops.connection_guard import MAX_PER_ADDRESS
 from starfed.server.ops.fleet_proxy import FleetGateway, allowed
 from starfed.server.ops.fleet_signatures import SiteKeys

@@ -19,10 +19,11 @@ import pytest
 from conftest import FINGERPRINT, TINY_DIMS
 from in_process import starfed
 
+from starfed.ops import pki, processes
+from starfed.ops.processes import ManagedProcess, ProcessId
 from starfed.server.federation import Federation
-from starfed.server.ops import pki, processes, status, superlink
+from starfed.server.ops import status, superlink
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.processes import ManagedProcess, ProcessId
 from starfed.server.records import Exchange, PhaseTime, Position, StepRecord
 
 METRICS = {"status": "completed", "steps": 1, "final_average_accuracy": 90.0, "wall_time_s": 3}

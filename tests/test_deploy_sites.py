@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from starfed.server.ops import pki, processes, sites, superlink
-from starfed.server.ops.flower_runs import CONNECTION
+from starfed.ops import pki, processes
+from starfed.ops.flower_runs import CONNECTION
+from starfed.ops.processes import ManagedProcess, ProcessId
+from starfed.server.ops import sites, superlink
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.processes import ManagedProcess, ProcessId
 
 # Real SuperLink log lines (Flower 1.41, the same in 1.42, --log-file), keys shortened where they
 # do not matter.

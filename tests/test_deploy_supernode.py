@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from starfed.client.ops import site_options, supernode, supernode_log
-from starfed.server.ops import pki, processes
-from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
+from starfed.ops import pki, processes
+from starfed.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared import addresses
 from starfed.shared.config import parse
 

@@ -23,9 +23,9 @@ import torch
 from cryptography.hazmat.primitives import serialization
 
 from starfed.cli import main
+from starfed.ops import processes
 from starfed.proto import distribution_pb2 as pb
 from starfed.server.federation import Federation
-from starfed.server.ops import processes
 from starfed.server.ops.certs import ensure_certificates, make_ca, make_server_cert
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Position

@@ -25,8 +25,8 @@ import pytest
 from process_sampler import ProcessSampler
 from site_folders import CLASSES, site_folder
 
+from starfed.ops.processes import FLOWER_ENV, free_port
 from starfed.server.federation import Federation
-from starfed.server.ops.processes import FLOWER_ENV, free_port
 from starfed.shared.codebook import wire
 from starfed.shared.data.site_folder import class_key
 

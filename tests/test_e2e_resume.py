@@ -32,11 +32,11 @@ from site_folders import CLASSES
 
 from starfed.client import answer
 from starfed.client import app as client_app
+from starfed.ops.flower_runs import FlowerCli
+from starfed.ops.processes import send_signal, wait_gone
 from starfed.server.app import run_server
 from starfed.server.federation import Federation
 from starfed.server.folder_files import CODEBOOK_FILE
-from starfed.server.ops.flower_runs import FlowerCli
-from starfed.server.ops.processes import send_signal, wait_gone
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.data.site_folder import class_key

@@ -24,9 +24,9 @@ import pytest
 from deployed import ROUND_TIMEOUT_S, deployment, round_settings, starfed
 from site_folders import CLASSES
 
+from starfed.ops.processes import send_signal, wait_gone
 from starfed.server.federation import Federation
 from starfed.server.folder_files import CODEBOOK_FILE
-from starfed.server.ops.processes import send_signal, wait_gone
 from starfed.shared.codebook import wire
 from starfed.shared.data.site_folder import class_key
 

@@ -1,4 +1,4 @@
-"""One status → exit code table (``server/ops/exit_codes.py``) behind every command that runs a
+"""One status → exit code table (``ops/exit_codes.py``) behind every command that runs a
 federation: the Flower runtime's follower and the local runtime end with the same code for the
 same final status; an experiment's cell counts a degraded run as complete (tests/test_experiment.py
 runs that path)."""
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from starfed.server.federation import COMPLETED, DEGRADED, FAILED
-from starfed.server.ops import flower_runs
-from starfed.server.ops.exit_codes import (
+from starfed.ops import flower_runs
+from starfed.ops.exit_codes import (
     EXIT_DEGRADED,
     EXIT_FAILED,
     EXIT_OK,
@@ -19,7 +18,8 @@ from starfed.server.ops.exit_codes import (
     RUN_EXIT_CODES,
     run_exit_code,
 )
-from starfed.server.ops.flower_runs import RunOutcome
+from starfed.ops.flower_runs import RunOutcome
+from starfed.server.federation import COMPLETED, DEGRADED, FAILED
 from starfed.simulations import local_grid
 
 STATUSES = [COMPLETED, DEGRADED, FAILED, "running", None]  # the last two: no final status

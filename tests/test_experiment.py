@@ -25,7 +25,7 @@ import pytest
 from in_process import SMALL_GRID_DEFAULTS
 
 from starfed.cli import main
-from starfed.server.ops.exit_codes import EXIT_DEGRADED
+from starfed.ops.exit_codes import EXIT_DEGRADED
 from starfed.shared.metrics import final_average_accuracy
 from starfed.simulations import cell as cells
 from starfed.simulations import experiment as experiment_module

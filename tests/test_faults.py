@@ -37,6 +37,7 @@ from site_folders import CLASSES, site_folder
 
 from starfed.client.ops import site_options, supernode_log
 from starfed.host.process_identity import ProcessId
+from starfed.ops import clock, pki
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import federation as federation_module
 from starfed.server import folder_check, folder_lock
@@ -50,7 +51,7 @@ from starfed.server.folder_files import (
     STEP_FINDINGS_FILE,
     FederationError,
 )
-from starfed.server.ops import clock, fleet_proxy, pki
+from starfed.server.ops import fleet_proxy
 from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Position

@@ -16,8 +16,8 @@ from pathlib import Path
 import fake_flwr as fake
 import pytest
 
-from starfed.server.ops import flower_runs
-from starfed.server.ops.flower_runs import FlowerCli, FlowerRunError, RunOutcome
+from starfed.ops import flower_runs
+from starfed.ops.flower_runs import FlowerCli, FlowerRunError, RunOutcome
 from starfed.simulations.simulate import APP_COMPONENTS as SIMULATION_APP
 
 REPO = Path(__file__).resolve().parent.parent

@@ -22,11 +22,11 @@ import torch
 
 from starfed.cli import main
 from starfed.client import app as client_app
+from starfed.ops.processes import free_port
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.federation import Federation
 from starfed.server.ops.certs import ensure_certificates
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.processes import free_port
 from starfed.server.records import Position
 from starfed.server.serving import distribution
 from starfed.server.serving.distribution import ServeOptions

@@ -14,10 +14,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The folders that install as ``starfed.*`` (pyproject.toml's ``package-dir``).
-FOLDERS = ("cli", "client", "server", "shared", "proto", "simulations", "host")
+FOLDERS = ("cli", "client", "server", "shared", "proto", "simulations", "host", "ops")
 #: Flower modules whose names are Flower's public API (its documentation's import paths).
 FLOWER_PUBLIC = {"flwr.app", "flwr.clientapp", "flwr.serverapp", "flwr.serverapp.strategy"}
-FLOWER_INTERNALS = "starfed.server.ops.flower_internals"
+FLOWER_INTERNALS = "starfed.ops.flower_internals"
 
 #: Layer of a module, by prefix (the longest matching prefix wins); a module may import its
 #: own layer and the layers below it.
@@ -27,6 +27,7 @@ LAYERS = {
     "starfed.proto": 0,
     "starfed.server": 1,  # the federation
     "starfed.client": 1,
+    "starfed.ops": 2,  # operations: what the server's and the sites' share
     "starfed.server.ops": 2,  # operations
     "starfed.client.ops": 2,
     "starfed.server.serving": 2,
@@ -193,26 +194,15 @@ def test_the_host_imports_nothing_else_of_starfed():
     assert "starfed.host.locks" in MODULES and outside == []
 
 
-#: What the site's operations share with the server side, kept in ``server/ops/`` for now
-#: (docs/design.md#the-layout): processes and their records, site key files, the server's clock,
-#: Flower's internals.
-SHARED_OPERATIONS = {
-    "starfed.server.ops.processes",
-    "starfed.server.ops.pki",
-    "starfed.server.ops.clock",
-    "starfed.server.ops.flower_internals",
-}
-
-
-def test_the_sites_operations_take_only_the_shared_operations_from_the_server_side():
-    """``client/ops/`` runs on a site's machine: of ``server/`` it may use what both sides
-    share, never the federation's or the server's own operations."""
+def test_the_sites_operations_import_nothing_from_the_server_side():
+    """``client/ops/`` runs on a site's machine: what it shares with the server is
+    ``starfed.ops``; it never imports ``server/``."""
     server_side = [
         f"{module} imports {target}"
         for module, targets in IMPORTS.items()
         if module.startswith("starfed.client.ops")
         for target in targets
-        if target.startswith("starfed.server") and target not in SHARED_OPERATIONS
+        if target.startswith("starfed.server")
     ]
     assert "starfed.client.ops.site_options" in MODULES and server_side == []
 

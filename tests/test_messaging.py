@@ -11,8 +11,8 @@ from flwr.app import ConfigRecord, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.server.superlink.linkstate.utils import NODE_UNAVAILABLE_ERROR_REASON
 
+from starfed.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server import messaging
-from starfed.server.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.shared.protocol import PHASES
 
 

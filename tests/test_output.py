@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.table import Table
 
-from starfed.server.ops.flower_runs import summarize
+from starfed.ops.flower_runs import summarize
 from starfed.shared.metrics import SCORES_DOC, faa_text, forgetting_text
 from starfed.shared.progress import PIPED_WIDTH, console, counted
 from starfed.simulations.simulate import filtered_stdout

@@ -27,8 +27,8 @@ import pytest
 from in_process import SMALL_GRID_DEFAULTS
 from process_sampler import ProcessSampler
 
-from starfed.server.ops import processes
-from starfed.server.ops.processes import ProcessId
+from starfed.ops import processes
+from starfed.ops.processes import ProcessId
 from starfed.shared.codebook import wire
 
 pytestmark = [

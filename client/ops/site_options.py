@@ -14,7 +14,7 @@ from pathlib import Path
 import tomli_w
 
 from starfed.client.ops import dialling
-from starfed.server.ops import pki, processes
+from starfed.ops import pki, processes
 from starfed.shared import addresses
 from starfed.shared.config import TABLES
 

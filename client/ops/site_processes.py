@@ -16,8 +16,8 @@ from typing import IO, cast
 from starfed.client.ops import dialling, supernode_log
 from starfed.client.ops.site_options import SiteError, SiteOptions
 from starfed.client.worker import CANNOT_START
-from starfed.server.ops import processes
-from starfed.server.ops.processes import ManagedProcess, ProcessRecord
+from starfed.ops import processes
+from starfed.ops.processes import ManagedProcess, ProcessRecord
 
 WORKER_START_S = 30.0
 

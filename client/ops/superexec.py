@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import starfed.client.app  # noqa: F401  imported once here, so that no task imports it again
-from starfed.server.ops.flower_internals import (
+from starfed.ops.flower_internals import (
     SUPEREXEC_AUTH_METHODS,
     AcquireTaskRequest,
     AutoExecPlugin,

@@ -23,7 +23,7 @@ traceback-sized log. This wrapper:
 - streams the SuperNode's log to the terminal and to ``<state>/logs/supernode.log``, and turns the
   known failure lines into one clear line each (``supernode_log``); a SuperNode that stopped
   itself on Flower's 401 was refused either for its key or for this machine's clock, told apart
-  by asking the server's time (``server.ops.clock``);
+  by asking the server's time (``ops.clock``);
 - on Ctrl-C or SIGTERM sends SIGTERM to the SuperNode, which tells the SuperLink it goes offline
   (at once, instead of after the 60 s heartbeat patience), then ends whatever is left of its
   process tree by PID. One SuperNode per state folder (a lock file, ``starfed.host.locks``'s
@@ -67,8 +67,8 @@ from starfed.client.ops.site_options import (
     write_superexec_secret,
 )
 from starfed.host import locks
-from starfed.server.ops import processes
-from starfed.server.ops.processes import ProcessId, ProcessRecord
+from starfed.ops import processes
+from starfed.ops.processes import ProcessId, ProcessRecord
 
 STOP_GRACE_S = 15.0
 

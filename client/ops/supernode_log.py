@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from starfed.client.ops.site_options import SiteOptions
-from starfed.server.ops import clock, pki
+from starfed.ops import clock, pki
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def write(out: IO[str], text: str) -> None:
 
 def self_stopped(options: SiteOptions, offset_s: float | None = None) -> str:
     """Why the SuperNode stopped itself (Flower's 401): a clock outside Flower's window, told
-    apart from a removed key by asking the server's time (``server.ops.clock``); else the key.
+    apart from a removed key by asking the server's time (``ops.clock``); else the key.
     ``offset_s``: the measured difference (tests)."""
     if offset_s is None:
         offset_s = clock.server_offset(options.server, options.ca, options.insecure)

@@ -3,7 +3,7 @@
 So that nobody copies openssl recipes: one call makes a private CA (EC P-384, 10 years), a
 server certificate signed by it (EC P-384, 825 days, serverAuth, SANs for every name and address
 sites dial plus ``127.0.0.1`` and ``localhost`` for the operator's own tools) and, on request,
-site key pairs (``starfed.server.ops.pki``). Sites receive ``ca.pem`` and, if the operator made it,
+site key pairs (``starfed.ops.pki``). Sites receive ``ca.pem`` and, if the operator made it,
 their private key.
 
 Idempotent: what exists is kept. A new CA means every site needs the new ``ca.pem`` and a new
@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from starfed.server.ops import pki
+from starfed.ops import pki
 from starfed.server.ops.layout import ServerFolder
 
 LOCAL_NAMES = ("127.0.0.1", "localhost")

@@ -16,7 +16,7 @@ upstream calls have timeouts, a client that sends garbage gets an HTTP error and
 gateway, and every refusal and every forwarded call that did not succeed is one line in the log
 file (all calls with ``--debug``). Built on uvicorn (its h11 protocol) and httpx, which Flower
 itself runs on. A call Flower refused for its timestamp is
-logged with the clock difference (``server.ops.clock``), so the operator tells clock skew from a
+logged with the clock difference (``ops.clock``), so the operator tells clock skew from a
 removed key.
 
 The process around it (TLS, connection limits, logging, the command line) is
@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from starfed.server.ops import clock, pki
+from starfed.ops import clock, pki
 from starfed.server.ops.connection_guard import HEADER_TIMEOUT_S
 from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER, SiteKeys
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
@@ -332,7 +332,7 @@ async def _relay(response: httpx.Response, send: Send, call: _Call) -> int:
 
 def _log_clock_skew(headers: dict[str, str], path: str, client: str) -> None:
     """A 401 to a call whose signed timestamp is outside Flower's window: Flower's answer is
-    the same as for a removed key, so say what it was (``server.ops.clock``), with the key."""
+    the same as for a removed key, so say what it was (``ops.clock``), with the key."""
     offset = clock.signed_offset(headers.get(TIMESTAMP_HEADER, ""))
     if offset is None or not clock.refused(offset):
         return

@@ -26,7 +26,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from starfed.server.ops import clock
+from starfed.ops import clock
 
 #: Flower 1.42's header names (flwr/common/constant.py, flwr/supercore/constant.py); tests
 #: compare them with Flower's.

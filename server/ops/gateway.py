@@ -37,6 +37,7 @@ from pathlib import Path
 
 import uvicorn
 
+from starfed.ops.processes import ProcessId
 from starfed.server.ops.connection_guard import (
     HANDSHAKE_TIMEOUT_S,
     HEADER_TIMEOUT_S,
@@ -54,7 +55,6 @@ from starfed.server.ops.fleet_proxy import (
     FleetGateway,
 )
 from starfed.server.ops.fleet_signatures import SiteKeys
-from starfed.server.ops.processes import ProcessId
 from starfed.shared.addresses import parse_address
 
 OWN_FILES = 64  # the process's own: the listening socket, logs, /proc, the interpreter's

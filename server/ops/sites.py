@@ -10,7 +10,7 @@ a removed record stays, because a removed key can never be registered again: Flo
 
 It also reads the SuperLink's log for SuperNodes that were turned away (``ApiError:2004``: key
 not registered, ``ApiError:2001``: tried to register itself) and the gateway's for calls refused
-for their clock (``server.ops.clock``), and prints each rejected key's SHA256 fingerprint, the
+for their clock (``ops.clock``), and prints each rejected key's SHA256 fingerprint, the
 same fingerprint the site prints for its key.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
-from starfed.server.ops import clock, flower_runs, pki
+from starfed.ops import clock, flower_runs, pki
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.files import write_atomic
 
@@ -185,7 +185,7 @@ def add(folder: ServerFolder, name: str, public_key: Path, adopt: bool = False) 
 
 def flower_node_of(folder: ServerFolder, key: pki.SiteKey) -> int:
     """The node id Flower registered ``key`` under, from the SuperLink's database (its ``node``
-    table: server.ops.flower_internals); ``SitesError`` when Flower does not hold the key."""
+    table: ops.flower_internals); ``SitesError`` when Flower does not hold the key."""
     pem = serialization.load_ssh_public_key(key.openssh.encode()).public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )  # as Flower stores it (flwr.supercore.primitives.asymmetric.public_key_to_bytes)
@@ -303,7 +303,7 @@ _SKEW = re.compile(
 
 def parse_skews(lines: Iterable[str]) -> list[Refusal]:
     """The gateway's clock-skew lines grouped by key: Flower answers them as it answers a
-    removed key, so only the gateway's log tells them apart (``server.ops.clock``)."""
+    removed key, so only the gateway's log tells them apart (``ops.clock``)."""
     found: dict[str, Refusal] = {}
     for line in lines:
         if clock.SKEW_LINE not in line or (m := _SKEW.search(line)) is None:

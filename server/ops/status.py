@@ -22,6 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
+from starfed.ops import flower_runs
+from starfed.ops.processes import ProcessError
 from starfed.server import folder_check
 from starfed.server.federation import Federation
 from starfed.server.folder_files import (
@@ -34,9 +36,8 @@ from starfed.server.folder_files import (
     STEP_FINDINGS_FILE,
     FederationError,
 )
-from starfed.server.ops import flower_runs, sites, superlink
+from starfed.server.ops import sites, superlink
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.processes import ProcessError
 from starfed.server.records import Exchange, Finding, StepRecord
 
 RECENT_STEPS = 3  # steps whose failed exchanges and screening findings count as recent

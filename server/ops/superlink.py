@@ -35,10 +35,10 @@ from pathlib import Path
 
 import httpx
 
-from starfed.server.ops import flower_runs, processes
+from starfed.ops import flower_runs, processes
+from starfed.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.server.ops.certs import LOCAL_NAMES, certificate_sans
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.ops.processes import ManagedProcess, ProcessId, ProcessRecord
 from starfed.shared.addresses import format_address, is_loopback, is_wildcard
 from starfed.shared.files import write_atomic
 

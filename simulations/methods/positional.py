@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
-from starfed.server.ops.flower_internals import aggregate_arrayrecords
+from starfed.ops.flower_internals import aggregate_arrayrecords
 from starfed.server.strategy import PhaseState, Strategy
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook

@@ -34,8 +34,8 @@ from typing import IO, TypedDict
 
 import tomli_w
 
-from starfed.server.ops import processes
-from starfed.server.ops.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, run_exit_code
+from starfed.ops import processes
+from starfed.ops.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, run_exit_code
 from starfed.shared.config import TABLES
 from starfed.shared.files import write_atomic
 from starfed.shared.knob import ConfigError

@@ -31,7 +31,7 @@ def limits() -> tuple[float, float]:
     """(ahead, behind): a site clock at least ``ahead`` seconds ahead of the server's, or
     ``behind`` seconds behind it, is refused. Flower's constants, imported only when asked
     (a command that fails on bad input answers before Flower is imported)."""
-    from starfed.server.ops.flower_internals import SYSTEM_TIME_TOLERANCE, TIMESTAMP_TOLERANCE
+    from starfed.ops.flower_internals import SYSTEM_TIME_TOLERANCE, TIMESTAMP_TOLERANCE
 
     return float(SYSTEM_TIME_TOLERANCE), float(TIMESTAMP_TOLERANCE + SYSTEM_TIME_TOLERANCE)
 

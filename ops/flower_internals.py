@@ -37,7 +37,7 @@ only, in the SuperLink's database: its ``node`` table's ``node_id``, ``status`` 
 ``public_key`` (the key's PEM, SubjectPublicKeyInfo) columns (``flwr.supercore.state.schema``;
 tests/test_adversarial_sites.py builds the table with Flower's own schema).
 
-Clock skew (``starfed.server.ops.clock``): Flower refuses a SuperNode whose signed timestamp is
+Clock skew (``starfed.ops.clock``): Flower refuses a SuperNode whose signed timestamp is
 outside its window with the same answer as a removed key (401 "Invalid SuperNode
 authentication"), so starfed measures the time difference itself, against the window:
 
