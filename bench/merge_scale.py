@@ -68,14 +68,14 @@ def site_name(site: int) -> str:
     return f"site-{site:04d}"
 
 
-def enrolled(codebook: Codebook, sites: int) -> Screen:
+def synced(codebook: Codebook, sites: int) -> Screen:
     """The step's screening with every site enrolled, each reporting the most examples an
     update of ``site_update`` can claim for every class."""
     sync = ClientUpdate(codebook.fingerprint, codebook.dims, Phase.SYNC, 0,
                         [ClassEntry(name, 10**6) for name in codebook.names])  # fmt: skip
     screen = Screen(ScreeningOptions(), step=0)
     accepted = [(Exchange(0, "sync", 0, i + 1, site_name(i), 0), sync) for i in range(sites)]
-    screen.enrol(accepted, codebook, {})
+    screen.sync(accepted, codebook, {})
     return screen
 
 
@@ -123,7 +123,7 @@ def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) ->
     before = memory_mb("VmRSS")
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets VmHWM to the current RSS
-    screen = enrolled(codebook, sites)
+    screen = synced(codebook, sites)
     merge = MergeAccumulator(codebook, n_components=n_components)
     phase_screen = timed("screen", screen.phase, phase, 0, codebook)
     updates = []  # views of the replies' bytes: held between the passes, as the coordinator does

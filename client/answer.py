@@ -113,7 +113,7 @@ def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
     step, round_index = int(config[STEP]), int(config.get(ROUND, 0))
     federation = str(config[FEDERATION_KEY])
     wire_dtype = str(config.get(WIRE_DTYPE, "float32"))
-    if phase is Phase.SYNC and CATCH_UP in config:  # a part of a codebook, not an enrolment
+    if phase is Phase.SYNC and CATCH_UP in config:  # a part of a codebook, not an sync
         site.memory.join(federation)
         index, count, classes = (int(value) for value in config[CATCH_UP])
         site.memory.catch_up(payload, index, count, classes)

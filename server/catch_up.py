@@ -31,10 +31,10 @@ from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.protocol import (
     CATCH_UP,
     CATCH_UP_KEY,
-    ENROLMENT,
     HELD,
     ROUND,
     STEP,
+    SYNC,
     WIRE_DTYPE,
 )
 
@@ -101,7 +101,7 @@ def send(
             break
         data = plan.encoded(index)
         message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)]}
-        good, exchanges = exchange(grid, ENROLMENT, step, index, message, pending, sites,
+        good, exchanges = exchange(grid, SYNC, step, index, message, pending, sites,
                                    _constant(data), timeout)  # fmt: skip
         for entry in exchanges:
             entry.phase = CATCH_UP_KEY

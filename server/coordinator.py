@@ -1,8 +1,8 @@
-"""The server's aggregation steps: the enrolment, then the phases of ``PHASES``, in order.
+"""The server's aggregation steps: the sync, then the phases of ``PHASES``, in order.
 
-A step starts with the enrolment (``starfed.shared.protocol.ENROLMENT``): every connected site
+A step starts with the sync (``starfed.shared.protocol.SYNC``): every connected site
 says what its current task brings, and the classes the federation does not know yet are
-registered. Then, for each codebook phase, the ``Coordinator`` sends one message to the enrolled
+registered. Then, for each codebook phase, the ``Coordinator`` sends one message to the synced
 sites (a seeded share of them for training and statistics rounds, ``fraction-train``), decodes
 (= validates) the replies one at a time and hands them to its ``Strategy``
 (``starfed.server.strategy``), which reduces them into a new codebook (or, for evaluation, the
@@ -22,7 +22,7 @@ It talks to sites only through a Flower ``Grid`` (``get_node_ids``, ``send_and_r
 tests drive it with an in-process grid. Every send has a timeout; error replies and missing
 replies are logged with node and phase. Replies are decoded (= validated) and screened once, at
 this boundary (``server.replies``); a bad one is rejected, never half-applied. Who takes part
-and which classes a step registers is the enrolment's (``server.participants``); what a step
+and which classes a step registers is the sync's (``server.participants``); what a step
 leaves in the history is ``server.step_records``'s.
 """
 
@@ -55,12 +55,12 @@ from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import (
     ALSO,
     CLASS_STEPS,
-    ENROLMENT,
     PHASES,
     ROUND,
     SPECS,
     STATISTICS,
     STEP,
+    SYNC,
     WIRE_DTYPE,
     Phase,
     PhaseSpec,
@@ -68,7 +68,7 @@ from starfed.shared.protocol import (
 
 logger = logging.getLogger(__name__)
 
-ENROLLED = PhaseRound(ENROLMENT.phase.key)  # the position's mark of a step's finished enrolment
+SYNCED = PhaseRound(SYNC.phase.key)  # the position's mark of a step's finished sync
 WAIT_POLL_S = 1.0
 
 #: A simulation's scores on a global test set: (codebook, class steps, step, the evaluate
@@ -77,10 +77,10 @@ ServerEval = Callable[[Codebook, Mapping[str, int], int, Mapping[str, ConfigValu
 
 
 class Coordinator:
-    """Drives the enrolment and the phases of every step of one server run; owns the codebook.
+    """Drives the sync and the phases of every step of one server run; owns the codebook.
 
     ``strategy`` reduces the replies (starfed's own by default); ``before_step(step)`` runs at
-    the start of every step, fresh or resumed, before the enrolment (a simulation writes its
+    the start of every step, fresh or resumed, before the sync (a simulation writes its
     sites' data folders there).
     """
 
@@ -164,13 +164,13 @@ class Coordinator:
         status, reason = COMPLETED, ""
         self.tally = StepTally()
         self.screen = Screen(self.screening, step, ChangeScale.read(self.federation.root))
-        if ENROLLED in self.position.done:
+        if SYNCED in self.position.done:
             self._restore_findings(step)
         self.participants.node_ids = sorted(self.grid.get_node_ids())
         t0 = time.perf_counter()
-        if not self._enrol(step):
+        if not self._sync(step):
             return None  # nothing new: no step
-        self.tally.seconds.append(PhaseTime(ENROLMENT.phase.key, 0, time.perf_counter() - t0))
+        self.tally.seconds.append(PhaseTime(SYNC.phase.key, 0, time.perf_counter() - t0))
         try:
             for spec in PHASES:
                 for round_index in range(self._rounds(spec.phase)):
@@ -294,8 +294,8 @@ class Coordinator:
 
     def _restore_findings(self, step: int) -> None:
         """A resumed step goes on with what the screening found in the phases it does not
-        repeat (the enrolment is repeated, and records its own)."""
-        not_repeated = set(self.position.done) - {ENROLLED}
+        repeat (the sync is repeated, and records its own)."""
+        not_repeated = set(self.position.done) - {SYNCED}
         kept = step_records.findings_kept(self.federation.step_findings(step), not_repeated)
         if kept:
             self.screen.restore(kept)
@@ -332,18 +332,18 @@ class Coordinator:
             version=self.codebook.version, screen=self.screen, server_eval=server_eval,
         )  # fmt: skip
 
-    # --- the enrolment ----------------------------------------------------------------------
+    # --- the sync ----------------------------------------------------------------------
 
-    def _enrol(self, step: int) -> bool:
+    def _sync(self, step: int) -> bool:
         """Ask every connected site what it brings (``server.participants``). A fresh step
         registers the classes the federation does not know yet and begins (False when there
-        are none: no step); a resumed step, enrolled before, only learns who is here. Either
+        are none: no step); a resumed step, synced before, only learns who is here. Either
         way the sites that answered take part in the rest of the step."""
         config = sync_config(step, self.codebook, self.protocol.wire_dtype)
-        replies = self._send(ENROLMENT, step, 0, config, self.participants.node_ids, None)
-        accepted = self.participants.enrol(replies, self.screen, self.codebook,
+        replies = self._send(SYNC, step, 0, config, self.participants.node_ids, None)
+        accepted = self.participants.sync(replies, self.screen, self.codebook,
                                            self.federation.quarantine())  # fmt: skip
-        if ENROLLED in self.position.done:
+        if SYNCED in self.position.done:
             return True
         new, brought = new_classes(self.codebook, accepted)
         if not new:
@@ -358,7 +358,7 @@ class Coordinator:
         )
         self.federation.begin_step(start)
         self.position = Position(step, running=True, in_play=tuple(new))
-        self._checkpoint(ENROLLED)
+        self._checkpoint(SYNCED)
         return True
 
     # --- messaging --------------------------------------------------------------------------
@@ -399,7 +399,7 @@ class Coordinator:
 
     def _site_names(self) -> dict[int, str]:
         """Node id -> site name for the log. A registered site's name is known before its
-        enrolment: a site that fails even that is recorded under the operator's name for it,
+        sync: a site that fails even that is recorded under the operator's name for it,
         not as node-<id>."""
         return {**self.screen.registered, **self.participants.sites}
 

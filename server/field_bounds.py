@@ -160,7 +160,7 @@ class PhaseScreen:
             ]
             if max(counts) > cap:
                 self.capped[key] = cap
-                synced = self.screen.enrolled[site].counts[class_key(entry.name)]
+                synced = self.screen.declared[site].counts[class_key(entry.name)]
                 why = f"its sync reported {synced}" if cap == synced else "max-class-share"
                 self._note(site, CAPPED, f"count {max(counts)} capped at {cap} ({why})",
                            entry.name)  # fmt: skip

@@ -39,7 +39,7 @@ from starfed.server.folder_files import (
 from starfed.server.records import Position, Registration, StepRecord
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
-from starfed.shared.protocol import ENROLMENT, PHASES
+from starfed.shared.protocol import PHASES, SYNC
 
 
 class Depth(enum.Enum):
@@ -74,7 +74,7 @@ class Report:
 
 def phase_marks() -> set[str]:
     """Every "<phase>/<round>" a position may name as done (rounds: any non-negative)."""
-    return {ENROLMENT.phase.key, *(spec.phase.key for spec in PHASES)}
+    return {SYNC.phase.key, *(spec.phase.key for spec in PHASES)}
 
 
 def check(root: str | Path, *, depth: Depth = Depth.CHECKSUMS, kept: bool = True) -> Report:

@@ -144,7 +144,7 @@ def malformed(err: Exception) -> str:
 
 
 def who(entry: Exchange) -> str:
-    """A site by its name once it has told it (its enrolment), else by its node id: the
+    """A site by its name once it has told it (its sync), else by its node id: the
     spelling of the step's records and of ``starfed server status``."""
     return entry.site or f"node-{entry.node_id}"
 

@@ -1,6 +1,6 @@
-"""The enrolment: who takes part in a step, and which classes it registers.
+"""The sync: who takes part in a step, and which classes it registers.
 
-A step starts with one ``query.sync`` message to every connected node (``ENROLMENT``). Each
+A step starts with one ``query.sync`` message to every connected node (``SYNC``). Each
 answer names the site, the classes its current task brings with their image counts, and the
 codebook version it holds. The screening (``server.screening``) names each site once and bounds
 what it may bring; the sites it accepts are the step's ``Participants``, which the rest of the
@@ -9,7 +9,7 @@ step's messages go to — all of them, or for a training or statistics round a s
 (``Participants.payloads``). The classes no one brought before are the step's new classes
 (``new_classes``), registered by the coordinator (``server.coordinator``).
 
-Costs: the enrolment decodes one small update per node; a sample is one draw over the sites'
+Costs: the sync decodes one small update per node; a sample is one draw over the sites'
 names plus one pass over the classes in play and their holders; a phase's payloads encode the
 codebook once per distinct version the nodes hold.
 """
@@ -39,11 +39,11 @@ logger = logging.getLogger(__name__)
 
 SAMPLED = (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS)  # fraction-train
 
-Enrolled = tuple[Exchange, ClientUpdate]
+SyncUpdate = tuple[Exchange, ClientUpdate]
 
 
 def sync_config(step: int, codebook: Codebook, wire_dtype: str) -> dict[str, ConfigValue]:
-    """The enrolment's message config: the step, the codebook's lineage and its finished
+    """The sync's message config: the step, the codebook's lineage and its finished
     classes; no codebook travels either way."""
     return {STEP: step, ROUND: 0, WIRE_DTYPE: wire_dtype,
             **Lineage.of(codebook).as_metadata(),
@@ -53,7 +53,7 @@ def sync_config(step: int, codebook: Codebook, wire_dtype: str) -> dict[str, Con
 @dataclass
 class Participants:
     """The nodes of the step and what the server knows of each: its site name (from its
-    enrolment), the class keys of its current task, and the codebook version it holds (when
+    sync), the class keys of its current task, and the codebook version it holds (when
     known: it answered a message that carried that version)."""
 
     node_ids: list[int] = field(default_factory=list)
@@ -61,14 +61,14 @@ class Participants:
     brings: dict[int, set[str]] = field(default_factory=dict)  # node id -> class keys
     held: dict[int, int] = field(default_factory=dict)  # node id -> codebook version
 
-    def enrol(
+    def sync(
         self,
         answers: list[Reply],
         screen: Screen,
         codebook: Codebook,
         quarantine: Mapping[str, dict],
-    ) -> list[Enrolled]:
-        """Accepted enrolments: the nodes that take part in the rest of the step, their site
+    ) -> list[SyncUpdate]:
+        """Accepted syncs: the nodes that take part in the rest of the step, their site
         names and the codebook version each holds. A silent node costs one timeout per step,
         not one per phase; a node with other backbones or a malformed reply sits the step
         out."""
@@ -78,7 +78,7 @@ class Participants:
             claimed = update.metadata.get("site") or f"node-{entry.node_id}"
             site = screen.name_of(entry.node_id, claimed)
             self.sites[entry.node_id] = entry.site = site
-        accepted = screen.enrol(accepted, codebook, quarantine)
+        accepted = screen.sync(accepted, codebook, quarantine)
         self.node_ids = [entry.node_id for entry, _ in accepted]
         self.leave(screen.quarantined)  # a resumed step's quarantines hold
         for entry, update in accepted:
@@ -149,7 +149,7 @@ class Participants:
 
 
 def new_classes(
-    codebook: Codebook, accepted: list[Enrolled]
+    codebook: Codebook, accepted: list[SyncUpdate]
 ) -> tuple[list[str], dict[str, list[str]]]:
     """The classes sites bring that the federation does not know yet, in the order of their
     class keys (``class_key``), and the sites that bring each class. A class known under

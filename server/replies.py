@@ -50,7 +50,7 @@ def decoded(
     ones. A decoded update's tensors are views of its reply's bytes, so holding one costs a few
     objects per tensor, not a copy."""
     # Merge order changes float rounding and the k-means of pooled mixtures: merge in the
-    # order of site names (unique in a step: the screening refuses a second enrolment under
+    # order of site names (unique in a step: the screening refuses a second sync under
     # one), the same from run to run and whatever message carried an update — not in node
     # id order (random per run) nor as they arrived.
     for entry, reply in sorted(replies, key=lambda r: (r[0].site, r[0].node_id)):

@@ -7,7 +7,7 @@ tensors a million times too large, or register millions of classes so that the f
 codebook outgrows what it can store and send. The ``Screen`` of a
 step holds each site to what it can show (docs/security.md):
 
-- **at the sync** (``enrol``): a site name once per step, counts a class could have, a bounded
+- **at the sync** (``sync``): a site name once per step, counts a class could have, a bounded
   number of new classes per site and in all (``max-classes``: a codebook past one message
   reaches a site in parts, ``starfed.server.catch_up``); sites the operator's quarantine names
   sit out.
@@ -74,7 +74,7 @@ class ScreeningOptions(Options):
 
 
 @dataclass
-class Enrolled:
+class Declared:
     """What one site said at the sync: images per class key, and its test images (0 when it
     did not say, or said something that is no count: its reports then count no image)."""
 
@@ -83,7 +83,7 @@ class Enrolled:
 
 
 class Screen:
-    """One step's screening: what each site enrolled with, the findings, who is quarantined."""
+    """One step's screening: what each site declared at the sync, the findings, the quarantined."""
 
     def __init__(self, options: ScreeningOptions, step: int, scale: ChangeScale | None = None):
         self.options = options
@@ -91,7 +91,7 @@ class Screen:
         self.scale = scale or ChangeScale()  # of the earlier steps: no sender of this one moves it
         self.observed: dict[str, list[float]] = {}  # this step's, for ``ChangeScale.save``
         self.registered = parse_site_names(options.site_names)  # node id -> the operator's name
-        self.enrolled: dict[str, Enrolled] = {}  # site -> its sync
+        self.declared: dict[str, Declared] = {}  # site -> its sync
         self.findings: list[Finding] = []
         self.quarantined: dict[str, str] = {}  # site -> why
         # class -> the kept row that went furthest this step: whom to name if a result is invalid
@@ -137,8 +137,8 @@ class Screen:
                            node_id, claimed[:60], name, name)  # fmt: skip
         return name
 
-    def enrol(self, accepted: list, codebook: Codebook, held: Mapping[str, dict]) -> list:
-        """The enrolments (``(Exchange, ClientUpdate)`` by node id) that may take part: sites
+    def sync(self, accepted: list, codebook: Codebook, held: Mapping[str, dict]) -> list:
+        """The syncs (``(Exchange, ClientUpdate)`` by node id) that may take part: sites
         ``held`` in quarantine, a second node with a taken name, a node using a name registered
         to another (``site-names``), impossible counts and too many new classes are rejected
         (the site sits the step out), each with a finding."""
@@ -200,7 +200,7 @@ class Screen:
             raw = update.metadata.get(TEST_IMAGES_KEY, "")
             test = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
             counts = {class_key(e.name): e.count for e in update.entries}
-            self.enrolled[entry.site] = Enrolled(counts, test)
+            self.declared[entry.site] = Declared(counts, test)
         return kept
 
     def _reject(self, entry, reason: str, site: str | None = None) -> None:
@@ -215,12 +215,12 @@ class Screen:
     def caps(self, site: str) -> dict[str, int]:
         """The count each class of ``site`` may carry: what it reported at the sync, and with
         ``max-class-share`` < 1 at most that share of the class's sync counts over sites."""
-        mine = self.enrolled.get(site, Enrolled({}, 0)).counts
+        mine = self.declared.get(site, Declared({}, 0)).counts
         share = self.options.max_class_share
         caps = dict(mine)
         if share < 1:
             for key, count in mine.items():
-                others = sum(e.counts.get(key, 0) for s, e in self.enrolled.items() if s != site)
+                others = sum(e.counts.get(key, 0) for s, e in self.declared.items() if s != site)
                 if others:  # share x of the total: others * x / (1 - x), rounding forgiven
                     bound = math.floor(share / (1 - share) * others + 1e-9)
                     caps[key] = min(count, max(1, bound))
@@ -243,7 +243,7 @@ class Screen:
         if entry.site in self.quarantined:
             return False
         images = sum(score.images for score in report.classes)
-        held = self.enrolled.get(entry.site, Enrolled({}, 0)).test_images
+        held = self.declared.get(entry.site, Declared({}, 0)).test_images
         if images > held:
             self._reject(entry, f"reports {images} test images, holds {held} (its sync)")
             return False

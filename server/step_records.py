@@ -55,7 +55,7 @@ class RunLog:
             self.status = DEGRADED
 
     def end_without_step(self, exchanges: Sequence[Exchange]) -> str:
-        """The enrolment found nothing in play: the run is over — unless sites failed to
+        """The sync found nothing in play: the run is over — unless sites failed to
         answer, which says nothing about what they hold (all failed: the run failed; some:
         degraded). The line to print."""
         failed = [e for e in exchanges if e.failed]
@@ -142,9 +142,7 @@ def blame(phase: Phase, err: CodebookError, screen: Screen) -> str:
     return f"the {phase.key} result is invalid at {where}: {detail}{source}"
 
 
-def findings_kept(
-    findings: Iterable[Finding], not_repeated: set[PhaseRound]
-) -> list[Finding]:
+def findings_kept(findings: Iterable[Finding], not_repeated: set[PhaseRound]) -> list[Finding]:
     """Of the findings saved ahead of a resumed step's checkpoints, those of the phases it does
     not repeat (``not_repeated``: its position's marks)."""
     return [f for f in findings if PhaseRound(f.phase, f.round) in not_repeated]

@@ -1,7 +1,7 @@
 """How the server turns a phase's replies into the next codebook: the strategy.
 
 In the spirit of Flower's ``Strategy`` (``configure_train`` / ``aggregate_train``, ...): the
-``Coordinator`` runs the protocol — enrolment, sampling, messaging, decoding (= validating) and
+``Coordinator`` runs the protocol — sync, sampling, messaging, decoding (= validating) and
 rejecting replies, checkpoints, the step's record — and asks its strategy, at every codebook
 phase of ``starfed.shared.protocol.PHASES``, what the message carries beyond the protocol's own
 config (``configure``) and how the validated replies become a new codebook (``aggregate_train``,

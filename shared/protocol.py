@@ -1,9 +1,9 @@
-"""The federated protocol as one table: a step's enrolment, then its codebook phases, in order.
+"""The federated protocol as one table: a step's sync, then its codebook phases, in order.
 
-A step starts with the enrolment (``ENROLMENT``, the ``query.sync`` message): every connected
+A step starts with the sync (``SYNC``, the ``query.sync`` message): every connected
 site says which classes its current task brings, with their image counts, and which codebook
 version it holds — names and counts only, no codebook either way. The server registers the new
-classes, then sends each codebook phase of ``PHASES`` to the enrolled sites in turn (the two
+classes, then sends each codebook phase of ``PHASES`` to the synced sites in turn (the two
 training phases ``stage1-rounds`` and ``stage2-rounds`` times). For every message the table says
 which Flower message type carries it, whether it carries the codebook, what a site returns and
 which random streams the work draws from. ``MESSAGES`` is every message a site answers (the
@@ -33,7 +33,7 @@ from starfed.proto import codebook_pb2 as pb
 class Phase(enum.IntEnum):
     """A message of an aggregation step; the values are the protobuf ``Phase`` numbers."""
 
-    SYNC = pb.PHASE_SYNC  # the enrolment
+    SYNC = pb.PHASE_SYNC  # the sync
     STAGE1 = pb.PHASE_STAGE1
     STAGE1_STATS = pb.PHASE_STAGE1_STATS
     STAGE2 = pb.PHASE_STAGE2
@@ -61,7 +61,7 @@ class PhaseSpec:
 
 UPDATE = "an update: its classes with the fields the phase trains (codebook schema)"
 
-ENROLMENT = PhaseSpec(
+SYNC = PhaseSpec(
     Phase.SYNC, "query.sync", False,
     "an update: the classes of its current task with their image counts (names and counts "
     "only), the codebook version it holds and, in its metadata, its site name and test images",
@@ -78,8 +78,8 @@ PHASES: tuple[PhaseSpec, ...] = (
               None, None),
 )  # fmt: skip
 
-#: Every message a site answers: the enrolment, then the codebook phases.
-MESSAGES: tuple[PhaseSpec, ...] = (ENROLMENT, *PHASES)
+#: Every message a site answers: the sync, then the codebook phases.
+MESSAGES: tuple[PhaseSpec, ...] = (SYNC, *PHASES)
 
 SPECS: dict[Phase, PhaseSpec] = {spec.phase: spec for spec in MESSAGES}
 
@@ -105,7 +105,7 @@ ALSO = "also"
 #: Sync-message config key of a catch-up part (``starfed.server.catch_up``): [the part's index,
 #: the number of parts, the classes of the whole codebook]. Such a ``query.sync`` message
 #: carries one part of a codebook too large for one message (``starfed.shared.codebook.parts``)
-#: instead of asking for an enrolment; the site stages it and replies with ``HELD``.
+#: instead of asking for a sync; the site stages it and replies with ``HELD``.
 CATCH_UP = "catch-up"
 #: Reply record of a catch-up part: the codebook version the site holds after it (ASCII
 #: digits), 0 until the last part arrived and the assembled codebook passed its checks.

@@ -237,7 +237,7 @@ def test_a_resumed_step_keeps_the_screenings_findings_and_quarantine(
     """The server dies after farm-m's scaled rows were rejected and farm-m quarantined (stage 1
     and 2), before the step ends; the next run resumes the step with farm-m sending honest
     replies. The step's record is the one of the same attack without the crash: the same
-    findings, once each, farm-m quarantined and sent nothing after the enrolment."""
+    findings, once each, farm-m quarantined and sent nothing after the sync."""
     faults = {t: edit_update(scale_tensors(1e6)) for t in TRAINING}
     uninterrupted = federate(folders, tmp_path / "uninterrupted", faults)
 

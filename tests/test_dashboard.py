@@ -68,7 +68,7 @@ def _exchanges(step: int, silent: str | None = None) -> tuple[Exchange, ...]:
 
 def write_server_folder(root: Path) -> ServerFolder:
     """Two finished steps (one degraded: farm-b silent at evaluation), step 3 running after
-    its enrolment and stage 1; sites.json, a SuperLink log with a refused key."""
+    its sync and stage 1; sites.json, a SuperLink log with a refused key."""
     folder = ServerFolder.at(root)
     folder.create()
     federation = Federation(folder.federation, FINGERPRINT, TINY_DIMS)

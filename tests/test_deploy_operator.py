@@ -53,7 +53,7 @@ def _server(root: Path, superlink_process: ProcessId) -> ServerFolder:
 
 
 def _step_running(federation: Path) -> None:
-    """A federation whose first step is running: its enrolment done."""
+    """A federation whose first step is running: its sync done."""
     fed = Federation(federation, FINGERPRINT, TINY_DIMS)
     fed.begin_step(fed.codebook())  # what a step rolls back to (`server check` wants it)
     fed.checkpoint(fed.codebook(), Position(0, running=True, done=("sync/0",)))
@@ -180,7 +180,7 @@ def test_status_hints_only_while_a_step_runs_without_its_superlink(
 
 
 def test_last_seen_is_when_a_site_last_answered_not_when_its_step_ended(tmp_path: Path) -> None:
-    """farm-b answered the enrolment and was killed in stage 1; the step went on for minutes
+    """farm-b answered the sync and was killed in stage 1; the step went on for minutes
     (its statistics phase waited for farm-b, replay) and ended long after it went offline."""
     fed = Federation(tmp_path / "federation", FINGERPRINT, TINY_DIMS)
     phases = (("sync", 10.0), ("stage1", 40.0), ("stage1_stats", 300.0), ("evaluate", 5.0))

@@ -9,7 +9,7 @@ from starfed.client.site import HANDLERS, Site
 from starfed.server.coordinator import STATISTICS, Coordinator
 from starfed.server.strategy import Strategy
 from starfed.shared.codebook import schema
-from starfed.shared.protocol import ENROLMENT, MESSAGES, PHASES, Phase
+from starfed.shared.protocol import MESSAGES, PHASES, SYNC, Phase
 
 ROOT = Path(__file__).parent.parent
 NUMBERS = {4: "four", 5: "five", 6: "six"}
@@ -64,15 +64,15 @@ def test_protocol_table_matches_the_protocol() -> None:
             assert handler == f"Site.{owner.__name__}"
         assert site_stream == (spec.site_stream or "—")
         assert server_stream == (spec.server_stream or "—")
-        if spec is ENROLMENT:  # the coordinator's own, not a strategy's
+        if spec is SYNC:  # the coordinator's own, not a strategy's
             method = server.split(":")[0].strip(" `")
             assert hasattr(Coordinator, method.removeprefix("Coordinator."))
         else:
             hooks = re.findall(r"(aggregate_\w+|replay)\b", server)
             assert hooks == _hooks(spec.phase), spec.phase.key
             assert all(callable(getattr(Strategy, hook)) for hook in hooks)
-    # the enrolment carries names and counts only: no class order, no codebook either way
-    assert "order" not in ENROLMENT.returns and not ENROLMENT.sends_codebook
+    # the sync carries names and counts only: no class order, no codebook either way
+    assert "order" not in SYNC.returns and not SYNC.sends_codebook
     assert set(HANDLERS) == {spec.phase for spec in PHASES} - {Phase.EVALUATE}
     for spec in PHASES:  # the message plan: which phase travels with which
         if spec.travels_with is not None:

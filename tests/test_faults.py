@@ -341,7 +341,7 @@ def test_a_full_disk_mid_step_is_one_line_and_the_step_resumes(
     root: Path, monkeypatch: pytest.MonkeyPatch, fails: str, nth: int, writing: str, then: str
 ) -> None:
     """ENOSPC at the ``nth`` write of ``fails`` in a step — the commit of its first training
-    phase's checkpoint, the registry of its new classes at the enrolment, the findings written
+    phase's checkpoint, the registry of its new classes at the sync, the findings written
     ahead of a checkpoint: one line says what was being written, that the commit point did not
     move and nothing was lost, and what the next run does; the run fails (exit 1) and the next
     run completes the step, recorded once, in a folder ``check`` accepts."""

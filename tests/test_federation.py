@@ -183,7 +183,7 @@ def test_a_site_folder_with_two_spellings_of_one_class_is_refused(fed):
 
 
 def test_before_step_runs_before_every_enrolment(fed):
-    """A simulation writes its sites' folders in ``before_step``: the enrolment of the same step
+    """A simulation writes its sites' folders in ``before_step``: the sync of the same step
     sees what it wrote, and it runs for the step that finds nothing new as well."""
     data = fed.site(1, "farm-a", {})
     data.mkdir(parents=True, exist_ok=True)

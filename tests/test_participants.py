@@ -33,7 +33,7 @@ def test_sample_is_a_seeded_share_by_site_name_with_every_class_held() -> None:
         assert names == {other.sites[node] for node in again}  # node ids change, names do not
         assert "farm-j" in names  # the only holder of "Rare", added when the draw missed it
         assert 2 <= len(names) <= 3  # ⌈0.2 · 10⌉ drawn, plus at most that holder
-    # the enrolment and the evaluation go to every participant
+    # the sync and the evaluation go to every participant
     every = one.sample(Phase.EVALUATE, 3, 0, ("Common", "Rare"), protocol, 1993)
     assert every == one.node_ids
 

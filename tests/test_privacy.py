@@ -141,7 +141,7 @@ def test_budget_survives_a_restart_and_another_federation(tmp_path):
     restarted.join("another-federation")
     again = PrivateReleases(setting(), restarted, torch.zeros(8))
     assert again.epsilon() == spent
-    # the count was released once: the enrolment reuses it, spending nothing more
+    # the count was released once: the sync reuses it, spending nothing more
     entries_again, refused_again = again.counts({"Apple scab": 12})
     assert [(e.name, e.count) for e in entries_again] == [("Apple scab", entries[0].count)]
     assert refused_again == []

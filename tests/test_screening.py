@@ -50,7 +50,7 @@ def _enrolled(screen: Screen, codebook, sites: dict[str, dict[str, int]]) -> Non
         (Exchange(0, "sync", 0, node, site, 0), _sync(codebook, counts))
         for node, (site, counts) in enumerate(sites.items(), start=1)
     ]
-    kept = screen.enrol(accepted, codebook, {})
+    kept = screen.sync(accepted, codebook, {})
     assert len(kept) == len(sites)
 
 
@@ -227,7 +227,7 @@ def test_registration_is_bounded_per_site_and_in_all(make_codebook, options, cla
     honest = (Exchange(0, "sync", 0, 1, "a", 0), _sync(codebook, {"x": 3}))
     greedy = _sync(codebook, {f"new {i}": 1 for i in range(claimed)})
     entry = Exchange(0, "sync", 0, 2, "m", 0)
-    kept = screen.enrol([honest, (entry, greedy)], codebook, {})
+    kept = screen.sync([honest, (entry, greedy)], codebook, {})
     assert [e.site for e, _ in kept] == ["a"]
     assert entry.status.startswith("rejected") and why in entry.status
 
@@ -241,12 +241,10 @@ def test_registration_past_one_message_of_codebook_is_bounded_by_max_classes_alo
     codebook = Codebook("ab" * 32, paper, {e.name: e for e in known}, version=3)
     brings = {f"new {i}": 1 for i in range(300)}
     entry = Exchange(0, "sync", 0, 1, "a", 0)
-    kept = Screen(ScreeningOptions(), step=0).enrol(
-        [(entry, _sync(codebook, brings))], codebook, {}
-    )
+    kept = Screen(ScreeningOptions(), step=0).sync([(entry, _sync(codebook, brings))], codebook, {})
     assert [e.site for e, _ in kept] == ["a"] and entry.status == "ok"
     bounded = Screen(ScreeningOptions(max_classes=999), step=0)
-    assert bounded.enrol([(entry, _sync(codebook, brings))], codebook, {}) == []
+    assert bounded.sync([(entry, _sync(codebook, brings))], codebook, {}) == []
     assert "past 999 classes (max-classes)" in entry.status
 
 
@@ -256,12 +254,12 @@ def test_a_count_beyond_any_site_and_a_taken_name_sit_the_step_out(make_codebook
     sites = ((1, "a", 3), (2, "a", 3), (3, "m", 2**63 - 1))
     entries = [Exchange(0, "sync", 0, node, site, 0) for node, site, _ in sites]
     syncs = [_sync(codebook, {f"class {node}": count}) for node, _, count in sites]
-    kept = screen.enrol(list(zip(entries, syncs, strict=True)), codebook, {})
+    kept = screen.sync(list(zip(entries, syncs, strict=True)), codebook, {})
     assert [e.node_id for e, _ in kept] == [1]
     assert "taken in this step by node 1" in entries[1].status
     assert [f.site for f in screen.findings] == ["node-2", "m"]
     assert "claims 9223372036854775807 images of one class" in entries[2].status
-    assert screen.enrolled["a"].counts == {"class_1": 3} and screen.enrolled["a"].test_images == 0
+    assert screen.declared["a"].counts == {"class_1": 3} and screen.declared["a"].test_images == 0
 
 
 def _mixture(means: torch.Tensor, weights: list[float]) -> GaussianMixture:

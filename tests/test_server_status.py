@@ -142,7 +142,7 @@ def test_flower_nodes_join_the_federation_sites_by_node_id() -> None:
 def test_a_registered_site_whose_exchanges_fail_shows_failing(tmp_path, capsys) -> None:
     """farm-b (registered, as `server round` passes ``site-names``) cannot answer: its data
     folder is gone. Its failed sync is recorded under its registered name, and ``status``
-    shows it failing with its error — also after a run whose enrolment failed everywhere,
+    shows it failing with its error — also after a run whose sync failed everywhere,
     which records no step, only its metrics."""
     site_folder(tmp_path / "farm-a", {"2026-03": CLASSES[0:2]})
     registered = {"site-names": "1:farm-a 2:farm-b"}

@@ -6,7 +6,7 @@ averages every array over the round's sites, weighted by their examples. Every s
 class's rows; a site without images of a class returns them as it was sent them, and they still
 count with the site's weight, so a class's training is diluted by the examples held elsewhere.
 starfed averages a class only over the sites that carry it (docs/design.md#the-codebook).
-Everything else — enrolment, statistics and their mixture merge, both replays, evaluation — is
+Everything else — sync, statistics and their mixture merge, both replays, evaluation — is
 starfed's: only the training phases' aggregation is overridden.
 """
 
