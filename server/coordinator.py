@@ -254,14 +254,14 @@ class Coordinator:
         ends, which follows at once)."""
         if spec.phase is Phase.EVALUATE:
             evaluated = reports(replies, state.codebook, self.screen)
-            self.tally.scores = scores = self.strategy.aggregate_evaluate(evaluated, state)
+            self.tally.scores = scores = self.strategy.aggregate_evaluation(evaluated, state)
             self.console.print(step_records.scores_line(state.step, len(self.codebook), scores))
             return
         carried: set[str] = set()
         updates = screened(replies, state, spec.phase, self.screen, carried,
                            against=sent or self.codebook, record=record)  # fmt: skip
         aggregate = (self.strategy.aggregate_statistics if spec.phase in STATISTICS
-                     else self.strategy.aggregate_train)  # fmt: skip
+                     else self.strategy.aggregate_training)  # fmt: skip
         codebook = aggregate(spec.phase, updates, state)
         for _ in updates:  # a strategy that stopped early: the rest is validated all the same
             pass

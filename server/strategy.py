@@ -1,11 +1,13 @@
 """How the server turns a phase's replies into the next codebook: the strategy.
 
-In the spirit of Flower's ``Strategy`` (``configure_train`` / ``aggregate_train``, ...): the
+In the spirit of Flower's ``Strategy`` (``configure_train`` / ``aggregate_train``, ...), with
+names of its own because its hooks take other arguments (a phase's validated updates, a frozen
+``PhaseState``) and return a codebook: the
 ``Coordinator`` runs the protocol — sync, sampling, messaging, decoding (= validating) and
 rejecting replies, checkpoints, the step's record — and asks its strategy, at every codebook
 phase of ``starfed.shared.protocol.PHASES``, what the message carries beyond the protocol's own
-config (``configure``) and how the validated replies become a new codebook (``aggregate_train``,
-``aggregate_statistics`` then ``replay``) or the step's scores (``aggregate_evaluate``).
+config (``configure``) and how the validated replies become a new codebook (``aggregate_training``,
+``aggregate_statistics`` then ``replay``) or the step's scores (``aggregate_evaluation``).
 
 ``Strategy`` itself is starfed's: every class averaged over the sites that carry it, weighted by
 their examples, mixtures merged (``MergeAccumulator``, docs/design.md#the-codebook), then the
@@ -54,7 +56,7 @@ class Strategy:
         """Entries the phase's message config carries besides the protocol's (none)."""
         return {}
 
-    def aggregate_train(
+    def aggregate_training(
         self, phase: Phase, updates: Iterable[ClientUpdate], state: PhaseState
     ) -> Codebook:
         """A training phase's updates merged class by class (``MergeAccumulator``)."""
@@ -78,7 +80,7 @@ class Strategy:
             return replay.replay_head(codebook, state.train, state.step, state.in_play, device)
         raise ValueError(f"{phase.key} is not a statistics phase")
 
-    def aggregate_evaluate(
+    def aggregate_evaluation(
         self, reports: Iterable[tuple[str, EvaluationReport]], state: PhaseState
     ) -> StepScores:
         """The sites' counts added up, grouped by arrival step (``server.scores``)."""

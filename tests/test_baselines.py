@@ -136,8 +136,8 @@ def test_positional_fedavg_dilutes_what_the_per_class_merge_keeps() -> None:
                      [ClassEntry("b", 10, {"prompt": torch.full((3,), 2.0)})]),
     ]  # fmt: skip
     strategy = positional.PositionalAveraging()
-    by_position = strategy.aggregate_train(Phase.STAGE1, iter(updates), _state(codebook))
-    assert Strategy().aggregate_train(Phase.STAGE1, iter(updates), _state(codebook)).names == [
+    by_position = strategy.aggregate_training(Phase.STAGE1, iter(updates), _state(codebook))
+    assert Strategy().aggregate_training(Phase.STAGE1, iter(updates), _state(codebook)).names == [
         "a", "b"
     ]  # fmt: skip
     per_class = merge_updates(codebook, updates)
@@ -155,7 +155,7 @@ def test_positional_fedavg_without_any_update_keeps_the_codebook_sent() -> None:
     dims = ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2)
     codebook = _codebook(dims)
     strategy = positional.PositionalAveraging()
-    assert strategy.aggregate_train(Phase.STAGE1, iter([]), _state(codebook)) is codebook
+    assert strategy.aggregate_training(Phase.STAGE1, iter([]), _state(codebook)) is codebook
 
 
 def test_only_the_evaluate_message_asks_the_sites_for_the_keys() -> None:

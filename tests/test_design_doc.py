@@ -41,8 +41,8 @@ def test_schema_table_matches_the_schema() -> None:
 def _hooks(phase: Phase) -> list[str]:
     """The strategy hooks the coordinator calls for a codebook phase's replies, in order."""
     if phase is Phase.EVALUATE:
-        return ["aggregate_evaluate"]
-    return ["aggregate_statistics", "replay"] if phase in STATISTICS else ["aggregate_train"]
+        return ["aggregate_evaluation"]
+    return ["aggregate_statistics", "replay"] if phase in STATISTICS else ["aggregate_training"]
 
 
 def test_protocol_table_matches_the_protocol() -> None:

@@ -27,7 +27,7 @@ WEIGHT = "num-examples"  # FedAvg's default weighting key
 
 
 class PositionalAveraging(Strategy):
-    def aggregate_train(
+    def aggregate_training(
         self, phase: Phase, updates: Iterable[ClientUpdate], state: PhaseState
     ) -> Codebook:
         """FedAvg over the classes in play: each update becomes the full array set a plain
