@@ -45,13 +45,14 @@ from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.client.memory import CODEBOOK_FILE, STATE_FILE
 from starfed.server.app import run_server
-from starfed.server.federation import Federation
+from starfed.server.federation import METRICS_FILE, Federation
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.held import HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.config import BackboneOptions, parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
+from starfed.shared.metrics import MATRIX_PLOT, OVER_TIME_PLOT
 from starfed.shared.protocol import CATCH_UP_KEY
 from starfed.simulations.local_grid import LocalGrid, new_run_id
 
@@ -138,6 +139,7 @@ class MeteredGrid(LocalGrid):
 def step(root: Path, preset: str) -> dict[str, object]:
     """Run the step over the prepared folders; what it cost, and what site 6 received."""
     config = run_config(root, preset)
+    folder = Path(str(config["federation-dir"]))
     BackboneOptions.from_config(parse(config)).load("cpu")  # the same pair run_server loads
     rss_before = _peak_rss_mb()
     grid = MeteredGrid(client_app.app, config, node_configs(root), run_id=new_run_id())
@@ -158,6 +160,11 @@ def step(root: Path, preset: str) -> dict[str, object]:
         "peak_rss_mb": _peak_rss_mb(),
         "rss_before_step_mb": rss_before,
         "server_bytes_written": server_written,
+        "of_which_metrics_and_plots": sum(
+            (folder / name).stat().st_size
+            for name in (METRICS_FILE, MATRIX_PLOT, OVER_TIME_PLOT)
+            if (folder / name).is_file()
+        ),
         "clients_bytes_written": grid.client_written,
         "joining_bytes_received": sum(e["bytes_down"] for e in joined),
         "joining_messages": len(joined),
