@@ -102,7 +102,8 @@ def prepare(root: Path, n: int, preset: str) -> dict[str, object]:
     sites 1-5 holding the server's codebook as a site holds it (the broadcast with its lineage,
     one file linked into each state folder: a site replaces it, never writes into it)."""
     started = time.perf_counter()
-    backbones = BackboneOptions.from_config(parse(run_config(root, preset))).load("cpu")
+    values = parse(run_config(root, preset))
+    backbones = BackboneOptions.from_config(values).load(str(values["device"]))
     folder = build(root, n, fingerprint=backbones.fingerprint, dims=backbones.dims)
     codebook = Federation.open(folder).codebook()
     lineage = Lineage.of(codebook)
@@ -140,7 +141,8 @@ def step(root: Path, preset: str) -> dict[str, object]:
     """Run the step over the prepared folders; what it cost, and what site 6 received."""
     config = run_config(root, preset)
     folder = Path(str(config["federation-dir"]))
-    BackboneOptions.from_config(parse(config)).load("cpu")  # the same pair run_server loads
+    values = parse(config)
+    BackboneOptions.from_config(values).load(str(values["device"]))  # the pair run_server loads
     rss_before = _peak_rss_mb()
     grid = MeteredGrid(client_app.app, config, node_configs(root), run_id=new_run_id())
     started, written = time.perf_counter(), wchar()
