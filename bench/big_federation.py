@@ -62,11 +62,13 @@ CHUNK = 250  # classes encoded at a time
 COMPARE_UP_TO = 1000  # the layout before writes ~16 codebooks a step: 32 GB at 10,000 classes
 
 
-def entry(name: str, generator: torch.Generator, version: int) -> ClassEntry:
-    """One finished class with every field at the paper's dims."""
+def entry(
+    name: str, generator: torch.Generator, version: int, dims: ModelDims = PAPER_DIMS
+) -> ClassEntry:
+    """One finished class with every field at ``dims`` (the paper's)."""
     values = {}
     for f in FIELDS:
-        shape = f.shape(PAPER_DIMS)
+        shape = f.shape(dims)
         if f.kind is Kind.TENSOR:
             values[f.name] = torch.randn(shape, generator=generator)
         else:
@@ -77,16 +79,23 @@ def entry(name: str, generator: torch.Generator, version: int) -> ClassEntry:
     return ClassEntry(name, 40, values, version, True, stamps)
 
 
-def build(root: Path, n: int, before: bool = False) -> Path:
+def build(
+    root: Path,
+    n: int,
+    before: bool = False,
+    fingerprint: str = FINGERPRINT,
+    dims: ModelDims = PAPER_DIMS,
+) -> Path:
     """``root/server/federation`` after one completed step that registered ``n`` classes;
-    ``before``: in the layout before the store (``codebook.bin`` a whole codebook file)."""
+    ``before``: in the layout before the store (``codebook.bin`` a whole codebook file);
+    ``fingerprint`` and ``dims``: of the backbones that will open it (``bench/big_step.py``)."""
     from starfed.shared.codebook import store, stored  # not in a checkout before the store
 
     folder = root / "server" / "federation"
-    federation = Federation(folder, FINGERPRINT, PAPER_DIMS)
+    federation = Federation(folder, fingerprint, dims)
     names = [f"class {i:05d}" for i in range(n)]
     metadata = {**Federation.open(folder).codebook().metadata, **Position(1).as_metadata()}
-    head = Codebook(FINGERPRINT, PAPER_DIMS, version=1, metadata=metadata)
+    head = Codebook(fingerprint, dims, version=1, metadata=metadata)
     (folder / store.STORE_DIR).mkdir()
     base = stored.new_name(1)
     generator = torch.Generator().manual_seed(n)
@@ -95,7 +104,7 @@ def build(root: Path, n: int, before: bool = False) -> Path:
         file.write(b"\0" * 48)  # the frame's header, written last
         digest, length = hashlib.sha256(), 0
         for start in range(0, n, CHUNK):
-            chunk = [entry(name, generator, 1) for name in names[start : start + CHUNK]]
+            chunk = [entry(name, generator, 1, dims) for name in names[start : start + CHUNK]]
             part = wire.encode(replace(head, entries={e.name: e for e in chunk}))
             digest.update(part)
             length += len(part)

@@ -156,7 +156,9 @@ def plot_accuracy_matrix(
     constrained layout keeps the (wrapped) title clear of the colour bar.
     """
     n = len(matrix)
-    grid = np.full((n, n), np.nan)
+    # a step without scores (its evaluation failed) leaves a row out: rows may outrun n
+    columns = max([n, *(len(row) for row in matrix)])
+    grid = np.full((n, columns), np.nan)
     for i, row in enumerate(matrix):
         grid[i, : len(row)] = row
     side = min(2.6 + 0.45 * n, 8.0)
@@ -172,7 +174,7 @@ def plot_accuracy_matrix(
                     j, i, f"{grid[i, j]:.0f}", ha="center", va="center", color=color, fontsize=8
                 )
     ticks = task_ticks(n)
-    ax.set_xticks(ticks, [f"T{j + 1}" for j in ticks])
+    ax.set_xticks(task_ticks(columns), [f"T{j + 1}" for j in task_ticks(columns)])
     ax.set_yticks(ticks, [str(i + 1) for i in ticks])
     ax.set_xlabel("evaluated task (the classes that step brought)")
     ax.set_ylabel("after step")  # the accuracy-over-time plot's x axis: one name

@@ -50,6 +50,16 @@ def test_accuracy_matrix_title_is_whole_and_clear_of_the_colour_bar(n: int, tmp_
     assert (tmp_path / "m.png").stat().st_size > 0
 
 
+def test_a_step_without_scores_leaves_the_matrix_a_column_wider(tmp_path: Path) -> None:
+    """A step whose evaluation gave no scores has no row: the next row is longer than the
+    matrix is tall (bench/big_step.py's synthetic first step); every score is still drawn."""
+    fig = plot_accuracy_matrix([[50.0, 60.0]], tmp_path / "m.png", TITLE)
+    ax = fig.axes[0]
+    assert ax.images[0].get_array().shape == (1, 2)
+    assert [t.get_text() for t in ax.texts] == ["50", "60"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["T1", "T2"]
+
+
 @pytest.mark.parametrize("n", [1, 2, 7, 50])
 def test_accuracy_over_time_has_integer_steps(n: int, tmp_path: Path) -> None:
     fig = plot_accuracy_over_time(matrix(n), tmp_path / "t.png", TITLE)
