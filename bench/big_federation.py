@@ -41,13 +41,9 @@ from pathlib import Path
 
 import torch
 
-from starfed.server.federation import (
-    COMPLETED,
-    HISTORY_FILE,
-    Federation,
-    Position,
-    StepRecord,
-)
+from starfed.server.federation import COMPLETED, Federation
+from starfed.server.folder_files import HISTORY_FILE
+from starfed.server.records import Position, StepRecord
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry

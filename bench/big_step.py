@@ -48,14 +48,16 @@ from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.client.memory import CODEBOOK_FILE, STATE_FILE
 from starfed.server.app import run_server
-from starfed.server.federation import METRICS_FILE, Federation
+from starfed.server.federation import Federation
+from starfed.server.folder_files import METRICS_FILE
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.held import HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
-from starfed.shared.config import BackboneOptions, parse
+from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
 from starfed.shared.metrics import MATRIX_PLOT, OVER_TIME_PLOT
+from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.protocol import CATCH_UP_KEY
 from starfed.simulations.local_grid import LocalGrid, new_run_id
 

@@ -30,7 +30,7 @@ import time
 import torch
 from codebook_sizes import PAPER, parse_dims, random_codebook, random_mixture
 
-from starfed.server.federation import Exchange
+from starfed.server.records import Exchange
 from starfed.server.replies import without_cyclic_gc
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.shared.codebook import schema, wire

@@ -48,7 +48,6 @@ from starfed.server.folder_files import (
     read_step_findings,
 )
 from starfed.server.records import Checkpoint, Finding, Position, Registration, StepRecord, now
-from starfed.server.records import Exchange as Exchange  # bench/merge_scale.py imports it here
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage

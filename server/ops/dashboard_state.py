@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from starfed.server.federation import CODEBOOK_FILE, STEP_START_FILE, StepRecord
+from starfed.server.folder_files import CODEBOOK_FILE, STEP_START_FILE
 from starfed.server.ops import sites, status
 from starfed.server.ops.layout import ServerFolder
+from starfed.server.records import StepRecord
 from starfed.shared.metrics import AccuracyMatrix, nan_to_none
 from starfed.shared.protocol import Phase
 
