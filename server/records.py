@@ -31,33 +31,34 @@ class Registration:
     sites: dict[str, str] = field(default_factory=dict)  # site -> when it first brought it
 
 
-@dataclass(frozen=True, eq=False)
-class PhaseRound:
-    """One round of one phase of a step, as a position's ``done`` and the logs name it: its
-    text form ``"<phase>/<round>"`` (``"sync/0"``) is how a checkpoint stores it, and it equals
-    that text (a mark read back compares as written)."""
+class PhaseRound(str):
+    """One round of one phase of a step, as a position's ``done`` and the logs name it. It *is*
+    its text ``"<phase>/<round>"`` (``"sync/0"``), as a checkpoint stores it: a mark read back
+    is the text written, and it joins, prints and compares as that text (``ExchangeStatus``
+    is a ``str`` in the same way)."""
 
-    phase: str
-    round: int = 0
+    __slots__ = ()
+
+    def __new__(cls, phase: str, round: int = 0) -> PhaseRound:
+        if not phase or "/" in phase or round < 0:
+            raise ValueError(f"phase round {phase!r}/{round!r} is not <phase>/<round>")
+        return super().__new__(cls, f"{phase}/{round}")
+
+    @property
+    def phase(self) -> str:
+        return self.rpartition("/")[0]
+
+    @property
+    def round(self) -> int:
+        return int(self.rpartition("/")[2])
 
     @classmethod
     def parse(cls, text: str) -> PhaseRound:
         """The phase round ``text`` names (ValueError: not ``<phase>/<round>``)."""
         phase, slash, number = text.rpartition("/")
-        if not slash or not phase:
+        if not slash or not phase or not number.isdigit():
             raise ValueError(f"phase round {text!r} is not <phase>/<round>")
         return cls(phase, int(number))
-
-    def __str__(self) -> str:
-        return f"{self.phase}/{self.round}"
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, PhaseRound | str):
-            return str(self) == str(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(str(self))
 
 
 @dataclass(frozen=True)
