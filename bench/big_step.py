@@ -65,11 +65,12 @@ SITES, NEW_CLASSES, TRAIN_IMAGES, TEST_IMAGES = 5, 4, 3, 1
 JOINING = f"site-{SITES + 1}"
 #: The cheapest run of the real protocol: one step, one epoch per stage; the server's replays
 #: on the bounded schedule (a fixed number of optimizer steps, whatever the classes: the
-#: reference schedule's epochs over every class cost O(classes)), with few steps.
+#: reference schedule's epochs over every class cost O(classes)), with few steps. The default
+#: `max-classes` (10,000) would refuse the step's 20 classes at 10,000: the cap is raised.
 RUN: dict[str, object] = {
     "preset": "paper-random", "seed": 1993, "max-steps": 1, "stage1-epochs": 1,
     "stage2-epochs": 1, "replay-schedule": "bounded", "replay1-steps": 2, "replay2-steps": 10,
-    "timeout-s": 600, "wait-s": 0.5,
+    "timeout-s": 600, "wait-s": 0.5, "max-classes": 20_000,
 }  # fmt: skip
 
 
