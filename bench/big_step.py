@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 from big_federation import build, wchar
-from rich.console import Console
 
 from starfed.client import answer
 from starfed.client import app as client_app
@@ -153,7 +152,7 @@ def step(root: Path, preset: str) -> dict[str, object]:
     grid = MeteredGrid(client_app.app, config, node_configs(root), run_id=new_run_id())
     started, written = time.perf_counter(), wchar()
     try:
-        metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
+        metrics = run_server(grid, config, grid.run_id)
     finally:
         answer.SITES.clear()
     wall, server_written = time.perf_counter() - started, wchar() - written - grid.client_written

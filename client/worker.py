@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         failed = serve(args.socket)
     if failed:
-        print(CANNOT_START + failed, file=sys.stderr, flush=True)
+        logger.critical("%s%s", CANNOT_START, failed)
         logging.shutdown()
         # Nothing to clean up, and tearing down a half-imported torch took over a minute on a
         # loaded machine (measured): the site's start waits on this exit.

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
-from rich.console import Console
 
 from starfed.server import folder_lock
 from starfed.server.coordinator import Coordinator
@@ -32,7 +32,7 @@ from starfed.server.messaging import SiteGrid
 from starfed.server.robust import robust
 from starfed.server.scores import accuracy_matrix, selection_matrix
 from starfed.server.screening import ScreeningOptions
-from starfed.server.step_records import RunLog
+from starfed.server.step_records import RUN_END_LEVELS, RunLog
 from starfed.server.strategy import Strategy
 from starfed.server.test_set import ServerTestSet
 from starfed.shared import progress
@@ -54,6 +54,8 @@ from starfed.shared.metrics import (
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
 
+logger = logging.getLogger(__name__)
+
 app = ServerApp()
 
 
@@ -65,7 +67,6 @@ def run_server(
     grid: SiteGrid,
     run_config: dict,
     run_id: int = 0,
-    console: Console | None = None,
     *,
     strategy: Strategy | None = None,
     before_step: Callable[[int], None] | None = None,
@@ -79,7 +80,6 @@ def run_server(
     the folder until it ends, however it ends; a folder another live run holds fails the run
     at once, naming the holder.
     """
-    console = console or progress.console(stderr=True)
     started = time.perf_counter()
     values = parse(run_config)
     protocol = ProtocolOptions.from_config(values)
@@ -87,10 +87,10 @@ def run_server(
     folder = writable_dir(protocol.federation_dir or run_dir(values, run_id), "federation-dir")
     try:
         with folder_lock.locked(folder, f"server run {run_id}"):
-            return _run_locked(grid, values, run_config, run_id, folder, protocol, console,
-                               started, strategy=strategy, before_step=before_step)  # fmt: skip
+            return _run_locked(grid, values, run_config, run_id, folder, protocol, started,
+                               strategy=strategy, before_step=before_step)  # fmt: skip
     except (folder_lock.FolderLocked, FederationError) as err:  # one line: the folder's state
-        console.print(f"[red]{err}")
+        logger.error("%s", err)
         raise RunFailed(str(err)) from None
 
 
@@ -101,7 +101,6 @@ def _run_locked(
     run_id: int,
     folder: Path,
     protocol: ProtocolOptions,
-    console: Console,
     started: float,
     *,
     strategy: Strategy | None,
@@ -114,18 +113,18 @@ def _run_locked(
     backbones = options.load(values["device"])
     federation = Federation(folder, backbones.fingerprint, backbones.dims)
     if note := federation.recover(protocol.checkpoints_kept):
-        console.print(f"[yellow]federation folder: {note}")
+        logger.warning("federation folder: %s", note)
     federation.history()  # a damaged history fails the run now, not after a step's work
     server_eval = None
     if protocol.server_test_dir:
         server_eval = ServerTestSet(protocol.server_test_dir, backbones, train)
-    console.print(
-        f"[bold]starfed server[/] federation {federation.id[:8]} in {folder} · "
+    logger.info(
+        f"starfed server: federation {federation.id[:8]} in {folder} · "
         f"{progress.counted(_steps_done(federation), 'step')} so far · "
         f"backbones {backbones.config.name} ({backbones.fingerprint[:12]})"
     )
     coordinator = Coordinator(
-        grid, backbones, train, protocol, federation, console, server_eval,
+        grid, backbones, train, protocol, federation, server_eval,
         strategy=strategy, before_step=before_step,
         screening=ScreeningOptions.from_config(values),
     )  # fmt: skip
@@ -145,10 +144,11 @@ def _run_locked(
         note = random_backbones_note(backbones.config.name, weights)
         plot_accuracy_matrix(matrix, folder / MATRIX_PLOT, title, note)
         plot_accuracy_over_time(matrix, folder / OVER_TIME_PLOT, title, note)
-    console.print(
-        f"[bold]{log.status}[/] · {progress.counted(len(log.steps), 'step')} this run · "
+    logger.log(
+        RUN_END_LEVELS.get(log.status, logging.INFO),
+        f"{log.status} · {progress.counted(len(log.steps), 'step')} this run · "
         f"{faa_text(metrics['final_average_accuracy'])} · "
-        f"{forgetting_text(metrics['final_forgetting'])} · wall {metrics['wall_time_s']:.0f}s"
+        f"{forgetting_text(metrics['final_forgetting'])} · wall {metrics['wall_time_s']:.0f}s",
     )
     if log.status == FAILED:
         raise RunFailed(log.reason)
@@ -224,4 +224,5 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_server(grid, dict(context.run_config), context.run_id)
+    with progress.logged_to(progress.console(stderr=True)):
+        run_server(grid, dict(context.run_config), context.run_id)

@@ -33,8 +33,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from rich.console import Console
-
 from starfed.server import catch_up, replay, step_records
 from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import COMPLETED, DEGRADED, FAILED, Federation
@@ -43,7 +41,7 @@ from starfed.server.participants import Participants, new_classes, sync_config
 from starfed.server.records import Exchange, PhaseRound, PhaseTime, Position, StepRecord, StepScores
 from starfed.server.replies import reports, screened
 from starfed.server.screening import Screen, ScreeningOptions
-from starfed.server.step_records import RunLog, StepFailed, StepTally
+from starfed.server.step_records import RUN_END_LEVELS, RunLog, StepFailed, StepTally
 from starfed.server.strategy import ConfigValue, PhaseState, Strategy
 from starfed.shared import progress
 from starfed.shared.codebook import schema
@@ -91,7 +89,6 @@ class Coordinator:
         train: TrainConfig,
         protocol: ProtocolOptions,
         federation: Federation,
-        console: Console | None = None,
         server_eval: ServerEval | None = None,
         *,
         strategy: Strategy | None = None,
@@ -103,7 +100,6 @@ class Coordinator:
         self.train = train
         self.protocol = protocol
         self.federation = federation
-        self.console = console or progress.console(stderr=True)
         self.server_eval = server_eval
         self.strategy = strategy or Strategy()
         self.before_step = before_step
@@ -130,7 +126,8 @@ class Coordinator:
         while max_steps is None or len(self.log.steps) < max_steps:
             record = self.run_step()
             if record is None:
-                self.console.print(self.log.end_without_step(self.tally.exchanges))
+                line = self.log.end_without_step(self.tally.exchanges)
+                logger.log(RUN_END_LEVELS.get(self.log.status, logging.INFO), line)
                 break
             if record.status == FAILED:
                 break
@@ -151,7 +148,7 @@ class Coordinator:
                     f"{self.protocol.min_sites} needed "
                     f"(waited {self.protocol.wait_s:.0f}s)"
                 )
-                self.console.print(f"[red]{self.log.reason}")
+                logger.error(self.log.reason)
                 return False
             time.sleep(WAIT_POLL_S)
 
@@ -183,7 +180,7 @@ class Coordinator:
             # recording nothing, instead of as a failed step.
             self.grid.get_node_ids()
             status, reason = FAILED, str(err)
-            self.console.print(f"[red]step {step + 1} failed: {reason}; rolled back")
+            logger.error("step %d failed: %s; rolled back", step + 1, reason)
         if status != FAILED and (any(e.failed for e in self.tally.exchanges) or
                                  self.screen.findings):  # fmt: skip
             status = DEGRADED
@@ -255,7 +252,7 @@ class Coordinator:
         if spec.phase is Phase.EVALUATE:
             evaluated = reports(replies, state.codebook, self.screen)
             self.tally.scores = scores = self.strategy.aggregate_evaluation(evaluated, state)
-            self.console.print(step_records.scores_line(state.step, len(self.codebook), scores))
+            logger.info(step_records.scores_line(state.step, len(self.codebook), scores))
             return
         carried: set[str] = set()
         updates = screened(replies, state, spec.phase, self.screen, carried,
@@ -300,7 +297,7 @@ class Coordinator:
         if kept:
             self.screen.restore(kept)
             held = sorted(self.screen.quarantined)
-            self.console.print(
+            logger.info(
                 f"step {step + 1} resumes with {progress.counted(len(kept), 'finding')} of the "
                 "screening from before" + (f"; quarantined: {', '.join(held)}" if held else "")
             )
@@ -351,7 +348,7 @@ class Coordinator:
         start = self.codebook
         self.codebook = replay.register(self.codebook, new, self.backbones, self.train)
         self.federation.register(new, step, brought)
-        self.console.print(
+        logger.info(
             f"step {step + 1}: {progress.counted(len(new), 'new class')} from "
             f"{progress.counted(len({s for n in new for s in brought[n]}), 'site')} · "
             f"{progress.counted(len(self.participants.node_ids), 'site')} taking part"

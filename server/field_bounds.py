@@ -223,7 +223,7 @@ class PhaseScreen:
         if options.update_bound:
             median = _by_site(moved)
             largest = max(change for _, change in moved)
-            logger.info("screening %s/%d %s: largest change %.3g × the median over %d sites "
+            logger.debug("screening %s/%d %s: largest change %.3g × the median over %d sites "
                         "(bound %g)", self.phase.key, self.round, name,
                         largest / max(median, 1e-300), senders, options.update_bound)  # fmt: skip
             for row in rows:
@@ -289,7 +289,7 @@ class PhaseScreen:
         # not (sites with few images fit components at the variance floor).
         norm, what = self._mixture_reference(name, rows)
         variance = max(norm**2 / rows[0].dim, DEFAULT_REG)
-        logger.info(
+        logger.debug(
             "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g × %s, "
             "E‖x‖² %.3g × norm², smallest variance %.3g (bound %g)", self.phase.key, name,
             max(r.variance for r in rows) / variance, max(r.norm for r in rows) / max(norm, 1e-12),

@@ -11,6 +11,7 @@ resumed step, which of the findings saved ahead of its checkpoints still hold
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from starfed.server.screening import Screen
 from starfed.shared import progress
 from starfed.shared.codebook.codebook import CodebookError
 from starfed.shared.protocol import Phase
+
+#: The level of a run's last line, by how the run ended (completed: INFO).
+RUN_END_LEVELS = {FAILED: logging.ERROR, DEGRADED: logging.WARNING}
 
 
 class StepFailed(RuntimeError):
@@ -57,16 +61,16 @@ class RunLog:
     def end_without_step(self, exchanges: Sequence[Exchange]) -> str:
         """The sync found nothing in play: the run is over — unless sites failed to
         answer, which says nothing about what they hold (all failed: the run failed; some:
-        degraded). The line to print."""
+        degraded). The line to log (at the level ``status`` calls for)."""
         failed = [e for e in exchanges if e.failed]
         if failed and len(failed) == len(exchanges):
             self.status = FAILED
             self.reason = f"no site answered the sync ({failed[0].site}: {failed[0].status})"
-            return f"[red]{self.reason}"
+            return self.reason
         if failed:
             self.status = DEGRADED
             return (
-                f"[yellow]{progress.counted(len(failed), 'site')} did not answer the sync; the "
+                f"{progress.counted(len(failed), 'site')} did not answer the sync; the "
                 "others bring nothing new: the run is over"
             )
         return "no site brings a new class: the run is over"

@@ -1,10 +1,11 @@
 """Output for people: the console every command prints through, progress bars for long loops,
-and counts in words. One rule for width, here: a terminal is filled to its width; a file or a
-pipe has no width to fit, so nothing there is cut or wrapped (a script or a log reads whole
-class names, paths and fingerprints)."""
+the federation's log lines on that console, and counts in words. One rule for width, here: a
+terminal is filled to its width; a file or a pipe has no width to fit, so nothing there is cut
+or wrapped (a script or a log reads whole class names, paths and fingerprints)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +28,47 @@ def console(stderr: bool = False) -> Console:
         out.width = max(PIPED_WIDTH, int(columns) if columns.isdigit() else 0)
         out.soft_wrap = True
     return out
+
+
+#: The logger every module of the federation writes its lines to (``logging.getLogger(__name__)``
+#: under it): the core has one output channel; who runs it decides where the lines go.
+LOGGER = "starfed"
+#: How a line of each level looks on a console: failures red, warnings yellow, the rest plain.
+LEVEL_STYLES = {logging.CRITICAL: "red", logging.ERROR: "red", logging.WARNING: "yellow"}
+
+
+class ConsoleHandler(logging.Handler):
+    """Log lines printed on a rich console, above its live progress bars, styled by level.
+
+    rich's own ``RichHandler`` lays records out as a table (time, level, path columns); a
+    command's output is plain lines, so this prints the message alone."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(logging.INFO)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            style = LEVEL_STYLES.get(record.levelno)
+            self.console.print(self.format(record), style=style, markup=False, highlight=False)
+        except Exception:  # logging's contract: a handler never raises
+            self.handleError(record)
+
+
+@contextmanager
+def logged_to(console: Console) -> Iterator[None]:
+    """While inside, the federation's lines of level INFO and above print on ``console``
+    (they still reach other handlers, e.g. a test's capture)."""
+    logger = logging.getLogger(LOGGER)
+    handler, level = ConsoleHandler(console), logger.level
+    logger.addHandler(handler)
+    if level == logging.NOTSET or level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def counted(n: int, noun: str) -> str:

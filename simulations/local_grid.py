@@ -220,10 +220,10 @@ def run_locally(
         TextColumn("sites"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=True) as bars:
+    with Progress(*columns, console=console, transient=True) as bars, progress.logged_to(console):
         grid = LocalGrid(client_app, config, node_configs(n_sites), run_id, progress=bars)
         sites = SimulatedSites.of(config, run_id)
-        return run_server(grid, config, run_id, console, strategy=strategy, before_step=sites)
+        return run_server(grid, config, run_id, strategy=strategy, before_step=sites)
 
 
 def simulate_locally(overrides: Mapping[str, Value]) -> int:

@@ -13,6 +13,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from starfed.server.app import run_server
+from starfed.shared import progress
 from starfed.simulations.simulated_sites import SimulatedSites
 
 app = ServerApp()
@@ -22,4 +23,5 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     run_config = dict(context.run_config)
     sites = SimulatedSites.of(run_config, context.run_id)
-    run_server(grid, run_config, context.run_id, before_step=sites)
+    with progress.logged_to(progress.console(stderr=True)):
+        run_server(grid, run_config, context.run_id, before_step=sites)

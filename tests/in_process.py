@@ -11,7 +11,6 @@ import itertools
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
 from starfed.cli import main
 from starfed.client import answer
@@ -67,10 +66,10 @@ def run_two_sites(root: Path, faults: dict | None = None, **config: object) -> d
 
 
 def run_grid(grid: LocalGrid, config: dict) -> dict:
-    """The server over ``grid``, quiet; the run's metrics. The ClientApp's process-wide cache
+    """The server over ``grid``; the run's metrics. The ClientApp's process-wide cache
     of sites (``answer.SITES``) is emptied after, even when the run fails: a later run, whatever
     its run id, builds its sites again from their folders."""
     try:
-        return run_server(grid, config, grid.run_id, Console(quiet=True))
+        return run_server(grid, config, grid.run_id)
     finally:
         answer.SITES.clear()

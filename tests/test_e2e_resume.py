@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 import torch
 from deployed import ROUND_TIMEOUT_S, RUN_CONFIG, deployment, round_settings, starfed
-from rich.console import Console
 from site_folders import CLASSES
 
 from starfed.client import answer
@@ -68,7 +67,7 @@ def uninterrupted(data: Path, root: Path) -> Codebook:
     }
     grid = LocalGrid(client_app.app, config, nodes, client_threads=torch.get_num_threads())
     try:
-        metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
+        metrics = run_server(grid, config, grid.run_id)
     finally:
         answer.SITES.clear()
     assert metrics["status"] == "completed"

@@ -68,7 +68,7 @@ def runs(tmp_path_factory):
         {7: {"partition-id": 0, "num-partitions": 1, "cache-dir": str(out / "cache")}},
     )
     sites = SimulatedSites.of(run_config, 1)
-    federated = run_server(grid, run_config, 1, quiet, before_step=sites)
+    federated = run_server(grid, run_config, 1, before_step=sites)
     return out, local, federated
 
 
@@ -127,7 +127,7 @@ def test_results_do_not_depend_on_node_ids(tmp_path) -> None:
         config = {**run_config, "run-name": f"ids-{run_id}"}
         grid = LocalGrid(client_app, config, nodes, run_id=run_id)
         sites = SimulatedSites.of(config, run_id)
-        run_server(grid, config, run_id, Console(quiet=True), before_step=sites)
+        run_server(grid, config, run_id, before_step=sites)
         codebook = wire.read_file(tmp_path / f"ids-{run_id}" / "codebook.bin")
         codebooks.append(wire.encode(replace(codebook, metadata={})))  # ids and epochs differ
     assert codebooks[0] == codebooks[1]

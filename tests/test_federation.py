@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import Message
-from rich.console import Console
 
 from starfed.client import answer
 from starfed.client import app as client_app
@@ -65,8 +64,7 @@ class Federation:
         chosen = {n: self.sites[n] for n in (nodes if nodes is not None else self.sites)}
         grid = LocalGrid(client_app.app, config, chosen, run_id=next(_run_ids), record=True)
         grid.faults.update(self.faults)
-        console = Console(quiet=True)
-        return run_server(grid, config, grid.run_id, console, before_step=before_step), grid
+        return run_server(grid, config, grid.run_id, before_step=before_step), grid
 
     def codebook(self) -> Codebook:
         return wire.read_file(self.folder / CODEBOOK_FILE)
@@ -305,7 +303,7 @@ def test_a_run_stopped_mid_phase_records_no_failed_step(fed):
 
     grid.get_node_ids = revoked
     with pytest.raises(RunStopped):
-        run_server(grid, config, grid.run_id, Console(quiet=True))
+        run_server(grid, config, grid.run_id)
     assert not (fed.folder / "metrics.json").exists()
     history = fed.folder / "history.jsonl"
     assert not history.exists() or '"failed"' not in history.read_text()

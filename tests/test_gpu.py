@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from rich.console import Console
 from site_folders import CLASSES, site_folder
 from test_mixture_fit import blobs, log_likelihood
 from test_paper_dims import PAPER_DIMS, one_step_config
@@ -51,7 +50,7 @@ def federated_step(tmp: Path, device: str) -> tuple[dict, Codebook]:
                        "site-name": name, "cache-dir": str(tmp / "cache")}  # fmt: skip
     grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
     try:
-        metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
+        metrics = run_server(grid, config, grid.run_id)
     finally:
         answer.SITES.clear()
     return metrics, wire.read_file(tmp / f"federation-{device}" / CODEBOOK_FILE)

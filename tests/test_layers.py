@@ -207,6 +207,26 @@ def test_the_sites_operations_import_nothing_from_the_server_side():
     assert "starfed.client.ops.site_options" in MODULES and server_side == []
 
 
+def test_the_federation_writes_one_channel():
+    """The federation layer (``server/``, ``client/``) writes lines for people through
+    ``logging`` only: it imports no console library and prints nothing; who runs it (a
+    ServerApp, a simulation, a command) shows the lines (``progress.logged_to``)."""
+    federation = [module for module in MODULES if _layer(module) == 1]
+    consoles = [
+        f"{module} imports {target}"
+        for module in federation
+        for target in IMPORTS[module]
+        if target == "rich" or target.startswith("rich.")
+    ]
+    printing = [
+        f"{module}:{node.lineno} calls print"
+        for module in federation
+        for node in ast.walk(ast.parse(MODULES[module].read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
+    ]
+    assert "starfed.server.coordinator" in federation and consoles == [] and printing == []
+
+
 def _knobs_read_from_command_tables(module: str) -> set[str]:
     """Keys of ``knob("KEY", ..., table=...)`` fields in ``module``: options read from a
     command's own table."""

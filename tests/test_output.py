@@ -1,18 +1,22 @@
-"""What people read: the console's width when piped, counts in words, a negative forgetting
-explained, and Flower's SuperNode-count warning kept out of ``starfed simulate``'s output."""
+"""What people read: the console's width when piped, counts in words, the federation's log
+lines on a command's console, a negative forgetting explained, and Flower's SuperNode-count
+warning kept out of ``starfed simulate``'s output."""
 
 from __future__ import annotations
 
+import io
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from rich.table import Table
 
 from starfed.ops.flower_runs import summarize
 from starfed.shared.metrics import SCORES_DOC, faa_text, forgetting_text
-from starfed.shared.progress import PIPED_WIDTH, console, counted
+from starfed.shared.progress import PIPED_WIDTH, console, counted, logged_to
 from starfed.simulations.simulate import filtered_stdout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +54,29 @@ def test_counted_says_one_in_the_singular() -> None:
     assert counted(2, "new class") == "2 new classes"
     assert counted(0, "site") == "0 sites"
     assert counted(1, "step") == "1 step"
+
+
+def test_the_federations_lines_show_on_the_console_while_it_runs() -> None:
+    """Lines the core logs under ``starfed`` print on the command's console, whole and as
+    written (a class name with brackets is not markup), warnings and failures styled; debug
+    lines, other libraries' lines and lines after the run do not."""
+    out = io.StringIO()
+    shown = Console(file=out, force_terminal=True, color_system="standard", width=200)
+    coordinator = logging.getLogger("starfed.server.coordinator")
+    with logged_to(shown):
+        coordinator.info("step 1: 2 new classes from 1 site · [red]apple[/] taking part")
+        coordinator.warning("federation folder: %s", "rolled back to step 3")
+        coordinator.error("step 2 failed: no site answered; rolled back")
+        coordinator.debug("a debug line")
+        logging.getLogger("flwr").warning("a line of another library")
+    coordinator.info("after the run")
+    text = out.getvalue()
+    lines = [line for line in text.splitlines() if line]
+    assert len(lines) == 3, text
+    assert "step 1: 2 new classes from 1 site · [red]apple[/] taking part" in lines[0]
+    assert "\x1b[33mfederation folder: rolled back to step 3" in lines[1]  # yellow
+    assert "\x1b[31mstep 2 failed: no site answered; rolled back" in lines[2]  # red
+    assert logging.getLogger("starfed").handlers == []
 
 
 def test_negative_forgetting_says_what_it_means_and_where() -> None:

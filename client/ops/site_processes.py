@@ -38,8 +38,10 @@ class Worker:
         self.pump.start()
 
     def hear(self, line: str) -> None:
-        if line.startswith(CANNOT_START):
-            self.said.append(line.removeprefix(CANNOT_START).strip())
+        """Keep the reason of a worker's ``CANNOT_START`` log line (after its time and level)."""
+        _, marker, reason = line.partition(CANNOT_START)
+        if marker:
+            self.said.append(reason.strip())
 
     def ended(self) -> str | None:
         """Why the worker is gone, once it is or once it said it cannot work (its exit may
