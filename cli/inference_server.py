@@ -1,6 +1,6 @@
 """``starfed server export|serve``: the federation's codebook for inference-only devices.
 
-``export`` writes the deployable codebook (finished classes, no mixtures) and its model card;
+``export`` writes the deployable codebook (frozen classes, no mixtures) and its model card;
 ``serve`` answers devices that follow the federation over gRPC with TLS (``starfed predict
 --from``). Both read the federation folder and load no backbones. Actions of the ``server``
 group (``starfed.cli.server`` registers them); every error is one line with its exit code
@@ -67,9 +67,9 @@ def _federation(path: Path):
 
 
 def run_export(args: argparse.Namespace) -> int:
-    """write a deployable codebook (finished classes, no mixtures) and its model card
+    """write a deployable codebook (frozen classes, no mixtures) and its model card
 
-    Write the federation's deployable codebook for inference-only devices: finished classes only
+    Write the federation's deployable codebook for inference-only devices: frozen classes only
     (a step in progress is left out, and named), no mixtures, class names and the step that
     registered each, the backbone fingerprint; and <out>.card.json with the classes, sites,
     backbones and the federation's scores.

@@ -100,7 +100,7 @@ def _codebook(args: argparse.Namespace, cache: Path):
 
     if args.codebook is not None:
         return wire.read_file(args.codebook)
-    from starfed.shared.inference.follow import DistributionError, SourceError, fetch
+    from starfed.ops.follow import DistributionError, SourceError, fetch
 
     try:
         fetched = fetch(args.service, cache, ca=args.ca, insecure=args.insecure)

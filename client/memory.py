@@ -7,7 +7,7 @@ offline for steps, so what a site must remember lives on disk (docs/sites.md):
   ``Delta``) — a site that lost it simply receives the whole codebook again, in parts when it
   is too large for one message (staged in ``codebook-parts/`` until the last arrived);
 * ``site.json``: which federation that codebook belongs to, and which of the site's tasks are
-  completed (all their classes finished) and at which federation step;
+  completed (all their classes frozen) and at which federation step;
 * ``privacy.json``, for a site with the privacy setting: what it has released of each class's
   images (``PrivacyLedger``), so a restart never resets its privacy budget. It belongs to the
   images, not to a federation: joining another federation keeps it.

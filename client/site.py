@@ -1,7 +1,7 @@
 """A site and its side of every protocol phase, without Flower.
 
 A site's tasks are the task folders of its data folder, in order (``SiteFolder``,
-docs/sites.md); its current task is the first whose classes are not all finished (frozen) in
+docs/sites.md); its current task is the first whose classes are not all frozen in
 the federation, so a new folder is picked up at the next step and a site that was offline
 catches up. Its memory — the last codebook, its completed tasks — is its state folder
 (``SiteMemory``); decoded images and CLIP features are cached on disk. A phase sees the current
@@ -153,7 +153,7 @@ class Site:
 
     @staticmethod
     def current(folder: SiteFolder, frozen: Iterable[str]) -> tuple[int, SiteTask] | None:
-        """The first task with a class that is not finished, with its index; tasks without
+        """The first task with a class that is not frozen, with its index; tasks without
         images are skipped. None when every task is completed."""
         finished = {class_key(name) for name in frozen}
         for index, task in enumerate(folder.tasks):

@@ -92,7 +92,7 @@ STATISTICS = (Phase.STAGE1_STATS, Phase.STAGE2_STATS)
 STEP = "step"
 ROUND = "round"
 WIRE_DTYPE = "wire-dtype"
-#: Sync-message config key: the classes the federation has finished (frozen); a site brings
+#: Sync-message config key: the classes the federation has frozen; a site brings
 #: them again as names only.
 FROZEN = "frozen"
 #: Evaluate-message config key: the step that registered each class, in the codebook's order.

@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives import serialization
 
 from starfed.cli import main
 from starfed.ops import processes
+from starfed.ops.follow import CACHE_FILE, DistributionError, SourceError, fetch
 from starfed.proto import distribution_pb2 as pb
 from starfed.server.federation import Federation
 from starfed.server.ops.certs import ensure_certificates, make_ca, make_server_cert
@@ -33,7 +34,6 @@ from starfed.server.serving import distribution
 from starfed.server.serving.export import deployable
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.lineage import Lineage
-from starfed.shared.inference.follow import CACHE_FILE, DistributionError, SourceError, fetch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import FINGERPRINT, TINY_DIMS, random_entries
@@ -247,14 +247,14 @@ def test_nothing_finished_yet_is_exported_or_served_as_nothing(tmp_path, certs, 
     code = main(["server", "export", "--federation", str(folder), "--out", str(tmp_path / "a")])
     federation = Federation.open(folder).id
     assert code == 1 and capsys.readouterr().err == (
-        f"starfed server export: error: federation {federation[:8]} has no finished class yet "
+        f"starfed server export: error: federation {federation[:8]} has no frozen class yet "
         "(2 in the step in progress)\n"
     )
     listen = f"127.0.0.1:{processes.free_port()}"
     options = distribution.ServeOptions(folder, listen, certs.server_cert, certs.server_key)
     server, _, _ = distribution.start(options)
     try:
-        with pytest.raises(DistributionError, match="FAILED_PRECONDITION: no finished class yet"):
+        with pytest.raises(DistributionError, match="FAILED_PRECONDITION: no frozen class yet"):
             fetch(listen, tmp_path / "device", ca=certs.ca_cert)
     finally:
         server.stop(grace=None)

@@ -132,7 +132,7 @@ def test_disjoint_sites_then_a_new_task_in_a_second_run(fed):
 
 
 def test_late_joiner_offline_site_and_a_frozen_class_brought_again(fed):
-    """farm-b joins in the second run and brings a finished class again (left frozen) plus a
+    """farm-b joins in the second run and brings a frozen class again (left frozen) plus a
     new one; farm-a is offline during that run and catches up at the next."""
     fed.site(1, "farm-a", {"t1": CLASSES[0:2]})
     _first, _ = fed.run(nodes=[1])

@@ -22,6 +22,7 @@ import torch
 
 from starfed.cli import main
 from starfed.client import app as client_app
+from starfed.ops.follow import CACHE_FILE
 from starfed.ops.processes import free_port
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.federation import Federation
@@ -36,7 +37,6 @@ from starfed.shared.codebook.deployment import CLASS_STEPS_KEY
 from starfed.shared.codebook.framing import read_payload
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.inference.follow import CACHE_FILE
 from starfed.simulations.local_grid import LocalGrid
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -146,7 +146,7 @@ def test_a_step_in_progress_is_left_out_and_named(federation, exported, tmp_path
     code, text, _ = starfed(capsys, "server", "export", "--dir", folder.parent, "--out", out)
     assert code == 0
     assert "left out (step in progress, not finished): new_0, new_1" in text
-    assert out.read_bytes() == exported.read_bytes()  # exactly the finished classes
+    assert out.read_bytes() == exported.read_bytes()  # exactly the frozen classes
     assert json.loads(card_path(out).read_text())["left_out"] == ["new_0", "new_1"]
 
 

@@ -79,7 +79,7 @@ def test_the_metrics_are_what_the_written_codebook_scores(local_run, monkeypatch
     metrics = json.loads((run / "metrics.json").read_text())
     codebook = export.deployable(Federation.open(run)).codebook
     assert sorted(codebook.names) == sorted(metrics["classes"])
-    assert codebook.frozen == set(codebook.names)  # every class of the run finished
+    assert codebook.frozen == set(codebook.names)  # every class of the run frozen
     monkeypatch.setenv("STARFED_CACHE_DIR", str(out / "cache"))
     backbones = BackboneOptions.from_config(parse({})).load("cpu")  # refused if not the run's
     pooled: ClassScores | None = None

@@ -136,7 +136,7 @@ def _test_images(report: SiteCheck, folder: SiteFolder) -> None:
 
 def _class_names(report: SiteCheck, folder: SiteFolder) -> None:
     """Within a task, colliding names fail the scan; across tasks, a class in a later task is
-    a finished class brought again: the federation keeps it frozen (docs/sites.md)."""
+    a frozen class brought again: the federation keeps it frozen (docs/sites.md)."""
     first: dict[str, tuple[str, str]] = {}  # class key -> (task, spelling)
     repeats = []
     for task in report.tasks:

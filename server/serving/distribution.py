@@ -2,7 +2,7 @@
 
 A device sends the version of the codebook it holds (0: none) and the federation it came from
 (``proto/distribution.proto``); the service answers with the federation's deployable codebook
-(``server.serving.export``: finished classes, no mixtures — what ``starfed server export`` writes):
+(``server.serving.export``: frozen classes, no mixtures — what ``starfed server export`` writes):
 whole, as the delta since the held version (``Codebook.delta``), or "unchanged". A device of
 another federation, or holding a version this one never had, gets the whole codebook. The
 folder is read again when ``codebook.bin`` changes (one ``stat`` per request; the file is
@@ -11,7 +11,7 @@ replaced atomically, so a reader never sees half of it).
 gRPC over TLS with the server certificate of the server folder (``server.ops.layout``); plain text
 only on a loopback address, for tests and a device on the same machine. Requests are tiny and
 limited to ``REQUEST_LIMIT`` bytes; a reply over ``max_bytes`` is refused (RESOURCE_EXHAUSTED)
-rather than sent. The device's side is ``starfed.shared.inference.follow``.
+rather than sent. The device's side is ``starfed.ops.follow``.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class CodebookDistribution(pb_grpc.CodebookDistributionServicer):
             logger.error("cannot read the federation folder: %s", err)
             context.abort(grpc.StatusCode.UNAVAILABLE, "the federation folder cannot be read")
         if not len(current.codebook):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no finished class yet")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no frozen class yet")
         reply = self.answer(request.held_version, request.federation)
         size = reply.ByteSize()
         if size > self.max_bytes:

@@ -45,7 +45,7 @@ METRIC_KEYS = (
 
 
 class NothingToExport(RuntimeError):
-    """The federation has no finished class yet."""
+    """The federation has no frozen class yet."""
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Deployable:
 
 
 def deployable(federation: Federation) -> Deployable:
-    """The finished classes of ``federation``'s codebook, as devices receive them."""
+    """The frozen classes of ``federation``'s codebook, as devices receive them."""
     codebook = federation.codebook()
     entries = {name: e for name, e in codebook.entries.items() if e.frozen}
     train = federation.metrics().get("config", {}).get("train", {})
@@ -130,7 +130,7 @@ def write(federation: Federation, export: Deployable, out: Path, dtype: str = "f
     atomic); returns the card."""
     if not len(export.codebook):
         raise NothingToExport(
-            f"federation {federation.id[:8]} has no finished class yet"
+            f"federation {federation.id[:8]} has no frozen class yet"
             + (f" ({len(export.left_out)} in the step in progress)" if export.left_out else "")
         )
     wire.write_file(out, export.codebook.broadcast(), dtype)

@@ -1,6 +1,6 @@
 """The codebook a receiver holds and keeps current by deltas: a site's, an inference device's.
 
-A site (``starfed.client.memory``) and an inference device (``starfed.shared.inference.follow``)
+A site (``starfed.client.memory``) and an inference device (``starfed.ops.follow``)
 both keep the last codebook they received in a file, so that the sender can send only what
 changed since (a ``Delta``). ``HeldCodebook`` is that file and the one rule for when a delta
 applies. A whole codebook received is written as one file; the first delta after it moves

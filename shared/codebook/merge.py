@@ -262,7 +262,7 @@ class MergeAccumulator:
     def add(self, update: ClientUpdate) -> None:
         """Fold one validated update in (``wire.decode_update``: registered classes, its phase's
         fields). Rows of frozen classes are ignored, not rejected: a site whose task stream
-        reaches a class after it was finished elsewhere is legitimate."""
+        reaches a class after it was frozen elsewhere is legitimate."""
         with _one_thread():
             for entry in update.entries:
                 if self.codebook[entry.name].frozen:

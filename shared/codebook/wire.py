@@ -125,7 +125,7 @@ def broadcast_from_proto(
     views: list[EntryViews] | None = None,
 ) -> Codebook | Delta:
     """``decode_broadcast`` of a message parsed elsewhere: a gRPC reply carries the codebook
-    message itself, its size limited by the channel (``starfed.shared.inference.follow``);
+    message itself, its size limited by the channel (``starfed.ops.follow``);
     ``views``: its entries' tensor bytes in the bytes it was parsed from (``tensor_views``)."""
     model_dims = decode_header(message, fingerprint, dims)
     check_count(message.version, 0, "codebook version")

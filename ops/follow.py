@@ -6,7 +6,7 @@ validates what arrives (``wire``), applies a delta by the same rule as a site, a
 cache file atomically. A device that cannot reach the service keeps predicting with the copy it
 has (``offline``, with the reason). A delta the held copy refuses (a damaged cache, or another
 version line after the federation rolled back) is answered by fetching the whole codebook once.
-What crosses the network: the held version and federation id up; the finished classes'
+What crosses the network: the held version and federation id up; the frozen classes'
 broadcast fields down, only those that changed.
 """
 
