@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
+from starfed.cli import build_parser
 from starfed.client.site import HANDLERS, Site
 from starfed.server.coordinator import STATISTICS, Coordinator
 from starfed.server.strategy import Strategy
@@ -88,3 +91,33 @@ def test_layout_links_point_at_the_tree() -> None:
     links = re.findall(r"\]\(\.\./([^)#]+)\)", DESIGN.split("## The model", 1)[0] + layout)
     assert len(links) > 10
     assert [link for link in links if not (ROOT / link).exists()] == []
+
+
+def _commands(parser: argparse.ArgumentParser, words: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """Every command under ``parser`` with the module of the function it runs (an alias is
+    the command it names, listed once)."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if sub is None:
+        yield " ".join(words), parser.get_default("func").__module__
+        return
+    seen: set[int] = set()
+    for name, child in sub.choices.items():
+        if id(child) not in seen:
+            seen.add(id(child))
+            yield from _commands(child, (*words, name))
+
+
+def test_commands_table_matches_the_command_line() -> None:
+    """Each command, the module that reads its input, and files that exist for what it drives."""
+    rows = table_rows("## Where each command's code is")
+    expected = {
+        command: module.replace("starfed.", "", 1).replace(".", "/") + ".py"
+        for command, module in _commands(build_parser(), ("starfed",))
+    }
+    assert {row[0]: row[1] for row in rows} == expected
+    assert len(rows) == len(expected)
+    for row in rows:
+        drives = re.findall(r"([\w/]+\.py)", row[2])
+        assert drives, row[0]
+        for path in drives:
+            assert (ROOT / path).is_file(), f"{row[0]}: {path}"
