@@ -166,7 +166,7 @@ class LocalSuperLink:
 
 
 @contextlib.contextmanager
-def filtered_stdout(dropped: tuple[str, ...] = FLOWER_NOISE) -> Iterator[IO[bytes]]:
+def filtered_stdout(dropped: tuple[str, ...] = FLOWER_NOISE) -> Iterator[IO[str]]:
     """A pipe to give a child process as its output: its lines reach our stdout as they come,
     except those that contain one of ``dropped``."""
     read_end, write_end = os.pipe()
@@ -180,7 +180,8 @@ def filtered_stdout(dropped: tuple[str, ...] = FLOWER_NOISE) -> Iterator[IO[byte
 
     thread = threading.Thread(target=copy, name="flower-log", daemon=True)
     thread.start()
-    sink = open(write_end, "wb")  # noqa: SIM115 -- closed below, once the child has its copy
+    # Text, as the run's log stream writes it (a child process given it writes to its fd).
+    sink = open(write_end, "w", encoding="utf-8")  # noqa: SIM115 -- closed below
     try:
         yield sink
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,6 +100,9 @@ def test_flwr_run_end_to_end(tmp_path: Path) -> None:
     output = log.read_text()
     assert rc == 0, output
     assert "finished:completed" in output, output
+    # the ServerApp's own lines, streamed through `flwr log`: the run's progress is seen live
+    assert re.search(r"^step 2: \d+ new class(es)? from", output, re.M), output
+    assert "the run is over" in output, output
     assert not leftovers, f"processes left running: {leftovers}"
     commands = sampler.commands()
     assert "flower-superlink" in commands and "flwr-simulation" in commands, sampler.seen
