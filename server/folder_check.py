@@ -28,7 +28,6 @@ from starfed.server.folder_files import (
     HISTORY_FILE,
     METRICS_FILE,
     PENDING_FILE,
-    PREVIOUS_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
     STEP_START_FILE,
@@ -103,8 +102,7 @@ def check(root: str | Path, *, depth: Depth = Depth.CHECKSUMS, kept: bool = True
         _agree_history(report, position, history)
     if position is not None and names is not None:
         _position(report, position, names, federation, depth, seen)
-    previous = [root / PREVIOUS_FILE] if (root / PREVIOUS_FILE).exists() else []
-    for path in [*previous, *(p for _, p in federation.step_checkpoints())] if kept else ():
+    for path in federation.kept_codebooks() if kept else ():
         _codebook_file(report, federation, path, depth, seen)
     if (root / PENDING_FILE).is_file():
         report.problems.append(

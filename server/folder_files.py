@@ -116,6 +116,12 @@ class Identity:
                 found.append((int(path.stem.removeprefix("step-")), path))
         return sorted(found)
 
+    def kept_codebooks(self) -> list[Path]:
+        """The codebooks kept to go back to: ``previous.bin`` (the one before the last
+        checkpoint) where there is one, then those after completed steps, oldest first."""
+        previous = [self.root / PREVIOUS_FILE] if (self.root / PREVIOUS_FILE).exists() else []
+        return previous + [path for _, path in self.step_checkpoints()]
+
     def manifests(self) -> list[Path]:
         """The codebook files a run writes (each a manifest once the folder is migrated)."""
         names = (CODEBOOK_FILE, PREVIOUS_FILE, STEP_START_FILE)

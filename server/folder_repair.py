@@ -32,7 +32,6 @@ from starfed.server.folder_files import (
     HISTORY_FILE,
     METRICS_FILE,
     PENDING_FILE,
-    PREVIOUS_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
     FederationError,
@@ -95,7 +94,7 @@ def plan(root: str | Path, to: int | None = None, *, depth: Depth = Depth.CHECKS
     elif (found := good(current)) is not None:
         sources = []
     else:
-        sources = _by_progress([root / PREVIOUS_FILE, *kept.values()])
+        sources = _by_progress(identity.kept_codebooks())
         found = None
     for source in sources:
         found = good(source)

@@ -59,7 +59,10 @@ TEST_IMAGES_KEY = "test-images"  # sync metadata: the test images a site holds
 
 @dataclass(frozen=True)
 class ScreeningOptions(Options):
-    """The operator's bounds on what one site can do (knobs; docs/federation.md)."""
+    """The operator's bounds on what one site can do (the ``screening`` knobs; docs/federation.md):
+    how far its rows may move (the four ``*_bound``, 0: none), how much of a class that others
+    hold its examples may weigh, how many classes it may bring, after how many findings it is
+    left out, and which names belong to which registered node."""
 
     update_bound: float = knob("update-bound")
     reference_bound: float = knob("reference-bound")

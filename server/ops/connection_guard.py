@@ -30,6 +30,7 @@ import logging
 import ssl
 from asyncio import sslproto
 from collections import Counter
+from dataclasses import dataclass, field
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -48,31 +49,23 @@ TLS_READ_BUFFER = 32 * 1024
 log = logging.getLogger("starfed.gateway")
 
 
+@dataclass(kw_only=True, eq=False)
 class ConnectionGuard:
     """The limits, and the state they are kept with (one per server; the event loop's thread
     only, so no locks)."""
 
-    def __init__(
-        self,
-        *,
-        max_connections: int = MAX_CONNECTIONS,
-        per_address: int = MAX_PER_ADDRESS,
-        header_timeout: float = HEADER_TIMEOUT_S,
-        max_handshakes: int = MAX_HANDSHAKES,
-        handshakes_per_address: int = MAX_HANDSHAKES_PER_ADDRESS,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
-    ) -> None:
-        self.max_connections = max_connections
-        self.per_address = per_address
-        self.header_timeout = header_timeout
-        self.max_handshakes = max_handshakes
-        self.handshakes_per_address = handshakes_per_address
-        self.handshake_timeout = handshake_timeout
-        self.handshakes: Counter[str] = Counter()  # address -> TLS handshakes under way
-        self.open: set[GuardedH11Protocol] = set()
-        self.by_address: Counter[str] = Counter()
-        #: connections with no request under way, oldest first (a dict keeps insertion order)
-        self.idle: dict[GuardedH11Protocol, None] = {}
+    max_connections: int = MAX_CONNECTIONS
+    per_address: int = MAX_PER_ADDRESS
+    header_timeout: float = HEADER_TIMEOUT_S
+    max_handshakes: int = MAX_HANDSHAKES
+    handshakes_per_address: int = MAX_HANDSHAKES_PER_ADDRESS
+    handshake_timeout: float = HANDSHAKE_TIMEOUT_S
+    #: address -> TLS handshakes under way
+    handshakes: Counter[str] = field(default_factory=Counter, init=False)
+    open: set[GuardedH11Protocol] = field(default_factory=set, init=False)
+    by_address: Counter[str] = field(default_factory=Counter, init=False)
+    #: connections with no request under way, oldest first (a dict keeps insertion order)
+    idle: dict[GuardedH11Protocol, None] = field(default_factory=dict, init=False)
 
     def protocol_class(self, tls: ssl.SSLContext | None = None) -> type:
         """uvicorn's ``http=``: its h11 protocol, bound to this guard; with ``tls``, behind a

@@ -23,6 +23,17 @@ def default_dir() -> Path:
     return Path(as_str(environment(), "server-dir") or DEFAULT_DIR)
 
 
+class _Place:
+    """One path of the server folder, named once: ``folder.ca_cert`` is ``<root>/certs/ca.pem``
+    (a descriptor; ``under``: the folder it is in, else the root)."""
+
+    def __init__(self, name: str, under: _Place | None = None) -> None:
+        self.name, self.under = name, under
+
+    def __get__(self, folder: ServerFolder, owner: type | None = None) -> Path:
+        return (folder.root if self.under is None else self.under.__get__(folder)) / self.name
+
+
 @dataclass(frozen=True)
 class ServerFolder:
     """Paths of one deployment; nothing is created until a command writes it."""
@@ -39,90 +50,42 @@ class ServerFolder:
             self.root.mkdir(mode=0o700, parents=True)
 
     # --- certificates and keys (``starfed server certs``) ---
-    @property
-    def certs(self) -> Path:
-        return self.root / "certs"
-
-    @property
-    def ca_cert(self) -> Path:
-        """Goes to every site: the SuperNode checks the server's certificate against it."""
-        return self.certs / "ca.pem"
-
-    @property
-    def ca_key(self) -> Path:
-        """Signs server certificates; never leaves this folder (better: an offline copy)."""
-        return self.certs / "ca.key"
-
-    @property
-    def server_cert(self) -> Path:
-        return self.certs / "server.pem"
-
-    @property
-    def server_key(self) -> Path:
-        return self.certs / "server.key"
-
-    @property
-    def site_keys(self) -> Path:
-        """Key pairs made here for sites that do not make their own (``certs --site``)."""
-        return self.root / "site-keys"
+    certs = _Place("certs")
+    #: Goes to every site: the SuperNode checks the server's certificate against it.
+    ca_cert = _Place("ca.pem", certs)
+    #: Signs server certificates; never leaves this folder (better: an offline copy).
+    ca_key = _Place("ca.key", certs)
+    server_cert = _Place("server.pem", certs)
+    server_key = _Place("server.key", certs)
+    #: Key pairs made here for sites that do not make their own (``certs --site``).
+    site_keys = _Place("site-keys")
+    #: Shared secret of the SuperLink and its SuperExec (process isolation).
+    superexec_secret = _Place("superexec.secret", _Place("secrets"))
 
     def site_key(self, name: str) -> Path:
         return self.site_keys / f"{name}.key"
 
-    @property
-    def superexec_secret(self) -> Path:
-        """Shared secret of the SuperLink and its SuperExec (process isolation)."""
-        return self.root / "secrets" / "superexec.secret"
-
     # --- state ---
-    @property
-    def database(self) -> Path:
-        """The SuperLink's state: registered sites, runs; survives restarts."""
-        return self.root / "superlink.db"
-
-    @property
-    def flwr_home(self) -> Path:
-        """FLWR_HOME of every Flower process here and of the operator's ``flwr`` CLI."""
-        return self.root / "flwr-home"
-
-    @property
-    def flwr_config(self) -> Path:
-        return self.flwr_home / "config.toml"
-
-    @property
-    def federation(self) -> Path:
-        """The federation folder ``server round`` continues by default (docs/federation.md)."""
-        return self.root / "federation"
-
-    @property
-    def app(self) -> Path:
-        """The Flower app ``server round`` submits, generated from the installed package."""
-        return self.root / "app"
-
-    @property
-    def run_file(self) -> Path:
-        """What ``start`` started (PIDs, start times, addresses), for ``stop`` and ``status``."""
-        return self.root / "run.json"
-
-    @property
-    def sites_file(self) -> Path:
-        """Site names <-> SuperNode ids and keys: Flower's own list shows no names."""
-        return self.root / "sites.json"
+    #: The SuperLink's state: registered sites, runs; survives restarts.
+    database = _Place("superlink.db")
+    #: FLWR_HOME of every Flower process here and of the operator's ``flwr`` CLI.
+    flwr_home = _Place("flwr-home")
+    flwr_config = _Place("config.toml", flwr_home)
+    #: The federation folder ``server round`` continues by default (docs/federation.md).
+    federation = _Place("federation")
+    #: The Flower app ``server round`` submits, generated from the installed package.
+    app = _Place("app")
+    #: What ``start`` started (PIDs, start times, addresses), for ``stop`` and ``status``.
+    run_file = _Place("run.json")
+    #: Site names <-> SuperNode ids and keys: Flower's own list shows no names.
+    sites_file = _Place("sites.json")
 
     # --- logs ---
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def superlink_log(self) -> Path:
-        """The SuperLink's log (timestamped, rotated): refused SuperNodes show up here."""
-        return self.logs / "superlink.log"
+    logs = _Place("logs")
+    #: The SuperLink's log (timestamped, rotated): refused SuperNodes show up here.
+    superlink_log = _Place("superlink.log", logs)
+    gateway_log = _Place("gateway.log", logs)
 
     def output_log(self, process: str) -> Path:
         """A managed process's stdout and stderr (start-up errors before its own log opens)."""
         return self.logs / f"{process}.out"
-
-    @property
-    def gateway_log(self) -> Path:
-        return self.logs / "gateway.log"

@@ -27,7 +27,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TypedDict, TypeVar, cast, overload
+from typing import TypedDict, TypeVar, Unpack, cast, overload
 
 import numpy as np
 from google.protobuf.message import Message
@@ -91,15 +91,19 @@ def parse(message_type: type[_Message], data: bytes, max_bytes: int | None) -> _
     return message
 
 
-def decode_codebook(
-    data: bytes,
-    *,
-    fingerprint: str | None = None,
-    dims: ModelDims | None = None,
-    max_bytes: int | None = DEFAULT_MAX_BYTES,
-) -> Codebook:
-    """A validated codebook; ``fingerprint``/``dims`` are the receiver's, when it has them."""
-    received = decode_broadcast(data, fingerprint=fingerprint, dims=dims, max_bytes=max_bytes)
+class Expected(TypedDict, total=False):
+    """What a receiver checks a codebook message against (``decode_broadcast``'s keywords, with
+    their defaults there): its backbones' ``fingerprint`` and ``dims`` when it has them, and the
+    message's ``max_bytes``."""
+
+    fingerprint: str | None
+    dims: ModelDims | None
+    max_bytes: int | None
+
+
+def decode_codebook(data: bytes, **expected: Unpack[Expected]) -> Codebook:
+    """A validated codebook, never a delta; ``expected``: as for ``decode_broadcast``."""
+    received = decode_broadcast(data, **expected)
     if isinstance(received, Delta):
         raise CodebookError("a delta, not a whole codebook")
     return received
