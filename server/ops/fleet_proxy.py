@@ -32,7 +32,7 @@ import re
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import httpx
@@ -112,6 +112,7 @@ class _Call:
     limit: int
 
 
+@dataclass(eq=False)
 class FleetGateway:
     """ASGI app: forward ``POST /v1/fleet/*`` to ``upstream``, refuse everything else.
 
@@ -121,43 +122,36 @@ class FleetGateway:
     every call may send ``max_body``. ``transport`` replaces the network in tests.
     """
 
-    def __init__(
-        self,
-        upstream: str,
-        *,
-        verify: ssl.SSLContext | bool = True,
-        max_body: int = MAX_BODY_BYTES,
-        site_keys: SiteKeys | None = None,
-        max_unsigned_body: int = MAX_UNSIGNED_BODY_BYTES,
-        timeout: float = UPSTREAM_TIMEOUT_S,
-        idle_timeout: float = IDLE_TIMEOUT_S,
-        unsigned_body_timeout: float = UNSIGNED_BODY_TIMEOUT_S,
-        scheme: str = "https",
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self.upstream = upstream.rstrip("/")
-        self.max_body = max_body
-        self.site_keys = site_keys
-        self.max_unsigned_body = max_unsigned_body
-        self.idle_timeout = idle_timeout
-        self.unsigned_body_timeout = unsigned_body_timeout
-        self.scheme = scheme
-        self._client_options: dict[str, Any] = {
-            "verify": verify,
-            "timeout": httpx.Timeout(timeout, connect=10.0),
-            "limits": httpx.Limits(
-                max_connections=UPSTREAM_CONNECTIONS, max_keepalive_connections=32
-            ),
-            "transport": transport,
-            "follow_redirects": False,
-            "trust_env": False,  # never route the SuperLink's traffic through a proxy
-        }
-        self._client: httpx.AsyncClient | None = None
+    upstream: str
+    _: KW_ONLY
+    verify: ssl.SSLContext | bool = True
+    max_body: int = MAX_BODY_BYTES
+    site_keys: SiteKeys | None = None
+    max_unsigned_body: int = MAX_UNSIGNED_BODY_BYTES
+    timeout: float = UPSTREAM_TIMEOUT_S
+    idle_timeout: float = IDLE_TIMEOUT_S
+    unsigned_body_timeout: float = UNSIGNED_BODY_TIMEOUT_S
+    scheme: str = "https"
+    transport: httpx.AsyncBaseTransport | None = None
+    _client: httpx.AsyncClient | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.upstream = self.upstream.rstrip("/")
 
     @property
     def client(self) -> httpx.AsyncClient:
+        """The pool of connections to the upstream, opened on first use."""
         if self._client is None:
-            self._client = httpx.AsyncClient(**self._client_options)
+            self._client = httpx.AsyncClient(
+                verify=self.verify,
+                timeout=httpx.Timeout(self.timeout, connect=10.0),
+                limits=httpx.Limits(
+                    max_connections=UPSTREAM_CONNECTIONS, max_keepalive_connections=32
+                ),
+                transport=self.transport,
+                follow_redirects=False,
+                trust_env=False,  # never route the SuperLink's traffic through a proxy
+            )
         return self._client
 
     async def aclose(self) -> None:
