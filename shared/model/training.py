@@ -38,6 +38,7 @@ from starfed.shared.model.losses import (
 from starfed.shared.model.replay import (
     SCHEDULES,
     ReplayConfig,
+    ReplayProblem,
     ReplaySchedule,
     ReplayWork,
     first_level_replay_loss,
@@ -202,10 +203,10 @@ def replay1(
         replay = config.replay_config(
             config.replay1_epochs, config.replay1_lr, config.replay1_steps, task
         )
-        work = SCHEDULES[replay.schedule](
-            list(bank["clip_mixture"]), replay, [prompts], loss_fn, generator, "replay: prompts",
-            progress,
-        )  # fmt: skip
+        problem = ReplayProblem(
+            list(bank["clip_mixture"]), [prompts], loss_fn, generator, "replay: prompts", progress
+        )
+        work = SCHEDULES[replay.schedule](problem, replay)
         bank.set_rows("prompt", n_past, prompts)
     with torch.no_grad():
         bank.set_rows("key", n_past, model.compute_keys(bank["prompt"][rows], rows))
@@ -346,10 +347,10 @@ def replay2(
         return head_replay_loss(features, labels, weight, bias)
 
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].server_stream)
-    work = SCHEDULES[replay.schedule](
-        list(bank["vit_mixture"]), replay, [weight, bias], loss_fn, generator, "replay: head",
-        progress,
-    )  # fmt: skip
+    problem = ReplayProblem(
+        list(bank["vit_mixture"]), [weight, bias], loss_fn, generator, "replay: head", progress
+    )
+    work = SCHEDULES[replay.schedule](problem, replay)
     bank["aligned_head_weight"], bank["aligned_head_bias"] = weight.detach(), bias.detach()
     return work
 
