@@ -114,8 +114,9 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.
 class TaskTraining:
     """What every site step of one task is given: the model whose current rows (``n_past:``)
     it trains, the bank row of each of the task's images (``labels``), the settings, the task
-    and round that key the step's random stream (``phase_generator``), and the progress line.
-    Built once per round by its caller (the site's handlers, ``learn_task``)."""
+    and round that key the step's random stream (``phase_generator``; the statistics steps
+    have one round), and the progress line. Built by the caller: a site's handler per phase,
+    ``learn_task`` once a task."""
 
     model: StarPrompt
     labels: torch.Tensor
