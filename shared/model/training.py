@@ -313,8 +313,8 @@ def stage2_stats(
 
     ``per_image`` (a private site): each image's view is drawn from the phase's seed and the
     image itself (``augment_each``), so removing an image moves no other image's features and
-    no other class's H_c; otherwise the views are drawn in chunks from the phase's stream (one
-    a task: the statistics steps have one round).
+    no other class's H_c; otherwise the views are drawn in chunks from the phase's stream (of
+    round 0: the statistics steps have one round).
     """
     generator = phase_generator(on.config.seed, on.task, SPECS[Phase.STAGE2_STATS].site_stream)
     if per_image:
