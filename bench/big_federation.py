@@ -6,7 +6,8 @@ process where a user would start one:
 
 * ``starfed server status --json``, ``check``, ``check --deep``, ``repair --dry-run``: wall and
   own CPU time, with the 1-minute load (the machine may be shared);
-* the dashboard's ``/api/state`` (``status.read`` + ``dashboard.build_state``, as the handler);
+* the dashboard's ``/api/state`` (``status.read`` + ``dashboard_state.build_state``, as the
+  handler);
 * ``starfed server export`` and loading the exported codebook as ``predict`` does
   (``wire.read_file`` + the class bank);
 * the throughput of each stdlib hash over the largest store file (``--views hashes``);
@@ -41,38 +42,23 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from codebooks import changed_fields, full_entry  # no pytest: tests/codebooks.py says why
+
 from starfed.server.federation import COMPLETED, Federation
 from starfed.server.folder_files import HISTORY_FILE
 from starfed.server.records import Position, StepRecord
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.framing import CODEBOOK_MAGIC, frame
 from starfed.shared.codebook.mixture import GaussianMixture
-from starfed.shared.codebook.schema import FIELDS, TENSORS, Kind, ModelDims
+from starfed.shared.codebook.schema import TENSORS, ModelDims
 from starfed.shared.files import write_atomic
 
 PAPER_DIMS = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
 FINGERPRINT = "be" * 32
 CHUNK = 250  # classes encoded at a time
 COMPARE_UP_TO = 1000  # the layout before writes ~16 codebooks a step: 32 GB at 10,000 classes
-
-
-def entry(
-    name: str, generator: torch.Generator, version: int, dims: ModelDims = PAPER_DIMS
-) -> ClassEntry:
-    """One finished class with every field at ``dims`` (the paper's)."""
-    values = {}
-    for f in FIELDS:
-        shape = f.shape(dims)
-        if f.kind is Kind.TENSOR:
-            values[f.name] = torch.randn(shape, generator=generator)
-        else:
-            means = torch.randn((5, *shape), generator=generator, dtype=torch.float64)
-            weights = torch.full((5,), 0.2, dtype=torch.float64)
-            values[f.name] = GaussianMixture(weights, means, means.abs() + 0.1, 40)
-    stamps = dict.fromkeys(values, version)
-    return ClassEntry(name, 40, values, version, True, stamps)
 
 
 def build(
@@ -100,7 +86,10 @@ def build(
         file.write(b"\0" * 48)  # the frame's header, written last
         digest, length = hashlib.sha256(), 0
         for start in range(0, n, CHUNK):
-            chunk = [entry(name, generator, 1, dims) for name in names[start : start + CHUNK]]
+            chunk = [
+                full_entry(name, dims, generator, version=1)
+                for name in names[start : start + CHUNK]
+            ]
             part = wire.encode(replace(head, entries={e.name: e for e in chunk}))
             digest.update(part)
             length += len(part)
@@ -162,11 +151,11 @@ def python(code: str, timeout: float, env: dict | None = None) -> dict:
 API_STATE = """
 import json, time
 from pathlib import Path
-from starfed.server.ops import dashboard, status
+from starfed.server.ops import dashboard_state, status
 from starfed.server.ops.layout import ServerFolder
 t = time.perf_counter()
 folder = ServerFolder.at({server!r})
-state = dashboard.build_state(status.read(folder, folder.federation), folder, [], [])
+state = dashboard_state.build_state(status.read(folder, folder.federation), folder, [], [])
 body = json.dumps(state.to_json())
 print(json.dumps({{"in_process_s": round(time.perf_counter() - t, 2), "bytes": len(body)}}))
 """
@@ -217,7 +206,7 @@ def synthetic_step(folder: Path, new: int = 4) -> dict:
     names = [f"new {i}" for i in range(new)]
     federation.register(names, step, {})
     federation.begin_step(start)
-    fresh = [replace(entry(n, generator, 0), frozen=False) for n in names]
+    fresh = [replace(full_entry(n, PAPER_DIMS, generator), frozen=False) for n in names]
     untrained = [replace(e, values={f: v for f, v in e.values.items() if f in TENSORS})
                  for e in fresh]  # fmt: skip
     codebook = codebook.register(untrained)
@@ -249,7 +238,7 @@ def synthetic_step(folder: Path, new: int = 4) -> dict:
                         codebook_version=codebook.version)  # fmt: skip
     federation.end_step(record, codebook, keep_steps=10)
     step_written = wchar() - written
-    changed = _changed_bytes(start, codebook)
+    changed = len(wire.encode(changed_fields(start, codebook)))
     return {
         "load_s": round(loaded_s, 2),
         "step_s": round(time.perf_counter() - t0, 2),
@@ -265,18 +254,6 @@ def _other(value, generator):
         means = torch.randn(value.means.shape, generator=generator, dtype=torch.float64)
         return GaussianMixture(value.weights, means, means.abs() + 0.1, value.count)
     return torch.randn(value.shape, generator=generator)
-
-
-def _changed_bytes(before: Codebook, after: Codebook) -> int:
-    """The encoded size of the entries ``after`` changed, with only the fields it changed."""
-    entries = {}
-    for name, e in after.entries.items():
-        old = before.entries.get(name)
-        if old is not e:
-            fields = {f: v for f, v in e.values.items() if old is None or old.values[f] is not v}
-            entries[name] = replace(e, values=fields, field_versions={})
-    message = wire.to_proto(Codebook(after.fingerprint, after.dims, entries, after.version))
-    return len(message.SerializeToString())
 
 
 VIEWS = ("status", "api_state", "check", "check_deep", "in_process", "repair_dry_run", "export",

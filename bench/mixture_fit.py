@@ -110,14 +110,14 @@ def bench_fits(
 
 def phase_calls(model, features, images, labels, n_past, config, task, fit) -> dict:
     """Each phase of one task step as a call (``learn_task``'s order)."""
-    site = (model, features, labels, n_past, config, task)
+    on = training.TaskTraining(model, labels, n_past, config, task)
     return {
-        "stage1": partial(training.stage1, *site),
-        "stage1_stats": partial(training.stage1_stats, *site, fit),
+        "stage1": partial(training.stage1, on, features),
+        "stage1_stats": partial(training.stage1_stats, on, features, fit),
         "replay1": partial(training.replay1, model, n_past, config, task),
-        "stage2": partial(training.stage2, model, images, *site[2:]),
-        "stage2_stats": partial(training.stage2_stats, model, images, *site[2:], fit),
-        "replay2": partial(training.replay2, model.bank, config, task),
+        "stage2": partial(training.stage2, on, images),
+        "stage2_stats": partial(training.stage2_stats, on, images, fit),
+        "replay2": partial(training.replay2, model.bank, n_past, config, task),
     }
 
 

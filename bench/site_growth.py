@@ -17,7 +17,14 @@ import torch
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, stage1, stage1_stats, stage2, stage2_stats
+from starfed.shared.model.training import (
+    TaskTraining,
+    TrainConfig,
+    stage1,
+    stage1_stats,
+    stage2,
+    stage2_stats,
+)
 
 NEW = 4
 PER_CLASS = 20
@@ -26,11 +33,12 @@ PER_CLASS = 20
 def site_seconds(model: StarPrompt, n_past: int, images, features, config) -> dict:
     """CPU seconds of each of the site's steps on the current classes' images."""
     labels = torch.arange(n_past, n_past + NEW).repeat_interleave(PER_CLASS)
+    on = TaskTraining(model, labels, n_past, config, 1)
     steps = {
-        "stage1": lambda: stage1(model, features, labels, n_past, config, 1),
-        "stage1_stats": lambda: stage1_stats(model, features, labels, n_past, config, 1),
-        "stage2": lambda: stage2(model, images, labels, n_past, config, 1),
-        "stage2_stats": lambda: stage2_stats(model, images, labels, n_past, config, 1),
+        "stage1": lambda: stage1(on, features),
+        "stage1_stats": lambda: stage1_stats(on, features),
+        "stage2": lambda: stage2(on, images),
+        "stage2_stats": lambda: stage2_stats(on, images),
     }
     cpu = {}
     for name, step in steps.items():

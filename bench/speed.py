@@ -170,12 +170,16 @@ class Worker:
     # The units. Each runs the public training / model API the way a site does.
 
     def _train(self, level: int, inputs: Any, labels: Any) -> None:
-        """One stage's training call: ``stage1``/``stage2`` (task 0's random stream) in the
-        b48ceb8+ layout, ``train_first_level``/``train_second_level`` (a generator) before."""
+        """One stage's training call: ``stage1``/``stage2`` (task 0's random stream) given a
+        ``TaskTraining`` today, the same with their arguments one by one in the b48ceb8+
+        layout, ``train_first_level``/``train_second_level`` (a generator) before."""
         training = self.sf["training"]
         if hasattr(training, "stage1"):
             step = training.stage1 if level == 1 else training.stage2
-            step(self.model, inputs, labels, N_PAST, self.config, 0)
+            if hasattr(training, "TaskTraining"):
+                step(training.TaskTraining(self.model, labels, N_PAST, self.config, 0), inputs)
+            else:
+                step(self.model, inputs, labels, N_PAST, self.config, 0)
             return
         step = training.train_first_level if level == 1 else training.train_second_level
         step(self.model, inputs, labels, N_PAST, self.config, self.generator)

@@ -20,7 +20,7 @@ from starfed.shared.data.cropdiseases import SplitCropDiseases, bundled_dataset_
 from starfed.shared.data.images import decode_images
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, stage2
+from starfed.shared.model.training import TaskTraining, TrainConfig, stage2
 from starfed.simulations.train_local import LocalRunOptions, run_local
 
 
@@ -36,10 +36,10 @@ def stage2_throughput(n_images: int, epochs: int, seed: int) -> float:
     row = {label: i for i, label in enumerate(labels)}  # the model's rows of the task's classes
     targets = torch.tensor([row[int(label)] for label in data.labels[:n_images]])
     config = TrainConfig(stage2_epochs=1, seed=seed)
-    stage2(model, images, targets, 0, config, task=0)  # warm-up
+    stage2(TaskTraining(model, targets, 0, config, task=0), images)  # warm-up
     start = time.perf_counter()
     for round_index in range(epochs):
-        stage2(model, images, targets, 0, config, task=0, round_index=round_index)
+        stage2(TaskTraining(model, targets, 0, config, task=0, round_index=round_index), images)
     return epochs * len(targets) / (time.perf_counter() - start)
 
 

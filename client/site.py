@@ -326,29 +326,28 @@ class Site:
 # --- the handlers: each phase's step on the task view, training its model in place --------------
 
 
-def _stage1(view: TaskView, config: TrainConfig) -> None:
-    training.stage1(
-        view.model, view.features, view.labels, view.n_past, config, view.task, view.round_index
+def _training(view: TaskView, config: TrainConfig) -> training.TaskTraining:
+    """What the model's steps are given, from the view of the task."""
+    return training.TaskTraining(
+        view.model, view.labels, view.n_past, config, view.task, view.round_index
     )
+
+
+def _stage1(view: TaskView, config: TrainConfig) -> None:
+    training.stage1(_training(view, config), view.features)
 
 
 def _stage1_stats(view: TaskView, config: TrainConfig, fit: MixtureFit | None = None) -> None:
-    training.stage1_stats(
-        view.model, view.features, view.labels, view.n_past, config, view.task, fit
-    )
+    training.stage1_stats(_training(view, config), view.features, fit)
 
 
 def _stage2(view: TaskView, config: TrainConfig) -> None:
-    training.stage2(
-        view.model, view.images, view.labels, view.n_past, config, view.task, view.round_index
-    )
+    training.stage2(_training(view, config), view.images)
 
 
 def _stage2_stats(view: TaskView, config: TrainConfig, fit: MixtureFit | None = None) -> None:
     per_image = fit is not None  # a private site's fit: views augmented per image
-    training.stage2_stats(
-        view.model, view.images, view.labels, view.n_past, config, view.task, fit, per_image
-    )
+    training.stage2_stats(_training(view, config), view.images, fit, per_image)
 
 
 #: Each phase's step; the statistics steps also take the mixture fit (a private site's own).

@@ -1,13 +1,20 @@
-"""Codebook helpers only tests use: the whole-list merge and a mixture's covariance diagonal.
+"""Codebook helpers for tests and benches: the whole-list merge, a mixture's covariance
+diagonal, random classes at any dims, and what one codebook changed of another.
 
 The server merges a phase one decoded reply at a time (``MergeAccumulator``); tests state the
 merge's rules on a list of updates, and check its invariant (the union's mean and diagonal
 covariance are kept) with the law of total variance.
+
+No pytest here, and nothing but the package's codebook modules: ``bench/big_federation.py``
+imports this module too (it puts ``tests/`` on its path), so the federations it measures are
+built of the same random classes the store tests write, and a step's bytes are bounded by the
+same reckoning of what it changed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
@@ -40,10 +47,10 @@ def covariance_diagonal(mixture: GaussianMixture) -> torch.Tensor:
 
 
 def full_entry(
-    name: str, dims: ModelDims, generator: torch.Generator, components: int = 5
+    name: str, dims: ModelDims, generator: torch.Generator, components: int = 5, version: int = 0
 ) -> ClassEntry:
     """One frozen class with every field at ``dims``, random values (mixtures of equal
-    weights)."""
+    weights); ``version``: the codebook version it and each of its fields carry (0: none)."""
     values = {}
     for f in FIELDS:
         shape = f.shape(dims)
@@ -53,4 +60,18 @@ def full_entry(
             means = torch.randn((components, *shape), generator=generator, dtype=torch.float64)
             weights = torch.full((components,), 1 / components, dtype=torch.float64)
             values[f.name] = GaussianMixture(weights, means, means.abs() + 0.1, 40)
-    return ClassEntry(name, 40, values, frozen=True)
+    stamps = dict.fromkeys(values, version) if version else {}
+    return ClassEntry(name, 40, values, version, frozen=True, field_versions=stamps)
+
+
+def changed_fields(before: Codebook, after: Codebook) -> Codebook:
+    """The entries and fields ``after`` changed of ``before`` (by identity: codebooks share
+    what they do not change), as a codebook: its encoded size is what a checkpoint of
+    ``after`` must write at the least."""
+    entries = {}
+    for name, e in after.entries.items():
+        old = before.entries.get(name)
+        if old is not e:
+            fields = {f: v for f, v in e.values.items() if old is None or old.values[f] is not v}
+            entries[name] = replace(e, values=fields, field_versions={})
+    return Codebook(after.fingerprint, after.dims, entries, after.version)

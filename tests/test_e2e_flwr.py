@@ -19,6 +19,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from process_sampler import ProcessSampler
 
 from starfed.cli import build_parser
 from starfed.cli.simulate import build_overrides
+from starfed.ops.processes import ProcessId
 from starfed.shared.knob import ConfigError
 
 TIMEOUT_S = 170
@@ -36,6 +40,38 @@ SMALL = [
     "--run-config=replay2-epochs-per-task=0", "--run-config=timeout-s=120",
     f"--timeout={TIMEOUT_S - 30}",
 ]  # fmt: skip
+
+
+@dataclass
+class Watched:
+    """A started command, the log of its output, and the sampler that watched it
+    (``leftovers``: what the sampler found still alive when the command's block was left)."""
+
+    proc: subprocess.Popen
+    log: Path
+    sampler: ProcessSampler
+    leftovers: dict[ProcessId, str] = field(default_factory=dict)
+
+
+@contextmanager
+def watched(
+    command: list[str], env: dict[str, str], log: Path, flwr_home: Path
+) -> Iterator[Watched]:
+    """``command`` started in ``log``'s folder, its output in ``log``, while a sampler records
+    every process carrying ``flwr_home``; on leaving the block (even by a failure) the sampler
+    stops and kills what it found alive, which ``leftovers`` then holds."""
+    sampler = ProcessSampler(f"FLWR_HOME={flwr_home}")
+    sampler.start()
+    run = None
+    try:
+        with log.open("wb") as out:
+            proc = subprocess.Popen(command, cwd=log.parent, env=env, stdout=out, stderr=out)
+            run = Watched(proc, log, sampler)
+            yield run
+    finally:
+        leftovers = sampler.stop()
+        if run is not None:
+            run.leftovers = leftovers
 
 
 def _overrides(*argv: str) -> dict:
@@ -82,30 +118,23 @@ def test_flwr_run_end_to_end(tmp_path: Path) -> None:
     flwr_home = results / "e2e" / ".flwr"
     command = [*SMALL, "--clients=3", "--tasks=2", f"--results-dir={results}", "--run-name=e2e"]
     env = dict(os.environ, STARFED_CACHE_DIR=str(tmp_path / "cache"))
-    sampler = ProcessSampler(f"FLWR_HOME={flwr_home}")
-    sampler.start()
-    log = tmp_path / "simulate.log"
-    try:
-        with log.open("wb") as out:
-            proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=out)
-            try:
-                rc = proc.wait(TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                pytest.fail(f"starfed simulate ran past {TIMEOUT_S}s:\n{log.read_text()}")
-    finally:
-        leftovers = sampler.stop()
+    with watched(command, env, tmp_path / "simulate.log", flwr_home) as run:
+        try:
+            rc = run.proc.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            run.proc.kill()
+            run.proc.wait()
+            pytest.fail(f"starfed simulate ran past {TIMEOUT_S}s:\n{run.log.read_text()}")
 
-    output = log.read_text()
+    output = run.log.read_text()
     assert rc == 0, output
     assert "finished:completed" in output, output
     # the ServerApp's own lines, streamed through `flwr log`: the run's progress is seen live
     assert re.search(r"^step 2: \d+ new class(es)? from", output, re.M), output
     assert "the run is over" in output, output
-    assert not leftovers, f"processes left running: {leftovers}"
-    commands = sampler.commands()
-    assert "flower-superlink" in commands and "flwr-simulation" in commands, sampler.seen
+    assert not run.leftovers, f"processes left running: {run.leftovers}"
+    commands = run.sampler.commands()
+    assert "flower-superlink" in commands and "flwr-simulation" in commands, run.sampler.seen
 
     metrics = json.loads((results / "e2e" / "metrics.json").read_text())
     matrix = metrics["accuracy_matrix"]
@@ -129,30 +158,23 @@ def test_ctrl_c_stops_the_run_and_marks_its_folder(tmp_path: Path) -> None:
     command = [*SMALL, "--clients=2", "--tasks=10", f"--results-dir={results}",
                "--run-name=stopped"]  # fmt: skip
     env = dict(os.environ, STARFED_CACHE_DIR=str(tmp_path / "cache"))
-    sampler = ProcessSampler(f"FLWR_HOME={run_dir / '.flwr'}")
-    sampler.start()
-    log = tmp_path / "simulate.log"
-    try:
-        with log.open("wb") as out:
-            proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=out)
-            deadline = time.monotonic() + TIMEOUT_S
-            history = run_dir / "history.jsonl"
-            while not (history.is_file() and history.read_text().strip()):  # step 1 is done
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    pytest.fail(f"no first step:\n{log.read_text()}")
-                time.sleep(0.5)
-            proc.send_signal(signal.SIGINT)
-            started = time.monotonic()
-            rc = proc.wait(90)
-            stop_s = time.monotonic() - started
-    finally:
-        leftovers = sampler.stop()
+    with watched(command, env, tmp_path / "simulate.log", run_dir / ".flwr") as run:
+        deadline = time.monotonic() + TIMEOUT_S
+        history = run_dir / "history.jsonl"
+        while not (history.is_file() and history.read_text().strip()):  # step 1 is done
+            if run.proc.poll() is not None or time.monotonic() > deadline:
+                run.proc.kill()
+                pytest.fail(f"no first step:\n{run.log.read_text()}")
+            time.sleep(0.5)
+        run.proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        rc = run.proc.wait(90)
+        stop_s = time.monotonic() - started
 
-    output = log.read_text()
+    output = run.log.read_text()
     assert rc == 130, output
     assert stop_s < 60, output
-    assert not leftovers, f"processes left running: {leftovers}"
+    assert not run.leftovers, f"processes left running: {run.leftovers}"
     marker = json.loads((run_dir / "interrupted.json").read_text())
     assert marker["run_id"] is not None and marker["position"]["step"] >= 1, marker
     assert marker["codebook_version"] > 0

@@ -12,24 +12,16 @@ from dataclasses import replace
 import pytest
 import torch
 from rich.console import Console
+from small_training import small_train
 
 from starfed.client.app import app as client_app
 from starfed.server.app import run_server
 from starfed.shared.codebook import schema, wire
-from starfed.shared.model.training import TrainConfig
 from starfed.simulations.local_grid import LocalGrid
 from starfed.simulations.simulated_sites import SimulatedSites
 from starfed.simulations.train_local import LocalRunOptions, run_local
 
-TRAIN = TrainConfig(
-    stage1_epochs=2,
-    stage2_epochs=2,
-    replay1_epochs=2,
-    replay2_epochs=1,
-    replay2_epochs_per_task=1,
-    batch_size=64,
-    seed=1996,
-)
+TRAIN = small_train(stage1_epochs=2, stage2_epochs=2, replay1_epochs=2, batch_size=64, seed=1996)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ def stage2_rows(backbones, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict
     images = torch.randint(0, 256, (8, 3, 64, 64), generator=g).to(torch.uint8)
     labels = torch.arange(2).repeat_interleave(4)
     config = training.TrainConfig(stage2_epochs=1, batch_size=4, seed=0)
-    training.stage2(model, images, labels, 0, config, task=0)
+    training.stage2(training.TaskTraining(model, labels, 0, config, task=0), images)
     return {name: model.bank[name].clone() for name in schema.trained_in(Phase.STAGE2)}
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from small_training import small_train
 
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.mixture import GaussianMixture
@@ -19,17 +20,10 @@ from starfed.shared.model.backbones import (
 )
 from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
-from starfed.shared.model.training import TrainConfig, learn_task
+from starfed.shared.model.training import learn_task
 
-FAST = TrainConfig(
-    stage1_epochs=1,
-    stage2_epochs=1,
-    replay1_epochs=1,
-    replay2_epochs=1,
-    replay2_epochs_per_task=1,
-    replay_samples=16,
-    batch_size=8,
-    mixture_components=2,
+FAST = small_train(
+    stage1_epochs=1, stage2_epochs=1, replay_samples=16, batch_size=8, mixture_components=2
 )
 
 

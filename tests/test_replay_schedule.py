@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from small_training import small_train
 
 from starfed.shared.codebook.mixture import GaussianMixture, MixtureStack
 from starfed.shared.model.backbones import create_backbones
@@ -18,10 +19,7 @@ from starfed.shared.model.training import TrainConfig, replay1, replay2
 
 NEW_PER_STEP = 4
 BUDGET1, BUDGET2 = 5, 12
-BOUNDED = TrainConfig(
-    replay1_epochs=1,
-    replay2_epochs=1,
-    replay2_epochs_per_task=1,
+BOUNDED = small_train(
     replay_samples=16,
     replay_batch_size=8,
     replay_schedule=ReplaySchedule.BOUNDED,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from codebooks import full_entry
+from codebooks import changed_fields, full_entry
 
 from starfed.cli import main as cli_main
 from starfed.server import folder_check, folder_repair
@@ -102,24 +102,13 @@ def test_a_checkpoint_writes_what_changed_not_the_codebook(tmp_path: Path, gener
     for change in steps:
         before_bytes, before = store_bytes(root), codebook
         codebook = federation.checkpoint(change(codebook), Position(0))
-        changed = len(wire.encode(_changed(before, codebook)))
+        changed = len(wire.encode(changed_fields(before, codebook)))
         written = store_bytes(root) - before_bytes + (root / CODEBOOK_FILE).stat().st_size
         assert written <= 2 * changed + 4096, (written, changed)
         assert written < whole / 4, (written, whole)
         back = Federation.open(root).codebook()
         assert equal(back, codebook)
     assert checked(federation, codebook) == []
-
-
-def _changed(before: Codebook, after: Codebook) -> Codebook:
-    """The entries and fields ``after`` changed, as a codebook (for their encoded size)."""
-    entries = {}
-    for name, e in after.entries.items():
-        old = before.entries.get(name)
-        if old is not e:
-            fields = {f: v for f, v in e.values.items() if old is None or old.values[f] is not v}
-            entries[name] = replace(e, values=fields, field_versions={})
-    return Codebook(after.fingerprint, after.dims, entries, after.version)
 
 
 def test_a_record_no_manifest_names_is_never_read(tmp_path: Path, generator) -> None:

@@ -78,6 +78,24 @@ class ReplayWork:
     samples: int
 
 
+@dataclass(frozen=True)
+class ReplayProblem:
+    """What a replay trains, whichever its schedule: ``params``, by ``loss_fn`` on batches of
+    features sampled from every seen class's mixture (``mixtures``, in row order), drawn from
+    ``generator``; ``description`` names it on the ``progress`` line."""
+
+    mixtures: list[GaussianMixture]
+    params: list[torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    generator: torch.Generator
+    description: str
+    progress: Progress | None = None
+
+    def optimizer(self, lr: float) -> torch.optim.SGD:
+        """The reference's replay optimizer: SGD, no momentum, no weight decay."""
+        return torch.optim.SGD(self.params, lr=lr, momentum=0.0, weight_decay=0.0)
+
+
 def first_level_replay_loss(
     encoder: TextKeyEncoder,
     features: torch.Tensor,
@@ -100,26 +118,21 @@ def head_replay_loss(
     return F.cross_entropy(logit_norm(F.linear(features, weight, bias)), labels)
 
 
-def replay_epochs(
-    mixtures: list[GaussianMixture],
-    config: ReplayConfig,
-    params: list[torch.Tensor],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    generator: torch.Generator,
-    description: str,
-    progress: Progress | None,
-) -> ReplayWork:
-    """SGD (no momentum, no weight decay) over freshly sampled features each epoch."""
-    optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0.0, weight_decay=0.0)
+def replay_epochs(problem: ReplayProblem, config: ReplayConfig) -> ReplayWork:
+    """SGD (``problem.optimizer``) over freshly sampled features each epoch."""
+    params, generator = problem.params, problem.generator
+    optimizer = problem.optimizer(config.lr)
     work = ReplayWork(0, 0)
-    with progress_task(progress, description, config.epochs) as advance:
+    with progress_task(problem.progress, problem.description, config.epochs) as advance:
         for _ in range(config.epochs):
-            features, labels = sample_replay_features(mixtures, config.samples_per_class, generator)
+            features, labels = sample_replay_features(
+                problem.mixtures, config.samples_per_class, generator
+            )
             features, labels = features.to(params[0].device), labels.to(params[0].device)
             order = torch.randperm(len(labels), generator=generator)
             for batch in order.split(config.batch_size):
                 optimizer.zero_grad(set_to_none=True)
-                loss_fn(features[batch], labels[batch]).backward()
+                problem.loss_fn(features[batch], labels[batch]).backward()
                 optimizer.step()
                 work = ReplayWork(work.steps + 1, work.samples + len(batch))
             advance()
@@ -147,33 +160,25 @@ def device_generator(generator: torch.Generator, device: torch.device) -> torch.
     return torch.Generator(device).manual_seed(seed)
 
 
-def replay_steps(
-    mixtures: list[GaussianMixture],
-    config: ReplayConfig,
-    params: list[torch.Tensor],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    generator: torch.Generator,
-    description: str,
-    progress: Progress | None,
-) -> ReplayWork:
+def replay_steps(problem: ReplayProblem, config: ReplayConfig) -> ReplayWork:
     """The bounded schedule: SGD (as ``replay_epochs``) for ``config.steps`` steps, each
     on a batch of balanced labels whose features are drawn just for them, on the params' device.
     Work: O(steps · batch · C) for the logits, independent of t."""
-    device = params[0].device
-    stack = MixtureStack.of(mixtures, device)
-    draw = device_generator(generator, device)
-    optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0.0, weight_decay=0.0)
+    device = problem.params[0].device
+    stack = MixtureStack.of(problem.mixtures, device)
+    draw = device_generator(problem.generator, device)
+    optimizer = problem.optimizer(config.lr)
     steps = config.steps
-    labels = balanced_labels(len(stack), config.batch_size, generator)
-    with progress_task(progress, description, steps) as advance:
+    labels = balanced_labels(len(stack), config.batch_size, problem.generator)
+    with progress_task(problem.progress, problem.description, steps) as advance:
         for _ in range(steps):
             batch = next(labels).to(device)
             optimizer.zero_grad(set_to_none=True)
-            loss_fn(stack.sample(batch, draw), batch).backward()
+            problem.loss_fn(stack.sample(batch, draw), batch).backward()
             optimizer.step()
             advance()
     return ReplayWork(steps, steps * config.batch_size)
 
 
-#: Each schedule's loop, by the knob's value: the same arguments, the same objective.
+#: Each schedule's loop, by the knob's value: the same problem, the same objective.
 SCHEDULES = {ReplaySchedule.REFERENCE: replay_epochs, ReplaySchedule.BOUNDED: replay_steps}

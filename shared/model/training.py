@@ -38,6 +38,7 @@ from starfed.shared.model.losses import (
 from starfed.shared.model.replay import (
     SCHEDULES,
     ReplayConfig,
+    ReplayProblem,
     ReplaySchedule,
     ReplayWork,
     first_level_replay_loss,
@@ -109,36 +110,75 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.
     return list(torch.randperm(n, generator=generator).split(batch_size))
 
 
-def stage1(
-    model: StarPrompt,
-    image_features: torch.Tensor,
-    labels: torch.Tensor,
-    n_past: int,
-    config: TrainConfig,
-    task: int,
-    round_index: int = 0,
-    progress: Progress | None = None,
-) -> None:
+@dataclass(frozen=True)
+class TaskTraining:
+    """What every site step of one task is given: the model whose current rows (``n_past:``)
+    it trains, the bank row of each of the task's images (``labels``), the settings, the task
+    and round that key the step's random stream (``phase_generator``; the statistics steps
+    have one round), and the progress line. Built by the caller: a site's handler per phase,
+    ``learn_task`` once a task."""
+
+    model: StarPrompt
+    labels: torch.Tensor
+    n_past: int
+    config: TrainConfig
+    task: int
+    round_index: int = 0
+    progress: Progress | None = None
+
+    def generator(self, phase: Phase) -> torch.Generator:
+        """``phase``'s site stream in this task and round."""
+        stream = SPECS[phase].site_stream
+        return phase_generator(self.config.seed, self.task, stream, self.round_index)
+
+    def with_labels(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``inputs`` (the task's images or their features) and the labels, where the model
+        computes."""
+        return inputs.to(self.model.device), self.labels.to(self.model.device)
+
+    def train(
+        self,
+        epochs: int,
+        generator: torch.Generator,
+        optimizer: torch.optim.Optimizer,
+        loss_of: Callable[[torch.Tensor], torch.Tensor],
+        description: str,
+        after_epoch: Callable[[], object] | None = None,
+    ) -> None:
+        """``epochs`` passes over the task's images, each in batches of a fresh permutation
+        drawn from ``generator``: one optimizer step per batch on ``loss_of(batch)`` (the
+        batch's image indices), the progress line advanced per batch; ``after_epoch``: called
+        after each pass (stage 2's schedule)."""
+        n, size = len(self.labels), self.config.batch_size
+        with progress_task(self.progress, description, epochs * -(-n // size)) as advance:
+            for _ in range(epochs):
+                for batch in _batches(n, size, generator):
+                    loss = loss_of(batch)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    advance()
+                if after_epoch is not None:
+                    after_epoch()
+
+
+def stage1(on: TaskTraining, image_features: torch.Tensor) -> None:
     """Fit the current prompts p_c with CE (past masked) + λ₁·L_OP."""
-    generator = phase_generator(config.seed, task, SPECS[Phase.STAGE1].site_stream, round_index)
-    image_features, labels = image_features.to(model.device), labels.to(model.device)
+    model, n_past, config = on.model, on.n_past, on.config
+    generator = on.generator(Phase.STAGE1)
+    image_features, labels = on.with_labels(image_features)
     bank, rows = model.bank, slice(n_past, len(model))
     prompts = bank["prompt"][rows].clone().requires_grad_(True)
     past_keys, past_prompts = bank["key"][:n_past], bank["prompt"][:n_past]
     optimizer = torch.optim.SGD([prompts], lr=config.stage1_lr, momentum=0.0)
-    batches_per_epoch = -(-len(labels) // config.batch_size)
-    total = config.stage1_epochs * batches_per_epoch
-    with progress_task(progress, "stage 1: prompts", total) as advance:
-        for _ in range(config.stage1_epochs):
-            for batch in _batches(len(labels), config.batch_size, generator):
-                keys = torch.cat([past_keys, model.compute_keys(prompts, rows)])
-                logits = first_level_logits(image_features[batch], keys, model.encoder.logit_scale)
-                loss = masked_cross_entropy(logits, labels[batch], n_past)
-                loss = loss + config.lambda_op * prompt_orthogonality_loss(prompts, past_prompts)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                advance()
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        keys = torch.cat([past_keys, model.compute_keys(prompts, rows)])
+        logits = first_level_logits(image_features[batch], keys, model.encoder.logit_scale)
+        loss = masked_cross_entropy(logits, labels[batch], n_past)
+        return loss + config.lambda_op * prompt_orthogonality_loss(prompts, past_prompts)
+
+    on.train(config.stage1_epochs, generator, optimizer, loss_of, "stage 1: prompts")
     bank.set_rows("prompt", n_past, prompts)
 
 
@@ -202,29 +242,21 @@ def replay1(
         replay = config.replay_config(
             config.replay1_epochs, config.replay1_lr, config.replay1_steps, task
         )
-        work = SCHEDULES[replay.schedule](
-            list(bank["clip_mixture"]), replay, [prompts], loss_fn, generator, "replay: prompts",
-            progress,
-        )  # fmt: skip
+        problem = ReplayProblem(
+            list(bank["clip_mixture"]), [prompts], loss_fn, generator, "replay: prompts", progress
+        )
+        work = SCHEDULES[replay.schedule](problem, replay)
         bank.set_rows("prompt", n_past, prompts)
     with torch.no_grad():
         bank.set_rows("key", n_past, model.compute_keys(bank["prompt"][rows], rows))
     return work
 
 
-def stage2(
-    model: StarPrompt,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    n_past: int,
-    config: TrainConfig,
-    task: int,
-    round_index: int = 0,
-    progress: Progress | None = None,
-) -> None:
+def stage2(on: TaskTraining, images: torch.Tensor) -> None:
     """Fit the current A_c, Q_c and head rows with CE (past masked) + λ₂·L_OQ."""
-    generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2].site_stream, round_index)
-    images, labels = images.to(model.device), labels.to(model.device)
+    model, n_past, config = on.model, on.n_past, on.config
+    generator = on.generator(Phase.STAGE2)
+    images, labels = on.with_labels(images)
     bank, views = model.bank, Views.of(model.backbones)
     current = {  # the fields stage 2 trains, as the schema lists them
         name: bank[name][n_past:].clone().requires_grad_(True)
@@ -233,80 +265,64 @@ def stage2(
     past = {name: bank[name][:n_past] for name in current}
     optimizer = torch.optim.Adam(current.values(), lr=config.stage2_lr, fused=FUSED_ADAM or None)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.stage2_epochs)
-    batches_per_epoch = -(-len(labels) // config.batch_size)
 
     def seen(name: str) -> torch.Tensor:
         return torch.cat([past[name], current[name]])
 
-    total = config.stage2_epochs * batches_per_epoch
-    with progress_task(progress, "stage 2: residual prompts", total) as advance:
-        for _ in range(config.stage2_epochs):
-            for batch in _batches(len(labels), config.batch_size, generator):
-                vit_in, clip_in = views.pair(augment(images[batch], generator))
-                z = model.backbones.clip_image_features(clip_in)
-                out = model.second_level(vit_in, z, seen("query_weight"), seen("query_prompt"))
-                logits = F.linear(out.features, seen("head_weight"), seen("head_bias"))
-                loss = masked_cross_entropy(logits, labels[batch], n_past)
-                loss = loss + config.lambda_oq * query_orthogonality_loss(
-                    current["query_prompt"], past["query_prompt"]
-                )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                advance()
-            scheduler.step()
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        vit_in, clip_in = views.pair(augment(images[batch], generator))
+        z = model.backbones.clip_image_features(clip_in)
+        out = model.second_level(vit_in, z, seen("query_weight"), seen("query_prompt"))
+        logits = F.linear(out.features, seen("head_weight"), seen("head_bias"))
+        loss = masked_cross_entropy(logits, labels[batch], n_past)
+        return loss + config.lambda_oq * query_orthogonality_loss(
+            current["query_prompt"], past["query_prompt"]
+        )
+
+    description = "stage 2: residual prompts"
+    on.train(config.stage2_epochs, generator, optimizer, loss_of, description, scheduler.step)
     for name, value in current.items():
         bank.set_rows(name, n_past, value)
 
 
+def _fit_current(
+    on: TaskTraining, field_name: str, features: torch.Tensor, fit: MixtureFit | None
+) -> None:
+    """``field_name``'s mixtures of the current classes fitted on ``features`` (``fit``: the
+    device's, ``mixture_fit_for``, unless given), one k-means seed per task."""
+    fit = fit or mixture_fit_for(on.model.device)
+    rows = range(on.n_past, len(on.model))
+    seed = mixture_seed(on.config.seed, on.task)
+    mixtures = fit(features, on.labels, rows, on.config.mixture_components, seed)
+    on.model.bank.set_rows(field_name, on.n_past, mixtures)
+
+
 def stage1_stats(
-    model: StarPrompt,
-    image_features: torch.Tensor,
-    labels: torch.Tensor,
-    n_past: int,
-    config: TrainConfig,
-    task: int,
-    fit: MixtureFit | None = None,
+    on: TaskTraining, image_features: torch.Tensor, fit: MixtureFit | None = None
 ) -> None:
     """Fit G_c of the current classes on their (un-augmented) CLIP features (``fit``: the
     device's, ``mixture_fit_for``, unless given)."""
-    rows = range(n_past, len(model))
-    fit = fit or mixture_fit_for(model.device)
-    mixtures = fit(
-        image_features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
-    )
-    model.bank.set_rows("clip_mixture", n_past, mixtures)
+    _fit_current(on, "clip_mixture", image_features, fit)
 
 
 def stage2_stats(
-    model: StarPrompt,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    n_past: int,
-    config: TrainConfig,
-    task: int,
-    fit: MixtureFit | None = None,
-    per_image: bool = False,
+    on: TaskTraining, images: torch.Tensor, fit: MixtureFit | None = None, per_image: bool = False
 ) -> None:
     """Fit H_c of the current classes on prompted CLS features of augmented views (``fit``:
     the device's, ``mixture_fit_for``, unless given).
 
     ``per_image`` (a private site): each image's view is drawn from the phase's seed and the
     image itself (``augment_each``), so removing an image moves no other image's features and
-    no other class's H_c; otherwise the views are drawn in chunks from the phase's stream.
+    no other class's H_c; otherwise the views are drawn in chunks from the phase's stream (of
+    round 0: the statistics steps have one round).
     """
-    generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].site_stream)
+    generator = phase_generator(on.config.seed, on.task, SPECS[Phase.STAGE2_STATS].site_stream)
     if per_image:
         seed = int(torch.randint(2**62, (1,), generator=generator))
-        features = vit_features(model, images, lambda chunk: augment_each(chunk, seed))
+        features = vit_features(on.model, images, lambda chunk: augment_each(chunk, seed))
     else:
-        features = vit_features(model, images, lambda chunk: augment(chunk, generator))
-    rows = range(n_past, len(model))
-    fit = fit or mixture_fit_for(model.device)
-    mixtures = fit(
-        features, labels, rows, config.mixture_components, mixture_seed(config.seed, task)
-    )
-    model.bank.set_rows("vit_mixture", n_past, mixtures)
+        features = vit_features(on.model, images, lambda chunk: augment(chunk, generator))
+    _fit_current(on, "vit_mixture", features, fit)
 
 
 def head_start(
@@ -346,10 +362,10 @@ def replay2(
         return head_replay_loss(features, labels, weight, bias)
 
     generator = phase_generator(config.seed, task, SPECS[Phase.STAGE2_STATS].server_stream)
-    work = SCHEDULES[replay.schedule](
-        list(bank["vit_mixture"]), replay, [weight, bias], loss_fn, generator, "replay: head",
-        progress,
-    )  # fmt: skip
+    problem = ReplayProblem(
+        list(bank["vit_mixture"]), [weight, bias], loss_fn, generator, "replay: head", progress
+    )
+    work = SCHEDULES[replay.schedule](problem, replay)
     bank["aligned_head_weight"], bank["aligned_head_bias"] = weight.detach(), bias.detach()
     return work
 
@@ -370,11 +386,12 @@ def learn_task(
     replay. ``labels`` are bank rows in ``[n_past, len(model))``; ``image_features`` are the
     cached CLIP features of the un-augmented ``images``.
     """
-    stage1(model, image_features, labels, n_past, config, task, progress=progress)
-    stage1_stats(model, image_features, labels, n_past, config, task)
+    on = TaskTraining(model, labels, n_past, config, task, progress=progress)
+    stage1(on, image_features)
+    stage1_stats(on, image_features)
     replay1(model, n_past, config, task, progress)
-    stage2(model, images, labels, n_past, config, task, progress=progress)
-    stage2_stats(model, images, labels, n_past, config, task)
+    stage2(on, images)
+    stage2_stats(on, images)
     replay2(model.bank, n_past, config, task, progress)
     add_counts(model, labels, n_past)
 
