@@ -217,7 +217,9 @@ def run_config(
     win), checked as a whole. Returns every typed value, and the ones to send — those set plus
     ``always`` — with paths made absolute (the apps run in another process's folder)."""
     named, _, names = given(args, flags)
-    overrides = retired_names.current_keys(run_config_pairs(args.run_config)) | named
+    pairs = run_config_pairs(args.run_config)
+    names = retired_names.written_as(pairs) | names
+    overrides = retired_names.current_keys(pairs) | named
     values = parse(overrides, "run-config", names)
     sent = {key: values[key] for key in [*overrides, *always]}
     for key, value in sent.items():

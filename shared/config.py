@@ -45,7 +45,7 @@ from starfed.shared.knob import (
     show,
 )
 from starfed.shared.model.backbone_config import PRESETS, read_backbone_config
-from starfed.shared.retired_names import current_keys
+from starfed.shared.retired_names import current_keys, written_as
 
 WIRE_DTYPES = ("float32", "float16")
 REPLAY_SCHEDULES = ("reference", "bounded", "auto")  # shared/model/replay.py: ReplaySchedule
@@ -282,6 +282,7 @@ def parse(
     """
     knobs = tables[table]
     if table == "run-config":
+        names = {**written_as(raw), **(names or {})}
         raw = current_keys(raw)
     unknown = [key for key in raw if key not in knobs]
     if unknown:

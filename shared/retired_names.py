@@ -38,3 +38,9 @@ def current_keys(raw: Mapping[str, V], quiet: bool = False) -> dict[str, V]:
         if old in raw and not quiet:
             note(old, new)
     return {RUN_CONFIG.get(key, key): value for key, value in raw.items()}
+
+
+def written_as(raw: Mapping[str, object]) -> dict[str, str]:
+    """Current key -> the retired key ``raw`` sets it by: a bad value's message names what the
+    user wrote (``num-clients=0: ...``)."""
+    return {new: old for old, new in RUN_CONFIG.items() if old in raw}

@@ -207,6 +207,9 @@ def test_a_retired_key_is_read_as_its_new_name_with_a_note(capsys) -> None:
     assert capsys.readouterr().err == (
         "starfed: num-clients is deprecated, use num-sites (same meaning)\n"
     )
+    with pytest.raises(ConfigError, match=r"^num-clients=0: expected an integer >= 1$"):
+        parse({"num-clients": 0})  # what the user wrote
+    capsys.readouterr()
     with pytest.raises(ConfigError) as err:
         parse({"num-sites": 2, "num-clients": 2})
     assert (
