@@ -2,14 +2,14 @@
 
 Deployed: ``starfed server start`` and two ``starfed site start`` SuperNodes on 127.0.0.1, as
 an operator runs them (tests/deployed.py does the same for the end-to-end tests); each step is
-one ``starfed server round`` in which both sites bring a task of one class (all its bundled
+one ``starfed server run`` in which both sites bring a task of one class (all its bundled
 images: 80 training, 20 test). Simulated: ``starfed simulate`` with Flower (SuperLink, Ray),
-two clients, two classes per task split between them — as many classes and images per step.
+two simulated sites, two classes per task split between them — as many classes and images per step.
 One epoch everywhere. The step's seconds are the server's own (``wall_s`` and per phase,
 ``phase_seconds``, in the federation's ``history.jsonl``); a step is warm from the second on
 (the first loads backbones, Ray and its actors, the site workers).
 
-(``command_s``: the whole ``starfed server round``, with the run's submission and the
+(``command_s``: the whole ``starfed server run``, with the run's submission and the
 ServerApp's start.) The two alternate — deployed step 1, simulation 1, deployed step 2,
 simulation 2, ... — so the machine's load falls on both alike; the 1-minute load average is
 recorded around each part.
@@ -100,13 +100,13 @@ class Deployment:
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 )  # fmt: skip
 
-    def round(self) -> dict:
+    def run(self) -> dict:
         settings = [f"--run-config={k}={v}" for k, v in RUN_CONFIG.items()]
         started = time.monotonic()
-        code, _ = starfed("server", "round", *settings, "--steps=1", "--min-sites=2",
+        code, _ = starfed("server", "run", *settings, "--steps=1", "--min-sites=2",
                           "--wait-s=300", "--timeout-s=300", "--json", log=self.log)  # fmt: skip
         if code != 0:
-            raise SystemExit(f"server round failed ({code}): {self.log}")
+            raise SystemExit(f"server run failed ({code}): {self.log}")
         row = step_row(history(self.root / "server" / "federation")[-1])
         return {**row, "command_s": round(time.monotonic() - started, 2)}
 
@@ -125,7 +125,7 @@ class Deployment:
 def simulate(root: Path, steps: int, index: int) -> list[dict]:
     """One Flower simulation of ``steps`` steps; its step rows."""
     settings = [f"--run-config={k}={v}" for k, v in RUN_CONFIG.items()]
-    code, _ = starfed("simulate", "--runtime", "flower", "--clients", "2", "--tasks", str(steps),
+    code, _ = starfed("simulate", "--runtime", "flower", "--sites", "2", "--tasks", str(steps),
                       "--classes-per-task", "2", *settings, "--results-dir", str(root / "sim"),
                       "--run-name", f"sim-{index}", log=root / "simulate.log")  # fmt: skip
     if code != 0:
@@ -159,7 +159,7 @@ def main() -> int:
                 for i, site in enumerate(SITES):
                     add_task(root / site, f"task-{step:02d}", classes[2 * step + i])
             before = load()
-            results["deployed"].append(deployment.round())
+            results["deployed"].append(deployment.run())
             results["load"].append(("deployed", step, before, load()))
             print("deployed", results["deployed"][-1], flush=True)
             if step < args.steps - 1:

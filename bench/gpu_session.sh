@@ -48,7 +48,7 @@ for step in $STEPS; do
   s=$(date +%s.%N)
   case $step in
     sim5 | sim20)  # the paper-dims federation on the bundled 7 tasks x 4 classes
-      timeout "$t" $PY -m starfed.cli simulate --runtime local --clients "${step#sim}" \
+      timeout "$t" $PY -m starfed.cli simulate --runtime local --sites "${step#sim}" \
         --results-dir "$R" --run-name "$step" --run-config preset=paper-random \
         --run-config device=cuda ;;
     fits) timeout "$t" $PY bench/mixture_fit.py --device cuda --dims T,paper --repeats 5 \

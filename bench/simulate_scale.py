@@ -6,8 +6,8 @@ counted once, split between their users) and of the summed RSS. Afterwards it re
 ``metrics.json``: bytes per site (``traffic``), seconds per phase summed over the steps, and
 the sync phases after the first (the sites only list their classes: what a message costs).
 
-    python bench/simulate_scale.py --clients 100 --tasks 7 --results-dir /tmp/scale
-    python bench/simulate_scale.py --clients 100 --tasks 2 -- --epochs 1   # passed to simulate
+    python bench/simulate_scale.py --sites 100 --tasks 7 --results-dir /tmp/scale
+    python bench/simulate_scale.py --sites 100 --tasks 2 -- --epochs 1   # passed to simulate
 """
 
 from __future__ import annotations
@@ -84,16 +84,16 @@ def summary(run_dir: Path, wall_s: float, peak: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--sites", type=int, default=100)
     parser.add_argument("--tasks", type=int, default=7)
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--results-dir", type=Path, default=Path("/tmp/starfed-scale"))
     parser.add_argument("--run-name", default="")
     parser.add_argument("extra", nargs="*", help="after --: more `starfed simulate` options")
     args = parser.parse_args()
-    name = args.run_name or f"c{args.clients}-t{args.tasks}-a{args.alpha}"
+    name = args.run_name or f"s{args.sites}-t{args.tasks}-a{args.alpha}"
     command = [
-        sys.executable, "-m", "starfed.cli", "simulate", "--clients", str(args.clients),
+        sys.executable, "-m", "starfed.cli", "simulate", "--sites", str(args.sites),
         "--tasks", str(args.tasks), "--alpha", str(args.alpha),
         "--results-dir", str(args.results_dir), "--run-name", name, *args.extra,
     ]  # fmt: skip

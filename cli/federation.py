@@ -1,17 +1,17 @@
-"""``starfed server round|resume|status|check|repair``: the operator's commands for the
+"""``starfed server run|resume|status|check|repair``: the operator's commands for the
 federation itself.
 
-Actions of the ``server`` group (``starfed.cli.server`` registers them), on the same server
-folder. ``round`` submits the generated app (``starfed.ops.flower_runs``) to the running
-server with the federation folder (default ``<server dir>/federation``), streams the ServerApp's
-progress and follows the run to its end; ``resume`` is a ``round`` that first says which step it
-continues; ``status`` reads the folders (``starfed.server.ops.status``) and works with the server
-stopped; ``check`` verifies every file of the federation folder (``starfed.server.folder_check``)
-and ``repair`` rolls a damaged one back to a good state (``starfed.server.folder_repair``). Exit
-codes (docs/federation.md): 0 completed, 3 degraded, 1 failed (or the run could not start; for
-``status`` and ``check``: the folder is damaged), 2 bad input (checked with the configuration
-schema before anything is submitted), 130 stopped with Ctrl-C (the run itself is stopped;
-``resume`` continues it).
+Actions of the ``server`` group (``starfed.cli.server`` registers them), on the same server folder.
+``run`` submits the generated app (``starfed.ops.flower_runs``) to the running server with the
+federation folder (default ``<server dir>/federation``), streams the ServerApp's progress and
+follows the run to its end (``round``, its retired name, still works, with a note); ``resume`` is a
+``run`` that first says which step it continues; ``status`` reads the folders
+(``starfed.server.ops.status``) and works with the server stopped; ``check`` verifies every file of
+the federation folder (``starfed.server.folder_check``) and ``repair`` rolls a damaged one back to a
+good state (``starfed.server.folder_repair``). Exit codes (docs/federation.md): 0 completed, 3
+degraded, 1 failed (or the run could not start; for ``status`` and ``check``: the folder is
+damaged), 2 bad input (checked with the configuration schema before anything is submitted), 130
+stopped with Ctrl-C (the run itself is stopped; ``resume`` continues it).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from starfed.server.ops import sites, superlink
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import gather
 from starfed.server.records import Checkpoint, Exchange
+from starfed.shared import retired_names
 from starfed.shared.knob import ConfigError, writable_dir
 from starfed.shared.progress import counted
 
@@ -59,10 +60,11 @@ guarded = guard(
 
 
 def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Register ``round``, ``resume``, ``status``, ``check`` and ``repair`` on the ``server``
-    group."""
-    for run in (run_round, run_resume):
-        parser = add_command(actions, run.__name__[4:], run, FLAGS, parents=[common])
+    """Register ``run`` (and its retired name ``round``), ``resume``, ``status``, ``check`` and
+    ``repair`` on the ``server`` group."""
+    for name, run in (("run", run_run), ("resume", run_resume), ("round", _retired_round)):
+        hidden = run is _retired_round
+        parser = add_command(actions, name, run, FLAGS, parents=[common], hidden=hidden)
         federation_option(parser)
         add_run_config(parser)
     for run in (run_status, run_check):
@@ -109,11 +111,11 @@ def _checkpoint(federation_dir: Path) -> Checkpoint | None:
         raise err
 
 
-# --- round and resume ------------------------------------------------------------------------
+# --- run and resume --------------------------------------------------------------------------
 
 
 @guarded
-def run_round(args: argparse.Namespace) -> int:
+def run_run(args: argparse.Namespace) -> int:
     """run aggregation steps over what the sites bring now, on the running server
 
     Submit starfed's ServerApp to the running server: it continues the federation folder,
@@ -122,20 +124,26 @@ def run_round(args: argparse.Namespace) -> int:
     (continue it with `resume`). Exit code: 0 completed, 3 degraded, 1 failed, 2 bad input, 130
     stopped.
     """
-    return _round(args, resume=False)
+    return _run(args, resume=False)
+
+
+def _retired_round(args: argparse.Namespace) -> int:
+    """`starfed server round`, the retired name of `server run`: a note, then the same run."""
+    retired_names.note("`starfed server round`", "`starfed server run`")
+    return run_run(args)
 
 
 @guarded
 def run_resume(args: argparse.Namespace) -> int:
     """continue an interrupted step from its last completed phase
 
-    A `round` that continues the step a crash or Ctrl-C interrupted; refuses (exit 2) when no
-    step is running. Options and exit codes as `round`.
+    A `run` that continues the step a crash or Ctrl-C interrupted; refuses (exit 2) when no
+    step is running. Options and exit codes as `run`.
     """
-    return _round(args, resume=True)
+    return _run(args, resume=True)
 
 
-def _round(args: argparse.Namespace, resume: bool) -> int:
+def _run(args: argparse.Namespace, resume: bool) -> int:
     folder = server_folder(args)
     federation_dir = _common.federation_dir(args, folder)
     _, overrides = run_config(args, FLAGS)
@@ -151,7 +159,7 @@ def _round(args: argparse.Namespace, resume: bool) -> int:
         done = 0 if checkpoint is None else checkpoint.position.step
         raise ConfigError(
             f"nothing to resume in {federation_dir}: no step is running ({counted(done, 'step')} "
-            "finished); `starfed server round` runs the next"
+            "finished); `starfed server run` runs the next"
         )
     record, cli = _ready_server(folder, federation_dir)
     overrides["federation-dir"] = str(writable_dir(federation_dir, "--federation"))

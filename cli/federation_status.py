@@ -61,7 +61,7 @@ def _print_folders(status: Status, say: Callable[[str], None]) -> bool:
     for note in status.notes:
         say(f"note       {note}")
     if status.federation is None:
-        new = "" if status.problems else "; the first `starfed server round` creates it"
+        new = "" if status.problems else "; the first `starfed server run` creates it"
         say(f"           {status.problem}{new}")
         return False
     f = status.federation

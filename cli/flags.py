@@ -16,8 +16,10 @@ import tomllib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from starfed.cli.command_knobs import TABLES, parse
+from starfed.shared import retired_names
 from starfed.shared.knob import ConfigError, Knob, Value, show
 
 #: Help sections, in order, by schema group.
@@ -40,6 +42,7 @@ class Flag:
     keys: tuple[str, ...]
     const: Value | None = None  # a switch: sets its keys to this value
     help: str | None = None  # instead of the first key's help (a flag that sets several keys)
+    retired: tuple[str, ...] = ()  # old names that still work, unlisted, with a note (not both)
 
     @property
     def dest(self) -> str:
@@ -79,17 +82,16 @@ def add_command(
     flags: Iterable[Flag] = (),
     parents: Sequence[argparse.ArgumentParser] = (),
     table: str | None = None,
+    hidden: bool = False,
 ) -> argparse.ArgumentParser:
     """Register ``command`` with its schema flags (and ``parents``' options); ``run`` gets the
     parsed arguments. As with click, ``run``'s docstring is the help: its first paragraph the
     line in the command list, the rest the description. ``table``: the command's own knobs
-    (default: the command's name)."""
+    (default: the command's name); ``hidden``: left out of the command list (a retired name)."""
     summary, _, description = (inspect.getdoc(run) or "").partition("\n\n")
+    listed: dict[str, Any] = {} if hidden else {"help": " ".join(summary.split())}
     parser = subparsers.add_parser(
-        command,
-        help=" ".join(summary.split()),
-        description=" ".join(description.split()) or None,
-        parents=list(parents),
+        command, description=" ".join(description.split()) or None, parents=list(parents), **listed
     )
     _add_flags(parser, flags, table or command)
     parser.set_defaults(func=run)
@@ -103,22 +105,47 @@ def _add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], table: st
     for flag in flags:
         knob = knobs[flag.keys[0]]
         text = flag.help or knob.help
+        section: argparse._ActionsContainer = sections[knob.group]
+        if flag.retired:
+            section = section.add_mutually_exclusive_group()  # the old name or the new one
+            for old in flag.retired:
+                section.add_argument(
+                    old, dest=flag.dest, action=_Retired, new=flag.name, help=argparse.SUPPRESS
+                )
         if flag.const is None:
             metavar = "{" + ",".join(knob.choices) + "}" if knob.choices else None
-            sections[knob.group].add_argument(
+            section.add_argument(
                 flag.name,
                 dest=flag.dest,
                 metavar=metavar,
                 help=f"{text} (default: {show(knob.default)})",
             )
         else:
-            sections[knob.group].add_argument(
+            section.add_argument(
                 flag.name,
                 dest=flag.dest,
                 action="store_const",
                 const=flag.const,
                 help=f"{text}: {knob.key}={show(flag.const)} (default: {show(knob.default)})",
             )
+
+
+class _Retired(argparse.Action):
+    """A flag's retired name: sets what the flag sets, and says the new name on stderr."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        retired_names.note(str(option_string), self.new)
+        setattr(namespace, self.dest, values)
 
 
 def given(
@@ -190,7 +217,9 @@ def run_config(
     win), checked as a whole. Returns every typed value, and the ones to send — those set plus
     ``always`` — with paths made absolute (the apps run in another process's folder)."""
     named, _, names = given(args, flags)
-    overrides = run_config_pairs(args.run_config) | named
+    pairs = run_config_pairs(args.run_config)
+    names = retired_names.written_as(pairs) | names
+    overrides = retired_names.current_keys(pairs) | named
     values = parse(overrides, "run-config", names)
     sent = {key: values[key] for key in [*overrides, *always]}
     for key, value in sent.items():

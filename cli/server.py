@@ -5,7 +5,7 @@ Every action works on one server folder (``--dir``, default ``$STARFED_SERVER_DI
 1 failed (a process would not start, Flower refused), 2 bad input (arguments, key files, names).
 ``--json`` prints one JSON object for scripts instead of text for people. This module registers
 the group: ``certs``, ``start``, ``stop`` and ``dashboard`` here; ``sites`` (``server_sites``),
-``round``, ``resume`` and ``status`` (``federation``), ``export`` and ``serve``
+``run``, ``resume``, ``status``, ``check`` and ``repair`` (``federation``), ``export`` and ``serve``
 (``inference_server``).
 """
 
@@ -95,7 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     inference_server.add_actions(actions, common)  # export, serve
     server_sites.add_actions(actions, common)  # sites add|list|remove|refused
-    federation.add_actions(actions, common)  # round, resume, status
+    federation.add_actions(actions, common)  # run, resume, status, check, repair
 
 
 # --- certs ---------------------------------------------------------------------------------
@@ -282,7 +282,7 @@ def run_stop(args: argparse.Namespace) -> int:
 
 
 def run_dashboard(args: argparse.Namespace) -> int:
-    """serve a read-only web page of the federation, live while a round runs
+    """serve a read-only web page of the federation, live while a run is under way
 
     Serve the federation at a glance as a web page that updates itself every --refresh-s
     seconds: the sites (online, last seen, registered and refused keys), the steps over time

@@ -19,7 +19,7 @@ from starfed.simulations.simulate import simulate
 
 COMMAND = "simulate"
 FLAGS = (
-    Flag("--clients", ("num-clients",)),
+    Flag("--sites", ("num-sites",), retired=("--clients",)),
     Flag("--tasks", ("num-tasks",)),
     *same_name("classes-per-task", "alpha", "seed", "arrival-offset"),
     *same_name("stage1-rounds", "stage2-rounds"),
@@ -38,11 +38,11 @@ def build_overrides(args: argparse.Namespace) -> dict:
     """The run config to submit: the keys set on the command line, typed and checked together
     with the defaults.
 
-    ``num-clients`` is always sent (it is also the SuperNode count); paths become absolute
+    ``num-sites`` is always sent (it is also the SuperNode count); paths become absolute
     (the apps run in the SuperLink's working directory) and ``run-name`` is fixed here, so
     this command knows where results land.
     """
-    values, submitted = run_config(args, FLAGS, always=("num-clients", "results-dir"))
+    values, submitted = run_config(args, FLAGS, always=("num-sites", "results-dir"))
     submitted["run-name"] = values["run-name"] or datetime.now(UTC).strftime("fed-%Y%m%d-%H%M%S")
     return submitted
 
@@ -55,7 +55,7 @@ def _main(args: argparse.Namespace) -> int:
     process it started; Ctrl-C or SIGTERM stops the run and marks its folder interrupted. The
     local runtime runs the same ServerApp and ClientApp code in this process, one site after
     another, without Flower's start-up cost. Unset options keep the schema's defaults
-    (docs/simulation.md); the number of simulated SuperNodes always equals num-clients.
+    (docs/simulation.md); the number of simulated SuperNodes always equals num-sites.
     """
     _, options, names = parsed(args, FLAGS, COMMAND)
     overrides = build_overrides(args)
@@ -64,7 +64,7 @@ def _main(args: argparse.Namespace) -> int:
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(
             f"run folder {run_dir} already exists: choose another --run-name (a federation "
-            "continues with `starfed server round`, not by simulating into its folder)"
+            "continues with `starfed server run`, not by simulating into its folder)"
         )
     gpus, ray_address = ray_options(options)
     if options["runtime"] == "local":

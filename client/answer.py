@@ -34,8 +34,10 @@ from starfed.shared.protocol import (
     CLASSIFY_WITH_KEYS,
     FROZEN,
     HELD,
+    REPORT_RECORD,
     ROUND,
     STEP,
+    UPDATE_RECORD,
     WIRE_DTYPE,
     Phase,
 )
@@ -121,15 +123,15 @@ def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
     if phase is Phase.SYNC:
         frozen = [str(name) for name in config.get(FROZEN, [])]
         update = site.sync(step, frozen, federation, str(config[EPOCH_KEY]))
-        return [("update", wire.encode(update, wire_dtype))]
+        return [(UPDATE_RECORD, wire.encode(update, wire_dtype))]
     site.memory.join(federation)
     codebook = site.memory.receive(payload)
     if phase is Phase.EVALUATE:
         use_keys = bool(config.get(CLASSIFY_WITH_KEYS, False))
         report = site.evaluate(codebook, [int(s) for s in config[CLASS_STEPS]], use_keys)
-        return [("report", report.to_bytes())]
+        return [(REPORT_RECORD, report.to_bytes())]
     update = site.run_phase(phase, codebook, step, round_index)
-    records = [("update", wire.encode(update, wire_dtype))]
+    records = [(UPDATE_RECORD, wire.encode(update, wire_dtype))]
     for key in config.get(ALSO, []):
         also = site.run_phase(Phase[str(key).upper()], codebook, step)
         records.append((also.phase.key, wire.encode(also, wire_dtype)))

@@ -38,7 +38,7 @@ from starfed.shared.model.evaluation import score_classes
 from starfed.shared.model.features import clip_features, clip_features_signature
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import MixtureFit, TrainConfig
-from starfed.shared.protocol import STATISTICS, Phase
+from starfed.shared.protocol import SITE, STATISTICS, TASK, TEST_IMAGES, Phase
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -205,10 +205,10 @@ class Site:
             self.memory.complete(task.name, step)
         test_images = sum(len(paths) for paths in folder.test.values())
         # what the server bounds this site's evaluation reports by (server/screening.py)
-        entries, metadata = [], {"site": self.name, "task": "", "test-images": str(test_images)}
+        entries, metadata = [], {SITE: self.name, TASK: "", TEST_IMAGES: str(test_images)}
         if current is not None:
             index, task = current
-            metadata["task"] = task.name
+            metadata[TASK] = task.name
             counts = {name: len(paths) for name, paths in task.train.items() if paths}
             if self.private is None:
                 entries = [ClassEntry(name, count) for name, count in counts.items()]
@@ -311,8 +311,8 @@ class Site:
             if key in held and key in row_of
             for path in paths
         ]
+        metadata = {SITE: self.name}
         if not samples:
-            metadata = {"site": self.name}
             return EvaluationReport(codebook.fingerprint, codebook.version, metadata=metadata)
         test = self._decode(samples)
         model = StarPrompt(self.backbones, confidence_modulation=self.config.confidence_modulation)
@@ -320,7 +320,7 @@ class Site:
         steps = torch.tensor(class_steps)
         features = self._cached_features(test)
         scores = score_classes(model, test.images, test.labels, features, steps, use_keys)
-        return EvaluationReport.of(codebook, scores, site=self.name)
+        return EvaluationReport.of(codebook, scores, **metadata)
 
 
 # --- the handlers: each phase's step on the task view, training its model in place --------------

@@ -2,7 +2,7 @@
 (docs/federation.md#statuses-and-exit-codes).
 
 Every command exits 0 when done, 1 when something failed and 2 for bad input (one line, before
-anything heavy runs). Commands that run a federation (`simulate`, `server round`, `server
+anything heavy runs). Commands that run a federation (`simulate`, `server run`, `server
 resume`) end with the run's status — completed 0, failed 1, degraded 3 — and 130 when Ctrl-C or
 SIGTERM stopped the run (as a shell reports Ctrl-C). They live with the operations code because
 `simulations/` and `cli/` both return them.

@@ -5,7 +5,7 @@ Flower's public API is ``flwr.app``, ``flwr.clientapp``, ``flwr.serverapp`` (wit
 of ``flwr.serverapp.strategy``) and its command-line programs; starfed uses only those, except
 for the names below. Each was checked against Flower 1.42.0 (and was the same in 1.41.0); a new
 Flower release is checked by reading this module against it, then running the deployed
-end-to-end tests (tests/test_e2e_server_round.py, tests/test_deploy_e2e.py).
+end-to-end tests (tests/test_e2e_server_run.py, tests/test_deploy_e2e.py).
 
 The site's SuperExec (``starfed.client.ops.superexec``) is Flower's own task loop with a fork
 executor (docs/deployment.md), so it needs Flower's pieces of that loop:

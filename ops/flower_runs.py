@@ -13,7 +13,7 @@ has no checkout, so :func:`write_app` generates that folder from the installed p
 components and every run-config key with its default from the configuration schema. The
 bundle then carries only that file; the code the apps run is the installed ``starfed``.
 
-Used by ``starfed simulate`` (``simulations/simulate.py``) and ``starfed server round``.
+Used by ``starfed simulate`` (``simulations/simulate.py``) and ``starfed server run``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ COMPLETED = "finished:completed"
 INTERRUPTED = "interrupted"
 POLL_S = 3.0
 FLWR_TIMEOUT_S = 120.0
-#: The deployment's apps (``starfed server round``); a simulation passes its own ServerApp.
+#: The deployment's apps (``starfed server run``); a simulation passes its own ServerApp.
 APP_COMPONENTS = {"serverapp": "starfed.server.app:app", "clientapp": "starfed.client.app:app"}
 
 

@@ -59,6 +59,7 @@ from starfed.shared.protocol import (
     STATISTICS,
     STEP,
     SYNC,
+    UPDATE_RECORD,
     WIRE_DTYPE,
     Phase,
     PhaseSpec,
@@ -242,7 +243,7 @@ class Coordinator:
         state: PhaseState,
         replies: list[Reply],
         done: PhaseRound,
-        record: str = "update",
+        record: str = UPDATE_RECORD,
         sent: Codebook | None = None,
     ) -> None:
         """Hand a phase's validated updates (the replies' ``record``, made from ``sent``: by

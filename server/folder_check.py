@@ -185,7 +185,7 @@ def _codebook(report: Report, federation: Identity, depth: Depth, seen: dict) ->
                 "empty codebook: `starfed server repair` restores the last good checkpoint)"
             )
             return None
-        report.notes.append("no codebook yet: the first `starfed server round` makes it")
+        report.notes.append("no codebook yet: the first `starfed server run` makes it")
         report.position = Position().to_json()
         return set()
     message = _codebook_file(report, federation, path, depth, seen)

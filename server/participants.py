@@ -33,7 +33,7 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import FROZEN, ROUND, STEP, WIRE_DTYPE, Phase
+from starfed.shared.protocol import FROZEN, ROUND, SITE, STEP, WIRE_DTYPE, Phase
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Participants:
         accepted = sorted(replies.decoded(answers, Phase.SYNC, screen, codebook),
                           key=lambda r: r[0].node_id)  # fmt: skip
         for entry, update in accepted:
-            claimed = update.metadata.get("site") or f"node-{entry.node_id}"
+            claimed = update.metadata.get(SITE) or f"node-{entry.node_id}"
             site = screen.name_of(entry.node_id, claimed)
             self.sites[entry.node_id] = entry.site = site
         accepted = screen.sync(accepted, codebook, quarantine)

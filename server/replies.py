@@ -21,7 +21,7 @@ from starfed.server.screening import Screen
 from starfed.server.strategy import PhaseState
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
-from starfed.shared.protocol import Phase, record_bytes
+from starfed.shared.protocol import REPORT_RECORD, UPDATE_RECORD, Phase, record_bytes
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,11 @@ def without_cyclic_gc() -> Iterator[None]:
 
 
 def decoded(
-    replies: list[Reply], phase: Phase, screen: Screen, against: Codebook, record: str = "update"
+    replies: list[Reply],
+    phase: Phase,
+    screen: Screen,
+    against: Codebook,
+    record: str = UPDATE_RECORD,
 ) -> Iterator[tuple[Exchange, ClientUpdate]]:
     """Decode (= validate) each update (the replies' ``record``) against the codebook the
     phase was sent with (``against``: the message it travelled with), one at a time; reject bad
@@ -73,7 +77,7 @@ def screened(
     carried: set[str],
     *,
     against: Codebook,
-    record: str = "update",
+    record: str = UPDATE_RECORD,
 ) -> Iterator[ClientUpdate]:
     """The phase's valid updates (``decoded``: the replies' ``record``, made from ``against``)
     without rows of classes not in play (``state.in_play``), screened (``server.screening``: a
@@ -113,7 +117,7 @@ def reports(
     """The valid evaluation reports, with their sites, one at a time."""
     for entry, reply in replies:
         try:
-            data = record_bytes(reply.content["report"]["data"], "report")
+            data = record_bytes(reply.content[REPORT_RECORD]["data"], REPORT_RECORD)
             report = EvaluationReport.from_bytes(data, against=codebook)
         except (CodebookError, KeyError, TypeError) as err:
             reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))

@@ -46,7 +46,7 @@ from starfed.shared import progress
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import Options, knob, parse_site_names
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import TEST_IMAGES, Phase
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,6 @@ logger = logging.getLogger(__name__)
 #: Images of one class at one site, at most: far beyond any real site, and a sum of such counts
 #: over any number of sites a federation can have stays inside the wire's 64-bit counts.
 MAX_IMAGES = 2**31 - 1
-TEST_IMAGES_KEY = "test-images"  # sync metadata: the test images a site holds
 
 
 @dataclass(frozen=True)
@@ -200,7 +199,7 @@ class Screen:
                          f"federation past {limit} classes (max-classes)")  # fmt: skip
             kept = [(e, u) for e, u in kept if e.node_id != node]
         for entry, update in kept:
-            raw = update.metadata.get(TEST_IMAGES_KEY, "")
+            raw = update.metadata.get(TEST_IMAGES, "")
             test = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
             counts = {class_key(e.name): e.count for e in update.entries}
             self.declared[entry.site] = Declared(counts, test)

@@ -45,6 +45,7 @@ from starfed.shared.knob import (
     show,
 )
 from starfed.shared.model.backbone_config import PRESETS, read_backbone_config
+from starfed.shared.retired_names import current_keys, written_as
 
 WIRE_DTYPES = ("float32", "float16")
 REPLAY_SCHEDULES = ("reference", "bounded", "auto")  # shared/model/replay.py: ReplaySchedule
@@ -79,7 +80,7 @@ SCHEMA: tuple[Knob, ...] = (
          "tasks", "scenario", ge=0),
     Knob("seed", int, 1993, "class order, partition and training", "scenario", ge=0,
          le=2**32 - 1),  # what np.random.RandomState (the class order) accepts
-    Knob("num-clients", int, 5, "sites (in simulation: SuperNodes)", "scenario", ge=1),
+    Knob("num-sites", int, 5, "sites (in simulation: SuperNodes)", "scenario", ge=1),
     Knob("alpha", float, 0.5, "Dirichlet concentration of the partition (small: each site sees "
          "few classes)", "scenario", gt=0),
     Knob("arrival-offset", int, 0, "site i joins i x offset steps after site 0", "scenario", ge=0),
@@ -142,7 +143,7 @@ SCHEMA: tuple[Knob, ...] = (
          "rest of the step; 0: never", "screening", ge=0),
     Knob("quarantine-persists", bool, False, "keep a quarantined site out of later steps too "
          "(until the operator removes it from the federation's quarantine.json)", "screening"),
-    Knob("site-names", str, "", "the registered sites, NODE:NAME ... (`starfed server round` "
+    Knob("site-names", str, "", "the registered sites, NODE:NAME ... (`starfed server run` "
          "sets it from sites.json): a registered node is known by its registered name, whatever "
          'it calls itself, and no other node may use that name; "": sites are known by the '
          "names they give", "screening", check=parse_site_names),
@@ -212,7 +213,7 @@ SCHEMA: tuple[Knob, ...] = (
     Knob("site-name", str, "", 'how the federation calls this site; "": node-<node id>', "node"),
     Knob("partition-id", int, 0, "this node's site in a simulation", "node", ge=0),
     Knob("num-partitions", int, 0, "sites in a simulation (Flower: num-supernodes); 0: the run "
-         "config's num-clients", "node", ge=0),
+         "config's num-sites", "node", ge=0),
     Knob("cache-dir", str, "", 'decoded images and CLIP features; "": <state-dir>/cache for a '
          "deployed site, $STARFED_CACHE_DIR or ~/.cache/starfed in a simulation", "node",
          path=True),
@@ -276,9 +277,13 @@ def parse(
     """Typed values of every knob of ``table``: those in ``raw`` checked, the rest defaults.
 
     ``names`` says what the user typed for a key (a flag such as ``--tasks``), for the message;
-    ``tables``: the model's, or every one (``starfed.cli.command_knobs.TABLES``).
+    ``tables``: the model's, or every one (``starfed.cli.command_knobs.TABLES``). A retired
+    run-config key is read as its new one (``starfed.shared.retired_names``).
     """
     knobs = tables[table]
+    if table == "run-config":
+        names = {**written_as(raw), **(names or {})}
+        raw = current_keys(raw)
     unknown = [key for key in raw if key not in knobs]
     if unknown:
         raise ConfigError(f"unknown {table} key {unknown[0]!r} (known: {', '.join(knobs)})")

@@ -98,8 +98,20 @@ FROZEN = "frozen"
 #: Evaluate-message config key: the step that registered each class, in the codebook's order.
 CLASS_STEPS = "class-steps"
 
+#: Reply records (each a ConfigRecord whose ``data`` is bytes): a phase's update (a serialised
+#: ``ClientUpdate``; for the sync, the classes it brings) and an evaluation's report (a
+#: serialised ``EvaluationReport``).
+UPDATE_RECORD = "update"
+REPORT_RECORD = "report"
+#: Sync-update metadata keys: the name the site gives itself, its current task ("" when it
+#: brings nothing new) and the test images it holds (ASCII digits: what the server bounds its
+#: evaluation reports by, ``starfed.server.screening``). A report's metadata names its site too.
+SITE = "site"
+TASK = "task"
+TEST_IMAGES = "test-images"
+
 #: Message config key: the keys of the phases whose updates travel in this message's reply, each
-#: in a record named after its phase key (the message's own update is the ``update`` record).
+#: in a record named after its phase key (the message's own update is ``UPDATE_RECORD``).
 ALSO = "also"
 
 #: Sync-message config key of a catch-up part (``starfed.server.catch_up``): [the part's index,

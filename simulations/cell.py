@@ -11,7 +11,8 @@ A cell of the ``starfed`` method runs on the local runtime (in its process), or 
 its SuperLink and Ray its own, or the Ray cluster of ``--ray-address`` (``RAY_ADDRESS``).
 
 A cell is **complete** when ``metrics.json`` holds a final average accuracy, its status is not
-``failed`` and ``cell.json`` defines the same cell; anything else runs again from scratch.
+``failed`` and ``cell.json`` defines the same cell (a retired run-config key read as its new
+name); anything else runs again from scratch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from starfed.ops import processes
 from starfed.ops.exit_codes import EXIT_OK, FINISHED
 from starfed.shared.files import write_atomic
+from starfed.shared.retired_names import current_keys
 from starfed.simulations.grid import Cell
 from starfed.simulations.simulate import flower_env, simulate
 
@@ -82,12 +84,21 @@ def complete(folder: Path, cell: Cell) -> Outcome | None:
     """The finished cell in ``folder``, or None when it must run (again)."""
     record = read_json(folder / CELL_FILE)
     metrics = read_json(folder / METRICS_FILE)
-    if record is None or metrics is None or record.get("definition") != definition(cell):
+    if record is None or metrics is None or _stored(record) != definition(cell):
         return None
     faa = metrics.get("final_average_accuracy")
     if not isinstance(faa, int | float) or math.isnan(faa) or metrics.get("status") == "failed":
         return None
     return Outcome("skipped", record.get("seconds"), metrics, cpu_seconds=record.get("cpu_seconds"))
+
+
+def _stored(record: dict) -> object:
+    """A ``cell.json``'s definition with its run-config keys under their current names: a cell
+    run before a key was renamed (``starfed.shared.retired_names``) is still complete."""
+    stored = record.get("definition")
+    if isinstance(stored, dict) and isinstance(stored.get("run_config"), dict):
+        return {**stored, "run_config": current_keys(stored["run_config"], quiet=True)}
+    return stored
 
 
 @dataclass

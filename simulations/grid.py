@@ -11,12 +11,13 @@ num-tasks = 7
 
 [[scenario]]                             # one table per scenario: a name and run-config keys
 name = "sites-5"                         # optional; derived from the keys when left out
-num-clients = 5
+num-sites = 5
 alpha = 0.5
 ```
 
 Every run-config key is checked by the configuration schema (``starfed.shared.config.parse``),
-so a bad grid is one ``ConfigError`` line before anything runs. ``seed``, ``results-dir``,
+so a bad grid is one ``ConfigError`` line before anything runs; a retired key (``num-clients``)
+is read as its new one, with a note. ``seed``, ``results-dir``,
 ``run-name`` and ``federation-dir`` belong to a cell, not a scenario.
 """
 
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from starfed.shared.config import TABLES, parse
 from starfed.shared.knob import ConfigError, Value, show
+from starfed.shared.retired_names import current_keys
 from starfed.simulations.methods import METHODS
 
 PAPER_SEEDS = (1993, 1996, 1997)
@@ -151,7 +153,9 @@ def _scenario(table: object, index: int, defaults: dict[str, Value]) -> Scenario
     keys = {k: v for k, v in table.items() if k != "name"}
     own = _run_config(keys, where)
     run_config = {**defaults, **own}
-    derived = "_".join(f"{k}-{show(v)}" for k, v in own.items()) or "defaults"
+    # from the keys as written: a grid that still says a retired key keeps its cells' folders
+    typed = zip(keys, own.values(), strict=True)  # same order (current_keys keeps it)
+    derived = "_".join(f"{k}-{show(v)}" for k, v in typed) or "defaults"
     name = _name(table.get("name", derived), f"{where} name")
     return Scenario(name, run_config)
 
@@ -167,7 +171,7 @@ def _run_config(table: object, where: str) -> dict[str, Value]:
         values = parse(table)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
-    return {key: values[key] for key in table}
+    return {key: values[key] for key in current_keys(table, quiet=True)}  # noted by parse
 
 
 def _name(value: object, where: str) -> str:

@@ -203,7 +203,7 @@ def run_locally(
     strategy: Strategy | None = None,
 ) -> dict:
     """One simulation on the local runtime: ``run_server`` over a ``LocalGrid`` of
-    ``num-clients`` simulated sites, with ``strategy`` (starfed's by default), their data
+    ``num-sites`` simulated sites, with ``strategy`` (starfed's by default), their data
     folders written before each step (``SimulatedSites``); the metrics it wrote to
     ``metrics.json``.
 
@@ -211,7 +211,7 @@ def run_locally(
     """
     console = console or progress.console(stderr=True)
     config = dict(run_config)
-    n_sites = int(parse(config)["num-clients"])
+    n_sites = int(parse(config)["num-sites"])
     run_id = new_run_id()
     columns = (
         TextColumn("{task.description}"),
@@ -230,7 +230,7 @@ def simulate_locally(overrides: Mapping[str, Value]) -> int:
     """`starfed simulate --runtime local`: the run's exit code (``exit_codes.RUN_EXIT_CODES``:
     0 completed, 3 degraded, 1 failed), as with the Flower runtime."""
     run_dir = Path(str(overrides["results-dir"])) / str(overrides["run-name"])
-    sites = progress.counted(as_int(overrides, "num-clients"), "simulated site")
+    sites = progress.counted(as_int(overrides, "num-sites"), "simulated site")
     print(f"local runtime: {sites} in this process, results in {run_dir}")
     started = time.monotonic()
     try:

@@ -51,7 +51,7 @@ OWN_RAY = "local"
 #: Lines of the run's log (``flwr log``) not shown: Flower 1.42's simulation runtime warns on
 #: every run that its default number of simulated SuperNodes changed from 10 to 2, and says how
 #: to resize the federation (``flwr/simulation/app.py``), whatever the run asked for; this
-#: command sets the number for each run (``num-supernodes`` = ``num-clients``), and Flower's
+#: command sets the number for each run (``num-supernodes`` = ``num-sites``), and Flower's
 #: next line, "Federation ... (N simulated SuperNodes)", says what it got.
 FLOWER_NOISE = (
     "default simulated SuperNodes changed from 10 to 2",
@@ -210,7 +210,7 @@ def simulate(
     run_dir.mkdir(parents=True, exist_ok=True)
     flwr_home = run_dir / ".flwr"
     cli = FlowerCli(flwr_home)
-    n_supernodes = int(overrides["num-clients"])  # ClientApps read num-partitions from it
+    n_supernodes = int(overrides["num-sites"])  # ClientApps read num-partitions from it
     started = time.monotonic()
     submitted_at = time.time()
     superlink = LocalSuperLink(flwr_home, run_dir, flower_env(flwr_home, ray_address))
@@ -235,7 +235,7 @@ def simulate(
                     log_sink=log_sink,
                     timeout_s=timeout,
                     on_submitted=lambda run_id: print(
-                        f"run {run_id}: {counted(n_supernodes, 'simulated client')}, results in "
+                        f"run {run_id}: {counted(n_supernodes, 'simulated site')}, results in "
                         f"{run_dir}",
                         flush=True,
                     ),

@@ -28,7 +28,7 @@ class SimulatedSites:
 
     @classmethod
     def of(cls, run_config: Mapping[str, object], run_id: int) -> SimulatedSites:
-        """The ``num-clients`` sites of the run config's scenario, in the run's folder."""
+        """The ``num-sites`` sites of the run config's scenario, in the run's folder."""
         values = parse(dict(run_config))
         scenario = Scenario(ScenarioConfig.from_config(values))
         return cls(scenario, run_dir(values, run_id))

@@ -32,7 +32,7 @@ METRICS = (
 TABLE_FILE = "table.md"
 #: Scenario keys a grid may sweep: the plot of FAA against each (when the grid varies it).
 SWEEPS = {
-    "num-clients": ("number of sites", "log"),
+    "num-sites": ("number of sites", "log"),
     "alpha": ("Dirichlet α (smaller: more skew)", "log"),
     "arrival-offset": ("arrival offset (steps between sites)", "linear"),
 }

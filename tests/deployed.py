@@ -34,7 +34,7 @@ from starfed.server.records import Checkpoint
 
 MARKER = "STARFED_ROUND_TEST"
 SITE_MARKER = "STARFED_ROUND_TEST_SITE"  # which site a process belongs to
-ROUND_TIMEOUT_S = 480
+RUN_TIMEOUT_S = 480
 RUN_CONFIG = {
     "stage1-epochs": 1, "stage2-epochs": 1, "replay1-epochs": 1, "replay2-epochs": 1,
     "replay2-epochs-per-task": 0,
@@ -55,8 +55,8 @@ def starfed(*argv: str, log: Path, timeout: float = 120) -> tuple[int, str]:
     return result.returncode, result.stdout.decode()
 
 
-def round_settings(*extra: str, timeout_s: int = 180) -> list[str]:
-    """``round``/``resume`` options: one step, both sites, one epoch everywhere."""
+def run_settings(*extra: str, timeout_s: int = 180) -> list[str]:
+    """``run``/``resume`` options: one step, both sites, one epoch everywhere."""
     settings = [f"--run-config={k}={v}" for k, v in RUN_CONFIG.items()]
     return [*settings, "--steps=1", "--min-sites=2", "--wait-s=120", f"--timeout-s={timeout_s}",
             *extra]  # fmt: skip

@@ -359,7 +359,7 @@ def test_two_sites_with_one_name_are_not_merged_into_one(folders, tmp_path, hone
 
 
 def test_a_registered_site_is_known_by_its_registered_name(folders, tmp_path, honest) -> None:
-    """With the operator's registered sites (``site-names``, as `starfed server round` sets it
+    """With the operator's registered sites (``site-names``, as `starfed server run` sets it
     from sites.json), farm-m calling itself farm-a is still farm-m: nothing of it is recorded
     or merged under farm-a's name, and farm-a takes part as itself."""
 

@@ -42,7 +42,7 @@ from starfed.simulations.methods import METHODS, fedavg, no_replay, positional, 
 from starfed.simulations.methods import keys as keys_method
 from starfed.simulations.methods import starfed as federated
 
-TINY = {"num-tasks": 2, "classes-per-task": 2, "num-clients": 2}
+TINY = {"num-tasks": 2, "classes-per-task": 2, "num-sites": 2}
 ONE_EPOCH = {"stage1-epochs": 1, "replay1-epochs": 1, "replay2-epochs": 1,
              "replay2-epochs-per-task": 0, "stage2-epochs": 1}  # fmt: skip
 SEED = 1993

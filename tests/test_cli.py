@@ -28,7 +28,7 @@ FLAG_NAMES = {
     "--backbone-config --clip-weights --vit-weights --download --vit-tag --epochs --batch-size "
     "--replay-epochs --no-generative-replay --unimodal --no-confidence-modulation "
     "--classify-with-keys --results-dir --run-name --threads",
-    "simulate": "--clients --tasks --classes-per-task --alpha --seed --arrival-offset "
+    "simulate": "--sites --tasks --classes-per-task --alpha --seed --arrival-offset "
     "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --runtime "
     "--timeout --gpus-per-client --ray-address",
     "experiment": "--results-dir --runtime --timeout --gpus-per-client --ray-address --json",
@@ -70,7 +70,8 @@ def test_help_text(capsys) -> None:
     assert "--batch-size BATCH_SIZE training batch size (default: 128)" in text
     assert "--no-generative-replay ablation (paper, Tab. 3): generative-replay=false" in text
     text = _help(capsys, "simulate")
-    assert "--clients CLIENTS sites (in simulation: SuperNodes) (default: 5)" in text
+    assert "--sites SITES sites (in simulation: SuperNodes) (default: 5)" in text
+    assert "--clients" not in text  # its retired name works, unlisted
     assert "--alpha ALPHA Dirichlet concentration" in text and "(default: 0.5)" in text
     text = _help(capsys, "experiment")
     assert "--runtime {flower,local} where the starfed cells' federations run" in text
@@ -141,7 +142,7 @@ BAD_INPUT = {
         "batch-size=0: expected an integer >= 1",
         "min-sites=0: expected an integer >= 1",
         "--run-config seed: expected KEY=VALUE",
-        "--clients 0: expected an integer >= 1",
+        "--sites 0: expected an integer >= 1",
         "--alpha 0: expected a number > 0",
         "--timeout -5: expected a number > 0",
         "--runtime ray: expected one of flower, local",
@@ -199,6 +200,44 @@ def test_simulate_unknown_key(nothing_heavy, capsys) -> None:
     line = _fails_at_once(["simulate", "--run-config", "learning-rate=0.1"], capsys)
     assert line.startswith(
         "starfed simulate: error: unknown run-config key 'learning-rate' (known: data-root, "
+    )
+
+
+def _submitted(capsys, *argv: str) -> tuple[dict, list[str]]:
+    """The run config ``starfed simulate ARGV`` would submit, and the lines on stderr."""
+    overrides = simulate_cli.build_overrides(build_parser().parse_args(["simulate", *argv]))
+    return overrides, capsys.readouterr().err.splitlines()
+
+
+def test_retired_site_count_names_work_with_a_note(capsys) -> None:
+    """``--clients`` and the run-config key ``num-clients`` set ``num-sites``, each saying the
+    new name in one line; what is submitted holds only the new key."""
+    overrides, err = _submitted(capsys, "--clients", "3")
+    assert overrides["num-sites"] == 3 and "num-clients" not in overrides
+    assert err == ["starfed: --clients is deprecated, use --sites (same meaning)"]
+    overrides, err = _submitted(capsys, "--run-config", "num-clients=4")
+    assert overrides["num-sites"] == 4 and "num-clients" not in overrides
+    assert err == ["starfed: num-clients is deprecated, use num-sites (same meaning)"]
+    overrides, err = _submitted(capsys, "--sites", "2", "--run-config", "num-clients=4")
+    assert overrides["num-sites"] == 2  # named options win, as with the new key
+    overrides, err = _submitted(capsys, "--sites", "2")
+    assert overrides["num-sites"] == 2 and err == []
+
+
+def test_both_names_of_the_site_count_are_one_line(nothing_heavy, capsys) -> None:
+    line = _fails_at_once(
+        ["simulate", "--run-config", "num-clients=4", "--run-config", "num-sites=3"], capsys
+    )
+    assert line == (
+        "starfed simulate: error: num-clients and num-sites both set: num-clients is the retired "
+        "name of num-sites"
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--sites", "3", "--clients", "4"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "starfed simulate: error: argument --clients: not allowed with argument --sites "
+        "(see --help)"
     )
 
 

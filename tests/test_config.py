@@ -22,6 +22,8 @@ from starfed.shared.knob import ConfigError, writable_dir
 from starfed.shared.model.backbone_config import PRESETS, preset_config
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
+from starfed.shared.retired_names import RUN_CONFIG as RETIRED
+from starfed.shared.retired_names import current_keys
 from starfed.simulations.train_local import LocalRunOptions
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
@@ -170,7 +172,7 @@ def test_text_and_typed_values_parse_alike() -> None:
         ({"wire-dtype": "int8"}, "wire-dtype=int8: expected one of float32, float16"),
         ({"batch-size": 0}, "batch-size=0: expected an integer >= 1"),
         ({"stage1-epochs": -1}, "stage1-epochs=-1: expected an integer >= 0"),
-        ({"num-clients": True}, "num-clients=true: expected an integer >= 1"),
+        ({"num-sites": True}, "num-sites=true: expected an integer >= 1"),
         ({"timeout-s": 0}, "timeout-s=0: expected a number > 0"),
         ({"confidence-modulation": "maybe"}, "confidence-modulation=maybe: expected true or false"),
         ({"data-root": 3}, "data-root=3: expected a string"),
@@ -195,6 +197,34 @@ def test_unknown_keys_are_errors() -> None:
         parse({"generative-replay": False})
     with pytest.raises(ConfigError, match="unknown node-config key 'num-tasks'"):
         parse({"num-tasks": 2}, "node-config")
+
+
+def test_a_retired_key_is_read_as_its_new_name_with_a_note(capsys) -> None:
+    """``num-clients`` (``starfed.shared.retired_names``): the value of ``num-sites``, a note
+    on stderr; both at once is one ConfigError; stored results read back without a note."""
+    values = parse({"num-clients": "3", "alpha": 0.1})
+    assert values["num-sites"] == 3 and "num-clients" not in values
+    assert capsys.readouterr().err == (
+        "starfed: num-clients is deprecated, use num-sites (same meaning)\n"
+    )
+    with pytest.raises(ConfigError, match=r"^num-clients=0: expected an integer >= 1$"):
+        parse({"num-clients": 0})  # what the user wrote
+    capsys.readouterr()
+    with pytest.raises(ConfigError) as err:
+        parse({"num-sites": 2, "num-clients": 2})
+    assert (
+        str(err.value)
+        == "num-clients and num-sites both set: num-clients is the retired name of num-sites"
+    )
+    stored = {"alpha": 0.1, "num-clients": 3, "seed": 1}
+    assert list(current_keys(stored, quiet=True).items()) == [
+        ("alpha", 0.1),
+        ("num-sites", 3),
+        ("seed", 1),
+    ]  # the same order
+    assert capsys.readouterr().err == ""
+    assert all(new in TABLES["run-config"] and old not in TABLES["run-config"]
+               for old, new in RETIRED.items())  # fmt: skip
 
 
 def test_messages_name_what_the_user_typed() -> None:

@@ -376,7 +376,7 @@ def test_a_round_with_no_site_online_names_the_offline_sites(
     registered = sorted(r["name"] for r in _sites(deployment))
     assert registered and all(r["status"] != "online" for r in _sites(deployment))
     settings = ("--min-sites", "1", "--wait-s", "1", "--run-config", "preset=tiny")
-    code, out = starfed("server", "round", "--dir", str(folder), *settings, "--json")
+    code, out = starfed("server", "run", "--dir", str(folder), *settings, "--json")
     answer = json.loads(out)
     assert code == answer["exit_code"] == 1 and answer["offline_sites"] == registered
     assert "0 sites connected, 1 needed" in answer["reason"]

@@ -1,6 +1,6 @@
 """The operator's ``starfed server`` commands against a fake ``flwr`` (``tests/fake_flwr.py``):
 the same results from any working folder, one line saying what to do after the SuperLink died
-mid-round, and what ``status`` says of it and of a site that was killed.
+mid-run, and what ``status`` says of it and of a site that was killed.
 
 The server folder is set up as ``server start`` leaves it (the Flower config, ``run.json``),
 with processes of this test standing in for the SuperLink and the gateway.
@@ -65,7 +65,7 @@ def _step_running(federation: Path) -> None:
 def test_every_action_that_runs_flwr_gives_the_same_result_from_a_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """``sites add|list|remove``, ``status`` and ``round`` (``resume`` is a ``round``) from a
+    """``sites add|list|remove``, ``status`` and ``run`` (``resume`` is a ``run``) from a
     plain folder and from one that holds a ``starfed/`` checkout: the same answers. The
     ``site`` actions run no ``flwr`` (``site start`` runs ``flower-supernode``)."""
     me = ProcessId.of(os.getpid())
@@ -87,7 +87,7 @@ def test_every_action_that_runs_flwr_gives_the_same_result_from_a_checkout(
             ("sites", "add", "farm-a", str(public)),
             ("sites", "list"),
             ("status",),
-            ("round", "--steps", "1"),
+            ("run", "--steps", "1"),
             ("sites", "remove", "farm-a", "--yes"),
         ):
             code, out, err = starfed(capfd, "server", *action, "--dir", str(folder.root), "--json")

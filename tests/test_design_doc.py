@@ -94,17 +94,14 @@ def test_layout_links_point_at_the_tree() -> None:
 
 
 def _commands(parser: argparse.ArgumentParser, words: tuple[str, ...]) -> Iterator[tuple[str, str]]:
-    """Every command under ``parser`` with the module of the function it runs (an alias is
-    the command it names, listed once)."""
+    """Every command under ``parser`` that ``--help`` lists, with the module of the function it
+    runs (a retired name, unlisted, is left out)."""
     sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
     if sub is None:
         yield " ".join(words), parser.get_default("func").__module__
         return
-    seen: set[int] = set()
-    for name, child in sub.choices.items():
-        if id(child) not in seen:
-            seen.add(id(child))
-            yield from _commands(child, (*words, name))
+    for listed in sub._choices_actions:
+        yield from _commands(sub.choices[listed.dest], (*words, listed.dest))
 
 
 def test_commands_table_matches_the_command_line() -> None:

@@ -82,7 +82,7 @@ def _run(project: Path, federation: Path, env: dict) -> dict:
 
 
 @pytest.mark.e2e
-@pytest.mark.slow  # CI runs the same story through the CLI: tests/test_e2e_server_round.py
+@pytest.mark.slow  # CI runs the same story through the CLI: tests/test_e2e_server_run.py
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> None:
     home = tmp_path / "flwr-home"

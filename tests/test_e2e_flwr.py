@@ -33,7 +33,7 @@ from starfed.ops.processes import ProcessId
 from starfed.shared.knob import ConfigError
 
 TIMEOUT_S = 170
-#: `starfed simulate` of the smallest scenario (add --clients, --tasks, the folders).
+#: `starfed simulate` of the smallest scenario (add --sites, --tasks, the folders).
 SMALL = [
     sys.executable, "-m", "starfed.cli", "simulate", "--classes-per-task=2", "--epochs=1",
     "--run-config=replay1-epochs=1", "--run-config=replay2-epochs=1",
@@ -81,20 +81,20 @@ def _overrides(*argv: str) -> dict:
 
 def test_overrides_keep_supernodes_and_clients_together(tmp_path: Path) -> None:
     overrides = _overrides()
-    assert overrides["num-clients"] == 5  # the pyproject default, always sent explicitly
+    assert overrides["num-sites"] == 5  # the pyproject default, always sent explicitly
     assert Path(overrides["results-dir"]).is_absolute()
     assert overrides["run-name"].startswith("fed-")
     overrides = _overrides(
-        "--run-config=num-clients=4",
+        "--run-config=num-sites=4",
         "--run-config=preset=tiny",
         "--run-config=confidence-modulation=false",
         f"--results-dir={tmp_path}",
         "--run-name=x",
     )
-    assert overrides["num-clients"] == 4
+    assert overrides["num-sites"] == 4
     assert overrides["confidence-modulation"] is False
     assert overrides["preset"] == "tiny"
-    assert _overrides("--clients=3", "--run-config=num-clients=4")["num-clients"] == 3
+    assert _overrides("--sites=3", "--run-config=num-sites=4")["num-sites"] == 3
     # values are typed by the schema; paths become absolute (the apps run elsewhere)
     overrides = _overrides("--run-config=alpha=1", '--run-config=run-name="a b"', "--seed=7")
     assert overrides["alpha"] == 1.0 and isinstance(overrides["alpha"], float)
@@ -105,8 +105,8 @@ def test_overrides_keep_supernodes_and_clients_together(tmp_path: Path) -> None:
 def test_bad_overrides_are_rejected_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="unknown run-config"):
         _overrides("--run-config=no-such-key=1")
-    with pytest.raises(ConfigError, match="--clients 0"):
-        _overrides("--clients=0")
+    with pytest.raises(ConfigError, match="--sites 0"):
+        _overrides("--sites=0")
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         _overrides("--run-config=seed")
 
@@ -116,7 +116,7 @@ def test_bad_overrides_are_rejected_before_anything_starts() -> None:
 def test_flwr_run_end_to_end(tmp_path: Path) -> None:
     results = tmp_path / "results"
     flwr_home = results / "e2e" / ".flwr"
-    command = [*SMALL, "--clients=3", "--tasks=2", f"--results-dir={results}", "--run-name=e2e"]
+    command = [*SMALL, "--sites=3", "--tasks=2", f"--results-dir={results}", "--run-name=e2e"]
     env = dict(os.environ, STARFED_CACHE_DIR=str(tmp_path / "cache"))
     with watched(command, env, tmp_path / "simulate.log", flwr_home) as run:
         try:
@@ -146,7 +146,7 @@ def test_flwr_run_end_to_end(tmp_path: Path) -> None:
     assert len({e["node_id"] for e in exchanges}) == 3
     assert sum(e["bytes_down"] for e in exchanges) > 0
     assert sum(e["bytes_up"] for e in exchanges) > 0
-    assert metrics["config"]["run_config"]["num-clients"] == 3
+    assert metrics["config"]["run_config"]["num-sites"] == 3
 
 
 @pytest.mark.e2e
@@ -155,7 +155,7 @@ def test_ctrl_c_stops_the_run_and_marks_its_folder(tmp_path: Path) -> None:
     results = tmp_path / "results"
     run_dir = results / "stopped"
     # Ten steps: on an idle machine the ServerApp must not finish them all before `flwr stop`.
-    command = [*SMALL, "--clients=2", "--tasks=10", f"--results-dir={results}",
+    command = [*SMALL, "--sites=2", "--tasks=10", f"--results-dir={results}",
                "--run-name=stopped"]  # fmt: skip
     env = dict(os.environ, STARFED_CACHE_DIR=str(tmp_path / "cache"))
     with watched(command, env, tmp_path / "simulate.log", run_dir / ".flwr") as run:

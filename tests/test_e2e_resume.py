@@ -1,6 +1,6 @@
 """Crash safety with real processes: SIGKILL of the ServerApp mid-step, then `server resume`.
 
-A started server and two sites (``deployed.deployment``); ``starfed server round`` runs until
+A started server and two sites (``deployed.deployment``); ``starfed server run`` runs until
 the federation folder's checkpoint shows a phase done — sync (the kill lands in stage 1, whose
 replies carry the statistics), stage 1 (in the server's reduction of those statistics and its
 first-level replay; the case CI runs: the resumed step sends the statistics' own message) or
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from deployed import ROUND_TIMEOUT_S, RUN_CONFIG, deployment, round_settings, starfed
+from deployed import RUN_CONFIG, RUN_TIMEOUT_S, deployment, run_settings, starfed
 from site_folders import CLASSES
 
 from starfed.client import answer
@@ -104,11 +104,11 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
         times["reference"] = time.monotonic()
         with deployed.log.open("ab") as err:
             interrupted = subprocess.Popen(
-                [sys.executable, "-m", "starfed.cli", "server", "round", *round_settings(),
+                [sys.executable, "-m", "starfed.cli", "server", "run", *run_settings(),
                  "--json"],
                 stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
             )  # fmt: skip
-        deployed.wait_for_checkpoint(after, timeout=ROUND_TIMEOUT_S)
+        deployed.wait_for_checkpoint(after, timeout=RUN_TIMEOUT_S)
         serverapps = deployed.serverapps()
         assert len(serverapps) == 1, serverapps
         send_signal(serverapps, signal.SIGKILL)
@@ -122,7 +122,7 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
         cli = FlowerCli(deployed.server.flwr_home)
         (run,) = cli.unfinished_runs()  # the killed ServerApp's run is still "running"
         refused = deployed.root / "refused.log"
-        code, _ = starfed("server", "resume", *round_settings(), log=refused)
+        code, _ = starfed("server", "resume", *run_settings(), log=refused)
         assert code == 1, refused.read_text()
         assert f"run {run['run-id']} is still running" in refused.read_text()
         assert f"flwr stop {run['run-id']}" in refused.read_text()
@@ -132,8 +132,8 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
         assert interrupted.returncode == 1 and killed_run["metrics"] is None, out
         assert killed_run["flower_status"] == "finished:stopped", out
 
-        code, out = starfed("server", "resume", *round_settings(), log=deployed.log,
-                            timeout=ROUND_TIMEOUT_S)  # fmt: skip
+        code, out = starfed("server", "resume", *run_settings(), log=deployed.log,
+                            timeout=RUN_TIMEOUT_S)  # fmt: skip
         times["resumed"] = time.monotonic()
         (deployed.root / "resume.out").write_text(out)
         print(out)
@@ -164,7 +164,7 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
     assert not Federation.position(final).running
     assert_same_tensors(final, reference)
     print(
-        "resume e2e: reference {:.0f}s, round until the kill {:.0f}s, resume {:.0f}s".format(
+        "resume e2e: reference {:.0f}s, run until the kill {:.0f}s, resume {:.0f}s".format(
             times["reference"] - times["start"],
             times["killed"] - times["reference"],
             times["resumed"] - times["killed"],

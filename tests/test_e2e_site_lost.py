@@ -1,14 +1,14 @@
 """A site lost mid-step, with real processes: the step finishes degraded, the site comes back.
 
-A started server and two sites (``deployed.deployment``); ``starfed server round`` runs until
+A started server and two sites (``deployed.deployment``); ``starfed server run`` runs until
 the federation folder's checkpoint shows the sync done, then every process of farm-b (its
 ``site start``, SuperNode, SuperExec, worker: the site's machine dying) is killed with
-SIGKILL in the middle of stage 1. The round goes on with farm-a and ends degraded (exit 3);
+SIGKILL in the middle of stage 1. The run goes on with farm-a and ends degraded (exit 3);
 farm-b's classes got no statistics, so they are unregistered before replay
 (docs/design.md#the-protocol): the codebook holds farm-a's classes only. farm-b starts again
-with the same folders, and the next ``round`` registers and trains its classes as a new step.
+with the same folders, and the next ``run`` registers and trains its classes as a new step.
 Slow: the server waits for the dead node's replies until Flower marks it offline (about a
-minute) on top of two rounds.
+minute) on top of two runs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from deployed import ROUND_TIMEOUT_S, deployment, round_settings, starfed
+from deployed import RUN_TIMEOUT_S, deployment, run_settings, starfed
 from site_folders import CLASSES
 
 from starfed.ops.processes import send_signal, wait_gone
@@ -37,7 +37,7 @@ pytestmark = [
 ]
 
 SITES = {"farm-a": {"2026-03": CLASSES[0:2]}, "farm-b": {"2026-04": CLASSES[2:4]}}
-SETTINGS = round_settings("--json", timeout_s=90)  # a dead node's phase costs at most this
+SETTINGS = run_settings("--json", timeout_s=90)  # a dead node's phase costs at most this
 
 
 def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatch) -> None:
@@ -45,10 +45,10 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
     with deployment(tmp_path, monkeypatch, SITES) as deployed:
         with deployed.log.open("ab") as err:
             first_round = subprocess.Popen(
-                [sys.executable, "-m", "starfed.cli", "server", "round", *SETTINGS],
+                [sys.executable, "-m", "starfed.cli", "server", "run", *SETTINGS],
                 stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
             )  # fmt: skip
-        deployed.wait_for_checkpoint("sync/0", timeout=ROUND_TIMEOUT_S)
+        deployed.wait_for_checkpoint("sync/0", timeout=RUN_TIMEOUT_S)
         farm_b = deployed.site_processes("farm-b")
         assert any("flower-supernode" in command for command in farm_b.values()), farm_b
         send_signal(farm_b, signal.SIGKILL)
@@ -56,7 +56,7 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
         assert deployed.sites["farm-b"].wait(10) == -signal.SIGKILL  # its `site start` too
         killed_at = deployed.checkpoint()
         assert killed_at is not None and "stage1_stats/0" not in killed_at.position.done
-        out, _ = first_round.communicate(timeout=ROUND_TIMEOUT_S)
+        out, _ = first_round.communicate(timeout=RUN_TIMEOUT_S)
         first = json.loads(out)
         degraded_s = time.monotonic() - started
         assert first_round.returncode == 3 and first["status"] == "degraded", out
@@ -70,8 +70,8 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
         assert codebook.frozen == set(CLASSES[0:2])
 
         deployed.start_site("farm-b")  # the machine is back: same key, data and state
-        code, out = starfed("server", "round", *SETTINGS, log=deployed.log,
-                            timeout=ROUND_TIMEOUT_S)  # fmt: skip
+        code, out = starfed("server", "run", *SETTINGS, log=deployed.log,
+                            timeout=RUN_TIMEOUT_S)  # fmt: skip
         second = json.loads(out)
         assert code == 0 and second["status"] == "completed", deployed.log.read_text()[-3000:]
         metrics = second["metrics"]
@@ -91,5 +91,5 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
     assert codebook.names == expected and codebook.frozen == set(expected)
     (first_step, second_step) = Federation.open(deployed.federation).history()
     assert (first_step.status, second_step.status) == ("degraded", "completed")
-    print(f"site-lost e2e: degraded round {degraded_s:.0f}s, "
+    print(f"site-lost e2e: degraded run {degraded_s:.0f}s, "
           f"total {time.monotonic() - started:.0f}s")  # fmt: skip

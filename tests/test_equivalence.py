@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
     run_config = {
         "num-tasks": 3,
         "classes-per-task": 2,
-        "num-clients": 1,
+        "num-sites": 1,
         "seed": TRAIN.seed,
         "stage1-epochs": TRAIN.stage1_epochs,
         "stage2-epochs": TRAIN.stage2_epochs,
@@ -101,7 +101,7 @@ def test_results_do_not_depend_on_node_ids(tmp_path) -> None:
     run_config = {
         "num-tasks": 2,
         "classes-per-task": 2,
-        "num-clients": 2,
+        "num-sites": 2,
         "alpha": 0.3,
         "stage1-epochs": 1,
         "stage2-epochs": 1,

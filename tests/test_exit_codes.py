@@ -40,7 +40,7 @@ def test_both_runtimes_end_with_the_tables_code(
     assert flower_runs.exit_code(finished, metrics) == run_exit_code(status)
 
     monkeypatch.setattr(local_grid, "run_locally", lambda overrides: metrics)
-    overrides = {"results-dir": str(tmp_path), "run-name": "run", "num-clients": 2}
+    overrides = {"results-dir": str(tmp_path), "run-name": "run", "num-sites": 2}
     assert local_grid.simulate_locally(overrides) == run_exit_code(status)
 
 
@@ -51,5 +51,5 @@ def test_the_local_runtime_fails_when_the_run_raised(
         raise local_grid.RunFailed("no site answered")
 
     monkeypatch.setattr(local_grid, "run_locally", failed)
-    overrides = {"results-dir": str(tmp_path), "run-name": "run", "num-clients": 2}
+    overrides = {"results-dir": str(tmp_path), "run-name": "run", "num-sites": 2}
     assert local_grid.simulate_locally(overrides) == EXIT_FAILED

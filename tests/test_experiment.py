@@ -41,7 +41,7 @@ methods = ["starfed", "single-site"]
 {SMALL_GRID_DEFAULTS}
 [[scenario]]
 name = "two-sites"
-num-clients = 2
+num-sites = 2
 """
 FAST_S = 2.0
 
@@ -74,10 +74,10 @@ def test_shipped_grids_are_valid() -> None:
     )
     (scenario,) = default.scenarios
     values = scenario.values
-    assert (values["num-clients"], values["alpha"], values["num-tasks"]) == (5, 0.5, 7)
+    assert (values["num-sites"], values["alpha"], values["num-tasks"]) == (5, 0.5, 7)
     assert values["data-root"] == ""  # the bundled mini set
     sites = grids.load("sites")
-    assert [s.values["num-clients"] for s in sites.scenarios] == [1, 5, 10, 20, 50]
+    assert [s.values["num-sites"] for s in sites.scenarios] == [1, 5, 10, 20, 50]
     assert [s.values["alpha"] for s in grids.load("alpha").scenarios] == [0.5, 0.1, 0.05]
     arrival = grids.load("arrival").scenarios
     assert [s.values["arrival-offset"] for s in arrival] == [0, 1]
@@ -94,7 +94,7 @@ def test_every_registered_method_loads() -> None:
 
 
 BAD_GRIDS = {
-    "no experiment": ("[[scenario]]\nnum-clients = 2\n", "needs an [experiment] table"),
+    "no experiment": ("[[scenario]]\nnum-sites = 2\n", "needs an [experiment] table"),
     "not toml": ("[experiment\n", "Expected ']'"),
     "unknown method": (
         '[experiment]\nname = "x"\nmethods = ["fedprox"]\n[[scenario]]\n',
@@ -133,6 +133,11 @@ BAD_GRIDS = {
     "unknown section": (
         '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\n[grid]\n',
         "unknown section 'grid'",
+    ),
+    "both site counts": (
+        '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\nnum-clients = 2\n'
+        "num-sites = 2\n",
+        "[[scenario]] 1: num-clients and num-sites both set: num-clients is the retired name",
     ),
     "bad default": (
         '[experiment]\nname = "x"\nmethods = ["starfed"]\n[defaults]\nnum-tasks = 0\n'
@@ -186,11 +191,41 @@ def test_scenario_names_are_derived_from_their_keys(tmp_path: Path) -> None:
     path = tmp_path / "grid.toml"
     path.write_text(
         '[experiment]\nname = "x"\nmethods = ["starfed"]\n[[scenario]]\n'
-        "num-clients = 3\nalpha = 0.1\n[[scenario]]\n"
+        "num-sites = 3\nalpha = 0.1\n[[scenario]]\n"
     )
     experiment = grids.load(str(path))
-    assert [s.name for s in experiment.scenarios] == ["num-clients-3_alpha-0.1", "defaults"]
-    assert experiment.cells()[0].name == "num-clients-3_alpha-0.1__starfed__seed1993"
+    assert [s.name for s in experiment.scenarios] == ["num-sites-3_alpha-0.1", "defaults"]
+    assert experiment.cells()[0].name == "num-sites-3_alpha-0.1__starfed__seed1993"
+
+
+def test_a_grid_of_the_retired_site_key_loads_and_its_old_cells_are_complete(
+    tmp_path: Path, capsys
+) -> None:
+    """A grid that says ``num-clients`` loads with a note, as ``num-sites``, under the folder
+    names it had; a cell it ran before the rename is complete (read without a note), one of
+    another site count is not."""
+    path = tmp_path / "grid.toml"
+    path.write_text(
+        '[experiment]\nname = "x"\nmethods = ["starfed"]\nseeds = [1]\n[[scenario]]\n'
+        "num-clients = 3\n"
+    )
+    experiment = grids.load(str(path))
+    assert capsys.readouterr().err == (
+        "starfed: num-clients is deprecated, use num-sites (same meaning)\n"
+    )
+    (scenario,) = experiment.scenarios
+    assert (scenario.name, scenario.run_config) == ("num-clients-3", {"num-sites": 3})
+    (cell,) = experiment.cells()
+    folder = tmp_path / cell.name
+    folder.mkdir()
+    (folder / cells.METRICS_FILE).write_text(json.dumps({"final_average_accuracy": 50.0}))
+    for count, complete in ((3, True), (4, False)):
+        before = {"scenario": "num-clients-3", "method": "starfed", "seed": 1,
+                  "run_config": {"num-clients": count}}  # fmt: skip
+        (folder / cells.CELL_FILE).write_text(json.dumps({"definition": before, "seconds": 9.0}))
+        outcome = cells.complete(folder, cell)
+        assert (outcome is not None and outcome.status == "skipped") is complete, count
+    assert capsys.readouterr().err == ""
 
 
 # --- end to end ---------------------------------------------------------------------------
@@ -331,7 +366,7 @@ def test_table_and_plots_of_a_sweep_over_seeds(tmp_path: Path) -> None:
     path = tmp_path / "grid.toml"
     path.write_text(
         '[experiment]\nname = "sweep"\nseeds = [1, 2]\nmethods = ["starfed", "single-site"]\n'
-        "[[scenario]]\nnum-clients = 1\n[[scenario]]\nnum-clients = 5\n"
+        "[[scenario]]\nnum-sites = 1\n[[scenario]]\nnum-sites = 5\n"
     )
     experiment = grids.load(str(path))
     results = {}
@@ -357,9 +392,9 @@ def test_table_and_plots_of_a_sweep_over_seeds(tmp_path: Path) -> None:
     assert "| single-site | **15.00 ± 2.83** |" in table
     plots = tabulate.plots(experiment, rows, tmp_path)
     assert [p.name for p in plots] == [
-        "accuracy_over_time__num-clients-1.png",
-        "accuracy_over_time__num-clients-5.png",
-        "faa_vs_num-clients.png",
+        "accuracy_over_time__num-sites-1.png",
+        "accuracy_over_time__num-sites-5.png",
+        "faa_vs_num-sites.png",
     ]
 
 
@@ -408,18 +443,18 @@ def test_flower_cells_are_simulate_runs_on_the_ray_cluster(
     path = tmp_path / "grid.toml"
     path.write_text(
         '[experiment]\nname = "ray"\nseeds = [1, 2]\nmethods = ["starfed"]\n'
-        "[[scenario]]\nnum-clients = 2\n"
+        "[[scenario]]\nnum-sites = 2\n"
     )
     argv = ["--runtime=flower", "--timeout=99"]
     argv += [f"--ray-address={address}"] if given == "--ray-address" else []
     code, printed, progress = run_cli(str(path), f"--results-dir={tmp_path}", "--json", *argv)
     assert code == 0, progress
     assert [c["status"] for c in json.loads(printed)["cells"]] == ["done", "done"]
-    folders = [tmp_path / "ray" / f"num-clients-2__starfed__seed{seed}" for seed in (1, 2)]
+    folders = [tmp_path / "ray" / f"num-sites-2__starfed__seed{seed}" for seed in (1, 2)]
     assert [(Path(o["results-dir"]) / o["run-name"], o["seed"]) for o, *_ in runs] == [
         (folder, seed) for folder, seed in zip(folders, (1, 2), strict=True)
     ]
-    assert all(o["num-clients"] == 2 for o, *_ in runs)
+    assert all(o["num-sites"] == 2 for o, *_ in runs)
     assert [run[1:] for run in runs] == [(99.0, 0.0, address)] * 2
     record = json.loads((folders[0] / cells.CELL_FILE).read_text())
     assert record["runtime"] == {
@@ -469,7 +504,7 @@ def stand_in_cells(tmp_path: Path, monkeypatch) -> tuple[Path, Path, list]:
     path = tmp_path / "grid.toml"
     path.write_text(
         '[experiment]\nname = "jobs"\nseeds = [1, 2, 3, 4]\nmethods = ["single-site"]\n'
-        "[[scenario]]\nnum-clients = 2\n"
+        "[[scenario]]\nnum-sites = 2\n"
     )
     return path, trace, started
 

@@ -7,7 +7,7 @@ the faults are injected as they happen in the field — a file damaged on disk, 
 scaled by 10³⁰, a write that fails with a full disk, a second run over the same folder, a site
 clock 30 s fast (its refusal as the gateway sees it, and the site's own measurement) — and
 the recovery is what docs/federation.md tells an operator to do (`repair`, or just the next
-`round`). ``pytest -m faults`` runs them as a group.
+`run`). ``pytest -m faults`` runs them as a group.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def test_a_missing_codebook_is_never_replaced_by_an_empty_one(root: Path, capsys
     assert not (folder(root) / CODEBOOK_FILE).exists() and finished_steps(root) == [0]
     code, out, _ = starfed(capsys, "server", "status", "--dir", str(root / "server"))
     assert code == 1 and "DAMAGED    codebook.bin: missing" in out, out
-    code, _, err = starfed(capsys, "server", "round", "--dir", str(root / "server"))
+    code, _, err = starfed(capsys, "server", "run", "--dir", str(root / "server"))
     assert code == 1 and err.count("\n") == 1, err  # refused before anything is submitted
     assert "the federation folder is damaged: codebook.bin: missing" in err
     out = repaired(root, capsys)
@@ -254,7 +254,7 @@ def test_a_damaged_history_line_is_named_and_repaired(root: Path, capsys) -> Non
 
 def test_damaged_step_findings_are_named_and_set_aside(root: Path, capsys) -> None:
     """step-findings.json (the screening's findings of a running step, docs/federation.md):
-    damaged, it is a problem `round` refuses to run over, and `repair` sets it aside."""
+    damaged, it is a problem `run` refuses to run over, and `repair` sets it aside."""
     (folder(root) / STEP_FINDINGS_FILE).write_text('{"step": 1, "findings": [{"sit')
     code, out, _ = starfed(capsys, "server", "status", "--dir", str(root / "server"))
     assert code == 1 and "DAMAGED    step-findings.json: damaged" in out, out
@@ -380,7 +380,7 @@ def test_a_second_run_is_refused_naming_the_holder(root: Path, capsys) -> None:
     try:
         with pytest.raises(RunFailed, match=r"in use by server run 77, PID \d+"):
             run_two_sites(root)
-        code, _, err = starfed(capsys, "server", "round", "--dir", str(root / "server"))
+        code, _, err = starfed(capsys, "server", "run", "--dir", str(root / "server"))
         assert code == 1 and "in use by server run 77" in err and err.count("\n") == 1, err
         assert checked(root).notes == [f"in use by {holder.describe()}"]
     finally:

@@ -191,7 +191,7 @@ def test_exit_codes_come_from_flower_and_this_runs_metrics(tmp_path: Path) -> No
     assert flower_runs.exit_code(RunOutcome(1, "interrupted"), None) == 130
 
 
-#: What `flwr log --stream` showed for `server round` with no site online (Flower 1.42).
+#: What `flwr log --stream` showed for `server run` with no site online (Flower 1.42).
 NO_SITE_LOG = """\
 starfed server federation 7118f3ce in /srv/federation · 0 steps so far · backbones tiny (012a)
 0 sites connected, 1 needed (waited 3s)

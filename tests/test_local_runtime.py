@@ -31,7 +31,7 @@ from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.evaluation import ClassScores, group_scores
 
 SMALL = [
-    "--clients=2",
+    "--sites=2",
     "--tasks=2",
     "--classes-per-task=2",
     "--epochs=1",

@@ -83,7 +83,7 @@ def one_step_config(tmp_path: Path, device: str, run_name: str) -> dict:
     return {
         "preset": "paper-random", "device": device, "seed": 1993,
         "data-root": str(small_root(tmp_path / "data", CLASSES[:4])),
-        "num-clients": 2, "num-tasks": 2, "classes-per-task": 2, "alpha": 1000.0,
+        "num-sites": 2, "num-tasks": 2, "classes-per-task": 2, "alpha": 1000.0,
         "max-steps": 1, "batch-size": 4, "stage1-epochs": 1, "stage2-epochs": 1,
         "replay1-epochs": 1, "replay2-epochs": 1, "replay2-epochs-per-task": 0,
         "timeout-s": 1800, "wait-s": 1, "results-dir": str(tmp_path / "results"),

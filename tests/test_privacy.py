@@ -209,7 +209,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def run(cache_dir: Path, results: Path, prepare=None) -> tuple[dict, Path]:
-    config = {**CONFIG, "num-clients": 2, "results-dir": str(results), "run-name": "run"}
+    config = {**CONFIG, "num-sites": 2, "results-dir": str(results), "run-name": "run"}
     nodes = {
         i + 1: {"partition-id": i, "num-partitions": 2, "cache-dir": str(cache_dir)}
         for i in range(2)

@@ -97,7 +97,7 @@ class Recorded:
 
 
 def make_grid(cache_dir: Path, n_clients: int, **overrides) -> LocalGrid:
-    run_config = {**BASE_CONFIG, "num-clients": n_clients, **overrides}
+    run_config = {**BASE_CONFIG, "num-sites": n_clients, **overrides}
     nodes = {
         i + 1: {"partition-id": i, "num-partitions": n_clients, "cache-dir": str(cache_dir)}
         for i in range(n_clients)

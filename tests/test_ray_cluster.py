@@ -42,7 +42,7 @@ CLUSTER_CPUS = 2
 SMALL = [
     sys.executable, "-m", "starfed.cli", "simulate", "--classes-per-task=2", "--epochs=1",
     "--run-config=replay1-epochs=1", "--run-config=replay2-epochs=1",
-    "--run-config=replay2-epochs-per-task=0", "--clients=2", "--tasks=2",
+    "--run-config=replay2-epochs-per-task=0", "--sites=2", "--tasks=2",
     f"--timeout={TIMEOUT_S - 60}",
 ]  # fmt: skip
 
@@ -167,7 +167,7 @@ methods = ["starfed"]
 {SMALL_GRID_DEFAULTS}
 [[scenario]]
 name = "two-sites"
-num-clients = 2
+num-sites = 2
 """
 
 

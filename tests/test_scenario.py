@@ -206,7 +206,7 @@ def test_from_config_reads_dashed_keys(tmp_path: Path) -> None:
                 "num-tasks": 4,
                 "classes-per-task": 0,
                 "seed": 1996,
-                "num-clients": "3",
+                "num-sites": "3",
                 "alpha": 1,
                 "arrival-offset": 2,
                 "min-partition-size": 5,

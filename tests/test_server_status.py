@@ -1,9 +1,9 @@
-"""``starfed server status|resume|round`` on a federation folder built in process.
+"""``starfed server status|resume|run`` on a federation folder built in process.
 
 Run 1: two sites, farm-b silent at evaluation (a degraded step). Run 2: a new task at farm-a,
 and the server dies in stage 2 (a step left running). Between them, the commands are run as
 an operator would, with no server started: status reads the folders, ``resume`` refuses when no
-step is running and otherwise gets as far as "the server is not running", ``round`` checks its
+step is running and otherwise gets as far as "the server is not running", ``run`` checks its
 input before anything.
 """
 
@@ -100,7 +100,7 @@ def test_status_and_resume_of_a_step_left_running(root, capsys) -> None:
     assert "the server is not running" in err
 
 
-def test_round_checks_its_input_before_anything(root, capsys) -> None:
+def test_run_checks_its_input_before_anything(root, capsys) -> None:
     server = str(root / "server")
     for argv, message in (
         (["--run-config", "stage1-epochs=-1"], "stage1-epochs=-1: expected an integer >= 0"),
@@ -109,10 +109,28 @@ def test_round_checks_its_input_before_anything(root, capsys) -> None:
         (["--run-config", "site-names=1:farm-a"], "set from `starfed server sites`"),
         (["--run-config", "nope=1"], "unknown run-config key 'nope'"),
     ):
-        code, out, err = starfed(capsys, "server", "round", "--dir", server, *argv)
+        code, out, err = starfed(capsys, "server", "run", "--dir", server, *argv)
         assert code == 2 and out == "" and message in err and err.count("\n") == 1, err
-    code, _, err = starfed(capsys, "server", "round", "--dir", server)
+    code, _, err = starfed(capsys, "server", "run", "--dir", server)
     assert code == 1 and "the server is not running" in err
+
+
+def test_round_is_the_retired_name_of_run(tmp_path, capsys) -> None:
+    """`server round` is `server run` (its checks, its exit codes) after a one-line note, and is
+    not listed among the actions."""
+    server = str(tmp_path / "server")
+    note = "starfed: `starfed server round` is deprecated, use `starfed server run` (same meaning)"
+    code, out, err = starfed(capsys, "server", "round", "--dir", server, "--min-sites", "0")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [note, "starfed server round: error: --min-sites 0: expected an "
+                                "integer >= 1"]  # fmt: skip
+    code, _, err = starfed(capsys, "server", "round", "--dir", server)
+    assert code == 1 and err.splitlines()[0] == note and "the server is not running" in err
+    with pytest.raises(SystemExit):
+        starfed(capsys, "server", "--help")
+    lines = capsys.readouterr().out.splitlines()
+    listed = [line.split()[0] for line in lines if line.startswith("    ") and line[4] != " "]
+    assert "run" in listed and "round" not in listed
 
 
 def test_status_without_a_federation(tmp_path, capsys) -> None:
@@ -140,7 +158,7 @@ def test_flower_nodes_join_the_federation_sites_by_node_id() -> None:
 
 
 def test_a_registered_site_whose_exchanges_fail_shows_failing(tmp_path, capsys) -> None:
-    """farm-b (registered, as `server round` passes ``site-names``) cannot answer: its data
+    """farm-b (registered, as `server run` passes ``site-names``) cannot answer: its data
     folder is gone. Its failed sync is recorded under its registered name, and ``status``
     shows it failing with its error — also after a run whose sync failed everywhere,
     which records no step, only its metrics."""

@@ -1,6 +1,6 @@
 """The site's SuperExec (``starfed.client.ops.superexec``): its fork executor runs ClientApp tasks
 only, each in a child of its own that gets the task's token, and reaps them. The whole loop
-against a real SuperNode runs in the deployed end-to-end tests (tests/test_e2e_server_round.py)."""
+against a real SuperNode runs in the deployed end-to-end tests (tests/test_e2e_server_run.py)."""
 
 from __future__ import annotations
 

@@ -169,7 +169,7 @@ def test_installed_wheel_imports_simulates_and_checks_a_site(wheel: Path, tmp_pa
 def simulate_and_check(starfed: str, work: Path, env: dict[str, str]) -> None:
     """The quick start's scenario, made small (2 classes, 1 epoch: the command is what is
     tested), then ``site check`` on one of its sites against its codebook."""
-    simulate = [starfed, "simulate", "--runtime", "local", "--tasks", "1", "--clients", "2"]
+    simulate = [starfed, "simulate", "--runtime", "local", "--tasks", "1", "--sites", "2"]
     simulate += ["--classes-per-task", "2", "--epochs", "1", "--run-config", "batch-size=16"]
     done = run([*simulate, "--results-dir", "results", "--run-name", "wheel"], cwd=work, env=env)
     assert "completed · 1 step" in done.stdout

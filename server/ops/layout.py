@@ -71,9 +71,9 @@ class ServerFolder:
     #: FLWR_HOME of every Flower process here and of the operator's ``flwr`` CLI.
     flwr_home = _Place("flwr-home")
     flwr_config = _Place("config.toml", flwr_home)
-    #: The federation folder ``server round`` continues by default (docs/federation.md).
+    #: The federation folder ``server run`` continues by default (docs/federation.md).
     federation = _Place("federation")
-    #: The Flower app ``server round`` submits, generated from the installed package.
+    #: The Flower app ``server run`` submits, generated from the installed package.
     app = _Place("app")
     #: What ``start`` started (PIDs, start times, addresses), for ``stop`` and ``status``.
     run_file = _Place("run.json")

@@ -427,7 +427,7 @@ def _step(record: StepRecord) -> StepRow:
 def _flower_sites(status: Status, rows: list[sites.SiteStatus]) -> None:
     """Join Flower's view of the nodes onto the federation's sites, by node id (a site
     registered in sites.json has the operator's name in the federation too, since `server
-    round` passes ``site-names``; steps recorded before, and unregistered nodes, have the name
+    run` passes ``site-names``; steps recorded before, and unregistered nodes, have the name
     a site calls itself)."""
     by_node = {row.node_id: row for row in status.sites}
     by_name = {row.name: row for row in status.sites}

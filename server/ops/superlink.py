@@ -89,7 +89,7 @@ class RunRecord(ProcessRecord):
 def gone(folder: ServerFolder, federation: Path, step_running: bool) -> str:
     """What to do once the SuperLink has died (docs/deployment.md#a-dead-superlink): start the
     server again, then continue the step it left running (or run the next)."""
-    then = "resume" if step_running else "round"
+    then = "resume" if step_running else "run"
     other = "" if federation == folder.federation else f" --federation {federation}"
     return (
         f"the SuperLink is gone: `starfed server start --dir {folder.root}`, then "

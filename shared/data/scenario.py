@@ -41,7 +41,7 @@ class ScenarioConfig(Options):
     n_tasks: int = knob("num-tasks")
     classes_per_task: int | None = knob("classes-per-task", optional)  # None: spread evenly
     seed: int = knob("seed")  # class order and partition
-    n_clients: int = knob("num-clients")
+    n_clients: int = knob("num-sites")
     alpha: float = knob("alpha")  # Dirichlet concentration: small = each site sees few classes
     arrival_offset: int = knob("arrival-offset")  # site i starts i * offset steps after site 0
     min_partition_size: int = knob("min-partition-size")  # per task, for every site

@@ -1,8 +1,8 @@
 """End to end on 127.0.0.1, as an operator and two sites would do it, every step a real command.
 
 A started server and two ``starfed site start`` SuperNodes holding different classes
-(``deployed.deployment``), ``starfed server round`` (exit 0), ``status --json`` (the classes and
-who brought them), a new task folder at one site, ``round`` again (only the new classes train);
+(``deployed.deployment``), ``starfed server run`` (exit 0), ``status --json`` (the classes and
+who brought them), a new task folder at one site, ``run`` again (only the new classes train);
 leaving the deployment stops the sites and the server and checks that nothing is left. Several
 minutes on 2 cores: each message costs a ClientApp process.
 """
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from deployed import ROUND_TIMEOUT_S, deployment, round_settings, starfed
+from deployed import RUN_TIMEOUT_S, deployment, run_settings, starfed
 from site_folders import CLASSES, site_folder
 
 pytestmark = [
@@ -22,12 +22,12 @@ pytestmark = [
 ]
 
 
-def test_two_sites_two_rounds_on_a_started_server(tmp_path, monkeypatch) -> None:
+def test_two_sites_two_runs_on_a_started_server(tmp_path, monkeypatch) -> None:
     sites = {"farm-a": {"2026-03": CLASSES[0:2]}, "farm-b": {"2026-04": CLASSES[2:4]}}
-    settings = round_settings("--json")
+    settings = run_settings("--json")
     with deployment(tmp_path, monkeypatch, sites) as deployed:
         log = deployed.log
-        code, out = starfed("server", "round", *settings, log=log, timeout=ROUND_TIMEOUT_S)
+        code, out = starfed("server", "run", *settings, log=log, timeout=RUN_TIMEOUT_S)
         first = json.loads(out)
         assert code == 0 and first["status"] == "completed", log.read_text()[-3000:]
         assert first["metrics"]["steps"] == 1
@@ -45,7 +45,7 @@ def test_two_sites_two_rounds_on_a_started_server(tmp_path, monkeypatch) -> None
         }
 
         site_folder(tmp_path / "farm-a", {"2026-06": CLASSES[4:6]}, train=8, test=3)  # new task
-        code, out = starfed("server", "round", *settings, log=log, timeout=ROUND_TIMEOUT_S)
+        code, out = starfed("server", "run", *settings, log=log, timeout=RUN_TIMEOUT_S)
         second = json.loads(out)
         assert code == 0 and second["status"] == "completed", log.read_text()[-3000:]
         metrics = second["metrics"]
