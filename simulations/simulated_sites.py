@@ -35,6 +35,6 @@ class SimulatedSites:
 
     def __call__(self, step: int) -> None:
         """Every site's data folder as it looks at ``step`` (idempotent)."""
-        for partition in range(self.scenario.n_clients):
+        for partition in range(self.scenario.n_sites):
             data_dir = simulated_site_dir(self.run_folder, partition) / "data"
             self.scenario.write_site(partition, data_dir, step)

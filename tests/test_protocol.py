@@ -96,11 +96,11 @@ class Recorded:
         return wire.decode_update(data, against=against, phase=PHASE_OF[message_type])
 
 
-def make_grid(cache_dir: Path, n_clients: int, **overrides) -> LocalGrid:
-    run_config = {**BASE_CONFIG, "num-sites": n_clients, **overrides}
+def make_grid(cache_dir: Path, n_sites: int, **overrides) -> LocalGrid:
+    run_config = {**BASE_CONFIG, "num-sites": n_sites, **overrides}
     nodes = {
-        i + 1: {"partition-id": i, "num-partitions": n_clients, "cache-dir": str(cache_dir)}
-        for i in range(n_clients)
+        i + 1: {"partition-id": i, "num-partitions": n_sites, "cache-dir": str(cache_dir)}
+        for i in range(n_sites)
     }
     return LocalGrid(client_app.app, run_config, nodes, run_id=next(_run_ids), record=True)
 
@@ -210,7 +210,7 @@ def weighted_mean(rows: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
 
 
 def class_counts(scenario: Scenario, task: int) -> dict[str, list[int]]:
-    """Training images per client of each class of ``task``: name -> [count per client]."""
+    """Training images per site of each class of ``task``: name -> [count per site]."""
     folders = scenario.split.class_folders
     labels = scenario.split.task_labels(task)
     counts = scenario.class_counts(task)
@@ -256,7 +256,7 @@ class BaselineRun:
     recorded: Recorded
     metrics: dict
     run_dir: Path
-    counts: dict[int, dict[str, list[int]]]  # task -> class -> per-client counts
+    counts: dict[int, dict[str, list[int]]]  # task -> class -> per-site counts
 
 
 def _baseline_run(cache_dir: Path, tmp_path_factory, **overrides) -> BaselineRun:
@@ -271,7 +271,7 @@ def _baseline_run(cache_dir: Path, tmp_path_factory, **overrides) -> BaselineRun
 
 @pytest.fixture(scope="module")
 def baseline(cache_dir, tmp_path_factory) -> BaselineRun:
-    """3 clients, alpha 0.1: in task 0 one class is held by all three, the other by one."""
+    """3 sites, alpha 0.1: in task 0 one class is held by all three, the other by one."""
     return _baseline_run(cache_dir, tmp_path_factory)
 
 
@@ -283,7 +283,7 @@ def mean_baseline(cache_dir, tmp_path_factory) -> BaselineRun:
 
 def holders(counts: dict[str, list[int]], name: str) -> list[int]:
     """Node ids (partition + 1) holding training images of ``name``."""
-    return [client + 1 for client, n in enumerate(counts[name]) if n > 0]
+    return [site + 1 for site, n in enumerate(counts[name]) if n > 0]
 
 
 # --- merging ----------------------------------------------------------------------------------
@@ -338,7 +338,7 @@ def test_shared_class_row_is_count_weighted_average(mean_baseline):
     baseline = mean_baseline
     grid, recorded = baseline.grid, baseline.recorded
     shared = [n for n, c in baseline.counts[0].items() if len(holders(baseline.counts[0], n)) > 1]
-    assert shared, "the scenario must have a class several clients hold"
+    assert shared, "the scenario must have a class several sites hold"
     name = shared[0]
     nodes = holders(baseline.counts[0], name)
     for message_type, merged_at, fields in (
@@ -357,7 +357,7 @@ def test_shared_class_row_is_count_weighted_average(mean_baseline):
                 row(merged, field_name, name), expected, rtol=1e-6, atol=1e-7
             )
             if field_name in ("prompt", "query_prompt"):
-                # A real average: no single client's row, not the unweighted mean.
+                # A real average: no single site's row, not the unweighted mean.
                 for r in rows:
                     assert not torch.equal(row(merged, field_name, name), r)
                 unweighted = torch.stack(rows).mean(dim=0)
@@ -378,10 +378,10 @@ def test_shared_class_row_is_count_weighted_average(mean_baseline):
     torch.testing.assert_close(g.weights @ g.means, expected_mean, rtol=1e-9, atol=1e-9)
 
 
-def test_single_holder_class_row_is_that_clients_row(baseline):
+def test_single_holder_class_row_is_that_sites_row(baseline):
     grid, recorded = baseline.grid, baseline.recorded
     single = [n for n, c in baseline.counts[0].items() if len(holders(baseline.counts[0], n)) == 1]
-    assert single, "the scenario must have a class only one client holds"
+    assert single, "the scenario must have a class only one site holds"
     name = single[0]
     (node,) = holders(baseline.counts[0], name)
     for message_type, merged_at, fields in (
@@ -393,7 +393,7 @@ def test_single_holder_class_row_is_that_clients_row(baseline):
         assert row_count(merged, name) == own.count == baseline.counts[0][name][node - 1]
         for field_name in fields:
             assert torch.equal(row(merged, field_name, name), own.values[field_name])
-        # Other clients sent no row for it.
+        # Other sites sent no row for it.
         for other in grid.node_configs:
             if other != node:
                 update = recorded.update(0, message_type, other)
@@ -459,12 +459,12 @@ def test_the_message_plan_does_not_move_the_numbers(baseline, cache_dir, tmp_pat
                 assert torch.equal(value, b.values[field_name]), (name, field_name)
 
 
-# --- failing and misbehaving clients ------------------------------------------------------------
+# --- failing and misbehaving sites ------------------------------------------------------------
 
 
 @pytest.fixture
 def pair(cache_dir) -> LocalGrid:
-    """2 clients, alpha 0.5: both hold every class of both tasks, so either alone completes
+    """2 sites, alpha 0.5: both hold every class of both tasks, so either alone completes
     the run and the other's contribution is visible in every merge."""
     grid = make_grid(cache_dir, 2, alpha=0.5)
     scenario = scenario_of(grid)
@@ -513,7 +513,7 @@ def test_client_raising_in_stage2(pair, tmp_path, monkeypatch):
     assert {e["status"] for e in exchanges(metrics, node=1)} == {"ok"}
     assert len(exchanges(metrics, node=2, phase="stage2")) == 2
     assert metrics["status"] == "degraded"
-    # Stage 2 merged node 1 alone; the other phases still merged both clients.
+    # Stage 2 merged node 1 alone; the other phases still merged both sites.
     for step in range(2):
         merged = broadcast(pair, step, "query.stage2_stats")
         update = recorded.update(step, "train.stage2", 1)
@@ -522,7 +522,7 @@ def test_client_raising_in_stage2(pair, tmp_path, monkeypatch):
             assert row_count(merged, e.name) == e.count
             for field_name in STAGE2_FIELDS:
                 assert torch.equal(row(merged, field_name, e.name), e.values[field_name])
-    # The stage-2 statistics of both clients still count: the class sums both.
+    # The stage-2 statistics of both sites still count: the class sums both.
     codebook = assert_completed(metrics, tmp_path / "run")
     assert counts_of(codebook) == total_counts(pair)
 
@@ -672,7 +672,7 @@ def test_client_with_other_backbones(pair, tmp_path, cache_dir):
     assert counts_of(codebook) == node1_counts(pair)
 
 
-# --- clients in different tasks -----------------------------------------------------------------
+# --- sites in different tasks -----------------------------------------------------------------
 
 
 def test_clients_in_different_tasks(cache_dir, tmp_path):

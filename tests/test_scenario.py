@@ -21,8 +21,8 @@ def scenario() -> Scenario:
     return Scenario(ScenarioConfig())
 
 
-def _mean_client_entropy(scenario: Scenario) -> float:
-    """Mean (over tasks and non-empty clients) entropy of a client's class distribution."""
+def _mean_site_entropy(scenario: Scenario) -> float:
+    """Mean (over tasks and non-empty sites) entropy of a site's class distribution."""
     entropies = []
     for task in range(scenario.n_tasks):
         for row in scenario.class_counts(task):
@@ -34,7 +34,7 @@ def _mean_client_entropy(scenario: Scenario) -> float:
 
 
 def _counts_by_folder(scenario: Scenario) -> dict[str, list[int]]:
-    """Per-client training counts of each class folder (independent of the label order)."""
+    """Per-site training counts of each class folder (independent of the label order)."""
     out = {}
     for task in range(scenario.n_tasks):
         counts = scenario.class_counts(task)
@@ -43,12 +43,12 @@ def _counts_by_folder(scenario: Scenario) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("clients", [5, 1000])  # 1000: more sites than images in a task
-def test_train_partitions_are_disjoint_and_cover_each_task(clients: int) -> None:
-    scenario = Scenario(ScenarioConfig(n_clients=clients))
+@pytest.mark.parametrize("sites", [5, 1000])  # 1000: more sites than images in a task
+def test_train_partitions_are_disjoint_and_cover_each_task(sites: int) -> None:
+    scenario = Scenario(ScenarioConfig(n_sites=sites))
     for task in range(scenario.n_tasks):
         expected = scenario.split.samples("train", [task])
-        parts = [scenario.train_samples(c, task) for c in range(scenario.n_clients)]
+        parts = [scenario.train_samples(c, task) for c in range(scenario.n_sites)]
         merged = [s for part in parts for s in part]
         assert len(merged) == len(set(merged)) == len(expected)
         assert set(merged) == set(expected)
@@ -56,12 +56,12 @@ def test_train_partitions_are_disjoint_and_cover_each_task(clients: int) -> None
         for part in parts:
             assert [order[s] for s in part] == sorted(order[s] for s in part)
         counts = scenario.class_counts(task)
-        assert counts.shape == (scenario.n_clients, scenario.split.classes_per_task)
+        assert counts.shape == (scenario.n_sites, scenario.split.classes_per_task)
         assert counts.sum(axis=1).tolist() == [len(p) for p in parts]
 
 
-def test_one_client_sees_exactly_the_single_site_data() -> None:
-    single = Scenario(ScenarioConfig(n_clients=1, alpha=0.1))
+def test_one_site_sees_exactly_the_single_site_data() -> None:
+    single = Scenario(ScenarioConfig(n_sites=1, alpha=0.1))
     for task in range(single.n_tasks):
         assert single.train_samples(0, task) == single.split.samples("train", [task])
     tasks = [0, 3, 6]
@@ -69,8 +69,8 @@ def test_one_client_sees_exactly_the_single_site_data() -> None:
 
 
 def test_small_alpha_skews_class_mixes_more_than_large_alpha() -> None:
-    skewed = _mean_client_entropy(Scenario(ScenarioConfig(alpha=0.1)))
-    even = _mean_client_entropy(Scenario(ScenarioConfig(alpha=100.0)))
+    skewed = _mean_site_entropy(Scenario(ScenarioConfig(alpha=0.1)))
+    even = _mean_site_entropy(Scenario(ScenarioConfig(alpha=100.0)))
     assert even > np.log(4) - 0.05  # near-uniform over the 4 classes of a task
     assert skewed < even - 0.5
 
@@ -78,12 +78,12 @@ def test_small_alpha_skews_class_mixes_more_than_large_alpha() -> None:
 def test_partition_is_deterministic_and_seed_sensitive(scenario: Scenario) -> None:
     again = Scenario(ScenarioConfig())
     for task in range(scenario.n_tasks):
-        for c in range(scenario.n_clients):
+        for c in range(scenario.n_sites):
             assert again.train_samples(c, task) == scenario.train_samples(c, task)
             assert again.test_samples(c, [task]) == scenario.test_samples(c, [task])
     other = Scenario(ScenarioConfig(seed=1996))
     assert other.split.class_folders != scenario.split.class_folders
-    # Not just relabelled: the clients' counts of each class folder change with the seed.
+    # Not just relabelled: the sites' counts of each class folder change with the seed.
     assert _counts_by_folder(other) != _counts_by_folder(scenario)
 
 
@@ -97,14 +97,14 @@ def test_task_stream_with_asynchronous_arrival() -> None:
     assert s.task_at(0, 0) == 0 and s.task_at(0, 7) is None
     assert s.task_at(4, s.n_steps - 1) == s.n_tasks - 1
     assert [s.task_at(c, 3) for c in range(5)] == [3, 2, 1, 0, None]
-    with pytest.raises(ValueError, match="client"):
+    with pytest.raises(ValueError, match=r"site must be in \[0, 5\)"):
         s.task_at(5, 0)
 
 
 def test_the_simulation_writes_each_site_folder_as_its_stream_arrives(tmp_path: Path) -> None:
     """Before each step every simulated site's data folder holds the tasks its stream reached,
     where the site finds it by its partition; writing a step again changes nothing."""
-    s = Scenario(ScenarioConfig(n_tasks=3, classes_per_task=2, n_clients=2, arrival_offset=1))
+    s = Scenario(ScenarioConfig(n_tasks=3, classes_per_task=2, n_sites=2, arrival_offset=1))
     write = SimulatedSites(s, tmp_path)
 
     def tasks(partition: int) -> list[str]:
@@ -131,7 +131,7 @@ def test_the_simulation_writes_each_site_folder_as_its_stream_arrives(tmp_path: 
 
 def test_synchronous_stream(scenario: Scenario) -> None:
     assert scenario.n_steps == scenario.n_tasks
-    assert all(scenario.task_at(c, 4) == 4 for c in range(scenario.n_clients))
+    assert all(scenario.task_at(c, 4) == 4 for c in range(scenario.n_sites))
 
 
 def test_local_test_sets_follow_training_shares(scenario: Scenario) -> None:
@@ -139,7 +139,7 @@ def test_local_test_sets_follow_training_shares(scenario: Scenario) -> None:
         counts = scenario.class_counts(task)
         labels = scenario.split.task_labels(task)
         test = scenario.global_test_samples([task])
-        parts = [scenario.test_samples(c, [task]) for c in range(scenario.n_clients)]
+        parts = [scenario.test_samples(c, [task]) for c in range(scenario.n_sites)]
         merged = [s for part in parts for s in part]
         assert len(merged) == len(set(merged))
         trained = {lab for col, lab in enumerate(labels) if counts[:, col].sum() > 0}
@@ -156,7 +156,7 @@ def test_test_samples_keep_split_order_over_several_tasks(scenario: Scenario) ->
     tasks = [5, 1, 3]
     order = {s: i for i, s in enumerate(scenario.global_test_samples(tasks))}
     assert scenario.global_test_samples(tasks) == scenario.split.samples("test", tasks)
-    for c in range(scenario.n_clients):
+    for c in range(scenario.n_sites):
         local = scenario.test_samples(c, tasks)
         assert all(s in order for s in local)
         assert [order[s] for s in local] == sorted(order[s] for s in local)
@@ -164,7 +164,7 @@ def test_test_samples_keep_split_order_over_several_tasks(scenario: Scenario) ->
 
 
 def test_a_class_without_training_images_gets_no_local_test_images() -> None:
-    # alpha = 0.05 leaves most clients without most classes.
+    # alpha = 0.05 leaves most sites without most classes.
     s = Scenario(ScenarioConfig(alpha=0.05))
     counts = s.class_counts(0)
     missing = [(c, lab) for c in range(5) for lab in range(4) if counts[c, lab] == 0]
@@ -176,14 +176,14 @@ def test_a_class_without_training_images_gets_no_local_test_images() -> None:
 def test_more_sites_than_images_leave_most_sites_without_a_task() -> None:
     """Past one site per image, the same Dirichlet draw per class, without the partitioner's
     refusal: deterministic, and a site mostly holds one class of a task, or nothing."""
-    many = Scenario(ScenarioConfig(n_clients=1000))
+    many = Scenario(ScenarioConfig(n_sites=1000))
     counts = many.class_counts(0)
     holding = counts.sum(axis=1) > 0
     assert 0 < holding.sum() < 500
     assert ((counts[holding] > 0).sum(axis=1) == 1).mean() > 0.8
-    again = Scenario(ScenarioConfig(n_clients=1000))
+    again = Scenario(ScenarioConfig(n_sites=1000))
     assert all(many.train_samples(c, 3) == again.train_samples(c, 3) for c in range(1000))
-    other_seed = Scenario(ScenarioConfig(n_clients=1000, seed=7))
+    other_seed = Scenario(ScenarioConfig(n_sites=1000, seed=7))
     assert not (other_seed.class_counts(0) == counts).all()
 
 
@@ -218,7 +218,7 @@ def test_from_config_reads_dashed_keys(tmp_path: Path) -> None:
         n_tasks=4,
         classes_per_task=None,
         seed=1996,
-        n_clients=3,
+        n_sites=3,
         alpha=1.0,
         arrival_offset=2,
         min_partition_size=5,

@@ -41,7 +41,7 @@ class ScenarioConfig(Options):
     n_tasks: int = knob("num-tasks")
     classes_per_task: int | None = knob("classes-per-task", optional)  # None: spread evenly
     seed: int = knob("seed")  # class order and partition
-    n_clients: int = knob("num-sites")
+    n_sites: int = knob("num-sites")
     alpha: float = knob("alpha")  # Dirichlet concentration: small = each site sees few classes
     arrival_offset: int = knob("arrival-offset")  # site i starts i * offset steps after site 0
     min_partition_size: int = knob("min-partition-size")  # per task, for every site
@@ -50,7 +50,7 @@ class ScenarioConfig(Options):
     @property
     def n_steps(self) -> int:
         """Global steps until the last-arriving site has finished its last task."""
-        return self.n_tasks + (self.n_clients - 1) * self.arrival_offset
+        return self.n_tasks + (self.n_sites - 1) * self.arrival_offset
 
 
 def _task_seed(seed: int, task: int) -> int:
@@ -74,7 +74,7 @@ def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
 
 
 class Scenario:
-    """The images of every simulated site (client) for every task, and the task streams."""
+    """The images of every simulated site for every task, and the task streams."""
 
     def __init__(self, config: ScenarioConfig) -> None:
         self.config = config
@@ -84,13 +84,13 @@ class Scenario:
             classes_per_task=config.classes_per_task,
             seed=config.seed,
         )
-        self._train: dict[int, list[list[Sample]]] = {}  # task -> per-client samples
+        self._train: dict[int, list[list[Sample]]] = {}  # task -> per-site samples
         self._test: dict[int, list[list[Sample]]] = {}
         self._counts: dict[int, np.ndarray] = {}
 
     @property
-    def n_clients(self) -> int:
-        return self.config.n_clients
+    def n_sites(self) -> int:
+        return self.config.n_sites
 
     @property
     def n_tasks(self) -> int:
@@ -100,25 +100,25 @@ class Scenario:
     def n_steps(self) -> int:
         return self.config.n_steps
 
-    def task_at(self, client: int, step: int) -> int | None:
-        """The client's local task at a global step; None before it joins or after it ends."""
-        task = step - self._check_client(client) * self.config.arrival_offset
+    def task_at(self, site: int, step: int) -> int | None:
+        """The site's local task at a global step; None before it joins or after it ends."""
+        task = step - self._check_site(site) * self.config.arrival_offset
         return task if 0 <= task < self.n_tasks else None
 
-    def train_samples(self, client: int, task: int) -> list[Sample]:
-        """The client's share of ``task``'s training images, in ``split.samples`` order."""
-        return list(self._train_partition(task)[self._check_client(client)])
+    def train_samples(self, site: int, task: int) -> list[Sample]:
+        """The site's share of ``task``'s training images, in ``split.samples`` order."""
+        return list(self._train_partition(task)[self._check_site(site)])
 
-    def test_samples(self, client: int, tasks: Iterable[int]) -> list[Sample]:
-        """The client's local test images of ``tasks``, in ``split.samples`` order.
+    def test_samples(self, site: int, tasks: Iterable[int]) -> list[Sample]:
+        """The site's local test images of ``tasks``, in ``split.samples`` order.
 
-        Each class's test images are shared out in proportion to the clients' training images of
+        Each class's test images are shared out in proportion to the sites' training images of
         that class, so a site is tested on the class mix it trained on.
         """
-        client = self._check_client(client)
+        site = self._check_site(site)
         out: list[Sample] = []
         for task in sorted(set(tasks)):  # tasks hold consecutive labels: this keeps split order
-            out.extend(self._test_partition(task)[client])
+            out.extend(self._test_partition(task)[site])
         return out
 
     def global_test_samples(self, tasks: Iterable[int]) -> list[Sample]:
@@ -126,17 +126,17 @@ class Scenario:
         return self.split.samples("test", tasks)
 
     def class_counts(self, task: int) -> np.ndarray:
-        """Training images per client and class of ``task``: int ``[n_clients, classes]``."""
+        """Training images per site and class of ``task``: int ``[n_sites, classes]``."""
         if task not in self._counts:
             first = self.split.task_labels(task)[0]
-            counts = np.zeros((self.n_clients, self.split.classes_per_task), dtype=np.int64)
-            for client, samples in enumerate(self._train_partition(task)):
+            counts = np.zeros((self.n_sites, self.split.classes_per_task), dtype=np.int64)
+            for site, samples in enumerate(self._train_partition(task)):
                 for _, label in samples:
-                    counts[client, label - first] += 1
+                    counts[site, label - first] += 1
             self._counts[task] = counts
         return self._counts[task].copy()
 
-    def write_site(self, client: int, data_dir: str | os.PathLike[str], step: int) -> None:
+    def write_site(self, site: int, data_dir: str | os.PathLike[str], step: int) -> None:
         """Fill a simulated site's data folder as a deployed site's would look at ``step``.
 
         Each task that has arrived by ``step`` is a folder ``task-NN/<class>/`` of links to the
@@ -146,8 +146,8 @@ class Scenario:
         """
         root = Path(data_dir)
         root.mkdir(parents=True, exist_ok=True)  # a site that has not joined yet: no tasks
-        latest = self.task_at(client, step)
-        if latest is None and step >= client * self.config.arrival_offset:
+        latest = self.task_at(site, step)
+        if latest is None and step >= site * self.config.arrival_offset:
             latest = self.n_tasks - 1  # the stream has ended: every task has arrived
         for task in range(0 if latest is None else latest + 1):
             target = root / f"task-{task:02d}"
@@ -155,11 +155,11 @@ class Scenario:
                 staging = root / f".{target.name}.tmp"
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)  # an empty task is still a task folder
-                samples = self.train_samples(client, task)
+                samples = self.train_samples(site, task)
                 _write_class_folders(staging, samples, self.split, self._patient_names(samples))
                 staging.rename(target)
             # test images of a class appear with its task
-            _write_class_folders(root / "test", self.test_samples(client, [task]), self.split)
+            _write_class_folders(root / "test", self.test_samples(site, [task]), self.split)
 
     def _patient_names(self, samples: list[Sample]) -> dict[str, str]:
         """Link names that make every run of ``patient_images`` consecutive images of a class
@@ -177,19 +177,19 @@ class Scenario:
             for path, label in samples
         }
 
-    def _check_client(self, client: int) -> int:
-        if not 0 <= client < self.n_clients:
-            raise ValueError(f"client must be in [0, {self.n_clients}), got {client}")
-        return client
+    def _check_site(self, site: int) -> int:
+        if not 0 <= site < self.n_sites:
+            raise ValueError(f"site must be in [0, {self.n_sites}), got {site}")
+        return site
 
     def _train_partition(self, task: int) -> list[list[Sample]]:
         if task not in self._train:
             samples = self.split.samples("train", [task])
-            if self.n_clients >= len(samples) and not self.config.min_partition_size:
+            if self.n_sites >= len(samples) and not self.config.min_partition_size:
                 self._train[task] = self._sparse_partition(task, samples)
                 return self._train[task]
             partitioner = DirichletPartitioner(
-                num_partitions=self.n_clients,
+                num_partitions=self.n_sites,
                 partition_by="label",
                 alpha=self.config.alpha,
                 min_partition_size=self.config.min_partition_size,
@@ -202,7 +202,7 @@ class Scenario:
             )
             try:
                 parts = [
-                    sorted(partitioner.load_partition(c)["index"]) for c in range(self.n_clients)
+                    sorted(partitioner.load_partition(c)["index"]) for c in range(self.n_sites)
                 ]
             except ValueError as err:  # too few images, or min_partition_size never met
                 raise ValueError(f"cannot partition task {task}: {err}") from err
@@ -217,11 +217,11 @@ class Scenario:
         site then brings nothing to its step). Smaller scenarios keep the partitioner's."""
         rng = np.random.default_rng(_task_seed(self.config.seed, task))
         labels = np.array([label for _, label in samples])
-        parts: list[list[int]] = [[] for _ in range(self.n_clients)]
+        parts: list[list[int]] = [[] for _ in range(self.n_sites)]
         for label in np.unique(labels):
             indices = np.flatnonzero(labels == label)
             rng.shuffle(indices)
-            shares = rng.dirichlet(np.full(self.n_clients, self.config.alpha))
+            shares = rng.dirichlet(np.full(self.n_sites, self.config.alpha))
             cuts = (np.cumsum(shares) * len(indices)).astype(int)[:-1]
             for part, chunk in zip(parts, np.split(indices, cuts), strict=True):
                 part.extend(chunk.tolist())
@@ -230,7 +230,7 @@ class Scenario:
     def _test_partition(self, task: int) -> list[list[Sample]]:
         if task not in self._test:
             counts = self.class_counts(task)
-            parts: list[list[Sample]] = [[] for _ in range(self.n_clients)]
+            parts: list[list[Sample]] = [[] for _ in range(self.n_sites)]
             by_label: dict[int, list[Sample]] = {}
             for sample in self.split.samples("test", [task]):
                 by_label.setdefault(sample[1], []).append(sample)
@@ -241,9 +241,9 @@ class Scenario:
                 order = rng.permutation(len(images))
                 sizes = _largest_remainder(len(images), counts[:, col])
                 bounds = np.concatenate([[0], np.cumsum(sizes)])
-                for client in range(self.n_clients):
-                    chosen = np.sort(order[bounds[client] : bounds[client + 1]])
-                    parts[client].extend(images[i] for i in chosen)
+                for site in range(self.n_sites):
+                    chosen = np.sort(order[bounds[site] : bounds[site + 1]])
+                    parts[site].extend(images[i] for i in chosen)
             self._test[task] = parts
         return self._test[task]
 

@@ -195,7 +195,7 @@ def run(values: Values, seed: int, out_dir: Path, console: Console) -> None:
     split = scenario.split
     backbones = BackboneOptions.from_config(config).load(as_str(config, "device"))
     features = SiteFeatures(scenario, backbones, default_cache_dir() / "images")
-    n_sites = scenario.n_clients
+    n_sites = scenario.n_sites
     head = nn.Linear(backbones.dims.d_vit, split.n_classes)
     grid = CountingGrid(
         client_app(features, split.n_classes, train), dict(config), node_configs(n_sites),
