@@ -30,7 +30,6 @@ from deployed import ROUND_TIMEOUT_S, RUN_CONFIG, deployment, round_settings, st
 from rich.console import Console
 from site_folders import CLASSES
 
-from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.ops.flower_runs import FlowerCli
 from starfed.ops.processes import send_signal, wait_gone
@@ -67,10 +66,7 @@ def uninterrupted(data: Path, root: Path) -> Codebook:
         for node, name in enumerate(SITES, start=1)
     }
     grid = LocalGrid(client_app.app, config, nodes, client_threads=torch.get_num_threads())
-    try:
-        metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
-    finally:
-        answer.SITES.clear()
+    metrics = run_server(grid, config, grid.run_id, Console(quiet=True))
     assert metrics["status"] == "completed"
     return wire.read_file(root / "federation" / CODEBOOK_FILE)
 
