@@ -14,7 +14,10 @@ must not train on data it was never given.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +45,57 @@ from starfed.shared.protocol import (
     Phase,
 )
 
-#: The sites this process has built, by (run id, node id), the last one used last: backbones
-#: and caches load once. A process of a simulation answers for many sites; it keeps the
-#: ``SITES_KEPT`` it used last, so its memory does not grow with the number of sites (what a
-#: site must remember is in its folders: a site built again reads it there, as a deployed
-#: site's next ClientApp process does).
-SITES: OrderedDict[tuple[int, int], Site] = OrderedDict()
+#: How many built sites a process keeps (``SiteCache``).
 SITES_KEPT = 128
+
+
+@dataclass(frozen=True)
+class SiteKey:
+    """What a site is built from: its run and node ids, and the run's and node's configs as
+    canonical JSON. Two runs under the same ids with other configs (two in-process runs, one
+    after the other) are two sites: the second never gets the first's."""
+
+    run_id: int
+    node_id: int
+    configs: str
+
+    @classmethod
+    def of(cls, run_id: int, node_id: int, run_config: dict, node_config: dict) -> SiteKey:
+        # repr: a value JSON cannot hold is refused by the schema when the site is built
+        configs = json.dumps([run_config, node_config], sort_keys=True, default=repr)
+        return cls(run_id, node_id, configs)
+
+
+class SiteCache:
+    """The sites a process has built, the last one used last: backbones and caches load once.
+
+    A process of a simulation answers for many sites; it keeps the ``kept`` it used last, so
+    its memory does not grow with the number of sites (what a site must remember is in its
+    folders: a site built again reads it there, as a deployed site's next ClientApp process
+    does)."""
+
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+        self._sites: OrderedDict[SiteKey, Site] = OrderedDict()
+
+    def get(self, key: SiteKey, build: Callable[[], Site]) -> Site:
+        """The site built from ``key``: the one kept, or ``build()``'s (then kept)."""
+        site = self._sites.get(key)
+        if site is not None:
+            self._sites.move_to_end(key)
+            return site
+        site = self._sites[key] = build()
+        while len(self._sites) > self.kept:
+            self._sites.popitem(last=False)
+        return site
+
+    def clear(self) -> None:
+        """Forget every site (to free its memory: the next message builds it again)."""
+        self._sites.clear()
+
+
+#: This process's sites.
+SITES = SiteCache(SITES_KEPT)
 
 
 class NoDataError(RuntimeError):
@@ -71,34 +118,33 @@ def site_for(run_id: int, node_id: int, run_config: dict, node_config: dict) -> 
 
     Run and node config are checked against the schema (``starfed.shared.config``) first.
     """
-    key = (run_id, node_id)
-    if key in SITES:
-        SITES.move_to_end(key)
+    key = SiteKey.of(run_id, node_id, run_config, node_config)
+    return SITES.get(key, lambda: _build_site(run_id, node_id, run_config, node_config))
+
+
+def _build_site(run_id: int, node_id: int, run_config: dict, node_config: dict) -> Site:
+    """A site from the configs: a configured site's folders, or a simulated node's."""
+    values, node = parse(run_config), parse(node_config, "node-config")
+    device = as_str(node, "device") or as_str(values, "device")
+    backbones = BackboneOptions.from_config(values).load(device)
+    if node["data-dir"]:
+        name = as_str(node, "site-name") or f"node-{node_id}"
+        data_dir = Path(as_str(node, "data-dir"))
+        state_dir = Path(as_str(node, "state-dir") or data_dir / ".starfed")
+        cache_dir = Path(as_str(node, "cache-dir") or state_dir / "cache")
+    elif "partition-id" in node_config:
+        root = simulated_site_dir(run_dir(values, run_id), as_int(node, "partition-id"))
+        name, data_dir, state_dir = root.name, root / "data", root / "state"
+        cache_dir = Path(as_str(node, "cache-dir") or default_cache_dir())
     else:
-        values, node = parse(run_config), parse(node_config, "node-config")
-        device = as_str(node, "device") or as_str(values, "device")
-        backbones = BackboneOptions.from_config(values).load(device)
-        if node["data-dir"]:
-            name = as_str(node, "site-name") or f"node-{node_id}"
-            data_dir = Path(as_str(node, "data-dir"))
-            state_dir = Path(as_str(node, "state-dir") or data_dir / ".starfed")
-            cache_dir = Path(as_str(node, "cache-dir") or state_dir / "cache")
-        elif "partition-id" in node_config:
-            root = simulated_site_dir(run_dir(values, run_id), as_int(node, "partition-id"))
-            name, data_dir, state_dir = root.name, root / "data", root / "state"
-            cache_dir = Path(as_str(node, "cache-dir") or default_cache_dir())
-        else:
-            raise NoDataError(
-                "this SuperNode has no data folder: start it with `starfed site start --data "
-                "DIR` (node config data-dir), so it never trains on data it was not given"
-            )
-        memory = SiteMemory(state_dir, backbones.fingerprint, backbones.dims)
-        config = TrainConfig.from_config(values)
-        privacy = PrivacySetting.of(values, node)
-        SITES[key] = Site(name, data_dir, memory, backbones, config, cache_dir, privacy)
-        while len(SITES) > SITES_KEPT:
-            SITES.popitem(last=False)
-    return SITES[key]
+        raise NoDataError(
+            "this SuperNode has no data folder: start it with `starfed site start --data "
+            "DIR` (node config data-dir), so it never trains on data it was not given"
+        )
+    memory = SiteMemory(state_dir, backbones.fingerprint, backbones.dims)
+    config = TrainConfig.from_config(values)
+    privacy = PrivacySetting.of(values, node)
+    return Site(name, data_dir, memory, backbones, config, cache_dir, privacy)
 
 
 def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:

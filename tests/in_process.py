@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from starfed.cli import main
-from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.simulations.local_grid import LocalGrid
@@ -66,10 +65,5 @@ def run_two_sites(root: Path, faults: dict | None = None, **config: object) -> d
 
 
 def run_grid(grid: LocalGrid, config: dict) -> dict:
-    """The server over ``grid``; the run's metrics. The ClientApp's process-wide cache
-    of sites (``answer.SITES``) is emptied after, even when the run fails: a later run, whatever
-    its run id, builds its sites again from their folders."""
-    try:
-        return run_server(grid, config, grid.run_id)
-    finally:
-        answer.SITES.clear()
+    """The server over ``grid``; the run's metrics."""
+    return run_server(grid, config, grid.run_id)

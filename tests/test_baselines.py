@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,7 +39,14 @@ from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import CLASSIFY_WITH_KEYS, Phase
-from starfed.simulations.methods import METHODS, fedavg, no_replay, positional, unmerged
+from starfed.simulations.methods import (
+    METHODS,
+    MethodSpec,
+    fedavg,
+    no_replay,
+    positional,
+    unmerged,
+)
 from starfed.simulations.methods import keys as keys_method
 from starfed.simulations.methods import starfed as federated
 
@@ -76,21 +84,54 @@ def test_the_baselines_are_registered() -> None:
     assert METHODS["fedavg"].load() is fedavg.run
 
 
-def test_a_baseline_is_one_module(tmp_path: Path, monkeypatch) -> None:
-    """A module with a Strategy subclass is method ``starfed-<module>``, found from its source
-    (no import), described by its docstring's first paragraph."""
-    from starfed.simulations import methods
+def registry_faults(methods: Mapping[str, MethodSpec], package: str) -> list[str]:
+    """Where the registry and the modules of ``package`` disagree: a module of its folder the
+    registry does not list, a listed module that is not there, a strategy class that is not a
+    ``Strategy``, a ``run`` that is not there."""
+    folder = Path(str(importlib.import_module(package).__file__)).parent
+    listed = {spec.module for spec in methods.values()}
+    faults = [f"{path.stem}: not listed" for path in sorted(folder.glob("[!_]*.py"))
+              if path.stem not in listed]  # fmt: skip
+    for name, spec in methods.items():
+        if not (folder / f"{spec.module}.py").is_file():
+            faults.append(f"{name}: no module {spec.module}")
+            continue
+        module = importlib.import_module(f"{package}.{spec.module}")
+        if spec.strategy is None and not callable(getattr(module, "run", None)):
+            faults.append(f"{name}: {spec.module} has no run")
+        found = getattr(module, spec.strategy or "", None)
+        if spec.strategy and not (isinstance(found, type) and issubclass(found, Strategy)):
+            faults.append(f"{name}: {spec.module}.{spec.strategy} is no Strategy")
+    return faults
 
-    (tmp_path / "__init__.py").write_text("")
-    (tmp_path / "median_merge.py").write_text(
-        '"""`starfed-median-merge`: the merge by median."""\n'
-        "from starfed.server.strategy import Strategy\n\n\n"
-        "class MedianMerge(Strategy):\n    pass\n"
+
+def test_the_registry_lists_every_method_module_and_what_it_defines() -> None:
+    assert registry_faults(METHODS, "starfed.simulations.methods") == []
+
+
+def test_the_registry_check_finds_what_a_module_lacks(tmp_path: Path, monkeypatch) -> None:
+    """A module not listed, a listed one absent, a strategy or a ``run`` it does not define."""
+    package = tmp_path / "other_methods"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "median.py").write_text(
+        "from starfed.server.strategy import Strategy\n\n\nclass Median(Strategy):\n    pass\n"
     )
-    found = methods._spec(tmp_path / "median_merge.py")
-    assert found == ("starfed-median-merge", methods.MethodSpec(
-        "median_merge", "MedianMerge", "the merge by median."))  # fmt: skip
-    assert methods._spec(tmp_path / "__init__.py") is None
+    (package / "fedprox.py").write_text("def train():\n    pass\n")
+    (package / "stray.py").write_text("def run():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    methods = {
+        "starfed-median": MethodSpec("median", "Median", "the merge by median."),
+        "starfed-mean": MethodSpec("median", "Mean", "the merge by mean."),
+        "fedprox": MethodSpec("fedprox", None, "FedProx fine-tuning."),
+        "gone": MethodSpec("gone", None, "a module removed."),
+    }
+    assert registry_faults(methods, "other_methods") == [
+        "stray: not listed",
+        "starfed-mean: median.Mean is no Strategy",
+        "fedprox: fedprox has no run",
+        "gone: no module gone",
+    ]
 
 
 def test_fedavg_fine_tuning_forgets(tmp_path: Path) -> None:

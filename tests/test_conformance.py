@@ -188,7 +188,7 @@ def test_second_stage_forward_and_training_step(case: Case) -> None:
     """Similarities, selections, residuals, CLS features, logits, L_OQ and all gradients."""
     n_past, n_seen = case.n_past, case.n_seen
     t, hp = case.t, case.meta["hyperparameters"]
-    vit = PromptedViT(case.backbones.vit)
+    vit = PromptedViT(case.backbones.vit, case.backbones.fast_towers)
     z = case.backbones.clip_image_features(t["x_clip"])
     q_cur = t["Q"][n_past:n_seen].clone().requires_grad_(True)
     a_cur = t["A"][n_past:n_seen].clone().requires_grad_(True)

@@ -29,7 +29,6 @@ import torch
 from deployed import RUN_CONFIG, RUN_TIMEOUT_S, deployment, run_settings, starfed
 from site_folders import CLASSES
 
-from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.ops.flower_runs import FlowerCli
 from starfed.ops.processes import send_signal, wait_gone
@@ -66,10 +65,7 @@ def uninterrupted(data: Path, root: Path) -> Codebook:
         for node, name in enumerate(SITES, start=1)
     }
     grid = LocalGrid(client_app.app, config, nodes, client_threads=torch.get_num_threads())
-    try:
-        metrics = run_server(grid, config, grid.run_id)
-    finally:
-        answer.SITES.clear()
+    metrics = run_server(grid, config, grid.run_id)
     assert metrics["status"] == "completed"
     return wire.read_file(root / "federation" / CODEBOOK_FILE)
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 import itertools
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from flwr.app import Message
 
-from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import RunFailed, run_server
 from starfed.server.federation import Federation as FederationFolder
@@ -76,10 +74,8 @@ def cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def fed(tmp_path, cache) -> Iterator[Federation]:
-    federation = Federation(tmp_path, cache)
-    yield federation
-    answer.SITES.clear()
+def fed(tmp_path, cache) -> Federation:
+    return Federation(tmp_path, cache)
 
 
 def statuses(metrics: dict, site: str, phase: str | None = None) -> list[str]:

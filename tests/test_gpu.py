@@ -19,7 +19,6 @@ from site_folders import CLASSES, site_folder
 from test_mixture_fit import blobs, log_likelihood
 from test_paper_dims import PAPER_DIMS, one_step_config
 
-from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.server.app import run_server
 from starfed.server.folder_files import CODEBOOK_FILE
@@ -49,10 +48,7 @@ def federated_step(tmp: Path, device: str) -> tuple[dict, Codebook]:
         nodes[node] = {"data-dir": str(data), "state-dir": str(tmp / f"{name}-{device}"),
                        "site-name": name, "cache-dir": str(tmp / "cache")}  # fmt: skip
     grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
-    try:
-        metrics = run_server(grid, config, grid.run_id)
-    finally:
-        answer.SITES.clear()
+    metrics = run_server(grid, config, grid.run_id)
     return metrics, wire.read_file(tmp / f"federation-{device}" / CODEBOOK_FILE)
 
 
@@ -77,10 +73,7 @@ def test_one_federated_step_at_paper_dims_on_cuda(tmp_path: Path, monkeypatch) -
     batched fit there (``mixture_fit_for``)."""
     monkeypatch.setenv("STARFED_CACHE_DIR", str(tmp_path / "cache"))
     config = one_step_config(tmp_path, "cuda", "paper-cuda")
-    try:
-        metrics = run_locally(config)
-    finally:
-        answer.SITES.clear()
+    metrics = run_locally(config)
     assert metrics["status"] == "completed", metrics["reason"]
     assert {e["status"] for e in metrics["exchanges"]} == {"ok"}
     codebook = wire.read_file(tmp_path / "results" / "paper-cuda" / CODEBOOK_FILE)

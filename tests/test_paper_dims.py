@@ -21,7 +21,6 @@ import torch
 from site_folders import BUNDLED, CLASSES
 
 from starfed.cli import main
-from starfed.client import answer
 from starfed.server.folder_files import CODEBOOK_FILE
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
@@ -95,10 +94,7 @@ def one_step_config(tmp_path: Path, device: str, run_name: str) -> dict:
 def test_one_federated_step_at_paper_dims_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("STARFED_CACHE_DIR", str(tmp_path / "cache"))
     config = one_step_config(tmp_path, "cpu", "paper")
-    try:
-        metrics = run_locally(config)
-    finally:
-        answer.SITES.clear()
+    metrics = run_locally(config)
     assert metrics["status"] == "completed", metrics["reason"]
     assert metrics["sites"] == ["site-0", "site-1"]
     exchanges = metrics["exchanges"]

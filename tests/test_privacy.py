@@ -44,7 +44,7 @@ from starfed.simulations.simulated_sites import SimulatedSites
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-pytestmark = [pytest.mark.privacy, pytest.mark.usefixtures("one_torch_thread", "forget_sites")]
+pytestmark = [pytest.mark.privacy, pytest.mark.usefixtures("one_torch_thread")]
 
 DELTA = 1e-5
 CONFIG = {

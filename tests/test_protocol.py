@@ -71,7 +71,7 @@ FINAL_FIELDS = tuple(f for f in schema.TENSORS if not f.startswith("aligned_"))
 PHASE_OF = {spec.message_type: spec.phase for spec in MESSAGES}
 TYPE_OF = {spec.phase.key: spec.message_type for spec in MESSAGES}
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread", "forget_sites")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 _run_ids = itertools.count(1000)
 

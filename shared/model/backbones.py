@@ -38,6 +38,7 @@ from torch import nn
 
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.device import autocast, backbone_dtype
+from starfed.shared.model import frozen_towers
 from starfed.shared.model.backbone_config import (
     PAPER_VIT_TAGS,
     BackboneConfig,
@@ -66,8 +67,11 @@ class Backbones(nn.Module):
             n_layers=len(vit.blocks),
         )
         self._fingerprint: str | None = None
+        #: The towers run through ``frozen_towers`` where they can (the knob ``fast-towers``
+        #: when the pair was built; False: each module's own forward).
+        self.fast_towers = frozen_towers.enabled()
         #: CLIP image features through ``frozen_towers`` (False: open_clip's own forward).
-        self.fast_clip = supports_clip_visual(clip.visual)
+        self.fast_clip = self.fast_towers and supports_clip_visual(clip.visual)
         self.device = torch.device("cpu")
 
     def train(self, mode: bool = True) -> Backbones:

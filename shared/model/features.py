@@ -15,7 +15,6 @@ import torch
 
 from starfed.shared.data.images import device_batches, normalize, to_unit
 from starfed.shared.device import backbone_dtype
-from starfed.shared.model import frozen_towers
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.star_prompt import StarPrompt
 
@@ -56,7 +55,7 @@ def clip_features_signature(backbones: Backbones) -> str:
     return "|".join([
         backbones.fingerprint,
         f"v{CLIP_FEATURES_VERSION}",
-        f"frozen-towers={frozen_towers.ENABLED}",
+        f"frozen-towers={backbones.fast_towers}",
         backbones.device.type,
         str(backbone_dtype(backbones.device)),
         f"torch-{torch.__version__}",

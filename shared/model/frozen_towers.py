@@ -18,7 +18,8 @@ Every rewrite is exact algebra; results differ from the module path only by floa
 (checked against the reference's golden vectors in tests/test_conformance.py). Blocks of a kind
 this file does not know (gates, extra norms, layer scale, other activations) make
 ``supports_*`` return False and callers keep the module path; so does the environment variable
-``STARFED_FAST_TOWERS=0`` (to compare both paths, docs/benchmarks.md).
+``STARFED_FAST_TOWERS=0`` (to compare both paths, docs/benchmarks.md), which ``enabled`` reads
+when a backbone pair is built (``Backbones.fast_towers``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from torch import nn
 from starfed.shared.config import environment
 from starfed.shared.knob import as_bool
 
-#: False when ``STARFED_FAST_TOWERS=0`` (the knob table's environment knob ``fast-towers``):
-#: every tower then runs its own modules' forward.
-ENABLED = as_bool(environment(), "fast-towers")
+
+def enabled() -> bool:
+    """The environment knob ``fast-towers`` (``STARFED_FAST_TOWERS``), read at each call: False
+    has every tower built from now on run its own modules' forward."""
+    return as_bool(environment(), "fast-towers")
 
 
 class _FrozenLinearFn(torch.autograd.Function):
@@ -137,8 +140,6 @@ def _gelu(x: torch.Tensor, act: nn.Module) -> torch.Tensor:
 
 def supports_timm_vit(vit: VisionTransformer) -> bool:
     """True when every block is the plain pre-norm ViT block the fast path implements."""
-    if not ENABLED:
-        return False
     for block in vit.blocks:
         attn = cast(Attention, block.attn)
         if not isinstance(block, Block) or not isinstance(block.mlp, Mlp):
@@ -254,7 +255,7 @@ def timm_vit_cls(
 
 def supports_clip_visual(visual: nn.Module) -> bool:
     """True for open_clip's plain ViT image tower with class-token pooling."""
-    if not ENABLED or not isinstance(visual, ClipVisionTransformer):
+    if not isinstance(visual, ClipVisionTransformer):
         return False
     if not hasattr(visual, "_embeds"):  # open_clip < 2.24 has no separate embedding step
         return False

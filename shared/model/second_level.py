@@ -99,10 +99,11 @@ class PromptedViT(nn.Module):
     """A frozen timm ViT whose blocks take one residual per image (the semantic residual).
 
     Plain ViTs run ``frozen_towers.timm_vit_cls`` (frozen-weight GEMMs, class-token-only last
-    block); ``fast=False`` or an unsupported block layout runs the timm modules themselves.
+    block); ``fast=False`` (``Backbones.fast_towers``: the knob ``fast-towers``) or an
+    unsupported block layout runs the timm modules themselves.
     """
 
-    def __init__(self, vit: VisionTransformer, fast: bool = True) -> None:
+    def __init__(self, vit: VisionTransformer, fast: bool) -> None:
         super().__init__()
         self.vit = vit
         self.fast = fast and supports_timm_vit(vit)

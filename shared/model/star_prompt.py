@@ -76,7 +76,7 @@ class StarPrompt:
         self.backbones = backbones
         self.device = backbones.device  # where the bank lives and the model computes
         self.encoder = TextKeyEncoder(backbones.clip)
-        self.vit = PromptedViT(backbones.vit)
+        self.vit = PromptedViT(backbones.vit, backbones.fast_towers)
         self.bank = ClassBank(backbones.dims).to(self.device)
         self.class_texts: list[str] = []
         self.confidence_modulation = confidence_modulation

@@ -1,24 +1,22 @@
-"""The methods an experiment compares, by name: one module per method, found by its name.
+"""The methods an experiment compares, by name: ``METHODS``, one module here per method.
 
 A method runs one cell of an experiment grid and writes ``out_dir/metrics.json`` (the keys of
-``starfed.simulations.tabulate.METRICS``; docs/results.md). A module here is a method when it
-defines, at its top level, either
+``starfed.simulations.tabulate.METRICS``; docs/results.md). Its module here defines either
 
-- a subclass of ``starfed.server.strategy.Strategy``: a federated baseline, method
-  ``starfed-<module>`` (underscores as dashes) — `starfed` on the local runtime with that
-  strategy passed in (``starfed.simulations.methods.starfed``); or
-- ``run(values, seed, out_dir, console)``: any other method, named ``<module>``. ``values`` are
-  the scenario's run config, parsed by the configuration schema, with ``seed`` set to ``seed``.
+- a subclass of ``starfed.server.strategy.Strategy``: a federated baseline, named
+  ``starfed-<what it changes>`` — `starfed` on the local runtime with that strategy passed in
+  (``starfed.simulations.methods.starfed``); or
+- ``run(values, seed, out_dir, console)``: any other method. ``values`` are the scenario's run
+  config, parsed by the configuration schema, with ``seed`` set to ``seed``.
 
-The first paragraph of the module's docstring ("`name`: what it is") describes it. Adding a
-method is one module here. Methods are found by reading the modules' source (``ast``), so
-reading and checking a grid imports no torch; each cell runs in its own process
-(``starfed.simulations.cell``), which imports its method's module.
+Adding a method is its module and its line in ``METHODS`` (tests/test_baselines.py checks that
+every module here is listed and defines what its line says). The table names modules and
+classes as text, so reading and checking a grid imports no torch; each cell runs in its own
+process (``starfed.simulations.cell``), which imports its method's module.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
 from dataclasses import dataclass
 from functools import partial
@@ -42,7 +40,7 @@ class Method(Protocol):
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A method found here: its module, its strategy class (a federated baseline), what it is."""
+    """A method: its module here, its strategy class (a federated baseline), what it is."""
 
     module: str  # module name under starfed.simulations.methods
     strategy: str | None  # the module's Strategy subclass; None: the module's ``run``
@@ -56,31 +54,49 @@ class MethodSpec:
         return partial(runner.run, strategy=getattr(module, self.strategy)())
 
 
-def _spec(path: Path) -> tuple[str, MethodSpec] | None:
-    """The method a module defines, by reading its source; None for a module that is none."""
-    tree = ast.parse(path.read_text(), str(path))
-    first = " ".join((ast.get_docstring(tree) or "").split("\n\n")[0].split())
-    dashed = path.stem.replace("_", "-")
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and any(
-            (base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")) == "Strategy"
-            for base in node.bases
-        ):
-            name = f"{FEDERATED}-{dashed}"
-            return name, MethodSpec(path.stem, node.name, first.removeprefix(f"`{name}`: "))
-    if any(isinstance(node, ast.FunctionDef) and node.name == "run" for node in tree.body):
-        return dashed, MethodSpec(path.stem, None, first.removeprefix(f"`{dashed}`: "))
-    return None
-
-
-def _discover() -> dict[str, MethodSpec]:
-    """Every method here: `starfed` first, then the federated baselines, then the others."""
-    found = dict(filter(None, map(_spec, sorted(Path(__file__).parent.glob("[!_]*.py")))))
-    order = sorted(found, key=lambda name: (name != FEDERATED, not name.startswith(FEDERATED)))
-    return {name: found[name] for name in order}
-
-
-METHODS: dict[str, MethodSpec] = _discover()
+#: Every method, by name: `starfed` first, then the federated baselines, then the others (the
+#: order of the experiment's tables).
+METHODS: dict[str, MethodSpec] = {
+    FEDERATED: MethodSpec(
+        "starfed", None,
+        "federated STAR-Prompt over the scenario's simulated sites, on the local runtime.",
+    ),
+    "starfed-keys": MethodSpec(
+        "keys", "ClassifyWithKeys",
+        "federated STAR-Prompt trained as usual, every evaluation predicting with the "
+        "first-level keys alone (the paper's keys-as-classifier ablation, federated): what the "
+        "second level buys.",
+    ),
+    "starfed-no-replay": MethodSpec(
+        "no_replay", "NoReplay",
+        "federated STAR-Prompt without generative replay (the paper's Table 4 ablation, "
+        "federated): what the mixtures buy a federation.",
+    ),
+    "starfed-positional": MethodSpec(
+        "positional", "PositionalAveraging",
+        "STAR-Prompt whose trained tensors are averaged by position, as plain FedAvg averages "
+        "them, instead of class by class: what the codebook's per-class merge buys.",
+    ),
+    "starfed-unmerged": MethodSpec(
+        "unmerged", "Unmerged",
+        "every site's Gaussians kept as they came, not merged into one mixture per class; the "
+        "server replays from them (HGP/CCVR-style): what the mixture merge costs or buys.",
+    ),
+    "fedavg": MethodSpec(
+        "fedavg", None,
+        "federated fine-tuning with FedAvg and no continual mechanism (the lower bound).",
+    ),
+    "joint": MethodSpec(
+        "joint", None,
+        "all of the scenario's classes as one task at one site (no continual learning: the "
+        "upper reference).",
+    ),
+    "single-site": MethodSpec(
+        "single_site", None,
+        "STAR-Prompt with all the data at one site, the same tasks in order — the reference a "
+        "federation is measured against.",
+    ),
+}  # fmt: skip
 
 
 def cell_run_config(values: Values, seed: int, out_dir: Path) -> dict[str, Value]:

@@ -71,7 +71,7 @@ class Features:
 @torch.no_grad()
 def vit_features(backbones: Backbones, images: torch.Tensor) -> torch.Tensor:
     """Final-LayerNorm class-token features of un-augmented uint8 images, on the CPU."""
-    vit, views = PromptedViT(backbones.vit), Views.of(backbones)
+    vit, views = PromptedViT(backbones.vit, backbones.fast_towers), Views.of(backbones)
     out = [
         vit(views.pair(to_unit(images[i : i + EVAL_BATCH_SIZE].to(backbones.device)))[0])
         .float()
