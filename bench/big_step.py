@@ -43,7 +43,6 @@ from pathlib import Path
 import torch
 from big_federation import build, wchar
 
-from starfed.client import answer
 from starfed.client import app as client_app
 from starfed.client.memory import CODEBOOK_FILE, STATE_FILE
 from starfed.server.app import run_server
@@ -151,10 +150,7 @@ def step(root: Path, preset: str) -> dict[str, object]:
     rss_before = _peak_rss_mb()
     grid = MeteredGrid(client_app.app, config, node_configs(root), run_id=new_run_id())
     started, written = time.perf_counter(), wchar()
-    try:
-        metrics = run_server(grid, config, grid.run_id)
-    finally:
-        answer.SITES.clear()
+    metrics = run_server(grid, config, grid.run_id)
     wall, server_written = time.perf_counter() - started, wchar() - written - grid.client_written
     joined = [e for e in metrics["exchanges"] if e["site"] == JOINING]
     parts = [e for e in joined if e["phase"] == CATCH_UP_KEY]

@@ -14,7 +14,7 @@ from starfed.shared.protocol import Phase
 
 
 def stage2_rows(backbones, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict:
-    monkeypatch.setattr(training, "FUSED_ADAM", fused)
+    monkeypatch.setenv("STARFED_FUSED_ADAM", "1" if fused else "0")
     model = StarPrompt(backbones)
     model.add_classes(["a", "b"], seed=0)
     g = torch.Generator().manual_seed(1)

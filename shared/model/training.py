@@ -48,10 +48,13 @@ from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.progress import progress_task
 from starfed.shared.protocol import SPECS, Phase
 
-#: ``STARFED_FUSED_ADAM=1``: stage 2's Adam updates all its tensors in one fused kernel
-#: (``fused=True``) instead of a loop of small ones, which are launch-bound on a GPU (issue 37).
-#: Off until a GPU measures it; on the CPU it agrees with the default to float32 rounding.
-FUSED_ADAM = as_bool(environment(), "fused-adam")
+
+def fused_adam() -> bool:
+    """``STARFED_FUSED_ADAM=1``: stage 2's Adam updates all its tensors in one fused kernel
+    (``fused=True``) instead of a loop of small ones, which are launch-bound on a GPU (issue 37).
+    Off until a GPU measures it; on the CPU it agrees with the default to float32 rounding.
+    Read when stage 2 builds its optimizer, not at import: no module global to patch."""
+    return as_bool(environment(), "fused-adam")
 
 
 @dataclass(frozen=True)
@@ -263,7 +266,7 @@ def stage2(on: TaskTraining, images: torch.Tensor) -> None:
         for name in schema.trained_in(Phase.STAGE2)
     }
     past = {name: bank[name][:n_past] for name in current}
-    optimizer = torch.optim.Adam(current.values(), lr=config.stage2_lr, fused=FUSED_ADAM or None)
+    optimizer = torch.optim.Adam(current.values(), lr=config.stage2_lr, fused=fused_adam() or None)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.stage2_epochs)
 
     def seen(name: str) -> torch.Tensor:
