@@ -30,7 +30,15 @@ from flwr.clientapp import ClientApp
 from starfed.client.worker import request
 from starfed.shared.config import parse
 from starfed.shared.knob import as_str
-from starfed.shared.protocol import MESSAGES, Phase, PhaseSpec, record_bytes
+from starfed.shared.protocol import (
+    CODEBOOK_RECORD,
+    CONFIG_RECORD,
+    MESSAGES,
+    RECORD_DATA,
+    Phase,
+    PhaseSpec,
+    record_bytes,
+)
 
 app = ClientApp()
 
@@ -39,7 +47,7 @@ def _handle(phase: Phase, message: Message, context: Context) -> Message:
     """A Flower message answered here, or by the site's worker when the node config names one."""
     header = {
         "phase": phase.key,
-        "config": dict(message.content["config"]),
+        "config": dict(message.content[CONFIG_RECORD]),
         "run-config": dict(context.run_config),
         "node-config": dict(context.node_config),
         "run-id": context.run_id,
@@ -47,7 +55,9 @@ def _handle(phase: Phase, message: Message, context: Context) -> Message:
     }
     content = message.content
     payload = (
-        record_bytes(content["codebook"]["data"], "codebook") if "codebook" in content else b""
+        record_bytes(content[CODEBOOK_RECORD][RECORD_DATA], CODEBOOK_RECORD)
+        if CODEBOOK_RECORD in content
+        else b""
     )
     worker = as_str(parse(context.node_config, "node-config"), "worker-socket")
     if worker:
@@ -58,7 +68,7 @@ def _handle(phase: Phase, message: Message, context: Context) -> Message:
         from starfed.client.answer import answer
 
         records = answer(header, payload)
-    content = RecordDict({name: ConfigRecord({"data": data}) for name, data in records})
+    content = RecordDict({name: ConfigRecord({RECORD_DATA: data}) for name, data in records})
     return Message(content, reply_to=message)
 
 

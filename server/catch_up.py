@@ -32,6 +32,7 @@ from starfed.shared.protocol import (
     CATCH_UP,
     CATCH_UP_KEY,
     HELD,
+    RECORD_DATA,
     ROUND,
     STEP,
     SYNC,
@@ -107,7 +108,7 @@ def send(
             entry.phase = CATCH_UP_KEY
         if index == count - 1:
             for entry, reply in good:
-                held = reply.content[HELD]["data"] if HELD in reply.content else b""
+                held = reply.content[HELD][RECORD_DATA] if HELD in reply.content else b""
                 said = held if isinstance(held, bytes) else b""  # anything else: rejected
                 if said != str(codebook.version).encode():
                     reject(entry, f"holds {said[:20]!r} after the last part, not version "

@@ -21,7 +21,14 @@ from flwr.serverapp import Grid
 
 from starfed.server.records import Exchange, ExchangeStatus, Outcome
 from starfed.shared.codebook.codebook import ClientUpdate
-from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, PhaseSpec
+from starfed.shared.protocol import (
+    BUDGET_EXHAUSTED,
+    CODEBOOK_RECORD,
+    CONFIG_RECORD,
+    PRIVACY_EPSILON,
+    RECORD_DATA,
+    PhaseSpec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +67,10 @@ def exchange(
     record = ConfigRecord(config)
     messages, exchanges = [], []
     for node in nodes:
-        content = RecordDict({"config": record})
+        content = RecordDict({CONFIG_RECORD: record})
         data = payload(node) if payload else b""
         if payload:
-            content["codebook"] = ConfigRecord({"data": data})
+            content[CODEBOOK_RECORD] = ConfigRecord({RECORD_DATA: data})
         group = f"{step}/{spec.phase.key}/{round_index}"
         messages.append(Message(content, node, spec.message_type, group_id=group))
         site = sites.get(node, "")

@@ -21,7 +21,7 @@ from starfed.server.screening import Screen
 from starfed.server.strategy import PhaseState
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError
-from starfed.shared.protocol import REPORT_RECORD, UPDATE_RECORD, Phase, record_bytes
+from starfed.shared.protocol import RECORD_DATA, REPORT_RECORD, UPDATE_RECORD, Phase, record_bytes
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def decoded(
     # id order (random per run) nor as they arrived.
     for entry, reply in sorted(replies, key=lambda r: (r[0].site, r[0].node_id)):
         try:
-            data = record_bytes(reply.content[record]["data"], record)
+            data = record_bytes(reply.content[record][RECORD_DATA], record)
             bound = screen.max_entries(phase, against)
             update = wire.decode_update(data, against=against, phase=phase, max_entries=bound)
             note_privacy(entry, update)
@@ -117,7 +117,7 @@ def reports(
     """The valid evaluation reports, with their sites, one at a time."""
     for entry, reply in replies:
         try:
-            data = record_bytes(reply.content[REPORT_RECORD]["data"], REPORT_RECORD)
+            data = record_bytes(reply.content[REPORT_RECORD][RECORD_DATA], REPORT_RECORD)
             report = EvaluationReport.from_bytes(data, against=codebook)
         except (CodebookError, KeyError, TypeError) as err:
             reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))

@@ -98,9 +98,14 @@ FROZEN = "frozen"
 #: Evaluate-message config key: the step that registered each class, in the codebook's order.
 CLASS_STEPS = "class-steps"
 
-#: Reply records (each a ConfigRecord whose ``data`` is bytes): a phase's update (a serialised
-#: ``ClientUpdate``; for the sync, the classes it brings) and an evaluation's report (a
-#: serialised ``EvaluationReport``).
+#: The key of the bytes in every record of a message or reply (each a ConfigRecord).
+RECORD_DATA = "data"
+#: Message records: the message's config (the keys below) and the codebook (or the part of
+#: one) it sends, serialised.
+CONFIG_RECORD = "config"
+CODEBOOK_RECORD = "codebook"
+#: Reply records: a phase's update (a serialised ``ClientUpdate``; for the sync, the classes it
+#: brings) and an evaluation's report (a serialised ``EvaluationReport``).
 UPDATE_RECORD = "update"
 REPORT_RECORD = "report"
 #: Sync-update metadata keys: the name the site gives itself, its current task ("" when it

@@ -48,7 +48,14 @@ from starfed.shared.codebook.wire import decode_broadcast
 from starfed.shared.config import parse
 from starfed.shared.knob import Value, as_int
 from starfed.shared.metrics import results_line
-from starfed.shared.protocol import MESSAGES, STEP, record_bytes, record_int
+from starfed.shared.protocol import (
+    CODEBOOK_RECORD,
+    MESSAGES,
+    RECORD_DATA,
+    STEP,
+    record_bytes,
+    record_int,
+)
 from starfed.simulations.simulate import CLIENT_CPUS
 from starfed.simulations.simulated_sites import SimulatedSites
 
@@ -87,11 +94,11 @@ class LocalGrid:
         held: dict[int, Codebook] = {}
         out = {}
         for message in self.sent:
-            if "codebook" not in message.content:
+            if CODEBOOK_RECORD not in message.content:
                 continue
             node = message.metadata.dst_node_id
             received = decode_broadcast(
-                record_bytes(message.content["codebook"]["data"], "codebook")
+                record_bytes(message.content[CODEBOOK_RECORD][RECORD_DATA], CODEBOOK_RECORD)
             )
             if isinstance(received, Delta):
                 received = held[node].apply(received)

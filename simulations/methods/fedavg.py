@@ -50,7 +50,7 @@ from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.features import EVAL_BATCH_SIZE, Views
 from starfed.shared.model.second_level import PromptedViT
 from starfed.shared.model.training import TrainConfig, phase_generator
-from starfed.shared.protocol import ROUND, STEP, record_int
+from starfed.shared.protocol import CONFIG_RECORD, ROUND, STEP, record_int
 from starfed.simulations.local_grid import LocalGrid, new_run_id, node_configs
 from starfed.simulations.methods import cell_run_config
 
@@ -128,7 +128,7 @@ def client_app(features: SiteFeatures, n_classes: int, train: TrainConfig) -> Cl
 
     @app.train()
     def fit(message: Message, context: Context) -> Message:
-        config = message.content["config"]
+        config = message.content[CONFIG_RECORD]
         site, step = int(context.node_config["partition-id"]), record_int(config[STEP], STEP)
         head = nn.Linear(features.train.x.shape[1], n_classes)
         head.load_state_dict(message.content.array_records["arrays"].to_torch_state_dict())
