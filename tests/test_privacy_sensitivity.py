@@ -414,7 +414,7 @@ def test_patients_across_classes_share_one_site_budget(tmp_path):
 
 
 def test_a_simulated_site_names_its_images_as_patients_of_one_class(tmp_path):
-    scenario = Scenario(ScenarioConfig(n_clients=2, patient_images=5))
+    scenario = Scenario(ScenarioConfig(n_sites=2, patient_images=5))
     scenario.write_site(0, tmp_path, scenario.config.n_steps)
     folder = SiteFolder.scan(tmp_path)
     patients = folder.patients()
