@@ -42,9 +42,11 @@ from starfed.server.folder_files import (
     STEP_FINDINGS_FILE,
     STEP_START_FILE,
     FederationError,
+    HistoryLines,
     Identity,
     copy_atomic,
     is_manifest,
+    read_registry,
     read_step_findings,
 )
 from starfed.server.records import Checkpoint, Finding, Position, Registration, StepRecord, now
@@ -83,9 +85,7 @@ class Federation:
         self.id: str = identity["id"]
         self.fingerprint = fingerprint
         self.dims = dims
-        self.registry: dict[str, Registration] = {
-            name: Registration(**entry) for name, entry in self._read(REGISTRY_FILE, {}).items()
-        }
+        self.registry: dict[str, Registration] = read_registry(self.root)
         self._stored: Stored | None = None  # codebook.bin's codebook as saved: saves follow it
         self._start: Stored | None = None  # step-start.bin's, when this run began the step
         self._migrated = False
@@ -288,17 +288,11 @@ class Federation:
 
     def history(self) -> list[StepRecord]:
         """One record per finished step, in step order (a record written again wins)."""
-        path = self.root / HISTORY_FILE
-        if not path.is_file():
-            return []
-        records = {}
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if line.strip():
-                try:
-                    record = StepRecord.from_json(line)
-                except (ValueError, TypeError) as err:
-                    raise FederationError(f"{path}:{number} is damaged: {err}") from None
-                records[(record.step, record.attempt)] = record
+        lines = HistoryLines.read(self.root)
+        if lines.damaged:
+            number, why = lines.damaged[0]
+            raise FederationError(f"{self.root / HISTORY_FILE}:{number} is damaged: {why}")
+        records = {(record.step, record.attempt): record for record in lines.records}
         return [records[key] for key in sorted(records)]
 
     def attempts(self, step: int) -> int:

@@ -31,8 +31,11 @@ from starfed.server.folder_files import (
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
     STEP_START_FILE,
+    DamagedFile,
     FederationError,
+    HistoryLines,
     Identity,
+    read_registry,
     read_step_findings,
 )
 from starfed.server.records import Position, Registration, StepRecord
@@ -138,35 +141,41 @@ def _lock(report: Report, root: Path) -> None:
         report.notes.append(f"a stale lock of {holder.describe()} (the next run takes it over)")
 
 
+def read_codebook_file(identity: Identity, path: Path, depth: Depth, seen: dict) -> pb.Codebook:
+    """The message of the codebook file ``path`` (a manifest's: metadata and class lines), read
+    to ``depth``: frame, checksum, backbones, its store's files, and past ``Depth.HEADERS`` its
+    store's bytes (each store piece once per ``seen``); ``CodebookError`` or ``OSError`` when
+    it does not read whole. The one test of a good codebook file: ``check`` reports what it
+    finds, ``repair`` goes back to the last file it passes."""
+    fingerprint, dims = identity.fingerprint, identity.dims
+    message = read_message(path)
+    if message.backbone_fingerprint != fingerprint:
+        raise CodebookError("a codebook of other backbones")
+    ref = store.Ref.of(message.metadata)
+    if ref is not None and (problem := store.missing(path, ref)):
+        raise CodebookError(problem)
+    if depth is Depth.DECODE:  # torch: only when decoding
+        from starfed.shared.codebook import stored, wire
+
+        if ref is None:
+            wire.read_file(path, fingerprint=fingerprint, dims=dims)
+        else:
+            names = [entry.name for entry in message.entries]
+            stored.verify(path, ref, names, fingerprint=fingerprint, dims=dims, seen=seen)
+    elif depth is Depth.CHECKSUMS and ref is not None:  # a whole file: read_message did
+        store.verify(path, message, fingerprint=fingerprint, dims=dims, seen=seen)
+    return message
+
+
 def _codebook_file(
     report: Report, federation: Identity, path: Path, depth: Depth, seen: dict
 ) -> pb.Codebook | None:
-    """One codebook file: frame, checksum, backbones, its store's files, and past
-    ``Depth.HEADERS`` its store's bytes (each store piece once per ``seen``); its message, None
-    (and a problem) when it is damaged."""
-    name = path.relative_to(federation.root)
-    fingerprint, dims = federation.fingerprint, federation.dims
+    """One codebook file read to ``depth``: its message, None (and a problem) when damaged."""
     try:
-        message = read_message(path)
-        if message.backbone_fingerprint != fingerprint:
-            raise CodebookError("a codebook of other backbones")
-        ref = store.Ref.of(message.metadata)
-        if ref is not None and (problem := store.missing(path, ref)):
-            raise CodebookError(problem)
-        if depth is Depth.DECODE:  # torch: only when decoding
-            from starfed.shared.codebook import stored, wire
-
-            if ref is None:
-                wire.read_file(path, fingerprint=fingerprint, dims=dims)
-            else:
-                names = [entry.name for entry in message.entries]
-                stored.verify(path, ref, names, fingerprint=fingerprint, dims=dims, seen=seen)
-        elif depth is Depth.CHECKSUMS and ref is not None:  # a whole file: read_message did
-            store.verify(path, message, fingerprint=fingerprint, dims=dims, seen=seen)
+        return read_codebook_file(federation, path, depth, seen)
     except (CodebookError, OSError) as err:
-        report.problems.append(f"{name}: {_short(err, path)}")
+        report.problems.append(f"{path.relative_to(federation.root)}: {_short(err, path)}")
         return None
-    return message
 
 
 def _short(err: Exception, path: Path) -> str:
@@ -202,35 +211,22 @@ def _codebook(report: Report, federation: Identity, depth: Depth, seen: dict) ->
 
 
 def _registry(report: Report, root: Path) -> dict[str, Registration] | None:
-    path = root / REGISTRY_FILE
-    if not path.is_file():
-        return {}
     try:
-        return {name: Registration(**entry) for name, entry in json.loads(path.read_text()).items()}
-    except (OSError, ValueError, TypeError, AttributeError) as err:
-        report.problems.append(f"{REGISTRY_FILE}: damaged ({err})")
+        return read_registry(root)
+    except DamagedFile as err:
+        report.problems.append(f"{REGISTRY_FILE}: damaged ({err.why})")
         return None
 
 
 def _history(report: Report, root: Path) -> list[StepRecord] | None:
     """The readable records; each damaged line is a problem of its own."""
-    path = root / HISTORY_FILE
-    if not path.is_file():
-        return []
     try:
-        lines = path.read_text().splitlines()
+        lines = HistoryLines.read(root)
     except (OSError, UnicodeDecodeError) as err:
         report.problems.append(f"{HISTORY_FILE}: unreadable ({err})")
         return None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(StepRecord.from_json(line))
-        except (ValueError, TypeError) as err:
-            report.problems.append(f"{HISTORY_FILE}:{number}: damaged ({err})")
-    return records
+    report.problems += [f"{HISTORY_FILE}:{n}: damaged ({why})" for n, why in lines.damaged]
+    return lines.records
 
 
 def _agree_registry(report: Report, names: set[str], registry: dict[str, Registration]) -> None:

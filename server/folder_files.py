@@ -38,7 +38,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from starfed.server.records import Finding
+from starfed.server.records import Finding, Registration, StepRecord
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.schema import ModelDims
@@ -59,6 +59,51 @@ QUARANTINE_FILE = "quarantine.json"
 
 class FederationError(ValueError):
     """A federation folder that cannot be used (other backbones, damaged files)."""
+
+
+class DamagedFile(FederationError):
+    """A file of the folder that does not read: its path and why (``why``, for a line that
+    names the file itself)."""
+
+    def __init__(self, path: Path, why: Exception | str) -> None:
+        super().__init__(f"{path} is damaged: {why}")
+        self.why = str(why)
+
+
+def read_registry(root: Path) -> dict[str, Registration]:
+    """``registry.json`` of the federation folder ``root`` (none yet: empty); ``DamagedFile``
+    when it does not read. The one reader: a run, ``check`` and ``repair`` alike."""
+    path = root / REGISTRY_FILE
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+        return {name: Registration(**entry) for name, entry in raw.items()}
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        raise DamagedFile(path, err) from None
+
+
+@dataclass(frozen=True)
+class HistoryLines:
+    """``history.jsonl`` line by line, as written: the records that read, in file order, and
+    each damaged line (its 1-based number, why). The one reader: a run refuses a damaged line,
+    ``check`` reports each, ``repair`` drops them."""
+
+    records: list[StepRecord]
+    damaged: list[tuple[int, str]]
+
+    @classmethod
+    def read(cls, root: Path, errors: str = "strict") -> HistoryLines:
+        """``OSError`` when the file cannot be read (``UnicodeDecodeError`` too, unless
+        ``errors`` replaces what does not decode); no file: no lines."""
+        path = root / HISTORY_FILE
+        text = path.read_text(errors=errors) if path.is_file() else ""
+        records, damaged = [], []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    records.append(StepRecord.from_json(line))
+                except (ValueError, TypeError) as err:
+                    damaged.append((number, str(err)))
+        return cls(records, damaged)
 
 
 def read_step_findings(root: Path) -> tuple[int | None, list[Finding]]:

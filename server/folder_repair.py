@@ -26,7 +26,7 @@ from pathlib import Path
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import folder_lock
 from starfed.server.federation import COMPLETED, DEGRADED, FAILED
-from starfed.server.folder_check import Depth
+from starfed.server.folder_check import Depth, read_codebook_file
 from starfed.server.folder_files import (
     CODEBOOK_FILE,
     HISTORY_FILE,
@@ -34,8 +34,11 @@ from starfed.server.folder_files import (
     PENDING_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
+    DamagedFile,
     FederationError,
+    HistoryLines,
     Identity,
+    read_registry,
     read_step_findings,
 )
 from starfed.server.records import Position, Registration, StepRecord
@@ -79,7 +82,7 @@ def plan(root: str | Path, to: int | None = None, *, depth: Depth = Depth.CHECKS
     def good(path: Path) -> pb.Codebook | None:
         """The file's message (a manifest: metadata and class lines) when it reads whole."""
         try:
-            return read_good(identity, path, depth, seen)
+            return read_codebook_file(identity, path, depth, seen)
         except (CodebookError, OSError):
             return None
 
@@ -179,22 +182,6 @@ def _keep_copy(path: Path, stamp: str) -> None:
         write_atomic(path.with_name(f"{path.name}.before-repair-{stamp}"), path.read_bytes())
 
 
-def read_good(identity: Identity, path: Path, depth: Depth, seen: dict) -> pb.Codebook:
-    """The message of the codebook file ``path`` (a manifest's: metadata and class lines), read
-    to ``depth``; ``CodebookError`` or ``OSError`` when it does not read whole."""
-    fingerprint, dims = identity.fingerprint, identity.dims
-    if depth is Depth.DECODE:
-        from starfed.shared.codebook import wire  # torch: decoding codebooks
-
-        wire.read_file(path, fingerprint=fingerprint, dims=dims)
-    message = read_message(path)
-    if message.backbone_fingerprint != fingerprint:
-        raise CodebookError("a codebook of other backbones")
-    if depth is not Depth.DECODE and store.Ref.of(message.metadata) is not None:
-        store.verify(path, message, fingerprint=fingerprint, dims=dims, seen=seen)
-    return message
-
-
 def _restore(root: Path, source: Path, message: pb.Codebook, stamp: str) -> Action:
     """``codebook.bin`` replaced by ``source``'s codebook on a new version line: a manifest
     naming the same store bytes (a whole file when ``source`` is one of the layout before)."""
@@ -219,22 +206,8 @@ def _restore(root: Path, source: Path, message: pb.Codebook, stamp: str) -> Acti
                   "on a new version line", do)  # fmt: skip
 
 
-def _lines(root: Path) -> tuple[list[StepRecord], int]:
-    """The readable history records, and how many lines were damaged."""
-    path = root / HISTORY_FILE
-    records, damaged = [], 0
-    text = path.read_text(errors="replace") if path.is_file() else ""
-    for line in text.splitlines():
-        if line.strip():
-            try:
-                records.append(StepRecord.from_json(line))
-            except (ValueError, TypeError):
-                damaged += 1
-    return records, damaged
-
-
 def _finished_records(root: Path) -> bool:
-    return any(r.status in FINISHED for r in _lines(root)[0])
+    return any(r.status in FINISHED for r in HistoryLines.read(root, errors="replace").records)
 
 
 def _pending(root: Path) -> StepRecord | None:
@@ -247,7 +220,8 @@ def _pending(root: Path) -> StepRecord | None:
 def _history(root: Path, position: Position, stamp: str) -> list[Action]:
     """The records that agree with ``position``: each completed step once, failed attempts up
     to the current step; an interrupted close's record added when its commit happened."""
-    records, damaged = _lines(root)
+    lines = HistoryLines.read(root, errors="replace")
+    records, damaged = lines.records, len(lines.damaged)
     pending = _pending(root)
     added = 0
     if pending is not None and not any(
@@ -297,12 +271,10 @@ def _registry(root: Path, position: Position, names: set[str], stamp: str) -> li
     step whose record names it, sites unknown), nothing else."""
     path = root / REGISTRY_FILE
     try:
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-        current = {name: Registration(**entry) for name, entry in raw.items()}
-        damaged = False
-    except (OSError, ValueError, TypeError, AttributeError):
+        current, damaged = read_registry(root), False
+    except DamagedFile:
         current, damaged = {}, True
-    records, _ = _lines(root)
+    records = HistoryLines.read(root, errors="replace").records
     brought = {name: r for r in records if r.status in FINISHED for name in r.classes}
     registry = {}
     for name in sorted(names, key=lambda n: brought[n].step if n in brought else position.step):

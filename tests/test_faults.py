@@ -274,8 +274,15 @@ def test_a_lost_history_record_stays_counted(root: Path, capsys) -> None:
     assert finished_steps(root) == [0]
 
 
-def test_a_damaged_registry_is_rebuilt(root: Path, capsys) -> None:
-    (folder(root) / REGISTRY_FILE).write_text("{ not json")
+#: A registry that is not JSON, and JSON that is not a registry (a list; an entry without its
+#: step): each fails a run with one line and is rebuilt by ``repair``, as every reader of the
+#: file reads it one way (``folder_files.read_registry``).
+DAMAGED_REGISTRIES = ["{ not json", "[1, 2]", '{"Apple___healthy": {"sites": []}}']
+
+
+@pytest.mark.parametrize("damaged", DAMAGED_REGISTRIES)
+def test_a_damaged_registry_is_rebuilt(root: Path, capsys, damaged: str) -> None:
+    (folder(root) / REGISTRY_FILE).write_text(damaged)
     server = str(root / "server")
     code, out, _ = starfed(capsys, "server", "status", "--dir", server)
     assert code == 1 and "DAMAGED    registry.json: damaged" in out
