@@ -364,7 +364,7 @@ def _sites(deployment: Deployment) -> list[dict]:
 
 
 @pytest.mark.slow  # a ServerApp starts: about 50 s on 2 loaded cores
-def test_a_round_with_no_site_online_names_the_offline_sites(
+def test_a_run_with_no_site_online_names_the_offline_sites(
     deployment: Deployment, capsys: pytest.CaptureFixture
 ) -> None:
     folder = deployment.folder.root

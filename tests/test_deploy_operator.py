@@ -124,7 +124,7 @@ def superlink_process() -> ProcessId:
     popen.wait()
 
 
-def test_a_superlink_that_dies_mid_round_gets_one_line_saying_what_to_do(
+def test_a_superlink_that_dies_mid_run_gets_one_line_saying_what_to_do(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capfd: pytest.CaptureFixture[str],
