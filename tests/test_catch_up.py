@@ -176,6 +176,20 @@ def test_parts_that_do_not_make_the_announced_codebook_are_not_held(
     _same(held.codebook(), codebook)
 
 
+def test_a_class_sent_in_two_parts_is_refused_and_not_held(
+    tmp_path: Path, codebook: Codebook, small_parts: int
+) -> None:
+    """Two parts carrying the same class, as many classes as announced: the assembled codebook
+    is refused (its decoding finds the class twice), nothing is held or left behind."""
+    plan = parts.plan(codebook)
+    held = HeldCodebook(tmp_path / "codebook.bin", fingerprint=codebook.fingerprint,
+                        dims=codebook.dims)  # fmt: skip
+    assert held.stage(plan.encoded(0), 0, 2, 2) is None
+    with pytest.raises(CodebookError, match="twice"):
+        held.stage(plan.encoded(0), 1, 2, 2)
+    assert held.version_for(LINE) == 0 and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_the_nodes_behind_are_those_whose_broadcast_passes_a_part(
     codebook: Codebook, small_parts: int
 ) -> None:

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-from starfed.proto import codebook_pb2 as pb
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, header, read_payload
@@ -122,8 +121,8 @@ def _header_bytes(codebook: Codebook) -> int:
 
 @dataclass(frozen=True)
 class Staged:
-    """What a staging holds: the codebook it assembles and the parts received so far (the
-    staging folder's one record)."""
+    """What a staging holds: the codebook it assembles, the parts received so far and the
+    classes they carry (the staging folder's one record)."""
 
     federation: str
     epoch: str
@@ -131,6 +130,7 @@ class Staged:
     parts: int
     classes: int
     received: int
+    carried: int = 0
 
 
 class Staging:
@@ -173,10 +173,12 @@ class Staging:
             if index != staged.received:
                 raise CodebookError(f"part {index} arrived, part {staged.received} was next")
         write_atomic(self.folder / f"part-{index:06d}.bin", frame(data))
-        staged = replace(staged, received=index + 1)
+        staged = replace(staged, received=index + 1, carried=staged.carried + len(part))
         write_atomic(self.folder / STAGED_FILE, json.dumps(asdict(staged)).encode())
         if staged.received < parts:
             return False
+        if staged.carried != staged.classes:
+            raise CodebookError(f"the parts hold {staged.carried} classes, {classes} announced")
         self._write(staged, target)
         return True
 
@@ -197,19 +199,13 @@ class Staging:
         """The staged parts as one codebook file at ``target``, one part in memory at a time:
         their messages one after the other, which protobuf reads as one message holding every
         part's classes in order (each part's other fields are the same: lineage and version
-        checked as they arrived, fingerprint and dims the receiver's). Every class once, as
-        many as announced; the receiver then decodes the file whole (``HeldCodebook.stage``)."""
-        names: set[str] = set()
+        checked as they arrived, fingerprint and dims the receiver's). The receiver then
+        decodes the file whole (``HeldCodebook.stage``), which refuses a class sent twice; the
+        parts are not parsed again here (each was decoded as it arrived)."""
         digest, length = hashlib.sha256(), 0
-        for index, payload in enumerate(self._payloads(staged)):
-            for entry in pb.Codebook.FromString(payload).entries:
-                if entry.name in names:
-                    raise CodebookError(f"class {entry.name[:80]!r} arrives twice (part {index})")
-                names.add(entry.name)
+        for payload in self._payloads(staged):
             digest.update(payload)
             length += len(payload)
-        if len(names) != staged.classes:
-            raise CodebookError(f"the parts hold {len(names)} classes, {staged.classes} announced")
         pieces = itertools.chain([header(length, digest.digest())], self._payloads(staged))
         write_atomic(target, pieces)
         self.drop()
