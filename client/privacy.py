@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from starfed.client.memory import SiteMemory
+from starfed.client.memory import PrivacyLedger, SiteMemory
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
@@ -126,6 +126,13 @@ class PrivacySetting(Options):
         }[phase]
 
 
+def _past(releases: Mapping[str, list[float]], key: str) -> list[float]:
+    """The releases a key's units took part in: the site's key took part in all."""
+    if key == SITE_KEY:
+        return [z for zs in releases.values() for z in zs]
+    return releases.get(key, [])
+
+
 class PrivateReleases:
     """One private site's releases: noise calibrated to what its budget still allows."""
 
@@ -152,58 +159,64 @@ class PrivateReleases:
 
     # --- the budget -----------------------------------------------------------------------
 
-    def noise(self, keys: list[str], phase: Phase, round_index: int = 0) -> float | None:
+    def noise(
+        self,
+        keys: list[str],
+        phase: Phase,
+        round_index: int = 0,
+        ledger: PrivacyLedger | None = None,
+    ) -> float | None:
         """The noise multiplier one release depending on the images of ``keys`` needs so that
-        every one of them stays within budget; None when one of them cannot afford it."""
+        every one of them stays within budget; None when one of them cannot afford it
+        (``ledger``: the one in hand, else it is read)."""
         left = self.setting.releases_left(phase, round_index)
         if self.site_wide:  # this task's releases of every class, then as many per later task
             later = max(0, self.setting.site_tasks - self.task_index - 1)
             left = self.setting.releases_left(phase, round_index, self.task_classes)
             left += later * self.setting.releases_left(Phase.SYNC, 0, self.task_classes)
+        releases = (self.memory.ledger() if ledger is None else ledger).releases
         needed = []
         for key in keys:
             z = accountant.noise_multiplier(
-                self._past(key), left, self.setting.epsilon, self.setting.delta
+                _past(releases, key), left, self.setting.epsilon, self.setting.delta
             )
             if z is None:
                 return None
             needed.append(z)
         return max(needed)
 
-    def epsilon(self) -> float:
+    def epsilon(self, ledger: PrivacyLedger | None = None) -> float:
         """The site's ε per unit: the largest of its classes' (each image, or patient, is of
-        one class), or of all its releases composed when patients span classes."""
-        ledger = self.memory.ledger()
-        keys = [SITE_KEY] if self.site_wide else list(ledger.releases)
+        one class), or of all its releases composed when patients span classes. ``ledger``:
+        the one in hand, else it is read."""
+        releases = (self.memory.ledger() if ledger is None else ledger).releases
+        keys = [SITE_KEY] if self.site_wide else list(releases)
         return max(
-            (accountant.epsilon(self._past(k), self.setting.delta) for k in keys), default=0.0
+            (accountant.epsilon(_past(releases, k), self.setting.delta) for k in keys),
+            default=0.0,
         )
 
-    def _past(self, key: str) -> list[float]:
-        """The releases a key's units took part in: the site's key took part in all."""
-        releases = self.memory.ledger().releases
-        if key == SITE_KEY:
-            return [z for zs in releases.values() for z in zs]
-        return releases.get(key, [])
+    def key(self, name: str, ledger: PrivacyLedger | None = None) -> str:
+        """The ledger key of class ``name``: what its count is kept under (``ledger``: the one
+        in hand, else it is read)."""
+        return (self.memory.ledger() if ledger is None else ledger).key(class_key(name))
 
-    def key(self, name: str) -> str:
-        """The ledger key of class ``name``: what its count is kept under."""
-        return self.memory.ledger().key(class_key(name))
-
-    def budget(self, name: str) -> str:
+    def budget(self, name: str, ledger: PrivacyLedger | None = None) -> str:
         """The ledger key a release of class ``name`` is charged to: the class's, or the
         site's one key when patients span classes."""
-        return SITE_KEY if self.site_wide else self.key(name)
+        return SITE_KEY if self.site_wide else self.key(name, ledger)
 
     def _record(self, names: list[str], z: float, what: str) -> None:
-        keys = sorted({self.budget(name) for name in names})
         with self.memory.updating_ledger() as ledger:
+            keys = sorted({self.budget(name, ledger) for name in names})
             ledger.record(keys, z)
-        spent = max(accountant.epsilon(self._past(key), self.setting.delta) for key in keys)
+        past = ledger.releases  # as written: the ledger is read once per release, not per key
+        spent = max(accountant.epsilon(_past(past, key), self.setting.delta) for key in keys)
         logger.info(
             "privacy: released %s of %s with noise multiplier %.3g: their ε %.3g, the site's "
-            "%.3g, of %.3g (δ %g, per %s)", what, ", ".join(names), z, spent, self.epsilon(),
-            self.setting.epsilon, self.setting.delta, self.setting.unit.value,
+            "%.3g, of %.3g (δ %g, per %s)", what, ", ".join(names), z, spent,
+            self.epsilon(ledger), self.setting.epsilon, self.setting.delta,
+            self.setting.unit.value,
         )  # fmt: skip
 
     def metadata(self, refused: list[str]) -> dict[str, str]:
@@ -263,14 +276,19 @@ class PrivateReleases:
         """The noise multiplier of each class's release in ``phase`` (None: refused). A
         training phase is one release over all the classes; a class without a released count
         is refused (its enrolment was)."""
-        counts = self.memory.ledger().counts
+        ledger = self.memory.ledger()
         self.task_classes = len(names)
-        keys = {name: self.budget(name) for name in names if self.key(name) in counts}
+        keys = {
+            name: self.budget(name, ledger)
+            for name in names
+            if self.key(name, ledger) in ledger.counts
+        }
         if phase in STATISTICS:
-            plan = {name: self.noise([key], phase) for name, key in keys.items()}
+            plan = {name: self.noise([key], phase, ledger=ledger) for name, key in keys.items()}
         else:  # every class's images move every class's update: all share, or none
             whole = len(keys) == len(names)
-            z = self.noise(sorted(set(keys.values())), phase, round_index) if whole else None
+            shared = sorted(set(keys.values()))
+            z = self.noise(shared, phase, round_index, ledger) if whole else None
             plan = dict.fromkeys(keys, z)
         return {name: plan.get(name) for name in names}
 
@@ -286,7 +304,7 @@ class PrivateReleases:
     ) -> MixtureFit:
         """The statistics step's fit: for a class to share, one private Gaussian of its
         clipped features (records the release); for a refused one the ordinary fit, kept."""
-        counts = self.memory.ledger().counts
+        ledger = self.memory.ledger()  # the counts, released before this phase
 
         def fit(features, labels, rows, n_components, seed) -> list[GaussianMixture]:
             centre, radius = self.ball(phase, features.shape[1])
@@ -297,7 +315,7 @@ class PrivateReleases:
                 if z is None:
                     mixtures.append(GaussianMixture.fit(own, n_components, seed=seed + row))
                     continue
-                count, group = counts[self.key(name)], self.setting.group
+                count, group = ledger.counts[self.key(name, ledger)], self.setting.group
                 mixtures.append(private_gaussian(own, centre, radius, count, z, self.rng, group))
                 self._record([name], z, schema.trained_in(phase)[0])
             return mixtures
@@ -315,7 +333,7 @@ class PrivateReleases:
         and noised (recorded) — with the noisy counts, and the reply's metadata."""
         refused = [e.name for e in entries if plan[e.name] is None]
         shared = [e for e in entries if plan[e.name] is not None]
-        counts = self.memory.ledger().counts
+        ledger = self.memory.ledger()
         if phase not in STATISTICS and shared:
             noise = plan[shared[0].name]
             assert noise is not None  # shared: the entries with a plan
@@ -330,5 +348,7 @@ class PrivateReleases:
                 released.append(ClassEntry(entry.name, entry.count, values))
             shared = released
             self._record([e.name for e in shared], z, f"the {phase.key} update")
-        shared = [ClassEntry(e.name, counts[self.key(e.name)], e.values) for e in shared]
+        shared = [
+            ClassEntry(e.name, ledger.counts[self.key(e.name, ledger)], e.values) for e in shared
+        ]
         return shared, self.metadata(refused)
