@@ -9,6 +9,7 @@ adaptive compositions (each may depend on what came before).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import dp_accounting
@@ -31,8 +32,18 @@ def event(noise_multipliers: Sequence[float]) -> dp_accounting.DpEvent:
     )
 
 
+#: Results kept per function: both are pure, and a site asks them again for every class at
+#: every release (the site's ε over all its classes; classes of one task share a history).
+CACHED = 4096
+
+
 def epsilon(noise_multipliers: Sequence[float], delta: float) -> float:
     """ε at ``delta`` of the releases (0 for none)."""
+    return _epsilon(tuple(float(z) for z in noise_multipliers), delta)
+
+
+@functools.lru_cache(maxsize=CACHED)
+def _epsilon(noise_multipliers: tuple[float, ...], delta: float) -> float:
     if not noise_multipliers:
         return 0.0
     return float(RdpAccountant().compose(event(noise_multipliers)).get_epsilon(delta))
@@ -46,7 +57,13 @@ def noise_multiplier(
     fit (the budget is exhausted)."""
     if releases < 1:
         raise ValueError(f"need at least one release to plan, got {releases}")
+    return _noise_multiplier(tuple(float(z) for z in past), releases, target_epsilon, delta)
 
+
+@functools.lru_cache(maxsize=CACHED)
+def _noise_multiplier(
+    past: tuple[float, ...], releases: int, target_epsilon: float, delta: float
+) -> float | None:
     def planned(z: float) -> dp_accounting.DpEvent:
         return event([*past, *[z] * releases])
 
