@@ -67,14 +67,13 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
         parser = add_command(actions, name, run, FLAGS, parents=[common], hidden=hidden)
         federation_option(parser)
         add_run_config(parser)
-    for run in (run_status, run_check):
-        parser = add_command(actions, run.__name__[4:], run, parents=[common])
+    federation_option(add_command(actions, "status", run_status, parents=[common]))
+    check = add_command(actions, "check", run_check, parents=[common])
+    repair = add_command(actions, "repair", run_repair, parents=[common])
+    for parser in (check, repair):
         federation_option(parser)
-    _deep_option(parser)
-    parser = add_command(actions, "repair", run_repair, parents=[common])
-    federation_option(parser)
-    _deep_option(parser)
-    parser.add_argument(
+        _deep_option(parser)
+    repair.add_argument(
         "--to",
         type=int,
         default=None,
@@ -83,7 +82,7 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
         "(checkpoints/step-NNNN.bin; default: keep a good codebook.bin, else the newest good "
         "kept one)",
     )
-    parser.add_argument(
+    repair.add_argument(
         "--dry-run", action="store_true", help="say what it would do, change nothing"
     )
 

@@ -25,9 +25,6 @@ from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.progress import counted
 
 COMMAND = "predict"
-DEVICE_HELP = (
-    "where the images are classified: auto (the GPU when there is one), cpu, cuda, cuda:N, mps"
-)
 FLAGS = (
     *BACKBONE_FLAGS,
     device_flag("the images are classified"),

@@ -58,8 +58,9 @@ def watched(
     command: list[str], env: dict[str, str], log: Path, flwr_home: Path
 ) -> Iterator[Watched]:
     """``command`` started in ``log``'s folder, its output in ``log``, while a sampler records
-    every process carrying ``flwr_home``; on leaving the block (even by a failure) the sampler
-    stops and kills what it found alive, which ``leftovers`` then holds."""
+    every process carrying ``flwr_home``; on leaving the block (even by a failure) the command
+    is killed by its PID if it still runs, and the sampler stops and kills what it found alive,
+    which ``leftovers`` then holds."""
     sampler = ProcessSampler(f"FLWR_HOME={flwr_home}")
     sampler.start()
     run = None
@@ -69,6 +70,9 @@ def watched(
             run = Watched(proc, log, sampler)
             yield run
     finally:
+        if run is not None and run.proc.poll() is None:  # the block failed before it ended
+            run.proc.kill()
+            run.proc.wait()
         leftovers = sampler.stop()
         if run is not None:
             run.leftovers = leftovers
@@ -111,6 +115,18 @@ def test_bad_overrides_are_rejected_before_anything_starts() -> None:
         _overrides("--run-config=seed")
 
 
+def test_a_failing_block_leaves_no_command_running(tmp_path: Path) -> None:
+    """``watched`` stops its command by PID when the block fails before the command ends (a
+    failed wait, a timeout): no test leaves it running."""
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with (
+        pytest.raises(subprocess.TimeoutExpired),
+        watched(command, dict(os.environ), tmp_path / "sleep.log", tmp_path / ".flwr") as run,
+    ):
+        run.proc.wait(0.1)
+    assert run.proc.returncode is not None  # ended, and reaped
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_flwr_run_end_to_end(tmp_path: Path) -> None:
@@ -122,8 +138,6 @@ def test_flwr_run_end_to_end(tmp_path: Path) -> None:
         try:
             rc = run.proc.wait(TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            run.proc.kill()
-            run.proc.wait()
             pytest.fail(f"starfed simulate ran past {TIMEOUT_S}s:\n{run.log.read_text()}")
 
     output = run.log.read_text()
@@ -163,7 +177,6 @@ def test_ctrl_c_stops_the_run_and_marks_its_folder(tmp_path: Path) -> None:
         history = run_dir / "history.jsonl"
         while not (history.is_file() and history.read_text().strip()):  # step 1 is done
             if run.proc.poll() is not None or time.monotonic() > deadline:
-                run.proc.kill()
                 pytest.fail(f"no first step:\n{run.log.read_text()}")
             time.sleep(0.5)
         run.proc.send_signal(signal.SIGINT)

@@ -40,11 +40,11 @@ class Method(Protocol):
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A method: its module here, its strategy class (a federated baseline), what it is."""
+    """A method: its module here (whose docstring says what it is) and its strategy class (a
+    federated baseline)."""
 
     module: str  # module name under starfed.simulations.methods
     strategy: str | None  # the module's Strategy subclass; None: the module's ``run``
-    description: str
 
     def load(self) -> Method:
         module = importlib.import_module(f"{__name__}.{self.module}")
@@ -55,48 +55,17 @@ class MethodSpec:
 
 
 #: Every method, by name: `starfed` first, then the federated baselines, then the others (the
-#: order of the experiment's tables).
+#: order of the experiment's tables). What each is: its module's docstring.
 METHODS: dict[str, MethodSpec] = {
-    FEDERATED: MethodSpec(
-        "starfed", None,
-        "federated STAR-Prompt over the scenario's simulated sites, on the local runtime.",
-    ),
-    "starfed-keys": MethodSpec(
-        "keys", "ClassifyWithKeys",
-        "federated STAR-Prompt trained as usual, every evaluation predicting with the "
-        "first-level keys alone (the paper's keys-as-classifier ablation, federated): what the "
-        "second level buys.",
-    ),
-    "starfed-no-replay": MethodSpec(
-        "no_replay", "NoReplay",
-        "federated STAR-Prompt without generative replay (the paper's Table 4 ablation, "
-        "federated): what the mixtures buy a federation.",
-    ),
-    "starfed-positional": MethodSpec(
-        "positional", "PositionalAveraging",
-        "STAR-Prompt whose trained tensors are averaged by position, as plain FedAvg averages "
-        "them, instead of class by class: what the codebook's per-class merge buys.",
-    ),
-    "starfed-unmerged": MethodSpec(
-        "unmerged", "Unmerged",
-        "every site's Gaussians kept as they came, not merged into one mixture per class; the "
-        "server replays from them (HGP/CCVR-style): what the mixture merge costs or buys.",
-    ),
-    "fedavg": MethodSpec(
-        "fedavg", None,
-        "federated fine-tuning with FedAvg and no continual mechanism (the lower bound).",
-    ),
-    "joint": MethodSpec(
-        "joint", None,
-        "all of the scenario's classes as one task at one site (no continual learning: the "
-        "upper reference).",
-    ),
-    "single-site": MethodSpec(
-        "single_site", None,
-        "STAR-Prompt with all the data at one site, the same tasks in order — the reference a "
-        "federation is measured against.",
-    ),
-}  # fmt: skip
+    FEDERATED: MethodSpec("starfed", None),
+    "starfed-keys": MethodSpec("keys", "ClassifyWithKeys"),
+    "starfed-no-replay": MethodSpec("no_replay", "NoReplay"),
+    "starfed-positional": MethodSpec("positional", "PositionalAveraging"),
+    "starfed-unmerged": MethodSpec("unmerged", "Unmerged"),
+    "fedavg": MethodSpec("fedavg", None),
+    "joint": MethodSpec("joint", None),
+    "single-site": MethodSpec("single_site", None),
+}
 
 
 def cell_run_config(values: Values, seed: int, out_dir: Path) -> dict[str, Value]:
