@@ -70,6 +70,15 @@ def describe(public_key: ec.EllipticCurvePublicKey) -> SiteKey:
     return SiteKey(line, fingerprint(line))
 
 
+def flower_public_key_bytes(openssh_line: str) -> bytes:
+    """The bytes Flower has for this key: PEM SubjectPublicKeyInfo, as a SuperNode sends it and
+    the SuperLink stores it (``flwr.supercore.primitives.asymmetric.public_key_to_bytes``)."""
+    key = serialization.load_ssh_public_key(openssh_line.encode())
+    return key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
 def fingerprint(key: str | bytes) -> str:
     """``SHA256:<base64 without padding>`` of a public key given as an OpenSSH line or as a PEM
     block (SubjectPublicKeyInfo); equal to ``ssh-keygen -l -E sha256`` on the same key."""

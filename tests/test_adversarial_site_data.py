@@ -14,6 +14,7 @@ import pytest
 
 from starfed.client.ops import data_lock
 from starfed.client.ops.data_lock import DataFolderInUse, Holder
+from starfed.host import locks
 from starfed.ops.processes import ProcessId
 
 pytestmark = pytest.mark.adversarial
@@ -69,9 +70,9 @@ def test_a_lock_of_a_dead_process_is_stale(data: Path, tmp_path: Path) -> None:
     holder = _holding(data, tmp_path / "state-a")
     holder.kill()  # no clean-up: the lock file stays behind
     holder.wait(15)
-    assert Holder.read(data / data_lock.LOCK_NAME).pid == holder.pid
+    assert locks.read(data / data_lock.LOCK_NAME, Holder).pid == holder.pid
     with data_lock.hold(data, "farm-b", tmp_path / "state-b") as me:
-        assert Holder.read(data / data_lock.LOCK_NAME) == me
+        assert locks.read(data / data_lock.LOCK_NAME, Holder) == me
     assert not (data / data_lock.LOCK_NAME).exists()
 
 
@@ -90,7 +91,7 @@ def test_in_one_process_a_second_hold_is_refused(data: Path, tmp_path: Path) -> 
             data_lock.hold(data, "farm-b", tmp_path / "b"),
         ):
             pass
-        assert Holder.read(data / data_lock.LOCK_NAME).site == "farm-a"
+        assert locks.read(data / data_lock.LOCK_NAME, Holder).site == "farm-a"
 
 
 def test_a_holder_on_another_host_is_never_replaced(data: Path, tmp_path: Path) -> None:

@@ -54,13 +54,6 @@ class Holder:
         now = datetime.now(UTC).isoformat(timespec="seconds")
         return cls(site, str(state), me.host, me.pid, me.started, now, me.boot)
 
-    @classmethod
-    def read(cls, path: Path) -> Holder | None:
-        """The holder a lock file names, or None when there is none or it cannot be read."""
-        with contextlib.suppress(locks.LockDamaged):
-            return locks.read(path, cls)
-        return None
-
     def describe(self) -> str:
         return (
             f"site {self.site} (pid {self.pid} on {self.host}, state {self.state}, "

@@ -28,9 +28,8 @@ The module is the web app (routes, image cache, the socket); what it shows is re
 Why Starlette and uvicorn: Flower 1.42 depends on both (they serve its REST Fleet API), so nothing
 new is installed; Starlette is the small ASGI toolkit (routing, responses, file streaming, a
 test client) that FastAPI is built on, and a few read-only GET routes need none of FastAPI's
-request models or OpenAPI; uvicorn is the ASGI server Flower itself runs. Starlette renders
-Jinja2 templates (``starlette.templating``); Jinja2 is a dependency of torch as well. Nothing
-here imports torch.
+request models or OpenAPI; uvicorn is the ASGI server Flower itself runs. The page's templates
+are Jinja2's, a dependency of torch as well. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -43,10 +42,16 @@ from pathlib import Path
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+)
 from starlette.routing import Route
 
-from starfed.server.ops.dashboard_page import LIVE, PAGE, TEMPLATES, context, page_context
+from starfed.server.ops.dashboard_page import fragment, page
 from starfed.server.ops.dashboard_plots import PLOTS, digest
 from starfed.server.ops.dashboard_state import Reader, State, log_files
 from starfed.server.ops.layout import ServerFolder
@@ -92,13 +97,10 @@ class Dashboard:
 
     def app(self) -> Starlette:
         def index(request: Request) -> Response:
-            state = page_context(self.state(), self.refresh_s)
-            return TEMPLATES.TemplateResponse(request, PAGE, state, headers=NO_STORE)
+            return HTMLResponse(page(self.state(), self.refresh_s), headers=NO_STORE)
 
         def live(request: Request) -> Response:
-            return TEMPLATES.TemplateResponse(
-                request, LIVE, context(self.state()), headers=NO_STORE
-            )
+            return HTMLResponse(fragment(self.state()), headers=NO_STORE)
 
         def api_state(request: Request) -> Response:
             return JSONResponse(self.state().to_json(), headers=NO_STORE)

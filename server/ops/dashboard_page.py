@@ -1,4 +1,4 @@
-"""The dashboard's page: Jinja2 templates (``templates/dashboard_*.html``) through Starlette.
+"""The dashboard's page: Jinja2 templates (``templates/dashboard_*.html``).
 
 The page (``dashboard_page.html``) holds the style, the script that swaps the live part in every
 few seconds, and the live part itself (``dashboard_live.html``, what ``/live`` answers); the
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
-from starlette.templating import Jinja2Templates
 
 from starfed.server.ops import status
 from starfed.server.ops.dashboard_plots import COLOURS, PLOTS, digest, step_label
@@ -67,7 +66,7 @@ def _environment() -> Environment:
     return env
 
 
-TEMPLATES = Jinja2Templates(env=_environment())
+TEMPLATES = _environment()
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ def page_context(state: State, refresh_s: float) -> dict[str, Any]:
 
 
 def page(state: State, refresh_s: float) -> str:
-    """The whole page, as ``/`` answers it."""
+    """The whole page: what ``/`` answers."""
     return TEMPLATES.get_template(PAGE).render(page_context(state, refresh_s))
 
 

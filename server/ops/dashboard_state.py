@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -23,7 +24,7 @@ from pathlib import Path
 from starfed.server.folder_files import CODEBOOK_FILE, STEP_START_FILE
 from starfed.server.ops import sites, status
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.records import StepRecord
+from starfed.server.records import PhaseRound, StepRecord
 from starfed.shared.metrics import AccuracyMatrix, nan_to_none
 from starfed.shared.protocol import Phase
 
@@ -52,7 +53,7 @@ class Running:
     """The step in progress: its completed phases, the one under way, since when."""
 
     step: int
-    done: list[str]
+    done: list[str]  # its phase rounds' text (PhaseRound), as the position holds them
     phase: str  # the phase under way: the one after the last completed
     in_play: list[str]
     started: str | None  # when the step began (its rollback copy was written)
@@ -62,11 +63,7 @@ class Running:
 
     def rounds_done(self) -> dict[str, int]:
         """Phase -> how many of its rounds this step completed (the page's phase strip)."""
-        done: dict[str, int] = {}
-        for entry in self.done:
-            phase = entry.partition("/")[0]
-            done[phase] = done.get(phase, 0) + 1
-        return done
+        return dict(Counter(PhaseRound.parse(entry).phase for entry in self.done))
 
 
 @dataclass
@@ -110,7 +107,7 @@ def _running(position: dict | None, federation_dir: Path, now: float) -> Running
     if not position or not position.get("running"):
         return None
     done = list(position["done"])
-    last = done[-1].partition("/")[0] if done else None
+    last = PhaseRound.parse(done[-1]).phase if done else None
     after = PHASE_ORDER.index(last) + 1 if last in PHASE_ORDER else 0
     phase = PHASE_ORDER[after] if after < len(PHASE_ORDER) else "closing the step"
     started = _mtime(federation_dir / STEP_START_FILE)

@@ -26,7 +26,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from starfed.ops import clock
+from starfed.ops import clock, pki
 
 #: Flower 1.42's header names (flwr/common/constant.py, flwr/supercore/constant.py); tests
 #: compare them with Flower's.
@@ -42,14 +42,6 @@ MIN_AGE_S = -_AHEAD_S
 MAX_AGE_S = _BEHIND_S
 
 log = logging.getLogger("starfed.gateway")
-
-
-def flower_public_key_bytes(openssh_line: str) -> bytes:
-    """The bytes a SuperNode sends for this key: PEM SubjectPublicKeyInfo, as Flower writes it."""
-    key = serialization.load_ssh_public_key(openssh_line.encode())
-    return key.public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
 
 
 class SiteKeys:
@@ -86,7 +78,7 @@ class SiteKeys:
             if not isinstance(record, dict) or record.get("removed_at"):
                 continue
             try:
-                pem = flower_public_key_bytes(str(record["public_key"]))
+                pem = pki.flower_public_key_bytes(str(record["public_key"]))
                 key = serialization.load_pem_public_key(pem)
             except (KeyError, ValueError, TypeError, UnsupportedAlgorithm) as err:
                 log.error("a site key in %s is unreadable (%s)", self.sites_file, err)

@@ -27,8 +27,6 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-
 from starfed.ops import clock, flower_runs, pki
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.files import write_atomic
@@ -186,9 +184,7 @@ def add(folder: ServerFolder, name: str, public_key: Path, adopt: bool = False) 
 def flower_node_of(folder: ServerFolder, key: pki.SiteKey) -> int:
     """The node id Flower registered ``key`` under, from the SuperLink's database (its ``node``
     table: ops.flower_internals); ``SitesError`` when Flower does not hold the key."""
-    pem = serialization.load_ssh_public_key(key.openssh.encode()).public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )  # as Flower stores it (flwr.supercore.primitives.asymmetric.public_key_to_bytes)
+    pem = pki.flower_public_key_bytes(key.openssh)  # as Flower stores it
     try:
         with contextlib.closing(
             sqlite3.connect(f"file:{folder.database}?mode=ro", uri=True, timeout=10)

@@ -42,7 +42,6 @@ from starfed.server.ops.layout import ServerFolder
 from starfed.shared.addresses import format_address, is_loopback, is_wildcard
 from starfed.shared.files import write_atomic
 
-DEFAULT_LISTEN = "0.0.0.0:9092"  # Flower's traditional Fleet API port
 DEFAULT_INTERNAL_PORT = 9093
 STARTUP_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
