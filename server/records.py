@@ -44,6 +44,9 @@ class PhaseRound(str):
             raise ValueError(f"phase round {phase!r}/{round!r} is not <phase>/<round>")
         return super().__new__(cls, f"{phase}/{round}")
 
+    def __reduce__(self) -> tuple[type[PhaseRound], tuple[str, int]]:
+        return type(self), (self.phase, self.round)  # copies and pickles: not the text as phase
+
     @property
     def phase(self) -> str:
         return self.rpartition("/")[0]

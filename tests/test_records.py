@@ -3,8 +3,10 @@ back byte for byte: an exchange's status and a position's phase rounds keep thei
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,13 @@ def test_a_phase_round_is_phase_slash_round(text: str) -> None:
     with pytest.raises(ValueError):
         PhaseRound.parse(text)
     assert PhaseRound.parse("stage1_stats/2") == PhaseRound("stage1_stats", 2) == "stage1_stats/2"
+
+
+def test_a_position_copies_and_pickles_with_its_phase_rounds() -> None:
+    """``asdict``, ``copy`` and ``pickle`` rebuild a ``PhaseRound`` from its phase and round (a
+    ``str`` subclass otherwise passes its whole text as the phase, which ``__new__`` refuses)."""
+    position = Position(1, running=True, done=(PhaseRound("sync"), PhaseRound("stage1", 2)))
+    for again in (copy.deepcopy(position), pickle.loads(pickle.dumps(position))):
+        assert again == position and all(type(d) is PhaseRound for d in again.done)
+        assert again.done[1].round == 2
+    assert dataclasses.asdict(position)["done"] == ("sync/0", "stage1/2")
