@@ -10,8 +10,8 @@ step's messages go to — all of them, or for a training or statistics round a s
 (``new_classes``), registered by the coordinator (``server.coordinator``).
 
 Costs: the sync decodes one small update per node; a sample is one draw over the sites'
-names plus one pass over the classes in play and their holders; a phase's payloads encode the
-codebook once per distinct version the nodes hold.
+names plus one pass over what each node brings and one over the classes in play; a phase's
+payloads encode the codebook once per distinct version the nodes hold.
 """
 
 from __future__ import annotations
@@ -116,10 +116,16 @@ class Participants:
         chosen = {
             by_name[i] for i in rng.choice(len(by_name), min(size, len(by_name)), replace=False)
         }
-        for name in in_play:
-            holders = [node for node in by_name if class_key(name) in self.brings.get(node, ())]
-            if holders and not chosen & set(holders):
-                chosen.add(holders[0])
+        first: dict[str, int] = {}  # class key -> its first holder in name order
+        for node in by_name:
+            for key in self.brings.get(node, ()):
+                first.setdefault(key, node)
+        covered = {key for node in chosen for key in self.brings.get(node, ())}
+        for key in map(class_key, in_play):
+            holder = first.get(key)
+            if holder is not None and key not in covered:
+                chosen.add(holder)
+                covered |= self.brings.get(holder, set())
         return sorted(chosen)
 
     def payloads(self, codebook: Codebook, wire_dtype: str) -> Callable[[int], bytes]:
