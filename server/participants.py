@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from starfed.server import replies
-from starfed.server.messaging import Reply
+from starfed.server.messaging import Reply, message_config
 from starfed.server.records import Exchange
 from starfed.server.screening import Screen
 from starfed.server.strategy import ConfigValue
@@ -33,7 +33,7 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import FROZEN, ROUND, SITE, STEP, WIRE_DTYPE, Phase
+from starfed.shared.protocol import FROZEN, SITE, Phase
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,9 @@ SyncUpdate = tuple[Exchange, ClientUpdate]
 
 
 def sync_config(step: int, codebook: Codebook, wire_dtype: str) -> dict[str, ConfigValue]:
-    """The sync's message config: the step, the codebook's lineage and its finished
-    classes; no codebook travels either way."""
-    return {STEP: step, ROUND: 0, WIRE_DTYPE: wire_dtype,
-            **Lineage.of(codebook).as_metadata(),
-            FROZEN: sorted(codebook.frozen)}  # fmt: skip
+    """The sync's message config: the protocol's (``message_config``) and the codebook's
+    finished classes; no codebook travels either way."""
+    return {**message_config(step, 0, codebook, wire_dtype), FROZEN: sorted(codebook.frozen)}
 
 
 @dataclass
