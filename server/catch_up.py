@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from starfed.server.messaging import SiteGrid, exchange, reject
+from starfed.server.messaging import SiteGrid, exchange, message_config, reject
 from starfed.server.participants import Participants
 from starfed.server.records import Exchange
 from starfed.shared.codebook import parts
@@ -34,9 +34,7 @@ from starfed.shared.protocol import (
     HELD,
     RECORD_DATA,
     ROUND,
-    STEP,
     SYNC,
-    WIRE_DTYPE,
 )
 
 
@@ -73,13 +71,10 @@ def before_phase(
     late = behind(codebook, participants.held, nodes, dtype)
     if not late:
         return list(nodes), []
-    lineage = Lineage.of(codebook).as_metadata()
-    config = {STEP: step, WIRE_DTYPE: dtype, **lineage}
-    caught, exchanges = send(grid, replace(codebook, metadata=lineage), late, config,
-                             sites, timeout)  # fmt: skip
+    caught, exchanges = send(grid, codebook, late, step, dtype, sites, timeout)
     for node in late:
         participants.hold(node, codebook.version if node in caught else None)
-    left = set(late) - set(caught)
+    left = set(late) - caught
     return [node for node in nodes if node not in left], exchanges
 
 
@@ -87,15 +82,18 @@ def send(
     grid: SiteGrid,
     codebook: Codebook,
     nodes: Sequence[int],
-    config: Mapping[str, object],
+    step: int,
+    dtype: str,
     sites: Mapping[int, str],
     timeout: float,
-) -> tuple[list[int], list[Exchange]]:
-    """Send ``codebook`` (with its lineage in its metadata) in parts to ``nodes``; the nodes that
-    now hold it, and the log entry of every part sent (phase ``catch_up``, round = part).
-    ``config`` is the message config of the step (``step``, ``wire-dtype``, the lineage)."""
-    plan = parts.plan(codebook, str(config[WIRE_DTYPE]))
-    count, step = len(plan.parts), int(str(config[STEP]))
+) -> tuple[set[int], list[Exchange]]:
+    """Send ``codebook`` in parts to ``nodes``, its lineage in its metadata and in each part's
+    message config (``message_config``, round = part); the nodes that now hold it, and the log
+    entry of every part sent (phase ``catch_up``)."""
+    config = message_config(step, 0, codebook, dtype)
+    lineage = Lineage.of(codebook).as_metadata()
+    plan = parts.plan(replace(codebook, metadata=lineage), dtype)
+    count = len(plan.parts)
     pending, logs = list(nodes), []
     for index in range(count):
         if not pending:
@@ -115,7 +113,7 @@ def send(
                                   f"{codebook.version}")  # fmt: skip
         logs += exchanges
         pending = [entry.node_id for entry in exchanges if not entry.failed]
-    return pending, logs
+    return set(pending), logs
 
 
 def _constant(data: bytes) -> Callable[[int], bytes]:

@@ -36,7 +36,7 @@ from dataclasses import replace
 from starfed.server import catch_up, replay, step_records
 from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import COMPLETED, DEGRADED, FAILED, Federation
-from starfed.server.messaging import Reply, SiteGrid, exchange
+from starfed.server.messaging import Reply, SiteGrid, exchange, message_config
 from starfed.server.participants import Participants, new_classes, sync_config
 from starfed.server.records import Exchange, PhaseRound, PhaseTime, Position, StepRecord, StepScores
 from starfed.server.replies import reports, screened
@@ -46,7 +46,6 @@ from starfed.server.strategy import ConfigValue, PhaseState, Strategy
 from starfed.shared import progress
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook, CodebookError
-from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.config import ProtocolOptions
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.training import TrainConfig
@@ -54,13 +53,10 @@ from starfed.shared.protocol import (
     ALSO,
     CLASS_STEPS,
     PHASES,
-    ROUND,
     SPECS,
     STATISTICS,
-    STEP,
     SYNC,
     UPDATE_RECORD,
-    WIRE_DTYPE,
     Phase,
     PhaseSpec,
 )
@@ -366,10 +362,8 @@ class Coordinator:
     ) -> dict[str, ConfigValue]:
         """The message config of a codebook phase: the protocol's (with the keys of the phases
         that travel with it, ``also``), then the strategy's."""
-        config: dict[str, ConfigValue] = {
-            STEP: state.step, ROUND: state.round, WIRE_DTYPE: self.protocol.wire_dtype,
-            **Lineage.of(state.codebook).as_metadata(),
-        }  # fmt: skip
+        config = message_config(state.step, state.round, state.codebook,
+                                self.protocol.wire_dtype)  # fmt: skip
         if also:
             config[ALSO] = also
         if spec.phase is Phase.EVALUATE:

@@ -55,13 +55,18 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def _by_site(rows: Iterable[tuple[str, float]]) -> float:
-    """The median over sites of each site's median: one vote per site, however many rows it
-    sends (a site bringing ten classes of its own does not own the phase's median)."""
+def _site_medians(rows: Iterable[tuple[str, float]]) -> list[float]:
+    """Each site's median of its values: one vote per site, however many rows it sends."""
     per_site: dict[str, list[float]] = {}
     for site, value in rows:
         per_site.setdefault(site, []).append(value)
-    return _median([statistics.median(values) for values in per_site.values()])
+    return [statistics.median(values) for values in per_site.values()]
+
+
+def _by_site(rows: Iterable[tuple[str, float]]) -> float:
+    """The median over sites of each site's median (``_site_medians``: a site bringing ten
+    classes of its own does not own the phase's median)."""
+    return _median(_site_medians(rows))
 
 
 def reference_size(sent: torch.Tensor) -> float:
@@ -235,11 +240,7 @@ class PhaseScreen:
                 if row.change > 0 and (row.site, row.cls) not in self.rejected
                 and row.site not in self.private]  # fmt: skip
         if len({site for site, _ in kept}) >= MIN_SITES:
-            per_site: dict[str, list[float]] = {}
-            for site, ratio in kept:
-                per_site.setdefault(site, []).append(ratio)
-            observed = self.screen.observed.setdefault(name, [])
-            observed += [statistics.median(ratios) for ratios in per_site.values()]
+            self.screen.observed.setdefault(name, []).extend(_site_medians(kept))
 
     def _bound_lone(self, name: str, rows: list[Change], senders: int) -> None:
         options = self.screen.options

@@ -75,7 +75,8 @@ class Report:
 
 
 def phase_marks() -> set[str]:
-    """Every "<phase>/<round>" a position may name as done (rounds: any non-negative)."""
+    """Every phase a position's done marks may name (``PhaseRound.phase``; rounds: any
+    non-negative)."""
     return {SYNC.phase.key, *(spec.phase.key for spec in PHASES)}
 
 

@@ -20,13 +20,18 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from starfed.server.records import Exchange, ExchangeStatus, Outcome
-from starfed.shared.codebook.codebook import ClientUpdate
+from starfed.server.strategy import ConfigValue
+from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.protocol import (
     BUDGET_EXHAUSTED,
     CODEBOOK_RECORD,
     CONFIG_RECORD,
     PRIVACY_EPSILON,
     RECORD_DATA,
+    ROUND,
+    STEP,
+    WIRE_DTYPE,
     PhaseSpec,
 )
 
@@ -49,6 +54,15 @@ class SiteGrid(Protocol):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]: ...
+
+
+def message_config(
+    step: int, round_index: int, codebook: Codebook, wire_dtype: str
+) -> dict[str, ConfigValue]:
+    """The protocol's keys of every message's config: the step, the round, the wire dtype and
+    the lineage of the codebook it answers to (a phase, the sync and the catch-up add theirs)."""
+    return {STEP: step, ROUND: round_index, WIRE_DTYPE: wire_dtype,
+            **Lineage.of(codebook).as_metadata()}  # fmt: skip
 
 
 def exchange(

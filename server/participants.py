@@ -10,8 +10,8 @@ step's messages go to — all of them, or for a training or statistics round a s
 (``new_classes``), registered by the coordinator (``server.coordinator``).
 
 Costs: the sync decodes one small update per node; a sample is one draw over the sites'
-names plus one pass over the classes in play and their holders; a phase's payloads encode the
-codebook once per distinct version the nodes hold.
+names plus one pass over what each node brings and one over the classes in play; a phase's
+payloads encode the codebook once per distinct version the nodes hold.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from starfed.server import replies
-from starfed.server.messaging import Reply
+from starfed.server.messaging import Reply, message_config
 from starfed.server.records import Exchange
 from starfed.server.screening import Screen
 from starfed.server.strategy import ConfigValue
@@ -33,7 +33,7 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import FROZEN, ROUND, SITE, STEP, WIRE_DTYPE, Phase
+from starfed.shared.protocol import FROZEN, SITE, Phase
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,9 @@ SyncUpdate = tuple[Exchange, ClientUpdate]
 
 
 def sync_config(step: int, codebook: Codebook, wire_dtype: str) -> dict[str, ConfigValue]:
-    """The sync's message config: the step, the codebook's lineage and its finished
-    classes; no codebook travels either way."""
-    return {STEP: step, ROUND: 0, WIRE_DTYPE: wire_dtype,
-            **Lineage.of(codebook).as_metadata(),
-            FROZEN: sorted(codebook.frozen)}  # fmt: skip
+    """The sync's message config: the protocol's (``message_config``) and the codebook's
+    finished classes; no codebook travels either way."""
+    return {**message_config(step, 0, codebook, wire_dtype), FROZEN: sorted(codebook.frozen)}
 
 
 @dataclass
@@ -116,10 +114,16 @@ class Participants:
         chosen = {
             by_name[i] for i in rng.choice(len(by_name), min(size, len(by_name)), replace=False)
         }
-        for name in in_play:
-            holders = [node for node in by_name if class_key(name) in self.brings.get(node, ())]
-            if holders and not chosen & set(holders):
-                chosen.add(holders[0])
+        first: dict[str, int] = {}  # class key -> its first holder in name order
+        for node in by_name:
+            for key in self.brings.get(node, ()):
+                first.setdefault(key, node)
+        covered = {key for node in chosen for key in self.brings.get(node, ())}
+        for key in map(class_key, in_play):
+            holder = first.get(key)
+            if holder is not None and key not in covered:
+                chosen.add(holder)
+                covered |= self.brings.get(holder, set())
         return sorted(chosen)
 
     def payloads(self, codebook: Codebook, wire_dtype: str) -> Callable[[int], bytes]:

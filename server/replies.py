@@ -96,7 +96,8 @@ def screened(
             if stray:
                 logger.info("node %s sent rows of classes not in play: %s", entry.node_id,
                             stray[:10])  # fmt: skip
-                frozen = [n for n in stray if n in state.codebook.frozen]
+                codebook = state.codebook  # one lookup per row: ``.frozen`` walks every class
+                frozen = [n for n in stray if n in codebook and codebook[n].frozen]
                 phase_screen.frozen_rows(entry.site, frozen)
             update = update.only(in_play)
             phase_screen.observe(entry.site, update)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -94,6 +95,7 @@ class Screen:
         self.observed: dict[str, list[float]] = {}  # this step's, for ``ChangeScale.save``
         self.registered = parse_site_names(options.site_names)  # node id -> the operator's name
         self.declared: dict[str, Declared] = {}  # site -> its sync
+        self.declared_total: Counter[str] = Counter()  # class key -> its images over the syncs
         self.findings: list[Finding] = []
         self.quarantined: dict[str, str] = {}  # site -> why
         # class -> the kept row that went furthest this step: whom to name if a result is invalid
@@ -203,6 +205,9 @@ class Screen:
             test = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
             counts = {class_key(e.name): e.count for e in update.entries}
             self.declared[entry.site] = Declared(counts, test)
+        self.declared_total = Counter()
+        for declared in self.declared.values():
+            self.declared_total.update(declared.counts)
         return kept
 
     def _reject(self, entry, reason: str, site: str | None = None) -> None:
@@ -216,13 +221,15 @@ class Screen:
 
     def caps(self, site: str) -> dict[str, int]:
         """The count each class of ``site`` may carry: what it reported at the sync, and with
-        ``max-class-share`` < 1 at most that share of the class's sync counts over sites."""
+        ``max-class-share`` < 1 at most that share of the class's sync counts over sites
+        (the others' from the sync's totals: a phase costs one pass over each site's classes,
+        not over every site's per site)."""
         mine = self.declared.get(site, Declared({}, 0)).counts
         share = self.options.max_class_share
         caps = dict(mine)
         if share < 1:
             for key, count in mine.items():
-                others = sum(e.counts.get(key, 0) for s, e in self.declared.items() if s != site)
+                others = self.declared_total[key] - count
                 if others:  # share x of the total: others * x / (1 - x), rounding forgiven
                     bound = math.floor(share / (1 - share) * others + 1e-9)
                     caps[key] = min(count, max(1, bound))

@@ -42,7 +42,9 @@ class PhaseState:
 
     step: int
     round: int
-    codebook: Codebook  # the codebook the phase was sent with
+    # the codebook the phase merges into: the one it was sent with, or for a phase that
+    # travels with another (``PhaseSpec.travels_with``), the one that phase just made
+    codebook: Codebook
     in_play: tuple[str, ...]  # the classes the step trains
     class_steps: Mapping[str, int]  # the step that registered each codebook class
     backbones: Backbones
