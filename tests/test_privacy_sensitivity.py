@@ -64,8 +64,19 @@ REMOVED = [0, 5, PER_CLASS + 3, 2 * PER_CLASS, 3 * PER_CLASS - 1]
 CONFIG = TrainConfig(stage1_epochs=1, stage2_epochs=1, batch_size=8, seed=1993)
 #: Clipping bounds small enough that every class's update is clipped (the bound binds).
 SETTING = PrivacySetting(4.0, 1e-5, 0.4, 1.0, 1e-4, 1e-4, 1, 1)
-#: What float arithmetic may leave of a change that is zero in exact arithmetic.
-FLOAT_SLACK = 1e-9
+#: Float32 arithmetic depends on the batch an image is computed in (the matrix kernels block by
+#: batch size): removing one image re-batches the others, and their features move by rounding
+#: alone. ``ROW_ULPS`` float32 ulps per feature row is the budget for that (measured here: under
+#: one; a real leak moves a class's moments by O(1/n) of a row, i.e. 10⁵ times more).
+ROW_ULPS = 64
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+
+
+def float_slack(rows: int, scale: float = 1.0) -> float:
+    """What float32 rounding may move a release by that exact arithmetic leaves unchanged:
+    ``rows`` rows, each moved by ``ROW_ULPS`` ulps of its norm in units of the release's bound
+    (``scale``: the rows' largest norm in those units, ≥ 1), through both moments."""
+    return rows * MOMENTS_SENSITIVITY * ROW_ULPS * FLOAT32_EPS * max(scale, 1.0)
 
 
 class ZeroNoise:
@@ -133,20 +144,26 @@ def test_noisy_count_moves_by_one_for_its_class_only(backbones, task, tmp_path):
         assert all(released[0][n] == released[1][n] for n in CLASSES if n != own)
 
 
-def moments_of(phase: Phase, backbones, images, labels, tmp_path) -> dict[str, np.ndarray]:
-    """Each class's clipped moments as the site's statistics phase computes them."""
+def moments_of(
+    phase: Phase, backbones, images, labels, tmp_path
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """Each class's clipped moments as the site's statistics phase computes them, and the
+    ``float_slack`` of each class's rows (their count, their largest norm in radii)."""
     private = releases(backbones, tmp_path)
-    moments = {}
+    moments, slack = {}, {}
 
     def fit(features, labels_, rows, n_components, seed):
         centre, radius = private.ball(phase, features.shape[1])
         for row in rows:
-            total, squares = clipped_moments(features[labels_ == row], centre, radius)
+            own = features[labels_ == row]
+            total, squares = clipped_moments(own, centre, radius)
             moments[CLASSES[row]] = np.concatenate([total, squares])
+            largest = float(own.double().norm(dim=1).max()) / radius
+            slack[CLASSES[row]] = float_slack(len(own), largest)
         return [None] * len(rows)
 
     HANDLERS[phase](view(backbones, images, labels), CONFIG, fit=fit)
-    return moments
+    return moments, slack
 
 
 @pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
@@ -154,14 +171,14 @@ def test_mixture_moments_move_within_sensitivity_for_their_class_only(
     phase, backbones, task, tmp_path
 ):
     images, labels = task
-    full = moments_of(phase, backbones, images, labels, tmp_path)
+    full, slack = moments_of(phase, backbones, images, labels, tmp_path)
     for index in REMOVED:
-        less = moments_of(phase, backbones, *without(images, labels, index), tmp_path)
+        less, _ = moments_of(phase, backbones, *without(images, labels, index), tmp_path)
         own = CLASSES[int(labels[index])]
         changes = {n: float(np.linalg.norm(full[n] - less[n])) for n in CLASSES}
-        assert 0 < changes[own] <= MOMENTS_SENSITIVITY + FLOAT_SLACK, (index, changes)
+        assert 0 < changes[own] <= MOMENTS_SENSITIVITY + slack[own], (index, changes)
         others = {n: c for n, c in changes.items() if n != own}
-        assert all(c <= FLOAT_SLACK for c in others.values()), (index, own, changes)
+        assert all(c <= slack[n] for n, c in others.items()), (index, own, changes, slack)
 
 
 # --- the training updates: prompts; query prompts, query weights and head rows ---------------
@@ -201,7 +218,7 @@ def test_update_moves_within_its_sensitivity(phase, backbones, task, tmp_path):
         less = released_update(
             phase, backbones, *without(images, labels, index), tmp_path / str(index)
         )
-        assert 0 < float((full - less).norm()) <= bound + FLOAT_SLACK
+        assert 0 < float((full - less).norm()) <= bound * (1 + ROW_ULPS * FLOAT32_EPS)
 
 
 # --- each mechanism's noise against its calibration ------------------------------------------
@@ -369,14 +386,14 @@ def test_removing_a_patient_moves_its_class_within_k_times_the_bound(
     phase, backbones, task, tmp_path
 ):
     images, labels, patients = patient_task(task)
-    full = moments_of(phase, backbones, images, labels, tmp_path)
+    full, slack = moments_of(phase, backbones, images, labels, tmp_path)
     for patient in ("p000", "p004", "p007"):
         keep = torch.tensor([p != patient for p in patients])
-        less = moments_of(phase, backbones, images[keep], labels[keep], tmp_path)
+        less, _ = moments_of(phase, backbones, images[keep], labels[keep], tmp_path)
         own = CLASSES[int(labels[~keep][0])]
         changes = {n: float(np.linalg.norm(full[n] - less[n])) for n in CLASSES}
-        assert 0 < changes[own] <= K * MOMENTS_SENSITIVITY + FLOAT_SLACK, (patient, changes)
-        assert all(c <= FLOAT_SLACK for n, c in changes.items() if n != own), changes
+        assert 0 < changes[own] <= K * MOMENTS_SENSITIVITY + slack[own], (patient, changes)
+        assert all(c <= slack[n] for n, c in changes.items() if n != own), (changes, slack)
 
 
 def test_patient_unit_scales_the_noise_by_the_cap():
