@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml
 run: $(STAMP)  ## the default job: a federated simulation on the bundled data
 	$(BIN)/starfed simulate
 
-test: $(STAMP)  ## lint + types + the fast suite (what CI runs)
+test: $(STAMP)  ## lint + format + types + the fast suite (what CI runs)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(MAKE) typecheck
 	$(BIN)/python -m pytest -m "not slow"
 

@@ -137,15 +137,23 @@ def python(code: str, timeout: float, env: dict | None = None) -> dict:
     """``code`` in a fresh interpreter: as ``timed``, with the line it prints (JSON)."""
     load, cpu, started = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=timeout,
-                              text=True, env=env)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, timeout=timeout, text=True, env=env
+        )
     except subprocess.TimeoutExpired:
         return {"wall_s": timeout, "exit": "timeout"}
-    out = json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else {
-        "error": done.stderr.strip().splitlines()[-1:]}  # fmt: skip
-    return {"wall_s": round(time.perf_counter() - started, 2),
-            "cpu_s": round(_children_cpu() - cpu, 2), "exit": done.returncode,
-            "load": round(load, 1), **out}  # fmt: skip
+    out = (
+        json.loads(done.stdout.splitlines()[-1])
+        if done.returncode == 0
+        else {"error": done.stderr.strip().splitlines()[-1:]}
+    )
+    return {
+        "wall_s": round(time.perf_counter() - started, 2),
+        "cpu_s": round(_children_cpu() - cpu, 2),
+        "exit": done.returncode,
+        "load": round(load, 1),
+        **out,
+    }
 
 
 API_STATE = """
@@ -207,8 +215,9 @@ def synthetic_step(folder: Path, new: int = 4) -> dict:
     federation.register(names, step, {})
     federation.begin_step(start)
     fresh = [replace(full_entry(n, PAPER_DIMS, generator), frozen=False) for n in names]
-    untrained = [replace(e, values={f: v for f, v in e.values.items() if f in TENSORS})
-                 for e in fresh]  # fmt: skip
+    untrained = [
+        replace(e, values={f: v for f, v in e.values.items() if f in TENSORS}) for e in fresh
+    ]
     codebook = codebook.register(untrained)
     done: tuple[str, ...] = ()
 
@@ -227,15 +236,22 @@ def synthetic_step(folder: Path, new: int = 4) -> dict:
     phase("stage1/0", fresh_values(("prompt",), names))
     phase("stage1_stats/0", fresh_values(("clip_mixture",), names))
     phase("stage1/1", fresh_values(("prompt", "key"), names))  # the first-level replay
-    phase("stage2/0", fresh_values(("query_prompt", "query_weight", "head_weight",
-                                    "head_bias"), names))  # fmt: skip
+    phase(
+        "stage2/0",
+        fresh_values(("query_prompt", "query_weight", "head_weight", "head_bias"), names),
+    )
     phase("stage2_stats/0", fresh_values(("vit_mixture",), names))
-    heads = {n: {"aligned_head_weight": torch.randn(PAPER_DIMS.d_vit, generator=generator),
-                 "aligned_head_bias": torch.randn((), generator=generator)}
-             for n in codebook.names}  # fmt: skip
+    heads = {
+        n: {
+            "aligned_head_weight": torch.randn(PAPER_DIMS.d_vit, generator=generator),
+            "aligned_head_bias": torch.randn((), generator=generator),
+        }
+        for n in codebook.names
+    }
     codebook = codebook.set_values(heads, freeze=names)
-    record = StepRecord(step, COMPLETED, time.time(), 1.0, classes=tuple(names),
-                        codebook_version=codebook.version)  # fmt: skip
+    record = StepRecord(
+        step, COMPLETED, time.time(), 1.0, classes=tuple(names), codebook_version=codebook.version
+    )
     federation.end_step(record, codebook, keep_steps=10)
     step_written = wchar() - written
     changed = len(wire.encode(changed_fields(start, codebook)))
@@ -256,8 +272,18 @@ def _other(value, generator):
     return torch.randn(value.shape, generator=generator)
 
 
-VIEWS = ("status", "api_state", "check", "check_deep", "in_process", "repair_dry_run", "export",
-         "predict_load", "step", "hashes")  # fmt: skip
+VIEWS = (
+    "status",
+    "api_state",
+    "check",
+    "check_deep",
+    "in_process",
+    "repair_dry_run",
+    "export",
+    "predict_load",
+    "step",
+    "hashes",
+)
 HASHES = ("sha256", "blake2b", "blake2s", "sha1", "md5", "sha512")  # hashlib's, all stdlib
 
 
@@ -305,16 +331,21 @@ def measure(
             if view in commands:
                 result[view] = timed(commands[view], timeout)
                 if shim and view == "check":
-                    cli = [sys.executable, "-c", "import sys; from starfed.cli import main; "
-                           "sys.exit(main(sys.argv[1:]))", *commands[view][1:]]  # fmt: skip
+                    cli = [
+                        sys.executable,
+                        "-c",
+                        "import sys; from starfed.cli import main; sys.exit(main(sys.argv[1:]))",
+                        *commands[view][1:],
+                    ]
                     result["check_before"] = timed(cli, timeout, shim)
             elif view == "api_state":
                 result[view] = python(API_STATE.format(server=server), timeout)
             elif view == "in_process":
                 result[view] = python(IN_PROCESS.format(server=server), timeout)
         if "hashes" in views:
-            result["hash_mb_per_s"] = hash_rates(max(folder.rglob("*.bin"),
-                                                     key=lambda p: p.stat().st_size))  # fmt: skip
+            result["hash_mb_per_s"] = hash_rates(
+                max(folder.rglob("*.bin"), key=lambda p: p.stat().st_size)
+            )
         out = root / "export.bin"
         if "export" in views:
             export = [*starfed, "server", "export", "--federation", str(folder), "--out", str(out)]
@@ -324,15 +355,17 @@ def measure(
         if "predict_load" in views and out.exists():
             result["predict_load"] = python(PREDICT_LOAD.format(path=str(out)), timeout)
             if shim:
-                result["predict_load_before"] = python(PREDICT_LOAD.format(path=str(out)),
-                                                       timeout, shim)  # fmt: skip
+                result["predict_load_before"] = python(
+                    PREDICT_LOAD.format(path=str(out)), timeout, shim
+                )
         if "step" in views:
             if keep:  # the kept folder stays as built
                 shutil.copytree(folder, root / "step" / "federation")
                 folder, server = root / "step" / "federation", str(root / "step")
             result["step"] = synthetic_step(folder)
-            result["step"]["check_after"] = timed([*starfed, "server", "check", "--dir", server],
-                                                  timeout)  # fmt: skip
+            result["step"]["check_after"] = timed(
+                [*starfed, "server", "check", "--dir", server], timeout
+            )
         return result
     finally:
         for path in (root / "step", root / "path") if keep else (root,):
@@ -355,8 +388,13 @@ def before_step(n: int, checkout: Path, timeout: float) -> dict:
     try:
         folder = build(root, n, before=True)
         env = _shim(root, checkout)
-        done = subprocess.run([sys.executable, __file__, "--step-only", str(folder)], env=env,
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, __file__, "--step-only", str(folder)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if done.returncode:
             return {"exit": done.returncode, "error": done.stderr.strip().splitlines()[-1:]}
         return {"checkout": str(checkout), **json.loads(done.stdout.splitlines()[-1])}
@@ -377,10 +415,15 @@ def main() -> None:
     )
     parser.add_argument("--step-only", type=Path, help=argparse.SUPPRESS)  # before_step's child
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--views", nargs="+", choices=VIEWS, default=VIEWS,
-                        help="what to measure (default: all)")  # fmt: skip
-    parser.add_argument("--keep", type=Path, metavar="DIR",
-                        help="build each federation once in DIR/<classes> and keep it")  # fmt: skip
+    parser.add_argument(
+        "--views", nargs="+", choices=VIEWS, default=VIEWS, help="what to measure (default: all)"
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        metavar="DIR",
+        help="build each federation once in DIR/<classes> and keep it",
+    )
     args = parser.parse_args()
     if args.step_only:
         print(json.dumps(synthetic_step(args.step_only)))
@@ -388,8 +431,10 @@ def main() -> None:
     results = []
     for n in args.classes:
         load = os.getloadavg()[0]
-        result = {**measure(n, args.timeout, tuple(args.views), args.keep, args.compare_with),
-                  "load_1min_before": round(load, 1)}  # fmt: skip
+        result = {
+            **measure(n, args.timeout, tuple(args.views), args.keep, args.compare_with),
+            "load_1min_before": round(load, 1),
+        }
         if args.compare_with and n <= COMPARE_UP_TO and "step" in args.views:
             result["step_before"] = before_step(n, args.compare_with, args.timeout)
         print(json.dumps(result), flush=True)

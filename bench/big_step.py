@@ -66,10 +66,18 @@ JOINING = f"site-{SITES + 1}"
 #: reference schedule's epochs over every class cost O(classes)), with few steps. The default
 #: `max-classes` (10,000) would refuse the step's 20 classes at 10,000: the cap is raised.
 RUN: dict[str, object] = {
-    "preset": "paper-random", "seed": 1993, "max-steps": 1, "stage1-epochs": 1,
-    "stage2-epochs": 1, "replay-schedule": "bounded", "replay1-steps": 2, "replay2-steps": 10,
-    "timeout-s": 600, "wait-s": 0.5, "max-classes": 20_000,
-}  # fmt: skip
+    "preset": "paper-random",
+    "seed": 1993,
+    "max-steps": 1,
+    "stage1-epochs": 1,
+    "stage2-epochs": 1,
+    "replay-schedule": "bounded",
+    "replay1-steps": 2,
+    "replay2-steps": 10,
+    "timeout-s": 600,
+    "wait-s": 0.5,
+    "max-classes": 20_000,
+}
 
 
 def run_config(root: Path, preset: str) -> dict[str, object]:
@@ -79,10 +87,14 @@ def run_config(root: Path, preset: str) -> dict[str, object]:
 def node_configs(root: Path) -> dict[int, dict[str, str]]:
     """Six sites by node id: their data, state and (shared) cache folders."""
     return {
-        k: {"data-dir": str(root / f"site-{k}"), "state-dir": str(root / f"site-{k}-state"),
-            "site-name": f"site-{k}", "cache-dir": str(root / "cache")}
+        k: {
+            "data-dir": str(root / f"site-{k}"),
+            "state-dir": str(root / f"site-{k}-state"),
+            "site-name": f"site-{k}",
+            "cache-dir": str(root / "cache"),
+        }
         for k in range(1, SITES + 2)
-    }  # fmt: skip
+    }
 
 
 def site_folders(root: Path) -> None:
@@ -94,8 +106,10 @@ def site_folders(root: Path) -> None:
         data = root / f"site-{k}"
         (data / "test").mkdir(parents=True)
         for name in classes[(k - 1) * NEW_CLASSES : k * NEW_CLASSES] if k <= SITES else ():
-            for split, target, n in (("train", data / "t1" / name, TRAIN_IMAGES),
-                                     ("test", data / "test" / name, TEST_IMAGES)):  # fmt: skip
+            for split, target, n in (
+                ("train", data / "t1" / name, TRAIN_IMAGES),
+                ("test", data / "test" / name, TEST_IMAGES),
+            ):
                 target.mkdir(parents=True)
                 for image in sorted((bundled / split / name).iterdir())[:n]:
                     (target / image.name).symlink_to(image)
@@ -120,8 +134,12 @@ def prepare(root: Path, n: int, preset: str) -> dict[str, object]:
         (state / STATE_FILE).write_text(json.dumps({"federation": lineage.federation}))
     held.unlink()
     site_folders(root)
-    return {"classes": n, "preset": preset, "codebook_version": codebook.version,
-            "build_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    return {
+        "classes": n,
+        "preset": preset,
+        "codebook_version": codebook.version,
+        "build_s": round(time.perf_counter() - started, 1),
+    }
 
 
 @dataclass
@@ -188,13 +206,15 @@ def holds_the_codebook(root: Path) -> bool:
 
 
 def same(held: Codebook, sent: Codebook) -> bool:
-    if (held.names, held.version, Lineage.of(held)) != (sent.names, sent.version,
-                                                        Lineage.of(sent)):  # fmt: skip
+    if (held.names, held.version, Lineage.of(held)) != (sent.names, sent.version, Lineage.of(sent)):
         return False
     for name in sent.names:
         mine, theirs = held[name], sent[name]
-        if (mine.count, mine.frozen, mine.values.keys()) != (theirs.count, theirs.frozen,
-                                                             theirs.values.keys()):  # fmt: skip
+        if (mine.count, mine.frozen, mine.values.keys()) != (
+            theirs.count,
+            theirs.frozen,
+            theirs.values.keys(),
+        ):
             return False
         if not all(torch.equal(mine.values[f], v) for f, v in theirs.values.items()):
             return False
@@ -216,8 +236,10 @@ def measure(n: int, preset: str) -> dict[str, object]:
     """Build, then run, each in a fresh process; the folders are removed after."""
     with tempfile.TemporaryDirectory(prefix=f"starfed-big-step-{n}-") as tmp:
         load = os.getloadavg()[0]
-        row = {**_child("--prepare", tmp, "--classes", str(n), "--preset", preset),
-               "load_1min_before": round(load, 1)}  # fmt: skip
+        row = {
+            **_child("--prepare", tmp, "--classes", str(n), "--preset", preset),
+            "load_1min_before": round(load, 1),
+        }
         if "error" not in row:
             row["step"] = _child("--step", tmp, "--preset", preset)
             row["load_1min_after"] = round(os.getloadavg()[0], 1)

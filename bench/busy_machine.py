@@ -66,10 +66,14 @@ def main() -> None:
     medians = {key: statistics.median(values) for key, values in walls.items()}
     for policy in ("unset", "PASSIVE"):
         alone, pair = medians[f"{policy} x1"], medians[f"{policy} x2"]
-        print(f"OMP_WAIT_POLICY {policy:8}: alone {alone:7.2f} s, two at once {pair:7.2f} s "
-              f"each: {pair / alone:5.1f}x")  # fmt: skip
-    print(f"# {os.cpu_count()} CPUs, load {min(loads):.1f}-{max(loads):.1f} while measuring, "
-          f"{args.steps} steps, {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
+        print(
+            f"OMP_WAIT_POLICY {policy:8}: alone {alone:7.2f} s, two at once {pair:7.2f} s "
+            f"each: {pair / alone:5.1f}x"
+        )
+    print(
+        f"# {os.cpu_count()} CPUs, load {min(loads):.1f}-{max(loads):.1f} while measuring, "
+        f"{args.steps} steps, {time.strftime('%Y-%m-%d %H:%M')}"
+    )
     print(json.dumps({"median_wall_s": medians, "walls_s": walls}))
 
 

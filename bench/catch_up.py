@@ -44,12 +44,17 @@ def federation(n_classes: int) -> Codebook:
     """A codebook of ``n_classes`` paper-dims classes with every field sites read."""
     generator = torch.Generator().manual_seed(0)
     entries = [
-        ClassEntry(f"class_{i:05d}", 100, {
-            f.name: torch.randn(f.shape(PAPER), generator=generator)
-            for f in schema.FIELDS if f.broadcast
-        })
+        ClassEntry(
+            f"class_{i:05d}",
+            100,
+            {
+                f.name: torch.randn(f.shape(PAPER), generator=generator)
+                for f in schema.FIELDS
+                if f.broadcast
+            },
+        )
         for i in range(n_classes)
-    ]  # fmt: skip
+    ]
     return Codebook(FINGERPRINT, PAPER, {}, 0, LINE.as_metadata()).register(entries)
 
 
@@ -70,10 +75,16 @@ def server(n_classes: int, dtype: str, folder: Path) -> dict[str, object]:
         (folder / f"{index}.bin").write_bytes(data)
         del data
     return {
-        "classes": n_classes, "dtype": dtype, "behind": late == [1], "messages": len(plan.parts),
-        "bytes": sent, "part_limit": parts.PART_BYTES, "server_encode_s": round(encode_s, 2),
-        "server_peak_rss_mb": _rss_mb(), "server_codebook_rss_mb": rss_before,
-    }  # fmt: skip
+        "classes": n_classes,
+        "dtype": dtype,
+        "behind": late == [1],
+        "messages": len(plan.parts),
+        "bytes": sent,
+        "part_limit": parts.PART_BYTES,
+        "server_encode_s": round(encode_s, 2),
+        "server_peak_rss_mb": _rss_mb(),
+        "server_codebook_rss_mb": rss_before,
+    }
 
 
 def site(n_classes: int, messages: int, folder: Path) -> dict[str, object]:
@@ -88,8 +99,11 @@ def site(n_classes: int, messages: int, folder: Path) -> dict[str, object]:
         stage_s += time.perf_counter() - t0
         del data
     assert held.version_for(LINE) == 1 and len(held.codebook() or ()) == n_classes
-    return {"site_stage_and_hold_s": round(stage_s, 2), "site_peak_rss_mb": _rss_mb(),
-            "site_baseline_rss_mb": baseline}  # fmt: skip
+    return {
+        "site_stage_and_hold_s": round(stage_s, 2),
+        "site_peak_rss_mb": _rss_mb(),
+        "site_baseline_rss_mb": baseline,
+    }
 
 
 def _rss_mb() -> int:
@@ -97,8 +111,9 @@ def _rss_mb() -> int:
 
 
 def _side(*argv: str) -> dict[str, object]:
-    out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True,
-                         text=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, __file__, *argv], check=True, capture_output=True, text=True
+    ).stdout
     return json.loads(out)
 
 
@@ -118,10 +133,19 @@ def main() -> None:
         return
     for n in args.classes:
         with tempfile.TemporaryDirectory() as tmp:
-            row = _side("--side", "server", "--classes", str(n), "--dtype", args.dtype,
-                        "--folder", tmp)  # fmt: skip
-            row |= _side("--side", "site", "--classes", str(n), "--messages",
-                         str(row["messages"]), "--folder", tmp)  # fmt: skip
+            row = _side(
+                "--side", "server", "--classes", str(n), "--dtype", args.dtype, "--folder", tmp
+            )
+            row |= _side(
+                "--side",
+                "site",
+                "--classes",
+                str(n),
+                "--messages",
+                str(row["messages"]),
+                "--folder",
+                tmp,
+            )
         print(json.dumps(row), flush=True)
     load = os.getloadavg()[0]
     print(json.dumps({"machine": platform.node(), "cpus": os.cpu_count(), "load_1min": load}))

@@ -34,9 +34,12 @@ from pathlib import Path
 from starfed.shared.data.cropdiseases import bundled_dataset_root
 
 RUN_CONFIG = {
-    "stage1-epochs": 1, "stage2-epochs": 1, "replay1-epochs": 1, "replay2-epochs": 1,
+    "stage1-epochs": 1,
+    "stage2-epochs": 1,
+    "replay1-epochs": 1,
+    "replay2-epochs": 1,
     "replay2-epochs-per-task": 0,
-}  # fmt: skip
+}
 SITES = ("farm-a", "farm-b")
 
 
@@ -53,9 +56,13 @@ def load() -> float:
 def starfed(*argv: str, log: Path, timeout: float = 900) -> tuple[int, str]:
     with log.open("ab") as err:
         done = subprocess.run(
-            [sys.executable, "-m", "starfed.cli", *argv], stdout=subprocess.PIPE, stderr=err,
-            stdin=subprocess.DEVNULL, timeout=timeout, check=False,
-        )  # fmt: skip
+            [sys.executable, "-m", "starfed.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            timeout=timeout,
+            check=False,
+        )
     return done.returncode, done.stdout.decode()
 
 
@@ -74,8 +81,9 @@ def history(federation: Path) -> list[dict]:
 
 
 def step_row(record: dict) -> dict:
-    phases = [(f"{p['phase']}/{p['round']}", round(p["seconds"], 2))
-              for p in record["phase_seconds"]]  # fmt: skip
+    phases = [
+        (f"{p['phase']}/{p['round']}", round(p["seconds"], 2)) for p in record["phase_seconds"]
+    ]
     return {"step": record["step"], "wall_s": round(record["wall_s"], 2), "phases": phases}
 
 
@@ -86,25 +94,59 @@ class Deployment:
         self.root, self.log = root, root / "commands.log"
         self.public = f"127.0.0.1:{free_port()}"
         os.environ["STARFED_SERVER_DIR"] = str(root / "server")
-        code, _ = starfed("server", "start", "--insecure", "--listen", self.public,
-                          "--internal-port", str(free_port()), log=self.log)  # fmt: skip
+        code, _ = starfed(
+            "server",
+            "start",
+            "--insecure",
+            "--listen",
+            self.public,
+            "--internal-port",
+            str(free_port()),
+            log=self.log,
+        )
         if code != 0:
             raise SystemExit(f"server start failed: {self.log}")
         self.sites: dict[str, subprocess.Popen] = {}
         for name in SITES:
             with (root / f"{name}.log").open("ab") as out:
                 self.sites[name] = subprocess.Popen(
-                    [sys.executable, "-m", "starfed.cli", "site", "start", "--insecure",
-                     "--server", self.public, "--data", str(root / name), "--state",
-                     str(root / f"{name}-state"), "--name", name, "--device", "cpu"],
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                )  # fmt: skip
+                    [
+                        sys.executable,
+                        "-m",
+                        "starfed.cli",
+                        "site",
+                        "start",
+                        "--insecure",
+                        "--server",
+                        self.public,
+                        "--data",
+                        str(root / name),
+                        "--state",
+                        str(root / f"{name}-state"),
+                        "--name",
+                        name,
+                        "--device",
+                        "cpu",
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
 
     def run(self) -> dict:
         settings = [f"--run-config={k}={v}" for k, v in RUN_CONFIG.items()]
         started = time.monotonic()
-        code, _ = starfed("server", "run", *settings, "--steps=1", "--min-sites=2",
-                          "--wait-s=300", "--timeout-s=300", "--json", log=self.log)  # fmt: skip
+        code, _ = starfed(
+            "server",
+            "run",
+            *settings,
+            "--steps=1",
+            "--min-sites=2",
+            "--wait-s=300",
+            "--timeout-s=300",
+            "--json",
+            log=self.log,
+        )
         if code != 0:
             raise SystemExit(f"server run failed ({code}): {self.log}")
         row = step_row(history(self.root / "server" / "federation")[-1])
@@ -125,9 +167,23 @@ class Deployment:
 def simulate(root: Path, steps: int, index: int) -> list[dict]:
     """One Flower simulation of ``steps`` steps; its step rows."""
     settings = [f"--run-config={k}={v}" for k, v in RUN_CONFIG.items()]
-    code, _ = starfed("simulate", "--runtime", "flower", "--sites", "2", "--tasks", str(steps),
-                      "--classes-per-task", "2", *settings, "--results-dir", str(root / "sim"),
-                      "--run-name", f"sim-{index}", log=root / "simulate.log")  # fmt: skip
+    code, _ = starfed(
+        "simulate",
+        "--runtime",
+        "flower",
+        "--sites",
+        "2",
+        "--tasks",
+        str(steps),
+        "--classes-per-task",
+        "2",
+        *settings,
+        "--results-dir",
+        str(root / "sim"),
+        "--run-name",
+        f"sim-{index}",
+        log=root / "simulate.log",
+    )
     if code != 0:
         raise SystemExit(f"simulate failed ({code}): {root / 'simulate.log'}")
     (found,) = (root / "sim" / f"sim-{index}").rglob("history.jsonl")
@@ -136,15 +192,22 @@ def simulate(root: Path, steps: int, index: int) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="deployed steps (and steps per "
-                        "simulation); the warm ones are the second on")  # fmt: skip
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=4,
+        help="deployed steps (and steps per simulation); the warm ones are the second on",
+    )
     parser.add_argument("--root", type=Path, help="working folder (default: a temporary one)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
     root = args.root or Path(tempfile.mkdtemp(prefix="deployed-step-"))
     root.mkdir(parents=True, exist_ok=True)
-    for key in ("FLWR_TELEMETRY_ENABLED", "FLWR_DISABLE_UPDATE_CHECK",
-                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"):  # fmt: skip
+    for key in (
+        "FLWR_TELEMETRY_ENABLED",
+        "FLWR_DISABLE_UPDATE_CHECK",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION",
+    ):
         os.environ[key] = "0" if key == "FLWR_TELEMETRY_ENABLED" else "1"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("FLWR_HOME", str(root / "flwr-home"))

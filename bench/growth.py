@@ -76,9 +76,7 @@ def steps(config: TrainConfig, level: int, classes: int, step: int) -> int:
     return replay_config.reference_steps(classes)
 
 
-def shortened(
-    config: TrainConfig, level: int, classes: int, step: int, cap: int
-) -> TrainConfig:
+def shortened(config: TrainConfig, level: int, classes: int, step: int, cap: int) -> TrainConfig:
     """The same replay cut to about ``cap`` optimizer steps (0: none), as module docs say."""
     if config.replay_schedule.at(step) is ReplaySchedule.BOUNDED:
         return dataclasses.replace(config, **{f"replay{level}_steps": cap})
@@ -151,22 +149,36 @@ def measure_point(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--points", default=",".join(f"{c}:{s}" for c, s in POINTS),
-                        help="CLASSES:STEP,... (default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--points",
+        default=",".join(f"{c}:{s}" for c, s in POINTS),
+        help="CLASSES:STEP,... (default: %(default)s)",
+    )
     parser.add_argument("--preset", default="paper-random", help="backbone pair")
-    parser.add_argument("--level1-cap", type=int, default=20,
-                        help="first-level replay steps run before extrapolating")  # fmt: skip
-    parser.add_argument("--level2-cap", type=int, default=1000,
-                        help="head replay steps run before extrapolating")  # fmt: skip
-    parser.add_argument("--schedules", default="reference,bounded",
-                        help="replay-schedule values (default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--level1-cap",
+        type=int,
+        default=20,
+        help="first-level replay steps run before extrapolating",
+    )
+    parser.add_argument(
+        "--level2-cap", type=int, default=1000, help="head replay steps run before extrapolating"
+    )
+    parser.add_argument(
+        "--schedules",
+        default="reference,bounded",
+        help="replay-schedule values (default: %(default)s)",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
     thread_pools.controller().limit(limits=1)
     backbones = create_backbones(args.preset, seed=0)
-    print(f"# {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, preset {args.preset}, "
-          f"dims {backbones.dims}, 1 thread, torch {torch.__version__}", flush=True)  # fmt: skip
+    print(
+        f"# {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, preset {args.preset}, "
+        f"dims {backbones.dims}, 1 thread, torch {torch.__version__}",
+        flush=True,
+    )
     rows = []
     for point in args.points.split(","):
         classes, step = (int(v) for v in point.split(":"))

@@ -101,9 +101,11 @@ def main() -> None:
     counts = torch.randint(1, 200, (args.sites, args.classes), generator=generator).double()
     replies = packed_replies(args.sites, shapes, generator)
     megabytes = sum(map(len, replies)) / 2**20
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
-          f"{os.getloadavg()[0]:.1f}; {args.sites} sites × {args.classes} classes, "
-          f"{megabytes:.0f} MB")  # fmt: skip
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
+        f"{os.getloadavg()[0]:.1f}; {args.sites} sites × {args.classes} classes, "
+        f"{megabytes:.0f} MB"
+    )
     print("| threads | decode s | screen s | merge s | total s | copy s | total ÷ copy |")
     print("|---|---|---|---|---|---|---|")
     for threads in (int(n) for n in args.threads.split(",")):
@@ -111,8 +113,11 @@ def main() -> None:
         copy = copy_once(replies)
         wall = merge(replies, shapes, sent, counts)
         total = sum(wall.values())
-        print(f"| {threads} | {wall['decode']:.3f} | {wall['screen']:.3f} | {wall['merge']:.3f} "
-              f"| {total:.3f} | {copy:.3f} | {total / copy:.1f} |", flush=True)  # fmt: skip
+        print(
+            f"| {threads} | {wall['decode']:.3f} | {wall['screen']:.3f} | {wall['merge']:.3f} "
+            f"| {total:.3f} | {copy:.3f} | {total / copy:.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,13 @@ def site_name(site: int) -> str:
 def synced(codebook: Codebook, sites: int) -> Screen:
     """The step's screening with every site enrolled, each reporting the most examples an
     update of ``site_update`` can claim for every class."""
-    sync = ClientUpdate(codebook.fingerprint, codebook.dims, Phase.SYNC, 0,
-                        [ClassEntry(name, 10**6) for name in codebook.names])  # fmt: skip
+    sync = ClientUpdate(
+        codebook.fingerprint,
+        codebook.dims,
+        Phase.SYNC,
+        0,
+        [ClassEntry(name, 10**6) for name in codebook.names],
+    )
     screen = Screen(ScreeningOptions(), step=0)
     accepted = [(Exchange(0, "sync", 0, i + 1, site_name(i), 0), sync) for i in range(sites)]
     screen.sync(accepted, codebook, {})
@@ -102,8 +107,11 @@ def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) ->
     replies included), and the copy of the replies' bytes."""
     codebook = random_codebook(dims, classes, n_components)
     warm_up = MergeAccumulator(codebook, n_components=n_components)  # imports, thread pools
-    warm_up.add(wire.decode_update(site_update(codebook, phase, -1, n_components),
-                                        against=codebook, phase=phase))  # fmt: skip
+    warm_up.add(
+        wire.decode_update(
+            site_update(codebook, phase, -1, n_components), against=codebook, phase=phase
+        )
+    )
     warm_up.result()
     del warm_up
     replies = [site_update(codebook, phase, site, n_components) for site in range(sites)]
@@ -169,18 +177,31 @@ def main() -> None:
         print(json.dumps(result))
         return
     d = args.dims
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
-          f"{os.getloadavg()[0]:.1f}; dims {d.d_txt},{d.d_clip},{d.d_vit},{d.n_layers}, "
-          f"{args.classes} classes per update, M={args.components}, "
-          f"median of {args.runs} runs")  # fmt: skip
-    print("| phase | sites | replies MB | decode s | screen s | merge s | total s | copy s | "
-          "total ÷ copy | peak RSS MB | state MB |")  # fmt: skip
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
+        f"{os.getloadavg()[0]:.1f}; dims {d.d_txt},{d.d_clip},{d.d_vit},{d.n_layers}, "
+        f"{args.classes} classes per update, M={args.components}, "
+        f"median of {args.runs} runs"
+    )
+    print(
+        "| phase | sites | replies MB | decode s | screen s | merge s | total s | copy s | "
+        "total ÷ copy | peak RSS MB | state MB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for phase in args.phases.split(","):
         for sites in (int(n) for n in args.sites.split(",")):
-            command = [sys.executable, __file__, "--case", f"{phase}:{sites}",
-                       "--classes", str(args.classes), "--components", str(args.components),
-                       "--dims", f"{d.d_txt},{d.d_clip},{d.d_vit},{d.n_layers}"]  # fmt: skip
+            command = [
+                sys.executable,
+                __file__,
+                "--case",
+                f"{phase}:{sites}",
+                "--classes",
+                str(args.classes),
+                "--components",
+                str(args.components),
+                "--dims",
+                f"{d.d_txt},{d.d_clip},{d.d_vit},{d.n_layers}",
+            ]
             runs = [
                 json.loads(
                     subprocess.run(command, check=True, capture_output=True, text=True).stdout

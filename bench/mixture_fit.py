@@ -177,14 +177,18 @@ def main() -> None:
     split = SplitCropDiseases.from_root(bundled_dataset_root(), seed=SEED)
     backbones = create_backbones(config_path=CONFIG_T)
     features = real_features(split, backbones)
-    sizes = {"T": features, "paper": {
-        phase: (lifted(x, PAPER_DIMS[phase]), y) for phase, (x, y) in features.items()
-    }}  # fmt: skip
+    sizes = {
+        "T": features,
+        "paper": {phase: (lifted(x, PAPER_DIMS[phase]), y) for phase, (x, y) in features.items()},
+    }
     result: dict = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "torch": torch.__version__, "threads": args.threads, "device": args.device,
-        "load_1min": os.getloadavg()[0], "fits": {},
-    }  # fmt: skip
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "device": args.device,
+        "load_1min": os.getloadavg()[0],
+        "fits": {},
+    }
     for d in dims:
         result["fits"][d] = bench_fits(sizes[d], torch.device(args.device), args.repeats)
     report(result, args.json)  # the fits now: the steps part takes minutes per task on a CPU

@@ -31,8 +31,12 @@ MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scale
 
 def _row(event, key: str, total: float) -> dict:
     own = getattr(event, key)
-    return {"op": event.key, "ms": round(own / 1e3, 1), "share": round(own / total, 3),
-            "calls": event.count}  # fmt: skip
+    return {
+        "op": event.key,
+        "ms": round(own / 1e3, 1),
+        "share": round(own / total, 3),
+        "calls": event.count,
+    }
 
 
 def profile_unit(worker: Worker, unit: str, trace_dir: Path | None, rows: int) -> dict:
@@ -81,9 +85,14 @@ def main() -> None:
         parser.error(f"unknown or unprofiled units: {unknown}")
     worker = Worker(args.dims, args.device, args.threads, args.batch, seed=0)
     result = {
-        "dims": args.dims, "device": args.device, "batch": args.batch, "threads": args.threads,
-        "torch": torch.__version__, "load_1min": os.getloadavg()[0], "units": {},
-    }  # fmt: skip
+        "dims": args.dims,
+        "device": args.device,
+        "batch": args.batch,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "load_1min": os.getloadavg()[0],
+        "units": {},
+    }
     for unit in units:  # each unit's table as soon as it is done (a paper-dims CPU run is slow)
         result["units"][unit] = profile_unit(worker, unit, args.trace_dir, args.rows)
         result["load_1min_end"] = os.getloadavg()[0]

@@ -63,8 +63,9 @@ def summary(run_dir: Path, wall_s: float, peak: dict) -> dict:
     phases: dict[str, float] = defaultdict(float)
     for p in metrics["phase_wall_time_s"]:
         phases[p["phase"]] += p["seconds"]
-    later_syncs = [p["seconds"] for p in metrics["phase_wall_time_s"]
-                   if p["phase"] == "sync" and p["step"] > 0]  # fmt: skip
+    later_syncs = [
+        p["seconds"] for p in metrics["phase_wall_time_s"] if p["phase"] == "sync" and p["step"] > 0
+    ]
     return {
         "status": metrics["status"],
         "steps": metrics["steps"],
@@ -93,10 +94,22 @@ def main() -> None:
     args = parser.parse_args()
     name = args.run_name or f"s{args.sites}-t{args.tasks}-a{args.alpha}"
     command = [
-        sys.executable, "-m", "starfed.cli", "simulate", "--sites", str(args.sites),
-        "--tasks", str(args.tasks), "--alpha", str(args.alpha),
-        "--results-dir", str(args.results_dir), "--run-name", name, *args.extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "starfed.cli",
+        "simulate",
+        "--sites",
+        str(args.sites),
+        "--tasks",
+        str(args.tasks),
+        "--alpha",
+        str(args.alpha),
+        "--results-dir",
+        str(args.results_dir),
+        "--run-name",
+        name,
+        *args.extra,
+    ]
     start = time.perf_counter()
     process = subprocess.Popen(command)
     peak = {"pss": 0.0, "rss": 0.0, "processes": 0}

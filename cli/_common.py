@@ -146,11 +146,14 @@ def ray_options(options: Mapping[str, Value]) -> tuple[float, str]:
     and a GPU share needs CUDA here unless a cluster (either address) brings its own GPUs."""
     gpus, ray_address = as_float(options, "gpus-per-client"), as_str(options, "ray-address")
     if gpus > 0 and options["runtime"] == "local":
-        raise ConfigError("--gpus-per-client is Ray's: the local runtime computes on the run "
-                          "config's device (auto: the GPU when there is one)")  # fmt: skip
+        raise ConfigError(
+            "--gpus-per-client is Ray's: the local runtime computes on the run "
+            "config's device (auto: the GPU when there is one)"
+        )
     if ray_address and options["runtime"] == "local":
-        raise ConfigError("--ray-address is Ray's: the local runtime runs without Ray "
-                          "(--runtime flower)")  # fmt: skip
+        raise ConfigError(
+            "--ray-address is Ray's: the local runtime runs without Ray (--runtime flower)"
+        )
     if gpus > 0 and not (ray_address or os.environ.get("RAY_ADDRESS")):  # a cluster's own GPUs
         import torch  # only now: the check needs CUDA's driver
 

@@ -50,20 +50,33 @@ def _print(result: dict) -> None:
     )
     tasks = Table("task", "classes", "images", "accuracy %", "selection %", box=None)
     for t in result["tasks"]:
-        tasks.add_row(str(t["step"]), str(t["classes"]), str(t["images"]),
-                      _percent(t["accuracy"]), _percent(t["selection_accuracy"]))  # fmt: skip
+        tasks.add_row(
+            str(t["step"]),
+            str(t["classes"]),
+            str(t["images"]),
+            _percent(t["accuracy"]),
+            _percent(t["selection_accuracy"]),
+        )
     out.print(tasks)
-    classes = Table(Column("class", overflow="fold"), "task", "images", "accuracy %",
-                    "selection %", box=None)  # fmt: skip
+    classes = Table(
+        Column("class", overflow="fold"), "task", "images", "accuracy %", "selection %", box=None
+    )
     for c in result["classes"]:
-        classes.add_row(Text(c["name"]), str(c["step"]), str(c["images"]),
-                        _percent(c["accuracy"]), _percent(c["selection_accuracy"]))  # fmt: skip
+        classes.add_row(
+            Text(c["name"]),
+            str(c["step"]),
+            str(c["images"]),
+            _percent(c["accuracy"]),
+            _percent(c["selection_accuracy"]),
+        )
     out.print(classes)
     if result["left_out"]:
         images = counted(sum(result["left_out"].values()), "image")
         lacked = counted(len(result["left_out"]), "class")
-        out.print(f"left out: {images} of {lacked} the codebook lacks "
-                  f"({', '.join(sorted(result['left_out']))})")  # fmt: skip
+        out.print(
+            f"left out: {images} of {lacked} the codebook lacks "
+            f"({', '.join(sorted(result['left_out']))})"
+        )
     if result["unreadable"]:
         out.print(f"unreadable: {counted(result['unreadable'], 'image file')} skipped")
     out.print(f"confusion matrix: {result['plot']}")
@@ -97,13 +110,17 @@ def _main(args: argparse.Namespace) -> int:
     title = f"codebook v{codebook.version} on {args.data.name}"
     plot_confusion_matrix(evaluation.confusion.numpy(), codebook.names, plot, title)
     result = {
-        "codebook": {"file": str(args.codebook), "version": codebook.version,
-                     "classes": len(codebook), "fingerprint": codebook.fingerprint},
+        "codebook": {
+            "file": str(args.codebook),
+            "version": codebook.version,
+            "classes": len(codebook),
+            "fingerprint": codebook.fingerprint,
+        },
         "data": str(args.data),
         **evaluation.to_dict(),
         "class_names": codebook.names,  # rows and columns of the confusion matrix
         "plot": str(plot),
-    }  # fmt: skip
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:

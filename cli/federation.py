@@ -169,8 +169,10 @@ def _run(args: argparse.Namespace, resume: bool) -> int:
         say(_continues(checkpoint))
     offline = _offline(folder, registered)
     if registered and offline is not None and len(offline) == len(registered):
-        say(f"no registered site is online now ({', '.join(offline)}): the run waits for them "
-            "up to --wait-s")  # fmt: skip
+        say(
+            f"no registered site is online now ({', '.join(offline)}): the run waits for them "
+            "up to --wait-s"
+        )
     app = flower_runs.write_app(folder.app)
     submitted_at = time.time()
     try:
@@ -414,12 +416,14 @@ def run_repair(args: argparse.Namespace) -> int:
         folder_repair.apply(repair)
     report = None if args.dry_run else folder_check.check(federation_dir, depth=_depth(args))
     if args.json:
-        emit_json({
-            "success": report is None or report.ok,
-            "dry_run": args.dry_run,
-            "actions": [a.what for a in repair.actions],
-            "problems": [] if report is None else report.problems,
-        })  # fmt: skip
+        emit_json(
+            {
+                "success": report is None or report.ok,
+                "dry_run": args.dry_run,
+                "actions": [a.what for a in repair.actions],
+                "problems": [] if report is None else report.problems,
+            }
+        )
     else:
         verb = "would" if args.dry_run else "did"
         if not repair.actions:

@@ -25,8 +25,10 @@ def print_status(status: Status) -> None:
     _print_findings(status, out, say)
     for kept_out, held in status.quarantine.items():
         since, why = held.get("step", 0) + 1, held.get("reason", "")
-        say(f"quarantine {kept_out}: kept out since step {since} ({why}); remove it from "
-            "quarantine.json to let it back in")  # fmt: skip
+        say(
+            f"quarantine {kept_out}: kept out since step {since} ({why}); remove it from "
+            "quarantine.json to let it back in"
+        )
     if status.last_run:
         run = status.last_run
         reason = f" · {run['reason']}" if run.get("reason") else ""
@@ -93,25 +95,39 @@ def _print_classes_and_steps(status: Status, out: Console) -> None:
         state = r.status + (f" (attempt {r.attempt + 1})" if r.attempt else "")
         faa = "—" if r.faa is None else f"{r.faa:.2f}"
         table.add_row(
-            str(r.step + 1), state, str(len(r.classes)), ", ".join(r.sites) or "—", faa,
-            f"{r.wall_s:.0f}", r.finished,
-        )  # fmt: skip
+            str(r.step + 1),
+            state,
+            str(len(r.classes)),
+            ", ".join(r.sites) or "—",
+            faa,
+            f"{r.wall_s:.0f}",
+            r.finished,
+        )
     out.print(table)
 
 
 def _print_sites(status: Status, out: Console, say: Callable[[str], None]) -> None:
     table = Table(
-        "site", "last step", "last seen", "now", "online at", "offline at", "privacy ε",
+        "site",
+        "last step",
+        "last seen",
+        "now",
+        "online at",
+        "offline at",
+        "privacy ε",
         title="sites",
-    )  # fmt: skip
+    )
     for site in status.sites:
         now = site.status or "—"
         table.add_row(
-            site.name, "—" if site.last_step is None else str(site.last_step + 1),
-            site.last_seen or "—", f"failing ({now})" if site.failing else now,
-            site.online_at or "—", site.offline_at or "—",
+            site.name,
+            "—" if site.last_step is None else str(site.last_step + 1),
+            site.last_seen or "—",
+            f"failing ({now})" if site.failing else now,
+            site.online_at or "—",
+            site.offline_at or "—",
             "—" if site.epsilon is None else f"{site.epsilon:.3g}",
-        )  # fmt: skip
+        )
     out.print(table)
     for site in (site for site in status.sites if site.failing):
         say(f"failing    {site.name}: {site.failure}")
@@ -129,11 +145,24 @@ def _print_findings(status: Status, out: Console, say: Callable[[str], None]) ->
     else:
         say("errors     none in the last steps")
     if status.findings:
-        table = Table("site", "step", "phase", "class", "what", "why",
-                      title="screened contributions in the last steps")  # fmt: skip
+        table = Table(
+            "site",
+            "step",
+            "phase",
+            "class",
+            "what",
+            "why",
+            title="screened contributions in the last steps",
+        )
         for finding in status.findings:
-            table.add_row(finding.site, str(finding.step + 1), f"{finding.phase}/{finding.round}",
-                          finding.name or "—", finding.action, finding.reason)  # fmt: skip
+            table.add_row(
+                finding.site,
+                str(finding.step + 1),
+                f"{finding.phase}/{finding.round}",
+                finding.name or "—",
+                finding.action,
+                finding.reason,
+            )
         out.print(table)
     else:
         say("screening  nothing capped or rejected in the last steps")

@@ -89,8 +89,12 @@ def run_export(args: argparse.Namespace) -> int:
     except export.NothingToExport as err:
         raise Failed(str(err)) from None
     if args.json:
-        print(json.dumps({"success": True, "codebook": str(out),
-                          "card": str(export.card_path(out)), **card}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {"success": True, "codebook": str(out), "card": str(export.card_path(out)), **card},
+                indent=2,
+            )
+        )
         return 0
     book, fingerprint = card["codebook"], card["backbones"]["fingerprint"]
     print(
@@ -131,25 +135,35 @@ def run_serve(args: argparse.Namespace) -> int:
     except distribution.ServeError as err:
         raise ConfigError(str(err)) from None
     if args.insecure:
-        print("WARNING: --insecure: codebooks in plain text, no server authentication; for a "
-              "test on this machine only", file=sys.stderr)  # fmt: skip
+        print(
+            "WARNING: --insecure: codebooks in plain text, no server authentication; for a "
+            "test on this machine only",
+            file=sys.stderr,
+        )
     try:
         server, servicer, port = distribution.start(options)
     except distribution.ServeError as err:
         raise Failed(str(err)) from None
     current = servicer.current().codebook
-    info = {"listen": own["listen"], "port": port, "tls": not args.insecure,
-            "federation": current.metadata["federation"], "version": current.version,
-            "classes": len(current), "ca_certificate": None if args.insecure else
-            str(folder.ca_cert)}  # fmt: skip
+    info = {
+        "listen": own["listen"],
+        "port": port,
+        "tls": not args.insecure,
+        "federation": current.metadata["federation"],
+        "version": current.version,
+        "classes": len(current),
+        "ca_certificate": None if args.insecure else str(folder.ca_cert),
+    }
     if args.json:
         print(json.dumps(info), flush=True)
     else:
         served = current.metadata["federation"]
-        print(f"serving federation {served[:8]} codebook version {current.version} "
-              f"({len(current)} classes) on port {port} ({'TLS' if info['tls'] else 'plain'}); "
-              "devices: starfed predict --from HOST:PORT --ca ca.pem; Ctrl-C stops",
-              flush=True)  # fmt: skip
+        print(
+            f"serving federation {served[:8]} codebook version {current.version} "
+            f"({len(current)} classes) on port {port} ({'TLS' if info['tls'] else 'plain'}); "
+            "devices: starfed predict --from HOST:PORT --ca ca.pem; Ctrl-C stops",
+            flush=True,
+        )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

@@ -80,8 +80,11 @@ def image_paths(inputs: list[str]) -> list[str]:
                     subfolders.clear()
                     continue
                 seen.add(os.path.realpath(folder))
-                found += [os.path.join(folder, f) for f in files
-                          if Path(f).suffix.lower() in IMAGE_EXTENSIONS]  # fmt: skip
+                found += [
+                    os.path.join(folder, f)
+                    for f in files
+                    if Path(f).suffix.lower() in IMAGE_EXTENSIONS
+                ]
             found.sort()
             if not found:
                 raise ConfigError(f"{item}: no image files in this folder")
@@ -158,10 +161,18 @@ def _main(args: argparse.Namespace) -> int:
     if not rows:
         raise ConfigError(f"none of the {counted(len(paths), 'image')} could be read")
     if own["format"] == "json":
-        codebook_info = {"version": codebook.version, "classes": len(codebook),
-                         "fingerprint": codebook.fingerprint}  # fmt: skip
-        listed = [{"path": p.path, "class": p.name, "probability": p.probability,
-                   "task": p.task} for p in rows]  # fmt: skip
-        print(json.dumps({"codebook": codebook_info, "predictions": listed,
-                          "skipped": skipped}, indent=2))  # fmt: skip
+        codebook_info = {
+            "version": codebook.version,
+            "classes": len(codebook),
+            "fingerprint": codebook.fingerprint,
+        }
+        listed = [
+            {"path": p.path, "class": p.name, "probability": p.probability, "task": p.task}
+            for p in rows
+        ]
+        print(
+            json.dumps(
+                {"codebook": codebook_info, "predictions": listed, "skipped": skipped}, indent=2
+            )
+        )
     return 0

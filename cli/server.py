@@ -82,9 +82,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     add_command(actions, "stop", guarded(run_stop), parents=[common])
     p = add_command(
-        actions, "dashboard", guarded(run_dashboard), DASHBOARD_FLAGS, parents=[common],
+        actions,
+        "dashboard",
+        guarded(run_dashboard),
+        DASHBOARD_FLAGS,
+        parents=[common],
         table=DASHBOARD,
-    )  # fmt: skip
+    )
     federation_option(p)
     add_switches(
         p,
@@ -317,8 +321,15 @@ def run_dashboard(args: argparse.Namespace) -> int:
         raise Failed(f"{own['listen']} is in use or cannot be bound ({why})") from None
     url = f"http://{addresses.format_address(host, port)}/"
     if args.json:
-        emit_json({"success": True, "url": url, "server_dir": str(folder.root),
-                   "federation_dir": str(federation_dir), "pid": os.getpid()})  # fmt: skip
+        emit_json(
+            {
+                "success": True,
+                "url": url,
+                "server_dir": str(folder.root),
+                "federation_dir": str(federation_dir),
+                "pid": os.getpid(),
+            }
+        )
     else:
         print(
             f"dashboard of {folder.root} on {url} (read-only, every {own['refresh-s']:g} s); "

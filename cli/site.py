@@ -27,13 +27,21 @@ KEYGEN, START = "site keygen", "site start"  # the tables of their own knobs
 KEYGEN_FLAGS = same_name("out")
 START_FLAGS = (
     device_flag("this site computes"),
-    Flag("--privacy-epsilon", ("privacy-epsilon",), help="this site's target epsilon for one "
-         "of its training images over the federation's life (docs/security.md); 0: the run "
-         "config's"),
+    Flag(
+        "--privacy-epsilon",
+        ("privacy-epsilon",),
+        help="this site's target epsilon for one "
+        "of its training images over the federation's life (docs/security.md); 0: the run "
+        "config's",
+    ),
     Flag("--privacy-delta", ("privacy-delta",), help="this site's target delta"),
-    Flag("--privacy-unit", ("privacy-unit",), help="what the epsilon protects: one training "
-         "image, or one patient (images named <patient>__<name>: docs/sites.md#patients)"),
-)  # fmt: skip
+    Flag(
+        "--privacy-unit",
+        ("privacy-unit",),
+        help="what the epsilon protects: one training "
+        "image, or one patient (images named <patient>__<name>: docs/sites.md#patients)",
+    ),
+)
 guarded = guard(bad_input=(pki.SiteKeyError,))
 
 

@@ -156,8 +156,9 @@ def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
     """
     phase = Phase[header["phase"].upper()]
     config = header["config"]
-    site = site_for(header["run-id"], header["node-id"], header["run-config"],
-                    header["node-config"])  # fmt: skip
+    site = site_for(
+        header["run-id"], header["node-id"], header["run-config"], header["node-config"]
+    )
     step, round_index = int(config[STEP]), int(config.get(ROUND, 0))
     federation = str(config[FEDERATION_KEY])
     wire_dtype = str(config.get(WIRE_DTYPE, "float32"))

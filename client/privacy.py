@@ -154,8 +154,9 @@ class PrivateReleases:
         if not memory.has_ledger():
             logger.warning(
                 "privacy: no ledger in %s: this site's budget starts at zero here; releases "
-                "made from another state folder are not counted", memory.root,
-            )  # fmt: skip
+                "made from another state folder are not counted",
+                memory.root,
+            )
 
     # --- the budget -----------------------------------------------------------------------
 
@@ -214,10 +215,16 @@ class PrivateReleases:
         spent = max(accountant.epsilon(_past(past, key), self.setting.delta) for key in keys)
         logger.info(
             "privacy: released %s of %s with noise multiplier %.3g: their ε %.3g, the site's "
-            "%.3g, of %.3g (δ %g, per %s)", what, ", ".join(names), z, spent,
-            self.epsilon(ledger), self.setting.epsilon, self.setting.delta,
+            "%.3g, of %.3g (δ %g, per %s)",
+            what,
+            ", ".join(names),
+            z,
+            spent,
+            self.epsilon(ledger),
+            self.setting.epsilon,
+            self.setting.delta,
             self.setting.unit.value,
-        )  # fmt: skip
+        )
 
     def metadata(self, refused: list[str]) -> dict[str, str]:
         """What the reply tells the server: the site's ε, and the classes it refused."""
@@ -268,8 +275,9 @@ class PrivateReleases:
             if known is None:
                 return own
             ledger.aliases[own] = known
-        logger.warning("privacy: class %s holds images released as %s: it continues that "
-                       "budget", own, known)  # fmt: skip
+        logger.warning(
+            "privacy: class %s holds images released as %s: it continues that budget", own, known
+        )
         return known
 
     def plan(self, names: list[str], phase: Phase, round_index: int) -> dict[str, float | None]:

@@ -220,9 +220,13 @@ class Site:
                 )
                 metadata.update(self.private.metadata(refused))
         return ClientUpdate(
-            self.fingerprint, self.backbones.dims, Phase.SYNC,
-            self.memory.held_version(epoch), tuple(entries), metadata,
-        )  # fmt: skip
+            self.fingerprint,
+            self.backbones.dims,
+            Phase.SYNC,
+            self.memory.held_version(epoch),
+            tuple(entries),
+            metadata,
+        )
 
     def view(
         self, codebook: Codebook, index: int, task: SiteTask, stage2: bool, round_index: int

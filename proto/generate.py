@@ -46,12 +46,23 @@ def generate(out_dir: Path = PROTO_DIR) -> list[Path]:
         for source in sources:
             shutil.copy(source, source_dir / source.name)
         include = f"--proto_path={root / 'src'}"
-        _protoc([include, f"--python_out={build_dir}", f"--pyi_out={build_dir}",
-                 *(str(PACKAGE_PATH / s.name) for s in sources)])  # fmt: skip
+        _protoc(
+            [
+                include,
+                f"--python_out={build_dir}",
+                f"--pyi_out={build_dir}",
+                *(str(PACKAGE_PATH / s.name) for s in sources),
+            ]
+        )
         services = [s for s in sources if _SERVICE.search(s.read_text())]
         if services:  # the grpc plugin writes a module for every input, so only these
-            _protoc([include, f"--grpc_python_out={build_dir}",
-                     *(str(PACKAGE_PATH / s.name) for s in services)])  # fmt: skip
+            _protoc(
+                [
+                    include,
+                    f"--grpc_python_out={build_dir}",
+                    *(str(PACKAGE_PATH / s.name) for s in services),
+                ]
+            )
         out_dir.mkdir(parents=True, exist_ok=True)
         for generated in sorted((build_dir / PACKAGE_PATH).iterdir()):
             target = out_dir / generated.name

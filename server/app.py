@@ -87,8 +87,17 @@ def run_server(
     folder = writable_dir(protocol.federation_dir or run_dir(values, run_id), "federation-dir")
     try:
         with folder_lock.locked(folder, f"server run {run_id}"):
-            return _run_locked(grid, values, run_config, run_id, folder, protocol, started,
-                               strategy=strategy, before_step=before_step)  # fmt: skip
+            return _run_locked(
+                grid,
+                values,
+                run_config,
+                run_id,
+                folder,
+                protocol,
+                started,
+                strategy=strategy,
+                before_step=before_step,
+            )
     except (folder_lock.FolderLocked, FederationError) as err:  # one line: the folder's state
         logger.error("%s", err)
         raise RunFailed(str(err)) from None
@@ -124,10 +133,16 @@ def _run_locked(
         f"backbones {backbones.config.name} ({backbones.fingerprint[:12]})"
     )
     coordinator = Coordinator(
-        grid, backbones, train, protocol, federation, server_eval,
-        strategy=strategy, before_step=before_step,
+        grid,
+        backbones,
+        train,
+        protocol,
+        federation,
+        server_eval,
+        strategy=strategy,
+        before_step=before_step,
         screening=ScreeningOptions.from_config(values),
-    )  # fmt: skip
+    )
     log = coordinator.run(protocol.max_steps or None)
     metrics = summarize(federation, log, time.perf_counter() - started)
     metrics["config"] = {

@@ -100,8 +100,9 @@ def send(
             break
         data = plan.encoded(index)
         message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)]}
-        good, exchanges = exchange(grid, SYNC, step, index, message, pending, sites,
-                                   _constant(data), timeout)  # fmt: skip
+        good, exchanges = exchange(
+            grid, SYNC, step, index, message, pending, sites, _constant(data), timeout
+        )
         for entry in exchanges:
             entry.phase = CATCH_UP_KEY
         if index == count - 1:
@@ -109,8 +110,10 @@ def send(
                 held = reply.content[HELD][RECORD_DATA] if HELD in reply.content else b""
                 said = held if isinstance(held, bytes) else b""  # anything else: rejected
                 if said != str(codebook.version).encode():
-                    reject(entry, f"holds {said[:20]!r} after the last part, not version "
-                                  f"{codebook.version}")  # fmt: skip
+                    reject(
+                        entry,
+                        f"holds {said[:20]!r} after the last part, not version {codebook.version}",
+                    )
         logs += exchanges
         pending = [entry.node_id for entry in exchanges if not entry.failed]
     return set(pending), logs

@@ -54,8 +54,12 @@ class ChangeScale:
             }
             return cls(fields, int(raw["through_step"]))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
-            logger.warning("%s is unreadable (%s): no scale of earlier steps until the next "
-                           "completed step writes it again", path, err)  # fmt: skip
+            logger.warning(
+                "%s is unreadable (%s): no scale of earlier steps until the next "
+                "completed step writes it again",
+                path,
+                err,
+            )
             return cls()
 
     def reference(self, name: str) -> float | None:
@@ -76,5 +80,9 @@ class ChangeScale:
         try:
             write_atomic(Path(folder) / FILE, json.dumps(value, indent=1).encode())
         except OSError as err:
-            logger.warning("could not write %s (%s): step %d's changes are not kept",
-                           Path(folder) / FILE, err, step + 1)  # fmt: skip
+            logger.warning(
+                "could not write %s (%s): step %d's changes are not kept",
+                Path(folder) / FILE,
+                err,
+                step + 1,
+            )

@@ -178,8 +178,9 @@ class Coordinator:
             self.grid.get_node_ids()
             status, reason = FAILED, str(err)
             logger.error("step %d failed: %s; rolled back", step + 1, reason)
-        if status != FAILED and (any(e.failed for e in self.tally.exchanges) or
-                                 self.screen.findings):  # fmt: skip
+        if status != FAILED and (
+            any(e.failed for e in self.tally.exchanges) or self.screen.findings
+        ):
             status = DEGRADED
         return self._end_step(step, status, reason)
 
@@ -197,8 +198,10 @@ class Coordinator:
         return record
 
     def _rounds(self, phase: Phase) -> int:
-        rounds = {Phase.STAGE1: self.protocol.stage1_rounds,
-                  Phase.STAGE2: self.protocol.stage2_rounds}  # fmt: skip
+        rounds = {
+            Phase.STAGE1: self.protocol.stage1_rounds,
+            Phase.STAGE2: self.protocol.stage2_rounds,
+        }
         return rounds.get(phase, 1)
 
     def _riders(self, spec: PhaseSpec, state: PhaseState) -> list[PhaseSpec]:
@@ -208,11 +211,12 @@ class Coordinator:
         if state.round != self._rounds(spec.phase) - 1:
             return []
         return [
-            rider for rider in PHASES
+            rider
+            for rider in PHASES
             if rider.travels_with is spec.phase
             and PhaseRound(rider.phase.key) not in self.position.done
             and not self.strategy.configure(rider.phase, state)
-        ]  # fmt: skip
+        ]
 
     def _run_phase(self, spec: PhaseSpec, step: int, round_index: int, done: PhaseRound) -> None:
         """Send one codebook phase, asking for the updates of the phases that travel with it,
@@ -220,16 +224,23 @@ class Coordinator:
         t0 = time.perf_counter()
         state = self._state(step, round_index)
         riders = self._riders(spec, state)
-        nodes = self.participants.sample(spec.phase, step, round_index, self.in_play,
-                                         self.protocol, self.train.seed)  # fmt: skip
+        nodes = self.participants.sample(
+            spec.phase, step, round_index, self.in_play, self.protocol, self.train.seed
+        )
         replies = self._exchange(spec, state, nodes, [rider.phase.key for rider in riders])
         self._reduce(spec, state, replies, done)
         seconds = [PhaseTime(spec.phase.key, round_index, time.perf_counter() - t0)]
         for rider in riders:
             t0 = time.perf_counter()
             # decoded against the codebook the message carried, merged into the one just made
-            self._reduce(rider, self._state(step, 0), replies, PhaseRound(rider.phase.key),
-                         record=rider.phase.key, sent=state.codebook)  # fmt: skip
+            self._reduce(
+                rider,
+                self._state(step, 0),
+                replies,
+                PhaseRound(rider.phase.key),
+                record=rider.phase.key,
+                sent=state.codebook,
+            )
             seconds.append(PhaseTime(rider.phase.key, 0, time.perf_counter() - t0))
         self.tally.seconds.extend(seconds)
 
@@ -252,10 +263,20 @@ class Coordinator:
             logger.info(step_records.scores_line(state.step, len(self.codebook), scores))
             return
         carried: set[str] = set()
-        updates = screened(replies, state, spec.phase, self.screen, carried,
-                           against=sent or self.codebook, record=record)  # fmt: skip
-        aggregate = (self.strategy.aggregate_statistics if spec.phase in STATISTICS
-                     else self.strategy.aggregate_training)  # fmt: skip
+        updates = screened(
+            replies,
+            state,
+            spec.phase,
+            self.screen,
+            carried,
+            against=sent or self.codebook,
+            record=record,
+        )
+        aggregate = (
+            self.strategy.aggregate_statistics
+            if spec.phase in STATISTICS
+            else self.strategy.aggregate_training
+        )
         codebook = aggregate(spec.phase, updates, state)
         for _ in updates:  # a strategy that stopped early: the rest is validated all the same
             pass
@@ -310,9 +331,14 @@ class Coordinator:
         codebook = self.codebook
         registry = self.federation.registry
         return PhaseState(
-            step, round_index, codebook, self.in_play,
-            {name: registry[name].step for name in codebook.names}, self.backbones, self.train,
-        )  # fmt: skip
+            step,
+            round_index,
+            codebook,
+            self.in_play,
+            {name: registry[name].step for name in codebook.names},
+            self.backbones,
+            self.train,
+        )
 
     def _record(self, step: int, status: str, reason: str) -> StepRecord:
         server_eval = None
@@ -321,10 +347,17 @@ class Coordinator:
             config = self._config(SPECS[Phase.EVALUATE], state)
             server_eval = self.server_eval(self.codebook, state.class_steps, step, config)
         return step_records.step_record(
-            step, status, reason, self.federation.attempts(step), self.tally,
-            classes=self.in_play, sites=self.participants.sites.values(),
-            version=self.codebook.version, screen=self.screen, server_eval=server_eval,
-        )  # fmt: skip
+            step,
+            status,
+            reason,
+            self.federation.attempts(step),
+            self.tally,
+            classes=self.in_play,
+            sites=self.participants.sites.values(),
+            version=self.codebook.version,
+            screen=self.screen,
+            server_eval=server_eval,
+        )
 
     # --- the sync ----------------------------------------------------------------------
 
@@ -335,8 +368,9 @@ class Coordinator:
         way the sites that answered take part in the rest of the step."""
         config = sync_config(step, self.codebook, self.protocol.wire_dtype)
         replies = self._send(SYNC, step, 0, config, self.participants.node_ids, None)
-        accepted = self.participants.sync(replies, self.screen, self.codebook,
-                                           self.federation.quarantine())  # fmt: skip
+        accepted = self.participants.sync(
+            replies, self.screen, self.codebook, self.federation.quarantine()
+        )
         if SYNCED in self.position.done:
             return True
         new, brought = new_classes(self.codebook, accepted)
@@ -362,8 +396,7 @@ class Coordinator:
     ) -> dict[str, ConfigValue]:
         """The message config of a codebook phase: the protocol's (with the keys of the phases
         that travel with it, ``also``), then the strategy's."""
-        config = message_config(state.step, state.round, state.codebook,
-                                self.protocol.wire_dtype)  # fmt: skip
+        config = message_config(state.step, state.round, state.codebook, self.protocol.wire_dtype)
         if also:
             config[ALSO] = also
         if spec.phase is Phase.EVALUATE:
@@ -382,9 +415,15 @@ class Coordinator:
         far behind for one message are caught up first (``catch_up.before_phase``)."""
         config = self._config(spec, state, also)
         nodes, caught_up = catch_up.before_phase(
-            self.grid, self.codebook, self.participants, nodes, state.step,
-            self.protocol.wire_dtype, self._site_names(), self.protocol.timeout_s,
-        )  # fmt: skip
+            self.grid,
+            self.codebook,
+            self.participants,
+            nodes,
+            state.step,
+            self.protocol.wire_dtype,
+            self._site_names(),
+            self.protocol.timeout_s,
+        )
         self._logged(caught_up)
         payload = self.participants.payloads(self.codebook, self.protocol.wire_dtype)
         return self._send(spec, state.step, state.round, config, nodes, payload)
@@ -405,9 +444,16 @@ class Coordinator:
         payload: Callable[[int], bytes] | None,
     ) -> list[Reply]:
         good, exchanges = exchange(
-            self.grid, spec, step, round_index, config, nodes, self._site_names(), payload,
+            self.grid,
+            spec,
+            step,
+            round_index,
+            config,
+            nodes,
+            self._site_names(),
+            payload,
             self.protocol.timeout_s,
-        )  # fmt: skip
+        )
         if payload:
             for entry in exchanges:
                 if not entry.failed:

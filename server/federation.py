@@ -79,8 +79,12 @@ class Federation:
                     f"({str(identity.get('fingerprint'))[:12]}…, these are {fingerprint[:12]}…)"
                 )
         else:
-            identity = {"id": uuid.uuid4().hex, "created": now(), "fingerprint": fingerprint,
-                        "dims": asdict(dims)}  # fmt: skip
+            identity = {
+                "id": uuid.uuid4().hex,
+                "created": now(),
+                "fingerprint": fingerprint,
+                "dims": asdict(dims),
+            }
             write_atomic(identity_path, json.dumps(identity, indent=2).encode())
         self.id: str = identity["id"]
         self.fingerprint = fingerprint
@@ -341,8 +345,10 @@ class Federation:
         if self._committed(record):
             then = f"{step} was committed and nothing was lost; the next run finishes recording it"
         else:
-            then = (f"{step} was not committed ({CODEBOOK_FILE} is unchanged) and nothing was "
-                    "lost; the next run resumes the step")  # fmt: skip
+            then = (
+                f"{step} was not committed ({CODEBOOK_FILE} is unchanged) and nothing was "
+                "lost; the next run resumes the step"
+            )
         return f"the disk is full (writing {where} of {self.root}): {then}, once space is freed"
 
     @contextlib.contextmanager
@@ -377,8 +383,7 @@ class Federation:
         running and the next run records it). What was done, None when nothing was. A folder
         whose codebook is missing is refused first (``codebook``), with nothing written."""
         self._has_codebook()
-        notes = [note for note in (self._recover_close(keep_steps), self._align_registry())
-                 if note]  # fmt: skip
+        notes = [note for note in (self._recover_close(keep_steps), self._align_registry()) if note]
         return "; ".join(notes) or None
 
     def _recover_close(self, keep_steps: int) -> str | None:
@@ -418,8 +423,7 @@ class Federation:
     def _finish(self, record: StepRecord, keep_steps: int) -> None:
         """After the commit: the history line (unless already there), the registry of a failed
         step rolled back, the completed step's codebook kept; then the record written ahead goes."""
-        if not any(r.step == record.step and r.attempt == record.attempt
-                   for r in self.history()):  # fmt: skip
+        if not any(r.step == record.step and r.attempt == record.attempt for r in self.history()):
             history = self.root / HISTORY_FILE
             lines = history.read_text() if history.is_file() else ""
             write_atomic(history, (lines + record.to_json() + "\n").encode())

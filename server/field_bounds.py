@@ -167,16 +167,21 @@ class PhaseScreen:
                 self.capped[key] = cap
                 synced = self.screen.declared[site].counts[class_key(entry.name)]
                 why = f"its sync reported {synced}" if cap == synced else "max-class-share"
-                self._note(site, CAPPED, f"count {max(counts)} capped at {cap} ({why})",
-                           entry.name)  # fmt: skip
+                self._note(site, CAPPED, f"count {max(counts)} capped at {cap} ({why})", entry.name)
             sent = self.codebook[entry.name].values
             for name, value in entry.values.items():
                 if isinstance(value, GaussianMixture):
-                    self.rows.mixtures.setdefault(name, []).append(MixtureRow(
-                        site, entry.name, float(value.variances.mean(1).max()),
-                        float(value.variances.min()), float(value.means.norm(dim=1).max()),
-                        value.dim, second_moment(value),
-                    ))  # fmt: skip
+                    self.rows.mixtures.setdefault(name, []).append(
+                        MixtureRow(
+                            site,
+                            entry.name,
+                            float(value.variances.mean(1).max()),
+                            float(value.variances.min()),
+                            float(value.means.norm(dim=1).max()),
+                            value.dim,
+                            second_moment(value),
+                        )
+                    )
                 elif name in sent:
                     held = self.codebook[entry.name].tensor(name)
                     change = _distance(value, held)
@@ -228,17 +233,31 @@ class PhaseScreen:
         if options.update_bound:
             median = _by_site(moved)
             largest = max(change for _, change in moved)
-            logger.debug("screening %s/%d %s: largest change %.3g × the median over %d sites "
-                        "(bound %g)", self.phase.key, self.round, name,
-                        largest / max(median, 1e-300), senders, options.update_bound)  # fmt: skip
+            logger.debug(
+                "screening %s/%d %s: largest change %.3g × the median over %d sites (bound %g)",
+                self.phase.key,
+                self.round,
+                name,
+                largest / max(median, 1e-300),
+                senders,
+                options.update_bound,
+            )
             for row in rows:
                 if row.change > options.update_bound * median:
-                    self._reject_row(row.site, row.cls, f"{name} changed by {row.change:.3g}, over "
-                                     f"{options.update_bound:g} × the median over "
-                                     f"{senders} sites {median:.3g}")  # fmt: skip
-        kept = [(row.site, row.change / row.size) for row in rows
-                if row.change > 0 and (row.site, row.cls) not in self.rejected
-                and row.site not in self.private]  # fmt: skip
+                    self._reject_row(
+                        row.site,
+                        row.cls,
+                        f"{name} changed by {row.change:.3g}, over "
+                        f"{options.update_bound:g} × the median over "
+                        f"{senders} sites {median:.3g}",
+                    )
+        kept = [
+            (row.site, row.change / row.size)
+            for row in rows
+            if row.change > 0
+            and (row.site, row.cls) not in self.rejected
+            and row.site not in self.private
+        ]
         if len({site for site, _ in kept}) >= MIN_SITES:
             self.screen.observed.setdefault(name, []).extend(_site_medians(kept))
 
@@ -265,8 +284,11 @@ class PhaseScreen:
                     )
                 )
             if limits and row.change > min(limits)[0]:
-                self._reject_row(site, row.cls, f"{name} changed by {row.change:.3g}, over "
-                                 f"{min(limits)[1]} ({sent_by})")  # fmt: skip
+                self._reject_row(
+                    site,
+                    row.cls,
+                    f"{name} changed by {row.change:.3g}, over {min(limits)[1]} ({sent_by})",
+                )
 
     def _mixture_reference(self, name: str, rows: list[MixtureRow]) -> tuple[float, str]:
         """The mean norm a field's mixtures are measured by, and what it is: the median over
@@ -292,24 +314,32 @@ class PhaseScreen:
         variance = max(norm**2 / rows[0].dim, DEFAULT_REG)
         logger.debug(
             "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g × %s, "
-            "E‖x‖² %.3g × norm², smallest variance %.3g (bound %g)", self.phase.key, name,
-            max(r.variance for r in rows) / variance, max(r.norm for r in rows) / max(norm, 1e-12),
-            what, max(r.moment for r in rows) / (variance * rows[0].dim),
+            "E‖x‖² %.3g × norm², smallest variance %.3g (bound %g)",
+            self.phase.key,
+            name,
+            max(r.variance for r in rows) / variance,
+            max(r.norm for r in rows) / max(norm, 1e-12),
+            what,
+            max(r.moment for r in rows) / (variance * rows[0].dim),
             min(r.smallest for r in rows),
             factor,
-        )  # fmt: skip
+        )
         for row in rows:
             problem = None
             if row.variance > factor * variance:
-                problem = (f"{name} variances up to {row.variance:.3g}, over {factor:g} × "
-                           f"{variance:.3g} (the reference mean norm² / D)")  # fmt: skip
+                problem = (
+                    f"{name} variances up to {row.variance:.3g}, over {factor:g} × "
+                    f"{variance:.3g} (the reference mean norm² / D)"
+                )
             elif row.smallest < VARIANCE_FLOOR:
                 problem = f"{name} variances down to {row.smallest:.3g}, below any fit's"
             elif row.norm > factor * max(norm, 1e-12):
                 problem = f"{name} means of norm {row.norm:.3g}, over {factor:g} × {what}"
             elif row.moment > factor * variance * row.dim:
-                problem = (f"{name} weighted E‖x‖² {row.moment:.3g}, over {factor:g} × "
-                           f"{variance * row.dim:.3g} (the reference mean norm²)")  # fmt: skip
+                problem = (
+                    f"{name} weighted E‖x‖² {row.moment:.3g}, over {factor:g} × "
+                    f"{variance * row.dim:.3g} (the reference mean norm²)"
+                )
             if problem:
                 self._reject_row(row.site, row.cls, problem)
 
@@ -324,7 +354,7 @@ class PhaseScreen:
             (row.cls, Furthest(row.norm, row.site, f"{name} means of norm up to {row.norm:.3g}"))
             for name, rows in self.rows.mixtures.items()
             for row in rows
-        ]  # fmt: skip
+        ]
         furthest = self.screen.furthest
         for cls, row in measured:
             kept = (row.site, cls) not in self.rejected and row.site not in self.screen.quarantined
@@ -350,7 +380,8 @@ def _capped(entry: ClassEntry, cap: int) -> ClassEntry:
     """The entry with its count, and its mixtures' counts, at most ``cap``."""
     values = {
         name: replace(value, count=min(value.count, cap))
-        if isinstance(value, GaussianMixture) else value
+        if isinstance(value, GaussianMixture)
+        else value
         for name, value in entry.values.items()
-    }  # fmt: skip
+    }
     return replace(entry, count=min(entry.count, cap), values=values)

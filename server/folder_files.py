@@ -171,7 +171,8 @@ class Identity:
         """The codebook files a run writes (each a manifest once the folder is migrated)."""
         names = (CODEBOOK_FILE, PREVIOUS_FILE, STEP_START_FILE)
         return [self.root / n for n in names if (self.root / n).is_file()] + [
-            path for _, path in self.step_checkpoints()]  # fmt: skip
+            path for _, path in self.step_checkpoints()
+        ]
 
     def kept_copies(self) -> list[Path]:
         """The manifests ``repair`` kept beside (``<name>.before-repair-<time>``)."""

@@ -112,8 +112,9 @@ def plan(root: str | Path, to: int | None = None, *, depth: Depth = Depth.CHECKS
             )
         position, names = Position(), set()
         if current.exists():
-            actions.append(_aside(root, CODEBOOK_FILE, stamp, "no step was completed: starts "
-                                  "afresh"))  # fmt: skip
+            actions.append(
+                _aside(root, CODEBOOK_FILE, stamp, "no step was completed: starts afresh")
+            )
     else:
         position = Position.from_metadata(found.metadata)
         names = {entry.name for entry in found.entries}
@@ -127,13 +128,23 @@ def _side_files(root: Path, stamp: str) -> list[Action]:
     history's repair handled it), damaged step findings and metrics set aside."""
     actions = []
     if (root / PENDING_FILE).exists():
-        actions.append(Action(f"remove {PENDING_FILE} (handled above)",
-                              lambda: (root / PENDING_FILE).unlink(missing_ok=True)))  # fmt: skip
+        actions.append(
+            Action(
+                f"remove {PENDING_FILE} (handled above)",
+                lambda: (root / PENDING_FILE).unlink(missing_ok=True),
+            )
+        )
     try:
         read_step_findings(root)
     except FederationError:
-        actions.append(_aside(root, STEP_FINDINGS_FILE, stamp, "damaged; a resumed step goes on "
-                              "without the screening's findings so far"))  # fmt: skip
+        actions.append(
+            _aside(
+                root,
+                STEP_FINDINGS_FILE,
+                stamp,
+                "damaged; a resumed step goes on without the screening's findings so far",
+            )
+        )
     metrics = root / METRICS_FILE
     if metrics.is_file() and not _json_ok(metrics):
         actions.append(_aside(root, METRICS_FILE, stamp, "damaged; the next run rewrites it"))
@@ -157,8 +168,9 @@ def _by_progress(paths: list[Path]) -> list[Path]:
             position = Position.from_metadata(message.metadata)
         except (CodebookError, OSError, ValueError, TypeError):
             continue
-        found.append(((position.step, not position.running, len(position.done),
-                       message.version), path))  # fmt: skip
+        found.append(
+            ((position.step, not position.running, len(position.done), message.version), path)
+        )
     return [path for _, path in sorted(found, reverse=True)]
 
 
@@ -173,8 +185,10 @@ def _json_ok(path: Path) -> bool:
 def _aside(root: Path, name: str, stamp: str, why: str) -> Action:
     """Move ``name`` aside (kept as ``<name>.before-repair-<stamp>``)."""
     path = root / name
-    return Action(f"move {name} aside ({why}) as {path.name}.before-repair-{stamp}",
-                  lambda: os.replace(path, root / f"{name}.before-repair-{stamp}"))  # fmt: skip
+    return Action(
+        f"move {name} aside ({why}) as {path.name}.before-repair-{stamp}",
+        lambda: os.replace(path, root / f"{name}.before-repair-{stamp}"),
+    )
 
 
 def _keep_copy(path: Path, stamp: str) -> None:
@@ -186,8 +200,11 @@ def _restore(root: Path, source: Path, message: pb.Codebook, stamp: str) -> Acti
     """``codebook.bin`` replaced by ``source``'s codebook on a new version line: a manifest
     naming the same store bytes (a whole file when ``source`` is one of the layout before)."""
     position = Position.from_metadata(message.metadata)
-    where = (f"step {position.step + 1} running, {position.done_text() or 'no phase'} done"
-             if position.running else f"{position.step} step(s) completed")  # fmt: skip
+    where = (
+        f"step {position.step + 1} running, {position.done_text() or 'no phase'} done"
+        if position.running
+        else f"{position.step} step(s) completed"
+    )
     epoch = Lineage.in_metadata(message.metadata).new_epoch().as_metadata()
     metadata = {k: v for k, v in message.metadata.items() if k != store.MANIFEST_KEY} | epoch
 
@@ -202,8 +219,11 @@ def _restore(root: Path, source: Path, message: pb.Codebook, stamp: str) -> Acti
             write_atomic(root / CODEBOOK_FILE, stored.relabelled(message, metadata))
 
     name = source.relative_to(root)
-    return Action(f"restore {CODEBOOK_FILE} from {name} (version {message.version}, {where}) "
-                  "on a new version line", do)  # fmt: skip
+    return Action(
+        f"restore {CODEBOOK_FILE} from {name} (version {message.version}, {where}) "
+        "on a new version line",
+        do,
+    )
 
 
 def _finished_records(root: Path) -> bool:
@@ -254,8 +274,9 @@ def _history(root: Path, position: Position, stamp: str) -> list[Action]:
         f"{dropped} record(s) beyond or repeating step(s) of the codebook" if dropped else "",
         f"the interrupted close of step {pending.step + 1}" if added and pending else "",
         f"placeholders for the lost records of step(s) {', '.join(str(s + 1) for s in lost)}"
-        if lost else "",
-    ]  # fmt: skip
+        if lost
+        else "",
+    ]
     text = "".join(r.to_json() + "\n" for r in kept).encode()
 
     def do() -> None:
@@ -295,6 +316,9 @@ def _registry(root: Path, position: Position, names: set[str], stamp: str) -> li
         _keep_copy(path, stamp)
         write_atomic(path, text)
 
-    why = "damaged: rebuilt from the codebook and the history, sites unknown" if damaged else (
-        f"{restored} class(es) added, {dropped} dropped")  # fmt: skip
+    why = (
+        "damaged: rebuilt from the codebook and the history, sites unknown"
+        if damaged
+        else (f"{restored} class(es) added, {dropped} dropped")
+    )
     return [Action(f"rewrite {REGISTRY_FILE} with {len(registry)} class(es) ({why})", do)]

@@ -61,8 +61,12 @@ def message_config(
 ) -> dict[str, ConfigValue]:
     """The protocol's keys of every message's config: the step, the round, the wire dtype and
     the lineage of the codebook it answers to (a phase, the sync and the catch-up add theirs)."""
-    return {STEP: step, ROUND: round_index, WIRE_DTYPE: wire_dtype,
-            **Lineage.of(codebook).as_metadata()}  # fmt: skip
+    return {
+        STEP: step,
+        ROUND: round_index,
+        WIRE_DTYPE: wire_dtype,
+        **Lineage.of(codebook).as_metadata(),
+    }
 
 
 def exchange(
@@ -101,16 +105,14 @@ def exchange(
         answered.add(entry.node_id)
         if reply.has_error():
             entry.status = ExchangeStatus(Outcome.ERROR, short_reason(reply.error.reason))
-            logger.warning("%s failed %s: %s", who(entry), spec.phase.key,
-                           reply.error.reason)  # fmt: skip
+            logger.warning("%s failed %s: %s", who(entry), spec.phase.key, reply.error.reason)
             continue
         entry.bytes_up = content_bytes(reply.content)
         good.append((entry, reply))
     for entry in exchanges:
         if entry.node_id not in answered:
             entry.status = ExchangeStatus(Outcome.NO_REPLY)
-            logger.warning("%s sent no %s reply within %.0fs", who(entry), spec.phase.key,
-                           timeout)  # fmt: skip
+            logger.warning("%s sent no %s reply within %.0fs", who(entry), spec.phase.key, timeout)
     return good, exchanges
 
 

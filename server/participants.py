@@ -70,8 +70,9 @@ class Participants:
         names and the codebook version each holds. A silent node costs one timeout per step,
         not one per phase; a node with other backbones or a malformed reply sits the step
         out."""
-        accepted = sorted(replies.decoded(answers, Phase.SYNC, screen, codebook),
-                          key=lambda r: r[0].node_id)  # fmt: skip
+        accepted = sorted(
+            replies.decoded(answers, Phase.SYNC, screen, codebook), key=lambda r: r[0].node_id
+        )
         for entry, update in accepted:
             claimed = update.metadata.get(SITE) or f"node-{entry.node_id}"
             site = screen.name_of(entry.node_id, claimed)
@@ -166,8 +167,11 @@ def new_classes(
         for class_entry in update.entries:
             key = class_key(class_entry.name)
             if key in known and codebook[known[key]].frozen:
-                logger.info("site %s brings %r again: it is finished and stays frozen",
-                            entry.site, known[key])  # fmt: skip
+                logger.info(
+                    "site %s brings %r again: it is finished and stays frozen",
+                    entry.site,
+                    known[key],
+                )
             name = known.get(key) or min(new.get(key, class_entry.name), class_entry.name)
             if key not in known:
                 new[key] = name

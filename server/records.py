@@ -87,8 +87,12 @@ class Position:
 
     def to_json(self) -> dict[str, Any]:
         """Its JSON form: phase rounds as their text (``"sync/0"``)."""
-        return {"step": self.step, "running": self.running,
-                "done": [str(d) for d in self.done], "in_play": list(self.in_play)}  # fmt: skip
+        return {
+            "step": self.step,
+            "running": self.running,
+            "done": [str(d) for d in self.done],
+            "in_play": list(self.in_play),
+        }
 
     def as_metadata(self) -> dict[str, str]:
         """The metadata entry that carries it."""
@@ -240,14 +244,18 @@ class StepRecord:
     def from_json(cls, line: str) -> StepRecord:
         raw: dict[str, Any] = json.loads(line)
         scores = {k: StepScores(**raw[k]) for k in ("scores", "server_eval") if raw.get(k)}
-        return cls(**{
-            **raw, **scores,
-            "classes": tuple(raw.get("classes", ())), "sites": tuple(raw.get("sites", ())),
-            "phase_seconds": tuple(PhaseTime(**p) for p in raw.get("phase_seconds", ())),
-            "exchanges": tuple(Exchange(**e) for e in raw.get("exchanges", ())),
-            "findings": tuple(Finding(**f) for f in raw.get("findings", ())),
-            "quarantined": tuple(raw.get("quarantined", ())),
-        })  # fmt: skip
+        return cls(
+            **{
+                **raw,
+                **scores,
+                "classes": tuple(raw.get("classes", ())),
+                "sites": tuple(raw.get("sites", ())),
+                "phase_seconds": tuple(PhaseTime(**p) for p in raw.get("phase_seconds", ())),
+                "exchanges": tuple(Exchange(**e) for e in raw.get("exchanges", ())),
+                "findings": tuple(Finding(**f) for f in raw.get("findings", ())),
+                "quarantined": tuple(raw.get("quarantined", ())),
+            }
+        )
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,9 @@ def screened(
         for entry, update in decoded(replies, phase, screen, against, record):
             stray = [e.name for e in update.entries if e.name not in in_play]
             if stray:
-                logger.info("node %s sent rows of classes not in play: %s", entry.node_id,
-                            stray[:10])  # fmt: skip
+                logger.info(
+                    "node %s sent rows of classes not in play: %s", entry.node_id, stray[:10]
+                )
                 codebook = state.codebook  # one lookup per row: ``.frozen`` walks every class
                 frozen = [n for n in stray if n in codebook and codebook[n].frozen]
                 phase_screen.frozen_rows(entry.site, frozen)

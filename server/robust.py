@@ -57,8 +57,11 @@ class MedianStrategy(Strategy):
             medians.append(ClassEntry(name, sum(e.count for e in entries), values))
         if medians:
             first = held[0]
-            merge.add(ClientUpdate(first.fingerprint, first.dims, first.phase,
-                                   first.base_version, tuple(medians)))  # fmt: skip
+            merge.add(
+                ClientUpdate(
+                    first.fingerprint, first.dims, first.phase, first.base_version, tuple(medians)
+                )
+            )
         return merge.result()
 
 
@@ -73,8 +76,9 @@ def robust(strategy: Strategy | None) -> Strategy:
         return strategy
     cls = type(strategy)
     if cls.merge is not Strategy.merge:
-        raise ConfigError(f"merge = median: {cls.__qualname__} merges its own way; "
-                          "set merge = mean")  # fmt: skip
+        raise ConfigError(
+            f"merge = median: {cls.__qualname__} merges its own way; set merge = mean"
+        )
     names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
     variant_class: type[Strategy] = type(cls.__name__, (MedianStrategy, cls), names)
     variant = variant_class.__new__(variant_class)

@@ -112,12 +112,19 @@ class Screen:
             if finding.action == QUARANTINED:
                 self.quarantined[finding.site] = finding.reason
 
-    def note(self, site: str, phase: str, round_index: int, action: str, reason: str,
-             name: str = "") -> None:  # fmt: skip
+    def note(
+        self, site: str, phase: str, round_index: int, action: str, reason: str, name: str = ""
+    ) -> None:
         """Record one finding; a site reaching ``quarantine-after`` findings is quarantined."""
         self.findings.append(Finding(site, phase, round_index, action, reason, name))
-        logger.warning("screening: %s %s of %s%s: %s", action, phase, site,
-                       f" ({name[:60]})" if name else "", reason)  # fmt: skip
+        logger.warning(
+            "screening: %s %s of %s%s: %s",
+            action,
+            phase,
+            site,
+            f" ({name[:60]})" if name else "",
+            reason,
+        )
         limit = self.options.quarantine_after
         if limit and site not in self.quarantined:
             mine = sum(f.site == site and f.action != QUARANTINED for f in self.findings)
@@ -125,8 +132,9 @@ class Screen:
                 why = f"{progress.counted(mine, 'finding')} in step {self.step + 1}"
                 self.quarantined[site] = why
                 self.findings.append(Finding(site, phase, round_index, QUARANTINED, why))
-                logger.warning("screening: %s is quarantined for the rest of the step (%s)",
-                               site, why)  # fmt: skip
+                logger.warning(
+                    "screening: %s is quarantined for the rest of the step (%s)", site, why
+                )
 
     # --- the sync -------------------------------------------------------------------------
 
@@ -137,8 +145,13 @@ class Screen:
         if name is None:
             return claimed
         if name != claimed:
-            logger.warning("node %d calls itself %r; it is registered as %r: known as %r",
-                           node_id, claimed[:60], name, name)  # fmt: skip
+            logger.warning(
+                "node %d calls itself %r; it is registered as %r: known as %r",
+                node_id,
+                claimed[:60],
+                name,
+                name,
+            )
         return name
 
     def sync(self, accepted: list, codebook: Codebook, held: Mapping[str, dict]) -> list:
@@ -191,14 +204,17 @@ class Screen:
                     f"brings {len(new)} new classes, at most "
                     f"{self.options.max_new_classes} per site and step (max-new-classes)",
                 )
-                continue  # fmt: skip
+                continue
             brings[entry.node_id] = new
             kept.append((entry, update))
         while len(known | set().union(*brings.values())) > limit:
             node = max(brings, key=lambda n: (len(brings[n]), n))
             entry = next(e for e, _ in kept if e.node_id == node)
-            self._reject(entry, f"its {len(brings.pop(node))} new classes would take the "
-                         f"federation past {limit} classes (max-classes)")  # fmt: skip
+            self._reject(
+                entry,
+                f"its {len(brings.pop(node))} new classes would take the "
+                f"federation past {limit} classes (max-classes)",
+            )
             kept = [(e, u) for e, u in kept if e.node_id != node]
         for entry, update in kept:
             raw = update.metadata.get(TEST_IMAGES, "")

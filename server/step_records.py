@@ -102,13 +102,22 @@ def step_record(
 ) -> StepRecord:
     """The step's line of the history."""
     return StepRecord(
-        step=step, status=status, started=tally.started, wall_s=time.time() - tally.started,
-        attempt=attempt, reason=reason,
-        classes=tuple(classes), sites=tuple(sorted(set(sites))),
-        phase_seconds=tuple(tally.seconds), exchanges=tuple(tally.exchanges),
-        codebook_version=version, scores=tally.scores, server_eval=server_eval,
-        findings=tuple(screen.findings), quarantined=tuple(screen.quarantined),
-    )  # fmt: skip
+        step=step,
+        status=status,
+        started=tally.started,
+        wall_s=time.time() - tally.started,
+        attempt=attempt,
+        reason=reason,
+        classes=tuple(classes),
+        sites=tuple(sorted(set(sites))),
+        phase_seconds=tuple(tally.seconds),
+        exchanges=tuple(tally.exchanges),
+        codebook_version=version,
+        scores=tally.scores,
+        server_eval=server_eval,
+        findings=tuple(screen.findings),
+        quarantined=tuple(screen.quarantined),
+    )
 
 
 def scores_line(step: int, classes: int, scores: StepScores) -> str:
@@ -127,8 +136,9 @@ def no_update(phase: Phase, screen: Screen, in_play: Iterable[str]) -> StepFaile
     rejected = [f for f in screen.findings if f.phase == key and f.name in names]
     if rejected:  # they arrived, and the screening rejected them all
         named = "; ".join(f"class {f.name!r}: {f.site} ({f.reason})" for f in rejected[:3])
-        return StepFailed(f"the screening rejected every {key} update of the classes in "
-                          f"play: {named}")  # fmt: skip
+        return StepFailed(
+            f"the screening rejected every {key} update of the classes in play: {named}"
+        )
     return StepFailed(f"no site's {key} update arrived for any class in play")
 
 
@@ -140,9 +150,11 @@ def blame(phase: Phase, err: CodebookError, screen: Screen) -> str:
     where = f"class {name!r}, field {field_name}" if name else "its codebook"
     detail = str(err).removeprefix(f"{name}/{field_name}: ")
     furthest = screen.furthest.get(name) if name else None
-    source = "" if furthest is None else (
-        f"; the furthest update to it came from site {furthest.site} ({furthest.what})"
-    )  # fmt: skip
+    source = (
+        ""
+        if furthest is None
+        else (f"; the furthest update to it came from site {furthest.site} ({furthest.what})")
+    )
     return f"the {phase.key} result is invalid at {where}: {detail}{source}"
 
 

@@ -72,180 +72,531 @@ def parse_site_names(text: str) -> dict[int, str]:
 
 SCHEMA: tuple[Knob, ...] = (
     # scenario: which images each site holds, and when (docs/simulation.md)
-    Knob("data-root", str, "", "ImageFolder root (train/ and test/ class folders, or one folder "
-         'per class); "": the bundled cropdiseases-mini set', "scenario", check=existing_dir,
-         path=True),
+    Knob(
+        "data-root",
+        str,
+        "",
+        "ImageFolder root (train/ and test/ class folders, or one folder "
+        'per class); "": the bundled cropdiseases-mini set',
+        "scenario",
+        check=existing_dir,
+        path=True,
+    ),
     Knob("num-tasks", int, 7, "tasks the classes are split into", "scenario", ge=1),
-    Knob("classes-per-task", int, 0, "classes per task; 0: all classes spread evenly over the "
-         "tasks", "scenario", ge=0),
-    Knob("seed", int, 1993, "class order, partition and training", "scenario", ge=0,
-         le=2**32 - 1),  # what np.random.RandomState (the class order) accepts
+    Knob(
+        "classes-per-task",
+        int,
+        0,
+        "classes per task; 0: all classes spread evenly over the tasks",
+        "scenario",
+        ge=0,
+    ),
+    Knob(
+        "seed", int, 1993, "class order, partition and training", "scenario", ge=0, le=2**32 - 1
+    ),  # what np.random.RandomState (the class order) accepts
     Knob("num-sites", int, 5, "sites (in simulation: SuperNodes)", "scenario", ge=1),
-    Knob("alpha", float, 0.5, "Dirichlet concentration of the partition (small: each site sees "
-         "few classes)", "scenario", gt=0),
+    Knob(
+        "alpha",
+        float,
+        0.5,
+        "Dirichlet concentration of the partition (small: each site sees few classes)",
+        "scenario",
+        gt=0,
+    ),
     Knob("arrival-offset", int, 0, "site i joins i x offset steps after site 0", "scenario", ge=0),
-    Knob("min-partition-size", int, 0, "per task, resample the partition until every site has "
-         "this many images", "scenario", ge=0),
-    Knob("simulated-patient-images", int, 0, "simulated sites: name every run of this many "
-         "consecutive training images of a class as one patient's, for the patient privacy unit "
-         "(0: no patient names)", "scenario", ge=0),
+    Knob(
+        "min-partition-size",
+        int,
+        0,
+        "per task, resample the partition until every site has this many images",
+        "scenario",
+        ge=0,
+    ),
+    Knob(
+        "simulated-patient-images",
+        int,
+        0,
+        "simulated sites: name every run of this many "
+        "consecutive training images of a class as one patient's, for the patient privacy unit "
+        "(0: no patient names)",
+        "scenario",
+        ge=0,
+    ),
     # protocol: how the server drives the phases, and where results go
     Knob("stage1-rounds", int, 1, "federated rounds of stage 1 per task", "protocol", ge=1),
     Knob("stage2-rounds", int, 1, "federated rounds of stage 2 per task", "protocol", ge=1),
-    Knob("wire-dtype", str, "float32", "dtype of the tensors sent", "protocol",
-         choices=WIRE_DTYPES),
-    Knob("timeout-s", float, 600.0, "seconds the server waits for the replies of one phase",
-         "protocol", gt=0),
+    Knob(
+        "wire-dtype", str, "float32", "dtype of the tensors sent", "protocol", choices=WIRE_DTYPES
+    ),
+    Knob(
+        "timeout-s",
+        float,
+        600.0,
+        "seconds the server waits for the replies of one phase",
+        "protocol",
+        gt=0,
+    ),
     Knob("results-dir", str, "results", "folder of the run folders", "protocol", path=True),
-    Knob("run-name", str, "", 'run folder under results-dir; "": fed-<run id> (local-<UTC '
-         "timestamp> for train-local)", "protocol"),
-    Knob("federation-dir", str, "", 'the federation folder the server continues; "": the run '
-         "folder (a simulation's own federation)", "protocol", path=True),
-    Knob("max-steps", int, 0, "aggregation steps of one server run; 0: until no site brings a "
-         "new class", "protocol", ge=0),
-    Knob("checkpoints-kept", int, 10, "codebooks of completed steps kept in the federation "
-         "folder's checkpoints/ for `starfed server repair` (the newest; 0: every one)",
-         "protocol", ge=0),
-    Knob("min-sites", int, 1, "sites that must be connected before the first step", "protocol",
-         ge=1),
+    Knob(
+        "run-name",
+        str,
+        "",
+        'run folder under results-dir; "": fed-<run id> (local-<UTC timestamp> for train-local)',
+        "protocol",
+    ),
+    Knob(
+        "federation-dir",
+        str,
+        "",
+        'the federation folder the server continues; "": the run '
+        "folder (a simulation's own federation)",
+        "protocol",
+        path=True,
+    ),
+    Knob(
+        "max-steps",
+        int,
+        0,
+        "aggregation steps of one server run; 0: until no site brings a new class",
+        "protocol",
+        ge=0,
+    ),
+    Knob(
+        "checkpoints-kept",
+        int,
+        10,
+        "codebooks of completed steps kept in the federation "
+        "folder's checkpoints/ for `starfed server repair` (the newest; 0: every one)",
+        "protocol",
+        ge=0,
+    ),
+    Knob(
+        "min-sites", int, 1, "sites that must be connected before the first step", "protocol", ge=1
+    ),
     Knob("wait-s", float, 120.0, "seconds to wait for min-sites", "protocol", gt=0),
-    Knob("fraction-train", float, 1.0, "share of the sites sampled for each training and "
-         "statistics round (seeded; every class in play keeps a holder)", "protocol", gt=0,
-         le=1),
-    Knob("min-train-sites", int, 1, "at least this many sites per sampled round", "protocol",
-         ge=1),
-    Knob("server-test-dir", str, "", 'a folder of class folders the server also scores each '
-         'step on (e.g. a simulation\'s test set); "": none', "protocol", path=True),
-    Knob("merge", str, "median", "how a class is merged: median (coordinate-wise over its "
-         "sites' rows, where 3 or more sites hold it: no one site moves it) or mean (weighted "
-         "by examples; always, where fewer sites hold it)", "protocol", choices=MERGES),
+    Knob(
+        "fraction-train",
+        float,
+        1.0,
+        "share of the sites sampled for each training and "
+        "statistics round (seeded; every class in play keeps a holder)",
+        "protocol",
+        gt=0,
+        le=1,
+    ),
+    Knob("min-train-sites", int, 1, "at least this many sites per sampled round", "protocol", ge=1),
+    Knob(
+        "server-test-dir",
+        str,
+        "",
+        "a folder of class folders the server also scores each "
+        'step on (e.g. a simulation\'s test set); "": none',
+        "protocol",
+        path=True,
+    ),
+    Knob(
+        "merge",
+        str,
+        "median",
+        "how a class is merged: median (coordinate-wise over its "
+        "sites' rows, where 3 or more sites hold it: no one site moves it) or mean (weighted "
+        "by examples; always, where fewer sites hold it)",
+        "protocol",
+        choices=MERGES,
+    ),
     # screening: what the server believes of a site (server/screening.py, docs/security.md)
-    Knob("update-bound", float, 1000.0, "reject a class's update row whose change from the "
-         "value sent is over this multiple of the phase's median change (per field, over the "
-         "rows that changed); 0: no bound",
-         "screening", ge=0),
-    Knob("reference-bound", float, 100.0, "where fewer than 3 sites send a field in a phase "
-         "(their median is no bound: a lone sender is its own), reject a row whose change is "
-         "over this multiple of the class's own size before the phase (its norm, at least the "
-         "initialisation's 0.02 per element); 0: no bound", "screening", ge=0),
-    Knob("history-bound", float, 20.0, "where fewer than 3 sites send a field, also reject a "
-         "row whose change is over this multiple of the scale of honest changes in earlier "
-         "steps (the median change ÷ class size of each site, where 3 or more sites sent the "
-         "field; kept in the federation folder's change-scale.json) × the class's size; 0: no "
-         "bound", "screening", ge=0),
-    Knob("mixture-bound", float, 1000.0, "reject mixture statistics whose variances or means are "
-         "over this multiple of the phase's median (and variances below any fit's); 0: no bound",
-         "screening", ge=0),
-    Knob("max-class-share", float, 1.0, "the largest share of one site's examples in the merge "
-         "of a class that other sites also hold (counts from the sync); 1: no cap", "screening",
-         gt=0, le=1),
-    Knob("quarantine-after", int, 3, "screening findings after which a site is left out of the "
-         "rest of the step; 0: never", "screening", ge=0),
-    Knob("quarantine-persists", bool, False, "keep a quarantined site out of later steps too "
-         "(until the operator removes it from the federation's quarantine.json)", "screening"),
-    Knob("site-names", str, "", "the registered sites, NODE:NAME ... (`starfed server run` "
-         "sets it from sites.json): a registered node is known by its registered name, whatever "
-         'it calls itself, and no other node may use that name; "": sites are known by the '
-         "names they give", "screening", check=parse_site_names),
-    Knob("max-new-classes", int, 1000, "new classes one site may bring in one step (a site "
-         "bringing more sits the step out)", "screening", ge=1),
-    Knob("max-classes", int, 10000, "classes the federation may hold (a codebook past one "
-         "message reaches a site in parts)", "screening", ge=1),
+    Knob(
+        "update-bound",
+        float,
+        1000.0,
+        "reject a class's update row whose change from the "
+        "value sent is over this multiple of the phase's median change (per field, over the "
+        "rows that changed); 0: no bound",
+        "screening",
+        ge=0,
+    ),
+    Knob(
+        "reference-bound",
+        float,
+        100.0,
+        "where fewer than 3 sites send a field in a phase "
+        "(their median is no bound: a lone sender is its own), reject a row whose change is "
+        "over this multiple of the class's own size before the phase (its norm, at least the "
+        "initialisation's 0.02 per element); 0: no bound",
+        "screening",
+        ge=0,
+    ),
+    Knob(
+        "history-bound",
+        float,
+        20.0,
+        "where fewer than 3 sites send a field, also reject a "
+        "row whose change is over this multiple of the scale of honest changes in earlier "
+        "steps (the median change ÷ class size of each site, where 3 or more sites sent the "
+        "field; kept in the federation folder's change-scale.json) × the class's size; 0: no "
+        "bound",
+        "screening",
+        ge=0,
+    ),
+    Knob(
+        "mixture-bound",
+        float,
+        1000.0,
+        "reject mixture statistics whose variances or means are "
+        "over this multiple of the phase's median (and variances below any fit's); 0: no bound",
+        "screening",
+        ge=0,
+    ),
+    Knob(
+        "max-class-share",
+        float,
+        1.0,
+        "the largest share of one site's examples in the merge "
+        "of a class that other sites also hold (counts from the sync); 1: no cap",
+        "screening",
+        gt=0,
+        le=1,
+    ),
+    Knob(
+        "quarantine-after",
+        int,
+        3,
+        "screening findings after which a site is left out of the rest of the step; 0: never",
+        "screening",
+        ge=0,
+    ),
+    Knob(
+        "quarantine-persists",
+        bool,
+        False,
+        "keep a quarantined site out of later steps too "
+        "(until the operator removes it from the federation's quarantine.json)",
+        "screening",
+    ),
+    Knob(
+        "site-names",
+        str,
+        "",
+        "the registered sites, NODE:NAME ... (`starfed server run` "
+        "sets it from sites.json): a registered node is known by its registered name, whatever "
+        'it calls itself, and no other node may use that name; "": sites are known by the '
+        "names they give",
+        "screening",
+        check=parse_site_names,
+    ),
+    Knob(
+        "max-new-classes",
+        int,
+        1000,
+        "new classes one site may bring in one step (a site bringing more sits the step out)",
+        "screening",
+        ge=1,
+    ),
+    Knob(
+        "max-classes",
+        int,
+        10000,
+        "classes the federation may hold (a codebook past one message reaches a site in parts)",
+        "screening",
+        ge=1,
+    ),
     # training: one task's hyper-parameters (shared/model/training.py: TrainConfig)
     Knob("stage1-epochs", int, 5, "local epochs of stage 1 (per round)", "training", ge=0),
     Knob("stage2-epochs", int, 5, "local epochs of stage 2 (per round)", "training", ge=0),
     Knob("replay1-epochs", int, 10, "first-level replay epochs", "training", ge=0),
     Knob("replay2-epochs", int, 10, "second-level replay epochs at task 0", "training", ge=0),
-    Knob("replay2-epochs-per-task", int, 5, "extra second-level replay epochs per task index",
-         "training", ge=0),
-    Knob("replay-schedule", str, "auto", "how many optimizer steps each replay takes: "
-         "reference (the paper's epochs over every seen class: a step costs O(t x classes)), "
-         "bounded (replay1-steps and replay2-steps class-balanced batches at every step, the "
-         "head warm-started from its last alignment: docs/model.md#bounded-replay) or auto "
-         "(reference for the first 10 tasks, bounded after)", "training",
-         choices=REPLAY_SCHEDULES),
-    Knob("replay1-steps", int, 25, "the bounded schedule's optimizer steps of one first-level "
-         "replay (each a pass of CLIP's text tower), whatever the step and the classes",
-         "training", ge=1),
-    Knob("replay2-steps", int, 250, "the bounded schedule's optimizer steps of one head "
-         "replay, whatever the step and the number of classes", "training", ge=1),
+    Knob(
+        "replay2-epochs-per-task",
+        int,
+        5,
+        "extra second-level replay epochs per task index",
+        "training",
+        ge=0,
+    ),
+    Knob(
+        "replay-schedule",
+        str,
+        "auto",
+        "how many optimizer steps each replay takes: "
+        "reference (the paper's epochs over every seen class: a step costs O(t x classes)), "
+        "bounded (replay1-steps and replay2-steps class-balanced batches at every step, the "
+        "head warm-started from its last alignment: docs/model.md#bounded-replay) or auto "
+        "(reference for the first 10 tasks, bounded after)",
+        "training",
+        choices=REPLAY_SCHEDULES,
+    ),
+    Knob(
+        "replay1-steps",
+        int,
+        25,
+        "the bounded schedule's optimizer steps of one first-level "
+        "replay (each a pass of CLIP's text tower), whatever the step and the classes",
+        "training",
+        ge=1,
+    ),
+    Knob(
+        "replay2-steps",
+        int,
+        250,
+        "the bounded schedule's optimizer steps of one head "
+        "replay, whatever the step and the number of classes",
+        "training",
+        ge=1,
+    ),
     Knob("batch-size", int, 128, "training batch size", "training", ge=1),
     Knob("mixture-components", int, 5, "Gaussians per class and feature space", "training", ge=1),
-    Knob("confidence-modulation", bool, True, "scale first-level logits by the prompt "
-         "selection's confidence", "training"),
+    Knob(
+        "confidence-modulation",
+        bool,
+        True,
+        "scale first-level logits by the prompt selection's confidence",
+        "training",
+    ),
     # differential privacy of what a site releases (docs/security.md#differential-privacy)
-    Knob("privacy-epsilon", float, 0.0, "each site's target epsilon for one training image "
-         "over the federation's life; 0: off (no noise)", "privacy", ge=0),
-    Knob("privacy-delta", float, 1e-5, "each site's target delta, unless the site's own "
-         "(node config) is lower", "privacy", gt=0, le=0.1),
-    Knob("privacy-clip-radius", float, 0.4, "CLIP features are clipped to this radius x "
-         "sqrt(dim) about a mid-gray image's feature", "privacy", gt=0),
-    Knob("privacy-vit-radius", float, 1.0, "ViT features are clipped to this radius x sqrt(dim) "
-         "about the origin", "privacy", gt=0),
-    Knob("privacy-stage1-clip", float, 0.02, "L2 bound of one class's stage-1 update (prompt)",
-         "privacy", gt=0),
-    Knob("privacy-stage2-clip", float, 0.05, "L2 bound of one class's stage-2 update (query "
-         "prompt and weights, head row)", "privacy", gt=0),
-    Knob("privacy-unit", str, "image", "what each site's epsilon protects: one training image, "
-         "or one patient (images named <patient>__<name>: docs/sites.md#patients)", "privacy",
-         choices=PRIVACY_UNITS),
-    Knob("privacy-patient-images", int, 5, "unit patient: the most images of one patient a "
-         "class uses (the others are left out); count and mixture noise grow with it", "privacy",
-         ge=1),
-    Knob("privacy-site-tasks", int, 7, "unit patient, patients across classes: the tasks one "
-         "site-wide budget is planned over (a task beyond them gets what is left)", "privacy",
-         ge=1),
+    Knob(
+        "privacy-epsilon",
+        float,
+        0.0,
+        "each site's target epsilon for one training image "
+        "over the federation's life; 0: off (no noise)",
+        "privacy",
+        ge=0,
+    ),
+    Knob(
+        "privacy-delta",
+        float,
+        1e-5,
+        "each site's target delta, unless the site's own (node config) is lower",
+        "privacy",
+        gt=0,
+        le=0.1,
+    ),
+    Knob(
+        "privacy-clip-radius",
+        float,
+        0.4,
+        "CLIP features are clipped to this radius x sqrt(dim) about a mid-gray image's feature",
+        "privacy",
+        gt=0,
+    ),
+    Knob(
+        "privacy-vit-radius",
+        float,
+        1.0,
+        "ViT features are clipped to this radius x sqrt(dim) about the origin",
+        "privacy",
+        gt=0,
+    ),
+    Knob(
+        "privacy-stage1-clip",
+        float,
+        0.02,
+        "L2 bound of one class's stage-1 update (prompt)",
+        "privacy",
+        gt=0,
+    ),
+    Knob(
+        "privacy-stage2-clip",
+        float,
+        0.05,
+        "L2 bound of one class's stage-2 update (query prompt and weights, head row)",
+        "privacy",
+        gt=0,
+    ),
+    Knob(
+        "privacy-unit",
+        str,
+        "image",
+        "what each site's epsilon protects: one training image, "
+        "or one patient (images named <patient>__<name>: docs/sites.md#patients)",
+        "privacy",
+        choices=PRIVACY_UNITS,
+    ),
+    Knob(
+        "privacy-patient-images",
+        int,
+        5,
+        "unit patient: the most images of one patient a "
+        "class uses (the others are left out); count and mixture noise grow with it",
+        "privacy",
+        ge=1,
+    ),
+    Knob(
+        "privacy-site-tasks",
+        int,
+        7,
+        "unit patient, patients across classes: the tasks one "
+        "site-wide budget is planned over (a task beyond them gets what is left)",
+        "privacy",
+        ge=1,
+    ),
     # backbones: the frozen pair every participant loads (fingerprints must match)
     Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
-    Knob("device", str, "auto", "where the server and simulated sites compute: auto (the GPU "
-         "when there is one), cpu, cuda, cuda:N, mps", "backbones", check=check_device),
-    Knob("backbone-config", str, "", 'JSON BackboneConfig, overrides preset; "": none',
-         "backbones", check=read_backbone_config, path=True),
-    Knob("clip-weights", str, "", 'local CLIP weights (.safetensors/.pt); "": none',
-         "backbones", check=existing_file, path=True),
-    Knob("vit-weights", str, "", 'local ViT weights (.safetensors/.pt); "": none', "backbones",
-         check=existing_file, path=True),
+    Knob(
+        "device",
+        str,
+        "auto",
+        "where the server and simulated sites compute: auto (the GPU "
+        "when there is one), cpu, cuda, cuda:N, mps",
+        "backbones",
+        check=check_device,
+    ),
+    Knob(
+        "backbone-config",
+        str,
+        "",
+        'JSON BackboneConfig, overrides preset; "": none',
+        "backbones",
+        check=read_backbone_config,
+        path=True,
+    ),
+    Knob(
+        "clip-weights",
+        str,
+        "",
+        'local CLIP weights (.safetensors/.pt); "": none',
+        "backbones",
+        check=existing_file,
+        path=True,
+    ),
+    Knob(
+        "vit-weights",
+        str,
+        "",
+        'local ViT weights (.safetensors/.pt); "": none',
+        "backbones",
+        check=existing_file,
+        path=True,
+    ),
     # node config: what one SuperNode says about itself
-    Knob("data-dir", str, "", "a deployed site's data folder: its task folders and test/ "
-         "(docs/sites.md)", "node", path=True),
-    Knob("state-dir", str, "", 'a deployed site\'s memory (last codebook, completed tasks, '
-         'caches); "": <data-dir>/.starfed', "node", path=True),
+    Knob(
+        "data-dir",
+        str,
+        "",
+        "a deployed site's data folder: its task folders and test/ (docs/sites.md)",
+        "node",
+        path=True,
+    ),
+    Knob(
+        "state-dir",
+        str,
+        "",
+        "a deployed site's memory (last codebook, completed tasks, "
+        'caches); "": <data-dir>/.starfed',
+        "node",
+        path=True,
+    ),
     Knob("site-name", str, "", 'how the federation calls this site; "": node-<node id>', "node"),
     Knob("partition-id", int, 0, "this node's site in a simulation", "node", ge=0),
-    Knob("num-partitions", int, 0, "sites in a simulation (Flower: num-supernodes); 0: the run "
-         "config's num-sites", "node", ge=0),
-    Knob("cache-dir", str, "", 'decoded images and CLIP features; "": <state-dir>/cache for a '
-         "deployed site, $STARFED_CACHE_DIR or ~/.cache/starfed in a simulation", "node",
-         path=True),
-    Knob("worker-socket", str, "", "a site worker answering for this node (starfed site start "
-         'runs one: starfed.client.worker); "": answer in the ClientApp process', "node",
-         path=True),
-    Knob("device", str, "", 'where this deployed site computes (auto, cpu, cuda, cuda:N, mps); "": '
-         "the run config's", "node", check=check_device),
-    Knob("privacy-epsilon", float, 0.0, "this site's target epsilon for one of its training "
-         "images over the federation's life; 0: the run config's", "node", ge=0),
-    Knob("privacy-unit", str, "image", "what this site's epsilon protects: one training "
-         "image, or one patient (docs/sites.md#patients); a run config's patient wins",
-         "node", choices=PRIVACY_UNITS),
-    Knob("privacy-delta", float, 1e-5, "this site's target delta (at most 1/n for its n "
-         "training images or patients); the run config's may lower it, never raise it", "node",
-         gt=0, le=0.1),
+    Knob(
+        "num-partitions",
+        int,
+        0,
+        "sites in a simulation (Flower: num-supernodes); 0: the run config's num-sites",
+        "node",
+        ge=0,
+    ),
+    Knob(
+        "cache-dir",
+        str,
+        "",
+        'decoded images and CLIP features; "": <state-dir>/cache for a '
+        "deployed site, $STARFED_CACHE_DIR or ~/.cache/starfed in a simulation",
+        "node",
+        path=True,
+    ),
+    Knob(
+        "worker-socket",
+        str,
+        "",
+        "a site worker answering for this node (starfed site start "
+        'runs one: starfed.client.worker); "": answer in the ClientApp process',
+        "node",
+        path=True,
+    ),
+    Knob(
+        "device",
+        str,
+        "",
+        'where this deployed site computes (auto, cpu, cuda, cuda:N, mps); "": the run config\'s',
+        "node",
+        check=check_device,
+    ),
+    Knob(
+        "privacy-epsilon",
+        float,
+        0.0,
+        "this site's target epsilon for one of its training "
+        "images over the federation's life; 0: the run config's",
+        "node",
+        ge=0,
+    ),
+    Knob(
+        "privacy-unit",
+        str,
+        "image",
+        "what this site's epsilon protects: one training "
+        "image, or one patient (docs/sites.md#patients); a run config's patient wins",
+        "node",
+        choices=PRIVACY_UNITS,
+    ),
+    Knob(
+        "privacy-delta",
+        float,
+        1e-5,
+        "this site's target delta (at most 1/n for its n "
+        "training images or patients); the run config's may lower it, never raise it",
+        "node",
+        gt=0,
+        le=0.1,
+    ),
     # the model's own knob that one command sets (TrainConfig reads it; the other command
     # options live with the commands: starfed.cli.command_knobs)
-    Knob("generative-replay", bool, True, "replay features drawn from the class mixtures (a "
-         "federation's is its strategy's: the starfed-no-replay baseline)", "command",
-         command="train-local"),
+    Knob(
+        "generative-replay",
+        bool,
+        True,
+        "replay features drawn from the class mixtures (a "
+        "federation's is its strategy's: the starfed-no-replay baseline)",
+        "command",
+        command="train-local",
+    ),
     # environment: what a process reads from STARFED_<KEY> (``environment()``), whoever starts it
-    Knob("cache-dir", str, "", 'decoded images and CLIP features of simulated sites and '
-         'the experiment\'s single-site methods; "": ~/.cache/starfed', "environment", path=True),
-    Knob("server-dir", str, "", "the server folder of `starfed server` actions without --dir; "
-         '"": ./starfed-server', "environment", path=True),
-    Knob("fused-adam", bool, False, "stage 2's Adam updates all its tensors in one fused kernel "
-         "(a GPU option, docs/benchmarks.md)", "environment"),
-    Knob("fast-towers", bool, True, "the frozen towers run as one fused path "
-         "(shared/model/frozen_towers.py); false: each module's own forward, to compare both "
-         "(docs/benchmarks.md)", "environment"),
-)  # fmt: skip
+    Knob(
+        "cache-dir",
+        str,
+        "",
+        "decoded images and CLIP features of simulated sites and "
+        'the experiment\'s single-site methods; "": ~/.cache/starfed',
+        "environment",
+        path=True,
+    ),
+    Knob(
+        "server-dir",
+        str,
+        "",
+        'the server folder of `starfed server` actions without --dir; "": ./starfed-server',
+        "environment",
+        path=True,
+    ),
+    Knob(
+        "fused-adam",
+        bool,
+        False,
+        "stage 2's Adam updates all its tensors in one fused kernel "
+        "(a GPU option, docs/benchmarks.md)",
+        "environment",
+    ),
+    Knob(
+        "fast-towers",
+        bool,
+        True,
+        "the frozen towers run as one fused path "
+        "(shared/model/frozen_towers.py); false: each module's own forward, to compare both "
+        "(docs/benchmarks.md)",
+        "environment",
+    ),
+)
 
 Tables = Mapping[str, Mapping[str, Knob]]
 

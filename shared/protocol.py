@@ -62,21 +62,32 @@ class PhaseSpec:
 UPDATE = "an update: its classes with the fields the phase trains (codebook schema)"
 
 SYNC = PhaseSpec(
-    Phase.SYNC, "query.sync", False,
+    Phase.SYNC,
+    "query.sync",
+    False,
     "an update: the classes of its current task with their image counts (names and counts "
     "only), the codebook version it holds and, in its metadata, its site name and test images",
-    None, None,
-)  # fmt: skip
+    None,
+    None,
+)
 
 PHASES: tuple[PhaseSpec, ...] = (
     PhaseSpec(Phase.STAGE1, "train.stage1", True, UPDATE, "stage1", None),
-    PhaseSpec(Phase.STAGE1_STATS, "query.stage1_stats", True, UPDATE, None, "replay1",
-              travels_with=Phase.STAGE1),
+    PhaseSpec(
+        Phase.STAGE1_STATS,
+        "query.stage1_stats",
+        True,
+        UPDATE,
+        None,
+        "replay1",
+        travels_with=Phase.STAGE1,
+    ),
     PhaseSpec(Phase.STAGE2, "train.stage2", True, UPDATE, "stage2", None),
     PhaseSpec(Phase.STAGE2_STATS, "query.stage2_stats", True, UPDATE, "stage2_stats", "replay2"),
-    PhaseSpec(Phase.EVALUATE, "evaluate", True, "metrics: accuracy on its own test images",
-              None, None),
-)  # fmt: skip
+    PhaseSpec(
+        Phase.EVALUATE, "evaluate", True, "metrics: accuracy on its own test images", None, None
+    ),
+)
 
 #: Every message a site answers: the sync, then the codebook phases.
 MESSAGES: tuple[PhaseSpec, ...] = (SYNC, *PHASES)

@@ -94,5 +94,6 @@ class EvaluationReport:
             ):
                 raise CodebookError(f"report counts of {score.name[:60]!r} are inconsistent")
             scores.append(ClassScore(score.name, score.images, score.correct, score.selection_hits))
-        return cls(message.backbone_fingerprint, message.codebook_version, scores,
-                   dict(message.metadata))  # fmt: skip
+        return cls(
+            message.backbone_fingerprint, message.codebook_version, scores, dict(message.metadata)
+        )

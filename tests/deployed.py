@@ -36,9 +36,12 @@ MARKER = "STARFED_ROUND_TEST"
 SITE_MARKER = "STARFED_ROUND_TEST_SITE"  # which site a process belongs to
 RUN_TIMEOUT_S = 480
 RUN_CONFIG = {
-    "stage1-epochs": 1, "stage2-epochs": 1, "replay1-epochs": 1, "replay2-epochs": 1,
+    "stage1-epochs": 1,
+    "stage2-epochs": 1,
+    "replay1-epochs": 1,
+    "replay2-epochs": 1,
     "replay2-epochs-per-task": 0,
-}  # fmt: skip
+}
 
 
 def starfed(*argv: str, log: Path, timeout: float = 120) -> tuple[int, str]:
@@ -58,8 +61,14 @@ def starfed(*argv: str, log: Path, timeout: float = 120) -> tuple[int, str]:
 def run_settings(*extra: str, timeout_s: int = 180) -> list[str]:
     """``run``/``resume`` options: one step, both sites, one epoch everywhere."""
     settings = [f"--run-config={k}={v}" for k, v in RUN_CONFIG.items()]
-    return [*settings, "--steps=1", "--min-sites=2", "--wait-s=120", f"--timeout-s={timeout_s}",
-            *extra]  # fmt: skip
+    return [
+        *settings,
+        "--steps=1",
+        "--min-sites=2",
+        "--wait-s=120",
+        f"--timeout-s={timeout_s}",
+        *extra,
+    ]
 
 
 @dataclass
@@ -84,11 +93,29 @@ class Deployment:
         env = {**os.environ, SITE_MARKER: name}
         with (self.root / f"{name}.log").open("ab") as output:
             self.sites[name] = subprocess.Popen(
-                [sys.executable, "-m", "starfed.cli", "site", "start", "--insecure", "--server",
-                 self.public, "--data", str(self.root / name), "--state",
-                 str(self.root / f"{name}-state"), "--name", name, "--device", "cpu"],
-                stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "starfed.cli",
+                    "site",
+                    "start",
+                    "--insecure",
+                    "--server",
+                    self.public,
+                    "--data",
+                    str(self.root / name),
+                    "--state",
+                    str(self.root / f"{name}-state"),
+                    "--name",
+                    name,
+                    "--device",
+                    "cpu",
+                ],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
 
     def site_processes(self, name: str) -> dict[ProcessId, str]:
         """Every live process of one site (its ``site start`` and all it started)."""
@@ -99,8 +126,11 @@ class Deployment:
         record = RunRecord.load(self.server.run_file)
         assert record is not None
         below = descendants(p.id for p in record.processes if p.name == "superexec")
-        return {p: cmd for p, cmd in marked(f"{MARKER}={self.root}").items()
-                if p in below and "flwr-serverapp" in cmd}  # fmt: skip
+        return {
+            p: cmd
+            for p, cmd in marked(f"{MARKER}={self.root}").items()
+            if p in below and "flwr-serverapp" in cmd
+        }
 
     def checkpoint(self) -> Checkpoint | None:
         """What the federation folder's ``codebook.bin`` says now (no torch)."""
@@ -132,8 +162,16 @@ def deployment(
         site_folder(root / name, tasks, train=8, test=3)
     deployed = Deployment(root, f"127.0.0.1:{free_port()}", root / "commands.log")
     try:
-        code, _ = starfed("server", "start", "--insecure", "--listen", deployed.public,
-                          "--internal-port", str(free_port()), log=deployed.log)  # fmt: skip
+        code, _ = starfed(
+            "server",
+            "start",
+            "--insecure",
+            "--listen",
+            deployed.public,
+            "--internal-port",
+            str(free_port()),
+            log=deployed.log,
+        )
         assert code == 0, deployed.log.read_text()
         for name in sites:
             deployed.start_site(name)

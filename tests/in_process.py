@@ -19,9 +19,15 @@ from starfed.simulations.local_grid import LocalGrid
 
 #: The smallest run config that exercises the protocol: tiny backbones, one epoch everywhere.
 TINY_RUN = {
-    "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
-    "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 5, "wait-s": 0.5,
-}  # fmt: skip
+    "preset": "tiny",
+    "seed": 1993,
+    "stage1-epochs": 1,
+    "stage2-epochs": 1,
+    "replay1-epochs": 1,
+    "replay2-epochs": 1,
+    "timeout-s": 5,
+    "wait-s": 0.5,
+}
 #: A grid file's [defaults] for the smallest cells: two tasks of two classes, one epoch each.
 SMALL_GRID_DEFAULTS = """
 [defaults]
@@ -55,10 +61,14 @@ def run_two_sites(root: Path, faults: dict | None = None, **config: object) -> d
     metrics."""
     config = {**TINY_RUN, **config, "federation-dir": str(root / "server" / "federation")}
     nodes = {
-        i + 1: {"data-dir": str(root / site), "state-dir": str(root / f"{site}-state"),
-                "site-name": site, "cache-dir": str(root / "cache")}
+        i + 1: {
+            "data-dir": str(root / site),
+            "state-dir": str(root / f"{site}-state"),
+            "site-name": site,
+            "cache-dir": str(root / "cache"),
+        }
         for i, site in enumerate(("farm-a", "farm-b"))
-    }  # fmt: skip
+    }
     grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
     grid.faults.update(faults or {})
     return run_grid(grid, config)

@@ -17,9 +17,11 @@ def site_folder(root: Path, tasks: dict[str, list[str]], train: int = 10, test: 
         for spec in classes:
             source, _, spelling = spec.partition("=")
             for split, n in (("train", train), ("test", test)):
-                target = root / task / (spelling or source) if split == "train" else (
-                    root / "test" / (spelling or source)
-                )  # fmt: skip
+                target = (
+                    root / task / (spelling or source)
+                    if split == "train"
+                    else (root / "test" / (spelling or source))
+                )
                 target.mkdir(parents=True, exist_ok=True)
                 for image in sorted((BUNDLED / split / source).iterdir())[:n]:
                     link = target / image.name

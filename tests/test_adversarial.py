@@ -160,8 +160,9 @@ def test_claimed_examples_are_capped_by_the_sync(folders, tmp_path, honest, coun
     assert_contained(metrics, honest)
     capped = findings(tmp_path, "capped")
     assert {(f.site, f.phase, f.name) for f in capped} == {
-        ("farm-m", "stage1", C0), ("farm-m", "stage2", C0)
-    }  # fmt: skip
+        ("farm-m", "stage1", C0),
+        ("farm-m", "stage2", C0),
+    }
     codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
     assert codebook[C0].count == 3 * 12  # the three sites' images, as reported at the sync
 
@@ -176,8 +177,9 @@ def test_a_claim_made_already_at_the_sync_is_bounded_by_max_class_share(
     assert_contained(metrics, honest)
     capped = findings(tmp_path, "capped")
     assert [(f.site, f.phase, f.name) for f in capped] == [
-        ("farm-m", "stage1", C0), ("farm-m", "stage2", C0)
-    ]  # fmt: skip
+        ("farm-m", "stage1", C0),
+        ("farm-m", "stage2", C0),
+    ]
     assert all("capped at 12 (max-class-share)" in f.reason for f in capped)
 
 
@@ -252,8 +254,9 @@ def test_a_resumed_step_keeps_the_screenings_findings_and_quarantine(
     assert_contained(resumed, honest)
     assert findings(crashed) == findings(tmp_path / "uninterrupted")
     assert {(f.site, f.action) for f in findings(crashed)} == {
-        ("farm-m", "rejected"), ("farm-m", "quarantined")
-    }  # fmt: skip
+        ("farm-m", "rejected"),
+        ("farm-m", "quarantined"),
+    }
     (record,) = Federation.open(crashed / "federation").history()
     assert record.quarantined == ("farm-m",)
     assert {e.phase for e in record.exchanges if e.site == "farm-m"} == {"sync"}
@@ -270,8 +273,9 @@ def test_rows_for_classes_not_reported_at_the_sync_are_rejected(folders, tmp_pat
     metrics = federate(folders, tmp_path, faults)
     assert_contained(metrics, honest)
     assert {(f.phase, f.name) for f in findings(tmp_path, "rejected")} == {
-        ("stage1", A1), ("stage2", A1)
-    }  # fmt: skip
+        ("stage1", A1),
+        ("stage2", A1),
+    }
     codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
     assert codebook[A1].count == 12
     assert metrics["classes"][A1]["sites"] == ["farm-a"]
@@ -405,8 +409,9 @@ def test_a_quarantine_that_persists_keeps_the_site_out_of_later_runs(tmp_path) -
     # its two classes rejected in stage 1 and in stage 2, quarantined at the third
     assert shown.steps[0].quarantined == ["farm-m"] and shown.steps[0].findings == 4
     assert {(f.site, f.action) for f in shown.findings} == {
-        ("farm-m", "rejected"), ("farm-m", "quarantined")
-    }  # fmt: skip
+        ("farm-m", "rejected"),
+        ("farm-m", "quarantined"),
+    }
     assert set(shown.to_json()["quarantine"]) == {"farm-m"}
     state = dashboard_state.build_state(status.Reading(shown), ServerFolder(tmp_path), [], [])
     html = dashboard_page.page(state, 5)

@@ -46,8 +46,12 @@ def federate(sites: dict[str, dict[str, list[str]]], tmp: Path, faults=None, **c
     nodes = {}
     for node, (name, tasks) in enumerate(sites.items(), start=1):
         site_folder(tmp / name, tasks, train=12, test=5)
-        nodes[node] = {"data-dir": str(tmp / name), "state-dir": str(tmp / f"{name}-state"),
-                       "site-name": name, "cache-dir": str(tmp / "cache")}  # fmt: skip
+        nodes[node] = {
+            "data-dir": str(tmp / name),
+            "state-dir": str(tmp / f"{name}-state"),
+            "site-name": name,
+            "cache-dir": str(tmp / "cache"),
+        }
     grid = LocalGrid(client_app.app, run_config, nodes, run_id=next(_run_ids))
     for message_type, fault in (faults or {}).items():
         grid.faults[(M, message_type)] = fault
@@ -199,13 +203,14 @@ def test_rows_for_a_frozen_class_are_a_finding(tmp_path, lone_honest) -> None:
             stolen.name = C0
 
     again = {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, C0]}}
-    metrics = federate(again, tmp_path, {"train.stage1": edit_update(add_frozen)},
-                       **{"max-steps": 2})  # fmt: skip
+    metrics = federate(
+        again, tmp_path, {"train.stage1": edit_update(add_frozen)}, **{"max-steps": 2}
+    )
     assert_contained(metrics, lone_honest)
     found = findings(tmp_path)
     assert [(f.site, f.phase, f.action, f.name) for f in found] == [
         ("farm-m", "stage1", "rejected", C0)
-    ]  # fmt: skip
+    ]
     assert "frozen" in found[0].reason
 
 
@@ -231,9 +236,15 @@ def test_a_site_with_most_rows_and_tiny_changes_does_not_get_the_others_rejected
     """farm-m's twelve prompts barely move (10⁻⁶ of its trained change, from the codebook it
     was sent): over rows, their median made every honest change look huge; over sites, farm-m
     has one vote of three."""
-    metrics = federate(MANY, tmp_path, {"train.stage1": barely_moved}, **{
-        "max-steps": 1, "quarantine-persists": True,
-    })  # fmt: skip
+    metrics = federate(
+        MANY,
+        tmp_path,
+        {"train.stage1": barely_moved},
+        **{
+            "max-steps": 1,
+            "quarantine-persists": True,
+        },
+    )
     assert_contained(metrics, many_honest)
     assert not [f for f in findings(tmp_path) if f.site != "farm-m"]
     assert not Federation.open(tmp_path / "federation").quarantine()

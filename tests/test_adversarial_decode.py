@@ -59,9 +59,12 @@ def test_a_reply_of_millions_of_empty_parts_is_rejected_before_it_is_parsed(
     tests = str(request.path.parent)
     result = subprocess.run(
         [sys.executable, "-c", PROBE, str(PARTS)],
-        capture_output=True, text=True, timeout=600, check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.getenv("PYTHONPATH", "")])},
-    )  # fmt: skip
+    )
     probes = [json.loads(line) for line in result.stdout.strip().splitlines()]
     assert [probe["kind"] for probe in probes] == ["entries", "metadata", "unknown"]
     for probe in probes:

@@ -128,9 +128,11 @@ def start_gateway(server, upstream, tmp_path) -> Iterator[Callable[..., tuple[in
             str(tmp_path / f"gateway-{port}.log"),
             *flags,
         ]
-        limit = None if files is None else (
-            lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
-        )  # fmt: skip
+        limit = (
+            None
+            if files is None
+            else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (files, files)))
+        )
         process = subprocess.Popen(command, preexec_fn=limit)
         started.append(process)
         deadline = time.monotonic() + 30
@@ -391,8 +393,9 @@ def _unfinished_handshakes(port: int, n: int) -> list[socket.socket]:
     header announcing a 512-byte ClientHello) and never finish it."""
     socks = []
     for i in range(n):
-        sock = socket.create_connection(("127.0.0.1", port), timeout=10,
-                                        source_address=(f"127.0.0.{2 + i % 4}", 0))  # fmt: skip
+        sock = socket.create_connection(
+            ("127.0.0.1", port), timeout=10, source_address=(f"127.0.0.{2 + i % 4}", 0)
+        )
         sock.sendall(b"\x16\x03\x01\x02\x00")
         socks.append(sock)
     return socks
@@ -416,8 +419,9 @@ def test_unfinished_tls_handshakes_are_bounded_per_address_in_all_and_in_time(
     site gets in (the attackers' 32 leave room in the 64 places) and the gateway's memory stays
     flat (asyncio gave each 60 s and 256 KiB)."""
     folder, key = server
-    port, pid = start_gateway("--max-handshakes", "64", "--max-handshakes-per-address", "8",
-                              "--handshake-timeout", "3")  # fmt: skip
+    port, pid = start_gateway(
+        "--max-handshakes", "64", "--max-handshakes-per-address", "8", "--handshake-timeout", "3"
+    )
     before = _rss_mib(pid)
     socks = _unfinished_handshakes(port, 300)
     assert _site_call(folder, key, port) < 3.0
@@ -440,8 +444,15 @@ def test_a_low_open_file_limit_lowers_the_limits_before_handles_run_out(
     fewer handshakes than asked and refuses the rest while it still has handles: asyncio never
     runs out of them accepting, and a site gets in."""
     folder, key = server
-    port, pid = start_gateway("--max-handshakes", "128", "--max-handshakes-per-address", "2",
-                              "--handshake-timeout", "6", files=400)  # fmt: skip
+    port, pid = start_gateway(
+        "--max-handshakes",
+        "128",
+        "--max-handshakes-per-address",
+        "2",
+        "--handshake-timeout",
+        "6",
+        files=400,
+    )
     socks = _unfinished_handshakes(port, 200)
     assert _site_call(folder, key, port) < 3.0
     assert Path(f"/proc/{pid}").exists()

@@ -49,11 +49,27 @@ def test_a_second_site_start_on_a_held_data_folder_is_refused(data: Path, tmp_pa
     holder = _holding(data, tmp_path / "state-a")
     try:
         started = subprocess.run(
-            [sys.executable, "-m", "starfed.cli", "site", "start", "--server", "127.0.0.1:9",
-             "--insecure", "--quiet", "--data", str(data), "--state", str(tmp_path / "state-b"),
-             "--name", "farm-b"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "starfed.cli",
+                "site",
+                "start",
+                "--server",
+                "127.0.0.1:9",
+                "--insecure",
+                "--quiet",
+                "--data",
+                str(data),
+                "--state",
+                str(tmp_path / "state-b"),
+                "--name",
+                "farm-b",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         holder.terminate()  # by its own PID
         holder.wait(15)

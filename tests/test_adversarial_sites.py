@@ -75,8 +75,9 @@ def test_a_relative_key_path_is_the_callers_and_a_missing_one_says_so(
 ) -> None:
     """``flwr`` runs in the Flower home: starfed hands it the key's absolute path."""
     calls: list[tuple[str, ...]] = []
-    monkeypatch.setattr(sites, "flwr_json",
-                        lambda folder, *args: calls.append(args) or {"node-id": 7})  # fmt: skip
+    monkeypatch.setattr(
+        sites, "flwr_json", lambda folder, *args: calls.append(args) or {"node-id": 7}
+    )
     pki.write_site_key(tmp_path / "hospital-a.key", "hospital-a")
     monkeypatch.chdir(tmp_path)
     sites.add(folder, "hospital-a", Path("hospital-a.pub"))
@@ -95,9 +96,17 @@ def _flower_registry(folder: ServerFolder, key: pki.SiteKey, node_id: int, statu
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     with engine.begin() as db:
-        db.execute(metadata.tables["node"].insert().values(
-            node_id=node_id, owner_aid="", owner_name="", status=status, public_key=pem,
-        ))  # fmt: skip
+        db.execute(
+            metadata.tables["node"]
+            .insert()
+            .values(
+                node_id=node_id,
+                owner_aid="",
+                owner_name="",
+                status=status,
+                public_key=pem,
+            )
+        )
     engine.dispose()
 
 

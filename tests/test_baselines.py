@@ -51,8 +51,13 @@ from starfed.simulations.methods import keys as keys_method
 from starfed.simulations.methods import starfed as federated
 
 TINY = {"num-tasks": 2, "classes-per-task": 2, "num-sites": 2}
-ONE_EPOCH = {"stage1-epochs": 1, "replay1-epochs": 1, "replay2-epochs": 1,
-             "replay2-epochs-per-task": 0, "stage2-epochs": 1}  # fmt: skip
+ONE_EPOCH = {
+    "stage1-epochs": 1,
+    "replay1-epochs": 1,
+    "replay2-epochs": 1,
+    "replay2-epochs-per-task": 0,
+    "stage2-epochs": 1,
+}
 SEED = 1993
 
 
@@ -65,14 +70,21 @@ def _in_range(matrix: list[list[float]]) -> bool:
 
 
 def test_the_baselines_are_registered() -> None:
-    for name in ("fedavg", "starfed-positional", "starfed-unmerged", "starfed-no-replay",
-                 "starfed-keys"):  # fmt: skip
+    for name in (
+        "fedavg",
+        "starfed-positional",
+        "starfed-unmerged",
+        "starfed-no-replay",
+        "starfed-keys",
+    ):
         assert callable(METHODS[name].load())
     strategies = {name: spec.strategy for name, spec in METHODS.items() if spec.strategy}
     assert strategies == {
-        "starfed-keys": "ClassifyWithKeys", "starfed-no-replay": "NoReplay",
-        "starfed-positional": "PositionalAveraging", "starfed-unmerged": "Unmerged",
-    }  # fmt: skip
+        "starfed-keys": "ClassifyWithKeys",
+        "starfed-no-replay": "NoReplay",
+        "starfed-positional": "PositionalAveraging",
+        "starfed-unmerged": "Unmerged",
+    }
     for name, spec in METHODS.items():
         if spec.strategy:
             loaded = METHODS[name].load()
@@ -90,8 +102,11 @@ def registry_faults(methods: Mapping[str, MethodSpec], package: str) -> list[str
     ``Strategy``, a ``run`` that is not there."""
     folder = Path(str(importlib.import_module(package).__file__)).parent
     listed = {spec.module for spec in methods.values()}
-    faults = [f"{path.stem}: not listed" for path in sorted(folder.glob("[!_]*.py"))
-              if path.stem not in listed]  # fmt: skip
+    faults = [
+        f"{path.stem}: not listed"
+        for path in sorted(folder.glob("[!_]*.py"))
+        if path.stem not in listed
+    ]
     for name, spec in methods.items():
         if not (folder / f"{spec.module}.py").is_file():
             faults.append(f"{name}: no module {spec.module}")
@@ -171,16 +186,23 @@ def test_positional_fedavg_dilutes_what_the_per_class_merge_keeps() -> None:
     dims = ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2)
     codebook = _codebook(dims)
     updates = [
-        ClientUpdate("f" * 64, dims, Phase.STAGE1, 1,
-                     [ClassEntry("a", 30, {"prompt": torch.ones(3)})]),
-        ClientUpdate("f" * 64, dims, Phase.STAGE1, 1,
-                     [ClassEntry("b", 10, {"prompt": torch.full((3,), 2.0)})]),
-    ]  # fmt: skip
+        ClientUpdate(
+            "f" * 64, dims, Phase.STAGE1, 1, [ClassEntry("a", 30, {"prompt": torch.ones(3)})]
+        ),
+        ClientUpdate(
+            "f" * 64,
+            dims,
+            Phase.STAGE1,
+            1,
+            [ClassEntry("b", 10, {"prompt": torch.full((3,), 2.0)})],
+        ),
+    ]
     strategy = positional.PositionalAveraging()
     by_position = strategy.aggregate_training(Phase.STAGE1, iter(updates), _state(codebook))
     assert Strategy().aggregate_training(Phase.STAGE1, iter(updates), _state(codebook)).names == [
-        "a", "b"
-    ]  # fmt: skip
+        "a",
+        "b",
+    ]
     per_class = merge_updates(codebook, updates)
     assert torch.allclose(per_class["a"].values["prompt"], torch.ones(3))
     assert torch.allclose(per_class["b"].values["prompt"], torch.full((3,), 2.0))
@@ -224,10 +246,11 @@ def test_unmerged_statistics_keep_every_sites_gaussians() -> None:
     generator = torch.Generator().manual_seed(0)
     first, second = _mixture(0.0, 30, generator), _mixture(10.0, 10, generator)
     updates = [
-        ClientUpdate("f" * 64, dims, Phase.STAGE1_STATS, 1,
-                     [ClassEntry("a", m.count, {"clip_mixture": m})])
+        ClientUpdate(
+            "f" * 64, dims, Phase.STAGE1_STATS, 1, [ClassEntry("a", m.count, {"clip_mixture": m})]
+        )
         for m in (first, second)
-    ]  # fmt: skip
+    ]
     strategy = unmerged.Unmerged()
     pooled_codebook = strategy.aggregate_statistics(
         Phase.STAGE1_STATS, iter(updates), _state(codebook)
@@ -249,8 +272,12 @@ def _head_entry(centre: float, generator: torch.Generator, frozen: bool = False)
         f.name: torch.zeros(f.shape(dims)) for f in schema.FIELDS if f.kind is schema.Kind.TENSOR
     }
     weight = torch.randn(5, generator=generator)
-    values.update(head_weight=weight, head_bias=torch.tensor(0.1),
-                  aligned_head_weight=weight + 1, aligned_head_bias=torch.tensor(0.0))  # fmt: skip
+    values.update(
+        head_weight=weight,
+        head_bias=torch.tensor(0.1),
+        aligned_head_weight=weight + 1,
+        aligned_head_bias=torch.tensor(0.0),
+    )
     means = centre + torch.randn(1, 5, generator=generator, dtype=torch.float64)
     ones = torch.ones(1, 5, dtype=torch.float64)
     values["vit_mixture"] = GaussianMixture(torch.ones(1, dtype=torch.float64), means, ones, 10)

@@ -91,8 +91,9 @@ def test_a_codebook_in_parts_is_held_only_after_the_last_part(
 ) -> None:
     plan = parts.plan(codebook)
     assert len(plan.parts) == len(codebook) >= 3
-    held = HeldCodebook(tmp_path / "codebook.bin", fingerprint=codebook.fingerprint,
-                        dims=codebook.dims)  # fmt: skip
+    held = HeldCodebook(
+        tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
+    )
     for index in range(len(plan.parts)):
         data = plan.encoded(index)
         assert len(data) <= small_parts
@@ -145,8 +146,9 @@ def test_a_part_out_of_order_of_another_codebook_or_garbled_drops_the_staging(
     newer = codebook.set_values({}, counts={codebook.names[0]: 99})
     plan, other = parts.plan(codebook), parts.plan(newer)
     count = len(plan.parts)
-    held = HeldCodebook(tmp_path / "codebook.bin", fingerprint=codebook.fingerprint,
-                        dims=codebook.dims)  # fmt: skip
+    held = HeldCodebook(
+        tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
+    )
     *good, (bad, index) = sent(plan, other)
     for data, i in good:
         assert held.stage(data, i, count, len(codebook)) is None
@@ -164,8 +166,9 @@ def test_parts_that_do_not_make_the_announced_codebook_are_not_held(
     """Every part good, but one more class announced than they hold: nothing is held, nothing
     is left behind, and a catch-up that announces the codebook as it is then succeeds."""
     plan = parts.plan(codebook)
-    held = HeldCodebook(tmp_path / "codebook.bin", fingerprint=codebook.fingerprint,
-                        dims=codebook.dims)  # fmt: skip
+    held = HeldCodebook(
+        tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
+    )
     with pytest.raises(CodebookError, match="the parts hold 5 classes, 6 announced"):
         for i in range(len(plan.parts)):
             held.stage(plan.encoded(i), i, len(plan.parts), len(codebook) + 1)
@@ -182,8 +185,9 @@ def test_a_class_sent_in_two_parts_is_refused_and_not_held(
     """Two parts carrying the same class, as many classes as announced: the assembled codebook
     is refused (its decoding finds the class twice), nothing is held or left behind."""
     plan = parts.plan(codebook)
-    held = HeldCodebook(tmp_path / "codebook.bin", fingerprint=codebook.fingerprint,
-                        dims=codebook.dims)  # fmt: skip
+    held = HeldCodebook(
+        tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
+    )
     assert held.stage(plan.encoded(0), 0, 2, 2) is None
     with pytest.raises(CodebookError, match="twice"):
         held.stage(plan.encoded(0), 1, 2, 2)
@@ -209,8 +213,12 @@ class GarblingGrid(LocalGrid):
 
     def _deliver(self, message):  # type: ignore[no-untyped-def]
         config = message.content["config"]
-        if (message.metadata.dst_node_id == 2 and CATCH_UP in config
-                and config[CATCH_UP][0] == 1 and not self.garbled):  # fmt: skip
+        if (
+            message.metadata.dst_node_id == 2
+            and CATCH_UP in config
+            and config[CATCH_UP][0] == 1
+            and not self.garbled
+        ):
             data = message.content["codebook"]["data"]
             message.content["codebook"]["data"] = data[: len(data) // 2]
             self.garbled += 1
@@ -220,11 +228,14 @@ class GarblingGrid(LocalGrid):
 def _run(tmp: Path, sites: dict[str, dict[str, list[str]]]) -> dict:
     config = {**TINY_RUN, "max-steps": 1, "federation-dir": str(tmp / "federation")}
     nodes = {
-        node: {"data-dir": str(site_folder(tmp / name, tasks, train=4, test=2)),
-               "state-dir": str(tmp / f"{name}-state"), "site-name": name,
-               "cache-dir": str(tmp / "cache")}
+        node: {
+            "data-dir": str(site_folder(tmp / name, tasks, train=4, test=2)),
+            "state-dir": str(tmp / f"{name}-state"),
+            "site-name": name,
+            "cache-dir": str(tmp / "cache"),
+        }
         for node, (name, tasks) in enumerate(sites.items(), start=1)
-    }  # fmt: skip
+    }
     grid = GarblingGrid(client_app.app, config, nodes, run_id=next(_run_ids))
     return run_grid(grid, config)
 

@@ -420,9 +420,12 @@ def test_update_round_trip_per_phase(codebook: Codebook, phase: Phase) -> None:
 
 def test_sync_may_name_new_classes(codebook: Codebook) -> None:
     sync = ClientUpdate(
-        codebook.fingerprint, codebook.dims, Phase.SYNC, 3,
+        codebook.fingerprint,
+        codebook.dims,
+        Phase.SYNC,
+        3,
         [ClassEntry("brand new", 3), ClassEntry("class_1", 4)],
-    )  # fmt: skip
+    )
     decoded = wire.decode_update(wire.encode(sync), against=codebook, phase=Phase.SYNC)
     assert [(e.name, e.count) for e in decoded.entries] == [("brand new", 3), ("class_1", 4)]
     assert decoded.base_version == 3  # the version the site holds

@@ -45,8 +45,9 @@ def test_the_writer_replaces_only_the_table_and_check_names_the_command(tmp_path
     path.write_text(stale)
     result = subprocess.run([*WRITE, str(path), "--check"], capture_output=True, text=True)
     assert result.returncode == 1 and path.read_text() == stale
-    assert result.stderr.strip().endswith(f"write it: python -m starfed.shared.config "
-                                          f"--write-pyproject {path}")  # fmt: skip
+    assert result.stderr.strip().endswith(
+        f"write it: python -m starfed.shared.config --write-pyproject {path}"
+    )
     assert subprocess.run([*WRITE, str(path)]).returncode == 0
     assert path.read_text() == text
 
@@ -107,8 +108,14 @@ def test_options_take_defaults_and_values_from_the_knobs(options: type[Options])
     follows it, with "" and 0 as None where a field is optional."""
     own = parse({}, "train-local")
     assert options.from_config(parse({}) | own) == options()
-    others = {"preset": "paper", "wire-dtype": "float16", "device": "cpu", "vit-tag": "augreg",
-              "replay-schedule": "bounded", "privacy-unit": "patient"}  # fmt: skip
+    others = {
+        "preset": "paper",
+        "wire-dtype": "float16",
+        "device": "cpu",
+        "vit-tag": "augreg",
+        "replay-schedule": "bounded",
+        "privacy-unit": "patient",
+    }
     changed: dict[str, object] = {}
     for key, knob in {**TABLES["run-config"], **TABLES["train-local"]}.items():
         if knob.kind is bool:
@@ -138,14 +145,28 @@ def test_optional_knobs_read_as_none() -> None:
 def test_train_config_keeps_the_reference_values() -> None:
     """TrainConfig feeds training: its defaults may not move (the knobs' and the others')."""
     assert dataclasses.asdict(TrainConfig()) == {
-        "batch_size": 128, "stage1_epochs": 5, "stage1_lr": 0.002, "lambda_op": 30.0,
-        "stage2_epochs": 5, "stage2_lr": 0.001, "lambda_oq": 5.0, "replay1_epochs": 10,
-        "replay1_lr": 0.01, "replay2_epochs": 10, "replay2_epochs_per_task": 5,
-        "replay2_lr": 0.001, "replay_samples": 256, "replay_batch_size": 128,
-        "replay_schedule": "auto", "replay1_steps": 25, "replay2_steps": 250,
-        "mixture_components": 5, "generative_replay": True, "confidence_modulation": True,
+        "batch_size": 128,
+        "stage1_epochs": 5,
+        "stage1_lr": 0.002,
+        "lambda_op": 30.0,
+        "stage2_epochs": 5,
+        "stage2_lr": 0.001,
+        "lambda_oq": 5.0,
+        "replay1_epochs": 10,
+        "replay1_lr": 0.01,
+        "replay2_epochs": 10,
+        "replay2_epochs_per_task": 5,
+        "replay2_lr": 0.001,
+        "replay_samples": 256,
+        "replay_batch_size": 128,
+        "replay_schedule": "auto",
+        "replay1_steps": 25,
+        "replay2_steps": 250,
+        "mixture_components": 5,
+        "generative_replay": True,
+        "confidence_modulation": True,
         "seed": 1993,
-    }  # fmt: skip
+    }
     changed = TrainConfig.from_config(parse({"stage1-epochs": 3, "replay2-epochs-per-task": 3}))
     assert changed.stage1_epochs == changed.replay2_epochs_per_task == 3
 
@@ -223,8 +244,10 @@ def test_a_retired_key_is_read_as_its_new_name_with_a_note(capsys) -> None:
         ("seed", 1),
     ]  # the same order
     assert capsys.readouterr().err == ""
-    assert all(new in TABLES["run-config"] and old not in TABLES["run-config"]
-               for old, new in RETIRED.items())  # fmt: skip
+    assert all(
+        new in TABLES["run-config"] and old not in TABLES["run-config"]
+        for old, new in RETIRED.items()
+    )
 
 
 def test_messages_name_what_the_user_typed() -> None:

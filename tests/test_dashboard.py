@@ -51,19 +51,31 @@ def _scores(accuracy: list[float], sites: dict[str, tuple[int, int]]) -> StepSco
     by_site = {
         s: {"images": n, "correct": c, "accuracy": 100 * c / n} for s, (n, c) in sites.items()
     }
-    classes = {f"class_{i}": {"images": 4, "correct": 3, "selection_hits": 4, "sites": 1}
-               for i in range(2 * len(accuracy))}  # fmt: skip
+    classes = {
+        f"class_{i}": {"images": 4, "correct": 3, "selection_hits": 4, "sites": 1}
+        for i in range(2 * len(accuracy))
+    }
     return StepScores(accuracy, accuracy, sum(accuracy) / len(accuracy), by_site, classes)
 
 
 def _exchanges(step: int, silent: str | None = None) -> tuple[Exchange, ...]:
     return tuple(
-        Exchange(step, phase, 0, node, site, down, *(
-            (0, "no reply") if site == silent and phase == "evaluate" else (up, "ok")))
-        for phase, down, up in (("sync", 10, 200), ("stage1", 40_000, 30_000),
-                                ("evaluate", 40_000, 900))
+        Exchange(
+            step,
+            phase,
+            0,
+            node,
+            site,
+            down,
+            *((0, "no reply") if site == silent and phase == "evaluate" else (up, "ok")),
+        )
+        for phase, down, up in (
+            ("sync", 10, 200),
+            ("stage1", 40_000, 30_000),
+            ("evaluate", 40_000, 900),
+        )
         for node, site in ((7, "farm-a"), (9, "farm-b"))
-    )  # fmt: skip
+    )
 
 
 def write_server_folder(root: Path) -> ServerFolder:
@@ -74,19 +86,31 @@ def write_server_folder(root: Path) -> ServerFolder:
     federation = Federation(folder.federation, FINGERPRINT, TINY_DIMS)
     codebook = random_codebook(n_classes=5)
     phases = (PhaseTime("sync", 0, 1.0), PhaseTime("stage1", 0, 30.0))
-    for step, (classes, brought, accuracy, silent) in enumerate((
-        (["class_0", "class_1"], {"class_0": ["farm-a"], "class_1": ["farm-b"]}, [62.5], None),
-        (["class_2", "class_3"], {"class_2": ["farm-a"], "class_3": ["farm-a"]}, [50.0, 75.0],
-         "farm-b"),
-    )):  # fmt: skip
+    for step, (classes, brought, accuracy, silent) in enumerate(
+        (
+            (["class_0", "class_1"], {"class_0": ["farm-a"], "class_1": ["farm-b"]}, [62.5], None),
+            (
+                ["class_2", "class_3"],
+                {"class_2": ["farm-a"], "class_3": ["farm-a"]},
+                [50.0, 75.0],
+                "farm-b",
+            ),
+        )
+    ):
         federation.begin_step(codebook)
         federation.register(classes, step, brought)
         record = StepRecord(
-            step, DEGRADED if silent else COMPLETED, T0 + 600 * step, 240.0,
-            classes=tuple(classes), sites=("farm-a", "farm-b"), phase_seconds=phases,
-            exchanges=_exchanges(step, silent), codebook_version=3 * (step + 1),
+            step,
+            DEGRADED if silent else COMPLETED,
+            T0 + 600 * step,
+            240.0,
+            classes=tuple(classes),
+            sites=("farm-a", "farm-b"),
+            phase_seconds=phases,
+            exchanges=_exchanges(step, silent),
+            codebook_version=3 * (step + 1),
             scores=_scores(accuracy, {"farm-a": (8, 6), "farm-b": (8, 4 + step)}),
-        )  # fmt: skip
+        )
         federation.end_step(record, codebook)
     federation.begin_step(codebook)
     federation.register(["class_4"], 2, {"class_4": ["farm-b"]})
@@ -180,10 +204,14 @@ def test_api_state_is_the_reading_that_status_prints(folder, capsys) -> None:
     assert {"success": True, **state["status"]} == printed
     assert state["running"]["step"] == 2 and state["running"]["phase"] == "stage1_stats"
     assert state["accuracy_matrix"] == [[62.5], [50.0, 75.0]]
-    assert state["site_accuracy"] == {"farm-a": {"0": 75.0, "1": 75.0},
-                                      "farm-b": {"0": 50.0, "1": 62.5}}  # fmt: skip
+    assert state["site_accuracy"] == {
+        "farm-a": {"0": 75.0, "1": 75.0},
+        "farm-b": {"0": 50.0, "1": 62.5},
+    }
     assert [(s["bytes_down"], s["bytes_up"]) for s in state["steps"]] == [
-        (160_020, 62_200), (160_020, 61_300)]  # fmt: skip
+        (160_020, 62_200),
+        (160_020, 61_300),
+    ]
     assert [r["code"] for r in state["refused"]] == ["2004"]
     assert [f["name"] for f in state["logs"]] == ["superlink.log"]
 
@@ -203,8 +231,7 @@ def test_a_class_one_site_brought_alone_is_marked_on_the_page_and_in_api_state(f
     assert marked == {"class_0", "class_2", "class_3", "class_4"}
     assert "farm-b (" in rows["class_1"] and "farm-a (" in rows["class_1"]
     state = client.get("/api/state").json()["status"]["classes"]
-    assert {c["name"]: c["single_site"] for c in state} == {
-        f"class_{i}": i != 1 for i in range(5)}  # fmt: skip
+    assert {c["name"]: c["single_site"] for c in state} == {f"class_{i}": i != 1 for i in range(5)}
 
 
 def test_names_from_the_folders_are_text_on_the_page_never_markup(folder) -> None:
@@ -246,24 +273,47 @@ def _append(path: Path, text: str) -> None:
 DAMAGE = {
     "a damaged history line": (
         lambda f: _append(f.federation / "history.jsonl", '{"step": 2, "sta\n'),
-        "history.jsonl: ", "classes-table", True),
+        "history.jsonl: ",
+        "classes-table",
+        True,
+    ),
     "a truncated codebook": (
-        lambda f: _truncate(f.federation / "codebook.bin"), "codebook.bin: ", "steps-table",
-        True),
+        lambda f: _truncate(f.federation / "codebook.bin"),
+        "codebook.bin: ",
+        "steps-table",
+        True,
+    ),
     "a missing registry": (
         lambda f: (f.federation / "registry.json").unlink(),
-        "registry.json: 5 class(es) of the codebook are not in it", "steps-table", True),
+        "registry.json: 5 class(es) of the codebook are not in it",
+        "steps-table",
+        True,
+    ),
     "a damaged metrics.json": (
-        lambda f: (f.federation / "metrics.json").write_text("{"), "metrics.json: ",
-        "steps-table", True),
+        lambda f: (f.federation / "metrics.json").write_text("{"),
+        "metrics.json: ",
+        "steps-table",
+        True,
+    ),
     "a damaged run.json": (
-        lambda f: f.run_file.write_text('{"boot_id": '), "run.json: ", "steps-table", True),
+        lambda f: f.run_file.write_text('{"boot_id": '),
+        "run.json: ",
+        "steps-table",
+        True,
+    ),
     "a damaged sites.json": (
-        lambda f: f.sites_file.write_text("["), "sites.json: ", "steps-table", False),
+        lambda f: f.sites_file.write_text("["),
+        "sites.json: ",
+        "steps-table",
+        False,
+    ),
     "a damaged federation.json": (
-        lambda f: _truncate(f.federation / "federation.json"), "federation.json is damaged",
-        "sites", True),
-}  # fmt: skip
+        lambda f: _truncate(f.federation / "federation.json"),
+        "federation.json is damaged",
+        "sites",
+        True,
+    ),
+}
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
@@ -308,9 +358,16 @@ def test_logs_are_served_from_the_logs_folder_only(folder) -> None:
     (folder.logs / "escape.log").symlink_to(folder.sites_file)
     (folder.logs / "sub").mkdir()
     (folder.logs / "sub" / "x.log").write_text("x")
-    for path in ("/logs/..%2Fsites.json", "/logs/%2E%2E%2Frun.json", "/logs/%2E%2E",
-                 "/logs/escape.log", "/logs/sub", "/logs/sub%2Fx.log", "/logs/nope.log",
-                 "/logs/%2Fetc%2Fpasswd"):  # fmt: skip
+    for path in (
+        "/logs/..%2Fsites.json",
+        "/logs/%2E%2E%2Frun.json",
+        "/logs/%2E%2E",
+        "/logs/escape.log",
+        "/logs/sub",
+        "/logs/sub%2Fx.log",
+        "/logs/nope.log",
+        "/logs/%2Fetc%2Fpasswd",
+    ):
         assert client.get(path).status_code == 404, path
     assert client.post("/logs/superlink.log").status_code == 405
     dashboard = Dashboard(folder, folder.federation, 5.0)  # what a browser would not send
@@ -382,9 +439,18 @@ def live_federation(tmp_path_factory, one_torch_thread) -> Path:
 
 
 def _chromium(url: str, profile: Path, *flags: str) -> subprocess.CompletedProcess:
-    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-               f"--user-data-dir={profile}", "--window-size=1280,2200",
-               "--virtual-time-budget=5000", *flags, url]  # fmt: skip
+    command = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,2200",
+        "--virtual-time-budget=5000",
+        *flags,
+        url,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
 
 
@@ -395,10 +461,24 @@ def test_the_dashboard_in_a_real_browser(live_federation, tmp_path) -> None:
     url = f"http://127.0.0.1:{port}/"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "starfed.cli", "server", "dashboard", "--dir",
-         str(live_federation), "--listen", f"127.0.0.1:{port}", "--refresh-s", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "starfed.cli",
+            "server",
+            "dashboard",
+            "--dir",
+            str(live_federation),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--refresh-s",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

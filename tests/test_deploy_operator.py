@@ -98,9 +98,12 @@ def test_every_action_that_runs_flwr_gives_the_same_result_from_a_checkout(
         calls = fake.calls(bin_dir)
         assert {call["cwd"] for call in calls} == {str(folder.flwr_home)}
         assert {tuple(call["argv"][:2]) for call in calls} >= {
-            ("supernode", "register"), ("supernode", "list"), ("supernode", "unregister"),
-            ("run", str(folder.app)), ("ls", "starfed"),
-        }  # fmt: skip
+            ("supernode", "register"),
+            ("supernode", "list"),
+            ("supernode", "unregister"),
+            ("run", str(folder.app)),
+            ("ls", "starfed"),
+        }
         (submitted,) = [call["argv"] for call in calls if call["argv"][0] == "run"]
         assert "--run-config" in submitted and 'site-names="42:farm-a"' in submitted, submitted
     assert results["checkout"] == results["plain"]
@@ -190,10 +193,13 @@ def test_last_seen_is_when_a_site_last_answered_not_when_its_step_ended(tmp_path
         Exchange(0, phase, 0, 8, "farm-b", 1, status="no reply") for phase, _ in phases[1:]
     ]
     record = StepRecord(
-        step=0, status="degraded", started=1000.0, wall_s=400.0,
+        step=0,
+        status="degraded",
+        started=1000.0,
+        wall_s=400.0,
         phase_seconds=tuple(PhaseTime(phase, 0, s) for phase, s in phases),
         exchanges=tuple(exchanges),
-    )  # fmt: skip
+    )
     fed.end_step(record, fed.codebook())
     seen = {
         row.name: row.last_seen for row in status.gather(ServerFolder.at(tmp_path), fed.root).sites

@@ -181,9 +181,16 @@ def test_site_start_records_its_processes_while_they_run(
     trying, its processes run, and we stop it as Ctrl-C would once they are recorded."""
     monkeypatch.setenv("FLWR_HOME", str(site["state"] / "unused-home"))  # never the user's
     options = site_options.prepare(
-        f"127.0.0.1:{processes.free_port()}", site["data"], ca=None, key=None,
-        state=site["state"], name="a", device="cpu", insecure=True, worker=False,
-    )  # fmt: skip
+        f"127.0.0.1:{processes.free_port()}",
+        site["data"],
+        ca=None,
+        key=None,
+        state=site["state"],
+        name="a",
+        device="cpu",
+        insecure=True,
+        worker=False,
+    )
     me = ProcessId.of(os.getpid())
     assert me is not None
     site["state"].mkdir()
@@ -212,9 +219,15 @@ def test_a_worker_that_dies_stops_site_start(site: dict, monkeypatch: pytest.Mon
     ``site start`` stops with one line saying so rather than failing every message."""
     monkeypatch.setenv("FLWR_HOME", str(site["state"] / "unused-home"))  # never the user's
     options = site_options.prepare(
-        f"127.0.0.1:{processes.free_port()}", site["data"], ca=None, key=None,
-        state=site["state"], name="a", device="cpu", insecure=True,
-    )  # fmt: skip
+        f"127.0.0.1:{processes.free_port()}",
+        site["data"],
+        ca=None,
+        key=None,
+        state=site["state"],
+        name="a",
+        device="cpu",
+        insecure=True,
+    )
 
     def started(record: ProcessRecord) -> None:
         [worker] = [p for p in record.processes if p.name == "worker"]
@@ -271,9 +284,25 @@ def test_a_worker_that_cannot_start_stops_site_start_with_its_error(
     (blocker / "sitecustomize.py").write_text(BLOCK_MODULE)
     env = {**os.environ, "PYTHONPATH": str(blocker), "FLWR_HOME": str(tmp_path / "flwr-home")}
     server = f"127.0.0.1:{processes.free_port()}"
-    command = [sys.executable, "-m", "starfed.cli", "site", "start", "--server", server,
-               "--insecure", "--data", str(site["data"]), "--state", str(site["state"]),
-               "--name", "a", "--device", "cpu", "--quiet"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "starfed.cli",
+        "site",
+        "start",
+        "--server",
+        server,
+        "--insecure",
+        "--data",
+        str(site["data"]),
+        "--state",
+        str(site["state"]),
+        "--name",
+        "a",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )

@@ -53,8 +53,10 @@ def finish(folder: Path, step: int) -> None:
     federation = Federation(folder, FINGERPRINT, TINY_DIMS)
     codebook = federation.codebook()
     generator = torch.Generator().manual_seed(100 + step)
-    heads = {name: {"aligned_head_weight": torch.randn(TINY_DIMS.d_vit, generator=generator)}
-             for name in codebook.names}  # fmt: skip
+    heads = {
+        name: {"aligned_head_weight": torch.randn(TINY_DIMS.d_vit, generator=generator)}
+        for name in codebook.names
+    }
     federation.checkpoint(codebook.set_values(heads, freeze=codebook.names), Position(step + 1))
 
 
@@ -179,8 +181,13 @@ def test_tls_is_checked_and_an_unreachable_service_leaves_the_copy(
     key, cert = make_server_cert(ca_key, ca_cert, ["fed.example.org"])
     (named / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     (named / "server.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (named / "server.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
+    (named / "server.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     elsewhere = serve(cert=named / "server.pem", key=named / "server.key")
     with pytest.raises(DistributionError) as err:
         fetch(elsewhere, tmp_path / "fresh", ca=named / "ca.pem")
@@ -213,8 +220,9 @@ def test_plain_text_only_on_loopback(folder, serve, tmp_path, capsys):
         distribution.check(distribution.ServeOptions(folder, "0.0.0.0:9095", insecure=True))
     address = serve(insecure=True, cert=None, key=None)
     assert fetch(address, tmp_path / "device", insecure=True).status == "full"
-    code = main(["server", "serve", "--federation", str(folder), "--listen", "192.0.2.1:9095",
-                 "--insecure"])  # fmt: skip
+    code = main(
+        ["server", "serve", "--federation", str(folder), "--listen", "192.0.2.1:9095", "--insecure"]
+    )
     assert code == 2
     assert capsys.readouterr().err == (
         "starfed server serve: error: --insecure serves codebooks in plain text: only on a "
@@ -225,8 +233,20 @@ def test_plain_text_only_on_loopback(folder, serve, tmp_path, capsys):
 @pytest.mark.e2e
 def test_serve_as_a_process_answers_and_stops_on_sigterm(folder, certs, tmp_path):
     port = processes.free_port()
-    command = [sys.executable, "-m", "starfed.cli", "server", "serve", "--json", "--dir",
-               certs.root, "--federation", folder, "--listen", f"127.0.0.1:{port}"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "starfed.cli",
+        "server",
+        "serve",
+        "--json",
+        "--dir",
+        certs.root,
+        "--federation",
+        folder,
+        "--listen",
+        f"127.0.0.1:{port}",
+    ]
     proc = processes.spawn([str(c) for c in command], env=dict(os.environ), cwd=tmp_path)
     pid = processes.ProcessId.of(proc.pid)
     try:

@@ -32,9 +32,15 @@ from starfed.shared.data.site_folder import class_key
 
 RUN_TIMEOUT_S = 420
 CONFIG = {
-    "stage1-epochs": 1, "stage2-epochs": 1, "replay1-epochs": 1, "replay2-epochs": 1,
-    "replay2-epochs-per-task": 0, "timeout-s": 120, "min-sites": 2, "wait-s": 90,
-}  # fmt: skip
+    "stage1-epochs": 1,
+    "stage2-epochs": 1,
+    "replay1-epochs": 1,
+    "replay2-epochs": 1,
+    "replay2-epochs-per-task": 0,
+    "timeout-s": 120,
+    "min-sites": 2,
+    "wait-s": 90,
+}
 
 
 def _bin(name: str) -> str:
@@ -42,8 +48,13 @@ def _bin(name: str) -> str:
 
 
 def _flwr(args: list[str], env: dict) -> dict:
-    out = subprocess.run([_bin("flwr"), *args, "--format", "json"], env=env, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [_bin("flwr"), *args, "--format", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     reply = json.loads(out.stdout[out.stdout.index("{") :])
     assert reply.get("success"), (out.stdout, out.stderr)
     return reply
@@ -92,8 +103,12 @@ def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> N
         f'[superlink]\ndefault = "e2e"\n\n[superlink.e2e]\naddress = "127.0.0.1:{port}"\n'
         "insecure = true\n"
     )
-    env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(home),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    env = {
+        **os.environ,
+        **FLOWER_ENV,
+        "FLWR_HOME": str(home),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     farm_a = site_folder(tmp_path / "farm-a", {"2026-03": CLASSES[0:2]})
     site_folder(tmp_path / "farm-b", {"2026-04": CLASSES[2:4]})
     federation = tmp_path / "federation"
@@ -105,27 +120,53 @@ def test_two_deployed_sites_and_a_federation_that_continues(tmp_path: Path) -> N
 
     def start(name: str, command: list[str]) -> None:
         with (logs / f"{name}.log").open("wb") as out:
-            processes.append(subprocess.Popen(command, env=env, stdout=out, stderr=out,
-                                              cwd=tmp_path, start_new_session=True))  # fmt: skip
+            processes.append(
+                subprocess.Popen(
+                    command, env=env, stdout=out, stderr=out, cwd=tmp_path, start_new_session=True
+                )
+            )
 
     try:
-        start("superlink", [_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                            "--port", str(port), "--database", str(tmp_path / "state.db"),
-                            "--disable-runtime-dependency-installation"])  # fmt: skip
+        start(
+            "superlink",
+            [
+                _bin("flower-superlink"),
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--database",
+                str(tmp_path / "state.db"),
+                "--disable-runtime-dependency-installation",
+            ],
+        )
         _wait_for_port(port)
         for name in ("farm-a", "farm-b"):
             state = tmp_path / f"{name}-state"
             socket_path = state / "worker.sock"
             state.mkdir()
-            start(f"{name}-worker", [sys.executable, "-m", "starfed.client.worker", "--socket",
-                                     str(socket_path)])  # fmt: skip
+            start(
+                f"{name}-worker",
+                [sys.executable, "-m", "starfed.client.worker", "--socket", str(socket_path)],
+            )
             node_config = (
                 f"data-dir='{tmp_path / name}' state-dir='{state}' site-name='{name}' "
                 f"cache-dir='{tmp_path / 'cache'}' worker-socket='{socket_path}'"
             )
-            start(name, [_bin("flower-supernode"), "--insecure", "--superlink",
-                         f"127.0.0.1:{port}", "--port", str(free_port()),
-                         "--node-config", node_config])  # fmt: skip
+            start(
+                name,
+                [
+                    _bin("flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    node_config,
+                ],
+            )
         project = Path(__file__).resolve().parent.parent  # `flwr run .` from a checkout
         first = _run(project, federation, env)
         site_folder(farm_a, {"2026-06": CLASSES[4:6]})  # a new task appears at farm-a

@@ -35,11 +35,18 @@ from starfed.shared.knob import ConfigError
 TIMEOUT_S = 170
 #: `starfed simulate` of the smallest scenario (add --sites, --tasks, the folders).
 SMALL = [
-    sys.executable, "-m", "starfed.cli", "simulate", "--classes-per-task=2", "--epochs=1",
-    "--run-config=replay1-epochs=1", "--run-config=replay2-epochs=1",
-    "--run-config=replay2-epochs-per-task=0", "--run-config=timeout-s=120",
+    sys.executable,
+    "-m",
+    "starfed.cli",
+    "simulate",
+    "--classes-per-task=2",
+    "--epochs=1",
+    "--run-config=replay1-epochs=1",
+    "--run-config=replay2-epochs=1",
+    "--run-config=replay2-epochs-per-task=0",
+    "--run-config=timeout-s=120",
     f"--timeout={TIMEOUT_S - 30}",
-]  # fmt: skip
+]
 
 
 @dataclass
@@ -169,8 +176,7 @@ def test_ctrl_c_stops_the_run_and_marks_its_folder(tmp_path: Path) -> None:
     results = tmp_path / "results"
     run_dir = results / "stopped"
     # Ten steps: on an idle machine the ServerApp must not finish them all before `flwr stop`.
-    command = [*SMALL, "--sites=2", "--tasks=10", f"--results-dir={results}",
-               "--run-name=stopped"]  # fmt: skip
+    command = [*SMALL, "--sites=2", "--tasks=10", f"--results-dir={results}", "--run-name=stopped"]
     env = dict(os.environ, STARFED_CACHE_DIR=str(tmp_path / "cache"))
     with watched(command, env, tmp_path / "simulate.log", run_dir / ".flwr") as run:
         deadline = time.monotonic() + TIMEOUT_S

@@ -53,8 +53,13 @@ def uninterrupted(data: Path, root: Path) -> Codebook:
     """The same step, never interrupted, on the local runtime (sites' data folders in
     ``data``, everything else in ``root``), with each site's ClientApp at the thread count of
     a site worker (this machine's default), as the deployment runs it."""
-    config = {"preset": "tiny", **RUN_CONFIG, "max-steps": 1, "min-sites": 2,
-              "federation-dir": str(root / "federation")}  # fmt: skip
+    config = {
+        "preset": "tiny",
+        **RUN_CONFIG,
+        "max-steps": 1,
+        "min-sites": 2,
+        "federation-dir": str(root / "federation"),
+    }
     nodes = {
         node: {
             "data-dir": str(data / name),
@@ -100,10 +105,11 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
         times["reference"] = time.monotonic()
         with deployed.log.open("ab") as err:
             interrupted = subprocess.Popen(
-                [sys.executable, "-m", "starfed.cli", "server", "run", *run_settings(),
-                 "--json"],
-                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+                [sys.executable, "-m", "starfed.cli", "server", "run", *run_settings(), "--json"],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+            )
         deployed.wait_for_checkpoint(after, timeout=RUN_TIMEOUT_S)
         serverapps = deployed.serverapps()
         assert len(serverapps) == 1, serverapps
@@ -128,8 +134,9 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
         assert interrupted.returncode == 1 and killed_run["metrics"] is None, out
         assert killed_run["flower_status"] == "finished:stopped", out
 
-        code, out = starfed("server", "resume", *run_settings(), log=deployed.log,
-                            timeout=RUN_TIMEOUT_S)  # fmt: skip
+        code, out = starfed(
+            "server", "resume", *run_settings(), log=deployed.log, timeout=RUN_TIMEOUT_S
+        )
         times["resumed"] = time.monotonic()
         (deployed.root / "resume.out").write_text(out)
         print(out)

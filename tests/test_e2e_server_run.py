@@ -51,8 +51,11 @@ def test_two_sites_two_runs_on_a_started_server(tmp_path, monkeypatch) -> None:
         metrics = second["metrics"]
         assert metrics["steps"] == 2 and len(metrics["steps_this_run"]) == 1
         # (a stage-1 reply without rows: two empty updates, stage 1's and its statistics')
-        trained = {e["site"] for e in metrics["exchanges"]
-                   if e["phase"] == "stage1" and e["bytes_up"] > 200}  # fmt: skip
+        trained = {
+            e["site"]
+            for e in metrics["exchanges"]
+            if e["phase"] == "stage1" and e["bytes_up"] > 200
+        }
         assert trained == {"farm-a"}  # only the new classes, which only farm-a holds
         assert {n for n, c in metrics["classes"].items() if c["step"] == 1} == set(CLASSES[4:6])
         assert set(metrics["site_accuracy"]) == {"farm-a", "farm-b"}

@@ -46,8 +46,10 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
         with deployed.log.open("ab") as err:
             first_round = subprocess.Popen(
                 [sys.executable, "-m", "starfed.cli", "server", "run", *SETTINGS],
-                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+                stdout=subprocess.PIPE,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+            )
         deployed.wait_for_checkpoint("sync/0", timeout=RUN_TIMEOUT_S)
         farm_b = deployed.site_processes("farm-b")
         assert any("flower-supernode" in command for command in farm_b.values()), farm_b
@@ -70,8 +72,7 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
         assert codebook.frozen == set(CLASSES[0:2])
 
         deployed.start_site("farm-b")  # the machine is back: same key, data and state
-        code, out = starfed("server", "run", *SETTINGS, log=deployed.log,
-                            timeout=RUN_TIMEOUT_S)  # fmt: skip
+        code, out = starfed("server", "run", *SETTINGS, log=deployed.log, timeout=RUN_TIMEOUT_S)
         second = json.loads(out)
         assert code == 0 and second["status"] == "completed", deployed.log.read_text()[-3000:]
         metrics = second["metrics"]
@@ -81,8 +82,11 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
             **dict.fromkeys(CLASSES[2:4], 1),
         }
         # (a stage-1 reply without rows: two empty updates, stage 1's and its statistics')
-        trained = {e["site"] for e in metrics["exchanges"]
-                   if e["phase"] == "stage1" and e["bytes_up"] > 200}  # fmt: skip
+        trained = {
+            e["site"]
+            for e in metrics["exchanges"]
+            if e["phase"] == "stage1" and e["bytes_up"] > 200
+        }
         assert trained == {"farm-b"}
         assert [len(row) for row in metrics["accuracy_matrix"]] == [1, 2]
 
@@ -91,5 +95,4 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
     assert codebook.names == expected and codebook.frozen == set(expected)
     (first_step, second_step) = Federation.open(deployed.federation).history()
     assert (first_step.status, second_step.status) == ("degraded", "completed")
-    print(f"site-lost e2e: degraded run {degraded_s:.0f}s, "
-          f"total {time.monotonic() - started:.0f}s")  # fmt: skip
+    print(f"site-lost e2e: degraded run {degraded_s:.0f}s, total {time.monotonic() - started:.0f}s")

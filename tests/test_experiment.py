@@ -58,8 +58,15 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 
 def test_shipped_grids_are_valid() -> None:
     shipped = grids.shipped_grids()
-    assert set(shipped) == {"default", "sites", "alpha", "arrival", "gap", "privacy",
-                            "privacy-patients"}  # fmt: skip
+    assert set(shipped) == {
+        "default",
+        "sites",
+        "alpha",
+        "arrival",
+        "gap",
+        "privacy",
+        "privacy-patients",
+    }
     default = grids.load("default")
     assert default.seeds == (1993, 1996, 1997)
     assert default.methods == (
@@ -82,8 +89,10 @@ def test_shipped_grids_are_valid() -> None:
     arrival = grids.load("arrival").scenarios
     assert [s.values["arrival-offset"] for s in arrival] == [0, 1]
     gap = {s.name: s.values for s in grids.load("gap").scenarios}
-    budgets = [(v["stage1-rounds"], v["stage1-epochs"], v["stage2-rounds"], v["stage2-epochs"])
-               for v in gap.values()]  # fmt: skip
+    budgets = [
+        (v["stage1-rounds"], v["stage1-epochs"], v["stage2-rounds"], v["stage2-epochs"])
+        for v in gap.values()
+    ]
     assert budgets == [(1, 5, 1, 5), (2, 5, 2, 5), (5, 1, 5, 1), (1, 10, 1, 10)]
     assert len(default.cells()) == 24 and len({c.name for c in default.cells()}) == 24
 
@@ -220,8 +229,12 @@ def test_a_grid_of_the_retired_site_key_loads_and_its_old_cells_are_complete(
     folder.mkdir()
     (folder / cells.METRICS_FILE).write_text(json.dumps({"final_average_accuracy": 50.0}))
     for count, complete in ((3, True), (4, False)):
-        before = {"scenario": "num-clients-3", "method": "starfed", "seed": 1,
-                  "run_config": {"num-clients": count}}  # fmt: skip
+        before = {
+            "scenario": "num-clients-3",
+            "method": "starfed",
+            "seed": 1,
+            "run_config": {"num-clients": count},
+        }
         (folder / cells.CELL_FILE).write_text(json.dumps({"definition": before, "seconds": 9.0}))
         outcome = cells.complete(folder, cell)
         assert (outcome is not None and outcome.status == "skipped") is complete, count

@@ -226,8 +226,9 @@ def test_a_damaged_codebook_makes_status_fail_and_repair_restores_it(
     assert code == 1 and status["success"] is False
     assert any(p.startswith("codebook.bin: ") and reason in p for p in status["problems"])
     code, out, _ = starfed(capsys, "server", "check", "--dir", server)
-    assert code == 1 and out.splitlines() == [f"codebook.bin: {reason}" + out.split(reason)[1]
-                                              .splitlines()[0]]  # fmt: skip
+    assert code == 1 and out.splitlines() == [
+        f"codebook.bin: {reason}" + out.split(reason)[1].splitlines()[0]
+    ]
     with pytest.raises(RunFailed, match=reason):
         run_two_sites(root)
     repaired(root, capsys)
@@ -405,8 +406,9 @@ def test_a_stale_lock_is_taken_over(root: Path) -> None:
     child.kill()
     child.wait()
     stale = folder_lock.Holder.me("server run 5")
-    stale = folder_lock.Holder(dead.pid, dead.started, stale.boot, stale.host, stale.what,
-                               stale.since)  # fmt: skip
+    stale = folder_lock.Holder(
+        dead.pid, dead.started, stale.boot, stale.host, stale.what, stale.since
+    )
     (folder(root) / folder_lock.LOCK_FILE).write_text(json.dumps(vars(stale)))
     assert "stale lock of server run 5" in checked(root).notes[0]
     next_task(root)
@@ -433,8 +435,11 @@ def test_a_half_closed_step_is_finished_by_the_next_run(root: Path) -> None:
 def test_a_missing_codebook_without_any_good_checkpoint_cannot_be_repaired(
     root: Path, capsys
 ) -> None:
-    for path in [folder(root) / CODEBOOK_FILE, folder(root) / "previous.bin",
-                 *(folder(root) / "checkpoints").iterdir()]:  # fmt: skip
+    for path in [
+        folder(root) / CODEBOOK_FILE,
+        folder(root) / "previous.bin",
+        *(folder(root) / "checkpoints").iterdir(),
+    ]:
         path.unlink()
     code, _, err = starfed(capsys, "server", "repair", "--dir", str(root / "server"))
     assert code == 1 and "no good codebook is left" in err
@@ -500,8 +505,9 @@ def test_the_operator_sees_a_clock_skew_refusal(tmp_path: Path, caplog, capsys) 
     folder.gateway_log.parent.mkdir(parents=True, exist_ok=True)
     line = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s").format(record)
     folder.gateway_log.write_text(line + "\n")
-    code, out, _ = starfed(capsys, "server", "sites", "refused", "--dir", str(folder.root),
-                           "--json")  # fmt: skip
+    code, out, _ = starfed(
+        capsys, "server", "sites", "refused", "--dir", str(folder.root), "--json"
+    )
     [refusal] = json.loads(out)["refused"]
     assert code == 0 and refusal["fingerprint"] == key.fingerprint
     assert refusal["code"] == "clock" and 29 <= refusal["offset_s"] <= 30.5

@@ -202,9 +202,18 @@ def test_the_history_is_step_records(fed):
     )
     exchange = Exchange(0, "sync", 0, 1, "farm-a", 10, 20)
     scores = StepScores([50.0], [25.0], 50.0, {"farm-a": {"images": 2}})
-    record = StepRecord(0, "completed", 1.0, 2.0, classes=("a",), sites=("farm-a",),
-                        phase_seconds=(PhaseTime("sync", 0, 0.5),), exchanges=(exchange,),
-                        codebook_version=3, scores=scores)  # fmt: skip
+    record = StepRecord(
+        0,
+        "completed",
+        1.0,
+        2.0,
+        classes=("a",),
+        sites=("farm-a",),
+        phase_seconds=(PhaseTime("sync", 0, 0.5),),
+        exchanges=(exchange,),
+        codebook_version=3,
+        scores=scores,
+    )
     history = folder.root / "history.jsonl"
     old = {"step": 1, "status": "failed", "reason": "r", "started": 3.0, "wall_s": 1.0}
     history.write_text(record.to_json() + "\n" + json.dumps(old) + "\n")
@@ -221,8 +230,10 @@ def test_a_steps_findings_are_kept_for_that_step_only(tmp_path: Path):
     repair sets it aside: tests/test_folder_repair.py)."""
     folder = FederationFolder(tmp_path, "f" * 64, ModelDims(d_txt=3, d_clip=4, d_vit=5, n_layers=2))
     assert folder.step_findings(0) == []
-    found = [Finding("farm-m", "stage1", 0, "rejected", "scaled", "a"),
-             Finding("farm-m", "stage2", 0, "quarantined", "3 findings in step 1")]  # fmt: skip
+    found = [
+        Finding("farm-m", "stage1", 0, "rejected", "scaled", "a"),
+        Finding("farm-m", "stage2", 0, "quarantined", "3 findings in step 1"),
+    ]
     folder.save_findings(0, found)
     assert folder.step_findings(0) == found and folder.step_findings(1) == []
     (tmp_path / STEP_FINDINGS_FILE).write_text('{"step": 0, "findings": [{"who": 1}]}')
@@ -346,8 +357,10 @@ def test_a_seeded_fraction_of_sites_trains_and_every_class_keeps_a_holder(fed):
     for phase in ("stage1/0", "stage2/0", "stage2_stats/0"):
         drawn = set(rounds[phase])
         assert 2 <= len(drawn) <= 4  # two drawn, plus holders of classes the draw missed
-        holders = {name: {f"farm-{'abcd'[i]}" for i in range(4) if name in CLASSES[i : i + 2]}
-                   for name in codebook.names}  # fmt: skip
+        holders = {
+            name: {f"farm-{'abcd'[i]}" for i in range(4) if name in CLASSES[i : i + 2]}
+            for name in codebook.names
+        }
         assert all(holders[name] & drawn for name in codebook.names)
     last = set(rounds["stage2_stats/0"])
     for name in codebook.names:  # each holder has 10 training images of each of its classes

@@ -38,15 +38,26 @@ _run_ids = itertools.count(9000)
 
 def federated_step(tmp: Path, device: str) -> tuple[dict, Codebook]:
     config = {
-        "preset": "tiny", "seed": 1993, "stage1-epochs": 1, "stage2-epochs": 1,
-        "replay1-epochs": 1, "replay2-epochs": 1, "timeout-s": 60, "wait-s": 0.5,
-        "device": device, "federation-dir": str(tmp / f"federation-{device}"),
-    }  # fmt: skip
+        "preset": "tiny",
+        "seed": 1993,
+        "stage1-epochs": 1,
+        "stage2-epochs": 1,
+        "replay1-epochs": 1,
+        "replay2-epochs": 1,
+        "timeout-s": 60,
+        "wait-s": 0.5,
+        "device": device,
+        "federation-dir": str(tmp / f"federation-{device}"),
+    }
     nodes = {}
     for node, (name, classes) in enumerate({"a": CLASSES[0:2], "b": CLASSES[2:4]}.items(), 1):
         data = site_folder(tmp / name, {"t1": classes})
-        nodes[node] = {"data-dir": str(data), "state-dir": str(tmp / f"{name}-{device}"),
-                       "site-name": name, "cache-dir": str(tmp / "cache")}  # fmt: skip
+        nodes[node] = {
+            "data-dir": str(data),
+            "state-dir": str(tmp / f"{name}-{device}"),
+            "site-name": name,
+            "cache-dir": str(tmp / "cache"),
+        }
     grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
     metrics = run_server(grid, config, grid.run_id)
     return metrics, wire.read_file(tmp / f"federation-{device}" / CODEBOOK_FILE)

@@ -59,8 +59,12 @@ def federation(tmp_path_factory) -> dict:
     nodes = {}
     for node, (site, classes) in enumerate((("farm-a", TRAINED[:2]), ("farm-b", TRAINED[2:])), 1):
         data = site_folder(tmp / site / "data", {"t1": classes})
-        nodes[node] = {"data-dir": str(data), "state-dir": str(tmp / site / "state"),
-                       "site-name": site, "cache-dir": str(tmp / "cache")}  # fmt: skip
+        nodes[node] = {
+            "data-dir": str(data),
+            "state-dir": str(tmp / site / "state"),
+            "site-name": site,
+            "cache-dir": str(tmp / "cache"),
+        }
     config = {
         **TINY_RUN,
         "federation-dir": str(tmp / "federation"),
@@ -116,16 +120,26 @@ def test_export_holds_what_devices_need_and_a_model_card(federation, exported, c
     assert card["backbones"]["config"] == "tiny"
     # steps are 1-based wherever users see them; the metadata above keeps the 0-based index
     assert {c["name"]: (c["step"], sorted(c["sites"])) for c in card["classes"]} == {
-        **{n: (1, ["farm-a"]) for n in TRAINED[:2]}, **{n: (1, ["farm-b"]) for n in TRAINED[2:]}
-    }  # fmt: skip
+        **{n: (1, ["farm-a"]) for n in TRAINED[:2]},
+        **{n: (1, ["farm-b"]) for n in TRAINED[2:]},
+    }
     assert card["metrics"]["final_average_accuracy"] == metrics["final_average_accuracy"]
     assert card["metrics"]["accuracy_matrix"] == metrics["accuracy_matrix"]
     assert card["left_out"] == [] and card["starfed_version"]
 
     # A value of what the federation finished: the same bytes again; float16 is half the size.
     again = exported.with_name("again.bin")
-    code, out, _ = starfed(capsys, "server", "export", "--federation", federation["dir"],
-                           "--out", again, "--float16", "--json")  # fmt: skip
+    code, out, _ = starfed(
+        capsys,
+        "server",
+        "export",
+        "--federation",
+        federation["dir"],
+        "--out",
+        again,
+        "--float16",
+        "--json",
+    )
     assert code == 0 and json.loads(out)["codebook"]["dtype"] == "float16"
     half = wire.read_file(again)
     assert again.stat().st_size < 0.6 * exported.stat().st_size
@@ -153,8 +167,10 @@ def test_a_step_in_progress_is_left_out_and_named(federation, exported, tmp_path
 def test_export_refuses_what_is_not_a_federation(tmp_path, capsys):
     code, out, err = starfed(capsys, "server", "export", "--federation", tmp_path)
     assert code == 2 and out == ""
-    assert err == f"starfed server export: error: {tmp_path} is not a federation folder (no " \
-        "federation.json)\n"  # fmt: skip
+    assert (
+        err == f"starfed server export: error: {tmp_path} is not a federation folder (no "
+        "federation.json)\n"
+    )
 
 
 # --- predict and evaluate ---------------------------------------------------------------------
@@ -162,8 +178,9 @@ def test_export_refuses_what_is_not_a_federation(tmp_path, capsys):
 
 def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tmp_path, capsys):
     server = federation["record"].server_eval
-    code, out, err = starfed(capsys, "predict", "--codebook", exported, "--batch-size", ONE_BATCH,
-                             federation["test"])  # fmt: skip
+    code, out, err = starfed(
+        capsys, "predict", "--codebook", exported, "--batch-size", ONE_BATCH, federation["test"]
+    )
     assert (code, err) == (0, "")
     rows = list(csv.DictReader(io.StringIO(out)))
     assert len(rows) == 20 * len(TRAINED)
@@ -172,8 +189,17 @@ def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tm
     assert all(0 < float(r["probability"]) <= 1 for r in rows)
 
     plot = tmp_path / "confusion.png"
-    code, out, _ = starfed(capsys, "evaluate", "--codebook", exported, "--data", federation["test"],
-                           "--plot", plot, "--json")  # fmt: skip
+    code, out, _ = starfed(
+        capsys,
+        "evaluate",
+        "--codebook",
+        exported,
+        "--data",
+        federation["test"],
+        "--plot",
+        plot,
+        "--json",
+    )
     result = json.loads(out)
     assert code == 0 and result["images"] == len(rows)
     assert result["accuracy"] == result["tasks"][0]["accuracy"] == server.accuracy[0]
@@ -190,8 +216,9 @@ def test_predict_and_evaluate_give_the_servers_accuracy(federation, exported, tm
         assert by_class[name]["correct"] == sum(r["class"] == name for r in mine)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    code, out, _ = starfed(capsys, "evaluate", "--codebook", exported, "--data", federation["test"],
-                           "--plot", plot)  # fmt: skip
+    code, out, _ = starfed(
+        capsys, "evaluate", "--codebook", exported, "--data", federation["test"], "--plot", plot
+    )
     assert code == 0 and f"accuracy {server.accuracy[0]:.2f}%" in out and str(plot) in out
 
 
@@ -200,15 +227,25 @@ def test_evaluate_leaves_out_classes_the_codebook_lacks(federation, exported, tm
     data.mkdir()
     for name in (TRAINED[0], CLASSES[9]):
         (data / name).symlink_to(BUNDLED / "test" / name)
-    code, out, _ = starfed(capsys, "evaluate", "--codebook", exported, "--data", data, "--plot",
-                           tmp_path / "c.png", "--json")  # fmt: skip
+    code, out, _ = starfed(
+        capsys,
+        "evaluate",
+        "--codebook",
+        exported,
+        "--data",
+        data,
+        "--plot",
+        tmp_path / "c.png",
+        "--json",
+    )
     result = json.loads(out)
     assert code == 0 and result["images"] == 20
     assert result["left_out"] == {class_key(CLASSES[9]): 20}
     assert [t["images"] for t in result["tasks"]] == [20]
     assert {c["name"]: c["accuracy"] is None for c in result["classes"]}[TRAINED[1]]
-    code, out, _ = starfed(capsys, "evaluate", "--codebook", exported, "--data", data, "--plot",
-                           tmp_path / "c.png")  # fmt: skip
+    code, out, _ = starfed(
+        capsys, "evaluate", "--codebook", exported, "--data", data, "--plot", tmp_path / "c.png"
+    )
     assert code == 0 and "codebook v" in out and " on " in out and ": 20 images · " in out
     assert f"left out: 20 images of 1 class the codebook lacks ({class_key(CLASSES[9])})" in out
 
@@ -217,8 +254,9 @@ def test_predict_json_and_one_warning_per_unreadable_image(exported, tmp_path, c
     images = [str(sorted((BUNDLED / "test" / name).iterdir())[0]) for name in TRAINED[:2]]
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(b"not an image at all")
-    code, out, err = starfed(capsys, "predict", "--codebook", exported, "--format", "json",
-                             images[0], broken, images[1])  # fmt: skip
+    code, out, err = starfed(
+        capsys, "predict", "--codebook", exported, "--format", "json", images[0], broken, images[1]
+    )
     assert code == 0
     assert err == f"starfed predict: warning: cannot read {broken}: skipped\n"
     result = json.loads(out)
@@ -244,8 +282,17 @@ def test_evaluate_warns_of_an_unreadable_image_as_predict_does(exported, tmp_pat
     broken.write_bytes(b"not an image at all")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no Python warning reaches the user
-        code, out, err = starfed(capsys, "evaluate", "--codebook", exported, "--data", data,
-                                 "--plot", tmp_path / "c.png", "--json")  # fmt: skip
+        code, out, err = starfed(
+            capsys,
+            "evaluate",
+            "--codebook",
+            exported,
+            "--data",
+            data,
+            "--plot",
+            tmp_path / "c.png",
+            "--json",
+        )
     assert code == 0
     assert err == f"starfed evaluate: warning: cannot read {broken}: skipped\n"
     result = json.loads(out)
@@ -270,13 +317,17 @@ def test_a_codebook_of_other_backbones_is_one_line_and_exit_2(exported, tmp_path
 def test_predict_input_errors_are_one_line_and_exit_2(exported, tmp_path, capsys):
     for argv, message in (
         ([tmp_path / "x.jpg"], "give either --codebook FILE or --from HOST:PORT"),
-        (["--codebook", exported, tmp_path / "x.jpg"], f"{tmp_path / 'x.jpg'}: no such file or "
-         "folder"),
-        (["--codebook", exported, "--from", "h:1", tmp_path], "give either --codebook FILE or "
-         "--from HOST:PORT"),
+        (
+            ["--codebook", exported, tmp_path / "x.jpg"],
+            f"{tmp_path / 'x.jpg'}: no such file or folder",
+        ),
+        (
+            ["--codebook", exported, "--from", "h:1", tmp_path],
+            "give either --codebook FILE or --from HOST:PORT",
+        ),
         (["--from", "h:1", tmp_path], "--from needs --ca (the federation's ca.pem)"),
         (["--from", "h", "--insecure", BUNDLED / "test"], "--from: expected HOST:PORT, got 'h'"),
-    ):  # fmt: skip
+    ):
         code, out, err = starfed(capsys, "predict", *argv)
         assert (code, out, err) == (2, "", f"starfed predict: error: {message}\n")
 

@@ -89,10 +89,16 @@ def test_the_metrics_are_what_the_written_codebook_scores(local_run, monkeypatch
         scores = evaluation.scores
         accuracy = 100 * int(scores.correct.sum()) / int(scores.images.sum())
         assert accuracy == pytest.approx(metrics["site_accuracy"][site]), site
-        pooled = scores if pooled is None else ClassScores(*(
-            getattr(pooled, f.name) + getattr(scores, f.name)
-            for f in dataclasses.fields(ClassScores)
-        ))  # fmt: skip
+        pooled = (
+            scores
+            if pooled is None
+            else ClassScores(
+                *(
+                    getattr(pooled, f.name) + getattr(scores, f.name)
+                    for f in dataclasses.fields(ClassScores)
+                )
+            )
+        )
     assert pooled is not None
     group = torch.tensor([evaluation.steps[name] for name in evaluation.names])
     by_task = group_scores(pooled, group, metrics["steps"])

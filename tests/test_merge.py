@@ -206,8 +206,9 @@ def test_no_updates_only_bumps_the_version(codebook: Codebook) -> None:
 def mixture_update(codebook: Codebook, mixtures: dict[str, GaussianMixture]) -> ClientUpdate:
     """A stage-1 statistics update carrying ``mixtures`` (class -> G_c), counts from them."""
     entries = [ClassEntry(name, m.count, {"clip_mixture": m}) for name, m in mixtures.items()]
-    return ClientUpdate(codebook.fingerprint, codebook.dims, Phase.STAGE1_STATS,
-                        codebook.version, entries)  # fmt: skip
+    return ClientUpdate(
+        codebook.fingerprint, codebook.dims, Phase.STAGE1_STATS, codebook.version, entries
+    )
 
 
 def random_site_mixtures(

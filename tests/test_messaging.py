@@ -66,12 +66,14 @@ def test_failed_and_missing_replies_are_recorded_and_logged_by_site_name(
     [
         ("Error: Message Unavailable - expired", "Message Unavailable - expired"),
         ("ERROR:  boom", "boom"),
-        ("Traceback ...\n  File x\nValueError: bad\nException Message: it broke", "Exception "
-         "Message: it broke"),
+        (
+            "Traceback ...\n  File x\nValueError: bad\nException Message: it broke",
+            "Exception Message: it broke",
+        ),
         ("an error: inside", "an error: inside"),
         (None, ""),
     ],
-)  # fmt: skip
+)
 def test_short_reason_is_the_informative_line_without_an_error_prefix(
     reason: str | None, short: str
 ) -> None:

@@ -91,8 +91,13 @@ def test_negative_forgetting_says_what_it_means_and_where() -> None:
 
 
 def test_run_summary_line() -> None:
-    metrics = {"status": "completed", "steps": 1, "final_average_accuracy": 41.67,
-               "final_forgetting": -2.5, "wall_time_s": 59}  # fmt: skip
+    metrics = {
+        "status": "completed",
+        "steps": 1,
+        "final_average_accuracy": 41.67,
+        "final_forgetting": -2.5,
+        "wall_time_s": 59,
+    }
     line = summarize(metrics)
     assert line.startswith("completed · 1 step · FAA 41.67% · forgetting -2.50 (negative:")
     assert line.endswith(" · server wall 59s")

@@ -80,14 +80,26 @@ def small_root(root: Path, classes: list[str]) -> Path:
 def one_step_config(tmp_path: Path, device: str, run_name: str) -> dict:
     """One step of two sites at paper dims, every epoch count 1 (results in ``run_name``)."""
     return {
-        "preset": "paper-random", "device": device, "seed": 1993,
+        "preset": "paper-random",
+        "device": device,
+        "seed": 1993,
         "data-root": str(small_root(tmp_path / "data", CLASSES[:4])),
-        "num-sites": 2, "num-tasks": 2, "classes-per-task": 2, "alpha": 1000.0,
-        "max-steps": 1, "batch-size": 4, "stage1-epochs": 1, "stage2-epochs": 1,
-        "replay1-epochs": 1, "replay2-epochs": 1, "replay2-epochs-per-task": 0,
-        "timeout-s": 1800, "wait-s": 1, "results-dir": str(tmp_path / "results"),
+        "num-sites": 2,
+        "num-tasks": 2,
+        "classes-per-task": 2,
+        "alpha": 1000.0,
+        "max-steps": 1,
+        "batch-size": 4,
+        "stage1-epochs": 1,
+        "stage2-epochs": 1,
+        "replay1-epochs": 1,
+        "replay2-epochs": 1,
+        "replay2-epochs-per-task": 0,
+        "timeout-s": 1800,
+        "wait-s": 1,
+        "results-dir": str(tmp_path / "results"),
         "run-name": run_name,
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.slow
@@ -122,8 +134,20 @@ def test_one_federated_step_at_paper_dims_on_the_cpu(tmp_path: Path, monkeypatch
         assert main(["server", "export", "--federation", str(run), "--out", str(exported)]) == 0
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["predict", "--codebook", str(exported), "--preset", "paper-random",
-                     "--device", "cpu", "--format", "json", *images])  # fmt: skip
+        code = main(
+            [
+                "predict",
+                "--codebook",
+                str(exported),
+                "--preset",
+                "paper-random",
+                "--device",
+                "cpu",
+                "--format",
+                "json",
+                *images,
+            ]
+        )
     assert code == 0
     predictions = json.loads(printed.getvalue())["predictions"]
     assert len(predictions) == len(images) == 4 * TEST_IMAGES

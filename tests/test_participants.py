@@ -23,8 +23,9 @@ def _participants(first_node: int) -> Participants:
 
 
 def test_sample_is_a_seeded_share_by_site_name_with_every_class_held() -> None:
-    protocol = replace(ProtocolOptions.from_config(parse({})), fraction_train=0.2,
-                       min_train_sites=1)  # fmt: skip
+    protocol = replace(
+        ProtocolOptions.from_config(parse({})), fraction_train=0.2, min_train_sites=1
+    )
     one, other = _participants(100), _participants(7000)
     for round_index in range(4):
         chosen = one.sample(Phase.STAGE1, 3, round_index, ("Common", "Rare"), protocol, 1993)

@@ -108,10 +108,12 @@ def test_released_gaussian_noise_has_the_calibrated_scale():
     n, dim, radius, z = 50, 16, 2.0, 1.5
     features = torch.zeros(n, dim)
     rng = np.random.default_rng(0)
-    means = torch.stack([
-        private_gaussian(features, torch.zeros(dim), radius, n, z, rng).means[0]
-        for _ in range(400)
-    ])  # fmt: skip
+    means = torch.stack(
+        [
+            private_gaussian(features, torch.zeros(dim), radius, n, z, rng).means[0]
+            for _ in range(400)
+        ]
+    )
     expected = z * MOMENTS_SENSITIVITY * radius / n
     assert means.std().item() == pytest.approx(expected, rel=0.05)
 
@@ -180,8 +182,9 @@ def test_setting_comes_from_the_node_before_the_run():
 
 
 def test_site_start_puts_its_own_target_in_the_node_config(tmp_path):
-    options = SiteOptions("127.0.0.1:9092", tmp_path, tmp_path / "state", "clinic",
-                          privacy=(2.0, 1e-6))  # fmt: skip
+    options = SiteOptions(
+        "127.0.0.1:9092", tmp_path, tmp_path / "state", "clinic", privacy=(2.0, 1e-6)
+    )
     node = parse(options.node_config(), "node-config")
     own = PrivacySetting.of(parse({}), node)
     assert (own.epsilon, own.delta) == (2.0, 1e-6)
@@ -257,11 +260,19 @@ def test_site_at_its_budget_refuses_and_the_federation_goes_on(cache_dir, tmp_pa
     metrics, run_dir = run(cache_dir, tmp_path, exhaust)
     assert metrics["status"] == "completed", metrics["reason"]
     assert metrics["steps"] == 2
-    refused = {(e["phase"], e["status"].split(":")[0]) for e in metrics["exchanges"]
-               if e["site"] == "site-0"}  # fmt: skip
+    refused = {
+        (e["phase"], e["status"].split(":")[0])
+        for e in metrics["exchanges"]
+        if e["site"] == "site-0"
+    }
     # the stage-1 statistics travel with stage 1's message: one exchange refuses both
-    assert refused == {("sync", "ok"), ("evaluate", "ok"), ("stage1", "refused"),
-                       ("stage2", "refused"), ("stage2_stats", "refused")}  # fmt: skip
+    assert refused == {
+        ("sync", "ok"),
+        ("evaluate", "ok"),
+        ("stage1", "refused"),
+        ("stage2", "refused"),
+        ("stage2_stats", "refused"),
+    }
     assert all(
         "privacy budget exhausted" in e["status"]
         for e in metrics["exchanges"]

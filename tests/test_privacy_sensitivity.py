@@ -287,8 +287,14 @@ def test_the_run_config_cannot_make_a_patient_site_per_image():
     patient_run = parse({"privacy-epsilon": 4.0, "privacy-unit": "patient"})
     assert PrivacySetting.of(patient_run, parse({}, "node-config")).unit is PrivacyUnit.PATIENT
     assert PrivacySetting.of(run, parse({}, "node-config")).unit is PrivacyUnit.IMAGE
-    options = SiteOptions("127.0.0.1:9092", Path("d"), Path("s"), "clinic", privacy=(4.0, 1e-6),
-                          privacy_unit="patient")  # fmt: skip
+    options = SiteOptions(
+        "127.0.0.1:9092",
+        Path("d"),
+        Path("s"),
+        "clinic",
+        privacy=(4.0, 1e-6),
+        privacy_unit="patient",
+    )
     assert PrivacySetting.of(run, parse(options.node_config(), "node-config")).unit is (
         PrivacyUnit.PATIENT
     )

@@ -688,10 +688,13 @@ def test_clients_in_different_tasks(cache_dir, tmp_path):
     # Which task each site was on: site 2 saw nothing at step 0 and only finished tasks later.
     tasks = {(s, n): recorded.syncs[(s, n)].metadata["task"] for s in range(3) for n in (1, 2)}
     assert tasks == {
-        (0, 1): "task-00", (0, 2): "",
-        (1, 1): "task-01", (1, 2): "",
-        (2, 1): "", (2, 2): "",
-    }  # fmt: skip
+        (0, 1): "task-00",
+        (0, 2): "",
+        (1, 1): "task-01",
+        (1, 2): "",
+        (2, 1): "",
+        (2, 2): "",
+    }
     assert metrics["steps"] == 2 and metrics["status"] == "completed"
     assert list(metrics["classes"]) == task_classes[0] + task_classes[1]
     assert {name: c["step"] for name, c in metrics["classes"].items()} == {

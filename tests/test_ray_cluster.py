@@ -40,11 +40,19 @@ pytestmark = [
 TIMEOUT_S = 600
 CLUSTER_CPUS = 2
 SMALL = [
-    sys.executable, "-m", "starfed.cli", "simulate", "--classes-per-task=2", "--epochs=1",
-    "--run-config=replay1-epochs=1", "--run-config=replay2-epochs=1",
-    "--run-config=replay2-epochs-per-task=0", "--sites=2", "--tasks=2",
+    sys.executable,
+    "-m",
+    "starfed.cli",
+    "simulate",
+    "--classes-per-task=2",
+    "--epochs=1",
+    "--run-config=replay1-epochs=1",
+    "--run-config=replay2-epochs=1",
+    "--run-config=replay2-epochs-per-task=0",
+    "--sites=2",
+    "--tasks=2",
     f"--timeout={TIMEOUT_S - 60}",
-]  # fmt: skip
+]
 
 
 def _ray() -> str:
@@ -70,13 +78,25 @@ def cluster() -> Iterator[Cluster]:
     sampler = ProcessSampler(marker)
     sampler.start()
     head = subprocess.Popen(
-        [_ray(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-         f"--num-cpus={CLUSTER_CPUS}", "--num-gpus=0", "--include-dashboard=false",
-         f"--dashboard-port={processes.free_port()}",
-         f"--ray-client-server-port={processes.free_port()}",
-         "--disable-usage-stats", f"--temp-dir={ray_temp}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            _ray(),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            f"--num-cpus={CLUSTER_CPUS}",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            f"--dashboard-port={processes.free_port()}",
+            f"--ray-client-server-port={processes.free_port()}",
+            "--disable-usage-stats",
+            f"--temp-dir={ray_temp}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 120
         while not any("raylet" in command for command in sampler.seen.values()):
@@ -127,12 +147,14 @@ def _actors(cluster: Cluster, before: set[ProcessId], flwr_home: Path) -> list[s
     The sampler may see a short-lived ``setup_worker`` or not, so either counts."""
     app = str(flwr_home / "apps")
     return [
-        command for process, command in cluster.processes.seen.items()
-        if process not in before and (
+        command
+        for process, command in cluster.processes.seen.items()
+        if process not in before
+        and (
             app in command
             or ("default_worker.py" in command and "--runtime-env-hash=0" not in command)
         )
-    ]  # fmt: skip
+    ]
 
 
 def _own_ray(run: ProcessSampler) -> bool:
@@ -180,10 +202,16 @@ def test_experiment_runs_its_flower_cells_on_an_existing_ray_cluster(
     grid.write_text(GRID)
     cell = results / "ray" / "two-sites__starfed__seed1993"
     command = [
-        sys.executable, "-m", "starfed.cli", "experiment", str(grid), "--runtime=flower",
-        f"--ray-address={cluster.address}", f"--results-dir={results}",
+        sys.executable,
+        "-m",
+        "starfed.cli",
+        "experiment",
+        str(grid),
+        "--runtime=flower",
+        f"--ray-address={cluster.address}",
+        f"--results-dir={results}",
         f"--timeout={TIMEOUT_S - 60}",
-    ]  # fmt: skip
+    ]
     before = set(cluster.processes.seen)
     run = _run(command, tmp_path, cell / ".flwr", tmp_path / "experiment.log")
     summary = json.loads((results / "ray" / "summary.json").read_text())

@@ -24,36 +24,103 @@ from starfed.server.records import (
 )
 
 #: A history line as the federation wrote it when statuses and phase rounds were text.
-OLD_LINE = json.dumps({
-    "step": 1, "status": "degraded", "started": 1000.0, "wall_s": 12.5, "attempt": 0,
-    "reason": "", "classes": ["c1"], "sites": ["farm-a", "farm-b"],
-    "phase_seconds": [{"phase": "sync", "round": 0, "seconds": 1.0}],
-    "exchanges": [
-        {"step": 1, "phase": "sync", "round": 0, "node_id": 7, "site": "farm-a",
-         "bytes_down": 10, "bytes_up": 20, "status": "ok", "epsilon": None},
-        {"step": 1, "phase": "stage1", "round": 0, "node_id": 8, "site": "farm-b",
-         "bytes_down": 10, "bytes_up": 0, "status": "no reply", "epsilon": None},
-        {"step": 1, "phase": "stage2", "round": 0, "node_id": 7, "site": "farm-a",
-         "bytes_down": 10, "bytes_up": 0, "status": "error: Node Unavailable: gone",
-         "epsilon": None},
-        {"step": 1, "phase": "stage1_stats", "round": 0, "node_id": 9, "site": "farm-c",
-         "bytes_down": 10, "bytes_up": 5, "status": "rejected: malformed reply (x)",
-         "epsilon": None},
-        {"step": 1, "phase": "stage2_stats", "round": 0, "node_id": 10, "site": "farm-d",
-         "bytes_down": 10, "bytes_up": 5,
-         "status": "refused: privacy budget exhausted for c1", "epsilon": 2.5},
-        {"step": 1, "phase": "evaluate", "round": 0, "node_id": 7, "site": "farm-a",
-         "bytes_down": 10, "bytes_up": 0, "status": "error: ", "epsilon": None},
-    ],
-    "codebook_version": 3, "findings": [], "quarantined": [],
-})  # fmt: skip
+OLD_LINE = json.dumps(
+    {
+        "step": 1,
+        "status": "degraded",
+        "started": 1000.0,
+        "wall_s": 12.5,
+        "attempt": 0,
+        "reason": "",
+        "classes": ["c1"],
+        "sites": ["farm-a", "farm-b"],
+        "phase_seconds": [{"phase": "sync", "round": 0, "seconds": 1.0}],
+        "exchanges": [
+            {
+                "step": 1,
+                "phase": "sync",
+                "round": 0,
+                "node_id": 7,
+                "site": "farm-a",
+                "bytes_down": 10,
+                "bytes_up": 20,
+                "status": "ok",
+                "epsilon": None,
+            },
+            {
+                "step": 1,
+                "phase": "stage1",
+                "round": 0,
+                "node_id": 8,
+                "site": "farm-b",
+                "bytes_down": 10,
+                "bytes_up": 0,
+                "status": "no reply",
+                "epsilon": None,
+            },
+            {
+                "step": 1,
+                "phase": "stage2",
+                "round": 0,
+                "node_id": 7,
+                "site": "farm-a",
+                "bytes_down": 10,
+                "bytes_up": 0,
+                "status": "error: Node Unavailable: gone",
+                "epsilon": None,
+            },
+            {
+                "step": 1,
+                "phase": "stage1_stats",
+                "round": 0,
+                "node_id": 9,
+                "site": "farm-c",
+                "bytes_down": 10,
+                "bytes_up": 5,
+                "status": "rejected: malformed reply (x)",
+                "epsilon": None,
+            },
+            {
+                "step": 1,
+                "phase": "stage2_stats",
+                "round": 0,
+                "node_id": 10,
+                "site": "farm-d",
+                "bytes_down": 10,
+                "bytes_up": 5,
+                "status": "refused: privacy budget exhausted for c1",
+                "epsilon": 2.5,
+            },
+            {
+                "step": 1,
+                "phase": "evaluate",
+                "round": 0,
+                "node_id": 7,
+                "site": "farm-a",
+                "bytes_down": 10,
+                "bytes_up": 0,
+                "status": "error: ",
+                "epsilon": None,
+            },
+        ],
+        "codebook_version": 3,
+        "findings": [],
+        "quarantined": [],
+    }
+)
 
 
 def test_an_old_history_line_reads_typed_and_writes_back_the_same() -> None:
     record = StepRecord.from_json(OLD_LINE)
     outcomes = [e.status.outcome for e in record.exchanges]
-    assert outcomes == [Outcome.OK, Outcome.NO_REPLY, Outcome.ERROR, Outcome.REJECTED,
-                        Outcome.REFUSED, Outcome.ERROR]  # fmt: skip
+    assert outcomes == [
+        Outcome.OK,
+        Outcome.NO_REPLY,
+        Outcome.ERROR,
+        Outcome.REJECTED,
+        Outcome.REFUSED,
+        Outcome.ERROR,
+    ]
     assert record.exchanges[2].status.reason == "Node Unavailable: gone"
     assert record.exchanges[5].status == ExchangeStatus(Outcome.ERROR, "")
     # one definition of failed: a private site's refusal is an answer

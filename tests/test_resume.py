@@ -30,8 +30,15 @@ from starfed.shared.protocol import Phase
 from starfed.simulations.local_grid import LocalGrid
 
 CONFIG = {**TINY_RUN, "stage1-rounds": 2}
-ALL_PHASES = {"sync/0", "stage1/0", "stage1/1", "stage1_stats/0", "stage2/0",
-              "stage2_stats/0", "evaluate/0"}  # fmt: skip
+ALL_PHASES = {
+    "sync/0",
+    "stage1/0",
+    "stage1/1",
+    "stage1_stats/0",
+    "stage2/0",
+    "stage2_stats/0",
+    "evaluate/0",
+}
 _run_ids = itertools.count(7000)
 
 

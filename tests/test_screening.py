@@ -81,7 +81,8 @@ def test_a_baseline_merges_with_the_median_by_default_and_keeps_its_own_hooks() 
     assert isinstance(baseline, NoReplay) and isinstance(baseline, MedianStrategy)
     assert baseline.replay.__func__ is NoReplay.replay and baseline.merge is MedianStrategy.merge
     assert f"{type(baseline).__module__}.{type(baseline).__qualname__}" == (
-        f"{NoReplay.__module__}.NoReplay")  # fmt: skip
+        f"{NoReplay.__module__}.NoReplay"
+    )
 
     class OwnMerge(Strategy):
         @staticmethod
@@ -263,8 +264,9 @@ def test_a_count_beyond_any_site_and_a_taken_name_sit_the_step_out(make_codebook
 
 
 def _mixture(means: torch.Tensor, weights: list[float]) -> GaussianMixture:
-    return GaussianMixture(torch.tensor(weights, dtype=torch.float64), means,
-                           torch.full_like(means, 1e-3), count=10)  # fmt: skip
+    return GaussianMixture(
+        torch.tensor(weights, dtype=torch.float64), means, torch.full_like(means, 1e-3), count=10
+    )
 
 
 @pytest.mark.adversarial
@@ -293,10 +295,15 @@ def test_a_mixture_with_its_weight_on_a_far_component_is_rejected(make_codebook)
     _enrolled(screen, codebook, {site: {name: 10} for site in mixtures})
     phase = screen.phase(Phase.STAGE1_STATS, 0, codebook)
     updates = {
-        site: ClientUpdate(codebook.fingerprint, codebook.dims, Phase.STAGE1_STATS,
-                           codebook.version, [ClassEntry(name, 10, {"clip_mixture": mixture})])
+        site: ClientUpdate(
+            codebook.fingerprint,
+            codebook.dims,
+            Phase.STAGE1_STATS,
+            codebook.version,
+            [ClassEntry(name, 10, {"clip_mixture": mixture})],
+        )
         for site, mixture in mixtures.items()
-    }  # fmt: skip
+    }
     for site, update in updates.items():
         phase.observe(site, update)
     phase.decide()

@@ -122,8 +122,10 @@ def test_round_is_the_retired_name_of_run(tmp_path, capsys) -> None:
     note = "starfed: `starfed server round` is deprecated, use `starfed server run` (same meaning)"
     code, out, err = starfed(capsys, "server", "round", "--dir", server, "--min-sites", "0")
     assert (code, out) == (2, "")
-    assert err.splitlines() == [note, "starfed server round: error: --min-sites 0: expected an "
-                                "integer >= 1"]  # fmt: skip
+    assert err.splitlines() == [
+        note,
+        "starfed server round: error: --min-sites 0: expected an integer >= 1",
+    ]
     code, _, err = starfed(capsys, "server", "round", "--dir", server)
     assert code == 1 and err.splitlines()[0] == note and "the server is not running" in err
     with pytest.raises(SystemExit):
@@ -146,11 +148,14 @@ def test_flower_nodes_join_the_federation_sites_by_node_id() -> None:
     from starfed.server.ops.status import SiteRow, Status, _flower_sites
 
     status = Status("s", "f", sites=[SiteRow("farm-a", 7, 0, "2026-11-23T00:00:00+00:00")])
-    _flower_sites(status, [
-        SiteStatus(None, 7, "online", "2026-11-23 01:00:00Z", None, None),  # self-registered
-        SiteStatus("hospital-x", 9, "registered", None, None, "SHA256:x"),  # never connected
-        SiteStatus("gone", 11, "unregistered", None, None, "SHA256:y", removed_at="then"),
-    ])  # fmt: skip
+    _flower_sites(
+        status,
+        [
+            SiteStatus(None, 7, "online", "2026-11-23 01:00:00Z", None, None),  # self-registered
+            SiteStatus("hospital-x", 9, "registered", None, None, "SHA256:x"),  # never connected
+            SiteStatus("gone", 11, "unregistered", None, None, "SHA256:y", removed_at="then"),
+        ],
+    )
     assert [(r.name, r.node_id, r.status, r.last_step) for r in status.sites] == [
         ("farm-a", 7, "online", 0),
         ("hospital-x", 9, "registered", None),

@@ -30,9 +30,18 @@ def test_a_good_site_is_ready(tmp_path, fingerprint, capsys) -> None:
     data = site_folder(tmp_path / "farm", {"2026-03": CLASSES[0:2], "2026-05": CLASSES[2:3]})
     state = tmp_path / "state"
     code = main(
-        ["site", "check", "--data", str(data), "--state", str(state), "--fingerprint",
-         fingerprint[:12], "--json"]
-    )  # fmt: skip
+        [
+            "site",
+            "check",
+            "--data",
+            str(data),
+            "--state",
+            str(state),
+            "--fingerprint",
+            fingerprint[:12],
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["ready"], report["findings"]
     assert report["tasks"] == [

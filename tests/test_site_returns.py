@@ -38,8 +38,13 @@ def run(tmp: Path, silent_after_sync: bool) -> dict:
     }
     grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
     if silent_after_sync:
-        for message_type in ("train.stage1", "query.stage1_stats", "train.stage2",
-                             "query.stage2_stats", "evaluate"):  # fmt: skip
+        for message_type in (
+            "train.stage1",
+            "query.stage1_stats",
+            "train.stage2",
+            "query.stage2_stats",
+            "evaluate",
+        ):
 
             def silent(reply: Message) -> None:
                 return None

@@ -1,6 +1,8 @@
-"""Rooms a newcomer can live in: no production module over ``MAX_MODULE_LINES`` lines and no
-function over ``MAX_FUNCTION_LINES`` (generated protobuf modules aside; docs/design.md#the-layout).
-A module that grows past them is cut along its responsibilities, not squeezed."""
+"""A guard against giants, not the rule: a module is cut where its responsibilities divide
+(cohesion, docs/design.md#the-layout), and these limits only catch one that grew far past any
+single subject: no production module over ``MAX_MODULE_LINES`` lines and no function over
+``MAX_FUNCTION_LINES`` (generated protobuf modules aside). One that rings is cut along its
+responsibilities, never squeezed or split into halves."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ import ast
 
 from test_layers import MODULES
 
-MAX_MODULE_LINES = 450
-MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 100
 
 
 def test_no_module_is_too_long() -> None:

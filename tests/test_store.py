@@ -64,8 +64,11 @@ def equal(a: Codebook, b: Codebook) -> bool:
             return False
         for f, v in x.values.items():
             w = y.values[f]
-            same = torch.equal(v.means, w.means) if isinstance(v, GaussianMixture) else (
-                torch.equal(v, w))  # fmt: skip
+            same = (
+                torch.equal(v.means, w.means)
+                if isinstance(v, GaussianMixture)
+                else (torch.equal(v, w))
+            )
             if not same:
                 return False
     return True
@@ -81,8 +84,10 @@ def checked(federation: Federation, codebook: Codebook) -> list[str]:
 
 def heads(codebook: Codebook, generator: torch.Generator) -> dict:
     """A new aligned head for every class, as the second-level replay gives."""
-    return {n: {"aligned_head_weight": torch.randn(DIMS.d_vit, generator=generator)}
-            for n in codebook.names}  # fmt: skip
+    return {
+        n: {"aligned_head_weight": torch.randn(DIMS.d_vit, generator=generator)}
+        for n in codebook.names
+    }
 
 
 def test_a_checkpoint_writes_what_changed_not_the_codebook(tmp_path: Path, generator) -> None:
@@ -154,8 +159,9 @@ def test_a_long_log_is_compacted_into_a_new_base(tmp_path: Path, generator) -> N
     codebook = federation.checkpoint(codebook, Position(0))
     first_base = federation._stored.ref.base
     for _ in range(60):
-        codebook = federation.checkpoint(codebook.set_values(heads(codebook, generator)),
-                                         Position(0))  # fmt: skip
+        codebook = federation.checkpoint(
+            codebook.set_values(heads(codebook, generator)), Position(0)
+        )
     ref = federation._stored.ref
     assert ref.base != first_base  # compacted
     assert ref.log_bytes <= stored.COMPACT_AT * federation._stored.base_bytes
@@ -288,8 +294,15 @@ def test_check_finds_a_flipped_byte_without_decoding(tmp_path: Path, generator, 
     problems = folder_check.check(root).problems
     assert problems and all(p.startswith(("codebook.bin: ", "previous.bin: ")) for p in problems)
     assert all(f" {store.STORE_DIR}/{path.name}" in p for p in problems), problems
-    assert any(("checksum mismatch" if "header" not in where or where == "base header"
-                else "not a starfed codebook file") in p for p in problems), problems  # fmt: skip
+    assert any(
+        (
+            "checksum mismatch"
+            if "header" not in where or where == "base header"
+            else "not a starfed codebook file"
+        )
+        in p
+        for p in problems
+    ), problems
     assert folder_check.check(root, depth=folder_check.Depth.HEADERS, kept=False).ok
     assert folder_check.check(root, depth=folder_check.Depth.DECODE).problems
 
@@ -348,7 +361,9 @@ def test_an_exported_codebook_loads_back_as_predict_reads_it(tmp_path: Path, gen
     half = wire.read_file(out)
     assert half.names == loaded.names and all(
         torch.allclose(half[n].values[f], v, rtol=2**-10, atol=1e-6)
-        for n in loaded.names for f, v in loaded[n].values.items())  # fmt: skip
+        for n in loaded.names
+        for f, v in loaded[n].values.items()
+    )
     _flip(out, out.stat().st_size - 100)
     with pytest.raises(CodebookError, match="checksum mismatch"):
         wire.read_file(out)

@@ -34,9 +34,21 @@ def _rescored(codebook: Codebook, classes: list[str], folder: Path) -> list[floa
 def test_train_local_writes_results_and_a_valid_codebook(tmp_path, capsys) -> None:
     argv = [
         "train-local",
-        "--tasks", "2", "--classes-per-task", "2", "--epochs", "1", "--replay-epochs", "1",
-        "--results-dir", str(tmp_path), "--run-name", "run", "--cache-dir", str(tmp_path / "c"),
-    ]  # fmt: skip
+        "--tasks",
+        "2",
+        "--classes-per-task",
+        "2",
+        "--epochs",
+        "1",
+        "--replay-epochs",
+        "1",
+        "--results-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+        "--cache-dir",
+        str(tmp_path / "c"),
+    ]
     assert main(argv) == 0
     run = tmp_path / "run"
     metrics = json.loads((run / "metrics.json").read_text())
@@ -76,9 +88,21 @@ def test_bad_paths_are_one_line_errors(tmp_path, capsys) -> None:
 
 def test_device_cpu_and_auto_compute_the_same(tmp_path, capsys) -> None:
     """On a machine without a GPU, ``--device auto`` is the CPU: the same numbers as ``cpu``."""
-    base = ["train-local", "--tasks", "1", "--classes-per-task", "2", "--epochs", "1",
-            "--replay-epochs", "1", "--results-dir", str(tmp_path), "--cache-dir",
-            str(tmp_path / "c")]  # fmt: skip
+    base = [
+        "train-local",
+        "--tasks",
+        "1",
+        "--classes-per-task",
+        "2",
+        "--epochs",
+        "1",
+        "--replay-epochs",
+        "1",
+        "--results-dir",
+        str(tmp_path),
+        "--cache-dir",
+        str(tmp_path / "c"),
+    ]
     assert main([*base, "--run-name", "cpu", "--device", "cpu"]) == 0
     assert main([*base, "--run-name", "auto"]) == 0
     runs = [json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("cpu", "auto")]

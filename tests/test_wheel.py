@@ -140,9 +140,13 @@ def test_installed_wheel_imports_simulates_and_checks_a_site(wheel: Path, tmp_pa
 
     # every module imported in one process, while the commands run (CI has 2 cores)
     importing = subprocess.Popen(
-        [python, "-c", IMPORT_EVERY_MODULE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, cwd=work, env=env,
-    )  # fmt: skip
+        [python, "-c", IMPORT_EVERY_MODULE],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=work,
+        env=env,
+    )
     try:
         simulate_and_check(str(venv / "bin" / "starfed"), work, env)
         out, err = importing.communicate(timeout=300)

@@ -76,8 +76,13 @@ def test_updates_that_travel_with_a_message_come_back_in_the_same_reply(
     empty = replace(Codebook(own.fingerprint, own.dims), metadata=lineage)
     codebook = replay.register(empty, CLASSES[0:2], own, TrainConfig.from_config(values))
     header["phase"] = "stage1"
-    header["config"] = {"step": 0, "round": 0, "wire-dtype": "float32", **lineage,
-                        ALSO: ["stage1_stats"]}  # fmt: skip
+    header["config"] = {
+        "step": 0,
+        "round": 0,
+        "wire-dtype": "float32",
+        **lineage,
+        ALSO: ["stage1_stats"],
+    }
     header["run-config"] = {"preset": "tiny", "stage1-epochs": 1}
     payload = wire.encode(codebook.broadcast())
     records = request(worker, header, payload)

@@ -184,9 +184,10 @@ def _images(report: SiteCheck, folder: SiteFolder, size: int, progress: bool) ->
         report.add(OK, "images", f"all {len(paths)} images decode")
         return
     report.add(
-        WARNING, "images", f"{len(report.unreadable)} unreadable (skipped by the site): "
-        + _listed(report.unreadable)
-    )  # fmt: skip
+        WARNING,
+        "images",
+        f"{len(report.unreadable)} unreadable (skipped by the site): " + _listed(report.unreadable),
+    )
     bad = set(report.unreadable)
     for task in folder.tasks:
         for name, files in task.train.items():
@@ -209,9 +210,10 @@ def _backbones(report: SiteCheck, options: BackboneOptions) -> None:
     expected = report.federation_fingerprint
     if expected is None:
         report.add(
-            WARNING, "backbones",
+            WARNING,
+            "backbones",
             f"{what}; not compared with the federation's (pass --codebook or --fingerprint)",
-        )  # fmt: skip
+        )
     elif backbones.fingerprint.startswith(expected.lower()):
         report.add(OK, "backbones", f"{what}: the federation's")
     else:

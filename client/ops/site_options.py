@@ -125,10 +125,20 @@ def prepare(
     if not give_up_s >= 0:
         raise SiteError(f"--give-up-after must be 0 (never) or more seconds, got {give_up_s}")
     return SiteOptions(
-        server, data, state, name, device, ca, key, insecure, fingerprint, worker, privacy,
+        server,
+        data,
+        state,
+        name,
+        device,
+        ca,
+        key,
+        insecure,
+        fingerprint,
+        worker,
+        privacy,
         give_up_s,
         privacy_unit,
-    )  # fmt: skip
+    )
 
 
 def write_node_config(path: Path, options: SiteOptions) -> None:

@@ -83,12 +83,22 @@ def start_superexec(
     """The site's SuperExec (``starfed.client.ops.superexec``); its tasks' output goes where the
     SuperNode's does."""
     address = f"127.0.0.1:{runtime_port}"
-    command = [sys.executable, "-m", "starfed.client.ops.superexec",
-               "--runtime-api-address", address,
-               "--secret-file", str(options.superexec_secret)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "starfed.client.ops.superexec",
+        "--runtime-api-address",
+        address,
+        "--secret-file",
+        str(options.superexec_secret),
+    ]
     popen = processes.spawn(command, env=env, cwd=options.state)
-    threading.Thread(target=supernode_log.pump, args=(popen.stdout, log, echo, lambda _: None),
-                     kwargs={"local": dialling.LOCAL_RETRY}, daemon=True).start()  # fmt: skip
+    threading.Thread(
+        target=supernode_log.pump,
+        args=(popen.stdout, log, echo, lambda _: None),
+        kwargs={"local": dialling.LOCAL_RETRY},
+        daemon=True,
+    ).start()
     return popen
 
 

@@ -142,8 +142,11 @@ def serve(runtime_api_address: str, secret_file: Path, poll_s: float) -> None:
             if reply.HasField("task") and reply.token:
                 result = plugin.launch_task(token=reply.token, task=reply.task)
                 if result.message:
-                    print(f"starfed superexec: task {reply.task.task_id}: {result.message}",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"starfed superexec: task {reply.task.task_id}: {result.message}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 continue
             time.sleep(poll_s)
     finally:
@@ -152,11 +155,16 @@ def serve(runtime_api_address: str, secret_file: Path, poll_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m starfed.client.ops.superexec",
-                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m starfed.client.ops.superexec", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--runtime-api-address", required=True, help="the SuperNode's HOST:PORT")
-    parser.add_argument("--secret-file", type=Path, required=True,
-                        help="the SuperExec secret the SuperNode was given")  # fmt: skip
+    parser.add_argument(
+        "--secret-file",
+        type=Path,
+        required=True,
+        help="the SuperExec secret the SuperNode was given",
+    )
     parser.add_argument("--poll-s", type=float, default=0.05, help="seconds between polls")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -125,8 +125,11 @@ class _Started:
         self.seen |= {root} if (root := ProcessId.of(popen.pid)) else set()
 
     def named(self) -> dict[str, subprocess.Popen | None]:
-        return {"worker": self.worker.popen if self.worker else None,
-                "supernode": self.supernode, "superexec": self.superexec}  # fmt: skip
+        return {
+            "worker": self.worker.popen if self.worker else None,
+            "supernode": self.supernode,
+            "superexec": self.superexec,
+        }
 
 
 def _supervise(

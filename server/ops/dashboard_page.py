@@ -56,13 +56,20 @@ def _environment() -> Environment:
         lstrip_blocks=True,
     )
     env.filters.update(
-        dash=_dash, percent=_percent, mib=_mib, short=short_class_name, counted=counted,
+        dash=_dash,
+        percent=_percent,
+        mib=_mib,
+        short=short_class_name,
+        counted=counted,
         brought_by=_brought_by,
-    )  # fmt: skip
+    )
     env.globals.update(
-        colours=COLOURS, phases=PHASE_ORDER, RUNNING=RUNNING, single_site=SINGLE_SITE,
+        colours=COLOURS,
+        phases=PHASE_ORDER,
+        RUNNING=RUNNING,
+        single_site=SINGLE_SITE,
         step_label=step_label,
-    )  # fmt: skip
+    )
     return env
 
 

@@ -102,8 +102,11 @@ def _draw_timeline(bars: list[tuple[str, str, float, float]], out: BinaryIO) -> 
     shown = dict.fromkeys(state for _, state, *_ in bars)
     ax.legend(
         handles=[Patch(color=COLOURS.get(s, GREY), label=s) for s in shown],
-        fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False,
-    )  # fmt: skip
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        frameon=False,
+    )
     fig.savefig(out, format="png", dpi=110)
 
 
@@ -133,8 +136,13 @@ def _draw_sites(series: dict[str, dict[int, float]], out: BinaryIO) -> None:
     ax = fig.subplots()
     for i, (site, by_step) in enumerate(series.items()):
         steps = sorted(by_step, key=int)
-        ax.plot([int(s) + 1 for s in steps], [by_step[s] for s in steps], marker="o",
-                color=TASK_COLOURS[i % len(TASK_COLOURS)], label=site)  # fmt: skip
+        ax.plot(
+            [int(s) + 1 for s in steps],
+            [by_step[s] for s in steps],
+            marker="o",
+            color=TASK_COLOURS[i % len(TASK_COLOURS)],
+            label=site,
+        )
     ax.set_xlabel("after step")
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, 100)

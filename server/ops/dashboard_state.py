@@ -113,11 +113,15 @@ def _running(position: dict | None, federation_dir: Path, now: float) -> Running
     started = _mtime(federation_dir / STEP_START_FILE)
     checkpointed = _mtime(federation_dir / CODEBOOK_FILE)
     return Running(
-        position["step"], done, phase, list(position["in_play"]),
+        position["step"],
+        done,
+        phase,
+        list(position["in_play"]),
         None if started is None else _iso(started),
-        None if checkpointed is None else _iso(checkpointed), started,
+        None if checkpointed is None else _iso(checkpointed),
+        started,
         None if started is None else now - started,
-    )  # fmt: skip
+    )
 
 
 def _detail(record: StepRecord) -> StepDetail:
@@ -125,10 +129,15 @@ def _detail(record: StepRecord) -> StepDetail:
     for timing in record.phase_seconds:
         phases[timing.phase] = phases.get(timing.phase, 0.0) + timing.seconds
     return StepDetail(
-        record.step, record.attempt, record.status, record.started, record.wall_s,
-        sum(e.bytes_down for e in record.exchanges), sum(e.bytes_up for e in record.exchanges),
+        record.step,
+        record.attempt,
+        record.status,
+        record.started,
+        record.wall_s,
+        sum(e.bytes_down for e in record.exchanges),
+        sum(e.bytes_up for e in record.exchanges),
         phases,
-    )  # fmt: skip
+    )
 
 
 def log_files(folder: ServerFolder) -> list[LogFile]:

@@ -334,8 +334,15 @@ def _log_clock_skew(headers: dict[str, str], path: str, client: str) -> None:
         key = pki.fingerprint(base64.b64decode(headers.get(PUBLIC_KEY_HEADER, "")))
     except (pki.SiteKeyError, ValueError):
         key = "(no key)"
-    log.warning("refused %s from %s: %s %+.1f s key %s (%s)", path, client, clock.SKEW_LINE,
-                offset, key, clock.describe(offset))  # fmt: skip
+    log.warning(
+        "refused %s from %s: %s %+.1f s key %s (%s)",
+        path,
+        client,
+        clock.SKEW_LINE,
+        offset,
+        key,
+        clock.describe(offset),
+    )
 
 
 def allowed(method: str, path: str, raw_path: bytes | None = None) -> bool:

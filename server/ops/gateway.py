@@ -129,8 +129,13 @@ def _fit_open_files(guard: ConnectionGuard, files: int) -> None:
     asked = guard.max_connections, guard.max_handshakes
     guard.max_handshakes = max(1, min(guard.max_handshakes, budget // 5))
     guard.max_connections = budget - guard.max_handshakes
-    log.warning("open-file limit %d: at most %d connections and %d TLS handshakes (asked: %d "
-                "and %d)", files, guard.max_connections, guard.max_handshakes, *asked)  # fmt: skip
+    log.warning(
+        "open-file limit %d: at most %d connections and %d TLS handshakes (asked: %d and %d)",
+        files,
+        guard.max_connections,
+        guard.max_handshakes,
+        *asked,
+    )
 
 
 def _app(args: argparse.Namespace) -> FleetGateway:
@@ -260,11 +265,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--header-timeout", type=float, default=HEADER_TIMEOUT_S, help="seconds per request"
     )
-    p.add_argument("--max-handshakes", type=int, default=MAX_HANDSHAKES,
-                   help="TLS handshakes under way at once; more are closed at once")  # fmt: skip
+    p.add_argument(
+        "--max-handshakes",
+        type=int,
+        default=MAX_HANDSHAKES,
+        help="TLS handshakes under way at once; more are closed at once",
+    )
     p.add_argument("--max-handshakes-per-address", type=int, default=MAX_HANDSHAKES_PER_ADDRESS)
-    p.add_argument("--handshake-timeout", type=float, default=HANDSHAKE_TIMEOUT_S,
-                   help="seconds a TLS handshake may take")  # fmt: skip
+    p.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=HANDSHAKE_TIMEOUT_S,
+        help="seconds a TLS handshake may take",
+    )
     p.add_argument("--exit-with", type=int, help="PID: stop when this process ends")
     p.add_argument("--debug", action="store_true", help="log every forwarded call too")
     return p

@@ -116,8 +116,10 @@ def _flower_message(message: str) -> str:
     if "SuperLink running?" in text:
         text += " (`starfed server start`)"
     elif "[code: 23]" in text:
-        text += (" (registered before, perhaps with bare `flwr`: `starfed server sites add "
-                 "--adopt NAME KEY` records it under NAME)")  # fmt: skip
+        text += (
+            " (registered before, perhaps with bare `flwr`: `starfed server sites add "
+            "--adopt NAME KEY` records it under NAME)"
+        )
     return text
 
 
@@ -138,8 +140,10 @@ def _registering(folder: ServerFolder) -> Iterator[Registry]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise SitesError(f"another `starfed server sites` holds {lock.name} for "
-                                     f"over {FLWR_TIMEOUT_S:.0f} s") from None  # fmt: skip
+                    raise SitesError(
+                        f"another `starfed server sites` holds {lock.name} for "
+                        f"over {FLWR_TIMEOUT_S:.0f} s"
+                    ) from None
                 time.sleep(0.1)
         try:
             yield Registry.load(folder.sites_file)
@@ -189,14 +193,17 @@ def flower_node_of(folder: ServerFolder, key: pki.SiteKey) -> int:
         with contextlib.closing(
             sqlite3.connect(f"file:{folder.database}?mode=ro", uri=True, timeout=10)
         ) as db:
-            rows = db.execute("SELECT node_id, status FROM node WHERE public_key = ?",
-                              (pem,)).fetchall()  # fmt: skip
+            rows = db.execute(
+                "SELECT node_id, status FROM node WHERE public_key = ?", (pem,)
+            ).fetchall()
     except sqlite3.Error as err:
         raise SitesError(f"cannot read Flower's registry {folder.database}: {err}") from None
     live = [node_id for node_id, status in rows if status not in UNREGISTERED]
     if not live:
-        raise SitesError(f"Flower holds no registration of key {key.fingerprint}: register it "
-                         "with `starfed server sites add` (without --adopt)")  # fmt: skip
+        raise SitesError(
+            f"Flower holds no registration of key {key.fingerprint}: register it "
+            "with `starfed server sites add` (without --adopt)"
+        )
     return int(live[0])
 
 

@@ -318,8 +318,9 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
         for e in [e for r in history if r.step in recent for e in r.exchanges] + unrecorded
         if e.failed
     ]
-    findings = [(record.step, f) for record in history if record.step in recent
-                for f in record.findings]  # fmt: skip
+    findings = [
+        (record.step, f) for record in history if record.step in recent for f in record.findings
+    ]
     if checkpoint is not None and checkpoint.position.running:  # the step in progress, so far
         step = checkpoint.position.step
         so_far: list[Finding] = _guarded(
@@ -379,8 +380,9 @@ def _name(e: Exchange) -> str:
 def _unrecorded(history: list[StepRecord], exchanges: list[Exchange]) -> list[Exchange]:
     """The last run's exchanges that no step record holds: a run whose sync found nothing
     to do (every site failed it, say) records no step, only its metrics."""
-    recorded = {(e.step, e.phase, e.round, e.node_id, e.status)
-                for r in history for e in r.exchanges}  # fmt: skip
+    recorded = {
+        (e.step, e.phase, e.round, e.node_id, e.status) for r in history for e in r.exchanges
+    }
     return [e for e in exchanges if (e.step, e.phase, e.round, e.node_id, e.status) not in recorded]
 
 
@@ -418,10 +420,18 @@ def _heard_at(record: StepRecord) -> dict[str, float]:
 def _step(record: StepRecord) -> StepRow:
     faa = _number(record.scores.mean_accuracy if record.scores else None)
     return StepRow(
-        record.step, record.attempt, record.status, record.reason, list(record.classes),
-        list(record.sites), faa, record.wall_s, _when(record.ended),
-        len([f for f in record.findings if f.action != "quarantined"]), list(record.quarantined),
-    )  # fmt: skip
+        record.step,
+        record.attempt,
+        record.status,
+        record.reason,
+        list(record.classes),
+        list(record.sites),
+        faa,
+        record.wall_s,
+        _when(record.ended),
+        len([f for f in record.findings if f.action != "quarantined"]),
+        list(record.quarantined),
+    )
 
 
 def _flower_sites(status: Status, rows: list[sites.SiteStatus]) -> None:

@@ -70,8 +70,11 @@ class CodebookDistribution(pb_grpc.CodebookDistributionServicer):
             if stamp != self._stamp or self._current is None:
                 federation = Federation.open(self.root)  # the registry may have grown too
                 self._current, self._stamp, self._replies = deployable(federation), stamp, {}
-                logger.info("serving version %d (%d classes)", self._current.codebook.version,
-                            len(self._current.codebook))  # fmt: skip
+                logger.info(
+                    "serving version %d (%d classes)",
+                    self._current.codebook.version,
+                    len(self._current.codebook),
+                )
             return self._current
 
     def answer(self, held_version: int, federation: str) -> pb.FetchReply:

@@ -39,9 +39,15 @@ from starfed.shared.version import package_version
 CARD_SUFFIX = ".card.json"
 CARD_FORMAT = "starfed-model-card/1"
 METRIC_KEYS = (
-    "final_average_accuracy", "final_forgetting", "accuracy_matrix", "prompt_selection_accuracy",
-    "prompt_selection_accuracy_matrix", "server_test_accuracy_matrix", "steps", "codebook_version",
-)  # fmt: skip
+    "final_average_accuracy",
+    "final_forgetting",
+    "accuracy_matrix",
+    "prompt_selection_accuracy",
+    "prompt_selection_accuracy_matrix",
+    "server_test_accuracy_matrix",
+    "steps",
+    "codebook_version",
+)
 
 
 class NothingToExport(RuntimeError):
@@ -62,8 +68,9 @@ def deployable(federation: Federation) -> Deployable:
     codebook = federation.codebook()
     entries = {name: e for name, e in codebook.entries.items() if e.frozen}
     train = federation.metrics().get("config", {}).get("train", {})
-    modulation = train.get("confidence_modulation",
-                           TABLES["run-config"]["confidence-modulation"].default)  # fmt: skip
+    modulation = train.get(
+        "confidence_modulation", TABLES["run-config"]["confidence-modulation"].default
+    )
     unknown = [name for name in entries if name not in federation.registry]
     if unknown:
         raise FederationError(f"{federation.root}: registry.json lacks class {unknown[0]!r}")
@@ -102,8 +109,12 @@ def model_card(federation: Federation, export: Deployable, out: Path, dtype: str
     return {
         "format": CARD_FORMAT,
         "codebook": {
-            "file": out.name, "version": codebook.version, "classes": len(codebook),
-            "dtype": dtype, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "file": out.name,
+            "version": codebook.version,
+            "classes": len(codebook),
+            "dtype": dtype,
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
         },
         "federation": federation.id,
         "backbones": {
@@ -113,16 +124,19 @@ def model_card(federation: Federation, export: Deployable, out: Path, dtype: str
         },
         "confidence_modulation": codebook.metadata[CONFIDENCE_KEY] == "true",
         "classes": [
-            {"name": name, "step": federation.registry[name].step + 1,  # 1-based, as shown
-             "registered": federation.registry[name].registered,
-             "sites": federation.registry[name].sites}
+            {
+                "name": name,
+                "step": federation.registry[name].step + 1,  # 1-based, as shown
+                "registered": federation.registry[name].registered,
+                "sites": federation.registry[name].sites,
+            }
             for name in codebook.names
         ],
         "left_out": export.left_out,
         "metrics": {key: nan_to_none(metrics.get(key)) for key in METRIC_KEYS} if metrics else None,
         "created": now(),
         "starfed_version": package_version(),
-    }  # fmt: skip
+    }
 
 
 def write(federation: Federation, export: Deployable, out: Path, dtype: str = "float32") -> dict:

@@ -133,8 +133,9 @@ def _decode_mixture(
     views = views or {}
 
     def part(name: str, part_shape: tuple[int, ...]) -> torch.Tensor:
-        return _decode_array(getattr(msg, name), part_shape, f"{what}: {name}", float64, f64,
-                             views.get(name))  # fmt: skip
+        return _decode_array(
+            getattr(msg, name), part_shape, f"{what}: {name}", float64, f64, views.get(name)
+        )
 
     mixture = GaussianMixture(
         weights=part("weights", (m,)),

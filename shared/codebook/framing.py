@@ -105,8 +105,9 @@ def verify_file(path: str | os.PathLike[str], name: str | None = None) -> int:
         while left:
             got = file.readinto(view[: min(left, _CHUNK)])
             if not got:
-                raise CodebookError(f"{name}: header announces {length} bytes, file holds "
-                                    f"{length - left}")  # fmt: skip
+                raise CodebookError(
+                    f"{name}: header announces {length} bytes, file holds {length - left}"
+                )
             hasher.update(view[:got])
             left -= got
     if hasher.digest() != digest:
@@ -140,8 +141,9 @@ def unframe(data: bytes, what: str) -> bytes:
     if found != CODEBOOK_MAGIC:
         raise CodebookError(f"{what}: not a starfed codebook file")
     if length != len(data) - _HEADER.size:
-        raise CodebookError(f"{what}: header announces {length} bytes, file holds "
-                            f"{len(data) - _HEADER.size}")  # fmt: skip
+        raise CodebookError(
+            f"{what}: header announces {length} bytes, file holds {len(data) - _HEADER.size}"
+        )
     payload = data[_HEADER.size :]
     if hashlib.sha256(payload).digest() != digest:
         raise CodebookError(f"{what}: checksum mismatch (file corrupted)")

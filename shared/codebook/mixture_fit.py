@@ -102,11 +102,13 @@ def _uniforms(rows: range, seed: int, n_components: int) -> torch.Tensor:
     trials = 2 + int(math.log(n_components))  # scikit-learn's n_local_trials
     draws = [
         torch.rand(
-            n_components, trials, dtype=torch.float64,
+            n_components,
+            trials,
+            dtype=torch.float64,
             generator=torch.Generator().manual_seed(seed + row),
         )
         for row in rows
-    ]  # fmt: skip
+    ]
     return torch.stack(draws)
 
 

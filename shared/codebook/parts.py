@@ -107,9 +107,10 @@ def class_bytes(codebook: Codebook, name: str, dtype: str, since: int = 0) -> in
     (those changed after version ``since``, all with 0), its name, ``CLASS_SLACK``."""
     entry, itemsize = codebook[name], np.dtype(dtype).itemsize
     fields = (
-        schema.BY_NAME[f] for f in entry.values
+        schema.BY_NAME[f]
+        for f in entry.values
         if f in schema.BROADCAST and (not since or entry.field_versions.get(f, 0) > since)
-    )  # fmt: skip
+    )
     data = sum(math.prod(f.shape(codebook.dims)) * itemsize + TENSOR_SLACK for f in fields)
     return data + len(name.encode()) + CLASS_SLACK
 
@@ -166,8 +167,13 @@ class Staging:
             staged = Staged(lineage.federation, lineage.epoch, part.version, parts, classes, 0)
         else:
             staged = self._staged()
-            expected = (staged.federation, staged.epoch, staged.version, staged.parts,
-                        staged.classes)  # fmt: skip
+            expected = (
+                staged.federation,
+                staged.epoch,
+                staged.version,
+                staged.parts,
+                staged.classes,
+            )
             if (lineage.federation, lineage.epoch, part.version, parts, classes) != expected:
                 raise CodebookError(f"part {index} belongs to another codebook than the one staged")
             if index != staged.received:

@@ -94,8 +94,11 @@ class Ref:
 def find_dir(manifest: Path) -> Path:
     """The store of the manifest at ``manifest``: beside it, or one folder up."""
     beside = manifest.parent / STORE_DIR
-    return beside if beside.is_dir() or not (manifest.parent.parent / STORE_DIR).is_dir() else (
-        manifest.parent.parent / STORE_DIR)  # fmt: skip
+    return (
+        beside
+        if beside.is_dir() or not (manifest.parent.parent / STORE_DIR).is_dir()
+        else (manifest.parent.parent / STORE_DIR)
+    )
 
 
 def records(folder: Path, ref: Ref) -> Iterator[bytes]:
@@ -211,8 +214,11 @@ def scan(data: Data, start: int, end: int, what: str) -> Piece:
             found = {n: v for n, k, v, _ in fields(data, value, stop, what) if k == VARINT}
             dims = tuple(found.get(n, 0) for n in _DIMS)
         elif number == _CODEBOOK["metadata"]:
-            keys = [_text(data, v, e, what) for n, k, v, e in fields(data, value, stop, what)
-                    if n == 1 and k == LENGTH_DELIMITED]  # fmt: skip
+            keys = [
+                _text(data, v, e, what)
+                for n, k, v, e in fields(data, value, stop, what)
+                if n == 1 and k == LENGTH_DELIMITED
+            ]
             names_a_store |= MANIFEST_KEY in keys
     return Piece(fingerprint, dims, names_a_store, lines)
 
@@ -246,8 +252,10 @@ def scan_file(path: Path) -> Piece:
     with ThreadPoolExecutor(max_workers=1) as pool:
         checked = pool.submit(verify_file, path, name)
         try:
-            with open(path, "rb") as file, mmap.mmap(file.fileno(), 0,
-                                                     access=mmap.ACCESS_READ) as data:  # fmt: skip
+            with (
+                open(path, "rb") as file,
+                mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data,
+            ):
                 piece = scan(data, HEADER_SIZE, len(data), name)
         except (CodebookError, ValueError):  # ValueError: an empty file cannot be mapped
             checked.result()  # the checksum's error, when there is one
@@ -285,8 +293,9 @@ def verify(
         raise base
     todo = replace(ref, records=tuple(r for r in ref.records if (ref.log, r[0]) not in seen))
     for (offset, _), payload in zip(todo.records, records(folder, todo), strict=True):
-        seen[ref.log, offset] = scan(payload, 0, len(payload), f"{STORE_DIR}/{ref.log} record "
-                                     f"at {offset}")  # fmt: skip
+        seen[ref.log, offset] = scan(
+            payload, 0, len(payload), f"{STORE_DIR}/{ref.log} record at {offset}"
+        )
     pieces = {ref.base: base}
     for offset, _ in ref.records:
         record = seen[ref.log, offset]

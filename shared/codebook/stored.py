@@ -61,7 +61,9 @@ def save(folder: Path, codebook: Codebook, since: Stored | None) -> tuple[Stored
     cannot be kept: nothing is written then."""
     folder.mkdir(parents=True, exist_ok=True)
     same_line = since is not None and (since.codebook.fingerprint, since.codebook.dims) == (
-        codebook.fingerprint, codebook.dims)  # fmt: skip
+        codebook.fingerprint,
+        codebook.dims,
+    )
     if since is None or not same_line:
         return _new_base(folder, codebook)
     changes, replaced = _changes(since.codebook, codebook)
@@ -129,19 +131,30 @@ def _changes(before: Codebook, after: Codebook) -> tuple[dict[str, ClassEntry], 
             changes[name] = entry
             replaced.append(name)
             continue
-        values = {f: v for f, v in entry.values.items() if old.values[f] is not v} if all(
-            f in old.values for f in entry.values) else dict(entry.values)  # fmt: skip
+        values = (
+            {f: v for f, v in entry.values.items() if old.values[f] is not v}
+            if all(f in old.values for f in entry.values)
+            else dict(entry.values)
+        )
         stamps = {f: entry.field_versions[f] for f in values if f in entry.field_versions}
-        if values or (old.count, old.version, old.frozen) != (entry.count, entry.version,
-                                                               entry.frozen):  # fmt: skip
+        if values or (old.count, old.version, old.frozen) != (
+            entry.count,
+            entry.version,
+            entry.frozen,
+        ):
             changes[name] = replace(entry, values=values, field_versions=stamps)
     return changes, replaced
 
 
 def _record(codebook: Codebook, changes: dict[str, ClassEntry], replaced: list[str]) -> bytes:
     """A record's payload, decoded (= validated) before it is returned."""
-    record = Codebook(codebook.fingerprint, codebook.dims, changes, codebook.version,
-                      {store.REPLACED_KEY: json.dumps(replaced)})  # fmt: skip
+    record = Codebook(
+        codebook.fingerprint,
+        codebook.dims,
+        changes,
+        codebook.version,
+        {store.REPLACED_KEY: json.dumps(replaced)},
+    )
     payload = wire.encode(record)
     wire.decode_changes(payload, fingerprint=codebook.fingerprint, dims=codebook.dims)
     return payload

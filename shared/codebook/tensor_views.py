@@ -80,8 +80,10 @@ def check_parts(data: bytes, max_entries: int) -> None:
     top = _fields(data, 0, len(data), limit=max_entries + MAX_METADATA + 16, what=what)
     entries = [(s, e) for n, s, e in top if n == UPDATE_ENTRIES]
     if len(entries) > max_entries:
-        raise CodebookError(f"the update carries {len(entries)} entries, at most "
-                            f"{max_entries} (the classes its site can send)")  # fmt: skip
+        raise CodebookError(
+            f"the update carries {len(entries)} entries, at most "
+            f"{max_entries} (the classes its site can send)"
+        )
     if sum(n == _UPDATE_METADATA for n, _, _ in top) > MAX_METADATA:
         raise CodebookError(f"the update carries over {MAX_METADATA} metadata pairs")
     for start, end in entries:

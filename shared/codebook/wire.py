@@ -151,9 +151,14 @@ def broadcast_from_proto(
     if not set(entries) <= set(names):
         raise CodebookError("a delta carries a class its name list leaves out")
     return Delta(
-        message.backbone_fingerprint, model_dims, message.version, message.base_version,
-        tuple(names), entries, metadata,
-    )  # fmt: skip
+        message.backbone_fingerprint,
+        model_dims,
+        message.version,
+        message.base_version,
+        tuple(names),
+        entries,
+        metadata,
+    )
 
 
 def decode_update(
@@ -213,9 +218,13 @@ def decode_update(
         )
     check_count(message.base_version, 0, "base version")
     return ClientUpdate(
-        message.backbone_fingerprint, dims, phase, message.base_version, tuple(entries),
+        message.backbone_fingerprint,
+        dims,
+        phase,
+        message.base_version,
+        tuple(entries),
         dict(message.metadata),
-    )  # fmt: skip
+    )
 
 
 # --- encoding -------------------------------------------------------------------------------------
@@ -412,10 +421,15 @@ def read_manifest(
         changes, replaced = decode_changes(payload, fingerprint=base.fingerprint, dims=base.dims)
         for name, new in changes.items():
             old = entries.get(name)
-            entries[name] = new if old is None or name in replaced else dataclasses.replace(
-                new, values={**old.values, **new.values},
-                field_versions={**old.field_versions, **new.field_versions},
-            )  # fmt: skip
+            entries[name] = (
+                new
+                if old is None or name in replaced
+                else dataclasses.replace(
+                    new,
+                    values={**old.values, **new.values},
+                    field_versions={**old.field_versions, **new.field_versions},
+                )
+            )
     return _assembled(path, message, entries, base)
 
 

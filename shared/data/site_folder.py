@@ -140,9 +140,11 @@ class SiteFolder:
                 f"{root} mixes class folders with task folders; use <data>/<task>/<class>/ "
                 "for tasks or <data>/<class>/ for one task"
             )
-        tasks = [SiteTask(root.name, _classes(root))] if flat else [
-            SiteTask(p.name, _classes(p)) for p in top
-        ]  # fmt: skip
+        tasks = (
+            [SiteTask(root.name, _classes(root))]
+            if flat
+            else [SiteTask(p.name, _classes(p)) for p in top]
+        )
         test: dict[str, list[str]] = {}
         if (root / TEST_FOLDER).is_dir():
             test = {class_key(n): paths for n, paths in _classes(root / TEST_FOLDER).items()}

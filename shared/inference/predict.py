@@ -160,20 +160,27 @@ class Evaluation:
         s = self.scores
         group = torch.tensor([self.steps[name] for name in self.names], dtype=torch.long)
         classes = [
-            {"name": name, "step": self.steps[name] + 1, "images": int(s.images[row]),
-             "correct": int(s.correct[row]),
-             "accuracy": _percent(int(s.correct[row]), int(s.images[row])),
-             "selection_accuracy": _percent(int(s.selection_hits[row]), int(s.selections[row]))}
+            {
+                "name": name,
+                "step": self.steps[name] + 1,
+                "images": int(s.images[row]),
+                "correct": int(s.correct[row]),
+                "accuracy": _percent(int(s.correct[row]), int(s.images[row])),
+                "selection_accuracy": _percent(int(s.selection_hits[row]), int(s.selections[row])),
+            }
             for row, name in enumerate(self.names)
-        ]  # fmt: skip
+        ]
         by_task = group_scores(s, group, max(self.steps.values(), default=-1) + 1)
         tasks = [
-            {"step": step + 1, "classes": int((group == step).sum()),
-             "images": int(s.images[group == step].sum()),
-             "accuracy": nan_to_none(by_task.accuracy[step]),
-             "selection_accuracy": nan_to_none(by_task.selection_accuracy[step])}
+            {
+                "step": step + 1,
+                "classes": int((group == step).sum()),
+                "images": int(s.images[group == step].sum()),
+                "accuracy": nan_to_none(by_task.accuracy[step]),
+                "selection_accuracy": nan_to_none(by_task.selection_accuracy[step]),
+            }
             for step in sorted(set(self.steps.values()))
-        ]  # fmt: skip
+        ]
         return {
             "images": int(s.images.sum()),
             "accuracy": _percent(int(s.correct.sum()), int(s.images.sum())),

@@ -52,14 +52,16 @@ def clip_features_signature(backbones: Backbones) -> str:
     site's stored features. The weights, the code path (the frozen towers or each module's own
     forward: another float32 summation order), the device kind and precision, torch's kernels.
     Keyed by the weights alone, features cached by one of them were reused by the other."""
-    return "|".join([
-        backbones.fingerprint,
-        f"v{CLIP_FEATURES_VERSION}",
-        f"frozen-towers={backbones.fast_towers}",
-        backbones.device.type,
-        str(backbone_dtype(backbones.device)),
-        f"torch-{torch.__version__}",
-    ])  # fmt: skip
+    return "|".join(
+        [
+            backbones.fingerprint,
+            f"v{CLIP_FEATURES_VERSION}",
+            f"frozen-towers={backbones.fast_towers}",
+            backbones.device.type,
+            str(backbone_dtype(backbones.device)),
+            f"torch-{torch.__version__}",
+        ]
+    )
 
 
 @torch.no_grad()

@@ -91,9 +91,13 @@ class TrainConfig(Options):
         """One replay's settings: its epochs, rate and bounded budget, the shared sampling, and
         the schedule task ``task`` replays with."""
         return ReplayConfig(
-            epochs, lr, self.replay_samples, self.replay_batch_size,
-            self.replay_schedule.at(task), steps,
-        )  # fmt: skip
+            epochs,
+            lr,
+            self.replay_samples,
+            self.replay_batch_size,
+            self.replay_schedule.at(task),
+            steps,
+        )
 
 
 def phase_generator(

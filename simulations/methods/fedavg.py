@@ -198,9 +198,11 @@ def run(values: Values, seed: int, out_dir: Path, console: Console) -> None:
     n_sites = scenario.n_sites
     head = nn.Linear(backbones.dims.d_vit, split.n_classes)
     grid = CountingGrid(
-        client_app(features, split.n_classes, train), dict(config), node_configs(n_sites),
+        client_app(features, split.n_classes, train),
+        dict(config),
+        node_configs(n_sites),
         new_run_id(),
-    )  # fmt: skip
+    )
     grid.exchanges = []
     strategy = FedAvg(
         fraction_train=as_float(config, "fraction-train"),
