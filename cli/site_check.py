@@ -35,6 +35,9 @@ def add_action(actions: argparse._SubParsersAction) -> None:
         help="the site's state folder (default: as `site start`, from --name)",
     )
     parser.add_argument("--name", help="site name (default: the data folder's)")
+    parser.add_argument(
+        "--policy", type=Path, help="the policy `site start --policy` will get (default: STATE's)"
+    )
     expected = parser.add_mutually_exclusive_group()
     expected.add_argument(
         "--codebook",
@@ -85,7 +88,9 @@ def run_check(args: argparse.Namespace) -> int:
 
     from starfed.client.ops.check import check_site  # torch: only once the input is good
 
-    report = check_site(data, state.resolve(), backbones, expected, progress=not args.json)
+    report = check_site(
+        data, state.resolve(), backbones, expected, progress=not args.json, policy=args.policy
+    )
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

@@ -77,7 +77,7 @@ class SitePolicy:
     withhold: tuple[str, ...] = ()  # of ``RELEASES``: what never leaves
     wire_dtypes: tuple[str, ...] = WIRE_DTYPES  # the dtypes its updates may travel in
     max_reply_bytes: int = 0  # 0: no limit
-    server_certificate: str = ""  # sha256 of the CA certificate it answers ("": any)
+    server_certificate: str = ""  # sha256 of the ca.pem of the server it answers ("": any)
     federation: str = ""  # the federation it answers ("": any)
 
     # --- the file ---------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def _unit(value: object) -> str:
 def _sha256(value: object) -> str:
     text = str(value).lower().removeprefix("sha256:").replace(":", "")
     if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
-        raise ValueError("expected a sha256 in hex (`starfed site check` prints the CA's)")
+        raise ValueError("expected a sha256 in hex (sha256sum ca.pem)")
     return text
 
 

@@ -6,6 +6,7 @@ run completes with the other site (docs/sites.md#for-a-governance-office)."""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,72 @@ def test_too_few_images_per_class_are_not_announced(tmp_path) -> None:
     metrics, state = federation(tmp_path, "[classes]\nmin-images = 7\n")  # farm-b has 6 each
     assert set(metrics["classes"]) == set(A)
     assert all(not r.classes for r in ReleaseRecord(state).releases())
+
+
+# --- site start and site check ----------------------------------------------------------------
+
+
+def start_options(tmp_path: Path, policy: str):
+    """``site start``'s inputs checked (``site_options.prepare``) with ``policy`` as --policy."""
+    from starfed.client.ops import site_options
+    from starfed.ops import pki
+
+    data = site_folder(tmp_path / "farm", {"t1": B}, train=3, test=1)
+    key, ca = tmp_path / "site.key", tmp_path / "ca.pem"
+    pki.write_site_key(key, "t")
+    ca.write_text("the federation's CA")
+    (tmp_path / "policy.toml").write_text(policy)
+    return site_options.prepare(
+        "fed.example.org:9092",
+        data,
+        ca=ca,
+        key=key,
+        state=tmp_path / "state",
+        policy=tmp_path / "policy.toml",
+    )
+
+
+def test_site_start_installs_the_policy_and_names_the_server(tmp_path) -> None:
+    import hashlib
+
+    from starfed.client.ops import site_options
+
+    digest = hashlib.sha256(b"the federation's CA").hexdigest()
+    policy = f'[server]\ncertificate-sha256 = "{digest}"\n'
+    options = start_options(tmp_path, policy)
+    assert options.server_certificate == digest
+    options.state.mkdir()
+    site_options.write_site_terms(options)
+    assert (options.state / "policy.toml").read_text() == policy
+    assert (options.state / "server-certificate").read_text() == digest
+
+
+@pytest.mark.parametrize(
+    ("policy", "error"),
+    [
+        (f'[server]\ncertificate-sha256 = "{"a" * 64}"\n', "answers only the server certificate"),
+        ("[release]\nwithold = []\n", "release.withold: unknown key"),
+    ],
+)
+def test_site_start_refuses_another_server_or_a_bad_policy(tmp_path, policy, error) -> None:
+    from starfed.client.ops.site_options import SiteError
+
+    with pytest.raises((SiteError, PolicyError)) as caught:
+        start_options(tmp_path, policy)
+    assert error in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_site_check_prints_the_policy_and_the_classes_it_leaves_out(tmp_path, capsys) -> None:
+    from starfed.cli import main
+
+    data = site_folder(tmp_path / "farm", {"t1": B}, train=3, test=1)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "policy.toml").write_text(f'[classes]\ndeny = ["{B[0]}"]\n')
+    code = main(
+        ["site", "check", "--data", str(data), "--state", str(tmp_path / "state"), "--json"]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["policy"]["classes.deny"] == [B[0]]
+    lines = [f["message"] for f in report["findings"] if f["topic"] == "policy"]
+    assert any("classes.deny" in line for line in lines)
+    assert any(f"class {B[0]} is never announced" in line for line in lines)

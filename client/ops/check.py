@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from starfed.client import memory
+from starfed.client.policy import POLICY_FILE, PolicyError, SitePolicy, read_policy
+from starfed.client.site import admitted
 from starfed.shared.codebook.framing import read_message
 from starfed.shared.data.images import DatasetError, decode_quietly
 from starfed.shared.data.site_folder import HELD_OUT_SHARE, TEST_FOLDER, SiteFolder, class_key
@@ -54,6 +56,7 @@ class SiteCheck:
     fingerprint: str | None = None
     federation_fingerprint: str | None = None
     remembered: dict[str, object] | None = None  # site.json: federation, completed tasks
+    policy: dict[str, object] | None = None  # the policy in force, by its file's keys
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -79,9 +82,11 @@ def check_site(
     backbones: BackboneOptions,
     federation_fingerprint: str | None = None,
     progress: bool = False,
+    policy: Path | None = None,
 ) -> SiteCheck:
-    """Check a site's folders and backbones; ``federation_fingerprint`` (a full fingerprint or
-    a prefix) is what the federation's codebook says."""
+    """Check a site's folders, policy and backbones; ``federation_fingerprint`` (a full
+    fingerprint or a prefix) is what the federation's codebook says; ``policy``: the file
+    ``site start --policy`` will be given (else the state folder's)."""
     report = SiteCheck(str(data), str(state), federation_fingerprint=federation_fingerprint)
     try:
         folder = SiteFolder.scan(data)
@@ -94,6 +99,7 @@ def check_site(
         _class_names(report, folder)
         _images(report, folder, _image_size(backbones), progress)
     _state(report, state, data)
+    _policy(report, folder, state, policy)
     _backbones(report, backbones)
     return report
 
@@ -259,6 +265,27 @@ def _state(report: SiteCheck, state: Path, data: Path) -> None:
     fingerprint = remembered.get("codebook_fingerprint")
     if report.federation_fingerprint is None and fingerprint:
         report.federation_fingerprint = fingerprint  # of the last codebook this site received
+
+
+def _policy(report: SiteCheck, folder: SiteFolder | None, state: Path, path: Path | None) -> None:
+    """The policy in force, read as the site will (client/policy.py): what it sets, and the
+    classes it leaves out of the data folder."""
+    try:
+        policy = read_policy(path, state)
+    except PolicyError as err:
+        report.add(PROBLEM, "policy", str(err))
+        return
+    report.policy = policy.to_json()
+    default = SitePolicy().to_json()
+    changed = [f"{k} = {v}" for k, v in report.policy.items() if v != default[k]]
+    if not changed:
+        report.add(OK, "policy", "none: every message answered, to any server")
+        return
+    report.add(OK, "policy", f"{path or state / POLICY_FILE}: {'; '.join(changed)}")
+    if folder is not None and policy.filters_classes:
+        _, left_out = admitted(folder, policy, patients=policy.privacy_unit == "patient")
+        for name, why in left_out.items():
+            report.add(WARNING, "policy", f"class {name} is never announced: {why}")
 
 
 def _remembered(state: Path) -> dict | None:

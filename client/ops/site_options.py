@@ -5,6 +5,7 @@ The process that runs them is ``supernode``'s (docs/deployment.md).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -12,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tomli_w
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes
 
 from starfed.client.ops import dialling
 from starfed.client.policy import POLICY_FILE, SERVER_FILE, SitePolicy, read_policy
@@ -156,13 +155,12 @@ def prepare(
 
 
 def certificate_sha256(ca: Path) -> str:
-    """The sha256 of the CA certificate in ``ca`` (its DER bytes: what ``openssl x509
-    -fingerprint -sha256`` prints), by which the site's policy and record name its server."""
+    """The sha256 of the ``ca.pem`` file (``sha256sum ca.pem``), by which the site's policy
+    and record name the server it answers."""
     try:
-        certificate = x509.load_pem_x509_certificate(ca.read_bytes())
-    except (OSError, ValueError) as err:
-        raise SiteError(f"--ca {ca} is not a PEM certificate ({err})") from None
-    return certificate.fingerprint(hashes.SHA256()).hex()
+        return hashlib.sha256(ca.read_bytes()).hexdigest()
+    except OSError as err:
+        raise SiteError(f"--ca {ca}: {err.strerror}") from None
 
 
 def check_policy(policy: SitePolicy, server_certificate: str) -> None:
@@ -178,10 +176,13 @@ def check_policy(policy: SitePolicy, server_certificate: str) -> None:
 def write_node_config(path: Path, options: SiteOptions) -> None:
     """The node config as a TOML file: Flower reads a ``.toml`` path whole, so paths with
     spaces, quotes or any other character arrive unchanged (its ``k=v`` string form splits on
-    spaces). The site's terms go beside it in the state folder, where its ClientApp reads
-    them (``starfed.client.policy``): the policy in force (``--policy``, copied) and the
-    server's certificate hash."""
+    spaces)."""
     path.write_text(tomli_w.dumps(options.node_config()), encoding="utf-8")
+
+
+def write_site_terms(options: SiteOptions) -> None:
+    """What the site's ClientApp reads in its state folder (``starfed.client.policy``): the
+    policy in force (``--policy``, copied) and the sha256 of the server's ``ca.pem``."""
     if options.policy is not None and options.policy != options.state / POLICY_FILE:
         write_atomic(options.state / POLICY_FILE, options.policy.read_bytes())
     write_atomic(options.state / SERVER_FILE, options.server_certificate.encode())
