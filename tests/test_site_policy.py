@@ -295,3 +295,21 @@ def test_site_check_prints_the_policy_and_the_classes_it_leaves_out(tmp_path, ca
     lines = [f["message"] for f in report["findings"] if f["topic"] == "policy"]
     assert any("classes.deny" in line for line in lines)
     assert any(f"class {B[0]} is never announced" in line for line in lines)
+
+
+def test_server_status_shows_why_a_site_refused(tmp_path, capsys) -> None:
+    from in_process import starfed
+
+    federation(tmp_path, "[privacy]\nrequired = true\n")
+    folder = ["--dir", tmp_path / "server", "--federation", tmp_path / "federation"]
+    code, out, _ = starfed(capsys, "server", "status", *folder, "--json")
+    status = json.loads(out)
+    assert code == 0 and status["errors"] == []
+    (refusal,) = status["refusals"]
+    # a site refusing its sync never said its name: its node (a registered site: its name)
+    assert refusal["site"] == "node-2" and refusal["phase"] == "sync"
+    assert refusal["status"] == f"refused: {POLICY_REFUSED}: " + (
+        "privacy.required: this run releases without privacy"
+    )
+    code, out, _ = starfed(capsys, "server", "status", *folder)
+    assert "refused by sites in the last steps" in out and "privacy.required" in out
