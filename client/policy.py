@@ -18,7 +18,9 @@ site without a policy does. The site applies it in two places:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -125,7 +127,14 @@ class SitePolicy:
     def admits(self, name: str) -> bool:
         """Whether class ``name`` may be announced by its name: allowed, not denied (globs,
         matched without regard to case)."""
-        return _matches(self.allow, name) and not _matches(self.deny, name)
+        allow, deny = self._globs
+        return bool(allow.fullmatch(name)) and not (deny and deny.fullmatch(name))
+
+    @functools.cached_property
+    def _globs(self) -> tuple[re.Pattern[str], re.Pattern[str] | None]:
+        """``allow`` and ``deny`` as one pattern each (None: nothing denied), compiled once:
+        a folder of 10,000 classes is read at every message."""
+        return _pattern(self.allow), _pattern(self.deny) if self.deny else None
 
     # --- the messages -----------------------------------------------------------------------
 
@@ -272,8 +281,8 @@ def _known() -> str:
     return ", ".join(f"{s}.{k}" for s, k in KEYS)
 
 
-def _matches(patterns: tuple[str, ...], name: str) -> bool:
-    return any(fnmatch.fnmatchcase(name.lower(), p.lower()) for p in patterns)
+def _pattern(globs: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in globs), re.IGNORECASE)
 
 
 def _plain(value: object) -> object:
