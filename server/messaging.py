@@ -150,7 +150,8 @@ def note_error(entry: Exchange, reason: str | None) -> None:
     text = short_reason(reason)
     _, refused, why = text.partition(f"{POLICY_REFUSED}: ")
     if refused:
-        entry.status = ExchangeStatus(Outcome.REFUSED, f"{POLICY_REFUSED}: {why.strip(chr(39))}")
+        why = why.removesuffix("'>").removesuffix('">')  # Flower's "<class ...>:<'text'>"
+        entry.status = ExchangeStatus(Outcome.REFUSED, f"{POLICY_REFUSED}: {why}")
         logger.info("%s refused %s: %s", who(entry), entry.phase, why)
         return
     entry.status = ExchangeStatus(Outcome.ERROR, text)

@@ -313,3 +313,23 @@ def test_server_status_shows_why_a_site_refused(tmp_path, capsys) -> None:
     )
     code, out, _ = starfed(capsys, "server", "status", *folder)
     assert "refused by sites in the last steps" in out and "privacy.required" in out
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [
+        f"PolicyRefusal: {POLICY_REFUSED}: pinned to federation X, asked by Y",  # local runtime
+        "<class 'starfed.client.worker.WorkerError'>:<'PolicyRefusal: "  # Flower's ClientApp
+        f"{POLICY_REFUSED}: pinned to federation X, asked by Y'>",
+    ],
+)
+def test_the_server_reads_a_refusal_in_each_runtimes_error_reply(reason) -> None:
+    from starfed.server.messaging import note_error
+    from starfed.server.records import Exchange
+
+    entry = Exchange(0, "sync", 0, 2, "farm-b", 0)
+    note_error(entry, reason)
+    assert entry.status == f"refused: {POLICY_REFUSED}: pinned to federation X, asked by Y"
+    assert not entry.failed
+    note_error(entry, "RuntimeError: boom")
+    assert entry.failed and entry.status == "error: RuntimeError: boom"
