@@ -48,8 +48,9 @@ def run_audit(args: argparse.Namespace) -> int:
         emit_json({"site": args.site, "replies": rows})
         return EXIT_OK
     for row in rows:
+        where = f"{row['phase']}/{row['round']}"
         print(
-            f"step {row['step'] + 1} {row['phase']}/{row['round']} {row['bytes']:>10,} B "
+            f"step {row['step'] + 1:<4} {where:<16} {row['bytes']:>10,} B "
             f"{row['sha256']} {row['status']}"
         )
     print(f"{len(rows)} replies from {args.site}")

@@ -31,7 +31,7 @@ from starfed.shared.codebook import schema
 from starfed.shared.protocol import POLICY_REFUSED, Phase
 
 #: In the state folder: the policy in force (``site start --policy`` copies its file there),
-#: and the sha256 of the CA certificate the site trusts (``site start`` writes it; none in a
+#: and the sha256 of the ca.pem the site trusts (``site start`` writes it; none in a
 #: simulation): what the site's ClientApp reads.
 POLICY_FILE = "policy.toml"
 SERVER_FILE = "server-certificate"
@@ -198,7 +198,7 @@ def read_policy(path: Path | None, state_dir: Path) -> SitePolicy:
 
 
 def server_certificate(state_dir: Path) -> str:
-    """The sha256 of the CA certificate the site trusts ("": none recorded, a simulation)."""
+    """The sha256 of the ca.pem the site trusts ("": none recorded, a simulation)."""
     path = state_dir / SERVER_FILE
     return path.read_text().strip() if path.is_file() else ""
 

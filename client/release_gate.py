@@ -31,7 +31,7 @@ class Request:
     federation: str
     wire_dtype: str
     releases: tuple[str, ...]  # what answering would release (``policy.releases_of``)
-    server: str  # sha256 of the server's CA certificate the site trusts ("": a simulation)
+    server: str  # sha256 of the ca.pem the site trusts, its server ("": a simulation)
 
     def release(self, codebook_version: int, outgoing: tuple[Outgoing, ...] = ()) -> Release:
         """The record line of ``outgoing``, this request's reply (none: a refusal, whose

@@ -50,7 +50,7 @@ class Release:
     """One message answered (``sha256`` of the bytes sent) or refused (``refused``: why)."""
 
     time: str  # ISO 8601, UTC
-    server: str  # sha256 of the server's CA certificate the site trusts ("": a simulation)
+    server: str  # sha256 of the ca.pem the site trusts, its server ("": a simulation)
     federation: str
     run: int
     step: int
