@@ -295,6 +295,30 @@ def test_site_check_prints_the_policy_and_the_classes_it_leaves_out(tmp_path, ca
     lines = [f["message"] for f in report["findings"] if f["topic"] == "policy"]
     assert any("classes.deny" in line for line in lines)
     assert any(f"class {B[0]} is never announced" in line for line in lines)
+    assert "under this run config it answers every message" not in " ".join(lines)
+
+
+def test_site_check_says_what_the_policy_refuses_under_the_servers_run_config(
+    tmp_path, capsys
+) -> None:
+    from starfed.cli import main
+
+    data = site_folder(tmp_path / "farm", {"t1": B}, train=3, test=1)
+    (tmp_path / "state").mkdir()
+    policy = '[privacy]\nmax-epsilon = 8.0\n\n[release]\nwithhold = ["vit_mixture"]\n'
+    (tmp_path / "state" / "policy.toml").write_text(policy)
+    check = ["site", "check", "--data", str(data), "--state", str(tmp_path / "state"), "--json"]
+    main([*check, "--run-config", "privacy-epsilon=20"])
+    lines = [f["message"] for f in json.loads(capsys.readouterr().out)["findings"]]
+    refused = [line for line in lines if "under this run config it refuses" in line]
+    assert len(refused) == 6  # every message; stage2_stats for its first reason, the field
+    assert sum("privacy epsilon 20 > privacy.max-epsilon 8" in r for r in refused) == 5
+    main([*check, "--run-config", "privacy-epsilon=4"])
+    lines = [f["message"] for f in json.loads(capsys.readouterr().out)["findings"]]
+    refused = [line for line in lines if "under this run config it refuses" in line]
+    assert refused == [
+        "under this run config it refuses stage2_stats: release.withhold forbids vit_mixture"
+    ]
 
 
 def test_server_status_shows_why_a_site_refused(tmp_path, capsys) -> None:
