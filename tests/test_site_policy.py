@@ -5,17 +5,25 @@ run completes with the other site (docs/sites.md#for-a-governance-office)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from pathlib import Path
 
 import pytest
-from in_process import TINY_RUN, run_grid
+import tomli_w
+from in_process import TINY_RUN, run_grid, starfed
 from site_folders import CLASSES, site_folder
 
+from starfed.cli import main
 from starfed.client import app as client_app
+from starfed.client.ops import site_options
+from starfed.client.ops.site_options import SiteError
 from starfed.client.policy import PolicyError, PrivacyTerms, SitePolicy
 from starfed.client.release_record import ReleaseRecord
+from starfed.ops import pki
+from starfed.server.messaging import note_error
+from starfed.server.records import Exchange
 from starfed.shared.protocol import POLICY_REFUSED
 from starfed.simulations.local_grid import LocalGrid
 
@@ -52,12 +60,8 @@ def test_the_default_policy_refuses_nothing() -> None:
     ],
 )
 def test_a_bad_policy_is_one_line_naming_the_key(toml, names, tmp_path) -> None:
-    import tomli_w
-
     path = tmp_path / "policy.toml"
-    path.write_text(
-        tomli_w.dumps(toml) if all(isinstance(v, dict) for v in toml.values()) else "classes = 3"
-    )
+    path.write_text(tomli_w.dumps(toml))
     with pytest.raises(PolicyError) as caught:
         SitePolicy.read(path)
     message = str(caught.value)
@@ -233,9 +237,6 @@ def test_too_few_images_per_class_are_not_announced(tmp_path) -> None:
 
 def start_options(tmp_path: Path, policy: str):
     """``site start``'s inputs checked (``site_options.prepare``) with ``policy`` as --policy."""
-    from starfed.client.ops import site_options
-    from starfed.ops import pki
-
     data = site_folder(tmp_path / "farm", {"t1": B}, train=3, test=1)
     key, ca = tmp_path / "site.key", tmp_path / "ca.pem"
     pki.write_site_key(key, "t")
@@ -252,10 +253,6 @@ def start_options(tmp_path: Path, policy: str):
 
 
 def test_site_start_installs_the_policy_and_names_the_server(tmp_path) -> None:
-    import hashlib
-
-    from starfed.client.ops import site_options
-
     digest = hashlib.sha256(b"the federation's CA").hexdigest()
     policy = f'[server]\ncertificate-sha256 = "{digest}"\n'
     options = start_options(tmp_path, policy)
@@ -274,16 +271,12 @@ def test_site_start_installs_the_policy_and_names_the_server(tmp_path) -> None:
     ],
 )
 def test_site_start_refuses_another_server_or_a_bad_policy(tmp_path, policy, error) -> None:
-    from starfed.client.ops.site_options import SiteError
-
     with pytest.raises((SiteError, PolicyError)) as caught:
         start_options(tmp_path, policy)
     assert error in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_site_check_prints_the_policy_and_the_classes_it_leaves_out(tmp_path, capsys) -> None:
-    from starfed.cli import main
-
     data = site_folder(tmp_path / "farm", {"t1": B}, train=3, test=1)
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "policy.toml").write_text(f'[classes]\ndeny = ["{B[0]}"]\n')
@@ -301,8 +294,6 @@ def test_site_check_prints_the_policy_and_the_classes_it_leaves_out(tmp_path, ca
 def test_site_check_says_what_the_policy_refuses_under_the_servers_run_config(
     tmp_path, capsys
 ) -> None:
-    from starfed.cli import main
-
     data = site_folder(tmp_path / "farm", {"t1": B}, train=3, test=1)
     (tmp_path / "state").mkdir()
     policy = '[privacy]\nmax-epsilon = 8.0\n\n[release]\nwithhold = ["vit_mixture"]\n'
@@ -322,8 +313,6 @@ def test_site_check_says_what_the_policy_refuses_under_the_servers_run_config(
 
 
 def test_server_status_shows_why_a_site_refused(tmp_path, capsys) -> None:
-    from in_process import starfed
-
     federation(tmp_path, "[privacy]\nrequired = true\n")
     folder = ["--dir", tmp_path / "server", "--federation", tmp_path / "federation"]
     code, out, _ = starfed(capsys, "server", "status", *folder, "--json")
@@ -348,9 +337,6 @@ def test_server_status_shows_why_a_site_refused(tmp_path, capsys) -> None:
     ],
 )
 def test_the_server_reads_a_refusal_in_each_runtimes_error_reply(reason) -> None:
-    from starfed.server.messaging import note_error
-    from starfed.server.records import Exchange
-
     entry = Exchange(0, "sync", 0, 2, "farm-b", 0)
     note_error(entry, reason)
     assert entry.status == f"refused: {POLICY_REFUSED}: pinned to federation X, asked by Y"
