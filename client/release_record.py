@@ -79,7 +79,9 @@ class Release:
         }
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> Release:
+    def from_json(cls, line: str) -> Release:
+        """The release a line holds (its chain keys aside: ``verify`` checks them)."""
+        raw = json.loads(line)
         values = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
         return cls(
             **{
@@ -153,7 +155,7 @@ class ReleaseRecord:
             return
         with open(self.path, encoding="utf-8") as lines:
             for line in lines:
-                yield Release.from_json(json.loads(line))
+                yield Release.from_json(line)
 
     def verify(self) -> int:
         """The number of lines, when every line holds its own hash and follows the one
