@@ -142,8 +142,8 @@ class ExchangeStatus(str):
 
     @property
     def failed(self) -> bool:
-        """Not answered as asked: an error, no reply or a rejected reply. A private site's
-        refusal (its budget is exhausted) is an answer."""
+        """Not answered as asked: an error, no reply or a rejected reply. A site's refusal
+        (a private site's exhausted budget, or its policy) is an answer."""
         return self.outcome not in (Outcome.OK, Outcome.REFUSED)
 
 
