@@ -6,6 +6,7 @@ run completes with the other site (docs/sites.md#for-a-governance-office)."""
 from __future__ import annotations
 
 import hashlib
+import html
 import itertools
 import json
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import tomli_w
 from in_process import TINY_RUN, run_grid, starfed
 from site_folders import CLASSES, site_folder
+from starlette.testclient import TestClient
 
 from starfed.cli import main
 from starfed.client import app as client_app
@@ -23,6 +25,8 @@ from starfed.client.policy import PolicyError, PrivacyTerms, SitePolicy
 from starfed.client.release_record import ReleaseRecord
 from starfed.ops import pki
 from starfed.server.messaging import note_error
+from starfed.server.ops.dashboard import Dashboard
+from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Exchange
 from starfed.shared.protocol import POLICY_REFUSED
 from starfed.simulations.local_grid import LocalGrid
@@ -326,6 +330,10 @@ def test_server_status_shows_why_a_site_refused(tmp_path, capsys) -> None:
     )
     code, out, _ = starfed(capsys, "server", "status", *folder)
     assert "refused by sites in the last steps" in out and "privacy.required" in out
+    dashboard = Dashboard(ServerFolder.at(tmp_path / "server"), tmp_path / "federation", 5.0)
+    page = TestClient(dashboard.app()).get("/").text
+    assert "refused by sites in the last steps" in page
+    assert "privacy.required: this run releases without privacy" in html.unescape(page)
 
 
 @pytest.mark.parametrize(
