@@ -144,6 +144,11 @@ def _print_findings(status: Status, out: Console, say: Callable[[str], None]) ->
         out.print(table)
     else:
         say("errors     none in the last steps")
+    if status.refusals:  # a site's policy or spent budget: an answer, not a failure
+        table = Table("site", "step", "phase", "why", title="refused by sites in the last steps")
+        for e in status.refusals:
+            table.add_row(e.site, str(e.step + 1), f"{e.phase}/{e.round}", e.status)
+        out.print(table)
     if status.findings:
         table = Table(
             "site",

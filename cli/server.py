@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from starfed.cli import _common, federation, inference_server, server_sites
+from starfed.cli import _common, federation, inference_server, server_audit, server_sites
 from starfed.cli._common import (
     Failed,
     add_group,
@@ -100,6 +100,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     inference_server.add_actions(actions, common)  # export, serve
     server_sites.add_actions(actions, common)  # sites add|list|remove|refused
     federation.add_actions(actions, common)  # run, resume, status, check, repair
+    server_audit.add_action(actions, common)  # audit
 
 
 # --- certs ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from starfed.cli import site_check
+from starfed.cli import site_audit, site_check
 from starfed.cli._common import add_group, add_switches, fail, guard
 from starfed.cli.flags import Flag, add_command, device_flag, parsed, same_name
 from starfed.client.ops import dialling, site_options, supernode
@@ -67,6 +67,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--name", help="site name given to the ClientApp (default: the data folder's)")
     p.add_argument(
+        "--policy",
+        type=Path,
+        help="the site's policy, what it releases and to whom (default: STATE/policy.toml when "
+        "there is one; docs/sites.md#for-a-governance-office)",
+    )
+    p.add_argument(
         "--give-up-after",
         type=float,
         default=dialling.GIVE_UP_S,
@@ -86,6 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         },
     )
     site_check.add_action(actions)
+    site_audit.add_action(actions)
 
 
 def run_keygen(args: argparse.Namespace) -> int:
@@ -142,6 +149,7 @@ def run_start(args: argparse.Namespace) -> int:
             worker=not args.no_worker,
             give_up_s=args.give_up_after,
             privacy_unit=as_str(values, "privacy-unit"),
+            policy=args.policy,
         )
     except (ValueError, site_options.SiteError) as err:  # SiteKeyError is a ValueError
         return fail(args, err, EXIT_BAD_INPUT)

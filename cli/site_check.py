@@ -12,10 +12,11 @@ import re
 from pathlib import Path
 
 from starfed.cli._common import add_switches, guard
-from starfed.cli.flags import add_command, parsed, same_name
+from starfed.cli.flags import add_command, add_run_config, parsed, run_config_pairs, same_name
 from starfed.client.ops import site_options
 from starfed.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.shared.codebook.framing import CodebookError, read_message
+from starfed.shared.config import parse
 from starfed.shared.knob import ConfigError
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.progress import counted
@@ -35,6 +36,10 @@ def add_action(actions: argparse._SubParsersAction) -> None:
         help="the site's state folder (default: as `site start`, from --name)",
     )
     parser.add_argument("--name", help="site name (default: the data folder's)")
+    parser.add_argument(
+        "--policy", type=Path, help="the policy `site start --policy` will get (default: STATE's)"
+    )
+    add_run_config(parser)  # the server's: what the policy would refuse under it
     expected = parser.add_mutually_exclusive_group()
     expected.add_argument(
         "--codebook",
@@ -85,7 +90,18 @@ def run_check(args: argparse.Namespace) -> int:
 
     from starfed.client.ops.check import check_site  # torch: only once the input is good
 
-    report = check_site(data, state.resolve(), backbones, expected, progress=not args.json)
+    server_run = None
+    if args.run_config:
+        server_run = parse(run_config_pairs(args.run_config), "run-config")
+    report = check_site(
+        data,
+        state.resolve(),
+        backbones,
+        expected,
+        progress=not args.json,
+        policy=args.policy,
+        run_config=server_run,
+    )
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

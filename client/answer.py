@@ -21,10 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from starfed.client import release_gate
 from starfed.client.memory import SiteMemory
+from starfed.client.policy import (
+    COUNTS,
+    EVALUATION,
+    read_policy,
+    releases_of,
+    server_certificate,
+)
 from starfed.client.privacy import PrivacySetting
+from starfed.client.release_gate import Outgoing
 from starfed.client.site import Site
-from starfed.shared.codebook import wire
+from starfed.shared.codebook import schema, wire
+from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.codebook.lineage import EPOCH_KEY, FEDERATION_KEY
 from starfed.shared.config import environment, parse, run_dir
 from starfed.shared.knob import as_int, as_str
@@ -144,12 +154,15 @@ def _build_site(run_id: int, node_id: int, run_config: dict, node_config: dict) 
     memory = SiteMemory(state_dir, backbones.fingerprint, backbones.dims)
     config = TrainConfig.from_config(values)
     privacy = PrivacySetting.of(values, node)
-    return Site(name, data_dir, memory, backbones, config, cache_dir, privacy)
+    policy = read_policy(None, state_dir)
+    return Site(name, data_dir, memory, backbones, config, cache_dir, privacy, policy)
 
 
 def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
     """The reply to one message: its records as (name, bytes) — an update, or the site's
     report — then the update of each phase that travels with it (``ALSO``), named by its key.
+    The site's gate admits the message before anything is computed and records the reply
+    before it is sent (``starfed.client.release_gate``).
 
     ``header`` holds the phase, the message's config and the run's and node's configs;
     ``payload`` the codebook the message carries (or nothing).
@@ -159,6 +172,31 @@ def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
     site = site_for(
         header["run-id"], header["node-id"], header["run-config"], header["node-config"]
     )
+    request = _request(header, phase, config, site.memory.root)
+    release_gate.admit(site, request)
+    records, version = _reply(site, phase, config, payload)
+    return release_gate.release(site, request, records, version)
+
+
+def _request(
+    header: dict[str, Any], phase: Phase, config: dict, state_dir: Path
+) -> release_gate.Request:
+    """What the message asks, as the site's gate sees it."""
+    also = [str(key) for key in config.get(ALSO, [])]
+    return release_gate.Request(
+        int(header["run-id"]),
+        int(config[STEP]),
+        phase,
+        int(config.get(ROUND, 0)),
+        str(config[FEDERATION_KEY]),
+        str(config.get(WIRE_DTYPE, "float32")),
+        releases_of(phase, also, CATCH_UP in config),
+        server_certificate(state_dir),
+    )
+
+
+def _reply(site: Site, phase: Phase, config: dict, payload: bytes) -> tuple[list[Outgoing], int]:
+    """The reply's records, and the version of the codebook the message carried (0: none)."""
     step, round_index = int(config[STEP]), int(config.get(ROUND, 0))
     federation = str(config[FEDERATION_KEY])
     wire_dtype = str(config.get(WIRE_DTYPE, "float32"))
@@ -166,20 +204,32 @@ def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
         site.memory.join(federation)
         index, count, classes = (int(value) for value in config[CATCH_UP])
         site.memory.catch_up(payload, index, count, classes)
-        return [(HELD, str(site.memory.held_version(str(config[EPOCH_KEY]))).encode())]
+        held = str(site.memory.held_version(str(config[EPOCH_KEY]))).encode()
+        return [Outgoing(HELD, held)], 0
     if phase is Phase.SYNC:
         frozen = [str(name) for name in config.get(FROZEN, [])]
         update = site.sync(step, frozen, federation, str(config[EPOCH_KEY]))
-        return [(UPDATE_RECORD, wire.encode(update, wire_dtype))]
+        return [_update(UPDATE_RECORD, update, wire_dtype, (COUNTS,))], 0
     site.memory.join(federation)
     codebook = site.memory.receive(payload)
     if phase is Phase.EVALUATE:
         use_keys = bool(config.get(CLASSIFY_WITH_KEYS, False))
         report = site.evaluate(codebook, [int(s) for s in config[CLASS_STEPS]], use_keys)
-        return [(REPORT_RECORD, report.to_bytes())]
+        scored = tuple(score.name for score in report.classes)
+        fields = (EVALUATION,) if scored else ()
+        return [Outgoing(REPORT_RECORD, report.to_bytes(), scored, fields)], codebook.version
     update = site.run_phase(phase, codebook, step, round_index)
-    records = [(UPDATE_RECORD, wire.encode(update, wire_dtype))]
+    records = [_update(UPDATE_RECORD, update, wire_dtype)]
     for key in config.get(ALSO, []):
         also = site.run_phase(Phase[str(key).upper()], codebook, step)
-        records.append((also.phase.key, wire.encode(also, wire_dtype)))
-    return records
+        records.append(_update(also.phase.key, also, wire_dtype))
+    return records, codebook.version
+
+
+def _update(
+    name: str, update: ClientUpdate, wire_dtype: str, fields: tuple[str, ...] = ()
+) -> Outgoing:
+    """An update as it leaves: its bytes, its classes and the fields it carries."""
+    names = tuple(entry.name for entry in update.entries)
+    carried = fields or schema.trained_in(update.phase)
+    return Outgoing(name, wire.encode(update, wire_dtype), names, carried if names else ())

@@ -25,12 +25,19 @@ import numpy as np
 import torch
 
 from starfed.client.memory import SiteMemory
+from starfed.client.policy import SitePolicy
 from starfed.client.privacy import PrivacySetting, PrivacyUnit, PrivateReleases
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.data.images import DecodedImages, decode_images
-from starfed.shared.data.site_folder import SiteFolder, SiteTask, class_key, file_digests
+from starfed.shared.data.site_folder import (
+    SiteFolder,
+    SiteTask,
+    class_key,
+    file_digests,
+    patient_of,
+)
 from starfed.shared.files import write_atomic
 from starfed.shared.model import training
 from starfed.shared.model.backbones import Backbones
@@ -116,8 +123,10 @@ class Site:
         config: TrainConfig,
         cache_dir: str | Path,
         privacy: PrivacySetting | None = None,
+        policy: SitePolicy | None = None,
     ) -> None:
         self.name = name
+        self.policy = policy or SitePolicy()
         self.data_dir = Path(data_dir)
         self.memory = memory
         self.backbones = backbones
@@ -140,12 +149,18 @@ class Site:
 
     def scan(self) -> SiteFolder:
         """The data folder as it is now (read at every message: it may grow; a simulation
-        writes its simulated sites' folders before each step). With the patient privacy unit,
-        at most ``privacy-patient-images`` images of a patient per class, and the budget
-        site-wide when a patient has images in several classes."""
+        writes its simulated sites' folders before each step), without the classes the site's
+        policy does not admit. With the patient privacy unit, at most
+        ``privacy-patient-images`` images of a patient per class, and the budget site-wide
+        when a patient has images in several classes."""
         folder = SiteFolder.scan(self.data_dir)
         private = self.private
-        if private is None or private.setting.unit is not PrivacyUnit.PATIENT:
+        patients = private is not None and private.setting.unit is PrivacyUnit.PATIENT
+        if self.policy.filters_classes:
+            folder, left_out = admitted(folder, self.policy, patients)
+            if left_out:
+                logger.debug("the site's policy leaves out %s", left_out)
+        if private is None or not patients:
             return folder
         folder = folder.per_patient(private.setting.patient_images)
         private.site_wide = any(len(keys) > 1 for keys in folder.patients().values())
@@ -325,6 +340,31 @@ class Site:
         features = self._cached_features(test)
         scores = score_classes(model, test.images, test.labels, features, steps, use_keys)
         return EvaluationReport.of(codebook, scores, **metadata)
+
+
+def admitted(
+    folder: SiteFolder, policy: SitePolicy, patients: bool
+) -> tuple[SiteFolder, dict[str, str]]:
+    """The folder as ``policy`` lets the site release it, and each class left out with why:
+    not admitted by name, or fewer images (``patients``: patients) than its ``min_images``.
+    Their test images are left out too: no evaluation counts of them leave either."""
+    left_out: dict[str, str] = {}
+    tasks = []
+    for task in folder.tasks:
+        kept = {}
+        for name, paths in task.train.items():
+            units = len({patient_of(p) or p for p in paths}) if patients else len(paths)
+            if not policy.admits(name):
+                left_out[name] = "not allowed by classes.allow/deny"
+            elif paths and units < policy.min_images:
+                unit = "patients" if patients else "images"
+                left_out[name] = f"{units} {unit} < classes.min-images {policy.min_images}"
+            else:
+                kept[name] = paths
+        tasks.append(SiteTask(task.name, kept))
+    held = {class_key(name) for name in left_out}
+    test = {key: paths for key, paths in folder.test.items() if key not in held}
+    return SiteFolder(folder.root, tasks, test), left_out
 
 
 # --- the handlers: each phase's step on the task view, training its model in place --------------

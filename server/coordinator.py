@@ -38,7 +38,15 @@ from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import COMPLETED, DEGRADED, FAILED, Federation
 from starfed.server.messaging import Reply, SiteGrid, exchange, message_config
 from starfed.server.participants import Participants, new_classes, sync_config
-from starfed.server.records import Exchange, PhaseRound, PhaseTime, Position, StepRecord, StepScores
+from starfed.server.records import (
+    Exchange,
+    Outcome,
+    PhaseRound,
+    PhaseTime,
+    Position,
+    StepRecord,
+    StepScores,
+)
 from starfed.server.replies import reports, screened
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.step_records import RUN_END_LEVELS, RunLog, StepFailed, StepTally
@@ -456,7 +464,7 @@ class Coordinator:
         )
         if payload:
             for entry in exchanges:
-                if not entry.failed:
+                if entry.status.outcome is Outcome.OK:  # a refusal kept nothing
                     self.participants.hold(entry.node_id, self.codebook.version)
                 else:
                     self.participants.hold(entry.node_id, None)

@@ -27,12 +27,14 @@ from starfed.shared.protocol import (
     BUDGET_EXHAUSTED,
     CODEBOOK_RECORD,
     CONFIG_RECORD,
+    POLICY_REFUSED,
     PRIVACY_EPSILON,
     RECORD_DATA,
     ROUND,
     STEP,
     WIRE_DTYPE,
     PhaseSpec,
+    reply_sha256,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,10 +106,15 @@ def exchange(
             continue
         answered.add(entry.node_id)
         if reply.has_error():
-            entry.status = ExchangeStatus(Outcome.ERROR, short_reason(reply.error.reason))
-            logger.warning("%s failed %s: %s", who(entry), spec.phase.key, reply.error.reason)
+            note_error(entry, reply.error.reason)
             continue
         entry.bytes_up = content_bytes(reply.content)
+        entry.reply_sha256 = reply_sha256(
+            (name, value)
+            for name, record in reply.content.items()
+            for value in record.values()
+            if isinstance(value, bytes)
+        )
         good.append((entry, reply))
     for entry in exchanges:
         if entry.node_id not in answered:
@@ -135,6 +142,20 @@ def send_and_receive(grid: SiteGrid, messages: list[Message], timeout: float) ->
         time.sleep(wait)
         wait = min(wait * 1.5, PULL_WAITS_S[1])
     return replies
+
+
+def note_error(entry: Exchange, reason: str | None) -> None:
+    """Record an error reply: a refusal by the site's policy (``POLICY_REFUSED``: an answer,
+    with its reason), or a failure."""
+    text = short_reason(reason)
+    _, refused, why = text.partition(f"{POLICY_REFUSED}: ")
+    if refused:
+        why = why.removesuffix("'>").removesuffix('">')  # Flower's "<class ...>:<'text'>"
+        entry.status = ExchangeStatus(Outcome.REFUSED, f"{POLICY_REFUSED}: {why}")
+        logger.info("%s refused %s: %s", who(entry), entry.phase, why)
+        return
+    entry.status = ExchangeStatus(Outcome.ERROR, text)
+    logger.warning("%s failed %s: %s", who(entry), entry.phase, reason)
 
 
 def reject(entry: Exchange, reason: str) -> None:

@@ -110,7 +110,7 @@ class Outcome(StrEnum):
     ERROR = "error"  # the site's app failed (Flower's error reply)
     NO_REPLY = "no reply"  # nothing came back in time
     REJECTED = "rejected"  # the reply failed the server's checks
-    REFUSED = "refused"  # a private site refused classes (its budget is exhausted): an answer
+    REFUSED = "refused"  # a private site's exhausted budget, or the site's policy: an answer
 
 
 class ExchangeStatus(str):
@@ -142,8 +142,8 @@ class ExchangeStatus(str):
 
     @property
     def failed(self) -> bool:
-        """Not answered as asked: an error, no reply or a rejected reply. A private site's
-        refusal (its budget is exhausted) is an answer."""
+        """Not answered as asked: an error, no reply or a rejected reply. A site's refusal
+        (a private site's exhausted budget, or its policy) is an answer."""
         return self.outcome not in (Outcome.OK, Outcome.REFUSED)
 
 
@@ -165,6 +165,7 @@ class Exchange:
     bytes_up: int = 0
     status: ExchangeStatus = field(default_factory=ExchangeStatus)
     epsilon: float | None = None  # a private site's ε so far, as its reply says
+    reply_sha256: str = ""  # of the reply's bytes (``protocol.reply_sha256``): the site's record
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, ExchangeStatus):
@@ -238,6 +239,9 @@ class StepRecord:
 
     def to_json(self) -> str:
         raw = asdict(self)
+        for exchange in raw["exchanges"]:  # none: no reply (or a line from before the hashes)
+            if not exchange["reply_sha256"]:
+                del exchange["reply_sha256"]
         return json.dumps({k: v for k, v in raw.items() if v is not None})
 
     @classmethod

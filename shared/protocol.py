@@ -25,6 +25,8 @@ are part of what makes results reproducible, so they never change.
 from __future__ import annotations
 
 import enum
+import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from starfed.proto import codebook_pb2 as pb
@@ -150,6 +152,20 @@ CLASSIFY_WITH_KEYS = "classify-with-keys"
 #: budget is exhausted (comma-separated; the server records a refusal, not a failure).
 PRIVACY_EPSILON = "privacy-epsilon"
 BUDGET_EXHAUSTED = "privacy-budget-exhausted"
+
+#: How a site's error reply begins when its policy refused the message (``starfed.client.policy``):
+#: the server records a refusal by the site's policy, with the reason after it, not a failure.
+POLICY_REFUSED = "refused by the site's policy"
+
+
+def reply_sha256(records: Iterable[tuple[str, bytes]]) -> str:
+    """The sha256 of a reply's bytes: its records' data in the order of their names (one
+    record: the sha256 of its bytes). The site's release record and the server's history both
+    keep it, so they can be compared (docs/security.md#the-release-record)."""
+    digest = hashlib.sha256()
+    for _, data in sorted(records, key=lambda record: record[0]):
+        digest.update(data)
+    return digest.hexdigest()
 
 
 # --- what a message's records hold, typed (Flower types a record value as any of its kinds) --

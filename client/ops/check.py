@@ -16,12 +16,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from starfed.client import memory
+from starfed.client.policy import (
+    POLICY_FILE,
+    PolicyError,
+    PrivacyTerms,
+    SitePolicy,
+    read_policy,
+    releases_of,
+)
+from starfed.client.privacy import PrivacySetting
+from starfed.client.site import admitted
 from starfed.shared.codebook.framing import read_message
+from starfed.shared.config import parse
 from starfed.shared.data.images import DatasetError, decode_quietly
 from starfed.shared.data.site_folder import HELD_OUT_SHARE, TEST_FOLDER, SiteFolder, class_key
+from starfed.shared.knob import Values
 from starfed.shared.model.backbone_config import BackboneError, preset_config, read_backbone_config
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.progress import counted
+from starfed.shared.protocol import Phase
 
 OK, WARNING, PROBLEM = "ok", "warning", "problem"
 DECODE_BATCH = 256  # images decoded at a time: bounds memory on large folders
@@ -54,6 +67,7 @@ class SiteCheck:
     fingerprint: str | None = None
     federation_fingerprint: str | None = None
     remembered: dict[str, object] | None = None  # site.json: federation, completed tasks
+    policy: dict[str, object] | None = None  # the policy in force, by its file's keys
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -79,9 +93,13 @@ def check_site(
     backbones: BackboneOptions,
     federation_fingerprint: str | None = None,
     progress: bool = False,
+    policy: Path | None = None,
+    run_config: Values | None = None,
 ) -> SiteCheck:
-    """Check a site's folders and backbones; ``federation_fingerprint`` (a full fingerprint or
-    a prefix) is what the federation's codebook says."""
+    """Check a site's folders, policy and backbones; ``federation_fingerprint`` (a full
+    fingerprint or a prefix) is what the federation's codebook says; ``policy``: the file
+    ``site start --policy`` will be given (else the state folder's); ``run_config``: the
+    server's, for what the policy would refuse."""
     report = SiteCheck(str(data), str(state), federation_fingerprint=federation_fingerprint)
     try:
         folder = SiteFolder.scan(data)
@@ -94,6 +112,7 @@ def check_site(
         _class_names(report, folder)
         _images(report, folder, _image_size(backbones), progress)
     _state(report, state, data)
+    _policy(report, folder, state, policy, run_config)
     _backbones(report, backbones)
     return report
 
@@ -259,6 +278,59 @@ def _state(report: SiteCheck, state: Path, data: Path) -> None:
     fingerprint = remembered.get("codebook_fingerprint")
     if report.federation_fingerprint is None and fingerprint:
         report.federation_fingerprint = fingerprint  # of the last codebook this site received
+
+
+def _policy(
+    report: SiteCheck,
+    folder: SiteFolder | None,
+    state: Path,
+    path: Path | None,
+    run_config: Values | None,
+) -> None:
+    """The policy in force, read as the site will (client/policy.py): what it sets, the
+    classes it leaves out of the data folder, and the messages of ``run_config`` (the
+    server's, as the operator announces it) it would refuse."""
+    try:
+        policy = read_policy(path, state)
+    except PolicyError as err:
+        report.add(PROBLEM, "policy", str(err))
+        return
+    report.policy = policy.to_json()
+    default = SitePolicy().to_json()
+    changed = [f"{k} = {v}" for k, v in report.policy.items() if v != default[k]]
+    if not changed:
+        report.add(OK, "policy", "none: every message answered, to any server")
+        return
+    report.add(OK, "policy", f"{path or state / POLICY_FILE}: {'; '.join(changed)}")
+    if folder is not None and policy.filters_classes:
+        _, left_out = admitted(folder, policy, patients=policy.privacy_unit == "patient")
+        for name, why in left_out.items():
+            report.add(WARNING, "policy", f"class {name} is never announced: {why}")
+    if run_config is not None:
+        _refusals(report, policy, run_config)
+
+
+def _refusals(report: SiteCheck, policy: SitePolicy, run_config: Values) -> None:
+    """Each message of a step the policy would refuse under ``run_config`` (the site's own
+    privacy setting unknown here: the run's; the server and federation pins aside)."""
+    setting = PrivacySetting.of(run_config, parse({}, "node-config"))
+    terms = (
+        None
+        if setting is None
+        else PrivacyTerms(setting.epsilon, setting.delta, setting.unit.value)
+    )
+    dtype = str(run_config["wire-dtype"])
+    refused = False
+    for phase in Phase:
+        releases = releases_of(phase, [], catch_up=False)
+        reason = policy.refusal(
+            releases, dtype, policy.federation, policy.server_certificate, terms
+        )
+        if reason is not None:
+            refused = True
+            report.add(WARNING, "policy", f"under this run config it refuses {phase.key}: {reason}")
+    if not refused:
+        report.add(OK, "policy", "under this run config it answers every message")
 
 
 def _remembered(state: Path) -> dict | None:

@@ -5,6 +5,7 @@ The process that runs them is ``supernode``'s (docs/deployment.md).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -14,9 +15,11 @@ from pathlib import Path
 import tomli_w
 
 from starfed.client.ops import dialling
+from starfed.client.policy import POLICY_FILE, SERVER_FILE, SitePolicy, read_policy
 from starfed.ops import pki, processes
 from starfed.shared import addresses
 from starfed.shared.config import TABLES
+from starfed.shared.files import write_atomic
 
 #: `starfed site start --device` (the knob table defines it; the CLI checks it at start).
 DEFAULT_DEVICE = str(TABLES["run-config"]["device"].default)
@@ -41,6 +44,8 @@ class SiteOptions:
     privacy: tuple[float, float] = (0.0, 0.0)  # the site's own target (ε, δ); ε 0: none
     give_up_s: float = dialling.GIVE_UP_S  # not reached once in this long: stop (0: never)
     privacy_unit: str = "image"  # what the site's ε protects: an image or a patient
+    policy: Path | None = None  # --policy (None: the state folder's policy.toml, if any)
+    server_certificate: str = ""  # sha256 of --ca's certificate ("": insecure)
 
     @property
     def worker_socket(self) -> Path:
@@ -96,6 +101,7 @@ def prepare(
     worker: bool = True,
     give_up_s: float = dialling.GIVE_UP_S,
     privacy_unit: str = "image",
+    policy: Path | None = None,
 ) -> SiteOptions:
     """Check every input once, here; what comes out is what the SuperNode gets."""
     addresses.parse_address(server)  # ValueError: bad input
@@ -124,6 +130,11 @@ def prepare(
         raise SiteError(f"--device must be one word, e.g. auto, cpu, cuda:0; got {device!r}")
     if not give_up_s >= 0:
         raise SiteError(f"--give-up-after must be 0 (never) or more seconds, got {give_up_s}")
+    policy = policy.expanduser().resolve() if policy else None
+    if policy is not None and not policy.is_file():
+        raise SiteError(f"--policy {policy} is not a file")
+    server_certificate = certificate_sha256(ca) if ca is not None else ""
+    check_policy(read_policy(policy, state), server_certificate)
     return SiteOptions(
         server,
         data,
@@ -138,7 +149,28 @@ def prepare(
         privacy,
         give_up_s,
         privacy_unit,
+        policy,
+        server_certificate,
     )
+
+
+def certificate_sha256(ca: Path) -> str:
+    """The sha256 of the ``ca.pem`` file (``sha256sum ca.pem``), by which the site's policy
+    and record name the server it answers."""
+    try:
+        return hashlib.sha256(ca.read_bytes()).hexdigest()
+    except OSError as err:
+        raise SiteError(f"--ca {ca}: {err.strerror}") from None
+
+
+def check_policy(policy: SitePolicy, server_certificate: str) -> None:
+    """Refuse to start against a server the site's policy does not answer."""
+    pinned = policy.server_certificate
+    if pinned and pinned != server_certificate:
+        found = server_certificate or "none (--insecure)"
+        raise SiteError(
+            f"the site's policy answers only the server certificate {pinned}; --ca is {found}"
+        )
 
 
 def write_node_config(path: Path, options: SiteOptions) -> None:
@@ -146,6 +178,14 @@ def write_node_config(path: Path, options: SiteOptions) -> None:
     spaces, quotes or any other character arrive unchanged (its ``k=v`` string form splits on
     spaces)."""
     path.write_text(tomli_w.dumps(options.node_config()), encoding="utf-8")
+
+
+def write_site_terms(options: SiteOptions) -> None:
+    """What the site's ClientApp reads in its state folder (``starfed.client.policy``): the
+    policy in force (``--policy``, copied) and the sha256 of the server's ``ca.pem``."""
+    if options.policy is not None and options.policy != options.state / POLICY_FILE:
+        write_atomic(options.state / POLICY_FILE, options.policy.read_bytes())
+    write_atomic(options.state / SERVER_FILE, options.server_certificate.encode())
 
 
 def write_superexec_secret(path: Path) -> None:

@@ -64,6 +64,7 @@ from starfed.client.ops.site_options import (
     SiteOptions,
     supernode_command,
     write_node_config,
+    write_site_terms,
     write_superexec_secret,
 )
 from starfed.host import locks
@@ -213,6 +214,7 @@ def _run(
 ) -> SiteRun:
     node_config = options.state / "node-config.toml"
     write_node_config(node_config, options)
+    write_site_terms(options)
     log_file = options.state / "logs" / "supernode.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     outcome = SiteRun(log_file=log_file)

@@ -38,7 +38,7 @@ from starfed.server.folder_files import (
 )
 from starfed.server.ops import sites, superlink
 from starfed.server.ops.layout import ServerFolder
-from starfed.server.records import Exchange, Finding, StepRecord
+from starfed.server.records import Exchange, Finding, Outcome, StepRecord
 
 RECENT_STEPS = 3  # steps whose failed exchanges and screening findings count as recent
 #: A site whose last exchanges failed, whatever Flower says of it (an online site can fail
@@ -147,6 +147,7 @@ class Status:
     steps: list[StepRow] = field(default_factory=list)
     sites: list[SiteRow] = field(default_factory=list)
     errors: list[ErrorRow] = field(default_factory=list)
+    refusals: list[ErrorRow] = field(default_factory=list)  # sites' answers that refused
     findings: list[FindingRow] = field(default_factory=list)  # of the last steps and this one
     quarantine: dict[str, dict] = field(default_factory=dict)  # sites kept out of later steps
     last_run: dict | None = None
@@ -313,11 +314,10 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
     unrecorded = _unrecorded(history, run[2]) if run else []
     status.sites = _site_rows(history, (run[1], unrecorded) if run else None)
     recent = {r.step for r in history[-RECENT_STEPS:]}
-    status.errors = [
-        ErrorRow(_name(e), e.step, e.phase, e.round, str(e.status))
-        for e in [e for r in history if r.step in recent for e in r.exchanges] + unrecorded
-        if e.failed
-    ]
+    lately = [e for r in history if r.step in recent for e in r.exchanges] + unrecorded
+    rows = [(e, ErrorRow(_name(e), e.step, e.phase, e.round, str(e.status))) for e in lately]
+    status.errors = [row for e, row in rows if e.failed]
+    status.refusals = [row for e, row in rows if e.status.outcome is Outcome.REFUSED]
     findings = [
         (record.step, f) for record in history if record.step in recent for f in record.findings
     ]
