@@ -6,7 +6,6 @@ record of them all in ``<state>/run.json`` (``processes.ProcessRecord``).
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,7 +63,7 @@ def start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> Wor
     no message pays for importing torch, building the backbones and reading the caches."""
     socket_path = options.worker_socket
     socket_path.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "starfed.client.worker", "--socket", str(socket_path)]
+    command = processes.python_module("starfed.client.worker", "--socket", str(socket_path))
     popen = processes.spawn(command, env=env, cwd=options.state)
     worker = Worker(popen, Path(log.name))
     worker.listen(log)
@@ -83,15 +82,13 @@ def start_superexec(
     """The site's SuperExec (``starfed.client.ops.superexec``); its tasks' output goes where the
     SuperNode's does."""
     address = f"127.0.0.1:{runtime_port}"
-    command = [
-        sys.executable,
-        "-m",
+    command = processes.python_module(
         "starfed.client.ops.superexec",
         "--runtime-api-address",
         address,
         "--secret-file",
         str(options.superexec_secret),
-    ]
+    )
     popen = processes.spawn(command, env=env, cwd=options.state)
     threading.Thread(
         target=supernode_log.pump,
