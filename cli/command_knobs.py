@@ -102,6 +102,15 @@ COMMAND_KNOBS: tuple[Knob, ...] = (
         command="experiment",
     ),
     Knob(
+        "resume",
+        str,
+        "",
+        "continue an interrupted simulation: its run folder (its own settings, saved there)",
+        "command",
+        path=True,
+        command="simulate",
+    ),
+    Knob(
         "timeout",
         float,
         3600.0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -51,8 +52,10 @@ def _print_folders(status: Status, say: Callable[[str], None]) -> bool:
         say(f"server     running since {s['started_at']} · {processes}")
         for run in status.runs:
             say(f"           run {run['run-id']} {run['status']} ({run['elapsed']})")
-    else:
+    elif Path(status.server_dir).is_dir():
         say(f"server     not running ({status.server_dir}); showing the folders' state")
+    else:  # a simulation's folder, or one copied off a server
+        say("server     none (no server folder here); showing the federation folder's state")
     say(f"federation {status.federation_dir}")
     for note in status.unreadable:
         say(f"unreadable {note}")

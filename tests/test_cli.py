@@ -30,7 +30,7 @@ FLAG_NAMES = {
     "--classify-with-keys --results-dir --run-name --threads",
     "simulate": "--sites --tasks --classes-per-task --alpha --seed --arrival-offset "
     "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --runtime "
-    "--timeout --gpus-per-client --ray-address",
+    "--timeout --gpus-per-client --ray-address --resume",
     "experiment": "--results-dir --runtime --timeout --gpus-per-client --ray-address --json",
 }
 FLAGS = {
@@ -360,3 +360,22 @@ def test_status_of_a_server_folder_that_is_not_there_says_so(tmp_path, capsys) -
         f"{tmp_path / 'nope'}); `starfed server start` makes one; a simulation's folder: "
         "--federation DIR"
     )
+
+
+def test_an_interrupted_simulation_continues_with_resume(tmp_path, monkeypatch, capsys) -> None:
+    """Its own settings, saved in its folder, submitted again to the same folder (issue 47)."""
+    submitted: list[dict] = []
+    monkeypatch.setattr(simulate_cli, "simulate", lambda overrides, *_: submitted.append(overrides))
+    run = tmp_path / "r"
+    argv = ["simulate", "--results-dir", str(tmp_path), "--run-name", "r"]
+    assert main([*argv, "--sites", "2"]) == 0
+    (run / "interrupted.json").write_text("{}")
+    line = _fails_at_once(argv, capsys)
+    assert line.endswith(f"or continue an interrupted one with `starfed simulate --resume {run}`")
+    line = _fails_at_once(["simulate", "--resume", str(run), "--sites", "3"], capsys)
+    assert line.endswith("error: --resume continues a run with its own settings: drop --sites")
+    assert main(["simulate", "--resume", str(run), "--timeout", "60"]) == 0
+    assert submitted[1] == submitted[0] and submitted[0]["num-sites"] == 2
+    assert not (run / "interrupted.json").exists()
+    line = _fails_at_once(["simulate", "--resume", str(tmp_path)], capsys)
+    assert line.startswith(f"starfed simulate: error: --resume {tmp_path}: no readable simulation")
