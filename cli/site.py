@@ -81,7 +81,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         {
             "--insecure": "plain HTTP, no key: only against a `server start --insecure` test "
             "server",
-            "--quiet": "do not echo the SuperNode's log",
+            "--quiet": "no progress lines on the terminal (the log keeps everything)",
             "--no-worker": "no site worker: every message builds the model in its own process "
             "(slower)",
         },

@@ -5,6 +5,7 @@ record of them all in ``<state>/run.json`` (``processes.ProcessRecord``).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import time
@@ -30,9 +31,12 @@ class Worker:
     said: list[str] = field(default_factory=list)
     pump: threading.Thread | None = None  # copies its output to the log
 
-    def listen(self, log: IO[str]) -> None:
+    def listen(self, log: IO[str], echo: IO[str] | None = None) -> None:
         self.pump = threading.Thread(
-            target=supernode_log.pump, args=(self.popen.stdout, log, None, self.hear), daemon=True
+            target=supernode_log.pump,
+            args=(self.popen.stdout, log, echo, self.hear),
+            kwargs={"shown": told},
+            daemon=True,
         )
         self.pump.start()
 
@@ -58,7 +62,30 @@ class Worker:
         )
 
 
-def start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> Worker:
+#: A line of the worker's log (``starfed.client.worker.LOG_FORMAT``): time, level, logger.
+WORKER_LINE = re.compile(r"^\S+ (\d\d:\d\d:\d\d)\S* (INFO|WARNING|ERROR|CRITICAL) (\S+) (.*)$")
+#: Loggers whose lines the site engineer reads on the terminal: the site's protocol steps
+#: (``client/site.py``), its privacy ledger, and warnings (an unreadable image).
+TOLD = ("starfed.client.site", "starfed.client.privacy", "py.warnings")
+
+
+def told(line: str) -> str | None:
+    """What the terminal shows of a worker's log line: ``12:03:41 step 2: …``, warnings as
+    ``warning: …``; None for the rest (the log keeps it)."""
+    match = WORKER_LINE.match(line.rstrip("\n"))
+    if match is None:
+        return None
+    time_of_day, level, name, message = match.groups()
+    if name not in TOLD and level == "INFO":
+        return None
+    if name == "py.warnings":  # "FILE:LINE: RuntimeWarning: what"
+        message = message.partition("Warning: ")[2] or message
+    return f"{time_of_day} {'' if level == 'INFO' else level.lower() + ': '}{message}"
+
+
+def start_worker(
+    options: SiteOptions, env: dict[str, str], log: IO[str], echo: IO[str] | None = None
+) -> Worker:
     """The site worker (``starfed.client.worker``): built once, it answers every message, so
     no message pays for importing torch, building the backbones and reading the caches."""
     socket_path = options.worker_socket
@@ -66,7 +93,7 @@ def start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> Wor
     command = processes.python_module("starfed.client.worker", "--socket", str(socket_path))
     popen = processes.spawn(command, env=env, cwd=options.state)
     worker = Worker(popen, Path(log.name))
-    worker.listen(log)
+    worker.listen(log, echo)
     deadline = time.monotonic() + WORKER_START_S
     while not socket_path.exists():
         if (ended := worker.ended()) or time.monotonic() > deadline:
