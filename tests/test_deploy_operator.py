@@ -110,6 +110,7 @@ def test_every_action_that_runs_flwr_gives_the_same_result_from_a_checkout(
     listed = json.loads(results["checkout"][1][1])["sites"]
     assert [(s["name"], s["node_id"], s["status"]) for s in listed] == [("farm-a", 42, "online")]
     assert listed[0]["fingerprint"] == key.fingerprint
+    assert listed[0]["online_at"] == "WHEN"  # Flower's time written as starfed's (issue 47)
     assert json.loads(results["checkout"][3][1])["metrics"] == METRICS
 
 

@@ -238,7 +238,15 @@ class SiteStatus:
 
 
 def _flower_time(value: object) -> str | None:
-    return None if value in (None, "", "N/A") else str(value)
+    """Flower's ``2026-11-23 04:36:31Z`` as starfed writes times (``2026-11-23T04:36:31+00:00``),
+    so one table does not mix two formats; text Flower may write otherwise is kept."""
+    if value in (None, "", "N/A"):
+        return None
+    try:
+        when = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return str(value)
+    return when.isoformat(timespec="seconds")
 
 
 def status(folder: ServerFolder) -> list[SiteStatus]:
