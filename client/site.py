@@ -345,18 +345,20 @@ def _say_phase(
     and what left the site (the classes whose fields were sent; a private site may hold some
     back)."""
     did = "fitted statistics of" if phase in STATISTICS else "trained"
-    fields = ", ".join(schema.trained_in(phase))
-    shared = ", ".join(entry.name for entry in sent) or "none"
+    names = [entry.name for entry in sent]
+    held = [name for name in view.own if name not in names]
+    whose = "of none" if not names else ("of them" if not held else f"of {', '.join(names)}")
     logger.info(
-        "step %d · %s/%d: %s %s on %d images; sent %s of %s",
+        "step %d · %s/%d: %s %s on %d images; sent %s %s%s",
         step + 1,
         phase.key,
         round_index,
         did,
         ", ".join(view.own),
         len(view.labels),
-        fields,
-        shared,
+        ", ".join(schema.trained_in(phase)),
+        whose,
+        f" (held back: {', '.join(held)})" if names and held else "",
     )
 
 
