@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from starfed.cli._common import console
+from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import Status
 from starfed.shared.progress import counted
 
@@ -147,6 +148,14 @@ def _print_findings(status: Status, out: Console, say: Callable[[str], None]) ->
         out.print(table)
     else:
         say("errors     none in the last steps")
+    if (status.position or {}).get("running") and status.runs:
+        # a step's exchanges are recorded when it ends; its run's log has them as they happen
+        run = status.runs[0]["run-id"]
+        home = ServerFolder.at(status.server_dir).flwr_home
+        say(
+            f"           the step running: its failures so far are in its log, "
+            f"`FLWR_HOME={home} flwr log {run} --show`"
+        )
     if status.findings:
         table = Table(
             "site",

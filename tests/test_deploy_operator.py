@@ -161,13 +161,21 @@ def test_a_superlink_that_dies_mid_run_gets_one_line_saying_what_to_do(
 
 
 def test_status_hints_only_while_a_step_runs_without_its_superlink(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, superlink_process: ProcessId
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    superlink_process: ProcessId,
 ) -> None:
     fake.install(tmp_path / "bin", monkeypatch, statuses=["running"], nodes=NODES)
     folder = _server(tmp_path / "server", superlink_process)
     assert status.gather(folder, folder.federation).hint is None  # no federation yet
     _step_running(folder.federation)
     assert status.gather(folder, folder.federation).hint is None  # the SuperLink runs
+    # the running step's failures are recorded when it ends: status says where they are now
+    code, out, _ = starfed(capfd, "server", "status", "--dir", str(folder.root))
+    said = " ".join(out.split())
+    assert code == 0 and "the step running: its failures so far are in its log" in said
+    assert f"`FLWR_HOME={folder.flwr_home} flwr log " in said and " --show`" in said
     other = tmp_path / "other federation"
     _step_running(other)
     processes.send_signal([superlink_process], processes.signal.SIGKILL)
