@@ -27,7 +27,15 @@ from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Exchange, PhaseTime, Position, StepRecord
 
 METRICS = {"status": "completed", "steps": 1, "final_average_accuracy": 90.0, "wall_time_s": 3}
-NODES = [{"node-id": 42, "status": "online", "online-at": "2026-11-23 01:00:00Z"}]
+#: Online again after an earlier session: Flower keeps that session's offline time.
+NODES = [
+    {
+        "node-id": 42,
+        "status": "online",
+        "online-at": "2026-11-23 01:00:00Z",
+        "offline-at": "2026-11-22 23:00:00Z",
+    }
+]
 
 
 def _server(root: Path, superlink_process: ProcessId) -> ServerFolder:
@@ -111,6 +119,7 @@ def test_every_action_that_runs_flwr_gives_the_same_result_from_a_checkout(
     assert [(s["name"], s["node_id"], s["status"]) for s in listed] == [("farm-a", 42, "online")]
     assert listed[0]["fingerprint"] == key.fingerprint
     assert listed[0]["online_at"] == "WHEN"  # Flower's time written as starfed's (issue 47)
+    assert listed[0]["offline_at"] is None  # the earlier session's, not this one's
     assert json.loads(results["checkout"][3][1])["metrics"] == METRICS
 
 
