@@ -9,6 +9,7 @@ reported in a fraction of a second. Bad input is one line on stderr and exit cod
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -41,10 +42,30 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line, like every other bad input."""
+    """Usage errors in one line, like every other bad input; a mistyped flag is named first
+    (argparse would report the required flag it hides: ``--sever`` -> "required: --server")."""
+
+    typed: tuple[str, ...] = ()
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.typed = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
+        unknown = [flag for flag in map(_flag, self.typed) if flag and not self._knows(flag)]
+        if unknown and message.startswith("the following arguments are required"):
+            near = difflib.get_close_matches(unknown[0], self._option_string_actions, n=1)
+            message = f"unknown flag {unknown[0]}" + (f" (did you mean {near[0]}?)" if near else "")
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+    def _knows(self, flag: str) -> bool:
+        """A flag of this command, or an abbreviation of one (argparse accepts both)."""
+        return any(known.startswith(flag) for known in self._option_string_actions)
+
+
+def _flag(arg: str) -> str:
+    """``--name`` of ``--name`` or ``--name=value``; "" for anything else."""
+    return arg.partition("=")[0] if arg.startswith("--") and len(arg) > 2 else ""
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

@@ -115,6 +115,19 @@ def server_folder(args: argparse.Namespace) -> ServerFolder:
     return ServerFolder.at(args.dir if args.dir is not None else default_dir())
 
 
+def existing_server_folder(args: argparse.Namespace) -> ServerFolder:
+    """The server folder of an action that only reads it: a folder that is not there is a typo
+    (exit 2), not a stopped server."""
+    folder = server_folder(args)
+    if not folder.root.is_dir():
+        given = f"--dir {args.dir}" if args.dir is not None else f"${DIR_ENV} or ./starfed-server"
+        raise ConfigError(
+            f"no server folder {folder.root} ({given}); `starfed server start` makes one"
+            + ("; a simulation's folder: --federation DIR" if hasattr(args, "federation") else "")
+        )
+    return folder
+
+
 def federation_option(parser: argparse.ArgumentParser) -> None:
     """``--federation``: every ``server`` action that reads the federation folder finds it in
     the server folder unless told otherwise."""

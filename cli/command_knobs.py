@@ -102,6 +102,15 @@ COMMAND_KNOBS: tuple[Knob, ...] = (
         command="experiment",
     ),
     Knob(
+        "resume",
+        str,
+        "",
+        "continue an interrupted simulation: its run folder (its own settings, saved there)",
+        "command",
+        path=True,
+        command="simulate",
+    ),
+    Knob(
         "timeout",
         float,
         3600.0,
@@ -246,6 +255,24 @@ COMMAND_KNOBS: tuple[Knob, ...] = (
         command="server dashboard",
     ),
     Knob("out", str, "site.key", "private key file", "command", path=True, command="site keygen"),
+    Knob(
+        "site",
+        int,
+        1,
+        "whose share of the images to write: site 1 to --sites",
+        "command",
+        ge=1,
+        command="site data",
+    ),
+    Knob(
+        "arrived",
+        int,
+        0,
+        "the tasks that have arrived: the first N get their folders (0: every task)",
+        "command",
+        ge=0,
+        command="site data",
+    ),
 )
 
 #: Every knob: the model's and the commands'.

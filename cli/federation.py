@@ -363,7 +363,7 @@ def run_status(args: argparse.Namespace) -> int:
     list). Works with the server stopped. Lists what `check` finds damaged (without decoding
     tensors) and then exits 1.
     """
-    folder = server_folder(args)
+    folder = server_folder(args) if args.federation else _common.existing_server_folder(args)
     status = gather(folder, _common.federation_dir(args, folder))
     if args.json:
         emit_json({"success": not status.damaged, **status.to_json()})

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from starfed.cli._common import console
+from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.status import Status
 from starfed.shared.progress import counted
 
@@ -51,8 +53,10 @@ def _print_folders(status: Status, say: Callable[[str], None]) -> bool:
         say(f"server     running since {s['started_at']} · {processes}")
         for run in status.runs:
             say(f"           run {run['run-id']} {run['status']} ({run['elapsed']})")
-    else:
+    elif Path(status.server_dir).is_dir():
         say(f"server     not running ({status.server_dir}); showing the folders' state")
+    else:  # a simulation's folder, or one copied off a server
+        say("server     none (no server folder here); showing the federation folder's state")
     say(f"federation {status.federation_dir}")
     for note in status.unreadable:
         say(f"unreadable {note}")
@@ -149,6 +153,14 @@ def _print_findings(status: Status, out: Console, say: Callable[[str], None]) ->
         for e in status.refusals:
             table.add_row(e.site, str(e.step + 1), f"{e.phase}/{e.round}", e.status)
         out.print(table)
+    if (status.position or {}).get("running") and status.runs:
+        # a step's exchanges are recorded when it ends; its run's log has them as they happen
+        run = status.runs[0]["run-id"]
+        home = ServerFolder.at(status.server_dir).flwr_home
+        say(
+            f"           the step running: its failures so far are in its log, "
+            f"`FLWR_HOME={home} flwr log {run} --show`"
+        )
     if status.findings:
         table = Table(
             "site",

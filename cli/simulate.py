@@ -10,12 +10,24 @@ Flower process starts; the life cycle of the run itself is ``starfed.simulations
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 from starfed.cli._common import ray_options
-from starfed.cli.flags import Flag, add_command, add_run_config, parsed, run_config, same_name
-from starfed.shared.knob import ConfigError, as_float, writable_dir
-from starfed.simulations.simulate import simulate
+from starfed.cli.flags import (
+    Flag,
+    add_command,
+    add_run_config,
+    given,
+    parsed,
+    run_config,
+    same_name,
+)
+from starfed.ops.exit_codes import EXIT_INTERRUPTED
+from starfed.shared.knob import ConfigError, as_float, as_str, writable_dir
+from starfed.simulations.simulate import INTERRUPTED_FILE, simulate
 
 COMMAND = "simulate"
 FLAGS = (
@@ -26,7 +38,10 @@ FLAGS = (
     Flag("--epochs", ("stage1-epochs", "stage2-epochs"), help="local epochs of stages 1 and 2"),
     *same_name("fraction-train", "min-train-sites"),
     *same_name("results-dir", "run-name", "runtime", "timeout", "gpus-per-client", "ray-address"),
+    *same_name("resume"),
 )
+#: The run config a simulation submitted, in its run folder: what ``--resume`` submits again.
+SETTINGS_FILE = "simulation.json"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -47,6 +62,25 @@ def build_overrides(args: argparse.Namespace) -> dict:
     return submitted
 
 
+def resumed(args: argparse.Namespace, run_dir: Path) -> dict:
+    """The run config an interrupted simulation submitted, for the same run folder: its
+    ServerApp continues the federation from the last checkpoint (as ``server resume`` does),
+    and the simulated sites keep their state folders there."""
+    named, _, names = given(args, FLAGS)
+    if named or args.run_config:
+        typed = ", ".join(sorted({names[key] for key in named})) or "--run-config"
+        raise ConfigError(f"--resume continues a run with its own settings: drop {typed}")
+    try:
+        saved = json.loads((run_dir / SETTINGS_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"--resume {run_dir}: no readable {SETTINGS_FILE} ({err.__class__.__name__}): not "
+            "the folder of a `starfed simulate` run"
+        ) from None
+    (run_dir / INTERRUPTED_FILE).unlink(missing_ok=True)  # written again if stopped again
+    return saved | {"results-dir": str(run_dir.parent), "run-name": run_dir.name}
+
+
 def _main(args: argparse.Namespace) -> int:
     """federated simulation on this machine, start to finish (Flower and Ray, or local)
 
@@ -58,17 +92,30 @@ def _main(args: argparse.Namespace) -> int:
     (docs/simulation.md); the number of simulated SuperNodes always equals num-sites.
     """
     _, options, names = parsed(args, FLAGS, COMMAND)
-    overrides = build_overrides(args)
-    results = writable_dir(overrides["results-dir"], names.get("results-dir", "results-dir"))
-    run_dir = results / str(overrides["run-name"])
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise ConfigError(
-            f"run folder {run_dir} already exists: choose another --run-name (a federation "
-            "continues with `starfed server run`, not by simulating into its folder)"
-        )
     gpus, ray_address = ray_options(options)
+    if options["resume"]:
+        overrides = resumed(args, Path(as_str(options, "resume")).expanduser().resolve())
+    else:
+        overrides = build_overrides(args)
+        results = writable_dir(overrides["results-dir"], names.get("results-dir", "results-dir"))
+        run_dir = results / str(overrides["run-name"])
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise ConfigError(
+                f"run folder {run_dir} already exists: choose another --run-name, or continue "
+                f"an interrupted one with `starfed simulate --resume {run_dir}`"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / SETTINGS_FILE).write_text(json.dumps(overrides, indent=2) + "\n")
     if options["runtime"] == "local":
         from starfed.simulations.local_grid import simulate_locally  # Flower, torch: only now
 
-        return simulate_locally(overrides)
+        try:
+            return simulate_locally(overrides)
+        except KeyboardInterrupt:  # its checkpoints are atomic: nothing finished is lost
+            run_dir = Path(str(overrides["results-dir"])) / str(overrides["run-name"])
+            print(
+                f"interrupted; continue it: starfed simulate --resume {run_dir} --runtime local",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
     return simulate(overrides, as_float(options, "timeout"), gpus, ray_address)

@@ -2,7 +2,8 @@
 
 ``keygen`` makes the site's key pair (the private key never leaves the site; the ``.pub`` goes to
 the operator); ``start`` runs this site's SuperNode in the foreground until Ctrl-C; ``check``
-(``starfed.cli.site_check``) says whether the site is ready to join. Exit codes
+(``starfed.cli.site_check``) says whether the site is ready to join; ``data``
+(``starfed.cli.site_data``) writes a trial site's folder from the bundled images. Exit codes
 (``starfed.cli._common``): 0 done (or stopped when told), 1 failed (refused, wrong CA, the
 SuperNode died), 2 bad input — every flag is checked before anything starts.
 """
@@ -15,7 +16,7 @@ import socket
 import sys
 from pathlib import Path
 
-from starfed.cli import site_audit, site_check
+from starfed.cli import site_audit, site_check, site_data
 from starfed.cli._common import add_group, add_switches, fail, guard
 from starfed.cli.flags import Flag, add_command, device_flag, parsed, same_name
 from starfed.client.ops import dialling, site_options, supernode
@@ -86,13 +87,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         {
             "--insecure": "plain HTTP, no key: only against a `server start --insecure` test "
             "server",
-            "--quiet": "do not echo the SuperNode's log",
+            "--quiet": "no progress lines on the terminal (the log keeps everything)",
             "--no-worker": "no site worker: every message builds the model in its own process "
             "(slower)",
         },
     )
     site_check.add_action(actions)
     site_audit.add_action(actions)
+    site_data.add_action(actions)
 
 
 def run_keygen(args: argparse.Namespace) -> int:

@@ -234,6 +234,9 @@ class Site:
                     counts, lambda name: file_digests(task.train[name])
                 )
                 metadata.update(self.private.metadata(refused))
+        brings = ", ".join(f"{e.name} ({e.count} images)" for e in entries)
+        where = f"task {metadata[TASK]} brings {brings}" if brings else "nothing new to bring"
+        logger.info("step %d: %s; %d test images", step + 1, where, test_images)
         return ClientUpdate(
             self.fingerprint,
             self.backbones.dims,
@@ -307,6 +310,7 @@ class Site:
                 entries = view.model.bank.entries(view.own, fields=trained)
                 if private is not None and plan is not None:
                     entries, metadata = private.release(phase, entries, codebook, plan)
+                _say_phase(step, phase, round_index, view, entries)
         return ClientUpdate(
             self.fingerprint, codebook.dims, phase, codebook.version, tuple(entries), metadata
         )
@@ -339,6 +343,13 @@ class Site:
         steps = torch.tensor(class_steps)
         features = self._cached_features(test)
         scores = score_classes(model, test.images, test.labels, features, steps, use_keys)
+        images, correct = int(scores.images.sum()), int(scores.correct.sum())
+        logger.info(
+            "codebook version %d: accuracy %.1f%% on %d test images here",
+            codebook.version,
+            100.0 * correct / images,
+            images,
+        )
         return EvaluationReport.of(codebook, scores, **metadata)
 
 
@@ -365,6 +376,30 @@ def admitted(
     held = {class_key(name) for name in left_out}
     test = {key: paths for key, paths in folder.test.items() if key not in held}
     return SiteFolder(folder.root, tasks, test), left_out
+
+
+def _say_phase(
+    step: int, phase: Phase, round_index: int, view: TaskView, sent: list[ClassEntry]
+) -> None:
+    """The site engineer's line for a phase: what was trained or fitted on how many images,
+    and what left the site (the classes whose fields were sent; a private site may hold some
+    back)."""
+    did = "fitted statistics of" if phase in STATISTICS else "trained"
+    names = [entry.name for entry in sent]
+    held = [name for name in view.own if name not in names]
+    whose = "of none" if not names else ("of them" if not held else f"of {', '.join(names)}")
+    logger.info(
+        "step %d · %s/%d: %s %s on %d images; sent %s %s%s",
+        step + 1,
+        phase.key,
+        round_index,
+        did,
+        ", ".join(view.own),
+        len(view.labels),
+        ", ".join(schema.trained_in(phase)),
+        whose,
+        f" (held back: {', '.join(held)})" if names and held else "",
+    )
 
 
 # --- the handlers: each phase's step on the task view, training its model in place --------------

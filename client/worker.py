@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+#: Its log lines, which ``site start`` reads (``client/ops/site_processes.told``): time, level,
+#: logger, message.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 _HEADER = struct.Struct("<I")
 _PAYLOAD = struct.Struct("<Q")
@@ -167,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--socket", required=True, type=Path, help="Unix socket to listen on")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.captureWarnings(True)  # an unreadable image: a warning the site engineer reads
     failed = None
     with contextlib.suppress(KeyboardInterrupt):
         failed = serve(args.socket)

@@ -296,10 +296,11 @@ class LogStream:
         stdout = self.popen.stdout
         assert stdout is not None  # started with stdout=PIPE
         lines = (raw.decode(errors="replace") for raw in iter(stdout.readline, b""))
+        out = sink or sys.stdout
+        coloured = out.isatty()  # Flower colours its levels; a file or a pipe gets plain text
         for line in without_expected_failure(lines):
-            out = sink or sys.stdout
             with contextlib.suppress(OSError, ValueError):
-                out.write(line)
+                out.write(line if coloured else _ANSI.sub("", line))
                 out.flush()
 
     def wait(self, timeout: float) -> None:

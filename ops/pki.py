@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -102,15 +103,29 @@ def fingerprint(key: str | bytes) -> str:
     return f"SHA256:{digest}"
 
 
+def _is_private_key(data: bytes) -> bool:
+    """Any PEM private key (OpenSSH, PKCS#8, SEC1): the usual mix-up, named in one line."""
+    return b"PRIVATE KEY-----" in data
+
+
+def _is_public_key_line(data: bytes) -> bool:
+    return data.lstrip().startswith((b"ecdsa-sha2-", b"ssh-", b"sk-"))
+
+
 def read_public_key(path: Path) -> SiteKey:
     """A registrable public key file, checked the way Flower checks it (OpenSSH, NIST EC)."""
     try:
         data = path.read_bytes()
     except OSError as err:
         raise SiteKeyError(f"cannot read public key {path}: {err.strerror}") from None
+    if _is_private_key(data):
+        raise SiteKeyError(
+            f"{path} is a private key: register the site's public key "
+            f"({public_key_path(path).name}); a private key stays at its site"
+        )
     try:
         key = serialization.load_ssh_public_key(data.strip())
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as err:
         raise SiteKeyError(
             f"{path} is not an OpenSSH public key line ({err}); make one with `starfed site keygen`"
         ) from None
@@ -129,11 +144,16 @@ def read_private_key(path: Path) -> SiteKey:
         mode = path.stat().st_mode & 0o777
     except OSError as err:
         raise SiteKeyError(f"cannot read private key {path}: {err.strerror}") from None
+    if _is_public_key_line(data):
+        raise SiteKeyError(
+            f"{path} is the public key: --key takes the private key beside it "
+            f"({path.with_suffix('.key').name}); the .pub is what the operator registers"
+        )
     if mode & 0o077:
         raise SiteKeyError(f"{path} is readable by others (mode {mode:o}); run `chmod 600 {path}`")
     try:
         key = serialization.load_ssh_private_key(data, password=None)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as err:
         raise SiteKeyError(
             f"{path} is not an unencrypted OpenSSH private key ({err}); "
             "make one with `starfed site keygen`"

@@ -219,6 +219,13 @@ def flower_env(flwr_home: Path, extra: Mapping[str, str] | None = None) -> dict[
     return env
 
 
+def python_module(module: str, *args: str) -> list[str]:
+    """``python -P -m MODULE ARGS`` with this interpreter: ``-P`` keeps the working folder off
+    ``sys.path``, so a ``starfed/`` folder there (a checkout) is never mixed into the installed
+    namespace package (docs/deployment.md#0-install)."""
+    return [sys.executable, "-P", "-m", module, *args]
+
+
 def flower_executable(name: str) -> str:
     """The Flower binary next to this interpreter (the same installation), else on PATH."""
     local = Path(sys.executable).parent / name

@@ -309,7 +309,11 @@ class Coordinator:
         missing = [n for n in self.in_play if any(f not in codebook[n].values for f in fields)]
         if not missing:
             return codebook
-        logger.warning("no statistics for %s; unregistering them", missing)
+        logger.warning(
+            "no statistics for %s: unregistered for now; they are registered and trained again "
+            "at the next step a site brings them",
+            ", ".join(missing),
+        )
         self.federation.unregister(missing)
         left = tuple(n for n in self.in_play if n not in missing)
         self.position = replace(self.position, in_play=left)

@@ -12,6 +12,7 @@ resumed step, which of the findings saved ahead of its checkpoints still hold
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -122,10 +123,11 @@ def step_record(
 
 def scores_line(step: int, classes: int, scores: StepScores) -> str:
     """The line a step's evaluation prints: the federation's accuracy by arrival step."""
-    row = " ".join(f"{a:.0f}" for a in scores.accuracy)
+    row = " ".join("—" if math.isnan(a) else f"{a:.0f}" for a in scores.accuracy)
+    untested = "  (—: no test images)" if "—" in row else ""
     return (
         f"step {step + 1}: {progress.counted(classes, 'class')} · "
-        f"federation accuracy {scores.mean_accuracy:.1f}% by arrival step: {row}"
+        f"federation accuracy {scores.mean_accuracy:.1f}% by arrival step: {row}{untested}"
     )
 
 

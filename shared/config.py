@@ -141,7 +141,7 @@ SCHEMA: tuple[Knob, ...] = (
         "run-name",
         str,
         "",
-        'run folder under results-dir; "": fed-<run id> (local-<UTC timestamp> for train-local)',
+        'folder in results-dir; "": fed-<UTC time> (flwr run: fed-<run id>; train-local: local-…)',
         "protocol",
     ),
     Knob(

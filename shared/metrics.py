@@ -146,6 +146,26 @@ def _title(ax: Axes, title: str, width: float) -> None:
     ax.set_title(textwrap.fill(title, int(TITLE_CHARS_PER_INCH * width)), fontsize=10)
 
 
+def untested_tasks(matrix: AccuracyMatrix) -> list[int]:
+    """Tasks (0-based) no step could score: no site had a test image of their classes."""
+    n_tasks = max((len(row) for row in matrix), default=0)
+    return [
+        task
+        for task in range(n_tasks)
+        if all(np.isnan(row[task]) for row in matrix if len(row) > task)
+    ]
+
+
+def _with_untested(note: str | None, matrix: AccuracyMatrix) -> str | None:
+    """The plot's note, with the tasks drawn empty named: an empty column explained."""
+    untested = untested_tasks(matrix)
+    if not untested:
+        return note
+    names = ", ".join(f"T{task + 1}" for task in untested)
+    said = f"{names}: no test images (drawn empty)"
+    return f"{note}; {said}" if note else said
+
+
 def plot_accuracy_matrix(
     matrix: AccuracyMatrix, path: Path | BinaryIO, title: str, note: str | None = None
 ) -> Figure:
@@ -170,16 +190,15 @@ def plot_accuracy_matrix(
         for i in range(n):
             for j in range(len(matrix[i])):
                 color = "black" if grid[i, j] > 60 else "white"
-                ax.text(
-                    j, i, f"{grid[i, j]:.0f}", ha="center", va="center", color=color, fontsize=8
-                )
+                text = "—" if np.isnan(grid[i, j]) else f"{grid[i, j]:.0f}"
+                ax.text(j, i, text, ha="center", va="center", color=color, fontsize=8)
     ticks = task_ticks(n)
     ax.set_xticks(task_ticks(columns), [f"T{j + 1}" for j in task_ticks(columns)])
     ax.set_yticks(ticks, [str(i + 1) for i in ticks])
     ax.set_xlabel("evaluated task (the classes that step brought)")
     ax.set_ylabel("after step")  # the accuracy-over-time plot's x axis: one name
     _title(ax, title, width)
-    _note(fig, note, width)
+    _note(fig, _with_untested(note, matrix), width)
     fig.colorbar(image, ax=ax, label="accuracy (%)", shrink=0.9)
     fig.savefig(path, dpi=120)
     return fig
@@ -197,6 +216,7 @@ def plot_accuracy_over_time(
     n = len(matrix)
     n_tasks = max(len(row) for row in matrix)
     few = n_tasks <= LABEL_EVERY_TASK
+    untested = untested_tasks(matrix)
     for task in range(n_tasks):
         steps = [i for i in range(n) if len(matrix[i]) > task]
         ax.plot(
@@ -207,7 +227,9 @@ def plot_accuracy_over_time(
             lw=1.2 if few else 0.9,
             color=TASK_COLOURS[task % len(TASK_COLOURS)],
             linestyle=TASK_STYLES[task // len(TASK_COLOURS) % len(TASK_STYLES)],
-            label=f"T{task + 1}" if few else None,
+            label=(f"T{task + 1}" + (" (no test images)" if task in untested else ""))
+            if few
+            else None,
         )
     ax.plot(range(1, n + 1), [_nanmean(row) for row in matrix], "k--", lw=2, label="mean")
     ax.set_xlabel("after step")
@@ -217,7 +239,7 @@ def plot_accuracy_over_time(
     ax.set_yticks(range(0, 101, 20))
     ax.set_xticks([t + 1 for t in task_ticks(n)])
     _title(ax, title, width)
-    _note(fig, note, width)
+    _note(fig, _with_untested(note, matrix), width)
     # beside the axes, where it hides no line
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path, dpi=120)

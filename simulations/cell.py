@@ -141,7 +141,7 @@ def start(folder: Path, cell: Cell, runtime: Runtime, threads: int = 0) -> Runni
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     _write_record(folder, cell, runtime, None)
-    command = [sys.executable, "-m", "starfed.simulations.cell", str(folder)]
+    command = processes.python_module("starfed.simulations.cell", str(folder))
     env = flower_env(folder / ".flwr", runtime.ray_address)
     if threads:
         env.setdefault("OMP_NUM_THREADS", str(threads))

@@ -14,6 +14,7 @@ and ``record`` (keep what was sent).
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 import time
@@ -36,6 +37,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from starfed.client import site
 from starfed.client.app import app as client_app
 from starfed.ops.exit_codes import EXIT_FAILED, run_exit_code
 from starfed.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
@@ -227,10 +229,27 @@ def run_locally(
         TextColumn("sites"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=True) as bars, progress.logged_to(console):
+    with (
+        Progress(*columns, console=console, transient=True) as bars,
+        progress.logged_to(console),
+        _sites_quiet(),
+    ):
         grid = LocalGrid(client_app, config, node_configs(n_sites), run_id, progress=bars)
         sites = SimulatedSites.of(config, run_id)
         return run_server(grid, config, run_id, strategy=strategy, before_step=sites)
+
+
+@contextmanager
+def _sites_quiet() -> Iterator[None]:
+    """A deployed site's terminal lines (``client.site``: one per phase) stay off this one,
+    where every simulated site would print them; its warnings still show."""
+    site_lines = logging.getLogger(site.__name__)
+    level = site_lines.level
+    site_lines.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        site_lines.setLevel(level)
 
 
 def simulate_locally(overrides: Mapping[str, Value]) -> int:

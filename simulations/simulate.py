@@ -310,6 +310,7 @@ def report_interrupted(run_dir: Path, outcome: RunOutcome, superlink_log: Path) 
         file=sys.stderr,
     )
     print(
-        f"look at it: starfed server status --federation {run_dir}  (logs: {superlink_log})",
+        f"continue it: starfed simulate --resume {run_dir}; look at it: starfed server status "
+        f"--federation {run_dir}  (logs: {superlink_log})",
         file=sys.stderr,
     )

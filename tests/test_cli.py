@@ -30,7 +30,7 @@ FLAG_NAMES = {
     "--classify-with-keys --results-dir --run-name --threads",
     "simulate": "--sites --tasks --classes-per-task --alpha --seed --arrival-offset "
     "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --runtime "
-    "--timeout --gpus-per-client --ray-address",
+    "--timeout --gpus-per-client --ray-address --resume",
     "experiment": "--results-dir --runtime --timeout --gpus-per-client --ray-address --json",
 }
 FLAGS = {
@@ -322,3 +322,60 @@ def test_experiment_on_flower_refuses_methods_of_the_local_runtime(
         "starfed-unmerged, starfed-no-replay, starfed-keys, fedavg, single-site, joint run on "
         "the local runtime only (Flower runs starfed): give them a grid of their own"
     )
+
+
+def test_each_key_mix_up_is_one_line_naming_it(tmp_path, nothing_heavy, capsys) -> None:
+    """The private key given where the public one goes, and the other way round (issue 47)."""
+    from starfed.ops import pki
+
+    pki.write_site_key(tmp_path / "site.key", "site@host")
+    start = ["site", "start", "--server", "127.0.0.1:1", "--ca", str(tmp_path / "site.pub")]
+    argv = [*start, "--key", str(tmp_path / "site.pub"), "--data", str(tmp_path)]
+    line = _fails_at_once(argv, capsys)
+    assert line == (
+        f"starfed site start: error: {tmp_path / 'site.pub'} is the public key: --key takes the "
+        "private key beside it (site.key); the .pub is what the operator registers"
+    )
+    add = ["server", "sites", "add", "farm-a", str(tmp_path / "site.key"), "--dir", str(tmp_path)]
+    assert _fails_at_once(add, capsys) == (
+        f"starfed server sites add: error: {tmp_path / 'site.key'} is a private key: register "
+        "the site's public key (site.pub); a private key stays at its site"
+    )
+
+
+def test_a_mistyped_flag_is_named_not_the_required_one_it_hides(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["site", "start", "--sever", "127.0.0.1:1", "--data", "."])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "starfed site start: error: unknown flag --sever (did you mean --server?) (see --help)\n"
+    )
+
+
+def test_status_of_a_server_folder_that_is_not_there_says_so(tmp_path, capsys) -> None:
+    """A typo'd --dir is bad input, not a stopped server."""
+    line = _fails_at_once(["server", "status", "--dir", str(tmp_path / "nope")], capsys)
+    assert line == (
+        f"starfed server status: error: no server folder {tmp_path / 'nope'} (--dir "
+        f"{tmp_path / 'nope'}); `starfed server start` makes one; a simulation's folder: "
+        "--federation DIR"
+    )
+
+
+def test_an_interrupted_simulation_continues_with_resume(tmp_path, monkeypatch, capsys) -> None:
+    """Its own settings, saved in its folder, submitted again to the same folder (issue 47)."""
+    submitted: list[dict] = []
+    monkeypatch.setattr(simulate_cli, "simulate", lambda overrides, *_: submitted.append(overrides))
+    run = tmp_path / "r"
+    argv = ["simulate", "--results-dir", str(tmp_path), "--run-name", "r"]
+    assert main([*argv, "--sites", "2"]) == 0
+    (run / "interrupted.json").write_text("{}")
+    line = _fails_at_once(argv, capsys)
+    assert line.endswith(f"or continue an interrupted one with `starfed simulate --resume {run}`")
+    line = _fails_at_once(["simulate", "--resume", str(run), "--sites", "3"], capsys)
+    assert line.endswith("error: --resume continues a run with its own settings: drop --sites")
+    assert main(["simulate", "--resume", str(run), "--timeout", "60"]) == 0
+    assert submitted[1] == submitted[0] and submitted[0]["num-sites"] == 2
+    assert not (run / "interrupted.json").exists()
+    line = _fails_at_once(["simulate", "--resume", str(tmp_path)], capsys)
+    assert line.startswith(f"starfed simulate: error: --resume {tmp_path}: no readable simulation")

@@ -36,7 +36,7 @@ from starfed.server.federation import COMPLETED, DEGRADED, Federation
 from starfed.server.ops import sites
 from starfed.server.ops.dashboard import Dashboard
 from starfed.server.ops.dashboard_page import fragment
-from starfed.server.ops.dashboard_plots import PLOTS, _clock_axis
+from starfed.server.ops.dashboard_plots import ACCURACY_NOTE, PLOTS, _clock_axis, step_label
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Exchange, PhaseTime, Position, StepRecord, StepScores
 
@@ -148,6 +148,8 @@ def test_the_page_shows_the_sites_the_steps_the_running_phase_and_the_plots(fold
     steps_table = page.partition('<table id="steps-table">')[2].partition("</table>")[0]
     assert re.findall(r">(?:completed|degraded)<", steps_table) == [">completed<", ">degraded<"]
     assert "<td>0.15</td>" in steps_table  # MiB down in step 1: 2 sites x 80,010 bytes
+    # a degraded step says why (it said "—"), in the words of status's errors (issue 47)
+    assert "<td>farm-b no reply in evaluate/0</td>" in steps_table
     assert "step 3" in page and ">running<" in page
     assert '<span class="phase now">stage1_stats</span>' in page  # after sync/0 and stage1/0
     assert "classes in play: class_4" in page
@@ -495,6 +497,9 @@ def test_the_dashboard_in_a_real_browser(live_federation, tmp_path) -> None:
         assert "farm-a" in sites_table and "farm-b" in sites_table
         steps_table = dom.partition('<table id="steps-table">')[2].partition("</table>")[0]
         assert ">degraded<" in steps_table and ">completed<" in steps_table
+        assert "farm-b no reply in evaluate/0" in steps_table  # why it is degraded (issue 47)
+        assert "random backbones" in ACCURACY_NOTE and step_label(5, 1) == "6 (try 2)"
+        assert '<figure class="double">' in dom or "<figure class=double>" in dom
         assert "step 3" in dom and ">running<" in dom
         assert '<span class="phase now">stage2</span>' in dom
         plots = _plots(dom)

@@ -27,7 +27,15 @@ from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Exchange, PhaseTime, Position, StepRecord
 
 METRICS = {"status": "completed", "steps": 1, "final_average_accuracy": 90.0, "wall_time_s": 3}
-NODES = [{"node-id": 42, "status": "online", "online-at": "2026-11-23 01:00:00Z"}]
+#: Online again after an earlier session: Flower keeps that session's offline time.
+NODES = [
+    {
+        "node-id": 42,
+        "status": "online",
+        "online-at": "2026-11-23 01:00:00Z",
+        "offline-at": "2026-11-22 23:00:00Z",
+    }
+]
 
 
 def _server(root: Path, superlink_process: ProcessId) -> ServerFolder:
@@ -110,6 +118,8 @@ def test_every_action_that_runs_flwr_gives_the_same_result_from_a_checkout(
     listed = json.loads(results["checkout"][1][1])["sites"]
     assert [(s["name"], s["node_id"], s["status"]) for s in listed] == [("farm-a", 42, "online")]
     assert listed[0]["fingerprint"] == key.fingerprint
+    assert listed[0]["online_at"] == "WHEN"  # Flower's time written as starfed's (issue 47)
+    assert listed[0]["offline_at"] is None  # the earlier session's, not this one's
     assert json.loads(results["checkout"][3][1])["metrics"] == METRICS
 
 
@@ -160,13 +170,21 @@ def test_a_superlink_that_dies_mid_run_gets_one_line_saying_what_to_do(
 
 
 def test_status_hints_only_while_a_step_runs_without_its_superlink(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, superlink_process: ProcessId
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    superlink_process: ProcessId,
 ) -> None:
     fake.install(tmp_path / "bin", monkeypatch, statuses=["running"], nodes=NODES)
     folder = _server(tmp_path / "server", superlink_process)
     assert status.gather(folder, folder.federation).hint is None  # no federation yet
     _step_running(folder.federation)
     assert status.gather(folder, folder.federation).hint is None  # the SuperLink runs
+    # the running step's failures are recorded when it ends: status says where they are now
+    code, out, _ = starfed(capfd, "server", "status", "--dir", str(folder.root))
+    said = " ".join(out.split())
+    assert code == 0 and "the step running: its failures so far are in its log" in said
+    assert f"`FLWR_HOME={folder.flwr_home} flwr log " in said and " --show`" in said
     other = tmp_path / "other federation"
     _step_running(other)
     processes.send_signal([superlink_process], processes.signal.SIGKILL)

@@ -224,3 +224,44 @@ def test_a_site_that_cannot_reach_its_server_says_where_and_gives_up() -> None:
     dial.see(retry, 400.0)
     assert dial.gave_up(10_000.0) is None
     assert Dialling("x:1", give_up_s=0).gave_up(1e9) is None
+
+
+def test_the_site_terminal_gets_starfed_words_and_the_log_everything() -> None:
+    """Flower's lines (rounds counted from 0, its REST server's address, its push failures
+    while stopping) stay in the log; the terminal gets starfed's lines (issue 47)."""
+    import io
+    import logging
+
+    from starfed.client.ops.dialling import Dialling
+    from starfed.client.ops.site_processes import told
+    from starfed.client.ops.supernode_log import pump
+    from starfed.client.worker import LOG_FORMAT
+
+    flower = [
+        "INFO :      Uvicorn running on http://127.0.0.1:40321 (Press CTRL+C to quit)\n",
+        "INFO :      SuperNode ID: 4242\n",
+        "INFO :      [RUN 77, ROUND 5/stage1/0]\n",
+        "ERROR :     Failed to push task output: [Errno 111] Connection refused\n",
+    ]
+    log, echo = io.StringIO(), io.StringIO()
+    dial = Dialling("fed.example:9092", site="farm-a")
+    pump(io.BytesIO("".join(flower).encode()), log, echo, lambda line: dial.see(line, 0.0))
+    assert echo.getvalue() == (
+        "starfed: joined the server at fed.example:9092 as farm-a (node 4242); waiting for a step\n"
+    )
+    assert all(line in log.getvalue() for line in flower)
+
+    def worker_line(name: str, level: int, message: str) -> str:
+        record = logging.LogRecord(name, level, "x.py", 1, message, None, None)
+        record.created = 1_795_000_000.0  # 2026-11-18, whatever the zone: the time is kept
+        return logging.Formatter(LOG_FORMAT).format(record) + "\n"
+
+    step = worker_line("starfed.client.site", logging.INFO, "step 2 · stage1/0: trained A")
+    assert told(step).endswith(" step 2 · stage1/0: trained A")
+    assert len(told(step).split()[0]) == 8  # HH:MM:SS
+    warning = worker_line(
+        "py.warnings", logging.WARNING, "/x/images.py:177: RuntimeWarning: skipped 1 unreadable"
+    )
+    assert told(warning).endswith(" warning: skipped 1 unreadable")
+    assert told(worker_line("starfed.client.worker", logging.INFO, "listening on s")) is None
+    assert told("Traceback (most recent call last):\n") is None

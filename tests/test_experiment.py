@@ -445,10 +445,10 @@ def test_flower_cells_are_simulate_runs_on_the_ray_cluster(
         """The cell's child process, run in this one with the environment it was given."""
 
         def __init__(self, command: list[str], *, env: dict[str, str], **_: object) -> None:
-            assert command[1:3] == ["-m", "starfed.simulations.cell"], command
+            assert command[1:4] == ["-P", "-m", "starfed.simulations.cell"], command
             with monkeypatch.context() as child:
                 child.setattr(os, "environ", env)
-                self.code = cells.main(command[3:])
+                self.code = cells.main(command[4:])
 
     monkeypatch.setattr(cells, "simulate", fake_simulate)
     monkeypatch.setattr(cells.subprocess, "Popen", CellProcess)
@@ -509,8 +509,8 @@ def stand_in_cells(tmp_path: Path, monkeypatch) -> tuple[Path, Path, list]:
     popen = subprocess.Popen
 
     def stand_in(command: list[str], **kwargs) -> subprocess.Popen:
-        assert command[1:3] == ["-m", "starfed.simulations.cell"], command
-        started.append(popen([sys.executable, "-c", STAND_IN, command[3]], **kwargs))
+        assert command[1:4] == ["-P", "-m", "starfed.simulations.cell"], command
+        started.append(popen([sys.executable, "-c", STAND_IN, command[4]], **kwargs))
         return started[-1]
 
     monkeypatch.setattr(cells.subprocess, "Popen", stand_in)

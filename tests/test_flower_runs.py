@@ -221,3 +221,13 @@ def test_an_expected_failure_is_its_one_line_not_flowers_traceback() -> None:
     # any other exception keeps its traceback
     bug = NO_SITE_LOG.replace("starfed.server.app.RunFailed", "KeyError")
     assert "".join(flower_runs.without_expected_failure(bug.splitlines(True))) == bug
+
+
+def test_a_streamed_log_written_to_a_file_has_no_colour_codes(tmp_path: Path) -> None:
+    """Flower colours its levels; redirected output kept the codes (issue 47)."""
+    coloured = "\x1b[92mINFO \x1b[0m:      step 1: 4 classes\n"
+    popen = subprocess.Popen(["printf", "%s", coloured], stdout=subprocess.PIPE)
+    with (tmp_path / "out.txt").open("w") as sink:
+        stream = flower_runs.LogStream(popen, sink)
+        stream.wait(10)
+    assert (tmp_path / "out.txt").read_text() == "INFO :      step 1: 4 classes\n"

@@ -240,14 +240,14 @@ def test_evaluate_leaves_out_classes_the_codebook_lacks(federation, exported, tm
     )
     result = json.loads(out)
     assert code == 0 and result["images"] == 20
-    assert result["left_out"] == {class_key(CLASSES[9]): 20}
+    assert result["left_out"] == {CLASSES[9]: 20}  # as the folder names it
     assert [t["images"] for t in result["tasks"]] == [20]
     assert {c["name"]: c["accuracy"] is None for c in result["classes"]}[TRAINED[1]]
     code, out, _ = starfed(
         capsys, "evaluate", "--codebook", exported, "--data", data, "--plot", tmp_path / "c.png"
     )
     assert code == 0 and "codebook v" in out and " on " in out and ": 20 images · " in out
-    assert f"left out: 20 images of 1 class the codebook lacks ({class_key(CLASSES[9])})" in out
+    assert f"left out: 20 images of 1 class the codebook lacks ({CLASSES[9]})" in out
 
 
 def test_predict_json_and_one_warning_per_unreadable_image(exported, tmp_path, capsys):

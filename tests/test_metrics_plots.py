@@ -24,6 +24,7 @@ from starfed.shared.metrics import (
     random_backbones_note,
     results_line,
     short_class_name,
+    untested_tasks,
 )
 
 TITLE = "STAR-Prompt, tiny backbones, seed 1993: FAA 17.3% (a title of a usual length)"
@@ -151,4 +152,26 @@ def test_a_runs_last_line_lists_every_plot_it_wrote(tmp_path: Path) -> None:
     assert results_line(tmp_path) == (
         f"results: {tmp_path} (metrics.json, accuracy_matrix.png, accuracy_over_time.png, "
         "codebook.bin)"
+    )
+
+
+def test_a_task_without_test_images_is_said_not_drawn_as_nan(tmp_path: Path) -> None:
+    """Issue 47: an empty column and a legend entry with no note, and `nan` in the step line."""
+    from starfed.server.records import StepScores
+    from starfed.server.step_records import scores_line
+
+    nan = float("nan")
+    scores = [[40.0], [30.0, nan], [20.0, nan, 50.0]]
+    assert untested_tasks(scores) == [1]
+    grid = plot_accuracy_matrix(scores, tmp_path / "m.png", TITLE, "random weights")
+    lines = plot_accuracy_over_time(scores, tmp_path / "t.png", TITLE)
+    assert "nan" not in {t.get_text() for t in grid.axes[0].texts}
+    assert " ".join(grid._supxlabel.get_text().split()) == (
+        "random weights; T2: no test images (drawn empty)"
+    )
+    assert "T2 (no test images)" in [t.get_text() for t in lines.axes[0].get_legend().texts]
+    line = scores_line(2, 12, StepScores(scores[-1], scores[-1], 35.0))
+    assert line == (
+        "step 3: 12 classes · federation accuracy 35.0% by arrival step: 20 — 50"
+        "  (—: no test images)"
     )

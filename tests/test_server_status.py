@@ -57,6 +57,11 @@ def test_status_of_a_finished_federation_without_a_server(root, capsys) -> None:
     assert code == 0
     assert "server     not running" in out and "degraded" in out and "no reply" in out
     assert CLASSES[0] in out
+    federation = str(root / "server" / "federation")  # a simulation's folder: no server's
+    code, out, _ = starfed(
+        capsys, "server", "status", "--dir", str(root / "none"), "--federation", federation
+    )
+    assert code == 0 and "server     none (no server folder here)" in out
 
     code, out, err = starfed(capsys, "server", "resume", "--dir", server)
     assert code == 2 and out == ""

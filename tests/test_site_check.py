@@ -142,3 +142,31 @@ def test_a_state_folder_inside_the_data_folder_is_a_problem(tmp_path) -> None:
     data = site_folder(tmp_path / "farm", {"t1": CLASSES[0:1]})
     report = check_site(data, data / "state", TINY)
     assert any("inside the data folder" in line for line in findings(report, PROBLEM))
+
+
+def test_site_data_writes_a_ready_site_and_a_new_task_later(tmp_path, capsys) -> None:
+    """`starfed site data`: the simulation's share of the bundled set for one site, task by
+    task; `site check` finds it ready (issue 47)."""
+    data = tmp_path / "farm-a"
+    share = ["site", "data", str(data), "--site", "2", "--sites", "2", "--tasks", "7"]
+    assert main([*share, "--arrived", "2"]) == 0
+    assert sorted(p.name for p in data.iterdir()) == ["task-00", "task-01", "test"]
+    assert f"next: starfed site check --data {data}" in capsys.readouterr().out
+    report = check_site(data, tmp_path / "state", TINY)
+    assert report.ready and [t.name for t in report.tasks] == ["task-00", "task-01"]
+    assert main([*share, "--arrived", "3"]) == 0  # a new task arrives
+    assert sorted(p.name for p in data.iterdir()) == ["task-00", "task-01", "task-02", "test"]
+    capsys.readouterr()
+    assert main(["site", "data", str(data), "--site", "3", "--sites", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "starfed site data: error: --site 3: expected at most --sites 2\n"
+    )
+
+
+def test_a_class_without_test_images_is_named_plainly(tmp_path) -> None:
+    data = site_folder(tmp_path / "farm", {"2026-03": CLASSES[0:2]})
+    shutil.rmtree(data / "test" / CLASSES[1])
+    report = check_site(data, tmp_path / "state", TINY)
+    assert f"test images: none for {CLASSES[1]}: this site cannot score them" in findings(
+        report, WARNING
+    )

@@ -147,10 +147,12 @@ def _test_images(report: SiteCheck, folder: SiteFolder) -> None:
     )
     report.add(OK, "test images", f"{sum(report.test_images.values())} ({how})")
     if missing:
-        report.add(WARNING, "test images", f"none for {missing}: this site cannot score them")
+        names = ", ".join(missing)
+        report.add(WARNING, "test images", f"none for {names}: this site cannot score them")
     strays = sorted(set(counts) - set(trained))
     if strays and not report.held_out:
-        report.add(WARNING, "test images", f"{TEST_FOLDER}/ classes of no task: {strays}")
+        names = ", ".join(strays)
+        report.add(WARNING, "test images", f"{TEST_FOLDER}/ classes of no task: {names}")
 
 
 def _class_names(report: SiteCheck, folder: SiteFolder) -> None:

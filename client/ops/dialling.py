@@ -21,6 +21,8 @@ RETRYING = re.compile(r"Connection attempt failed, retrying in")
 RECONNECTED = re.compile(r"Connection successful after")
 #: The SuperNode registered with the SuperLink: the server was reached.
 REACHED = re.compile(r"SuperNode ID: |Connection successful after")
+#: The SuperNode's first answer from the server: it has joined.
+JOINED = re.compile(r"SuperNode ID: (\d+)")
 #: Flower's retry lines of the site's own SuperExec (a local connection), not the server's.
 LOCAL_RETRY = re.compile(r"Connection (attempt failed|successful after)")
 GIVE_UP_S = 300.0  # `site start --give-up-after`: before the server was reached once
@@ -33,6 +35,7 @@ class Dialling:
 
     server: str
     give_up_s: float = GIVE_UP_S  # 0: never
+    site: str = ""  # the name it joins as
     reached: bool = False
     failing_since: float | None = None
     said_at: float = 0.0
@@ -40,11 +43,16 @@ class Dialling:
     def see(self, line: str, now: float) -> str | None:
         """The line to tell the operator about this SuperNode log line, if any."""
         if REACHED.search(line):
-            self.reached = True
+            first, self.reached = not self.reached, True
             if self.failing_since is not None and RECONNECTED.search(line):
                 since, self.failing_since = self.failing_since, None
                 return f"reached the server at {self.server} after {now - since:.0f} s of retries"
             self.failing_since = None
+            if first and (joined := JOINED.search(line)):
+                return (
+                    f"joined the server at {self.server} as {self.site} (node {joined[1]}); "
+                    "waiting for a step"
+                )
             return None
         if not RETRYING.search(line):
             return None

@@ -5,8 +5,8 @@ record of them all in ``<state>/run.json`` (``processes.ProcessRecord``).
 
 from __future__ import annotations
 
+import re
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,9 +31,12 @@ class Worker:
     said: list[str] = field(default_factory=list)
     pump: threading.Thread | None = None  # copies its output to the log
 
-    def listen(self, log: IO[str]) -> None:
+    def listen(self, log: IO[str], echo: IO[str] | None = None) -> None:
         self.pump = threading.Thread(
-            target=supernode_log.pump, args=(self.popen.stdout, log, None, self.hear), daemon=True
+            target=supernode_log.pump,
+            args=(self.popen.stdout, log, echo, self.hear),
+            kwargs={"shown": told},
+            daemon=True,
         )
         self.pump.start()
 
@@ -59,15 +62,38 @@ class Worker:
         )
 
 
-def start_worker(options: SiteOptions, env: dict[str, str], log: IO[str]) -> Worker:
+#: A line of the worker's log (``starfed.client.worker.LOG_FORMAT``): time, level, logger.
+WORKER_LINE = re.compile(r"^\S+ (\d\d:\d\d:\d\d)\S* (INFO|WARNING|ERROR|CRITICAL) (\S+) (.*)$")
+#: Loggers whose lines the site engineer reads on the terminal: the site's protocol steps
+#: (``client/site.py``), its privacy ledger, and warnings (an unreadable image).
+TOLD = ("starfed.client.site", "starfed.client.privacy", "py.warnings")
+
+
+def told(line: str) -> str | None:
+    """What the terminal shows of a worker's log line: ``12:03:41 step 2: …``, warnings as
+    ``warning: …``; None for the rest (the log keeps it)."""
+    match = WORKER_LINE.match(line.rstrip("\n"))
+    if match is None:
+        return None
+    time_of_day, level, name, message = match.groups()
+    if name not in TOLD and level == "INFO":
+        return None
+    if name == "py.warnings":  # "FILE:LINE: RuntimeWarning: what"
+        message = message.partition("Warning: ")[2] or message
+    return f"{time_of_day} {'' if level == 'INFO' else level.lower() + ': '}{message}"
+
+
+def start_worker(
+    options: SiteOptions, env: dict[str, str], log: IO[str], echo: IO[str] | None = None
+) -> Worker:
     """The site worker (``starfed.client.worker``): built once, it answers every message, so
     no message pays for importing torch, building the backbones and reading the caches."""
     socket_path = options.worker_socket
     socket_path.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "starfed.client.worker", "--socket", str(socket_path)]
+    command = processes.python_module("starfed.client.worker", "--socket", str(socket_path))
     popen = processes.spawn(command, env=env, cwd=options.state)
     worker = Worker(popen, Path(log.name))
-    worker.listen(log)
+    worker.listen(log, echo)
     deadline = time.monotonic() + WORKER_START_S
     while not socket_path.exists():
         if (ended := worker.ended()) or time.monotonic() > deadline:
@@ -83,15 +109,13 @@ def start_superexec(
     """The site's SuperExec (``starfed.client.ops.superexec``); its tasks' output goes where the
     SuperNode's does."""
     address = f"127.0.0.1:{runtime_port}"
-    command = [
-        sys.executable,
-        "-m",
+    command = processes.python_module(
         "starfed.client.ops.superexec",
         "--runtime-api-address",
         address,
         "--secret-file",
         str(options.superexec_secret),
-    ]
+    )
     popen = processes.spawn(command, env=env, cwd=options.state)
     threading.Thread(
         target=supernode_log.pump,

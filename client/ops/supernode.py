@@ -218,7 +218,8 @@ def _run(
     log_file = options.state / "logs" / "supernode.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     outcome = SiteRun(log_file=log_file)
-    watch = _Watch(options, outcome, dialling.Dialling(options.server, options.give_up_s))
+    dial = dialling.Dialling(options.server, options.give_up_s, options.name)
+    watch = _Watch(options, outcome, dial)
     stop_reason: list[str] = []
 
     def on_signal(signum: int, frame: object) -> None:
@@ -265,7 +266,7 @@ def _start(
     ``started`` as it runs; returns the SuperNode."""
     env = processes.flower_env(options.state / "flwr-home")
     if options.worker:
-        started.worker = site_processes.start_worker(options, env, log)
+        started.worker = site_processes.start_worker(options, env, log, echo)
         started.add(started.worker.popen)
     write_superexec_secret(options.superexec_secret)
     runtime_port = processes.free_port()

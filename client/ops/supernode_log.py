@@ -77,19 +77,24 @@ def pump(
     echo: IO[str] | None,
     on_line: Callable[[str], str | None],
     local: re.Pattern[str] | None = None,
+    shown: Callable[[str], str | None] = lambda line: None,
 ) -> None:
-    """Copy the SuperNode's output line by line to the log (and terminal), classifying it;
-    ``on_line`` may add a line of ours after it. Lines ``local`` matches are about a local
-    connection (the SuperExec's to its SuperNode), not the server: to the log only, marked."""
+    """Copy a process's output line by line to the log, classifying it; ``on_line`` may add a
+    line of ours after it. The terminal (``echo``) gets starfed's words only: those lines and
+    what ``shown`` makes of a line (none of Flower's own, which stay in the log: its round
+    numbers, its servers' addresses and its shutdown noise mean nothing to a site engineer).
+    Lines ``local`` matches are about a local connection (the SuperExec's to its SuperNode),
+    not the server: marked so in the log."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
         note = on_line(line)
-        lines = line + (f"starfed: {note}\n" if note else "")
+        ours = f"starfed: {note}\n" if note else ""
         is_local = local is not None and local.search(line) is not None
+        told = shown(line)
         try:
-            write(log, f"(local SuperExec, not the server) {line}" if is_local else lines)
-            if echo is not None and not is_local:
-                write(echo, lines)
+            write(log, (f"(local SuperExec, not the server) {line}" if is_local else line) + ours)
+            if echo is not None and (told or ours):
+                write(echo, (f"{told}\n" if told else "") + ours)
         except (OSError, ValueError):  # closed after we gave up waiting: drop the rest
             return
 

@@ -61,8 +61,9 @@ class Plot:
 
 
 def step_label(step: int, attempt: int) -> str:
-    """Step ``step`` (0-based) as a person counts it, with its attempt after a retry."""
-    return f"{step + 1}" + (f"·{attempt + 1}" if attempt else "")
+    """Step ``step`` (0-based) as a person counts it, with its attempt after a retry: ``6``,
+    then ``6 (try 2)``."""
+    return f"{step + 1}" + (f" (try {attempt + 1})" if attempt else "")
 
 
 def _timeline_data(state: State) -> list[tuple[str, str, float, float]]:
@@ -123,7 +124,7 @@ def _draw_bytes(rows: list[tuple[str, int, int]], out: BinaryIO) -> None:
     ax.set_xticks(list(x), [r[0] for r in rows])
     ax.set_xlabel("step")
     ax.set_ylabel("MiB on the wire")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)  # no bar hid
     fig.savefig(out, format="png", dpi=110)
 
 
@@ -149,7 +150,7 @@ def _draw_sites(series: dict[str, dict[int, float]], out: BinaryIO) -> None:
     shown = sorted({int(s) + 1 for by_step in series.values() for s in by_step})
     ax.set_xlim(shown[0] - 0.5, shown[-1] + 0.5)
     ax.set_xticks([t + 1 for t in task_ticks(shown[-1])])
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)  # no point hid
     fig.savefig(out, format="png", dpi=110)
 
 
@@ -157,18 +158,29 @@ def _matrix_data(state: State) -> AccuracyMatrix:
     return state.accuracy_matrix
 
 
+#: Under the accuracy plots: the dashboard cannot tell random backbones from trained ones (the
+#: folder keeps only their fingerprint), so it says how to read a low score either way.
+ACCURACY_NOTE = (
+    "the sites' own test images; with random backbones (the tiny preset without weight files, "
+    "docs/results.md#what-tiny-backbones-can-and-cannot-show) low accuracy is expected"
+)
+
 PLOTS: dict[str, Plot] = {
     "steps": Plot("the steps over time (UTC), by status", _timeline_data, _draw_timeline),
     "accuracy": Plot(
         "the federation's accuracy by arrival step, and their mean (FAA)",
         _matrix_data,
-        lambda m, out: plot_accuracy_over_time(m, out, "accuracy by arrival step (sites' tests)"),
+        lambda m, out: plot_accuracy_over_time(
+            m, out, "accuracy by arrival step (sites' tests)", ACCURACY_NOTE
+        ),
     ),
     "sites": Plot("each site's accuracy on its own test images", _sites_data, _draw_sites),
     "matrix": Plot(
         "the accuracy matrix: row i after step i, column j the classes of step j",
         _matrix_data,
-        lambda m, out: plot_accuracy_matrix(m, out, "accuracy matrix (sites' test images)"),
+        lambda m, out: plot_accuracy_matrix(
+            m, out, "accuracy matrix (sites' test images)", ACCURACY_NOTE
+        ),
     ),
     "bytes": Plot("bytes per step, to the sites and from them", _bytes_data, _draw_bytes),
 }

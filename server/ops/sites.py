@@ -238,7 +238,15 @@ class SiteStatus:
 
 
 def _flower_time(value: object) -> str | None:
-    return None if value in (None, "", "N/A") else str(value)
+    """Flower's ``2026-11-23 04:36:31Z`` as starfed writes times (``2026-11-23T04:36:31+00:00``),
+    so one table does not mix two formats; text Flower may write otherwise is kept."""
+    if value in (None, "", "N/A"):
+        return None
+    try:
+        when = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return str(value)
+    return when.isoformat(timespec="seconds")
 
 
 def status(folder: ServerFolder) -> list[SiteStatus]:
@@ -253,25 +261,25 @@ def status(folder: ServerFolder) -> list[SiteStatus]:
                 record.name,
                 record.node_id,
                 str(node.get("status") or ("unregistered" if record.removed_at else "unknown")),
-                _flower_time(node.get("online-at")),
-                _flower_time(node.get("offline-at")),
+                *_session(node),
                 record.fingerprint,
                 record.added_at,
                 record.removed_at,
             )
         )
     for node_id, node in nodes.items():  # registered with bare `flwr`, not through starfed
-        rows.append(
-            SiteStatus(
-                None,
-                node_id,
-                str(node.get("status")),
-                _flower_time(node.get("online-at")),
-                _flower_time(node.get("offline-at")),
-                None,
-            )
-        )
+        rows.append(SiteStatus(None, node_id, str(node.get("status")), *_session(node), None))
     return rows
+
+
+def _session(node: dict) -> tuple[str | None, str | None]:
+    """(online at, offline at) of a node's last session: Flower keeps the offline time of an
+    earlier one while the node is online again (after a restart), which read as if it had
+    gone offline after it came back."""
+    online, offline = _flower_time(node.get("online-at")), _flower_time(node.get("offline-at"))
+    if node.get("status") == "online" and online and offline and offline < online:
+        offline = None
+    return online, offline
 
 
 # --- refused SuperNodes --------------------------------------------------------------------

@@ -423,7 +423,7 @@ def _step(record: StepRecord) -> StepRow:
         record.step,
         record.attempt,
         record.status,
-        record.reason,
+        record.reason or _why_degraded(record),
         list(record.classes),
         list(record.sites),
         faa,
@@ -432,6 +432,16 @@ def _step(record: StepRecord) -> StepRow:
         len([f for f in record.findings if f.action != "quarantined"]),
         list(record.quarantined),
     )
+
+
+def _why_degraded(record: StepRecord) -> str:
+    """A degraded step's record has no reason (a failed one has): what degraded it, from its
+    exchanges and quarantine, in the words of the errors table."""
+    failed = [f"{_name(e)} {e.status} in {e.phase}/{e.round}" for e in record.exchanges if e.failed]
+    said = failed[:3] + ([f"{len(failed) - 3} more"] if len(failed) > 3 else [])
+    if record.quarantined:
+        said.append(f"quarantined {', '.join(record.quarantined)}")
+    return "; ".join(said)
 
 
 def _flower_sites(status: Status, rows: list[sites.SiteStatus]) -> None:

@@ -27,7 +27,6 @@ import secrets
 import signal
 import socket
 import ssl
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -175,9 +174,7 @@ def superexec_command(
 
 def gateway_command(folder: ServerFolder, options: ServerOptions, superlink_pid: int) -> list[str]:
     scheme = "http" if options.insecure else "https"
-    command = [
-        sys.executable,
-        "-m",
+    command = processes.python_module(
         "starfed.server.ops.gateway",
         "--listen",
         options.public_address,
@@ -191,7 +188,7 @@ def gateway_command(folder: ServerFolder, options: ServerOptions, superlink_pid:
         str(options.max_per_address),
         "--exit-with",
         str(superlink_pid),
-    ]
+    )
     if options.insecure:
         return command
     return [

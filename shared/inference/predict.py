@@ -111,6 +111,8 @@ class LabelledImages:
     def __init__(self, folder: str | Path, backbones: Backbones) -> None:
         classes = folder_test_images(folder)
         self.keys = sorted(classes)  # label i is the class key keys[i]
+        # what the folder calls each class (its folder's name), for people: `Blueberry___healthy`
+        self.folder_names = {key: Path(paths[0]).parent.name for key, paths in classes.items()}
         samples = [(p, i) for i, key in enumerate(self.keys) for p in classes[key]]
         if not samples:
             raise DatasetError(f"{folder}: no test images (class folders, or a site's test/)")
@@ -150,7 +152,7 @@ class Evaluation:
     steps: dict[str, int]  # class -> registration step
     scores: ClassScores
     confusion: torch.Tensor  # int64 [C, C]: true row x predicted row
-    left_out: dict[str, int]  # class keys of the folder the codebook lacks -> images
+    left_out: dict[str, int]  # the folder's classes (its names) the codebook lacks -> images
     unreadable: list[str]  # image files that could not be decoded
 
     def to_dict(self) -> dict[str, object]:
@@ -206,5 +208,6 @@ def evaluate(codebook: Codebook, backbones: Backbones, folder: str | Path) -> Ev
     lacking = images.rows(names) < 0
     left_out: dict[str, int] = {}
     for label in images.test.labels[lacking].tolist():
-        left_out[images.keys[label]] = left_out.get(images.keys[label], 0) + 1
+        name = images.folder_names[images.keys[label]]
+        left_out[name] = left_out.get(name, 0) + 1
     return Evaluation(names, steps, scores, confusion, left_out, images.unreadable)
