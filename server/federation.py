@@ -55,13 +55,12 @@ from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
+from starfed.shared.run_status import FAILED
 
 if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook is decoded, so
     # the folder's records can be read without it (`starfed server status`)
     from starfed.shared.codebook.codebook import Codebook
     from starfed.shared.codebook.stored import Stored
-
-COMPLETED, DEGRADED, FAILED = "completed", "degraded", "failed"  # a step's (and a run's) status
 
 
 class Federation:
@@ -202,18 +201,21 @@ class Federation:
         return Checkpoint(message.version, names, frozen, Position.from_metadata(message.metadata))
 
     def checkpoint(self, codebook: Codebook, position: Position) -> Codebook:
-        """Save ``codebook`` with ``position`` in its metadata: what changed since the last
-        checkpoint appended to the store, then its manifest (one atomic write, the commit)."""
+        """Save ``codebook`` with ``position`` mid-step (``_commit``); a full disk is one
+        ``FederationError`` (``_mid_step``)."""
         with self._mid_step(f"the checkpoint of {position.done[-1] if position.done else 'it'}"):
-            return self._checkpoint(codebook, position)
+            return self._commit(codebook, position)
 
-    def _checkpoint(self, codebook: Codebook, position: Position) -> Codebook:
+    def _commit(self, codebook: Codebook, position: Position) -> Codebook:
+        """The commit point: ``codebook`` with ``position`` in its metadata, what changed since
+        the last checkpoint appended to the store, then its manifest (one atomic write); the
+        last good checkpoint stays beside it (``previous.bin``)."""
         self.migrate()
         lineage = replace(Lineage.of(codebook), federation=self.id)
         metadata = {**codebook.metadata, **lineage.as_metadata(), **position.as_metadata()}
         saved = replace(codebook, metadata=metadata)
         current = self.root / CODEBOOK_FILE
-        if current.is_file():  # the last good checkpoint stays beside the new one
+        if current.is_file():
             copy_atomic(current, self.root / PREVIOUS_FILE)
         self._stored = self._save(CODEBOOK_FILE, saved, self._stored)  # validated first
         return saved
@@ -224,18 +226,17 @@ class Federation:
         """Keep the codebook a step starts from, the last checkpoint, for a rollback: its
         manifest copied (``codebook`` saved for a new federation, which has none yet)."""
         with self._mid_step("the codebook it starts from"):
-            self._begin_step(codebook)
-
-    def _begin_step(self, codebook: Codebook) -> None:
-        self.migrate()
-        current = self.root / CODEBOOK_FILE
-        if current.is_file():
-            write_atomic(self.root / STEP_START_FILE, current.read_bytes())
-            held = self._stored is not None and self._stored.codebook.entries is codebook.entries
-            self._start = self._stored if held else None
-        else:
-            self._stored = self._start = self._save(STEP_START_FILE, codebook, self._stored)
-        (self.root / STEP_FINDINGS_FILE).unlink(missing_ok=True)  # an earlier attempt's
+            self.migrate()
+            current = self.root / CODEBOOK_FILE
+            if current.is_file():
+                write_atomic(self.root / STEP_START_FILE, current.read_bytes())
+                same = (
+                    self._stored is not None and self._stored.codebook.entries is codebook.entries
+                )
+                self._start = self._stored if same else None
+            else:
+                self._stored = self._start = self._save(STEP_START_FILE, codebook, self._stored)
+            (self.root / STEP_FINDINGS_FILE).unlink(missing_ok=True)  # an earlier attempt's
 
     def register(self, names: list[str], step: int, brought: dict[str, list[str]]) -> None:
         """Record newly registered classes and which sites brought which class."""
@@ -313,24 +314,23 @@ class Federation:
         and the registry follow; ``keep_steps`` completed steps' codebooks are kept (0: all).
         A full disk is one ``FederationError`` that says what the next run will do."""
         try:
-            return self._end_step(record, codebook, keep_steps)
+            write_atomic(self.root / PENDING_FILE, record.to_json().encode())
+            if codebook is None:
+                self.migrate()
+                start, self._stored = (
+                    (self._start.codebook, self._start)
+                    if self._start
+                    else self._load(STEP_START_FILE)
+                )  # the step's start as stored: going back to it appends no record
+                metadata = {**start.metadata, **Lineage.of(start).new_epoch().as_metadata()}
+                saved = self._commit(replace(start, metadata=metadata), Position(record.step))
+            else:
+                saved = self._commit(codebook, Position(record.step + 1))
+            self._finish(record, keep_steps)
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise
             raise FederationError(self._full_disk(record, err)) from None
-
-    def _end_step(self, record: StepRecord, codebook: Codebook | None, keep_steps: int) -> Codebook:
-        write_atomic(self.root / PENDING_FILE, record.to_json().encode())
-        if codebook is None:
-            self.migrate()
-            start, self._stored = (
-                (self._start.codebook, self._start) if self._start else self._load(STEP_START_FILE)
-            )  # the step's start as stored: going back to it appends no record
-            metadata = {**start.metadata, **Lineage.of(start).new_epoch().as_metadata()}
-            saved = self._checkpoint(replace(start, metadata=metadata), Position(record.step))
-        else:
-            saved = self._checkpoint(codebook, Position(record.step + 1))
-        self._finish(record, keep_steps)
         return saved
 
     def _committed(self, record: StepRecord) -> bool:

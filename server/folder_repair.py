@@ -25,7 +25,6 @@ from pathlib import Path
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import folder_lock
-from starfed.server.federation import COMPLETED, DEGRADED, FAILED
 from starfed.server.folder_check import Depth, read_codebook_file
 from starfed.server.folder_files import (
     CODEBOOK_FILE,
@@ -46,6 +45,7 @@ from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.files import write_atomic
+from starfed.shared.run_status import COMPLETED, DEGRADED, FAILED
 
 FINISHED = (COMPLETED, DEGRADED)
 LOST_RECORD = "its record was lost; restored by `starfed server repair` (scores unknown)"

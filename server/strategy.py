@@ -29,10 +29,8 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.merge import MergeAccumulator
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import ConfigValue, Phase
 from starfed.shared.report import EvaluationReport
-
-ConfigValue = bool | int | float | str | list[int] | list[str]
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from starfed.proto import codebook_pb2 as pb
 from starfed.server import federation as federation_module
 from starfed.server import folder_check, folder_lock
 from starfed.server.app import RunFailed
-from starfed.server.federation import COMPLETED, Federation
+from starfed.server.federation import Federation
 from starfed.server.folder_files import (
     CODEBOOK_FILE,
     HISTORY_FILE,
@@ -62,6 +62,7 @@ from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.codebook.store import STORE_DIR
+from starfed.shared.run_status import COMPLETED
 
 pytestmark = pytest.mark.faults
 

@@ -9,8 +9,8 @@ server test set, scored like one more site) to classify with the keys
 
 from __future__ import annotations
 
-from starfed.server.strategy import ConfigValue, PhaseState, Strategy
-from starfed.shared.protocol import CLASSIFY_WITH_KEYS, Phase
+from starfed.server.strategy import PhaseState, Strategy
+from starfed.shared.protocol import CLASSIFY_WITH_KEYS, ConfigValue, Phase
 
 
 class ClassifyWithKeys(Strategy):
