@@ -222,7 +222,7 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
         "participation": participation,
         "privacy_epsilon": epsilon,
         "traffic": traffic,
-        "exchanges": [dataclasses.asdict(e) for e in log.exchanges],  # this run's
+        "exchanges": [e.to_json() for e in log.exchanges],  # this run's
         "phase_wall_time_s": [
             {"step": r.step, **dataclasses.asdict(p)} for r in history for p in r.phase_seconds
         ],

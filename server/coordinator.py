@@ -47,7 +47,7 @@ from starfed.server.participants import Participants, new_classes, sync_config
 from starfed.server.records import Exchange, PhaseRound, PhaseTime, Position, StepRecord, StepScores
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.step_records import RUN_END_LEVELS, RunLog, StepFailed, StepTally
-from starfed.server.strategy import PhaseState, Strategy
+from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared import progress
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook, CodebookError
@@ -125,7 +125,7 @@ class Coordinator:
         self.protocol = protocol
         self.federation = federation
         self.server_eval = server_eval
-        self.strategy = strategy or Strategy()
+        self.strategy = strategy or MeanStrategy()
         self.before_step = before_step
         self.screening = screening or ScreeningOptions()
         self.codebook = federation.codebook()
@@ -267,22 +267,22 @@ class Coordinator:
         round, those that name it in ``travels_with``, not done yet and whose message the
         strategy adds nothing to), its message config and its nodes."""
         state = self._state(step, round_index)
-        riders = []
+        travelling = []
         if round_index == self._rounds(spec.phase) - 1:
-            riders = [
-                rider
-                for rider in PHASES
-                if rider.travels_with is spec.phase
-                and PhaseRound(rider.phase.key) not in self.position.done
-                and not self._configure(rider.phase, 0, state)
+            travelling = [
+                other
+                for other in PHASES
+                if other.travels_with is spec.phase
+                and PhaseRound(other.phase.key) not in self.position.done
+                and not self._configure(other.phase, 0, state)
             ]
-        config = self._config(spec, state, [rider.phase.key for rider in riders])
+        config = self._config(spec, state, [other.phase.key for other in travelling])
         nodes = self.participants.sample(
             spec.phase, step, round_index, self.in_play, self.protocol, self.train.seed
         )
         parts = (
             Part(spec, PhaseRound(spec.phase.key, round_index), UPDATE_RECORD),
-            *(Part(rider, PhaseRound(rider.phase.key), rider.phase.key) for rider in riders),
+            *(Part(other, PhaseRound(other.phase.key), other.phase.key) for other in travelling),
         )
         return PhasePlan(state, config, nodes, parts)
 
@@ -365,10 +365,10 @@ class Coordinator:
         kept = step_records.findings_kept(self.federation.step_findings(step), not_repeated)
         if kept:
             self.screen.restore(kept)
-            held = sorted(self.screen.quarantined)
+            quarantined = ", ".join(sorted(self.screen.quarantined))
             logger.info(
                 f"step {step + 1} resumes with {progress.counted(len(kept), 'finding')} of the "
-                "screening from before" + (f"; quarantined: {', '.join(held)}" if held else "")
+                "screening from before" + (f"; quarantined: {quarantined}" if quarantined else "")
             )
 
     def _checkpoint(self, done: PhaseRound) -> None:
@@ -501,9 +501,9 @@ class Coordinator:
         if payload:
             for entry in exchanges:
                 if not entry.failed:
-                    self.participants.hold(entry.node_id, self.codebook.version)
+                    self.participants.set_version(entry.node_id, self.codebook.version)
                 else:
-                    self.participants.hold(entry.node_id, None)
+                    self.participants.set_version(entry.node_id, None)
         self._logged(exchanges)
         return good
 

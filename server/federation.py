@@ -37,17 +37,20 @@ from starfed.server.folder_files import (
     METRICS_FILE,
     PENDING_FILE,
     PREVIOUS_FILE,
-    QUARANTINE_FILE,
-    REGISTRY_FILE,
     STEP_FINDINGS_FILE,
     STEP_START_FILE,
     FederationError,
     HistoryLines,
     Identity,
+    append_history,
     copy_atomic,
     is_manifest,
+    read_quarantine,
     read_registry,
     read_step_findings,
+    write_quarantine,
+    write_registry,
+    write_step_findings,
 )
 from starfed.server.records import Checkpoint, Finding, Position, Registration, StepRecord, now
 from starfed.shared.codebook import store
@@ -258,31 +261,25 @@ class Federation:
             self._write_registry()
 
     def _write_registry(self) -> None:
-        registry = {name: asdict(entry) for name, entry in self.registry.items()}
-        write_atomic(self.root / REGISTRY_FILE, json.dumps(registry, indent=2).encode())
+        write_registry(self.root, self.registry)
 
     def quarantine(self) -> dict[str, dict]:
         """Sites kept out of later steps: site -> the step and reason that put it there."""
-        held = self._read(QUARANTINE_FILE, {})
-        entries = held.values() if isinstance(held, dict) else [None]
-        if not all(isinstance(v, dict) and isinstance(v.get("step"), int) for v in entries):
-            raise FederationError(f"{self.root / QUARANTINE_FILE} is damaged: not site -> entry")
-        return held
+        return read_quarantine(self.root)
 
     def add_quarantine(self, sites: dict[str, str], step: int) -> None:
         """Keep ``sites`` (site -> why) out of later steps (``quarantine-persists``)."""
-        held = self.quarantine()
+        quarantine = self.quarantine()
         for site, reason in sites.items():
-            held.setdefault(site, {"step": step, "since": now(), "reason": reason})
+            quarantine.setdefault(site, {"step": step, "since": now(), "reason": reason})
         with self._mid_step("the sites it quarantined"):
-            write_atomic(self.root / QUARANTINE_FILE, json.dumps(held, indent=2).encode())
+            write_quarantine(self.root, quarantine)
 
     def save_findings(self, step: int, findings: Sequence[Finding]) -> None:
         """The screening's findings so far in ``step``, written ahead of each of its
         checkpoints, so that a crash loses none of a committed phase's (``step_findings``)."""
-        value = {"step": step, "findings": [asdict(f) for f in findings]}
         with self._mid_step("the screening's findings ahead of its next checkpoint"):
-            write_atomic(self.root / STEP_FINDINGS_FILE, json.dumps(value, indent=1).encode())
+            write_step_findings(self.root, step, findings)
 
     def step_findings(self, step: int) -> list[Finding]:
         """What ``save_findings`` last kept for ``step``, none for another step. Written ahead
@@ -424,9 +421,7 @@ class Federation:
         """After the commit: the history line (unless already there), the registry of a failed
         step rolled back, the completed step's codebook kept; then the record written ahead goes."""
         if not any(r.step == record.step and r.attempt == record.attempt for r in self.history()):
-            history = self.root / HISTORY_FILE
-            lines = history.read_text() if history.is_file() else ""
-            write_atomic(history, (lines + record.to_json() + "\n").encode())
+            append_history(self.root, record)
         if record.status == FAILED:
             self.registry = {n: r for n, r in self.registry.items() if r.step != record.step}
             self._write_registry()

@@ -229,10 +229,10 @@ class PhaseScreen:
                         )
                     )
                 elif name in sent:
-                    held = self.codebook[entry.name].tensor(name)
-                    change = _distance(value, held)
+                    before = self.codebook[entry.name].tensor(name)
+                    change = _distance(value, before)
                     self.rows.changes.setdefault(name, []).append(
-                        Change(site, entry.name, change, reference_size(held))
+                        Change(site, entry.name, change, reference_size(before))
                     )
 
     def frozen_rows(self, site: str, names: list[str]) -> None:
@@ -342,13 +342,13 @@ class PhaseScreen:
         already holds (fitted and screened in earlier steps); else, in a federation's first
         fit by fewer sites, the senders' own median (docs/security.md)."""
         if len({r.site for r in rows}) < MIN_SITES:
-            held = [
+            fitted = [
                 float(entry.mixture(name).means.norm(dim=1).max())
                 for entry in self.codebook.entries.values()
                 if name in entry.values
             ]
-            if held:
-                return _median(held), "the median of the codebook's fitted mixtures"
+            if fitted:
+                return _median(fitted), "the median of the codebook's fitted mixtures"
         return _by_site((r.site, r.norm) for r in rows), "the median over sites"
 
     def _bound_mixtures(self, name: str, rows: list[MixtureRow]) -> None:

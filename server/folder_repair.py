@@ -19,7 +19,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from starfed.server.folder_files import (
     Identity,
     read_registry,
     read_step_findings,
+    registry_bytes,
 )
 from starfed.server.records import Position, Registration, StepRecord
 from starfed.shared.codebook import store
@@ -310,7 +311,7 @@ def _registry(root: Path, position: Position, names: set[str], stamp: str) -> li
         return []
     restored = len(set(registry) - set(current))
     dropped = len(set(current) - set(registry))
-    text = json.dumps({n: asdict(r) for n, r in registry.items()}, indent=2).encode()
+    text = registry_bytes(registry)
 
     def do() -> None:
         _keep_copy(path, stamp)

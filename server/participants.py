@@ -52,7 +52,7 @@ class Participants:
     node_ids: list[int] = field(default_factory=list)
     sites: dict[int, str] = field(default_factory=dict)  # node id -> site name
     brings: dict[int, set[str]] = field(default_factory=dict)  # node id -> class keys
-    held: dict[int, int] = field(default_factory=dict)  # node id -> codebook version
+    versions: dict[int, int] = field(default_factory=dict)  # node id -> codebook version
 
     def join(self, named: list[Decoded], accepted: list[Decoded], codebook: Codebook) -> None:
         """The step's nodes after its sync: every node that answered is known by its name
@@ -65,11 +65,11 @@ class Participants:
         self.node_ids = [entry.node_id for entry, _ in accepted]
         for entry, update in accepted:
             self.brings[entry.node_id] = {class_key(e.name) for e in update.entries}
-            held = update.base_version
-            if 0 < held <= codebook.version:
-                self.held[entry.node_id] = held
+            base = update.base_version
+            if 0 < base <= codebook.version:
+                self.versions[entry.node_id] = base
             else:
-                self.held.pop(entry.node_id, None)
+                self.versions.pop(entry.node_id, None)
 
     def leave(self, quarantined: Collection[str]) -> None:
         """Quarantined sites get no more messages in this step."""
@@ -117,8 +117,8 @@ class Participants:
         cache: dict[int, bytes] = {}
 
         def payload(node: int) -> bytes:
-            since = self.held.get(node, 0)
-            if since not in cache:  # held == version: caught up (catch_up), the delta is empty
+            since = self.versions.get(node, 0)
+            if since not in cache:  # since == version: caught up (catch_up), the delta is empty
                 whole = not 0 < since <= full.version
                 value = full if whole else replace(codebook.delta(since), metadata=lineage)
                 cache[since] = wire.encode(value, wire_dtype)
@@ -126,13 +126,13 @@ class Participants:
 
         return payload
 
-    def hold(self, node: int, version: int | None) -> None:
+    def set_version(self, node: int, version: int | None) -> None:
         """``node`` holds codebook ``version`` now (None: unknown — it gets the whole
         codebook next)."""
         if version is None:
-            self.held.pop(node, None)
+            self.versions.pop(node, None)
         else:
-            self.held[node] = version
+            self.versions[node] = version
 
 
 def new_classes(

@@ -292,8 +292,8 @@ class Screen:
         if entry.site in self.quarantined:
             return False
         images = sum(score.images for score in report.classes)
-        held = self.declared.get(entry.site, Declared({}, 0)).test_images
-        if images > held:
-            self._reject(entry, f"reports {images} test images, holds {held} (its sync)")
+        test_images = self.declared.get(entry.site, Declared({}, 0)).test_images
+        if images > test_images:
+            self._reject(entry, f"reports {images} test images, holds {test_images} (its sync)")
             return False
         return True
