@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from codebooks import changed_fields, full_entry  # no pytest: tests/codebooks.py says why
 
-from starfed.server.federation import COMPLETED, Federation
+from starfed.server.federation import Federation
 from starfed.server.folder_files import HISTORY_FILE
 from starfed.server.records import Position, StepRecord
 from starfed.shared.codebook import wire
@@ -54,6 +54,7 @@ from starfed.shared.codebook.framing import CODEBOOK_MAGIC, frame
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import TENSORS, ModelDims
 from starfed.shared.files import write_atomic
+from starfed.shared.run_status import COMPLETED
 
 PAPER_DIMS = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
 FINGERPRINT = "be" * 32

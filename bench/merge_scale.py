@@ -30,8 +30,9 @@ import time
 import torch
 from codebook_sizes import PAPER, parse_dims, random_codebook, random_mixture
 
+from starfed.server.decode import without_cyclic_gc
+from starfed.server.field_bounds import PhaseScreen
 from starfed.server.records import Exchange
-from starfed.server.replies import without_cyclic_gc
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
@@ -69,7 +70,7 @@ def site_name(site: int) -> str:
 
 
 def synced(codebook: Codebook, sites: int) -> Screen:
-    """The step's screening with every site enrolled, each reporting the most examples an
+    """The step's screening with every site synced, each reporting the most examples an
     update of ``site_update`` can claim for every class."""
     sync = ClientUpdate(
         codebook.fingerprint,
@@ -133,7 +134,7 @@ def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) ->
         refs.write("5")  # resets VmHWM to the current RSS
     screen = synced(codebook, sites)
     merge = MergeAccumulator(codebook, n_components=n_components)
-    phase_screen = timed("screen", screen.phase, phase, 0, codebook)
+    phase_screen = timed("screen", PhaseScreen, screen, phase, 0, codebook)
     updates = []  # views of the replies' bytes: held between the passes, as the coordinator does
     with without_cyclic_gc():
         for site, data in enumerate(replies):  # in the order of site names: site-0000, site-0001

@@ -8,7 +8,7 @@ SIGTERM stopped the run (as a shell reports Ctrl-C). They live with the operatio
 `simulations/` and `cli/` both return them.
 """
 
-from starfed.server.federation import COMPLETED, DEGRADED, FAILED
+from starfed.shared.run_status import COMPLETED, DEGRADED, FAILED
 
 EXIT_OK = 0  # done; a federation run: completed
 EXIT_FAILED = 1  # something failed: a process would not start, a peer refused, the run failed
@@ -19,7 +19,7 @@ EXIT_INTERRUPTED = 130  # a federation run stopped by Ctrl-C or SIGTERM
 #: A federation run's status (``metrics.json``) → the exit code of the command that ran it, on
 #: either runtime (``flower_runs.exit_code``, ``simulations.local_grid``); an experiment's cell
 #: is complete when its run's code is one of ``FINISHED`` (``simulations.cell``).
-RUN_EXIT_CODES = {COMPLETED: EXIT_OK, DEGRADED: EXIT_DEGRADED, FAILED: EXIT_FAILED}
+RUN_EXIT_CODES: dict[str, int] = {COMPLETED: EXIT_OK, DEGRADED: EXIT_DEGRADED, FAILED: EXIT_FAILED}
 FINISHED = frozenset({EXIT_OK, EXIT_DEGRADED})  # the run's steps all ended
 
 

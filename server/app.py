@@ -26,7 +26,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from starfed.server import folder_lock
 from starfed.server.coordinator import Coordinator
-from starfed.server.federation import FAILED, Federation
+from starfed.server.federation import Federation
 from starfed.server.folder_files import METRICS_FILE, FederationError
 from starfed.server.messaging import SiteGrid
 from starfed.server.robust import robust
@@ -53,6 +53,7 @@ from starfed.shared.metrics import (
 )
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
+from starfed.shared.run_status import FAILED
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
         "participation": participation,
         "privacy_epsilon": epsilon,
         "traffic": traffic,
-        "exchanges": [dataclasses.asdict(e) for e in log.exchanges],  # this run's
+        "exchanges": [e.to_json() for e in log.exchanges],  # this run's
         "phase_wall_time_s": [
             {"step": r.step, **dataclasses.asdict(p)} for r in history for p in r.phase_seconds
         ],

@@ -39,14 +39,14 @@ from starfed.shared.protocol import (
 
 
 def behind(
-    codebook: Codebook, held: Mapping[int, int], nodes: Sequence[int], dtype: str
+    codebook: Codebook, versions: Mapping[int, int], nodes: Sequence[int], dtype: str
 ) -> list[int]:
-    """The nodes whose broadcast (the delta from the version ``held`` says they hold, else the
+    """The nodes whose broadcast (the delta from the version ``versions`` says they hold, else the
     whole codebook) could pass one part (``parts.broadcast_bytes``: an upper bound)."""
-    sizes: dict[int, int] = {}  # held version -> the bound of its broadcast
+    sizes: dict[int, int] = {}  # base version -> the bound of its broadcast
     late = []
     for node in nodes:
-        since = held.get(node, 0)
+        since = versions.get(node, 0)
         since = since if 0 < since <= codebook.version else 0
         if since not in sizes:
             sizes[since] = parts.broadcast_bytes(codebook, since, dtype)
@@ -68,12 +68,12 @@ def before_phase(
     """Catch up the ``nodes`` of a phase that are ``behind`` (``send``), and note what each
     holds after; the nodes to send the phase to — all but those that failed a part (they sit
     the phase out, and start their catch-up again at the next) — and the log of every part."""
-    late = behind(codebook, participants.held, nodes, dtype)
+    late = behind(codebook, participants.versions, nodes, dtype)
     if not late:
         return list(nodes), []
     caught, exchanges = send(grid, codebook, late, step, dtype, sites, timeout)
     for node in late:
-        participants.hold(node, codebook.version if node in caught else None)
+        participants.set_version(node, codebook.version if node in caught else None)
     left = set(late) - caught
     return [node for node in nodes if node not in left], exchanges
 
@@ -107,8 +107,8 @@ def send(
             entry.phase = CATCH_UP_KEY
         if index == count - 1:
             for entry, reply in good:
-                held = reply.content[HELD][RECORD_DATA] if HELD in reply.content else b""
-                said = held if isinstance(held, bytes) else b""  # anything else: rejected
+                raw = reply.content[HELD][RECORD_DATA] if HELD in reply.content else b""
+                said = raw if isinstance(raw, bytes) else b""  # anything else: rejected
                 if said != str(codebook.version).encode():
                     reject(
                         entry,

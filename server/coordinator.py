@@ -1,28 +1,33 @@
-"""The server's aggregation steps: the sync, then the phases of ``PHASES``, in order.
+"""The server's aggregation steps: the sync, then the phases of ``PHASES``, each one pipeline.
 
-A step starts with the sync (``starfed.shared.protocol.SYNC``): every connected site
-says what its current task brings, and the classes the federation does not know yet are
-registered. Then, for each codebook phase, the ``Coordinator`` sends one message to the synced
-sites (a seeded share of them for training and statistics rounds, ``fraction-train``), decodes
-(= validates) the replies one at a time and hands them to its ``Strategy``
-(``starfed.server.strategy``), which reduces them into a new codebook (or, for evaluation, the
-step's scores). A phase that travels with another (``PhaseSpec.travels_with``: the stage-1
-statistics, with the last stage-1 round) is asked for in that phase's message and reduced from
+A step starts with the sync (``starfed.shared.protocol.SYNC``): every connected site says what its
+current task brings, and the classes the federation does not know yet are registered. Then each
+round of each codebook phase runs the same stages, in order (``Coordinator._run_phase``, drawn in
+docs/design.md#one-step):
+
+1. **plan** — the phase's ``PhaseState``, the phases that travel with it
+   (``PhaseSpec.travels_with``), its message config (the strategy is asked once per phase round,
+   ``_configure``) and its nodes (``server.participants``: every synced site, or a seeded share
+   for training and statistics);
+2. **send** and **collect** — nodes too far behind caught up in parts (``server.catch_up``), then
+   one message each, with a timeout (``server.messaging``);
+3. **decode** — each reply's update read against the codebook sent, a bad one rejected
+   (``server.decode``);
+4. **screen** — each update held to what its site said at the sync and to the phase's bounds
+   (``server.field_bounds``, ``server.screening``): the updates kept and the findings;
+5. **merge** — the strategy's (``server.strategy``): a new codebook, or the step's scores;
+6. **replay** — after a statistics phase, the server's generative replay (``server.replay``);
+7. **commit** — the codebook checkpointed with the position (``server.federation``).
+
+A phase that travels with another is asked for in that phase's message and runs stages 3-7 on
 the same replies, right after it — a message less per step — unless a resumed step checkpointed
 the phase it travels with before it. The codebook is the single source of truth: each phase
-replaces it with a new value, checkpointed in the federation folder with the protocol position,
-so an interrupted step can resume (``server.federation``).
+replaces it with a new value, checkpointed so an interrupted step can resume.
 
 A run performs steps until no site brings a new class (or ``max_steps``). A phase in which no
 class in play gets an update fails the step (rolled back); a step in which some site failed or
-was rejected completes ``degraded``. Sites that keep the last codebook receive deltas; a site
-whose broadcast would pass one message is caught up in parts first (``server.catch_up``).
-
-It talks to sites only through a Flower ``Grid`` (``get_node_ids``, ``send_and_receive``), so
-tests drive it with an in-process grid. Every send has a timeout; error replies and missing
-replies are logged with node and phase. Replies are decoded (= validated) and screened once, at
-this boundary (``server.replies``); a bad one is rejected, never half-applied. Who takes part
-and which classes a step registers is the sync's (``server.participants``); what a step
+was rejected completes ``degraded``. It talks to sites only through a Flower ``Grid``
+(``get_node_ids``, ``send_and_receive``), so tests drive it with an in-process grid. What a step
 leaves in the history is ``server.step_records``'s.
 """
 
@@ -31,11 +36,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from starfed.server import catch_up, replay, step_records
+from starfed.server import catch_up, decode, replay, step_records
 from starfed.server.change_scale import ChangeScale
-from starfed.server.federation import COMPLETED, DEGRADED, FAILED, Federation
+from starfed.server.federation import Federation
+from starfed.server.field_bounds import Screened, screen_phase
 from starfed.server.messaging import Reply, SiteGrid, exchange, message_config
 from starfed.server.participants import Participants, new_classes, sync_config
 from starfed.server.records import (
@@ -47,10 +53,9 @@ from starfed.server.records import (
     StepRecord,
     StepScores,
 )
-from starfed.server.replies import reports, screened
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.step_records import RUN_END_LEVELS, RunLog, StepFailed, StepTally
-from starfed.server.strategy import ConfigValue, PhaseState, Strategy
+from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared import progress
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook, CodebookError
@@ -65,9 +70,11 @@ from starfed.shared.protocol import (
     STATISTICS,
     SYNC,
     UPDATE_RECORD,
+    ConfigValue,
     Phase,
     PhaseSpec,
 )
+from starfed.shared.run_status import COMPLETED, DEGRADED, FAILED
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,26 @@ WAIT_POLL_S = 1.0
 #: A simulation's scores on a global test set: (codebook, class steps, step, the evaluate
 #: message's config) -> scores.
 ServerEval = Callable[[Codebook, Mapping[str, int], int, Mapping[str, ConfigValue]], StepScores]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One phase a message's replies are reduced for: the phase sent, or one that travelled
+    with it (its updates in the reply record named after it)."""
+
+    spec: PhaseSpec
+    done: PhaseRound  # its mark in the position once committed
+    record: str  # the reply record of its updates
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """The plan stage's output: what one phase round sends, to whom, and what it reduces."""
+
+    state: PhaseState  # its codebook is the one the message carries
+    config: dict[str, ConfigValue]
+    nodes: list[int]
+    parts: tuple[Part, ...]  # the phase sent, then the phases that travel with it
 
 
 class Coordinator:
@@ -106,15 +133,17 @@ class Coordinator:
         self.protocol = protocol
         self.federation = federation
         self.server_eval = server_eval
-        self.strategy = strategy or Strategy()
+        self.strategy = strategy or MeanStrategy()
         self.before_step = before_step
         self.screening = screening or ScreeningOptions()
         self.codebook = federation.codebook()
         self.position = federation.position(self.codebook)
-        self.screen = Screen(self.screening, self.position.step)  # the step's: run_step
         self.log = RunLog()
         self.participants = Participants()
-        self.tally = StepTally()  # the step's: run_step
+        # the step's, made new by ``run_step``
+        self.tally = StepTally()
+        self.screen: Screen
+        self.configured: dict[PhaseRound, dict[str, ConfigValue]] = {}
 
     @property
     def in_play(self) -> tuple[str, ...]:
@@ -166,6 +195,7 @@ class Coordinator:
         status, reason = COMPLETED, ""
         self.tally = StepTally()
         self.screen = Screen(self.screening, step, ChangeScale.read(self.federation.root))
+        self.configured = {}
         if SYNCED in self.position.done:
             self._restore_findings(step)
         self.participants.node_ids = sorted(self.grid.get_node_ids())
@@ -176,9 +206,8 @@ class Coordinator:
         try:
             for spec in PHASES:
                 for round_index in range(self._rounds(spec.phase)):
-                    done = PhaseRound(spec.phase.key, round_index)
-                    if done not in self.position.done:
-                        self._run_phase(spec, step, round_index, done)
+                    if PhaseRound(spec.phase.key, round_index) not in self.position.done:
+                        self._run_phase(spec, step, round_index)
         except StepFailed as err:
             # Sites that all stop answering may be a run that was stopped (`flwr stop`): then
             # this grid call fails in Flower (its token is revoked) and the run ends here,
@@ -212,95 +241,117 @@ class Coordinator:
         }
         return rounds.get(phase, 1)
 
-    def _riders(self, spec: PhaseSpec, state: PhaseState) -> list[PhaseSpec]:
-        """The phases that travel with this round of ``spec``: at its last round, those that
-        name it (``travels_with``), not done yet and whose message the strategy adds nothing
-        to (their config would be the protocol's alone)."""
-        if state.round != self._rounds(spec.phase) - 1:
-            return []
-        return [
-            rider
-            for rider in PHASES
-            if rider.travels_with is spec.phase
-            and PhaseRound(rider.phase.key) not in self.position.done
-            and not self.strategy.configure(rider.phase, state)
-        ]
+    # --- one phase round: plan, send, collect, decode, screen, merge, replay, commit ----------
 
-    def _run_phase(self, spec: PhaseSpec, step: int, round_index: int, done: PhaseRound) -> None:
-        """Send one codebook phase, asking for the updates of the phases that travel with it,
-        and reduce the replies phase by phase; the seconds of each go to the step's tally."""
+    def _run_phase(self, spec: PhaseSpec, step: int, round_index: int) -> None:
+        """One round of a codebook phase, stage by stage; the seconds of each phase it reduces
+        go to the step's tally."""
         t0 = time.perf_counter()
+        plan = self._plan(spec, step, round_index)
+        replies = self._send_phase(plan)
+        seconds = []
+        for part in plan.parts:
+            # a phase that travelled merges into the codebook the one before it just made
+            state = plan.state if part.spec is spec else self._state(step, 0)
+            phase = part.spec.phase
+            if phase is Phase.EVALUATE:
+                self._evaluate(replies, state)
+            else:
+                sent = plan.state.codebook
+                bound = self.screen.max_entries(phase, sent)
+                decoded = decode.updates(replies, phase, sent, bound, part.record)
+                screened = screen_phase(
+                    self.screen, decoded, phase, state.round, state.codebook, state.in_play
+                )
+                merged = self._merge(phase, screened, state)
+                replayed = self._replay(phase, merged, state)
+                self._commit(phase, replayed, part.done)
+            seconds.append(PhaseTime(phase.key, state.round, time.perf_counter() - t0))
+            t0 = time.perf_counter()
+        self.tally.seconds.extend(seconds)
+
+    def _plan(self, spec: PhaseSpec, step: int, round_index: int) -> PhasePlan:
+        """The plan stage: the phase's state, the phases that travel with it (at its last
+        round, those that name it in ``travels_with``, not done yet and whose message the
+        strategy adds nothing to), its message config and its nodes."""
         state = self._state(step, round_index)
-        riders = self._riders(spec, state)
+        travelling = []
+        if round_index == self._rounds(spec.phase) - 1:
+            travelling = [
+                other
+                for other in PHASES
+                if other.travels_with is spec.phase
+                and PhaseRound(other.phase.key) not in self.position.done
+                and not self._configure(other.phase, 0, state)
+            ]
+        config = self._config(spec, state, [other.phase.key for other in travelling])
         nodes = self.participants.sample(
             spec.phase, step, round_index, self.in_play, self.protocol, self.train.seed
         )
-        replies = self._exchange(spec, state, nodes, [rider.phase.key for rider in riders])
-        self._reduce(spec, state, replies, done)
-        seconds = [PhaseTime(spec.phase.key, round_index, time.perf_counter() - t0)]
-        for rider in riders:
-            t0 = time.perf_counter()
-            # decoded against the codebook the message carried, merged into the one just made
-            self._reduce(
-                rider,
-                self._state(step, 0),
-                replies,
-                PhaseRound(rider.phase.key),
-                record=rider.phase.key,
-                sent=state.codebook,
-            )
-            seconds.append(PhaseTime(rider.phase.key, 0, time.perf_counter() - t0))
-        self.tally.seconds.extend(seconds)
-
-    def _reduce(
-        self,
-        spec: PhaseSpec,
-        state: PhaseState,
-        replies: list[Reply],
-        done: PhaseRound,
-        record: str = UPDATE_RECORD,
-        sent: Codebook | None = None,
-    ) -> None:
-        """Hand a phase's validated updates (the replies' ``record``, made from ``sent``: by
-        default the codebook now) to the strategy and keep what it makes of them: a new
-        codebook (checkpointed) or, for evaluation, the step's scores (recorded when the step
-        ends, which follows at once)."""
-        if spec.phase is Phase.EVALUATE:
-            evaluated = reports(replies, state.codebook, self.screen)
-            self.tally.scores = scores = self.strategy.aggregate_evaluation(evaluated, state)
-            logger.info(step_records.scores_line(state.step, len(self.codebook), scores))
-            return
-        carried: set[str] = set()
-        updates = screened(
-            replies,
-            state,
-            spec.phase,
-            self.screen,
-            carried,
-            against=sent or self.codebook,
-            record=record,
+        parts = (
+            Part(spec, PhaseRound(spec.phase.key, round_index), UPDATE_RECORD),
+            *(Part(other, PhaseRound(other.phase.key), other.phase.key) for other in travelling),
         )
+        return PhasePlan(state, config, nodes, parts)
+
+    def _send_phase(self, plan: PhasePlan) -> list[Reply]:
+        """The send and collect stages: the plan's nodes too far behind for one message caught
+        up first (``catch_up.before_phase``), then the phase sent to each; the good replies. A
+        site that answered holds the codebook it was sent."""
+        state, spec = plan.state, plan.parts[0].spec
+        nodes, caught_up = catch_up.before_phase(
+            self.grid,
+            state.codebook,
+            self.participants,
+            plan.nodes,
+            state.step,
+            self.protocol.wire_dtype,
+            self._site_names(),
+            self.protocol.timeout_s,
+        )
+        self._logged(caught_up)
+        payload = self.participants.payloads(state.codebook, self.protocol.wire_dtype)
+        return self._send(spec, state.step, state.round, plan.config, nodes, payload)
+
+    def _evaluate(self, replies: list[Reply], state: PhaseState) -> None:
+        """The evaluation's decode, screen and merge: the step's scores (recorded when the step
+        ends, which follows at once)."""
+        reports = self.screen.reports(decode.reports(replies, state.codebook))
+        self.tally.scores = scores = self.strategy.aggregate_evaluation(reports, state)
+        logger.info(step_records.scores_line(state.step, len(self.codebook), scores))
+
+    def _merge(self, phase: Phase, screened: Screened, state: PhaseState) -> Codebook:
+        """The merge stage: the screened updates reduced by the strategy into a new codebook;
+        a phase in which no class in play was answered fails the step."""
         aggregate = (
             self.strategy.aggregate_statistics
-            if spec.phase in STATISTICS
+            if phase in STATISTICS
             else self.strategy.aggregate_training
         )
-        codebook = aggregate(spec.phase, updates, state)
-        for _ in updates:  # a strategy that stopped early: the rest is validated all the same
-            pass
-        if not carried & set(self.in_play):
-            raise step_records.no_update(spec.phase, self.screen, self.in_play)
-        if spec.phase in STATISTICS:
-            codebook = self._drop_unfitted(codebook, spec.phase)
-            state = replace(state, in_play=self.in_play)
-            codebook = self.strategy.replay(spec.phase, codebook, state)
+        codebook = aggregate(phase, screened.updates, state)
+        if not screened.answered & set(self.in_play):
+            raise step_records.no_update(phase, self.screen, self.in_play)
+        return codebook
+
+    def _replay(self, phase: Phase, codebook: Codebook, state: PhaseState) -> Codebook:
+        """The replay stage, after a statistics phase: classes no site sent statistics for
+        unregistered, then the strategy's replay over the classes left."""
+        if phase not in STATISTICS:
+            return codebook
+        codebook = self._drop_unfitted(codebook, phase)
+        return self.strategy.replay(phase, codebook, replace(state, in_play=self.in_play))
+
+    def _commit(self, phase: Phase, codebook: Codebook, done: PhaseRound) -> None:
+        """The commit stage: the phase's codebook checkpointed, validated before it is
+        written (a phase's bad result is never checkpointed: the step fails, naming the class
+        and site); quarantined sites get no more messages in the step."""
         before = self.codebook, self.position
         self.codebook = codebook
-        try:  # validated before it is written: a phase's bad result is never checkpointed
+        try:
             self._checkpoint(done)
         except CodebookError as err:
             self.codebook, self.position = before
-            raise StepFailed(step_records.blame(spec.phase, err, self.screen)) from None
+            raise StepFailed(step_records.blame(phase, err, self.screen)) from None
         self.participants.leave(self.screen.quarantined)
 
     def _drop_unfitted(self, codebook: Codebook, phase: Phase) -> Codebook:
@@ -326,10 +377,10 @@ class Coordinator:
         kept = step_records.findings_kept(self.federation.step_findings(step), not_repeated)
         if kept:
             self.screen.restore(kept)
-            held = sorted(self.screen.quarantined)
+            quarantined = ", ".join(sorted(self.screen.quarantined))
             logger.info(
                 f"step {step + 1} resumes with {progress.counted(len(kept), 'finding')} of the "
-                "screening from before" + (f"; quarantined: {', '.join(held)}" if held else "")
+                "screening from before" + (f"; quarantined: {quarantined}" if quarantined else "")
             )
 
     def _checkpoint(self, done: PhaseRound) -> None:
@@ -374,15 +425,18 @@ class Coordinator:
     # --- the sync ----------------------------------------------------------------------
 
     def _sync(self, step: int) -> bool:
-        """Ask every connected site what it brings (``server.participants``). A fresh step
-        registers the classes the federation does not know yet and begins (False when there
-        are none: no step); a resumed step, synced before, only learns who is here. Either
-        way the sites that answered take part in the rest of the step."""
+        """The sync's send, collect, decode and screen: every connected site says what it
+        brings; those the screening accepts take part in the rest of the step
+        (``Participants.join``). A fresh step registers the classes the federation does not
+        know yet and begins (False when there are none: no step); a resumed step, synced
+        before, only learns who is here."""
         config = sync_config(step, self.codebook, self.protocol.wire_dtype)
         replies = self._send(SYNC, step, 0, config, self.participants.node_ids, None)
-        accepted = self.participants.sync(
-            replies, self.screen, self.codebook, self.federation.quarantine()
-        )
+        bound = self.screen.max_entries(Phase.SYNC, self.codebook)
+        named = self.screen.named(decode.updates(replies, Phase.SYNC, self.codebook, bound))
+        accepted = self.screen.sync(named, self.codebook, self.federation.quarantine())
+        self.participants.join(named, accepted, self.codebook)
+        self.participants.leave(self.screen.quarantined)  # a resumed step's quarantines hold
         if SYNCED in self.position.done:
             return True
         new, brought = new_classes(self.codebook, accepted)
@@ -413,32 +467,22 @@ class Coordinator:
             config[ALSO] = also
         if spec.phase is Phase.EVALUATE:
             config[CLASS_STEPS] = [state.class_steps[name] for name in state.codebook.names]
-        extra = self.strategy.configure(spec.phase, state)
+        extra = self._configure(spec.phase, state.round, state)
         clash = sorted(set(extra) & set(config))
         if clash:
             raise ValueError(f"the strategy's config may not set the protocol's {clash}")
         return {**config, **extra}
 
-    def _exchange(
-        self, spec: PhaseSpec, state: PhaseState, nodes: list[int], also: list[str]
-    ) -> list[Reply]:
-        """Send one codebook phase to ``nodes``, asking for the updates of the phases ``also``
-        too; the good replies. A site that answered holds the codebook it was sent. Nodes too
-        far behind for one message are caught up first (``catch_up.before_phase``)."""
-        config = self._config(spec, state, also)
-        nodes, caught_up = catch_up.before_phase(
-            self.grid,
-            self.codebook,
-            self.participants,
-            nodes,
-            state.step,
-            self.protocol.wire_dtype,
-            self._site_names(),
-            self.protocol.timeout_s,
-        )
-        self._logged(caught_up)
-        payload = self.participants.payloads(self.codebook, self.protocol.wire_dtype)
-        return self._send(spec, state.step, state.round, config, nodes, payload)
+    def _configure(
+        self, phase: Phase, round_index: int, state: PhaseState
+    ) -> dict[str, ConfigValue]:
+        """What the strategy adds to a phase round's message, asked once per step: a phase
+        that may travel with another is asked when that one is planned (``state`` is then
+        that phase's), and the answer holds if it is sent on its own."""
+        done = PhaseRound(phase.key, round_index)
+        if done not in self.configured:
+            self.configured[done] = self.strategy.configure(phase, state)
+        return self.configured[done]
 
     def _site_names(self) -> dict[int, str]:
         """Node id -> site name for the log. A registered site's name is known before its
@@ -469,9 +513,9 @@ class Coordinator:
         if payload:
             for entry in exchanges:
                 if entry.status.outcome is Outcome.OK:  # a refusal kept nothing
-                    self.participants.hold(entry.node_id, self.codebook.version)
+                    self.participants.set_version(entry.node_id, self.codebook.version)
                 else:
-                    self.participants.hold(entry.node_id, None)
+                    self.participants.set_version(entry.node_id, None)
         self._logged(exchanges)
         return good
 

@@ -37,17 +37,20 @@ from starfed.server.folder_files import (
     METRICS_FILE,
     PENDING_FILE,
     PREVIOUS_FILE,
-    QUARANTINE_FILE,
-    REGISTRY_FILE,
     STEP_FINDINGS_FILE,
     STEP_START_FILE,
     FederationError,
     HistoryLines,
     Identity,
+    append_history,
     copy_atomic,
     is_manifest,
+    read_quarantine,
     read_registry,
     read_step_findings,
+    write_quarantine,
+    write_registry,
+    write_step_findings,
 )
 from starfed.server.records import Checkpoint, Finding, Position, Registration, StepRecord, now
 from starfed.shared.codebook import store
@@ -55,13 +58,12 @@ from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
+from starfed.shared.run_status import FAILED
 
 if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook is decoded, so
     # the folder's records can be read without it (`starfed server status`)
     from starfed.shared.codebook.codebook import Codebook
     from starfed.shared.codebook.stored import Stored
-
-COMPLETED, DEGRADED, FAILED = "completed", "degraded", "failed"  # a step's (and a run's) status
 
 
 class Federation:
@@ -202,18 +204,21 @@ class Federation:
         return Checkpoint(message.version, names, frozen, Position.from_metadata(message.metadata))
 
     def checkpoint(self, codebook: Codebook, position: Position) -> Codebook:
-        """Save ``codebook`` with ``position`` in its metadata: what changed since the last
-        checkpoint appended to the store, then its manifest (one atomic write, the commit)."""
+        """Save ``codebook`` with ``position`` mid-step (``_commit``); a full disk is one
+        ``FederationError`` (``_mid_step``)."""
         with self._mid_step(f"the checkpoint of {position.done[-1] if position.done else 'it'}"):
-            return self._checkpoint(codebook, position)
+            return self._commit(codebook, position)
 
-    def _checkpoint(self, codebook: Codebook, position: Position) -> Codebook:
+    def _commit(self, codebook: Codebook, position: Position) -> Codebook:
+        """The commit point: ``codebook`` with ``position`` in its metadata, what changed since
+        the last checkpoint appended to the store, then its manifest (one atomic write); the
+        last good checkpoint stays beside it (``previous.bin``)."""
         self.migrate()
         lineage = replace(Lineage.of(codebook), federation=self.id)
         metadata = {**codebook.metadata, **lineage.as_metadata(), **position.as_metadata()}
         saved = replace(codebook, metadata=metadata)
         current = self.root / CODEBOOK_FILE
-        if current.is_file():  # the last good checkpoint stays beside the new one
+        if current.is_file():
             copy_atomic(current, self.root / PREVIOUS_FILE)
         self._stored = self._save(CODEBOOK_FILE, saved, self._stored)  # validated first
         return saved
@@ -224,18 +229,17 @@ class Federation:
         """Keep the codebook a step starts from, the last checkpoint, for a rollback: its
         manifest copied (``codebook`` saved for a new federation, which has none yet)."""
         with self._mid_step("the codebook it starts from"):
-            self._begin_step(codebook)
-
-    def _begin_step(self, codebook: Codebook) -> None:
-        self.migrate()
-        current = self.root / CODEBOOK_FILE
-        if current.is_file():
-            write_atomic(self.root / STEP_START_FILE, current.read_bytes())
-            held = self._stored is not None and self._stored.codebook.entries is codebook.entries
-            self._start = self._stored if held else None
-        else:
-            self._stored = self._start = self._save(STEP_START_FILE, codebook, self._stored)
-        (self.root / STEP_FINDINGS_FILE).unlink(missing_ok=True)  # an earlier attempt's
+            self.migrate()
+            current = self.root / CODEBOOK_FILE
+            if current.is_file():
+                write_atomic(self.root / STEP_START_FILE, current.read_bytes())
+                same = (
+                    self._stored is not None and self._stored.codebook.entries is codebook.entries
+                )
+                self._start = self._stored if same else None
+            else:
+                self._stored = self._start = self._save(STEP_START_FILE, codebook, self._stored)
+            (self.root / STEP_FINDINGS_FILE).unlink(missing_ok=True)  # an earlier attempt's
 
     def register(self, names: list[str], step: int, brought: dict[str, list[str]]) -> None:
         """Record newly registered classes and which sites brought which class."""
@@ -257,31 +261,25 @@ class Federation:
             self._write_registry()
 
     def _write_registry(self) -> None:
-        registry = {name: asdict(entry) for name, entry in self.registry.items()}
-        write_atomic(self.root / REGISTRY_FILE, json.dumps(registry, indent=2).encode())
+        write_registry(self.root, self.registry)
 
     def quarantine(self) -> dict[str, dict]:
         """Sites kept out of later steps: site -> the step and reason that put it there."""
-        held = self._read(QUARANTINE_FILE, {})
-        entries = held.values() if isinstance(held, dict) else [None]
-        if not all(isinstance(v, dict) and isinstance(v.get("step"), int) for v in entries):
-            raise FederationError(f"{self.root / QUARANTINE_FILE} is damaged: not site -> entry")
-        return held
+        return read_quarantine(self.root)
 
     def add_quarantine(self, sites: dict[str, str], step: int) -> None:
         """Keep ``sites`` (site -> why) out of later steps (``quarantine-persists``)."""
-        held = self.quarantine()
+        quarantine = self.quarantine()
         for site, reason in sites.items():
-            held.setdefault(site, {"step": step, "since": now(), "reason": reason})
+            quarantine.setdefault(site, {"step": step, "since": now(), "reason": reason})
         with self._mid_step("the sites it quarantined"):
-            write_atomic(self.root / QUARANTINE_FILE, json.dumps(held, indent=2).encode())
+            write_quarantine(self.root, quarantine)
 
     def save_findings(self, step: int, findings: Sequence[Finding]) -> None:
         """The screening's findings so far in ``step``, written ahead of each of its
         checkpoints, so that a crash loses none of a committed phase's (``step_findings``)."""
-        value = {"step": step, "findings": [asdict(f) for f in findings]}
         with self._mid_step("the screening's findings ahead of its next checkpoint"):
-            write_atomic(self.root / STEP_FINDINGS_FILE, json.dumps(value, indent=1).encode())
+            write_step_findings(self.root, step, findings)
 
     def step_findings(self, step: int) -> list[Finding]:
         """What ``save_findings`` last kept for ``step``, none for another step. Written ahead
@@ -313,24 +311,23 @@ class Federation:
         and the registry follow; ``keep_steps`` completed steps' codebooks are kept (0: all).
         A full disk is one ``FederationError`` that says what the next run will do."""
         try:
-            return self._end_step(record, codebook, keep_steps)
+            write_atomic(self.root / PENDING_FILE, record.to_json().encode())
+            if codebook is None:
+                self.migrate()
+                start, self._stored = (
+                    (self._start.codebook, self._start)
+                    if self._start
+                    else self._load(STEP_START_FILE)
+                )  # the step's start as stored: going back to it appends no record
+                metadata = {**start.metadata, **Lineage.of(start).new_epoch().as_metadata()}
+                saved = self._commit(replace(start, metadata=metadata), Position(record.step))
+            else:
+                saved = self._commit(codebook, Position(record.step + 1))
+            self._finish(record, keep_steps)
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise
             raise FederationError(self._full_disk(record, err)) from None
-
-    def _end_step(self, record: StepRecord, codebook: Codebook | None, keep_steps: int) -> Codebook:
-        write_atomic(self.root / PENDING_FILE, record.to_json().encode())
-        if codebook is None:
-            self.migrate()
-            start, self._stored = (
-                (self._start.codebook, self._start) if self._start else self._load(STEP_START_FILE)
-            )  # the step's start as stored: going back to it appends no record
-            metadata = {**start.metadata, **Lineage.of(start).new_epoch().as_metadata()}
-            saved = self._checkpoint(replace(start, metadata=metadata), Position(record.step))
-        else:
-            saved = self._checkpoint(codebook, Position(record.step + 1))
-        self._finish(record, keep_steps)
         return saved
 
     def _committed(self, record: StepRecord) -> bool:
@@ -424,9 +421,7 @@ class Federation:
         """After the commit: the history line (unless already there), the registry of a failed
         step rolled back, the completed step's codebook kept; then the record written ahead goes."""
         if not any(r.step == record.step and r.attempt == record.attempt for r in self.history()):
-            history = self.root / HISTORY_FILE
-            lines = history.read_text() if history.is_file() else ""
-            write_atomic(history, (lines + record.to_json() + "\n").encode())
+            append_history(self.root, record)
         if record.status == FAILED:
             self.registry = {n: r for n, r in self.registry.items() if r.step != record.step}
             self._write_registry()

@@ -1,11 +1,16 @@
-"""One phase round's screening: every row of a codebook phase measured, then held to bounds.
+"""The screen stage of a codebook phase: every row measured, then held to bounds (``screen``).
 
-A phase is read twice (``starfed.server.screening`` says what the screening believes of a site
-and why): ``PhaseScreen.observe`` checks each reply's counts and classes against the site's
-sync and measures every row (``Change``, ``MixtureRow``); ``decide`` sets each field's bounds
-from what was measured and rejects the rows beyond them; ``apply`` hands on the screened
-updates. Costs: one pass over the reply's values per site and a median per field, linear in
-the rows (sites × classes) of the phase.
+The stage between decoding (``server.decode``) and the merge. Its input is a phase round's
+decoded updates; its output (``Screened``) the updates kept, the classes they answer for and
+the findings it made. A phase is read twice (``starfed.server.screening`` says what the
+screening believes of a site and why): ``PhaseScreen.observe`` checks each reply's counts and
+classes against the site's sync and measures every row (``Change``, ``MixtureRow``); ``decide``
+sets each field's bounds from what was measured and rejects the rows beyond them; ``apply``
+hands on the screened updates. The decoded updates are held between the passes: their tensors
+are views of the replies' bytes, which the phase holds anyway, so that costs a few objects per
+update, not a copy — except with ``wire-dtype = "float16"``, whose rows are converted: then the
+phase holds their float32 copies, twice the replies' bytes. Costs: one pass over the reply's
+values per site and a median per field, linear in the rows (sites × classes) of the phase.
 """
 
 from __future__ import annotations
@@ -15,19 +20,17 @@ import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from starfed.server.records import CAPPED, REJECTED
+from starfed.server.decode import Decoded, refused_classes, without_cyclic_gc
+from starfed.server.records import CAPPED, REJECTED, Finding
+from starfed.server.screening import Furthest, Screen
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.protocol import PRIVACY_EPSILON, Phase
-
-if TYPE_CHECKING:
-    from starfed.server.screening import Screen
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +104,6 @@ class MixtureRow:
     moment: float
 
 
-class Furthest(NamedTuple):
-    """The kept row that went furthest in a class this step (``Screen.furthest``): its
-    measure (a tensor field's change, a mixture's largest mean norm), its site and what."""
-
-    measure: float
-    site: str
-    what: str
-
-
 @dataclass
 class _Rows:
     """What the first pass measured, per field."""
@@ -125,6 +119,58 @@ def second_moment(mixture: GaussianMixture) -> float:
     one of negligible weight almost nothing (replay draws it almost never)."""
     per_component = mixture.means.double().pow(2).sum(1) + mixture.variances.double().sum(1)
     return float((mixture.weights.double() * per_component).sum())
+
+
+@dataclass(frozen=True)
+class Screened:
+    """What the screen stage hands the merge: the updates kept (capped where they claimed too
+    much, without rejected rows), in the decoded order; the classes they answer for (rows
+    kept, or refused by a private site whose budget is exhausted); the findings it made."""
+
+    updates: tuple[ClientUpdate, ...]
+    answered: frozenset[str]
+    findings: tuple[Finding, ...]
+
+
+def screen_phase(
+    screen: Screen,
+    decoded: list[Decoded],
+    phase: Phase,
+    round_index: int,
+    codebook: Codebook,
+    in_play: Iterable[str],
+) -> Screened:
+    """One phase round's decoded updates (made from ``codebook``) without rows of classes not
+    in ``in_play`` (rows of a frozen class are a finding), measured (first pass), then held to
+    the bounds (second pass, same order)."""
+    playing = set(in_play)
+    phase_screen = PhaseScreen(screen, phase, round_index, codebook)
+    known = len(screen.findings)
+    stripped = []
+    with without_cyclic_gc():
+        for entry, update in decoded:
+            stray = [e.name for e in update.entries if e.name not in playing]
+            if stray:
+                logger.info(
+                    "node %s sent rows of classes not in play: %s", entry.node_id, stray[:10]
+                )
+                # one lookup per row: ``.frozen`` walks every class
+                frozen = [n for n in stray if n in codebook and codebook[n].frozen]
+                phase_screen.frozen_rows(entry.site, frozen)
+            update = update.only(playing)
+            phase_screen.observe(entry.site, update)
+            stripped.append((entry, update))
+    phase_screen.decide()
+    kept: list[ClientUpdate] = []
+    answered: set[str] = set()
+    for entry, update in stripped:
+        screened = phase_screen.apply(entry.site, update)
+        if screened is None:
+            continue
+        answered.update(e.name for e in screened.entries)
+        answered.update(refused_classes(update))  # answered: kept as they are
+        kept.append(screened)
+    return Screened(tuple(kept), frozenset(answered), tuple(screen.findings[known:]))
 
 
 class PhaseScreen:
@@ -183,10 +229,10 @@ class PhaseScreen:
                         )
                     )
                 elif name in sent:
-                    held = self.codebook[entry.name].tensor(name)
-                    change = _distance(value, held)
+                    before = self.codebook[entry.name].tensor(name)
+                    change = _distance(value, before)
                     self.rows.changes.setdefault(name, []).append(
-                        Change(site, entry.name, change, reference_size(held))
+                        Change(site, entry.name, change, reference_size(before))
                     )
 
     def frozen_rows(self, site: str, names: list[str]) -> None:
@@ -296,13 +342,13 @@ class PhaseScreen:
         already holds (fitted and screened in earlier steps); else, in a federation's first
         fit by fewer sites, the senders' own median (docs/security.md)."""
         if len({r.site for r in rows}) < MIN_SITES:
-            held = [
+            fitted = [
                 float(entry.mixture(name).means.norm(dim=1).max())
                 for entry in self.codebook.entries.values()
                 if name in entry.values
             ]
-            if held:
-                return _median(held), "the median of the codebook's fitted mixtures"
+            if fitted:
+                return _median(fitted), "the median of the codebook's fitted mixtures"
         return _by_site((r.site, r.norm) for r in rows), "the median over sites"
 
     def _bound_mixtures(self, name: str, rows: list[MixtureRow]) -> None:

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import folder_lock
-from starfed.server.federation import COMPLETED, DEGRADED, FAILED
 from starfed.server.folder_files import (
     CODEBOOK_FILE,
     HISTORY_FILE,
@@ -42,6 +41,7 @@ from starfed.server.records import Position, Registration, StepRecord
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.protocol import PHASES, SYNC
+from starfed.shared.run_status import COMPLETED, DEGRADED, FAILED
 
 
 class Depth(enum.Enum):

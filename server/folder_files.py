@@ -1,6 +1,7 @@
-"""The federation folder's files: their names, the folder's identity, and the reads that need
-no ``Federation`` (``server.folder_check`` and ``folder_repair`` work on damaged folders). The
-folder holds::
+"""The federation folder's files: their names, the folder's identity, and each record file's
+reader and writer, which need no ``Federation`` (``server.folder_check`` and ``folder_repair``
+work on damaged folders): the registry, the history, the quarantine, the step's findings (the
+change scale's are ``server.change_scale``'s). The folder holds::
 
 
     federation.json   its identity: id, creation time, backbone fingerprint and dims
@@ -35,7 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from starfed.server.records import Finding, Registration, StepRecord
@@ -81,6 +83,40 @@ def read_registry(root: Path) -> dict[str, Registration]:
         raise DamagedFile(path, err) from None
 
 
+def registry_bytes(registry: Mapping[str, Registration]) -> bytes:
+    """``registry.json`` as ``read_registry`` reads it back."""
+    return json.dumps({name: asdict(entry) for name, entry in registry.items()}, indent=2).encode()
+
+
+def write_registry(root: Path, registry: Mapping[str, Registration]) -> None:
+    write_atomic(root / REGISTRY_FILE, registry_bytes(registry))
+
+
+def read_quarantine(root: Path) -> dict[str, dict]:
+    """``quarantine.json``: sites kept out of later steps, site -> the step and reason that put
+    it there (none yet: empty); ``DamagedFile`` when it is not site -> entry."""
+    path = root / QUARANTINE_FILE
+    try:
+        entries = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as err:
+        raise DamagedFile(path, err) from None
+    values = entries.values() if isinstance(entries, dict) else [None]
+    if not all(isinstance(v, dict) and isinstance(v.get("step"), int) for v in values):
+        raise DamagedFile(path, "not site -> entry")
+    return entries
+
+
+def write_quarantine(root: Path, entries: Mapping[str, dict]) -> None:
+    write_atomic(root / QUARANTINE_FILE, json.dumps(entries, indent=2).encode())
+
+
+def append_history(root: Path, record: StepRecord) -> None:
+    """One line more in ``history.jsonl`` (the file written anew, atomically)."""
+    path = root / HISTORY_FILE
+    lines = path.read_text() if path.is_file() else ""
+    write_atomic(path, (lines + record.to_json() + "\n").encode())
+
+
 @dataclass(frozen=True)
 class HistoryLines:
     """``history.jsonl`` line by line, as written: the records that read, in file order, and
@@ -121,6 +157,12 @@ def read_step_findings(root: Path) -> tuple[int | None, list[Finding]]:
             f"{path} is damaged ({err}); `starfed server repair` sets it aside (the step then "
             "goes on without the findings so far)"
         ) from None
+
+
+def write_step_findings(root: Path, step: int, findings: Sequence[Finding]) -> None:
+    """``step-findings.json``: what ``read_step_findings`` reads back."""
+    value = {"step": step, "findings": [asdict(f) for f in findings]}
+    write_atomic(root / STEP_FINDINGS_FILE, json.dumps(value, indent=1).encode())
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,12 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import folder_lock
-from starfed.server.federation import COMPLETED, DEGRADED, FAILED
 from starfed.server.folder_check import Depth, read_codebook_file
 from starfed.server.folder_files import (
     CODEBOOK_FILE,
@@ -40,12 +39,14 @@ from starfed.server.folder_files import (
     Identity,
     read_registry,
     read_step_findings,
+    registry_bytes,
 )
 from starfed.server.records import Position, Registration, StepRecord
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.files import write_atomic
+from starfed.shared.run_status import COMPLETED, DEGRADED, FAILED
 
 FINISHED = (COMPLETED, DEGRADED)
 LOST_RECORD = "its record was lost; restored by `starfed server repair` (scores unknown)"
@@ -310,7 +311,7 @@ def _registry(root: Path, position: Position, names: set[str], stamp: str) -> li
         return []
     restored = len(set(registry) - set(current))
     dropped = len(set(current) - set(registry))
-    text = json.dumps({n: asdict(r) for n, r in registry.items()}, indent=2).encode()
+    text = registry_bytes(registry)
 
     def do() -> None:
         _keep_copy(path, stamp)

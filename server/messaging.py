@@ -2,15 +2,13 @@
 
 Every send has a timeout; error replies and missing replies are recorded per node with the phase
 (``Exchange``), and the phase goes on with the others. Replies are pulled after short, growing
-waits rather than Flower's fixed 3 s (docs/benchmarks.md). A site with the privacy setting says
-its ε and the classes whose budget is exhausted in its update's metadata: recorded as a
-refusal, not a failure (``note_privacy``).
+waits rather than Flower's fixed 3 s (docs/benchmarks.md). What a reply says is read by the
+next stage (``server.decode``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -20,19 +18,17 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from starfed.server.records import Exchange, ExchangeStatus, Outcome
-from starfed.server.strategy import ConfigValue
-from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.protocol import (
-    BUDGET_EXHAUSTED,
     CODEBOOK_RECORD,
     CONFIG_RECORD,
     POLICY_REFUSED,
-    PRIVACY_EPSILON,
     RECORD_DATA,
     ROUND,
     STEP,
     WIRE_DTYPE,
+    ConfigValue,
     PhaseSpec,
     reply_sha256,
 )
@@ -161,30 +157,6 @@ def note_error(entry: Exchange, reason: str | None) -> None:
 def reject(entry: Exchange, reason: str) -> None:
     entry.status = ExchangeStatus(Outcome.REJECTED, reason)
     logger.warning("rejected %s reply of %s: %s", entry.phase, who(entry), reason)
-
-
-def refused_classes(update: ClientUpdate) -> list[str]:
-    """The classes a private site refused to share in ``update``: their budget is exhausted."""
-    return [name for name in update.metadata.get(BUDGET_EXHAUSTED, "").split(",") if name]
-
-
-def note_privacy(entry: Exchange, update: ClientUpdate) -> None:
-    """Record a private site's ε and its refusals on its log entry (ValueError: a malformed
-    ε, rejected as a malformed reply)."""
-    if PRIVACY_EPSILON in update.metadata:
-        epsilon = float(update.metadata[PRIVACY_EPSILON])
-        if not math.isfinite(epsilon) or epsilon < 0:
-            raise ValueError(f"privacy epsilon {epsilon!r}")
-        entry.epsilon = epsilon
-    refused = refused_classes(update)
-    if refused:
-        why = f"privacy budget exhausted for {', '.join(refused)}"
-        entry.status = ExchangeStatus(Outcome.REFUSED, why)
-        logger.info("%s refused %s: %s", who(entry), entry.phase, entry.status)
-
-
-def malformed(err: Exception) -> str:
-    return f"malformed reply ({err})"
 
 
 def who(entry: Exchange) -> str:

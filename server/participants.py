@@ -3,9 +3,9 @@
 A step starts with one ``query.sync`` message to every connected node (``SYNC``). Each
 answer names the site, the classes its current task brings with their image counts, and the
 codebook version it holds. The screening (``server.screening``) names each site once and bounds
-what it may bring; the sites it accepts are the step's ``Participants``, which the rest of the
-step's messages go to — all of them, or for a training or statistics round a seeded share
-(``Participants.sample``) — each carrying the delta from the version that node holds
+what it may bring; the sites it accepts join the step's ``Participants`` (``join``), which the
+rest of the step's messages go to — all of them, or for a training or statistics round a seeded
+share (``Participants.sample``) — each carrying the delta from the version that node holds
 (``Participants.payloads``). The classes no one brought before are the step's new classes
 (``new_classes``), registered by the coordinator (``server.coordinator``).
 
@@ -18,28 +18,23 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from starfed.server import replies
-from starfed.server.messaging import Reply, message_config
-from starfed.server.records import Exchange
-from starfed.server.screening import Screen
-from starfed.server.strategy import ConfigValue
+from starfed.server.decode import Decoded
+from starfed.server.messaging import message_config
 from starfed.shared.codebook import wire
-from starfed.shared.codebook.codebook import ClientUpdate, Codebook
+from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.config import ProtocolOptions
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import FROZEN, SITE, Phase
+from starfed.shared.protocol import FROZEN, ConfigValue, Phase
 
 logger = logging.getLogger(__name__)
 
 SAMPLED = (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS)  # fraction-train
-
-SyncUpdate = tuple[Exchange, ClientUpdate]
 
 
 def sync_config(step: int, codebook: Codebook, wire_dtype: str) -> dict[str, ConfigValue]:
@@ -57,37 +52,24 @@ class Participants:
     node_ids: list[int] = field(default_factory=list)
     sites: dict[int, str] = field(default_factory=dict)  # node id -> site name
     brings: dict[int, set[str]] = field(default_factory=dict)  # node id -> class keys
-    held: dict[int, int] = field(default_factory=dict)  # node id -> codebook version
+    versions: dict[int, int] = field(default_factory=dict)  # node id -> codebook version
 
-    def sync(
-        self,
-        answers: list[Reply],
-        screen: Screen,
-        codebook: Codebook,
-        quarantine: Mapping[str, dict],
-    ) -> list[SyncUpdate]:
-        """Accepted syncs: the nodes that take part in the rest of the step, their site
-        names and the codebook version each holds. A silent node costs one timeout per step,
-        not one per phase; a node with other backbones or a malformed reply sits the step
-        out."""
-        accepted = sorted(
-            replies.decoded(answers, Phase.SYNC, screen, codebook), key=lambda r: r[0].node_id
-        )
-        for entry, update in accepted:
-            claimed = update.metadata.get(SITE) or f"node-{entry.node_id}"
-            site = screen.name_of(entry.node_id, claimed)
-            self.sites[entry.node_id] = entry.site = site
-        accepted = screen.sync(accepted, codebook, quarantine)
+    def join(self, named: list[Decoded], accepted: list[Decoded], codebook: Codebook) -> None:
+        """The step's nodes after its sync: every node that answered is known by its name
+        (``named``, ``Screen.named``); those the screening accepted (``accepted``) take part, with
+        what they bring and the codebook version each holds. A silent node costs one timeout
+        per step, not one per phase; a node with other backbones or a malformed reply sits the
+        step out."""
+        for entry, _ in named:
+            self.sites[entry.node_id] = entry.site
         self.node_ids = [entry.node_id for entry, _ in accepted]
-        self.leave(screen.quarantined)  # a resumed step's quarantines hold
         for entry, update in accepted:
             self.brings[entry.node_id] = {class_key(e.name) for e in update.entries}
-            held = update.base_version
-            if 0 < held <= codebook.version:
-                self.held[entry.node_id] = held
+            base = update.base_version
+            if 0 < base <= codebook.version:
+                self.versions[entry.node_id] = base
             else:
-                self.held.pop(entry.node_id, None)
-        return accepted
+                self.versions.pop(entry.node_id, None)
 
     def leave(self, quarantined: Collection[str]) -> None:
         """Quarantined sites get no more messages in this step."""
@@ -135,8 +117,8 @@ class Participants:
         cache: dict[int, bytes] = {}
 
         def payload(node: int) -> bytes:
-            since = self.held.get(node, 0)
-            if since not in cache:  # held == version: caught up (catch_up), the delta is empty
+            since = self.versions.get(node, 0)
+            if since not in cache:  # since == version: caught up (catch_up), the delta is empty
                 whole = not 0 < since <= full.version
                 value = full if whole else replace(codebook.delta(since), metadata=lineage)
                 cache[since] = wire.encode(value, wire_dtype)
@@ -144,17 +126,17 @@ class Participants:
 
         return payload
 
-    def hold(self, node: int, version: int | None) -> None:
+    def set_version(self, node: int, version: int | None) -> None:
         """``node`` holds codebook ``version`` now (None: unknown — it gets the whole
         codebook next)."""
         if version is None:
-            self.held.pop(node, None)
+            self.versions.pop(node, None)
         else:
-            self.held[node] = version
+            self.versions[node] = version
 
 
 def new_classes(
-    codebook: Codebook, accepted: list[SyncUpdate]
+    codebook: Codebook, accepted: list[Decoded]
 ) -> tuple[list[str], dict[str, list[str]]]:
     """The classes sites bring that the federation does not know yet, in the order of their
     class keys (``class_key``), and the sites that bring each class. A class known under

@@ -1,16 +1,17 @@
 """The federation's typed records: what a step's history line, a checkpoint's position and the
 folder's registry hold (``starfed.server.federation`` writes and reads them).
 
-Each is written as JSON exactly as the folders hold it: an exchange's status as its text
-(``"ok"``, ``"no reply"``, ``"<outcome>: <reason>"``), a position's phase rounds as
-``"<phase>/<round>"``; folders written before these types read unchanged.
+Each is a frozen (or plain) dataclass written as JSON exactly as the folders hold it, through
+explicit ``to_json``/``from_json``: an exchange's status as its text (``"ok"``, ``"no reply"``,
+``"<outcome>: <reason>"``), a position's phase rounds as ``"<phase>/<round>"``; folders written
+before these types read unchanged.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -31,32 +32,26 @@ class Registration:
     sites: dict[str, str] = field(default_factory=dict)  # site -> when it first brought it
 
 
-class PhaseRound(str):
-    """One round of one phase of a step, as a position's ``done`` and the logs name it. It *is*
-    its text ``"<phase>/<round>"`` (``"sync/0"``), as a checkpoint stores it: a mark read back
-    is the text written, and it joins, prints and compares as that text (``ExchangeStatus``
-    is a ``str`` in the same way)."""
+@dataclass(frozen=True)
+class PhaseRound:
+    """One round of one phase of a step, as a position's ``done`` and the logs name it; written
+    as ``"<phase>/<round>"`` (``"sync/0"``: ``to_json``, ``from_json``), which it also prints as."""
 
-    __slots__ = ()
+    phase: str
+    round: int = 0
 
-    def __new__(cls, phase: str, round: int = 0) -> PhaseRound:
-        if not phase or "/" in phase or round < 0:
-            raise ValueError(f"phase round {phase!r}/{round!r} is not <phase>/<round>")
-        return super().__new__(cls, f"{phase}/{round}")
+    def __post_init__(self) -> None:
+        if not self.phase or "/" in self.phase or self.round < 0:
+            raise ValueError(f"phase round {self.phase!r}/{self.round!r} is not <phase>/<round>")
 
-    def __reduce__(self) -> tuple[type[PhaseRound], tuple[str, int]]:
-        return type(self), (self.phase, self.round)  # copies and pickles: not the text as phase
+    def __str__(self) -> str:
+        return f"{self.phase}/{self.round}"
 
-    @property
-    def phase(self) -> str:
-        return self.rpartition("/")[0]
-
-    @property
-    def round(self) -> int:
-        return int(self.rpartition("/")[2])
+    def to_json(self) -> str:
+        return str(self)
 
     @classmethod
-    def parse(cls, text: str) -> PhaseRound:
+    def from_json(cls, text: str) -> PhaseRound:
         """The phase round ``text`` names (ValueError: not ``<phase>/<round>``)."""
         phase, slash, number = text.rpartition("/")
         if not slash or not phase or not number.isdigit():
@@ -68,7 +63,7 @@ class PhaseRound(str):
 class Position:
     """Where the protocol stands: ``step`` is in progress (``running``) with the phase rounds
     ``done`` and ``in_play`` classes, or it is the next step to run. Phase rounds given as text
-    are read (``PhaseRound.parse``)."""
+    are read (``PhaseRound.from_json``)."""
 
     step: int = 0
     running: bool = False
@@ -76,7 +71,7 @@ class Position:
     in_play: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        done = tuple(d if isinstance(d, PhaseRound) else PhaseRound.parse(d) for d in self.done)
+        done = tuple(d if isinstance(d, PhaseRound) else PhaseRound.from_json(d) for d in self.done)
         object.__setattr__(self, "done", done)
         object.__setattr__(self, "in_play", tuple(self.in_play))
 
@@ -90,7 +85,7 @@ class Position:
         return {
             "step": self.step,
             "running": self.running,
-            "done": [str(d) for d in self.done],
+            "done": [d.to_json() for d in self.done],
             "in_play": list(self.in_play),
         }
 
@@ -113,25 +108,25 @@ class Outcome(StrEnum):
     REFUSED = "refused"  # a private site's exhausted budget, or the site's policy: an answer
 
 
-class ExchangeStatus(str):
-    """An exchange's outcome and why, which is also its text, as the records hold it (``"ok"``,
-    ``"no reply"``, ``"error: <reason>"``, ``"rejected: <reason>"``, ``"refused: <why>"``):
-    written as that text, read back with ``parse``."""
+@dataclass(frozen=True)
+class ExchangeStatus:
+    """An exchange's outcome and why; written as one text (``to_json``, ``from_json``), which it
+    also prints as: ``"ok"``, ``"no reply"``, ``"error: <reason>"``, ``"rejected: <reason>"``,
+    ``"refused: <why>"``."""
 
-    outcome: Outcome
-    reason: str
+    outcome: Outcome = Outcome.OK
+    reason: str = ""
 
-    def __new__(cls, outcome: Outcome = Outcome.OK, reason: str = "") -> ExchangeStatus:
-        text = f"{outcome}: {reason}" if outcome in _WITH_REASON else outcome.value
-        status = super().__new__(cls, text)
-        status.outcome, status.reason = outcome, reason
-        return status
+    def __str__(self) -> str:
+        if self.outcome in _WITH_REASON:
+            return f"{self.outcome}: {self.reason}"
+        return self.outcome.value
 
-    def __reduce__(self) -> tuple[type[ExchangeStatus], tuple[Outcome, str]]:
-        return type(self), (self.outcome, self.reason)  # copies (``asdict``) keep the fields
+    def to_json(self) -> str:
+        return str(self)
 
     @classmethod
-    def parse(cls, text: str) -> ExchangeStatus:
+    def from_json(cls, text: str) -> ExchangeStatus:
         """The status ``text`` writes (ValueError: none of the forms above)."""
         if text in (Outcome.OK, Outcome.NO_REPLY):
             return cls(Outcome(text))
@@ -154,7 +149,7 @@ _WITH_REASON = (Outcome.ERROR, Outcome.REJECTED, Outcome.REFUSED)  # "<outcome>:
 class Exchange:
     """One message to one node and its answer: what the wire carried and what came back (filled
     in while its phase runs, then kept in the step's record). A status given as text (a record
-    read back) is read (``ExchangeStatus.parse``)."""
+    read back) is read (``ExchangeStatus.from_json``)."""
 
     step: int
     phase: str
@@ -169,12 +164,24 @@ class Exchange:
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, ExchangeStatus):
-            self.status = ExchangeStatus.parse(self.status)
+            self.status = ExchangeStatus.from_json(self.status)
 
     @property
     def failed(self) -> bool:
         """Not answered as asked (``ExchangeStatus.failed``)."""
         return self.status.failed
+
+    def to_json(self) -> dict[str, Any]:
+        """Its JSON form: the status as its text; no ``reply_sha256`` where there is none (no
+        reply, or a line written before the hashes: it writes back the same)."""
+        raw = {**{f.name: getattr(self, f.name) for f in fields(self)}, "status": str(self.status)}
+        if not self.reply_sha256:
+            del raw["reply_sha256"]
+        return raw
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Exchange:
+        return cls(**{**raw, "status": ExchangeStatus.from_json(raw["status"])})
 
 
 CAPPED, REJECTED, QUARANTINED = "capped", "rejected", "quarantined"  # a finding's action
@@ -238,10 +245,7 @@ class StepRecord:
         return self.started + self.wall_s
 
     def to_json(self) -> str:
-        raw = asdict(self)
-        for exchange in raw["exchanges"]:  # none: no reply (or a line from before the hashes)
-            if not exchange["reply_sha256"]:
-                del exchange["reply_sha256"]
+        raw = {**asdict(self), "exchanges": [e.to_json() for e in self.exchanges]}
         return json.dumps({k: v for k, v in raw.items() if v is not None})
 
     @classmethod
@@ -255,7 +259,7 @@ class StepRecord:
                 "classes": tuple(raw.get("classes", ())),
                 "sites": tuple(raw.get("sites", ())),
                 "phase_seconds": tuple(PhaseTime(**p) for p in raw.get("phase_seconds", ())),
-                "exchanges": tuple(Exchange(**e) for e in raw.get("exchanges", ())),
+                "exchanges": tuple(Exchange.from_json(e) for e in raw.get("exchanges", ())),
                 "findings": tuple(Finding(**f) for f in raw.get("findings", ())),
                 "quarantined": tuple(raw.get("quarantined", ())),
             }

@@ -6,7 +6,7 @@ consistent lies about its own data (docs/security.md), as far as it likes. When 
 sites hold a class, the coordinate-wise median of their rows ignores any one of them, whatever
 its count: ``merge = median`` (the default) makes this the default strategy, and ``robust``
 gives a baseline's strategy the same merge. Classes held by one or two sites, and every
-mixture, merge as in ``Strategy``.
+mixture, merge as in ``MeanStrategy`` (the weighted mean).
 
 The median needs every row of the class at once, so unlike the streamed mean this strategy
 holds the tensor rows of a phase's classes until its end: memory grows with the sites that
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
-from starfed.server.strategy import PhaseState, Strategy
+from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.merge import MergeAccumulator
@@ -30,22 +30,22 @@ MIN_HOLDERS = 3  # below this, a median is no more robust than a mean
 
 
 class MedianStrategy(Strategy):
-    """``Strategy`` with the coordinate-wise median of the tensor rows of every class that at
+    """starfed's hooks with the coordinate-wise median of the tensor rows of every class that at
     least ``MIN_HOLDERS`` updates carry."""
 
     @staticmethod
     def merge(updates: Iterable[ClientUpdate], state: PhaseState) -> Codebook:
         """Tensor rows are held per class until the end; the classes with enough holders get
-        one row, their median, with their summed count; the rest merge as in ``Strategy``."""
-        held = list(updates)
+        one row, their median, with their summed count; the rest merge as in ``MeanStrategy``."""
+        received = list(updates)
         rows: dict[str, list[ClassEntry]] = {}
-        for update in held:
+        for update in received:
             for entry in update.entries:
                 if not any(isinstance(v, GaussianMixture) for v in entry.values.values()):
                     rows.setdefault(entry.name, []).append(entry)
         robust = {name for name, entries in rows.items() if len(entries) >= MIN_HOLDERS}
         merge = MergeAccumulator(state.codebook, n_components=state.train.mixture_components)
-        for update in held:
+        for update in received:
             merge.add(update.only({e.name for e in update.entries} - robust))
         medians = []
         for name in sorted(robust):
@@ -56,7 +56,7 @@ class MedianStrategy(Strategy):
             }
             medians.append(ClassEntry(name, sum(e.count for e in entries), values))
         if medians:
-            first = held[0]
+            first = received[0]
             merge.add(
                 ClientUpdate(
                     first.fingerprint, first.dims, first.phase, first.base_version, tuple(medians)
@@ -75,7 +75,7 @@ def robust(strategy: Strategy | None) -> Strategy:
     if isinstance(strategy, MedianStrategy):
         return strategy
     cls = type(strategy)
-    if cls.merge is not Strategy.merge:
+    if cls.merge is not MeanStrategy.merge:
         raise ConfigError(
             f"merge = median: {cls.__qualname__} merges its own way; set merge = mean"
         )

@@ -38,16 +38,17 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from starfed.server.change_scale import ChangeScale
-from starfed.server.field_bounds import Furthest, PhaseScreen
+from starfed.server.decode import Decoded
 from starfed.server.messaging import reject
-from starfed.server.records import QUARANTINED, REJECTED, Finding
+from starfed.server.records import QUARANTINED, REJECTED, Exchange, Finding
 from starfed.shared import progress
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import Options, knob, parse_site_names
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import TEST_IMAGES, Phase
+from starfed.shared.protocol import SITE, TEST_IMAGES, Phase
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,15 @@ class ScreeningOptions(Options):
     site_names: str = knob("site-names")
     max_new_classes: int = knob("max-new-classes")
     max_classes: int = knob("max-classes")
+
+
+class Furthest(NamedTuple):
+    """The kept row that went furthest in a class this step (``Screen.furthest``): its
+    measure (a tensor field's change, a mixture's largest mean norm), its site and what."""
+
+    measure: float
+    site: str
+    what: str
 
 
 @dataclass
@@ -138,6 +148,15 @@ class Screen:
 
     # --- the sync -------------------------------------------------------------------------
 
+    def named(self, decoded: list[Decoded]) -> list[Decoded]:
+        """The decoded syncs in node order, each entry under the name its site goes by in this
+        step (``name_of``: the operator's for a registered node, else the one it gives)."""
+        syncs = sorted(decoded, key=lambda pair: pair[0].node_id)
+        for entry, update in syncs:
+            claimed = update.metadata.get(SITE) or f"node-{entry.node_id}"
+            entry.site = self.name_of(entry.node_id, claimed)
+        return syncs
+
     def name_of(self, node_id: int, claimed: str) -> str:
         """The name a node is known by in this step: the operator's for a registered node
         (``site-names``), whatever it calls itself; else the name it gives."""
@@ -154,23 +173,25 @@ class Screen:
             )
         return name
 
-    def sync(self, accepted: list, codebook: Codebook, held: Mapping[str, dict]) -> list:
-        """The syncs (``(Exchange, ClientUpdate)`` by node id) that may take part: sites
-        ``held`` in quarantine, a second node with a taken name, a node using a name registered
+    def sync(
+        self, named: list[Decoded], codebook: Codebook, quarantine: Mapping[str, dict]
+    ) -> list[Decoded]:
+        """The syncs (``named``, by node id) that may take part: sites in the operator's
+        ``quarantine``, a second node with a taken name, a node using a name registered
         to another (``site-names``), impossible counts and too many new classes are rejected
         (the site sits the step out), each with a finding."""
         kept, names = [], dict[str, int]()
         registered_names = set(self.registered.values())
-        for entry, update in accepted:
+        for entry, update in named:
             site = entry.site
             # a name that is not the node's: its finding must not count against the name's site
             borrowed = site in names or (
                 site in registered_names and self.registered.get(entry.node_id) != site
             )
             problem = None
-            if site in held:
-                problem = f"quarantined since step {held[site].get('step', 0) + 1}: " + str(
-                    held[site].get("reason", "")
+            if site in quarantine:
+                problem = f"quarantined since step {quarantine[site].get('step', 0) + 1}: " + str(
+                    quarantine[site].get("reason", "")
                 )
             elif site in names:
                 problem = f"site name {site!r} is taken in this step by node {names[site]}"
@@ -232,9 +253,6 @@ class Screen:
 
     # --- codebook phases ------------------------------------------------------------------
 
-    def phase(self, phase: Phase, round_index: int, codebook: Codebook) -> PhaseScreen:
-        return PhaseScreen(self, phase, round_index, codebook)
-
     def caps(self, site: str) -> dict[str, int]:
         """The count each class of ``site`` may carry: what it reported at the sync, and with
         ``max-class-share`` < 1 at most that share of the class's sync counts over sites
@@ -263,13 +281,19 @@ class Screen:
 
     # --- the evaluation -------------------------------------------------------------------
 
+    def reports(
+        self, decoded: list[tuple[Exchange, EvaluationReport]]
+    ) -> list[tuple[str, EvaluationReport]]:
+        """The decoded evaluation reports that may count, with their sites (``report``)."""
+        return [(entry.site, report) for entry, report in decoded if self.report(entry, report)]
+
     def report(self, entry, report: EvaluationReport) -> bool:
         """Whether a site's evaluation report may count: no more images than it holds."""
         if entry.site in self.quarantined:
             return False
         images = sum(score.images for score in report.classes)
-        held = self.declared.get(entry.site, Declared({}, 0)).test_images
-        if images > held:
-            self._reject(entry, f"reports {images} test images, holds {held} (its sync)")
+        test_images = self.declared.get(entry.site, Declared({}, 0)).test_images
+        if images > test_images:
+            self._reject(entry, f"reports {images} test images, holds {test_images} (its sync)")
             return False
         return True

@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from starfed.server.federation import COMPLETED, DEGRADED, FAILED
 from starfed.server.records import (
     Exchange,
     Finding,
@@ -30,9 +29,10 @@ from starfed.server.screening import Screen
 from starfed.shared import progress
 from starfed.shared.codebook.codebook import CodebookError
 from starfed.shared.protocol import Phase
+from starfed.shared.run_status import COMPLETED, DEGRADED, FAILED
 
 #: The level of a run's last line, by how the run ended (completed: INFO).
-RUN_END_LEVELS = {FAILED: logging.ERROR, DEGRADED: logging.WARNING}
+RUN_END_LEVELS: dict[str, int] = {FAILED: logging.ERROR, DEGRADED: logging.WARNING}
 
 
 class StepFailed(RuntimeError):

@@ -9,16 +9,21 @@ phase of ``starfed.shared.protocol.PHASES``, what the message carries beyond the
 config (``configure``) and how the validated replies become a new codebook (``aggregate_training``,
 ``aggregate_statistics`` then ``replay``) or the step's scores (``aggregate_evaluation``).
 
-``Strategy`` itself is starfed's: every class averaged over the sites that carry it, weighted by
-their examples, mixtures merged (``MergeAccumulator``, docs/design.md#the-codebook), then the
-server's generative replays (``starfed.server.replay``). A baseline is a subclass that overrides
-one hook (``starfed.simulations.methods``). Hooks read a ``PhaseState`` and return new values;
-they never change the coordinator, and updates arrive one at a time (a phase never holds every
-decoded update), in an order of their content, which fixes the float rounding of a merge.
+``Strategy`` is the hooks, each starfed's own except the per-class ``merge``, which is named
+for what it computes: ``MeanStrategy`` averages every class over the sites that carry it,
+weighted by their examples, mixtures merged (``MergeAccumulator``, docs/design.md#the-codebook);
+``server.robust.MedianStrategy`` (``merge = median``, the default) takes the coordinate-wise
+median where three or more sites hold a class. After a statistics phase come the server's
+generative replays (``starfed.server.replay``). A baseline is a subclass of ``MeanStrategy``
+that overrides one hook (``starfed.simulations.methods``). Hooks read a ``PhaseState`` and
+return new values; they never change the coordinator. Updates arrive screened
+(``server.field_bounds.screen_phase``), as views of the replies' bytes, in the order of site
+names, which fixes the float rounding of a merge.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -29,10 +34,8 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.merge import MergeAccumulator
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import ConfigValue, Phase
 from starfed.shared.report import EvaluationReport
-
-ConfigValue = bool | int | float | str | list[int] | list[str]
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,13 @@ class PhaseState:
     train: TrainConfig
 
 
-class Strategy:
-    """starfed's strategy: the per-class merge, then replay after each statistics phase."""
+class Strategy(ABC):
+    """The hooks the coordinator calls: a phase's config, the per-class ``merge`` of its
+    updates (the subclass's), replay after each statistics phase, the evaluation's scores."""
 
     def configure(self, phase: Phase, state: PhaseState) -> dict[str, ConfigValue]:
-        """Entries the phase's message config carries besides the protocol's (none)."""
+        """Entries the phase's message config carries besides the protocol's (none); asked
+        once per phase round of a step (``Coordinator._configure``)."""
         return {}
 
     def aggregate_training(
@@ -90,8 +95,19 @@ class Strategy:
         return aggregate(reports, state.class_steps, state.step, n_layers)
 
     @staticmethod
+    @abstractmethod
     def merge(updates: Iterable[ClientUpdate], state: PhaseState) -> Codebook:
-        """The updates folded one at a time into the per-class merge of ``state.codebook``."""
+        """The updates merged class by class into ``state.codebook``."""
+
+
+class MeanStrategy(Strategy):
+    """The per-class weighted mean: starfed's strategy with ``merge = mean``, and the base of
+    the baselines (``starfed.simulations.methods``)."""
+
+    @staticmethod
+    def merge(updates: Iterable[ClientUpdate], state: PhaseState) -> Codebook:
+        """The updates folded one at a time into the per-class mean of ``state.codebook``
+        (weighted by examples; mixtures pooled and reduced, ``MergeAccumulator``)."""
         merge = MergeAccumulator(state.codebook, n_components=state.train.mixture_components)
         for update in updates:
             merge.add(update)

@@ -100,6 +100,9 @@ SPECS: dict[Phase, PhaseSpec] = {spec.phase: spec for spec in MESSAGES}
 #: releases them per class (its other updates are one release over all its classes).
 STATISTICS = (Phase.STAGE1_STATS, Phase.STAGE2_STATS)
 
+#: A message config's value: what Flower's ``ConfigRecord`` holds and both sides read.
+ConfigValue = bool | int | float | str | list[int] | list[str]
+
 #: Message config keys of every message, read by the site (``starfed.client.answer``): the
 #: step, the round of its phase (a catch-up's part), and the dtype of the tensors sent.
 STEP = "step"

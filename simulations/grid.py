@@ -16,7 +16,7 @@ alpha = 0.5
 ```
 
 Every run-config key is checked by the configuration schema (``starfed.shared.config.parse``),
-so a bad grid is one ``ConfigError`` line before anything runs; a retired key (``num-clients``)
+so a bad grid is one ``ConfigError`` line before anything runs; a retired key (``retired_names``)
 is read as its new one, with a note. ``seed``, ``results-dir``,
 ``run-name`` and ``federation-dir`` belong to a cell, not a scenario.
 """

@@ -143,7 +143,7 @@ class Deployment:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             checkpoint = self.checkpoint()
-            if checkpoint is not None and done in checkpoint.position.done:
+            if checkpoint is not None and done in checkpoint.position.to_json()["done"]:
                 return checkpoint
             time.sleep(0.2)
         raise AssertionError(f"no checkpoint after {done} within {timeout:.0f}s; {self.log}")

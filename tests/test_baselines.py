@@ -28,7 +28,7 @@ import torch
 from codebooks import merge_updates
 from rich.console import Console
 
-from starfed.server.strategy import PhaseState, Strategy
+from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
@@ -199,7 +199,9 @@ def test_positional_fedavg_dilutes_what_the_per_class_merge_keeps() -> None:
     ]
     strategy = positional.PositionalAveraging()
     by_position = strategy.aggregate_training(Phase.STAGE1, iter(updates), _state(codebook))
-    assert Strategy().aggregate_training(Phase.STAGE1, iter(updates), _state(codebook)).names == [
+    assert MeanStrategy().aggregate_training(
+        Phase.STAGE1, iter(updates), _state(codebook)
+    ).names == [
         "a",
         "b",
     ]
@@ -228,7 +230,7 @@ def test_only_the_evaluate_message_asks_the_sites_for_the_keys() -> None:
     for phase in Phase:
         asked = keys_method.ClassifyWithKeys().configure(phase, state)
         assert asked == ({CLASSIFY_WITH_KEYS: True} if phase is Phase.EVALUATE else {}), phase
-        assert Strategy().configure(phase, state) == {}, phase
+        assert MeanStrategy().configure(phase, state) == {}, phase
 
 
 def _mixture(centre: float, count: int, generator: torch.Generator) -> GaussianMixture:
@@ -295,7 +297,7 @@ def test_without_replay_the_predicting_head_is_the_merged_real_data_head() -> No
     train = replace(TrainConfig(), replay2_epochs=1, replay2_epochs_per_task=0)
     cpu = SimpleNamespace(device=torch.device("cpu"))  # the head's replay needs no backbone
     state = PhaseState(1, 0, codebook, (new.name,), {past.name: 0, new.name: 1}, cpu, train)
-    replayed = Strategy().replay(Phase.STAGE2_STATS, codebook, state)
+    replayed = MeanStrategy().replay(Phase.STAGE2_STATS, codebook, state)
     kept = no_replay.NoReplay().replay(Phase.STAGE2_STATS, codebook, state)
     assert kept.frozen == replayed.frozen == {past.name, new.name}
     for name in codebook.names:

@@ -32,13 +32,14 @@ from matplotlib.figure import Figure
 from starlette.testclient import TestClient
 
 from starfed.cli import main
-from starfed.server.federation import COMPLETED, DEGRADED, Federation
+from starfed.server.federation import Federation
 from starfed.server.ops import sites
 from starfed.server.ops.dashboard import Dashboard
 from starfed.server.ops.dashboard_page import fragment
 from starfed.server.ops.dashboard_plots import ACCURACY_NOTE, PLOTS, _clock_axis, step_label
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Exchange, PhaseTime, Position, StepRecord, StepScores
+from starfed.shared.run_status import COMPLETED, DEGRADED
 
 T0 = 1_790_000_000.0  # 2026-09-21, when the first step started
 REFUSAL = (

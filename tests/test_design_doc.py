@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 from collections.abc import Iterator
 from pathlib import Path
+
+from test_layers import IMPORTS
 
 from starfed.cli import build_parser
 from starfed.client.site import HANDLERS, Site
@@ -118,3 +121,37 @@ def test_commands_table_matches_the_command_line() -> None:
         assert drives, row[0]
         for path in drives:
             assert (ROOT / path).is_file(), f"{row[0]}: {path}"
+
+
+def test_step_page_matches_the_pipeline() -> None:
+    """docs/design.md's step page names each stage's call in ``Coordinator._run_phase`` in
+    the order the code makes them, and each stage's module is one the coordinator imports."""
+    rows = table_rows("### One step")
+    assert [row[0] for row in rows] == [
+        "plan",
+        "send",
+        "collect",
+        "decode",
+        "screen",
+        "merge",
+        "replay",
+        "commit",
+    ]
+    source = inspect.getsource(Coordinator._run_phase)
+    calls = list(dict.fromkeys(row[1] for row in rows))
+    found = [source.index(f"{call}(") for call in calls]
+    assert found == sorted(found), calls
+    imported = IMPORTS["starfed.server.coordinator"]
+    for row in rows:
+        module = "starfed." + row[2].removesuffix(".py").replace("/", ".")
+        assert (ROOT / row[2]).is_file() and module in imported, row
+
+
+def test_start_here_names_files_of_the_tree() -> None:
+    """docs/start-here.md, the first page, names only files that exist, and its step names
+    the stages in the order of the step page."""
+    page = (ROOT / "docs" / "start-here.md").read_text()
+    paths = set(re.findall(r"\b((?:server|client|shared|simulations|cli|tests)/[\w/]+\.py)", page))
+    assert len(paths) > 15 and [p for p in paths if not (ROOT / p).is_file()] == []
+    stages = [row[0] for row in table_rows("### One step")]
+    assert "phase  " + " → ".join(stages) in page

@@ -118,7 +118,7 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
         times["killed"] = time.monotonic()
         before = deployed.checkpoint()
         assert before is not None and before.position.running and before.position.step == 0
-        done_before = list(before.position.done)
+        done_before = before.position.to_json()["done"]
         reached = PHASES.index(after) + 1
         assert done_before[:reached] == PHASES[:reached] and "evaluate/0" not in done_before
         cli = FlowerCli(deployed.server.flwr_home)
@@ -161,7 +161,7 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
     left = set(PHASES) - set(done_before)  # the statistics travel with stage 1 when it is sent
     messages = left - {"stage1_stats/0"} if "stage1/0" in left else left
     assert exchanged == {"sync/0"} | messages
-    assert {e.status for e in record.exchanges} == {"ok"}
+    assert {str(e.status) for e in record.exchanges} == {"ok"}
     final = wire.read_file(deployed.federation / CODEBOOK_FILE)
     assert final.names == sorted(CLASSES[0:4], key=class_key) and final.frozen == set(CLASSES[0:4])
     assert not Federation.position(final).running

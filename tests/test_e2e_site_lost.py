@@ -57,7 +57,9 @@ def test_a_site_killed_mid_step_is_left_out_then_catches_up(tmp_path, monkeypatc
         assert not wait_gone(farm_b, 10)
         assert deployed.sites["farm-b"].wait(10) == -signal.SIGKILL  # its `site start` too
         killed_at = deployed.checkpoint()
-        assert killed_at is not None and "stage1_stats/0" not in killed_at.position.done
+        assert (
+            killed_at is not None and "stage1_stats/0" not in killed_at.position.to_json()["done"]
+        )
         out, _ = first_round.communicate(timeout=RUN_TIMEOUT_S)
         first = json.loads(out)
         degraded_s = time.monotonic() - started

@@ -19,7 +19,7 @@ from starfed.ops.exit_codes import (
     run_exit_code,
 )
 from starfed.ops.flower_runs import RunOutcome
-from starfed.server.federation import COMPLETED, DEGRADED, FAILED
+from starfed.shared.run_status import COMPLETED, DEGRADED, FAILED
 from starfed.simulations import local_grid
 
 STATUSES = [COMPLETED, DEGRADED, FAILED, "running", None]  # the last two: no final status

@@ -40,9 +40,9 @@ from starfed.host.process_identity import ProcessId
 from starfed.ops import clock, pki
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import federation as federation_module
-from starfed.server import folder_check, folder_lock
+from starfed.server import folder_check, folder_files, folder_lock
 from starfed.server.app import RunFailed
-from starfed.server.federation import COMPLETED, Federation
+from starfed.server.federation import Federation
 from starfed.server.folder_files import (
     CODEBOOK_FILE,
     HISTORY_FILE,
@@ -62,6 +62,7 @@ from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.codebook.store import STORE_DIR
+from starfed.shared.run_status import COMPLETED
 
 pytestmark = pytest.mark.faults
 
@@ -309,7 +310,7 @@ def test_a_full_disk_while_closing_a_step_never_duplicates_it(
     says the disk is full and whether the commit point moved; the next run finishes the close
     (or the step) and records it once."""
     next_task(root)
-    real = {module: module.write_atomic for module in (federation_module, wire)}
+    real = {module: module.write_atomic for module in (federation_module, folder_files, wire)}
 
     def full(module):
         def write(path, data):
@@ -354,17 +355,21 @@ def test_a_full_disk_mid_step_is_one_line_and_the_step_resumes(
     move and nothing was lost, and what the next run does; the run fails (exit 1) and the next
     run completes the step, recorded once, in a folder ``check`` accepts."""
     next_task(root)
-    real = federation_module.write_atomic
+    real = {module: module.write_atomic for module in (federation_module, folder_files)}
     seen: list[bytes] = []
 
-    def full(path, data):
-        if Path(path).name == fails:
-            seen.append((folder(root) / CODEBOOK_FILE).read_bytes())
-            if len(seen) == nth:
-                raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real(path, data)
+    def full(module):
+        def write(path, data):
+            if Path(path).name == fails:
+                seen.append((folder(root) / CODEBOOK_FILE).read_bytes())
+                if len(seen) == nth:
+                    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            real[module](path, data)
 
-    monkeypatch.setattr(federation_module, "write_atomic", full)
+        return write
+
+    for module in real:
+        monkeypatch.setattr(module, "write_atomic", full(module))
     with pytest.raises(RunFailed, match=r"^the disk is full \(writing ") as failed:
         run_two_sites(root)
     said = str(failed.value)
@@ -372,7 +377,8 @@ def test_a_full_disk_mid_step_is_one_line_and_the_step_resumes(
     assert "the commit point did not move (codebook.bin is unchanged)" in said, said
     assert "nothing was lost" in said and f"the next run {then}, once space is freed" in said
     assert (folder(root) / CODEBOOK_FILE).read_bytes() == seen[-1]  # the commit point
-    monkeypatch.setattr(federation_module, "write_atomic", real)
+    for module, write in real.items():
+        monkeypatch.setattr(module, "write_atomic", write)
     assert finished_steps(root) == [0]
     metrics = run_two_sites(root)
     assert finished_steps(root) == [0, 1]

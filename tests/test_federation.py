@@ -176,7 +176,7 @@ def test_a_site_folder_with_two_spellings_of_one_class_is_refused(fed):
 # --- failures -------------------------------------------------------------------------------
 
 
-def test_before_step_runs_before_every_enrolment(fed):
+def test_before_step_runs_before_every_sync(fed):
     """A simulation writes its sites' folders in ``before_step``: the sync of the same step
     sees what it wrote, and it runs for the step that finds nothing new as well."""
     data = fed.site(1, "farm-a", {})

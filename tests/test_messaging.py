@@ -49,7 +49,7 @@ def test_failed_and_missing_replies_are_recorded_and_logged_by_site_name(
             Grid(), spec, 0, 0, {}, [7, 8, 9], {7: "farm-a", 9: "farm-c"}, None, 1.0
         )
     assert [entry.site for entry, _ in good] == ["farm-c"]
-    statuses = {entry.node_id: entry.status for entry in exchanges}
+    statuses = {entry.node_id: str(entry.status) for entry in exchanges}
     assert statuses == {
         7: "error: Node Unavailable — The destination node failed to report a heartbeat "
         "within 2 × its expected interval.",

@@ -39,11 +39,11 @@ def test_sample_is_a_seeded_share_by_site_name_with_every_class_held() -> None:
     assert every == one.node_ids
 
 
-def test_quarantined_sites_leave_and_held_versions_are_noted() -> None:
+def test_quarantined_sites_leave_and_versions_are_noted() -> None:
     participants = _participants(1)
     participants.leave({"farm-c"})
     assert 3 not in participants.node_ids and len(participants.node_ids) == len(SITES) - 1
-    participants.hold(4, 7)
-    assert participants.held == {4: 7}
-    participants.hold(4, None)  # unknown: the whole codebook next
-    assert participants.held == {}
+    participants.set_version(4, 7)
+    assert participants.versions == {4: 7}
+    participants.set_version(4, None)  # unknown: the whole codebook next
+    assert participants.versions == {}

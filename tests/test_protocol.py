@@ -35,7 +35,7 @@ from starfed.server.app import run_server
 from starfed.server.federation import Federation
 from starfed.server.folder_files import CODEBOOK_FILE
 from starfed.server.records import Position
-from starfed.server.strategy import ConfigValue, PhaseState, Strategy
+from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.config import parse
@@ -43,7 +43,7 @@ from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.backbones import create_backbones
-from starfed.shared.protocol import ALSO, MESSAGES, Phase
+from starfed.shared.protocol import ALSO, MESSAGES, ConfigValue, Phase
 from starfed.simulations.local_grid import LocalGrid
 from starfed.simulations.simulated_sites import SimulatedSites
 
@@ -172,7 +172,7 @@ def run(
             def keep(federation: Federation, codebook: Codebook, position: Position) -> Codebook:
                 kept = checkpoint(federation, codebook, position)
                 if position.done:  # not the end of a step
-                    recorded.merged[(position.step, position.done[-1])] = kept
+                    recorded.merged[(position.step, position.done[-1].to_json())] = kept
                 return kept
 
             patch.setattr(Federation, "checkpoint", keep)
@@ -427,7 +427,7 @@ def test_checkpoint_files(baseline):
     assert len(saved["exchanges"]) == len(metrics["exchanges"])
 
 
-class StatisticsOnTheirOwn(Strategy):
+class StatisticsOnTheirOwn(MeanStrategy):
     """starfed's strategy with a config entry for the stage-1 statistics, which therefore
     cannot travel with stage 1: they are sent in their own message, as before."""
 

@@ -347,7 +347,7 @@ def test_server_status_shows_why_a_site_refused(tmp_path, capsys) -> None:
 def test_the_server_reads_a_refusal_in_each_runtimes_error_reply(reason) -> None:
     entry = Exchange(0, "sync", 0, 2, "farm-b", 0)
     note_error(entry, reason)
-    assert entry.status == f"refused: {POLICY_REFUSED}: pinned to federation X, asked by Y"
+    assert str(entry.status) == f"refused: {POLICY_REFUSED}: pinned to federation X, asked by Y"
     assert not entry.failed
     note_error(entry, "RuntimeError: boom")
-    assert entry.failed and entry.status == "error: RuntimeError: boom"
+    assert entry.failed and str(entry.status) == "error: RuntimeError: boom"

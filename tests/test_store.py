@@ -19,7 +19,7 @@ from codebooks import changed_fields, full_entry
 
 from starfed.cli import main as cli_main
 from starfed.server import folder_check, folder_repair
-from starfed.server.federation import COMPLETED, FAILED, Federation
+from starfed.server.federation import Federation
 from starfed.server.folder_files import (
     CHECKPOINTS_DIR,
     CODEBOOK_FILE,
@@ -36,6 +36,7 @@ from starfed.shared.codebook.held import HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.run_status import COMPLETED, FAILED
 
 DIMS = ModelDims(d_txt=48, d_clip=32, d_vit=40, n_layers=3)
 FINGERPRINT = "cd" * 32

@@ -21,7 +21,6 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from starfed.server.federation import COMPLETED, DEGRADED, FAILED
 from starfed.server.ops import status
 from starfed.server.ops.dashboard_state import RUNNING, State
 from starfed.shared.metrics import (
@@ -32,6 +31,7 @@ from starfed.shared.metrics import (
     plot_accuracy_over_time,
     task_ticks,
 )
+from starfed.shared.run_status import COMPLETED, DEGRADED, FAILED
 
 #: A status word -> its colour (badges and the timeline); anything else is drawn grey.
 COLOURS = {

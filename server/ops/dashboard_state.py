@@ -63,7 +63,7 @@ class Running:
 
     def rounds_done(self) -> dict[str, int]:
         """Phase -> how many of its rounds this step completed (the page's phase strip)."""
-        return dict(Counter(PhaseRound.parse(entry).phase for entry in self.done))
+        return dict(Counter(PhaseRound.from_json(entry).phase for entry in self.done))
 
 
 @dataclass
@@ -107,7 +107,7 @@ def _running(position: dict | None, federation_dir: Path, now: float) -> Running
     if not position or not position.get("running"):
         return None
     done = list(position["done"])
-    last = PhaseRound.parse(done[-1]).phase if done else None
+    last = PhaseRound.from_json(done[-1]).phase if done else None
     after = PHASE_ORDER.index(last) + 1 if last in PHASE_ORDER else 0
     phase = PHASE_ORDER[after] if after < len(PHASE_ORDER) else "closing the step"
     started = _mtime(federation_dir / STEP_START_FILE)

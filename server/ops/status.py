@@ -363,7 +363,7 @@ def _read_metrics(metrics: Path) -> tuple[dict, float, list[Exchange]] | None:
     if not metrics.is_file():
         return None
     with_metrics = json.loads(metrics.read_text())
-    exchanges = [Exchange(**e) for e in with_metrics.get("exchanges", ())]
+    exchanges = [Exchange.from_json(e) for e in with_metrics.get("exchanges", ())]
     return with_metrics, metrics.stat().st_mtime, exchanges
 
 

@@ -3,7 +3,7 @@
 A method runs one cell of an experiment grid and writes ``out_dir/metrics.json`` (the keys of
 ``starfed.simulations.tabulate.METRICS``; docs/results.md). Its module here defines either
 
-- a subclass of ``starfed.server.strategy.Strategy``: a federated baseline, named
+- a subclass of ``starfed.server.strategy.MeanStrategy``: a federated baseline, named
   ``starfed-<what it changes>`` — `starfed` on the local runtime with that strategy passed in
   (``starfed.simulations.methods.starfed``); or
 - ``run(values, seed, out_dir, console)``: any other method. ``values`` are the scenario's run

@@ -9,10 +9,10 @@ server test set, scored like one more site) to classify with the keys
 
 from __future__ import annotations
 
-from starfed.server.strategy import ConfigValue, PhaseState, Strategy
-from starfed.shared.protocol import CLASSIFY_WITH_KEYS, Phase
+from starfed.server.strategy import MeanStrategy, PhaseState
+from starfed.shared.protocol import CLASSIFY_WITH_KEYS, ConfigValue, Phase
 
 
-class ClassifyWithKeys(Strategy):
+class ClassifyWithKeys(MeanStrategy):
     def configure(self, phase: Phase, state: PhaseState) -> dict[str, ConfigValue]:
         return {CLASSIFY_WITH_KEYS: True} if phase is Phase.EVALUATE else {}

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from starfed.server.strategy import PhaseState, Strategy
+from starfed.server.strategy import MeanStrategy, PhaseState
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.protocol import Phase
 
 
-class NoReplay(Strategy):
+class NoReplay(MeanStrategy):
     def replay(self, phase: Phase, codebook: Codebook, state: PhaseState) -> Codebook:
         without = replace(state.train, generative_replay=False)
         return super().replay(phase, codebook, replace(state, train=without))

@@ -18,7 +18,7 @@ import torch
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from starfed.ops.flower_internals import aggregate_arrayrecords
-from starfed.server.strategy import PhaseState, Strategy
+from starfed.server.strategy import MeanStrategy, PhaseState
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.protocol import Phase
@@ -26,7 +26,7 @@ from starfed.shared.protocol import Phase
 WEIGHT = "num-examples"  # FedAvg's default weighting key
 
 
-class PositionalAveraging(Strategy):
+class PositionalAveraging(MeanStrategy):
     def aggregate_training(
         self, phase: Phase, updates: Iterable[ClientUpdate], state: PhaseState
     ) -> Codebook:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-from starfed.server.strategy import PhaseState, Strategy
+from starfed.server.strategy import MeanStrategy, PhaseState
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.merge import MergeAccumulator
 from starfed.shared.protocol import Phase
@@ -25,7 +25,7 @@ from starfed.shared.protocol import Phase
 UNBOUNDED = sys.maxsize
 
 
-class Unmerged(Strategy):
+class Unmerged(MeanStrategy):
     def aggregate_statistics(
         self, phase: Phase, updates: Iterable[ClientUpdate], state: PhaseState
     ) -> Codebook:
