@@ -1,13 +1,16 @@
 """Every release a private site makes moves by at most its claimed sensitivity when one image
-is removed, and every other class's releases do not move at all.
+(or patient) is removed, every other class's releases do not move at all, and the noise drawn
+is the ledger's noise multiplier times that sensitivity.
 
-Each test runs the real release pipeline of a site (``starfed.client.site``'s phase handlers and
-``starfed.client.privacy.PrivateReleases``) with the noise switched off (``ZeroNoise`` in place
-of the site's generator) on the bundled images D and on D minus one image, for several choices
-of the image across several classes, and compares the two releases: the noisy count, the G_c and
-H_c moments (``clipped_moments``, what ``private_gaussian`` noises), and the stage-1 (prompt)
-and stage-2 (query prompt, query weights, head row) updates. A second group checks that each
-mechanism's noise has the standard deviation its calibration says.
+The tests drive a real ``Site`` (``starfed.client.site``) on a data folder of bundled images:
+its sync, stage 1, stage-1 statistics, stage 2 and stage-2 statistics, from one codebook, with
+the noise switched off (``RecordingNoise`` in place of the site's generator, which also records
+the standard deviation of every draw). Its data folder holds D, or D minus one image (or one
+patient's files), so the counts are the site's, the patient cap its scan's and the statistics
+its own fit's; the releases compared are what the site's replies carry: the noisy counts, the
+G_c and H_c moments read back from the released Gaussians, and the stage-1 (prompt) and stage-2
+(query prompt, query weights, head row) updates. A mutation check (``bench/privacy_mutations.py``)
+shows that each one-line break of the release makes one of these tests fail.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,28 +36,33 @@ from starfed.client.privacy import (
     PrivacyUnit,
     PrivateReleases,
 )
-from starfed.client.site import HANDLERS, TaskView
+from starfed.client.site import Site
 from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
-from starfed.shared.data.images import DatasetError, decode_images
+from starfed.shared.data.images import DatasetError
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
-from starfed.shared.data.site_folder import SiteFolder, capped, file_digests, patient_of
+from starfed.shared.data.site_folder import (
+    SiteFolder,
+    capped,
+    file_digests,
+    patient_name,
+    patient_of,
+)
 from starfed.shared.model.backbones import create_backbones
-from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.privacy import accountant
 from starfed.shared.privacy.mechanisms import (
     MOMENTS_SENSITIVITY,
-    clipped_moments,
     noisy_count,
     private_gaussian,
     private_update,
 )
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import PRIVACY_EPSILON, STATISTICS, Phase
 
 pytestmark = [pytest.mark.privacy, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -79,10 +88,15 @@ def float_slack(rows: int, scale: float = 1.0) -> float:
     return rows * MOMENTS_SENSITIVITY * ROW_ULPS * FLOAT32_EPS * max(scale, 1.0)
 
 
-class ZeroNoise:
-    """A generator that draws no noise: the release pipeline with its noise switched off."""
+class RecordingNoise:
+    """A generator that draws no noise and records the standard deviation of every draw asked
+    of it: a site's real release path with its noise switched off, and what its noise was."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
 
     def normal(self, loc: float = 0.0, scale: float = 1.0, size: int | None = None):
+        self.scales.extend([float(scale)] * (1 if size is None else int(size)))
         return np.zeros(size) if size is not None else 0.0
 
 
@@ -91,134 +105,185 @@ def backbones():
     return create_backbones("tiny", seed=0)
 
 
+#: The bundled training images of the task, in class order: (class, image) pairs.
+IMAGES = [
+    (name, path)
+    for name in CLASSES
+    for path in sorted((bundled_dataset_root() / "train" / name).iterdir())[:PER_CLASS]
+]
+
+
+def data_folder(root: Path, images: list[tuple[str, Path, str]]) -> Path:
+    """A site's data folder of one task: links named ``file`` to each (class, image, file),
+    and an empty test folder (every image is a training image)."""
+    for name, image, file in images:
+        (root / "task-00" / name).mkdir(parents=True, exist_ok=True)
+        (root / "task-00" / name / file).symlink_to(image)
+    (root / "test").mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@dataclass
+class Released:
+    """What a private site released in one step, noise off: the sync's counts, each statistics
+    phase's moments read back from its Gaussians, each training phase's update (flat), the
+    noise's standard deviations drawn per phase, and the ledger's new noise multipliers."""
+
+    counts: dict[str, int]
+    moments: dict[Phase, dict[str, np.ndarray]]
+    updates: dict[Phase, torch.Tensor]
+    noise: dict[Phase, list[float]]
+    charged: dict[Phase, dict[str, list[float]]]
+    radius: dict[Phase, float]
+    centre: dict[Phase, float]  # the ball's centre's norm
+    epsilon: dict[Phase, str]  # the site's ε each reply says
+
+
+def read_back(mixture, centre: torch.Tensor, radius: float) -> np.ndarray:
+    """The moments (Σu, Σu²) a released Gaussian says, in units of the radius: count × mean and
+    count × (variance + mean²), exact unless the release projected them."""
+    mean = (mixture.means[0] - centre.double()).numpy() / radius
+    variance = mixture.variances[0].numpy() / radius**2
+    return np.concatenate([mean * mixture.count, (variance + mean**2) * mixture.count])
+
+
+def release(backbones, data: Path, state: Path, setting: PrivacySetting = SETTING) -> Released:
+    """One step of a private ``Site`` on ``data``: the sync, then stage 1, its statistics,
+    stage 2 and its statistics from one codebook (the classes as the server registers them)."""
+    memory = SiteMemory(state, backbones.fingerprint, backbones.dims)
+    site = Site("site", data, memory, backbones, CONFIG, state / "cache", privacy=setting)
+    private = site.private
+    assert private is not None
+    noise = RecordingNoise()
+    private.rng = noise
+    history = memory.ledger().releases
+    out = Released({}, {}, {}, {}, {}, {}, {}, {})
+
+    def spent(phase: Phase) -> None:
+        nonlocal history
+        now = memory.ledger().releases
+        out.charged[phase] = {k: z[len(history.get(k, [])) :] for k, z in now.items()}
+        out.noise[phase], history = list(noise.scales), now
+        noise.scales.clear()
+
+    sync = site.sync(0, [], "federation", "")
+    out.counts = {e.name: e.count for e in sync.entries}
+    out.epsilon[Phase.SYNC] = sync.metadata[PRIVACY_EPSILON]
+    spent(Phase.SYNC)
+    names = sorted(out.counts)
+    codebook = Codebook(backbones.fingerprint, backbones.dims)
+    codebook = codebook.register(StarPrompt(backbones).new_entries(names, seed=0))
+    for phase in (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS):
+        update = site.run_phase(phase, codebook, 0)
+        out.epsilon[phase] = update.metadata[PRIVACY_EPSILON]
+        spent(phase)
+        if phase in STATISTICS:
+            (field,) = schema.trained_in(phase)
+            dim = backbones.dims.d_clip if phase is Phase.STAGE1_STATS else backbones.dims.d_vit
+            centre, radius = private.ball(phase, dim)
+            out.radius[phase], out.centre[phase] = radius, float(centre.norm())
+            out.moments[phase] = {
+                e.name: read_back(e.values[field], centre, radius) for e in update.entries
+            }
+        else:
+            out.updates[phase] = torch.cat(
+                [
+                    (e.values[f].double() - codebook[e.name].values[f].double()).reshape(-1)
+                    for e in sorted(update.entries, key=lambda e: e.name)
+                    for f in sorted(e.values)
+                ]
+            )
+    return out
+
+
+def moments_slack(released: Released, phase: Phase, name: str) -> float:
+    """``float_slack`` of a class's rows: a row's rounding is of its own norm, at most the
+    ball's centre's plus one radius in radii (clipped or not)."""
+    rows = released.counts[name]
+    return float_slack(rows, 1 + released.centre[phase] / released.radius[phase])
+
+
 @pytest.fixture(scope="module")
-def task(backbones):
-    """The bundled training images of three classes, in class order."""
-    root = bundled_dataset_root() / "train"
-    samples = [
-        (str(path), label)
-        for label, name in enumerate(CLASSES)
-        for path in sorted((root / name).iterdir())[:PER_CLASS]
-    ]
-    decoded = decode_images(samples, backbones.config.image_size, progress=False)
-    return decoded.images, decoded.labels
-
-
-def releases(backbones, tmp_path: Path) -> PrivateReleases:
-    memory = SiteMemory(tmp_path / "state", "fingerprint", backbones.dims)
-    size = backbones.config.image_size
-    gray = torch.full((1, 3, size, size), 128, dtype=torch.uint8)
-    private = PrivateReleases(SETTING, memory, clip_features(backbones, gray)[0].double())
-    private.rng = ZeroNoise()
-    return private
-
-
-def view(backbones, images, labels) -> TaskView:
-    """A site's view of the task: its three classes trainable, from one fixed initialisation."""
-    model = StarPrompt(backbones)
-    model.add_classes(CLASSES, seed=0)
-    features = clip_features(backbones, images)
-    return TaskView(model, 0, list(CLASSES), labels, images, features, 0, 0, {})
-
-
-def without(images, labels, index: int):
-    keep = torch.arange(len(labels)) != index
-    return images[keep], labels[keep]
-
-
-# --- the statistics: count, G_c, H_c ----------------------------------------------------------
-
-
-def test_noisy_count_moves_by_one_for_its_class_only(backbones, task, tmp_path):
-    _, labels = task
+def per_image(backbones, tmp_path_factory) -> tuple[Released, dict[int, Released]]:
+    """The site's releases on D and on D minus each image of ``REMOVED``."""
+    root = tmp_path_factory.mktemp("per-image")
+    images = [(name, path, path.name) for name, path in IMAGES]
+    full = release(backbones, data_folder(root / "d" / "data", images), root / "d" / "state")
+    less = {}
     for index in REMOVED:
-        released = []
-        for folder, kept in (("d", labels), ("d-minus-one", without(labels, labels, index)[1])):
-            private = releases(backbones, tmp_path / folder / str(index))
-            counts = {name: int((kept == row).sum()) for row, name in enumerate(CLASSES)}
-            entries, refused = private.counts(counts)
-            assert not refused
-            released.append({e.name: e.count for e in entries})
-        own = CLASSES[int(labels[index])]
-        assert released[0][own] - released[1][own] == 1
-        assert all(released[0][n] == released[1][n] for n in CLASSES if n != own)
+        kept = images[:index] + images[index + 1 :]
+        folder = root / str(index)
+        less[index] = release(backbones, data_folder(folder / "data", kept), folder / "state")
+    return full, less
 
 
-def moments_of(
-    phase: Phase, backbones, images, labels, tmp_path
-) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """Each class's clipped moments as the site's statistics phase computes them, and the
-    ``float_slack`` of each class's rows (their count, their largest norm in radii)."""
-    private = releases(backbones, tmp_path)
-    moments, slack = {}, {}
-
-    def fit(features, labels_, rows, n_components, seed):
-        centre, radius = private.ball(phase, features.shape[1])
-        for row in rows:
-            own = features[labels_ == row]
-            total, squares = clipped_moments(own, centre, radius)
-            moments[CLASSES[row]] = np.concatenate([total, squares])
-            largest = float(own.double().norm(dim=1).max()) / radius
-            slack[CLASSES[row]] = float_slack(len(own), largest)
-        return [None] * len(rows)
-
-    HANDLERS[phase](view(backbones, images, labels), CONFIG, fit=fit)
-    return moments, slack
+def test_noisy_count_moves_by_one_for_its_class_only(per_image):
+    full, less = per_image
+    for index, released in less.items():
+        own = IMAGES[index][0]
+        assert full.counts[own] - released.counts[own] == 1
+        assert all(full.counts[n] == released.counts[n] for n in CLASSES if n != own)
 
 
 @pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
-def test_mixture_moments_move_within_sensitivity_for_their_class_only(
-    phase, backbones, task, tmp_path
-):
-    images, labels = task
-    full, slack = moments_of(phase, backbones, images, labels, tmp_path)
-    for index in REMOVED:
-        less, _ = moments_of(phase, backbones, *without(images, labels, index), tmp_path)
-        own = CLASSES[int(labels[index])]
-        changes = {n: float(np.linalg.norm(full[n] - less[n])) for n in CLASSES}
+def test_mixture_moments_move_within_sensitivity_for_their_class_only(phase, per_image):
+    full, less = per_image
+    for index, released in less.items():
+        own = IMAGES[index][0]
+        changes = {
+            n: float(np.linalg.norm(full.moments[phase][n] - released.moments[phase][n]))
+            for n in CLASSES
+        }
+        slack = {n: moments_slack(full, phase, n) for n in CLASSES}
         assert 0 < changes[own] <= MOMENTS_SENSITIVITY + slack[own], (index, changes)
         others = {n: c for n, c in changes.items() if n != own}
         assert all(c <= slack[n] for n, c in others.items()), (index, own, changes, slack)
 
 
-# --- the training updates: prompts; query prompts, query weights and head rows ---------------
-
-
-def released_update(phase: Phase, backbones, images, labels, tmp_path) -> torch.Tensor:
-    """The task's update as the site releases it (noise off): every class's fields, flat."""
-    private = releases(backbones, tmp_path)
-    private.counts({name: PER_CLASS for name in CLASSES})
-    task_view = view(backbones, images, labels)
-    sent = {e.name: e for e in task_view.model.bank.entries(CLASSES)}  # what the site received
-    plan = private.plan(CLASSES, phase, 0)
-    assert all(z is not None for z in plan.values())
-    HANDLERS[phase](task_view, CONFIG)
-    entries = task_view.model.bank.entries(CLASSES, fields=schema.trained_in(phase))
-    shared, _ = private.release(phase, entries, sent, plan)
-    return torch.cat(
-        [
-            (e.values[f].double() - sent[e.name].values[f].double()).reshape(-1)
-            for e in shared
-            for f in sorted(e.values)
-        ]
-    )
-
-
 @pytest.mark.parametrize("phase", [Phase.STAGE1, Phase.STAGE2], ids=["prompts", "head-Q-A"])
-def test_update_moves_within_its_sensitivity(phase, backbones, task, tmp_path):
+def test_update_moves_within_its_sensitivity(phase, per_image):
     """Every class of the task is charged for a training release (an image moves every class's
     update through the softmax), so the whole release's change is bounded: 2·C·√K."""
-    images, labels = task
+    full, less = per_image
     clip = SETTING.stage1_clip if phase is Phase.STAGE1 else SETTING.stage2_clip
     bound = 2 * clip * math.sqrt(len(CLASSES))
-    full = released_update(phase, backbones, images, labels, tmp_path / "d")
-    per_class = full.reshape(len(CLASSES), -1).norm(dim=1)
+    per_class = full.updates[phase].reshape(len(CLASSES), -1).norm(dim=1)
     torch.testing.assert_close(per_class, torch.full_like(per_class, clip, dtype=torch.float64))
-    for index in REMOVED[:3]:
-        less = released_update(
-            phase, backbones, *without(images, labels, index), tmp_path / str(index)
-        )
-        assert 0 < float((full - less).norm()) <= bound * (1 + ROW_ULPS * FLOAT32_EPS)
+    for released in less.values():
+        change = float((full.updates[phase] - released.updates[phase]).norm())
+        assert 0 < change <= bound * (1 + ROW_ULPS * FLOAT32_EPS)
+
+
+def expected_noise(released: Released, phase: Phase, setting: PrivacySetting) -> list[float]:
+    """The standard deviation each of a phase's draws must have, from the noise multipliers
+    the ledger charged it: z·k per count, z·√2·k per moment coordinate, z·2C·√K per update
+    coordinate of K classes."""
+    charged = released.charged[phase]
+    if phase is Phase.SYNC:
+        return [zs[0] * setting.group for _, zs in sorted(charged.items())]
+    if phase in STATISTICS:
+        dim = len(next(iter(released.moments[phase].values())))  # both moments
+        return [
+            z * MOMENTS_SENSITIVITY * setting.group
+            for _, zs in sorted(charged.items())
+            for z in zs * dim
+        ]
+    (z,) = {z for zs in charged.values() for z in zs}
+    clip = setting.stage1_clip if phase is Phase.STAGE1 else setting.stage2_clip
+    size = len(released.updates[phase])
+    return [z * 2 * clip * math.sqrt(len(charged))] * size
+
+
+#: Every phase that releases, in the order of a step.
+RELEASES = [Phase.SYNC, Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS]
+
+
+@pytest.mark.parametrize("phase", RELEASES, ids=lambda p: p.key)
+def test_each_release_draws_z_times_its_sensitivity(phase, per_image):
+    """The noise the site actually draws is the ledger's noise multiplier × the release's
+    sensitivity: the accountant's ε is of the mechanism that ran."""
+    full, _ = per_image
+    assert full.noise[phase] == pytest.approx(expected_noise(full, phase, SETTING), rel=1e-12)
 
 
 # --- each mechanism's noise against its calibration ------------------------------------------
@@ -356,17 +421,70 @@ def test_ledger_updates_from_two_processes_are_not_lost(tmp_path):
 # --- the patient unit ------------------------------------------------------------------------
 
 K = 2  # images per patient the tests cap at
+#: Images of a patient in the patient tests: over the cap, so the cap binds.
+PATIENT_IMAGES = 4
+PATIENT_SETTING = replace(SETTING, unit=PrivacyUnit.PATIENT, patient_images=K)
 
 
-def patient_task(task):
-    """The task's images as patients' (three images each, of one class), capped at K each:
-    what ``SiteFolder.per_patient`` keeps, in the same order."""
-    images, labels = task
-    paths = [f"p{i // 3:03d}__{i:03d}.jpg" for i in range(len(labels))]
-    kept = set(capped(paths, K))
-    keep = torch.tensor([p in kept for p in paths])
-    patients = [patient_of(p) for p, k in zip(paths, keep.tolist(), strict=True) if k]
-    return images[keep], labels[keep], patients
+def patient_images() -> list[tuple[str, Path, str]]:
+    """The task's images as patients', ``PATIENT_IMAGES`` consecutive images each, of one
+    class: ``(class, image, <patient>__<file>)``."""
+    return [
+        (name, path, patient_name(f"p{i // PATIENT_IMAGES:03d}", str(path)))
+        for i, (name, path) in enumerate(IMAGES)
+    ]
+
+
+@pytest.fixture(scope="module")
+def per_patient(backbones, tmp_path_factory) -> tuple[Released, dict[str, Released]]:
+    """The patient site's releases on D and on D without each of three patients."""
+    root = tmp_path_factory.mktemp("per-patient")
+    images = patient_images()
+    full = release(
+        backbones, data_folder(root / "d" / "data", images), root / "d" / "state", PATIENT_SETTING
+    )
+    less = {}
+    for patient in ("p000", "p003", "p005"):
+        kept = [image for image in images if patient_of(image[2]) != patient]
+        folder = root / patient
+        data = data_folder(folder / "data", kept)
+        less[patient] = release(backbones, data, folder / "state", PATIENT_SETTING)
+    return full, less
+
+
+def own_class(patient: str) -> str:
+    return next(name for name, _, file in patient_images() if patient_of(file) == patient)
+
+
+def test_removing_a_patient_moves_its_count_by_at_most_k(per_patient):
+    full, less = per_patient
+    for patient, released in less.items():
+        own = own_class(patient)
+        assert full.counts[own] - released.counts[own] == K  # the cap binds: 4 images, k 2
+        assert all(full.counts[n] == released.counts[n] for n in CLASSES if n != own)
+
+
+@pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
+def test_removing_a_patient_moves_its_class_within_k_times_the_bound(phase, per_patient):
+    full, less = per_patient
+    for patient, released in less.items():
+        own = own_class(patient)
+        changes = {
+            n: float(np.linalg.norm(full.moments[phase][n] - released.moments[phase][n]))
+            for n in CLASSES
+        }
+        slack = {n: moments_slack(full, phase, n) for n in CLASSES}
+        assert 0 < changes[own] <= K * MOMENTS_SENSITIVITY + slack[own], (patient, changes)
+        assert all(c <= slack[n] for n, c in changes.items() if n != own), (changes, slack)
+
+
+@pytest.mark.parametrize("phase", RELEASES, ids=lambda p: p.key)
+def test_each_patient_release_draws_z_times_its_sensitivity(phase, per_patient):
+    """With the patient unit, the count's and the moments' noise are k times the image's."""
+    full, _ = per_patient
+    assert full.noise[phase] == pytest.approx(
+        expected_noise(full, phase, PATIENT_SETTING), rel=1e-12
+    )
 
 
 def test_patient_names_and_the_cap(tmp_path):
@@ -385,21 +503,6 @@ def test_patient_names_and_the_cap(tmp_path):
     n_train = sum(len(p) for p in kept.tasks[0].train.values())
     assert n_train == sum(min(len(p), 2) for p in folder.tasks[0].train.values())
     assert all(len(keys) == 1 for keys in kept.patients().values())
-
-
-@pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
-def test_removing_a_patient_moves_its_class_within_k_times_the_bound(
-    phase, backbones, task, tmp_path
-):
-    images, labels, patients = patient_task(task)
-    full, slack = moments_of(phase, backbones, images, labels, tmp_path)
-    for patient in ("p000", "p004", "p007"):
-        keep = torch.tensor([p != patient for p in patients])
-        less, _ = moments_of(phase, backbones, images[keep], labels[keep], tmp_path)
-        own = CLASSES[int(labels[~keep][0])]
-        changes = {n: float(np.linalg.norm(full[n] - less[n])) for n in CLASSES}
-        assert 0 < changes[own] <= K * MOMENTS_SENSITIVITY + slack[own], (patient, changes)
-        assert all(c <= slack[n] for n, c in changes.items() if n != own), (changes, slack)
 
 
 def test_patient_unit_scales_the_noise_by_the_cap():
