@@ -425,8 +425,8 @@ SCHEMA: tuple[Knob, ...] = (
         "privacy-site-tasks",
         int,
         7,
-        "unit patient, patients across classes: the tasks one "
-        "site-wide budget is planned over (a task beyond them gets what is left)",
+        "retired: read and ignored (a site's budgets are per class since every image or "
+        "patient is used in one class: docs/security.md#differential-privacy)",
         "privacy",
         ge=1,
     ),
