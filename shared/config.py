@@ -421,15 +421,6 @@ SCHEMA: tuple[Knob, ...] = (
         "privacy",
         ge=1,
     ),
-    Knob(
-        "privacy-site-tasks",
-        int,
-        7,
-        "retired: read and ignored (a site's budgets are per class since every image or "
-        "patient is used in one class: docs/security.md#differential-privacy)",
-        "privacy",
-        ge=1,
-    ),
     # backbones: the frozen pair every participant loads (fingerprints must match)
     Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
     Knob(
