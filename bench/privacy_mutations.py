@@ -144,6 +144,13 @@ MUTANTS = [
         "ledger.past(key), left, self.setting.epsilon, self.setting.delta",
     ),
     Mutant(
+        "record-unchecked",
+        "a release recorded although the ledger changed since it was planned",
+        "client/privacy.py",
+        "if any(len(ledger.past(key)) != self._planned.get(key) for key in keys):",
+        "if False:",
+    ),
+    Mutant(
         "shared-stream",
         "H_c's views augmented from one stream, not per image",
         "client/site.py",

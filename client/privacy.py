@@ -167,6 +167,7 @@ class PrivateReleases:
         # The operating system's entropy: noise from a seed others know hides nothing.
         self.rng = np.random.default_rng()
         self._digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> digest
+        self._planned: dict[str, int] = {}  # key -> its releases when its noise was planned
         if not memory.has_ledger():
             logger.warning(
                 "privacy: no ledger in %s: this site's budget starts at zero here; releases "
@@ -190,6 +191,7 @@ class PrivateReleases:
         ledger = self.memory.ledger() if ledger is None else ledger
         needed = []
         for key in keys:
+            self._planned[key] = len(ledger.past(key))
             z = accountant.noise_multiplier(
                 ledger.past(key), left, self.setting.epsilon, self.setting.release_delta
             )
@@ -215,9 +217,20 @@ class PrivateReleases:
         """The ledger key of class ``name`` (``ledger``: the one in hand, else it is read)."""
         return (self.memory.ledger() if ledger is None else ledger).key(class_key(name))
 
-    def _record(self, names: list[str], z: float, what: str) -> None:
+    def _record(self, names: list[str], z: float, what: str) -> bool:
+        """Record a release of ``names``' images at ``z``, if no release of theirs was recorded
+        since its noise was planned (another process of the site may have released): plan and
+        record then act as one step of the privacy filter. False: refused, nothing recorded,
+        and the release must not leave."""
         with self.memory.updating_ledger() as ledger:
             keys = sorted({self.key(name, ledger) for name in names})
+            if any(len(ledger.past(key)) != self._planned.get(key) for key in keys):
+                logger.warning(
+                    "privacy: %s of %s not released: the ledger changed since it was planned",
+                    what,
+                    ", ".join(names),
+                )
+                return False
             ledger.record(keys, z)
         delta = self.setting.release_delta  # the ledger as written: read once per release
         spent = max(accountant.epsilon(ledger.past(key), delta) for key in keys)
@@ -233,6 +246,7 @@ class PrivateReleases:
             self.setting.delta,
             self.setting.unit.value,
         )
+        return True
 
     def metadata(self, refused: list[str]) -> dict[str, str]:
         """What the reply tells the server: the site's ε, and the classes it refused."""
@@ -315,9 +329,11 @@ class PrivateReleases:
                         self.setting.threshold(z),
                         self.setting.unit.value,
                     )
+                if not self._record([name], z, "the image count"):
+                    refused.append(name)
+                    continue
                 with self.memory.updating_ledger() as ledger:
                     ledger.counts[key] = released
-                self._record([name], z, "the image count")
             if released != NOT_ANNOUNCED:
                 entries.append(ClassEntry(name, released))
         return entries, refused
@@ -349,10 +365,11 @@ class PrivateReleases:
         return torch.zeros(dim, dtype=torch.float64), self.setting.vit_radius * math.sqrt(dim)
 
     def mixture_fit(
-        self, phase: Phase, names: list[str], plan: Mapping[str, float | None]
+        self, phase: Phase, names: list[str], plan: dict[str, float | None]
     ) -> MixtureFit:
         """The statistics step's fit: for a class to share, one private Gaussian of its
-        clipped features (records the release); for a refused one the ordinary fit, kept."""
+        clipped features (records the release); for a refused one the ordinary fit, kept. A
+        release the ledger refuses when it is recorded becomes refused in ``plan``."""
         ledger = self.memory.ledger()  # the counts, released before this phase
 
         def fit(features, labels, rows, n_components, seed) -> list[GaussianMixture]:
@@ -365,8 +382,11 @@ class PrivateReleases:
                     mixtures.append(GaussianMixture.fit(own, n_components, seed=seed + row))
                     continue
                 count, group = ledger.counts[self.key(name, ledger)], self.setting.group
-                mixtures.append(private_gaussian(own, centre, radius, count, z, self.rng, group))
-                self._record([name], z, schema.trained_in(phase)[0])
+                private = private_gaussian(own, centre, radius, count, z, self.rng, group)
+                if not self._record([name], z, schema.trained_in(phase)[0]):
+                    plan[name] = None
+                    private = GaussianMixture.fit(own, n_components, seed=seed + row)
+                mixtures.append(private)
             return mixtures
 
         return fit
@@ -396,7 +416,8 @@ class PrivateReleases:
                 values = private_update(before, after, clip, std, self.rng)
                 released.append(ClassEntry(entry.name, entry.count, values))
             shared = released
-            self._record([e.name for e in shared], z, f"the {phase.key} update")
+            if not self._record([e.name for e in shared], z, f"the {phase.key} update"):
+                refused, shared = [e.name for e in entries], []
         shared = [
             ClassEntry(e.name, ledger.counts[self.key(e.name, ledger)], e.values) for e in shared
         ]

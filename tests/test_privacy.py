@@ -174,6 +174,20 @@ def test_class_at_its_budget_is_trained_but_not_shared(tmp_path):
     assert stats["a"] is None and stats["b"] is not None
 
 
+def test_a_release_planned_from_a_ledger_that_changed_is_refused(tmp_path):
+    """Two processes of one site plan the same class's release from one ledger: the first to
+    record it releases, the second is refused at recording (plan and record are one step of
+    the filter), so the class's budget never pays twice for one plan."""
+    first, second = (PrivateReleases(setting(), memory(tmp_path), torch.zeros(8)) for _ in "ab")
+    first.counts({"a": 100})
+    plans = [p.plan(["a"], Phase.STAGE1_STATS, 0) for p in (first, second)]
+    features, labels = torch.randn(100, 8), torch.zeros(100, dtype=torch.int64)
+    for private, plan in zip((first, second), plans, strict=True):
+        private.mixture_fit(Phase.STAGE1_STATS, ["a"], plan)(features, labels, [0], 1, 0)
+    assert plans[0]["a"] is not None and plans[1]["a"] is None  # the second: trained, kept
+    assert len(first.memory.ledger().releases["a"]) == 2  # the count, then one G_c
+
+
 def test_setting_comes_from_the_node_before_the_run():
     run = parse({"privacy-epsilon": 8.0})
     assert PrivacySetting.of(parse({}), parse({}, "node-config")) is None
