@@ -9,8 +9,9 @@ offline for steps, so what a site must remember lives on disk (docs/sites.md):
 * ``site.json``: which federation that codebook belongs to, and which of the site's tasks are
   completed (all their classes frozen) and at which federation step;
 * ``privacy.json``, for a site with the privacy setting: what it has released of each class's
-  images (``PrivacyLedger``), so a restart never resets its privacy budget. It belongs to the
-  images, not to a federation: joining another federation keeps it.
+  images, and which class each protected unit is in (``PrivacyLedger``), so a restart never
+  resets its privacy budget. It belongs to the images, not to a federation: joining another
+  federation keeps it.
 
 All are written atomically.
 """
@@ -39,21 +40,32 @@ PRIVACY_FILE = "privacy.json"
 PRIVACY_LOCK = "privacy.lock"
 
 
+#: The ledger key of the releases that a site before issue 44 charged to all its classes at once
+#: (the patient unit's site-wide budget, when patients spanned classes): every key took part in
+#: them, so every key's history counts them.
+SITE_WIDE = "*site*"
+#: A class's count in the ledger when its noisy count was drawn and fell under the threshold
+#: that hides a class of one unit: the class is not announced, and its images are not used.
+NOT_ANNOUNCED = 0
+
+
 @dataclass
 class PrivacyLedger:
     """A private site's releases by ledger key: the noise multiplier of every Gaussian release
-    that depended on the key's images, in order, and the noisy image count it released (once;
-    every later message reuses it).
+    that depended on the key's images, in order, and the noisy image count it drew (once;
+    every later message reuses it; ``NOT_ANNOUNCED`` when it fell under the threshold).
 
-    A key is the class key of the class folder that first released, and it remembers the
-    digests of that class's images (``images``): a class folder renamed later, whose images the
-    ledger already knows, continues the old key's budget (``aliases``) instead of starting a new
-    one.
+    A key is the class key of a class folder. ``units`` says which key each protected unit (an
+    image's content digest, or ``patient <name>``) belongs to: the first class it was seen in.
+    A unit is used in that class only, so removing it changes one key's releases, and a folder
+    renamed or copied under another name does not release its images again under a new key.
+    ``aliases`` (class key -> ledger key) are read from ledgers written before units were kept,
+    where a renamed class folder continued its old key.
     """
 
     releases: dict[str, list[float]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
-    images: dict[str, list[str]] = field(default_factory=dict)  # key -> image digests
+    units: dict[str, str] = field(default_factory=dict)  # protected unit -> ledger key
     aliases: dict[str, str] = field(default_factory=dict)  # class key -> ledger key
 
     def record(self, keys: list[str], noise_multiplier: float) -> None:
@@ -61,13 +73,35 @@ class PrivacyLedger:
             self.releases.setdefault(key, []).append(noise_multiplier)
 
     def key(self, class_key: str) -> str:
-        """The ledger key of a class (its own, unless a renamed folder continues another's)."""
+        """The ledger key of a class (its own, unless an old ledger's alias continues another)."""
         return self.aliases.get(class_key, class_key)
 
-    def known(self, digests: list[str]) -> str | None:
-        """The ledger key that already holds one of these images, if any."""
-        wanted = set(digests)
-        return next((key for key, held in self.images.items() if wanted & set(held)), None)
+    def past(self, key: str) -> list[float]:
+        """The releases a key's units took part in: its own, after the site-wide ones."""
+        return [*self.releases.get(SITE_WIDE, []), *self.releases.get(key, [])]
+
+    def class_keys(self) -> list[str]:
+        """Every class key with a release."""
+        return [key for key in self.releases if key != SITE_WIDE]
+
+    @classmethod
+    def from_json(cls, raw: dict) -> PrivacyLedger:
+        """The ledger from ``privacy.json``; one written before units were kept gives each of
+        its keys' image digests (``images``) to that key."""
+        releases = {str(k): [float(z) for z in v] for k, v in raw.get("releases", {}).items()}
+        counts = {str(k): int(v) for k, v in raw.get("counts", {}).items()}
+        units = {str(d): str(k) for k, v in raw.get("images", {}).items() for d in v}
+        units |= {str(u): str(k) for u, k in raw.get("units", {}).items()}
+        aliases = {str(k): str(v) for k, v in raw.get("aliases", {}).items()}
+        return cls(releases, counts, units, aliases)
+
+    def to_json(self) -> dict:
+        return {
+            "releases": self.releases,
+            "counts": self.counts,
+            "units": self.units,
+            "aliases": self.aliases,
+        }
 
 
 class SiteMemory:
@@ -130,28 +164,20 @@ class SiteMemory:
         path = self.root / PRIVACY_FILE
         if not path.is_file():
             return PrivacyLedger()
-        raw = json.loads(path.read_text())
-        releases = {str(k): [float(z) for z in v] for k, v in raw.get("releases", {}).items()}
-        counts = {str(k): int(v) for k, v in raw.get("counts", {}).items()}
-        images = {str(k): [str(d) for d in v] for k, v in raw.get("images", {}).items()}
-        aliases = {str(k): str(v) for k, v in raw.get("aliases", {}).items()}
-        return PrivacyLedger(releases, counts, images, aliases)
+        return PrivacyLedger.from_json(json.loads(path.read_text()))
 
     @contextmanager
     def updating_ledger(self) -> Iterator[PrivacyLedger]:
-        """The ledger to change, read and written back under an exclusive lock on
-        ``privacy.lock``: two processes of one site never lose each other's releases."""
+        """The ledger to change, read and written back (when changed) under an exclusive lock
+        on ``privacy.lock``: two processes of one site never lose each other's releases."""
         with open(self.root / PRIVACY_LOCK, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             ledger = self.ledger()
+            before = json.dumps(ledger.to_json(), indent=2)
             yield ledger
-            state = {
-                "releases": ledger.releases,
-                "counts": ledger.counts,
-                "images": ledger.images,
-                "aliases": ledger.aliases,
-            }
-            write_atomic(self.root / PRIVACY_FILE, json.dumps(state, indent=2).encode())
+            after = json.dumps(ledger.to_json(), indent=2)
+            if after != before:  # a scan that met no new unit writes nothing
+                write_atomic(self.root / PRIVACY_FILE, after.encode())
 
     def _save(self) -> None:
         state = {"federation": self.federation, "completed": self.completed}

@@ -2,48 +2,60 @@
 
 Opt-in (``privacy-epsilon`` in the node config of a deployed site, or the run config of
 simulated ones; docs/security.md#differential-privacy). The unit protected is one training
-image, or one patient (``PrivacyUnit``: at most k images of a patient per class, count and
-statistics noise × k). Every release that can depend on an image is a Gaussian mechanism
-recorded, by its noise multiplier, under the image's class in the site's ledger (``SiteMemory``,
-locked, so a restart never resets it; ``SITE_KEY`` for every release when patients span
-classes):
+image (its content), or one patient (``PrivacyUnit``). A unit is used in one class only, the
+first it was seen in, with at most k of its images there (k = 1 for an image, the patient cap
+for a patient; ``PrivateReleases.protect``), so removing a unit changes one class's images by at
+most k, whatever the folder holds. Every release that can depend on an image is a Gaussian
+mechanism recorded, by its noise multiplier, under the image's class in the site's ledger
+(``SiteMemory``, locked, so a restart never resets it):
 
-* the enrolment's image count of the class (once; later messages reuse it);
+* the enrolment's image count of the class (once; later messages reuse it), noise × k; a class
+  is announced only when that noisy count clears a threshold that a class of one unit clears
+  with probability at most half the site's δ (Gaussian partition selection), so a class of one
+  unit is hidden like any other fact about the unit;
 * each training phase's update, one mechanism over all the classes of the task (an image of one
   class moves every class's update through the softmax): each class's update clipped to the
   phase's bound C, noise C·2·√K per coordinate for K classes (two clipped updates differ by at
-  most 2C per class);
-* each statistics phase's Gaussian of the class (``private_gaussian``; only that class's images:
-  H_c's views are augmented per image, ``augment_each``).
+  most 2C per class, whatever the images);
+* each statistics phase's Gaussian of the class (``private_gaussian``, noise × k; only that
+  class's images: H_c's views are augmented per image, ``augment_each``).
 
 Each release takes the smallest noise with which the class's releases so far and the ones its
-task still plans (the rounds of the run config) stay within the target (ε, δ); a release that
-would need more than ``MAX_NOISE_MULTIPLIER`` is refused: the class is trained but not shared,
-and the reply says so (``BUDGET_EXHAUSTED``): the ledger is a privacy filter. The site's ε is
-the largest of its classes' (an image belongs to one class), reported in every reply
-(``PRIVACY_EPSILON``) and logged with its unit. The site's δ is its own (the run config may only
-lower it) and at most 1/n.
+task still plans (the rounds of the run config) stay within the target ε at the other half of δ;
+a release that would need more than ``MAX_NOISE_MULTIPLIER`` is refused: the class is trained
+but not shared, and the reply says so (``BUDGET_EXHAUSTED``): the ledger is a privacy filter.
+The site's ε is the largest of its announced classes' (a unit is in one class), reported in
+every reply (``PRIVACY_EPSILON``) and logged with its unit. The site's δ is its own (the run
+config may only lower it) and at most 1/n.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 import torch
 
-from starfed.client.memory import PrivacyLedger, SiteMemory
+from starfed.client.memory import NOT_ANNOUNCED, SITE_WIDE, PrivacyLedger, SiteMemory
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.config import Options, knob
-from starfed.shared.data.site_folder import class_key
+from starfed.shared.data.site_folder import (
+    SiteFolder,
+    SiteTask,
+    class_key,
+    file_digests,
+    training_patient,
+)
 from starfed.shared.knob import Values
 from starfed.shared.model.training import MixtureFit
 from starfed.shared.privacy import accountant
@@ -58,10 +70,6 @@ class PrivacyUnit(enum.Enum):
 
     IMAGE = "image"
     PATIENT = "patient"
-
-
-#: The ledger key of every release of a site whose patients span classes: one budget.
-SITE_KEY = "*site*"
 
 
 class PrivacyError(ValueError):
@@ -82,7 +90,6 @@ class PrivacySetting(Options):
     stage2_rounds: int = knob("stage2-rounds")
     unit: PrivacyUnit = knob("privacy-unit", PrivacyUnit)  # noqa: RUF009 (an enum: immutable)
     patient_images: int = knob("privacy-patient-images")  # the cap k of the patient unit
-    site_tasks: int = knob("privacy-site-tasks")  # what a site-wide budget is planned over
 
     @property
     def group(self) -> int:
@@ -90,6 +97,26 @@ class PrivacySetting(Options):
         of its count and moments (a class's training update is clipped as a whole, so its
         bound holds for any change of the class's images)."""
         return self.patient_images if self.unit is PrivacyUnit.PATIENT else 1
+
+    @property
+    def selection_delta(self) -> float:
+        """The δ of announcing classes: the most probability that a class of one unit is
+        announced (half the site's δ)."""
+        return self.delta / 2
+
+    @property
+    def release_delta(self) -> float:
+        """The δ the accountant composes each class's releases at: the rest of the site's."""
+        return self.delta - self.selection_delta
+
+    def threshold(self, noise_multiplier: float) -> int:
+        """The smallest noisy count (drawn at ``noise_multiplier``) a class is announced with:
+        a class of one unit, at most ``group`` images, reaches it with probability at most
+        ``selection_delta`` (Gaussian partition selection; Desfontaines et al., "Differentially
+        private partition selection", PoPETs 2022). The count is rounded: round(x) ≥ t iff
+        x ≥ t − ½."""
+        tail = NormalDist().inv_cdf(1 - self.selection_delta)
+        return math.ceil(self.group * (1 + noise_multiplier * tail) + 0.5)
 
     @classmethod
     def of(cls, run: Values, node: Values) -> PrivacySetting | None:
@@ -112,25 +139,17 @@ class PrivacySetting(Options):
                 f"{n} training {self.unit.value}s: set privacy-delta to at most {1 / n:.3g}"
             )
 
-    def releases_left(self, phase: Phase, round_index: int = 0, classes: int = 1) -> int:
-        """Releases of a ledger key from this one to the end of its task: the counts, the
-        stage-1 rounds, the G_c, the stage-2 rounds, the H_c — one each for a class's key,
-        one per class of the task (``classes``) for the site's key."""
-        r1, r2, c = self.stage1_rounds, self.stage2_rounds, classes
+    def releases_left(self, phase: Phase, round_index: int = 0) -> int:
+        """Releases of a class's key from this one to the end of its task: the count, the
+        stage-1 rounds, the G_c, the stage-2 rounds, the H_c."""
+        r1, r2 = self.stage1_rounds, self.stage2_rounds
         return {
-            Phase.SYNC: r1 + r2 + 3 * c,
-            Phase.STAGE1: r1 - round_index + r2 + 2 * c,
-            Phase.STAGE1_STATS: r2 + 2 * c,
-            Phase.STAGE2: r2 - round_index + c,
-            Phase.STAGE2_STATS: c,
+            Phase.SYNC: r1 + r2 + 3,
+            Phase.STAGE1: r1 - round_index + r2 + 2,
+            Phase.STAGE1_STATS: r2 + 2,
+            Phase.STAGE2: r2 - round_index + 1,
+            Phase.STAGE2_STATS: 1,
         }[phase]
-
-
-def _past(releases: Mapping[str, list[float]], key: str) -> list[float]:
-    """The releases a key's units took part in: the site's key took part in all."""
-    if key == SITE_KEY:
-        return [z for zs in releases.values() for z in zs]
-    return releases.get(key, [])
 
 
 class PrivateReleases:
@@ -147,10 +166,8 @@ class PrivateReleases:
         self.clip_centre = clip_centre  # CLIP feature of a mid-gray image: public
         # The operating system's entropy: noise from a seed others know hides nothing.
         self.rng = np.random.default_rng()
-        # patients with images in several classes: every release charges the site's one key
-        self.site_wide = False
-        self.task_classes = 1  # classes of the current task (what the site's key plans)
-        self.task_index = 0  # the current task among the site's (what the site's key plans)
+        self._digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> digest
+        self._planned: dict[str, int] = {}  # key -> its releases when its noise was planned
         if not memory.has_ledger():
             logger.warning(
                 "privacy: no ledger in %s: this site's budget starts at zero here; releases "
@@ -171,15 +188,12 @@ class PrivateReleases:
         every one of them stays within budget; None when one of them cannot afford it
         (``ledger``: the one in hand, else it is read)."""
         left = self.setting.releases_left(phase, round_index)
-        if self.site_wide:  # this task's releases of every class, then as many per later task
-            later = max(0, self.setting.site_tasks - self.task_index - 1)
-            left = self.setting.releases_left(phase, round_index, self.task_classes)
-            left += later * self.setting.releases_left(Phase.SYNC, 0, self.task_classes)
-        releases = (self.memory.ledger() if ledger is None else ledger).releases
+        ledger = self.memory.ledger() if ledger is None else ledger
         needed = []
         for key in keys:
+            self._planned[key] = len(ledger.past(key))
             z = accountant.noise_multiplier(
-                _past(releases, key), left, self.setting.epsilon, self.setting.delta
+                ledger.past(key), left, self.setting.epsilon, self.setting.release_delta
             )
             if z is None:
                 return None
@@ -187,32 +201,39 @@ class PrivateReleases:
         return max(needed)
 
     def epsilon(self, ledger: PrivacyLedger | None = None) -> float:
-        """The site's ε per unit: the largest of its classes' (each image, or patient, is of
-        one class), or of all its releases composed when patients span classes. ``ledger``:
-        the one in hand, else it is read."""
-        releases = (self.memory.ledger() if ledger is None else ledger).releases
-        keys = [SITE_KEY] if self.site_wide else list(releases)
-        return max(
-            (accountant.epsilon(_past(releases, k), self.setting.delta) for k in keys),
-            default=0.0,
-        )
+        """The site's ε per unit: the largest of its announced classes' (a unit is in one
+        class; a class not announced spent one count release, within budget, and its
+        presence is what partition selection hides). ``ledger``: the one in hand, else read."""
+        ledger = self.memory.ledger() if ledger is None else ledger
+        pasts = [
+            ledger.past(key)
+            for key in ledger.class_keys()
+            if ledger.counts.get(key) != NOT_ANNOUNCED
+        ]
+        pasts.append(ledger.releases.get(SITE_WIDE, []))  # an old ledger's, before any class's
+        return max(accountant.epsilon(past, self.setting.release_delta) for past in pasts)
 
     def key(self, name: str, ledger: PrivacyLedger | None = None) -> str:
-        """The ledger key of class ``name``: what its count is kept under (``ledger``: the one
-        in hand, else it is read)."""
+        """The ledger key of class ``name`` (``ledger``: the one in hand, else it is read)."""
         return (self.memory.ledger() if ledger is None else ledger).key(class_key(name))
 
-    def budget(self, name: str, ledger: PrivacyLedger | None = None) -> str:
-        """The ledger key a release of class ``name`` is charged to: the class's, or the
-        site's one key when patients span classes."""
-        return SITE_KEY if self.site_wide else self.key(name, ledger)
-
-    def _record(self, names: list[str], z: float, what: str) -> None:
+    def _record(self, names: list[str], z: float, what: str) -> bool:
+        """Record a release of ``names``' images at ``z``, if no release of theirs was recorded
+        since its noise was planned (another process of the site may have released): plan and
+        record then act as one step of the privacy filter. False: refused, nothing recorded,
+        and the release must not leave."""
         with self.memory.updating_ledger() as ledger:
-            keys = sorted({self.budget(name, ledger) for name in names})
+            keys = sorted({self.key(name, ledger) for name in names})
+            if any(len(ledger.past(key)) != self._planned.get(key) for key in keys):
+                logger.warning(
+                    "privacy: %s of %s not released: the ledger changed since it was planned",
+                    what,
+                    ", ".join(names),
+                )
+                return False
             ledger.record(keys, z)
-        past = ledger.releases  # as written: the ledger is read once per release, not per key
-        spent = max(accountant.epsilon(_past(past, key), self.setting.delta) for key in keys)
+        delta = self.setting.release_delta  # the ledger as written: read once per release
+        spent = max(accountant.epsilon(ledger.past(key), delta) for key in keys)
         logger.info(
             "privacy: released %s of %s with noise multiplier %.3g: their ε %.3g, the site's "
             "%.3g, of %.3g (δ %g, per %s)",
@@ -225,6 +246,7 @@ class PrivateReleases:
             self.setting.delta,
             self.setting.unit.value,
         )
+        return True
 
     def metadata(self, refused: list[str]) -> dict[str, str]:
         """What the reply tells the server: the site's ε, and the classes it refused."""
@@ -238,58 +260,93 @@ class PrivateReleases:
 
     # --- the releases ---------------------------------------------------------------------
 
-    def counts(
-        self, counts: Mapping[str, int], digests: Callable[[str], list[str]] | None = None
-    ) -> tuple[list[ClassEntry], list[str]]:
-        """The enrolment's entries: each class's noisy count (drawn once, then reused), and
-        the classes whose budget cannot afford even that. ``digests``: a class's image digests
-        (asked once per new class), so a renamed class folder continues its images' budget."""
-        entries, refused = [], []
-        self.task_classes = len(counts)
-        for name, count in counts.items():
-            key = self._enrol(
-                class_key(name), functools.partial(digests, name) if digests else list
+    def protect(self, folder: SiteFolder) -> SiteFolder:
+        """The training images the site may use: each protected unit in one class only, the
+        one the ledger first saw it in (a copy of an image, or a patient, in another class is
+        left out there), at most ``group`` of its images (the first in name order), and none
+        of a class that was not announced. The units seen are written to the ledger."""
+        units = self._units(folder)
+        tasks, dropped = [], 0
+        with self.memory.updating_ledger() as ledger:
+            for task in folder.tasks:
+                train = {}
+                for name, paths in task.train.items():
+                    key = self.key(name, ledger)
+                    used: Counter[str] = Counter()
+                    kept = []
+                    if ledger.counts.get(key) != NOT_ANNOUNCED:
+                        for path in paths:
+                            unit = units[path]
+                            if ledger.units.setdefault(unit, key) != key:
+                                dropped += 1  # the unit is another class's
+                            elif used[unit] < self.setting.group:
+                                used[unit] += 1
+                                kept.append(path)
+                    train[name] = kept
+                tasks.append(SiteTask(task.name, train))
+        if dropped:
+            logger.info(
+                "privacy: %d training images left out: their %s is in another class",
+                dropped,
+                self.setting.unit.value,
             )
+        return SiteFolder(folder.root, tasks, folder.test)
+
+    def _units(self, folder: SiteFolder) -> dict[str, str]:
+        """The protected unit of each training image: its content's digest, or its patient."""
+        paths = [p for task in folder.tasks for ps in task.train.values() for p in ps]
+        if self.setting.unit is PrivacyUnit.PATIENT:
+            return {path: f"patient {training_patient(path)}" for path in paths}
+        units = {}
+        for path in paths:
+            stat = Path(path).stat()
+            known = (path, stat.st_size, stat.st_mtime_ns)
+            if known not in self._digests:
+                self._digests[known] = file_digests([path])[0]
+            units[path] = self._digests[known]
+        return units
+
+    def counts(self, counts: Mapping[str, int]) -> tuple[list[ClassEntry], list[str]]:
+        """The enrolment's entries: each announced class's noisy count (drawn once, then
+        reused; a class whose count falls under the threshold is not announced, now or
+        later), and the classes whose budget cannot afford even that."""
+        entries, refused = [], []
+        for name, count in counts.items():
+            key = self.key(name)
             released = self.memory.ledger().counts.get(key)
             if released is None:
-                z = self.noise([self.budget(name)], Phase.SYNC)
+                z = self.noise([key], Phase.SYNC)
                 if z is None:
                     refused.append(name)
                     continue
                 released = noisy_count(count, z, self.rng, self.setting.group)
+                if released < self.setting.threshold(z):
+                    released = NOT_ANNOUNCED
+                    logger.info(
+                        "privacy: class %s not announced: its noisy count is under the "
+                        "threshold %d that hides a class of one %s",
+                        name,
+                        self.setting.threshold(z),
+                        self.setting.unit.value,
+                    )
+                if not self._record([name], z, "the image count"):
+                    refused.append(name)
+                    continue
                 with self.memory.updating_ledger() as ledger:
                     ledger.counts[key] = released
-                    ledger.images[key] = digests(name) if digests else []
-                self._record([name], z, "the image count")
-            entries.append(ClassEntry(name, released))
+            if released != NOT_ANNOUNCED:
+                entries.append(ClassEntry(name, released))
         return entries, refused
-
-    def _enrol(self, own: str, images: Callable[[], list[str]]) -> str:
-        """The ledger key of a class: its own, or the key that already holds its images (a
-        class folder renamed since; logged)."""
-        ledger = self.memory.ledger()
-        if own in ledger.aliases or own in ledger.counts:
-            return ledger.key(own)
-        with self.memory.updating_ledger() as ledger:
-            known = ledger.known(images())
-            if known is None:
-                return own
-            ledger.aliases[own] = known
-        logger.warning(
-            "privacy: class %s holds images released as %s: it continues that budget", own, known
-        )
-        return known
 
     def plan(self, names: list[str], phase: Phase, round_index: int) -> dict[str, float | None]:
         """The noise multiplier of each class's release in ``phase`` (None: refused). A
         training phase is one release over all the classes; a class without a released count
         is refused (its enrolment was)."""
         ledger = self.memory.ledger()
-        self.task_classes = len(names)
         keys = {
-            name: self.budget(name, ledger)
+            name: self.key(name, ledger)
             for name in names
-            if self.key(name, ledger) in ledger.counts
+            if ledger.counts.get(self.key(name, ledger), NOT_ANNOUNCED) != NOT_ANNOUNCED
         }
         if phase in STATISTICS:
             plan = {name: self.noise([key], phase, ledger=ledger) for name, key in keys.items()}
@@ -308,10 +365,11 @@ class PrivateReleases:
         return torch.zeros(dim, dtype=torch.float64), self.setting.vit_radius * math.sqrt(dim)
 
     def mixture_fit(
-        self, phase: Phase, names: list[str], plan: Mapping[str, float | None]
+        self, phase: Phase, names: list[str], plan: dict[str, float | None]
     ) -> MixtureFit:
         """The statistics step's fit: for a class to share, one private Gaussian of its
-        clipped features (records the release); for a refused one the ordinary fit, kept."""
+        clipped features (records the release); for a refused one the ordinary fit, kept. A
+        release the ledger refuses when it is recorded becomes refused in ``plan``."""
         ledger = self.memory.ledger()  # the counts, released before this phase
 
         def fit(features, labels, rows, n_components, seed) -> list[GaussianMixture]:
@@ -324,8 +382,11 @@ class PrivateReleases:
                     mixtures.append(GaussianMixture.fit(own, n_components, seed=seed + row))
                     continue
                 count, group = ledger.counts[self.key(name, ledger)], self.setting.group
-                mixtures.append(private_gaussian(own, centre, radius, count, z, self.rng, group))
-                self._record([name], z, schema.trained_in(phase)[0])
+                private = private_gaussian(own, centre, radius, count, z, self.rng, group)
+                if not self._record([name], z, schema.trained_in(phase)[0]):
+                    plan[name] = None
+                    private = GaussianMixture.fit(own, n_components, seed=seed + row)
+                mixtures.append(private)
             return mixtures
 
         return fit
@@ -355,7 +416,8 @@ class PrivateReleases:
                 values = private_update(before, after, clip, std, self.rng)
                 released.append(ClassEntry(entry.name, entry.count, values))
             shared = released
-            self._record([e.name for e in shared], z, f"the {phase.key} update")
+            if not self._record([e.name for e in shared], z, f"the {phase.key} update"):
+                refused, shared = [e.name for e in entries], []
         shared = [
             ClassEntry(e.name, ledger.counts[self.key(e.name, ledger)], e.values) for e in shared
         ]

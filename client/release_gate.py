@@ -101,12 +101,14 @@ def refuse(site: Site, request: Request, reason: str, codebook_version: int = 0)
 
 
 def _spent(private: PrivateReleases, classes: tuple[str, ...]) -> dict[str, tuple[float, float]]:
-    """ε and δ each class has spent so far, read from the site's privacy ledger."""
-    ledger, delta = private.memory.ledger(), private.setting.delta
-    if private.site_wide:
-        epsilon = private.epsilon(ledger)
-        return {name: (epsilon, delta) for name in classes}
+    """ε and δ each class has spent so far, read from the site's privacy ledger: its releases
+    composed at the releases' share of δ, as ``PrivateReleases.epsilon``, beside the whole δ
+    (the other share is the class's announcement's, docs/security.md)."""
+    ledger, setting = private.memory.ledger(), private.setting
     return {
-        name: (accountant.epsilon(ledger.releases.get(private.key(name, ledger), []), delta), delta)
+        name: (
+            accountant.epsilon(ledger.past(private.key(name, ledger)), setting.release_delta),
+            setting.delta,
+        )
         for name in classes
     }

@@ -31,13 +31,7 @@ from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.data.images import DecodedImages, decode_images
-from starfed.shared.data.site_folder import (
-    SiteFolder,
-    SiteTask,
-    class_key,
-    file_digests,
-    patient_of,
-)
+from starfed.shared.data.site_folder import SiteFolder, SiteTask, class_key, patient_of
 from starfed.shared.files import write_atomic
 from starfed.shared.model import training
 from starfed.shared.model.backbones import Backbones
@@ -150,21 +144,17 @@ class Site:
     def scan(self) -> SiteFolder:
         """The data folder as it is now (read at every message: it may grow; a simulation
         writes its simulated sites' folders before each step), without the classes the site's
-        policy does not admit. With the patient privacy unit, at most
-        ``privacy-patient-images`` images of a patient per class, and the budget site-wide
-        when a patient has images in several classes."""
+        policy does not admit; with the privacy setting, the images its releases may use
+        (``PrivateReleases.protect``: each image, or patient, in one class, at most
+        ``privacy-patient-images`` of a patient's)."""
         folder = SiteFolder.scan(self.data_dir)
-        private = self.private
-        patients = private is not None and private.setting.unit is PrivacyUnit.PATIENT
         if self.policy.filters_classes:
+            private = self.private
+            patients = private is not None and private.setting.unit is PrivacyUnit.PATIENT
             folder, left_out = admitted(folder, self.policy, patients)
             if left_out:
                 logger.debug("the site's policy leaves out %s", left_out)
-        if private is None or not patients:
-            return folder
-        folder = folder.per_patient(private.setting.patient_images)
-        private.site_wide = any(len(keys) > 1 for keys in folder.patients().values())
-        return folder
+        return folder if self.private is None else self.private.protect(folder)
 
     @staticmethod
     def current(folder: SiteFolder, frozen: Iterable[str]) -> tuple[int, SiteTask] | None:
@@ -222,17 +212,14 @@ class Site:
         # what the server bounds this site's evaluation reports by (server/screening.py)
         entries, metadata = [], {SITE: self.name, TASK: "", TEST_IMAGES: str(test_images)}
         if current is not None:
-            index, task = current
+            _, task = current
             metadata[TASK] = task.name
             counts = {name: len(paths) for name, paths in task.train.items() if paths}
             if self.private is None:
                 entries = [ClassEntry(name, count) for name, count in counts.items()]
             else:
                 self.private.setting.check_delta(len(folder.patients()))  # images or patients
-                self.private.task_index = index
-                entries, refused = self.private.counts(
-                    counts, lambda name: file_digests(task.train[name])
-                )
+                entries, refused = self.private.counts(counts)
                 metadata.update(self.private.metadata(refused))
         brings = ", ".join(f"{e.name} ({e.count} images)" for e in entries)
         where = f"task {metadata[TASK]} brings {brings}" if brings else "nothing new to bring"
@@ -295,8 +282,6 @@ class Site:
         if current is not None:
             stage2 = phase in (Phase.STAGE2, Phase.STAGE2_STATS)
             view = self.view(codebook, *current, stage2, round_index)
-            if self.private is not None:
-                self.private.task_index = current[0]
             if view is not None:
                 trained = schema.trained_in(phase)
                 private = self.private

@@ -421,15 +421,6 @@ SCHEMA: tuple[Knob, ...] = (
         "privacy",
         ge=1,
     ),
-    Knob(
-        "privacy-site-tasks",
-        int,
-        7,
-        "unit patient, patients across classes: the tasks one "
-        "site-wide budget is planned over (a task beyond them gets what is left)",
-        "privacy",
-        ge=1,
-    ),
     # backbones: the frozen pair every participant loads (fingerprints must match)
     Knob("preset", str, "tiny", "backbone pair", "backbones", choices=PRESETS),
     Knob(

@@ -24,6 +24,13 @@ RUN_CONFIG: Mapping[str, str] = {
 }
 
 
+#: Retired run-config keys with nothing to replace them: read and ignored, with why.
+DROPPED: Mapping[str, str] = {
+    # a patient site's budgets are per class whatever its data (docs/security.md)
+    "privacy-site-tasks": "a patient's budget is per class now, there is no site-wide plan",
+}
+
+
 def note(old: str, new: str) -> None:
     """The one line on stderr that a retired name in use prints."""
     print(f"starfed: {old} is deprecated, use {new} (same meaning)", file=sys.stderr)
@@ -37,7 +44,10 @@ def current_keys(raw: Mapping[str, V], quiet: bool = False) -> dict[str, V]:
             raise ConfigError(f"{old} and {new} both set: {old} is the retired name of {new}")
         if old in raw and not quiet:
             note(old, new)
-    return {RUN_CONFIG.get(key, key): value for key, value in raw.items()}
+    for old, why in DROPPED.items():
+        if old in raw and not quiet:
+            print(f"starfed: {old} is ignored: {why}", file=sys.stderr)
+    return {RUN_CONFIG.get(key, key): value for key, value in raw.items() if key not in DROPPED}
 
 
 def written_as(raw: Mapping[str, object]) -> dict[str, str]:

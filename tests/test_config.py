@@ -353,3 +353,13 @@ def test_environment_knobs_are_read_typed_from_their_variables(
     monkeypatch.setenv("STARFED_FUSED_ADAM", "maybe")
     with pytest.raises(ConfigError, match=r"^STARFED_FUSED_ADAM=maybe: expected true or false$"):
         environment()
+
+
+def test_a_dropped_key_is_read_and_ignored_with_why(capsys) -> None:
+    """``privacy-site-tasks`` planned a patient site's site-wide budget, which no longer exists:
+    a script or stored run config that sets it still runs, with one line saying why."""
+    values = parse({"privacy-site-tasks": 3, "alpha": 0.1})
+    assert "privacy-site-tasks" not in values and values["alpha"] == 0.1
+    assert capsys.readouterr().err.startswith("starfed: privacy-site-tasks is ignored: ")
+    assert "privacy-site-tasks" not in current_keys({"privacy-site-tasks": 3}, quiet=True)
+    assert capsys.readouterr().err == ""

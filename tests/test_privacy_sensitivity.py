@@ -1,69 +1,83 @@
 """Every release a private site makes moves by at most its claimed sensitivity when one image
-is removed, and every other class's releases do not move at all.
+(or patient) is removed, every other class's releases do not move at all, and the noise drawn
+is the ledger's noise multiplier times that sensitivity.
 
-Each test runs the real release pipeline of a site (``starfed.client.site``'s phase handlers and
-``starfed.client.privacy.PrivateReleases``) with the noise switched off (``ZeroNoise`` in place
-of the site's generator) on the bundled images D and on D minus one image, for several choices
-of the image across several classes, and compares the two releases: the noisy count, the G_c and
-H_c moments (``clipped_moments``, what ``private_gaussian`` noises), and the stage-1 (prompt)
-and stage-2 (query prompt, query weights, head row) updates. A second group checks that each
-mechanism's noise has the standard deviation its calibration says.
+The tests drive a real ``Site`` (``starfed.client.site``) on a data folder of bundled images:
+its sync, stage 1, stage-1 statistics, stage 2 and stage-2 statistics, from one codebook, with
+the noise switched off (``RecordingNoise`` in place of the site's generator, which also records
+the standard deviation of every draw). Its data folder holds D, or D minus one image (or one
+patient's files), so the counts are the site's, the patient cap its scan's and the statistics
+its own fit's; the releases compared are what the site's replies carry: the noisy counts, the
+G_c and H_c moments read back from the released Gaussians, and the stage-1 (prompt) and stage-2
+(query prompt, query weights, head row) updates. A mutation check (``bench/privacy_mutations.py``)
+shows that each one-line break of the release makes one of these tests fail.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from starfed.client.memory import SiteMemory
+from starfed.client.memory import SITE_WIDE, SiteMemory
 from starfed.client.ops.site_options import SiteOptions
 from starfed.client.privacy import (
-    SITE_KEY,
     PrivacyError,
     PrivacySetting,
     PrivacyUnit,
     PrivateReleases,
 )
-from starfed.client.site import HANDLERS, TaskView
+from starfed.client.site import Site
 from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
-from starfed.shared.data.images import DatasetError, decode_images
+from starfed.shared.data.images import DatasetError
 from starfed.shared.data.scenario import Scenario, ScenarioConfig
-from starfed.shared.data.site_folder import SiteFolder, capped, file_digests, patient_of
+from starfed.shared.data.site_folder import (
+    SiteFolder,
+    class_key,
+    patient_name,
+    patient_of,
+    training_patient,
+)
 from starfed.shared.model.backbones import create_backbones
-from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.privacy import accountant
 from starfed.shared.privacy.mechanisms import (
     MOMENTS_SENSITIVITY,
-    clipped_moments,
     noisy_count,
     private_gaussian,
     private_update,
 )
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import PRIVACY_EPSILON, STATISTICS, Phase
 
 pytestmark = [pytest.mark.privacy, pytest.mark.usefixtures("one_torch_thread")]
 
 CLASSES = ["Apple___Apple_scab", "Apple___Black_rot", "Apple___healthy"]
 PER_CLASS = 8
-#: Removed images: first, middle and last of the task, and others across the classes.
-REMOVED = [0, 5, PER_CLASS + 3, 2 * PER_CLASS, 3 * PER_CLASS - 1]
+#: Removed images: first, middle and last of the bundled ones, others across the classes, and
+#: the black image (``task_images``).
+REMOVED = [0, 5, PER_CLASS + 3, 2 * PER_CLASS, 3 * PER_CLASS - 1, 3 * PER_CLASS]
 CONFIG = TrainConfig(stage1_epochs=1, stage2_epochs=1, batch_size=8, seed=1993)
-#: Clipping bounds small enough that every class's update is clipped (the bound binds).
-SETTING = PrivacySetting(4.0, 1e-5, 0.4, 1.0, 1e-4, 1e-4, 1, 1)
+#: Clipping bounds small enough that every class's update is clipped (the bound binds); a
+#: target loose enough that a class of a few units clears the announcing threshold (noise off,
+#: the target sets nothing else the sensitivity tests see).
+SETTING = PrivacySetting(16.0, 0.02, 0.4, 1.0, 1e-4, 1e-4, 1, 1)
 #: Float32 arithmetic depends on the batch an image is computed in (the matrix kernels block by
 #: batch size): removing one image re-batches the others, and their features move by rounding
 #: alone. ``ROW_ULPS`` float32 ulps per feature row is the budget for that (measured here: under
@@ -79,10 +93,15 @@ def float_slack(rows: int, scale: float = 1.0) -> float:
     return rows * MOMENTS_SENSITIVITY * ROW_ULPS * FLOAT32_EPS * max(scale, 1.0)
 
 
-class ZeroNoise:
-    """A generator that draws no noise: the release pipeline with its noise switched off."""
+class RecordingNoise:
+    """A generator that draws no noise and records the standard deviation of every draw asked
+    of it: a site's real release path with its noise switched off, and what its noise was."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
 
     def normal(self, loc: float = 0.0, scale: float = 1.0, size: int | None = None):
+        self.scales.extend([float(scale)] * (1 if size is None else int(size)))
         return np.zeros(size) if size is not None else 0.0
 
 
@@ -91,134 +110,197 @@ def backbones():
     return create_backbones("tiny", seed=0)
 
 
+#: The bundled training images of the task, in class order: (class, image) pairs.
+IMAGES = [
+    (name, path)
+    for name in CLASSES
+    for path in sorted((bundled_dataset_root() / "train" / name).iterdir())[:PER_CLASS]
+]
+
+
+#: A black image of the first class: its CLIP feature lies 1.8 radii from the mid-gray centre,
+#: so clipping binds (the bundled images' lie within about one radius of it).
+BLACK = "black.png"
+
+
+def task_images(root: Path) -> list[tuple[str, Path, str]]:
+    """The task's images as ``(class, image, file)``: the bundled ones, then a black one."""
+    black = root / BLACK
+    Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(black)
+    return [(name, path, path.name) for name, path in IMAGES] + [(CLASSES[0], black, BLACK)]
+
+
+def data_folder(root: Path, images: list[tuple[str, Path, str]]) -> Path:
+    """A site's data folder of one task: links named ``file`` to each (class, image, file),
+    and an empty test folder (every image is a training image)."""
+    for name, image, file in images:
+        (root / "task-00" / name).mkdir(parents=True, exist_ok=True)
+        (root / "task-00" / name / file).symlink_to(image)
+    (root / "test").mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@dataclass
+class Released:
+    """What a private site released in one step, noise off: the sync's counts, each statistics
+    phase's moments read back from its Gaussians, each training phase's update (flat), the
+    noise's standard deviations drawn per phase, and the ledger's new noise multipliers."""
+
+    counts: dict[str, int]
+    moments: dict[Phase, dict[str, np.ndarray]]
+    updates: dict[Phase, torch.Tensor]
+    noise: dict[Phase, list[float]]
+    charged: dict[Phase, dict[str, list[float]]]
+    radius: dict[Phase, float]
+    centre: dict[Phase, float]  # the ball's centre's norm
+    epsilon: dict[Phase, str]  # the site's ε each reply says
+
+
+def read_back(mixture, centre: torch.Tensor, radius: float) -> np.ndarray:
+    """The moments (Σu, Σu²) a released Gaussian says, in units of the radius: count × mean and
+    count × (variance + mean²), exact unless the release projected them."""
+    mean = (mixture.means[0] - centre.double()).numpy() / radius
+    variance = mixture.variances[0].numpy() / radius**2
+    return np.concatenate([mean * mixture.count, (variance + mean**2) * mixture.count])
+
+
+def release(backbones, data: Path, state: Path, setting: PrivacySetting = SETTING) -> Released:
+    """One step of a private ``Site`` on ``data``: the sync, then stage 1, its statistics,
+    stage 2 and its statistics from one codebook (the classes as the server registers them)."""
+    memory = SiteMemory(state, backbones.fingerprint, backbones.dims)
+    site = Site("site", data, memory, backbones, CONFIG, state / "cache", privacy=setting)
+    private = site.private
+    assert private is not None
+    noise = RecordingNoise()
+    private.rng = noise
+    history = memory.ledger().releases
+    out = Released({}, {}, {}, {}, {}, {}, {}, {})
+
+    def spent(phase: Phase) -> None:
+        nonlocal history
+        now = memory.ledger().releases
+        out.charged[phase] = {k: z[len(history.get(k, [])) :] for k, z in now.items()}
+        out.noise[phase], history = list(noise.scales), now
+        noise.scales.clear()
+
+    sync = site.sync(0, [], "federation", "")
+    out.counts = {e.name: e.count for e in sync.entries}
+    out.epsilon[Phase.SYNC] = sync.metadata[PRIVACY_EPSILON]
+    spent(Phase.SYNC)
+    names = sorted(out.counts)
+    codebook = Codebook(backbones.fingerprint, backbones.dims)
+    codebook = codebook.register(StarPrompt(backbones).new_entries(names, seed=0))
+    for phase in (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS):
+        update = site.run_phase(phase, codebook, 0)
+        out.epsilon[phase] = update.metadata[PRIVACY_EPSILON]
+        spent(phase)
+        if phase in STATISTICS:
+            (field,) = schema.trained_in(phase)
+            dim = backbones.dims.d_clip if phase is Phase.STAGE1_STATS else backbones.dims.d_vit
+            centre, radius = private.ball(phase, dim)
+            out.radius[phase], out.centre[phase] = radius, float(centre.norm())
+            out.moments[phase] = {
+                e.name: read_back(e.values[field], centre, radius) for e in update.entries
+            }
+        else:
+            out.updates[phase] = torch.cat(
+                [
+                    (e.values[f].double() - codebook[e.name].values[f].double()).reshape(-1)
+                    for e in sorted(update.entries, key=lambda e: e.name)
+                    for f in sorted(e.values)
+                ]
+            )
+    return out
+
+
+def moments_slack(released: Released, phase: Phase, name: str) -> float:
+    """``float_slack`` of a class's rows: a row's rounding is of its own norm, at most the
+    ball's centre's plus one radius in radii (clipped or not)."""
+    rows = released.counts[name]
+    return float_slack(rows, 1 + released.centre[phase] / released.radius[phase])
+
+
 @pytest.fixture(scope="module")
-def task(backbones):
-    """The bundled training images of three classes, in class order."""
-    root = bundled_dataset_root() / "train"
-    samples = [
-        (str(path), label)
-        for label, name in enumerate(CLASSES)
-        for path in sorted((root / name).iterdir())[:PER_CLASS]
-    ]
-    decoded = decode_images(samples, backbones.config.image_size, progress=False)
-    return decoded.images, decoded.labels
-
-
-def releases(backbones, tmp_path: Path) -> PrivateReleases:
-    memory = SiteMemory(tmp_path / "state", "fingerprint", backbones.dims)
-    size = backbones.config.image_size
-    gray = torch.full((1, 3, size, size), 128, dtype=torch.uint8)
-    private = PrivateReleases(SETTING, memory, clip_features(backbones, gray)[0].double())
-    private.rng = ZeroNoise()
-    return private
-
-
-def view(backbones, images, labels) -> TaskView:
-    """A site's view of the task: its three classes trainable, from one fixed initialisation."""
-    model = StarPrompt(backbones)
-    model.add_classes(CLASSES, seed=0)
-    features = clip_features(backbones, images)
-    return TaskView(model, 0, list(CLASSES), labels, images, features, 0, 0, {})
-
-
-def without(images, labels, index: int):
-    keep = torch.arange(len(labels)) != index
-    return images[keep], labels[keep]
-
-
-# --- the statistics: count, G_c, H_c ----------------------------------------------------------
-
-
-def test_noisy_count_moves_by_one_for_its_class_only(backbones, task, tmp_path):
-    _, labels = task
+def per_image(backbones, tmp_path_factory) -> tuple[Released, dict[int, Released]]:
+    """The site's releases on D and on D minus each image of ``REMOVED``."""
+    root = tmp_path_factory.mktemp("per-image")
+    images = task_images(root)
+    full = release(backbones, data_folder(root / "d" / "data", images), root / "d" / "state")
+    less = {}
     for index in REMOVED:
-        released = []
-        for folder, kept in (("d", labels), ("d-minus-one", without(labels, labels, index)[1])):
-            private = releases(backbones, tmp_path / folder / str(index))
-            counts = {name: int((kept == row).sum()) for row, name in enumerate(CLASSES)}
-            entries, refused = private.counts(counts)
-            assert not refused
-            released.append({e.name: e.count for e in entries})
-        own = CLASSES[int(labels[index])]
-        assert released[0][own] - released[1][own] == 1
-        assert all(released[0][n] == released[1][n] for n in CLASSES if n != own)
+        kept = images[:index] + images[index + 1 :]
+        folder = root / str(index)
+        less[index] = release(backbones, data_folder(folder / "data", kept), folder / "state")
+    return full, less
 
 
-def moments_of(
-    phase: Phase, backbones, images, labels, tmp_path
-) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """Each class's clipped moments as the site's statistics phase computes them, and the
-    ``float_slack`` of each class's rows (their count, their largest norm in radii)."""
-    private = releases(backbones, tmp_path)
-    moments, slack = {}, {}
-
-    def fit(features, labels_, rows, n_components, seed):
-        centre, radius = private.ball(phase, features.shape[1])
-        for row in rows:
-            own = features[labels_ == row]
-            total, squares = clipped_moments(own, centre, radius)
-            moments[CLASSES[row]] = np.concatenate([total, squares])
-            largest = float(own.double().norm(dim=1).max()) / radius
-            slack[CLASSES[row]] = float_slack(len(own), largest)
-        return [None] * len(rows)
-
-    HANDLERS[phase](view(backbones, images, labels), CONFIG, fit=fit)
-    return moments, slack
+def test_noisy_count_moves_by_one_for_its_class_only(per_image):
+    full, less = per_image
+    for index, released in less.items():
+        own = CLASSES[0] if index == len(IMAGES) else IMAGES[index][0]
+        assert full.counts[own] - released.counts[own] == 1
+        assert all(full.counts[n] == released.counts[n] for n in CLASSES if n != own)
 
 
 @pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
-def test_mixture_moments_move_within_sensitivity_for_their_class_only(
-    phase, backbones, task, tmp_path
-):
-    images, labels = task
-    full, slack = moments_of(phase, backbones, images, labels, tmp_path)
-    for index in REMOVED:
-        less, _ = moments_of(phase, backbones, *without(images, labels, index), tmp_path)
-        own = CLASSES[int(labels[index])]
-        changes = {n: float(np.linalg.norm(full[n] - less[n])) for n in CLASSES}
+def test_mixture_moments_move_within_sensitivity_for_their_class_only(phase, per_image):
+    full, less = per_image
+    for index, released in less.items():
+        own = CLASSES[0] if index == len(IMAGES) else IMAGES[index][0]
+        changes = {
+            n: float(np.linalg.norm(full.moments[phase][n] - released.moments[phase][n]))
+            for n in CLASSES
+        }
+        slack = {n: moments_slack(full, phase, n) for n in CLASSES}
         assert 0 < changes[own] <= MOMENTS_SENSITIVITY + slack[own], (index, changes)
         others = {n: c for n, c in changes.items() if n != own}
         assert all(c <= slack[n] for n, c in others.items()), (index, own, changes, slack)
 
 
-# --- the training updates: prompts; query prompts, query weights and head rows ---------------
-
-
-def released_update(phase: Phase, backbones, images, labels, tmp_path) -> torch.Tensor:
-    """The task's update as the site releases it (noise off): every class's fields, flat."""
-    private = releases(backbones, tmp_path)
-    private.counts({name: PER_CLASS for name in CLASSES})
-    task_view = view(backbones, images, labels)
-    sent = {e.name: e for e in task_view.model.bank.entries(CLASSES)}  # what the site received
-    plan = private.plan(CLASSES, phase, 0)
-    assert all(z is not None for z in plan.values())
-    HANDLERS[phase](task_view, CONFIG)
-    entries = task_view.model.bank.entries(CLASSES, fields=schema.trained_in(phase))
-    shared, _ = private.release(phase, entries, sent, plan)
-    return torch.cat(
-        [
-            (e.values[f].double() - sent[e.name].values[f].double()).reshape(-1)
-            for e in shared
-            for f in sorted(e.values)
-        ]
-    )
-
-
 @pytest.mark.parametrize("phase", [Phase.STAGE1, Phase.STAGE2], ids=["prompts", "head-Q-A"])
-def test_update_moves_within_its_sensitivity(phase, backbones, task, tmp_path):
+def test_update_moves_within_its_sensitivity(phase, per_image):
     """Every class of the task is charged for a training release (an image moves every class's
     update through the softmax), so the whole release's change is bounded: 2·C·√K."""
-    images, labels = task
+    full, less = per_image
     clip = SETTING.stage1_clip if phase is Phase.STAGE1 else SETTING.stage2_clip
     bound = 2 * clip * math.sqrt(len(CLASSES))
-    full = released_update(phase, backbones, images, labels, tmp_path / "d")
-    per_class = full.reshape(len(CLASSES), -1).norm(dim=1)
+    per_class = full.updates[phase].reshape(len(CLASSES), -1).norm(dim=1)
     torch.testing.assert_close(per_class, torch.full_like(per_class, clip, dtype=torch.float64))
-    for index in REMOVED[:3]:
-        less = released_update(
-            phase, backbones, *without(images, labels, index), tmp_path / str(index)
-        )
-        assert 0 < float((full - less).norm()) <= bound * (1 + ROW_ULPS * FLOAT32_EPS)
+    for released in less.values():
+        change = float((full.updates[phase] - released.updates[phase]).norm())
+        assert 0 < change <= bound * (1 + ROW_ULPS * FLOAT32_EPS)
+
+
+def expected_noise(released: Released, phase: Phase, setting: PrivacySetting) -> list[float]:
+    """The standard deviation each of a phase's draws must have, from the noise multipliers
+    the ledger charged it: z·k per count, z·√2·k per moment coordinate, z·2C·√K per update
+    coordinate of K classes."""
+    charged = released.charged[phase]
+    if phase is Phase.SYNC:
+        return [zs[0] * setting.group for _, zs in sorted(charged.items())]
+    if phase in STATISTICS:
+        dim = len(next(iter(released.moments[phase].values())))  # both moments
+        return [
+            z * MOMENTS_SENSITIVITY * setting.group
+            for _, zs in sorted(charged.items())
+            for z in zs * dim
+        ]
+    (z,) = {z for zs in charged.values() for z in zs}
+    clip = setting.stage1_clip if phase is Phase.STAGE1 else setting.stage2_clip
+    size = len(released.updates[phase])
+    return [z * 2 * clip * math.sqrt(len(charged))] * size
+
+
+#: Every phase that releases, in the order of a step.
+RELEASES = [Phase.SYNC, Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS]
+
+
+@pytest.mark.parametrize("phase", RELEASES, ids=lambda p: p.key)
+def test_each_release_draws_z_times_its_sensitivity(phase, per_image):
+    """The noise the site actually draws is the ledger's noise multiplier × the release's
+    sensitivity: the accountant's ε is of the mechanism that ran."""
+    full, _ = per_image
+    assert full.noise[phase] == pytest.approx(expected_noise(full, phase, SETTING), rel=1e-12)
 
 
 # --- each mechanism's noise against its calibration ------------------------------------------
@@ -308,32 +390,32 @@ def test_a_delta_above_one_over_n_is_refused_in_one_line():
     assert "\n" not in str(e.value)
 
 
-def test_a_renamed_class_folder_continues_its_budget(tmp_path, caplog):
-    """The ledger knows a class's images by digest: renaming its folder does not reset it;
-    a new state folder says that it starts from zero."""
+def test_a_renamed_class_folder_does_not_release_its_images_again(tmp_path, caplog):
+    """The ledger knows each image by digest, and the class it was first used in: a class
+    folder renamed (or copied) under another name holds images of another class's, left out,
+    so they are not released again under a fresh budget; a new state folder says that it
+    starts from zero."""
     data = tmp_path / "data"
+    (data / "test").mkdir(parents=True)  # every image a training image
     for name in ("scab", "rot"):
-        (data / name).mkdir(parents=True)
+        (data / "task" / name).mkdir(parents=True)
         for i in range(3):
-            (data / name / f"{i}.jpg").write_bytes(f"{name} {i}".encode())
-    files = {name: sorted(str(p) for p in (data / name).iterdir()) for name in ("scab", "rot")}
+            (data / "task" / name / f"{i}.jpg").write_bytes(f"{name} {i}".encode())
     dims = ModelDims(8, 8, 8, 1)
     with caplog.at_level(logging.WARNING):
         private = PrivateReleases(SETTING, SiteMemory(tmp_path / "s", "f", dims), torch.zeros(8))
     assert "budget starts at zero" in caplog.text
-    private.counts({"scab": 3, "rot": 3}, lambda n: file_digests(files[n]))
-    private._record([private.key("scab")], 2.0, "G_c")
-    (data / "scab").rename(data / "apple scab")
-    renamed = sorted(str(p) for p in (data / "apple scab").iterdir())
+    private.rng = RecordingNoise()  # noise off: each class clears the announcing threshold
+    folder = private.protect(SiteFolder.scan(data))
+    private.counts({name: len(paths) for name, paths in folder.tasks[0].train.items()})
+    (data / "task" / "scab").rename(data / "task" / "apple scab")
     caplog.clear()
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         again = PrivateReleases(SETTING, SiteMemory(tmp_path / "s", "f", dims), torch.zeros(8))
-        entries, _ = again.counts({"apple scab": 3}, lambda n: file_digests(renamed))
+        renamed = again.protect(SiteFolder.scan(data))
     assert "budget starts at zero" not in caplog.text
-    assert "holds images released as scab" in caplog.text
-    assert again.key("apple scab") == "scab"
-    assert entries[0].count == again.memory.ledger().counts["scab"]  # the count is reused
-    assert len(again.memory.ledger().releases["scab"]) == 2  # nothing new spent
+    assert "3 training images left out: their image is in another class" in caplog.text
+    assert renamed.tasks[0].train == {"apple scab": [], "rot": folder.tasks[0].train["rot"]}
 
 
 @pytest.mark.slow  # two fresh interpreters importing torch
@@ -356,50 +438,98 @@ def test_ledger_updates_from_two_processes_are_not_lost(tmp_path):
 # --- the patient unit ------------------------------------------------------------------------
 
 K = 2  # images per patient the tests cap at
+#: Images of a patient in the patient tests: over the cap, so the cap binds; four patients a
+#: class, so a class without one still clears the announcing threshold (5 at this target).
+PATIENT_IMAGES = 3
+PATIENTS = 4
+PATIENT_SETTING = replace(SETTING, epsilon=32.0, unit=PrivacyUnit.PATIENT, patient_images=K)
 
 
-def patient_task(task):
-    """The task's images as patients' (three images each, of one class), capped at K each:
-    what ``SiteFolder.per_patient`` keeps, in the same order."""
-    images, labels = task
-    paths = [f"p{i // 3:03d}__{i:03d}.jpg" for i in range(len(labels))]
-    kept = set(capped(paths, K))
-    keep = torch.tensor([p in kept for p in paths])
-    patients = [patient_of(p) for p, k in zip(paths, keep.tolist(), strict=True) if k]
-    return images[keep], labels[keep], patients
+def patient_images() -> list[tuple[str, Path, str]]:
+    """Bundled images of the task's classes as patients', ``PATIENT_IMAGES`` consecutive
+    images each, of one class: ``(class, image, <patient>__<file>)``."""
+    root = bundled_dataset_root() / "train"
+    return [
+        (name, path, patient_name(f"p{c}-{j // PATIENT_IMAGES}", str(path)))
+        for c, name in enumerate(CLASSES)
+        for j, path in enumerate(sorted((root / name).iterdir())[: PATIENTS * PATIENT_IMAGES])
+    ]
+
+
+@pytest.fixture(scope="module")
+def per_patient(backbones, tmp_path_factory) -> tuple[Released, dict[str, Released]]:
+    """The patient site's releases on D and on D without each of three patients."""
+    root = tmp_path_factory.mktemp("per-patient")
+    images = patient_images()
+    full = release(
+        backbones, data_folder(root / "d" / "data", images), root / "d" / "state", PATIENT_SETTING
+    )
+    less = {}
+    for patient in ("p0-0", "p1-2", "p2-3"):
+        kept = [image for image in images if patient_of(image[2]) != patient]
+        folder = root / patient
+        data = data_folder(folder / "data", kept)
+        less[patient] = release(backbones, data, folder / "state", PATIENT_SETTING)
+    return full, less
+
+
+def own_class(patient: str) -> str:
+    return next(name for name, _, file in patient_images() if patient_of(file) == patient)
+
+
+def test_removing_a_patient_moves_its_count_by_at_most_k(per_patient):
+    full, less = per_patient
+    for patient, released in less.items():
+        own = own_class(patient)
+        assert full.counts[own] - released.counts[own] == K  # the cap binds: 3 images, k 2
+        assert all(full.counts[n] == released.counts[n] for n in CLASSES if n != own)
+
+
+@pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
+def test_removing_a_patient_moves_its_class_within_k_times_the_bound(phase, per_patient):
+    full, less = per_patient
+    for patient, released in less.items():
+        own = own_class(patient)
+        changes = {
+            n: float(np.linalg.norm(full.moments[phase][n] - released.moments[phase][n]))
+            for n in CLASSES
+        }
+        slack = {n: moments_slack(full, phase, n) for n in CLASSES}
+        assert 0 < changes[own] <= K * MOMENTS_SENSITIVITY + slack[own], (patient, changes)
+        assert all(c <= slack[n] for n, c in changes.items() if n != own), (changes, slack)
+
+
+@pytest.mark.parametrize("phase", RELEASES, ids=lambda p: p.key)
+def test_each_patient_release_draws_z_times_its_sensitivity(phase, per_patient):
+    """With the patient unit, the count's and the moments' noise are k times the image's."""
+    full, _ = per_patient
+    assert full.noise[phase] == pytest.approx(
+        expected_noise(full, phase, PATIENT_SETTING), rel=1e-12
+    )
 
 
 def test_patient_names_and_the_cap(tmp_path):
     assert patient_of("/d/scab/p0042__scan-3.jpg") == "p0042"
     assert patient_of("/d/scab/scan-3.jpg") is None and patient_of("/d/__x.jpg") is None
-    paths = [f"/d/a/{p}__{i}.jpg" for i, p in enumerate("xxxyxyy")]
-    assert capped(paths, 2) == [paths[0], paths[1], paths[3], paths[5]]
     with pytest.raises(DatasetError, match=r"scan\.jpg: no patient in its name"):
-        capped(["/d/a/scan.jpg"], 2)
-    for name, files in {"scab": ["a__1", "a__2", "a__3", "b__1"], "rot": ["c__1"]}.items():
-        (tmp_path / name).mkdir()
-        for f in files:
-            (tmp_path / name / f"{f}.jpg").write_bytes(f.encode())
-    folder = SiteFolder.scan(tmp_path)
-    kept = folder.per_patient(2)
-    n_train = sum(len(p) for p in kept.tasks[0].train.values())
-    assert n_train == sum(min(len(p), 2) for p in folder.tasks[0].train.values())
-    assert all(len(keys) == 1 for keys in kept.patients().values())
-
-
-@pytest.mark.parametrize("phase", [Phase.STAGE1_STATS, Phase.STAGE2_STATS], ids=["G_c", "H_c"])
-def test_removing_a_patient_moves_its_class_within_k_times_the_bound(
-    phase, backbones, task, tmp_path
-):
-    images, labels, patients = patient_task(task)
-    full, slack = moments_of(phase, backbones, images, labels, tmp_path)
-    for patient in ("p000", "p004", "p007"):
-        keep = torch.tensor([p != patient for p in patients])
-        less, _ = moments_of(phase, backbones, images[keep], labels[keep], tmp_path)
-        own = CLASSES[int(labels[~keep][0])]
-        changes = {n: float(np.linalg.norm(full[n] - less[n])) for n in CLASSES}
-        assert 0 < changes[own] <= K * MOMENTS_SENSITIVITY + slack[own], (patient, changes)
-        assert all(c <= slack[n] for n, c in changes.items() if n != own), (changes, slack)
+        training_patient("/d/a/scan.jpg")
+    files = {
+        "scab": ["a__1", "a__2", "a__3", "b__1", "d__2"],
+        "rot": ["c__1", "c__2", "c__3", "d__1"],
+    }
+    (tmp_path / "data" / "test").mkdir(parents=True)  # every image a training image
+    for name, names in files.items():
+        (tmp_path / "data" / "task" / name).mkdir(parents=True)
+        for f in names:
+            (tmp_path / "data" / "task" / name / f"{f}.jpg").write_bytes(f.encode())
+    memory = SiteMemory(tmp_path / "s", "f", ModelDims(8, 8, 8, 1))
+    private = PrivateReleases(PATIENT_SETTING, memory, torch.zeros(8))
+    kept = private.protect(SiteFolder.scan(tmp_path / "data")).tasks[0].train
+    # at most K of a patient's images, in the first class it is seen in (rot, then scab)
+    assert {n: [Path(p).stem for p in ps] for n, ps in kept.items()} == {
+        "rot": ["c__1", "c__2", "d__1"],
+        "scab": ["a__1", "a__2", "b__1"],
+    }
 
 
 def test_patient_unit_scales_the_noise_by_the_cap():
@@ -416,26 +546,6 @@ def test_patient_unit_scales_the_noise_by_the_cap():
     assert means.std().item() == pytest.approx(z * MOMENTS_SENSITIVITY * k * radius / n, rel=0.05)
 
 
-def test_patients_across_classes_share_one_site_budget(tmp_path):
-    """A patient with images in two classes: every release is charged to the site's one key,
-    the plan counts every class's release, and the site's ε is all its releases composed."""
-    setting = PrivacySetting(4.0, 1e-5, 0.4, 1.0, 0.02, 0.05, 1, 1, PrivacyUnit.PATIENT, 3, 2)
-    private = PrivateReleases(setting, SiteMemory(tmp_path, "f", ModelDims(8, 8, 8, 1)), None)
-    private.site_wide = True
-    private.counts({"a": 30, "b": 30, "c": 30})
-    releases = private.memory.ledger().releases
-    assert list(releases) == [SITE_KEY] and len(releases[SITE_KEY]) == 3
-    first = releases[SITE_KEY][0]  # planned: 3 × 3 statistics releases and 2 rounds, 2 tasks
-    assert first == pytest.approx(accountant.noise_multiplier([], 22, 4.0, 1e-5), rel=1e-4)
-    assert private.epsilon() == pytest.approx(accountant.epsilon(releases[SITE_KEY], 1e-5))
-    assert private.epsilon() < 4.0
-    per_class = PrivateReleases(
-        setting, SiteMemory(tmp_path / "per-class", "f", ModelDims(8, 8, 8, 1)), None
-    )
-    per_class.counts({"a": 30, "b": 30, "c": 30})
-    assert per_class.memory.ledger().releases["a"][0] < first  # one class plans 5 releases
-
-
 def test_a_simulated_site_names_its_images_as_patients_of_one_class(tmp_path):
     scenario = Scenario(ScenarioConfig(n_sites=2, patient_images=5))
     scenario.write_site(0, tmp_path, scenario.config.n_steps)
@@ -444,5 +554,116 @@ def test_a_simulated_site_names_its_images_as_patients_of_one_class(tmp_path):
     assert patients and all(len(keys) == 1 for keys in patients.values())
     counts = Counter(patient_of(p) for t in folder.tasks for ps in t.train.values() for p in ps)
     assert max(counts.values()) <= 5
-    assert folder.per_patient(5).tasks == folder.tasks  # nothing over the cap
     assert all(patient_of(p) is None for ps in folder.test.values() for p in ps)
+
+
+# --- every unit in one class, the switch the setting's, a class of one unit hidden ---------
+
+
+def reply_epsilon(released: Released) -> set[str]:
+    return set(released.epsilon.values())
+
+
+def spent_within_target(state: Path, setting: PrivacySetting) -> dict[str, float]:
+    """Each ledger key's ε, its own releases after any site-wide ones composed."""
+    ledger = SiteMemory(state, "f", ModelDims(8, 8, 8, 1)).ledger()
+    spent = {
+        k: accountant.epsilon(ledger.past(k), setting.release_delta) for k in ledger.class_keys()
+    }
+    assert all(e <= setting.epsilon for e in spent.values()), spent
+    return spent
+
+
+def test_an_image_in_two_classes_is_released_in_one(backbones, tmp_path):
+    """A copy of an image of the first class in the second (a multi-label image, or a copy):
+    each class keeps its own budget key, the copy is left out of the second class, and D and D
+    minus the image reply the same ε and the same counts outside the first class."""
+    (first, image), second = IMAGES[0], CLASSES[1]
+    images = [(name, path, path.name) for name, path in IMAGES]
+    copy = (second, image, f"copy-{image.name}")
+    full = release(backbones, data_folder(tmp_path / "d", [*images, copy]), tmp_path / "ds")
+    less = release(backbones, data_folder(tmp_path / "d-1", images[1:]), tmp_path / "d-1s")
+    assert full.counts[first] - less.counts[first] == 1
+    assert {n: full.counts[n] for n in CLASSES[1:]} == {n: less.counts[n] for n in CLASSES[1:]}
+    assert full.counts[second] == PER_CLASS  # not the first class's count
+    assert sorted(spent_within_target(tmp_path / "ds", SETTING)) == sorted(map(class_key, CLASSES))
+    assert reply_epsilon(full) == reply_epsilon(less)
+
+
+def test_a_patient_in_two_classes_changes_neither_the_noise_nor_the_reply(backbones, tmp_path):
+    """Per-class budgets whatever the patients: one patient with images in two classes is
+    used in the first only; the sync's noise and every reply's ε are those of D without them."""
+    images = patient_images()
+    name, image, _ = images[-1]
+    cross = (CLASSES[0], image, patient_name("p999", str(image)))  # p999: in two classes
+    lone = (name, image, patient_name("p999", "x" + image.name))
+    folders = {"d": [*images, cross, lone], "d-1": images}
+    out = {
+        world: release(
+            backbones, data_folder(tmp_path / world, kept), tmp_path / f"{world}s", PATIENT_SETTING
+        )
+        for world, kept in folders.items()
+    }
+    assert out["d"].charged[Phase.SYNC] == out["d-1"].charged[Phase.SYNC]
+    assert out["d"].epsilon == out["d-1"].epsilon
+    assert out["d"].counts[name] == out["d-1"].counts[name]  # p999 is the first class's
+    assert out["d"].counts[CLASSES[0]] - out["d-1"].counts[CLASSES[0]] == 1
+    spent_within_target(tmp_path / "ds", PATIENT_SETTING)
+
+
+def test_site_wide_releases_of_an_old_ledger_count_in_every_class(backbones, tmp_path):
+    """A ledger of a site whose patients once spanned classes holds site-wide releases: every
+    class's budget counts them, so no patient's ε passes the target when they are gone."""
+    state = tmp_path / "state"
+    z = accountant.noise_multiplier([], 4, PATIENT_SETTING.epsilon, PATIENT_SETTING.release_delta)
+    state.mkdir()
+    (state / "privacy.json").write_text(json.dumps({"releases": {SITE_WIDE: [z] * 3}}))
+    released = release(
+        backbones, data_folder(tmp_path / "d", patient_images()), state, PATIENT_SETTING
+    )
+    spent = spent_within_target(state, PATIENT_SETTING)
+    assert sorted(spent) == sorted(map(class_key, CLASSES))
+    assert max(float(e) for e in released.epsilon.values()) == pytest.approx(max(spent.values()))
+
+
+def test_a_class_of_one_image_is_announced_as_rarely_as_delta_allows(backbones, tmp_path):
+    """A class whose one image is removed disappears from D − 1; in D it is not announced
+    unless its noisy count clears a threshold a single image passes with probability at most
+    half of δ (noise off here: never), so the sync and the training releases are D − 1's."""
+    alone = (CLASSES[2], IMAGES[-1][1], IMAGES[-1][1].name)
+    images = [(n, p, p.name) for n, p in IMAGES if n != CLASSES[2]]
+    full = release(backbones, data_folder(tmp_path / "d", [*images, alone]), tmp_path / "ds")
+    less = release(backbones, data_folder(tmp_path / "d-1", images), tmp_path / "d-1s")
+    assert full.counts == less.counts and CLASSES[2] not in full.counts
+    for phase in (Phase.STAGE1, Phase.STAGE2):
+        assert full.updates[phase].shape == less.updates[phase].shape
+        assert full.charged[phase] == less.charged[phase] | {class_key(CLASSES[2]): []}
+    assert full.epsilon == less.epsilon
+
+
+@pytest.mark.parametrize("unit,k", [(PrivacyUnit.IMAGE, 1), (PrivacyUnit.PATIENT, 5)])
+@pytest.mark.parametrize("z", [0.5, 2.6, 20.0])
+def test_the_announcing_threshold_hides_a_class_of_one_unit(unit, k, z):
+    setting = replace(SETTING, unit=unit, patient_images=k)
+    threshold = setting.threshold(z)
+    # round(k + N(0, (z·k)²)) ≥ t  ⟺  N ≥ t − ½ − k
+    announced = 1 - NormalDist(k, z * k).cdf(threshold - 0.5)
+    assert announced <= setting.selection_delta
+    assert 1 - NormalDist(k, z * k).cdf(threshold - 1.5) > setting.selection_delta  # tight
+    assert setting.selection_delta + setting.release_delta == setting.delta
+
+
+def test_an_old_ledger_still_reads(tmp_path):
+    """A ledger written before units were kept: its image digests tie those images to their
+    key, its aliases still apply, its site-wide releases count in every key."""
+    old = {
+        "releases": {"scab": [2.0, 3.0], SITE_WIDE: [4.0]},
+        "counts": {"scab": 7},
+        "images": {"scab": ["aa", "bb"]},
+        "aliases": {"apple_scab": "scab"},
+    }
+    (tmp_path / "privacy.json").write_text(json.dumps(old))
+    ledger = SiteMemory(tmp_path, "f", ModelDims(8, 8, 8, 1)).ledger()
+    assert ledger.units == {"aa": "scab", "bb": "scab"}
+    assert ledger.key("apple_scab") == "scab" and ledger.class_keys() == ["scab"]
+    assert ledger.past("scab") == [4.0, 2.0, 3.0] and ledger.past("rot") == [4.0]

@@ -49,22 +49,16 @@ def patient_name(patient: str, path: str) -> str:
     return f"{patient}{PATIENT_SEPARATOR}{Path(path).name}"
 
 
-def capped(paths: list[str], per_patient: int) -> list[str]:
-    """The first ``per_patient`` images (in name order) of each patient: a patient's weight in
-    a class is bounded, whatever the folder holds. An image without a patient is an error."""
-    kept: dict[str, int] = {}
-    out = []
-    for path in paths:
-        patient = patient_of(path)
-        if patient is None:
-            raise DatasetError(
-                f"{path}: no patient in its name; with the patient privacy unit name every "
-                f"training image <patient>{PATIENT_SEPARATOR}<name> (docs/sites.md#patients)"
-            )
-        if kept.get(patient, 0) < per_patient:
-            kept[patient] = kept.get(patient, 0) + 1
-            out.append(path)
-    return out
+def training_patient(path: str) -> str:
+    """The patient of a training image, with the patient privacy unit: an image without one in
+    its name is an error."""
+    patient = patient_of(path)
+    if patient is None:
+        raise DatasetError(
+            f"{path}: no patient in its name; with the patient privacy unit name every "
+            f"training image <patient>{PATIENT_SEPARATOR}<name> (docs/sites.md#patients)"
+        )
+    return patient
 
 
 def file_digests(paths: list[str]) -> list[str]:
@@ -158,15 +152,6 @@ class SiteFolder:
                 test.setdefault(class_key(name), []).extend(held)
             split.append(SiteTask(task.name, train))
         return cls(root, split, test)
-
-    def per_patient(self, images: int) -> SiteFolder:
-        """The folder with at most ``images`` training images of a patient per class
-        (``capped``), for the patient privacy unit."""
-        tasks = [
-            SiteTask(t.name, {name: capped(paths, images) for name, paths in t.train.items()})
-            for t in self.tasks
-        ]
-        return SiteFolder(self.root, tasks, self.test)
 
     def patients(self) -> dict[str, set[str]]:
         """The class keys each patient has training images in."""
