@@ -30,7 +30,7 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import PRIVACY_EPSILON, Phase
+from starfed.shared.protocol import Phase
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +185,10 @@ class PhaseScreen:
         self.rows = _Rows()
         self.rejected: set[tuple[str, str]] = set()  # (site, class)
         self.capped: dict[tuple[str, str], int] = {}  # (site, class) -> count
-        # sites that declare a privacy setting: their rows carry calibrated noise, not the
-        # scale of training (neither observed for ``ChangeScale`` nor held to it)
-        self.private: set[str] = set()
+        # a private run's rows carry calibrated noise, not the scale of training: neither
+        # observed for ``ChangeScale`` nor held to it. The run config says so, never a reply:
+        # a site that wrote the privacy key into its metadata would lift its own bound.
+        self.private = screen.options.privacy_epsilon > 0
 
     def _note(self, site: str, action: str, reason: str, name: str = "") -> None:
         self.screen.note(site, self.phase.key, self.round, action, reason, name)
@@ -196,8 +197,6 @@ class PhaseScreen:
         """First pass: check counts and classes against the sync; measure every row."""
         if site in self.screen.quarantined:
             return
-        if PRIVACY_EPSILON in update.metadata:
-            self.private.add(site)
         caps = self.screen.caps(site)
         for entry in update.entries:
             key = (site, entry.name)
@@ -263,7 +262,7 @@ class PhaseScreen:
         honest changes). Where fewer did, their median is no bound (a lone sender's is its own
         change): each row is held to the tighter of ``reference-bound`` × its class's own size
         and ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (a
-        private site's to the first only: its noise is not the scale of training)."""
+        private run's to the first only: its noise is not the scale of training)."""
         options = self.screen.options
         # Rows that did not move say nothing of how far training moves one: a site that holds
         # a single class of its task has a one-logit loss and sends its rows back unchanged,
@@ -297,12 +296,12 @@ class PhaseScreen:
                         f"{options.update_bound:g} × the median over "
                         f"{senders} sites {median:.3g}",
                     )
+        if self.private:
+            return  # noise is not the scale of honest training
         kept = [
             (row.site, row.change / row.size)
             for row in rows
-            if row.change > 0
-            and (row.site, row.cls) not in self.rejected
-            and row.site not in self.private
+            if row.change > 0 and (row.site, row.cls) not in self.rejected
         ]
         if len({site for site, _ in kept}) >= MIN_SITES:
             self.screen.observed.setdefault(name, []).extend(_site_medians(kept))
@@ -321,7 +320,7 @@ class PhaseScreen:
                         f"{options.reference_bound:g} × the class's size {size:.3g}",
                     )
                 )
-            if options.history_bound and scale is not None and site not in self.private:
+            if options.history_bound and scale is not None and not self.private:
                 limits.append(
                     (
                         options.history_bound * scale * size,

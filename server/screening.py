@@ -63,7 +63,8 @@ class ScreeningOptions(Options):
     """The operator's bounds on what one site can do (the ``screening`` knobs; docs/federation.md):
     how far its rows may move (the four ``*_bound``, 0: none), how much of a class that others
     hold its examples may weigh, how many classes it may bring, after how many findings it is
-    left out, and which names belong to which registered node."""
+    left out, which names belong to which registered node, and whether the run makes every
+    site private (``privacy-epsilon``: its rows then carry calibrated noise)."""
 
     update_bound: float = knob("update-bound")
     reference_bound: float = knob("reference-bound")
@@ -75,6 +76,8 @@ class ScreeningOptions(Options):
     site_names: str = knob("site-names")
     max_new_classes: int = knob("max-new-classes")
     max_classes: int = knob("max-classes")
+    # the run's own privacy setting, never a reply's word: whether sites' rows carry noise
+    privacy_epsilon: float = knob("privacy-epsilon")
 
 
 class Furthest(NamedTuple):

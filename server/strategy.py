@@ -90,7 +90,7 @@ class Strategy(ABC):
     def aggregate_evaluation(
         self, reports: Iterable[tuple[str, EvaluationReport]], state: PhaseState
     ) -> StepScores:
-        """The sites' counts added up, grouped by arrival step (``server.scores``)."""
+        """The sites' scores by arrival step, each site one vote (``server.scores``)."""
         n_layers = state.codebook.dims.n_layers
         return aggregate(reports, state.class_steps, state.step, n_layers)
 

@@ -319,6 +319,39 @@ def test_an_evaluation_report_beyond_the_sites_test_images_is_rejected(
     assert metrics["final_average_accuracy"] < 99
 
 
+def test_test_images_claimed_at_the_sync_do_not_set_the_federations_accuracy(
+    folders, tmp_path, honest
+) -> None:
+    """Issue 43, attack 6: farm-m says 10^9 test images at the sync and reports them all
+    right. Counted image by image that set the FAA to 99.99999 %; as the mean of the sites' own
+    accuracies farm-m weighs one site's third, and its claim is in the record."""
+    claimed = 10**9
+
+    def declare(message: pb.ClientUpdate) -> None:
+        message.metadata["test-images"] = str(claimed)
+
+    def all_right(reply: Message) -> Message:
+        message = pb.EvaluationReport()
+        message.ParseFromString(reply.content["report"]["data"])
+        for score in message.classes:
+            score.images = score.correct = claimed // len(message.classes)
+        reply.content["report"]["data"] = message.SerializeToString()
+        return reply
+
+    faults = {"query.sync": edit_update(declare), "evaluate": all_right}
+    metrics = federate(folders, tmp_path, faults)
+    assert metrics["status"] == "completed"  # a claim consistent with its sync is no finding
+    for site in ("farm-a", "farm-b"):
+        got, want = metrics["site_accuracy"][site], honest["site_accuracy"][site]
+        assert abs(got - want) <= TOLERANCE, (site, got, want)
+    (record,) = Federation.open(tmp_path / "federation").history()
+    assert record.scores.sites["farm-m"]["images"] == claimed  # recorded as it was said
+    accuracies = [metrics["site_accuracy"][site] for site in SITES]
+    assert metrics["final_average_accuracy"] == pytest.approx(sum(accuracies) / len(SITES))
+    bound = honest["final_average_accuracy"] + 100 / len(SITES) + TOLERANCE
+    assert metrics["final_average_accuracy"] <= bound
+
+
 def claim_classes(n: int) -> Callable[[Message], Message]:
     def edit(message: pb.ClientUpdate) -> None:
         for i in range(n):

@@ -29,6 +29,7 @@ from starfed.server.app import RunFailed
 from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import Federation
 from starfed.shared.codebook import wire
+from starfed.shared.protocol import PRIVACY_EPSILON
 from starfed.simulations.local_grid import LocalGrid
 
 pytestmark = pytest.mark.adversarial
@@ -164,6 +165,24 @@ def test_a_lone_senders_50x_rows_are_held_to_the_scale_of_earlier_steps(
     assert rejected and {(f.site, f.name) for f in rejected} == {("farm-m", X)}
     assert all("× the scale of honest changes in earlier steps" in f.reason for f in rejected)
     assert lone_honest["status"] == "completed"  # its lone X rows: within the same bound
+
+
+def test_the_privacy_key_in_a_reply_lifts_no_bound(tmp_path, lone_honest) -> None:
+    """Issue 43, attack 2: as above, and farm-m writes the privacy key (ε 8) into its replies'
+    metadata. A private site's rows carry noise and are held to ``reference-bound`` only, so
+    the key alone let its × 50 rows pass; whether a site is private is the run config's to say
+    (``privacy-epsilon``, 0 here), never the reply's."""
+
+    def private(message: pb.ClientUpdate) -> None:
+        scaled(50.0, {X})(message)
+        message.metadata[PRIVACY_EPSILON] = "8"
+
+    faults = {t: edit_update(private) for t in TRAINING}
+    metrics = rolled_back(LONE, tmp_path, faults)
+    assert_as_after_step_1(metrics, lone_honest)
+    rejected = [f for f in findings(tmp_path) if f.action == "rejected"]
+    assert rejected and {(f.site, f.name) for f in rejected} == {("farm-m", X)}
+    assert all("× the scale of honest changes in earlier steps" in f.reason for f in rejected)
 
 
 def test_a_lone_senders_mixture_is_held_to_the_codebooks_fitted_mixtures(

@@ -157,12 +157,13 @@ def test_a_lone_sender_is_held_to_the_scale_of_honest_changes_in_earlier_steps(
     size, elements = reference_size(sent), sent.numel() ** 0.5
     per_element = {ratio: ratio * size / elements for ratio in (50.0, 2 * kept.reference("prompt"))}
 
-    def lone(scale: ChangeScale, ratio: float, private: bool = False) -> list:
-        screen = Screen(ScreeningOptions(), step=1, scale=scale)
+    def lone(scale: ChangeScale, ratio: float, private: bool = False, key: bool = False) -> list:
+        options = ScreeningOptions(privacy_epsilon=8.0 if private else 0.0)
+        screen = Screen(options, step=1, scale=scale)
         _synced(screen, codebook, {"m": {name: 10}})
         phase = PhaseScreen(screen, Phase.STAGE1, 0, codebook)
         update = _update(codebook, {name: (per_element[ratio], 10)})
-        if private:
+        if key:
             update = replace(update, metadata={PRIVACY_EPSILON: "8"})
         phase.observe("m", update)
         phase.decide()
@@ -172,13 +173,21 @@ def test_a_lone_sender_is_held_to_the_scale_of_honest_changes_in_earlier_steps(
     assert "over 20 × the scale of honest changes in earlier steps" in reason, reason
     assert lone(kept, 2 * kept.reference("prompt")) == []
     assert lone(ChangeScale(), 50.0) == []  # under 100 × the class's size: today's bound
-    # a private site's rows carry calibrated noise: held to reference-bound only
+    # a private run's rows carry calibrated noise: held to reference-bound only
     assert lone(kept, 50.0, private=True) == []
+    # issue 43, attack 2: the privacy key in a reply's metadata lifts no bound
+    (reason,) = lone(kept, 50.0, key=True)
+    assert "over 20 × the scale of honest changes in earlier steps" in reason, reason
 
 
-def test_private_sites_add_nothing_to_the_scale_of_honest_changes(make_codebook) -> None:
+@pytest.mark.parametrize("epsilon", [0.0, 1.0])
+def test_a_private_runs_rows_add_nothing_to_the_scale_of_honest_changes(
+    make_codebook, epsilon
+) -> None:
+    """A private run's noise is not training; a site's own word (the privacy key in its
+    metadata, site d) changes nothing: its rows count as any other's."""
     codebook = make_codebook(n_classes=1)
-    screen = Screen(ScreeningOptions(), step=0)
+    screen = Screen(ScreeningOptions(privacy_epsilon=epsilon), step=0)
     _synced(screen, codebook, {site: dict.fromkeys(codebook.names, 10) for site in "abcd"})
     phase = PhaseScreen(screen, Phase.STAGE1, 0, codebook)
     for site, shift in zip("abcd", (0.1, 0.2, 0.3, 5.0), strict=True):
@@ -186,7 +195,7 @@ def test_private_sites_add_nothing_to_the_scale_of_honest_changes(make_codebook)
         private = {PRIVACY_EPSILON: "1"} if site == "d" else {}
         phase.observe(site, replace(update, metadata=private))
     phase.decide()
-    assert len(screen.observed["prompt"]) == 3  # a, b and c: d's noise is not training
+    assert len(screen.observed.get("prompt", [])) == (0 if epsilon else 4)
 
 
 def test_an_unreadable_change_scale_is_no_scale(tmp_path, caplog) -> None:
