@@ -2,162 +2,30 @@
 
 The knob machinery (:class:`~starfed.shared.config.Knob`, ``parse``, ``Options``) and the
 model's knobs (the run config's, a node's, the environment's) live in ``starfed.shared.config``;
-the options that belong to a command — ``server start``'s gateway limits, ``predict``'s output
-format, the Ray options of ``simulate`` and ``experiment``, ... — live here, with the layer that
-uses them (docs/design.md#the-layout). :data:`SCHEMA` and :data:`TABLES` are the whole table:
-the model's knobs and these; :func:`parse` and :func:`knob` read from it.
+the research commands' (``train-local``, ``simulate``, ``experiment``) live with the harness
+they drive, ``starfed.simulations.research_knobs``; the options of the other commands —
+``server start``'s gateway limits, ``predict``'s output format, ... — live here, with the layer
+that uses them (docs/design.md#the-layout). :data:`SCHEMA` and :data:`TABLES` are the whole
+table: the model's knobs, the research commands' and these; :func:`parse` reads from it.
 
 Like ``starfed.shared.config``, this module imports nothing heavy.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 from starfed.shared import config
 from starfed.shared.addresses import parse_address
 from starfed.shared.knob import Knob, Value
-from starfed.shared.model.backbone_config import PAPER_VIT_TAGS
+from starfed.simulations.research_knobs import RESEARCH_KNOBS
 
-RUNTIMES = ("flower", "local")  # `starfed simulate --runtime` (docs/simulation.md)
-#: The commands that run Flower simulations on Ray: they take its options (--ray-address, ...).
-RAY_COMMANDS = ("simulate", "experiment")
 ISOLATIONS = ("process", "subprocess")  # `starfed server start --isolation`
 OUTPUT_FORMATS = ("csv", "json")  # `starfed predict --format`
 
 
-def _ray_address(address: str) -> None:
-    if any(c.isspace() for c in address) or address.startswith("ray://"):
-        raise ValueError("expected host:port of a Ray cluster's head (not a Ray Client ray://)")
-
-
-#: Group "command": each knob names its command(s); a command's table holds its own knobs
-#: (train-local's also the model's ``generative-replay``, in ``starfed.shared.config``).
+#: Group "command": each knob names its command.
 COMMAND_KNOBS: tuple[Knob, ...] = (
-    Knob(
-        "cache-dir",
-        str,
-        "",
-        'reuse decoded images across runs; "": no cache',
-        "command",
-        path=True,
-        command="train-local",
-    ),
-    Knob(
-        "download",
-        bool,
-        False,
-        "fetch the paper preset's weights from the hub",
-        "command",
-        command="train-local",
-    ),
-    Knob(
-        "vit-tag",
-        str,
-        "augreg_in21k",
-        "which ViT weights --download fetches",
-        "command",
-        choices=PAPER_VIT_TAGS,
-        command="train-local",
-    ),
-    Knob(
-        "classify-with-keys",
-        bool,
-        False,
-        "ablation: predict with the first-level keys alone "
-        "(evaluation only; a federation's: the starfed-keys baseline)",
-        "command",
-        command="train-local",
-    ),
-    Knob(
-        "threads",
-        int,
-        os.cpu_count() or 1,
-        "torch CPU threads",
-        "command",
-        ge=1,
-        command="train-local",
-    ),
-    Knob(
-        "runtime",
-        str,
-        "flower",
-        "where the apps run: flower (a SuperLink and Ray, as "
-        "deployed) or local (in this process, sites one after another: no start-up cost)",
-        "command",
-        choices=RUNTIMES,
-        command="simulate",
-    ),
-    Knob(
-        "runtime",
-        str,
-        "local",
-        "where the starfed cells' federations run: local (in each "
-        "cell's process: no start-up cost) or flower (a `starfed simulate` run per cell: a "
-        "SuperLink and Ray, --ray-address)",
-        "command",
-        choices=RUNTIMES,
-        command="experiment",
-    ),
-    Knob(
-        "resume",
-        str,
-        "",
-        "continue an interrupted simulation: its run folder (its own settings, saved there)",
-        "command",
-        path=True,
-        command="simulate",
-    ),
-    Knob(
-        "timeout",
-        float,
-        3600.0,
-        "seconds for the whole run (flower runtime; experiment: per cell)",
-        "command",
-        gt=0,
-        command=RAY_COMMANDS,
-    ),
-    Knob(
-        "gpus-per-client",
-        float,
-        0.0,
-        "GPU share of each simulated client (Flower's "
-        "client-resources-num-gpus; 0.25: four clients share a GPU; 0: clients see no GPU)",
-        "command",
-        ge=0,
-        command=RAY_COMMANDS,
-    ),
-    Knob(
-        "ray-address",
-        str,
-        "",
-        "an existing Ray cluster to run the simulated clients on "
-        "(the head's address, e.g. 10.0.0.1:6379; docs/simulation.md); empty: RAY_ADDRESS "
-        "when set, else a Ray instance of the run's own",
-        "command",
-        check=_ray_address,
-        command=RAY_COMMANDS,
-    ),
-    Knob(
-        "jobs",
-        int,
-        1,
-        "cells run at once, each in its own process (1: one after another), "
-        "each with its share of this machine's cores (OMP_NUM_THREADS, unless set)",
-        "command",
-        ge=1,
-        command="experiment",
-    ),
-    Knob(
-        "json",
-        bool,
-        False,
-        "print a JSON summary on stdout (the progress lines stay on stderr)",
-        "command",
-        command="experiment",
-    ),
     Knob("batch-size", int, 64, "images per forward pass", "command", ge=1, command="predict"),
     Knob("format", str, "csv", "output", "command", choices=OUTPUT_FORMATS, command="predict"),
     Knob(
@@ -275,8 +143,8 @@ COMMAND_KNOBS: tuple[Knob, ...] = (
     ),
 )
 
-#: Every knob: the model's and the commands'.
-SCHEMA: tuple[Knob, ...] = config.SCHEMA + COMMAND_KNOBS
+#: Every knob: the model's, the research commands' and the other commands'.
+SCHEMA: tuple[Knob, ...] = config.SCHEMA + RESEARCH_KNOBS + COMMAND_KNOBS
 #: Knob tables by where their values come from: Flower's configs, the environment, or one
 #: command's options (``TABLES["server start"]``).
 TABLES: dict[str, dict[str, Knob]] = config.tables(SCHEMA)
@@ -287,8 +155,3 @@ def parse(
 ) -> dict[str, Value]:
     """:func:`starfed.shared.config.parse` over every table, the commands' included."""
     return config.parse(raw, table, names, TABLES)
-
-
-def knob(key: str, convert: Callable[[Any], Any] | None = None, table: str = "run-config") -> Any:
-    """:func:`starfed.shared.config.knob` over every table, the commands' included."""
-    return config.knob(key, convert, table, TABLES)

@@ -22,7 +22,7 @@ from starfed.cli.flags import BACKBONE_FLAGS, add_command, parsed, same_name
 from starfed.ops.exit_codes import EXIT_OK
 from starfed.shared.knob import ConfigError, as_str
 from starfed.shared.model.backbone_options import BackboneOptions
-from starfed.shared.progress import counted
+from starfed.shared.progress import counted, percent_text
 
 COMMAND = "evaluate"
 FLAGS = (*BACKBONE_FLAGS, *same_name("plot"))
@@ -36,17 +36,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_switches(own, {"--json": "one JSON object on stdout"})
 
 
-def _percent(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
-
-
 def _print(result: dict) -> None:
     out = console()
     book = result["codebook"]
     out.print(
         f"codebook v{book['version']} ({counted(book['classes'], 'class')}) on {result['data']}: "
-        f"{counted(result['images'], 'image')} · accuracy {_percent(result['accuracy'])}% · prompt "
-        f"selection {_percent(result['selection_accuracy'])}%"
+        f"{counted(result['images'], 'image')} · accuracy {percent_text(result['accuracy'])}% · "
+        f"prompt selection {percent_text(result['selection_accuracy'])}%"
     )
     tasks = Table("task", "classes", "images", "accuracy %", "selection %", box=None)
     for t in result["tasks"]:
@@ -54,8 +50,8 @@ def _print(result: dict) -> None:
             str(t["step"]),
             str(t["classes"]),
             str(t["images"]),
-            _percent(t["accuracy"]),
-            _percent(t["selection_accuracy"]),
+            percent_text(t["accuracy"]),
+            percent_text(t["selection_accuracy"]),
         )
     out.print(tasks)
     classes = Table(
@@ -66,8 +62,8 @@ def _print(result: dict) -> None:
             Text(c["name"]),
             str(c["step"]),
             str(c["images"]),
-            _percent(c["accuracy"]),
-            _percent(c["selection_accuracy"]),
+            percent_text(c["accuracy"]),
+            percent_text(c["selection_accuracy"]),
         )
     out.print(classes)
     if result["left_out"]:

@@ -41,7 +41,6 @@ from starfed.shared.knob import as_int, as_str
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import (
-    ALSO,
     CATCH_UP,
     CLASS_STEPS,
     CLASSIFY_WITH_KEYS,
@@ -50,6 +49,7 @@ from starfed.shared.protocol import (
     REPORT_RECORD,
     ROUND,
     STEP,
+    TRAVELLING,
     UPDATE_RECORD,
     WIRE_DTYPE,
     Phase,
@@ -160,7 +160,7 @@ def _build_site(run_id: int, node_id: int, run_config: dict, node_config: dict) 
 
 def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
     """The reply to one message: its records as (name, bytes) — an update, or the site's
-    report — then the update of each phase that travels with it (``ALSO``), named by its key.
+    report — then the update of each phase that travels with it (``TRAVELLING``), named by its key.
     The site's gate admits the message before anything is computed and records the reply
     before it is sent (``starfed.client.release_gate``).
 
@@ -182,7 +182,7 @@ def _request(
     header: dict[str, Any], phase: Phase, config: dict, state_dir: Path
 ) -> release_gate.Request:
     """What the message asks, as the site's gate sees it."""
-    also = [str(key) for key in config.get(ALSO, [])]
+    travelling = [str(key) for key in config.get(TRAVELLING, [])]
     return release_gate.Request(
         int(header["run-id"]),
         int(config[STEP]),
@@ -190,7 +190,7 @@ def _request(
         int(config.get(ROUND, 0)),
         str(config[FEDERATION_KEY]),
         str(config.get(WIRE_DTYPE, "float32")),
-        releases_of(phase, also, CATCH_UP in config),
+        releases_of(phase, travelling, CATCH_UP in config),
         server_certificate(state_dir),
     )
 
@@ -220,9 +220,9 @@ def _reply(site: Site, phase: Phase, config: dict, payload: bytes) -> tuple[list
         return [Outgoing(REPORT_RECORD, report.to_bytes(), scored, fields)], codebook.version
     update = site.run_phase(phase, codebook, step, round_index)
     records = [_update(UPDATE_RECORD, update, wire_dtype)]
-    for key in config.get(ALSO, []):
-        also = site.run_phase(Phase[str(key).upper()], codebook, step)
-        records.append(_update(also.phase.key, also, wire_dtype))
+    for key in config.get(TRAVELLING, []):
+        other = site.run_phase(Phase[str(key).upper()], codebook, step)
+        records.append(_update(other.phase.key, other, wire_dtype))
     return records, codebook.version
 
 

@@ -177,8 +177,8 @@ class SitePolicy:
         return None
 
 
-def releases_of(phase: Phase, also: list[str], catch_up: bool) -> tuple[str, ...]:
-    """What a message of ``phase`` asks the site to release (``also``: the phases travelling
+def releases_of(phase: Phase, travelling: list[str], catch_up: bool) -> tuple[str, ...]:
+    """What a message of ``phase`` asks the site to release (``travelling``: the phases travelling
     with it): counts at the sync, the phase's fields, the evaluation; nothing for a catch-up."""
     if catch_up:
         return ()
@@ -186,7 +186,7 @@ def releases_of(phase: Phase, also: list[str], catch_up: bool) -> tuple[str, ...
         return (COUNTS,)
     if phase is Phase.EVALUATE:
         return (EVALUATION,)
-    phases = [phase, *(Phase[key.upper()] for key in also)]
+    phases = [phase, *(Phase[key.upper()] for key in travelling)]
     return tuple(name for p in phases for name in schema.trained_in(p))
 
 

@@ -63,12 +63,12 @@ from starfed.shared.config import ProtocolOptions
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import (
-    ALSO,
     CLASS_STEPS,
     PHASES,
     SPECS,
     STATISTICS,
     SYNC,
+    TRAVELLING,
     UPDATE_RECORD,
     ConfigValue,
     Phase,
@@ -458,13 +458,13 @@ class Coordinator:
     # --- messaging --------------------------------------------------------------------------
 
     def _config(
-        self, spec: PhaseSpec, state: PhaseState, also: list[str] | None = None
+        self, spec: PhaseSpec, state: PhaseState, travelling: list[str] | None = None
     ) -> dict[str, ConfigValue]:
         """The message config of a codebook phase: the protocol's (with the keys of the phases
-        that travel with it, ``also``), then the strategy's."""
+        that travel with it, ``travelling``), then the strategy's."""
         config = message_config(state.step, state.round, state.codebook, self.protocol.wire_dtype)
-        if also:
-            config[ALSO] = also
+        if travelling:
+            config[TRAVELLING] = travelling
         if spec.phase is Phase.EVALUATE:
             config[CLASS_STEPS] = [state.class_steps[name] for name in state.codebook.names]
         extra = self._configure(spec.phase, state.round, state)

@@ -14,10 +14,11 @@ defaults there) is written from the table: ``python -m starfed.shared.config --w
 pyproject.toml`` (``make pyproject``); ``--check`` is the CI check.
 
 One knob and the typed reading of its value are ``starfed.shared.knob``; the commands' own
-knobs (``server start``'s, ``predict``'s, ...) live with the commands
-(``starfed.cli.command_knobs``), which reads them with :func:`parse` and :func:`knob` over
-every table. This module imports nothing heavy: the command line validates with it before
-torch, data or Flower are loaded.
+knobs live with the commands (``starfed.simulations.research_knobs``: ``train-local``'s,
+``simulate``'s, ``experiment``'s; ``starfed.cli.command_knobs``: ``server start``'s,
+``predict``'s, ...), which read them with :func:`parse` and :func:`knob` over their tables.
+This module imports nothing heavy: the command line validates with it before torch, data or
+Flower are loaded.
 """
 
 from __future__ import annotations
@@ -541,8 +542,8 @@ SCHEMA: tuple[Knob, ...] = (
         gt=0,
         le=0.1,
     ),
-    # the model's own knob that one command sets (TrainConfig reads it; the other command
-    # options live with the commands: starfed.cli.command_knobs)
+    # the model's own knob that one command sets (TrainConfig reads it; the other command options
+    # live with the commands: starfed.simulations.research_knobs, starfed.cli.command_knobs)
     Knob(
         "generative-replay",
         bool,
@@ -606,7 +607,8 @@ def tables(schema: tuple[Knob, ...]) -> dict[str, dict[str, Knob]]:
     }
 
 
-#: The model's tables; with the commands' own: ``starfed.cli.command_knobs.TABLES``.
+#: The model's tables; with the commands' own: ``starfed.cli.command_knobs.TABLES``
+#: (the research commands' alone: ``starfed.simulations.research_knobs.TABLES``).
 TABLES = tables(SCHEMA)
 
 
@@ -619,7 +621,7 @@ def parse(
     """Typed values of every knob of ``table``: those in ``raw`` checked, the rest defaults.
 
     ``names`` says what the user typed for a key (a flag such as ``--tasks``), for the message;
-    ``tables``: the model's, or every one (``starfed.cli.command_knobs.TABLES``). A retired
+    ``tables``: the model's, or more (``starfed.cli.command_knobs.TABLES``: every one). A retired
     run-config key is read as its new one (``starfed.shared.retired_names``).
     """
     knobs = tables[table]

@@ -1,10 +1,11 @@
 """One knob: its key, type, allowed values, default and help, and the typed reading of a value.
 
 The machinery under every knob table (``starfed.shared.config``: the model's knobs;
-``starfed.cli.command_knobs``: the commands' own): how one raw value — a typed value, or text
-from a command line or an environment variable — becomes the knob's type or one
-:class:`ConfigError`, how code reads a parsed value as its type (``as_str``, ...), and the
-checks of path knobs (``existing_file``, ``existing_dir``, ``writable_dir``).
+``starfed.simulations.research_knobs`` and ``starfed.cli.command_knobs``: the commands' own):
+how one raw value — a typed value, or text from a command line or an environment variable —
+becomes the knob's type or one :class:`ConfigError`, how code reads a parsed value as its type
+(``as_str``, ...), and the checks of path knobs (``existing_file``, ``existing_dir``,
+``writable_dir``).
 """
 
 from __future__ import annotations

@@ -40,6 +40,12 @@ def nan_to_none(value: object) -> object:
     return None if isinstance(value, float) and np.isnan(value) else value
 
 
+def percentage(part: int, whole: int) -> float:
+    """``part`` as a percentage of ``whole``: an accuracy from counts; NaN when there is nothing
+    to count (no test image), like every score here."""
+    return 100.0 * part / whole if whole else math.nan
+
+
 def final_average_accuracy(matrix: AccuracyMatrix) -> float:
     return _nanmean(matrix[-1]) if matrix else float("nan")
 

@@ -1,11 +1,12 @@
 """Output for people: the console every command prints through, progress bars for long loops,
-the federation's log lines on that console, and counts in words. One rule for width, here: a
-terminal is filled to its width; a file or a pipe has no width to fit, so nothing there is cut
-or wrapped (a script or a log reads whole class names, paths and fingerprints)."""
+the federation's log lines on that console, and counts and percentages in words. One rule for
+width, here: a terminal is filled to its width; a file or a pipe has no width to fit, so nothing
+there is cut or wrapped (a script or a log reads whole class names, paths and fingerprints)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -76,6 +77,12 @@ def counted(n: int, noun: str) -> str:
     if n == 1:
         return f"{n} {noun}"
     return f"{n} {noun}{'es' if noun.endswith(('s', 'x', 'ch', 'sh')) else 's'}"
+
+
+def percent_text(value: float | None) -> str:
+    """``41.67`` for a percentage in a table or a line; ``—`` where there is none (None, or NaN:
+    no test image)."""
+    return "—" if value is None or math.isnan(value) else f"{value:.2f}"
 
 
 @contextmanager

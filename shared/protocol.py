@@ -11,8 +11,8 @@ ClientApp registers a handler for each); how the server reduces the replies of a
 strategy's (``starfed.server.strategy``). docs/design.md#the-protocol shows the table.
 
 A phase that needs nothing the phase before it produced travels with that phase's last round
-(``travels_with``): the message's config names it (``ALSO``) and the site adds its update to the
-same reply, so the step costs one message less — each message waits for a deployed site's
+(``travels_with``): the message's config names it (``TRAVELLING``) and the site adds its update to
+the same reply, so the step costs one message less — each message waits for a deployed site's
 SuperNode to ask for work, every 3 s when idle (docs/benchmarks.md). The stage-1 statistics
 depend only on the frozen CLIP image features; they are sent on their own only when the step
 resumes after stage 1 was checkpointed without them.
@@ -131,9 +131,11 @@ SITE = "site"
 TASK = "task"
 TEST_IMAGES = "test-images"
 
-#: Message config key: the keys of the phases whose updates travel in this message's reply, each
-#: in a record named after its phase key (the message's own update is ``UPDATE_RECORD``).
-ALSO = "also"
+#: Message config key: the keys of the phases that travel with this message (``travels_with``),
+#: whose updates its reply carries, each in a record named after its phase key (the message's own
+#: update is ``UPDATE_RECORD``). The key is spelt "also" on the wire, as sites of earlier releases
+#: read it: the wire has no version to tell them a new spelling.
+TRAVELLING = "also"
 
 #: Sync-message config key of a catch-up part (``starfed.server.catch_up``): [the part's index,
 #: the number of parts, the classes of the whole codebook]. Such a ``query.sync`` message

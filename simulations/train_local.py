@@ -21,7 +21,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from starfed.cli.command_knobs import knob, parse
 from starfed.shared import progress
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
@@ -44,6 +43,7 @@ from starfed.shared.model.evaluation import evaluate_decoded
 from starfed.shared.model.features import clip_features
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig, learn_task
+from starfed.simulations.research_knobs import knob, parse
 
 CODEBOOK_FILE = "codebook.bin"
 COMMAND = "train-local"  # the table of the command's own knobs

@@ -1,5 +1,6 @@
 """Shared fixtures: small random codebooks with tiny dims for codebook and merge tests, and
-what in-process federation runs need around them (one torch thread, the site cache emptied)."""
+what in-process federation runs need around them (one torch thread, the site cache emptied);
+and each test's tier (``TIERS``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,62 @@ def pytest_configure(config: pytest.Config) -> None:
     child; a handler is reset to the default at exec, so the children can be interrupted."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+#: The test tiers (docs/start-here.md#one-test-of-each-kind), by module: a module not named here
+#: is ``unit``, and a test marked ``e2e`` is end to end wherever it lives. A ``slow`` test is in
+#: no quick loop: the unit tier leaves it out (``make test`` leaves out every one).
+TIERS = {
+    "meta": (
+        "test_layers",
+        "test_sizes",
+        "test_design_doc",
+        "test_retired_words",
+        "test_proto_generated",
+    ),
+    "inprocess": (
+        "test_adversarial",
+        "test_adversarial_alone",
+        "test_adversarial_sites",
+        "test_baselines",
+        "test_big_step",
+        "test_catch_up",
+        "test_dashboard",
+        "test_equivalence",
+        "test_experiment",
+        "test_faults",
+        "test_federation",
+        "test_gpu",
+        "test_inference",
+        "test_local_runtime",
+        "test_paper_dims",
+        "test_privacy",
+        "test_protocol",
+        "test_release_record",
+        "test_resume",
+        "test_server_status",
+        "test_site_policy",
+        "test_site_returns",
+        "test_train_local",
+    ),
+    "e2e": (
+        "test_adversarial_decode",
+        "test_adversarial_site_data",
+        "test_deploy_operator",
+        "test_flower_runs",
+        "test_locks",
+        "test_wheel",
+    ),
+}
+TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test gets its tier's marker, so that one tier is one ``-m``."""
+    for item in items:
+        tier = "e2e" if item.get_closest_marker("e2e") else TIER_OF.get(item.path.stem, "unit")
+        if tier != "unit" or not item.get_closest_marker("slow"):
+            item.add_marker(tier)
 
 
 FINGERPRINT = "ab" * 32

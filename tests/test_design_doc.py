@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from conftest import TIER_OF, TIERS
 from test_layers import IMPORTS
 
 from starfed.cli import build_parser
@@ -20,6 +21,7 @@ from starfed.shared.protocol import MESSAGES, PHASES, SYNC, Phase
 ROOT = Path(__file__).parent.parent
 NUMBERS = {4: "four", 5: "five", 6: "six"}
 DESIGN = (ROOT / "docs" / "design.md").read_text()
+START_HERE = (ROOT / "docs" / "start-here.md").read_text()
 
 
 def table_rows(heading: str) -> list[list[str]]:
@@ -150,8 +152,17 @@ def test_step_page_matches_the_pipeline() -> None:
 def test_start_here_names_files_of_the_tree() -> None:
     """docs/start-here.md, the first page, names only files that exist, and its step names
     the stages in the order of the step page."""
-    page = (ROOT / "docs" / "start-here.md").read_text()
-    paths = set(re.findall(r"\b((?:server|client|shared|simulations|cli|tests)/[\w/]+\.py)", page))
+    named = r"\b((?:server|client|shared|simulations|cli|tests)/[\w/]+\.py)"
+    paths = set(re.findall(named, START_HERE))
     assert len(paths) > 15 and [p for p in paths if not (ROOT / p).is_file()] == []
     stages = [row[0] for row in table_rows("### One step")]
-    assert "phase  " + " → ".join(stages) in page
+    assert "phase  " + " → ".join(stages) in START_HERE
+
+
+def test_the_test_tiers_name_modules_of_the_tree() -> None:
+    """docs/start-here.md's four tiers are ``tests/conftest.py``'s: each a marker registered in
+    pyproject.toml, each module it names a test module that exists."""
+    markers = (ROOT / "pyproject.toml").read_text()
+    for tier in ("unit", *TIERS):
+        assert f'"{tier}: ' in markers and f"`pytest -m {tier}`" in START_HERE, tier
+    assert [m for m in TIER_OF if not (ROOT / "tests" / f"{m}.py").is_file()] == []

@@ -142,12 +142,6 @@ WRONG_WAY = (
     ("starfed.ops", "starfed.client", "ops/ is what the server's and the sites' sides share"),
     ("starfed.simulations", "starfed.cli", "the command line reads the simulations, not back"),
 )
-#: Edges left to move with ``cli/command_knobs.py`` (the commands' knob table, into
-#: ``simulations/``), once the work on ``cli/`` in flight lands (issue 42).
-NOT_YET_MOVED = {
-    ("starfed.simulations.train_local", "starfed.cli.command_knobs"),
-    ("starfed.simulations.methods.single_site", "starfed.cli.command_knobs"),
-}
 #: A step's modules in the order its stages run (docs/design.md#one-step): each imports only
 #: those before it.
 STEP_STAGES = (
@@ -172,9 +166,7 @@ def test_no_edge_points_the_wrong_way():
         for module, targets in IMPORTS.items()
         for target in targets
         for importer, imported, why in WRONG_WAY
-        if _under(module, importer)
-        and _under(target, imported)
-        and (module, target) not in NOT_YET_MOVED
+        if _under(module, importer) and _under(target, imported)
     )
     backwards = sorted(
         f"{module} imports {target}, a later stage of the step"
@@ -293,9 +285,12 @@ def test_the_commands_knobs_live_with_the_commands():
     """The model's knob table (``shared/config.py``) holds the run config's, a node's and the
     environment's knobs, and of the commands' options only those the model's own options read
     (train-local's ``generative-replay``: ``TrainConfig``); every other command option lives
-    in the commands layer (``cli/command_knobs.py``), which nothing below it imports."""
+    in the commands layer — the research commands' with the harness they drive
+    (``simulations/research_knobs.py``), the others' in ``cli/command_knobs.py`` — which
+    nothing below it imports."""
     from starfed.cli import command_knobs
     from starfed.shared import config
+    from starfed.simulations import research_knobs
 
     model_reads = {
         key
@@ -305,6 +300,11 @@ def test_the_commands_knobs_live_with_the_commands():
     }
     in_the_model = {knob.key for knob in config.SCHEMA if knob.group == "command"}
     assert in_the_model == model_reads == {"generative-replay"}
-    assert set(command_knobs.SCHEMA) == set(config.SCHEMA) | set(command_knobs.COMMAND_KNOBS)
-    assert all(knob.group == "command" for knob in command_knobs.COMMAND_KNOBS)
-    assert _layer("starfed.cli.command_knobs") == LAYER_NAMES.index("commands")
+    own = research_knobs.RESEARCH_KNOBS + command_knobs.COMMAND_KNOBS
+    assert set(command_knobs.SCHEMA) == set(config.SCHEMA) | set(own)
+    assert all(knob.group == "command" for knob in own)
+    research = {c for knob in research_knobs.RESEARCH_KNOBS for c in knob.commands}
+    assert research == {"train-local", "simulate", "experiment"}
+    assert not research & {c for knob in command_knobs.COMMAND_KNOBS for c in knob.commands}
+    commands = LAYER_NAMES.index("commands")
+    assert _layer("starfed.cli.command_knobs") == _layer(research_knobs.__name__) == commands

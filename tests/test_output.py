@@ -1,11 +1,12 @@
-"""What people read: the console's width when piped, counts in words, the federation's log
-lines on a command's console, a negative forgetting explained, and Flower's SuperNode-count
-warning kept out of ``starfed simulate``'s output."""
+"""What people read: the console's width when piped, counts and percentages in words, the
+federation's log lines on a command's console, a negative forgetting explained, and Flower's
+SuperNode-count warning kept out of ``starfed simulate``'s output."""
 
 from __future__ import annotations
 
 import io
 import logging
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from starfed.ops.flower_runs import summarize
-from starfed.shared.metrics import SCORES_DOC, faa_text, forgetting_text
-from starfed.shared.progress import PIPED_WIDTH, console, counted, logged_to
+from starfed.shared.metrics import SCORES_DOC, faa_text, forgetting_text, percentage
+from starfed.shared.progress import PIPED_WIDTH, console, counted, logged_to, percent_text
 from starfed.simulations.simulate import filtered_stdout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +55,14 @@ def test_counted_says_one_in_the_singular() -> None:
     assert counted(2, "new class") == "2 new classes"
     assert counted(0, "site") == "0 sites"
     assert counted(1, "step") == "1 step"
+
+
+def test_a_percentage_from_counts_and_its_text() -> None:
+    """One home each: an accuracy from counts is NaN with nothing to count, and its text is a
+    dash for NaN or None (a score left out of JSON)."""
+    assert percentage(1, 8) == 12.5 and math.isnan(percentage(0, 0))
+    assert percent_text(100 / 3) == "33.33"
+    assert percent_text(percentage(0, 0)) == percent_text(None) == "—"
 
 
 def test_the_federations_lines_show_on_the_console_while_it_runs() -> None:

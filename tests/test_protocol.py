@@ -43,7 +43,7 @@ from starfed.shared.data.scenario import Scenario, ScenarioConfig
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.backbones import create_backbones
-from starfed.shared.protocol import ALSO, MESSAGES, ConfigValue, Phase
+from starfed.shared.protocol import MESSAGES, TRAVELLING, ConfigValue, Phase
 from starfed.simulations.local_grid import LocalGrid
 from starfed.simulations.simulated_sites import SimulatedSites
 
@@ -127,7 +127,7 @@ def recording(grid: LocalGrid, recorded: Recorded):
                 recorded.syncs[(step, node)] = sync
             else:
                 recorded.updates[(step, message_type, node)] = (data, sent.metadata.message_id)
-            for key in sent.content["config"].get(ALSO, []):
+            for key in sent.content["config"].get(TRAVELLING, []):
                 data = reply.content[key]["data"]
                 recorded.updates[(step, TYPE_OF[key], node)] = (data, sent.metadata.message_id)
         return reply

@@ -21,7 +21,7 @@ from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import parse
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
-from starfed.shared.protocol import ALSO, Phase
+from starfed.shared.protocol import Phase
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_updates_that_travel_with_a_message_come_back_in_the_same_reply(
         "round": 0,
         "wire-dtype": "float32",
         **lineage,
-        ALSO: ["stage1_stats"],
+        "also": ["stage1_stats"],  # TRAVELLING as the wire spells it, for servers of every release
     }
     header["run-config"] = {"preset": "tiny", "stage1-epochs": 1}
     payload = wire.encode(codebook.broadcast())

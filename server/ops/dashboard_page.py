@@ -19,7 +19,7 @@ from starfed.server.ops import status
 from starfed.server.ops.dashboard_plots import COLOURS, PLOTS, digest, step_label
 from starfed.server.ops.dashboard_state import PHASE_ORDER, RUNNING, State
 from starfed.shared.metrics import LABEL_EVERY_TASK, short_class_name
-from starfed.shared.progress import counted
+from starfed.shared.progress import counted, percent_text
 
 #: the hover text of a class one site brought alone (``status.ClassRow.single_site``)
 SINGLE_SITE = (
@@ -33,10 +33,6 @@ LIVE = "dashboard_live.html"
 def _dash(value: object) -> object:
     """A missing value as a dash, so an empty cell reads as "nothing", not as a gap."""
     return "—" if value is None or value == "" else value
-
-
-def _percent(value: float | None) -> str:
-    return "—" if value is None or value != value else f"{value:.2f}"
 
 
 def _mib(count: int) -> str:
@@ -57,7 +53,7 @@ def _environment() -> Environment:
     )
     env.filters.update(
         dash=_dash,
-        percent=_percent,
+        percent=percent_text,
         mib=_mib,
         short=short_class_name,
         counted=counted,

@@ -26,7 +26,7 @@ from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.deployment import class_steps, confidence_modulation
 from starfed.shared.data.images import DatasetError, decode_quietly, to_unit
 from starfed.shared.data.site_folder import class_key, folder_test_images
-from starfed.shared.metrics import nan_to_none
+from starfed.shared.metrics import nan_to_none, percentage
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.evaluation import ClassScores, group_scores, score_classes
 from starfed.shared.model.features import Views, clip_features
@@ -140,10 +140,6 @@ class LabelledImages:
         )
 
 
-def _percent(part: int, whole: int) -> float | None:
-    return 100.0 * part / whole if whole else None
-
-
 @dataclass
 class Evaluation:
     """A codebook scored on a folder of labelled test images."""
@@ -167,8 +163,10 @@ class Evaluation:
                 "step": self.steps[name] + 1,
                 "images": int(s.images[row]),
                 "correct": int(s.correct[row]),
-                "accuracy": _percent(int(s.correct[row]), int(s.images[row])),
-                "selection_accuracy": _percent(int(s.selection_hits[row]), int(s.selections[row])),
+                "accuracy": percentage(int(s.correct[row]), int(s.images[row])),
+                "selection_accuracy": percentage(
+                    int(s.selection_hits[row]), int(s.selections[row])
+                ),
             }
             for row, name in enumerate(self.names)
         ]
@@ -178,22 +176,27 @@ class Evaluation:
                 "step": step + 1,
                 "classes": int((group == step).sum()),
                 "images": int(s.images[group == step].sum()),
-                "accuracy": nan_to_none(by_task.accuracy[step]),
-                "selection_accuracy": nan_to_none(by_task.selection_accuracy[step]),
+                "accuracy": by_task.accuracy[step],
+                "selection_accuracy": by_task.selection_accuracy[step],
             }
             for step in sorted(set(self.steps.values()))
         ]
-        return {
-            "images": int(s.images.sum()),
-            "accuracy": _percent(int(s.correct.sum()), int(s.images.sum())),
-            "selection_accuracy": _percent(int(s.selection_hits.sum()), int(s.selections.sum())),
-            "classes": classes,
-            "tasks": tasks,
-            "left_out": self.left_out,
-            "unreadable": len(self.unreadable),
-            "unreadable_files": self.unreadable,
-            "confusion_matrix": self.confusion.tolist(),
-        }
+        # NaN (no test image) is None in JSON
+        return nan_to_none(
+            {
+                "images": int(s.images.sum()),
+                "accuracy": percentage(int(s.correct.sum()), int(s.images.sum())),
+                "selection_accuracy": percentage(
+                    int(s.selection_hits.sum()), int(s.selections.sum())
+                ),
+                "classes": classes,
+                "tasks": tasks,
+                "left_out": self.left_out,
+                "unreadable": len(self.unreadable),
+                "unreadable_files": self.unreadable,
+                "confusion_matrix": self.confusion.tolist(),
+            }
+        )
 
 
 def evaluate(codebook: Codebook, backbones: Backbones, folder: str | Path) -> Evaluation:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from starfed.cli.command_knobs import parse
 from starfed.client.answer import default_cache_dir
 from starfed.shared.knob import Values
 from starfed.simulations.methods import cell_run_config
+from starfed.simulations.research_knobs import parse
 from starfed.simulations.train_local import LocalRunOptions, run_local
 
 
