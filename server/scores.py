@@ -17,12 +17,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 
 from starfed.server.records import StepRecord, StepScores
-from starfed.shared.metrics import AccuracyMatrix
+from starfed.shared.metrics import AccuracyMatrix, percentage
 from starfed.shared.report import EvaluationReport
-
-
-def _percent(part: int, whole: int) -> float:
-    return 100.0 * part / whole if whole else math.nan
 
 
 def aggregate(
@@ -57,9 +53,9 @@ def aggregate(
                 counts[1] += score.correct
                 counts[2] += score.selection_hits
     for mine in sites.values():
-        mine["accuracy"] = _percent(mine["correct"], mine["images"])
-    accuracy = [_site_mean(g, lambda c: _percent(c[1], c[0])) for g in groups]
-    selection = [_site_mean(g, lambda c: _percent(c[2], c[0] * n_layers)) for g in groups]
+        mine["accuracy"] = percentage(mine["correct"], mine["images"])
+    accuracy = [_site_mean(g, lambda c: percentage(c[1], c[0])) for g in groups]
+    selection = [_site_mean(g, lambda c: percentage(c[2], c[0] * n_layers)) for g in groups]
     scored = [a for a in accuracy if not math.isnan(a)]
     mean = sum(scored) / len(scored) if scored else math.nan
     return StepScores(accuracy, selection, mean, sites, classes)
