@@ -83,7 +83,8 @@ def _group(name: str) -> set[str]:
 def test_each_group_of_knobs_is_read_by_its_options() -> None:
     assert _knobs_read(ScenarioConfig) == _group("scenario")
     assert _knobs_read(ProtocolOptions) == _group("protocol")
-    assert _knobs_read(ScreeningOptions) == _group("screening")
+    # + the run's privacy: whether sites' rows carry noise is the run's word, never a reply's
+    assert _knobs_read(ScreeningOptions) == _group("screening") | {"privacy-epsilon"}
     # + train-local's single-site ablation (a federation's is its strategy, starfed-no-replay)
     assert _knobs_read(TrainConfig) == _group("training") | {"seed", "generative-replay"}
     assert _knobs_read(BackboneOptions) == _group("backbones") - {"device"}  # load(device)

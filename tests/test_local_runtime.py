@@ -10,9 +10,9 @@ run reports must be what the codebook it wrote does on the sites' test images.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,7 +28,7 @@ from starfed.shared.codebook import schema, wire
 from starfed.shared.config import parse
 from starfed.shared.inference.predict import evaluate
 from starfed.shared.model.backbone_options import BackboneOptions
-from starfed.shared.model.evaluation import ClassScores, group_scores
+from starfed.shared.model.evaluation import group_scores
 
 SMALL = [
     "--sites=2",
@@ -71,8 +71,9 @@ def test_local_runtime_runs_the_federation(local_run) -> None:
 def test_the_metrics_are_what_the_written_codebook_scores(local_run, monkeypatch) -> None:
     """The codebook the run wrote, exported as devices get it and scored by `starfed
     evaluate`'s scorer on each simulated site's test folder, gives each site's accuracy and,
-    pooled over the sites, the final rows of the accuracy and prompt-selection matrices; FAA
-    and forgetting follow from the matrix."""
+    averaged over the sites with test images of a step's classes (``server.scores``: one site,
+    one vote), the final rows of the accuracy and prompt-selection matrices; FAA and
+    forgetting follow from the matrix."""
     out, code, _ = local_run
     assert code == 0
     run = out / "local"
@@ -82,31 +83,26 @@ def test_the_metrics_are_what_the_written_codebook_scores(local_run, monkeypatch
     assert codebook.frozen == set(codebook.names)  # every class of the run frozen
     monkeypatch.setenv("STARFED_CACHE_DIR", str(out / "cache"))
     backbones = BackboneOptions.from_config(parse({})).load("cpu")  # refused if not the run's
-    pooled: ClassScores | None = None
+    per_site = []
     for site in metrics["sites"]:
         evaluation = evaluate(codebook, backbones, run / "sites" / site / "data")
         assert evaluation.left_out == {} and evaluation.unreadable == []
         scores = evaluation.scores
         accuracy = 100 * int(scores.correct.sum()) / int(scores.images.sum())
         assert accuracy == pytest.approx(metrics["site_accuracy"][site]), site
-        pooled = (
-            scores
-            if pooled is None
-            else ClassScores(
-                *(
-                    getattr(pooled, f.name) + getattr(scores, f.name)
-                    for f in dataclasses.fields(ClassScores)
-                )
-            )
-        )
-    assert pooled is not None
-    group = torch.tensor([evaluation.steps[name] for name in evaluation.names])
-    by_task = group_scores(pooled, group, metrics["steps"])
+        group = torch.tensor([evaluation.steps[name] for name in evaluation.names])
+        per_site.append(group_scores(scores, group, metrics["steps"]))
+
+    def site_mean(values: list[float]) -> float:
+        scored = [v for v in values if not math.isnan(v)]  # NaN: no test image of the step
+        return sum(scored) / len(scored)
+
+    steps = range(metrics["steps"])
     matrix = metrics["accuracy_matrix"]
-    assert by_task.accuracy == pytest.approx(matrix[-1])
-    assert by_task.selection_accuracy == pytest.approx(
-        metrics["prompt_selection_accuracy_matrix"][-1]
-    )
+    accuracy = [site_mean([s.accuracy[j] for s in per_site]) for j in steps]
+    assert accuracy == pytest.approx(matrix[-1])
+    selection = [site_mean([s.selection_accuracy[j] for s in per_site]) for j in steps]
+    assert selection == pytest.approx(metrics["prompt_selection_accuracy_matrix"][-1])
     assert metrics["final_average_accuracy"] == pytest.approx(sum(matrix[-1]) / len(matrix[-1]))
     assert metrics["final_forgetting"] == pytest.approx(matrix[0][0] - matrix[1][0])
 
