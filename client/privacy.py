@@ -9,7 +9,7 @@ most k, whatever the folder holds. Every release that can depend on an image is 
 mechanism recorded, by its noise multiplier, under the image's class in the site's ledger
 (``SiteMemory``, locked, so a restart never resets it):
 
-* the enrolment's image count of the class (once; later messages reuse it), noise × k; a class
+* the sync's image count of the class (once; later messages reuse it), noise × k; a class
   is announced only when that noisy count clears a threshold that a class of one unit clears
   with probability at most half the site's δ (Gaussian partition selection), so a class of one
   unit is hidden like any other fact about the unit;
@@ -307,7 +307,7 @@ class PrivateReleases:
         return units
 
     def counts(self, counts: Mapping[str, int]) -> tuple[list[ClassEntry], list[str]]:
-        """The enrolment's entries: each announced class's noisy count (drawn once, then
+        """The sync's entries: each announced class's noisy count (drawn once, then
         reused; a class whose count falls under the threshold is not announced, now or
         later), and the classes whose budget cannot afford even that."""
         entries, refused = [], []
@@ -341,7 +341,7 @@ class PrivateReleases:
     def plan(self, names: list[str], phase: Phase, round_index: int) -> dict[str, float | None]:
         """The noise multiplier of each class's release in ``phase`` (None: refused). A
         training phase is one release over all the classes; a class without a released count
-        is refused (its enrolment was)."""
+        is refused (its count at the sync was)."""
         ledger = self.memory.ledger()
         keys = {
             name: self.key(name, ledger)

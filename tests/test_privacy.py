@@ -262,7 +262,7 @@ def test_private_federation_stays_within_its_budget(cache_dir, tmp_path):
 
 
 def test_site_at_its_budget_refuses_and_the_federation_goes_on(cache_dir, tmp_path):
-    """site-0 spent its budget on every class before: it enrols with the counts it released
+    """site-0 spent its budget on every class before: it syncs with the counts it released
     then, refuses every release, and the server records refusals while site-1 trains."""
     z = accountant.noise_multiplier([], 5, CONFIG["privacy-epsilon"], RELEASE_DELTA)
     keys = [class_key(p.name) for p in (bundled_dataset_root() / "train").iterdir()]
