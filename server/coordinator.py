@@ -520,6 +520,8 @@ class Coordinator:
         return good
 
     def _logged(self, exchanges: list[Exchange]) -> None:
-        """The run's and the step's log of what was exchanged."""
+        """The run's and the step's log of what was exchanged; what failed, journaled in the
+        folder at once (`server status` during the step)."""
         self.log.exchanges.extend(exchanges)
         self.tally.exchanges.extend(exchanges)
+        self.federation.journal_failures(exchanges)

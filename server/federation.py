@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
@@ -37,12 +38,14 @@ from starfed.server.folder_files import (
     METRICS_FILE,
     PENDING_FILE,
     PREVIOUS_FILE,
+    STEP_FAILURES_FILE,
     STEP_FINDINGS_FILE,
     STEP_START_FILE,
     FederationError,
     HistoryLines,
     Identity,
     append_history,
+    append_step_failures,
     copy_atomic,
     is_manifest,
     read_quarantine,
@@ -52,13 +55,24 @@ from starfed.server.folder_files import (
     write_registry,
     write_step_findings,
 )
-from starfed.server.records import Checkpoint, Finding, Position, Registration, StepRecord, now
+from starfed.server.records import (
+    Checkpoint,
+    Exchange,
+    Finding,
+    Outcome,
+    Position,
+    Registration,
+    StepRecord,
+    now,
+)
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
 from starfed.shared.run_status import FAILED
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook is decoded, so
     # the folder's records can be read without it (`starfed server status`)
@@ -240,6 +254,7 @@ class Federation:
             else:
                 self._stored = self._start = self._save(STEP_START_FILE, codebook, self._stored)
             (self.root / STEP_FINDINGS_FILE).unlink(missing_ok=True)  # an earlier attempt's
+            (self.root / STEP_FAILURES_FILE).unlink(missing_ok=True)
 
     def register(self, names: list[str], step: int, brought: dict[str, list[str]]) -> None:
         """Record newly registered classes and which sites brought which class."""
@@ -280,6 +295,16 @@ class Federation:
         checkpoints, so that a crash loses none of a committed phase's (``step_findings``)."""
         with self._mid_step("the screening's findings ahead of its next checkpoint"):
             write_step_findings(self.root, step, findings)
+
+    def journal_failures(self, exchanges: Sequence[Exchange]) -> None:
+        """The step's failed and refused exchanges, journaled as they end so that `server
+        status` shows them while the step runs (``step-failures.jsonl``). For people only: a
+        write that fails is a warning, never the step's failure."""
+        told = [e for e in exchanges if e.failed or e.status.outcome is Outcome.REFUSED]
+        try:
+            append_step_failures(self.root, told)
+        except OSError as err:
+            logger.warning("could not journal the step's failures for `server status`: %s", err)
 
     def step_findings(self, step: int) -> list[Finding]:
         """What ``save_findings`` last kept for ``step``, none for another step. Written ahead

@@ -29,6 +29,9 @@ change scale's are ``server.change_scale``'s). The folder holds::
                       deletes an entry to let a site back in)
     step-findings.json  the screening's findings in the step in progress, written ahead of each
                       of its checkpoints: a resumed step keeps those of the phases it had done
+    step-failures.jsonl the step in progress's failed and refused exchanges, a line each as they
+                      happen, for `server status` while the step runs (the step's record keeps
+                      them all when it ends; nothing is resumed from this file)
     metrics.json      the federation's scores after the last server run (``server.app``)
 """
 
@@ -40,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from starfed.server.records import Finding, Registration, StepRecord
+from starfed.server.records import Exchange, Finding, Registration, StepRecord
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.schema import ModelDims
@@ -53,6 +56,7 @@ PREVIOUS_FILE = "previous.bin"
 CHECKPOINTS_DIR = "checkpoints"
 PENDING_FILE = "step-end.json"
 STEP_FINDINGS_FILE = "step-findings.json"
+STEP_FAILURES_FILE = "step-failures.jsonl"
 REGISTRY_FILE = "registry.json"
 HISTORY_FILE = "history.jsonl"
 METRICS_FILE = "metrics.json"
@@ -163,6 +167,31 @@ def write_step_findings(root: Path, step: int, findings: Sequence[Finding]) -> N
     """``step-findings.json``: what ``read_step_findings`` reads back."""
     value = {"step": step, "findings": [asdict(f) for f in findings]}
     write_atomic(root / STEP_FINDINGS_FILE, json.dumps(value, indent=1).encode())
+
+
+def append_step_failures(root: Path, exchanges: Sequence[Exchange]) -> None:
+    """Lines more in ``step-failures.jsonl``, appended and flushed as the exchanges end: a
+    journal for people, so an append (not an atomic rewrite) is enough; a line a crash tore is
+    skipped by the reader."""
+    if exchanges:
+        with (root / STEP_FAILURES_FILE).open("a") as out:
+            out.writelines(json.dumps(e.to_json()) + "\n" for e in exchanges)
+
+
+def read_step_failures(root: Path, step: int) -> list[Exchange]:
+    """The exchanges of ``step`` that ``append_step_failures`` journaled; lines that do not
+    read (torn by a crash, damaged) are skipped: the step's record is the account that counts."""
+    path = root / STEP_FAILURES_FILE
+    found = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                entry = Exchange.from_json(json.loads(line))
+            except (ValueError, TypeError, KeyError):
+                continue
+            if entry.step == step:
+                found.append(entry)
+    return found
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,9 @@ def test_status_of_a_finished_federation_without_a_server(root, capsys) -> None:
 
 
 def test_status_and_resume_of_a_step_left_running(root, capsys) -> None:
-    """Run 2 dies in stage 2, after farm-a claimed more images in stage 1 than its sync said:
-    the step is running, and the screening's finding so far shows before the step ends."""
+    """Run 2 dies in stage 2, after farm-a claimed more images in stage 1 than its sync said
+    and farm-b did not answer stage 1: the step is running, and the screening's finding and
+    the failed exchange so far show before the step ends."""
     site_folder(root / "farm-a", {"2026-06": CLASSES[4:5]})
 
     def overclaim(reply: Message) -> Message:
@@ -85,7 +86,14 @@ def test_status_and_resume_of_a_step_left_running(root, capsys) -> None:
         raise Crash
 
     with pytest.raises(Crash):
-        run_two_sites(root, {(1, "train.stage1"): overclaim, (1, "train.stage2"): crash})
+        run_two_sites(
+            root,
+            {
+                (1, "train.stage1"): overclaim,
+                (2, "train.stage1"): lambda reply: None,
+                (1, "train.stage2"): crash,
+            },
+        )
     server = str(root / "server")
     code, out, _ = starfed(capsys, "server", "status", "--dir", server, "--json")
     status = json.loads(out)
@@ -96,8 +104,11 @@ def test_status_and_resume_of_a_step_left_running(root, capsys) -> None:
     [finding] = [f for f in status["findings"] if f["step"] == 1]
     assert (finding["site"], finding["phase"], finding["action"]) == ("farm-a", "stage1", "capped")
     assert finding["name"] == CLASSES[4]
+    assert [e for e in status["errors"] if e["step"] == 1] == [
+        {"site": "farm-b", "step": 1, "phase": "stage1", "round": 0, "status": "no reply"}
+    ]
     code, out, _ = starfed(capsys, "server", "status", "--dir", server)
-    assert "step 2 RUNNING" in out and "capped" in out
+    assert "step 2 RUNNING" in out and "capped" in out and "no reply" in out
 
     # resume gets past "nothing to resume" and stops at the missing server (exit 1)
     code, out, err = starfed(capsys, "server", "resume", "--dir", server, "--json")

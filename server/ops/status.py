@@ -35,6 +35,7 @@ from starfed.server.folder_files import (
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
     FederationError,
+    read_step_failures,
 )
 from starfed.server.ops import sites, superlink
 from starfed.server.ops.layout import ServerFolder
@@ -312,6 +313,8 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
     metrics = root / METRICS_FILE
     run = _guarded(status, metrics, lambda: _read_metrics(metrics), None)
     unrecorded = _unrecorded(history, run[2]) if run else []
+    if checkpoint is not None and checkpoint.position.running:  # the step in progress, so far
+        unrecorded += read_step_failures(root, checkpoint.position.step)
     status.sites = _site_rows(history, (run[1], unrecorded) if run else None)
     recent = {r.step for r in history[-RECENT_STEPS:]}
     lately = [e for r in history if r.step in recent for e in r.exchanges] + unrecorded
