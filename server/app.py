@@ -29,7 +29,7 @@ from starfed.server.coordinator import Coordinator
 from starfed.server.federation import Federation
 from starfed.server.folder_files import METRICS_FILE, FederationError
 from starfed.server.messaging import SiteGrid
-from starfed.server.robust import robust
+from starfed.server.robust import with_merge
 from starfed.server.scores import accuracy_matrix, selection_matrix
 from starfed.server.screening import ScreeningOptions
 from starfed.server.step_records import RUN_END_LEVELS, RunLog
@@ -84,7 +84,7 @@ def run_server(
     started = time.perf_counter()
     values = parse(run_config)
     protocol = ProtocolOptions.from_config(values)
-    strategy = robust(strategy) if protocol.merge == "median" else strategy
+    strategy = with_merge(strategy, protocol.merge)
     folder = writable_dir(protocol.federation_dir or run_dir(values, run_id), "federation-dir")
     try:
         with folder_lock.locked(folder, f"server run {run_id}"):

@@ -4,8 +4,9 @@ starfed's strategy averages a class over its holders weighted by their examples,
 that holds a class with others moves it by its own rows as far as its weight allows — with
 consistent lies about its own data (docs/security.md), as far as it likes. When three or more
 sites hold a class, the coordinate-wise median of their rows ignores any one of them, whatever
-its count: ``merge = median`` (the default) makes this the default strategy, and ``robust``
-gives a baseline's strategy the same merge. Classes held by one or two sites, and every
+its count: ``merge = median`` (the default) makes this the default strategy, and
+``with_merge`` gives a baseline's strategy the same merge (``MERGE_STRATEGIES``: each value of
+the ``merge`` knob and its strategy). Classes held by one or two sites, and every
 mixture, merge as in ``MeanStrategy`` (the weighted mean).
 
 The median needs every row of the class at once, so unlike the streamed mean this strategy
@@ -65,22 +66,29 @@ class MedianStrategy(Strategy):
         return merge.result()
 
 
-def robust(strategy: Strategy | None) -> Strategy:
-    """``strategy`` (None: starfed's) merging with the median: a baseline that changes another
-    hook (``starfed.simulations.methods``) is then compared with starfed at the same merge. Its
-    class is subclassed under its own name (metrics.json names the baseline; the estimator is
-    the protocol's ``merge``). A strategy with a ``merge`` of its own is refused."""
+#: Each value of the ``merge`` knob (``shared.config.MERGES``) and the strategy it names: a new
+#: merge rule is a line here, and ``run_server`` (``server/app.py``) needs no change.
+MERGE_STRATEGIES: dict[str, type[Strategy]] = {"mean": MeanStrategy, "median": MedianStrategy}
+
+
+def with_merge(strategy: Strategy | None, merge: str) -> Strategy:
+    """``strategy`` (None: starfed's) merging by the protocol's ``merge``: a baseline that
+    changes another hook (``starfed.simulations.methods``) is then compared with starfed at the
+    same merge. With ``mean`` a strategy keeps its own ``merge``; with another value its class
+    is subclassed under its own name (metrics.json names the baseline; the estimator is the
+    protocol's ``merge``), and a strategy with a ``merge`` of its own is refused."""
+    chosen = MERGE_STRATEGIES[merge]
     if strategy is None:
-        return MedianStrategy()
-    if isinstance(strategy, MedianStrategy):
+        return chosen()
+    if chosen is MeanStrategy or isinstance(strategy, chosen):
         return strategy
     cls = type(strategy)
     if cls.merge is not MeanStrategy.merge:
         raise ConfigError(
-            f"merge = median: {cls.__qualname__} merges its own way; set merge = mean"
+            f"merge = {merge}: {cls.__qualname__} merges its own way; set merge = mean"
         )
     names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    variant_class: type[Strategy] = type(cls.__name__, (MedianStrategy, cls), names)
+    variant_class: type[Strategy] = type(cls.__name__, (chosen, cls), names)
     variant = variant_class.__new__(variant_class)
     variant.__dict__.update(vars(strategy))
     return variant

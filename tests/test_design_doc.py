@@ -159,6 +159,17 @@ def test_start_here_names_files_of_the_tree() -> None:
     assert "phase  " + " → ".join(stages) in START_HERE
 
 
+def test_start_heres_recipes_name_what_their_files_define() -> None:
+    """Each name the page's recipes put in backticks (``MERGE_STRATEGIES``, ``_baseline_run``,
+    ...) is a word of the files the recipe names: a rename that leaves the page behind fails."""
+    named = r"\b((?:server|client|shared|simulations|cli|tests)/[\w/]+\.py)"
+    for recipe in ("## Add a merge rule", "## Add a baseline"):
+        section = START_HERE.split(recipe, 1)[1].split("\n## ", 1)[0]
+        text = "".join((ROOT / p).read_text() for p in set(re.findall(named, section)))
+        names = set(re.findall(r"`@?([A-Za-z_]\w*)(?:\(.*?\))?`", section))
+        assert names and [n for n in names if not re.search(rf"\b{n}\b", text)] == [], recipe
+
+
 def test_the_test_tiers_name_modules_of_the_tree() -> None:
     """docs/start-here.md's four tiers are ``tests/conftest.py``'s: each a marker registered in
     pyproject.toml, each module it names a test module that exists."""

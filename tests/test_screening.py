@@ -14,13 +14,14 @@ import torch
 from starfed.server.change_scale import FILE, ChangeScale
 from starfed.server.field_bounds import PhaseScreen, reference_size
 from starfed.server.records import Exchange
-from starfed.server.robust import MedianStrategy, robust
+from starfed.server.robust import MERGE_STRATEGIES, MedianStrategy, with_merge
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.config import MERGES
 from starfed.shared.knob import ConfigError
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import PRIVACY_EPSILON, Phase
@@ -74,10 +75,10 @@ def test_the_median_of_three_holders_ignores_one_outlier(make_codebook) -> None:
 def test_a_baseline_merges_with_the_median_by_default_and_keeps_its_own_hooks() -> None:
     """``merge = median`` (the default) gives a baseline's strategy the median merge, so it
     differs from starfed only in the hook it changes; it keeps its name (metrics.json)."""
-    assert type(robust(None)) is MedianStrategy
+    assert type(with_merge(None, "median")) is MedianStrategy
     median = MedianStrategy()
-    assert robust(median) is median
-    baseline = robust(NoReplay())
+    assert with_merge(median, "median") is median
+    baseline = with_merge(NoReplay(), "median")
     assert isinstance(baseline, NoReplay) and isinstance(baseline, MedianStrategy)
     assert baseline.replay.__func__ is NoReplay.replay and baseline.merge is MedianStrategy.merge
     assert f"{type(baseline).__module__}.{type(baseline).__qualname__}" == (
@@ -90,7 +91,25 @@ def test_a_baseline_merges_with_the_median_by_default_and_keeps_its_own_hooks() 
             raise AssertionError("not called")
 
     with pytest.raises(ConfigError, match=r"^merge = median: .*OwnMerge merges its own way"):
-        robust(OwnMerge())
+        with_merge(OwnMerge(), "median")
+
+
+def test_every_value_of_the_merge_knob_names_a_strategy_and_mean_keeps_a_baselines_own() -> None:
+    """``MERGE_STRATEGIES`` is the one place a merge rule is chosen (``run_server``): each of the
+    knob's values, in its order; ``mean`` leaves a baseline's strategy as it is, merge and all."""
+    assert tuple(MERGE_STRATEGIES) == MERGES
+    for merge, cls in MERGE_STRATEGIES.items():
+        assert type(with_merge(None, merge)) is cls
+    no_replay = NoReplay()
+    assert with_merge(no_replay, "mean") is no_replay
+
+    class OwnMerge(Strategy):
+        @staticmethod
+        def merge(updates, state):
+            raise AssertionError("not called")
+
+    own = OwnMerge()
+    assert with_merge(own, "mean") is own
 
 
 def test_counts_are_capped_by_the_sync_and_the_share_of_the_others(make_codebook) -> None:
