@@ -264,8 +264,8 @@ class Federation:
             return
         if self._kept is None:
             self._kept = self._follow(kept[-1], self._stored)
-        shared = store.referenced(kept)
-        if shared is None or {self._stored.ref.base, self._stored.ref.log} & shared:
+        shared = store.referenced(kept) or set()  # None: one does not read (``check`` says)
+        if {self._stored.ref.base, self._stored.ref.log} & shared:
             self._stored = None
 
     def _follow(self, path: Path, current: Stored) -> Stored | None:

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import uuid
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, Message, RecordDict
 from in_process import TINY_RUN, run_grid
 from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
 from starfed.client.memory import CODEBOOK_FILE
+from starfed.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server import catch_up
 from starfed.server.federation import Federation
+from starfed.server.participants import Participants
 from starfed.shared.codebook import parts, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.held import STAGING_DIR, HeldCodebook
@@ -221,6 +225,54 @@ def test_the_nodes_behind_are_those_whose_broadcast_passes_a_part(
     held = {1: codebook.version, 2: 0, 3: codebook.version - 1, 4: newer.version}
     # 1: the delta of one class fits; 2: nothing held; 3: every class changed since; 4: current
     assert catch_up.behind(newer, held, [1, 2, 3, 4], "float32") == [2, 3]
+
+
+class HeldGrid:
+    """A site that answers every catch-up part and, after the last, holds the codebook sent."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def get_node_ids(self) -> list[int]:
+        return [1]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        replies = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as a grid's push does
+            index, count, _ = message.content["config"][CATCH_UP]
+            held = str(self.version if index == count - 1 else 0).encode()
+            content = RecordDict({HELD: ConfigRecord({RECORD_DATA: held})})
+            replies.append(Message(content, reply_to=message))
+        return replies
+
+
+def test_catch_ups_past_the_first_completed_one_are_findings_and_capped(
+    codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site caught up, then claiming again to hold nothing: its second catch-up is a finding,
+    and a third in the step is refused (it sits the phase out, nothing sent)."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)  # what a ServerApp's process has
+    participants, ledger = Participants(node_ids=[1], sites={1: "farm-b"}), catch_up.Ledger()
+
+    def before_phase() -> catch_up.CaughtUp:
+        participants.set_version(1, None)  # it claims to hold nothing
+        grid = HeldGrid(codebook.version)
+        return catch_up.before_phase(
+            grid, codebook, participants, [1], 0, "float32", {1: "farm-b"}, 1.0, ledger
+        )
+
+    first = before_phase()
+    assert first.nodes == [1] and not first.findings and len(first.exchanges) == len(codebook)
+    assert participants.versions[1] == codebook.version
+    again = before_phase()
+    assert again.nodes == [1] and "behind again" in again.findings[1]
+    third = before_phase()
+    assert third.nodes == [] and not third.exchanges
+    assert third.findings[1] == "refused a catch-up: 2 already in step 1"
 
 
 # --- through the real apps ------------------------------------------------------------------
