@@ -207,6 +207,7 @@ def _reply(site: Site, phase: Phase, config: dict, payload: bytes) -> tuple[list
         held = str(site.memory.held_version(str(config[EPOCH_KEY]))).encode()
         return [Outgoing(HELD, held)], 0
     if phase is Phase.SYNC:
+        site.memory.held.drop_staging()  # a new step: a catch-up left unfinished is abandoned
         frozen = [str(name) for name in config.get(FROZEN, [])]
         update = site.sync(step, frozen, federation, str(config[EPOCH_KEY]))
         return [_update(UPDATE_RECORD, update, wire_dtype, (COUNTS,))], 0

@@ -11,7 +11,10 @@ parts and holds the codebook only after the last (``HeldCodebook.stage``); its l
 the version it now holds (``HELD``), and the phase's own message then carries the empty delta
 from it. A node that fails a part (an error, no reply, a part refused) leaves the catch-up and
 sits that phase out; the next phase starts its catch-up again from the first part, so a site
-that went away mid-way costs only a restart. The server encodes one part at a time.
+that went away mid-way costs only a restart. The server encodes one part at a time. A catch-up
+costs the whole codebook, so the step counts them (``Ledger``): a failed one, a site behind
+again after completing one, and one refused past ``CATCH_UPS_PER_STEP`` are screening findings
+(``CaughtUp.findings``), which count toward ``quarantine-after``.
 
 Costs: a catch-up sends the broadcast's bytes once per behind node, in ⌈bytes / PART_BYTES⌉
 messages; deciding who is behind is one pass over the classes' versions per phase.
@@ -19,8 +22,9 @@ messages; deciding who is behind is one pass over the classes' versions per phas
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from starfed.server.messaging import SiteGrid, exchange, message_config, reject
 from starfed.server.participants import Participants
@@ -36,6 +40,31 @@ from starfed.shared.protocol import (
     ROUND,
     SYNC,
 )
+
+#: Catch-ups one site may start in one step. An honest site needs one (it joined, or lost its
+#: state); a second restarts one that a lost part cut short. A site behind before every phase
+#: (issue 43, attack 7: one that claims again and again to hold an old codebook) would cost the
+#: server the whole codebook each time: past this it sits the phase out, with a finding.
+CATCH_UPS_PER_STEP = 2
+
+
+@dataclass
+class Ledger:
+    """One step's catch-ups: how many each node started, and the nodes that completed one."""
+
+    started: Counter[int] = field(default_factory=Counter)
+    completed: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class CaughtUp:
+    """What the catch-up before a phase did: the nodes to send the phase to, the log entry of
+    every part, and why each node that failed its catch-up, came back behind after completing
+    one, or passed ``CATCH_UPS_PER_STEP`` is a screening finding (node -> reason)."""
+
+    nodes: list[int]
+    exchanges: list[Exchange]
+    findings: dict[int, str]
 
 
 def behind(
@@ -64,18 +93,34 @@ def before_phase(
     dtype: str,
     sites: Mapping[int, str],
     timeout: float,
-) -> tuple[list[int], list[Exchange]]:
-    """Catch up the ``nodes`` of a phase that are ``behind`` (``send``), and note what each
-    holds after; the nodes to send the phase to — all but those that failed a part (they sit
-    the phase out, and start their catch-up again at the next) — and the log of every part."""
+    ledger: Ledger,
+) -> CaughtUp:
+    """Catch up the ``nodes`` of a phase that are ``behind`` (``send``), at most
+    ``CATCH_UPS_PER_STEP`` times each in the step (``ledger``), and note what each holds after;
+    the nodes to send the phase to — all but those behind that were not caught up (they sit
+    the phase out, and may start again at the next) — the log of every part, and the
+    findings."""
     late = behind(codebook, participants.versions, nodes, dtype)
-    if not late:
-        return list(nodes), []
-    caught, exchanges = send(grid, codebook, late, step, dtype, sites, timeout)
-    for node in late:
+    findings = {
+        node: f"behind again after completing a catch-up in step {step + 1}"
+        for node in late
+        if node in ledger.completed
+    }
+    sending = [node for node in late if ledger.started[node] < CATCH_UPS_PER_STEP]
+    for node in set(late) - set(sending):
+        findings[node] = f"refused a catch-up: {CATCH_UPS_PER_STEP} already in step {step + 1}"
+    ledger.started.update(sending)
+    caught, exchanges = (
+        send(grid, codebook, sending, step, dtype, sites, timeout) if sending else (set(), [])
+    )
+    for node in sending:
         participants.set_version(node, codebook.version if node in caught else None)
+    ledger.completed |= caught
+    for entry in exchanges:
+        if entry.failed:
+            findings.setdefault(entry.node_id, f"failed its catch-up at part {entry.round + 1}")
     left = set(late) - caught
-    return [node for node in nodes if node not in left], exchanges
+    return CaughtUp([node for node in nodes if node not in left], exchanges, findings)
 
 
 def send(

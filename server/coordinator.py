@@ -45,6 +45,7 @@ from starfed.server.field_bounds import Screened, screen_phase
 from starfed.server.messaging import Reply, SiteGrid, exchange, message_config
 from starfed.server.participants import Participants, new_classes, sync_config
 from starfed.server.records import (
+    REJECTED,
     Exchange,
     Outcome,
     PhaseRound,
@@ -63,6 +64,7 @@ from starfed.shared.config import ProtocolOptions
 from starfed.shared.model.backbones import Backbones
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import (
+    CATCH_UP_KEY,
     CLASS_STEPS,
     PHASES,
     SPECS,
@@ -143,6 +145,7 @@ class Coordinator:
         # the step's, made new by ``run_step``
         self.tally = StepTally()
         self.screen: Screen
+        self.catch_ups = catch_up.Ledger()
         self.configured: dict[PhaseRound, dict[str, ConfigValue]] = {}
 
     @property
@@ -195,6 +198,7 @@ class Coordinator:
         status, reason = COMPLETED, ""
         self.tally = StepTally()
         self.screen = Screen(self.screening, step, ChangeScale.read(self.federation.root))
+        self.catch_ups = catch_up.Ledger()
         self.configured = {}
         if SYNCED in self.position.done:
             self._restore_findings(step)
@@ -299,7 +303,7 @@ class Coordinator:
         up first (``catch_up.before_phase``), then the phase sent to each; the good replies. A
         site that answered holds the codebook it was sent."""
         state, spec = plan.state, plan.parts[0].spec
-        nodes, caught_up = catch_up.before_phase(
+        caught_up = catch_up.before_phase(
             self.grid,
             state.codebook,
             self.participants,
@@ -308,8 +312,14 @@ class Coordinator:
             self.protocol.wire_dtype,
             self._site_names(),
             self.protocol.timeout_s,
+            self.catch_ups,
         )
-        self._logged(caught_up)
+        self._logged(caught_up.exchanges)
+        names = self._site_names()
+        for node, why in caught_up.findings.items():  # a catch-up costs the whole codebook
+            self.screen.note(names.get(node, f"node-{node}"), CATCH_UP_KEY, 0, REJECTED, why)
+        self.participants.leave(self.screen.quarantined)
+        nodes = [node for node in caught_up.nodes if node in self.participants.node_ids]
         payload = self.participants.payloads(state.codebook, self.protocol.wire_dtype)
         return self._send(spec, state.step, state.round, plan.config, nodes, payload)
 

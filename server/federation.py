@@ -51,6 +51,7 @@ from starfed.server.folder_files import (
     read_quarantine,
     read_registry,
     read_step_findings,
+    temporaries,
     write_quarantine,
     write_registry,
     write_step_findings,
@@ -108,6 +109,7 @@ class Federation:
         self.registry: dict[str, Registration] = read_registry(self.root)
         self._stored: Stored | None = None  # codebook.bin's codebook as saved: saves follow it
         self._start: Stored | None = None  # step-start.bin's, when this run began the step
+        self._kept: Stored | None = None  # the newest step checkpoint's: its own base and log
         self._migrated = False
         self._whole: Codebook | None = None  # codebook.bin's codebook, read from a whole file
 
@@ -134,8 +136,16 @@ class Federation:
 
         try:
             return stored.load(self.root / name, fingerprint=self.fingerprint, dims=self.dims)
-        except CodebookError as err:
-            raise FederationError(f"{self.root / name}: {err}") from None
+        except (CodebookError, OSError) as err:  # OSError: a store file missing or unreadable
+            why = (
+                f"{err.filename} cannot be read ({err.strerror})"
+                if isinstance(err, OSError)
+                else err
+            )
+            raise FederationError(
+                f"{self.root / name}: {why}; `starfed server repair` restores the last good "
+                "checkpoint"
+            ) from None
 
     def _save(self, name: str, codebook: Codebook, since: Stored | None) -> Stored:
         """``codebook`` written as what changed since ``since``; its manifest ``name`` (the
@@ -251,10 +261,42 @@ class Federation:
                     self._stored is not None and self._stored.codebook.entries is codebook.entries
                 )
                 self._start = self._stored if same else None
+                self._part_from_kept()
             else:
                 self._stored = self._start = self._save(STEP_START_FILE, codebook, self._stored)
             (self.root / STEP_FINDINGS_FILE).unlink(missing_ok=True)  # an earlier attempt's
             (self.root / STEP_FAILURES_FILE).unlink(missing_ok=True)
+
+    def _part_from_kept(self) -> None:
+        """At a step's start, the step checkpoints' store and ``codebook.bin``'s kept apart: a
+        run that did not close the last step follows the newest checkpoint's store when it
+        holds this codebook (its close then appends the step's changes, not a new base); a
+        ``codebook.bin`` naming a checkpoint's store file (``repair`` restored it from there,
+        or a folder written before) is saved to a new base by the step's first checkpoint."""
+        identity = Identity(self.root, self.fingerprint, self.dims)
+        kept = [path for _, path in identity.step_checkpoints()]
+        if not kept or self._stored is None:
+            return
+        if self._kept is None:
+            self._kept = self._follow(kept[-1], self._stored)
+        shared = store.referenced(kept) or set()  # None: one does not read (``check`` says)
+        if {self._stored.ref.base, self._stored.ref.log} & shared:
+            self._stored = None
+
+    def _follow(self, path: Path, current: Stored) -> Stored | None:
+        """The step checkpoint ``path`` as stored, when it holds ``current``'s codebook (same
+        version and class lines); None when it does not, or does not read (``check`` names it)."""
+        try:
+            message = read_message(path)
+            lines = read_message(self.root / CODEBOOK_FILE)
+            ref = store.Ref.of(message.metadata)
+            if ref is None or (message.version, message.entries) != (lines.version, lines.entries):
+                return None
+            return replace(
+                current, ref=ref, base_bytes=(store.find_dir(path) / ref.base).stat().st_size
+            )
+        except (CodebookError, OSError):
+            return None
 
     def register(self, names: list[str], step: int, brought: dict[str, list[str]]) -> None:
         """Record newly registered classes and which sites brought which class."""
@@ -405,8 +447,19 @@ class Federation:
         running and the next run records it). What was done, None when nothing was. A folder
         whose codebook is missing is refused first (``codebook``), with nothing written."""
         self._has_codebook()
-        notes = [note for note in (self._recover_close(keep_steps), self._align_registry()) if note]
-        return "; ".join(notes) or None
+        notes = [self._recover_close(keep_steps), self._align_registry(), self._sweep()]
+        return "; ".join(note for note in notes if note) or None
+
+    def _sweep(self) -> str | None:
+        """Remove the temporary files of writes a crash cut short (the caller holds the
+        folder's lock: no write of another run is under way)."""
+        found = Identity(self.root, self.fingerprint, self.dims).temporary_files()
+        if not found:
+            return None
+        removed = temporaries(found, self.root)
+        for path in found:
+            path.unlink(missing_ok=True)
+        return f"removed {removed} that killed writes left"
 
     def _recover_close(self, keep_steps: int) -> str | None:
         path = self.root / PENDING_FILE
@@ -455,11 +508,15 @@ class Federation:
         (self.root / PENDING_FILE).unlink(missing_ok=True)
 
     def _keep_step(self, completed: int, keep_steps: int) -> None:
-        """``checkpoints/step-NNNN.bin``: the codebook after ``completed`` steps (a copy of
-        ``codebook.bin``); the oldest beyond ``keep_steps`` are pruned."""
-        folder = self.root / CHECKPOINTS_DIR
-        folder.mkdir(exist_ok=True)
-        copy_atomic(self.root / CODEBOOK_FILE, folder / f"step-{completed:04d}.bin")
+        """``checkpoints/step-NNNN.bin``: the codebook after ``completed`` steps, saved in a
+        base and log of its own, which ``codebook.bin`` never names (one damaged store file
+        never takes both: docs/federation.md, the codebook store): the step's changes appended
+        to the last kept step's log, or a new base (the first close of a run that did not start
+        the step, or one past ``stored.COMPACT_AT``); the oldest beyond ``keep_steps`` pruned."""
+        (self.root / CHECKPOINTS_DIR).mkdir(exist_ok=True)
+        codebook = self._stored.codebook if self._stored else self._load(CODEBOOK_FILE)[0]
+        name = f"{CHECKPOINTS_DIR}/step-{completed:04d}.bin"
+        self._kept = self._save(name, codebook, self._kept)
         identity = Identity(self.root, self.fingerprint, self.dims)
         kept = identity.step_checkpoints()
         for _, path in kept[: max(0, len(kept) - keep_steps) if keep_steps else 0]:

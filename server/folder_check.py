@@ -36,6 +36,7 @@ from starfed.server.folder_files import (
     Identity,
     read_registry,
     read_step_findings,
+    temporaries,
 )
 from starfed.server.records import Position, Registration, StepRecord
 from starfed.shared.codebook import store
@@ -47,8 +48,8 @@ from starfed.shared.run_status import COMPLETED, DEGRADED, FAILED
 class Depth(enum.Enum):
     """How far ``check`` reads the codebook files."""
 
-    HEADERS = "headers"  # frames of the manifests, store files present: ``status``, ~1 s
-    CHECKSUMS = "checksums"  # every store byte checksummed, class lines found: ``check``, ~2 s
+    HEADERS = "headers"  # frames of the manifests, store files present: ``server run``, ~0.1 s
+    CHECKSUMS = "checksums"  # every store byte checksummed, class lines: ``check``/``status``, ~2 s
     DECODE = "decode"  # every tensor decoded as a run would: ``check --deep``, ~15 s
 
 
@@ -83,8 +84,8 @@ def phase_marks() -> set[str]:
 def check(root: str | Path, *, depth: Depth = Depth.CHECKSUMS, kept: bool = True) -> Report:
     """Every file of the federation folder ``root``, its codebook files read to ``depth``;
     ``kept`` also reads the kept checkpoints (``previous.bin``, ``checkpoints/``). ``status``
-    reads headers only, not the kept ones: it answers in about a second, however large the
-    codebook and however many steps are kept. ``Depth.CHECKSUMS`` (``check``) finds every
+    checksums the current codebook's store, not the kept ones: it answers in about a second per
+    2 GB of codebook, however many steps are kept. ``Depth.CHECKSUMS`` (``check``) finds every
     flipped byte (each base and record is sha256-framed, and was validated before it was
     written); ``Depth.DECODE`` also decodes every tensor (needs torch)."""
     root = Path(root).expanduser()
@@ -95,6 +96,11 @@ def check(root: str | Path, *, depth: Depth = Depth.CHECKSUMS, kept: bool = True
         report.problems.append(str(err))
         return report
     _lock(report, root)
+    if found := federation.temporary_files():
+        report.notes.append(
+            f"{temporaries(found, root)} that killed writes left: the next run (or `starfed "
+            "server repair`) removes them"
+        )
     seen: dict = {}  # store pieces decoded so far: each is read once, however many share it
     names = _codebook(report, federation, depth, seen)
     registry = _registry(report, root)

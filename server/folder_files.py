@@ -48,6 +48,7 @@ from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
+from starfed.shared.progress import counted
 
 IDENTITY_FILE = "federation.json"
 CODEBOOK_FILE = "codebook.bin"
@@ -245,6 +246,14 @@ class Identity:
             path for _, path in self.step_checkpoints()
         ]
 
+    def temporary_files(self) -> list[Path]:
+        """What a write killed before its rename left (``write_atomic``'s ``.<name>.*.tmp``:
+        a whole codebook, for a new base): in the folder, its store and ``checkpoints/``. No
+        reader reads them; a run removes them under the lock (``Federation.recover``), ``check``
+        lists them."""
+        folders = (self.root, self.root / store.STORE_DIR, self.root / CHECKPOINTS_DIR)
+        return sorted(path for folder in folders for path in folder.glob(".*.tmp"))
+
     def kept_copies(self) -> list[Path]:
         """The manifests ``repair`` kept beside (``<name>.before-repair-<time>``)."""
         return sorted(self.root.glob("*.bin.before-repair-*"))
@@ -256,6 +265,18 @@ def is_manifest(path: Path) -> bool:
         return store.Ref.of(read_message(path).metadata) is not None
     except (CodebookError, OSError):
         return True
+
+
+def temporaries(paths: Sequence[Path], root: Path) -> str:
+    """``2 temporary files (41.9 MB: codebook-store/.base-….tmp, …)``: what
+    ``Identity.temporary_files`` found, for a line of ``check``, ``repair`` or a run."""
+    size = 0
+    for path in paths:
+        with contextlib.suppress(OSError):  # gone meanwhile: nothing to count
+            size += path.stat().st_size
+    shown = [str(path.relative_to(root)) for path in paths[:2]]
+    names = ", ".join(shown + ["…"] * (len(paths) > 2))
+    return f"{counted(len(paths), 'temporary file')} ({size / 1e6:.1f} MB: {names})"
 
 
 def copy_atomic(source: Path, target: Path) -> None:

@@ -31,6 +31,7 @@ from starfed.server.folder_files import (
     HISTORY_FILE,
     METRICS_FILE,
     PENDING_FILE,
+    PREVIOUS_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
     DamagedFile,
@@ -40,6 +41,7 @@ from starfed.server.folder_files import (
     read_registry,
     read_step_findings,
     registry_bytes,
+    temporaries,
 )
 from starfed.server.records import Position, Registration, StepRecord
 from starfed.shared.codebook import store
@@ -119,6 +121,11 @@ def plan(root: str | Path, to: int | None = None, *, depth: Depth = Depth.CHECKS
     else:
         position = Position.from_metadata(found.metadata)
         names = {entry.name for entry in found.entries}
+    previous = root / PREVIOUS_FILE
+    if previous.is_file() and good(previous) is None:  # it shared the damaged bytes
+        actions.append(
+            _aside(root, PREVIOUS_FILE, stamp, "damaged; the next checkpoint rewrites it")
+        )
     actions += _history(root, position, stamp)
     actions += _registry(root, position, names, stamp)
     return Plan(root, actions + _side_files(root, stamp), position)
@@ -149,6 +156,13 @@ def _side_files(root: Path, stamp: str) -> list[Action]:
     metrics = root / METRICS_FILE
     if metrics.is_file() and not _json_ok(metrics):
         actions.append(_aside(root, METRICS_FILE, stamp, "damaged; the next run rewrites it"))
+    if found := Identity.read(root).temporary_files():
+        actions.append(
+            Action(
+                f"remove {temporaries(found, root)} that killed writes left",
+                lambda: _remove(found),
+            )
+        )
     return actions
 
 
@@ -173,6 +187,11 @@ def _by_progress(paths: list[Path]) -> list[Path]:
             ((position.step, not position.running, len(position.done), message.version), path)
         )
     return [path for _, path in sorted(found, reverse=True)]
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def _json_ok(path: Path) -> bool:

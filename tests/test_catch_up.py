@@ -9,24 +9,30 @@ at the next phase, and it ends the step holding the server's codebook.
 from __future__ import annotations
 
 import itertools
+import shutil
+import uuid
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from flwr.app import ConfigRecord, Message, RecordDict
 from in_process import TINY_RUN, run_grid
 from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
 from starfed.client.memory import CODEBOOK_FILE
+from starfed.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server import catch_up
 from starfed.server.federation import Federation
+from starfed.server.participants import Participants
 from starfed.shared.codebook import parts, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.held import STAGING_DIR, HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
-from starfed.shared.protocol import CATCH_UP, CATCH_UP_KEY
+from starfed.shared.protocol import CATCH_UP, CATCH_UP_KEY, HELD, RECORD_DATA
 from starfed.simulations.local_grid import LocalGrid
 
 LINE = Lineage("fed-1", "epoch-a")
@@ -105,6 +111,24 @@ def test_a_codebook_in_parts_is_held_only_after_the_last_part(
     assert not (tmp_path / STAGING_DIR).exists()
     # the phase's message that follows: the empty delta from the version now held
     assert held.receive(codebook.delta(codebook.version)).version == codebook.version
+
+
+def test_an_abandoned_catch_up_leaves_nothing_on_the_site_disk(
+    tmp_path: Path, codebook: Codebook, small_parts: int
+) -> None:
+    """Parts staged for a catch-up the server gave up on, and an assembled file a killed site
+    left: dropped when the next step's sync (or a codebook) arrives (``drop_staging``)."""
+    plan = parts.plan(codebook)
+    held = HeldCodebook(
+        tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
+    )
+    for index in range(2):
+        held.stage(plan.encoded(index), index, len(plan.parts), len(codebook))
+    assembled = tmp_path / ".codebook.bin.assembled"
+    assembled.write_bytes(b"half")
+    assert len(list((tmp_path / STAGING_DIR).iterdir())) == 3  # staged.json and two parts
+    held.drop_staging()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def _out_of_order(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
@@ -203,6 +227,54 @@ def test_the_nodes_behind_are_those_whose_broadcast_passes_a_part(
     assert catch_up.behind(newer, held, [1, 2, 3, 4], "float32") == [2, 3]
 
 
+class HeldGrid:
+    """A site that answers every catch-up part and, after the last, holds the codebook sent."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def get_node_ids(self) -> list[int]:
+        return [1]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        replies = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as a grid's push does
+            index, count, _ = message.content["config"][CATCH_UP]
+            held = str(self.version if index == count - 1 else 0).encode()
+            content = RecordDict({HELD: ConfigRecord({RECORD_DATA: held})})
+            replies.append(Message(content, reply_to=message))
+        return replies
+
+
+def test_catch_ups_past_the_first_completed_one_are_findings_and_capped(
+    codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site caught up, then claiming again to hold nothing: its second catch-up is a finding,
+    and a third in the step is refused (it sits the phase out, nothing sent)."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)  # what a ServerApp's process has
+    participants, ledger = Participants(node_ids=[1], sites={1: "farm-b"}), catch_up.Ledger()
+
+    def before_phase() -> catch_up.CaughtUp:
+        participants.set_version(1, None)  # it claims to hold nothing
+        grid = HeldGrid(codebook.version)
+        return catch_up.before_phase(
+            grid, codebook, participants, [1], 0, "float32", {1: "farm-b"}, 1.0, ledger
+        )
+
+    first = before_phase()
+    assert first.nodes == [1] and not first.findings and len(first.exchanges) == len(codebook)
+    assert participants.versions[1] == codebook.version
+    again = before_phase()
+    assert again.nodes == [1] and "behind again" in again.findings[1]
+    third = before_phase()
+    assert third.nodes == [] and not third.exchanges
+    assert third.findings[1] == "refused a catch-up: 2 already in step 1"
+
+
 # --- through the real apps ------------------------------------------------------------------
 
 
@@ -225,7 +297,9 @@ class GarblingGrid(LocalGrid):
         return super()._deliver(message)
 
 
-def _run(tmp: Path, sites: dict[str, dict[str, list[str]]]) -> dict:
+def _run(
+    tmp: Path, sites: dict[str, dict[str, list[str]]], grid: type[LocalGrid] = GarblingGrid
+) -> dict:
     config = {**TINY_RUN, "max-steps": 1, "federation-dir": str(tmp / "federation")}
     nodes = {
         node: {
@@ -236,8 +310,7 @@ def _run(tmp: Path, sites: dict[str, dict[str, list[str]]]) -> dict:
         }
         for node, (name, tasks) in enumerate(sites.items(), start=1)
     }
-    grid = GarblingGrid(client_app.app, config, nodes, run_id=next(_run_ids))
-    return run_grid(grid, config)
+    return run_grid(grid(client_app.app, config, nodes, run_id=next(_run_ids)), config)
 
 
 def test_a_site_joining_late_catches_up_in_parts_and_recovers_from_a_garbled_part(
@@ -271,3 +344,50 @@ def test_a_site_joining_late_catches_up_in_parts_and_recovers_from_a_garbled_par
     held = HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook()
     _same(held, server)
     assert not (tmp_path / "farm-b-state" / STAGING_DIR).exists()
+
+
+# --- a site that claims an old codebook before every phase (issue 43, attack 7) ------------
+
+
+class StaleClaimGrid(LocalGrid):
+    """The local runtime, where node 2 receives every catch-up part and then claims to hold an
+    old version (its reply to the last part rewritten): it is behind again before every phase."""
+
+    def _deliver(self, message):  # type: ignore[no-untyped-def]
+        reply = super()._deliver(message)
+        config = message.content["config"]
+        last = CATCH_UP in config and config[CATCH_UP][0] == config[CATCH_UP][1] - 1
+        if reply is not None and message.metadata.dst_node_id == 2 and last:
+            reply.content[HELD] = ConfigRecord({RECORD_DATA: b"1"})
+        return reply
+
+
+@pytest.mark.adversarial
+def test_a_site_behind_before_every_phase_is_capped_found_and_quarantined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread
+) -> None:
+    """farm-b joins a federation of four classes and claims an old codebook after each
+    catch-up: it is caught up at most ``CATCH_UPS_PER_STEP`` times, each failed or refused
+    catch-up is a finding, and at ``quarantine-after`` (3) it is quarantined; farm-a's results
+    are those of the same step without farm-b."""
+    farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4]}
+    assert _run(tmp_path, {"farm-a": farm_a}, LocalGrid)["status"] == "completed"
+    size = one_class_parts(Federation.open(tmp_path / "federation").codebook(), slack=64)
+    monkeypatch.setattr(parts, "PART_BYTES", size)
+    alone = tmp_path / "alone"
+    shutil.copytree(tmp_path, alone)
+
+    sites = {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}
+    attacked = _run(tmp_path, sites, StaleClaimGrid)
+    baseline = _run(alone, {"farm-a": farm_a}, LocalGrid)
+    [step] = [s for s in Federation.open(tmp_path / "federation").history() if s.step == 1]
+    mine = [f for f in step.findings if f.site == "farm-b"]
+    assert [f.action for f in mine] == ["rejected"] * 3 + ["quarantined"], mine
+    assert {f.phase for f in mine[:3]} == {CATCH_UP_KEY}
+    assert "refused a catch-up" in mine[2].reason
+    caught = [e for e in attacked["exchanges"] if e["phase"] == CATCH_UP_KEY]
+    assert len({e["round"] for e in caught}) == 4  # four parts of one class each
+    assert len(caught) == catch_up.CATCH_UPS_PER_STEP * 4  # then no more
+    assert attacked["site_accuracy"]["farm-a"] == pytest.approx(
+        baseline["site_accuracy"]["farm-a"], abs=1.0
+    )

@@ -55,10 +55,10 @@ from starfed.server.ops import fleet_proxy
 from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Position
-from starfed.shared.codebook import wire
+from starfed.shared.codebook import store, wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
-from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, read_message
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.codebook.store import STORE_DIR
@@ -236,6 +236,96 @@ def test_a_damaged_codebook_makes_status_fail_and_repair_restores_it(
     assert finished_steps(root) == [0]
     next_task(root)
     assert run_two_sites(root)["steps"] == 2
+
+
+# --- a store file damaged, missing, or left half written ------------------------------------
+
+
+def store_files(path: Path) -> set[str]:
+    """The base and log the manifest at ``path`` names."""
+    ref = store.Ref.of(read_message(path).metadata)
+    assert ref is not None
+    return {ref.base, ref.log}
+
+
+def kept_store_files(root: Path) -> set[str]:
+    return set().union(*(store_files(path) for path in (folder(root) / "checkpoints").iterdir()))
+
+
+def final_accuracy(metrics: dict) -> list[float]:
+    """Each site's accuracy after the run's last step, in site order (percent)."""
+    return [metrics["site_accuracy"][site] for site in sorted(metrics["site_accuracy"])]
+
+
+def test_one_flipped_byte_in_the_current_base_keeps_the_last_completed_step(
+    root: Path, tmp_path: Path, capsys
+) -> None:
+    """Issue 43, attack 8: ``codebook.bin``'s base shares no byte with the kept step checkpoint,
+    so a flipped byte in it is DAMAGED in ``status`` and ``repair`` keeps step 1; the next
+    step's accuracy is the undamaged federation's."""
+    clean = tmp_path / "clean"
+    shutil.copytree(root, clean)
+    current = folder(root) / CODEBOOK_FILE
+    assert not store_files(current) & kept_store_files(root)
+    base = folder(root) / STORE_DIR / min(store_files(current))  # base-… sorts before log-…
+    data = bytearray(base.read_bytes())
+    data[len(data) // 2] ^= 1
+    base.write_bytes(bytes(data))
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server)
+    assert code == 1 and "DAMAGED    codebook.bin: " in out and "checksum mismatch" in out, out
+    code, out, _ = starfed(capsys, "server", "check", "--dir", server)
+    assert code == 1 and "codebook.bin: " in out and "checkpoints/" not in out, out
+    with pytest.raises(RunFailed, match=r"checksum mismatch.*`starfed server repair`"):
+        run_two_sites(root)
+    out = repaired(root, capsys)
+    assert "restore codebook.bin from checkpoints/step-0001.bin" in out, out
+    assert finished_steps(root) == [0]
+    for copy in (root, clean):
+        next_task(copy)
+    after, undamaged = run_two_sites(root), run_two_sites(clean)
+    assert after["steps"] == 2 and finished_steps(root) == [0, 1]
+    assert final_accuracy(after) == pytest.approx(final_accuracy(undamaged), abs=1.0)
+    assert not store_files(current) & kept_store_files(root)  # parted again after the repair
+
+
+def test_a_missing_base_is_one_line_naming_it_and_the_repair(root: Path, capsys) -> None:
+    base = min(store_files(folder(root) / CODEBOOK_FILE))
+    (folder(root) / STORE_DIR / base).unlink()
+    with pytest.raises(RunFailed) as failed:
+        run_two_sites(root)
+    line = str(failed.value)
+    assert "\n" not in line and base in line and "`starfed server repair`" in line, line
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server)
+    assert code == 1 and f"DAMAGED    codebook.bin: {STORE_DIR}/{base} is missing" in out, out
+    code, out, _ = starfed(capsys, "server", "check", "--dir", server)
+    assert code == 1 and f"codebook.bin: {STORE_DIR}/{base} is missing" in out, out
+    code, _, err = starfed(capsys, "server", "run", "--dir", server)
+    assert code == 1 and err.count("\n") == 1 and base in err and "repair" in err, err
+    assert "restore codebook.bin from checkpoints/step-0001.bin" in repaired(root, capsys)
+    assert finished_steps(root) == [0]
+
+
+def test_stale_temporary_files_are_listed_and_removed_under_the_lock(root: Path, capsys) -> None:
+    """A write killed between its temporary file and the rename (three SIGKILLs while a new
+    base was written) leaves whole temporary files: ``check`` and ``status`` list them,
+    ``repair`` and the next run remove them."""
+    codebook = (folder(root) / CODEBOOK_FILE).read_bytes()
+    for token in ("0a", "0b", "0c"):
+        name = f".base-000009-{token}.bin.x{token}.tmp"
+        (folder(root) / STORE_DIR / name).write_bytes(codebook)
+    (folder(root) / f".{CODEBOOK_FILE}.x0d.tmp").write_bytes(codebook)
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "check", "--dir", server)
+    assert code == 0 and "note: 4 temporary files (" in out and ".base-000009-0a" in out, out
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server)
+    assert "note       4 temporary files" in out, out
+    code, out, _ = starfed(capsys, "server", "repair", "--dir", server, "--dry-run")
+    assert code == 0 and "remove 4 temporary files" in out, out
+    next_task(root)
+    assert run_two_sites(root)["steps"] == 2
+    assert not list(folder(root).rglob("*.tmp"))
 
 
 # --- history.jsonl and registry.json damaged -------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from starfed.server import folder_check
 from starfed.server.folder_files import CODEBOOK_FILE, STEP_START_FILE
 from starfed.server.ops import sites, status
 from starfed.server.ops.layout import ServerFolder
@@ -218,7 +219,7 @@ class Reader:
             return self._state[1]
 
     def _read(self, now: float) -> State:
-        reading = status.read(self.folder, self.federation_dir)
+        reading = status.read(self.folder, self.federation_dir, folder_check.Depth.HEADERS)
         running = bool(reading.status.server.get("running"))
         if self._slow is None or now - self._slow.at >= SLOW_EVERY_S:
             self._slow = self._read_slow(now, running)

@@ -6,8 +6,9 @@ folder (``federation.json``, ``registry.json``, ``history.jsonl``, ``codebook.bi
 ``metrics.json``) and the server folder (``run.json``), plus Flower's node list when the server
 runs — so it works on a stopped server and answers in about a second. Each file is read on its
 own: one that cannot be read (damaged, mid-copy, unreadable) is named in ``unreadable`` and the
-rest is shown; the folder's own check (``server.folder_check``, without decoding tensors) lists
-its ``problems``, and a damaged folder makes ``status`` exit non-zero. The dashboard
+rest is shown; the folder's own check (``server.folder_check``: the current codebook's store
+checksummed, about a second per 2 GB, no tensor decoded) lists its ``problems``, and a damaged
+folder makes ``status`` exit non-zero. The dashboard
 (``starfed.server.ops.dashboard``) draws the same reading (:func:`read`), with the step records
 it came from.
 """
@@ -215,8 +216,14 @@ def gather(folder: ServerFolder, federation_dir: Path) -> Status:
     return status
 
 
-def read(folder: ServerFolder, federation_dir: Path) -> Reading:
-    """The folders' files only (no Flower, no process started): every file guarded."""
+def read(
+    folder: ServerFolder,
+    federation_dir: Path,
+    depth: folder_check.Depth = folder_check.Depth.CHECKSUMS,
+) -> Reading:
+    """The folders' files only (no Flower, no process started): every file guarded; the
+    current codebook's files read to ``depth`` (the dashboard, reading every second, reads
+    headers: ``status`` checksums them)."""
     status = Status(str(folder.root), str(federation_dir))
     status.logs = {
         "superlink": str(folder.superlink_log),
@@ -227,7 +234,7 @@ def read(folder: ServerFolder, federation_dir: Path) -> Reading:
     record = _guarded(status, folder.run_file, lambda: load(folder.run_file), None)
     status.server = _server(record)
     if (federation_dir / IDENTITY_FILE).is_file():  # a folder with no identity is a new one
-        report = folder_check.check(federation_dir, depth=folder_check.Depth.HEADERS, kept=False)
+        report = folder_check.check(federation_dir, depth=depth, kept=False)
         status.problems, status.notes = report.problems, report.notes
     try:  # the registered sites: a damaged sites.json is damage too (exit 1), not a detail
         sites.Registry.load(folder.sites_file)

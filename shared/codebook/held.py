@@ -108,7 +108,7 @@ class HeldCodebook:
             received = wire.decode_broadcast(
                 bytes(received), fingerprint=self.fingerprint, dims=self.dims
             )
-        self._staging().drop()  # a catch-up left unfinished is started again, if needed
+        self.drop_staging()  # a catch-up left unfinished is started again, if needed
         folder = self.path.parent / store.STORE_DIR
         if isinstance(received, Delta):
             held = self.codebook()
@@ -140,7 +140,7 @@ class HeldCodebook:
         Raises CodebookError (the staging dropped: the next catch-up starts again) for a part
         that does not decode, belongs to another codebook or comes out of order, or parts that
         do not make a valid codebook."""
-        assembled = self.path.with_name(f".{self.path.name}.assembled")
+        assembled = self._assembled()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self._staging().add(data, index, count, classes, assembled):
             return None
@@ -156,6 +156,16 @@ class HeldCodebook:
         self._held, self._stamp = codebook, (stat.st_mtime_ns, stat.st_size)
         return codebook
 
+    def drop_staging(self) -> None:
+        """Forget a catch-up's parts and its assembled file (up to twice the codebook on disk):
+        when a codebook or a step's sync arrives, a catch-up left unfinished is abandoned (the
+        server starts any new one from its first part)."""
+        self._staging().drop()
+        self._assembled().unlink(missing_ok=True)
+
+    def _assembled(self) -> Path:
+        return self.path.with_name(f".{self.path.name}.assembled")
+
     def _staging(self) -> parts.Staging:
         folder = self.path.parent / STAGING_DIR
         return parts.Staging(folder, fingerprint=self.fingerprint, dims=self.dims)
@@ -170,6 +180,6 @@ class HeldCodebook:
     def forget(self) -> None:
         """Hold nothing (the next message must carry the whole codebook)."""
         self.path.unlink(missing_ok=True)
-        self._staging().drop()
+        self.drop_staging()
         store.collect(self.path.parent / store.STORE_DIR, [])
         self._held, self._stored = None, None
