@@ -9,13 +9,14 @@ federation with farm-m honest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from site_folders import CLASSES
-from test_adversarial import STATISTICS, TOLERANCE, TRAINING, UPDATE_RECORDS, edit_update
-from test_adversarial_alone import federate, findings, scaled
+from test_adversarial import STATISTICS, TOLERANCE, UPDATE_RECORDS, edit_update
+from test_adversarial_alone import federate, findings
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.change_scale import ChangeScale
@@ -35,6 +36,18 @@ BUSY = {
     "farm-b": {"t1": [C0, B1], "t2": [X, B2]},
     "farm-m": {"t1": [C0, M1], "t2": [X, M2]},
 }
+
+
+def head_scaled(factor: float, names: set[str]) -> Callable[[pb.ClientUpdate], None]:
+    """Multiply the head row (``head_weight``) of the entries of ``names`` by ``factor``."""
+
+    def edit(message: pb.ClientUpdate) -> None:
+        for entry in message.entries:
+            if entry.name in names and entry.HasField("head_weight"):
+                array = np.frombuffer(entry.head_weight.data, np.float32) * factor
+                entry.head_weight.data = array.astype(np.float32).tobytes()
+
+    return edit
 
 
 def accuracy(tmp: Path) -> dict[str, float]:
@@ -59,12 +72,13 @@ def busy_honest(tmp_path_factory) -> dict[str, float]:
 
 
 def test_a_lone_holder_in_a_busy_phase_is_held_to_its_classs_history(tmp_path, busy_honest) -> None:
-    """Attack 1: farm-m alone holds M2, in a phase where three sites send; its M2 rows × 30
-    (about 29 × the class's size: under ``reference-bound``, 100, and under ``update-bound``
-    × the median over sites) were merged with no finding, and the honest sites' accuracy
-    fell. Every row is held to the scale of earlier steps × its class's size whatever the
-    number of senders: the rows are rejected, the others' accuracy is the honest run's."""
-    faults = {t: edit_update(scaled(30.0, {M2})) for t in TRAINING}
+    """Attack 1: farm-m alone holds M2, in a phase where three sites send; its M2 head row
+    × 30 (about 29 × the class's size: under ``reference-bound``, 100, and under
+    ``update-bound`` × the median over sites) was merged with no finding, and the honest
+    sites' accuracy fell. Every row is held to the scale of earlier steps × its class's size
+    whatever the number of senders: the row is rejected, the others' accuracy is the honest
+    run's."""
+    faults = {"train.stage2": edit_update(head_scaled(30.0, {M2}))}
     federate(BUSY, tmp_path, faults, **{"max-steps": 2})
     assert ChangeScale.read(tmp_path / "federation").reference("head_weight") is not None
     rejected = [f for f in findings(tmp_path) if f.action == "rejected"]

@@ -1,0 +1,150 @@
+"""Issue 43's attacks on honest sites' accuracy, each against the clean run, over seeds.
+
+Each attack is the one its test rebuilds (``tests/test_adversarial_accuracy.py``,
+``tests/test_adversarial_alone.py``, ``tests/test_adversarial.py``): three sites through the
+real ClientApp on the local runtime (``LocalGrid``, tiny backbones, the default merge), farm-m's
+replies edited as protobuf bytes. Per seed, each scenario runs once clean (farm-m honest) and
+once per attack; the row is each honest site's accuracy after the run (a rolled-back step
+leaves the step before's), its change against the clean run, the findings against farm-m and
+the run's status and wall. The goal (issue 43): no attack costs an honest site more than 5
+points unseen — an attack with findings is seen, one without must cost nothing.
+
+    python bench/attacks.py                         # seeds 1993 1994 1995, every attack
+    python bench/attacks.py --seeds 1993 --attacks 1 3
+    python bench/attacks.py --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import test_adversarial_accuracy as accuracy_tests
+from test_adversarial import (
+    STATISTICS,
+    TRAINING,
+    UPDATE_RECORDS,
+    claim_classes,
+    edit_update,
+)
+from test_adversarial_alone import LONE, X, federate, findings, scaled
+
+from starfed.proto import codebook_pb2 as pb
+from starfed.shared.protocol import PRIVACY_EPSILON
+
+HONEST = ("farm-a", "farm-b")
+
+
+def _private_scaled(message: pb.ClientUpdate) -> None:
+    """Attack 2: X's rows × 20 and the privacy key (ε 8) in the reply's metadata."""
+    scaled(20.0, {X})(message)
+    message.metadata[PRIVACY_EPSILON] = "8"
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One attack: its number in issue 43, its scenario (sites, steps), farm-m's faults."""
+
+    number: int
+    what: str
+    sites: dict
+    steps: int
+    faults: Callable[[], dict]
+
+
+ATTACKS = (
+    Attack(
+        1,
+        "lone holder in a busy phase, its class's head row x 30",
+        accuracy_tests.BUSY,
+        2,
+        lambda: {
+            "train.stage2": edit_update(accuracy_tests.head_scaled(30.0, {accuracy_tests.M2}))
+        },
+    ),
+    Attack(
+        2,
+        "lone sender, rows x 20 and the privacy key in its metadata",
+        LONE,
+        2,
+        lambda: {t: edit_update(_private_scaled) for t in TRAINING},
+    ),
+    Attack(
+        3,
+        "deflated mixtures (means x 1e-4, variances 1e-6)",
+        accuracy_tests.SHARED,
+        1,
+        lambda: {t: edit_update(accuracy_tests.deflate, UPDATE_RECORDS) for t in STATISTICS},
+    ),
+    Attack(
+        5,
+        "998 invented classes at the sync",
+        accuracy_tests.SHARED,
+        1,
+        lambda: {"query.sync": claim_classes(998)},
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    attack: int  # 0: the clean run
+    seed: int
+    accuracy: dict[str, float]
+    findings: int
+    status: str
+    wall_s: float
+
+
+def run(sites: dict, steps: int, seed: int, faults: dict, attack: int) -> Run:
+    with tempfile.TemporaryDirectory() as folder:
+        tmp = Path(folder)
+        start = time.perf_counter()
+        try:
+            federate(sites, tmp, faults, **{"max-steps": steps, "seed": seed})
+        except Exception as err:  # a rolled-back step: the metrics are written before
+            print(f"  run ended: {str(err)[:120]}", flush=True)
+        wall = time.perf_counter() - start
+        metrics = json.loads((tmp / "federation" / "metrics.json").read_text())
+        found = [f for f in findings(tmp) if f.site == "farm-m"]
+        accuracy = {site: metrics["site_accuracy"].get(site, float("nan")) for site in HONEST}
+        return Run(attack, seed, accuracy, len(found), str(metrics.get("status")), wall)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1993, 1994, 1995])
+    parser.add_argument("--attacks", type=int, nargs="+", default=[a.number for a in ATTACKS])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    chosen = [a for a in ATTACKS if a.number in args.attacks]
+    runs: list[Run] = []
+    for seed in args.seeds:
+        clean: dict[tuple[int, int], Run] = {}
+        for attack in chosen:
+            scenario = (id(attack.sites), attack.steps)
+            if scenario not in clean:
+                clean[scenario] = run(attack.sites, attack.steps, seed, {}, 0)
+                runs.append(clean[scenario])
+            got = run(attack.sites, attack.steps, seed, attack.faults(), attack.number)
+            runs.append(got)
+            base = clean[scenario]
+            change = {s: got.accuracy[s] - base.accuracy[s] for s in HONEST}
+            print(
+                f"seed {seed} attack {attack.number}: clean {base.accuracy} -> {got.accuracy} "
+                f"(change {change}), {got.findings} findings, {got.status}, {got.wall_s:.0f} s",
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+
+
+if __name__ == "__main__":
+    main()
