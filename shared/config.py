@@ -297,7 +297,7 @@ SCHEMA: tuple[Knob, ...] = (
     Knob(
         "max-step-classes",
         int,
-        200,
+        100,
         "new classes one step may bring over all sites: the server's replay trains them "
         "together, its cost growing with their square (the largest bringers sit the step out "
         "first)",
