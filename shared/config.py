@@ -221,8 +221,7 @@ SCHEMA: tuple[Knob, ...] = (
         float,
         100.0,
         "reject a row whose change is over this multiple of the class's own size before the "
-        "phase (its norm, at least the initialisation's 0.02 per element), however many sites "
-        "send the field (a lone sender's median is its own); 0: no bound",
+        "phase (its norm, at least 0.02 per element), whatever the senders; 0: no bound",
         "screening",
         ge=0,
     ),
@@ -230,11 +229,9 @@ SCHEMA: tuple[Knob, ...] = (
         "history-bound",
         float,
         20.0,
-        "also reject a row whose change is over this multiple of the scale of honest "
-        "changes in earlier "
-        "steps (the median change ÷ class size of each site, where 3 or more sites sent the "
-        "field; kept in the federation folder's change-scale.json) × the class's size; 0: no "
-        "bound",
+        "also reject a row whose change is over this multiple of the scale of honest changes "
+        "in earlier steps (the median change ÷ class size of each site, where 3 or more sites "
+        "sent the field; kept in change-scale.json) × the class's size; 0: no bound",
         "screening",
         ge=0,
     ),
@@ -243,9 +240,8 @@ SCHEMA: tuple[Knob, ...] = (
         float,
         1000.0,
         "reject mixture statistics whose variances or means are over this multiple of the "
-        "reference (the phase's median over sites, or the codebook's fitted mixtures), whose "
-        "means or E‖x‖² are under its inverse, or whose variances are below any fit's; 0: no "
-        "bound",
+        "reference (median over sites, or the codebook's fitted mixtures), means or E‖x‖² "
+        "under its inverse, or variances below any fit's; 0: no bound",
         "screening",
         ge=0,
     ),
@@ -298,9 +294,8 @@ SCHEMA: tuple[Knob, ...] = (
         "max-step-classes",
         int,
         100,
-        "new classes one step may bring over all sites: the server's replay trains them "
-        "together, its cost growing with their square (the largest bringers sit the step out "
-        "first)",
+        "new classes of one step over all sites (the server's replay costs their square; the "
+        "largest bringers sit the step out first)",
         "screening",
         ge=1,
     ),
