@@ -41,15 +41,17 @@ POINTS = ((28, 7), (100, 25), (400, 100), (1000, 250))
 NEW_PER_STEP = 4
 
 
-def aged_codebook(backbones: Backbones, classes: int) -> tuple[Codebook, Codebook]:
-    """Random values for ``classes`` classes, all but the step's last four frozen; and the
+def aged_codebook(
+    backbones: Backbones, classes: int, new: int = NEW_PER_STEP
+) -> tuple[Codebook, Codebook]:
+    """Random values for ``classes`` classes, all but the step's last ``new`` frozen; and the
     codebook before the step registered its classes."""
     codebook = random_codebook(backbones.dims, classes, n_components=5)
     entries = dict(codebook.entries)
     names = list(entries)
-    for name in names[: classes - NEW_PER_STEP]:
+    for name in names[: classes - new]:
         entries[name] = dataclasses.replace(entries[name], frozen=True)
-    past = {name: entries[name] for name in names[: classes - NEW_PER_STEP]}
+    past = {name: entries[name] for name in names[: classes - new]}
     return dataclasses.replace(codebook, entries=entries), dataclasses.replace(
         codebook, entries=past
     )
@@ -90,10 +92,16 @@ def shortened(config: TrainConfig, level: int, classes: int, step: int, cap: int
 
 
 def measure_level(
-    level: int, codebook: Codebook, backbones: Backbones, config: TrainConfig, step: int, cap: int
+    level: int,
+    codebook: Codebook,
+    backbones: Backbones,
+    config: TrainConfig,
+    step: int,
+    cap: int,
+    new: int = NEW_PER_STEP,
 ) -> dict:
     """One replay at one point: measured, or extrapolated from ``cap`` of its steps."""
-    classes, in_play = len(codebook), codebook.names[-NEW_PER_STEP:]
+    classes, in_play = len(codebook), codebook.names[-new:]
 
     def run(run_config: TrainConfig) -> tuple[float, float]:
         if level == 1:
@@ -126,19 +134,20 @@ def measure_point(
     step: int,
     caps: tuple[int, int],
     schedules: list[ReplaySchedule],
+    new: int = NEW_PER_STEP,
 ) -> list[dict]:
-    codebook, before = aged_codebook(backbones, classes)
-    in_play = codebook.names[-NEW_PER_STEP:]
+    codebook, before = aged_codebook(backbones, classes, new)
+    in_play = codebook.names[-new:]
     rows = []
     for schedule in schedules:
         config = TrainConfig(replay_schedule=schedule)
-        row = {"classes": classes, "step": step, "schedule": schedule.value}
+        row = {"classes": classes, "in_play": new, "step": step, "schedule": schedule.value}
         row["register_cpu_s"], _ = timed(
             lambda c=config: replay.register(before, in_play, backbones, c)
         )
         for level in (1, 2):
             row[f"level{level}"] = measure_level(
-                level, codebook, backbones, config, step, caps[level - 1]
+                level, codebook, backbones, config, step, caps[level - 1], new
             )
         row["replay_cpu_s"] = row["level1"]["cpu_s"] + row["level2"]["cpu_s"]
         row["replay_wall_s"] = row["level1"]["wall_s"] + row["level2"]["wall_s"]
@@ -169,6 +178,13 @@ def main() -> None:
         default="reference,bounded",
         help="replay-schedule values (default: %(default)s)",
     )
+    parser.add_argument(
+        "--in-play",
+        type=int,
+        default=NEW_PER_STEP,
+        help="the step's classes, the last of each point's (default: %(default)s; "
+        "max-step-classes bounds them)",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -184,7 +200,7 @@ def main() -> None:
         classes, step = (int(v) for v in point.split(":"))
         caps = (args.level1_cap, args.level2_cap)
         schedules = [ReplaySchedule(s) for s in args.schedules.split(",")]
-        rows += measure_point(backbones, classes, step, caps, schedules)
+        rows += measure_point(backbones, classes, step, caps, schedules, args.in_play)
     print(f"# load at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -257,12 +257,13 @@ class PhaseScreen:
             self._note(site, REJECTED, problem, cls)
 
     def _bound_changes(self, name: str, rows: list[Change]) -> None:
-        """Where ``MIN_SITES`` sites or more moved the field: ``update-bound`` × the median over
-        sites of their changes (and the kept rows are this step's observations of the scale of
-        honest changes). Where fewer did, their median is no bound (a lone sender's is its own
-        change): each row is held to the tighter of ``reference-bound`` × its class's own size
-        and ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (a
-        private run's to the first only: its noise is not the scale of training)."""
+        """Every row is held to the tighter of ``reference-bound`` × its class's own size and
+        ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (a private
+        run's to the first only: its noise is not the scale of training), whatever the number
+        of senders (``_bound_rows``). Where ``MIN_SITES`` sites or more moved the field, also to
+        ``update-bound`` × the median over sites of their changes (and the kept rows are this
+        step's observations of the scale of honest changes); where fewer did, their median is
+        no bound (a lone sender's is its own change)."""
         options = self.screen.options
         # Rows that did not move say nothing of how far training moves one: a site that holds
         # a single class of its task has a one-logit loss and sends its rows back unchanged,
@@ -272,8 +273,8 @@ class PhaseScreen:
         if not moved:
             return
         senders = len({site for site, _ in moved})
+        self._bound_rows(name, rows, senders)
         if senders < MIN_SITES:
-            self._bound_lone(name, rows, senders)
             return
         if options.update_bound:
             median = _by_site(moved)
@@ -306,10 +307,15 @@ class PhaseScreen:
         if len({site for site, _ in kept}) >= MIN_SITES:
             self.screen.observed.setdefault(name, []).extend(_site_medians(kept))
 
-    def _bound_lone(self, name: str, rows: list[Change], senders: int) -> None:
+    def _bound_rows(self, name: str, rows: list[Change], senders: int) -> None:
+        """Every row held to references no sender of the phase moves, whatever the number of
+        senders: a class one site alone holds in a phase where three send is that site's as
+        much as in a phase it sends alone (issue 43, attack 1)."""
         options = self.screen.options
         scale = self.screen.scale.reference(name)
-        sent_by = f"sent by {senders} site{'s' * (senders > 1)}: no median"
+        sent_by = f"sent by {senders} site{'s' * (senders > 1)}" + (
+            ": no median" if senders < MIN_SITES else ""
+        )
         for row in rows:
             site, size = row.site, row.size
             limits = []
@@ -358,13 +364,15 @@ class PhaseScreen:
         norm, what = self._mixture_reference(name, rows)
         variance = max(norm**2 / rows[0].dim, DEFAULT_REG)
         logger.debug(
-            "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g × %s, "
-            "E‖x‖² %.3g × norm², smallest variance %.3g (bound %g)",
+            "screening %s %s: largest variance %.3g × norm²/D, mean norm %.3g–%.3g × %s, "
+            "E‖x‖² %.3g–%.3g × norm², smallest variance %.3g (bound %g)",
             self.phase.key,
             name,
             max(r.variance for r in rows) / variance,
+            min(r.norm for r in rows) / max(norm, 1e-12),
             max(r.norm for r in rows) / max(norm, 1e-12),
             what,
+            min(r.moment for r in rows) / (variance * rows[0].dim),
             max(r.moment for r in rows) / (variance * rows[0].dim),
             min(r.smallest for r in rows),
             factor,
@@ -383,6 +391,16 @@ class PhaseScreen:
             elif row.moment > factor * variance * row.dim:
                 problem = (
                     f"{name} weighted E‖x‖² {row.moment:.3g}, over {factor:g} × "
+                    f"{variance * row.dim:.3g} (the reference mean norm²)"
+                )
+            # from below too: a mixture deflated towards zero (means of norm 10⁻⁴, variances
+            # at the floor) is as false as an inflated one and draws the replay's features of
+            # its class onto the origin (issue 43, attack 3)
+            elif row.norm < max(norm, 1e-12) / factor:
+                problem = f"{name} means of norm up to {row.norm:.3g}, under 1/{factor:g} of {what}"
+            elif row.moment < variance * row.dim / factor:
+                problem = (
+                    f"{name} weighted E‖x‖² {row.moment:.3g}, under 1/{factor:g} of "
                     f"{variance * row.dim:.3g} (the reference mean norm²)"
                 )
             if problem:

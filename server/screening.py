@@ -8,17 +8,20 @@ codebook outgrows what it can store and send. The ``Screen`` of a
 step holds each site to what it can show (docs/security.md):
 
 - **at the sync** (``sync``): a site name once per step, counts a class could have, a bounded
-  number of new classes per site and in all (``max-classes``: a codebook past one message
+  number of new classes per site, per step (``max-step-classes``: the server's replay trains
+  them together) and in all (``max-classes``: a codebook past one message
   reaches a site in parts, ``starfed.server.catch_up``); sites the operator's quarantine names
   sit out.
 - **in a codebook phase** (``PhaseScreen``, ``starfed.server.field_bounds``): the count of a
   row capped by what the site reported for that class at the sync (and, with
   ``max-class-share``, by its share of the class's sync counts); rows for classes it did not
   report rejected; a row whose change from the value the phase was sent with is beyond
-  ``update-bound`` times the phase's median change of that field (over the rows that changed)
-  rejected; mixtures whose variances or means are
-  over ``mixture-bound`` times the phase's medians (their E‖x‖², every component by its
-  weight, over it times the median norm²), or whose variances are below any fit's, rejected.
+  ``reference-bound`` (and ``history-bound`` × the scale of earlier steps) times its class's
+  size, or — where three or more sites send the field — ``update-bound`` times the median
+  change over sites, rejected; mixtures whose variances or means are over ``mixture-bound``
+  times the reference (their E‖x‖², every component by its weight, over it times the median
+  norm²), whose means or E‖x‖² are under its inverse, or whose variances are below any fit's,
+  rejected.
   The bounds are learned from the replies themselves, so a phase is read twice: a first pass
   measures every row, a second hands the screened updates on.
 - **in the evaluation** (``report``): a report of more images than the site said at the sync
@@ -36,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -75,6 +78,7 @@ class ScreeningOptions(Options):
     quarantine_persists: bool = knob("quarantine-persists")
     site_names: str = knob("site-names")
     max_new_classes: int = knob("max-new-classes")
+    max_step_classes: int = knob("max-step-classes")
     max_classes: int = knob("max-classes")
     # the run's own privacy setting, never a reply's word: whether sites' rows carry noise
     privacy_epsilon: float = knob("privacy-epsilon")
@@ -213,9 +217,10 @@ class Screen:
 
     def _bound_registration(self, accepted: list, codebook: Codebook) -> list:
         """Sites whose new classes exceed ``max-new-classes``, then — the largest bringers
-        first — those whose new classes would take the federation past ``max-classes``, are
-        rejected. A codebook past one message's limit is no bound: it reaches a site in parts
-        (``starfed.server.catch_up``)."""
+        first — those whose new classes would take the step past ``max-step-classes`` (the
+        server's replay trains a step's classes together: its cost grows with their square)
+        or the federation past ``max-classes``, are rejected. A codebook past one message's
+        limit is no bound: it reaches a site in parts (``starfed.server.catch_up``)."""
         known = {class_key(name) for name in codebook.names}
         limit = self.options.max_classes
         brings: dict[int, set[str]] = {}
@@ -231,15 +236,20 @@ class Screen:
                 continue
             brings[entry.node_id] = new
             kept.append((entry, update))
-        while len(known | set().union(*brings.values())) > limit:
-            node = max(brings, key=lambda n: (len(brings[n]), n))
-            entry = next(e for e, _ in kept if e.node_id == node)
-            self._reject(
-                entry,
-                f"its {len(brings.pop(node))} new classes would take the "
-                f"federation past {limit} classes (max-classes)",
-            )
-            kept = [(e, u) for e, u in kept if e.node_id != node]
+        step_limit = self.options.max_step_classes
+        kept = self._shed(
+            kept,
+            brings,
+            lambda new: len(new) <= step_limit,
+            f"the step past {step_limit} new classes (max-step-classes: the server's replay "
+            "trains a step's classes together)",
+        )
+        kept = self._shed(
+            kept,
+            brings,
+            lambda new: len(known | new) <= limit,
+            f"the federation past {limit} classes (max-classes)",
+        )
         for entry, update in kept:
             raw = update.metadata.get(TEST_IMAGES, "")
             test = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
@@ -248,6 +258,23 @@ class Screen:
         self.declared_total = Counter()
         for declared in self.declared.values():
             self.declared_total.update(declared.counts)
+        return kept
+
+    def _shed(
+        self,
+        kept: list[Decoded],
+        brings: dict[int, set[str]],
+        fits: Callable[[set[str]], bool],
+        past: str,
+    ) -> list[Decoded]:
+        """``kept`` without the sites, the largest bringers first (``brings``: node -> its new
+        class keys; each one rejected is taken out of it), whose new classes keep all of them
+        from fitting: one site's registrations cannot crowd out the others'."""
+        while not fits(set().union(*brings.values())):
+            node = max(brings, key=lambda n: (len(brings[n]), n))
+            entry = next(e for e, _ in kept if e.node_id == node)
+            self._reject(entry, f"its {len(brings.pop(node))} new classes would take {past}")
+            kept = [(e, u) for e, u in kept if e.node_id != node]
         return kept
 
     def _reject(self, entry, reason: str, site: str | None = None) -> None:

@@ -220,10 +220,8 @@ SCHEMA: tuple[Knob, ...] = (
         "reference-bound",
         float,
         100.0,
-        "where fewer than 3 sites send a field in a phase "
-        "(their median is no bound: a lone sender is its own), reject a row whose change is "
-        "over this multiple of the class's own size before the phase (its norm, at least the "
-        "initialisation's 0.02 per element); 0: no bound",
+        "reject a row whose change is over this multiple of the class's own size before the "
+        "phase (its norm, at least 0.02 per element), whatever the senders; 0: no bound",
         "screening",
         ge=0,
     ),
@@ -231,11 +229,9 @@ SCHEMA: tuple[Knob, ...] = (
         "history-bound",
         float,
         20.0,
-        "where fewer than 3 sites send a field, also reject a "
-        "row whose change is over this multiple of the scale of honest changes in earlier "
-        "steps (the median change ÷ class size of each site, where 3 or more sites sent the "
-        "field; kept in the federation folder's change-scale.json) × the class's size; 0: no "
-        "bound",
+        "also reject a row whose change is over this multiple of the scale of honest changes "
+        "in earlier steps (the median change ÷ class size of each site, where 3 or more sites "
+        "sent the field; kept in change-scale.json) × the class's size; 0: no bound",
         "screening",
         ge=0,
     ),
@@ -243,8 +239,9 @@ SCHEMA: tuple[Knob, ...] = (
         "mixture-bound",
         float,
         1000.0,
-        "reject mixture statistics whose variances or means are "
-        "over this multiple of the phase's median (and variances below any fit's); 0: no bound",
+        "reject mixture statistics whose variances or means are over this multiple of the "
+        "reference (median over sites, or the codebook's fitted mixtures), means or E‖x‖² "
+        "under its inverse, or variances below any fit's; 0: no bound",
         "screening",
         ge=0,
     ),
@@ -290,6 +287,15 @@ SCHEMA: tuple[Knob, ...] = (
         int,
         1000,
         "new classes one site may bring in one step (a site bringing more sits the step out)",
+        "screening",
+        ge=1,
+    ),
+    Knob(
+        "max-step-classes",
+        int,
+        100,
+        "new classes of one step over all sites (the server's replay costs their square; the "
+        "largest bringers sit the step out first)",
         "screening",
         ge=1,
     ),

@@ -41,6 +41,7 @@ TIERS = {
     ),
     "inprocess": (
         "test_adversarial",
+        "test_adversarial_accuracy",
         "test_adversarial_alone",
         "test_adversarial_sites",
         "test_baselines",

@@ -364,9 +364,16 @@ def claim_classes(n: int) -> Callable[[Message], Message]:
     ("n", "config", "why"),
     [
         (10_000, {}, "max-new-classes"),
+        # issue 43, attack 5: 998 invented classes, within max-new-classes and max-classes,
+        # made the server's replay of the step run for hours (past 834 s at 477d87e)
+        (998, {}, "(max-step-classes"),
         # past max-classes, the one bound in all: a codebook past one message is no bound any
         # more (it reaches a site in parts, tests/test_catch_up.py)
-        (18_000, {"max-new-classes": 20_000, "max-classes": 12_000}, "(max-classes)"),
+        (
+            18_000,
+            {"max-new-classes": 20_000, "max-step-classes": 20_000, "max-classes": 12_000},
+            "(max-classes)",
+        ),
     ],
 )
 def test_a_site_registering_thousands_of_classes_sits_the_step_out(

@@ -199,6 +199,38 @@ def test_a_lone_sender_is_held_to_the_scale_of_honest_changes_in_earlier_steps(
     assert "over 20 × the scale of honest changes in earlier steps" in reason, reason
 
 
+@pytest.mark.adversarial
+def test_a_lone_holder_in_a_busy_phase_is_held_to_the_scale_of_earlier_steps(
+    make_codebook,
+) -> None:
+    """Issue 43, attack 1: three sites send the field, m alone holds its class and moves it by
+    30 × the class's size — under ``reference-bound`` and under ``update-bound`` × the median
+    over sites, the only bound a busy phase had. Every row is held to ``history-bound`` × the
+    scale of earlier steps × its class's size, however many sites send; the others' honest
+    rows pass."""
+    codebook = make_codebook(n_classes=3)
+    shared, mine, other = codebook.names
+    scale = ChangeScale({"prompt": [0.1, 0.1, 0.1]}, through_step=0)
+    screen = Screen(ScreeningOptions(), step=1, scale=scale)
+    _synced(
+        screen,
+        codebook,
+        {"a": {shared: 10, other: 10}, "b": {shared: 10}, "m": {shared: 10, mine: 10}},
+    )
+    sent = codebook[mine].values["prompt"]
+    per_element = 30 * reference_size(sent) / sent.numel() ** 0.5
+    honest = 0.05 * reference_size(sent) / sent.numel() ** 0.5
+    phase = PhaseScreen(screen, Phase.STAGE1, 0, codebook)
+    phase.observe("a", _update(codebook, {shared: (honest, 10), other: (honest, 10)}))
+    phase.observe("b", _update(codebook, {shared: (honest, 10)}))
+    phase.observe("m", _update(codebook, {shared: (honest, 10), mine: (per_element, 10)}))
+    phase.decide()
+    assert [(f.site, f.name) for f in screen.findings] == [("m", mine)]
+    (reason,) = [f.reason for f in screen.findings]
+    assert "over 20 × the scale of honest changes in earlier steps" in reason, reason
+    assert "sent by 3 sites)" in reason
+
+
 @pytest.mark.parametrize("epsilon", [0.0, 1.0])
 def test_a_private_runs_rows_add_nothing_to_the_scale_of_honest_changes(
     make_codebook, epsilon
@@ -248,6 +280,7 @@ def test_rows_sent_back_unchanged_do_not_set_the_bound(make_codebook) -> None:
     [
         (ScreeningOptions(max_new_classes=5), 6, "at most 5 per site and step"),
         (ScreeningOptions(max_classes=4), 5, "past 4 classes (max-classes)"),
+        (ScreeningOptions(max_step_classes=4), 4, "the step past 4 new classes (max-step"),
     ],
 )
 def test_registration_is_bounded_per_site_and_in_all(make_codebook, options, claimed, why) -> None:
@@ -264,15 +297,17 @@ def test_registration_is_bounded_per_site_and_in_all(make_codebook, options, cla
 def test_registration_past_one_message_of_codebook_is_bounded_by_max_classes_alone() -> None:
     """At the paper's dims 1,000 classes are ≈ 86 MB of broadcast, past one 64 MiB message (the
     old bound refused new classes past ≈ 700): a codebook that large reaches a site in parts
-    (tests/test_catch_up.py), so only ``max-classes`` bounds the registration."""
+    (tests/test_catch_up.py), so only ``max-classes`` bounds the federation's registration
+    (``max-step-classes`` bounds a step's, for the replay: raised here to let 300 in)."""
     paper = ModelDims(d_txt=768, d_clip=768, d_vit=768, n_layers=12)
     known = [ClassEntry(f"known {i}", 1) for i in range(700)]
     codebook = Codebook("ab" * 32, paper, {e.name: e for e in known}, version=3)
     brings = {f"new {i}": 1 for i in range(300)}
     entry = Exchange(0, "sync", 0, 1, "a", 0)
-    kept = Screen(ScreeningOptions(), step=0).sync([(entry, _sync(codebook, brings))], codebook, {})
+    options = ScreeningOptions(max_step_classes=300)
+    kept = Screen(options, step=0).sync([(entry, _sync(codebook, brings))], codebook, {})
     assert [e.site for e, _ in kept] == ["a"] and str(entry.status) == "ok"
-    bounded = Screen(ScreeningOptions(max_classes=999), step=0)
+    bounded = Screen(replace(options, max_classes=999), step=0)
     assert bounded.sync([(entry, _sync(codebook, brings))], codebook, {}) == []
     assert "past 999 classes (max-classes)" in str(entry.status)
 
@@ -319,6 +354,43 @@ def test_a_mixture_with_its_weight_on_a_far_component_is_rejected(make_codebook)
         "m": _mixture(far, [1.0, 0.0, 0.0, 0.0, 0.0]),
         "d": _mixture(outlier, [0.001] + [0.24975] * 4),
     }
+    kept, screen = _screen_mixtures(codebook, name, mixtures)
+    assert kept == ["a", "b", "c", "d"]
+    assert [(f.site, f.action) for f in screen.findings] == [("m", "rejected")]
+    assert "E‖x‖²" in screen.findings[0].reason
+
+
+@pytest.mark.adversarial
+def test_a_deflated_mixture_is_rejected_from_below(make_codebook) -> None:
+    """Issue 43, attack 3: m's means scaled to 10⁻⁴ of the others' with variances at the fit's
+    regularisation passed every upper bound; its largest mean norm is under 1/``mixture-bound``
+    of the median over sites. A mixture at a tenth of the others' scale is kept."""
+    codebook = make_codebook(n_classes=1)
+    (name,) = codebook.names
+    generator = torch.Generator().manual_seed(1)
+    draws = torch.randn(5, 5, 16, generator=generator, dtype=torch.float64)
+    unit = torch.nn.functional.normalize(draws, dim=-1)
+    weights = [0.2] * 5
+    deflated = _mixture(unit[3] * 1e-4, weights)
+    deflated = replace(deflated, variances=torch.full_like(deflated.means, 1e-6))
+    mixtures = {
+        "a": _mixture(unit[0], weights),
+        "b": _mixture(unit[1], weights),
+        "c": _mixture(unit[2], weights),
+        "m": deflated,
+        "d": _mixture(unit[4] * 0.1, weights),
+    }
+    kept, screen = _screen_mixtures(codebook, name, mixtures)
+    assert kept == ["a", "b", "c", "d"]
+    assert [(f.site, f.action) for f in screen.findings] == [("m", "rejected")]
+    assert "under 1/1000 of the median over sites" in screen.findings[0].reason
+
+
+def _screen_mixtures(
+    codebook: Codebook, name: str, mixtures: dict[str, GaussianMixture]
+) -> tuple[list[str], Screen]:
+    """Each site's ``clip_mixture`` of class ``name`` through one statistics phase: the sites
+    whose rows were kept, and the screen (its findings)."""
     screen = Screen(ScreeningOptions(mixture_bound=1000), step=0)
     _synced(screen, codebook, {site: {name: 10} for site in mixtures})
     phase = PhaseScreen(screen, Phase.STAGE1_STATS, 0, codebook)
@@ -335,7 +407,4 @@ def test_a_mixture_with_its_weight_on_a_far_component_is_rejected(make_codebook)
     for site, update in updates.items():
         phase.observe(site, update)
     phase.decide()
-    kept = [site for site, update in updates.items() if phase.apply(site, update).entries]
-    assert kept == ["a", "b", "c", "d"]
-    assert [(f.site, f.action) for f in screen.findings] == [("m", "rejected")]
-    assert "E‖x‖²" in screen.findings[0].reason
+    return [site for site, update in updates.items() if phase.apply(site, update).entries], screen

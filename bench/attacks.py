@@ -1,0 +1,200 @@
+"""Issue 43's attacks on honest sites' accuracy, each against the clean run, over seeds.
+
+Each attack is the one its test rebuilds (``tests/test_adversarial_accuracy.py``,
+``tests/test_adversarial_alone.py``, ``tests/test_adversarial.py``): three sites through the
+real ClientApp on the local runtime (``LocalGrid``, tiny backbones, the default merge), farm-m's
+replies edited as protobuf bytes. Per seed, each scenario runs once clean (farm-m honest) and
+once per attack; the row is each honest site's accuracy after the run (a rolled-back step
+leaves the step before's), its change against the clean run, the findings against farm-m and
+the run's status and wall. The goal (issue 43): no attack costs an honest site more than 5
+points unseen — an attack with findings is seen, one without must cost nothing.
+
+    python bench/attacks.py                         # seeds 1993 1994 1995, every attack
+    python bench/attacks.py --seeds 1993 --attacks 1 3
+    python bench/attacks.py --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import test_adversarial_accuracy as accuracy_tests
+from test_adversarial import (
+    STATISTICS,
+    TRAINING,
+    UPDATE_RECORDS,
+    claim_classes,
+    edit_update,
+)
+from test_adversarial_alone import LONE, X, federate, scaled
+
+from starfed.proto import codebook_pb2 as pb
+from starfed.server.federation import Federation
+from starfed.shared.codebook import wire
+from starfed.shared.protocol import PRIVACY_EPSILON
+
+HONEST = ("farm-a", "farm-b")
+
+
+def _private_scaled(message: pb.ClientUpdate) -> None:
+    """Attack 2: X's rows × 20 and the privacy key (ε 8) in the reply's metadata."""
+    scaled(20.0, {X})(message)
+    message.metadata[PRIVACY_EPSILON] = "8"
+
+
+def _toward_another_head(folder: Path) -> Callable[[pb.ClientUpdate], None]:
+    """Attack 4: in step 2 farm-m alone brings X; X's H_c (``vit_mixture``) means are moved by
+    twice their norm along the head row of farm-a's own class A1 (finished in step 1: every
+    site holds it), so the head replay (from the second task on) learns X where A1's
+    features lie. Within every bound the screening has."""
+
+    def edit(message: pb.ClientUpdate) -> None:
+        for entry in message.entries:
+            if entry.name == X and entry.HasField("vit_mixture"):
+                head = wire.read_file(folder / "federation" / "codebook.bin")[accuracy_tests.A1]
+                direction = head.values["head_weight"].double().numpy()
+                direction /= np.linalg.norm(direction)
+                mixture = entry.vit_mixture
+                means = np.frombuffer(mixture.means.data, np.float64).reshape(-1, len(direction))
+                radius = np.linalg.norm(means, axis=1, keepdims=True)
+                mixture.means.data = (means + 2 * radius * direction).tobytes()
+
+    return edit
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One attack: its number in issue 43, its scenario (sites, steps), farm-m's faults (given
+    the run's folder)."""
+
+    number: int
+    what: str
+    sites: dict
+    steps: int
+    faults: Callable[[Path], dict]
+    #: the run it is measured against: farm-m honest, or (an attack whose site sits the step
+    #: out) farm-m absent
+    without_attacker: bool = False
+
+
+ATTACKS = (
+    Attack(
+        1,
+        "lone holder in a busy phase, its class's head row x 30",
+        accuracy_tests.BUSY,
+        2,
+        lambda _: {
+            "train.stage2": edit_update(accuracy_tests.head_scaled(30.0, {accuracy_tests.M2}))
+        },
+    ),
+    Attack(
+        2,
+        "lone sender, rows x 20 and the privacy key in its metadata",
+        LONE,
+        2,
+        lambda _: {t: edit_update(_private_scaled) for t in TRAINING},
+    ),
+    Attack(
+        3,
+        "deflated mixtures (means x 1e-4, variances 1e-6)",
+        accuracy_tests.SHARED,
+        1,
+        lambda _: {t: edit_update(accuracy_tests.deflate, UPDATE_RECORDS) for t in STATISTICS},
+    ),
+    Attack(
+        4,
+        "its own lone class's H_c moved along another site's class head (not stopped)",
+        LONE,
+        2,
+        lambda folder: {
+            "query.stage2_stats": edit_update(_toward_another_head(folder), UPDATE_RECORDS)
+        },
+    ),
+    Attack(
+        5,
+        "998 invented classes at the sync",
+        accuracy_tests.SHARED,
+        1,
+        lambda _: {"query.sync": claim_classes(998)},
+        without_attacker=True,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    attack: int  # 0: a clean run
+    seed: int
+    steps: list[dict[str, float]]  # each completed step's honest sites' accuracy
+    findings: int
+    status: str  # of the last step
+    wall_s: float
+
+
+def run(sites: dict, steps: int, seed: int, faults: Callable[[Path], dict], attack: int) -> Run:
+    with tempfile.TemporaryDirectory() as folder:
+        tmp = Path(folder)
+        start = time.perf_counter()
+        try:
+            federate(sites, tmp, faults(tmp), **{"max-steps": steps, "seed": seed})
+        except Exception as err:  # a rolled-back step: its record says so
+            print(f"  run ended: {str(err)[:120]}", flush=True)
+        wall = time.perf_counter() - start
+        history = Federation.open(tmp / "federation").history()
+        accuracy = [
+            {site: r.scores.sites[site]["accuracy"] for site in HONEST if site in r.scores.sites}
+            for r in history
+            if r.status != "failed"
+        ]
+        found = [f for r in history for f in r.findings if f.site == "farm-m"]
+        return Run(attack, seed, accuracy, len(found), history[-1].status, wall)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1993, 1994, 1995])
+    parser.add_argument("--attacks", type=int, nargs="+", default=[a.number for a in ATTACKS])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    chosen = [a for a in ATTACKS if a.number in args.attacks]
+    runs: list[Run] = []
+    for seed in args.seeds:
+        clean: dict[tuple[int, int, bool], Run] = {}
+        for attack in chosen:
+            scenario = (id(attack.sites), attack.steps, attack.without_attacker)
+            if scenario not in clean:
+                sites = {
+                    name: tasks
+                    for name, tasks in attack.sites.items()
+                    if not (attack.without_attacker and name == "farm-m")
+                }
+                clean[scenario] = run(sites, attack.steps, seed, lambda _: {}, 0)
+                runs.append(clean[scenario])
+            got = run(attack.sites, attack.steps, seed, attack.faults, attack.number)
+            runs.append(got)
+            # after as many completed steps (a rolled-back step leaves the one before)
+            after = len(got.steps)
+            base = clean[scenario].steps[after - 1]
+            change = {s: got.steps[-1][s] - base[s] for s in HONEST}
+            print(
+                f"seed {seed} attack {attack.number}: clean {base} -> {got.steps[-1]} after step "
+                f"{after} (change {change}), {got.findings} findings, {got.status}, "
+                f"{got.wall_s:.0f} s",
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+
+
+if __name__ == "__main__":
+    main()
