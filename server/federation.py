@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from starfed.server.folder_files import (
     CHECKPOINTS_DIR,
     CODEBOOK_FILE,
+    CONTRIBUTIONS_FILE,
     HISTORY_FILE,
     IDENTITY_FILE,
     METRICS_FILE,
@@ -39,10 +40,12 @@ from starfed.server.folder_files import (
     PREVIOUS_FILE,
     STEP_FINDINGS_FILE,
     STEP_START_FILE,
+    WITHDRAWING_FILE,
     FederationError,
     HistoryLines,
     Identity,
     append_history,
+    append_withdrawal,
     copy_atomic,
     is_manifest,
     read_quarantine,
@@ -52,7 +55,15 @@ from starfed.server.folder_files import (
     write_registry,
     write_step_findings,
 )
-from starfed.server.records import Checkpoint, Finding, Position, Registration, StepRecord, now
+from starfed.server.records import (
+    Checkpoint,
+    Finding,
+    Position,
+    Registration,
+    StepRecord,
+    Withdrawal,
+    now,
+)
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
@@ -60,8 +71,11 @@ from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
 from starfed.shared.run_status import FAILED
 
+WITHDRAWAL_KEY = "starfed.withdrawal"  # metadata of the codebook a withdrawal committed: its id
+
 if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook is decoded, so
     # the folder's records can be read without it (`starfed server status`)
+    from starfed.server.contributions import Contributions
     from starfed.shared.codebook.codebook import Codebook
     from starfed.shared.codebook.stored import Stored
 
@@ -96,6 +110,7 @@ class Federation:
         self._start: Stored | None = None  # step-start.bin's, when this run began the step
         self._migrated = False
         self._whole: Codebook | None = None  # codebook.bin's codebook, read from a whole file
+        self._kept_rows: Stored | None = None  # contributions.bin's codebook as saved
 
     @classmethod
     def open(cls, root: str | Path) -> Federation:
@@ -222,6 +237,80 @@ class Federation:
             copy_atomic(current, self.root / PREVIOUS_FILE)
         self._stored = self._save(CODEBOOK_FILE, saved, self._stored)  # validated first
         return saved
+
+    # --- each site's last rows per class (``server.contributions``) --------------------------
+
+    def contributions(self) -> Contributions:
+        """The rows ``contributions.bin`` keeps (none before the first phase merged)."""
+        from starfed.server.contributions import Contributions
+
+        if not (self.root / CONTRIBUTIONS_FILE).is_file():
+            return Contributions()
+        codebook, self._kept_rows = self._load(CONTRIBUTIONS_FILE)
+        try:
+            return Contributions.from_codebook(codebook)
+        except CodebookError as err:
+            raise FederationError(f"{self.root / CONTRIBUTIONS_FILE}: {err}") from None
+
+    def save_contributions(self, contributions: Contributions, like: Codebook) -> Contributions:
+        """``contributions`` kept (what changed since the last save), ahead of the checkpoint
+        of the phase that merged them: a crash between leaves rows the repeated phase
+        replaces (``Contributions.merged``)."""
+        with self._mid_step("the contributions of the phase ahead of its checkpoint"):
+            self.migrate()
+            codebook = contributions.as_codebook(like)
+            self._kept_rows = self._save(CONTRIBUTIONS_FILE, codebook, self._kept_rows)
+        return replace(contributions, codebook=codebook)
+
+    # --- a site leaves (``server.withdrawal``) ----------------------------------------------
+
+    def withdraw(self, record: Withdrawal, codebook: Codebook) -> Codebook:
+        """Commit ``codebook``, the federation without ``record.site``: one commit point, as a
+        step's close (the module docstring): the record written ahead, the codebook committed
+        naming it, then the registry, the quarantine, the kept rows and ``withdrawals.jsonl``
+        follow (``recover`` finishes them after a crash, or drops a record never committed).
+        ``codebook`` is made from this object's ``codebook()``: the save writes what changed."""
+        write_atomic(self.root / WITHDRAWING_FILE, record.to_json().encode())
+        metadata = {**codebook.metadata, WITHDRAWAL_KEY: record.id}
+        saved = self._commit(replace(codebook, metadata=metadata), Position(record.steps))
+        self._finish_withdrawal(record)
+        return saved
+
+    def _finish_withdrawal(self, record: Withdrawal) -> None:
+        """After the commit (each part idempotent): its classes and the site out of the
+        registry, the site quarantined for good, its rows and its classes' rows forgotten,
+        the line in ``withdrawals.jsonl``; the record written ahead goes last."""
+        self.registry = {n: r for n, r in self.registry.items() if n not in record.removed}
+        for registration in self.registry.values():
+            registration.sites.pop(record.site, None)
+        self._write_registry()
+        quarantine = self.quarantine()
+        quarantine[record.site] = {
+            "step": record.steps,
+            "since": record.when,
+            "reason": "withdrawn: a new `starfed server sites add` lets it back",
+        }
+        write_quarantine(self.root, quarantine)
+        kept = self.contributions().without(record.site, record.removed)
+        self.save_contributions(kept, self.codebook())
+        append_withdrawal(self.root, record)
+        (self.root / WITHDRAWING_FILE).unlink(missing_ok=True)
+
+    def _recover_withdrawal(self) -> str | None:
+        path = self.root / WITHDRAWING_FILE
+        if not path.is_file():
+            return None
+        try:
+            record = Withdrawal.from_json(path.read_text())
+        except (ValueError, KeyError, TypeError) as err:
+            path.unlink()
+            return f"dropped a damaged {WITHDRAWING_FILE} ({err}); the withdrawal was not made"
+        codebook, _ = self._load(CODEBOOK_FILE)
+        if codebook.metadata.get(WITHDRAWAL_KEY) != record.id:
+            path.unlink()
+            return f"the withdrawal of {record.site} was not committed: run it again"
+        self._finish_withdrawal(record)
+        return f"finished the withdrawal of {record.site}"
 
     # --- steps ----------------------------------------------------------------------------
 
@@ -380,7 +469,8 @@ class Federation:
         running and the next run records it). What was done, None when nothing was. A folder
         whose codebook is missing is refused first (``codebook``), with nothing written."""
         self._has_codebook()
-        notes = [note for note in (self._recover_close(keep_steps), self._align_registry()) if note]
+        closes = (self._recover_close(keep_steps), self._recover_withdrawal())
+        notes = [note for note in (*closes, self._align_registry()) if note]
         return "; ".join(notes) or None
 
     def _recover_close(self, keep_steps: int) -> str | None:

@@ -30,6 +30,11 @@ change scale's are ``server.change_scale``'s). The folder holds::
     step-findings.json  the screening's findings in the step in progress, written ahead of each
                       of its checkpoints: a resumed step keeps those of the phases it had done
     metrics.json      the federation's scores after the last server run (``server.app``)
+    contributions.bin the manifest of each site's last rows per class (``server.contributions``),
+                      written ahead of each phase's checkpoint: what a withdrawal re-merges from
+    withdrawals.jsonl one ``Withdrawal`` per site that left (``server.withdrawal``)
+    withdrawal.json   the record of a withdrawal being made, between its commit and its line
+                      in withdrawals.jsonl (``Federation.recover`` finishes or drops it)
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from starfed.server.records import Finding, Registration, StepRecord
+from starfed.server.records import Finding, Registration, StepRecord, Withdrawal
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.schema import ModelDims
@@ -57,6 +62,9 @@ REGISTRY_FILE = "registry.json"
 HISTORY_FILE = "history.jsonl"
 METRICS_FILE = "metrics.json"
 QUARANTINE_FILE = "quarantine.json"
+CONTRIBUTIONS_FILE = "contributions.bin"
+WITHDRAWALS_FILE = "withdrawals.jsonl"
+WITHDRAWING_FILE = "withdrawal.json"
 
 
 class FederationError(ValueError):
@@ -115,6 +123,27 @@ def append_history(root: Path, record: StepRecord) -> None:
     path = root / HISTORY_FILE
     lines = path.read_text() if path.is_file() else ""
     write_atomic(path, (lines + record.to_json() + "\n").encode())
+
+
+def read_withdrawals(root: Path) -> list[Withdrawal]:
+    """``withdrawals.jsonl``: the sites that left, oldest first; ``DamagedFile`` when a line
+    does not read."""
+    path = root / WITHDRAWALS_FILE
+    try:
+        text = path.read_text() if path.is_file() else ""
+        return [Withdrawal.from_json(line) for line in text.splitlines() if line.strip()]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DamagedFile(path, err) from None
+
+
+def append_withdrawal(root: Path, record: Withdrawal) -> None:
+    """One line more in ``withdrawals.jsonl`` (the file written anew, atomically), unless the
+    withdrawal is there already."""
+    kept = read_withdrawals(root)
+    if any(w.id == record.id for w in kept):
+        return
+    lines = "".join(w.to_json() + "\n" for w in [*kept, record])
+    write_atomic(root / WITHDRAWALS_FILE, lines.encode())
 
 
 @dataclass(frozen=True)
@@ -211,7 +240,7 @@ class Identity:
 
     def manifests(self) -> list[Path]:
         """The codebook files a run writes (each a manifest once the folder is migrated)."""
-        names = (CODEBOOK_FILE, PREVIOUS_FILE, STEP_START_FILE)
+        names = (CODEBOOK_FILE, PREVIOUS_FILE, STEP_START_FILE, CONTRIBUTIONS_FILE)
         return [self.root / n for n in names if (self.root / n).is_file()] + [
             path for _, path in self.step_checkpoints()
         ]

@@ -275,3 +275,39 @@ class Checkpoint:
     classes: tuple[str, ...]
     frozen: frozenset[str]
     position: Position
+
+
+@dataclass(frozen=True)
+class Withdrawal:
+    """One line of ``withdrawals.jsonl``: a site that left and what its leaving changed
+    (``server.withdrawal``). ``steps`` completed when it was made; ``touched``: the later
+    steps in which other sites trained on a codebook that held its values (not undone)."""
+
+    site: str
+    when: str
+    steps: int
+    removed: tuple[str, ...] = ()  # the classes only it brought
+    remerged: tuple[str, ...] = ()  # the classes it shared, merged again without it
+    touched: tuple[int, ...] = ()
+    codebook_version: int = 0
+
+    @property
+    def id(self) -> str:
+        """What the codebook committed with it names (``WITHDRAWAL_KEY``)."""
+        return f"{self.site}@{self.when}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> Withdrawal:
+        raw: dict[str, Any] = json.loads(line)
+        return cls(
+            str(raw["site"]),
+            str(raw["when"]),
+            int(raw["steps"]),
+            tuple(raw.get("removed", ())),
+            tuple(raw.get("remerged", ())),
+            tuple(int(s) for s in raw.get("touched", ())),
+            int(raw.get("codebook_version", 0)),
+        )

@@ -1,0 +1,206 @@
+"""A site leaves: its data's influence taken out of the shared codebook (GDPR Art. 17).
+
+The codebook is per class: a class's prompts, head rows and mixtures are the merge of the rows
+its holders sent in the step that trained it (``server.contributions`` keeps each site's).
+So a site's leaving is, class by class (docs/security.md#a-site-leaves):
+
+- every class only it brought is removed, with its rows;
+- every class it shared is merged again from the other holders' kept rows, by the strategy's
+  own ``merge`` (median or mean, as the run was configured), mixtures included;
+- the server's replays are run again: the first level for the classes merged again (their
+  prompts against every other class's key, then their keys), the head's over every class,
+  with the last step's seeds;
+- the site is unregistered: out of the registry, quarantined for good (a new ``starfed server
+  sites add`` lets it back), its rows forgotten; ``withdrawals.jsonl`` records it.
+
+What this does not remove is said by ``plan`` (``--dry-run``): the later steps in which other
+sites trained on a codebook that held its values, the kept checkpoints that hold them, and the
+exports made before. The change is one commit (``Federation.withdraw``) under the folder's lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from starfed.server import folder_lock, replay
+from starfed.server.contributions import Contributions
+from starfed.server.federation import Federation
+from starfed.server.folder_files import (
+    CHECKPOINTS_DIR,
+    PREVIOUS_FILE,
+    FederationError,
+    read_withdrawals,
+)
+from starfed.server.records import Withdrawal, now
+from starfed.server.robust import MedianStrategy
+from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
+from starfed.shared.codebook import schema
+from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.config import ProtocolOptions, parse
+from starfed.shared.model.backbone_options import BackboneOptions
+from starfed.shared.model.backbones import Backbones
+from starfed.shared.model.training import TrainConfig
+from starfed.shared.protocol import PHASES
+from starfed.shared.run_status import FAILED
+
+
+class WithdrawalError(FederationError):
+    """A withdrawal that cannot be made (one line: what and why)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What withdrawing ``site`` changes, and what it leaves (``--dry-run`` prints it)."""
+
+    site: str
+    removed: tuple[str, ...]  # classes only it brought
+    remerged: tuple[str, ...]  # classes it shared with others
+    touched: dict[int, tuple[str, ...]]  # later step (1-based) -> the classes others trained
+    holding: tuple[str, ...]  # kept codebook files that still hold its values
+    steps: int  # steps completed
+
+    def lines(self) -> list[str]:
+        """The plan as an operator reads it."""
+        out = [
+            f"withdraw {self.site} after {self.steps} steps: "
+            f"{len(self.removed)} classes removed, {len(self.remerged)} merged again without it",
+        ]
+        out += [f"  removed: {name}" for name in self.removed]
+        out += [f"  merged again: {name}" for name in self.remerged]
+        for step, classes in self.touched.items():
+            out.append(
+                f"  not undone: in step {step} other sites trained {', '.join(classes)} on a "
+                f"codebook holding {self.site}'s values"
+            )
+        out += [f"  still holding its values: {path}" for path in self.holding]
+        return out
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "touched": {str(s): list(c) for s, c in self.touched.items()}}
+
+
+def plan(federation: Federation, site: str) -> Plan:
+    """What withdrawing ``site`` would change, from the registry, the kept rows and the history;
+    ``WithdrawalError`` when it cannot be made."""
+    if site in {w.site for w in read_withdrawals(federation.root)}:
+        raise WithdrawalError(f"{site} has already left this federation")
+    checkpoint = federation.last_checkpoint()
+    if checkpoint is None:
+        raise WithdrawalError(f"{federation.root} has no codebook yet: nothing to withdraw")
+    if checkpoint.position.running:
+        raise WithdrawalError(
+            f"step {checkpoint.position.step + 1} is running: withdraw between steps "
+            "(`starfed server resume` finishes it)"
+        )
+    brought = {n: r for n, r in federation.registry.items() if site in r.sites}
+    if not brought:
+        raise WithdrawalError(f"{site} brought no class to this federation")
+    removed = tuple(n for n in checkpoint.classes if n in brought and len(brought[n].sites) == 1)
+    remerged = tuple(n for n in checkpoint.classes if n in brought and n not in removed)
+    first = min(r.step for r in brought.values())
+    touched = {
+        record.step + 1: tuple(c for c in record.classes if c not in brought)
+        for record in federation.history()
+        if record.step > first and record.status != FAILED
+    }
+    holding = [PREVIOUS_FILE] + [
+        f"{CHECKPOINTS_DIR}/{path.name}"
+        for path in sorted((federation.root / CHECKPOINTS_DIR).glob("step-*.bin"))
+        if int(path.stem.removeprefix("step-")) > first
+    ]
+    return Plan(
+        site,
+        removed,
+        remerged,
+        {s: c for s, c in touched.items() if c},
+        tuple(holding),
+        checkpoint.position.step,
+    )
+
+
+def without_site(
+    codebook: Codebook,
+    rows: Contributions,
+    chosen: Plan,
+    setting: Setting,
+    class_steps: dict[str, int],
+) -> Codebook:
+    """``codebook`` without ``chosen.site``: its lone classes removed, its shared classes
+    merged again phase by phase from the other holders' ``rows`` by ``strategy.merge``, then
+    the replays run again (the module docstring)."""
+    out = codebook.without(chosen.removed)
+    others = rows.without(chosen.site, chosen.removed)
+    lost = [n for n in chosen.remerged if not others.holders(n)]
+    if lost:
+        raise WithdrawalError(
+            f"no other site's rows of {lost[0]} are kept (kept from the first step of this "
+            "version of starfed on): it cannot be merged again without the site"
+        )
+    if not chosen.remerged and not chosen.removed:
+        return out
+    last = max(chosen.steps - 1, 0)
+    names = set(chosen.remerged)
+    # the shared classes thawed (a merge leaves frozen classes as they are) and last in order
+    # (the first-level replay trains the classes after the frozen ones)
+    order = [n for n in out.names if n not in names] + list(chosen.remerged)
+    thawed = {n: replace(out[n], frozen=n not in names) for n in order}
+    working = replace(out, entries=thawed)
+    for phase in (spec.phase for spec in PHASES if schema.trained_in(spec.phase)):
+        updates = others.updates(phase, names, working)
+        state = PhaseState(
+            last, 0, working, chosen.remerged, class_steps, setting.backbones, setting.train
+        )
+        working = setting.strategy.merge(updates, state)
+    backbones, train = setting.backbones, setting.train
+    if names:
+        working = replay.replay_first_level(working, backbones, train, last)
+    working = replay.replay_head(working, train, last, names, backbones.device)
+    return replace(working, entries={n: working[n] for n in out.names})
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a withdrawal merges and replays with: the federation's last run's."""
+
+    strategy: Strategy
+    backbones: Backbones
+    train: TrainConfig
+
+    @classmethod
+    def of(cls, federation: Federation) -> Setting:
+        """The merge, backbones and training config of the last server run (its
+        ``metrics.json``); ``WithdrawalError`` when there is none or it names other backbones."""
+        run_config = federation.metrics().get("config", {}).get("run_config")
+        if not run_config:
+            raise WithdrawalError(
+                f"{federation.root} has no metrics.json of a server run: its merge and "
+                "backbones are unknown"
+            )
+        values = parse(run_config)
+        merge = ProtocolOptions.from_config(values).merge
+        strategy = MedianStrategy() if merge == "median" else MeanStrategy()
+        backbones = BackboneOptions.from_config(values).load(str(values["device"]))
+        if backbones.fingerprint != federation.fingerprint:
+            raise WithdrawalError(f"{federation.root}: its last run's backbones are not its own")
+        return cls(strategy, backbones, TrainConfig.from_config(values))
+
+
+def withdraw(federation: Federation, site: str, setting: Setting) -> Withdrawal:
+    """Withdraw ``site`` now (immediate mode), under the folder's lock; the record made."""
+    with folder_lock.locked(federation.root, f"withdraw {site}"):
+        federation.recover()
+        chosen = plan(federation, site)
+        codebook = federation.codebook()
+        class_steps = {n: r.step for n, r in federation.registry.items()}
+        new = without_site(codebook, federation.contributions(), chosen, setting, class_steps)
+        record = Withdrawal(
+            site,
+            now(),
+            chosen.steps,
+            chosen.removed,
+            chosen.remerged,
+            tuple(chosen.touched),
+            new.version,
+        )
+        federation.withdraw(record, new)
+    return record
