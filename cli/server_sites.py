@@ -65,6 +65,8 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
         p,
         {
             "--dry-run": "only say what would change and what would not be undone",
+            "--exact": "go back to the checkpoint before the site's first step; the next "
+            "`server run` runs the steps since again without it",
             "--yes": "do not ask for confirmation",
         },
     )
@@ -194,23 +196,23 @@ def run_sites_withdraw(args: argparse.Namespace) -> int:
         else:
             print("\n".join(chosen.lines()))
         return EXIT_OK
-    if not args.yes and not args.json:
+    if not args.yes:
         if not sys.stdin.isatty():
             raise ConfigError(f"withdrawing {args.name} cannot be undone. Pass --yes to confirm.")
         print("\n".join(chosen.lines()), file=sys.stderr)
         if input("withdraw? [y/N] ").strip().lower() not in ("y", "yes"):
             print("not withdrawn")
             return EXIT_FAILED
-    record = withdrawal.withdraw(federation, args.name, withdrawal.Setting.of(federation))
+    record = (
+        withdrawal.withdraw_exact(federation, args.name)
+        if args.exact
+        else withdrawal.withdraw(federation, args.name, withdrawal.Setting.of(federation))
+    )
     key = None
     if folder.sites_file.is_file() and sites.Registry.load(folder.sites_file).active(args.name):
         key = sites.remove(folder, args.name).fingerprint
     if args.json:
         emit_json({"success": True, **asdict(record), "key_removed": key})
     else:
-        print(
-            f"{record.site} withdrawn: {len(record.removed)} classes removed, "
-            f"{len(record.remerged)} merged again without it (codebook version "
-            f"{record.codebook_version})" + (f"; its key {key} unregistered" if key else "")
-        )
+        print(withdrawal.done_line(record) + (f"; its key {key} unregistered" if key else ""))
     return EXIT_OK

@@ -51,6 +51,8 @@ from starfed.server.folder_files import (
     read_quarantine,
     read_registry,
     read_step_findings,
+    read_withdrawals,
+    write_history,
     write_quarantine,
     write_registry,
     write_step_findings,
@@ -272,14 +274,38 @@ class Federation:
         ``codebook`` is made from this object's ``codebook()``: the save writes what changed."""
         write_atomic(self.root / WITHDRAWING_FILE, record.to_json().encode())
         metadata = {**codebook.metadata, WITHDRAWAL_KEY: record.id}
-        saved = self._commit(replace(codebook, metadata=metadata), Position(record.steps))
+        steps = record.steps if record.rerun_from is None else record.rerun_from
+        saved = self._commit(replace(codebook, metadata=metadata), Position(steps))
         self._finish_withdrawal(record)
         return saved
+
+    def first_steps(self) -> dict[str, int]:
+        """Site -> the step that registered the first class it brought (its first rows)."""
+        first: dict[str, int] = {}
+        for registration in self.registry.values():
+            for site in registration.sites:
+                first[site] = min(first.get(site, registration.step), registration.step)
+        return first
+
+    def kept_step(self, completed: int) -> Codebook:
+        """The codebook kept after ``completed`` steps (``checkpoints/step-NNNN.bin``), on a new
+        version line; the next commit writes only its manifest (no bytes copied)."""
+        path = self.root / CHECKPOINTS_DIR / f"step-{completed:04d}.bin"
+        if not path.is_file():
+            raise FederationError(f"{path} is not kept")
+        self.migrate()
+        codebook, self._stored = self._load(path.relative_to(self.root).as_posix())
+        metadata = {**codebook.metadata, **Lineage.of(codebook).new_epoch().as_metadata()}
+        return replace(codebook, metadata=metadata)
 
     def _finish_withdrawal(self, record: Withdrawal) -> None:
         """After the commit (each part idempotent): its classes and the site out of the
         registry, the site quarantined for good, its rows and its classes' rows forgotten,
-        the line in ``withdrawals.jsonl``; the record written ahead goes last."""
+        the line in ``withdrawals.jsonl``; the record written ahead goes last. An exact
+        withdrawal also forgets the steps to be run again: their history lines, and every
+        kept codebook after its checkpoint (they hold the site's values)."""
+        if record.rerun_from is not None:
+            self._forget_steps(record.rerun_from)
         self.registry = {n: r for n, r in self.registry.items() if n not in record.removed}
         for registration in self.registry.values():
             registration.sites.pop(record.site, None)
@@ -295,6 +321,34 @@ class Federation:
         self.save_contributions(kept, self.codebook())
         append_withdrawal(self.root, record)
         (self.root / WITHDRAWING_FILE).unlink(missing_ok=True)
+
+    def rerunning(self) -> str | None:
+        """A line while the federation runs again the steps an exact withdrawal undid (None
+        when it does not): for the run's log and ``starfed server status``."""
+        withdrawals = read_withdrawals(self.root)
+        last = withdrawals[-1] if withdrawals else None
+        if last is None or last.rerun_from is None:
+            return None
+        checkpoint = self.last_checkpoint()
+        done = 0 if checkpoint is None else checkpoint.position.step
+        if done >= last.steps:
+            return None
+        return (
+            f"re-running for the withdrawal of {last.site}: {done} of {last.steps} steps done "
+            f"(steps {last.rerun_from + 1}-{last.steps} run again without it)"
+        )
+
+    def _forget_steps(self, completed: int) -> None:
+        """The folder as it was after ``completed`` steps: later history lines and kept
+        codebooks gone, the codebook before the last checkpoint the checkpoint itself."""
+        write_history(self.root, [r for r in self.history() if r.step < completed])
+        identity = Identity(self.root, self.fingerprint, self.dims)
+        for steps, path in identity.step_checkpoints():
+            if steps > completed:
+                path.unlink()
+        copy_atomic(self.root / CODEBOOK_FILE, self.root / PREVIOUS_FILE)
+        (self.root / STEP_START_FILE).unlink(missing_ok=True)
+        store.collect(self.root / store.STORE_DIR, identity.manifests() + identity.kept_copies())
 
     def _recover_withdrawal(self) -> str | None:
         path = self.root / WITHDRAWING_FILE
@@ -526,7 +580,8 @@ class Federation:
         folder.mkdir(exist_ok=True)
         copy_atomic(self.root / CODEBOOK_FILE, folder / f"step-{completed:04d}.bin")
         identity = Identity(self.root, self.fingerprint, self.dims)
-        kept = identity.step_checkpoints()
+        pinned = self.first_steps().values()  # an exact withdrawal goes back to these
+        kept = [(n, path) for n, path in identity.step_checkpoints() if n not in pinned]
         for _, path in kept[: max(0, len(kept) - keep_steps) if keep_steps else 0]:
             path.unlink(missing_ok=True)
         store.collect(self.root / store.STORE_DIR, identity.manifests() + identity.kept_copies())

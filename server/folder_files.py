@@ -118,6 +118,11 @@ def write_quarantine(root: Path, entries: Mapping[str, dict]) -> None:
     write_atomic(root / QUARANTINE_FILE, json.dumps(entries, indent=2).encode())
 
 
+def write_history(root: Path, records: Sequence[StepRecord]) -> None:
+    """``history.jsonl`` written anew with ``records`` (atomically)."""
+    write_atomic(root / HISTORY_FILE, "".join(r.to_json() + "\n" for r in records).encode())
+
+
 def append_history(root: Path, record: StepRecord) -> None:
     """One line more in ``history.jsonl`` (the file written anew, atomically)."""
     path = root / HISTORY_FILE

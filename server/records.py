@@ -290,6 +290,9 @@ class Withdrawal:
     remerged: tuple[str, ...] = ()  # the classes it shared, merged again without it
     touched: tuple[int, ...] = ()
     codebook_version: int = 0
+    # exact mode: the steps completed the federation went back to (the checkpoint before the
+    # site's first step), to be run again without it; None: immediate mode
+    rerun_from: int | None = None
 
     @property
     def id(self) -> str:
@@ -310,4 +313,5 @@ class Withdrawal:
             tuple(raw.get("remerged", ())),
             tuple(int(s) for s in raw.get("touched", ())),
             int(raw.get("codebook_version", 0)),
+            None if raw.get("rerun_from") is None else int(raw["rerun_from"]),
         )

@@ -58,6 +58,8 @@ class Plan:
     touched: dict[int, tuple[str, ...]]  # later step (1-based) -> the classes others trained
     holding: tuple[str, ...]  # kept codebook files that still hold its values
     steps: int  # steps completed
+    first: int  # the step of its first rows (0-based)
+    exact: str  # why exact mode is not available ("" when it is)
 
     def lines(self) -> list[str]:
         """The plan as an operator reads it."""
@@ -73,6 +75,12 @@ class Plan:
                 f"codebook holding {self.site}'s values"
             )
         out += [f"  still holding its values: {path}" for path in self.holding]
+        out.append(
+            f"  exact mode (--exact): {self.exact}"
+            if self.exact
+            else f"  exact mode (--exact): goes back to the checkpoint after step {self.first} "
+            f"and runs steps {self.first + 1}-{self.steps} again without {self.site}"
+        )
         return out
 
     def to_json(self) -> dict:
@@ -115,7 +123,25 @@ def plan(federation: Federation, site: str) -> Plan:
         {s: c for s, c in touched.items() if c},
         tuple(holding),
         checkpoint.position.step,
+        first,
+        _exact(federation, first),
     )
+
+
+def _exact(federation: Federation, first: int) -> str:
+    """Why an exact withdrawal is not available for a site whose first rows came at step
+    ``first`` ("" when it is): it needs the checkpoint before that step."""
+    if first == 0:
+        return (
+            "not available: the site took part from the first step, so a federation without it "
+            "starts from nothing (a new federation folder, with the other sites)"
+        )
+    if not (federation.root / CHECKPOINTS_DIR / f"step-{first:04d}.bin").is_file():
+        return (
+            f"not available: {CHECKPOINTS_DIR}/step-{first:04d}.bin, the checkpoint before its "
+            "first step, is not kept (it is kept from this version of starfed on)"
+        )
+    return ""
 
 
 def without_site(
@@ -204,3 +230,43 @@ def withdraw(federation: Federation, site: str, setting: Setting) -> Withdrawal:
         )
         federation.withdraw(record, new)
     return record
+
+
+def withdraw_exact(federation: Federation, site: str) -> Withdrawal:
+    """Withdraw ``site`` exactly: the federation goes back to the checkpoint before the site's
+    first step, without it, under the folder's lock; the steps since are run again by the next
+    ``starfed server run`` (the other sites' task folders and the run's seeds make them the
+    steps of a federation the site never joined). The record made."""
+    with folder_lock.locked(federation.root, f"withdraw {site} --exact"):
+        federation.recover()
+        chosen = plan(federation, site)
+        if chosen.exact:
+            raise WithdrawalError(f"withdraw {site} --exact: {chosen.exact}")
+        codebook = federation.kept_step(chosen.first)
+        again = tuple(n for n, r in federation.registry.items() if r.step >= chosen.first)
+        record = Withdrawal(
+            site,
+            now(),
+            chosen.steps,
+            removed=again,
+            touched=tuple(chosen.touched),
+            codebook_version=codebook.version,
+            rerun_from=chosen.first,
+        )
+        federation.withdraw(record, codebook)
+    return record
+
+
+def done_line(record: Withdrawal) -> str:
+    """What a withdrawal did, in one line."""
+    if record.rerun_from is not None:
+        return (
+            f"{record.site} withdrawn exactly: the federation is back after step "
+            f"{record.rerun_from}; the next `starfed server run` runs steps "
+            f"{record.rerun_from + 1}-{record.steps} again without it"
+        )
+    return (
+        f"{record.site} withdrawn: {len(record.removed)} classes removed, "
+        f"{len(record.remerged)} merged again without it (codebook version "
+        f"{record.codebook_version})"
+    )

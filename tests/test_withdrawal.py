@@ -174,6 +174,56 @@ def test_a_withdrawn_site_takes_no_part_in_later_steps(root: Path, capsys) -> No
     assert metrics["status"] in ("completed", "degraded")
 
 
+# --- exact mode: equal to a federation the site never joined ------------------------------
+
+
+def test_an_exact_withdrawal_equals_the_federation_without_the_site(
+    root: Path, tmp_path: Path, capsys
+) -> None:
+    """Federation X (``built``: farm-c joins at step 2 with a class of its own and one shared
+    with farm-a and farm-b) withdraws farm-c exactly, then runs again; federation Y had farm-a
+    and farm-b alone, the same task folders and seeds, in the same runs. Every class of the
+    two codebooks is equal, bitwise: the steps run again are the same computation on the same
+    inputs (the tolerance is zero; ``starfed codebook diff`` says "unchanged" for each)."""
+    y = tmp_path / "y"
+    site_folder(y / "farm-a", {"t1": CLASSES[0:2]})
+    site_folder(y / "farm-b", {"t1": CLASSES[2:4]})
+    assert run(y, SITES[:2], 7001)["status"] == "completed"
+    site_folder(y / "farm-a", {"t2": [SHARED]})
+    site_folder(y / "farm-b", {"t2": [SHARED]})
+    assert run(y, SITES[:2], 7002)["status"] == "completed"
+    site_folder(y / "farm-a", {"t3": [LATER]})
+    assert run(y, SITES[:2], 7003)["status"] == "completed"
+
+    code, plan = withdraw(root, capsys, "--dry-run")
+    assert code == 0 and plan["first"] == 1 and plan["exact"] == ""
+    code, done = withdraw(root, capsys, "--yes", "--exact")
+    assert code == 0 and done["rerun_from"] == 1, done
+    fed = Federation.open(folder(root))
+    assert [r.step for r in fed.history()] == [0] and fed.rerunning() is not None
+    assert fed.codebook().names == CLASSES[0:4]
+    metrics = run(root, SITES, 7004)  # farm-c connects, and is refused at the sync
+    assert metrics["status"] == "degraded" and metrics["steps"] == 3
+    assert Federation.open(folder(root)).rerunning() is None
+
+    a, b = wire.read_file(folder(y) / CODEBOOK_FILE), wire.read_file(folder(root) / CODEBOOK_FILE)
+    code, out, _ = starfed(
+        capsys, "codebook", "diff", folder(y) / CODEBOOK_FILE, folder(root) / CODEBOOK_FILE
+    )
+    assert code == 0 and "added        —" in out and "removed      —" in out, out
+    assert a.names == b.names
+    for name in a.names:
+        assert set(a[name].values) == set(b[name].values)
+        for field, value in a[name].values.items():
+            other = b[name].values[field]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, other), (name, field)
+            else:
+                assert torch.equal(value.means, other.means), (name, field)
+                assert torch.equal(value.variances, other.variances), (name, field)
+                assert torch.equal(value.weights, other.weights), (name, field)
+
+
 # --- SIGKILL at three points: the old federation or the new one, never a mix -------------
 
 KILLED = textwrap.dedent(
