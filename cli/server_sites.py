@@ -81,7 +81,17 @@ def run_sites_add(args: argparse.Namespace) -> int:
     Keep the site's private key where it is: only the .pub travels. A key Flower knows but
     sites.json does not (Flower answers "[code: 23]") is recorded with --adopt.
     """
-    record = sites.add(server_folder(args), args.name, args.pubkey, adopt=args.adopt)
+    folder = server_folder(args)
+    record = sites.add(folder, args.name, args.pubkey, adopt=args.adopt)
+    try:
+        if withdrawal.readmit(folder.federation, record.name):
+            print(f"site {record.name} had withdrawn: it may take part again", file=sys.stderr)
+    except (FederationError, folder_lock.FolderLocked) as err:
+        print(
+            f"starfed server sites add: warning: {record.name} had withdrawn and stays "
+            f"quarantined: {err}",
+            file=sys.stderr,
+        )
     if args.json:
         emit_json({"success": True, **asdict(record)})
     else:

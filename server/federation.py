@@ -350,7 +350,9 @@ class Federation:
         (self.root / STEP_START_FILE).unlink(missing_ok=True)
         store.collect(self.root / store.STORE_DIR, identity.manifests() + identity.kept_copies())
 
-    def _recover_withdrawal(self) -> str | None:
+    def recover_withdrawal(self) -> str | None:
+        """Finish a withdrawal a crash interrupted after its commit (``withdrawal.json``), or
+        drop it before; what was done, None when nothing was."""
         path = self.root / WITHDRAWING_FILE
         if not path.is_file():
             return None
@@ -523,7 +525,7 @@ class Federation:
         running and the next run records it). What was done, None when nothing was. A folder
         whose codebook is missing is refused first (``codebook``), with nothing written."""
         self._has_codebook()
-        closes = (self._recover_close(keep_steps), self._recover_withdrawal())
+        closes = (self._recover_close(keep_steps), self.recover_withdrawal())
         notes = [note for note in (*closes, self._align_registry()) if note]
         return "; ".join(notes) or None
 

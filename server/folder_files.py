@@ -33,6 +33,7 @@ change scale's are ``server.change_scale``'s). The folder holds::
     contributions.bin the manifest of each site's last rows per class (``server.contributions``),
                       written ahead of each phase's checkpoint: what a withdrawal re-merges from
     withdrawals.jsonl one ``Withdrawal`` per site that left (``server.withdrawal``)
+    exports.jsonl     one ``ExportRecord`` per ``starfed server export``: where, when, which classes
     withdrawal.json   the record of a withdrawal being made, between its commit and its line
                       in withdrawals.jsonl (``Federation.recover`` finishes or drops it)
 """
@@ -45,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from starfed.server.records import Finding, Registration, StepRecord, Withdrawal
+from starfed.server.records import ExportRecord, Finding, Registration, StepRecord, Withdrawal
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.schema import ModelDims
@@ -65,6 +66,7 @@ QUARANTINE_FILE = "quarantine.json"
 CONTRIBUTIONS_FILE = "contributions.bin"
 WITHDRAWALS_FILE = "withdrawals.jsonl"
 WITHDRAWING_FILE = "withdrawal.json"
+EXPORTS_FILE = "exports.jsonl"
 
 
 class FederationError(ValueError):
@@ -149,6 +151,24 @@ def append_withdrawal(root: Path, record: Withdrawal) -> None:
         return
     lines = "".join(w.to_json() + "\n" for w in [*kept, record])
     write_atomic(root / WITHDRAWALS_FILE, lines.encode())
+
+
+def read_exports(root: Path) -> list[ExportRecord]:
+    """``exports.jsonl``: the codebooks exported, oldest first (lines that do not read are
+    left out: a lost line only hides an export from a withdrawal's list)."""
+    path = root / EXPORTS_FILE
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    found = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            found.append(ExportRecord.from_json(line))
+    return found
+
+
+def append_export(root: Path, record: ExportRecord) -> None:
+    """One line more in ``exports.jsonl``, appended (an export does not lock the folder)."""
+    with open(root / EXPORTS_FILE, "a") as file:
+        file.write(record.to_json() + "\n")
 
 
 @dataclass(frozen=True)

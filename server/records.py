@@ -315,3 +315,22 @@ class Withdrawal:
             int(raw.get("codebook_version", 0)),
             None if raw.get("rerun_from") is None else int(raw["rerun_from"]),
         )
+
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """One line of ``exports.jsonl``: a deployable codebook written out of the folder
+    (``starfed server export``), so that a withdrawal can name the copies made before it."""
+
+    path: str
+    when: str
+    version: int
+    classes: tuple[str, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> ExportRecord:
+        raw: dict[str, Any] = json.loads(line)
+        return cls(str(raw["path"]), str(raw["when"]), int(raw["version"]), tuple(raw["classes"]))

@@ -21,15 +21,20 @@ exports made before. The change is one commit (``Federation.withdraw``) under th
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from starfed.server import folder_lock, replay
 from starfed.server.contributions import Contributions
 from starfed.server.federation import Federation
 from starfed.server.folder_files import (
     CHECKPOINTS_DIR,
+    IDENTITY_FILE,
     PREVIOUS_FILE,
     FederationError,
+    read_exports,
+    read_quarantine,
     read_withdrawals,
+    write_quarantine,
 )
 from starfed.server.records import Withdrawal, now
 from starfed.server.robust import MedianStrategy
@@ -56,7 +61,7 @@ class Plan:
     removed: tuple[str, ...]  # classes only it brought
     remerged: tuple[str, ...]  # classes it shared with others
     touched: dict[int, tuple[str, ...]]  # later step (1-based) -> the classes others trained
-    holding: tuple[str, ...]  # kept codebook files that still hold its values
+    holding: tuple[str, ...]  # exports made before and kept codebook files holding its values
     steps: int  # steps completed
     first: int  # the step of its first rows (0-based)
     exact: str  # why exact mode is not available ("" when it is)
@@ -111,11 +116,21 @@ def plan(federation: Federation, site: str) -> Plan:
         for record in federation.history()
         if record.step > first and record.status != FAILED
     }
-    holding = [PREVIOUS_FILE] + [
-        f"{CHECKPOINTS_DIR}/{path.name}"
-        for path in sorted((federation.root / CHECKPOINTS_DIR).glob("step-*.bin"))
-        if int(path.stem.removeprefix("step-")) > first
+    ours = set(removed) | set(remerged)
+    exported = [
+        f"export {e.path} ({e.when}, version {e.version})"
+        for e in read_exports(federation.root)
+        if ours & set(e.classes)
     ]
+    holding = (
+        exported
+        + [PREVIOUS_FILE]
+        + [
+            f"{CHECKPOINTS_DIR}/{path.name}"
+            for path in sorted((federation.root / CHECKPOINTS_DIR).glob("step-*.bin"))
+            if int(path.stem.removeprefix("step-")) > first
+        ]
+    )
     return Plan(
         site,
         removed,
@@ -151,9 +166,27 @@ def without_site(
     setting: Setting,
     class_steps: dict[str, int],
 ) -> Codebook:
-    """``codebook`` without ``chosen.site``: its lone classes removed, its shared classes
-    merged again phase by phase from the other holders' ``rows`` by ``strategy.merge``, then
-    the replays run again (the module docstring)."""
+    """``codebook`` without ``chosen.site``: ``merged_without``, then the replays run again
+    with the last step's seeds (the module docstring), in the codebook's class order."""
+    working = merged_without(codebook, rows, chosen, setting, class_steps)
+    last, names = max(chosen.steps - 1, 0), set(chosen.remerged)
+    backbones, train = setting.backbones, setting.train
+    if names:
+        working = replay.replay_first_level(working, backbones, train, last)
+    working = replay.replay_head(working, train, last, names, backbones.device)
+    return replace(working, entries={n: working[n] for n in codebook.names if n in working})
+
+
+def merged_without(
+    codebook: Codebook,
+    rows: Contributions,
+    chosen: Plan,
+    setting: Setting,
+    class_steps: dict[str, int],
+) -> Codebook:
+    """``codebook`` with ``chosen.site``'s lone classes removed and its shared classes merged
+    again, phase by phase, from the other holders' ``rows`` by the strategy's ``merge``; those
+    thawed and last, as the first-level replay wants the classes it trains."""
     out = codebook.without(chosen.removed)
     others = rows.without(chosen.site, chosen.removed)
     lost = [n for n in chosen.remerged if not others.holders(n)]
@@ -162,26 +195,18 @@ def without_site(
             f"no other site's rows of {lost[0]} are kept (kept from the first step of this "
             "version of starfed on): it cannot be merged again without the site"
         )
-    if not chosen.remerged and not chosen.removed:
-        return out
-    last = max(chosen.steps - 1, 0)
     names = set(chosen.remerged)
-    # the shared classes thawed (a merge leaves frozen classes as they are) and last in order
-    # (the first-level replay trains the classes after the frozen ones)
+    # a merge leaves frozen classes as they are: the shared ones are thawed
     order = [n for n in out.names if n not in names] + list(chosen.remerged)
-    thawed = {n: replace(out[n], frozen=n not in names) for n in order}
-    working = replace(out, entries=thawed)
+    working = replace(out, entries={n: replace(out[n], frozen=n not in names) for n in order})
+    last = max(chosen.steps - 1, 0)
     for phase in (spec.phase for spec in PHASES if schema.trained_in(spec.phase)):
         updates = others.updates(phase, names, working)
         state = PhaseState(
             last, 0, working, chosen.remerged, class_steps, setting.backbones, setting.train
         )
         working = setting.strategy.merge(updates, state)
-    backbones, train = setting.backbones, setting.train
-    if names:
-        working = replay.replay_first_level(working, backbones, train, last)
-    working = replay.replay_head(working, train, last, names, backbones.device)
-    return replace(working, entries={n: working[n] for n in out.names})
+    return working
 
 
 @dataclass(frozen=True)
@@ -270,3 +295,18 @@ def done_line(record: Withdrawal) -> str:
         f"{len(record.remerged)} merged again without it (codebook version "
         f"{record.codebook_version})"
     )
+
+
+def readmit(root: Path, site: str) -> bool:
+    """A withdrawn ``site`` let back (a new ``starfed server sites add``): its quarantine entry
+    lifted, under the folder's lock; whether there was one. It brings its data again as a new
+    site: nothing of what it had is restored."""
+    if not (root / IDENTITY_FILE).is_file():
+        return False
+    with folder_lock.locked(root, f"sites add {site}"):
+        quarantine = read_quarantine(root)
+        if site not in {w.site for w in read_withdrawals(root)} or site not in quarantine:
+            return False
+        del quarantine[site]
+        write_quarantine(root, quarantine)
+    return True

@@ -29,11 +29,13 @@ from starfed.server.app import run_server
 from starfed.server.federation import Federation
 from starfed.server.folder_files import (
     CODEBOOK_FILE,
+    HISTORY_FILE,
     QUARANTINE_FILE,
     REGISTRY_FILE,
     WITHDRAWING_FILE,
     read_withdrawals,
 )
+from starfed.server.withdrawal import readmit
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.merge import merge_mixtures
 from starfed.simulations.local_grid import LocalGrid
@@ -108,6 +110,9 @@ def test_the_kept_rows_are_what_the_merge_merged(built: Path) -> None:
 
 
 def test_the_dry_run_lists_what_changes_and_what_is_not_undone(root: Path, capsys) -> None:
+    exported = root / "exports" / "codebook.bin"
+    code, _, err = starfed(capsys, "server", "export", "--out", exported, "--dir", root / "server")
+    assert code == 0, err
     before = (folder(root) / CODEBOOK_FILE).read_bytes()
     code, plan = withdraw(root, capsys, "--dry-run")
     assert code == 0 and plan["dry_run"]
@@ -118,6 +123,7 @@ def test_the_dry_run_lists_what_changes_and_what_is_not_undone(root: Path, capsy
     later = {str(r.step + 1): list(r.classes) for r in history if r.step > joined}
     assert later == {"3": [LATER]} and plan["touched"] == later
     assert "checkpoints/step-0003.bin" in plan["holding"]
+    assert any(line.startswith(f"export {exported.resolve()} (") for line in plan["holding"])
     assert (folder(root) / CODEBOOK_FILE).read_bytes() == before  # nothing written
 
 
@@ -172,6 +178,12 @@ def test_a_withdrawn_site_takes_no_part_in_later_steps(root: Path, capsys) -> No
     metrics = run(root, SITES, 7004)
     assert CLASSES[7] not in Federation.open(folder(root)).codebook()
     assert metrics["status"] in ("completed", "degraded")
+    # a new `sites add` under its name lets it back (as a new site: nothing is restored)
+    assert (
+        readmit(folder(root), "farm-c")
+        and "farm-c" not in Federation.open(folder(root)).quarantine()
+    )
+    assert not readmit(folder(root), "farm-a")  # never withdrawn: nothing to lift
 
 
 # --- exact mode: equal to a federation the site never joined ------------------------------
@@ -241,41 +253,58 @@ KILLED = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGKILL)
             real(path, data)
         module.write_atomic = write
-    sys.exit(main(["server", "sites", "withdraw", "farm-c", "--dir", sys.argv[2], "--yes"]))
+    command = ["server", "sites", "withdraw", "farm-c", "--dir", sys.argv[2], "--yes"]
+    sys.exit(main(command + sys.argv[3:]))
     """
 )
 
 
+@pytest.mark.slow  # a process each (about 40 s on a loaded machine): `-m faults` runs them
 @pytest.mark.faults
 @pytest.mark.parametrize(
-    ("at", "new"),
-    [(WITHDRAWING_FILE, False), (CODEBOOK_FILE, False), (REGISTRY_FILE, True)],
+    ("flags", "at", "new"),
+    [
+        ((), WITHDRAWING_FILE, False),
+        ((), CODEBOOK_FILE, False),
+        ((), REGISTRY_FILE, True),
+        (("--exact",), WITHDRAWING_FILE, False),
+        (("--exact",), CODEBOOK_FILE, False),
+        (("--exact",), HISTORY_FILE, True),
+    ],
 )
 def test_a_withdrawal_killed_leaves_the_old_federation_or_the_new(
-    root: Path, capsys, at: str, new: bool
+    root: Path, capsys, flags: tuple[str, ...], at: str, new: bool
 ) -> None:
+    """SIGKILL before the record is written ahead, at the commit, and after it: the next
+    `repair` (or run) leaves the old federation, whole, or finishes the new one."""
     before = Federation.open(folder(root)).codebook()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
-        [sys.executable, "-c", KILLED, at, str(root / "server")],
+        [sys.executable, "-c", KILLED, at, str(root / "server"), *flags],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode == -signal.SIGKILL, done.stderr
+    problems = folder_check.check(folder(root)).problems
+    assert any(p.startswith(WITHDRAWING_FILE) for p in problems) is (at != WITHDRAWING_FILE)
+    code, out, _ = starfed(capsys, "server", "repair", "--dir", root / "server")
+    assert code == 0 and (WITHDRAWING_FILE in out) is (at != WITHDRAWING_FILE), out
     fed = Federation.open(folder(root))
-    note = fed.recover()
-    assert (note is not None) is (at != WITHDRAWING_FILE), note
     codebook = fed.codebook()
     assert (OWN not in codebook) is new
     if not new:
         assert wire.encode(codebook.broadcast()) == wire.encode(before.broadcast())
         assert "farm-c" in fed.registry[OWN].sites and not read_withdrawals(folder(root))
         assert ("farm-c", OWN) in fed.contributions().rows
+        assert [r.step for r in fed.history()] == [0, 1, 2]
     else:
         assert [w.site for w in read_withdrawals(folder(root))] == ["farm-c"]
         assert "farm-c" not in fed.contributions().sites()
         assert "farm-c" in fed.quarantine()
+        exact = bool(flags)
+        assert ([r.step for r in fed.history()] == [0]) is exact
+        assert (codebook.names == CLASSES[0:4]) is exact
     assert not (folder(root) / WITHDRAWING_FILE).exists()
     assert folder_check.check(folder(root)).ok, folder_check.check(folder(root)).problems
