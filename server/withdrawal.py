@@ -159,22 +159,15 @@ def _exact(federation: Federation, first: int) -> str:
     return ""
 
 
-def without_site(
-    codebook: Codebook,
-    rows: Contributions,
-    chosen: Plan,
-    setting: Setting,
-    class_steps: dict[str, int],
-) -> Codebook:
-    """``codebook`` without ``chosen.site``: ``merged_without``, then the replays run again
-    with the last step's seeds (the module docstring), in the codebook's class order."""
-    working = merged_without(codebook, rows, chosen, setting, class_steps)
+def replayed(working: Codebook, chosen: Plan, setting: Setting, order: list[str]) -> Codebook:
+    """``merged_without``'s codebook after the replays run again with the last step's seeds
+    (the module docstring), in the class ``order`` (the codebook's, less the removed)."""
     last, names = max(chosen.steps - 1, 0), set(chosen.remerged)
     backbones, train = setting.backbones, setting.train
     if names:
         working = replay.replay_first_level(working, backbones, train, last)
     working = replay.replay_head(working, train, last, names, backbones.device)
-    return replace(working, entries={n: working[n] for n in codebook.names if n in working})
+    return replace(working, entries={n: working[n] for n in order})
 
 
 def merged_without(
@@ -243,7 +236,10 @@ def withdraw(federation: Federation, site: str, setting: Setting) -> Withdrawal:
         chosen = plan(federation, site)
         codebook = federation.codebook()
         class_steps = {n: r.step for n, r in federation.registry.items()}
-        new = without_site(codebook, federation.contributions(), chosen, setting, class_steps)
+        rows = federation.contributions()
+        merged = merged_without(codebook, rows, chosen, setting, class_steps)
+        order = [n for n in codebook.names if n not in chosen.removed]
+        new = replayed(merged, chosen, setting, order)
         record = Withdrawal(
             site,
             now(),

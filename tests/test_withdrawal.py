@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from in_process import TINY_RUN, starfed
+from in_process import TINY_RUN, site_nodes, starfed
 from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
@@ -47,16 +47,7 @@ STAGE2_FIELDS = ("query_prompt", "query_weight", "head_weight", "head_bias")
 
 def run(root: Path, sites: tuple[str, ...], run_id: int) -> dict:
     config = {**TINY_RUN, "federation-dir": str(root / "server" / "federation")}
-    nodes = {
-        i + 1: {
-            "data-dir": str(root / site),
-            "state-dir": str(root / f"{site}-state"),
-            "site-name": site,
-            "cache-dir": str(root / "cache"),
-        }
-        for i, site in enumerate(SITES)
-        if site in sites
-    }
+    nodes = site_nodes(root, SITES, sites)
     return run_server(LocalGrid(client_app.app, config, nodes, run_id=run_id), config, run_id)
 
 
