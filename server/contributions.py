@@ -40,6 +40,16 @@ def row_key(site: str, name: str) -> str:
     return "c-" + hashlib.sha256(json.dumps([site, name]).encode()).hexdigest()[:32]
 
 
+def owners(metadata: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(site, class) of every row a stored codebook's table names, without decoding a tensor
+    (a manifest's metadata is enough); ``CodebookError`` when the table does not read."""
+    try:
+        table = json.loads(metadata.get(CONTRIBUTIONS_KEY, "{}"))
+        return [(str(line["site"]), str(line["class"])) for line in table.values()]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CodebookError(f"its table of contributions is damaged ({err!r})") from None
+
+
 @dataclass(frozen=True)
 class Rows:
     """One site's kept rows of one class: field -> value, and field -> the count it was

@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from starfed.server import folder_lock, replay
-from starfed.server.contributions import Contributions
+from starfed.server.contributions import Contributions, owners
 from starfed.server.federation import Federation
 from starfed.server.folder_files import (
     CHECKPOINTS_DIR,
+    CONTRIBUTIONS_FILE,
     IDENTITY_FILE,
     PREVIOUS_FILE,
     FederationError,
@@ -40,7 +41,8 @@ from starfed.server.records import Withdrawal, now
 from starfed.server.robust import MedianStrategy
 from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared.codebook import schema
-from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook.codebook import Codebook, CodebookError
+from starfed.shared.codebook.framing import read_message
 from starfed.shared.config import ProtocolOptions, parse
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.backbones import Backbones
@@ -105,12 +107,13 @@ def plan(federation: Federation, site: str) -> Plan:
             f"step {checkpoint.position.step + 1} is running: withdraw between steps "
             "(`starfed server resume` finishes it)"
         )
-    brought = {n: r for n, r in federation.registry.items() if site in r.sites}
-    if not brought:
+    holders = {n: h for n, h in _holders(federation, site).items() if n in checkpoint.classes}
+    if not holders:
         raise WithdrawalError(f"{site} brought no class to this federation")
-    removed = tuple(n for n in checkpoint.classes if n in brought and len(brought[n].sites) == 1)
-    remerged = tuple(n for n in checkpoint.classes if n in brought and n not in removed)
-    first = min(r.step for r in brought.values())
+    removed = tuple(n for n in checkpoint.classes if holders.get(n) == [site])
+    remerged = tuple(n for n in checkpoint.classes if n in holders and n not in removed)
+    first = min(federation.registry[n].step for n in holders if n in federation.registry)
+    brought = set(holders)
     touched = {
         record.step + 1: tuple(c for c in record.classes if c not in brought)
         for record in federation.history()
@@ -141,6 +144,25 @@ def plan(federation: Federation, site: str) -> Plan:
         first,
         _exact(federation, first),
     )
+
+
+def _holders(federation: Federation, site: str) -> dict[str, list[str]]:
+    """The classes ``site`` sent rows of, each with the sites whose rows are kept, from the
+    kept rows (``server.contributions``). A site the registry lists for a class it brought
+    when it was frozen already sent none. A folder without kept rows (written before them)
+    falls back to the registry's sites."""
+    path = federation.root / CONTRIBUTIONS_FILE
+    try:
+        rows = owners(read_message(path).metadata) if path.is_file() else []
+    except CodebookError as err:
+        raise FederationError(f"{path}: {err}") from None
+    if rows:
+        by_class: dict[str, list[str]] = {}
+        for owner, name in sorted(rows):
+            by_class.setdefault(name, []).append(owner)
+        return {n: sites for n, sites in by_class.items() if site in sites}
+    registry = federation.registry
+    return {n: sorted(r.sites) for n, r in registry.items() if site in r.sites}
 
 
 def _exact(federation: Federation, first: int) -> str:
