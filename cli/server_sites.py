@@ -13,14 +13,30 @@ from pathlib import Path
 
 from rich.table import Table
 
-from starfed.cli._common import add_group, add_switches, console, emit_json, guard, server_folder
+from starfed.cli._common import (
+    add_group,
+    add_switches,
+    console,
+    emit_json,
+    federation_dir,
+    federation_option,
+    guard,
+    server_folder,
+)
 from starfed.cli.flags import add_command
 from starfed.ops import pki, processes
 from starfed.ops.exit_codes import EXIT_FAILED, EXIT_OK
+from starfed.server import folder_lock, withdrawal
+from starfed.server.federation import Federation
+from starfed.server.folder_files import FederationError
 from starfed.server.ops import sites
 from starfed.shared.knob import ConfigError
 
 guarded = guard(bad_input=(pki.SiteKeyError,), failed=(sites.SitesError, processes.ProcessError))
+withdrawing = guard(
+    bad_input=(withdrawal.WithdrawalError,),
+    failed=(FederationError, folder_lock.FolderLocked, sites.SitesError, processes.ProcessError),
+)
 
 
 def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -42,6 +58,18 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     p = add_command(site_actions, "remove", guarded(run_sites_remove), parents=[common])
     p.add_argument("name")
     add_switches(p, {"--yes": "do not ask for confirmation"})
+    p = add_command(site_actions, "withdraw", withdrawing(run_sites_withdraw), parents=[common])
+    p.add_argument("name")
+    federation_option(p)
+    add_switches(
+        p,
+        {
+            "--dry-run": "only say what would change and what would not be undone",
+            "--exact": "go back to the checkpoint before the site's first step; the next "
+            "`server run` runs the steps since again without it",
+            "--yes": "do not ask for confirmation",
+        },
+    )
     add_command(site_actions, "list", guarded(run_sites_list), parents=[common])
     add_command(site_actions, "refused", guarded(run_sites_refused), parents=[common])
 
@@ -53,7 +81,17 @@ def run_sites_add(args: argparse.Namespace) -> int:
     Keep the site's private key where it is: only the .pub travels. A key Flower knows but
     sites.json does not (Flower answers "[code: 23]") is recorded with --adopt.
     """
-    record = sites.add(server_folder(args), args.name, args.pubkey, adopt=args.adopt)
+    folder = server_folder(args)
+    record = sites.add(folder, args.name, args.pubkey, adopt=args.adopt)
+    try:
+        if withdrawal.readmit(folder.federation, record.name):
+            print(f"site {record.name} had withdrawn: it may take part again", file=sys.stderr)
+    except (FederationError, folder_lock.FolderLocked) as err:
+        print(
+            f"starfed server sites add: warning: {record.name} had withdrawn and stays "
+            f"quarantined: {err}",
+            file=sys.stderr,
+        )
     if args.json:
         emit_json({"success": True, **asdict(record)})
     else:
@@ -147,4 +185,44 @@ def run_sites_refused(args: argparse.Namespace) -> int:
         )
     console().print(table)
     print("times are the server's local time; the site prints its key's fingerprint at start")
+    return EXIT_OK
+
+
+def run_sites_withdraw(args: argparse.Namespace) -> int:
+    """take a site's data out of the federation's codebook (a site leaves; --dry-run: only say)
+
+    Removes every class only NAME brought, merges every class it shared again from the other
+    holders' kept rows, runs the server's replays again, and unregisters NAME (its key too,
+    when `sites add` registered it): it cannot take part again without a new `sites add`. One
+    commit, under the federation folder's lock. What it does not undo (later steps other sites
+    trained on a codebook holding its values, kept checkpoints) is listed by --dry-run.
+    """
+    folder = server_folder(args)
+    federation = Federation.open(federation_dir(args, folder))
+    chosen = withdrawal.plan(federation, args.name)
+    if args.dry_run:
+        if args.json:
+            emit_json({"success": True, "dry_run": True, **chosen.to_json()})
+        else:
+            print("\n".join(chosen.lines()))
+        return EXIT_OK
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(f"withdrawing {args.name} cannot be undone. Pass --yes to confirm.")
+        print("\n".join(chosen.lines()), file=sys.stderr)
+        if input("withdraw? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("not withdrawn")
+            return EXIT_FAILED
+    record = (
+        withdrawal.withdraw_exact(federation, args.name)
+        if args.exact
+        else withdrawal.withdraw(federation, args.name, withdrawal.Setting.of(federation))
+    )
+    key = None
+    if folder.sites_file.is_file() and sites.Registry.load(folder.sites_file).active(args.name):
+        key = sites.remove(folder, args.name).fingerprint
+    if args.json:
+        emit_json({"success": True, **asdict(record), "key_removed": key})
+    else:
+        print(withdrawal.done_line(record) + (f"; its key {key} unregistered" if key else ""))
     return EXIT_OK

@@ -125,6 +125,8 @@ def _run_locked(
     if note := federation.recover(protocol.checkpoints_kept):
         logger.warning("federation folder: %s", note)
     federation.history()  # a damaged history fails the run now, not after a step's work
+    if note := federation.rerunning():
+        logger.warning("federation folder: %s", note)
     server_eval = None
     if protocol.server_test_dir:
         server_eval = ServerTestSet(protocol.server_test_dir, backbones, train)

@@ -140,6 +140,7 @@ class Coordinator:
         self.screening = screening or ScreeningOptions()
         self.codebook = federation.codebook()
         self.position = federation.position(self.codebook)
+        self.contributions = federation.contributions()  # each site's last rows per class
         self.log = RunLog()
         self.participants = Participants()
         # the step's, made new by ``run_step``
@@ -269,7 +270,7 @@ class Coordinator:
                 )
                 merged = self._merge(phase, screened, state)
                 replayed = self._replay(phase, merged, state)
-                self._commit(phase, replayed, part.done)
+                self._commit(phase, replayed, part.done, screened)
             seconds.append(PhaseTime(phase.key, state.round, time.perf_counter() - t0))
             t0 = time.perf_counter()
         self.tally.seconds.extend(seconds)
@@ -351,13 +352,18 @@ class Coordinator:
         codebook = self._drop_unfitted(codebook, phase)
         return self.strategy.replay(phase, codebook, replace(state, in_play=self.in_play))
 
-    def _commit(self, phase: Phase, codebook: Codebook, done: PhaseRound) -> None:
-        """The commit stage: the phase's codebook checkpointed, validated before it is
-        written (a phase's bad result is never checkpointed: the step fails, naming the class
-        and site); quarantined sites get no more messages in the step."""
+    def _commit(
+        self, phase: Phase, codebook: Codebook, done: PhaseRound, screened: Screened
+    ) -> None:
+        """The commit stage: the rows merged kept per site (``server.contributions``, written
+        ahead), then the phase's codebook checkpointed, validated before it is written (a
+        phase's bad result is never checkpointed: the step fails, naming the class and site);
+        quarantined sites get no more messages in the step."""
         before = self.codebook, self.position
         self.codebook = codebook
         try:
+            rows = self.contributions.merged(phase, screened.sites, screened.updates)
+            self.contributions = self.federation.save_contributions(rows, codebook)
             self._checkpoint(done)
         except CodebookError as err:
             self.codebook, self.position = before

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from starfed.server.folder_files import (
     CHECKPOINTS_DIR,
     CODEBOOK_FILE,
+    CONTRIBUTIONS_FILE,
     HISTORY_FILE,
     IDENTITY_FILE,
     METRICS_FILE,
@@ -41,17 +42,21 @@ from starfed.server.folder_files import (
     STEP_FAILURES_FILE,
     STEP_FINDINGS_FILE,
     STEP_START_FILE,
+    WITHDRAWING_FILE,
     FederationError,
     HistoryLines,
     Identity,
     append_history,
     append_step_failures,
+    append_withdrawal,
     copy_atomic,
     is_manifest,
     read_quarantine,
     read_registry,
     read_step_findings,
+    read_withdrawals,
     temporaries,
+    write_history,
     write_quarantine,
     write_registry,
     write_step_findings,
@@ -64,6 +69,7 @@ from starfed.server.records import (
     Position,
     Registration,
     StepRecord,
+    Withdrawal,
     now,
 )
 from starfed.shared.codebook import store
@@ -75,8 +81,11 @@ from starfed.shared.run_status import FAILED
 
 logger = logging.getLogger(__name__)
 
+WITHDRAWAL_KEY = "starfed.withdrawal"  # metadata of the codebook a withdrawal committed: its id
+
 if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook is decoded, so
     # the folder's records can be read without it (`starfed server status`)
+    from starfed.server.contributions import Contributions
     from starfed.shared.codebook.codebook import Codebook
     from starfed.shared.codebook.stored import Stored
 
@@ -112,6 +121,7 @@ class Federation:
         self._kept: Stored | None = None  # the newest step checkpoint's: its own base and log
         self._migrated = False
         self._whole: Codebook | None = None  # codebook.bin's codebook, read from a whole file
+        self._kept_rows: Stored | None = None  # contributions.bin's codebook as saved
 
     @classmethod
     def open(cls, root: str | Path) -> Federation:
@@ -246,6 +256,134 @@ class Federation:
             copy_atomic(current, self.root / PREVIOUS_FILE)
         self._stored = self._save(CODEBOOK_FILE, saved, self._stored)  # validated first
         return saved
+
+    # --- each site's last rows per class (``server.contributions``) --------------------------
+
+    def contributions(self) -> Contributions:
+        """The rows ``contributions.bin`` keeps (none before the first phase merged)."""
+        from starfed.server.contributions import Contributions
+
+        if not (self.root / CONTRIBUTIONS_FILE).is_file():
+            return Contributions()
+        codebook, self._kept_rows = self._load(CONTRIBUTIONS_FILE)
+        try:
+            return Contributions.from_codebook(codebook)
+        except CodebookError as err:
+            raise FederationError(f"{self.root / CONTRIBUTIONS_FILE}: {err}") from None
+
+    def save_contributions(self, contributions: Contributions, like: Codebook) -> Contributions:
+        """``contributions`` kept (what changed since the last save), ahead of the checkpoint
+        of the phase that merged them: a crash between leaves rows the repeated phase
+        replaces (``Contributions.merged``)."""
+        with self._mid_step("the contributions of the phase ahead of its checkpoint"):
+            self.migrate()
+            codebook = contributions.as_codebook(like)
+            self._kept_rows = self._save(CONTRIBUTIONS_FILE, codebook, self._kept_rows)
+        return replace(contributions, codebook=codebook)
+
+    # --- a site leaves (``server.withdrawal``) ----------------------------------------------
+
+    def withdraw(self, record: Withdrawal, codebook: Codebook) -> Codebook:
+        """Commit ``codebook``, the federation without ``record.site``: one commit point, as a
+        step's close (the module docstring): the record written ahead, the codebook committed
+        naming it, then the registry, the quarantine, the kept rows and ``withdrawals.jsonl``
+        follow (``recover`` finishes them after a crash, or drops a record never committed).
+        ``codebook`` is made from this object's ``codebook()``: the save writes what changed."""
+        write_atomic(self.root / WITHDRAWING_FILE, record.to_json().encode())
+        metadata = {**codebook.metadata, WITHDRAWAL_KEY: record.id}
+        steps = record.steps if record.rerun_from is None else record.rerun_from
+        saved = self._commit(replace(codebook, metadata=metadata), Position(steps))
+        self._finish_withdrawal(record)
+        return saved
+
+    def first_steps(self) -> dict[str, int]:
+        """Site -> the step that registered the first class it brought (its first rows)."""
+        first: dict[str, int] = {}
+        for registration in self.registry.values():
+            for site in registration.sites:
+                first[site] = min(first.get(site, registration.step), registration.step)
+        return first
+
+    def kept_step(self, completed: int) -> Codebook:
+        """The codebook kept after ``completed`` steps (``checkpoints/step-NNNN.bin``), on a new
+        version line; the next commit writes only its manifest (no bytes copied)."""
+        path = self.root / CHECKPOINTS_DIR / f"step-{completed:04d}.bin"
+        if not path.is_file():
+            raise FederationError(f"{path} is not kept")
+        self.migrate()
+        codebook, self._stored = self._load(path.relative_to(self.root).as_posix())
+        metadata = {**codebook.metadata, **Lineage.of(codebook).new_epoch().as_metadata()}
+        return replace(codebook, metadata=metadata)
+
+    def _finish_withdrawal(self, record: Withdrawal) -> None:
+        """After the commit (each part idempotent): its classes and the site out of the
+        registry, the site quarantined for good, its rows and its classes' rows forgotten,
+        the line in ``withdrawals.jsonl``; the record written ahead goes last. An exact
+        withdrawal also forgets the steps to be run again: their history lines, and every
+        kept codebook after its checkpoint (they hold the site's values)."""
+        if record.rerun_from is not None:
+            self._forget_steps(record.rerun_from)
+        self.registry = {n: r for n, r in self.registry.items() if n not in record.removed}
+        for registration in self.registry.values():
+            registration.sites.pop(record.site, None)
+        self._write_registry()
+        quarantine = self.quarantine()
+        quarantine[record.site] = {
+            "step": record.steps,
+            "since": record.when,
+            "reason": "withdrawn: a new `starfed server sites add` lets it back",
+        }
+        write_quarantine(self.root, quarantine)
+        kept = self.contributions().without(record.site, record.removed)
+        self.save_contributions(kept, self.codebook())
+        append_withdrawal(self.root, record)
+        (self.root / WITHDRAWING_FILE).unlink(missing_ok=True)
+
+    def rerunning(self) -> str | None:
+        """A line while the federation runs again the steps an exact withdrawal undid (None
+        when it does not): for the run's log and ``starfed server status``."""
+        withdrawals = read_withdrawals(self.root)
+        last = withdrawals[-1] if withdrawals else None
+        if last is None or last.rerun_from is None:
+            return None
+        checkpoint = self.last_checkpoint()
+        done = 0 if checkpoint is None else checkpoint.position.step
+        if done >= last.steps:
+            return None
+        return (
+            f"re-running for the withdrawal of {last.site}: {done} of {last.steps} steps done "
+            f"(steps {last.rerun_from + 1}-{last.steps} run again without it)"
+        )
+
+    def _forget_steps(self, completed: int) -> None:
+        """The folder as it was after ``completed`` steps: later history lines and kept
+        codebooks gone, the codebook before the last checkpoint the checkpoint itself."""
+        write_history(self.root, [r for r in self.history() if r.step < completed])
+        identity = Identity(self.root, self.fingerprint, self.dims)
+        for steps, path in identity.step_checkpoints():
+            if steps > completed:
+                path.unlink()
+        copy_atomic(self.root / CODEBOOK_FILE, self.root / PREVIOUS_FILE)
+        (self.root / STEP_START_FILE).unlink(missing_ok=True)
+        store.collect(self.root / store.STORE_DIR, identity.manifests() + identity.kept_copies())
+
+    def recover_withdrawal(self) -> str | None:
+        """Finish a withdrawal a crash interrupted after its commit (``withdrawal.json``), or
+        drop it before; what was done, None when nothing was."""
+        path = self.root / WITHDRAWING_FILE
+        if not path.is_file():
+            return None
+        try:
+            record = Withdrawal.from_json(path.read_text())
+        except (ValueError, KeyError, TypeError) as err:
+            path.unlink()
+            return f"dropped a damaged {WITHDRAWING_FILE} ({err}); the withdrawal was not made"
+        codebook, _ = self._load(CODEBOOK_FILE)
+        if codebook.metadata.get(WITHDRAWAL_KEY) != record.id:
+            path.unlink()
+            return f"the withdrawal of {record.site} was not committed: run it again"
+        self._finish_withdrawal(record)
+        return f"finished the withdrawal of {record.site}"
 
     # --- steps ----------------------------------------------------------------------------
 
@@ -447,8 +585,9 @@ class Federation:
         running and the next run records it). What was done, None when nothing was. A folder
         whose codebook is missing is refused first (``codebook``), with nothing written."""
         self._has_codebook()
-        notes = [self._recover_close(keep_steps), self._align_registry(), self._sweep()]
-        return "; ".join(note for note in notes if note) or None
+        closes = (self._recover_close(keep_steps), self.recover_withdrawal())
+        notes = [note for note in (*closes, self._align_registry(), self._sweep()) if note]
+        return "; ".join(notes) or None
 
     def _sweep(self) -> str | None:
         """Remove the temporary files of writes a crash cut short (the caller holds the
@@ -518,7 +657,8 @@ class Federation:
         name = f"{CHECKPOINTS_DIR}/step-{completed:04d}.bin"
         self._kept = self._save(name, codebook, self._kept)
         identity = Identity(self.root, self.fingerprint, self.dims)
-        kept = identity.step_checkpoints()
+        pinned = self.first_steps().values()  # an exact withdrawal goes back to these
+        kept = [(n, path) for n, path in identity.step_checkpoints() if n not in pinned]
         for _, path in kept[: max(0, len(kept) - keep_steps) if keep_steps else 0]:
             path.unlink(missing_ok=True)
         store.collect(self.root / store.STORE_DIR, identity.manifests() + identity.kept_copies())

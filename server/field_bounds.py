@@ -130,6 +130,7 @@ class Screened:
     updates: tuple[ClientUpdate, ...]
     answered: frozenset[str]
     findings: tuple[Finding, ...]
+    sites: tuple[str, ...] = ()  # who sent each update (``server.contributions`` keeps them)
 
 
 def screen_phase(
@@ -162,6 +163,7 @@ def screen_phase(
             stripped.append((entry, update))
     phase_screen.decide()
     kept: list[ClientUpdate] = []
+    senders: list[str] = []
     answered: set[str] = set()
     for entry, update in stripped:
         screened = phase_screen.apply(entry.site, update)
@@ -170,7 +172,9 @@ def screen_phase(
         answered.update(e.name for e in screened.entries)
         answered.update(refused_classes(update))  # answered: kept as they are
         kept.append(screened)
-    return Screened(tuple(kept), frozenset(answered), tuple(screen.findings[known:]))
+        senders.append(entry.site)
+    findings = tuple(screen.findings[known:])
+    return Screened(tuple(kept), frozenset(answered), findings, tuple(senders))
 
 
 class PhaseScreen:

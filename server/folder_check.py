@@ -24,18 +24,22 @@ from starfed.proto import codebook_pb2 as pb
 from starfed.server import folder_lock
 from starfed.server.folder_files import (
     CODEBOOK_FILE,
+    CONTRIBUTIONS_FILE,
     HISTORY_FILE,
     METRICS_FILE,
     PENDING_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
     STEP_START_FILE,
+    WITHDRAWALS_FILE,
+    WITHDRAWING_FILE,
     DamagedFile,
     FederationError,
     HistoryLines,
     Identity,
     read_registry,
     read_step_findings,
+    read_withdrawals,
     temporaries,
 )
 from starfed.server.records import Position, Registration, StepRecord
@@ -72,7 +76,8 @@ class Report:
     def blocking(self) -> list[str]:
         """The problems a run cannot get past (an interrupted close and a damaged
         ``metrics.json`` are the next run's to finish and rewrite)."""
-        return [p for p in self.problems if not p.startswith((PENDING_FILE, METRICS_FILE))]
+        later = (PENDING_FILE, WITHDRAWING_FILE, METRICS_FILE)
+        return [p for p in self.problems if not p.startswith(later)]
 
 
 def phase_marks() -> set[str]:
@@ -114,6 +119,7 @@ def check(root: str | Path, *, depth: Depth = Depth.CHECKSUMS, kept: bool = True
         _position(report, position, names, federation, depth, seen)
     for path in federation.kept_codebooks() if kept else ():
         _codebook_file(report, federation, path, depth, seen)
+    _withdrawals(report, federation, depth, seen)
     if (root / PENDING_FILE).is_file():
         report.problems.append(
             f"{PENDING_FILE}: a step's close was interrupted; the next run (or `starfed server "
@@ -132,6 +138,23 @@ def check(root: str | Path, *, depth: Depth = Depth.CHECKSUMS, kept: bool = True
         except (OSError, ValueError) as err:
             report.problems.append(f"{METRICS_FILE}: damaged ({err}); the next run rewrites it")
     return report
+
+
+def _withdrawals(report: Report, federation: Identity, depth: Depth, seen: dict) -> None:
+    """The files a site's leaving reads and writes: the kept rows (a codebook of the store),
+    the withdrawals made, and one interrupted (``server.withdrawal``)."""
+    root = federation.root
+    if (root / CONTRIBUTIONS_FILE).is_file():
+        _codebook_file(report, federation, root / CONTRIBUTIONS_FILE, depth, seen)
+    try:
+        read_withdrawals(root)
+    except DamagedFile as err:
+        report.problems.append(f"{WITHDRAWALS_FILE}: {err.why}")
+    if (root / WITHDRAWING_FILE).is_file():
+        report.problems.append(
+            f"{WITHDRAWING_FILE}: a withdrawal was interrupted; the next run (or `starfed server "
+            "repair`) finishes it if it was committed, else drops it"
+        )
 
 
 def _lock(report: Report, root: Path) -> None:

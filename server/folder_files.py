@@ -33,6 +33,12 @@ change scale's are ``server.change_scale``'s). The folder holds::
                       happen, for `server status` while the step runs (the step's record keeps
                       them all when it ends; nothing is resumed from this file)
     metrics.json      the federation's scores after the last server run (``server.app``)
+    contributions.bin the manifest of each site's last rows per class (``server.contributions``),
+                      written ahead of each phase's checkpoint: what a withdrawal re-merges from
+    withdrawals.jsonl one ``Withdrawal`` per site that left (``server.withdrawal``)
+    exports.jsonl     one ``ExportRecord`` per ``starfed server export``: where, when, which classes
+    withdrawal.json   the record of a withdrawal being made, between its commit and its line
+                      in withdrawals.jsonl (``Federation.recover`` finishes or drops it)
 """
 
 from __future__ import annotations
@@ -43,7 +49,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from starfed.server.records import Exchange, Finding, Registration, StepRecord
+from starfed.server.records import (
+    Exchange,
+    ExportRecord,
+    Finding,
+    Registration,
+    StepRecord,
+    Withdrawal,
+)
 from starfed.shared.codebook import store
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.schema import ModelDims
@@ -62,6 +75,10 @@ REGISTRY_FILE = "registry.json"
 HISTORY_FILE = "history.jsonl"
 METRICS_FILE = "metrics.json"
 QUARANTINE_FILE = "quarantine.json"
+CONTRIBUTIONS_FILE = "contributions.bin"
+WITHDRAWALS_FILE = "withdrawals.jsonl"
+WITHDRAWING_FILE = "withdrawal.json"
+EXPORTS_FILE = "exports.jsonl"
 
 
 class FederationError(ValueError):
@@ -115,11 +132,55 @@ def write_quarantine(root: Path, entries: Mapping[str, dict]) -> None:
     write_atomic(root / QUARANTINE_FILE, json.dumps(entries, indent=2).encode())
 
 
+def write_history(root: Path, records: Sequence[StepRecord]) -> None:
+    """``history.jsonl`` written anew with ``records`` (atomically)."""
+    write_atomic(root / HISTORY_FILE, "".join(r.to_json() + "\n" for r in records).encode())
+
+
 def append_history(root: Path, record: StepRecord) -> None:
     """One line more in ``history.jsonl`` (the file written anew, atomically)."""
     path = root / HISTORY_FILE
     lines = path.read_text() if path.is_file() else ""
     write_atomic(path, (lines + record.to_json() + "\n").encode())
+
+
+def read_withdrawals(root: Path) -> list[Withdrawal]:
+    """``withdrawals.jsonl``: the sites that left, oldest first; ``DamagedFile`` when a line
+    does not read."""
+    path = root / WITHDRAWALS_FILE
+    try:
+        text = path.read_text() if path.is_file() else ""
+        return [Withdrawal.from_json(line) for line in text.splitlines() if line.strip()]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DamagedFile(path, err) from None
+
+
+def append_withdrawal(root: Path, record: Withdrawal) -> None:
+    """One line more in ``withdrawals.jsonl`` (the file written anew, atomically), unless the
+    withdrawal is there already."""
+    kept = read_withdrawals(root)
+    if any(w.id == record.id for w in kept):
+        return
+    lines = "".join(w.to_json() + "\n" for w in [*kept, record])
+    write_atomic(root / WITHDRAWALS_FILE, lines.encode())
+
+
+def read_exports(root: Path) -> list[ExportRecord]:
+    """``exports.jsonl``: the codebooks exported, oldest first (lines that do not read are
+    left out: a lost line only hides an export from a withdrawal's list)."""
+    path = root / EXPORTS_FILE
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    found = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            found.append(ExportRecord.from_json(line))
+    return found
+
+
+def append_export(root: Path, record: ExportRecord) -> None:
+    """One line more in ``exports.jsonl``, appended (an export does not lock the folder)."""
+    with open(root / EXPORTS_FILE, "a") as file:
+        file.write(record.to_json() + "\n")
 
 
 @dataclass(frozen=True)
@@ -241,7 +302,7 @@ class Identity:
 
     def manifests(self) -> list[Path]:
         """The codebook files a run writes (each a manifest once the folder is migrated)."""
-        names = (CODEBOOK_FILE, PREVIOUS_FILE, STEP_START_FILE)
+        names = (CODEBOOK_FILE, PREVIOUS_FILE, STEP_START_FILE, CONTRIBUTIONS_FILE)
         return [self.root / n for n in names if (self.root / n).is_file()] + [
             path for _, path in self.step_checkpoints()
         ]

@@ -25,15 +25,18 @@ from pathlib import Path
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server import folder_lock
+from starfed.server.federation import Federation
 from starfed.server.folder_check import Depth, read_codebook_file
 from starfed.server.folder_files import (
     CODEBOOK_FILE,
+    CONTRIBUTIONS_FILE,
     HISTORY_FILE,
     METRICS_FILE,
     PENDING_FILE,
     PREVIOUS_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
+    WITHDRAWING_FILE,
     DamagedFile,
     FederationError,
     HistoryLines,
@@ -128,12 +131,14 @@ def plan(root: str | Path, to: int | None = None, *, depth: Depth = Depth.CHECKS
         )
     actions += _history(root, position, stamp)
     actions += _registry(root, position, names, stamp)
-    return Plan(root, actions + _side_files(root, stamp), position)
+    return Plan(root, actions + _side_files(root, stamp, good), position)
 
 
-def _side_files(root: Path, stamp: str) -> list[Action]:
+def _side_files(root: Path, stamp: str, good: Callable[[Path], pb.Codebook | None]) -> list[Action]:
     """The files beside the codebook and its records: a step's close written ahead (the
-    history's repair handled it), damaged step findings and metrics set aside."""
+    history's repair handled it), damaged step findings, kept rows and metrics set aside, a
+    withdrawal's close finished or dropped (``good``: a codebook file's message, None when it
+    does not read whole)."""
     actions = []
     if (root / PENDING_FILE).exists():
         actions.append(
@@ -153,6 +158,17 @@ def _side_files(root: Path, stamp: str) -> list[Action]:
                 "damaged; a resumed step goes on without the screening's findings so far",
             )
         )
+    kept_rows = root / CONTRIBUTIONS_FILE
+    if kept_rows.is_file() and good(kept_rows) is None:
+        why = "damaged; an immediate withdrawal has no kept rows of earlier steps' classes"
+        actions.append(_aside(root, CONTRIBUTIONS_FILE, stamp, why))
+    if (root / WITHDRAWING_FILE).exists():
+
+        def finish() -> None:
+            Federation.open(root).recover_withdrawal()
+
+        what = f"finish the interrupted withdrawal ({WITHDRAWING_FILE}) if committed, else drop it"
+        actions.append(Action(what, finish))
     metrics = root / METRICS_FILE
     if metrics.is_file() and not _json_ok(metrics):
         actions.append(_aside(root, METRICS_FILE, stamp, "damaged; the next run rewrites it"))

@@ -275,3 +275,62 @@ class Checkpoint:
     classes: tuple[str, ...]
     frozen: frozenset[str]
     position: Position
+
+
+@dataclass(frozen=True)
+class Withdrawal:
+    """One line of ``withdrawals.jsonl``: a site that left and what its leaving changed
+    (``server.withdrawal``). ``steps`` completed when it was made; ``touched``: the later
+    steps in which other sites trained on a codebook that held its values (not undone)."""
+
+    site: str
+    when: str
+    steps: int
+    removed: tuple[str, ...] = ()  # the classes only it brought
+    remerged: tuple[str, ...] = ()  # the classes it shared, merged again without it
+    touched: tuple[int, ...] = ()
+    codebook_version: int = 0
+    # exact mode: the steps completed the federation went back to (the checkpoint before the
+    # site's first step), to be run again without it; None: immediate mode
+    rerun_from: int | None = None
+
+    @property
+    def id(self) -> str:
+        """What the codebook committed with it names (``WITHDRAWAL_KEY``)."""
+        return f"{self.site}@{self.when}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> Withdrawal:
+        raw: dict[str, Any] = json.loads(line)
+        return cls(
+            str(raw["site"]),
+            str(raw["when"]),
+            int(raw["steps"]),
+            tuple(raw.get("removed", ())),
+            tuple(raw.get("remerged", ())),
+            tuple(int(s) for s in raw.get("touched", ())),
+            int(raw.get("codebook_version", 0)),
+            None if raw.get("rerun_from") is None else int(raw["rerun_from"]),
+        )
+
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """One line of ``exports.jsonl``: a deployable codebook written out of the folder
+    (``starfed server export``), so that a withdrawal can name the copies made before it."""
+
+    path: str
+    when: str
+    version: int
+    classes: tuple[str, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> ExportRecord:
+        raw: dict[str, Any] = json.loads(line)
+        return cls(str(raw["path"]), str(raw["when"]), int(raw["version"]), tuple(raw["classes"]))

@@ -64,6 +64,7 @@ TIERS = {
         "test_site_policy",
         "test_site_returns",
         "test_train_local",
+        "test_withdrawal",
     ),
     "e2e": (
         "test_adversarial_decode",

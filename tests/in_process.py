@@ -60,18 +60,25 @@ def run_two_sites(root: Path, faults: dict | None = None, **config: object) -> d
     ``LocalGrid.faults`` takes them; ``config``: run-config keys beyond ``TINY_RUN``. The run's
     metrics."""
     config = {**TINY_RUN, **config, "federation-dir": str(root / "server" / "federation")}
-    nodes = {
+    nodes = site_nodes(root, ("farm-a", "farm-b"))
+    grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
+    grid.faults.update(faults or {})
+    return run_grid(grid, config)
+
+
+def site_nodes(root: Path, sites: tuple[str, ...], taking_part: tuple[str, ...] = ()) -> dict:
+    """Node configs of ``sites`` (node ids 1, 2, … in that order) whose folders are
+    ``root/<site>`` and ``root/<site>-state``; only those ``taking_part`` (default: all)."""
+    return {
         i + 1: {
             "data-dir": str(root / site),
             "state-dir": str(root / f"{site}-state"),
             "site-name": site,
             "cache-dir": str(root / "cache"),
         }
-        for i, site in enumerate(("farm-a", "farm-b"))
+        for i, site in enumerate(sites)
+        if site in (taking_part or sites)
     }
-    grid = LocalGrid(client_app.app, config, nodes, run_id=next(_run_ids))
-    grid.faults.update(faults or {})
-    return run_grid(grid, config)
 
 
 def run_grid(grid: LocalGrid, config: dict) -> dict:

@@ -35,6 +35,7 @@ from starfed.server.folder_files import (
     QUARANTINE_FILE,
     REGISTRY_FILE,
     STEP_FINDINGS_FILE,
+    WITHDRAWALS_FILE,
     FederationError,
     read_step_failures,
 )
@@ -342,6 +343,8 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
         for step, f in findings
     ]
     status.quarantine = _guarded(status, root / QUARANTINE_FILE, federation.quarantine, {})
+    if rerun := _guarded(status, root / WITHDRAWALS_FILE, federation.rerunning, None):
+        status.notes.append(rerun)  # an exact withdrawal's steps, run again
     status.last_run = _last_run(run[0], run[1]) if run else None
     return history
 

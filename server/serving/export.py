@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starfed.server.federation import Federation
-from starfed.server.folder_files import FederationError
-from starfed.server.records import now
+from starfed.server.folder_files import FederationError, append_export
+from starfed.server.records import ExportRecord, now
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.deployment import CONFIDENCE_KEY, deployment_metadata
@@ -150,4 +150,7 @@ def write(federation: Federation, export: Deployable, out: Path, dtype: str = "f
     wire.write_file(out, export.codebook.broadcast(), dtype)
     card = model_card(federation, export, out, dtype)
     write_atomic(card_path(out), (json.dumps(card, indent=2) + "\n").encode())
+    names = tuple(export.codebook.names)
+    record = ExportRecord(str(out.resolve()), now(), export.codebook.version, names)
+    append_export(federation.root, record)
     return card
