@@ -29,6 +29,10 @@ from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.knob import ConfigError
 
 MIN_HOLDERS = 3  # below this, a median is no more robust than a mean
+# Rows transposed into the stack at a time: 16 float32 are one 64-byte cache line of it, where
+# one site at a time writes 4 bytes per line (half the time of the median at 1,000 sites went
+# there, docs/benchmarks.md#the-median-merge).
+SITES_AT_ONCE = 16
 
 
 class SiteStack:
@@ -37,9 +41,9 @@ class SiteStack:
     The rows go site by site along the last axis of one buffer, reused from field to field and
     class to class, and numpy's in-place partition selects along that contiguous axis: torch's
     ``median(dim=0)`` of a stack copies it to a contiguous layout and selects with indices, 6×
-    slower at 1,000 sites (docs/benchmarks.md#the-median-merge). The k-th smallest is the same
-    value whatever selects it, so the result is what ``median`` gives (of ``-0.0`` and ``0.0``
-    at the median, either may come).
+    slower and 10× the memory at 1,000 sites (docs/benchmarks.md#the-median-merge). The k-th
+    smallest is the same value whatever selects it, so the result is what ``median`` gives (of
+    ``-0.0`` and ``0.0`` at the median, either may come).
     """
 
     def __init__(self) -> None:
@@ -51,9 +55,10 @@ class SiteStack:
         size = rows[0].numel() * sites
         if self._buffer.numel() < size or self._buffer.dtype != rows[0].dtype:
             self._buffer = torch.empty(size, dtype=rows[0].dtype)
-        stacked = self._buffer[:size].view(*shape, sites)
-        torch.stack(list(rows), dim=-1, out=stacked)
-        by_coordinate = stacked.numpy().reshape(-1, sites)
+        by_coordinate = self._buffer[:size].numpy().reshape(-1, sites)
+        for start in range(0, sites, SITES_AT_ONCE):
+            group = torch.stack(list(rows[start : start + SITES_AT_ONCE]))
+            by_coordinate[:, start : start + len(group)] = group.reshape(len(group), -1).numpy().T
         middle = (sites - 1) // 2
         by_coordinate.partition(middle, axis=1)
         return torch.from_numpy(by_coordinate[:, middle].copy()).view(shape)
