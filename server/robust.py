@@ -40,8 +40,8 @@ class SiteStack:
 
     The rows go site by site along the last axis of one buffer, reused from field to field and
     class to class, and numpy's in-place partition selects along that contiguous axis: torch's
-    ``median(dim=0)`` of a stack copies it to a contiguous layout and selects with indices, 6×
-    slower and 10× the memory at 1,000 sites (docs/benchmarks.md#the-median-merge). The k-th
+    ``median(dim=0)`` of a stack copies it to a contiguous layout and selects with indices: the
+    whole merge 4.7× slower at 1,000 sites (docs/benchmarks.md#the-median-merge). The k-th
     smallest is the same value whatever selects it, so the result is what ``median`` gives (of
     ``-0.0`` and ``0.0`` at the median, either may come).
     """
