@@ -3,16 +3,19 @@
 The coordinator takes a phase's replies in the order of site names, decodes (= validates) each
 one and measures its rows for the screening (``server.screening``: first pass), sets the
 screening's bounds, then screens each decoded update and adds it to a ``MergeAccumulator``
-(second pass; docs/design.md#the-codebook). This measures that path for a training
-phase (stage 2: Q, A and head rows) and a statistics phase (stage2_stats: ViT mixtures), each
-case in a fresh process so that its peak RSS is its own, against the time of copying the same
-replies' bytes once (each into a new buffer), measured in the same process: ``ratio`` is the
-whole merge's wall time over the copy's. Updates are random, every site carries every class;
-they are generated before the timings and held, as a server holds the replies it pulled: the
-peak is what the merge adds to them.
+(second pass; docs/design.md#the-codebook); with ``merge = median`` (the default) the screened
+updates are held and merged at the phase's end (``server.robust.MedianStrategy``: the
+coordinate-wise median of each class held by three or more sites). This measures both merges,
+interleaved, for a training phase (stage 2: Q, A and head rows) and a statistics phase
+(stage2_stats: ViT mixtures, which the median merges as the mean), each case in a fresh process
+so that its peak RSS is its own, against the time of copying the same replies' bytes once (each
+into a new buffer), measured in the same process: ``merge ÷ copy`` is the merge's wall time over
+the copy's, ``total ÷ copy`` the whole phase's (decode and screening included). Updates are
+random, every site carries every class; they are generated before the timings and held, as a
+server holds the replies it pulled: the peak is what the phase adds to them.
 
     python bench/merge_scale.py                          # 10, 100, 1000 sites; median of 3 runs
-    python bench/merge_scale.py --sites 10,100 --runs 1 --phases stage2
+    python bench/merge_scale.py --sites 10,100 --runs 1 --phases stage2 --merges median
 """
 
 from __future__ import annotations
@@ -33,14 +36,18 @@ from codebook_sizes import PAPER, parse_dims, random_codebook, random_mixture
 from starfed.server.decode import without_cyclic_gc
 from starfed.server.field_bounds import PhaseScreen
 from starfed.server.records import Exchange
+from starfed.server.robust import MedianStrategy
 from starfed.server.screening import Screen, ScreeningOptions
+from starfed.server.strategy import PhaseState
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.merge import MergeAccumulator
+from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import Phase
 
 PHASES = {"stage2": Phase.STAGE2, "stage2_stats": Phase.STAGE2_STATS}
+MERGES = ("mean", "median")
 PARTS = ("decode", "screen", "merge")
 COLUMNS = ("decode", "screen", "merge", "total", "copy")
 
@@ -103,9 +110,12 @@ def copy_once(replies: list[bytes]) -> None:
         del copy
 
 
-def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) -> dict:
+def run_case(
+    phase: Phase, sites: int, merge_name: str, classes: int, n_components: int, dims
+) -> dict:
     """One merge, timed by part, with the peak RSS above what the process held before it (the
-    replies included), and the copy of the replies' bytes."""
+    replies included), and the copy of the replies' bytes. The mean streams the screened updates
+    into a ``MergeAccumulator``; the median holds them and merges at the end."""
     codebook = random_codebook(dims, classes, n_components)
     warm_up = MergeAccumulator(codebook, n_components=n_components)  # imports, thread pools
     warm_up.add(
@@ -142,11 +152,22 @@ def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) ->
             timed("screen", phase_screen.observe, site_name(site), update)
             updates.append(update)
     timed("screen", phase_screen.decide)
+    screened = []
     for site, update in enumerate(updates):
-        screened = timed("screen", phase_screen.apply, site_name(site), update)
-        timed("merge", merge.add, screened)
-    del updates, update, screened
-    timed("merge", merge.result)
+        kept = timed("screen", phase_screen.apply, site_name(site), update)
+        if merge_name == "mean":
+            timed("merge", merge.add, kept)
+        else:
+            screened.append(kept)
+    del updates, update, kept
+    if merge_name == "mean":
+        timed("merge", merge.result)
+    else:
+        # the strategy's hook, as the coordinator calls it (a merge reads the codebook and M)
+        train = TrainConfig(mixture_components=n_components)
+        state = PhaseState(0, 0, codebook, tuple(codebook.names), {}, None, train)
+        timed("merge", MedianStrategy.merge, screened, state)
+    del screened
     assert not screen.findings, screen.findings[:3]  # random rows of one scale: none is out
     times = {f"{part}_s": wall[part] for part in PARTS} | {
         f"{part}_cpu": cpu[part] for part in PARTS
@@ -156,8 +177,10 @@ def run_case(phase: Phase, sites: int, classes: int, n_components: int, dims) ->
     return {
         **times,
         "ratio": times["total_s"] / copy_s,
+        "merge_ratio": times["merge_s"] / copy_s,
         "peak_mb": memory_mb("VmHWM") - before,
-        "state_mb": merge.nbytes / 2**20,
+        # the median's state is the held updates and one field of one class, stacked
+        "state_mb": merge.nbytes / 2**20 if merge_name == "mean" else float("nan"),
         "replies_mb": sum(map(len, replies)) / 2**20,
     }
 
@@ -166,15 +189,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sites", default="10,100,1000", help="comma-separated site counts")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"of {', '.join(PHASES)}")
+    parser.add_argument("--merges", default=",".join(MERGES), help=f"of {', '.join(MERGES)}")
     parser.add_argument("--classes", type=int, default=35, help="classes every site carries")
     parser.add_argument("--components", type=int, default=5, help="mixture components M")
     parser.add_argument("--dims", type=parse_dims, default=PAPER, help="d_txt,d_clip,d_vit,L")
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per case (median)")
-    parser.add_argument("--case", help=argparse.SUPPRESS)  # PHASE:SITES, run in a child
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # PHASE:SITES:MERGE, in a child
     args = parser.parse_args()
     if args.case:
-        phase, sites = args.case.split(":")
-        result = run_case(PHASES[phase], int(sites), args.classes, args.components, args.dims)
+        phase, sites, merge_name = args.case.split(":")
+        result = run_case(
+            PHASES[phase], int(sites), merge_name, args.classes, args.components, args.dims
+        )
         print(json.dumps(result))
         return
     d = args.dims
@@ -185,37 +211,41 @@ def main() -> None:
         f"median of {args.runs} runs"
     )
     print(
-        "| phase | sites | replies MB | decode s | screen s | merge s | total s | copy s | "
-        "total ÷ copy | peak RSS MB | state MB |"
+        "| merge | phase | sites | replies MB | decode s | screen s | merge s | total s | copy s | "
+        "merge ÷ copy | total ÷ copy | peak RSS MB | state MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for phase in args.phases.split(","):
-        for sites in (int(n) for n in args.sites.split(",")):
-            command = [
-                sys.executable,
-                __file__,
-                "--case",
-                f"{phase}:{sites}",
-                "--classes",
-                str(args.classes),
-                "--components",
-                str(args.components),
-                "--dims",
-                f"{d.d_txt},{d.d_clip},{d.d_vit},{d.n_layers}",
-            ]
-            runs = [
-                json.loads(
-                    subprocess.run(command, check=True, capture_output=True, text=True).stdout
-                )
-                for _ in range(args.runs)
-            ]
-            median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-            times = [f"{median[f'{c}_s']:.2f} ({median[f'{c}_cpu']:.2f})" for c in COLUMNS]
-            print(
-                f"| {phase} | {sites} | {median['replies_mb']:.0f} | {' | '.join(times)} | "
-                f"{median['ratio']:.1f} | {median['peak_mb']:.0f} | {median['state_mb']:.1f} |",
-                flush=True,
-            )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    cases = [
+        (phase, sites, merge_name)
+        for phase in args.phases.split(",")
+        for sites in (int(n) for n in args.sites.split(","))
+        for merge_name in args.merges.split(",")  # interleaved: the same load for both
+    ]
+    for phase, sites, merge_name in cases:
+        command = [
+            sys.executable,
+            __file__,
+            "--case",
+            f"{phase}:{sites}:{merge_name}",
+            "--classes",
+            str(args.classes),
+            "--components",
+            str(args.components),
+            "--dims",
+            f"{d.d_txt},{d.d_clip},{d.d_vit},{d.n_layers}",
+        ]
+        runs = [
+            json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+            for _ in range(args.runs)
+        ]
+        median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        times = [f"{median[f'{c}_s']:.2f} ({median[f'{c}_cpu']:.2f})" for c in COLUMNS]
+        print(
+            f"| {merge_name} | {phase} | {sites} | {median['replies_mb']:.0f} | "
+            f"{' | '.join(times)} | {median['merge_ratio']:.1f} | {median['ratio']:.1f} | "
+            f"{median['peak_mb']:.0f} | {median['state_mb']:.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

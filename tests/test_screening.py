@@ -14,7 +14,7 @@ import torch
 from starfed.server.change_scale import FILE, ChangeScale
 from starfed.server.field_bounds import PhaseScreen, reference_size
 from starfed.server.records import Exchange
-from starfed.server.robust import MERGE_STRATEGIES, MedianStrategy, with_merge
+from starfed.server.robust import MERGE_STRATEGIES, MedianStrategy, SiteStack, with_merge
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
@@ -70,6 +70,22 @@ def test_the_median_of_three_holders_ignores_one_outlier(make_codebook) -> None:
     # two holders: the count-weighted mean, as starfed's strategy
     mean = MeanStrategy.merge(iter(updates[:2]), _state(codebook))
     assert torch.equal(merged[second].values["prompt"], mean[second].values["prompt"])
+
+
+def test_the_site_stack_gives_torch_median_bit_for_bit() -> None:
+    """``SiteStack`` selects with numpy's partition in a buffer reused across fields and
+    classes; each result is ``torch.median``'s (the lower middle for an even count), ties and
+    all, whatever the shapes and counts before it, and the rows are left as they were."""
+    generator = torch.Generator().manual_seed(0)
+    stack = SiteStack()
+    for sites, shape in [(7, (3, 4)), (4, (5,)), (50, (2, 8)), (3, ()), (2, (6,)), (1, (2, 2))]:
+        rows = [torch.randn(shape, generator=generator) for _ in range(sites)]
+        rows += [rows[0].clone()] * (sites // 3)  # repeated rows: ties at the median
+        before = [row.clone() for row in rows]
+        expected = torch.stack(rows).median(dim=0).values
+        got = stack.median(rows)
+        assert got.shape == expected.shape and torch.equal(got, expected), (sites, shape)
+        assert all(torch.equal(a, b) for a, b in zip(rows, before, strict=True))
 
 
 def test_a_baseline_merges_with_the_median_by_default_and_keeps_its_own_hooks() -> None:
