@@ -19,6 +19,7 @@ would take a 2-core machine about 6 min a cell).
 
     python bench/dp_utility.py --out /tmp/dpu                    # the data, the grid, the runs
     python bench/dp_utility.py --out /tmp/dpu --data-only        # the data and grid file only
+    python bench/dp_utility.py --out /tmp/dpu --attribute 1993   # ε 8 with one release un-noised
 
 Augmented copies of one photo are correlated: the per-image unit counts each copy as an image,
 which is weaker than a guarantee per photo; the patient unit with k = copies is the one that
@@ -32,6 +33,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 from PIL import Image, ImageEnhance
@@ -113,6 +115,47 @@ def grid(root: Path, classes: int, copies: int, epochs: tuple[int, int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Where ε 8's loss comes from: the run with one kind of release left un-noised (clipped as
+#: the setting clips it, its noise multiplier 0; the ledger still records the planned one).
+#: A measurement only: such a run is not private.
+UNNOISED = {
+    "updates": "private_update",  # prompt and head updates: clipped, not noised
+    "statistics": "private_gaussian",  # G_c and H_c: one clipped Gaussian, not noised
+}
+
+
+def attribute(grid_file: Path, out: Path, seed: int, epsilon: float) -> dict[str, float]:
+    """FAA of the grid's image-unit run at ``epsilon`` with each kind of release un-noised,
+    in this process (the local runtime, so the patch reaches every simulated site)."""
+    from starfed.client import privacy
+    from starfed.shared.config import parse
+    from starfed.simulations.grid import load
+    from starfed.simulations.local_grid import run_locally
+
+    values = next(
+        s.run_config for s in load(str(grid_file)).scenarios if s.name == f"image-eps-{epsilon:g}"
+    )
+    faa = {}
+    for kind, name in UNNOISED.items():
+        release = getattr(privacy, name)
+        if kind == "updates":
+
+            def unnoised(before, after, clip, noise_std, rng, release=release):
+                return release(before, after, clip, 0.0, rng)
+        else:
+
+            def unnoised(features, centre, radius, count, z, rng, group=1, release=release):
+                return release(features, centre, radius, count, 0.0, rng, group)
+
+        config = {**parse({**values, "seed": seed}), "results-dir": str(out)}
+        config["run-name"] = f"{kind}-unnoised-eps-{epsilon:g}-seed{seed}"
+        with mock.patch.object(privacy, name, unnoised):
+            metrics = run_locally(config)
+        faa[kind] = float(metrics["final_average_accuracy"])
+        print(f"ε {epsilon:g}, {kind} un-noised, seed {seed}: FAA {faa[kind]:.2f}", flush=True)
+    return faa
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="data root, grid and results")
@@ -122,12 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage1-epochs", type=int, default=2, help="(default run: 5)")
     parser.add_argument("--stage2-epochs", type=int, default=1, help="(default run: 5)")
     parser.add_argument("--data-only", action="store_true", help="write the data and grid only")
+    parser.add_argument(
+        "--attribute",
+        type=int,
+        metavar="SEED",
+        help="instead of the grid: ε 8 per image with updates, then statistics, un-noised",
+    )
     args = parser.parse_args(argv)
     if args.classes < 2 or args.classes % 2:
         parser.error("--classes must be even (tasks of 2 classes)")
-    root = args.out / "data"
+    root, grid_file = args.out / "data", args.out / "dp-utility.toml"
+    if args.attribute is not None:  # on the data and grid already written
+        if not grid_file.is_file():
+            parser.error(f"--attribute: no {grid_file}; run with --data-only first")
+        attribute(grid_file, args.out / "attribution", args.attribute, 8.0)
+        return 0
     chosen = make_root(root, args.classes, args.copies, args.data_seed)
-    grid_file = args.out / "dp-utility.toml"
     epochs = (args.stage1_epochs, args.stage2_epochs)
     grid_file.write_text(grid(root.resolve(), args.classes, args.copies, epochs))
     print(f"{root}: {len(chosen)} classes ({', '.join(chosen)}), ×{args.copies} copies")
