@@ -19,7 +19,8 @@ would take a 2-core machine about 6 min a cell).
 
     python bench/dp_utility.py --out /tmp/dpu                    # the data, the grid, the runs
     python bench/dp_utility.py --out /tmp/dpu --data-only        # the data and grid file only
-    python bench/dp_utility.py --out /tmp/dpu --attribute 1993   # ε 8 with one release un-noised
+    python bench/dp_utility.py --out /tmp/dpu --attribute 1993   # ε 8, each release un-noised
+    python bench/dp_utility.py --out /tmp/dpu --attribute 1996 --unnoised updates
 
 Augmented copies of one photo are correlated: the per-image unit counts each copy as an image,
 which is weaker than a guarantee per photo; the patient unit with k = copies is the one that
@@ -124,7 +125,9 @@ UNNOISED = {
 }
 
 
-def attribute(grid_file: Path, out: Path, seed: int, epsilon: float) -> dict[str, float]:
+def attribute(
+    grid_file: Path, out: Path, seed: int, epsilon: float, kinds: list[str]
+) -> dict[str, float]:
     """FAA of the grid's image-unit run at ``epsilon`` with each kind of release un-noised,
     in this process (the local runtime, so the patch reaches every simulated site)."""
     from starfed.client import privacy
@@ -136,7 +139,8 @@ def attribute(grid_file: Path, out: Path, seed: int, epsilon: float) -> dict[str
         s.run_config for s in load(str(grid_file)).scenarios if s.name == f"image-eps-{epsilon:g}"
     )
     faa = {}
-    for kind, name in UNNOISED.items():
+    for kind in kinds:
+        name = UNNOISED[kind]
         release = getattr(privacy, name)
         if kind == "updates":
 
@@ -169,7 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         "--attribute",
         type=int,
         metavar="SEED",
-        help="instead of the grid: ε 8 per image with updates, then statistics, un-noised",
+        help="instead of the grid: ε 8 per image with one kind of release un-noised",
+    )
+    parser.add_argument(
+        "--unnoised",
+        nargs="+",
+        choices=list(UNNOISED),
+        default=list(UNNOISED),
+        help="with --attribute: the kinds, one run each (default: both)",
     )
     args = parser.parse_args(argv)
     if args.classes < 2 or args.classes % 2:
@@ -178,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.attribute is not None:  # on the data and grid already written
         if not grid_file.is_file():
             parser.error(f"--attribute: no {grid_file}; run with --data-only first")
-        attribute(grid_file, args.out / "attribution", args.attribute, 8.0)
+        attribute(grid_file, args.out / "attribution", args.attribute, 8.0, args.unnoised)
         return 0
     chosen = make_root(root, args.classes, args.copies, args.data_seed)
     epochs = (args.stage1_epochs, args.stage2_epochs)
