@@ -118,8 +118,8 @@ SCHEMA: tuple[Knob, ...] = (
         int,
         0,
         "simulated sites: name every run of this many "
-        "consecutive training images of a class as one patient's, for the patient privacy unit "
-        "(0: no patient names)",
+        "consecutive training images of a class as one patient's, all at one site, for the "
+        "patient privacy unit (0: no patient names)",
         "scenario",
         ge=0,
     ),

@@ -60,6 +60,22 @@ def test_train_partitions_are_disjoint_and_cover_each_task(sites: int) -> None:
         assert counts.sum(axis=1).tolist() == [len(p) for p in parts]
 
 
+@pytest.mark.parametrize("sites", [2, 5, 1000])
+def test_a_simulated_patient_is_at_one_site(sites: int) -> None:
+    """The partition is drawn over patients: each patient's images at one site (a patient is
+    one hospital's), every image of the task at one site."""
+    scenario = Scenario(ScenarioConfig(n_sites=sites, patient_images=5))
+    for task in (0, scenario.n_tasks - 1):
+        samples = scenario.split.samples("train", [task])
+        patients = scenario._patients(samples)
+        holder = {}
+        for site in range(sites):
+            for path, _ in scenario.train_samples(site, task):
+                assert holder.setdefault(patients[path], site) == site, patients[path]
+        assert sum(len(scenario.train_samples(c, task)) for c in range(sites)) == len(samples)
+        assert len(holder) == len(set(patients.values())) > len(samples) // 5
+
+
 def test_one_site_sees_exactly_the_single_site_data() -> None:
     single = Scenario(ScenarioConfig(n_sites=1, alpha=0.1))
     for task in range(single.n_tasks):

@@ -162,9 +162,14 @@ class Scenario:
             _write_class_folders(root / "test", self.test_samples(site, [task]), self.split)
 
     def _patient_names(self, samples: list[Sample]) -> dict[str, str]:
-        """Link names that make every run of ``patient_images`` consecutive images of a class
-        (in ``split.samples`` order) one simulated patient's, a patient of one class only
-        (none when 0)."""
+        """Link names that say each image's simulated patient (none when 0)."""
+        patients = self._patients(samples)
+        return {path: patient_name(patients[path], path) for path, _ in samples if path in patients}
+
+    def _patients(self, samples: list[Sample]) -> dict[str, str]:
+        """Every run of ``patient_images`` consecutive training images of a class (in
+        ``split.samples`` order) is one simulated patient's, a patient of one class only (none
+        when 0): the patient of each of ``samples``."""
         k = self.config.patient_images
         if not k:
             return {}
@@ -172,10 +177,7 @@ class Scenario:
         for i, (_, label) in enumerate(self.split.train_samples):
             first.setdefault(label, i)
         rank = {path: i - first[label] for i, (path, label) in enumerate(self.split.train_samples)}
-        return {
-            path: patient_name(f"c{label:02d}p{rank[path] // k:04d}", path)
-            for path, label in samples
-        }
+        return {path: f"c{label:02d}p{rank[path] // k:04d}" for path, label in samples}
 
     def _check_site(self, site: int) -> int:
         if not 0 <= site < self.n_sites:
@@ -183,33 +185,46 @@ class Scenario:
         return site
 
     def _train_partition(self, task: int) -> list[list[Sample]]:
+        """Each site's images of ``task``. A simulated patient's images go to one site together
+        (a patient is one hospital's), so the partition is drawn over units — patients, or
+        images without them — each standing for its images (``min-partition-size`` then
+        counts patients)."""
         if task not in self._train:
             samples = self.split.samples("train", [task])
-            if self.n_sites >= len(samples) and not self.config.min_partition_size:
-                self._train[task] = self._sparse_partition(task, samples)
-                return self._train[task]
-            partitioner = DirichletPartitioner(
-                num_partitions=self.n_sites,
-                partition_by="label",
-                alpha=self.config.alpha,
-                min_partition_size=self.config.min_partition_size,
-                self_balancing=False,
-                shuffle=False,  # the order is restored below anyway
-                seed=_task_seed(self.config.seed, task),
-            )
-            partitioner.dataset = datasets.Dataset.from_dict(
-                {"index": list(range(len(samples))), "label": [label for _, label in samples]}
-            )
-            try:
-                parts = [
-                    sorted(partitioner.load_partition(c)["index"]) for c in range(self.n_sites)
-                ]
-            except ValueError as err:  # too few images, or min_partition_size never met
-                raise ValueError(f"cannot partition task {task}: {err}") from err
-            self._train[task] = [[samples[i] for i in part] for part in parts]
+            patients = self._patients(samples)
+            units: dict[str, list[int]] = {}  # unit -> its images' indices in samples
+            for i, (path, _) in enumerate(samples):
+                units.setdefault(patients.get(path, path), []).append(i)
+            heads = [samples[images[0]] for images in units.values()]  # one sample per unit
+            members = list(units.values())
+            self._train[task] = [
+                [samples[i] for i in sorted(i for u in part for i in members[u])]
+                for part in self._unit_partition(task, heads)
+            ]
         return self._train[task]
 
-    def _sparse_partition(self, task: int, samples: list[Sample]) -> list[list[Sample]]:
+    def _unit_partition(self, task: int, units: list[Sample]) -> list[list[int]]:
+        """Which of ``units`` (indices, each site's sorted) each site holds."""
+        if self.n_sites >= len(units) and not self.config.min_partition_size:
+            return self._sparse_partition(task, units)
+        partitioner = DirichletPartitioner(
+            num_partitions=self.n_sites,
+            partition_by="label",
+            alpha=self.config.alpha,
+            min_partition_size=self.config.min_partition_size,
+            self_balancing=False,
+            shuffle=False,  # the order is restored below anyway
+            seed=_task_seed(self.config.seed, task),
+        )
+        partitioner.dataset = datasets.Dataset.from_dict(
+            {"index": list(range(len(units))), "label": [label for _, label in units]}
+        )
+        try:
+            return [sorted(partitioner.load_partition(c)["index"]) for c in range(self.n_sites)]
+        except ValueError as err:  # too few images, or min_partition_size never met
+            raise ValueError(f"cannot partition task {task}: {err}") from err
+
+    def _sparse_partition(self, task: int, samples: list[Sample]) -> list[list[int]]:
         """A Dirichlet partition over at least as many sites as there are images, which
         flwr-datasets' ``DirichletPartitioner`` refuses: its algorithm — per class, shares
         drawn from Dir(alpha) over the sites, the class's shuffled images cut at their
@@ -225,7 +240,7 @@ class Scenario:
             cuts = (np.cumsum(shares) * len(indices)).astype(int)[:-1]
             for part, chunk in zip(parts, np.split(indices, cuts), strict=True):
                 part.extend(chunk.tolist())
-        return [[samples[i] for i in sorted(part)] for part in parts]
+        return [sorted(part) for part in parts]
 
     def _test_partition(self, task: int) -> list[list[Sample]]:
         if task not in self._test:
