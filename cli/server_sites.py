@@ -24,17 +24,18 @@ from starfed.cli._common import (
     server_folder,
 )
 from starfed.cli.flags import add_command
-from starfed.ops import pki, processes
+from starfed.ops import leave_request, pki, processes
 from starfed.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.server import folder_lock, withdrawal
 from starfed.server.federation import Federation
 from starfed.server.folder_files import FederationError
 from starfed.server.ops import sites
+from starfed.server.ops.layout import ServerFolder
 from starfed.shared.knob import ConfigError
 
 guarded = guard(bad_input=(pki.SiteKeyError,), failed=(sites.SitesError, processes.ProcessError))
 withdrawing = guard(
-    bad_input=(withdrawal.WithdrawalError,),
+    bad_input=(withdrawal.WithdrawalError, leave_request.LeaveRequestError),
     failed=(FederationError, folder_lock.FolderLocked, sites.SitesError, processes.ProcessError),
 )
 
@@ -60,6 +61,13 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     add_switches(p, {"--yes": "do not ask for confirmation"})
     p = add_command(site_actions, "withdraw", withdrawing(run_sites_withdraw), parents=[common])
     p.add_argument("name")
+    p.add_argument(
+        "--request",
+        type=Path,
+        metavar="FILE",
+        help="the site's signed request (`starfed site leave`): checked against NAME's "
+        "registered key and kept in the withdrawal's record; its mode must be the one asked",
+    )
     federation_option(p)
     add_switches(
         p,
@@ -200,23 +208,26 @@ def run_sites_withdraw(args: argparse.Namespace) -> int:
     folder = server_folder(args)
     federation = Federation.open(federation_dir(args, folder))
     chosen = withdrawal.plan(federation, args.name)
+    request = _checked_request(folder, args) if args.request else None
+    asked = [] if request is None else [_asked(request)]
     if args.dry_run:
         if args.json:
-            emit_json({"success": True, "dry_run": True, **chosen.to_json()})
+            emit_json({"success": True, "dry_run": True, **chosen.to_json(), "request": asked})
         else:
-            print("\n".join(chosen.lines()))
+            print("\n".join([*chosen.lines(), *asked]))
         return EXIT_OK
     if not args.yes:
         if not sys.stdin.isatty():
             raise ConfigError(f"withdrawing {args.name} cannot be undone. Pass --yes to confirm.")
-        print("\n".join(chosen.lines()), file=sys.stderr)
+        print("\n".join([*chosen.lines(), *asked]), file=sys.stderr)
         if input("withdraw? [y/N] ").strip().lower() not in ("y", "yes"):
             print("not withdrawn")
             return EXIT_FAILED
+    proof = "" if request is None else request.to_json()
     record = (
-        withdrawal.withdraw_exact(federation, args.name)
+        withdrawal.withdraw_exact(federation, args.name, proof)
         if args.exact
-        else withdrawal.withdraw(federation, args.name, withdrawal.Setting.of(federation))
+        else withdrawal.withdraw(federation, args.name, withdrawal.Setting.of(federation), proof)
     )
     key = None
     if folder.sites_file.is_file() and sites.Registry.load(folder.sites_file).active(args.name):
@@ -226,3 +237,32 @@ def run_sites_withdraw(args: argparse.Namespace) -> int:
     else:
         print(withdrawal.done_line(record) + (f"; its key {key} unregistered" if key else ""))
     return EXIT_OK
+
+
+def _checked_request(folder: ServerFolder, args: argparse.Namespace) -> leave_request.SignedRequest:
+    """The site's request file, verified against its registration in ``sites.json`` and
+    matching the mode the operator chose."""
+    signed = leave_request.read(args.request)
+    registration = sites.Registry.load(folder.sites_file).active(args.name)
+    if registration is None:
+        raise leave_request.LeaveRequestError(
+            f"{args.name} has no registered key (`starfed server sites list`): its request "
+            "cannot be checked"
+        )
+    leave_request.verify(signed, args.name, registration.public_key, registration.added_at)
+    wanted = leave_request.Mode.EXACT if args.exact else leave_request.Mode.IMMEDIATE
+    if signed.request.mode is not wanted:
+        flag = "with" if signed.request.mode is leave_request.Mode.EXACT else "without"
+        raise leave_request.LeaveRequestError(
+            f"{args.name} asked to leave in {signed.request.mode} mode: run this {flag} --exact"
+        )
+    return signed
+
+
+def _asked(signed: leave_request.SignedRequest) -> str:
+    request = signed.request
+    why = f" ({request.reason})" if request.reason else ""
+    return (
+        f"request    verified: {request.site} asked at {request.made} to leave in "
+        f"{request.mode} mode{why}, signed by its key {signed.fingerprint}"
+    )

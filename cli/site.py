@@ -3,7 +3,8 @@
 ``keygen`` makes the site's key pair (the private key never leaves the site; the ``.pub`` goes to
 the operator); ``start`` runs this site's SuperNode in the foreground until Ctrl-C; ``check``
 (``starfed.cli.site_check``) says whether the site is ready to join; ``data``
-(``starfed.cli.site_data``) writes a trial site's folder from the bundled images. Exit codes
+(``starfed.cli.site_data``) writes a trial site's folder from the bundled images; ``leave`` writes
+the site's signed request to be withdrawn (``starfed.ops.leave_request``). Exit codes
 (``starfed.cli._common``): 0 done (or stopped when told), 1 failed (refused, wrong CA, the
 SuperNode died), 2 bad input — every flag is checked before anything starts.
 """
@@ -20,7 +21,7 @@ from starfed.cli import site_audit, site_check, site_data
 from starfed.cli._common import add_group, add_switches, fail, guard
 from starfed.cli.flags import Flag, add_command, device_flag, parsed, same_name
 from starfed.client.ops import dialling, site_options, supernode
-from starfed.ops import pki, processes
+from starfed.ops import leave_request, pki, processes
 from starfed.ops.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from starfed.shared.knob import as_float, as_str
 
@@ -43,7 +44,7 @@ START_FLAGS = (
         "image, or one patient (images named <patient>__<name>: docs/sites.md#patients)",
     ),
 )
-guarded = guard(bad_input=(pki.SiteKeyError,))
+guarded = guard(bad_input=(pki.SiteKeyError, leave_request.LeaveRequestError))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -90,6 +91,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--quiet": "no progress lines on the terminal (the log keeps everything)",
             "--no-worker": "no site worker: every message builds the model in its own process "
             "(slower)",
+        },
+    )
+    p = add_command(actions, "leave", guarded(run_leave))
+    p.add_argument("--key", type=Path, required=True, help="this site's private key")
+    p.add_argument("--name", required=True, help="the site name the operator registered")
+    p.add_argument("--reason", default="", help="a line for the operator (kept in the record)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="where to write the request (default: leave-request-NAME.json here)",
+    )
+    add_switches(
+        p,
+        {
+            "--exact": "ask for the exact mode: the federation goes back to before this site's "
+            "first step and runs the steps since again without it",
+            "--json": "one JSON object on stdout",
         },
     )
     site_check.add_action(actions)
@@ -184,3 +202,38 @@ def run_start(args: argparse.Namespace) -> int:
     if outcome.survivors:
         fail(args, f"still running: PIDs {sorted(p.pid for p in outcome.survivors)}", EXIT_FAILED)
     return outcome.exit_code
+
+
+def run_leave(args: argparse.Namespace) -> int:
+    """ask the operator to withdraw this site: a request signed with the site's key
+
+    Writes a request (--out) signed with --key, the key the operator registered for --name. Send
+    it to the operator, who checks it and withdraws the site with `starfed server sites withdraw
+    NAME --request FILE` (docs/deployment.md#7b-a-site-leaves). Immediate mode by default; --exact
+    asks for the exact one. Nothing leaves this machine but the file.
+    """
+    mode = leave_request.Mode.EXACT if args.exact else leave_request.Mode.IMMEDIATE
+    signed = leave_request.sign(args.key, args.name, mode, args.reason)
+    out = args.out or Path(f"leave-request-{signed.request.site}.json")
+    leave_request.write(out, signed)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "request": str(out.resolve()),
+                    "fingerprint": signed.fingerprint,
+                    "mode": str(mode),
+                    "made": signed.request.made,
+                },
+                indent=2,
+            )
+        )
+        return EXIT_OK
+    print(
+        f"{out}: {signed.request.site} asks to leave in {mode} mode, signed by {signed.fingerprint}"
+    )
+    print(
+        f"next: send {out} to the operator, who runs `starfed server sites withdraw "
+        f"{signed.request.site} --request {out.name}{' --exact' if args.exact else ''}`"
+    )
+    return EXIT_OK

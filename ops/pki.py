@@ -139,6 +139,11 @@ def read_private_key(path: Path) -> SiteKey:
 
     Refuses a key that others can read: it is the site's identity in the federation.
     """
+    return describe(private_key(path).public_key())
+
+
+def private_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    """A site's private key, checked as ``read_private_key`` says (to sign with it)."""
     try:
         data = path.read_bytes()
         mode = path.stat().st_mode & 0o777
@@ -160,7 +165,7 @@ def read_private_key(path: Path) -> SiteKey:
         ) from None
     if not isinstance(key, ec.EllipticCurvePrivateKey) or not _nist(key.curve):
         raise SiteKeyError(f"{path}: Flower needs an EC key on a NIST curve (P-256/384/521)")
-    return describe(key.public_key())
+    return key
 
 
 def _nist(curve: ec.EllipticCurve) -> bool:

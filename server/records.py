@@ -293,6 +293,9 @@ class Withdrawal:
     # exact mode: the steps completed the federation went back to (the checkpoint before the
     # site's first step), to be run again without it; None: immediate mode
     rerun_from: int | None = None
+    # the site's signed request (`starfed site leave`, ``ops.leave_request``), verified by the
+    # operator's command and kept whole as the proof that the site asked; "": the operator's own
+    request: str = ""
 
     @property
     def id(self) -> str:
@@ -314,6 +317,7 @@ class Withdrawal:
             tuple(int(s) for s in raw.get("touched", ())),
             int(raw.get("codebook_version", 0)),
             None if raw.get("rerun_from") is None else int(raw["rerun_from"]),
+            str(raw.get("request", "")),
         )
 
 

@@ -251,8 +251,9 @@ class Setting:
         return cls(strategy, backbones, TrainConfig.from_config(values))
 
 
-def withdraw(federation: Federation, site: str, setting: Setting) -> Withdrawal:
-    """Withdraw ``site`` now (immediate mode), under the folder's lock; the record made."""
+def withdraw(federation: Federation, site: str, setting: Setting, request: str = "") -> Withdrawal:
+    """Withdraw ``site`` now (immediate mode), under the folder's lock; the record made (with the
+    site's signed ``request``, when it asked)."""
     with folder_lock.locked(federation.root, f"withdraw {site}"):
         federation.recover()
         chosen = plan(federation, site)
@@ -270,12 +271,13 @@ def withdraw(federation: Federation, site: str, setting: Setting) -> Withdrawal:
             chosen.remerged,
             tuple(chosen.touched),
             new.version,
+            request=request,
         )
         federation.withdraw(record, new)
     return record
 
 
-def withdraw_exact(federation: Federation, site: str) -> Withdrawal:
+def withdraw_exact(federation: Federation, site: str, request: str = "") -> Withdrawal:
     """Withdraw ``site`` exactly: the federation goes back to the checkpoint before the site's
     first step, without it, under the folder's lock; the steps since are run again by the next
     ``starfed server run`` (the other sites' task folders and the run's seeds make them the
@@ -295,6 +297,7 @@ def withdraw_exact(federation: Federation, site: str) -> Withdrawal:
             touched=tuple(chosen.touched),
             codebook_version=codebook.version,
             rerun_from=chosen.first,
+            request=request,
         )
         federation.withdraw(record, codebook)
     return record

@@ -24,7 +24,8 @@ from in_process import TINY_RUN, site_nodes, starfed
 from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
-from starfed.server import folder_check
+from starfed.ops import leave_request, pki
+from starfed.server import folder_check, withdrawal
 from starfed.server.app import run_server
 from starfed.server.federation import Federation
 from starfed.server.folder_files import (
@@ -35,6 +36,8 @@ from starfed.server.folder_files import (
     WITHDRAWING_FILE,
     read_withdrawals,
 )
+from starfed.server.ops import sites
+from starfed.server.ops.layout import ServerFolder
 from starfed.server.withdrawal import readmit
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.merge import merge_mixtures
@@ -175,6 +178,51 @@ def test_a_withdrawn_site_takes_no_part_in_later_steps(root: Path, capsys) -> No
         and "farm-c" not in Federation.open(folder(root)).quarantine()
     )
     assert not readmit(folder(root), "farm-a")  # never withdrawn: nothing to lift
+
+
+def test_a_sites_signed_request_is_checked_and_kept_in_the_record(root: Path, capsys) -> None:
+    """`starfed site leave` signs the request with farm-c's key; the operator's withdraw checks
+    it against farm-c's registration (its mode too) and the record keeps it whole."""
+    server = ServerFolder.at(root / "server")
+    key = root / "farm-c.key"
+    public = pki.write_site_key(key, "farm-c")
+    added = "2026-01-01T00:00:00+00:00"
+    sites.Registry([sites.SiteRecord("farm-c", 7, public.openssh, public.fingerprint, added)]).save(
+        server.sites_file
+    )
+    request = root / "leave.json"
+    code, out, err = starfed(
+        capsys,
+        "site",
+        "leave",
+        "--key",
+        key,
+        "--name",
+        "farm-c",
+        "--out",
+        request,
+        "--reason",
+        "consent withdrawn",
+        "--json",
+    )
+    assert code == 0 and json.loads(out)["mode"] == "immediate", err
+    code, plan = withdraw(root, capsys, "--dry-run", "--request", str(request))
+    assert code == 0 and plan["request"][0].startswith("request    verified: farm-c asked at")
+    code, refused = withdraw(root, capsys, "--dry-run", "--exact", "--request", str(request))
+    assert code == 2 and "run this without --exact" in refused["error"]
+    other = root / "farm-x.key"
+    pki.write_site_key(other, "farm-x")
+    leave_request.write(request, leave_request.sign(other, "farm-c", leave_request.Mode.IMMEDIATE))
+    code, refused = withdraw(root, capsys, "--dry-run", "--request", str(request))
+    assert code == 2 and "registered key is" in refused["error"]
+    # the withdrawal made with a verified request keeps it: the proof verifies again later
+    signed = leave_request.sign(key, "farm-c", leave_request.Mode.IMMEDIATE)
+    fed = Federation.open(folder(root))
+    withdrawal.withdraw(fed, "farm-c", withdrawal.Setting.of(fed), signed.to_json())
+    [record] = read_withdrawals(folder(root))
+    kept = leave_request.SignedRequest.from_json(record.request)
+    assert kept == signed
+    leave_request.verify(kept, "farm-c", public.openssh, added)
 
 
 # --- exact mode: equal to a federation the site never joined ------------------------------
