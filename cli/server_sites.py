@@ -229,13 +229,23 @@ def run_sites_withdraw(args: argparse.Namespace) -> int:
         if args.exact
         else withdrawal.withdraw(federation, args.name, withdrawal.Setting.of(federation), proof)
     )
-    key = None
+    key, kept = None, ""
     if folder.sites_file.is_file() and sites.Registry.load(folder.sites_file).active(args.name):
-        key = sites.remove(folder, args.name).fingerprint
+        try:
+            key = sites.remove(folder, args.name).fingerprint
+        except (sites.SitesError, processes.ProcessError) as err:
+            # withdrawn all the same: the quarantine keeps the site out of every later step
+            kept = (
+                f"{args.name} is withdrawn but its key is still registered ({err}); it is "
+                f"quarantined meanwhile: run `starfed server sites remove {args.name}` with the "
+                "server running"
+            )
     if args.json:
-        emit_json({"success": True, **asdict(record), "key_removed": key})
+        emit_json({"success": True, **asdict(record), "key_removed": key, "key_kept": kept})
     else:
         print(withdrawal.done_line(record) + (f"; its key {key} unregistered" if key else ""))
+    if kept:
+        print(f"starfed server sites withdraw: warning: {kept}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -25,7 +25,7 @@ from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
 from starfed.ops import leave_request, pki
-from starfed.server import folder_check, withdrawal
+from starfed.server import folder_check
 from starfed.server.app import run_server
 from starfed.server.federation import Federation
 from starfed.server.folder_files import (
@@ -215,10 +215,13 @@ def test_a_sites_signed_request_is_checked_and_kept_in_the_record(root: Path, ca
     leave_request.write(request, leave_request.sign(other, "farm-c", leave_request.Mode.IMMEDIATE))
     code, refused = withdraw(root, capsys, "--dry-run", "--request", str(request))
     assert code == 2 and "registered key is" in refused["error"]
-    # the withdrawal made with a verified request keeps it: the proof verifies again later
+    # the withdrawal made with a verified request keeps it: the proof verifies again later.
+    # No server runs here, so the key stays registered: said, and the site quarantined anyway
     signed = leave_request.sign(key, "farm-c", leave_request.Mode.IMMEDIATE)
-    fed = Federation.open(folder(root))
-    withdrawal.withdraw(fed, "farm-c", withdrawal.Setting.of(fed), signed.to_json())
+    leave_request.write(request, signed)
+    code, done = withdraw(root, capsys, "--yes", "--request", str(request))
+    assert code == 0 and done["key_removed"] is None and "still registered" in done["key_kept"]
+    assert "farm-c" in Federation.open(folder(root)).quarantine()
     [record] = read_withdrawals(folder(root))
     kept = leave_request.SignedRequest.from_json(record.request)
     assert kept == signed
