@@ -73,44 +73,35 @@ class MedianStrategy(Strategy):
     def merge(updates: Iterable[ClientUpdate], state: PhaseState) -> Codebook:
         """Tensor rows are held per class until the end; the classes with enough holders get
         one row, their median, with their summed count; the rest merge as in ``MeanStrategy``."""
-        return merge_median(updates, state.codebook, state.train.mixture_components)
+        received = list(updates)
+        rows: dict[str, list[ClassEntry]] = {}
+        for update in received:
+            for entry in update.entries:
+                if not any(isinstance(v, GaussianMixture) for v in entry.values.values()):
+                    rows.setdefault(entry.name, []).append(entry)
+        robust = {name for name, entries in rows.items() if len(entries) >= MIN_HOLDERS}
+        merge = MergeAccumulator(state.codebook, n_components=state.train.mixture_components)
+        for update in received:
+            merge.add(update.only({e.name for e in update.entries} - robust))
+        stack = SiteStack()  # one buffer for every field of every class
+        medians = tuple(_median_entry(rows[name], stack) for name in sorted(robust))
+        if medians:
+            first = received[0]
+            merge.add(
+                ClientUpdate(
+                    first.fingerprint, first.dims, first.phase, first.base_version, medians
+                )
+            )
+        return merge.result()
 
-    @staticmethod
-    def merge_class(entries: Sequence[ClassEntry], stack: SiteStack | None = None) -> ClassEntry:
-        """One class's entries (tensor fields only, from ``MIN_HOLDERS`` or more sites) as one:
-        each field's coordinate-wise median, the entries' summed count. ``stack`` is reused
-        from class to class when given."""
-        stack = stack or SiteStack()
-        values = {
-            field: stack.median([e.tensor(field) for e in entries]) for field in entries[0].values
-        }
-        return ClassEntry(entries[0].name, sum(e.count for e in entries), values)
 
-
-def merge_median(
-    updates: Iterable[ClientUpdate], codebook: Codebook, n_components: int
-) -> Codebook:
-    """``MedianStrategy.merge`` into ``codebook``: the median of the tensor rows of each class
-    with ``MIN_HOLDERS`` or more holders, the rest (and every mixture) the weighted mean of
-    ``MergeAccumulator``."""
-    received = list(updates)
-    rows: dict[str, list[ClassEntry]] = {}
-    for update in received:
-        for entry in update.entries:
-            if not any(isinstance(v, GaussianMixture) for v in entry.values.values()):
-                rows.setdefault(entry.name, []).append(entry)
-    robust = {name for name, entries in rows.items() if len(entries) >= MIN_HOLDERS}
-    merge = MergeAccumulator(codebook, n_components=n_components)
-    for update in received:
-        merge.add(update.only({e.name for e in update.entries} - robust))
-    stack = SiteStack()
-    medians = tuple(MedianStrategy.merge_class(rows[name], stack) for name in sorted(robust))
-    if medians:
-        first = received[0]
-        merge.add(
-            ClientUpdate(first.fingerprint, first.dims, first.phase, first.base_version, medians)
-        )
-    return merge.result()
+def _median_entry(entries: Sequence[ClassEntry], stack: SiteStack) -> ClassEntry:
+    """One class's entries (tensor fields only, from ``MIN_HOLDERS`` or more sites) as one: each
+    field's coordinate-wise median, the entries' summed count."""
+    values = {
+        field: stack.median([e.tensor(field) for e in entries]) for field in entries[0].values
+    }
+    return ClassEntry(entries[0].name, sum(e.count for e in entries), values)
 
 
 #: Each value of the ``merge`` knob (``shared.config.MERGES``) and the strategy it names: a new

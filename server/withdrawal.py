@@ -32,6 +32,7 @@ from starfed.server.folder_files import (
     IDENTITY_FILE,
     PREVIOUS_FILE,
     FederationError,
+    Identity,
     read_exports,
     read_quarantine,
     read_withdrawals,
@@ -130,8 +131,12 @@ def plan(federation: Federation, site: str) -> Plan:
         + [PREVIOUS_FILE]
         + [
             f"{CHECKPOINTS_DIR}/{path.name}"
-            for path in sorted((federation.root / CHECKPOINTS_DIR).glob("step-*.bin"))
-            if int(path.stem.removeprefix("step-")) > first
+            for completed, path in sorted(
+                Identity(
+                    federation.root, federation.fingerprint, federation.dims
+                ).step_checkpoints()
+            )
+            if completed > first
         ]
     )
     return Plan(
