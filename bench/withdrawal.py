@@ -12,7 +12,10 @@ withdrawal's parts timed: the plan, the merge again of the shared classes (the s
 manifest and record, the registry, the quarantine and the kept rows). The replays that follow
 are a step's own (the head's over every class, the first level over the shared classes):
 docs/benchmarks.md gives their cost at these sizes; they are not timed here (they need the
-paper's backbones).
+paper's backbones). Per phase: what keeping the rows adds to every phase's commit of a
+federation that holds ``C`` classes (one holder each), when ``IN_PLAY`` classes are trained —
+``Contributions.merged`` and ``Federation.save_contributions`` — and what a run's start reads
+(``Federation.contributions``).
 
     python bench/withdrawal.py                       # 100, 1000, 10000 classes
     python bench/withdrawal.py --classes 100,1000
@@ -37,6 +40,7 @@ from starfed.server.records import Position, Withdrawal, now
 from starfed.server.robust import MedianStrategy
 from starfed.server.withdrawal import Setting, merged_without, plan
 from starfed.shared.codebook import schema, stored
+from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.config import parse
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
@@ -44,6 +48,7 @@ from starfed.shared.protocol import Phase
 
 COMPONENTS = 5
 OWN, SHARED = 10, 10
+IN_PLAY = 10  # classes a phase trains, per phase measurement
 
 
 def site_rows(codebook, names: list[str], site: str, seed: int) -> dict:
@@ -118,6 +123,44 @@ def withdrawal(n_classes: int, setting: Setting) -> dict:
     }
 
 
+def per_phase(n_classes: int) -> dict:
+    """The kept rows' share of one phase's commit, and of a run's start, at ``n_classes``."""
+    codebook = random_codebook(PAPER, n_classes, COMPONENTS)
+    names = codebook.names
+    rows = site_rows(codebook, names, "site-a", 1)
+    with tempfile.TemporaryDirectory() as folder:
+        fed = Federation(folder, codebook.fingerprint, PAPER)
+        fed.save_contributions(Contributions(rows), codebook)
+        fed = Federation(folder, codebook.fingerprint, PAPER)
+        t0 = time.perf_counter()
+        kept = fed.contributions()
+        t1 = time.perf_counter()
+        trained = site_rows(codebook, names[:IN_PLAY], "site-a", 2)
+        update = ClientUpdate(
+            codebook.fingerprint,
+            codebook.dims,
+            Phase.STAGE2,
+            codebook.version,
+            tuple(r.of(Phase.STAGE2) for r in trained.values()),
+        )
+        before = _store_bytes(Path(folder))
+        t2 = time.perf_counter()
+        fed.save_contributions(kept.merged(Phase.STAGE2, ["site-a"], [update]), codebook)
+        t3 = time.perf_counter()
+        written = _store_bytes(Path(folder)) - before
+    return {
+        "classes": n_classes,
+        "in_play": IN_PLAY,
+        "run_start_read_s": round(t1 - t0, 3),
+        "phase_keep_s": round(t3 - t2, 3),
+        "phase_bytes_written": written,
+    }
+
+
+def _store_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--classes", default="100,1000,10000")
@@ -135,6 +178,7 @@ def main() -> None:
         "components": COMPONENTS,
         "storage": storage(100),  # linear in the classes
         "withdrawal": [withdrawal(n, setting) for n in sizes],
+        "per_phase": [per_phase(n) for n in sizes],
     }
     print(json.dumps(out, indent=2))
 
