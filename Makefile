@@ -48,7 +48,7 @@ typecheck: $(STAMP)  ## mypy: strict on shared/, untyped bodies checked elsewher
 pyproject: $(STAMP)  ## write pyproject.toml's [tool.flwr.app.config] from the knob table
 	$(BIN)/python -m starfed.shared.config --write-pyproject pyproject.toml
 
-bench: $(STAMP)  ## speed benchmarks (numbers are recorded in docs/benchmarks.md)
+bench: $(STAMP)  ## speed benchmarks (logs in bench/results/, summary in docs/benchmarks.md)
 	$(BIN)/python bench/train_local.py
 	$(BIN)/python bench/codebook_sizes.py
 

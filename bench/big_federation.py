@@ -16,7 +16,7 @@ process where a user would start one:
   frozen): the bytes it wrote (``/proc/self/io`` wchar) against the encoded size of what it
   changed, and the step's wall and peak RSS.
 
-    python bench/big_federation.py --classes 100 1000 10000 --out bench/results-big-federation.json
+    python bench/big_federation.py --classes 100 1000 10000 --out bench/results/big-federation.json
 
 ``--views`` picks what to measure; ``--keep DIR`` builds each federation once in ``DIR/<N>`` and
 keeps it for later runs (the step then runs on a copy).

@@ -17,7 +17,7 @@ before the step (backbones loaded). The server's wall and the bytes it wrote (``
 wchar; the federation folder is all the server writes) are the step's less the ClientApp calls,
 which the grid meters.
 
-    python bench/big_step.py --classes 100 1000 --out bench/results-big-step.json
+    python bench/big_step.py --classes 100 1000 --out bench/results/big-step.json
 
 On the local runtime the step's process holds every site's codebook: ≈ 1.4 MB of RSS a class
 (docs/benchmarks.md), so 10,000 classes needs ≈ 18 GB.

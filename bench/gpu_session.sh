@@ -13,7 +13,7 @@
 # (bench/profile_units.py on cuda, Chrome traces), sim20 (20 sites on the one GPU). Writes
 # OUT/steps.tsv (step, exit code, wall), OUT/summary.txt (per step: wall, mean GPU busy %, peak
 # GPU memory, and the FAA of a run), the logs, gpu.csv and results.tgz. Numbers go to
-# docs/benchmarks.md ("The GPU kept busy").
+# bench/results/gpu_kept_busy.md and their summary to docs/benchmarks.md ("The GPU kept busy").
 set -u
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/gpu-out}

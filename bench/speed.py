@@ -12,7 +12,8 @@ stage-2 training step, inference (CLIP query + prompted ViT) with CLIP features 
 cached, mixture fit (seconds). Per unit: the median of ``--repeats`` runs, peak memory (RSS
 on CPU, ``torch.cuda.max_memory_allocated`` on CUDA), FLOPs per image counted with
 ``torch.utils.flop_counter.FlopCounterMode`` and the achieved GFLOP/s as a share of the
-device's measured peak (a large float32 matmul). Results go in docs/benchmarks.md.
+device's measured peak (a large float32 matmul). Results go in bench/results/speed.md (the
+summary in docs/benchmarks.md).
 
 Dims: ``tiny`` (the test preset), ``T`` (bench/config-T-backbone.json, the dims of issue 9's
 comparison with the reference) and ``paper`` (CLIP ViT-L/14 + ViT-B/16 at 224, random

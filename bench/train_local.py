@@ -1,7 +1,7 @@
 """Benchmark: `starfed train-local` wall time and stage-2 training throughput (images/s).
 
 Usage: ``python bench/train_local.py [--seed 1993] [--skip-run]``. Prints a JSON summary;
-record the numbers in docs/benchmarks.md with the machine they came from.
+record the numbers in bench/results/train_local.md with the machine they came from.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ TIERS = {
         "test_layers",
         "test_sizes",
         "test_design_doc",
+        "test_doc_links",
         "test_retired_words",
         "test_proto_generated",
     ),
