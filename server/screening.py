@@ -49,7 +49,7 @@ from starfed.server.messaging import reject
 from starfed.server.records import QUARANTINED, REJECTED, Exchange, Finding
 from starfed.shared import progress
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.config import Options, knob, parse_site_names
+from starfed.shared.config import Options, knob, parse_site_names, parse_site_privacy
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.protocol import SITE, TEST_IMAGES, Phase
 from starfed.shared.report import EvaluationReport
@@ -66,13 +66,17 @@ class ScreeningOptions(Options):
     """The operator's bounds on what one site can do (the ``screening`` knobs; docs/federation.md):
     how far its rows may move (the four ``*_bound``, 0: none), how much of a class that others
     hold its examples may weigh, how many classes it may bring, after how many findings it is
-    left out, which names belong to which registered node, and whether the run makes every
-    site private (``privacy-epsilon``: its rows then carry calibrated noise)."""
+    left out, which names belong to which registered node, which registered nodes declared
+    the privacy setting (``site-privacy``), and whether the run makes every site private
+    (``privacy-epsilon``): a private site's rows carry calibrated noise."""
 
     update_bound: float = knob("update-bound")
     reference_bound: float = knob("reference-bound")
     history_bound: float = knob("history-bound")
     mixture_bound: float = knob("mixture-bound")
+    # the clip of a private site's training release, per stage (the run's: ``client.privacy``)
+    stage1_clip: float = knob("privacy-stage1-clip")
+    stage2_clip: float = knob("privacy-stage2-clip")
     max_class_share: float = knob("max-class-share")
     quarantine_after: int = knob("quarantine-after")
     quarantine_persists: bool = knob("quarantine-persists")
@@ -80,7 +84,8 @@ class ScreeningOptions(Options):
     max_new_classes: int = knob("max-new-classes")
     max_step_classes: int = knob("max-step-classes")
     max_classes: int = knob("max-classes")
-    # the run's own privacy setting, never a reply's word: whether sites' rows carry noise
+    # whether a site's rows carry noise: its registration's word, or the run's, never a reply's
+    site_privacy: str = knob("site-privacy")
     privacy_epsilon: float = knob("privacy-epsilon")
 
 
@@ -111,6 +116,8 @@ class Screen:
         self.scale = scale or ChangeScale()  # of the earlier steps: no sender of this one moves it
         self.observed: dict[str, list[float]] = {}  # this step's, for ``ChangeScale.save``
         self.registered = parse_site_names(options.site_names)  # node id -> the operator's name
+        self.site_privacy = parse_site_privacy(options.site_privacy)  # node id -> declared ε
+        self.private_sites: set[str] = set()  # of this step's sync: registered private nodes'
         self.declared: dict[str, Declared] = {}  # site -> its sync
         self.declared_total: Counter[str] = Counter()  # class key -> its images over the syncs
         self.findings: list[Finding] = []
@@ -251,6 +258,8 @@ class Screen:
             f"the federation past {limit} classes (max-classes)",
         )
         for entry, update in kept:
+            if entry.node_id in self.site_privacy:
+                self.private_sites.add(entry.site)
             raw = update.metadata.get(TEST_IMAGES, "")
             test = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
             counts = {class_key(e.name): e.count for e in update.entries}
@@ -282,6 +291,13 @@ class Screen:
         self.note(site or entry.site, entry.phase, entry.round, REJECTED, reason)
 
     # --- codebook phases ------------------------------------------------------------------
+
+    def private(self, site: str) -> bool:
+        """Whether ``site``'s rows carry its privacy mechanism's noise: the run makes every
+        site private (``privacy-epsilon``), or its node declared the setting at its
+        registration (``site-privacy``). Never a reply's word: a key in its metadata would
+        lift its own bound (issue 43, attack 2)."""
+        return self.options.privacy_epsilon > 0 or site in self.private_sites
 
     def caps(self, site: str) -> dict[str, int]:
         """The count each class of ``site`` may carry: what it reported at the sync, and with

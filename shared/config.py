@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -69,6 +70,25 @@ def parse_site_names(text: str) -> dict[int, str]:
             raise ValueError(f"expected NODE:NAME pairs, one per node, not {pair[:40]!r}")
         names[int(node)] = name
     return names
+
+
+def parse_site_privacy(text: str) -> dict[int, float]:
+    """``site-privacy``: "NODE:EPSILON ..." — the ε each registered node declared at its
+    registration (``starfed server sites add --privacy-epsilon``), by SuperNode id. ValueError
+    if one pair is not that."""
+    declared = {}
+    for pair in text.split():
+        node, sep, value = pair.partition(":")
+        try:
+            epsilon = float(value)
+        except ValueError:
+            epsilon = math.nan
+        if not (sep and node.isdigit() and math.isfinite(epsilon) and epsilon > 0):
+            raise ValueError(f"expected NODE:EPSILON pairs (ε > 0), not {pair[:40]!r}")
+        if int(node) in declared:
+            raise ValueError(f"node {node} is named twice")
+        declared[int(node)] = epsilon
+    return declared
 
 
 SCHEMA: tuple[Knob, ...] = (
@@ -281,6 +301,17 @@ SCHEMA: tuple[Knob, ...] = (
         "names they give",
         "screening",
         check=parse_site_names,
+    ),
+    Knob(
+        "site-privacy",
+        str,
+        "",
+        "the registered sites that declared the privacy setting, NODE:EPSILON ... (`starfed "
+        "server run` sets it from sites.json): their rows are held to their release's bound "
+        "(clip plus noise) instead of the scale of honest training; with the run's own "
+        "privacy-epsilon every site is private",
+        "screening",
+        check=parse_site_privacy,
     ),
     Knob(
         "max-new-classes",
