@@ -49,9 +49,10 @@ from starfed.server.messaging import reject
 from starfed.server.records import QUARANTINED, REJECTED, Exchange, Finding
 from starfed.shared import progress
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.config import Options, knob, parse_site_names, parse_site_privacy
+from starfed.shared.config import Options, knob
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.protocol import SITE, TEST_IMAGES, Phase
+from starfed.shared.registered_sites import parse_site_names, parse_site_privacy
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -47,6 +46,7 @@ from starfed.shared.knob import (
     show,
 )
 from starfed.shared.model.backbone_config import PRESETS, read_backbone_config
+from starfed.shared.registered_sites import parse_site_names, parse_site_privacy
 from starfed.shared.retired_names import current_keys, written_as
 
 WIRE_DTYPES = ("float32", "float16")
@@ -58,37 +58,6 @@ MERGES = ("mean", "median")  # the default strategy's per-class estimator (serve
 #: options of one command that never travel in a Flower config, "environment" what a process
 #: reads from ``STARFED_<KEY>`` variables (:func:`environment`).
 RUN_GROUPS = ("scenario", "protocol", "screening", "training", "privacy", "backbones")
-
-
-def parse_site_names(text: str) -> dict[int, str]:
-    """``site-names``: "NODE:NAME ..." — the operator's registered sites by SuperNode id (a run
-    config value cannot hold quotes, so no JSON). ValueError if one pair is not that."""
-    names = {}
-    for pair in text.split():
-        node, sep, name = pair.partition(":")
-        if not (sep and node.isdigit() and name) or int(node) in names:
-            raise ValueError(f"expected NODE:NAME pairs, one per node, not {pair[:40]!r}")
-        names[int(node)] = name
-    return names
-
-
-def parse_site_privacy(text: str) -> dict[int, float]:
-    """``site-privacy``: "NODE:EPSILON ..." — the ε each registered node declared at its
-    registration (``starfed server sites add --privacy-epsilon``), by SuperNode id. ValueError
-    if one pair is not that."""
-    declared = {}
-    for pair in text.split():
-        node, sep, value = pair.partition(":")
-        try:
-            epsilon = float(value)
-        except ValueError:
-            epsilon = math.nan
-        if not (sep and node.isdigit() and math.isfinite(epsilon) and epsilon > 0):
-            raise ValueError(f"expected NODE:EPSILON pairs (ε > 0), not {pair[:40]!r}")
-        if int(node) in declared:
-            raise ValueError(f"node {node} is named twice")
-        declared[int(node)] = epsilon
-    return declared
 
 
 SCHEMA: tuple[Knob, ...] = (
