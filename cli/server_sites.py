@@ -24,7 +24,6 @@ from starfed.cli._common import (
     server_folder,
 )
 from starfed.cli.flags import add_command
-from starfed.client.privacy import PrivacyUnit
 from starfed.ops import leave_request, pki, processes
 from starfed.ops.exit_codes import EXIT_FAILED, EXIT_OK
 from starfed.server import folder_lock, withdrawal
@@ -33,6 +32,7 @@ from starfed.server.folder_files import FederationError
 from starfed.server.ops import sites
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.knob import ConfigError
+from starfed.shared.privacy.unit import PrivacyUnit
 
 guarded = guard(bad_input=(pki.SiteKeyError,), failed=(sites.SitesError, processes.ProcessError))
 withdrawing = guard(
@@ -52,7 +52,7 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("pubkey", type=Path, help="the site's public key file (.pub)")
     p.add_argument(
         "--privacy-epsilon",
-        type=_epsilon,
+        type=float,
         metavar="E",
         help="the site runs with the privacy setting at this ε (its node config's "
         "privacy-epsilon): its rows are then held to its release's bound; a site registered "
@@ -106,13 +106,12 @@ def run_sites_add(args: argparse.Namespace) -> int:
     folder = server_folder(args)
     privacy = None
     if args.privacy_epsilon is not None:
-        privacy = sites.DeclaredPrivacy(
-            args.privacy_epsilon, PrivacyUnit(args.privacy_unit or "image")
-        )
+        if not 0 < args.privacy_epsilon < float("inf"):
+            raise ConfigError(f"--privacy-epsilon {args.privacy_epsilon:g}: a number over 0")
+        unit = PrivacyUnit(args.privacy_unit or PrivacyUnit.IMAGE.value)
+        privacy = sites.DeclaredPrivacy(args.privacy_epsilon, unit)
     elif args.privacy_unit is not None:
-        raise ConfigError(
-            "--privacy-unit says what a private site's ε protects: give --privacy-epsilon too"
-        )
+        raise ConfigError("--privacy-unit goes with --privacy-epsilon (the ε it protects)")
     record = sites.add(folder, args.name, args.pubkey, adopt=args.adopt, privacy=privacy)
     try:
         if withdrawal.readmit(folder.federation, record.name):
@@ -132,17 +131,6 @@ def run_sites_add(args: argparse.Namespace) -> int:
             "registered again."
         )
     return EXIT_OK
-
-
-def _epsilon(text: str) -> float:
-    """A declared ε: a finite number over 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number over 0, not {text!r}")
-    return value
 
 
 def _privacy_words(privacy: sites.DeclaredPrivacy | None) -> str:

@@ -31,7 +31,6 @@ config may only lower it) and at most 1/n.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections import Counter
@@ -60,16 +59,10 @@ from starfed.shared.knob import Values
 from starfed.shared.model.training import MixtureFit
 from starfed.shared.privacy import accountant
 from starfed.shared.privacy.mechanisms import noisy_count, private_gaussian, private_update
+from starfed.shared.privacy.unit import PrivacyUnit
 from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, STATISTICS, Phase
 
 logger = logging.getLogger(__name__)
-
-
-class PrivacyUnit(enum.Enum):
-    """What a site's ε protects: one training image, or one patient (all their images)."""
-
-    IMAGE = "image"
-    PATIENT = "patient"
 
 
 class PrivacyError(ValueError):

@@ -264,6 +264,8 @@ class StepRecord:
 
     def to_json(self) -> str:
         raw = {**asdict(self), "exchanges": [e.to_json() for e in self.exchanges]}
+        if not self.replays:  # none ran (or a line from before issue 43): read back the same
+            del raw["replays"]
         return json.dumps({k: v for k, v in raw.items() if v is not None})
 
     @classmethod

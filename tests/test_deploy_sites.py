@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from starfed.client.privacy import PrivacyUnit
 from starfed.ops import pki, processes
 from starfed.ops.flower_runs import CONNECTION
 from starfed.ops.processes import ManagedProcess, ProcessId
 from starfed.server.ops import sites, superlink
 from starfed.server.ops.layout import ServerFolder
+from starfed.shared.privacy.unit import PrivacyUnit
 
 # Real SuperLink log lines (Flower 1.41, the same in 1.42, --log-file), keys shortened where they
 # do not matter.

@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from starfed.client.privacy import PrivacyUnit
 from starfed.ops import clock, flower_runs, pki
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.files import write_atomic
+from starfed.shared.privacy.unit import PrivacyUnit
 
 FLWR_TIMEOUT_S = 60.0
 SITES_LOCK = "sites.lock"  # in the server folder: one `sites add|remove` at a time
