@@ -18,10 +18,12 @@ step holds each site to what it can show (docs/security.md):
   report rejected; a row whose change from the value the phase was sent with is beyond
   ``reference-bound`` (and ``history-bound`` × the scale of earlier steps) times its class's
   size, or — where three or more sites send the field — ``update-bound`` times the median
-  change over sites, rejected; mixtures whose variances or means are over ``mixture-bound``
-  times the reference (their E‖x‖², every component by its weight, over it times the median
-  norm²), whose means or E‖x‖² are under its inverse, or whose variances are below any fit's,
-  rejected.
+  change over sites, rejected; a private site's (its registration's ``site-privacy``, or the
+  run's ``privacy-epsilon``, never a reply's word: a reply claiming otherwise is a finding)
+  held to its release's bound (clip plus noise) instead of the scale of earlier steps;
+  mixtures whose variances or means are over ``mixture-bound`` times the reference (their
+  E‖x‖², every component by its weight, over it times the median norm²), whose means or E‖x‖²
+  are under its inverse, or whose variances are below any fit's, rejected.
   The bounds are learned from the replies themselves, so a phase is read twice: a first pass
   measures every row, a second hands the screened updates on.
 - **in the evaluation** (``report``): a report of more images than the site said at the sync
