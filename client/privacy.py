@@ -119,7 +119,7 @@ class PrivacySetting(Options):
         setting = cls.from_config(run)
         epsilon = float(node["privacy-epsilon"]) or setting.epsilon
         delta = min(float(node["privacy-delta"]), setting.delta)
-        units = {setting.unit, PrivacyUnit(node["privacy-unit"])}  # the stricter of the two
+        units = {setting.unit, PrivacyUnit(str(node["privacy-unit"]))}  # the stricter of the two
         unit = PrivacyUnit.PATIENT if PrivacyUnit.PATIENT in units else PrivacyUnit.IMAGE
         return replace(setting, epsilon=epsilon, delta=delta, unit=unit) if epsilon else None
 

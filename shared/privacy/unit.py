@@ -6,8 +6,9 @@ from __future__ import annotations
 import enum
 
 
-class PrivacyUnit(enum.Enum):
-    """What a site's ε protects: one training image, or one patient (all their images)."""
+class PrivacyUnit(enum.StrEnum):
+    """What a site's ε protects: one training image, or one patient (all their images). A
+    string enum: a record holding it (the operator's registry of sites) is JSON as it is."""
 
     IMAGE = "image"
     PATIENT = "patient"
