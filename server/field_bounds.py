@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from starfed.server.decode import Decoded, refused_classes, without_cyclic_gc
-from starfed.server.records import CAPPED, CONTRADICTED, REJECTED, Finding
+from starfed.server.records import CAPPED, REJECTED, Finding
 from starfed.server.screening import Furthest, Screen
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
@@ -32,7 +32,7 @@ from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.privacy.accountant import MAX_NOISE_MULTIPLIER
 from starfed.shared.privacy.mechanisms import release_bound
-from starfed.shared.protocol import PRIVACY_EPSILON, Phase
+from starfed.shared.protocol import Phase
 
 logger = logging.getLogger(__name__)
 
@@ -205,16 +205,8 @@ class PhaseScreen:
         """First pass: check counts and classes against the sync; measure every row."""
         if site in self.screen.quarantined:
             return
+        self.screen.privacy_claim(site, self.phase.key, self.round, update.metadata)
         private = self.screen.private(site)
-        if (PRIVACY_EPSILON in update.metadata) != private:
-            # the registration (or the run) says whether a site is private: the reply's word
-            # is recorded against it and changes nothing (issue 43, attack 2)
-            claim = (
-                "lacks the privacy key; the site is registered private"
-                if private
-                else "claims privacy (privacy-epsilon); the site is not registered private"
-            )
-            self._note(site, CONTRADICTED, f"its reply {claim}: held as registered")
         classes = len(update.entries)  # the K classes of its release
         caps = self.screen.caps(site)
         for entry in update.entries:

@@ -48,12 +48,12 @@ from typing import NamedTuple
 from starfed.server.change_scale import ChangeScale
 from starfed.server.decode import Decoded
 from starfed.server.messaging import reject
-from starfed.server.records import QUARANTINED, REJECTED, Exchange, Finding
+from starfed.server.records import CONTRADICTED, QUARANTINED, REJECTED, Exchange, Finding
 from starfed.shared import progress
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import Options, knob
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import SITE, TEST_IMAGES, Phase
+from starfed.shared.protocol import PRIVACY_EPSILON, SITE, TEST_IMAGES, Phase
 from starfed.shared.registered_sites import parse_site_names, parse_site_privacy
 from starfed.shared.report import EvaluationReport
 
@@ -263,6 +263,8 @@ class Screen:
         for entry, update in kept:
             if entry.node_id in self.site_privacy:
                 self.private_sites.add(entry.site)
+            # a private site with nothing to bring says nothing of its privacy at the sync
+            self.privacy_claim(entry.site, entry.phase, entry.round, update.metadata, False)
             raw = update.metadata.get(TEST_IMAGES, "")
             test = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
             counts = {class_key(e.name): e.count for e in update.entries}
@@ -301,6 +303,27 @@ class Screen:
         registration (``site-privacy``). Never a reply's word: a key in its metadata would
         lift its own bound (issue 43, attack 2)."""
         return self.options.privacy_epsilon > 0 or site in self.private_sites
+
+    def privacy_claim(
+        self,
+        site: str,
+        phase: str,
+        round_index: int,
+        metadata: Mapping[str, str],
+        required: bool = True,
+    ) -> None:
+        """A reply whose privacy key (``privacy-epsilon``) says otherwise than the site's
+        registration (or the run) is a finding that changes nothing (issue 43, attack 2): the
+        key from a site that is not private; with ``required``, no key from one that is."""
+        private, claims = self.private(site), PRIVACY_EPSILON in metadata
+        if claims == private or (private and not required):
+            return
+        said = (
+            "lacks the privacy key; the site is registered private"
+            if private
+            else "claims privacy (privacy-epsilon); the site is not registered private"
+        )
+        self.note(site, phase, round_index, CONTRADICTED, f"its reply {said}: held as registered")
 
     def caps(self, site: str) -> dict[str, int]:
         """The count each class of ``site`` may carry: what it reported at the sync, and with

@@ -320,6 +320,14 @@ def test_a_sites_privacy_is_its_registrations_and_its_rows_are_held_to_its_relea
     # a registered private site whose reply lacks the key: a finding, still held as private
     screen = phase({"p": 0.9 * bound}, keys="")
     assert [(f.site, f.action) for f in screen.findings] == [("p", "contradicted")]
+    # at the sync: the key from m is a finding; p's sync may lack it (nothing to bring)
+    screen = Screen(ScreeningOptions(site_privacy="2:8"), step=1, scale=scale)
+    syncs = [
+        (Exchange(0, "sync", 0, node, site, 0), replace(_sync(codebook, {}), metadata=key))
+        for node, site, key in ((1, "a", {}), (2, "p", {}), (3, "m", {PRIVACY_EPSILON: "8"}))
+    ]
+    assert len(screen.sync(syncs, codebook, {})) == 3
+    assert [(f.site, f.phase, f.action) for f in screen.findings] == [("m", "sync", "contradicted")]
 
 
 def test_a_private_release_moves_a_row_by_at_most_its_bound() -> None:
