@@ -36,7 +36,7 @@ from test_adversarial import (
     claim_classes,
     edit_update,
 )
-from test_adversarial_alone import LONE, X, federate, scaled
+from test_adversarial_alone import LONE, REGISTERED, X, federate, scaled
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.federation import Federation
@@ -47,7 +47,8 @@ HONEST = ("farm-a", "farm-b")
 
 
 def _private_scaled(message: pb.ClientUpdate) -> None:
-    """Attack 2: X's rows × 20 and the privacy key (ε 8) in the reply's metadata."""
+    """Attack 2: X's rows × 20 and the privacy key (ε 8) in the reply's metadata, from a site
+    registered without the privacy setting (``REGISTERED``)."""
     scaled(20.0, {X})(message)
     message.metadata[PRIVACY_EPSILON] = "8"
 
@@ -74,8 +75,8 @@ def _toward_another_head(folder: Path) -> Callable[[pb.ClientUpdate], None]:
 
 @dataclass(frozen=True)
 class Attack:
-    """One attack: its number in issue 43, its scenario (sites, steps), farm-m's faults (given
-    the run's folder)."""
+    """One attack: its number in issue 43, its scenario (sites, steps, run config beyond the
+    tiny one), farm-m's faults (given the run's folder)."""
 
     number: int
     what: str
@@ -85,6 +86,7 @@ class Attack:
     #: the run it is measured against: farm-m honest, or (an attack whose site sits the step
     #: out) farm-m absent
     without_attacker: bool = False
+    config: tuple[tuple[str, str], ...] = ()
 
 
 ATTACKS = (
@@ -99,10 +101,11 @@ ATTACKS = (
     ),
     Attack(
         2,
-        "lone sender, rows x 20 and the privacy key in its metadata",
+        "lone sender registered not private, rows x 20 and the privacy key in its metadata",
         LONE,
         2,
         lambda _: {t: edit_update(_private_scaled) for t in TRAINING},
+        config=tuple(REGISTERED.items()),
     ),
     Attack(
         3,
@@ -141,12 +144,19 @@ class Run:
     wall_s: float
 
 
-def run(sites: dict, steps: int, seed: int, faults: Callable[[Path], dict], attack: int) -> Run:
+def run(
+    sites: dict,
+    steps: int,
+    seed: int,
+    faults: Callable[[Path], dict],
+    attack: int,
+    config: tuple[tuple[str, str], ...] = (),
+) -> Run:
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
         start = time.perf_counter()
         try:
-            federate(sites, tmp, faults(tmp), **{"max-steps": steps, "seed": seed})
+            federate(sites, tmp, faults(tmp), **{"max-steps": steps, "seed": seed, **dict(config)})
         except Exception as err:  # a rolled-back step: its record says so
             print(f"  run ended: {str(err)[:120]}", flush=True)
         wall = time.perf_counter() - start
@@ -169,18 +179,18 @@ def main() -> None:
     chosen = [a for a in ATTACKS if a.number in args.attacks]
     runs: list[Run] = []
     for seed in args.seeds:
-        clean: dict[tuple[int, int, bool], Run] = {}
+        clean: dict[tuple, Run] = {}
         for attack in chosen:
-            scenario = (id(attack.sites), attack.steps, attack.without_attacker)
+            scenario = (id(attack.sites), attack.steps, attack.without_attacker, attack.config)
             if scenario not in clean:
                 sites = {
                     name: tasks
                     for name, tasks in attack.sites.items()
                     if not (attack.without_attacker and name == "farm-m")
                 }
-                clean[scenario] = run(sites, attack.steps, seed, lambda _: {}, 0)
+                clean[scenario] = run(sites, attack.steps, seed, lambda _: {}, 0, attack.config)
                 runs.append(clean[scenario])
-            got = run(attack.sites, attack.steps, seed, attack.faults, attack.number)
+            got = run(attack.sites, attack.steps, seed, attack.faults, attack.number, attack.config)
             runs.append(got)
             # after as many completed steps (a rolled-back step leaves the one before)
             after = len(got.steps)

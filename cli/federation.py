@@ -148,8 +148,9 @@ def _run(args: argparse.Namespace, resume: bool) -> int:
     _, overrides = run_config(args, FLAGS)
     if "federation-dir" in overrides:
         raise ConfigError("--run-config federation-dir: use --federation")
-    if "site-names" in overrides:
-        raise ConfigError("--run-config site-names: set from `starfed server sites`")
+    for key in ("site-names", "site-privacy"):
+        if key in overrides:
+            raise ConfigError(f"--run-config {key}: set from `starfed server sites`")
     say = _sayer(args)
     _refuse_damaged(folder, federation_dir)
     checkpoint = _checkpoint(federation_dir)
@@ -165,6 +166,10 @@ def _run(args: argparse.Namespace, resume: bool) -> int:
     # a registered site is known by the name the operator gave its key, whatever it says
     registered = [r for r in sites.Registry.load(folder.sites_file).sites if r.removed_at is None]
     overrides["site-names"] = " ".join(f"{r.node_id}:{r.name}" for r in registered)
+    # a site is private when its registration says so, never by its replies' word
+    overrides["site-privacy"] = " ".join(
+        f"{r.node_id}:{r.privacy.epsilon!r}" for r in registered if r.privacy is not None
+    )
     if running and checkpoint is not None:  # running: a checkpoint says so
         say(_continues(checkpoint))
     offline = _offline(folder, registered)

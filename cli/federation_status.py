@@ -93,7 +93,15 @@ def _print_classes_and_steps(status: Status, out: Console) -> None:
         table.add_row(c.name, str(c.step + 1), brought or "—", "yes" if c.frozen else "no")
     out.print(table)
     table = Table(
-        "step", "status", "classes", "sites", "FAA %", "wall s", "finished", title="steps"
+        "step",
+        "status",
+        "classes",
+        "sites",
+        "FAA %",
+        "wall s",
+        "replay s",
+        "finished",
+        title="steps",
     )
     for r in status.steps:
         state = r.status + (f" (attempt {r.attempt + 1})" if r.attempt else "")
@@ -105,6 +113,7 @@ def _print_classes_and_steps(status: Status, out: Console) -> None:
             ", ".join(r.sites) or "—",
             faa,
             f"{r.wall_s:.0f}",
+            f"{r.replay_s:.1f}",
             r.finished,
         )
     out.print(table)

@@ -32,6 +32,7 @@ from starfed.server.folder_files import FederationError
 from starfed.server.ops import sites
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.knob import ConfigError
+from starfed.shared.privacy.unit import PrivacyUnit
 
 guarded = guard(bad_input=(pki.SiteKeyError,), failed=(sites.SitesError, processes.ProcessError))
 withdrawing = guard(
@@ -49,6 +50,19 @@ def add_actions(actions: argparse._SubParsersAction, common: argparse.ArgumentPa
     p = add_command(site_actions, "add", guarded(run_sites_add), parents=[common])
     p.add_argument("name", help="site name (letters, digits, . _ -)")
     p.add_argument("pubkey", type=Path, help="the site's public key file (.pub)")
+    p.add_argument(
+        "--privacy-epsilon",
+        type=float,
+        metavar="E",
+        help="the site runs with the privacy setting at this ε (its node config's "
+        "privacy-epsilon): its rows are then held to its release's bound; a site registered "
+        "without it whose replies claim privacy is a finding",
+    )
+    p.add_argument(
+        "--privacy-unit",
+        choices=[unit.value for unit in PrivacyUnit],
+        help="what the site's ε protects (its node config's privacy-unit; with --privacy-epsilon)",
+    )
     add_switches(
         p,
         {
@@ -90,7 +104,15 @@ def run_sites_add(args: argparse.Namespace) -> int:
     sites.json does not (Flower answers "[code: 23]") is recorded with --adopt.
     """
     folder = server_folder(args)
-    record = sites.add(folder, args.name, args.pubkey, adopt=args.adopt)
+    privacy = None
+    if args.privacy_epsilon is not None:
+        if not 0 < args.privacy_epsilon < float("inf"):
+            raise ConfigError(f"--privacy-epsilon {args.privacy_epsilon:g}: a number over 0")
+        unit = PrivacyUnit(args.privacy_unit or PrivacyUnit.IMAGE.value)
+        privacy = sites.DeclaredPrivacy(args.privacy_epsilon, unit)
+    elif args.privacy_unit is not None:
+        raise ConfigError("--privacy-unit goes with --privacy-epsilon (the ε it protects)")
+    record = sites.add(folder, args.name, args.pubkey, adopt=args.adopt, privacy=privacy)
     try:
         if withdrawal.readmit(folder.federation, record.name):
             print(f"site {record.name} had withdrawn: it may take part again", file=sys.stderr)
@@ -101,20 +123,27 @@ def run_sites_add(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if args.json:
-        emit_json({"success": True, **asdict(record)})
+        emit_json({"success": True, **record.to_json()})
     else:
         print(
-            f"site {record.name} registered: node {record.node_id}, key {record.fingerprint}. "
-            "Note: a key that is removed can never be registered again."
+            f"site {record.name} registered: node {record.node_id}, key {record.fingerprint}"
+            f"{_privacy_words(record.privacy)}. Note: a key that is removed can never be "
+            "registered again."
         )
     return EXIT_OK
+
+
+def _privacy_words(privacy: sites.DeclaredPrivacy | None) -> str:
+    if privacy is None:
+        return ""
+    return f", private at ε {privacy.epsilon:g} per {privacy.unit.value}"
 
 
 def run_sites_list(args: argparse.Namespace) -> int:
     """sites with node id, status and online/offline times"""
     rows = sites.status(server_folder(args))
     if args.json:
-        emit_json({"success": True, "sites": [asdict(r) for r in rows]})
+        emit_json({"success": True, "sites": [r.to_json() for r in rows]})
         return EXIT_OK
     table = Table("site")
     table.add_column("node id", no_wrap=True)
@@ -122,6 +151,7 @@ def run_sites_list(args: argparse.Namespace) -> int:
         table.add_column(header)
     table.add_column("key", no_wrap=True)
     table.add_column("added")
+    table.add_column("privacy")
     for r in rows:
         table.add_row(
             r.name or "(not added by starfed)",
@@ -131,6 +161,7 @@ def run_sites_list(args: argparse.Namespace) -> int:
             r.offline_at or "—",
             r.fingerprint or "—",
             r.added_at or "—",
+            "—" if r.privacy is None else f"ε {r.privacy.epsilon:g} per {r.privacy.unit.value}",
         )
     console().print(table)
     if not rows:
@@ -157,7 +188,7 @@ def run_sites_remove(args: argparse.Namespace) -> int:
             return EXIT_FAILED
     record = sites.remove(server_folder(args), args.name)
     if args.json:
-        emit_json({"success": True, **asdict(record)})
+        emit_json({"success": True, **record.to_json()})
     else:
         print(f"site {record.name} removed (node {record.node_id}, key {record.fingerprint})")
     return EXIT_OK

@@ -31,7 +31,6 @@ config may only lower it) and at most 1/n.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections import Counter
@@ -60,16 +59,10 @@ from starfed.shared.knob import Values
 from starfed.shared.model.training import MixtureFit
 from starfed.shared.privacy import accountant
 from starfed.shared.privacy.mechanisms import noisy_count, private_gaussian, private_update
+from starfed.shared.privacy.unit import PrivacyUnit
 from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, STATISTICS, Phase
 
 logger = logging.getLogger(__name__)
-
-
-class PrivacyUnit(enum.Enum):
-    """What a site's ε protects: one training image, or one patient (all their images)."""
-
-    IMAGE = "image"
-    PATIENT = "patient"
 
 
 class PrivacyError(ValueError):
@@ -126,7 +119,7 @@ class PrivacySetting(Options):
         setting = cls.from_config(run)
         epsilon = float(node["privacy-epsilon"]) or setting.epsilon
         delta = min(float(node["privacy-delta"]), setting.delta)
-        units = {setting.unit, PrivacyUnit(node["privacy-unit"])}  # the stricter of the two
+        units = {setting.unit, PrivacyUnit(str(node["privacy-unit"]))}  # the stricter of the two
         unit = PrivacyUnit.PATIENT if PrivacyUnit.PATIENT in units else PrivacyUnit.IMAGE
         return replace(setting, epsilon=epsilon, delta=delta, unit=unit) if epsilon else None
 

@@ -51,6 +51,7 @@ from starfed.server.records import (
     PhaseRound,
     PhaseTime,
     Position,
+    ReplayCost,
     StepRecord,
     StepScores,
 )
@@ -350,7 +351,18 @@ class Coordinator:
         if phase not in STATISTICS:
             return codebook
         codebook = self._drop_unfitted(codebook, phase)
-        return self.strategy.replay(phase, codebook, replace(state, in_play=self.in_play))
+        t0 = time.perf_counter()
+        replayed = self.strategy.replay(phase, codebook, replace(state, in_play=self.in_play))
+        cost = ReplayCost(phase.key, time.perf_counter() - t0, len(codebook), len(self.in_play))
+        self.tally.replays.append(cost)
+        logger.info(
+            "replay after %s: %.1f s over %s (%d of the step's)",
+            cost.phase,
+            cost.seconds,
+            progress.counted(cost.classes, "class"),
+            cost.new_classes,
+        )
+        return replayed
 
     def _commit(
         self, phase: Phase, codebook: Codebook, done: PhaseRound, screened: Screened

@@ -30,6 +30,8 @@ from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 from starfed.shared.data.site_folder import class_key
+from starfed.shared.privacy.accountant import MAX_NOISE_MULTIPLIER
+from starfed.shared.privacy.mechanisms import release_bound
 from starfed.shared.protocol import Phase
 
 logger = logging.getLogger(__name__)
@@ -80,13 +82,14 @@ def reference_size(sent: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class Change:
-    """One row's change in a tensor field, and its class's reference size
-    (``reference_size``)."""
+    """One row's change in a tensor field, its class's reference size (``reference_size``),
+    and for a private site's row the most its release can move it (``release_bound``)."""
 
     site: str
     cls: str
     change: float
     size: float
+    released: float | None = None
 
 
 @dataclass(frozen=True)
@@ -189,10 +192,11 @@ class PhaseScreen:
         self.rows = _Rows()
         self.rejected: set[tuple[str, str]] = set()  # (site, class)
         self.capped: dict[tuple[str, str], int] = {}  # (site, class) -> count
-        # a private run's rows carry calibrated noise, not the scale of training: neither
-        # observed for ``ChangeScale`` nor held to it. The run config says so, never a reply:
-        # a site that wrote the privacy key into its metadata would lift its own bound.
-        self.private = screen.options.privacy_epsilon > 0
+        options = screen.options
+        # a private site's training release is clipped to this as a whole (client.privacy)
+        self.clip = {Phase.STAGE1: options.stage1_clip, Phase.STAGE2: options.stage2_clip}.get(
+            phase
+        )
 
     def _note(self, site: str, action: str, reason: str, name: str = "") -> None:
         self.screen.note(site, self.phase.key, self.round, action, reason, name)
@@ -201,6 +205,9 @@ class PhaseScreen:
         """First pass: check counts and classes against the sync; measure every row."""
         if site in self.screen.quarantined:
             return
+        self.screen.privacy_claim(site, self.phase.key, self.round, update.metadata)
+        private = self.screen.private(site)
+        classes = len(update.entries)  # the K classes of its release
         caps = self.screen.caps(site)
         for entry in update.entries:
             key = (site, entry.name)
@@ -235,8 +242,24 @@ class PhaseScreen:
                     before = self.codebook[entry.name].tensor(name)
                     change = _distance(value, before)
                     self.rows.changes.setdefault(name, []).append(
-                        Change(site, entry.name, change, reference_size(before))
+                        Change(
+                            site,
+                            entry.name,
+                            change,
+                            reference_size(before),
+                            self._release_bound(private, classes, value.numel()),
+                        )
                     )
+
+    def _release_bound(self, private: bool, classes: int, coordinates: int) -> float | None:
+        """The most a private site's release of ``classes`` classes in a training phase moves a
+        row of ``coordinates`` values (``release_bound`` at the largest noise multiplier a site
+        releases with: its ε sets its multiplier, and its past releases can raise that to
+        ``MAX_NOISE_MULTIPLIER``); None for a site that is not private, or a phase without a
+        clipped release."""
+        if not private or self.clip is None:
+            return None
+        return release_bound(self.clip, MAX_NOISE_MULTIPLIER, classes, coordinates)
 
     def frozen_rows(self, site: str, names: list[str]) -> None:
         """Rows for finished (frozen) classes: no site trains them (``client.site``), so they
@@ -262,12 +285,13 @@ class PhaseScreen:
 
     def _bound_changes(self, name: str, rows: list[Change]) -> None:
         """Every row is held to the tighter of ``reference-bound`` × its class's own size and
-        ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (a private
-        run's to the first only: its noise is not the scale of training), whatever the number
-        of senders (``_bound_rows``). Where ``MIN_SITES`` sites or more moved the field, also to
-        ``update-bound`` × the median over sites of their changes (and the kept rows are this
-        step's observations of the scale of honest changes); where fewer did, their median is
-        no bound (a lone sender's is its own change)."""
+        ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size — a private
+        site's to its release's bound instead of the second (its noise is not the scale of
+        training) — whatever the number of senders (``_bound_rows``). Where ``MIN_SITES`` sites
+        or more moved the field, also to ``update-bound`` × the median over sites of their
+        changes (and the kept rows of sites that are not private are this step's observations of
+        the scale of honest changes); where fewer did, their median is no bound (a lone
+        sender's is its own change)."""
         options = self.screen.options
         # Rows that did not move say nothing of how far training moves one: a site that holds
         # a single class of its task has a one-logit loss and sends its rows back unchanged,
@@ -301,12 +325,12 @@ class PhaseScreen:
                         f"{options.update_bound:g} × the median over "
                         f"{senders} sites {median:.3g}",
                     )
-        if self.private:
-            return  # noise is not the scale of honest training
-        kept = [
+        kept = [  # a private site's rows carry noise, not the scale of honest training
             (row.site, row.change / row.size)
             for row in rows
-            if row.change > 0 and (row.site, row.cls) not in self.rejected
+            if row.change > 0
+            and (row.site, row.cls) not in self.rejected
+            and not self.screen.private(row.site)
         ]
         if len({site for site, _ in kept}) >= MIN_SITES:
             self.screen.observed.setdefault(name, []).extend(_site_medians(kept))
@@ -330,7 +354,15 @@ class PhaseScreen:
                         f"{options.reference_bound:g} × the class's size {size:.3g}",
                     )
                 )
-            if options.history_bound and scale is not None and not self.private:
+            if row.released is not None:
+                limits.append(
+                    (
+                        row.released,
+                        f"the bound of its privacy release {row.released:.3g} (clip "
+                        f"{self.clip:g} plus its noise at multiplier {MAX_NOISE_MULTIPLIER:g})",
+                    )
+                )
+            elif options.history_bound and scale is not None and not self.screen.private(site):
                 limits.append(
                     (
                         options.history_bound * scale * size,

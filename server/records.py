@@ -185,17 +185,21 @@ class Exchange:
 
 
 CAPPED, REJECTED, QUARANTINED = "capped", "rejected", "quarantined"  # a finding's action
+#: A finding's action for a claim the server knows better (a reply's privacy key against the
+#: site's registration): recorded and counted, and nothing is changed by it.
+CONTRADICTED = "contradicted"
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One contribution the server's screening capped or rejected, or a site it quarantined
-    (``server.screening``): kept in the step's record so an operator sees who did what."""
+    """One contribution the server's screening capped or rejected, a claim it contradicted, or
+    a site it quarantined (``server.screening``): kept in the step's record so an operator sees
+    who did what."""
 
     site: str
     phase: str
     round: int
-    action: str  # CAPPED, REJECTED or QUARANTINED
+    action: str  # CAPPED, REJECTED, CONTRADICTED or QUARANTINED
     reason: str
     name: str = ""  # the class, when the finding is about one class's row
 
@@ -207,6 +211,19 @@ class PhaseTime:
     phase: str
     round: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class ReplayCost:
+    """What the server's replay after one statistics phase cost: its wall time, the classes it
+    sampled (every class of the codebook: each one's mixture is drawn) and the step's classes
+    among them (its new ones: at most ``max-step-classes``; docs/security.md, "Bounded
+    registration")."""
+
+    phase: str
+    seconds: float
+    classes: int
+    new_classes: int
 
 
 @dataclass
@@ -239,6 +256,7 @@ class StepRecord:
     server_eval: StepScores | None = None  # the server's test set (``server-test-dir``)
     findings: tuple[Finding, ...] = ()  # contributions capped or rejected (``server.screening``)
     quarantined: tuple[str, ...] = ()  # sites excluded from the rest of the step
+    replays: tuple[ReplayCost, ...] = ()  # the server's replays of this run of the step
 
     @property
     def ended(self) -> float:
@@ -246,6 +264,8 @@ class StepRecord:
 
     def to_json(self) -> str:
         raw = {**asdict(self), "exchanges": [e.to_json() for e in self.exchanges]}
+        if not self.replays:  # none ran (or a line from before issue 43): read back the same
+            del raw["replays"]
         return json.dumps({k: v for k, v in raw.items() if v is not None})
 
     @classmethod
@@ -262,6 +282,7 @@ class StepRecord:
                 "exchanges": tuple(Exchange.from_json(e) for e in raw.get("exchanges", ())),
                 "findings": tuple(Finding(**f) for f in raw.get("findings", ())),
                 "quarantined": tuple(raw.get("quarantined", ())),
+                "replays": tuple(ReplayCost(**r) for r in raw.get("replays", ())),
             }
         )
 

@@ -18,10 +18,12 @@ step holds each site to what it can show (docs/security.md):
   report rejected; a row whose change from the value the phase was sent with is beyond
   ``reference-bound`` (and ``history-bound`` × the scale of earlier steps) times its class's
   size, or — where three or more sites send the field — ``update-bound`` times the median
-  change over sites, rejected; mixtures whose variances or means are over ``mixture-bound``
-  times the reference (their E‖x‖², every component by its weight, over it times the median
-  norm²), whose means or E‖x‖² are under its inverse, or whose variances are below any fit's,
-  rejected.
+  change over sites, rejected; a private site's (its registration's ``site-privacy``, or the
+  run's ``privacy-epsilon``, never a reply's word: a reply claiming otherwise is a finding)
+  held to its release's bound (clip plus noise) instead of the scale of earlier steps;
+  mixtures whose variances or means are over ``mixture-bound`` times the reference (their
+  E‖x‖², every component by its weight, over it times the median norm²), whose means or E‖x‖²
+  are under its inverse, or whose variances are below any fit's, rejected.
   The bounds are learned from the replies themselves, so a phase is read twice: a first pass
   measures every row, a second hands the screened updates on.
 - **in the evaluation** (``report``): a report of more images than the site said at the sync
@@ -46,12 +48,13 @@ from typing import NamedTuple
 from starfed.server.change_scale import ChangeScale
 from starfed.server.decode import Decoded
 from starfed.server.messaging import reject
-from starfed.server.records import QUARANTINED, REJECTED, Exchange, Finding
+from starfed.server.records import CONTRADICTED, QUARANTINED, REJECTED, Exchange, Finding
 from starfed.shared import progress
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.config import Options, knob, parse_site_names
+from starfed.shared.config import Options, knob
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.protocol import SITE, TEST_IMAGES, Phase
+from starfed.shared.protocol import PRIVACY_EPSILON, SITE, TEST_IMAGES, Phase
+from starfed.shared.registered_sites import parse_site_names, parse_site_privacy
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
@@ -66,13 +69,17 @@ class ScreeningOptions(Options):
     """The operator's bounds on what one site can do (the ``screening`` knobs; docs/federation.md):
     how far its rows may move (the four ``*_bound``, 0: none), how much of a class that others
     hold its examples may weigh, how many classes it may bring, after how many findings it is
-    left out, which names belong to which registered node, and whether the run makes every
-    site private (``privacy-epsilon``: its rows then carry calibrated noise)."""
+    left out, which names belong to which registered node, which registered nodes declared
+    the privacy setting (``site-privacy``), and whether the run makes every site private
+    (``privacy-epsilon``): a private site's rows carry calibrated noise."""
 
     update_bound: float = knob("update-bound")
     reference_bound: float = knob("reference-bound")
     history_bound: float = knob("history-bound")
     mixture_bound: float = knob("mixture-bound")
+    # the clip of a private site's training release, per stage (the run's: ``client.privacy``)
+    stage1_clip: float = knob("privacy-stage1-clip")
+    stage2_clip: float = knob("privacy-stage2-clip")
     max_class_share: float = knob("max-class-share")
     quarantine_after: int = knob("quarantine-after")
     quarantine_persists: bool = knob("quarantine-persists")
@@ -80,7 +87,8 @@ class ScreeningOptions(Options):
     max_new_classes: int = knob("max-new-classes")
     max_step_classes: int = knob("max-step-classes")
     max_classes: int = knob("max-classes")
-    # the run's own privacy setting, never a reply's word: whether sites' rows carry noise
+    # whether a site's rows carry noise: its registration's word, or the run's, never a reply's
+    site_privacy: str = knob("site-privacy")
     privacy_epsilon: float = knob("privacy-epsilon")
 
 
@@ -111,6 +119,8 @@ class Screen:
         self.scale = scale or ChangeScale()  # of the earlier steps: no sender of this one moves it
         self.observed: dict[str, list[float]] = {}  # this step's, for ``ChangeScale.save``
         self.registered = parse_site_names(options.site_names)  # node id -> the operator's name
+        self.site_privacy = parse_site_privacy(options.site_privacy)  # node id -> declared ε
+        self.private_sites: set[str] = set()  # of this step's sync: registered private nodes'
         self.declared: dict[str, Declared] = {}  # site -> its sync
         self.declared_total: Counter[str] = Counter()  # class key -> its images over the syncs
         self.findings: list[Finding] = []
@@ -251,6 +261,10 @@ class Screen:
             f"the federation past {limit} classes (max-classes)",
         )
         for entry, update in kept:
+            if entry.node_id in self.site_privacy:
+                self.private_sites.add(entry.site)
+            # a private site with nothing to bring says nothing of its privacy at the sync
+            self.privacy_claim(entry.site, entry.phase, entry.round, update.metadata, False)
             raw = update.metadata.get(TEST_IMAGES, "")
             test = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
             counts = {class_key(e.name): e.count for e in update.entries}
@@ -282,6 +296,34 @@ class Screen:
         self.note(site or entry.site, entry.phase, entry.round, REJECTED, reason)
 
     # --- codebook phases ------------------------------------------------------------------
+
+    def private(self, site: str) -> bool:
+        """Whether ``site``'s rows carry its privacy mechanism's noise: the run makes every
+        site private (``privacy-epsilon``), or its node declared the setting at its
+        registration (``site-privacy``). Never a reply's word: a key in its metadata would
+        lift its own bound (issue 43, attack 2)."""
+        return self.options.privacy_epsilon > 0 or site in self.private_sites
+
+    def privacy_claim(
+        self,
+        site: str,
+        phase: str,
+        round_index: int,
+        metadata: Mapping[str, str],
+        required: bool = True,
+    ) -> None:
+        """A reply whose privacy key (``privacy-epsilon``) says otherwise than the site's
+        registration (or the run) is a finding that changes nothing (issue 43, attack 2): the
+        key from a site that is not private; with ``required``, no key from one that is."""
+        private, claims = self.private(site), PRIVACY_EPSILON in metadata
+        if claims == private or (private and not required):
+            return
+        said = (
+            "lacks the privacy key; the site is registered private"
+            if private
+            else "claims privacy (privacy-epsilon); the site is not registered private"
+        )
+        self.note(site, phase, round_index, CONTRADICTED, f"its reply {said}: held as registered")
 
     def caps(self, site: str) -> dict[str, int]:
         """The count each class of ``site`` may carry: what it reported at the sync, and with

@@ -22,6 +22,7 @@ from starfed.server.records import (
     Finding,
     PhaseRound,
     PhaseTime,
+    ReplayCost,
     StepRecord,
     StepScores,
 )
@@ -85,6 +86,7 @@ class StepTally:
     started: float = field(default_factory=time.time)
     exchanges: list[Exchange] = field(default_factory=list)
     seconds: list[PhaseTime] = field(default_factory=list)
+    replays: list[ReplayCost] = field(default_factory=list)
     scores: StepScores | None = None
 
 
@@ -118,6 +120,7 @@ def step_record(
         server_eval=server_eval,
         findings=tuple(screen.findings),
         quarantined=tuple(screen.quarantined),
+        replays=tuple(tally.replays),
     )
 
 

@@ -46,6 +46,7 @@ from starfed.shared.knob import (
     show,
 )
 from starfed.shared.model.backbone_config import PRESETS, read_backbone_config
+from starfed.shared.registered_sites import parse_site_names, parse_site_privacy
 from starfed.shared.retired_names import current_keys, written_as
 
 WIRE_DTYPES = ("float32", "float16")
@@ -57,18 +58,6 @@ MERGES = ("mean", "median")  # the default strategy's per-class estimator (serve
 #: options of one command that never travel in a Flower config, "environment" what a process
 #: reads from ``STARFED_<KEY>`` variables (:func:`environment`).
 RUN_GROUPS = ("scenario", "protocol", "screening", "training", "privacy", "backbones")
-
-
-def parse_site_names(text: str) -> dict[int, str]:
-    """``site-names``: "NODE:NAME ..." — the operator's registered sites by SuperNode id (a run
-    config value cannot hold quotes, so no JSON). ValueError if one pair is not that."""
-    names = {}
-    for pair in text.split():
-        node, sep, name = pair.partition(":")
-        if not (sep and node.isdigit() and name) or int(node) in names:
-            raise ValueError(f"expected NODE:NAME pairs, one per node, not {pair[:40]!r}")
-        names[int(node)] = name
-    return names
 
 
 SCHEMA: tuple[Knob, ...] = (
@@ -281,6 +270,17 @@ SCHEMA: tuple[Knob, ...] = (
         "names they give",
         "screening",
         check=parse_site_names,
+    ),
+    Knob(
+        "site-privacy",
+        str,
+        "",
+        "the registered sites that declared the privacy setting, NODE:EPSILON ... (`starfed "
+        "server run` sets it from sites.json): their rows are held to their release's bound "
+        "(clip plus noise) instead of the scale of honest training; with the run's own "
+        "privacy-epsilon every site is private",
+        "screening",
+        check=parse_site_privacy,
     ),
     Knob(
         "max-new-classes",

@@ -386,6 +386,13 @@ def test_a_site_registering_thousands_of_classes_sits_the_step_out(
     assert why in finding.reason
     assert set(metrics["classes"]) == {C0, A1, B1}  # farm-m's step: none of its classes
     assert set(metrics["site_accuracy"]) == {"farm-a", "farm-b"}
+    # the step's record keeps what its replays cost: the honest step's classes, not farm-m's
+    (record,) = Federation.open(tmp_path / "federation").history()
+    assert [(r.phase, r.classes, r.new_classes) for r in record.replays] == [
+        ("stage1_stats", 3, 3),
+        ("stage2_stats", 3, 3),
+    ]
+    assert all(0 < r.seconds < record.wall_s for r in record.replays)
 
 
 def test_two_sites_with_one_name_are_not_merged_into_one(folders, tmp_path, honest) -> None:

@@ -40,9 +40,16 @@ M = 3  # farm-m's node id
 _run_ids = itertools.count(7500)
 
 
-def federate(sites: dict[str, dict[str, list[str]]], tmp: Path, faults=None, **config) -> dict:
+def federate(
+    sites: dict[str, dict[str, list[str]]],
+    tmp: Path,
+    faults=None,
+    node_config: dict[str, dict] | None = None,
+    **config,
+) -> dict:
     """One server run over ``sites`` (name -> task -> classes; farm-m is node 3), farm-m's
-    replies of each message type in ``faults`` passed through it; the run's metrics."""
+    replies of each message type in ``faults`` passed through it, each site's node config
+    with its ``node_config`` keys; the run's metrics."""
     run_config = {**TINY_RUN, **config, "federation-dir": str(tmp / "federation")}
     nodes = {}
     for node, (name, tasks) in enumerate(sites.items(), start=1):
@@ -52,6 +59,7 @@ def federate(sites: dict[str, dict[str, list[str]]], tmp: Path, faults=None, **c
             "state-dir": str(tmp / f"{name}-state"),
             "site-name": name,
             "cache-dir": str(tmp / "cache"),
+            **(node_config or {}).get(name, {}),
         }
     grid = LocalGrid(client_app.app, run_config, nodes, run_id=next(_run_ids))
     for message_type, fault in (faults or {}).items():
@@ -102,14 +110,17 @@ def assert_contained(metrics: dict, honest: dict) -> None:
 # --- a lone sender: farm-m alone brings X in step 2 -------------------------------------------
 
 
-def rolled_back(sites: dict, tmp: Path, faults: dict) -> dict:
+def rolled_back(
+    sites: dict, tmp: Path, faults: dict, node_config=None, first="completed", **config
+) -> dict:
     """A run whose step 2 fails because the screening rejected every update of its one class
-    in play (farm-m's): the step is rolled back, the honest sites keep what step 1 gave them.
-    The run's metrics (written before the run reports its failure)."""
+    in play (farm-m's): the step is rolled back, the honest sites keep what step 1 gave them
+    (whose status is ``first``). The run's metrics (written before the run reports its
+    failure)."""
     with pytest.raises(RunFailed, match="the screening rejected every"):
-        federate(sites, tmp, faults, **{"max-steps": 2})
-    (first, second) = Federation.open(tmp / "federation").history()
-    assert (first.status, second.status) == ("completed", "failed")
+        federate(sites, tmp, faults, node_config, **{"max-steps": 2, **config})
+    (one, two) = Federation.open(tmp / "federation").history()
+    assert (one.status, two.status) == (first, "failed")
     return json.loads((tmp / "federation" / "metrics.json").read_text())
 
 
@@ -167,22 +178,68 @@ def test_a_lone_senders_50x_rows_are_held_to_the_scale_of_earlier_steps(
     assert lone_honest["status"] == "completed"  # its lone X rows: within the same bound
 
 
+#: The three sites registered, by node id (``starfed server run`` passes sites.json's).
+REGISTERED = {"site-names": "1:farm-a 2:farm-b 3:farm-m"}
+#: farm-m registered with the privacy setting (``sites add --privacy-epsilon 32``), and its
+#: node config with it: a real private site.
+PRIVATE_M = {**REGISTERED, "site-privacy": "3:32"}
+PRIVATE_NODE = {"farm-m": {"privacy-epsilon": 32.0}}
+
+
 def test_the_privacy_key_in_a_reply_lifts_no_bound(tmp_path, lone_honest) -> None:
-    """Issue 43, attack 2: as above, and farm-m writes the privacy key (ε 8) into its replies'
-    metadata. A private site's rows carry noise and are held to ``reference-bound`` only, so
-    the key alone let its × 50 rows pass; whether a site is private is the run config's to say
-    (``privacy-epsilon``, 0 here), never the reply's."""
+    """Issue 43, attack 2: as above, and farm-m — registered without the privacy setting —
+    writes the privacy key (ε 8) into its replies' metadata. A private site's rows carry noise
+    and are not held to the scale of training, so the key alone let its × 50 rows pass; whether
+    a site is private is its registration's to say (``site-privacy``), or the run's, never the
+    reply's: the key is a finding, and the rows are held as any other's."""
 
     def private(message: pb.ClientUpdate) -> None:
         scaled(50.0, {X})(message)
         message.metadata[PRIVACY_EPSILON] = "8"
 
     faults = {t: edit_update(private) for t in TRAINING}
-    metrics = rolled_back(LONE, tmp_path, faults)
+    # step 1: its replies' key is a finding in each training phase (the step is degraded)
+    metrics = rolled_back(LONE, tmp_path, faults, first="degraded", **REGISTERED)
     assert_as_after_step_1(metrics, lone_honest)
+    found = findings(tmp_path)
+    assert {f.site for f in found} == {"farm-m"}
+    claims = [f for f in found if f.action == "contradicted"]
+    assert {f.phase for f in claims} == {"stage1", "stage2"}
+    assert all("claims privacy" in f.reason for f in claims)
+    rejected = [f for f in found if f.action == "rejected"]
+    assert rejected and {f.name for f in rejected} == {X}
+    assert all("× the scale of honest changes in earlier steps" in f.reason for f in rejected)
+
+
+@pytest.fixture(scope="module")
+def private_honest(tmp_path_factory) -> dict:
+    """The lone scenario with farm-m a real private site (ε 32 in its node config), registered
+    so: two steps, and the federation's findings."""
+    tmp = tmp_path_factory.mktemp("private-honest")
+    metrics = federate(LONE, tmp, None, PRIVATE_NODE, **{"max-steps": 2, **PRIVATE_M})
+    return {**metrics, "findings": findings(tmp)}
+
+
+def test_a_registered_private_site_passes_with_no_finding(private_honest) -> None:
+    """farm-m's rows carry its release's noise (clipped, noised updates; one Gaussian per
+    class): held to its release's bound, not to the others' scale of training, they pass, and
+    its replies' privacy key agrees with its registration. Both steps complete."""
+    assert private_honest["findings"] == []
+    assert (private_honest["status"], private_honest["steps"]) == ("completed", 2)
+
+
+def test_a_registered_private_sites_rows_past_its_release_are_rejected(tmp_path) -> None:
+    """The same private farm-m alone trains X in step 2 with rows × 10⁴: past its clip plus
+    the noise its release can reach (``release_bound``, at the largest noise multiplier) —
+    without ``reference-bound``, that bound is the one that holds it. Rejected, the step
+    rolled back; the honest sites keep step 1's (farm-m's noise is the operating system's, so
+    each run's step 1 differs: its honest sites' accuracy is not compared)."""
+    faults = {t: edit_update(scaled(1e4, {X})) for t in TRAINING}
+    rolled_back(LONE, tmp_path, faults, PRIVATE_NODE, **{**PRIVATE_M, "reference-bound": 0})
     rejected = [f for f in findings(tmp_path) if f.action == "rejected"]
     assert rejected and {(f.site, f.name) for f in rejected} == {("farm-m", X)}
-    assert all("× the scale of honest changes in earlier steps" in f.reason for f in rejected)
+    assert all("over the bound of its privacy release" in f.reason for f in rejected)
+    assert not [f for f in findings(tmp_path) if f.action == "contradicted"]
 
 
 def test_a_lone_senders_mixture_is_held_to_the_codebooks_fitted_mixtures(

@@ -343,6 +343,22 @@ def test_each_key_mix_up_is_one_line_naming_it(tmp_path, nothing_heavy, capsys) 
     )
 
 
+def test_a_sites_declared_privacy_is_a_number_over_0_with_its_unit(
+    tmp_path, nothing_heavy, capsys
+) -> None:
+    from starfed.ops import pki
+
+    pki.write_site_key(tmp_path / "site.key", "site@host")
+    add = ["server", "sites", "add", "farm-a", str(tmp_path / "site.pub"), "--dir", str(tmp_path)]
+    assert _fails_at_once([*add, "--privacy-epsilon", "0"], capsys) == (
+        "starfed server sites add: error: --privacy-epsilon 0: a number over 0"
+    )
+    assert _fails_at_once([*add, "--privacy-unit", "patient"], capsys) == (
+        "starfed server sites add: error: --privacy-unit goes with --privacy-epsilon (the ε it "
+        "protects)"
+    )
+
+
 def test_a_mistyped_flag_is_named_not_the_required_one_it_hides(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["site", "start", "--sever", "127.0.0.1:1", "--data", "."])

@@ -83,8 +83,10 @@ def _group(name: str) -> set[str]:
 def test_each_group_of_knobs_is_read_by_its_options() -> None:
     assert _knobs_read(ScenarioConfig) == _group("scenario")
     assert _knobs_read(ProtocolOptions) == _group("protocol")
-    # + the run's privacy: whether sites' rows carry noise is the run's word, never a reply's
-    assert _knobs_read(ScreeningOptions) == _group("screening") | {"privacy-epsilon"}
+    # + the run's privacy: whether sites' rows carry noise is the run's (or the registration's)
+    # word, never a reply's; and the clip a private site's release is held to
+    privacy = {"privacy-epsilon", "privacy-stage1-clip", "privacy-stage2-clip"}
+    assert _knobs_read(ScreeningOptions) == _group("screening") | privacy
     # + train-local's single-site ablation (a federation's is its strategy, starfed-no-replay)
     assert _knobs_read(TrainConfig) == _group("training") | {"seed", "generative-replay"}
     assert _knobs_read(BackboneOptions) == _group("backbones") - {"device"}  # load(device)

@@ -39,6 +39,7 @@ from starfed.server.ops.dashboard_page import fragment
 from starfed.server.ops.dashboard_plots import ACCURACY_NOTE, PLOTS, _clock_axis, step_label
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Exchange, PhaseTime, Position, StepRecord, StepScores
+from starfed.shared.privacy.unit import PrivacyUnit
 from starfed.shared.run_status import COMPLETED, DEGRADED
 
 T0 = 1_790_000_000.0  # 2026-09-21, when the first step started
@@ -116,7 +117,10 @@ def write_server_folder(root: Path) -> ServerFolder:
     federation.begin_step(codebook)
     federation.register(["class_4"], 2, {"class_4": ["farm-b"]})
     federation.checkpoint(codebook, Position(2, True, ("sync/0", "stage1/0"), ("class_4",)))
-    registry = sites.Registry([sites.SiteRecord("farm-a", 7, "ssh-ed", "SHA256:aaaa", "then")])
+    private = sites.DeclaredPrivacy(4.0, PrivacyUnit.PATIENT)  # sites add --privacy-epsilon 4
+    registry = sites.Registry(
+        [sites.SiteRecord("farm-a", 7, "ssh-ed", "SHA256:aaaa", "then", privacy=private)]
+    )
     registry.save(folder.sites_file)
     folder.logs.mkdir()
     folder.superlink_log.write_text("2026-09-21 09:59:00,000 INFO : Starting\n" + REFUSAL)
@@ -216,6 +220,7 @@ def test_api_state_is_the_reading_that_status_prints(folder, capsys) -> None:
         (160_020, 61_300),
     ]
     assert [r["code"] for r in state["refused"]] == ["2004"]
+    assert [r["privacy"] for r in state["registrations"]] == [{"epsilon": 4.0, "unit": "patient"}]
     assert [f["name"] for f in state["logs"]] == ["superlink.log"]
 
 

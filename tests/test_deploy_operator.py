@@ -92,7 +92,7 @@ def test_every_action_that_runs_flwr_gives_the_same_result_from_a_checkout(
         )
         answers = []
         for action in (
-            ("sites", "add", "farm-a", str(public)),
+            ("sites", "add", "farm-a", str(public), "--privacy-epsilon", "4"),
             ("sites", "list"),
             ("status",),
             ("run", "--steps", "1"),
@@ -114,10 +114,12 @@ def test_every_action_that_runs_flwr_gives_the_same_result_from_a_checkout(
         }
         (submitted,) = [call["argv"] for call in calls if call["argv"][0] == "run"]
         assert "--run-config" in submitted and 'site-names="42:farm-a"' in submitted, submitted
+        assert 'site-privacy="42:4.0"' in submitted, submitted  # its registration's, issue 43
     assert results["checkout"] == results["plain"]
     listed = json.loads(results["checkout"][1][1])["sites"]
     assert [(s["name"], s["node_id"], s["status"]) for s in listed] == [("farm-a", 42, "online")]
     assert listed[0]["fingerprint"] == key.fingerprint
+    assert listed[0]["privacy"] == {"epsilon": 4.0, "unit": "image"}
     assert listed[0]["online_at"] == "WHEN"  # Flower's time written as starfed's (issue 47)
     assert listed[0]["offline_at"] is None  # the earlier session's, not this one's
     assert json.loads(results["checkout"][3][1])["metrics"] == METRICS

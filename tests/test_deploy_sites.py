@@ -14,6 +14,7 @@ from starfed.ops.flower_runs import CONNECTION
 from starfed.ops.processes import ManagedProcess, ProcessId
 from starfed.server.ops import sites, superlink
 from starfed.server.ops.layout import ServerFolder
+from starfed.shared.privacy.unit import PrivacyUnit
 
 # Real SuperLink log lines (Flower 1.41, the same in 1.42, --log-file), keys shortened where they
 # do not matter.
@@ -265,3 +266,31 @@ def test_the_site_terminal_gets_starfed_words_and_the_log_everything() -> None:
     assert told(warning).endswith(" warning: skipped 1 unreadable")
     assert told(worker_line("starfed.client.worker", logging.INFO, "listening on s")) is None
     assert told("Traceback (most recent call last):\n") is None
+
+
+def test_a_sites_declared_privacy_is_kept_in_its_registration(
+    folder: ServerFolder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sites add --privacy-epsilon`` is recorded with the key (issue 43: a site's privacy is
+    its registration's, never its replies' word), read back typed; a record written before
+    has none; a damaged one is one line."""
+    pki.write_site_key(tmp_path / "a.key", "a")
+    pki.write_site_key(tmp_path / "b.key", "b")
+    nodes = iter((7, 8))
+    monkeypatch.setattr(sites, "flwr_json", lambda *_: {"success": True, "node-id": next(nodes)})
+    declared = sites.DeclaredPrivacy(4.0, PrivacyUnit.PATIENT)
+    sites.add(folder, "a", tmp_path / "a.pub", privacy=declared)
+    sites.add(folder, "b", tmp_path / "b.pub")
+    saved = json.loads(folder.sites_file.read_text())["sites"]
+    assert saved[0]["privacy"] == {"epsilon": 4.0, "unit": "patient"}
+    assert saved[1]["privacy"] is None
+    registry = sites.Registry.load(folder.sites_file)
+    assert [r.privacy for r in registry.sites] == [declared, None]
+    del saved[1]["privacy"]  # as written before issue 43
+    saved[0]["privacy"]["epsilon"] = -1
+    folder.sites_file.write_text(json.dumps({"sites": saved}))
+    with pytest.raises(sites.SitesError, match="is damaged: privacy epsilon -1"):
+        sites.Registry.load(folder.sites_file)
+    saved[0]["privacy"]["epsilon"] = 4
+    folder.sites_file.write_text(json.dumps({"sites": saved}))
+    assert [r.privacy for r in sites.Registry.load(folder.sites_file).sites] == [declared, None]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,8 @@ from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import MERGES
 from starfed.shared.knob import ConfigError
 from starfed.shared.model.training import TrainConfig
+from starfed.shared.privacy.accountant import MAX_NOISE_MULTIPLIER
+from starfed.shared.privacy.mechanisms import private_update, release_bound
 from starfed.shared.protocol import PRIVACY_EPSILON, Phase
 from starfed.simulations.methods.no_replay import NoReplay
 
@@ -190,10 +193,13 @@ def test_a_lone_sender_is_held_to_the_scale_of_honest_changes_in_earlier_steps(
     assert kept.through_step == 0 and kept.fields["prompt"] == first.observed["prompt"]
     sent = codebook[name].values["prompt"]
     size, elements = reference_size(sent), sent.numel() ** 0.5
-    per_element = {ratio: ratio * size / elements for ratio in (50.0, 2 * kept.reference("prompt"))}
+    per_element = {
+        ratio: ratio * size / elements for ratio in (50.0, 5.0, 2 * kept.reference("prompt"))
+    }
 
     def lone(scale: ChangeScale, ratio: float, private: bool = False, key: bool = False) -> list:
         options = ScreeningOptions(privacy_epsilon=8.0 if private else 0.0)
+        key = key or private  # a private site's replies carry its ε
         screen = Screen(options, step=1, scale=scale)
         _synced(screen, codebook, {"m": {name: 10}})
         phase = PhaseScreen(screen, Phase.STAGE1, 0, codebook)
@@ -208,10 +214,15 @@ def test_a_lone_sender_is_held_to_the_scale_of_honest_changes_in_earlier_steps(
     assert "over 20 × the scale of honest changes in earlier steps" in reason, reason
     assert lone(kept, 2 * kept.reference("prompt")) == []
     assert lone(ChangeScale(), 50.0) == []  # under 100 × the class's size: today's bound
-    # a private run's rows carry calibrated noise: held to reference-bound only
-    assert lone(kept, 50.0, private=True) == []
-    # issue 43, attack 2: the privacy key in a reply's metadata lifts no bound
-    (reason,) = lone(kept, 50.0, key=True)
+    # a private run's rows carry calibrated noise: held to their release's bound instead (here
+    # 37, about 11 × the class's size: the clip plus the noise of multiplier 100)
+    assert "over 20 × the scale of honest changes" in lone(kept, 5.0)[0]
+    assert lone(kept, 5.0, private=True) == []
+    (reason,) = lone(kept, 50.0, private=True)
+    assert "over the bound of its privacy release" in reason, reason
+    # issue 43, attack 2: the privacy key in a reply's metadata lifts no bound: it is a finding
+    claim, reason = lone(kept, 50.0, key=True)
+    assert "claims privacy" in claim and "not registered private" in claim, claim
     assert "over 20 × the scale of honest changes in earlier steps" in reason, reason
 
 
@@ -263,6 +274,78 @@ def test_a_private_runs_rows_add_nothing_to_the_scale_of_honest_changes(
         phase.observe(site, replace(update, metadata=private))
     phase.decide()
     assert len(screen.observed.get("prompt", [])) == (0 if epsilon else 4)
+
+
+@pytest.mark.adversarial
+def test_a_sites_privacy_is_its_registrations_and_its_rows_are_held_to_its_release(
+    make_codebook,
+) -> None:
+    """Issue 43, attack 2. p's node declared the privacy setting at its registration
+    (``site-privacy``), m's did not; each moves its own class alone by 0.9 × p's release's
+    bound (clip plus the noise of the largest multiplier), past 2 × its size (the scale of
+    earlier steps × ``history-bound``), with the privacy key in its reply. m's key is a finding
+    and lifts nothing (held to the scale of earlier steps); p is held to its release's bound
+    instead, which a row past it does not pass; a registered private site whose reply lacks
+    the key is a finding, held as private all the same."""
+    codebook = make_codebook(n_classes=3)
+    own = dict(zip("apm", codebook.names, strict=True))
+    sent = codebook[own["p"]].values["prompt"]
+    size, elements = reference_size(sent), sent.numel()
+    bound = release_bound(0.02, MAX_NOISE_MULTIPLIER, 1, elements)  # stage-1 clip, one class
+    scale = ChangeScale({"prompt": [0.1, 0.1, 0.1]}, through_step=0)
+
+    def phase(moves: dict[str, float], keys: str = "pm") -> Screen:
+        screen = Screen(ScreeningOptions(site_privacy="2:8"), step=1, scale=scale)
+        _synced(screen, codebook, {site: {own[site]: 10} for site in "apm"})
+        assert {site: screen.private(site) for site in "apm"} == {"a": 0, "p": 1, "m": 0}
+        screening = PhaseScreen(screen, Phase.STAGE1, 0, codebook)
+        for site, change in moves.items():
+            update = _update(codebook, {own[site]: (change / elements**0.5, 10)})
+            key = {PRIVACY_EPSILON: "8"} if site in keys else {}
+            screening.observe(site, replace(update, metadata=key))
+        screening.decide()
+        return screen
+
+    assert 2 * size < 0.9 * bound < 100 * size  # past the scale, under reference-bound
+    screen = phase({"a": 0.05 * size, "p": 0.9 * bound, "m": 0.9 * bound})
+    found = [(f.site, f.action) for f in screen.findings]
+    assert found == [("m", "contradicted"), ("m", "rejected")], screen.findings
+    assert "over 20 × the scale of honest changes" in screen.findings[1].reason
+    assert "prompt" not in screen.observed  # p's noise is no observation, and m's row is out
+    # past its release's bound
+    screen = phase({"p": 1.01 * bound})
+    (finding,) = screen.findings
+    assert (finding.site, finding.action, finding.name) == ("p", "rejected", own["p"])
+    assert f"over the bound of its privacy release {bound:.3g}" in finding.reason
+    # a registered private site whose reply lacks the key: a finding, still held as private
+    screen = phase({"p": 0.9 * bound}, keys="")
+    assert [(f.site, f.action) for f in screen.findings] == [("p", "contradicted")]
+    # at the sync: the key from m is a finding; p's sync may lack it (nothing to bring)
+    screen = Screen(ScreeningOptions(site_privacy="2:8"), step=1, scale=scale)
+    syncs = [
+        (Exchange(0, "sync", 0, node, site, 0), replace(_sync(codebook, {}), metadata=key))
+        for node, site, key in ((1, "a", {}), (2, "p", {}), (3, "m", {PRIVACY_EPSILON: "8"}))
+    ]
+    assert len(screen.sync(syncs, codebook, {})) == 3
+    assert [(f.site, f.phase, f.action) for f in screen.findings] == [("m", "sync", "contradicted")]
+
+
+def test_a_private_release_moves_a_row_by_at_most_its_bound() -> None:
+    """``release_bound`` against ``private_update`` itself: an update far past the clip, 3
+    classes' noise at multiplier 5, 2000 draws; every field's change is within the bound of
+    its own coordinates, and the bound is within 2 × the largest change seen (a 10⁻⁹ tail)."""
+    rng = np.random.default_rng(0)
+    clip, z, classes = 0.05, 5.0, 3
+    before = {"head_weight": torch.zeros(10), "prompt": torch.zeros(4, 8)}
+    after = {"head_weight": torch.full((10,), 3.0), "prompt": torch.full((4, 8), -2.0)}
+    std = z * 2 * clip * classes**0.5  # as client.privacy sets it
+    for name, value in before.items():
+        bound = release_bound(clip, z, classes, value.numel())
+        changes = [
+            float((private_update(before, after, clip, std, rng)[name] - value).norm())
+            for _ in range(2000)
+        ]
+        assert max(changes) <= bound and bound <= 2 * max(changes), (name, max(changes), bound)
 
 
 def test_an_unreadable_change_scale_is_no_scale(tmp_path, caplog) -> None:

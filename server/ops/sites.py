@@ -30,6 +30,7 @@ from pathlib import Path
 from starfed.ops import clock, flower_runs, pki
 from starfed.server.ops.layout import ServerFolder
 from starfed.shared.files import write_atomic
+from starfed.shared.privacy.unit import PrivacyUnit
 
 FLWR_TIMEOUT_S = 60.0
 SITES_LOCK = "sites.lock"  # in the server folder: one `sites add|remove` at a time
@@ -48,9 +49,29 @@ class SitesError(RuntimeError):
     """Flower refused or could not be reached; one line, exit code 1."""
 
 
+@dataclass(frozen=True)
+class DeclaredPrivacy:
+    """The privacy setting a site declared at its registration (``sites add
+    --privacy-epsilon``): the server holds its rows to its release's bound, and a reply that
+    says otherwise is a finding (``server.screening``: ``site-privacy``)."""
+
+    epsilon: float  # its target ε per unit, over the federation's life
+    unit: PrivacyUnit = PrivacyUnit.IMAGE
+
+    def to_json(self) -> dict:
+        return {"epsilon": self.epsilon, "unit": self.unit.value}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> DeclaredPrivacy:
+        epsilon = float(raw["epsilon"])
+        if not epsilon > 0 or epsilon == float("inf"):
+            raise ValueError(f"privacy epsilon {epsilon!r}")
+        return cls(epsilon, PrivacyUnit(raw["unit"]))
+
+
 @dataclass
 class SiteRecord:
-    """One registration of one site key."""
+    """One registration of one site key, with the privacy it declared (None: not private)."""
 
     name: str
     node_id: int
@@ -58,6 +79,22 @@ class SiteRecord:
     fingerprint: str
     added_at: str
     removed_at: str | None = None
+    privacy: DeclaredPrivacy | None = None
+
+    def to_json(self) -> dict:
+        return with_privacy(self)
+
+    @classmethod
+    def from_json(cls, raw: dict) -> SiteRecord:
+        privacy = raw.get("privacy")  # absent in a record written before issue 43
+        declared = None if privacy is None else DeclaredPrivacy.from_json(privacy)
+        return cls(**{**raw, "privacy": declared})
+
+
+def with_privacy(row: SiteRecord | SiteStatus) -> dict:
+    """A registration's row as JSON: its declared privacy written by its own ``to_json``."""
+    privacy = None if row.privacy is None else row.privacy.to_json()
+    return {**asdict(row), "privacy": privacy}
 
 
 @dataclass
@@ -70,7 +107,7 @@ class Registry:
     def load(cls, path: Path) -> Registry:
         try:
             data = json.loads(path.read_text())
-            return cls([SiteRecord(**s) for s in data["sites"]])
+            return cls([SiteRecord.from_json(s) for s in data["sites"]])
         except FileNotFoundError:
             return cls()
         except (ValueError, TypeError, KeyError) as err:
@@ -78,7 +115,7 @@ class Registry:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"sites": [asdict(s) for s in self.sites]}
+        data = {"sites": [s.to_json() for s in self.sites]}
         write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
 
     def active(self, name: str) -> SiteRecord | None:
@@ -151,10 +188,17 @@ def _registering(folder: ServerFolder) -> Iterator[Registry]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def add(folder: ServerFolder, name: str, public_key: Path, adopt: bool = False) -> SiteRecord:
-    """Register ``public_key`` for site ``name``; refuse what Flower would refuse, but clearly.
-    With ``adopt``, a key Flower has registered (bare ``flwr supernode register``, or a `sites
-    add` that died between the two) is recorded under ``name`` with its node id instead."""
+def add(
+    folder: ServerFolder,
+    name: str,
+    public_key: Path,
+    adopt: bool = False,
+    privacy: DeclaredPrivacy | None = None,
+) -> SiteRecord:
+    """Register ``public_key`` for site ``name``, with the ``privacy`` it declares; refuse
+    what Flower would refuse, but clearly. With ``adopt``, a key Flower has registered (bare
+    ``flwr supernode register``, or a `sites add` that died between the two) is recorded under
+    ``name`` with its node id instead."""
     pki.check_site_name(name)
     public_key = Path.cwd() / public_key.expanduser()  # flwr runs in the Flower home
     if not public_key.is_file():
@@ -179,7 +223,7 @@ def add(folder: ServerFolder, name: str, public_key: Path, adopt: bool = False) 
         else:
             answer = flwr_json(folder, "supernode", "register", str(public_key), "--name", name)
             node_id = int(answer["node-id"])
-        record = SiteRecord(name, node_id, key.openssh, key.fingerprint, _now())
+        record = SiteRecord(name, node_id, key.openssh, key.fingerprint, _now(), privacy=privacy)
         registry.sites.append(record)
         registry.save(folder.sites_file)
     return record
@@ -235,6 +279,10 @@ class SiteStatus:
     fingerprint: str | None
     added_at: str | None = None
     removed_at: str | None = None
+    privacy: DeclaredPrivacy | None = None
+
+    def to_json(self) -> dict:
+        return with_privacy(self)
 
 
 def _flower_time(value: object) -> str | None:
@@ -265,6 +313,7 @@ def status(folder: ServerFolder) -> list[SiteStatus]:
                 record.fingerprint,
                 record.added_at,
                 record.removed_at,
+                record.privacy,
             )
         )
     for node_id, node in nodes.items():  # registered with bare `flwr`, not through starfed

@@ -85,6 +85,7 @@ class StepRow:
     finished: str
     findings: int = 0  # contributions the screening capped or rejected (server/screening.py)
     quarantined: list[str] = field(default_factory=list)  # sites left out of the step's rest
+    replay_s: float = 0.0  # the server's replays (``StepRecord.replays``)
 
 
 @dataclass
@@ -444,6 +445,7 @@ def _step(record: StepRecord) -> StepRow:
         _when(record.ended),
         len([f for f in record.findings if f.action != "quarantined"]),
         list(record.quarantined),
+        sum(replay.seconds for replay in record.replays),
     )
 
 

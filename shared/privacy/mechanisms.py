@@ -17,6 +17,9 @@ import torch
 
 from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 
+#: The probability with which a release's noise may exceed ``release_bound``'s allowance.
+RELEASE_FAILURE = 1e-9
+
 #: L2 sensitivity of the moments (Σ(x−c)/R, Σ((x−c)/R)²) to adding or removing one clipped
 #: image: √(‖u‖² + ‖u²‖²) ≤ √2 for ‖u‖ ≤ 1.
 MOMENTS_SENSITIVITY = math.sqrt(2.0)
@@ -110,3 +113,28 @@ def private_update(
         released[name] = value.to(before[name].dtype)
         offset += size
     return released
+
+
+def release_bound(
+    clip: float,
+    noise_multiplier: float,
+    classes: int,
+    coordinates: int,
+    failure: float = RELEASE_FAILURE,
+) -> float:
+    """The largest L2 change of ``coordinates`` values of one class that ``private_update``
+    releases, but with probability at most ``failure``: the server holds a private site's
+    rows to it (``server.field_bounds``).
+
+    The update is clipped to ``clip`` as a whole, so any part of it (one field's
+    ``coordinates`` values) moves by at most ``clip``. The noise of a training release over
+    ``classes`` classes has standard deviation σ = ``noise_multiplier`` · 2 · ``clip`` · √K
+    per coordinate (``client.privacy``: two clipped updates differ by at most 2C per class).
+    Its norm over d coordinates, ‖σ·g‖ with g standard normal in d dimensions, is a
+    1-Lipschitz function of σ·g with E‖g‖ ≤ √d, so by Gaussian concentration (Borell–TIS)
+    P(‖σ·g‖ ≥ σ(√d + s)) ≤ exp(−s²/2): with s = √(2 ln(1/``failure``)) the norm exceeds
+    σ(√d + s) with probability at most ``failure``. The bound is C + σ(√d + s).
+    """
+    sigma = noise_multiplier * 2.0 * clip * math.sqrt(classes)
+    tail = math.sqrt(2.0 * math.log(1.0 / failure))
+    return clip + sigma * (math.sqrt(coordinates) + tail)
