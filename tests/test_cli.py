@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ FLAG_NAMES = {
     "--classify-with-keys --results-dir --run-name --threads",
     "simulate": "--sites --tasks --classes-per-task --alpha --seed --arrival-offset "
     "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --runtime "
-    "--timeout --gpus-per-client --ray-address --resume",
+    "--timeout --gpus-per-client --ray-address --resume --follow",
     "experiment": "--results-dir --runtime --timeout --gpus-per-client --ray-address --json",
 }
 FLAGS = {
@@ -404,3 +405,15 @@ def test_a_reader_that_went_away_is_no_traceback(tmp_path: Path) -> None:
     assert result.returncode == EXIT_PIPE_CLOSED, result.stderr
     assert result.stderr == ""
     assert (tmp_path / "site.pub").is_file()  # what it did, it did; only its report was lost
+
+
+def test_following_a_run_with_no_superlink_there_is_one_line(capsys, monkeypatch) -> None:
+    """``starfed simulate --follow RUN_ID`` with nothing at the local SuperLink's port."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", str(port))
+    assert main(["simulate", "--follow", "123"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"starfed simulate: error: --follow 123 on 127.0.0.1:{port}: "), err
+    assert err.count("\n") == 1
