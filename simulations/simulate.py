@@ -59,6 +59,7 @@ FLOWER_NOISE = (
     "default simulated SuperNodes changed from 10 to 2",
     "To change federation size, use the following command",
     "flwr federation simulation-config",
+    "Manually terminating ClientAppActor",  # a WARNING of every run's end, Ray's actors stopped
 )
 #: Python's report of a warning raised in Ray's or Flower's code ("…/ray/_private/worker.py:2051:
 #: FutureWarning: Tip: …"); the next line, indented, is its source line.

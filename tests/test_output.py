@@ -163,12 +163,14 @@ FLWR_RUN_LOG = (
     FLOWER_LOG.replace("step 1", RAY_WARNING + "starfed server: federation 9e0e17de\n" + "step 1")
     + RAY_WARNING
     + "  an indented line of the run's own\n"
+    + "(ClientAppActor pid=29556) WARNING :   Manually terminating ClientAppActor\n"
 )
 
 
 def test_a_followed_run_shows_no_warning_of_ray_or_flower() -> None:
     """``starfed simulate --follow`` shows a run that ``flwr run .`` started: Ray's warning and
-    the source line under it are gone wherever they come, Flower's notes too; the run's own
+    the source line under it are gone wherever they come, Flower's notes and its warning at the
+    run's end too; the run's own
     lines stay, an indented one after a warning's source line included."""
     shown = list(without_noise(FLWR_RUN_LOG.splitlines(keepends=True)))
     assert not any("Warning" in line or "warnings.warn" in line for line in shown), shown
