@@ -16,7 +16,7 @@ import sys
 from typing import NoReturn
 
 from starfed.cli._common import fail
-from starfed.ops.exit_codes import EXIT_BAD_INPUT
+from starfed.ops.exit_codes import EXIT_BAD_INPUT, EXIT_PIPE_CLOSED
 from starfed.shared.knob import ConfigError
 from starfed.shared.version import package_version
 
@@ -108,11 +108,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is caught below
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except ConfigError as err:  # matched first: naming it imports nothing
         return fail(args, err, EXIT_BAD_INPUT)
     except _user_errors() as err:
         return fail(args, err, EXIT_BAD_INPUT)
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (``starfed predict … | head``): what it did not read is
+    dropped silently, as by a command that SIGPIPE ends, not a traceback; stdout is pointed at
+    the null device so that Python's own flush at exit cannot raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE_CLOSED
 
 
 if __name__ == "__main__":

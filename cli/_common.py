@@ -65,7 +65,8 @@ def guard(
     bad_input: tuple[type[Exception], ...] = (), failed: tuple[type[Exception], ...] = ()
 ) -> Callable[[Run], Run]:
     """Every expected error of ``run`` as one line and its exit code: :class:`ConfigError` and
-    ``bad_input`` exit 2; :class:`Failed`, ``OSError``, ``failed`` and Ctrl-C exit 1."""
+    ``bad_input`` exit 2; :class:`Failed`, ``OSError``, ``failed`` and Ctrl-C exit 1. A reader
+    of stdout that went away (``BrokenPipeError``) is no failure: ``cli.main`` ends quietly."""
 
     bad: tuple[type[Exception], ...] = (ConfigError, *bad_input)
     failing: tuple[type[Exception], ...] = (Failed, OSError, *failed)
@@ -75,6 +76,8 @@ def guard(
         def guarded(args: argparse.Namespace) -> int:
             try:
                 return run(args)
+            except BrokenPipeError:
+                raise
             except bad as err:
                 return fail(args, err, EXIT_BAD_INPUT)
             except failing as err:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,7 +28,7 @@ from starfed.cli.flags import (
 )
 from starfed.ops.exit_codes import EXIT_INTERRUPTED
 from starfed.shared.knob import ConfigError, as_float, as_str, writable_dir
-from starfed.simulations.simulate import INTERRUPTED_FILE, simulate
+from starfed.simulations.simulate import INTERRUPTED_FILE, follow, simulate
 
 COMMAND = "simulate"
 FLAGS = (
@@ -38,10 +39,13 @@ FLAGS = (
     Flag("--epochs", ("stage1-epochs", "stage2-epochs"), help="local epochs of stages 1 and 2"),
     *same_name("fraction-train", "min-train-sites"),
     *same_name("results-dir", "run-name", "runtime", "timeout", "gpus-per-client", "ray-address"),
-    *same_name("resume"),
+    *same_name("resume", "follow"),
 )
 #: The run config a simulation submitted, in its run folder: what ``--resume`` submits again.
 SETTINGS_FILE = "simulation.json"
+#: Where ``flwr run .`` starts its local SuperLink without ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``
+#: (Flower 1.42, ``flwr/cli/constant.py``).
+LOCAL_SUPERLINK_PORT = "39091"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -92,6 +96,9 @@ def _main(args: argparse.Namespace) -> int:
     (docs/simulation.md); the number of simulated SuperNodes always equals num-sites.
     """
     _, options, names = parsed(args, FLAGS, COMMAND)
+    if options["follow"]:  # a run `flwr run .` submitted: Flower's local SuperLink has it
+        port = os.environ.get("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", LOCAL_SUPERLINK_PORT)
+        return follow(int(options["follow"]), f"127.0.0.1:{port}")
     gpus, ray_address = ray_options(options)
     if options["resume"]:
         overrides = resumed(args, Path(as_str(options, "resume")).expanduser().resolve())

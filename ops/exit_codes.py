@@ -15,6 +15,7 @@ EXIT_FAILED = 1  # something failed: a process would not start, a peer refused, 
 EXIT_BAD_INPUT = 2  # arguments, files, names: one line, before anything heavy runs
 EXIT_DEGRADED = 3  # a federation run whose steps finished while some site failed or was rejected
 EXIT_INTERRUPTED = 130  # a federation run stopped by Ctrl-C or SIGTERM
+EXIT_PIPE_CLOSED = 141  # stdout's reader went away (`| head`): a shell's code for SIGPIPE
 
 #: A federation run's status (``metrics.json``) → the exit code of the command that ran it, on
 #: either runtime (``flower_runs.exit_code``, ``simulations.local_grid``); an experiment's cell

@@ -106,6 +106,17 @@ RESEARCH_KNOBS: tuple[Knob, ...] = (
         command="simulate",
     ),
     Knob(
+        "follow",
+        int,
+        0,
+        "follow a run that `flwr run .` submitted to the local SuperLink (its id; port "
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT, else 39091): its log without Flower's and Ray's "
+        "warnings, to its end",
+        "command",
+        ge=0,
+        command="simulate",
+    ),
+    Knob(
         "timeout",
         float,
         3600.0,

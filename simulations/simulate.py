@@ -17,13 +17,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
@@ -57,7 +59,11 @@ FLOWER_NOISE = (
     "default simulated SuperNodes changed from 10 to 2",
     "To change federation size, use the following command",
     "flwr federation simulation-config",
+    "Manually terminating ClientAppActor",  # a WARNING of every run's end, Ray's actors stopped
 )
+#: Python's report of a warning raised in Ray's or Flower's code ("…/ray/_private/worker.py:2051:
+#: FutureWarning: Tip: …"); the next line, indented, is its source line.
+LIBRARY_WARNING = re.compile(r"/(ray|flwr)/[\w/]+\.py:\d+: \w*Warning: ")
 #: How long the run's log may take to drain after ``flwr log`` has ended.
 DRAIN_S = 10.0
 #: The simulation's apps (pyproject.toml's ``[tool.flwr.app.components]`` too): the ServerApp
@@ -165,18 +171,32 @@ class LocalSuperLink:
 # --- the run -------------------------------------------------------------------------------
 
 
+def without_noise(lines: Iterable[str]) -> Iterator[str]:
+    """``lines`` of a run's log less Flower's notes (:data:`FLOWER_NOISE`) and the warnings that
+    Ray's and Flower's code raise, each with the source line Python prints under it: what
+    :data:`QUIET` keeps out of a run this command starts, kept out of a run ``flwr run .``
+    started from a shell without it (``--follow``)."""
+    source_line = False  # the line after a dropped warning: its indented source line
+    for line in lines:
+        if source_line and line.startswith(" "):
+            source_line = False
+            continue
+        source_line = bool(LIBRARY_WARNING.search(line))
+        if not source_line and not any(text in line for text in FLOWER_NOISE):
+            yield line
+
+
 @contextlib.contextmanager
-def filtered_stdout(dropped: tuple[str, ...] = FLOWER_NOISE) -> Iterator[IO[str]]:
+def filtered_stdout() -> Iterator[IO[str]]:
     """A pipe to give a child process as its output: its lines reach our stdout as they come,
-    except those that contain one of ``dropped``."""
+    less :func:`without_noise`'s."""
     read_end, write_end = os.pipe()
 
     def copy() -> None:
         with open(read_end, encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                if not any(text in line for text in dropped):
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
+            for line in without_noise(lines):
+                sys.stdout.write(line)
+                sys.stdout.flush()
 
     thread = threading.Thread(target=copy, name="flower-log", daemon=True)
     thread.start()
@@ -314,3 +334,34 @@ def report_interrupted(run_dir: Path, outcome: RunOutcome, superlink_log: Path) 
         f"--federation {run_dir}  (logs: {superlink_log})",
         file=sys.stderr,
     )
+
+
+def follow(run_id: int, address: str) -> int:
+    """Follow run ``run_id`` of the SuperLink at ``address`` (Flower's local one, which ``flwr
+    run .`` starts and leaves) to its end: its log as :func:`filtered_stdout` shows a run of
+    ``simulate``, then its final status. 0 completed, 1 otherwise; Ctrl-C stops following,
+    not the run (130)."""
+    with tempfile.TemporaryDirectory(prefix="starfed-follow-") as home:
+        cli = FlowerCli(Path(home))
+        flower_runs.write_connection(cli.flwr_home, address)
+        try:
+            status = cli.status(run_id)
+            with filtered_stdout() as log_sink:
+                logs = cli.stream_logs(run_id, log_sink)
+                while not status.startswith(flower_runs.FINISHED):
+                    time.sleep(flower_runs.POLL_S)
+                    status = cli.status(run_id)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    logs.wait(DRAIN_S)
+                logs.terminate()
+        except FlowerRunError as err:
+            raise SimulationError(f"--follow {run_id} on {address}: {err}") from None
+        except KeyboardInterrupt:
+            print(
+                f"stopped following run {run_id}; it goes on (`flwr log {run_id} --stream`; "
+                f"`flwr stop {run_id}` ends it)",
+                file=sys.stderr,
+            )
+            return exit_codes.EXIT_INTERRUPTED
+    print(f"run {run_id} {status}")
+    return exit_codes.EXIT_OK if status == COMPLETED else exit_codes.EXIT_FAILED

@@ -4,6 +4,8 @@ with exit code 2 before any model, data or Flower process is loaded."""
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from starfed.cli import experiment as experiment_cli
 from starfed.cli import simulate as simulate_cli
 from starfed.cli import train_local as train_local_cli
 from starfed.cli.command_knobs import TABLES
+from starfed.ops.exit_codes import EXIT_PIPE_CLOSED
 from starfed.shared.knob import show
 
 FLAG_NAMES = {
@@ -30,7 +33,7 @@ FLAG_NAMES = {
     "--classify-with-keys --results-dir --run-name --threads",
     "simulate": "--sites --tasks --classes-per-task --alpha --seed --arrival-offset "
     "--stage1-rounds --stage2-rounds --epochs --results-dir --run-name --run-config --runtime "
-    "--timeout --gpus-per-client --ray-address --resume",
+    "--timeout --gpus-per-client --ray-address --resume --follow",
     "experiment": "--results-dir --runtime --timeout --gpus-per-client --ray-address --json",
 }
 FLAGS = {
@@ -395,3 +398,38 @@ def test_an_interrupted_simulation_continues_with_resume(tmp_path, monkeypatch, 
     assert not (run / "interrupted.json").exists()
     line = _fails_at_once(["simulate", "--resume", str(tmp_path)], capsys)
     assert line.startswith(f"starfed simulate: error: --resume {tmp_path}: no readable simulation")
+
+
+def test_a_reader_that_went_away_is_no_traceback(tmp_path: Path) -> None:
+    """``starfed predict … | head`` printed a BrokenPipeError traceback once ``head`` had its
+    lines, and a guarded command such as ``site keygen`` "error: [Errno 32] Broken pipe"
+    (issue 47's walkthrough). A pipe whose reader is closed before the first write: the command
+    stops quietly with the shell's code for SIGPIPE."""
+    command = ["site", "keygen", "--out", str(tmp_path / "site.key")]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-P", "-m", "starfed.cli", *command],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert result.returncode == EXIT_PIPE_CLOSED, result.stderr
+    assert result.stderr == ""
+    assert (tmp_path / "site.pub").is_file()  # what it did, it did; only its report was lost
+
+
+def test_following_a_run_with_no_superlink_there_is_one_line(capsys, monkeypatch) -> None:
+    """``starfed simulate --follow RUN_ID`` with nothing at the local SuperLink's port."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", str(port))
+    assert main(["simulate", "--follow", "123"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"starfed simulate: error: --follow 123 on 127.0.0.1:{port}: "), err
+    assert err.count("\n") == 1

@@ -249,7 +249,9 @@ def test_site_start_refuses_while_a_recorded_process_still_runs(site: dict) -> N
         options.state.mkdir()
         ProcessRecord.begin(processes=[left]).save(options.run_file)
         with pytest.raises(
-            site_options.SiteError, match=f"earlier `site start` \\(supernode {left.pid}\\)"
+            site_options.SiteError,
+            match=f"earlier `site start` \\(supernode {left.pid}\\): end them first "
+            f"\\(`kill {left.pid}`\\)",
         ):
             supernode.run(options, echo=None)
         assert options.run_file.exists()

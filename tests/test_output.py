@@ -18,7 +18,7 @@ from rich.table import Table
 from starfed.ops.flower_runs import summarize
 from starfed.shared.metrics import SCORES_DOC, faa_text, forgetting_text, percentage
 from starfed.shared.progress import PIPED_WIDTH, console, counted, logged_to, percent_text
-from starfed.simulations.simulate import filtered_stdout
+from starfed.simulations.simulate import filtered_stdout, without_noise
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,3 +148,36 @@ def test_simulation_log_drops_the_supernode_count_warning(
     assert "changed from 10 to 2" not in shown and "simulation-config" not in shown
     lines = FLOWER_LOG.splitlines()
     assert shown.splitlines() == [lines[0], lines[2], lines[5]]
+
+
+#: A run's log as ``flwr log`` printed it after ``flwr run .`` from a shell without
+#: ``PYTHONWARNINGS`` (issue 47's walkthrough): Ray's FutureWarning, with its source line.
+RAY_WARNING = (
+    "/opt/venv/lib/python3.11/site-packages/ray/_private/worker.py:2051: FutureWarning: Tip: In "
+    "future versions of Ray, Ray will no longer override accelerator visible devices env var if "
+    "num_gpus=0 or num_gpus=None (default). To enable this behavior and turn off this error "
+    "message, set RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0\n"
+    "  warnings.warn(\n"
+)
+FLWR_RUN_LOG = (
+    FLOWER_LOG.replace("step 1", RAY_WARNING + "starfed server: federation 9e0e17de\n" + "step 1")
+    + RAY_WARNING
+    + "  an indented line of the run's own\n"
+    + "(ClientAppActor pid=29556) WARNING :   Manually terminating ClientAppActor\n"
+)
+
+
+def test_a_followed_run_shows_no_warning_of_ray_or_flower() -> None:
+    """``starfed simulate --follow`` shows a run that ``flwr run .`` started: Ray's warning and
+    the source line under it are gone wherever they come, Flower's notes and its warning at the
+    run's end too; the run's own
+    lines stay, an indented one after a warning's source line included."""
+    shown = list(without_noise(FLWR_RUN_LOG.splitlines(keepends=True)))
+    assert not any("Warning" in line or "warnings.warn" in line for line in shown), shown
+    assert [line.rstrip("\n") for line in shown] == [
+        FLOWER_LOG.splitlines()[0],
+        FLOWER_LOG.splitlines()[2],
+        "starfed server: federation 9e0e17de",
+        FLOWER_LOG.splitlines()[5],
+        "  an indented line of the run's own",
+    ]

@@ -144,6 +144,9 @@ def check_none_left(run_file: Path) -> None:
     if record is None:
         return
     if running := record.running():
-        left = record.pids(running)
-        raise SiteError(f"still running from an earlier `site start` ({left}): end them first")
+        left, pids = record.pids(running), " ".join(str(p.pid) for p in running)
+        raise SiteError(
+            f"still running from an earlier `site start` ({left}): end them first "
+            f"(`kill {pids}`), then start the site again"
+        )
     run_file.unlink()
