@@ -223,7 +223,7 @@ class Site:
                 metadata.update(self.private.metadata(refused))
         brings = ", ".join(f"{e.name} ({e.count} images)" for e in entries)
         where = f"task {metadata[TASK]} brings {brings}" if brings else "nothing new to bring"
-        logger.info("step %d: %s; %d test images", step + 1, where, test_images)
+        logger.info("step %d: %s; %d test images in the folder", step + 1, where, test_images)
         return ClientUpdate(
             self.fingerprint,
             self.backbones.dims,
@@ -329,11 +329,14 @@ class Site:
         features = self._cached_features(test)
         scores = score_classes(model, test.images, test.labels, features, steps, use_keys)
         images, correct = int(scores.images.sum()), int(scores.correct.sum())
+        in_folder = sum(len(paths) for paths in folder.test.values())
         logger.info(
-            "codebook version %d: accuracy %.1f%% on %d test images here",
+            "codebook version %d: accuracy %.1f%% on the %d test images here of the classes "
+            "it has learnt (%d in the folder)",
             codebook.version,
             100.0 * correct / images,
             images,
+            in_folder,
         )
         return EvaluationReport.of(codebook, scores, **metadata)
 
