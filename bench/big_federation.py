@@ -77,7 +77,8 @@ def build(
     folder = root / "server" / "federation"
     federation = Federation(folder, fingerprint, dims)
     names = [f"class {i:05d}" for i in range(n)]
-    metadata = {**Federation.open(folder).codebook().metadata, **Position(1).as_metadata()}
+    lineage = Federation.open(folder).checkpoints.codebook().metadata
+    metadata = {**lineage, **Position(1).as_metadata()}
     head = Codebook(fingerprint, dims, version=1, metadata=metadata)
     (folder / store.STORE_DIR).mkdir()
     base = stored.new_name(1)
@@ -208,7 +209,7 @@ def synthetic_step(folder: Path, new: int = 4) -> dict:
     generator = torch.Generator().manual_seed(34)
     federation = Federation.open(folder)
     started = time.perf_counter()
-    codebook = federation.codebook()
+    codebook = federation.checkpoints.codebook()
     loaded_s = time.perf_counter() - started
     step, start = 1, codebook
     written, t0 = wchar(), time.perf_counter()

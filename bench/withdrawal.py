@@ -105,7 +105,7 @@ def withdrawal(n_classes: int, setting: Setting) -> dict:
         fed = Federation(folder, codebook.fingerprint, PAPER)
         t0 = time.perf_counter()
         chosen = plan(fed, "leaver")
-        kept, current = fed.contributions(), fed.codebook()
+        kept, current = fed.contributions(), fed.checkpoints.codebook()
         t1 = time.perf_counter()
         steps = {n: r.step for n, r in fed.registry.items()}
         new = merged_without(current, kept, chosen, setting, steps)

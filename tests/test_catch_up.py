@@ -325,12 +325,12 @@ def test_a_site_joining_late_catches_up_in_parts_and_recovers_from_a_garbled_par
     assert first["status"] == "completed"
     assert not any(e["phase"] == CATCH_UP_KEY for e in first["exchanges"])
 
-    founded = Federation.open(tmp_path / "federation").codebook()
+    founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
     size = one_class_parts(founded, slack=2 * len(CLASSES[3]))  # for the fourth class's name
     monkeypatch.setattr(parts, "PART_BYTES", size)
     second = _run(tmp_path, {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}})
     assert second["status"] == "degraded"  # farm-b failed a part
-    server = Federation.open(tmp_path / "federation").codebook()
+    server = Federation.open(tmp_path / "federation").checkpoints.codebook()
     assert len(server) == 4
 
     caught = [e for e in second["exchanges"] if e["phase"] == CATCH_UP_KEY]
@@ -372,7 +372,8 @@ def test_a_site_behind_before_every_phase_is_capped_found_and_quarantined(
     are those of the same step without farm-b."""
     farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4]}
     assert _run(tmp_path, {"farm-a": farm_a}, LocalGrid)["status"] == "completed"
-    size = one_class_parts(Federation.open(tmp_path / "federation").codebook(), slack=64)
+    founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    size = one_class_parts(founded, slack=64)
     monkeypatch.setattr(parts, "PART_BYTES", size)
     alone = tmp_path / "alone"
     shutil.copytree(tmp_path, alone)

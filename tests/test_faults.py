@@ -142,7 +142,7 @@ def test_a_thousand_classes_at_paper_dims_round_trip_through_the_folder(tmp_path
     stored = (tmp_path / "federation" / STORE_DIR).glob("*.bin")  # codebook.bin: its manifest
     size = sum(path.stat().st_size for path in stored)
     assert size > 3 * DEFAULT_MAX_BYTES  # well past the old 64 MiB wall
-    back = Federation(tmp_path / "federation", fingerprint, PAPER_DIMS).codebook()
+    back = Federation(tmp_path / "federation", fingerprint, PAPER_DIMS).checkpoints.codebook()
     assert back.names == codebook.names
     for name in (codebook.names[0], codebook.names[-1]):
         for field, value in codebook[name].values.items():
@@ -170,13 +170,13 @@ def times_1e30(reply: Message) -> Message:
 
 def test_an_overflowing_merge_is_never_checkpointed(root: Path) -> None:
     next_task(root)
-    before = Federation.open(folder(root)).last_checkpoint()
+    before = Federation.open(folder(root)).checkpoints.last_checkpoint()
     with pytest.raises(RunFailed) as failed:
         run_two_sites(root, {(1, "train.stage1"): times_1e30})
     message = str(failed.value)
     assert f"class {CLASSES[4]!r}" in message and "farm-a" in message, message
     assert "farm-a (prompt changed by" in message  # the site and the field its values came in
-    after = Federation.open(folder(root)).last_checkpoint()
+    after = Federation.open(folder(root)).checkpoints.last_checkpoint()
     assert after.position == Position(1) and after.classes == before.classes  # rolled back
     assert checked(root).ok, checked(root).problems
     metrics = run_two_sites(root)  # the next run, without that site's poison, completes the step
@@ -540,7 +540,7 @@ def test_a_missing_codebook_without_any_good_checkpoint_cannot_be_repaired(
     code, _, err = starfed(capsys, "server", "repair", "--dir", str(root / "server"))
     assert code == 1 and "no good codebook is left" in err
     with pytest.raises(FederationError, match="missing"):
-        Federation.open(folder(root)).codebook()
+        Federation.open(folder(root)).checkpoints.codebook()
 
 
 # --- a site whose clock runs 30 s fast -------------------------------------------------------

@@ -112,7 +112,7 @@ def test_a_checkpoint_writes_what_changed_not_the_codebook(tmp_path: Path, gener
         written = store_bytes(root) - before_bytes + (root / CODEBOOK_FILE).stat().st_size
         assert written <= 2 * changed + 4096, (written, changed)
         assert written < whole / 4, (written, whole)
-        back = Federation.open(root).codebook()
+        back = Federation.open(root).checkpoints.codebook()
         assert equal(back, codebook)
     assert checked(federation, codebook) == []
 
@@ -125,13 +125,13 @@ def test_a_record_no_manifest_names_is_never_read(tmp_path: Path, generator) -> 
     first = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(5)])
     first = federation.checkpoint(first, Position(0))
     lost = first.set_values(heads(first, generator))
-    since = federation._stored
+    since = federation.checkpoints._stored
     stored.save(root / store.STORE_DIR, lost, since)  # appended; its manifest never written
-    assert equal(Federation.open(root).codebook(), first)
+    assert equal(Federation.open(root).checkpoints.codebook(), first)
     again = Federation.open(root)
-    resumed = again.codebook()
+    resumed = again.checkpoints.codebook()
     later = again.checkpoint(resumed.set_values(heads(resumed, generator)), Position(0))
-    assert equal(Federation.open(root).codebook(), later)
+    assert equal(Federation.open(root).checkpoints.codebook(), later)
     assert checked(again, later) == []
 
 
@@ -147,9 +147,9 @@ def test_a_failed_step_rolls_back_without_writing_a_record(tmp_path: Path, gener
     record = StepRecord(0, FAILED, 0.0, 1.0, reason="a test")
     back = federation.end_step(record, None)
     assert store_bytes(root) == log_bytes  # a manifest naming the start's bytes, nothing more
-    assert back.names == start.names and equal(Federation.open(root).codebook(), back)
+    assert back.names == start.names and equal(Federation.open(root).checkpoints.codebook(), back)
     resumed = Federation.open(root)  # a new run rolls back from step-start.bin's manifest
-    resumed.begin_step(resumed.codebook())
+    resumed.begin_step(resumed.checkpoints.codebook())
     assert resumed.end_step(record, None).names == start.names
 
 
@@ -158,15 +158,15 @@ def test_a_long_log_is_compacted_into_a_new_base(tmp_path: Path, generator) -> N
     federation = Federation(root, FINGERPRINT, DIMS)
     codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(8)])
     codebook = federation.checkpoint(codebook, Position(0))
-    first_base = federation._stored.ref.base
+    first_base = federation.checkpoints._stored.ref.base
     for _ in range(60):
         codebook = federation.checkpoint(
             codebook.set_values(heads(codebook, generator)), Position(0)
         )
-    ref = federation._stored.ref
+    ref = federation.checkpoints._stored.ref
     assert ref.base != first_base  # compacted
-    assert ref.log_bytes <= stored.COMPACT_AT * federation._stored.base_bytes
-    assert equal(Federation.open(root).codebook(), codebook)
+    assert ref.log_bytes <= stored.COMPACT_AT * federation.checkpoints._stored.base_bytes
+    assert equal(Federation.open(root).checkpoints.codebook(), codebook)
 
 
 def test_a_folder_of_the_layout_before_moves_in_once(tmp_path: Path, generator) -> None:
@@ -188,22 +188,22 @@ def test_a_folder_of_the_layout_before_moves_in_once(tmp_path: Path, generator) 
     (root / HISTORY_FILE).write_text(StepRecord(0, COMPLETED, 0.0, 1.0).to_json() + "\n")
     assert equal(wire.read_file(root / CODEBOOK_FILE), old)  # the old layout reads as before
     federation = Federation.open(root)
-    moved = federation.migrate()
+    moved = federation.checkpoints.migrate()
     assert sorted(moved) == sorted([CODEBOOK_FILE, PREVIOUS_FILE, "checkpoints/step-0001.bin"])
-    assert Federation.open(root).migrate() == []  # once
+    assert Federation.open(root).checkpoints.migrate() == []  # once
     bases = list((root / store.STORE_DIR).glob("base-*.bin"))
     assert len(bases) == 3 and all(b.read_bytes() == whole for b in bases)
     assert (root / CODEBOOK_FILE).stat().st_size < len(whole) / 10
-    codebook = Federation.open(root).codebook()
+    codebook = Federation.open(root).checkpoints.codebook()
     assert equal(codebook, old)
     assert folder_check.check(root).ok, folder_check.check(root).problems
     federation = Federation.open(root)
     (root / CODEBOOK_FILE).write_bytes(whole)  # a folder not moved in yet, read by a run
-    codebook = federation.codebook()
+    codebook = federation.checkpoints.codebook()
     before = store_bytes(root) + len(whole)  # + the whole file linked in as a base
     later = federation.checkpoint(codebook.set_values(heads(codebook, generator)), Position(1))
     assert store_bytes(root) - before < len(whole) / 4  # the moved file is followed, not copied
-    assert equal(Federation.open(root).codebook(), later)
+    assert equal(Federation.open(root).checkpoints.codebook(), later)
     os.unlink(root / CODEBOOK_FILE)
     repair = folder_repair.plan(root)
     assert any("restore codebook.bin from" in a.what for a in repair.actions)
@@ -218,7 +218,7 @@ def test_a_damaged_store_is_named_by_check(tmp_path: Path, generator) -> None:
     codebook = federation.checkpoint(codebook, Position(0))
     federation.checkpoint(codebook.set_values(heads(codebook, generator)), Position(0))
     federation.register(codebook.names, 0, {})
-    log = root / store.STORE_DIR / federation._stored.ref.log
+    log = root / store.STORE_DIR / federation.checkpoints._stored.ref.log
     data = bytearray(log.read_bytes())
     data[-3] ^= 1
     log.write_bytes(bytes(data))
@@ -282,7 +282,7 @@ def test_check_finds_a_flipped_byte_without_decoding(tmp_path: Path, generator, 
     codebook = federation.checkpoint(codebook, Position(0))
     codebook = federation.checkpoint(codebook.set_values(heads(codebook, generator)), Position(0))
     assert checked(federation, codebook) == []
-    ref = federation._stored.ref
+    ref = federation.checkpoints._stored.ref
     ((offset, length),) = ref.records
     folder = root / store.STORE_DIR
     path, at = {
@@ -316,7 +316,7 @@ def test_check_finds_a_manifest_that_disagrees_with_its_store(tmp_path: Path, ge
     codebook = federation.checkpoint(codebook, Position(0))
     federation.register(codebook.names, 0, {})
     message = store.header(framing.read_message(root / CODEBOOK_FILE))
-    message.metadata.update(federation._stored.ref.as_metadata())
+    message.metadata.update(federation.checkpoints._stored.ref.as_metadata())
     message.entries[1].count += 1
     (root / CODEBOOK_FILE).write_bytes(framing.frame(message.SerializeToString()))
     assert folder_check.check(root).problems == [
