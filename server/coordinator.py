@@ -517,7 +517,8 @@ class Coordinator:
     ) -> list[Reply]:
         good, exchanges = exchange(
             self.grid,
-            spec,
+            spec.message_type,
+            spec.phase.key,
             step,
             round_index,
             config,
