@@ -27,7 +27,7 @@ from starfed.server.folder_files import (
     PREVIOUS_FILE,
     STEP_START_FILE,
 )
-from starfed.server.records import Position, StepRecord
+from starfed.server.records import POSITION_KEY, Position, StepRecord
 from starfed.server.serving import export
 from starfed.shared.codebook import framing, schema, store, stored, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
@@ -117,6 +117,25 @@ def test_a_checkpoint_writes_what_changed_not_the_codebook(tmp_path: Path, gener
     assert checked(federation, codebook) == []
 
 
+def test_the_position_is_committed_with_the_codebook_and_handed_out_by_the_store_alone(
+    tmp_path: Path, generator
+) -> None:
+    """The position is written in codebook.bin's manifest, beside its codebook (the one atomic
+    write, bytes as before), but a codebook the store hands out carries none: the store's
+    ``position`` is it, after a commit and in a run that reads the folder again."""
+    root = tmp_path / "federation"
+    federation = Federation(root, FINGERPRINT, DIMS)
+    codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(3)])
+    running = Position(0, running=True, done=("sync/0",), in_play=("c2",))
+    committed = federation.checkpoint(codebook, running)
+    assert POSITION_KEY not in committed.metadata and federation.checkpoints.position == running
+    on_disk = framing.read_message(root / CODEBOOK_FILE).metadata
+    assert Position.from_metadata(on_disk) == running
+    again = Federation.open(root).checkpoints
+    assert POSITION_KEY not in again.codebook().metadata and again.position == running
+    assert Federation.open(root).checkpoints.position == running  # without reading the codebook
+
+
 def test_a_record_no_manifest_names_is_never_read(tmp_path: Path, generator) -> None:
     """A crash after a record is appended and before its manifest is written: the folder
     reads as the last commit, and the next checkpoint goes on from it."""
@@ -196,6 +215,7 @@ def test_a_folder_of_the_layout_before_moves_in_once(tmp_path: Path, generator) 
     assert (root / CODEBOOK_FILE).stat().st_size < len(whole) / 10
     codebook = Federation.open(root).checkpoints.codebook()
     assert equal(codebook, old)
+    assert Federation.open(root).checkpoints.position == Position(1)  # the old file's
     assert folder_check.check(root).ok, folder_check.check(root).problems
     federation = Federation.open(root)
     (root / CODEBOOK_FILE).write_bytes(whole)  # a folder not moved in yet, read by a run
