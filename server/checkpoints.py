@@ -5,7 +5,7 @@ position (``Position``: the step, its phase rounds done, its classes in play) th
 an interrupted step resumes. This module commits them and hands them back — nothing else in
 the server writes ``codebook.bin`` or hands out the position (the coordinator, the withdrawal
 and the folder's records ask this store). Its files are named in ``server.folder_files``;
-their bytes are the codebook store's (``shared.codebook.store``, ``stored``).
+their bytes are the codebook store's (``shared.codebook.store_layout``, ``store_io``).
 
 The position is written in ``codebook.bin``'s manifest, beside the codebook it belongs to:
 the manifest is the commit point, one atomic write, so a codebook never exists on disk without
@@ -36,7 +36,7 @@ from starfed.server.folder_files import (
     is_manifest,
 )
 from starfed.server.records import POSITION_KEY, Checkpoint, Position
-from starfed.shared.codebook import store
+from starfed.shared.codebook import store_layout
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.files import write_atomic
@@ -44,7 +44,7 @@ from starfed.shared.files import write_atomic
 if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook is decoded, so
     # the folder's checkpoint can be read without it (`starfed server status`)
     from starfed.shared.codebook.codebook import Codebook
-    from starfed.shared.codebook.stored import Stored
+    from starfed.shared.codebook.store_io import Stored
 
 
 class CheckpointStore:
@@ -67,11 +67,11 @@ class CheckpointStore:
     def load(self, name: str) -> tuple[Codebook, Stored | None]:
         """The codebook of the folder's file ``name``, as stored (None: a whole file of the
         layout before the store); one ``FederationError`` when it does not read."""
-        from starfed.shared.codebook import stored
+        from starfed.shared.codebook import store_io
 
         identity = self.identity
         try:
-            return stored.load(
+            return store_io.load(
                 self.root / name, fingerprint=identity.fingerprint, dims=identity.dims
             )
         except (CodebookError, OSError) as err:  # OSError: a store file missing or unreadable
@@ -88,10 +88,10 @@ class CheckpointStore:
     def save(self, name: str, codebook: Codebook, since: Stored | None) -> Stored:
         """``codebook`` written as what changed since ``since``; its manifest ``name`` (the
         commit) written last."""
-        from starfed.shared.codebook import stored
+        from starfed.shared.codebook import store_io
 
         self.migrate()
-        saved, manifest = stored.save(self.root / store.STORE_DIR, codebook, since)
+        saved, manifest = store_io.save(self.root / store_layout.STORE_DIR, codebook, since)
         write_atomic(self.root / name, manifest)
         return saved
 
@@ -99,25 +99,25 @@ class CheckpointStore:
         """Move a folder written before the store into it, once: each whole codebook file
         becomes a base of the store (a hard link: no bytes copied) and a manifest takes its
         place. The names moved (none when there were none)."""
-        from starfed.shared.codebook import stored
+        from starfed.shared.codebook import store_io
 
         if self._migrated:
             return []
         moved = []
-        folder = self.root / store.STORE_DIR
+        folder = self.root / store_layout.STORE_DIR
         for path in self.identity.manifests():
-            if path.stat().st_size <= store.MANIFEST_MAX_BYTES and is_manifest(path):
+            if path.stat().st_size <= store_layout.MANIFEST_MAX_BYTES and is_manifest(path):
                 continue
-            base = stored.new_name(0)
+            base = store_io.new_name(0)
             try:
-                manifest = stored.manifest_of(path, base)
+                manifest = store_io.manifest_of(path, base)
             except CodebookError:
                 continue  # damaged: ``check`` names it, ``repair`` sets it right
-            stored.link_base(path, folder, base)
+            store_io.link_base(path, folder, base)
             write_atomic(path, manifest)
             if path.name == CODEBOOK_FILE and self._whole is not None:  # saves follow it
-                ref = store.Ref(base, base.replace("base-", "log-", 1))
-                self._stored = stored.Stored(self._whole, ref, (folder / base).stat().st_size)
+                ref = store_layout.Ref(base, base.replace("base-", "log-", 1))
+                self._stored = store_io.Stored(self._whole, ref, (folder / base).stat().st_size)
             moved.append(str(path.relative_to(self.root)))
         self._migrated = True
         return moved
@@ -125,7 +125,9 @@ class CheckpointStore:
     def collect(self) -> None:
         """The store's files no manifest names any more removed."""
         identity = self.identity
-        store.collect(self.root / store.STORE_DIR, identity.manifests() + identity.kept_copies())
+        store_layout.collect(
+            self.root / store_layout.STORE_DIR, identity.manifests() + identity.kept_copies()
+        )
 
     # --- the current codebook and position --------------------------------------------------
 
@@ -238,7 +240,7 @@ class CheckpointStore:
             return
         if self._kept is None:
             self._kept = self._follow(kept[-1], self._stored)
-        shared = store.referenced(kept) or set()  # None: one does not read (``check`` says)
+        shared = store_layout.referenced(kept) or set()  # None: one does not read (``check`` says)
         if {self._stored.ref.base, self._stored.ref.log} & shared:
             self._stored = None
 
@@ -248,11 +250,11 @@ class CheckpointStore:
         try:
             message = read_message(path)
             lines = read_message(self.root / CODEBOOK_FILE)
-            ref = store.Ref.of(message.metadata)
+            ref = store_layout.Ref.of(message.metadata)
             if ref is None or (message.version, message.entries) != (lines.version, lines.entries):
                 return None
             return replace(
-                current, ref=ref, base_bytes=(store.find_dir(path) / ref.base).stat().st_size
+                current, ref=ref, base_bytes=(store_layout.find_dir(path) / ref.base).stat().st_size
             )
         except (CodebookError, OSError):
             return None
@@ -264,7 +266,7 @@ class CheckpointStore:
         base and log of its own, which ``codebook.bin`` never names (one damaged store file
         never takes both: docs/federation.md, the codebook store): the step's changes appended
         to the last kept step's log, or a new base (the first close of a run that did not start
-        the step, or one past ``stored.COMPACT_AT``); the oldest beyond ``keep_steps`` pruned
+        the step, or one past ``store_io.COMPACT_AT``); the oldest beyond ``keep_steps`` pruned
         (0: all kept), except those ``pinned`` (an exact withdrawal goes back to these)."""
         (self.root / CHECKPOINTS_DIR).mkdir(exist_ok=True)
         codebook = self._stored.codebook if self._stored else self.load(CODEBOOK_FILE)[0]

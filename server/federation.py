@@ -16,7 +16,7 @@ the step running (the next run resumes it and records it once), a crash after it
 record that ``recover`` appends — never twice, never lost. A full disk (ENOSPC) at any write
 of a step is one ``FederationError`` that says what was being written, where the commit point
 stands and what the next run does. Nothing is written that does not decode (``wire.write_file``
-and ``stored.save`` validate first), and a missing codebook is never replaced by an empty one
+and ``store_io.save`` validate first), and a missing codebook is never replaced by an empty one
 once the folder has done any work. The codebook's metadata carries its lineage
 (``starfed.shared.codebook.lineage``).
 """
@@ -83,7 +83,7 @@ if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook 
     # the folder's records can be read without it (`starfed server status`)
     from starfed.server.contributions import Contributions
     from starfed.shared.codebook.codebook import Codebook
-    from starfed.shared.codebook.stored import Stored
+    from starfed.shared.codebook.store_io import Stored
 
 
 class Federation:

@@ -55,13 +55,13 @@ from starfed.server.ops import fleet_proxy
 from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Position
-from starfed.shared.codebook import store, wire
+from starfed.shared.codebook import store_layout, wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, read_message
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
-from starfed.shared.codebook.store import STORE_DIR
+from starfed.shared.codebook.store_layout import STORE_DIR
 from starfed.shared.run_status import COMPLETED
 
 pytestmark = pytest.mark.faults
@@ -243,7 +243,7 @@ def test_a_damaged_codebook_makes_status_fail_and_repair_restores_it(
 
 def store_files(path: Path) -> set[str]:
     """The base and log the manifest at ``path`` names."""
-    ref = store.Ref.of(read_message(path).metadata)
+    ref = store_layout.Ref.of(read_message(path).metadata)
     assert ref is not None
     return {ref.base, ref.log}
 

@@ -29,7 +29,7 @@ from starfed.server.folder_files import (
 )
 from starfed.server.records import POSITION_KEY, Position, StepRecord
 from starfed.server.serving import export
-from starfed.shared.codebook import framing, schema, store, stored, wire
+from starfed.shared.codebook import framing, schema, store_io, store_layout, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.held import HeldCodebook
@@ -52,7 +52,7 @@ def generator() -> torch.Generator:
 
 
 def store_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in (root / store.STORE_DIR).glob("*.bin"))
+    return sum(p.stat().st_size for p in (root / store_layout.STORE_DIR).glob("*.bin"))
 
 
 def equal(a: Codebook, b: Codebook) -> bool:
@@ -145,7 +145,9 @@ def test_a_record_no_manifest_names_is_never_read(tmp_path: Path, generator) -> 
     first = federation.checkpoint(first, Position(0))
     lost = first.set_values(heads(first, generator))
     since = federation.checkpoints._stored
-    stored.save(root / store.STORE_DIR, lost, since)  # appended; its manifest never written
+    store_io.save(
+        root / store_layout.STORE_DIR, lost, since
+    )  # appended; its manifest never written
     assert equal(Federation.open(root).checkpoints.codebook(), first)
     again = Federation.open(root)
     resumed = again.checkpoints.codebook()
@@ -184,7 +186,7 @@ def test_a_long_log_is_compacted_into_a_new_base(tmp_path: Path, generator) -> N
         )
     ref = federation.checkpoints._stored.ref
     assert ref.base != first_base  # compacted
-    assert ref.log_bytes <= stored.COMPACT_AT * federation.checkpoints._stored.base_bytes
+    assert ref.log_bytes <= store_io.COMPACT_AT * federation.checkpoints._stored.base_bytes
     assert equal(Federation.open(root).checkpoints.codebook(), codebook)
 
 
@@ -210,7 +212,7 @@ def test_a_folder_of_the_layout_before_moves_in_once(tmp_path: Path, generator) 
     moved = federation.checkpoints.migrate()
     assert sorted(moved) == sorted([CODEBOOK_FILE, PREVIOUS_FILE, "checkpoints/step-0001.bin"])
     assert Federation.open(root).checkpoints.migrate() == []  # once
-    bases = list((root / store.STORE_DIR).glob("base-*.bin"))
+    bases = list((root / store_layout.STORE_DIR).glob("base-*.bin"))
     assert len(bases) == 3 and all(b.read_bytes() == whole for b in bases)
     assert (root / CODEBOOK_FILE).stat().st_size < len(whole) / 10
     codebook = Federation.open(root).checkpoints.codebook()
@@ -238,7 +240,7 @@ def test_a_damaged_store_is_named_by_check(tmp_path: Path, generator) -> None:
     codebook = federation.checkpoint(codebook, Position(0))
     federation.checkpoint(codebook.set_values(heads(codebook, generator)), Position(0))
     federation.register(codebook.names, 0, {})
-    log = root / store.STORE_DIR / federation.checkpoints._stored.ref.log
+    log = root / store_layout.STORE_DIR / federation.checkpoints._stored.ref.log
     data = bytearray(log.read_bytes())
     data[-3] ^= 1
     log.write_bytes(bytes(data))
@@ -304,7 +306,7 @@ def test_check_finds_a_flipped_byte_without_decoding(tmp_path: Path, generator, 
     assert checked(federation, codebook) == []
     ref = federation.checkpoints._stored.ref
     ((offset, length),) = ref.records
-    folder = root / store.STORE_DIR
+    folder = root / store_layout.STORE_DIR
     path, at = {
         "base": (folder / ref.base, (folder / ref.base).stat().st_size // 2),
         "record": (folder / ref.log, offset + length - 7),
@@ -314,7 +316,7 @@ def test_check_finds_a_flipped_byte_without_decoding(tmp_path: Path, generator, 
     _flip(path, at)
     problems = folder_check.check(root).problems
     assert problems and all(p.startswith(("codebook.bin: ", "previous.bin: ")) for p in problems)
-    assert all(f" {store.STORE_DIR}/{path.name}" in p for p in problems), problems
+    assert all(f" {store_layout.STORE_DIR}/{path.name}" in p for p in problems), problems
     assert any(
         (
             "checksum mismatch"
@@ -335,7 +337,7 @@ def test_check_finds_a_manifest_that_disagrees_with_its_store(tmp_path: Path, ge
     codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(3)])
     codebook = federation.checkpoint(codebook, Position(0))
     federation.register(codebook.names, 0, {})
-    message = store.header(framing.read_message(root / CODEBOOK_FILE))
+    message = store_layout.header(framing.read_message(root / CODEBOOK_FILE))
     message.metadata.update(federation.checkpoints._stored.ref.as_metadata())
     message.entries[1].count += 1
     (root / CODEBOOK_FILE).write_bytes(framing.frame(message.SerializeToString()))

@@ -286,7 +286,7 @@ KILLED = textwrap.dedent(
     from pathlib import Path
     from starfed.cli import main
     from starfed.server import checkpoints, federation, folder_files
-    from starfed.shared.codebook import stored
+    from starfed.shared.codebook import store_io
     target = sys.argv[1]
     for module in (checkpoints, federation, folder_files, stored):
         real = module.write_atomic
