@@ -288,7 +288,7 @@ KILLED = textwrap.dedent(
     from starfed.server import checkpoints, federation, folder_files
     from starfed.shared.codebook import store_io
     target = sys.argv[1]
-    for module in (checkpoints, federation, folder_files, stored):
+    for module in (checkpoints, federation, folder_files, store_io):
         real = module.write_atomic
         def write(path, data, real=real):
             if Path(path).name == target:
