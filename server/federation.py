@@ -172,7 +172,7 @@ class Federation:
         step's close (the module docstring): the record written ahead, the codebook committed
         naming it, then the registry, the quarantine, the kept rows and ``withdrawals.jsonl``
         follow (``recover`` finishes them after a crash, or drops a record never committed).
-        ``codebook`` is made from this object's ``codebook()``: the save writes what changed."""
+        ``codebook`` is made from ``checkpoints.codebook()``: the save writes what changed."""
         write_atomic(self.root / WITHDRAWING_FILE, record.to_json().encode())
         metadata = {**codebook.metadata, WITHDRAWAL_KEY: record.id}
         steps = record.steps if record.rerun_from is None else record.rerun_from
