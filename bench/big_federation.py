@@ -72,18 +72,19 @@ def build(
     """``root/server/federation`` after one completed step that registered ``n`` classes;
     ``before``: in the layout before the store (``codebook.bin`` a whole codebook file);
     ``fingerprint`` and ``dims``: of the backbones that will open it (``bench/big_step.py``)."""
-    from starfed.shared.codebook import store, stored  # not in a checkout before the store
+    from starfed.shared.codebook import store_io, store_layout  # not in a checkout before the store
 
     folder = root / "server" / "federation"
     federation = Federation(folder, fingerprint, dims)
     names = [f"class {i:05d}" for i in range(n)]
-    metadata = {**Federation.open(folder).codebook().metadata, **Position(1).as_metadata()}
+    lineage = Federation.open(folder).checkpoints.codebook().metadata
+    metadata = {**lineage, **Position(1).as_metadata()}
     head = Codebook(fingerprint, dims, version=1, metadata=metadata)
-    (folder / store.STORE_DIR).mkdir()
-    base = stored.new_name(1)
+    (folder / store_layout.STORE_DIR).mkdir()
+    base = store_io.new_name(1)
     generator = torch.Generator().manual_seed(n)
     lines = []
-    with open(folder / store.STORE_DIR / base, "wb") as file:
+    with open(folder / store_layout.STORE_DIR / base, "wb") as file:
         file.write(b"\0" * 48)  # the frame's header, written last
         digest, length = hashlib.sha256(), 0
         for start in range(0, n, CHUNK):
@@ -98,13 +99,13 @@ def build(
             lines += [replace(e, values={}, field_versions={}) for e in chunk]
         file.seek(0)
         file.write(CODEBOOK_MAGIC + length.to_bytes(8, "little") + digest.digest())
-    manifest = store.header(wire.to_proto(replace(head, entries={e.name: e for e in lines})))
-    ref = store.Ref(base, base.replace("base-", "log-", 1))
+    manifest = store_layout.header(wire.to_proto(replace(head, entries={e.name: e for e in lines})))
+    ref = store_layout.Ref(base, base.replace("base-", "log-", 1))
     manifest.metadata.update(ref.as_metadata())
     write_atomic(folder / "codebook.bin", frame(manifest.SerializeToString(deterministic=True)))
     if before:
-        os.replace(folder / store.STORE_DIR / base, folder / "codebook.bin")
-        (folder / store.STORE_DIR).rmdir()
+        os.replace(folder / store_layout.STORE_DIR / base, folder / "codebook.bin")
+        (folder / store_layout.STORE_DIR).rmdir()
     federation.register(names, 0, {name: ["site-a"] for name in names})
     record = StepRecord(0, COMPLETED, time.time(), 1.0, classes=tuple(names), codebook_version=1)
     (folder / HISTORY_FILE).write_text(record.to_json() + "\n")
@@ -208,7 +209,7 @@ def synthetic_step(folder: Path, new: int = 4) -> dict:
     generator = torch.Generator().manual_seed(34)
     federation = Federation.open(folder)
     started = time.perf_counter()
-    codebook = federation.codebook()
+    codebook = federation.checkpoints.codebook()
     loaded_s = time.perf_counter() - started
     step, start = 1, codebook
     written, t0 = wchar(), time.perf_counter()

@@ -123,7 +123,7 @@ def prepare(root: Path, n: int, preset: str) -> dict[str, object]:
     values = parse(run_config(root, preset))
     backbones = BackboneOptions.from_config(values).load(str(values["device"]))
     folder = build(root, n, fingerprint=backbones.fingerprint, dims=backbones.dims)
-    codebook = Federation.open(folder).codebook()
+    codebook = Federation.open(folder).checkpoints.codebook()
     lineage = Lineage.of(codebook)
     held = root / "held.bin"
     wire.write_file(held, replace(codebook.broadcast(), metadata=lineage.as_metadata()))
@@ -200,7 +200,7 @@ def step(root: Path, preset: str) -> dict[str, object]:
 def holds_the_codebook(root: Path) -> bool:
     """Site 6's held codebook is the server's broadcast: classes in order, version, lineage,
     counts, frozen flags and every value."""
-    server = Federation.open(root / "server" / "federation").codebook().broadcast()
+    server = Federation.open(root / "server" / "federation").checkpoints.codebook().broadcast()
     held = HeldCodebook(root / f"{JOINING}-state" / CODEBOOK_FILE).codebook()
     return held is not None and same(held, server)
 

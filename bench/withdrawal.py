@@ -39,7 +39,7 @@ from starfed.server.federation import Federation
 from starfed.server.records import Position, Withdrawal, now
 from starfed.server.robust import MedianStrategy
 from starfed.server.withdrawal import Setting, merged_without, plan
-from starfed.shared.codebook import schema, stored
+from starfed.shared.codebook import schema, store_io
 from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.config import parse
 from starfed.shared.model.backbone_options import BackboneOptions
@@ -73,7 +73,7 @@ def storage(n_classes: int) -> dict:
     codebook = random_codebook(PAPER, n_classes, COMPONENTS)
     rows = Contributions(site_rows(codebook, codebook.names, "site-a", 1))
     with tempfile.TemporaryDirectory() as folder:
-        saved, manifest = stored.save(Path(folder), rows.as_codebook(codebook), None)
+        saved, manifest = store_io.save(Path(folder), rows.as_codebook(codebook), None)
         base = saved.base_bytes
     per = (base + len(manifest)) / n_classes
     return {
@@ -105,7 +105,7 @@ def withdrawal(n_classes: int, setting: Setting) -> dict:
         fed = Federation(folder, codebook.fingerprint, PAPER)
         t0 = time.perf_counter()
         chosen = plan(fed, "leaver")
-        kept, current = fed.contributions(), fed.codebook()
+        kept, current = fed.contributions(), fed.checkpoints.codebook()
         t1 = time.perf_counter()
         steps = {n: r.step for n, r in fed.registry.items()}
         new = merged_without(current, kept, chosen, setting, steps)

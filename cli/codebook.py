@@ -18,7 +18,7 @@ from starfed.cli._common import add_group, console, guard
 from starfed.cli.flags import add_command
 from starfed.ops.exit_codes import EXIT_OK
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.codebook import schema, store
+from starfed.shared.codebook import schema, store_layout
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.framing import read_payload
 from starfed.shared.codebook.mixture import GaussianMixture
@@ -46,7 +46,7 @@ def _load(path: Path) -> tuple[Codebook, pb.Codebook]:
     """The codebook and its message (a federation folder's manifest: the codebook it names)."""
     payload = read_payload(path)
     message = parse(pb.Codebook, payload, None)
-    if store.Ref.of(message.metadata) is not None:
+    if store_layout.Ref.of(message.metadata) is not None:
         codebook = read_file(path)
         return codebook, to_proto(codebook)
     return decode_codebook(payload), message

@@ -103,7 +103,7 @@ def _depth(args: argparse.Namespace) -> folder_check.Depth:
 def _checkpoint(federation_dir: Path) -> Checkpoint | None:
     """Where the federation stands, None before its first step."""
     try:
-        return Federation.open(federation_dir).last_checkpoint()
+        return Federation.open(federation_dir).checkpoints.last_checkpoint()
     except FederationError as err:
         if not (federation_dir / "federation.json").exists():
             return None

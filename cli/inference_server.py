@@ -60,7 +60,7 @@ def _federation(path: Path):
 
     try:
         federation = Federation.open(path)
-        federation.codebook()  # a damaged codebook.bin is bad input, found here
+        federation.checkpoints.codebook()  # a damaged codebook.bin is bad input, found here
     except (FederationError, CodebookError) as err:
         raise ConfigError(str(err)) from None
     return federation

@@ -42,6 +42,7 @@ from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import (
     CATCH_UP,
+    CATCH_UP_KEY,
     CLASS_STEPS,
     CLASSIFY_WITH_KEYS,
     FROZEN,
@@ -158,72 +159,126 @@ def _build_site(run_id: int, node_id: int, run_config: dict, node_config: dict) 
     return Site(name, data_dir, memory, backbones, config, cache_dir, privacy, policy)
 
 
-def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
-    """The reply to one message: its records as (name, bytes) — an update, or the site's
-    report — then the update of each phase that travels with it (``TRAVELLING``), named by its key.
-    The site's gate admits the message before anything is computed and records the reply
-    before it is sent (``starfed.client.release_gate``).
+@dataclass(frozen=True)
+class CatchUpPart:
+    """What a catch-up message asks: stage part ``index`` of ``count`` of a codebook of
+    ``classes`` classes (``CATCH_UP``)."""
 
-    ``header`` holds the phase, the message's config and the run's and node's configs;
-    ``payload`` the codebook the message carries (or nothing).
+    index: int
+    count: int
+    classes: int
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One message as the site reads it: its header converted once, where it enters (a bad
+    value raises here, which Flower turns into an error reply), then trusted."""
+
+    asks: Phase | CatchUpPart  # a phase's work, or a catch-up part staged
+    step: int
+    round: int
+    federation: str
+    epoch: str  # the lineage's epoch: read by the sync and a catch-up part, "" otherwise
+    wire_dtype: str
+    travelling: tuple[Phase, ...] = ()  # the phases whose updates the reply carries too
+    frozen: tuple[str, ...] = ()  # the sync's
+    class_steps: tuple[int, ...] = ()  # the evaluation's
+    classify_with_keys: bool = False  # the evaluation's
+
+    @classmethod
+    def of(cls, key: str, config: dict) -> Incoming:
+        """The message of ``key`` (a phase's key, or ``CATCH_UP_KEY``) with ``config``."""
+        asks: Phase | CatchUpPart
+        if key == CATCH_UP_KEY:
+            asks = CatchUpPart(*(int(value) for value in config[CATCH_UP]))
+        else:
+            asks = Phase[key.upper()]
+        return cls(
+            asks,
+            int(config[STEP]),
+            int(config.get(ROUND, 0)),
+            str(config[FEDERATION_KEY]),
+            str(config[EPOCH_KEY]) if asks is Phase.SYNC or key == CATCH_UP_KEY else "",
+            str(config.get(WIRE_DTYPE, "float32")),
+            tuple(Phase[str(k).upper()] for k in config.get(TRAVELLING, [])),
+            tuple(str(name) for name in config.get(FROZEN, [])),
+            tuple(int(s) for s in config[CLASS_STEPS]) if asks is Phase.EVALUATE else (),
+            bool(config.get(CLASSIFY_WITH_KEYS, False)),
+        )
+
+    @property
+    def key(self) -> str:
+        """Its one spelling in the site's release record: the phase's key, or the catch-up's."""
+        return CATCH_UP_KEY if isinstance(self.asks, CatchUpPart) else self.asks.key
+
+
+def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
+    """The reply to one message: its records as (name, bytes) — an update, the site's report,
+    or for a catch-up part the version it holds — then the update of each phase that travels
+    with it (``TRAVELLING``), named by its key. The site's gate admits the message before
+    anything is computed and records the reply before it is sent
+    (``starfed.client.release_gate``).
+
+    ``header`` holds the message's key (``phase``: a phase's, or the catch-up's), its config
+    and the run's and node's configs; ``payload`` the codebook the message carries (or a part
+    of one, or nothing).
     """
-    phase = Phase[header["phase"].upper()]
-    config = header["config"]
+    message = Incoming.of(header["phase"], header["config"])
+    asks = message.asks
     site = site_for(
         header["run-id"], header["node-id"], header["run-config"], header["node-config"]
     )
-    request = _request(header, phase, config, site.memory.root)
+    request = release_gate.Request(
+        int(header["run-id"]),
+        message.step,
+        message.key,
+        message.round,
+        message.federation,
+        message.wire_dtype,
+        () if isinstance(asks, CatchUpPart) else releases_of(asks, message.travelling),
+        server_certificate(site.memory.root),
+    )
     release_gate.admit(site, request)
-    records, version = _reply(site, phase, config, payload)
+    if isinstance(asks, CatchUpPart):
+        records, version = _catch_up(site, message, asks, payload)
+    else:
+        records, version = _reply(site, message, asks, payload)
     return release_gate.release(site, request, records, version)
 
 
-def _request(
-    header: dict[str, Any], phase: Phase, config: dict, state_dir: Path
-) -> release_gate.Request:
-    """What the message asks, as the site's gate sees it."""
-    travelling = [str(key) for key in config.get(TRAVELLING, [])]
-    return release_gate.Request(
-        int(header["run-id"]),
-        int(config[STEP]),
-        phase,
-        int(config.get(ROUND, 0)),
-        str(config[FEDERATION_KEY]),
-        str(config.get(WIRE_DTYPE, "float32")),
-        releases_of(phase, travelling, CATCH_UP in config),
-        server_certificate(state_dir),
-    )
+def _catch_up(
+    site: Site, message: Incoming, part: CatchUpPart, payload: bytes
+) -> tuple[list[Outgoing], int]:
+    """A part of a codebook too large for one message, staged; the reply says the version the
+    site holds after it (0 until the last part)."""
+    site.memory.join(message.federation)
+    site.memory.catch_up(payload, part.index, part.count, part.classes)
+    held = str(site.memory.held_version(message.epoch)).encode()
+    return [Outgoing(HELD, held)], 0
 
 
-def _reply(site: Site, phase: Phase, config: dict, payload: bytes) -> tuple[list[Outgoing], int]:
-    """The reply's records, and the version of the codebook the message carried (0: none)."""
-    step, round_index = int(config[STEP]), int(config.get(ROUND, 0))
-    federation = str(config[FEDERATION_KEY])
-    wire_dtype = str(config.get(WIRE_DTYPE, "float32"))
-    if phase is Phase.SYNC and CATCH_UP in config:  # a part of a codebook, not an sync
-        site.memory.join(federation)
-        index, count, classes = (int(value) for value in config[CATCH_UP])
-        site.memory.catch_up(payload, index, count, classes)
-        held = str(site.memory.held_version(str(config[EPOCH_KEY]))).encode()
-        return [Outgoing(HELD, held)], 0
+def _reply(
+    site: Site, message: Incoming, phase: Phase, payload: bytes
+) -> tuple[list[Outgoing], int]:
+    """A phase's reply records, and the version of the codebook the message carried (0:
+    none)."""
     if phase is Phase.SYNC:
         site.memory.held.drop_staging()  # a new step: a catch-up left unfinished is abandoned
-        frozen = [str(name) for name in config.get(FROZEN, [])]
-        update = site.sync(step, frozen, federation, str(config[EPOCH_KEY]))
-        return [_update(UPDATE_RECORD, update, wire_dtype, (COUNTS,))], 0
-    site.memory.join(federation)
+        update = site.sync(message.step, list(message.frozen), message.federation, message.epoch)
+        return [_update(UPDATE_RECORD, update, message.wire_dtype, (COUNTS,))], 0
+    site.memory.join(message.federation)
     codebook = site.memory.receive(payload)
     if phase is Phase.EVALUATE:
-        use_keys = bool(config.get(CLASSIFY_WITH_KEYS, False))
-        report = site.evaluate(codebook, [int(s) for s in config[CLASS_STEPS]], use_keys)
+        steps = list(message.class_steps)
+        report = site.evaluate(codebook, steps, message.classify_with_keys)
         scored = tuple(score.name for score in report.classes)
         fields = (EVALUATION,) if scored else ()
         return [Outgoing(REPORT_RECORD, report.to_bytes(), scored, fields)], codebook.version
-    update = site.run_phase(phase, codebook, step, round_index)
-    records = [_update(UPDATE_RECORD, update, wire_dtype)]
-    for key in config.get(TRAVELLING, []):
-        other = site.run_phase(Phase[str(key).upper()], codebook, step)
-        records.append(_update(other.phase.key, other, wire_dtype))
+    update = site.run_phase(phase, codebook, message.step, message.round)
+    records = [_update(UPDATE_RECORD, update, message.wire_dtype)]
+    for other_phase in message.travelling:
+        other = site.run_phase(other_phase, codebook, message.step)
+        records.append(_update(other.phase.key, other, message.wire_dtype))
     return records, codebook.version
 
 

@@ -10,13 +10,14 @@ Message contents (``RecordDict``):
 * in: ``config`` (ConfigRecord: ``step``, ``round``, ``wire-dtype``, ``federation``; for sync
   the ``frozen`` class names, for evaluation the ``class-steps``, for the last stage-1 round
   ``also``) and, where the phase sends it, ``codebook`` (ConfigRecord ``data``: the codebook,
-  or a delta from the one the site holds). A sync message whose config has ``catch-up``
-  carries one part of a codebook too large for one message instead (``CATCH_UP``);
+  or a delta from the one the site holds);
 * out: ``update`` (ConfigRecord ``data``: a serialised ``ClientUpdate``, for sync the classes
-  of the site's current task) or, for evaluation, ``report`` (an ``EvaluationReport``), or
-  for a catch-up part ``held`` (the codebook version the site holds after it); when
+  of the site's current task) or, for evaluation, ``report`` (an ``EvaluationReport``); when
   the config names phases that travel with this one (``also``), one more update record per
-  phase, named by its key (``stage1_stats``).
+  phase, named by its key (``stage1_stats``);
+* a catch-up part (``CATCH_UP_MESSAGE``, ``query.catch_up``: its own message type) carries one
+  part of a codebook too large for one message, its config's ``catch-up`` saying which; out:
+  ``held`` (the codebook version the site holds after it).
 
 Anything decoded is validated against this site's backbones; a bad codebook raises, which
 Flower turns into an error reply the server logs. Raw images and features never leave.
@@ -31,22 +32,23 @@ from starfed.client.worker import request
 from starfed.shared.config import parse
 from starfed.shared.knob import as_str
 from starfed.shared.protocol import (
+    CATCH_UP_KEY,
+    CATCH_UP_MESSAGE,
     CODEBOOK_RECORD,
     CONFIG_RECORD,
     MESSAGES,
     RECORD_DATA,
-    Phase,
-    PhaseSpec,
     record_bytes,
 )
 
 app = ClientApp()
 
 
-def _handle(phase: Phase, message: Message, context: Context) -> Message:
-    """A Flower message answered here, or by the site's worker when the node config names one."""
+def _handle(key: str, message: Message, context: Context) -> Message:
+    """A Flower message answered here, or by the site's worker when the node config names one;
+    ``key``: what it is (a phase's key, or the catch-up's)."""
     header = {
-        "phase": phase.key,
+        "phase": key,
         "config": dict(message.content[CONFIG_RECORD]),
         "run-config": dict(context.run_config),
         "node-config": dict(context.node_config),
@@ -72,16 +74,17 @@ def _handle(phase: Phase, message: Message, context: Context) -> Message:
     return Message(content, reply_to=message)
 
 
-def _register(spec: PhaseSpec) -> None:
-    """Route the phase's Flower message type ("<category>[.<action>]") to ``_handle``."""
-    category, _, action = spec.message_type.partition(".")
+def _register(message_type: str, key: str) -> None:
+    """Route the Flower message type ("<category>[.<action>]") to ``_handle``, as ``key``."""
+    category, _, action = message_type.partition(".")
 
     def handler(message: Message, context: Context) -> Message:
-        return _handle(spec.phase, message, context)
+        return _handle(key, message, context)
 
     register = getattr(app, category)
     (register(action) if action else register())(handler)
 
 
 for _spec in MESSAGES:
-    _register(_spec)
+    _register(_spec.message_type, _spec.phase.key)
+_register(CATCH_UP_MESSAGE, CATCH_UP_KEY)

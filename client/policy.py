@@ -22,7 +22,7 @@ import functools
 import math
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,17 +177,15 @@ class SitePolicy:
         return None
 
 
-def releases_of(phase: Phase, travelling: list[str], catch_up: bool) -> tuple[str, ...]:
+def releases_of(phase: Phase, travelling: Sequence[Phase]) -> tuple[str, ...]:
     """What a message of ``phase`` asks the site to release (``travelling``: the phases travelling
-    with it): counts at the sync, the phase's fields, the evaluation; nothing for a catch-up."""
-    if catch_up:
-        return ()
+    with it): counts at the sync, the phase's fields, the evaluation (a catch-up part, which is
+    no phase, releases nothing)."""
     if phase is Phase.SYNC:
         return (COUNTS,)
     if phase is Phase.EVALUATE:
         return (EVALUATION,)
-    phases = [phase, *(Phase[key.upper()] for key in travelling)]
-    return tuple(name for p in phases for name in schema.trained_in(p))
+    return tuple(name for p in (phase, *travelling) for name in schema.trained_in(p))
 
 
 def read_policy(path: Path | None, state_dir: Path) -> SitePolicy:

@@ -17,7 +17,7 @@ from starfed.client.privacy import PrivateReleases
 from starfed.client.release_record import Release, ReleaseRecord, now
 from starfed.client.site import Site
 from starfed.shared.privacy import accountant
-from starfed.shared.protocol import Phase, reply_sha256
+from starfed.shared.protocol import reply_sha256
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Request:
 
     run: int
     step: int
-    phase: Phase
+    phase: str  # the message's key: a phase's, or the catch-up's
     round: int
     federation: str
     wire_dtype: str
@@ -43,7 +43,7 @@ class Request:
             self.federation,
             self.run,
             self.step,
-            self.phase.key,
+            self.phase,
             self.round,
             codebook_version,
             classes=tuple(dict.fromkeys(c for r in outgoing for c in r.classes)),

@@ -180,7 +180,7 @@ def strategy_name(strategy: Strategy) -> str:
 
 def _steps_done(federation: Federation) -> int:
     """The steps the saved codebook has completed, from its manifest (no codebook decoded)."""
-    checkpoint = federation.last_checkpoint()
+    checkpoint = federation.checkpoints.last_checkpoint()
     return 0 if checkpoint is None else checkpoint.position.step
 
 
@@ -235,7 +235,7 @@ def summarize(federation: Federation, log: RunLog, wall_s: float) -> dict:
             name: {"step": reg.step, "sites": sorted(reg.sites)}
             for name, reg in federation.registry.items()
         },
-        "codebook_version": getattr(federation.last_checkpoint(), "version", 0),
+        "codebook_version": getattr(federation.checkpoints.last_checkpoint(), "version", 0),
         "backbone_fingerprint": federation.fingerprint,
     }
 

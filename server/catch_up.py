@@ -5,8 +5,9 @@ codebook. Once the federation's codebook passes what one message may carry
 (``starfed.shared.codebook.parts.PART_BYTES``), a site that holds nothing recent — one joining
 late, one that lost its state — could not receive it at all. So before a codebook phase's
 message the coordinator finds the nodes whose broadcast would pass a part (``behind``) and sends
-them the codebook split by classes (``send``): one ``query.sync`` message per part, whose config
-says which part it is (``CATCH_UP``), all behind nodes served part by part. A site stages the
+them the codebook split by classes (``send``): one catch-up message per part
+(``CATCH_UP_MESSAGE``, its own message type: a site answers it apart from the phases), whose
+config says which part it is (``CATCH_UP``), all behind nodes served part by part. A site stages the
 parts and holds the codebook only after the last (``HeldCodebook.stage``); its last reply says
 the version it now holds (``HELD``), and the phase's own message then carries the empty delta
 from it. A node that fails a part (an error, no reply, a part refused) leaves the catch-up and
@@ -35,10 +36,10 @@ from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.protocol import (
     CATCH_UP,
     CATCH_UP_KEY,
+    CATCH_UP_MESSAGE,
     HELD,
     RECORD_DATA,
     ROUND,
-    SYNC,
 )
 
 #: Catch-ups one site may start in one step. An honest site needs one (it joined, or lost its
@@ -146,10 +147,17 @@ def send(
         data = plan.encoded(index)
         message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)]}
         good, exchanges = exchange(
-            grid, SYNC, step, index, message, pending, sites, _constant(data), timeout
+            grid,
+            CATCH_UP_MESSAGE,
+            CATCH_UP_KEY,
+            step,
+            index,
+            message,
+            pending,
+            sites,
+            _constant(data),
+            timeout,
         )
-        for entry in exchanges:
-            entry.phase = CATCH_UP_KEY
         if index == count - 1:
             for entry, reply in good:
                 raw = reply.content[HELD][RECORD_DATA] if HELD in reply.content else b""

@@ -10,7 +10,7 @@ exactly what the last committed merge of each class merged, and a phase that a c
 server repeat leaves no row of the attempt before.
 
 They are kept as one codebook in the federation's codebook store (``contributions.bin``, a
-manifest, ``shared.codebook.stored``: a save writes only the rows that changed), one entry per
+manifest, ``shared.codebook.store_io``: a save writes only the rows that changed), one entry per
 (site, class) under a short key; the manifest's metadata (``CONTRIBUTIONS_KEY``) says whose rows
 each key holds, which fields the site sent and the count of each. The tensor fields a site did
 not send are stored as zeros (a stored entry holds every tensor field); they are never read.
@@ -135,7 +135,7 @@ class Contributions:
 
     def as_codebook(self, like: Codebook) -> Codebook:
         """The codebook that stores them: the entries of rows that did not change since the
-        last save are that save's own (a save writes by identity, ``stored._changes``)."""
+        last save are that save's own (a save writes by identity, ``store_io._changes``)."""
         before = self.codebook.entries if self.codebook is not None else {}
         table: dict[str, dict] = {}
         entries: dict[str, ClassEntry] = {}

@@ -139,8 +139,8 @@ class Coordinator:
         self.strategy = strategy or MeanStrategy()
         self.before_step = before_step
         self.screening = screening or ScreeningOptions()
-        self.codebook = federation.codebook()
-        self.position = federation.position(self.codebook)
+        self.codebook = federation.checkpoints.codebook()
+        self.position = federation.checkpoints.position  # the step's, checkpointed with it
         self.contributions = federation.contributions()  # each site's last rows per class
         self.log = RunLog()
         self.participants = Participants()
@@ -236,7 +236,7 @@ class Coordinator:
         self.codebook = self.federation.end_step(record, kept, self.protocol.checkpoints_kept)
         if kept is not None:  # committed: its phases' honest changes inform later steps' bounds
             self.screen.scale.save(self.federation.root, step, self.screen.observed)
-        self.position = self.federation.position(self.codebook)  # between steps: none in play
+        self.position = self.federation.checkpoints.position  # between steps: none in play
         self.log.steps.append(record)
         return record
 
@@ -529,7 +529,8 @@ class Coordinator:
     ) -> list[Reply]:
         good, exchanges = exchange(
             self.grid,
-            spec,
+            spec.message_type,
+            spec.phase.key,
             step,
             round_index,
             config,

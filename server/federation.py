@@ -2,8 +2,11 @@
 
 A federation lives longer than any server run: sites bring new tasks whenever they happen, and
 each run performs aggregation steps over what they bring, continuing where the last one stopped
-(docs/federation.md). Its files are named in ``starfed.server.folder_files``; its records
-(``starfed.server.records``) are written and read here.
+(docs/federation.md). The folder is two things: its checkpoints — the current codebook and
+position, committed and recovered by ``starfed.server.checkpoints`` (``self.checkpoints``), their
+one owner — and its records (``starfed.server.records``: registry, history, quarantine,
+findings, withdrawals), written and read here. Its files are named in
+``starfed.server.folder_files``.
 
 Closing a step has one commit point: ``codebook.bin`` written with the next position (its
 records are appended to the store before it; no reader reads a record no manifest names). The
@@ -13,9 +16,9 @@ the step running (the next run resumes it and records it once), a crash after it
 record that ``recover`` appends — never twice, never lost. A full disk (ENOSPC) at any write
 of a step is one ``FederationError`` that says what was being written, where the commit point
 stands and what the next run does. Nothing is written that does not decode (``wire.write_file``
-and ``stored.save`` validate first), and a missing codebook is never replaced by an empty one
+and ``store_io.save`` validate first), and a missing codebook is never replaced by an empty one
 once the folder has done any work. The codebook's metadata carries its lineage
-(``starfed.shared.codebook.lineage``) and the protocol position (``Position``).
+(``starfed.shared.codebook.lineage``).
 """
 
 from __future__ import annotations
@@ -30,18 +33,16 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from starfed.server.checkpoints import CheckpointStore
 from starfed.server.folder_files import (
-    CHECKPOINTS_DIR,
     CODEBOOK_FILE,
     CONTRIBUTIONS_FILE,
     HISTORY_FILE,
     IDENTITY_FILE,
     METRICS_FILE,
     PENDING_FILE,
-    PREVIOUS_FILE,
     STEP_FAILURES_FILE,
     STEP_FINDINGS_FILE,
-    STEP_START_FILE,
     WITHDRAWING_FILE,
     FederationError,
     HistoryLines,
@@ -49,8 +50,6 @@ from starfed.server.folder_files import (
     append_history,
     append_step_failures,
     append_withdrawal,
-    copy_atomic,
-    is_manifest,
     read_quarantine,
     read_registry,
     read_step_findings,
@@ -62,7 +61,6 @@ from starfed.server.folder_files import (
     write_step_findings,
 )
 from starfed.server.records import (
-    Checkpoint,
     Exchange,
     Finding,
     Outcome,
@@ -72,9 +70,7 @@ from starfed.server.records import (
     Withdrawal,
     now,
 )
-from starfed.shared.codebook import store
-from starfed.shared.codebook.framing import CodebookError, read_message
-from starfed.shared.codebook.lineage import Lineage
+from starfed.shared.codebook.framing import CodebookError
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
 from starfed.shared.run_status import FAILED
@@ -87,7 +83,7 @@ if TYPE_CHECKING:  # decoding a codebook needs torch: imported where a codebook 
     # the folder's records can be read without it (`starfed server status`)
     from starfed.server.contributions import Contributions
     from starfed.shared.codebook.codebook import Codebook
-    from starfed.shared.codebook.stored import Stored
+    from starfed.shared.codebook.store_io import Stored
 
 
 class Federation:
@@ -116,11 +112,8 @@ class Federation:
         self.fingerprint = fingerprint
         self.dims = dims
         self.registry: dict[str, Registration] = read_registry(self.root)
-        self._stored: Stored | None = None  # codebook.bin's codebook as saved: saves follow it
-        self._start: Stored | None = None  # step-start.bin's, when this run began the step
-        self._kept: Stored | None = None  # the newest step checkpoint's: its own base and log
-        self._migrated = False
-        self._whole: Codebook | None = None  # codebook.bin's codebook, read from a whole file
+        #: the current codebook and position, and the codebooks kept: the store's alone
+        self.checkpoints = CheckpointStore(Identity(self.root, fingerprint, dims), self.id)
         self._kept_rows: Stored | None = None  # contributions.bin's codebook as saved
 
     @classmethod
@@ -141,121 +134,13 @@ class Federation:
         except json.JSONDecodeError as err:
             raise FederationError(f"{path} is damaged: {err}") from None
 
-    def _load(self, name: str) -> tuple[Codebook, Stored | None]:
-        from starfed.shared.codebook import stored
-
-        try:
-            return stored.load(self.root / name, fingerprint=self.fingerprint, dims=self.dims)
-        except (CodebookError, OSError) as err:  # OSError: a store file missing or unreadable
-            why = (
-                f"{err.filename} cannot be read ({err.strerror})"
-                if isinstance(err, OSError)
-                else err
-            )
-            raise FederationError(
-                f"{self.root / name}: {why}; `starfed server repair` restores the last good "
-                "checkpoint"
-            ) from None
-
-    def _save(self, name: str, codebook: Codebook, since: Stored | None) -> Stored:
-        """``codebook`` written as what changed since ``since``; its manifest ``name`` (the
-        commit) written last."""
-        from starfed.shared.codebook import stored
-
-        saved, manifest = stored.save(self.root / store.STORE_DIR, codebook, since)
-        write_atomic(self.root / name, manifest)
-        return saved
-
-    def migrate(self) -> list[str]:
-        """Move a folder written before the store into it, once: each whole codebook file
-        becomes a base of the store (a hard link: no bytes copied) and a manifest takes its
-        place. The names moved (none when there were none)."""
-        from starfed.shared.codebook import stored
-
-        if self._migrated:
-            return []
-        moved = []
-        folder = self.root / store.STORE_DIR
-        for path in Identity(self.root, self.fingerprint, self.dims).manifests():
-            if path.stat().st_size <= store.MANIFEST_MAX_BYTES and is_manifest(path):
-                continue
-            base = stored.new_name(0)
-            try:
-                manifest = stored.manifest_of(path, base)
-            except CodebookError:
-                continue  # damaged: ``check`` names it, ``repair`` sets it right
-            stored.link_base(path, folder, base)
-            write_atomic(path, manifest)
-            if path.name == CODEBOOK_FILE and self._whole is not None:  # saves follow it
-                ref = store.Ref(base, base.replace("base-", "log-", 1))
-                self._stored = stored.Stored(self._whole, ref, (folder / base).stat().st_size)
-            moved.append(str(path.relative_to(self.root)))
-        self._migrated = True
-        return moved
-
-    # --- the codebook and the position ----------------------------------------------------
-
-    def codebook(self) -> Codebook:
-        """The codebook after the last completed phase (empty for a new federation)."""
-        from starfed.shared.codebook.codebook import Codebook
-
-        if not self._has_codebook():
-            metadata = Lineage(self.id).new_epoch().as_metadata()
-            return Codebook(self.fingerprint, self.dims, metadata=metadata)
-        codebook, self._stored = self._load(CODEBOOK_FILE)
-        self._whole = codebook if self._stored is None else None  # a file of the layout before
-        return codebook
-
-    def _has_codebook(self) -> bool:
-        """Whether ``codebook.bin`` exists; its absence where the folder has completed work is
-        an error, raised before anything is written (the registry, the step's close)."""
-        if (self.root / CODEBOOK_FILE).is_file():
-            return True
-        if traces := Identity(self.root, self.fingerprint, self.dims).traces():
-            raise FederationError(
-                f"{self.root / CODEBOOK_FILE} is missing, but the folder holds {traces}: "
-                "`starfed server repair` restores the last good checkpoint"
-            )
-        return False
-
-    @staticmethod
-    def position(codebook: Codebook) -> Position:
-        return Position.from_metadata(codebook.metadata)
-
-    def last_checkpoint(self) -> Checkpoint | None:
-        """The saved codebook's version, classes and position, None before the first one."""
-        path = self.root / CODEBOOK_FILE
-        if not path.is_file():
-            return None
-        try:
-            message = read_message(path)
-        except CodebookError as err:
-            raise FederationError(str(err)) from None
-        if message.backbone_fingerprint != self.fingerprint:
-            raise FederationError(f"{path} holds a codebook of other backbones")
-        names = tuple(entry.name for entry in message.entries)
-        frozen = frozenset(entry.name for entry in message.entries if entry.frozen)
-        return Checkpoint(message.version, names, frozen, Position.from_metadata(message.metadata))
+    # --- the checkpoints (``server.checkpoints``) -------------------------------------------
 
     def checkpoint(self, codebook: Codebook, position: Position) -> Codebook:
-        """Save ``codebook`` with ``position`` mid-step (``_commit``); a full disk is one
-        ``FederationError`` (``_mid_step``)."""
+        """Commit ``codebook`` at ``position`` mid-step (``CheckpointStore.commit``); a full
+        disk is one ``FederationError`` (``_mid_step``)."""
         with self._mid_step(f"the checkpoint of {position.done[-1] if position.done else 'it'}"):
-            return self._commit(codebook, position)
-
-    def _commit(self, codebook: Codebook, position: Position) -> Codebook:
-        """The commit point: ``codebook`` with ``position`` in its metadata, what changed since
-        the last checkpoint appended to the store, then its manifest (one atomic write); the
-        last good checkpoint stays beside it (``previous.bin``)."""
-        self.migrate()
-        lineage = replace(Lineage.of(codebook), federation=self.id)
-        metadata = {**codebook.metadata, **lineage.as_metadata(), **position.as_metadata()}
-        saved = replace(codebook, metadata=metadata)
-        current = self.root / CODEBOOK_FILE
-        if current.is_file():
-            copy_atomic(current, self.root / PREVIOUS_FILE)
-        self._stored = self._save(CODEBOOK_FILE, saved, self._stored)  # validated first
-        return saved
+            return self.checkpoints.commit(codebook, position)
 
     # --- each site's last rows per class (``server.contributions``) --------------------------
 
@@ -265,7 +150,7 @@ class Federation:
 
         if not (self.root / CONTRIBUTIONS_FILE).is_file():
             return Contributions()
-        codebook, self._kept_rows = self._load(CONTRIBUTIONS_FILE)
+        codebook, self._kept_rows = self.checkpoints.load(CONTRIBUTIONS_FILE)
         try:
             return Contributions.from_codebook(codebook)
         except CodebookError as err:
@@ -276,9 +161,8 @@ class Federation:
         of the phase that merged them: a crash between leaves rows the repeated phase
         replaces (``Contributions.merged``)."""
         with self._mid_step("the contributions of the phase ahead of its checkpoint"):
-            self.migrate()
             codebook = contributions.as_codebook(like)
-            self._kept_rows = self._save(CONTRIBUTIONS_FILE, codebook, self._kept_rows)
+            self._kept_rows = self.checkpoints.save(CONTRIBUTIONS_FILE, codebook, self._kept_rows)
         return replace(contributions, codebook=codebook)
 
     # --- a site leaves (``server.withdrawal``) ----------------------------------------------
@@ -288,11 +172,11 @@ class Federation:
         step's close (the module docstring): the record written ahead, the codebook committed
         naming it, then the registry, the quarantine, the kept rows and ``withdrawals.jsonl``
         follow (``recover`` finishes them after a crash, or drops a record never committed).
-        ``codebook`` is made from this object's ``codebook()``: the save writes what changed."""
+        ``codebook`` is made from ``checkpoints.codebook()``: the save writes what changed."""
         write_atomic(self.root / WITHDRAWING_FILE, record.to_json().encode())
         metadata = {**codebook.metadata, WITHDRAWAL_KEY: record.id}
         steps = record.steps if record.rerun_from is None else record.rerun_from
-        saved = self._commit(replace(codebook, metadata=metadata), Position(steps))
+        saved = self.checkpoints.commit(replace(codebook, metadata=metadata), Position(steps))
         self._finish_withdrawal(record)
         return saved
 
@@ -303,17 +187,6 @@ class Federation:
             for site in registration.sites:
                 first[site] = min(first.get(site, registration.step), registration.step)
         return first
-
-    def kept_step(self, completed: int) -> Codebook:
-        """The codebook kept after ``completed`` steps (``checkpoints/step-NNNN.bin``), on a new
-        version line; the next commit writes only its manifest (no bytes copied)."""
-        path = self.root / CHECKPOINTS_DIR / f"step-{completed:04d}.bin"
-        if not path.is_file():
-            raise FederationError(f"{path} is not kept")
-        self.migrate()
-        codebook, self._stored = self._load(path.relative_to(self.root).as_posix())
-        metadata = {**codebook.metadata, **Lineage.of(codebook).new_epoch().as_metadata()}
-        return replace(codebook, metadata=metadata)
 
     def _finish_withdrawal(self, record: Withdrawal) -> None:
         """After the commit (each part idempotent): its classes and the site out of the
@@ -335,7 +208,7 @@ class Federation:
         }
         write_quarantine(self.root, quarantine)
         kept = self.contributions().without(record.site, record.removed)
-        self.save_contributions(kept, self.codebook())
+        self.save_contributions(kept, self.checkpoints.codebook())
         append_withdrawal(self.root, record)
         (self.root / WITHDRAWING_FILE).unlink(missing_ok=True)
 
@@ -346,8 +219,7 @@ class Federation:
         last = withdrawals[-1] if withdrawals else None
         if last is None or last.rerun_from is None:
             return None
-        checkpoint = self.last_checkpoint()
-        done = 0 if checkpoint is None else checkpoint.position.step
+        done = self.checkpoints.position.step
         if done >= last.steps:
             return None
         return (
@@ -359,13 +231,7 @@ class Federation:
         """The folder as it was after ``completed`` steps: later history lines and kept
         codebooks gone, the codebook before the last checkpoint the checkpoint itself."""
         write_history(self.root, [r for r in self.history() if r.step < completed])
-        identity = Identity(self.root, self.fingerprint, self.dims)
-        for steps, path in identity.step_checkpoints():
-            if steps > completed:
-                path.unlink()
-        copy_atomic(self.root / CODEBOOK_FILE, self.root / PREVIOUS_FILE)
-        (self.root / STEP_START_FILE).unlink(missing_ok=True)
-        store.collect(self.root / store.STORE_DIR, identity.manifests() + identity.kept_copies())
+        self.checkpoints.forget_after(completed)
 
     def recover_withdrawal(self) -> str | None:
         """Finish a withdrawal a crash interrupted after its commit (``withdrawal.json``), or
@@ -378,7 +244,7 @@ class Federation:
         except (ValueError, KeyError, TypeError) as err:
             path.unlink()
             return f"dropped a damaged {WITHDRAWING_FILE} ({err}); the withdrawal was not made"
-        codebook, _ = self._load(CODEBOOK_FILE)
+        codebook, _ = self.checkpoints.load(CODEBOOK_FILE)
         if codebook.metadata.get(WITHDRAWAL_KEY) != record.id:
             path.unlink()
             return f"the withdrawal of {record.site} was not committed: run it again"
@@ -391,50 +257,9 @@ class Federation:
         """Keep the codebook a step starts from, the last checkpoint, for a rollback: its
         manifest copied (``codebook`` saved for a new federation, which has none yet)."""
         with self._mid_step("the codebook it starts from"):
-            self.migrate()
-            current = self.root / CODEBOOK_FILE
-            if current.is_file():
-                write_atomic(self.root / STEP_START_FILE, current.read_bytes())
-                same = (
-                    self._stored is not None and self._stored.codebook.entries is codebook.entries
-                )
-                self._start = self._stored if same else None
-                self._part_from_kept()
-            else:
-                self._stored = self._start = self._save(STEP_START_FILE, codebook, self._stored)
+            self.checkpoints.begin(codebook)
             (self.root / STEP_FINDINGS_FILE).unlink(missing_ok=True)  # an earlier attempt's
             (self.root / STEP_FAILURES_FILE).unlink(missing_ok=True)
-
-    def _part_from_kept(self) -> None:
-        """At a step's start, the step checkpoints' store and ``codebook.bin``'s kept apart: a
-        run that did not close the last step follows the newest checkpoint's store when it
-        holds this codebook (its close then appends the step's changes, not a new base); a
-        ``codebook.bin`` naming a checkpoint's store file (``repair`` restored it from there,
-        or a folder written before) is saved to a new base by the step's first checkpoint."""
-        identity = Identity(self.root, self.fingerprint, self.dims)
-        kept = [path for _, path in identity.step_checkpoints()]
-        if not kept or self._stored is None:
-            return
-        if self._kept is None:
-            self._kept = self._follow(kept[-1], self._stored)
-        shared = store.referenced(kept) or set()  # None: one does not read (``check`` says)
-        if {self._stored.ref.base, self._stored.ref.log} & shared:
-            self._stored = None
-
-    def _follow(self, path: Path, current: Stored) -> Stored | None:
-        """The step checkpoint ``path`` as stored, when it holds ``current``'s codebook (same
-        version and class lines); None when it does not, or does not read (``check`` names it)."""
-        try:
-            message = read_message(path)
-            lines = read_message(self.root / CODEBOOK_FILE)
-            ref = store.Ref.of(message.metadata)
-            if ref is None or (message.version, message.entries) != (lines.version, lines.entries):
-                return None
-            return replace(
-                current, ref=ref, base_bytes=(store.find_dir(path) / ref.base).stat().st_size
-            )
-        except (CodebookError, OSError):
-            return None
 
     def register(self, names: list[str], step: int, brought: dict[str, list[str]]) -> None:
         """Record newly registered classes and which sites brought which class."""
@@ -518,16 +343,9 @@ class Federation:
         try:
             write_atomic(self.root / PENDING_FILE, record.to_json().encode())
             if codebook is None:
-                self.migrate()
-                start, self._stored = (
-                    (self._start.codebook, self._start)
-                    if self._start
-                    else self._load(STEP_START_FILE)
-                )  # the step's start as stored: going back to it appends no record
-                metadata = {**start.metadata, **Lineage.of(start).new_epoch().as_metadata()}
-                saved = self._commit(replace(start, metadata=metadata), Position(record.step))
+                saved = self.checkpoints.roll_back(record.step)
             else:
-                saved = self._commit(codebook, Position(record.step + 1))
+                saved = self.checkpoints.commit(codebook, Position(record.step + 1))
             self._finish(record, keep_steps)
         except OSError as err:
             if err.errno != errno.ENOSPC:
@@ -537,9 +355,8 @@ class Federation:
 
     def _committed(self, record: StepRecord) -> bool:
         """Whether ``codebook.bin`` holds the position the close of ``record`` commits."""
-        checkpoint = self.last_checkpoint()
         done = Position(record.step if record.status == FAILED else record.step + 1)
-        return checkpoint is not None and checkpoint.position == done
+        return self.checkpoints.committed(done)
 
     def _full_disk(self, record: StepRecord, err: OSError) -> str:
         where = Path(err.filename).name if err.filename else "a file"
@@ -565,7 +382,7 @@ class Federation:
             if err.errno != errno.ENOSPC:
                 raise
             where = Path(err.filename).name if err.filename else "a file"
-            checkpoint = self.last_checkpoint()
+            checkpoint = self.checkpoints.last_checkpoint()
             position = Position() if checkpoint is None else checkpoint.position
             step = f"step {position.step + 1}"
             then = (
@@ -584,7 +401,7 @@ class Federation:
         its record is appended (once); before it, the record is dropped (the step is still
         running and the next run records it). What was done, None when nothing was. A folder
         whose codebook is missing is refused first (``codebook``), with nothing written."""
-        self._has_codebook()
+        self.checkpoints.has_codebook()
         closes = (self._recover_close(keep_steps), self.recover_withdrawal())
         notes = [note for note in (*closes, self._align_registry(), self._sweep()) if note]
         return "; ".join(notes) or None
@@ -620,7 +437,7 @@ class Federation:
         leaves classes registered for a step that never checkpointed them (dropped), or
         classes in play that were unregistered before the checkpoint that removes them
         (registered again for the step in progress)."""
-        checkpoint = self.last_checkpoint()
+        checkpoint = self.checkpoints.last_checkpoint()
         position = Position() if checkpoint is None else checkpoint.position
         names = set() if checkpoint is None else set(checkpoint.classes)
         stray = [n for n, r in self.registry.items() if n not in names and r.step >= position.step]
@@ -643,22 +460,6 @@ class Federation:
             self.registry = {n: r for n, r in self.registry.items() if r.step != record.step}
             self._write_registry()
         else:
-            self._keep_step(record.step + 1, keep_steps)
+            pinned = self.first_steps().values()  # an exact withdrawal goes back to these
+            self.checkpoints.keep_step(record.step + 1, keep_steps, pinned)
         (self.root / PENDING_FILE).unlink(missing_ok=True)
-
-    def _keep_step(self, completed: int, keep_steps: int) -> None:
-        """``checkpoints/step-NNNN.bin``: the codebook after ``completed`` steps, saved in a
-        base and log of its own, which ``codebook.bin`` never names (one damaged store file
-        never takes both: docs/federation.md, the codebook store): the step's changes appended
-        to the last kept step's log, or a new base (the first close of a run that did not start
-        the step, or one past ``stored.COMPACT_AT``); the oldest beyond ``keep_steps`` pruned."""
-        (self.root / CHECKPOINTS_DIR).mkdir(exist_ok=True)
-        codebook = self._stored.codebook if self._stored else self._load(CODEBOOK_FILE)[0]
-        name = f"{CHECKPOINTS_DIR}/step-{completed:04d}.bin"
-        self._kept = self._save(name, codebook, self._kept)
-        identity = Identity(self.root, self.fingerprint, self.dims)
-        pinned = self.first_steps().values()  # an exact withdrawal goes back to these
-        kept = [(n, path) for n, path in identity.step_checkpoints() if n not in pinned]
-        for _, path in kept[: max(0, len(kept) - keep_steps) if keep_steps else 0]:
-            path.unlink(missing_ok=True)
-        store.collect(self.root / store.STORE_DIR, identity.manifests() + identity.kept_copies())

@@ -43,7 +43,7 @@ from starfed.server.folder_files import (
     temporaries,
 )
 from starfed.server.records import Position, Registration, StepRecord
-from starfed.shared.codebook import store
+from starfed.shared.codebook import store_layout
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.protocol import PHASES, SYNC
 from starfed.shared.run_status import COMPLETED, DEGRADED, FAILED
@@ -181,19 +181,19 @@ def read_codebook_file(identity: Identity, path: Path, depth: Depth, seen: dict)
     message = read_message(path)
     if message.backbone_fingerprint != fingerprint:
         raise CodebookError("a codebook of other backbones")
-    ref = store.Ref.of(message.metadata)
-    if ref is not None and (problem := store.missing(path, ref)):
+    ref = store_layout.Ref.of(message.metadata)
+    if ref is not None and (problem := store_layout.missing(path, ref)):
         raise CodebookError(problem)
     if depth is Depth.DECODE:  # torch: only when decoding
-        from starfed.shared.codebook import stored, wire
+        from starfed.shared.codebook import store_io, wire
 
         if ref is None:
             wire.read_file(path, fingerprint=fingerprint, dims=dims)
         else:
             names = [entry.name for entry in message.entries]
-            stored.verify(path, ref, names, fingerprint=fingerprint, dims=dims, seen=seen)
+            store_io.verify(path, ref, names, fingerprint=fingerprint, dims=dims, seen=seen)
     elif depth is Depth.CHECKSUMS and ref is not None:  # a whole file: read_message did
-        store.verify(path, message, fingerprint=fingerprint, dims=dims, seen=seen)
+        store_layout.verify(path, message, fingerprint=fingerprint, dims=dims, seen=seen)
     return message
 
 

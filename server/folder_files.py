@@ -6,11 +6,11 @@ change scale's are ``server.change_scale``'s). The folder holds::
 
     federation.json   its identity: id, creation time, backbone fingerprint and dims
     codebook.bin      the manifest of the codebook with mixtures after the last completed phase
-                      (``shared.codebook.store``), and in its metadata the protocol position
+                      (``shared.codebook.store_layout``), and in its metadata the protocol position
                       (the step, its completed phases, the classes in play): one small atomic
                       file, so a checkpoint is never half written
     codebook-store/   the codebooks' bytes: bases and the records of what each save changed,
-                      shared by the manifests (a save writes what changed, ``stored``)
+                      shared by the manifests (a save writes what changed, ``store_io``)
     previous.bin      the checkpoint before the current one (the last good one beside it)
     step-start.bin    the codebook when the step in progress started (a failed step rolls back)
     checkpoints/      the codebook after each completed step, ``step-NNNN.bin`` (1-based), the
@@ -57,7 +57,7 @@ from starfed.server.records import (
     StepRecord,
     Withdrawal,
 )
-from starfed.shared.codebook import store
+from starfed.shared.codebook import store_layout
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
@@ -312,7 +312,7 @@ class Identity:
         a whole codebook, for a new base): in the folder, its store and ``checkpoints/``. No
         reader reads them; a run removes them under the lock (``Federation.recover``), ``check``
         lists them."""
-        folders = (self.root, self.root / store.STORE_DIR, self.root / CHECKPOINTS_DIR)
+        folders = (self.root, self.root / store_layout.STORE_DIR, self.root / CHECKPOINTS_DIR)
         return sorted(path for folder in folders for path in folder.glob(".*.tmp"))
 
     def kept_copies(self) -> list[Path]:
@@ -323,7 +323,7 @@ class Identity:
 def is_manifest(path: Path) -> bool:
     """Whether ``path`` reads as a manifest (a damaged file is left to ``check``/``repair``)."""
     try:
-        return store.Ref.of(read_message(path).metadata) is not None
+        return store_layout.Ref.of(read_message(path).metadata) is not None
     except (CodebookError, OSError):
         return True
 

@@ -47,7 +47,7 @@ from starfed.server.folder_files import (
     temporaries,
 )
 from starfed.server.records import Position, Registration, StepRecord
-from starfed.shared.codebook import store
+from starfed.shared.codebook import store_layout
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.files import write_atomic
@@ -242,17 +242,17 @@ def _restore(root: Path, source: Path, message: pb.Codebook, stamp: str) -> Acti
         else f"{position.step} step(s) completed"
     )
     epoch = Lineage.in_metadata(message.metadata).new_epoch().as_metadata()
-    metadata = {k: v for k, v in message.metadata.items() if k != store.MANIFEST_KEY} | epoch
+    metadata = {k: v for k, v in message.metadata.items() if k != store_layout.MANIFEST_KEY} | epoch
 
     def do() -> None:
-        from starfed.shared.codebook import stored, wire  # torch: writing codebooks
+        from starfed.shared.codebook import store_io, wire  # torch: writing codebooks
 
         _keep_copy(root / CODEBOOK_FILE, stamp)
-        if store.Ref.of(message.metadata) is None:
+        if store_layout.Ref.of(message.metadata) is None:
             codebook = wire.read_file(source)
             wire.write_file(root / CODEBOOK_FILE, replace(codebook, metadata=metadata))
         else:
-            write_atomic(root / CODEBOOK_FILE, stored.relabelled(message, metadata))
+            write_atomic(root / CODEBOOK_FILE, store_io.relabelled(message, metadata))
 
     name = source.relative_to(root)
     return Action(

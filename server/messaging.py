@@ -29,7 +29,6 @@ from starfed.shared.protocol import (
     STEP,
     WIRE_DTYPE,
     ConfigValue,
-    PhaseSpec,
     reply_sha256,
 )
 
@@ -69,7 +68,8 @@ def message_config(
 
 def exchange(
     grid: SiteGrid,
-    spec: PhaseSpec,
+    message_type: str,
+    key: str,
     step: int,
     round_index: int,
     config: dict,
@@ -78,8 +78,9 @@ def exchange(
     payload: Callable[[int], bytes] | None,
     timeout: float,
 ) -> tuple[list[Reply], list[Exchange]]:
-    """Send one phase to ``nodes`` (with ``payload(node)``, the codebook, when the phase
-    carries one); the good replies with their log entries, and every log entry."""
+    """Send one message, of Flower's ``message_type``, to ``nodes`` (with ``payload(node)``,
+    the codebook or a part of it, when it carries one), logged under ``key`` (a phase's, or the
+    catch-up's); the good replies with their log entries, and every log entry."""
     record = ConfigRecord(config)
     messages, exchanges = [], []
     for node in nodes:
@@ -87,10 +88,10 @@ def exchange(
         data = payload(node) if payload else b""
         if payload:
             content[CODEBOOK_RECORD] = ConfigRecord({RECORD_DATA: data})
-        group = f"{step}/{spec.phase.key}/{round_index}"
-        messages.append(Message(content, node, spec.message_type, group_id=group))
+        group = f"{step}/{key}/{round_index}"
+        messages.append(Message(content, node, message_type, group_id=group))
         site = sites.get(node, "")
-        exchanges.append(Exchange(step, spec.phase.key, round_index, node, site, len(data)))
+        exchanges.append(Exchange(step, key, round_index, node, site, len(data)))
     replies = send_and_receive(grid, messages, timeout)
     # Grids fill in each message's id when they push it; replies point back to it.
     logs = {m.metadata.message_id: e for m, e in zip(messages, exchanges, strict=True)}
@@ -115,7 +116,7 @@ def exchange(
     for entry in exchanges:
         if entry.node_id not in answered:
             entry.status = ExchangeStatus(Outcome.NO_REPLY)
-            logger.warning("%s sent no %s reply within %.0fs", who(entry), spec.phase.key, timeout)
+            logger.warning("%s sent no %s reply within %.0fs", who(entry), key, timeout)
     return good, exchanges
 
 

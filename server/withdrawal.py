@@ -100,7 +100,7 @@ def plan(federation: Federation, site: str) -> Plan:
     ``WithdrawalError`` when it cannot be made."""
     if site in {w.site for w in read_withdrawals(federation.root)}:
         raise WithdrawalError(f"{site} has already left this federation")
-    checkpoint = federation.last_checkpoint()
+    checkpoint = federation.checkpoints.last_checkpoint()
     if checkpoint is None:
         raise WithdrawalError(f"{federation.root} has no codebook yet: nothing to withdraw")
     if checkpoint.position.running:
@@ -262,7 +262,7 @@ def withdraw(federation: Federation, site: str, setting: Setting, request: str =
     with folder_lock.locked(federation.root, f"withdraw {site}"):
         federation.recover()
         chosen = plan(federation, site)
-        codebook = federation.codebook()
+        codebook = federation.checkpoints.codebook()
         class_steps = {n: r.step for n, r in federation.registry.items()}
         rows = federation.contributions()
         merged = merged_without(codebook, rows, chosen, setting, class_steps)
@@ -292,7 +292,7 @@ def withdraw_exact(federation: Federation, site: str, request: str = "") -> With
         chosen = plan(federation, site)
         if chosen.exact:
             raise WithdrawalError(f"withdraw {site} --exact: {chosen.exact}")
-        codebook = federation.kept_step(chosen.first)
+        codebook = federation.checkpoints.kept_step(chosen.first)
         again = tuple(n for n, r in federation.registry.items() if r.step >= chosen.first)
         record = Withdrawal(
             site,

@@ -137,15 +137,18 @@ TEST_IMAGES = "test-images"
 #: read it: the wire has no version to tell them a new spelling.
 TRAVELLING = "also"
 
-#: Sync-message config key of a catch-up part (``starfed.server.catch_up``): [the part's index,
-#: the number of parts, the classes of the whole codebook]. Such a ``query.sync`` message
-#: carries one part of a codebook too large for one message (``starfed.shared.codebook.parts``)
-#: instead of asking for a sync; the site stages it and replies with ``HELD``.
+#: The message of a catch-up part (``starfed.server.catch_up``): one part of a codebook too large
+#: for one message (``starfed.shared.codebook.parts``), staged by the site, which replies with
+#: ``HELD``. Not a phase: it asks for no update, and a site answers it apart from them.
+CATCH_UP_MESSAGE = "query.catch_up"
+#: Catch-up-message config key: [the part's index, the number of parts, the classes of the whole
+#: codebook].
 CATCH_UP = "catch-up"
 #: Reply record of a catch-up part: the codebook version the site holds after it (ASCII
 #: digits), 0 until the last part arrived and the assembled codebook passed its checks.
 HELD = "held"
-#: The phase key a catch-up's exchanges are recorded under (the step's exchanges, logs).
+#: The key a catch-up's exchanges are recorded under (the step's exchanges, logs, the site's
+#: release record), as a phase's are under its key.
 CATCH_UP_KEY = "catch_up"
 
 #: Evaluate-message config key: predict with the first-level keys alone (the keys ablation,

@@ -51,6 +51,8 @@ from starfed.shared.config import parse
 from starfed.shared.knob import Value, as_int
 from starfed.shared.metrics import results_line
 from starfed.shared.protocol import (
+    CATCH_UP_KEY,
+    CATCH_UP_MESSAGE,
     CODEBOOK_RECORD,
     MESSAGES,
     RECORD_DATA,
@@ -62,7 +64,10 @@ from starfed.simulations.simulate import CLIENT_CPUS
 from starfed.simulations.simulated_sites import SimulatedSites
 
 Fault = Callable[[Message], Message | None]  # gets the reply; None = the node stays silent
-PHASE_KEYS = {spec.message_type: spec.phase.key for spec in MESSAGES}
+#: Flower message type -> the key its progress bar shows (a phase's, or the catch-up's)
+PHASE_KEYS = {spec.message_type: spec.phase.key for spec in MESSAGES} | {
+    CATCH_UP_MESSAGE: CATCH_UP_KEY
+}
 
 
 @dataclass

@@ -305,7 +305,7 @@ def report_interrupted(run_dir: Path, outcome: RunOutcome, superlink_log: Path) 
     protocol stood) and say how to look at it: the folder holds a federation stopped mid-way,
     next to whatever an earlier phase wrote."""
     try:
-        checkpoint = Federation.open(run_dir).last_checkpoint()
+        checkpoint = Federation.open(run_dir).checkpoints.last_checkpoint()
     except FederationError:  # stopped before the ServerApp made its folder
         checkpoint = None
     position = None if checkpoint is None else checkpoint.position

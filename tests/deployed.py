@@ -136,7 +136,7 @@ class Deployment:
         """What the federation folder's ``codebook.bin`` says now (no torch)."""
         if not (self.federation / "federation.json").is_file():
             return None
-        return Federation.open(self.federation).last_checkpoint()
+        return Federation.open(self.federation).checkpoints.last_checkpoint()
 
     def wait_for_checkpoint(self, done: str, timeout: float) -> Checkpoint:
         """Poll the federation folder until the running step has finished phase ``done``."""

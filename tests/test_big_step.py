@@ -28,7 +28,7 @@ def test_a_site_joining_a_federation_is_caught_up_in_parts_through_the_real_apps
 ) -> None:
     prepared = big_step.prepare(tmp_path, CLASSES, "tiny")
     assert prepared["codebook_version"] == 1
-    founded = Federation.open(tmp_path / "server" / "federation").codebook()
+    founded = Federation.open(tmp_path / "server" / "federation").checkpoints.codebook()
     # half the founding codebook: the 20 new classes' delta fits one part, the whole does not
     monkeypatch.setattr(parts, "PART_BYTES", parts.broadcast_bytes(founded, 0, "float32") // 2)
 

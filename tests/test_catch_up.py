@@ -22,6 +22,7 @@ from in_process import TINY_RUN, run_grid
 from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
+from starfed.client.answer import CatchUpPart, Incoming
 from starfed.client.memory import CODEBOOK_FILE
 from starfed.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server import catch_up
@@ -32,7 +33,14 @@ from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.held import STAGING_DIR, HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
-from starfed.shared.protocol import CATCH_UP, CATCH_UP_KEY, HELD, RECORD_DATA
+from starfed.shared.protocol import (
+    CATCH_UP,
+    CATCH_UP_KEY,
+    CATCH_UP_MESSAGE,
+    HELD,
+    RECORD_DATA,
+    Phase,
+)
 from starfed.simulations.local_grid import LocalGrid
 
 LINE = Lineage("fed-1", "epoch-a")
@@ -232,6 +240,7 @@ class HeldGrid:
 
     def __init__(self, version: int) -> None:
         self.version = version
+        self.types: list[str] = []  # the Flower message type of each message sent
 
     def get_node_ids(self) -> list[int]:
         return [1]
@@ -242,6 +251,7 @@ class HeldGrid:
         replies = []
         for message in messages:
             message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as a grid's push does
+            self.types.append(message.metadata.message_type)
             index, count, _ = message.content["config"][CATCH_UP]
             held = str(self.version if index == count - 1 else 0).encode()
             content = RecordDict({HELD: ConfigRecord({RECORD_DATA: held})})
@@ -273,6 +283,28 @@ def test_catch_ups_past_the_first_completed_one_are_findings_and_capped(
     third = before_phase()
     assert third.nodes == [] and not third.exchanges
     assert third.findings[1] == "refused a catch-up: 2 already in step 1"
+
+
+def test_a_catch_up_part_is_its_own_message_which_a_site_reads_apart_from_the_sync(
+    codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each part travels as a catch-up message (``query.catch_up``), not a sync, and is recorded
+    under ``catch_up``; the site reads the message once into what it asks: a part to stage for
+    a catch-up message, the sync's work for a sync message, whatever its config holds."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)  # what a ServerApp's process has
+    grid = HeldGrid(codebook.version)
+    caught, exchanges = catch_up.send(grid, codebook, [1], 0, "float32", {1: "farm-b"}, 1.0)
+    assert caught == {1} and len(exchanges) == len(codebook)
+    assert set(grid.types) == {CATCH_UP_MESSAGE} and len(grid.types) == len(codebook)
+    assert {e.phase for e in exchanges} == {CATCH_UP_KEY}
+
+    config = {"step": 0, "round": 1, **LINE.as_metadata(), CATCH_UP: [1, 5, 5]}
+    part = Incoming.of(CATCH_UP_KEY, config)
+    assert part.asks == CatchUpPart(1, 5, 5) and part.key == CATCH_UP_KEY
+    assert part.epoch == LINE.epoch and part.federation == LINE.federation
+    sync = Incoming.of(Phase.SYNC.key, config)
+    assert sync.asks is Phase.SYNC and sync.key == "sync"
 
 
 # --- through the real apps ------------------------------------------------------------------
@@ -325,12 +357,12 @@ def test_a_site_joining_late_catches_up_in_parts_and_recovers_from_a_garbled_par
     assert first["status"] == "completed"
     assert not any(e["phase"] == CATCH_UP_KEY for e in first["exchanges"])
 
-    founded = Federation.open(tmp_path / "federation").codebook()
+    founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
     size = one_class_parts(founded, slack=2 * len(CLASSES[3]))  # for the fourth class's name
     monkeypatch.setattr(parts, "PART_BYTES", size)
     second = _run(tmp_path, {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}})
     assert second["status"] == "degraded"  # farm-b failed a part
-    server = Federation.open(tmp_path / "federation").codebook()
+    server = Federation.open(tmp_path / "federation").checkpoints.codebook()
     assert len(server) == 4
 
     caught = [e for e in second["exchanges"] if e["phase"] == CATCH_UP_KEY]
@@ -372,7 +404,8 @@ def test_a_site_behind_before_every_phase_is_capped_found_and_quarantined(
     are those of the same step without farm-b."""
     farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4]}
     assert _run(tmp_path, {"farm-a": farm_a}, LocalGrid)["status"] == "completed"
-    size = one_class_parts(Federation.open(tmp_path / "federation").codebook(), slack=64)
+    founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    size = one_class_parts(founded, slack=64)
     monkeypatch.setattr(parts, "PART_BYTES", size)
     alone = tmp_path / "alone"
     shutil.copytree(tmp_path, alone)

@@ -63,8 +63,9 @@ def _server(root: Path, superlink_process: ProcessId) -> ServerFolder:
 def _step_running(federation: Path) -> None:
     """A federation whose first step is running: its sync done."""
     fed = Federation(federation, FINGERPRINT, TINY_DIMS)
-    fed.begin_step(fed.codebook())  # what a step rolls back to (`server check` wants it)
-    fed.checkpoint(fed.codebook(), Position(0, running=True, done=("sync/0",)))
+    # what a step rolls back to (`server check` wants it)
+    fed.begin_step(fed.checkpoints.codebook())
+    fed.checkpoint(fed.checkpoints.codebook(), Position(0, running=True, done=("sync/0",)))
 
 
 # --- the working folder ----------------------------------------------------------------------
@@ -220,7 +221,7 @@ def test_last_seen_is_when_a_site_last_answered_not_when_its_step_ended(tmp_path
         phase_seconds=tuple(PhaseTime(phase, 0, s) for phase, s in phases),
         exchanges=tuple(exchanges),
     )
-    fed.end_step(record, fed.codebook())
+    fed.end_step(record, fed.checkpoints.codebook())
     seen = {
         row.name: row.last_seen for row in status.gather(ServerFolder.at(tmp_path), fed.root).sites
     }

@@ -44,14 +44,14 @@ def begin(folder: Path, step: int, n_new: int) -> None:
     federation = Federation(folder, FINGERPRINT, TINY_DIMS)
     new = random_entries(TINY_DIMS, n_new, seed=step, prefix=f"step{step}", mixtures=False)
     federation.register([e.name for e in new], step, {e.name: ["farm-a"] for e in new})
-    codebook = federation.codebook().register(new)
+    codebook = federation.checkpoints.codebook().register(new)
     federation.checkpoint(codebook, Position(step, running=True, in_play=tuple(codebook.names)))
 
 
 def finish(folder: Path, step: int) -> None:
     """The step's head replay: every aligned head changes, the step's classes are frozen."""
     federation = Federation(folder, FINGERPRINT, TINY_DIMS)
-    codebook = federation.codebook()
+    codebook = federation.checkpoints.codebook()
     generator = torch.Generator().manual_seed(100 + step)
     heads = {
         name: {"aligned_head_weight": torch.randn(TINY_DIMS.d_vit, generator=generator)}

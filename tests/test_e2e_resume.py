@@ -164,7 +164,7 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
     assert {str(e.status) for e in record.exchanges} == {"ok"}
     final = wire.read_file(deployed.federation / CODEBOOK_FILE)
     assert final.names == sorted(CLASSES[0:4], key=class_key) and final.frozen == set(CLASSES[0:4])
-    assert not Federation.position(final).running
+    assert not Federation.open(deployed.federation).checkpoints.position.running
     assert_same_tensors(final, reference)
     print(
         "resume e2e: reference {:.0f}s, run until the kill {:.0f}s, resume {:.0f}s".format(

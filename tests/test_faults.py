@@ -39,8 +39,8 @@ from starfed.client.ops import site_options, supernode_log
 from starfed.host.process_identity import ProcessId
 from starfed.ops import clock, pki
 from starfed.proto import codebook_pb2 as pb
+from starfed.server import checkpoints, folder_check, folder_files, folder_lock
 from starfed.server import federation as federation_module
-from starfed.server import folder_check, folder_files, folder_lock
 from starfed.server.app import RunFailed
 from starfed.server.federation import Federation
 from starfed.server.folder_files import (
@@ -55,13 +55,13 @@ from starfed.server.ops import fleet_proxy
 from starfed.server.ops.fleet_signatures import PUBLIC_KEY_HEADER, TIMESTAMP_HEADER
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.records import Position
-from starfed.shared.codebook import store, wire
+from starfed.shared.codebook import store_layout, wire
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, read_message
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
-from starfed.shared.codebook.store import STORE_DIR
+from starfed.shared.codebook.store_layout import STORE_DIR
 from starfed.shared.run_status import COMPLETED
 
 pytestmark = pytest.mark.faults
@@ -142,7 +142,7 @@ def test_a_thousand_classes_at_paper_dims_round_trip_through_the_folder(tmp_path
     stored = (tmp_path / "federation" / STORE_DIR).glob("*.bin")  # codebook.bin: its manifest
     size = sum(path.stat().st_size for path in stored)
     assert size > 3 * DEFAULT_MAX_BYTES  # well past the old 64 MiB wall
-    back = Federation(tmp_path / "federation", fingerprint, PAPER_DIMS).codebook()
+    back = Federation(tmp_path / "federation", fingerprint, PAPER_DIMS).checkpoints.codebook()
     assert back.names == codebook.names
     for name in (codebook.names[0], codebook.names[-1]):
         for field, value in codebook[name].values.items():
@@ -170,13 +170,13 @@ def times_1e30(reply: Message) -> Message:
 
 def test_an_overflowing_merge_is_never_checkpointed(root: Path) -> None:
     next_task(root)
-    before = Federation.open(folder(root)).last_checkpoint()
+    before = Federation.open(folder(root)).checkpoints.last_checkpoint()
     with pytest.raises(RunFailed) as failed:
         run_two_sites(root, {(1, "train.stage1"): times_1e30})
     message = str(failed.value)
     assert f"class {CLASSES[4]!r}" in message and "farm-a" in message, message
     assert "farm-a (prompt changed by" in message  # the site and the field its values came in
-    after = Federation.open(folder(root)).last_checkpoint()
+    after = Federation.open(folder(root)).checkpoints.last_checkpoint()
     assert after.position == Position(1) and after.classes == before.classes  # rolled back
     assert checked(root).ok, checked(root).problems
     metrics = run_two_sites(root)  # the next run, without that site's poison, completes the step
@@ -243,7 +243,7 @@ def test_a_damaged_codebook_makes_status_fail_and_repair_restores_it(
 
 def store_files(path: Path) -> set[str]:
     """The base and log the manifest at ``path`` names."""
-    ref = store.Ref.of(read_message(path).metadata)
+    ref = store_layout.Ref.of(read_message(path).metadata)
     assert ref is not None
     return {ref.base, ref.log}
 
@@ -400,7 +400,8 @@ def test_a_full_disk_while_closing_a_step_never_duplicates_it(
     says the disk is full and whether the commit point moved; the next run finishes the close
     (or the step) and records it once."""
     next_task(root)
-    real = {module: module.write_atomic for module in (federation_module, folder_files, wire)}
+    modules = (federation_module, checkpoints, folder_files, wire)
+    real = {module: module.write_atomic for module in modules}
 
     def full(module):
         def write(path, data):
@@ -445,7 +446,9 @@ def test_a_full_disk_mid_step_is_one_line_and_the_step_resumes(
     move and nothing was lost, and what the next run does; the run fails (exit 1) and the next
     run completes the step, recorded once, in a folder ``check`` accepts."""
     next_task(root)
-    real = {module: module.write_atomic for module in (federation_module, folder_files)}
+    real = {
+        module: module.write_atomic for module in (federation_module, checkpoints, folder_files)
+    }
     seen: list[bytes] = []
 
     def full(module):
@@ -540,7 +543,7 @@ def test_a_missing_codebook_without_any_good_checkpoint_cannot_be_repaired(
     code, _, err = starfed(capsys, "server", "repair", "--dir", str(root / "server"))
     assert code == 1 and "no good codebook is left" in err
     with pytest.raises(FederationError, match="missing"):
-        Federation.open(folder(root)).codebook()
+        Federation.open(folder(root)).checkpoints.codebook()
 
 
 # --- a site whose clock runs 30 s fast -------------------------------------------------------

@@ -152,7 +152,7 @@ def test_a_step_in_progress_is_left_out_and_named(federation, exported, tmp_path
     folder = tmp_path / "server" / "federation"  # the server folder's: no --federation needed
     shutil.copytree(federation["dir"], folder)
     fed = Federation.open(folder)
-    codebook = fed.codebook()
+    codebook = fed.checkpoints.codebook()
     half_trained = random_entries(codebook.dims, n_classes=2, prefix="new", mixtures=False)
     fed.register([e.name for e in half_trained], 1, {"new_0": ["farm-a"], "new_1": ["farm-a"]})
     fed.checkpoint(codebook.register(half_trained), Position(1, running=True, done=("stage1/0",)))

@@ -46,7 +46,16 @@ def test_failed_and_missing_replies_are_recorded_and_logged_by_site_name(
     spec = PHASES[0]
     with caplog.at_level(logging.WARNING, logger=messaging.__name__):
         good, exchanges = messaging.exchange(
-            Grid(), spec, 0, 0, {}, [7, 8, 9], {7: "farm-a", 9: "farm-c"}, None, 1.0
+            Grid(),
+            spec.message_type,
+            spec.phase.key,
+            0,
+            0,
+            {},
+            [7, 8, 9],
+            {7: "farm-a", 9: "farm-c"},
+            None,
+            1.0,
         )
     assert [entry.site for entry, _ in good] == ["farm-c"]
     statuses = {entry.node_id: str(entry.status) for entry in exchanges}

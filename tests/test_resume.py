@@ -113,7 +113,7 @@ def test_a_crashed_step_resumes_to_the_same_codebook(
             patch.setattr(Strategy, "replay", lambda self, *args: crash_in_replay1(*args))
         run(tmp_path, "federation", sites, None if in_replay else crash_at)
     folder = Federation(tmp_path / "federation", uninterrupted.fingerprint, uninterrupted.dims)
-    position = folder.position(folder.codebook())
+    position = folder.checkpoints.position
     assert position.running and position.step == 0
     done_before = position.to_json()["done"]
     assert "sync/0" in done_before
@@ -138,8 +138,7 @@ def test_a_crashed_step_resumes_to_the_same_codebook(
 def test_the_position_is_inside_the_checkpoint(sites, tmp_path):
     with pytest.raises(Crash):
         run(tmp_path, "federation", sites, "train.stage2")
-    codebook = wire.read_file(tmp_path / "federation" / CODEBOOK_FILE)
-    position = Federation.position(codebook)
+    position = Federation.open(tmp_path / "federation").checkpoints.position
     assert position.to_json()["done"] == ["sync/0", "stage1/0", "stage1/1", "stage1_stats/0"]
     assert set(position.in_play) == {*CLASSES[0:3]}
     assert replace(position, done=()).step == 0

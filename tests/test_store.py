@@ -27,9 +27,9 @@ from starfed.server.folder_files import (
     PREVIOUS_FILE,
     STEP_START_FILE,
 )
-from starfed.server.records import Position, StepRecord
+from starfed.server.records import POSITION_KEY, Position, StepRecord
 from starfed.server.serving import export
-from starfed.shared.codebook import framing, schema, store, stored, wire
+from starfed.shared.codebook import framing, schema, store_io, store_layout, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.held import HeldCodebook
@@ -52,7 +52,7 @@ def generator() -> torch.Generator:
 
 
 def store_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in (root / store.STORE_DIR).glob("*.bin"))
+    return sum(p.stat().st_size for p in (root / store_layout.STORE_DIR).glob("*.bin"))
 
 
 def equal(a: Codebook, b: Codebook) -> bool:
@@ -112,9 +112,28 @@ def test_a_checkpoint_writes_what_changed_not_the_codebook(tmp_path: Path, gener
         written = store_bytes(root) - before_bytes + (root / CODEBOOK_FILE).stat().st_size
         assert written <= 2 * changed + 4096, (written, changed)
         assert written < whole / 4, (written, whole)
-        back = Federation.open(root).codebook()
+        back = Federation.open(root).checkpoints.codebook()
         assert equal(back, codebook)
     assert checked(federation, codebook) == []
+
+
+def test_the_position_is_committed_with_the_codebook_and_handed_out_by_the_store_alone(
+    tmp_path: Path, generator
+) -> None:
+    """The position is written in codebook.bin's manifest, beside its codebook (the one atomic
+    write, bytes as before), but a codebook the store hands out carries none: the store's
+    ``position`` is it, after a commit and in a run that reads the folder again."""
+    root = tmp_path / "federation"
+    federation = Federation(root, FINGERPRINT, DIMS)
+    codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(3)])
+    running = Position(0, running=True, done=("sync/0",), in_play=("c2",))
+    committed = federation.checkpoint(codebook, running)
+    assert POSITION_KEY not in committed.metadata and federation.checkpoints.position == running
+    on_disk = framing.read_message(root / CODEBOOK_FILE).metadata
+    assert Position.from_metadata(on_disk) == running
+    again = Federation.open(root).checkpoints
+    assert POSITION_KEY not in again.codebook().metadata and again.position == running
+    assert Federation.open(root).checkpoints.position == running  # without reading the codebook
 
 
 def test_a_record_no_manifest_names_is_never_read(tmp_path: Path, generator) -> None:
@@ -125,13 +144,15 @@ def test_a_record_no_manifest_names_is_never_read(tmp_path: Path, generator) -> 
     first = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(5)])
     first = federation.checkpoint(first, Position(0))
     lost = first.set_values(heads(first, generator))
-    since = federation._stored
-    stored.save(root / store.STORE_DIR, lost, since)  # appended; its manifest never written
-    assert equal(Federation.open(root).codebook(), first)
+    since = federation.checkpoints._stored
+    store_io.save(
+        root / store_layout.STORE_DIR, lost, since
+    )  # appended; its manifest never written
+    assert equal(Federation.open(root).checkpoints.codebook(), first)
     again = Federation.open(root)
-    resumed = again.codebook()
+    resumed = again.checkpoints.codebook()
     later = again.checkpoint(resumed.set_values(heads(resumed, generator)), Position(0))
-    assert equal(Federation.open(root).codebook(), later)
+    assert equal(Federation.open(root).checkpoints.codebook(), later)
     assert checked(again, later) == []
 
 
@@ -147,9 +168,9 @@ def test_a_failed_step_rolls_back_without_writing_a_record(tmp_path: Path, gener
     record = StepRecord(0, FAILED, 0.0, 1.0, reason="a test")
     back = federation.end_step(record, None)
     assert store_bytes(root) == log_bytes  # a manifest naming the start's bytes, nothing more
-    assert back.names == start.names and equal(Federation.open(root).codebook(), back)
+    assert back.names == start.names and equal(Federation.open(root).checkpoints.codebook(), back)
     resumed = Federation.open(root)  # a new run rolls back from step-start.bin's manifest
-    resumed.begin_step(resumed.codebook())
+    resumed.begin_step(resumed.checkpoints.codebook())
     assert resumed.end_step(record, None).names == start.names
 
 
@@ -158,15 +179,15 @@ def test_a_long_log_is_compacted_into_a_new_base(tmp_path: Path, generator) -> N
     federation = Federation(root, FINGERPRINT, DIMS)
     codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(8)])
     codebook = federation.checkpoint(codebook, Position(0))
-    first_base = federation._stored.ref.base
+    first_base = federation.checkpoints._stored.ref.base
     for _ in range(60):
         codebook = federation.checkpoint(
             codebook.set_values(heads(codebook, generator)), Position(0)
         )
-    ref = federation._stored.ref
+    ref = federation.checkpoints._stored.ref
     assert ref.base != first_base  # compacted
-    assert ref.log_bytes <= stored.COMPACT_AT * federation._stored.base_bytes
-    assert equal(Federation.open(root).codebook(), codebook)
+    assert ref.log_bytes <= store_io.COMPACT_AT * federation.checkpoints._stored.base_bytes
+    assert equal(Federation.open(root).checkpoints.codebook(), codebook)
 
 
 def test_a_folder_of_the_layout_before_moves_in_once(tmp_path: Path, generator) -> None:
@@ -188,22 +209,23 @@ def test_a_folder_of_the_layout_before_moves_in_once(tmp_path: Path, generator) 
     (root / HISTORY_FILE).write_text(StepRecord(0, COMPLETED, 0.0, 1.0).to_json() + "\n")
     assert equal(wire.read_file(root / CODEBOOK_FILE), old)  # the old layout reads as before
     federation = Federation.open(root)
-    moved = federation.migrate()
+    moved = federation.checkpoints.migrate()
     assert sorted(moved) == sorted([CODEBOOK_FILE, PREVIOUS_FILE, "checkpoints/step-0001.bin"])
-    assert Federation.open(root).migrate() == []  # once
-    bases = list((root / store.STORE_DIR).glob("base-*.bin"))
+    assert Federation.open(root).checkpoints.migrate() == []  # once
+    bases = list((root / store_layout.STORE_DIR).glob("base-*.bin"))
     assert len(bases) == 3 and all(b.read_bytes() == whole for b in bases)
     assert (root / CODEBOOK_FILE).stat().st_size < len(whole) / 10
-    codebook = Federation.open(root).codebook()
+    codebook = Federation.open(root).checkpoints.codebook()
     assert equal(codebook, old)
+    assert Federation.open(root).checkpoints.position == Position(1)  # the old file's
     assert folder_check.check(root).ok, folder_check.check(root).problems
     federation = Federation.open(root)
     (root / CODEBOOK_FILE).write_bytes(whole)  # a folder not moved in yet, read by a run
-    codebook = federation.codebook()
+    codebook = federation.checkpoints.codebook()
     before = store_bytes(root) + len(whole)  # + the whole file linked in as a base
     later = federation.checkpoint(codebook.set_values(heads(codebook, generator)), Position(1))
     assert store_bytes(root) - before < len(whole) / 4  # the moved file is followed, not copied
-    assert equal(Federation.open(root).codebook(), later)
+    assert equal(Federation.open(root).checkpoints.codebook(), later)
     os.unlink(root / CODEBOOK_FILE)
     repair = folder_repair.plan(root)
     assert any("restore codebook.bin from" in a.what for a in repair.actions)
@@ -218,7 +240,7 @@ def test_a_damaged_store_is_named_by_check(tmp_path: Path, generator) -> None:
     codebook = federation.checkpoint(codebook, Position(0))
     federation.checkpoint(codebook.set_values(heads(codebook, generator)), Position(0))
     federation.register(codebook.names, 0, {})
-    log = root / store.STORE_DIR / federation._stored.ref.log
+    log = root / store_layout.STORE_DIR / federation.checkpoints._stored.ref.log
     data = bytearray(log.read_bytes())
     data[-3] ^= 1
     log.write_bytes(bytes(data))
@@ -282,9 +304,9 @@ def test_check_finds_a_flipped_byte_without_decoding(tmp_path: Path, generator, 
     codebook = federation.checkpoint(codebook, Position(0))
     codebook = federation.checkpoint(codebook.set_values(heads(codebook, generator)), Position(0))
     assert checked(federation, codebook) == []
-    ref = federation._stored.ref
+    ref = federation.checkpoints._stored.ref
     ((offset, length),) = ref.records
-    folder = root / store.STORE_DIR
+    folder = root / store_layout.STORE_DIR
     path, at = {
         "base": (folder / ref.base, (folder / ref.base).stat().st_size // 2),
         "record": (folder / ref.log, offset + length - 7),
@@ -294,7 +316,7 @@ def test_check_finds_a_flipped_byte_without_decoding(tmp_path: Path, generator, 
     _flip(path, at)
     problems = folder_check.check(root).problems
     assert problems and all(p.startswith(("codebook.bin: ", "previous.bin: ")) for p in problems)
-    assert all(f" {store.STORE_DIR}/{path.name}" in p for p in problems), problems
+    assert all(f" {store_layout.STORE_DIR}/{path.name}" in p for p in problems), problems
     assert any(
         (
             "checksum mismatch"
@@ -315,8 +337,8 @@ def test_check_finds_a_manifest_that_disagrees_with_its_store(tmp_path: Path, ge
     codebook = Codebook(FINGERPRINT, DIMS).register([entry(f"c{i}", generator) for i in range(3)])
     codebook = federation.checkpoint(codebook, Position(0))
     federation.register(codebook.names, 0, {})
-    message = store.header(framing.read_message(root / CODEBOOK_FILE))
-    message.metadata.update(federation._stored.ref.as_metadata())
+    message = store_layout.header(framing.read_message(root / CODEBOOK_FILE))
+    message.metadata.update(federation.checkpoints._stored.ref.as_metadata())
     message.entries[1].count += 1
     (root / CODEBOOK_FILE).write_bytes(framing.frame(message.SerializeToString()))
     assert folder_check.check(root).problems == [

@@ -92,7 +92,7 @@ def test_the_kept_rows_are_what_the_merge_merged(built: Path) -> None:
     """Each site's kept rows are the rows the run merged: farm-c's own class is its row (one
     holder: the mean of one), the shared class the coordinate-wise median of three."""
     fed = Federation.open(folder(built))
-    rows, codebook = fed.contributions(), fed.codebook()
+    rows, codebook = fed.contributions(), fed.checkpoints.codebook()
     assert rows.holders(OWN) == ["farm-c"] and rows.holders(SHARED) == list(SITES)
     assert rows.holders(CLASSES[0]) == ["farm-a"] and rows.holders(LATER) == ["farm-a"]
     own = rows.rows["farm-c", OWN]
@@ -125,10 +125,10 @@ def test_withdrawing_a_site_removes_its_class_and_remerges_the_shared_one(
     root: Path, capsys
 ) -> None:
     fed = Federation.open(folder(root))
-    rows, before = fed.contributions(), fed.codebook()
+    rows, before = fed.contributions(), fed.checkpoints.codebook()
     code, done = withdraw(root, capsys, "--yes")
     assert code == 0 and done["removed"] == [OWN] and done["remerged"] == [SHARED]
-    after = Federation.open(folder(root)).codebook()
+    after = Federation.open(folder(root)).checkpoints.codebook()
     assert OWN not in after and after.names == [n for n in before.names if n != OWN]
     # the shared class: the count-weighted mean of farm-a's and farm-b's rows (two holders:
     # median = mean), recomputed here in float64 and rounded once to float32, as the merge does
@@ -170,7 +170,7 @@ def test_a_withdrawn_site_takes_no_part_in_later_steps(root: Path, capsys) -> No
     assert withdraw(root, capsys, "--yes")[0] == 0
     site_folder(root / "farm-c", {"t2": [CLASSES[7]]})
     metrics = run(root, SITES, 7004)
-    assert CLASSES[7] not in Federation.open(folder(root)).codebook()
+    assert CLASSES[7] not in Federation.open(folder(root)).checkpoints.codebook()
     assert metrics["status"] in ("completed", "degraded")
     # a new `sites add` under its name lets it back (as a new site: nothing is restored)
     assert (
@@ -255,7 +255,7 @@ def test_an_exact_withdrawal_equals_the_federation_without_the_site(
     assert code == 0 and done["rerun_from"] == 1, done
     fed = Federation.open(folder(root))
     assert [r.step for r in fed.history()] == [0] and fed.rerunning() is not None
-    assert fed.codebook().names == CLASSES[0:4]
+    assert fed.checkpoints.codebook().names == CLASSES[0:4]
     metrics = run(root, SITES, 7004)  # farm-c connects, and is refused at the sync
     assert metrics["status"] == "degraded" and metrics["steps"] == 3
     assert Federation.open(folder(root)).rerunning() is None
@@ -285,10 +285,10 @@ KILLED = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     from starfed.cli import main
-    from starfed.server import federation, folder_files
-    from starfed.shared.codebook import stored
+    from starfed.server import checkpoints, federation, folder_files
+    from starfed.shared.codebook import store_io
     target = sys.argv[1]
-    for module in (federation, folder_files, stored):
+    for module in (checkpoints, federation, folder_files, store_io):
         real = module.write_atomic
         def write(path, data, real=real):
             if Path(path).name == target:
@@ -319,7 +319,7 @@ def test_a_withdrawal_killed_leaves_the_old_federation_or_the_new(
 ) -> None:
     """SIGKILL before the record is written ahead, at the commit, and after it: the next
     `repair` (or run) leaves the old federation, whole, or finishes the new one."""
-    before = Federation.open(folder(root)).codebook()
+    before = Federation.open(folder(root)).checkpoints.codebook()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
         [sys.executable, "-c", KILLED, at, str(root / "server"), *flags],
@@ -334,7 +334,7 @@ def test_a_withdrawal_killed_leaves_the_old_federation_or_the_new(
     code, out, _ = starfed(capsys, "server", "repair", "--dir", root / "server")
     assert code == 0 and (WITHDRAWING_FILE in out) is (at != WITHDRAWING_FILE), out
     fed = Federation.open(folder(root))
-    codebook = fed.codebook()
+    codebook = fed.checkpoints.codebook()
     assert (OWN not in codebook) is new
     if not new:
         assert wire.encode(codebook.broadcast()) == wire.encode(before.broadcast())

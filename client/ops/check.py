@@ -324,7 +324,7 @@ def _refusals(report: SiteCheck, policy: SitePolicy, run_config: Values) -> None
     dtype = str(run_config["wire-dtype"])
     refused = False
     for phase in Phase:
-        releases = releases_of(phase, [], catch_up=False)
+        releases = releases_of(phase, ())
         reason = policy.refusal(
             releases, dtype, policy.federation, policy.server_certificate, terms
         )

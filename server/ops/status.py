@@ -301,7 +301,8 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
         status, root / IDENTITY_FILE, lambda: json.loads((root / IDENTITY_FILE).read_text()), known
     )
     status.federation = {k: identity.get(k) for k in ("id", "created", "fingerprint")}
-    checkpoint = _guarded(status, root / CODEBOOK_FILE, federation.last_checkpoint, None)
+    last = federation.checkpoints.last_checkpoint
+    checkpoint = _guarded(status, root / CODEBOOK_FILE, last, None)
     frozen: frozenset[str] = frozenset()
     if checkpoint is not None:
         status.codebook_version = checkpoint.version

@@ -65,7 +65,7 @@ class Deployable:
 
 def deployable(federation: Federation) -> Deployable:
     """The frozen classes of ``federation``'s codebook, as devices receive them."""
-    codebook = federation.codebook()
+    codebook = federation.checkpoints.codebook()
     entries = {name: e for name, e in codebook.entries.items() if e.frozen}
     train = federation.metrics().get("config", {}).get("train", {})
     modulation = train.get(

@@ -134,7 +134,7 @@ def _header(file: BinaryIO, path: object, max_bytes: int | None) -> tuple[int, b
 
 def unframe(data: bytes, what: str) -> bytes:
     """The checksum-verified payload of one frame held in ``data`` (a record of an append-only
-    log, ``store``); ``what`` names it in the error."""
+    log, ``store_layout``); ``what`` names it in the error."""
     if len(data) < _HEADER.size:
         raise CodebookError(f"{what}: too short to be a starfed codebook file")
     found, length, digest = _HEADER.unpack_from(data)

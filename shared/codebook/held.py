@@ -4,7 +4,7 @@ A site (``starfed.client.memory``) and an inference device (``starfed.ops.follow
 both keep the last codebook they received in a file, so that the sender can send only what
 changed since (a ``Delta``). ``HeldCodebook`` is that file and the one rule for when a delta
 applies. A whole codebook received is written as one file; the first delta after it moves
-that file into a codebook store beside it as its base (``store``, ``stored``: linked, not
+that file into a codebook store beside it as its base (``store_layout``, ``store_io``: linked, not
 copied) and the file becomes the store's manifest, so a delta writes what it changed, not the
 whole codebook. A codebook too large for one message arrives in parts (``stage``), staged
 beside the file and held only once the last part arrived. The file is replaced atomically and
@@ -18,7 +18,7 @@ import logging
 import os
 from pathlib import Path
 
-from starfed.shared.codebook import parts, store, stored, wire
+from starfed.shared.codebook import parts, store_io, store_layout, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
@@ -54,7 +54,7 @@ class HeldCodebook:
         self.path = Path(path)
         self.fingerprint, self.dims = fingerprint, dims  # the receiver's backbones, if known
         self._held: Codebook | None = None
-        self._stored: stored.Stored | None = None  # the held codebook as its store has it
+        self._stored: store_io.Stored | None = None  # the held codebook as its store has it
         self._stamp: tuple[int, int] = (0, 0)  # the file's mtime and size when read
 
     def codebook(self) -> Codebook | None:
@@ -69,7 +69,7 @@ class HeldCodebook:
             self._held, self._stored = None, None
             self._stamp = (stat.st_mtime_ns, stat.st_size)
             try:
-                self._held, self._stored = stored.load(
+                self._held, self._stored = store_io.load(
                     self.path, fingerprint=self.fingerprint, dims=self.dims
                 )
             except (OSError, CodebookError) as err:
@@ -109,7 +109,7 @@ class HeldCodebook:
                 bytes(received), fingerprint=self.fingerprint, dims=self.dims
             )
         self.drop_staging()  # a catch-up left unfinished is started again, if needed
-        folder = self.path.parent / store.STORE_DIR
+        folder = self.path.parent / store_layout.STORE_DIR
         if isinstance(received, Delta):
             held = self.codebook()
             if held is None or Lineage.of(held) != Lineage.of(received):
@@ -119,14 +119,14 @@ class HeldCodebook:
                 )
             received = held.apply(received)
             since = self._stored or self._moved_in(held, folder)
-            self._stored, manifest = stored.save(folder, received, since)
+            self._stored, manifest = store_io.save(folder, received, since)
             write_atomic(self.path, manifest)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             wire.write_file(self.path, received)
             self._stored = None
         if self._stored is None or since is None or self._stored.ref.base != since.ref.base:
-            store.collect(folder, [self.path])  # the bases no longer held
+            store_layout.collect(folder, [self.path])  # the bases no longer held
         stat = self.path.stat()
         self._held, self._stamp = received, (stat.st_mtime_ns, stat.st_size)
         return received
@@ -151,7 +151,9 @@ class HeldCodebook:
             raise
         os.replace(assembled, self.path)
         self._stored = None
-        store.collect(self.path.parent / store.STORE_DIR, [self.path])  # the bases no longer held
+        store_layout.collect(
+            self.path.parent / store_layout.STORE_DIR, [self.path]
+        )  # the bases no longer held
         stat = self.path.stat()
         self._held, self._stamp = codebook, (stat.st_mtime_ns, stat.st_size)
         return codebook
@@ -170,16 +172,16 @@ class HeldCodebook:
         folder = self.path.parent / STAGING_DIR
         return parts.Staging(folder, fingerprint=self.fingerprint, dims=self.dims)
 
-    def _moved_in(self, held: Codebook, folder: Path) -> stored.Stored:
+    def _moved_in(self, held: Codebook, folder: Path) -> store_io.Stored:
         """The held whole file as the base of a store (its bytes linked, not copied)."""
-        base = stored.new_name(held.version)
-        stored.link_base(self.path, folder, base)
-        ref = store.Ref(base, base.replace("base-", "log-", 1))
-        return stored.Stored(held, ref, (folder / base).stat().st_size)
+        base = store_io.new_name(held.version)
+        store_io.link_base(self.path, folder, base)
+        ref = store_layout.Ref(base, base.replace("base-", "log-", 1))
+        return store_io.Stored(held, ref, (folder / base).stat().st_size)
 
     def forget(self) -> None:
         """Hold nothing (the next message must carry the whole codebook)."""
         self.path.unlink(missing_ok=True)
         self.drop_staging()
-        store.collect(self.path.parent / store.STORE_DIR, [])
+        store_layout.collect(self.path.parent / store_layout.STORE_DIR, [])
         self._held, self._stored = None, None

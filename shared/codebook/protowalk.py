@@ -2,9 +2,9 @@
 
 A 10,000-class codebook is about 2 GB of protobuf: parsing it makes an object of every tensor
 and copies every byte. What ``starfed server check`` wants of a store's base (its classes'
-names, counts, versions, flags: ``store.scan``) is a walk over the field headers (varint tags,
-lengths), skipping the tensor bytes; so is finding a received message's tensors in its bytes
-(``tensor_views``). The walk follows the wire format strictly: a field that
+names, counts, versions, flags: ``store_layout.scan``) is a walk over the field headers
+(varint tags, lengths), skipping the tensor bytes; so is finding a received message's tensors
+in its bytes (``tensor_views``). The walk follows the wire format strictly: a field that
 runs past its message's end, or a wire type no encoder of this schema writes, is
 ``CodebookError``.
 """

@@ -33,7 +33,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.codebook import schema, store
+from starfed.shared.codebook import schema, store_layout
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.decoding import (
     NUMPY_DTYPES,
@@ -359,10 +359,10 @@ def read_file(
 ) -> Codebook:
     """Read, verify the checksum, decode and validate (``OSError`` if unreadable). A file has no
     size limit unless the caller sets one (``framing``).
-    A manifest (``store``) reads as the codebook it names: its base, then its records."""
+    A manifest (``store_layout``) reads as the codebook it names: its base, then its records."""
     with payload_checked_alongside(path, max_bytes) as payload:
         message = parse(pb.Codebook, payload, max_bytes)
-        if store.MANIFEST_KEY not in message.metadata:
+        if store_layout.MANIFEST_KEY not in message.metadata:
             return _whole(message, payload, fingerprint, dims)
     del payload
     return read_manifest(Path(path), message, fingerprint=fingerprint, dims=dims)
@@ -386,13 +386,13 @@ def _whole(
 def decode_changes(
     data: bytes, *, fingerprint: str | None, dims: ModelDims | None
 ) -> tuple[dict[str, ClassEntry], set[str]]:
-    """A store record (``store``): the entries it carries, each with only the fields that
+    """A store record (``store_layout``): the entries it carries, each with only the fields that
     changed (validated as a delta's), and the classes whose entries it replaces whole."""
     message = parse(pb.Codebook, data, None)
     model_dims = decode_header(message, fingerprint, dims)
     entries = decode_entries(message, model_dims, full=False)
     try:
-        replaced = set(json.loads(message.metadata.get(store.REPLACED_KEY, "[]")))
+        replaced = set(json.loads(message.metadata.get(store_layout.REPLACED_KEY, "[]")))
     except (ValueError, TypeError) as err:
         raise CodebookError(f"a store record's replaced classes are damaged ({err})") from None
     if not replaced <= set(entries):
@@ -405,19 +405,19 @@ def read_manifest(
 ) -> Codebook:
     """The codebook the manifest ``message`` (read from ``path``) names: its base with its
     records applied in order, in the manifest's class order, with its metadata."""
-    ref = store.Ref.of(message.metadata)
+    ref = store_layout.Ref.of(message.metadata)
     if ref is None:
         raise CodebookError(f"{path}: not a store's manifest")
-    folder = store.find_dir(path)
+    folder = store_layout.find_dir(path)
     base_path = folder / ref.base
     with payload_checked_alongside(base_path) as base_payload:
         base_message = parse(pb.Codebook, base_payload, None)
-        if store.MANIFEST_KEY in base_message.metadata:
+        if store_layout.MANIFEST_KEY in base_message.metadata:
             raise CodebookError(f"{base_path}: a store's base is a manifest")
         base = _whole(base_message, base_payload, fingerprint, dims)
     del base_message, base_payload
     entries = dict(base.entries)
-    for payload in store.records(folder, ref):
+    for payload in store_layout.records(folder, ref):
         changes, replaced = decode_changes(payload, fingerprint=base.fingerprint, dims=base.dims)
         for name, new in changes.items():
             old = entries.get(name)
@@ -448,5 +448,5 @@ def _assembled(
         if absent:
             raise CodebookError(f"{label(line.name)}: {absent[0]}: missing")
         kept[line.name] = entry
-    metadata = {k: v for k, v in message.metadata.items() if k != store.MANIFEST_KEY}
+    metadata = {k: v for k, v in message.metadata.items() if k != store_layout.MANIFEST_KEY}
     return Codebook(base.fingerprint, base.dims, kept, message.version, metadata)

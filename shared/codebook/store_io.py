@@ -1,4 +1,5 @@
-"""Saving a codebook to a store (``store``): what changed since the last save, and a manifest.
+"""A codebook saved to and loaded from a store (``store_layout``: where its bytes are): a save
+writes what changed since the last save, and a manifest.
 
 A save appends one record to the log of the state it follows: the entries that differ from that
 state, each with only the fields that differ, found by identity (a new ``Codebook`` shares every
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from starfed.proto import codebook_pb2 as pb
-from starfed.shared.codebook import schema, store, wire
+from starfed.shared.codebook import schema, store_layout, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.decoding import label
 from starfed.shared.codebook.entry import ClassEntry
@@ -36,7 +37,7 @@ class Stored:
     """A codebook as a manifest names it: what the next save writes the changes from."""
 
     codebook: Codebook
-    ref: store.Ref
+    ref: store_layout.Ref
     base_bytes: int
 
 
@@ -46,11 +47,11 @@ def load(
     """The codebook of the file ``path`` (a manifest, or a whole codebook of the layout before
     the store: then no ``Stored``); the file is read once."""
     message = read_message(path)
-    ref = store.Ref.of(message.metadata)
+    ref = store_layout.Ref.of(message.metadata)
     if ref is None:
         return wire.read_file(path, fingerprint=fingerprint, dims=dims), None
     codebook = wire.read_manifest(path, message, fingerprint=fingerprint, dims=dims)
-    base_bytes = (store.find_dir(path) / ref.base).stat().st_size
+    base_bytes = (store_layout.find_dir(path) / ref.base).stat().st_size
     return codebook, Stored(codebook, ref, base_bytes)
 
 
@@ -77,18 +78,18 @@ def save(folder: Path, codebook: Codebook, since: Stored | None) -> tuple[Stored
     return Stored(codebook, ref, since.base_bytes), manifest(codebook, ref)
 
 
-def manifest(codebook: Codebook, ref: store.Ref) -> bytes:
+def manifest(codebook: Codebook, ref: store_layout.Ref) -> bytes:
     """The framed manifest of ``codebook`` stored at ``ref``."""
     lines = {n: replace(e, values={}, field_versions={}) for n, e in codebook.entries.items()}
-    message = store.header(wire.to_proto(replace(codebook, entries=lines)))
+    message = store_layout.header(wire.to_proto(replace(codebook, entries=lines)))
     message.metadata.update(ref.as_metadata())
     return frame(message.SerializeToString(deterministic=True))
 
 
 def manifest_of(whole: Path, base: str) -> bytes:
     """The manifest of the whole codebook file ``whole`` moved into a store as ``base``."""
-    message = store.header(read_message(whole))
-    message.metadata.update(store.Ref(base, base.replace("base-", "log-", 1)).as_metadata())
+    message = store_layout.header(read_message(whole))
+    message.metadata.update(store_layout.Ref(base, base.replace("base-", "log-", 1)).as_metadata())
     return frame(message.SerializeToString(deterministic=True))
 
 
@@ -111,7 +112,7 @@ def new_name(version: int) -> str:
 def _new_base(folder: Path, codebook: Codebook) -> tuple[Stored, bytes]:
     name = new_name(codebook.version)
     wire.write_file(folder / name, codebook)  # validated before it is written
-    ref = store.Ref(name, name.replace("base-", "log-", 1))
+    ref = store_layout.Ref(name, name.replace("base-", "log-", 1))
     stored = Stored(codebook, ref, (folder / name).stat().st_size)
     return stored, manifest(codebook, ref)
 
@@ -153,7 +154,7 @@ def _record(codebook: Codebook, changes: dict[str, ClassEntry], replaced: list[s
         codebook.dims,
         changes,
         codebook.version,
-        {store.REPLACED_KEY: json.dumps(replaced)},
+        {store_layout.REPLACED_KEY: json.dumps(replaced)},
     )
     payload = wire.encode(record)
     wire.decode_changes(payload, fingerprint=codebook.fingerprint, dims=codebook.dims)
@@ -183,7 +184,7 @@ def _append(path: Path, data: bytes) -> int:
 
 def verify(
     path: Path,
-    ref: store.Ref,
+    ref: store_layout.Ref,
     names: list[str],
     *,
     fingerprint: str,
@@ -193,16 +194,16 @@ def verify(
     """Read the store of the manifest at ``path`` as a reader would, each base and record
     decoded once across calls that share ``seen`` (the classes found in each): many manifests
     share a base (``starfed server check``). ``CodebookError`` for what a reader would refuse."""
-    folder = store.find_dir(path)
+    folder = store_layout.find_dir(path)
     if (ref.base, -1) not in seen:
         base = folder / ref.base
-        if store.Ref.of(read_message(base).metadata) is not None:
+        if store_layout.Ref.of(read_message(base).metadata) is not None:
             raise CodebookError(f"{base}: a store's base is a manifest")
         codebook = wire.read_file(base, fingerprint=fingerprint, dims=dims)
         seen[ref.base, -1] = frozenset(codebook.names)
         del codebook
     found = set(seen[ref.base, -1])
-    for (offset, _), payload in zip(ref.records, store.records(folder, ref), strict=True):
+    for (offset, _), payload in zip(ref.records, store_layout.records(folder, ref), strict=True):
         if (ref.log, offset) not in seen:
             changes, _ = wire.decode_changes(payload, fingerprint=fingerprint, dims=dims)
             seen[ref.log, offset] = frozenset(changes)
@@ -215,10 +216,10 @@ def verify(
 def relabelled(message: pb.Codebook, metadata: dict[str, str]) -> bytes:
     """The framed manifest ``message`` with ``metadata`` instead of its own, naming the same
     store bytes (``starfed server repair``: a restored checkpoint on a new version line)."""
-    ref = store.Ref.of(message.metadata)
+    ref = store_layout.Ref.of(message.metadata)
     if ref is None:
         raise CodebookError("a relabelled codebook must be a store's manifest")
-    out = store.header(message)
+    out = store_layout.header(message)
     out.metadata.clear()
     out.metadata.update({**metadata, **ref.as_metadata()})
     return frame(out.SerializeToString(deterministic=True))

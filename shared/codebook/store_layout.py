@@ -19,9 +19,9 @@ folder (``STORE_DIR``) sits beside the manifest, or one folder up (``checkpoints
     codebook-store/log-<version>-<token>.bin    frames appended after it (``framing.frame``)
 
 Reading and decoding are ``wire``'s (``wire.read_file`` reads a manifest as the codebook it
-names), writing is ``stored``'s; this module is the layout, without torch. ``verify`` is
+names), writing is ``store_io``'s; this module is the layout, without torch. ``verify`` is
 ``starfed server check``'s reading of a store: every byte checksummed and every class line
-found by its field headers, no tensor decoded (``stored.verify`` decodes them: ``--deep``).
+found by its field headers, no tensor decoded (``store_io.verify`` decodes them: ``--deep``).
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def verify(
     """The store of the manifest ``message`` (read from ``manifest``) as a reader will find it,
     without decoding a tensor: the base's and each record's checksum, their backbones and dims,
     and every class line of the manifest (count, version, frozen) as the last piece carrying it
-    says. The pieces were validated before they were written (``stored``), and the checksums
+    says. The pieces were validated before they were written (``store_io``), and the checksums
     say they are those bytes. ``seen`` holds the pieces scanned so far, so several manifests
     sharing a base read it once. ``CodebookError`` for what a reader would refuse (``OSError``
     for a base that cannot be read)."""
