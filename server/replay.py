@@ -68,7 +68,7 @@ def replay_head(
 #: How far the replay's change of a lone class's head row may point at the head row of a class
 #: its site does not hold (cosine). Honest: at most 0.28 in the default simulation (every class
 #: in play against every other), 0.18 in the attacks' clean runs; a lone class whose H_c sits
-#: along another class's head: 0.90 and 0.98 (docs/security.md, §1c, attack 4).
+#: along another class's head: 0.90-0.99 (docs/security.md, §1c, attack 4).
 IMPERSONATION_BOUND = 0.6
 
 
