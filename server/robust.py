@@ -37,9 +37,9 @@ logger = logging.getLogger(__name__)
 
 MIN_HOLDERS = 3  # below this, a median is no more robust than a mean
 # A mixture is left out of its class's pool when its mean is more than this many times further
-# from the median of the senders' means than the senders' median distance, each distance on the
-# scale of its count (``outlying_mixtures``). In the default simulation the largest honest one is
-# 7.8 × (docs/security.md, §1c, attack 3).
+# from the median of the senders' means than the senders' median distance (or the spread of the
+# class's features, if larger), each distance on the scale of its count (``outlying_mixtures``).
+# In the default simulation the largest honest one is 7.8 × (docs/security.md, §1c, attack 3).
 MIXTURE_OUTLIER = 20.0
 # Rows transposed into the stack at a time: 16 float32 are one 64-byte cache line of it, where
 # one site at a time writes 4 bytes per line (half the time of the median at 1,000 sites went
