@@ -63,7 +63,7 @@ def test_a_far_mixture_of_a_class_three_sites_hold_is_left_out(make_codebook, ho
     generator = torch.Generator().manual_seed(0)
     centre = torch.randn(codebook.dims.d_clip, generator=generator, dtype=torch.float64)
     honest = [_site(generator, centre, count) for count in (10, 25, 4)[:honest_sites]]
-    far = _site(generator, centre + 3 * centre.norm(), 10)
+    far = _site(generator, 4 * centre, 10)
     assert outlying_mixtures([*honest, far]) == [False] * honest_sites + [True]
     got = _merged(MedianStrategy, codebook, name, [*honest, far])
     assert _same(
@@ -80,7 +80,7 @@ def test_with_two_holders_nothing_tells_the_far_mixture_apart(make_codebook) -> 
     (name,) = codebook.names
     generator = torch.Generator().manual_seed(1)
     centre = torch.randn(codebook.dims.d_clip, generator=generator, dtype=torch.float64)
-    pair = [_site(generator, centre, 10), _site(generator, centre + 3 * centre.norm(), 10)]
+    pair = [_site(generator, centre, 10), _site(generator, 4 * centre, 10)]
     got = _merged(MedianStrategy, codebook, name, pair).values["clip_mixture"]
     assert _same(got, _merged(MeanStrategy, codebook, name, pair).values["clip_mixture"])
     assert got.count == 20
