@@ -25,8 +25,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import test_adversarial_accuracy as accuracy_tests
 from test_adversarial import (
@@ -36,11 +34,10 @@ from test_adversarial import (
     claim_classes,
     edit_update,
 )
-from test_adversarial_alone import LONE, REGISTERED, X, federate, scaled
+from test_adversarial_alone import LONE, REGISTERED, X, along_a1s_head, federate, scaled
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.federation import Federation
-from starfed.shared.codebook import wire
 from starfed.shared.protocol import PRIVACY_EPSILON
 
 HONEST = ("farm-a", "farm-b")
@@ -51,26 +48,6 @@ def _private_scaled(message: pb.ClientUpdate) -> None:
     registered without the privacy setting (``REGISTERED``)."""
     scaled(20.0, {X})(message)
     message.metadata[PRIVACY_EPSILON] = "8"
-
-
-def _toward_another_head(folder: Path) -> Callable[[pb.ClientUpdate], None]:
-    """Attack 4: in step 2 farm-m alone brings X; X's H_c (``vit_mixture``) means are moved by
-    twice their norm along the head row of farm-a's own class A1 (finished in step 1: every
-    site holds it), so the head replay (from the second task on) learns X where A1's
-    features lie. Within every bound the screening has."""
-
-    def edit(message: pb.ClientUpdate) -> None:
-        for entry in message.entries:
-            if entry.name == X and entry.HasField("vit_mixture"):
-                head = wire.read_file(folder / "federation" / "codebook.bin")[accuracy_tests.A1]
-                direction = head.values["head_weight"].double().numpy()
-                direction /= np.linalg.norm(direction)
-                mixture = entry.vit_mixture
-                means = np.frombuffer(mixture.means.data, np.float64).reshape(-1, len(direction))
-                radius = np.linalg.norm(means, axis=1, keepdims=True)
-                mixture.means.data = (means + 2 * radius * direction).tobytes()
-
-    return edit
 
 
 @dataclass(frozen=True)
@@ -115,13 +92,18 @@ ATTACKS = (
         lambda _: {t: edit_update(accuracy_tests.deflate, UPDATE_RECORDS) for t in STATISTICS},
     ),
     Attack(
+        3,
+        "a shared class's mixtures moved by three times their norm",
+        accuracy_tests.SHARED,
+        1,
+        lambda _: {t: edit_update(accuracy_tests.moved, UPDATE_RECORDS) for t in STATISTICS},
+    ),
+    Attack(
         4,
-        "its own lone class's H_c moved along another site's class head (not stopped)",
+        "its own lone class's H_c moved along another site's class head",
         LONE,
         2,
-        lambda folder: {
-            "query.stage2_stats": edit_update(_toward_another_head(folder), UPDATE_RECORDS)
-        },
+        lambda folder: {"query.stage2_stats": edit_update(along_a1s_head(folder), UPDATE_RECORDS)},
     ),
     Attack(
         5,
@@ -197,7 +179,8 @@ def main() -> None:
             base = clean[scenario].steps[after - 1]
             change = {s: got.steps[-1][s] - base[s] for s in HONEST}
             print(
-                f"seed {seed} attack {attack.number}: clean {base} -> {got.steps[-1]} after step "
+                f"seed {seed} attack {attack.number} ({attack.what}): clean {base} -> "
+                f"{got.steps[-1]} after step "
                 f"{after} (change {change}), {got.findings} findings, {got.status}, "
                 f"{got.wall_s:.0f} s",
                 flush=True,

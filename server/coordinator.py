@@ -16,7 +16,8 @@ docs/design.md#one-step):
 4. **screen** — each update held to what its site said at the sync and to the phase's bounds
    (``server.field_bounds``, ``server.screening``): the updates kept and the findings;
 5. **merge** — the strategy's (``server.strategy``): a new codebook, or the step's scores;
-6. **replay** — after a statistics phase, the server's generative replay (``server.replay``);
+6. **replay** — after a statistics phase, the server's generative replay (``server.replay``;
+   after the head's, a lone class that impersonates another site's is rejected);
 7. **commit** — the codebook checkpointed with the position (``server.federation``).
 
 A phase that travels with another is asked for in that phase's message and runs stages 3-7 on
@@ -347,12 +348,19 @@ class Coordinator:
 
     def _replay(self, phase: Phase, codebook: Codebook, state: PhaseState) -> Codebook:
         """The replay stage, after a statistics phase: classes no site sent statistics for
-        unregistered, then the strategy's replay over the classes left."""
+        unregistered, then the strategy's replay over the classes left; after the head's, a
+        lone class whose statistics impersonate another site's class is rejected, and the
+        replay runs again without it (``_impersonators_left_out``)."""
         if phase not in STATISTICS:
             return codebook
         codebook = self._drop_unfitted(codebook, phase)
         t0 = time.perf_counter()
         replayed = self.strategy.replay(phase, codebook, replace(state, in_play=self.in_play))
+        if phase is Phase.STAGE2_STATS:
+            kept = self._impersonators_left_out(codebook, replayed, state.round)
+            if kept is not codebook:
+                codebook = kept
+                replayed = self.strategy.replay(phase, kept, replace(state, in_play=self.in_play))
         cost = ReplayCost(phase.key, time.perf_counter() - t0, len(codebook), len(self.in_play))
         self.tally.replays.append(cost)
         logger.info(
@@ -363,6 +371,25 @@ class Coordinator:
             cost.new_classes,
         )
         return replayed
+
+    def _impersonators_left_out(
+        self, merged: Codebook, replayed: Codebook, round_index: int
+    ) -> Codebook:
+        """``merged`` without the lone classes whose replayed head row moved toward another
+        site's class (``replay.impersonations``), each a finding against its site and
+        unregistered for the step, as a class without statistics is; ``merged`` itself when
+        there are none. None of the step's classes left fails the step."""
+        holders = {name: set(entry.sites) for name, entry in self.federation.registry.items()}
+        found = replay.impersonations(merged, replayed, self.in_play, holders)
+        if not found:
+            return merged
+        key = Phase.STAGE2_STATS.key
+        for one in found:
+            self.screen.note(one.site, key, round_index, REJECTED, one.reason, one.name)
+        names = [one.name for one in found]
+        if set(names) >= set(self.in_play):
+            raise step_records.no_update(Phase.STAGE2_STATS, self.screen, names)
+        return self._unregistered(merged, names)
 
     def _commit(
         self, phase: Phase, codebook: Codebook, done: PhaseRound, screened: Screened
@@ -388,15 +415,20 @@ class Coordinator:
         missing = [n for n in self.in_play if any(f not in codebook[n].values for f in fields)]
         if not missing:
             return codebook
+        logger.warning("no statistics for %s", ", ".join(missing))
+        return self._unregistered(codebook, missing)
+
+    def _unregistered(self, codebook: Codebook, names: list[str]) -> Codebook:
+        """Classes of the step left out of it: unregistered, out of play and of ``codebook``."""
         logger.warning(
-            "no statistics for %s: unregistered for now; they are registered and trained again "
-            "at the next step a site brings them",
-            ", ".join(missing),
+            "%s unregistered for now; registered and trained again at the next step a site "
+            "brings them",
+            ", ".join(names),
         )
-        self.federation.unregister(missing)
-        left = tuple(n for n in self.in_play if n not in missing)
+        self.federation.unregister(names)
+        left = tuple(n for n in self.in_play if n not in names)
         self.position = replace(self.position, in_play=left)
-        return codebook.without(missing)
+        return codebook.without(names)
 
     def _restore_findings(self, step: int) -> None:
         """A resumed step goes on with what the screening found in the phases it does not

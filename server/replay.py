@@ -4,14 +4,18 @@ The server holds the mixtures of every class, so it runs both generative replays
 (``starfed.shared.model.training.replay1``/``replay2``) and registers new classes with their
 deterministic initial values. Each function builds a throw-away model from the codebook, runs
 the same step a single site runs, and returns the codebook with the changed values, so the
-codebook stays the server's single source of truth.
+codebook stays the server's single source of truth. After the head's replay, ``impersonations``
+names a class that one site alone holds whose replayed head row moved toward another site's
+class (docs/security.md, §1c, attack 4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.model.backbones import Backbones
@@ -59,3 +63,62 @@ def replay_head(
     replay2(bank, n_past, config, step)
     aligned = bank.entries(fields=("aligned_head_weight", "aligned_head_bias"))
     return codebook.set_values({entry.name: entry.values for entry in aligned}, freeze=freeze)
+
+
+#: How far the replay's change of a lone class's head row may point at the head row of a class
+#: its site does not hold (cosine). Honest: at most 0.28 in the default simulation (every class
+#: in play against every other), 0.18 in the attacks' clean runs; a lone class whose H_c sits
+#: along another class's head: 0.90-0.99 (docs/security.md, §1c, attack 4).
+IMPERSONATION_BOUND = 0.6
+
+
+@dataclass(frozen=True)
+class Impersonation:
+    """A class one site alone holds whose head row the replay moved toward the head row of a
+    class that site does not hold: its statistics (H_c) sit where that class's images lie."""
+
+    name: str  # the lone class
+    site: str  # its one holder
+    other: str  # the class whose head it moved toward
+    cosine: float  # of the replay's change of its row with the other's row
+
+    @property
+    def reason(self) -> str:
+        return (
+            f"its statistics turned its head row toward the head row of {self.other[:60]!r}, "
+            f"a class {self.site} does not hold (cosine {self.cosine:.2f}, over "
+            f"{IMPERSONATION_BOUND}): left out of the step"
+        )
+
+
+def impersonations(
+    merged: Codebook,
+    replayed: Codebook,
+    in_play: Iterable[str],
+    holders: Mapping[str, Collection[str]],
+) -> list[Impersonation]:
+    """The classes in play that one site alone holds (``holders``: the registry's) whose change
+    by the head's replay, from their trained row in ``merged`` to their aligned row in
+    ``replayed``, points at the trained head row of a class that site does not hold by more than
+    ``IMPERSONATION_BOUND``. An honest class's replay moves its row toward no class in
+    particular; one whose H_c was placed along another class's head is pulled along it, and
+    then takes that class's images. Its cost: one cosine per class for each lone class in play,
+    O(lone classes × classes × d_vit), besides the replay's O(epochs × classes × samples ×
+    classes × d_vit)."""
+    names = merged.names
+    rows = torch.stack([merged[name].tensor("head_weight") for name in names]).double()
+    found = []
+    for name in in_play:
+        if len(holders.get(name, ())) != 1:
+            continue
+        (site,) = holders[name]
+        others = [i for i, other in enumerate(names) if site not in holders.get(other, ())]
+        if not others:
+            continue
+        trained = merged[name].tensor("head_weight").double()
+        change = replayed[name].tensor("aligned_head_weight").double() - trained
+        cosines = F.cosine_similarity(change.unsqueeze(0), rows[others], dim=1)
+        best = int(cosines.argmax())
+        if float(cosines[best]) > IMPERSONATION_BOUND:
+            found.append(Impersonation(name, site, names[others[best]], float(cosines[best])))
+    return found

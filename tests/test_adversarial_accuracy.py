@@ -123,3 +123,27 @@ def test_deflated_mixtures_are_held_from_below(tmp_path, shared_honest) -> None:
     for name in (C0, A1, B1):
         assert float(codebook[name].values["clip_mixture"].means.norm(dim=1).max()) > 1e-2
     assert_honest_within_noise(accuracy(tmp_path), shared_honest)
+
+
+def moved(message: pb.ClientUpdate) -> None:
+    """farm-m's mixtures of C0, which all three hold, moved by three times their norm (their
+    means × 4): inside every bound (``mixture-bound`` is 1000 × from above and below)."""
+    for entry in message.entries:
+        for _, value in entry.ListFields():
+            if entry.name == C0 and isinstance(value, pb.Mixture):
+                value.means.data = (np.frombuffer(value.means.data, np.float64) * 4).tobytes()
+
+
+def test_a_shared_classs_mixture_far_from_the_others_is_left_out_of_its_pool(
+    tmp_path, shared_honest
+) -> None:
+    """Attack 3's rest: farm-m's mixtures of C0 moved far (``moved``) pass every bound and were
+    pooled by count. Its G_c's mean lies 55 × the spread of C0's features from farm-a's and
+    farm-b's (on ``outlying_mixtures``' scale), so the median merge leaves it out: C0's G_c is
+    theirs alone (their count), and the others' accuracy is the honest run's. (Its H_c lies 14 ×
+    that spread away, under ``MIXTURE_OUTLIER``, and is pooled: this step runs no head replay.)"""
+    faults = {t: edit_update(moved, UPDATE_RECORDS) for t in STATISTICS}
+    federate(SHARED, tmp_path, faults, **{"max-steps": 1})
+    codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
+    assert codebook[C0].values["clip_mixture"].count == 2 * 12
+    assert_honest_within_noise(accuracy(tmp_path), shared_honest)

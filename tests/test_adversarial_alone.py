@@ -290,6 +290,41 @@ def test_rows_for_a_frozen_class_are_a_finding(tmp_path, lone_honest) -> None:
     assert "frozen" in found[0].reason
 
 
+def along_a1s_head(folder: Path) -> Callable[[pb.ClientUpdate], None]:
+    """X's H_c (``vit_mixture``) means moved by twice their norm along the head row of farm-a's
+    own class A1 (finished in step 1, in the codebook of ``folder``), so the head's replay learns
+    X where A1's images lie. Within every bound the screening has."""
+
+    def edit(message: pb.ClientUpdate) -> None:
+        for entry in message.entries:
+            if entry.name == X and entry.HasField("vit_mixture"):
+                head = wire.read_file(folder / "federation" / "codebook.bin")[A1]
+                direction = head.values["head_weight"].double().numpy()
+                direction /= np.linalg.norm(direction)
+                mixture = entry.vit_mixture
+                means = np.frombuffer(mixture.means.data, np.float64).reshape(-1, len(direction))
+                radius = np.linalg.norm(means, axis=1, keepdims=True)
+                mixture.means.data = (means + 2 * radius * direction).tobytes()
+
+    return edit
+
+
+@pytest.mark.slow
+def test_a_lone_class_along_another_sites_head_is_left_out(tmp_path, lone_honest) -> None:
+    """Issue 43, attack 4: in step 2 farm-m alone brings X, its H_c moved along the head row of
+    farm-a's A1 (``along_a1s_head``): the head's replay learnt X where A1's images lie (farm-a
+    30 → 0 % in one seed of three, no finding). The replay's change of X's row points at A1's:
+    rejected against farm-m, X left out; X was the step's one class, so step 2 is rolled back
+    and the honest sites keep step 1's accuracy. The honest run (``lone_honest``) completes
+    without a finding."""
+    faults = {"query.stage2_stats": edit_update(along_a1s_head(tmp_path), UPDATE_RECORDS)}
+    metrics = rolled_back(LONE, tmp_path, faults)
+    rejected = [f for f in findings(tmp_path) if f.action == "rejected"]
+    assert [(f.site, f.name, f.phase) for f in rejected] == [("farm-m", X, "stage2_stats")]
+    assert f"toward the head row of {A1!r}, a class farm-m does not hold" in rejected[0].reason
+    assert_as_after_step_1(metrics, lone_honest)
+
+
 # --- one vote per site: farm-m brings ten more classes than the others ------------------------
 
 MANY = {
