@@ -23,11 +23,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)  ## the default job: a federated simulation on the bundled data
 	$(BIN)/starfed simulate
 
+# The fast suite in TEST_WORKERS processes (pytest-xdist), each test module whole on one worker
+# (its module fixtures built once), the longest tiers first (tests/conftest.py LONGEST_FIRST).
+# Most e2e time is waiting on Flower's polls and on processes, so 2 cores carry 4 workers; what
+# it costs: docs/benchmarks.md#the-test-suites-cost. `make test TEST_WORKERS=0` runs it serially.
+TEST_WORKERS ?= 4
 test: $(STAMP)  ## lint + format + types + the fast suite (what CI runs)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) typecheck
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-all: $(STAMP)  ## every test, including the long ones
 	$(BIN)/python -m pytest

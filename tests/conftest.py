@@ -4,9 +4,11 @@ and each test's tier (``TIERS``)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
     child; a handler is reset to the default at exec, so the children can be interrupted."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # ``make test`` runs several workers on as few as 2 cores: torch's default of one
+        # intra-op thread per core would make them contend (docs/benchmarks.md#the-test-suites-cost)
+        torch.set_num_threads(1)
 
 
 #: The test tiers (docs/start-here.md#one-test-of-each-kind), by module: a module not named here
@@ -77,13 +83,22 @@ TIERS = {
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
 
+#: The tiers from the longest tests to the shortest. ``make test`` hands whole modules to its
+#: workers in collection order (``--dist loadfile``), so a module of the longest tier goes first:
+#: a long module started last would leave the other workers idle at the end.
+LONGEST_FIRST = ("e2e", "inprocess", "meta", "unit")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test gets its tier's marker, so that one tier is one ``-m``."""
+    """Each test gets its tier's marker, so that one tier is one ``-m``; and the modules are run
+    in ``LONGEST_FIRST`` order of their longest tier, each module's tests in their own order."""
+    rank: dict[Path, int] = {}
     for item in items:
         tier = "e2e" if item.get_closest_marker("e2e") else TIER_OF.get(item.path.stem, "unit")
         if tier != "unit" or not item.get_closest_marker("slow"):
             item.add_marker(tier)
+        rank[item.path] = min(rank.get(item.path, len(LONGEST_FIRST)), LONGEST_FIRST.index(tier))
+    items.sort(key=lambda item: rank[item.path])  # stable: a module's tests stay together
 
 
 FINGERPRINT = "ab" * 32
