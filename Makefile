@@ -23,12 +23,12 @@ $(STAMP): pyproject.toml
 run: $(STAMP)  ## the default job: a federated simulation on the bundled data
 	$(BIN)/starfed simulate
 
-# The fast suite in TEST_WORKERS processes (pytest-xdist), each test module whole on one worker
-# (its module fixtures built once), the longest tiers first (tests/conftest.py LONGEST_FIRST).
-# Most e2e time is waiting on Flower's polls and on processes, so 2 cores carry more than 2
-# workers; 3, not 4, because the e2e tests' start-up deadlines (30-170 s) were missed with 4 on a
-# busy machine: docs/benchmarks.md#the-test-suites-cost. `TEST_WORKERS=0` runs it serially.
-TEST_WORKERS ?= 3
+# The fast suite, in TEST_WORKERS pytest-xdist processes when > 0: each test module whole on one
+# worker (its module fixtures built once), the longest tiers first (tests/conftest.py
+# LONGEST_FIRST). Serial (0) by default: with 3 or 4 workers the e2e modules, run side by side,
+# missed their start-up deadlines even where the same modules passed serially at a higher load
+# (docs/benchmarks.md#the-test-suites-cost); `make test TEST_WORKERS=3` to measure it again.
+TEST_WORKERS ?= 0
 test: $(STAMP)  ## lint + format + types + the fast suite (what CI runs)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

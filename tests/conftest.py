@@ -29,8 +29,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if "PYTEST_XDIST_WORKER" in os.environ:
-        # ``make test`` runs several workers on as few as 2 cores: torch's default of one
-        # intra-op thread per core would make them contend (docs/benchmarks.md#the-test-suites-cost)
+        # ``make test TEST_WORKERS=n`` runs n workers on as few as 2 cores: torch's default of
+        # one intra-op thread per core would make them contend
         torch.set_num_threads(1)
 
 
@@ -83,9 +83,9 @@ TIERS = {
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
 
-#: The tiers from the longest tests to the shortest. ``make test`` hands whole modules to its
-#: workers in collection order (``--dist loadfile``), so a module of the longest tier goes first:
-#: a long module started last would leave the other workers idle at the end.
+#: The tiers from the longest tests to the shortest. ``make test TEST_WORKERS=n`` hands whole
+#: modules to its workers in collection order (``--dist loadfile``), so a module of the longest
+#: tier goes first: a long module started last would leave the other workers idle at the end.
 LONGEST_FIRST = ("e2e", "inprocess", "meta", "unit")
 
 
