@@ -23,11 +23,17 @@ $(STAMP): pyproject.toml
 run: $(STAMP)  ## the default job: a federated simulation on the bundled data
 	$(BIN)/starfed simulate
 
+# The fast suite, in TEST_WORKERS pytest-xdist processes when > 0: each test module whole on one
+# worker (its module fixtures built once), the longest tiers first (tests/conftest.py
+# LONGEST_FIRST). Serial (0) by default: with 3 or 4 workers the e2e modules, run side by side,
+# missed their start-up deadlines even where the same modules passed serially at a higher load
+# (docs/benchmarks.md#the-test-suites-cost); `make test TEST_WORKERS=3` to measure it again.
+TEST_WORKERS ?= 0
 test: $(STAMP)  ## lint + format + types + the fast suite (what CI runs)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) typecheck
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup
 
 test-all: $(STAMP)  ## every test, including the long ones
 	$(BIN)/python -m pytest

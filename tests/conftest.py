@@ -4,9 +4,11 @@ and each test's tier (``TIERS``)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
     child; a handler is reset to the default at exec, so the children can be interrupted."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # ``make test TEST_WORKERS=n`` runs n workers on as few as 2 cores: torch's default of
+        # one intra-op thread per core would make them contend
+        torch.set_num_threads(1)
 
 
 #: The test tiers (docs/start-here.md#one-test-of-each-kind), by module: a module not named here
@@ -78,13 +84,30 @@ TIERS = {
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
 
+#: The tiers from the longest tests to the shortest. ``make test TEST_WORKERS=n`` hands whole
+#: groups to its workers in collection order (``--dist loadgroup``), so a module of the longest
+#: tier goes first: a long module started last would leave the other workers idle at the end.
+LONGEST_FIRST = ("e2e", "inprocess", "meta", "unit")
+
+#: The xdist group of every end-to-end test: they run one after another on one worker. Two
+#: deployments started side by side on 2 cores missed their start-up deadlines (120 s) where
+#: each alone meets them (bench/results/test_suite.md); the other workers run the rest, a module
+#: whole on one worker (its group is its module), so a module fixture is built once.
+PROCESSES = "processes"
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test gets its tier's marker, so that one tier is one ``-m``."""
+    """Each test gets its tier's marker, so that one tier is one ``-m``, and its xdist group;
+    the modules are run in ``LONGEST_FIRST`` order of their longest tier, each module's tests in
+    their own order."""
+    rank: dict[Path, int] = {}
     for item in items:
         tier = "e2e" if item.get_closest_marker("e2e") else TIER_OF.get(item.path.stem, "unit")
         if tier != "unit" or not item.get_closest_marker("slow"):
             item.add_marker(tier)
+        item.add_marker(pytest.mark.xdist_group(PROCESSES if tier == "e2e" else item.path.stem))
+        rank[item.path] = min(rank.get(item.path, len(LONGEST_FIRST)), LONGEST_FIRST.index(tier))
+    items.sort(key=lambda item: rank[item.path])  # stable: a module's tests stay together
 
 
 FINGERPRINT = "ab" * 32

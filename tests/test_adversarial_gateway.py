@@ -39,6 +39,7 @@ from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
 
 from starfed.host.process_identity import ProcessId
 from starfed.ops import pki
+from starfed.ops.processes import free_port
 from starfed.server.ops import certs, fleet_signatures, gateway
 from starfed.server.ops.layout import ServerFolder
 from starfed.server.ops.sites import Registry, SiteRecord
@@ -69,12 +70,6 @@ class CountingUpstream:
         await send({"type": "http.response.body", "body": b"\x08\x01"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[tuple[ServerFolder, ec.EllipticCurvePrivateKey]]:
     """Certificates and one registered site key (sites.json as `sites add` writes it)."""
@@ -88,7 +83,7 @@ def server(tmp_path_factory) -> Iterator[tuple[ServerFolder, ec.EllipticCurvePri
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[tuple[CountingUpstream, int]]:
-    app, port = CountingUpstream(), _free_port()
+    app, port = CountingUpstream(), free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="error")
     instance = uvicorn.Server(config)
     thread = threading.Thread(target=instance.run, daemon=True)
@@ -109,7 +104,7 @@ def start_gateway(server, upstream, tmp_path) -> Iterator[Callable[..., tuple[in
 
     def start(*flags: str, files: int | None = None) -> tuple[int, int]:
         """``files``: the gateway's limit of open files (soft and hard)."""
-        port = _free_port()
+        port = free_port()
         command = [
             sys.executable,
             "-m",

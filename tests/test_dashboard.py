@@ -32,6 +32,7 @@ from matplotlib.figure import Figure
 from starlette.testclient import TestClient
 
 from starfed.cli import main
+from starfed.ops.processes import free_port
 from starfed.server.federation import Federation
 from starfed.server.ops import sites
 from starfed.server.ops.dashboard import Dashboard
@@ -384,12 +385,6 @@ def test_logs_are_served_from_the_logs_folder_only(folder) -> None:
     assert "escape.log" not in page and ">sub<" not in page
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_command_checks_its_address_before_serving(tmp_path, capsys) -> None:
     base = ["server", "dashboard", "--dir", str(tmp_path)]
     for flags, words in (
@@ -465,7 +460,7 @@ def _chromium(url: str, profile: Path, *flags: str) -> subprocess.CompletedProce
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (Debian: apt-get install chromium)")
 def test_the_dashboard_in_a_real_browser(live_federation, tmp_path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
