@@ -30,7 +30,7 @@ from deployed import RUN_CONFIG, RUN_TIMEOUT_S, deployment, run_settings, starfe
 from site_folders import CLASSES
 
 from starfed.client import app as client_app
-from starfed.ops.flower_runs import FlowerCli
+from starfed.ops.flower_runs import FlowerCli, FlowerRunError
 from starfed.ops.processes import send_signal, wait_gone
 from starfed.server.app import run_server
 from starfed.server.federation import Federation
@@ -128,11 +128,18 @@ def test_a_killed_serverapp_is_resumed_where_it_stopped(tmp_path, monkeypatch, a
         assert code == 1, refused.read_text()
         assert f"run {run['run-id']} is still running" in refused.read_text()
         assert f"flwr stop {run['run-id']}" in refused.read_text()
-        cli.stop(int(run["run-id"]))
+        try:
+            cli.stop(int(run["run-id"]))
+            ended = "finished:stopped"
+        except FlowerRunError as error:
+            # the SuperLink fails a run whose ServerApp sent no heartbeat for two of Flower's
+            # 30 s intervals: on a busy machine that can come before the operator's stop
+            assert "already finished" in str(error), error
+            ended = "finished:failed"
         out, _ = interrupted.communicate(timeout=120)
         killed_run = json.loads(out)
         assert interrupted.returncode == 1 and killed_run["metrics"] is None, out
-        assert killed_run["flower_status"] == "finished:stopped", out
+        assert killed_run["flower_status"] == ended, out
 
         code, out = starfed(
             "server", "resume", *run_settings(), log=deployed.log, timeout=RUN_TIMEOUT_S
