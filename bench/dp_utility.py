@@ -21,6 +21,7 @@ would take a 2-core machine about 6 min a cell).
     python bench/dp_utility.py --out /tmp/dpu --data-only        # the data and grid file only
     python bench/dp_utility.py --out /tmp/dpu --attribute 1993   # ε 8, each release un-noised
     python bench/dp_utility.py --out /tmp/dpu --attribute 1996 --unnoised updates
+    python bench/dp_utility.py --out /tmp/dpu --attribute 1993 --unnoised stage1 stage2
 
 Augmented copies of one photo are correlated: the per-image unit counts each copy as an image,
 which is weaker than a guarantee per photo; the patient unit with k = copies is the one that
@@ -39,7 +40,9 @@ from unittest import mock
 import numpy as np
 from PIL import Image, ImageEnhance
 
+from starfed.shared.codebook import schema
 from starfed.shared.data.cropdiseases import bundled_dataset_root
+from starfed.shared.protocol import Phase
 
 EPSILONS = (8.0, 4.0, 1.0)
 
@@ -116,13 +119,19 @@ def grid(root: Path, classes: int, copies: int, epochs: tuple[int, int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PHASES = {"stage1": Phase.STAGE1, "stage2": Phase.STAGE2}
+
 #: Where ε 8's loss comes from: the run with one kind of release left un-noised (clipped as
 #: the setting clips it, its noise multiplier 0; the ledger still records the planned one).
 #: A measurement only: such a run is not private.
 UNNOISED = {
     "updates": "private_update",  # prompt and head updates: clipped, not noised
+    "stage1": "private_update",  # stage 1's prompts only; stage 2's noised as usual
+    "stage2": "private_update",  # stage 2's Q_c, A_c and head rows only; stage 1's noised
     "statistics": "private_gaussian",  # G_c and H_c: one clipped Gaussian, not noised
 }
+#: The fields of each phase's update, which tell ``private_update`` which release it makes.
+PHASE_FIELDS = {kind: set(schema.trained_in(phase)) for kind, phase in PHASES.items()}
 
 
 def attribute(
@@ -142,10 +151,12 @@ def attribute(
     for kind in kinds:
         name = UNNOISED[kind]
         release = getattr(privacy, name)
-        if kind == "updates":
+        if kind in ("updates", "stage1", "stage2"):
+            fields = PHASE_FIELDS.get(kind)
 
-            def unnoised(before, after, clip, noise_std, rng, release=release):
-                return release(before, after, clip, 0.0, rng)
+            def unnoised(before, after, clip, noise_std, rng, release=release, fields=fields):
+                mine = fields is None or bool(fields & set(before))
+                return release(before, after, clip, 0.0 if mine else noise_std, rng)
         else:
 
             def unnoised(features, centre, radius, count, z, rng, group=1, release=release):
