@@ -1,16 +1,18 @@
-"""The Gaussian mechanisms of a private site: clipped, noised counts, moments and updates.
+"""The Gaussian mechanisms of a private site: clipped, noised counts, moments and gradients.
 
-Each function bounds one image's influence (its L2 sensitivity) by clipping, then adds Gaussian
+Each function bounds one unit's influence (its L2 sensitivity) by clipping, then adds Gaussian
 noise of ``noise_multiplier`` × that sensitivity, so the accountant can compose it as one
-``GaussianDpEvent``. Noise comes from the generator the caller passes: a private site draws it
-from the operating system's entropy (``numpy.random.default_rng()``), never from a seed others
-know. What follows the noise is post-processing (rounding, projecting onto values clipped data
-can have) and costs no privacy.
+``GaussianDpEvent`` (a DP-SGD step's on a Poisson sample: ``accountant.Sampling``). Noise comes
+from the generator the caller passes: a private site draws it from the operating system's
+entropy (``numpy.random.default_rng()``), never from a seed others know. What follows the noise
+is post-processing (rounding, projecting onto values clipped data can have, the optimizer's
+steps) and costs no privacy.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -88,25 +90,27 @@ def private_gaussian(
     )
 
 
-def private_update(
-    before: dict[str, torch.Tensor],
-    after: dict[str, torch.Tensor],
+def private_gradient(
+    gradients: Iterable[Sequence[torch.Tensor]],
+    like: Sequence[torch.Tensor],
     clip: float,
     noise_std: float,
     rng: np.random.Generator,
-) -> dict[str, torch.Tensor]:
-    """One class's values ``before`` plus its update ``after − before`` (all its fields as one
-    vector) clipped to L2 norm ``clip``, plus Gaussian noise of standard deviation
-    ``noise_std`` (the caller sets it from the sensitivity of the whole release)."""
-    names = list(before)
-    start = {name: before[name].to(torch.float64).cpu() for name in names}
-    update = torch.cat([(after[n].to(torch.float64).cpu() - start[n]).reshape(-1) for n in names])
-    update = update * min(1.0, clip / max(float(update.norm()), 1e-12))
-    update = update + torch.from_numpy(rng.normal(0.0, noise_std, update.numel()))
-    released, offset = {}, 0
-    for name in names:
-        size = start[name].numel()
-        value = start[name] + update[offset : offset + size].reshape(start[name].shape)
-        released[name] = value.to(before[name].dtype)
-        offset += size
-    return released
+) -> list[torch.Tensor]:
+    """One DP-SGD step's gradient sum: each unit's gradient (all the parameters' as one
+    vector) clipped to L2 norm ``clip``, summed, plus Gaussian noise of standard deviation
+    ``noise_std`` per coordinate (the caller sets it to z × ``clip``: one unit moves the sum by
+    at most ``clip``). The sum has the shapes, dtypes and devices of the parameters ``like``."""
+    total = [torch.zeros(p.shape, dtype=torch.float64) for p in like]
+    for unit in gradients:
+        flat = [g.detach().to("cpu", torch.float64) for g in unit]
+        norm = float(torch.cat([g.reshape(-1) for g in flat]).norm())
+        scale = min(1.0, clip / max(norm, 1e-12))
+        for t, g in zip(total, flat, strict=True):
+            t += g * scale
+    return [
+        (t + torch.from_numpy(rng.normal(0.0, noise_std, t.numel())).reshape(t.shape)).to(
+            device=p.device, dtype=p.dtype
+        )
+        for t, p in zip(total, like, strict=True)
+    ]
