@@ -21,6 +21,7 @@ would take a 2-core machine about 6 min a cell).
     python bench/dp_utility.py --out /tmp/dpu --data-only        # the data and grid file only
     python bench/dp_utility.py --out /tmp/dpu --attribute 1993   # ε 8, each release un-noised
     python bench/dp_utility.py --out /tmp/dpu --attribute 1996 --unnoised updates
+    python bench/dp_utility.py --out /tmp/dpu --attribute 1993 --unnoised stage1 stage2
 
 Augmented copies of one photo are correlated: the per-image unit counts each copy as an image,
 which is weaker than a guarantee per photo; the patient unit with k = copies is the one that
@@ -33,6 +34,7 @@ import argparse
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -40,6 +42,7 @@ import numpy as np
 from PIL import Image, ImageEnhance
 
 from starfed.shared.data.cropdiseases import bundled_dataset_root
+from starfed.shared.protocol import Phase
 
 EPSILONS = (8.0, 4.0, 1.0)
 
@@ -117,12 +120,36 @@ def grid(root: Path, classes: int, copies: int, epochs: tuple[int, int]) -> str:
 
 
 #: Where ε 8's loss comes from: the run with one kind of release left un-noised (clipped as
-#: the setting clips it, its noise multiplier 0; the ledger still records the planned one).
-#: A measurement only: such a run is not private.
+#: the setting clips it, its noise multiplier 0; the ledger still records the planned one):
+#: the training phases' DP-SGD steps (both, or one), or the statistics. A measurement only:
+#: such a run is not private.
 UNNOISED = {
-    "updates": "private_update",  # prompt and head updates: clipped, not noised
-    "statistics": "private_gaussian",  # G_c and H_c: one clipped Gaussian, not noised
+    "updates": (Phase.STAGE1, Phase.STAGE2),  # prompt and head updates: clipped, not noised
+    "stage1": (Phase.STAGE1,),  # stage 1's prompts only; stage 2's noised as usual
+    "stage2": (Phase.STAGE2,),  # stage 2's Q_c, A_c and head rows only; stage 1's noised
+    "statistics": (Phase.STAGE1_STATS, Phase.STAGE2_STATS),  # G_c, H_c: clipped, not noised
 }
+
+
+def unnoised(kind: str) -> mock._patch:
+    """The patch that leaves ``kind``'s releases un-noised."""
+    from starfed.client import privacy
+
+    phases = UNNOISED[kind]
+    if Phase.STAGE1_STATS in phases:
+        fit = privacy.private_gaussian
+
+        def gaussian(features, centre, radius, count, z, rng, group=1):
+            return fit(features, centre, radius, count, 0.0, rng, group)
+
+        return mock.patch.object(privacy, "private_gaussian", gaussian)
+    steps = privacy.PrivateReleases.steps
+
+    def dp_sgd(self, phase, names, plan, paths):
+        dp = steps(self, phase, names, plan, paths)
+        return dp if dp is None or phase not in phases else replace(dp, noise_multiplier=0.0)
+
+    return mock.patch.object(privacy.PrivateReleases, "steps", dp_sgd)
 
 
 def attribute(
@@ -130,7 +157,6 @@ def attribute(
 ) -> dict[str, float]:
     """FAA of the grid's image-unit run at ``epsilon`` with each kind of release un-noised,
     in this process (the local runtime, so the patch reaches every simulated site)."""
-    from starfed.client import privacy
     from starfed.shared.config import parse
     from starfed.simulations.grid import load
     from starfed.simulations.local_grid import run_locally
@@ -140,20 +166,9 @@ def attribute(
     )
     faa = {}
     for kind in kinds:
-        name = UNNOISED[kind]
-        release = getattr(privacy, name)
-        if kind == "updates":
-
-            def unnoised(before, after, clip, noise_std, rng, release=release):
-                return release(before, after, clip, 0.0, rng)
-        else:
-
-            def unnoised(features, centre, radius, count, z, rng, group=1, release=release):
-                return release(features, centre, radius, count, 0.0, rng, group)
-
         config = {**parse({**values, "seed": seed}), "results-dir": str(out)}
         config["run-name"] = f"{kind}-unnoised-eps-{epsilon:g}-seed{seed}"
-        with mock.patch.object(privacy, name, unnoised):
+        with unnoised(kind):
             metrics = run_locally(config)
         faa[kind] = float(metrics["final_average_accuracy"])
         print(f"ε {epsilon:g}, {kind} un-noised, seed {seed}: FAA {faa[kind]:.2f}", flush=True)

@@ -68,7 +68,8 @@ def features_of(backbones: Backbones, statistic: str, images: torch.Tensor) -> t
     model = StarPrompt(backbones)
     model.add_classes([AUDITED], seed=0)
     labels = torch.zeros(len(images), dtype=torch.int64)
-    view = TaskView(model, 0, [AUDITED], labels, images, clip_features(backbones, images), 0, 0)
+    features, paths = clip_features(backbones, images), [""] * len(images)  # no paths: no units
+    view = TaskView(model, 0, [AUDITED], labels, images, features, paths, 0, 0)
     captured = []
 
     def fit(features, labels_, rows, n_components, seed):

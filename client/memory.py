@@ -31,6 +31,7 @@ from starfed.shared.codebook.held import HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
+from starfed.shared.privacy.accountant import Release
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,10 @@ NOT_ANNOUNCED = 0
 
 @dataclass
 class PrivacyLedger:
-    """A private site's releases by ledger key: the noise multiplier of every Gaussian release
-    that depended on the key's images, in order, and the noisy image count it drew (once;
-    every later message reuses it; ``NOT_ANNOUNCED`` when it fell under the threshold).
+    """A private site's releases by ledger key: every release (its noise multiplier, and its
+    sampling when DP-SGD's) that depended on the key's images, in order, and the noisy image
+    count it drew (once; every later message reuses it; ``NOT_ANNOUNCED`` when it fell under
+    the threshold).
 
     A key is the class key of a class folder. ``units`` says which key each protected unit (an
     image's content digest, or ``patient <name>``) belongs to: the first class it was seen in.
@@ -63,20 +65,20 @@ class PrivacyLedger:
     where a renamed class folder continued its old key.
     """
 
-    releases: dict[str, list[float]] = field(default_factory=dict)
+    releases: dict[str, list[Release]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     units: dict[str, str] = field(default_factory=dict)  # protected unit -> ledger key
     aliases: dict[str, str] = field(default_factory=dict)  # class key -> ledger key
 
-    def record(self, keys: list[str], noise_multiplier: float) -> None:
+    def record(self, keys: list[str], release: Release) -> None:
         for key in keys:
-            self.releases.setdefault(key, []).append(noise_multiplier)
+            self.releases.setdefault(key, []).append(release)
 
     def key(self, class_key: str) -> str:
         """The ledger key of a class (its own, unless an old ledger's alias continues another)."""
         return self.aliases.get(class_key, class_key)
 
-    def past(self, key: str) -> list[float]:
+    def past(self, key: str) -> list[Release]:
         """The releases a key's units took part in: its own, after the site-wide ones."""
         return [*self.releases.get(SITE_WIDE, []), *self.releases.get(key, [])]
 
@@ -88,7 +90,9 @@ class PrivacyLedger:
     def from_json(cls, raw: dict) -> PrivacyLedger:
         """The ledger from ``privacy.json``; one written before units were kept gives each of
         its keys' image digests (``images``) to that key."""
-        releases = {str(k): [float(z) for z in v] for k, v in raw.get("releases", {}).items()}
+        releases = {
+            str(k): [Release.from_json(r) for r in v] for k, v in raw.get("releases", {}).items()
+        }
         counts = {str(k): int(v) for k, v in raw.get("counts", {}).items()}
         units = {str(d): str(k) for k, v in raw.get("images", {}).items() for d in v}
         units |= {str(u): str(k) for u, k in raw.get("units", {}).items()}
@@ -97,7 +101,7 @@ class PrivacyLedger:
 
     def to_json(self) -> dict:
         return {
-            "releases": self.releases,
+            "releases": {k: [r.to_json() for r in v] for k, v in self.releases.items()},
             "counts": self.counts,
             "units": self.units,
             "aliases": self.aliases,

@@ -13,17 +13,20 @@ mechanism recorded, by its noise multiplier, under the image's class in the site
   is announced only when that noisy count clears a threshold that a class of one unit clears
   with probability at most half the site's δ (Gaussian partition selection), so a class of one
   unit is hidden like any other fact about the unit;
-* each training phase's update, one mechanism over all the classes of the task (an image of one
-  class moves every class's update through the softmax): each class's update clipped to the
-  phase's bound C, noise C·2·√K per coordinate for K classes (two clipped updates differ by at
-  most 2C per class, whatever the images);
+* each training phase, one release over all the classes of the task (an image of one class
+  moves every class's update through the softmax), trained by DP-SGD (``PrivateSteps``): each
+  step takes every unit with probability q (Poisson; q = batch size over the task's released
+  counts), clips each taken unit's gradient to the phase's bound C, adds noise z·C to their
+  sum; the update released is post-processing of the steps, recorded as its steps'
+  Poisson-subsampled Gaussians (``accountant.Sampling``);
 * each statistics phase's Gaussian of the class (``private_gaussian``, noise × k; only that
   class's images: H_c's views are augmented per image, ``augment_each``).
 
 Each release takes the smallest noise with which the class's releases so far and the ones its
-task still plans (the rounds of the run config) stay within the target ε at the other half of δ;
-a release that would need more than ``MAX_NOISE_MULTIPLIER`` is refused: the class is trained
-but not shared, and the reply says so (``BUDGET_EXHAUSTED``): the ledger is a privacy filter.
+task still plans (the rounds, epochs and batch size of the run config) stay within the target
+ε at the other half of δ; a release that would need more than ``MAX_NOISE_MULTIPLIER`` is
+refused: the class is trained but not shared, and the reply says so (``BUDGET_EXHAUSTED``): the
+ledger is a privacy filter.
 The site's ε is the largest of its announced classes' (a unit is in one class), reported in
 every reply (``PRIVACY_EPSILON``) and logged with its unit. The site's δ is its own (the run
 config may only lower it) and at most 1/n.
@@ -44,7 +47,6 @@ import torch
 
 from starfed.client.memory import NOT_ANNOUNCED, SITE_WIDE, PrivacyLedger, SiteMemory
 from starfed.shared.codebook import schema
-from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.config import Options, knob
@@ -56,9 +58,10 @@ from starfed.shared.data.site_folder import (
     training_patient,
 )
 from starfed.shared.knob import Values
-from starfed.shared.model.training import MixtureFit
+from starfed.shared.model.training import MixtureFit, PrivateSteps
 from starfed.shared.privacy import accountant
-from starfed.shared.privacy.mechanisms import noisy_count, private_gaussian, private_update
+from starfed.shared.privacy.accountant import WHOLE, Release, Sampling
+from starfed.shared.privacy.mechanisms import noisy_count, private_gaussian
 from starfed.shared.privacy.unit import PrivacyUnit
 from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, STATISTICS, Phase
 
@@ -71,24 +74,28 @@ class PrivacyError(ValueError):
 
 @dataclass(frozen=True)
 class PrivacySetting(Options):
-    """The target (ε, δ), the clipping bounds, and the rounds a class's task plans."""
+    """The target (ε, δ), the clipping bounds, and the rounds, epochs and batch size a class's
+    task plans."""
 
     epsilon: float = knob("privacy-epsilon")
     delta: float = knob("privacy-delta")
     clip_radius: float = knob("privacy-clip-radius")  # × √dim, about a mid-gray image's feature
     vit_radius: float = knob("privacy-vit-radius")  # × √dim, about the origin
-    stage1_clip: float = knob("privacy-stage1-clip")
+    stage1_clip: float = knob("privacy-stage1-clip")  # one unit's gradient in a DP-SGD step
     stage2_clip: float = knob("privacy-stage2-clip")
     stage1_rounds: int = knob("stage1-rounds")
     stage2_rounds: int = knob("stage2-rounds")
+    stage1_epochs: int = knob("stage1-epochs")
+    stage2_epochs: int = knob("stage2-epochs")
+    batch_size: int = knob("batch-size")
     unit: PrivacyUnit = knob("privacy-unit", PrivacyUnit)  # noqa: RUF009 (an enum: immutable)
     patient_images: int = knob("privacy-patient-images")  # the cap k of the patient unit
 
     @property
     def group(self) -> int:
         """The most images of one protected unit in a class: the factor on the sensitivity
-        of its count and moments (a class's training update is clipped as a whole, so its
-        bound holds for any change of the class's images)."""
+        of its count and moments (DP-SGD clips a unit's gradient as a whole, so its bound
+        holds for any number of the unit's images)."""
         return self.patient_images if self.unit is PrivacyUnit.PATIENT else 1
 
     @property
@@ -132,16 +139,30 @@ class PrivacySetting(Options):
                 f"{n} training {self.unit.value}s: set privacy-delta to at most {1 / n:.3g}"
             )
 
-    def releases_left(self, phase: Phase, round_index: int = 0) -> int:
-        """Releases of a class's key from this one to the end of its task: the count, the
-        stage-1 rounds, the G_c, the stage-2 rounds, the H_c."""
+    def sampling(self, phase: Phase, images: int | None) -> Sampling:
+        """DP-SGD's sampling in a training phase of a task of ``images`` images by its released
+        counts: rate batch size / images, one epoch about 1 / rate steps. None (at the sync,
+        before the counts are drawn): a plan only, one full batch an epoch."""
+        epochs = self.stage1_epochs if phase is Phase.STAGE1 else self.stage2_epochs
+        if images is None:
+            return Sampling(1.0, epochs)
+        rate = min(1.0, self.batch_size / images)
+        return Sampling(rate, epochs * math.ceil(1 / rate))
+
+    def releases_left(
+        self, phase: Phase, round_index: int = 0, images: int | None = None
+    ) -> list[Sampling]:
+        """Releases of a class's key from this one to the end of its task, in a task of
+        ``images`` images (None: not yet known): the count, the stage-1 rounds, the G_c, the
+        stage-2 rounds, the H_c."""
         r1, r2 = self.stage1_rounds, self.stage2_rounds
+        s1, s2 = self.sampling(Phase.STAGE1, images), self.sampling(Phase.STAGE2, images)
         return {
-            Phase.SYNC: r1 + r2 + 3,
-            Phase.STAGE1: r1 - round_index + r2 + 2,
-            Phase.STAGE1_STATS: r2 + 2,
-            Phase.STAGE2: r2 - round_index + 1,
-            Phase.STAGE2_STATS: 1,
+            Phase.SYNC: [WHOLE, *[s1] * r1, WHOLE, *[s2] * r2, WHOLE],
+            Phase.STAGE1: [*[s1] * (r1 - round_index), WHOLE, *[s2] * r2, WHOLE],
+            Phase.STAGE1_STATS: [WHOLE, *[s2] * r2, WHOLE],
+            Phase.STAGE2: [*[s2] * (r2 - round_index), WHOLE],
+            Phase.STAGE2_STATS: [WHOLE],
         }[phase]
 
 
@@ -176,11 +197,12 @@ class PrivateReleases:
         phase: Phase,
         round_index: int = 0,
         ledger: PrivacyLedger | None = None,
+        images: int | None = None,
     ) -> float | None:
         """The noise multiplier one release depending on the images of ``keys`` needs so that
-        every one of them stays within budget; None when one of them cannot afford it
-        (``ledger``: the one in hand, else it is read)."""
-        left = self.setting.releases_left(phase, round_index)
+        every one of them stays within budget, in a task of ``images`` released images; None
+        when one of them cannot afford it (``ledger``: the one in hand, else it is read)."""
+        left = self.setting.releases_left(phase, round_index, images)
         ledger = self.memory.ledger() if ledger is None else ledger
         needed = []
         for key in keys:
@@ -210,8 +232,8 @@ class PrivateReleases:
         """The ledger key of class ``name`` (``ledger``: the one in hand, else it is read)."""
         return (self.memory.ledger() if ledger is None else ledger).key(class_key(name))
 
-    def _record(self, names: list[str], z: float, what: str) -> bool:
-        """Record a release of ``names``' images at ``z``, if no release of theirs was recorded
+    def _record(self, names: list[str], release: Release, what: str) -> bool:
+        """Record a release of ``names``' images, if no release of theirs was recorded
         since its noise was planned (another process of the site may have released): plan and
         record then act as one step of the privacy filter. False: refused, nothing recorded,
         and the release must not leave."""
@@ -224,7 +246,7 @@ class PrivateReleases:
                     ", ".join(names),
                 )
                 return False
-            ledger.record(keys, z)
+            ledger.record(keys, release)
         delta = self.setting.release_delta  # the ledger as written: read once per release
         spent = max(accountant.epsilon(ledger.past(key), delta) for key in keys)
         logger.info(
@@ -232,7 +254,7 @@ class PrivateReleases:
             "%.3g, of %.3g (δ %g, per %s)",
             what,
             ", ".join(names),
-            z,
+            release.noise_multiplier,
             spent,
             self.epsilon(ledger),
             self.setting.epsilon,
@@ -322,7 +344,7 @@ class PrivateReleases:
                         self.setting.threshold(z),
                         self.setting.unit.value,
                     )
-                if not self._record([name], z, "the image count"):
+                if not self._record([name], Release(z), "the image count"):
                     refused.append(name)
                     continue
                 with self.memory.updating_ledger() as ledger:
@@ -341,14 +363,41 @@ class PrivateReleases:
             for name in names
             if ledger.counts.get(self.key(name, ledger), NOT_ANNOUNCED) != NOT_ANNOUNCED
         }
+        images = self.images(names, ledger)
         if phase in STATISTICS:
-            plan = {name: self.noise([key], phase, ledger=ledger) for name, key in keys.items()}
+            plan = {
+                name: self.noise([key], phase, ledger=ledger, images=images)
+                for name, key in keys.items()
+            }
         else:  # every class's images move every class's update: all share, or none
             whole = len(keys) == len(names)
             shared = sorted(set(keys.values()))
-            z = self.noise(shared, phase, round_index, ledger) if whole else None
+            z = self.noise(shared, phase, round_index, ledger, images) if whole else None
             plan = dict.fromkeys(keys, z)
         return {name: plan.get(name) for name in names}
+
+    def images(self, names: list[str], ledger: PrivacyLedger) -> int:
+        """The task's images by the released counts of its classes ``names`` (public)."""
+        return sum(max(ledger.counts.get(self.key(name, ledger), 0), 0) for name in names)
+
+    def steps(
+        self, phase: Phase, names: list[str], plan: Mapping[str, float | None], paths: list[str]
+    ) -> PrivateSteps | None:
+        """A training phase's DP-SGD, of the task's images ``paths`` (of the classes ``names``),
+        at the plan's noise multiplier; None when the plan refused the release (the site
+        trains as usual and shares nothing)."""
+        z = plan[names[0]] if names else None
+        if z is None:
+            return None
+        sampling = self.setting.sampling(phase, self.images(names, self.memory.ledger()))
+        if self.setting.unit is PrivacyUnit.PATIENT:
+            index: dict[str, int] = {}
+            units = [index.setdefault(training_patient(p), len(index)) for p in paths]
+        else:  # an image is used once (``protect``): each its own unit
+            units = list(range(len(paths)))
+        clip = self.setting.stage1_clip if phase is Phase.STAGE1 else self.setting.stage2_clip
+        expected = sampling.rate * self.images(names, self.memory.ledger())
+        return PrivateSteps(torch.tensor(units), sampling, clip, z, expected, self.rng)
 
     def ball(self, phase: Phase, dim: int) -> tuple[torch.Tensor, float]:
         """The (centre, radius) a statistics phase clips its ``dim``-dimensional features to:
@@ -376,7 +425,7 @@ class PrivateReleases:
                     continue
                 count, group = ledger.counts[self.key(name, ledger)], self.setting.group
                 private = private_gaussian(own, centre, radius, count, z, self.rng, group)
-                if not self._record([name], z, schema.trained_in(phase)[0]):
+                if not self._record([name], Release(z), schema.trained_in(phase)[0]):
                     plan[name] = None
                     private = GaussianMixture.fit(own, n_components, seed=seed + row)
                 mixtures.append(private)
@@ -388,29 +437,20 @@ class PrivateReleases:
         self,
         phase: Phase,
         entries: list[ClassEntry],
-        sent: Codebook,
         plan: Mapping[str, float | None],
     ) -> tuple[list[ClassEntry], dict[str, str]]:
-        """The update's entries as released — statistics as fitted, training updates clipped
-        and noised (recorded) — with the noisy counts, and the reply's metadata."""
+        """The update's entries as released — statistics as fitted, training updates as DP-SGD
+        trained them (recorded: its steps) — with the noisy counts, and the reply's metadata."""
         refused = [e.name for e in entries if plan[e.name] is None]
         shared = [e for e in entries if plan[e.name] is not None]
         ledger = self.memory.ledger()
         if phase not in STATISTICS and shared:
-            noise = plan[shared[0].name]
-            assert noise is not None  # shared: the entries with a plan
-            z = float(noise)
-            clip = self.setting.stage1_clip if phase is Phase.STAGE1 else self.setting.stage2_clip
-            std = z * 2.0 * clip * math.sqrt(len(shared))
-            released = []
-            for entry in shared:
-                before = {f: sent[entry.name].tensor(f) for f in entry.values}  # a training update
-                after = {f: entry.tensor(f) for f in entry.values}
-                values = private_update(before, after, clip, std, self.rng)
-                released.append(ClassEntry(entry.name, entry.count, values))
-            shared = released
-            if not self._record([e.name for e in shared], z, f"the {phase.key} update"):
-                refused, shared = [e.name for e in entries], []
+            z = plan[shared[0].name]
+            assert z is not None  # shared: the entries with a plan
+            names = [e.name for e in entries]
+            sampling = self.setting.sampling(phase, self.images(names, ledger))
+            if not self._record(names, Release(z, sampling), f"the {phase.key} update"):
+                refused, shared = names, []
         shared = [
             ClassEntry(e.name, ledger.counts[self.key(e.name, ledger)], e.values) for e in shared
         ]

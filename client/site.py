@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class TaskData:
     keys: list[str]  # class key of each image
     features: torch.Tensor  # raw CLIP features of the un-augmented images
     counts: Counter[str]  # images per class key
+    paths: list[str]  # each image's file, as the folder names it
 
 
 #: A bank cell the site's handler wrote (trained or fitted): the codebook's value replaces it.
@@ -78,6 +80,7 @@ class TaskView:
     labels: torch.Tensor  # local row of each image
     images: torch.Tensor  # uint8 [N, 3, S, S]: the task's images of the own classes
     features: torch.Tensor  # their raw CLIP features
+    paths: list[str]  # their files (a private site's units)
     task: int  # index of the task among the site's tasks (it keys the random streams)
     round_index: int  # round of the phase within the step
     # the codebook value each bank cell holds, by class and field (_WRITTEN: a handler's)
@@ -175,7 +178,10 @@ class Site:
             device = self.backbones.device  # images and features stay there for the task
             features = self._cached_features(decoded).to(device)
             images = decoded.images.to(device)
-            self._data[task.name] = TaskData(images, keys, features, Counter(keys))
+            readable = set(decoded.paths)  # real paths; the folder's names are the units'
+            paths = [p for p, _ in samples if os.path.realpath(p) in readable]
+            data = TaskData(images, keys, features, Counter(keys), paths)
+            self._data[task.name] = data
         return self._data[task.name]
 
     def _decode(self, samples: list[tuple[str, int]]) -> DecodedImages:
@@ -263,11 +269,12 @@ class Site:
         for name in own:
             model.bank.counts[row[class_key(name)]] = data.counts[class_key(name)]
         images, features = data.images[mine], data.features[mine]
+        paths = [path for path, key in zip(data.paths, data.keys, strict=True) if key in own_keys]
         sources: dict[str, dict[str, object]] = {
             name: dict(codebook[name].values) for name in model.bank.names
         }
         view = TaskView(
-            model, len(context), own, labels, images, features, index, round_index, sources
+            model, len(context), own, labels, images, features, paths, index, round_index, sources
         )
         self._view = (key, view)
         return view
@@ -289,12 +296,15 @@ class Site:
                 if private is not None and plan is not None and phase in STATISTICS:  # its own fit
                     fit = private.mixture_fit(phase, view.own, plan)
                     HANDLERS[phase](view, self.config, fit=fit)
+                elif private is not None and plan is not None:  # its DP-SGD
+                    steps = private.steps(phase, view.own, plan, view.paths)
+                    HANDLERS[phase](view, self.config, private=steps)
                 else:
                     HANDLERS[phase](view, self.config)
                 view.written(trained)
                 entries = view.model.bank.entries(view.own, fields=trained)
                 if private is not None and plan is not None:
-                    entries, metadata = private.release(phase, entries, codebook, plan)
+                    entries, metadata = private.release(phase, entries, plan)
                 _say_phase(step, phase, round_index, view, entries)
         return ClientUpdate(
             self.fingerprint, codebook.dims, phase, codebook.version, tuple(entries), metadata
@@ -393,23 +403,30 @@ def _say_phase(
 # --- the handlers: each phase's step on the task view, training its model in place --------------
 
 
-def _training(view: TaskView, config: TrainConfig) -> training.TaskTraining:
-    """What the model's steps are given, from the view of the task."""
+def _training(
+    view: TaskView, config: TrainConfig, private: training.PrivateSteps | None = None
+) -> training.TaskTraining:
+    """What the model's steps are given, from the view of the task (``private``: a private
+    site's DP-SGD)."""
     return training.TaskTraining(
-        view.model, view.labels, view.n_past, config, view.task, view.round_index
+        view.model, view.labels, view.n_past, config, view.task, view.round_index, private=private
     )
 
 
-def _stage1(view: TaskView, config: TrainConfig) -> None:
-    training.stage1(_training(view, config), view.features)
+def _stage1(
+    view: TaskView, config: TrainConfig, private: training.PrivateSteps | None = None
+) -> None:
+    training.stage1(_training(view, config, private), view.features)
 
 
 def _stage1_stats(view: TaskView, config: TrainConfig, fit: MixtureFit | None = None) -> None:
     training.stage1_stats(_training(view, config), view.features, fit)
 
 
-def _stage2(view: TaskView, config: TrainConfig) -> None:
-    training.stage2(_training(view, config), view.images)
+def _stage2(
+    view: TaskView, config: TrainConfig, private: training.PrivateSteps | None = None
+) -> None:
+    training.stage2(_training(view, config, private), view.images)
 
 
 def _stage2_stats(view: TaskView, config: TrainConfig, fit: MixtureFit | None = None) -> None:
@@ -417,7 +434,8 @@ def _stage2_stats(view: TaskView, config: TrainConfig, fit: MixtureFit | None = 
     training.stage2_stats(_training(view, config), view.images, fit, per_image)
 
 
-#: Each phase's step; the statistics steps also take the mixture fit (a private site's own).
+#: Each phase's step; the statistics steps also take the mixture fit (a private site's own), the
+#: training steps a private site's DP-SGD.
 HANDLERS: dict[Phase, Callable[..., None]] = {
     Phase.STAGE1: _stage1,
     Phase.STAGE1_STATS: _stage1_stats,

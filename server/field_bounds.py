@@ -193,7 +193,8 @@ class PhaseScreen:
         self.rejected: set[tuple[str, str]] = set()  # (site, class)
         self.capped: dict[tuple[str, str], int] = {}  # (site, class) -> count
         options = screen.options
-        # a private site's training release is clipped to this as a whole (client.privacy)
+        # a private site's per-unit gradient clip of the phase (DP-SGD, client.privacy): the
+        # allowance its rows are held to is computed from it (``release_bound``)
         self.clip = {Phase.STAGE1: options.stage1_clip, Phase.STAGE2: options.stage2_clip}.get(
             phase
         )

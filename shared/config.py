@@ -397,16 +397,17 @@ SCHEMA: tuple[Knob, ...] = (
     Knob(
         "privacy-stage1-clip",
         float,
-        0.02,
-        "L2 bound of one class's stage-1 update (prompt)",
+        20.0,
+        "L2 bound of one image's (patient's) gradient in a stage-1 DP-SGD step (prompts)",
         "privacy",
         gt=0,
     ),
     Knob(
         "privacy-stage2-clip",
         float,
-        0.05,
-        "L2 bound of one class's stage-2 update (query prompt and weights, head row)",
+        5.0,
+        "L2 bound of one image's (patient's) gradient in a stage-2 DP-SGD step "
+        "(query prompts and weights, head rows)",
         "privacy",
         gt=0,
     ),

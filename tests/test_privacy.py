@@ -36,6 +36,7 @@ from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
 from starfed.shared.data.site_folder import class_key
 from starfed.shared.privacy import accountant
+from starfed.shared.privacy.accountant import Release, Sampling
 from starfed.shared.privacy.mechanisms import MOMENTS_SENSITIVITY, private_gaussian
 from starfed.shared.protocol import BUDGET_EXHAUSTED, PRIVACY_EPSILON, Phase
 from starfed.simulations import grid as grids
@@ -79,11 +80,37 @@ def memory(path: Path) -> SiteMemory:
 @pytest.mark.parametrize("z,k", [(1.0, 1), (2.5, 5), (9.0, 13)])
 def test_epsilon_is_dp_accountings_own(z, k):
     event = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), k)
-    library = RdpAccountant().compose(event).get_epsilon(DELTA)
+    library = RdpAccountant(accountant.ORDERS).compose(event).get_epsilon(DELTA)
     assert accountant.epsilon([z] * k, DELTA) == pytest.approx(library, rel=1e-9)
+    # its integer orders claim at most a little more than the library's default orders
+    default = RdpAccountant().compose(event).get_epsilon(DELTA)
+    assert default <= library <= default * 1.01
     # The PLD accountant is tighter: the RDP bound never claims less privacy loss than it.
     tight = PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(DELTA)
     assert tight <= library * 1.001
+
+
+@pytest.mark.parametrize("z,rate,steps", [(1.0, 0.25, 8), (1.4, 0.1, 30), (3.0, 1.0, 2)])
+def test_dp_sgd_steps_are_dp_accountings_poisson_sampled_gaussians(z, rate, steps):
+    """A DP-SGD release is its steps, each a Gaussian on a Poisson sample: the library's event,
+    composed after the Gaussians before it; sampling amplifies (less ε than full batches)."""
+    sampled = dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z))
+    event = dp_accounting.ComposedDpEvent(
+        [dp_accounting.GaussianDpEvent(2.0), dp_accounting.SelfComposedDpEvent(sampled, steps)]
+    )
+    library = RdpAccountant(accountant.ORDERS).compose(event).get_epsilon(DELTA)
+    releases = [Release(2.0), Release(z, Sampling(rate, steps))]
+    assert accountant.epsilon(releases, DELTA) == pytest.approx(library, rel=1e-9)
+    whole = accountant.epsilon([Release(2.0), *[Release(z)] * steps], DELTA)
+    assert accountant.epsilon(releases, DELTA) <= whole * (1 + 1e-9)
+    if rate < 1:
+        assert accountant.epsilon(releases, DELTA) < whole
+    # a ledger keeps it as [z, rate, steps], and reads it back
+    assert Release.from_json(releases[1].to_json()) == releases[1]
+    z_planned = accountant.noise_multiplier([Release(2.0)], [Sampling(rate, steps)], 8.0, DELTA)
+    assert z_planned is not None
+    spent = accountant.epsilon([Release(2.0), Release(z_planned, Sampling(rate, steps))], DELTA)
+    assert 8.0 * 0.999 <= spent <= 8.0
 
 
 def test_calibrated_noise_spends_exactly_the_budget():
@@ -158,14 +185,14 @@ def test_class_at_its_budget_is_trained_but_not_shared(tmp_path):
     private.counts({"a": 100, "b": 100})  # enough to clear the announcing threshold
     z = accountant.noise_multiplier([], 5, 4.0, RELEASE_DELTA)
     with site.updating_ledger() as ledger:
-        ledger.releases["a"] = [z] * 5  # a spent its whole budget
+        ledger.releases["a"] = [Release(z)] * 5  # a spent its whole budget
     restarted = PrivateReleases(setting(), memory(tmp_path), torch.zeros(8))
     # a training release moves both classes: refused for both
     plan = restarted.plan(["a", "b"], Phase.STAGE1, 0)
     assert plan == {"a": None, "b": None}
     values = {"prompt": torch.zeros(8)}
     entries = [ClassEntry("a", 10, values), ClassEntry("b", 10, values)]
-    shared, metadata = restarted.release(Phase.STAGE1, entries, None, plan)
+    shared, metadata = restarted.release(Phase.STAGE1, entries, plan)
     assert shared == []
     assert metadata[BUDGET_EXHAUSTED] == "a,b"
     assert float(metadata[PRIVACY_EPSILON]) == pytest.approx(4.0, rel=1e-3)
@@ -270,7 +297,7 @@ def test_site_at_its_budget_refuses_and_the_federation_goes_on(cache_dir, tmp_pa
     def exhaust(sites: Path) -> None:
         site = memory(sites / "site-0" / "state")
         with site.updating_ledger() as ledger:
-            ledger.releases = {key: [z] * 5 for key in keys}
+            ledger.releases = {key: [Release(z)] * 5 for key in keys}
             ledger.counts = dict.fromkeys(keys, 20)
 
     metrics, run_dir = run(cache_dir, tmp_path, exhaust)

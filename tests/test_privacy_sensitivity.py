@@ -8,8 +8,10 @@ the noise switched off (``RecordingNoise`` in place of the site's generator, whi
 the standard deviation of every draw). Its data folder holds D, or D minus one image (or one
 patient's files), so the counts are the site's, the patient cap its scan's and the statistics
 its own fit's; the releases compared are what the site's replies carry: the noisy counts, the
-G_c and H_c moments read back from the released Gaussians, and the stage-1 (prompt) and stage-2
-(query prompt, query weights, head row) updates. A mutation check (``bench/privacy_mutations.py``)
+G_c and H_c moments read back from the released Gaussians, the stage-1 (prompt) and stage-2
+(query prompt, query weights, head row) updates, and the first DP-SGD step's gradient sum of each
+training phase (the step's inputs are D's or D − 1's alone only in the first step: later ones
+start from what earlier steps made). A mutation check (``bench/privacy_mutations.py``)
 shows that each one-line break of the release makes one of these tests fail.
 """
 
@@ -41,7 +43,6 @@ from starfed.client.privacy import (
 from starfed.client.site import Site
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import parse
 from starfed.shared.data.cropdiseases import bundled_dataset_root
@@ -54,15 +55,17 @@ from starfed.shared.data.site_folder import (
     patient_of,
     training_patient,
 )
+from starfed.shared.model import training
 from starfed.shared.model.backbones import create_backbones
 from starfed.shared.model.star_prompt import StarPrompt
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.privacy import accountant
+from starfed.shared.privacy.accountant import Release
 from starfed.shared.privacy.mechanisms import (
     MOMENTS_SENSITIVITY,
     noisy_count,
     private_gaussian,
-    private_update,
+    private_gradient,
 )
 from starfed.shared.protocol import PRIVACY_EPSILON, STATISTICS, Phase
 
@@ -74,10 +77,10 @@ PER_CLASS = 8
 #: the black image (``task_images``).
 REMOVED = [0, 5, PER_CLASS + 3, 2 * PER_CLASS, 3 * PER_CLASS - 1, 3 * PER_CLASS]
 CONFIG = TrainConfig(stage1_epochs=1, stage2_epochs=1, batch_size=8, seed=1993)
-#: Clipping bounds small enough that every class's update is clipped (the bound binds); a
+#: Clipping bounds small enough that every unit's gradient is clipped (the bound binds); a
 #: target loose enough that a class of a few units clears the announcing threshold (noise off,
 #: the target sets nothing else the sensitivity tests see).
-SETTING = PrivacySetting(16.0, 0.02, 0.4, 1.0, 1e-4, 1e-4, 1, 1)
+SETTING = PrivacySetting(16.0, 0.02, 0.4, 1.0, 1e-4, 1e-4, 1, 1, 1, 1, CONFIG.batch_size)
 #: Float32 arithmetic depends on the batch an image is computed in (the matrix kernels block by
 #: batch size): removing one image re-batches the others, and their features move by rounding
 #: alone. ``ROW_ULPS`` float32 ulps per feature row is the budget for that (measured here: under
@@ -95,7 +98,8 @@ def float_slack(rows: int, scale: float = 1.0) -> float:
 
 class RecordingNoise:
     """A generator that draws no noise and records the standard deviation of every draw asked
-    of it: a site's real release path with its noise switched off, and what its noise was."""
+    of it: a site's real release path with its noise switched off, and what its noise was.
+    Its DP-SGD takes every unit in every step, and draws every view from seed 0."""
 
     def __init__(self) -> None:
         self.scales: list[float] = []
@@ -103,6 +107,12 @@ class RecordingNoise:
     def normal(self, loc: float = 0.0, scale: float = 1.0, size: int | None = None):
         self.scales.extend([float(scale)] * (1 if size is None else int(size)))
         return np.zeros(size) if size is not None else 0.0
+
+    def random(self, size: int) -> np.ndarray:
+        return np.zeros(size)
+
+    def integers(self, high: int) -> int:
+        return 0
 
 
 @pytest.fixture(scope="module")
@@ -144,13 +154,14 @@ def data_folder(root: Path, images: list[tuple[str, Path, str]]) -> Path:
 class Released:
     """What a private site released in one step, noise off: the sync's counts, each statistics
     phase's moments read back from its Gaussians, each training phase's update (flat), the
-    noise's standard deviations drawn per phase, and the ledger's new noise multipliers."""
+    noise's standard deviations drawn per phase, and the ledger's new releases."""
 
     counts: dict[str, int]
     moments: dict[Phase, dict[str, np.ndarray]]
     updates: dict[Phase, torch.Tensor]
+    first_step: dict[Phase, torch.Tensor]  # a training phase's first DP-SGD gradient sum, flat
     noise: dict[Phase, list[float]]
-    charged: dict[Phase, dict[str, list[float]]]
+    charged: dict[Phase, dict[str, list[Release]]]
     radius: dict[Phase, float]
     centre: dict[Phase, float]  # the ball's centre's norm
     epsilon: dict[Phase, str]  # the site's ε each reply says
@@ -165,8 +176,25 @@ def read_back(mixture, centre: torch.Tensor, radius: float) -> np.ndarray:
 
 
 def release(backbones, data: Path, state: Path, setting: PrivacySetting = SETTING) -> Released:
-    """One step of a private ``Site`` on ``data``: the sync, then stage 1, its statistics,
-    stage 2 and its statistics from one codebook (the classes as the server registers them)."""
+    """One step of a private ``Site`` on ``data`` (``site_step``), each DP-SGD step's noisy
+    gradient sum recorded."""
+    with pytest.MonkeyPatch.context() as patch:
+        sums: list[torch.Tensor] = []
+
+        def recorded(gradients, like, clip, noise_std, rng):
+            out = private_gradient(gradients, like, clip, noise_std, rng)
+            sums.append(torch.cat([g.detach().double().reshape(-1) for g in out]))
+            return out
+
+        patch.setattr(training, "private_gradient", recorded)
+        return site_step(backbones, data, state, setting, sums)
+
+
+def site_step(
+    backbones, data: Path, state: Path, setting: PrivacySetting, sums: list[torch.Tensor]
+) -> Released:
+    """The sync, then stage 1, its statistics, stage 2 and its statistics from one codebook
+    (the classes as the server registers them); ``sums``: where the steps' sums are recorded."""
     memory = SiteMemory(state, backbones.fingerprint, backbones.dims)
     site = Site("site", data, memory, backbones, CONFIG, state / "cache", privacy=setting)
     private = site.private
@@ -174,7 +202,7 @@ def release(backbones, data: Path, state: Path, setting: PrivacySetting = SETTIN
     noise = RecordingNoise()
     private.rng = noise
     history = memory.ledger().releases
-    out = Released({}, {}, {}, {}, {}, {}, {}, {})
+    out = Released({}, {}, {}, {}, {}, {}, {}, {}, {})
 
     def spent(phase: Phase) -> None:
         nonlocal history
@@ -191,6 +219,7 @@ def release(backbones, data: Path, state: Path, setting: PrivacySetting = SETTIN
     codebook = Codebook(backbones.fingerprint, backbones.dims)
     codebook = codebook.register(StarPrompt(backbones).new_entries(names, seed=0))
     for phase in (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS):
+        sums.clear()
         update = site.run_phase(phase, codebook, 0)
         out.epsilon[phase] = update.metadata[PRIVACY_EPSILON]
         spent(phase)
@@ -203,6 +232,7 @@ def release(backbones, data: Path, state: Path, setting: PrivacySetting = SETTIN
                 e.name: read_back(e.values[field], centre, radius) for e in update.entries
             }
         else:
+            out.first_step[phase] = sums[0]
             out.updates[phase] = torch.cat(
                 [
                     (e.values[f].double() - codebook[e.name].values[f].double()).reshape(-1)
@@ -257,38 +287,57 @@ def test_mixture_moments_move_within_sensitivity_for_their_class_only(phase, per
         assert all(c <= slack[n] for n, c in others.items()), (index, own, changes, slack)
 
 
-@pytest.mark.parametrize("phase", [Phase.STAGE1, Phase.STAGE2], ids=["prompts", "head-Q-A"])
-def test_update_moves_within_its_sensitivity(phase, per_image):
-    """Every class of the task is charged for a training release (an image moves every class's
-    update through the softmax), so the whole release's change is bounded: 2·C·√K."""
+def clip_of(phase: Phase, setting: PrivacySetting = SETTING) -> float:
+    return setting.stage1_clip if phase is Phase.STAGE1 else setting.stage2_clip
+
+
+#: The DP-SGD steps a training phase of the tests runs: 25 images, batch 8, one epoch.
+TRAINING = [Phase.STAGE1, Phase.STAGE2]
+
+
+@pytest.mark.parametrize("phase", TRAINING, ids=["prompts", "head-Q-A"])
+def test_first_dp_sgd_step_moves_within_one_clipped_gradient(phase, per_image):
+    """A DP-SGD step's noisy sum (noise off) moves by at most C when one image is removed:
+    every other image's gradient is the same (its views drawn from its own seed, the
+    parameters the same at the first step), and the removed one's is clipped to C. Every
+    image's gradient is clipped here (C 1e-4), so the sum of the 25 is far from 0 or C."""
     full, less = per_image
-    clip = SETTING.stage1_clip if phase is Phase.STAGE1 else SETTING.stage2_clip
-    bound = 2 * clip * math.sqrt(len(CLASSES))
-    per_class = full.updates[phase].reshape(len(CLASSES), -1).norm(dim=1)
-    torch.testing.assert_close(per_class, torch.full_like(per_class, clip, dtype=torch.float64))
+    clip = clip_of(phase)
+    assert float(full.first_step[phase].norm()) > 2 * clip
     for released in less.values():
-        change = float((full.updates[phase] - released.updates[phase]).norm())
-        assert 0 < change <= bound * (1 + ROW_ULPS * FLOAT32_EPS)
+        change = float((full.first_step[phase] - released.first_step[phase]).norm())
+        assert 0 < change <= clip * (1 + 1e-4)
 
 
 def expected_noise(released: Released, phase: Phase, setting: PrivacySetting) -> list[float]:
-    """The standard deviation each of a phase's draws must have, from the noise multipliers
-    the ledger charged it: z·k per count, z·√2·k per moment coordinate, z·2C·√K per update
-    coordinate of K classes."""
+    """The standard deviation each of a phase's draws must have, from the releases the ledger
+    charged it: z·k per count, z·√2·k per moment coordinate, z·C per coordinate of each of a
+    training release's DP-SGD steps (one release, charged to all the task's classes)."""
     charged = released.charged[phase]
     if phase is Phase.SYNC:
-        return [zs[0] * setting.group for _, zs in sorted(charged.items())]
+        return [rs[0].noise_multiplier * setting.group for _, rs in sorted(charged.items())]
     if phase in STATISTICS:
         dim = len(next(iter(released.moments[phase].values())))  # both moments
         return [
-            z * MOMENTS_SENSITIVITY * setting.group
-            for _, zs in sorted(charged.items())
-            for z in zs * dim
+            r.noise_multiplier * MOMENTS_SENSITIVITY * setting.group
+            for _, rs in sorted(charged.items())
+            for r in rs * dim
         ]
-    (z,) = {z for zs in charged.values() for z in zs}
-    clip = setting.stage1_clip if phase is Phase.STAGE1 else setting.stage2_clip
-    size = len(released.updates[phase])
-    return [z * 2 * clip * math.sqrt(len(charged))] * size
+    (release_,) = {r for rs in charged.values() for r in rs}
+    assert sorted(charged) == sorted(map(class_key, released.counts))
+    size = len(released.updates[phase]) * release_.sampling.steps
+    return [release_.noise_multiplier * clip_of(phase, setting)] * size
+
+
+@pytest.mark.parametrize("phase", TRAINING, ids=["prompts", "head-Q-A"])
+def test_a_training_release_is_charged_its_dp_sgd_steps(phase, per_image):
+    """The ledger records the sampling the steps ran with: rate batch / the released counts'
+    sum, an epoch of ⌈1 / rate⌉ steps."""
+    full, _ = per_image
+    (release_,) = {r for rs in full.charged[phase].values() for r in rs}
+    rate = CONFIG.batch_size / sum(full.counts.values())
+    assert release_.sampling.rate == pytest.approx(rate)
+    assert release_.sampling.steps == math.ceil(1 / rate) * CONFIG.stage1_epochs
 
 
 #: Every phase that releases, in the order of a step.
@@ -314,40 +363,21 @@ def test_noisy_count_noise_has_the_calibrated_scale():
     assert counts.std() == pytest.approx(math.sqrt(z**2 + 1 / 12), rel=0.02)
 
 
-def test_private_update_clips_then_adds_the_noise_asked_for():
-    before = {"a": torch.zeros(40, dtype=torch.float64), "b": torch.zeros(2, 30)}
-    after = {"a": torch.full((40,), 5.0, dtype=torch.float64), "b": torch.ones(2, 30)}
-    clipped = private_update(before, after, 0.5, 0.0, np.random.default_rng(0))
-    flat = torch.cat([clipped["a"].reshape(-1), clipped["b"].double().reshape(-1)])
-    assert float(flat.norm()) == pytest.approx(0.5)
-    assert clipped["b"].dtype == torch.float32  # each field keeps its dtype
-    noisy = private_update(before, before, 0.5, 0.7, np.random.default_rng(1))
-    flat = torch.cat([noisy["a"].reshape(-1), noisy["b"].double().reshape(-1)])
+def test_private_gradient_clips_each_unit_then_adds_the_noise_asked_for():
+    like = [torch.zeros(40, dtype=torch.float64), torch.zeros(2, 30)]
+    big = [torch.full((40,), 5.0, dtype=torch.float64), torch.ones(2, 30)]  # norm 33
+    small = [torch.full((40,), 0.01, dtype=torch.float64), torch.zeros(2, 30)]  # norm 0.06
+    total = private_gradient([big, small], like, 0.5, 0.0, np.random.default_rng(0))
+    flat = torch.cat([total[0], total[1].double().reshape(-1)])
+    clipped = torch.cat([big[0], big[1].double().reshape(-1)])
+    clipped = clipped * 0.5 / float(clipped.norm())
+    torch.testing.assert_close(flat, clipped + torch.cat([small[0], torch.zeros(60)]))
+    assert total[1].dtype == torch.float32  # each parameter keeps its dtype
+    noisy = private_gradient([], like, 0.5, 0.7, np.random.default_rng(1))
+    flat = torch.cat([noisy[0], noisy[1].double().reshape(-1)])
     assert float(flat.std()) == pytest.approx(0.7, rel=0.15)  # 100 coordinates
-    many = [private_update(before, before, 0.5, 0.7, np.random.default_rng(s)) for s in range(50)]
-    assert float(torch.stack([m["a"] for m in many]).std()) == pytest.approx(0.7, rel=0.03)
-
-
-@pytest.mark.parametrize("phase", [Phase.STAGE1, Phase.STAGE2], ids=["prompts", "head-Q-A"])
-def test_training_release_noise_is_z_times_its_sensitivity(phase, tmp_path):
-    """A training release of K classes: each coordinate's noise is z·2·C·√K."""
-    dims = create_backbones("tiny", seed=0).dims
-    private = PrivateReleases(SETTING, SiteMemory(tmp_path, "f", dims), torch.zeros(dims.d_clip))
-    private.rng = np.random.default_rng(2)
-    names = ["a", "b", "c", "d"]
-    private.counts(dict.fromkeys(names, 50))
-    plan = private.plan(names, phase, 0)
-    z = plan["a"]
-    assert z is not None and set(plan.values()) == {z}
-    fields = schema.trained_in(phase)
-    values = {f: torch.zeros(200, dtype=torch.float64) for f in fields}
-    entries = [ClassEntry(name, 50, values) for name in names]
-    sent = {name: ClassEntry(name, 50, values) for name in names}
-    shared, _ = private.release(phase, entries, sent, plan)
-    clip = SETTING.stage1_clip if phase is Phase.STAGE1 else SETTING.stage2_clip
-    noise = torch.cat([e.values[f].reshape(-1) for e in shared for f in fields])
-    assert float(noise.std()) == pytest.approx(z * 2 * clip * math.sqrt(len(names)), rel=0.05)
-    assert len(private.memory.ledger().releases["a"]) == 2  # the count, then this release
+    many = [private_gradient([], like, 0.5, 0.7, np.random.default_rng(s))[0] for s in range(50)]
+    assert float(torch.stack(many).std()) == pytest.approx(0.7, rel=0.03)
 
 
 # --- the site owns its guarantee -----------------------------------------------------------
@@ -499,6 +529,17 @@ def test_removing_a_patient_moves_its_class_within_k_times_the_bound(phase, per_
         assert all(c <= slack[n] for n, c in changes.items() if n != own), (changes, slack)
 
 
+@pytest.mark.parametrize("phase", TRAINING, ids=["prompts", "head-Q-A"])
+def test_removing_a_patient_moves_a_dp_sgd_step_by_one_clipped_gradient(phase, per_patient):
+    """DP-SGD clips a patient's gradient (of their k images' summed loss) as one unit: removing
+    the patient moves the first step's sum by at most C, as one image does."""
+    full, less = per_patient
+    clip = clip_of(phase, PATIENT_SETTING)
+    for patient, released in less.items():
+        change = float((full.first_step[phase] - released.first_step[phase]).norm())
+        assert 0 < change <= clip * (1 + 1e-4), (patient, change, clip)
+
+
 @pytest.mark.parametrize("phase", RELEASES, ids=lambda p: p.key)
 def test_each_patient_release_draws_z_times_its_sensitivity(phase, per_patient):
     """With the patient unit, the count's and the moments' noise are k times the image's."""
@@ -576,28 +617,35 @@ def spent_within_target(state: Path, setting: PrivacySetting) -> dict[str, float
 
 def test_an_image_in_two_classes_is_released_in_one(backbones, tmp_path):
     """A copy of an image of the first class in the second (a multi-label image, or a copy):
-    each class keeps its own budget key, the copy is left out of the second class, and D and D
-    minus the image reply the same ε and the same counts outside the first class."""
+    each class keeps its own budget key, the copy is left out of the second class — D replies
+    exactly what D without the copy does — and D minus the image has the same counts outside
+    the first class. (The replies' ε after the sync follow the task's released counts, which
+    set DP-SGD's sampling rate, so D − 1's differ from D's through the first class's count.)"""
     (first, image), second = IMAGES[0], CLASSES[1]
     images = [(name, path, path.name) for name, path in IMAGES]
     copy = (second, image, f"copy-{image.name}")
     full = release(backbones, data_folder(tmp_path / "d", [*images, copy]), tmp_path / "ds")
+    same = release(backbones, data_folder(tmp_path / "d-copy", images), tmp_path / "d-copys")
     less = release(backbones, data_folder(tmp_path / "d-1", images[1:]), tmp_path / "d-1s")
+    assert full.counts == same.counts and full.epsilon == same.epsilon
+    assert full.charged == same.charged
     assert full.counts[first] - less.counts[first] == 1
     assert {n: full.counts[n] for n in CLASSES[1:]} == {n: less.counts[n] for n in CLASSES[1:]}
     assert full.counts[second] == PER_CLASS  # not the first class's count
     assert sorted(spent_within_target(tmp_path / "ds", SETTING)) == sorted(map(class_key, CLASSES))
-    assert reply_epsilon(full) == reply_epsilon(less)
+    assert full.epsilon[Phase.SYNC] == less.epsilon[Phase.SYNC]
 
 
 def test_a_patient_in_two_classes_changes_neither_the_noise_nor_the_reply(backbones, tmp_path):
     """Per-class budgets whatever the patients: one patient with images in two classes is
-    used in the first only; the sync's noise and every reply's ε are those of D without them."""
+    used in the first only: every release and reply is that of D without their images in the
+    second class, and the sync's noise and ε those of D without them at all (after the sync
+    the replies' ε follow the released counts: DP-SGD's sampling rate)."""
     images = patient_images()
     name, image, _ = images[-1]
     cross = (CLASSES[0], image, patient_name("p999", str(image)))  # p999: in two classes
     lone = (name, image, patient_name("p999", "x" + image.name))
-    folders = {"d": [*images, cross, lone], "d-1": images}
+    folders = {"d": [*images, cross, lone], "d-lone": [*images, cross], "d-1": images}
     out = {
         world: release(
             backbones, data_folder(tmp_path / world, kept), tmp_path / f"{world}s", PATIENT_SETTING
@@ -605,7 +653,9 @@ def test_a_patient_in_two_classes_changes_neither_the_noise_nor_the_reply(backbo
         for world, kept in folders.items()
     }
     assert out["d"].charged[Phase.SYNC] == out["d-1"].charged[Phase.SYNC]
-    assert out["d"].epsilon == out["d-1"].epsilon
+    assert out["d"].epsilon[Phase.SYNC] == out["d-1"].epsilon[Phase.SYNC]
+    assert out["d"].charged == out["d-lone"].charged
+    assert out["d"].epsilon == out["d-lone"].epsilon
     assert out["d"].counts[name] == out["d-1"].counts[name]  # p999 is the first class's
     assert out["d"].counts[CLASSES[0]] - out["d-1"].counts[CLASSES[0]] == 1
     spent_within_target(tmp_path / "ds", PATIENT_SETTING)
@@ -635,7 +685,7 @@ def test_a_class_of_one_image_is_announced_as_rarely_as_delta_allows(backbones, 
     full = release(backbones, data_folder(tmp_path / "d", [*images, alone]), tmp_path / "ds")
     less = release(backbones, data_folder(tmp_path / "d-1", images), tmp_path / "d-1s")
     assert full.counts == less.counts and CLASSES[2] not in full.counts
-    for phase in (Phase.STAGE1, Phase.STAGE2):
+    for phase in TRAINING:
         assert full.updates[phase].shape == less.updates[phase].shape
         assert full.charged[phase] == less.charged[phase] | {class_key(CLASSES[2]): []}
     assert full.epsilon == less.epsilon
@@ -666,4 +716,5 @@ def test_an_old_ledger_still_reads(tmp_path):
     ledger = SiteMemory(tmp_path, "f", ModelDims(8, 8, 8, 1)).ledger()
     assert ledger.units == {"aa": "scab", "bb": "scab"}
     assert ledger.key("apple_scab") == "scab" and ledger.class_keys() == ["scab"]
-    assert ledger.past("scab") == [4.0, 2.0, 3.0] and ledger.past("rot") == [4.0]
+    assert ledger.past("scab") == [Release(4.0), Release(2.0), Release(3.0)]
+    assert ledger.past("rot") == [Release(4.0)]

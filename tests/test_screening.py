@@ -26,7 +26,7 @@ from starfed.shared.config import MERGES
 from starfed.shared.knob import ConfigError
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.privacy.accountant import MAX_NOISE_MULTIPLIER
-from starfed.shared.privacy.mechanisms import private_update, release_bound
+from starfed.shared.privacy.mechanisms import release_bound
 from starfed.shared.protocol import PRIVACY_EPSILON, Phase
 from starfed.simulations.methods.no_replay import NoReplay
 
@@ -330,19 +330,24 @@ def test_a_sites_privacy_is_its_registrations_and_its_rows_are_held_to_its_relea
     assert [(f.site, f.phase, f.action) for f in screen.findings] == [("m", "sync", "contradicted")]
 
 
-def test_a_private_release_moves_a_row_by_at_most_its_bound() -> None:
-    """``release_bound`` against ``private_update`` itself: an update far past the clip, 3
-    classes' noise at multiplier 5, 2000 draws; every field's change is within the bound of
-    its own coordinates, and the bound is within 2 × the largest change seen (a 10⁻⁹ tail)."""
+def test_a_clipped_noised_change_is_within_its_allowance() -> None:
+    """``release_bound``'s derivation: a change clipped to C as a whole, plus Gaussian noise of
+    σ = z·2C·√K per coordinate (3 classes at multiplier 5), 2000 draws; every field's change is
+    within the allowance of its own coordinates, and the allowance is within 2 × the largest
+    change seen (a 10⁻⁹ tail)."""
     rng = np.random.default_rng(0)
     clip, z, classes = 0.05, 5.0, 3
-    before = {"head_weight": torch.zeros(10), "prompt": torch.zeros(4, 8)}
-    after = {"head_weight": torch.full((10,), 3.0), "prompt": torch.full((4, 8), -2.0)}
-    std = z * 2 * clip * classes**0.5  # as client.privacy sets it
-    for name, value in before.items():
+    fields = {"head_weight": torch.full((10,), 3.0), "prompt": torch.full((4, 8), -2.0)}
+    update = torch.cat([value.reshape(-1) for value in fields.values()]).double()
+    clipped = update * min(1.0, clip / float(update.norm()))
+    std = z * 2 * clip * classes**0.5
+    offset = 0
+    for name, value in fields.items():
+        part = clipped[offset : offset + value.numel()]
+        offset += value.numel()
         bound = release_bound(clip, z, classes, value.numel())
         changes = [
-            float((private_update(before, after, clip, std, rng)[name] - value).norm())
+            float((part + torch.from_numpy(rng.normal(0.0, std, part.numel()))).norm())
             for _ in range(2000)
         ]
         assert max(changes) <= bound and bound <= 2 * max(changes), (name, max(changes), bound)

@@ -14,9 +14,10 @@ features of augmented views, which change every epoch.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from rich.progress import Progress
@@ -45,6 +46,8 @@ from starfed.shared.model.replay import (
     head_replay_loss,
 )
 from starfed.shared.model.star_prompt import StarPrompt
+from starfed.shared.privacy.accountant import Sampling
+from starfed.shared.privacy.mechanisms import private_gradient
 from starfed.shared.progress import progress_task
 from starfed.shared.protocol import SPECS, Phase
 
@@ -118,6 +121,38 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.
 
 
 @dataclass(frozen=True)
+class PrivateSteps:
+    """DP-SGD in a private site's training step (docs/security.md#differential-privacy).
+
+    ``sampling.steps`` steps, ``sampling.steps / epochs`` an epoch; each takes every protected
+    unit (an image, or a patient's images) with probability ``sampling.rate`` (Poisson),
+    clips each taken unit's gradient to ``clip`` and adds noise ``noise_multiplier`` × ``clip``
+    to their sum (``private_gradient``), then divides by ``expected``, the images a step takes
+    on average by the released counts (public). One unit moves a step's sum by at most
+    ``clip`` whatever the parameters, so the step is a Gaussian mechanism on a Poisson sample
+    and what the phase releases is post-processing of the steps. ``rng`` is secret (the
+    operating system's entropy): the sampling, the noise and stage 2's views are drawn from
+    it, each view from its own seed and image (``augment_each``)."""
+
+    units: torch.Tensor  # the protected unit of each of the task's images, 0..U-1
+    sampling: Sampling
+    clip: float
+    noise_multiplier: float
+    expected: float
+    rng: np.random.Generator
+
+    def taken(self) -> Iterator[torch.Tensor]:
+        """The images of each unit one step takes (a Poisson sample of the units)."""
+        count = int(self.units.max()) + 1 if len(self.units) else 0
+        for unit in np.nonzero(self.rng.random(count) < self.sampling.rate)[0]:
+            yield torch.nonzero(self.units == int(unit)).squeeze(1)
+
+    def seed(self) -> int:
+        """A fresh secret seed of the views of one unit's images."""
+        return int(self.rng.integers(2**62))
+
+
+@dataclass(frozen=True)
 class TaskTraining:
     """What every site step of one task is given: the model whose current rows (``n_past:``)
     it trains, the bank row of each of the task's images (``labels``), the settings, the task
@@ -132,6 +167,7 @@ class TaskTraining:
     task: int
     round_index: int = 0
     progress: Progress | None = None
+    private: PrivateSteps | None = None  # a private site's training: DP-SGD
 
     def generator(self, phase: Phase) -> torch.Generator:
         """``phase``'s site stream in this task and round."""
@@ -155,7 +191,10 @@ class TaskTraining:
         """``epochs`` passes over the task's images, each in batches of a fresh permutation
         drawn from ``generator``: one optimizer step per batch on ``loss_of(batch)`` (the
         batch's image indices), the progress line advanced per batch; ``after_epoch``: called
-        after each pass (stage 2's schedule)."""
+        after each pass (stage 2's schedule). A private site's steps are DP-SGD's instead."""
+        if self.private is not None:
+            self.train_privately(self.private, epochs, optimizer, loss_of, description, after_epoch)
+            return
         n, size = len(self.labels), self.config.batch_size
         with progress_task(self.progress, description, epochs * -(-n // size)) as advance:
             for _ in range(epochs):
@@ -166,6 +205,36 @@ class TaskTraining:
                     optimizer.step()
                     advance()
                 if after_epoch is not None:
+                    after_epoch()
+
+    def train_privately(
+        self,
+        dp: PrivateSteps,
+        epochs: int,
+        optimizer: torch.optim.Optimizer,
+        loss_of: Callable[[torch.Tensor], torch.Tensor],
+        description: str,
+        after_epoch: Callable[[], object] | None = None,
+    ) -> None:
+        """``train``'s DP-SGD steps: a unit's gradient is that of its images' summed loss
+        (``loss_of`` of the unit's images × their number), so the noisy sum over the expected
+        images is a mean gradient like ``train``'s."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        per_epoch = max(1, dp.sampling.steps // epochs)
+
+        def gradients() -> Iterator[tuple[torch.Tensor, ...]]:
+            for images in dp.taken():
+                yield torch.autograd.grad(loss_of(images) * len(images), params)
+
+        std = dp.noise_multiplier * dp.clip
+        with progress_task(self.progress, description, dp.sampling.steps) as advance:
+            for step in range(dp.sampling.steps):
+                noisy = private_gradient(gradients(), params, dp.clip, std, dp.rng)
+                for param, gradient in zip(params, noisy, strict=True):
+                    param.grad = gradient / dp.expected
+                optimizer.step()
+                advance()
+                if after_epoch is not None and (step + 1) % per_epoch == 0:
                     after_epoch()
 
 
@@ -276,8 +345,13 @@ def stage2(on: TaskTraining, images: torch.Tensor) -> None:
     def seen(name: str) -> torch.Tensor:
         return torch.cat([past[name], current[name]])
 
+    def views_of(batch: torch.Tensor) -> torch.Tensor:
+        if on.private is None:
+            return augment(images[batch], generator)
+        return augment_each(images[batch], on.private.seed())  # one unit's: views per image
+
     def loss_of(batch: torch.Tensor) -> torch.Tensor:
-        vit_in, clip_in = views.pair(augment(images[batch], generator))
+        vit_in, clip_in = views.pair(views_of(batch))
         z = model.backbones.clip_image_features(clip_in)
         out = model.second_level(vit_in, z, seen("query_weight"), seen("query_prompt"))
         logits = F.linear(out.features, seen("head_weight"), seen("head_bias"))

@@ -1,16 +1,18 @@
-"""The Gaussian mechanisms of a private site: clipped, noised counts, moments and updates.
+"""The Gaussian mechanisms of a private site: clipped, noised counts, moments and gradients.
 
-Each function bounds one image's influence (its L2 sensitivity) by clipping, then adds Gaussian
+Each function bounds one unit's influence (its L2 sensitivity) by clipping, then adds Gaussian
 noise of ``noise_multiplier`` × that sensitivity, so the accountant can compose it as one
-``GaussianDpEvent``. Noise comes from the generator the caller passes: a private site draws it
-from the operating system's entropy (``numpy.random.default_rng()``), never from a seed others
-know. What follows the noise is post-processing (rounding, projecting onto values clipped data
-can have) and costs no privacy.
+``GaussianDpEvent`` (a DP-SGD step's on a Poisson sample: ``accountant.Sampling``). Noise comes
+from the generator the caller passes: a private site draws it from the operating system's
+entropy (``numpy.random.default_rng()``), never from a seed others know. What follows the noise
+is post-processing (rounding, projecting onto values clipped data can have, the optimizer's
+steps) and costs no privacy.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -91,28 +93,30 @@ def private_gaussian(
     )
 
 
-def private_update(
-    before: dict[str, torch.Tensor],
-    after: dict[str, torch.Tensor],
+def private_gradient(
+    gradients: Iterable[Sequence[torch.Tensor]],
+    like: Sequence[torch.Tensor],
     clip: float,
     noise_std: float,
     rng: np.random.Generator,
-) -> dict[str, torch.Tensor]:
-    """One class's values ``before`` plus its update ``after − before`` (all its fields as one
-    vector) clipped to L2 norm ``clip``, plus Gaussian noise of standard deviation
-    ``noise_std`` (the caller sets it from the sensitivity of the whole release)."""
-    names = list(before)
-    start = {name: before[name].to(torch.float64).cpu() for name in names}
-    update = torch.cat([(after[n].to(torch.float64).cpu() - start[n]).reshape(-1) for n in names])
-    update = update * min(1.0, clip / max(float(update.norm()), 1e-12))
-    update = update + torch.from_numpy(rng.normal(0.0, noise_std, update.numel()))
-    released, offset = {}, 0
-    for name in names:
-        size = start[name].numel()
-        value = start[name] + update[offset : offset + size].reshape(start[name].shape)
-        released[name] = value.to(before[name].dtype)
-        offset += size
-    return released
+) -> list[torch.Tensor]:
+    """One DP-SGD step's gradient sum: each unit's gradient (all the parameters' as one
+    vector) clipped to L2 norm ``clip``, summed, plus Gaussian noise of standard deviation
+    ``noise_std`` per coordinate (the caller sets it to z × ``clip``: one unit moves the sum by
+    at most ``clip``). The sum has the shapes, dtypes and devices of the parameters ``like``."""
+    total = [torch.zeros(p.shape, dtype=torch.float64) for p in like]
+    for unit in gradients:
+        flat = [g.detach().to("cpu", torch.float64) for g in unit]
+        norm = float(torch.cat([g.reshape(-1) for g in flat]).norm())
+        scale = min(1.0, clip / max(norm, 1e-12))
+        for t, g in zip(total, flat, strict=True):
+            t += g * scale
+    return [
+        (t + torch.from_numpy(rng.normal(0.0, noise_std, t.numel())).reshape(t.shape)).to(
+            device=p.device, dtype=p.dtype
+        )
+        for t, p in zip(total, like, strict=True)
+    ]
 
 
 def release_bound(
@@ -122,18 +126,19 @@ def release_bound(
     coordinates: int,
     failure: float = RELEASE_FAILURE,
 ) -> float:
-    """The largest L2 change of ``coordinates`` values of one class that ``private_update``
-    releases, but with probability at most ``failure``: the server holds a private site's
-    rows to it (``server.field_bounds``).
+    """The allowance the server holds a private site's row of ``coordinates`` values to
+    (``server.field_bounds``): C + σ(√d + s), σ = ``noise_multiplier`` · 2 · ``clip`` · √K
+    for ``classes`` classes, s = √(2 ln(1/``failure``)).
 
-    The update is clipped to ``clip`` as a whole, so any part of it (one field's
-    ``coordinates`` values) moves by at most ``clip``. The noise of a training release over
-    ``classes`` classes has standard deviation σ = ``noise_multiplier`` · 2 · ``clip`` · √K
-    per coordinate (``client.privacy``: two clipped updates differ by at most 2C per class).
-    Its norm over d coordinates, ‖σ·g‖ with g standard normal in d dimensions, is a
-    1-Lipschitz function of σ·g with E‖g‖ ≤ √d, so by Gaussian concentration (Borell–TIS)
-    P(‖σ·g‖ ≥ σ(√d + s)) ≤ exp(−s²/2): with s = √(2 ln(1/``failure``)) the norm exceeds
-    σ(√d + s) with probability at most ``failure``. The bound is C + σ(√d + s).
+    It was derived for the release it was written with, a class's update clipped to C as a
+    whole plus Gaussian noise of σ per coordinate: by Gaussian concentration (Borell–TIS) the
+    noise's norm over d coordinates exceeds σ(√d + s) with probability at most ``failure``.
+    Since issue 44 a private site trains by DP-SGD (``private_gradient``): C bounds one unit's
+    gradient and the released change is the optimizer's over the phase's noisy steps, not a
+    clipped update. That change is not derived here: at the defaults it is far inside this
+    allowance (stage 1's SGD moves a row by at most lr × steps × (C × the units a step takes
+    + the noise) / the batch), so the allowance rejects no honest private row but is loose,
+    and ``reference-bound`` is what holds a private row in practice (docs/security.md §1c).
     """
     sigma = noise_multiplier * 2.0 * clip * math.sqrt(classes)
     tail = math.sqrt(2.0 * math.log(1.0 / failure))
