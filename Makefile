@@ -23,12 +23,12 @@ $(STAMP): pyproject.toml
 run: $(STAMP)  ## the default job: a federated simulation on the bundled data
 	$(BIN)/starfed simulate
 
-# The fast suite, in TEST_WORKERS pytest-xdist processes when > 0: each test module whole on one
-# worker (its module fixtures built once), the longest tiers first (tests/conftest.py
-# LONGEST_FIRST). Serial (0) by default: with 3 or 4 workers the e2e modules, run side by side,
-# missed their start-up deadlines even where the same modules passed serially at a higher load
-# (docs/benchmarks.md#the-test-suites-cost); `make test TEST_WORKERS=3` to measure it again.
-TEST_WORKERS ?= 0
+# The fast suite in TEST_WORKERS pytest-xdist workers (0: serially). `--dist loadgroup` with the
+# groups of tests/conftest.py: every end-to-end test on one worker, one after another (two
+# deployments side by side on 2 cores missed their start-up deadlines), each other module whole
+# on a worker (its module fixtures built once), the longest tiers first. 2 workers: 529 s against
+# 794 s serially (docs/benchmarks.md#the-test-suites-cost).
+TEST_WORKERS ?= 2
 test: $(STAMP)  ## lint + format + types + the fast suite (what CI runs)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
