@@ -90,8 +90,9 @@ def test_each_group_of_knobs_is_read_by_its_options() -> None:
     # + train-local's single-site ablation (a federation's is its strategy, starfed-no-replay)
     assert _knobs_read(TrainConfig) == _group("training") | {"seed", "generative-replay"}
     assert _knobs_read(BackboneOptions) == _group("backbones") - {"device"}  # load(device)
-    # + the rounds a class's task plans releases for
-    assert _knobs_read(PrivacySetting) == _group("privacy") | {"stage1-rounds", "stage2-rounds"}
+    # + what a class's task plans releases for: the rounds, and DP-SGD's steps (epochs, batch)
+    planned = {"stage1-rounds", "stage2-rounds", "stage1-epochs", "stage2-epochs", "batch-size"}
+    assert _knobs_read(PrivacySetting) == _group("privacy") | planned
 
 
 @pytest.mark.parametrize(

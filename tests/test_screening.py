@@ -198,7 +198,8 @@ def test_a_lone_sender_is_held_to_the_scale_of_honest_changes_in_earlier_steps(
     }
 
     def lone(scale: ChangeScale, ratio: float, private: bool = False, key: bool = False) -> list:
-        options = ScreeningOptions(privacy_epsilon=8.0 if private else 0.0)
+        # a clip of 0.02 (the clipped-update release's, before DP-SGD's per-unit clip of 20)
+        options = ScreeningOptions(privacy_epsilon=8.0 if private else 0.0, stage1_clip=0.02)
         key = key or private  # a private site's replies carry its ε
         screen = Screen(options, step=1, scale=scale)
         _synced(screen, codebook, {"m": {name: 10}})
@@ -295,7 +296,8 @@ def test_a_sites_privacy_is_its_registrations_and_its_rows_are_held_to_its_relea
     scale = ChangeScale({"prompt": [0.1, 0.1, 0.1]}, through_step=0)
 
     def phase(moves: dict[str, float], keys: str = "pm") -> Screen:
-        screen = Screen(ScreeningOptions(site_privacy="2:8"), step=1, scale=scale)
+        options = ScreeningOptions(site_privacy="2:8", stage1_clip=0.02)  # as ``bound``'s
+        screen = Screen(options, step=1, scale=scale)
         _synced(screen, codebook, {site: {own[site]: 10} for site in "apm"})
         assert {site: screen.private(site) for site in "apm"} == {"a": 0, "p": 1, "m": 0}
         screening = PhaseScreen(screen, Phase.STAGE1, 0, codebook)
