@@ -4,7 +4,6 @@ and each test's tier (``TIERS``)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -28,10 +27,9 @@ def pytest_configure(config: pytest.Config) -> None:
     child; a handler is reset to the default at exec, so the children can be interrupted."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        # ``make test TEST_WORKERS=n`` runs n workers on as few as 2 cores: torch's default of
-        # one intra-op thread per core would make them contend
-        torch.set_num_threads(1)
+    # A worker keeps torch's default threads: a test that compares an in-process run with the
+    # same run in fresh processes (test_e2e_resume) needs the same reductions bit for bit, and
+    # one thread in the worker against the processes' default changed them.
 
 
 #: The test tiers (docs/start-here.md#one-test-of-each-kind), by module: a module not named here
