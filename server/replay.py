@@ -102,15 +102,17 @@ def impersonations(
     ``replayed``, points at the trained head row of a class that site does not hold by more than
     ``IMPERSONATION_BOUND``. An honest class's replay moves its row toward no class in
     particular; one whose H_c was placed along another class's head is pulled along it, and
-    then takes that class's images. Its cost: one cosine per class for each lone class in play,
-    O(lone classes × classes × d_vit), besides the replay's O(epochs × classes × samples ×
-    classes × d_vit)."""
+    then takes that class's images. Its cost: none in a step without a lone class in play; else
+    every class's head row stacked (O(classes × d_vit): about 0.25 s and 61 MB at 10,000 classes
+    of 768, CPU) and one cosine per class for each lone class, O(lone classes × classes × d_vit),
+    besides the replay's O(epochs × classes × samples × classes × d_vit)."""
+    lone = [name for name in in_play if len(holders.get(name, ())) == 1]
+    if not lone:  # the usual step: nothing to stack
+        return []
     names = merged.names
     rows = torch.stack([merged[name].tensor("head_weight") for name in names]).double()
     found = []
-    for name in in_play:
-        if len(holders.get(name, ())) != 1:
-            continue
+    for name in lone:
         (site,) = holders[name]
         others = [i for i, other in enumerate(names) if site not in holders.get(other, ())]
         if not others:
