@@ -44,10 +44,10 @@ MIXTURE_OUTLIER = 20.0
 # Sites transposed into a block at a time: each write puts 64 of a coordinate's values (four
 # 64-byte lines) side by side; 16 at a time (one line) was 1.2× slower in all at 1,000 sites.
 SITES_AT_ONCE = 64
-# The bytes of one block of coordinates with every site's values: small enough to stay in the
-# core's L2 cache (2 MB or more on today's server cores) while numpy's partition selects in it,
-# which it does 1.3-1.8× faster there than in a field-sized buffer in memory
-# (docs/benchmarks.md#the-median-merge).
+# The bytes of one block of coordinates with every site's values: small enough to stay in a
+# core's L2 cache (1-4 MB on today's server cores; blocks of 1, 2 and 4 MB measured the same on
+# one of 4 MB) while numpy's partition selects in it, which it does 1.3-1.8× faster there than
+# in a field-sized buffer in memory (docs/benchmarks.md#the-median-merge).
 BLOCK_BYTES = 2**21
 
 
