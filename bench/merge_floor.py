@@ -12,6 +12,14 @@ and numpy, against the same copy ``merge_scale.py`` measures, in the same proces
 
     python bench/merge_floor.py                     # 1000 sites × 35 classes, 1 and 2 threads
     python bench/merge_floor.py --sites 100 --threads 1
+
+``--median`` asks the same of the median merge (``server.robust.SiteStack``), one thread, by
+part, on one class's stage-2 rows from every site (sites × 18,433 values at the paper's dims):
+the stack of the rows, the transposition of cache-sized blocks (sites on the last axis) and
+numpy's partition in them, each against a copy of the same bytes — the selection alone is the
+floor of any merge that selects with numpy.
+
+    python bench/merge_floor.py --median            # 1000 sites, median of 5 interleaved runs
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import argparse
 import math
 import os
 import platform
+import statistics
 import time
 import warnings
 
@@ -27,6 +36,7 @@ import numpy as np
 import torch
 from codebook_sizes import PAPER, parse_dims
 
+from starfed.server.robust import BLOCK_BYTES, SITES_AT_ONCE, SiteStack
 from starfed.shared.codebook import schema
 from starfed.shared.protocol import Phase
 
@@ -84,13 +94,96 @@ def merge(replies: list[bytes], shapes: dict, sent: dict, counts: torch.Tensor) 
     return wall
 
 
+def median_parts(rows: list[torch.Tensor], runs: int) -> dict[str, float]:
+    """CPU seconds (median of ``runs``, the parts interleaved) of one field's median by part:
+    ``copy`` (each row's bytes once), ``stack``, ``transpose`` (the stack's blocks, sites last),
+    ``select`` (numpy's partition of each block, in cache: a copy of the block into a cache-sized
+    buffer and its partition, less that copy) and ``site_stack`` (``SiteStack.median``)."""
+    sites, coordinates = len(rows), rows[0].numel()
+    width = max(1, min(coordinates, BLOCK_BYTES // (sites * 4)))
+    stacked = torch.stack([row.reshape(-1) for row in rows]).numpy()
+    transposed = np.ascontiguousarray(stacked.T)
+    block = np.empty((width, sites), np.float32)
+    middle, stack = (sites - 1) // 2, SiteStack()
+    into = torch.empty(sites, coordinates)  # reused, as SiteStack's
+
+    def copy() -> None:
+        for row in rows:
+            bytearray(row.numpy().reshape(-1).view(np.uint8))
+
+    def transpose() -> None:
+        for start in range(0, coordinates, width):
+            part = block[: min(width, coordinates - start)]
+            for first in range(0, sites, SITES_AT_ONCE):
+                part[:, first : first + SITES_AT_ONCE] = stacked[
+                    first : first + SITES_AT_ONCE, start : start + width
+                ].T
+
+    def blocks(select: bool) -> None:
+        for start in range(0, coordinates, width):
+            part = block[: min(width, coordinates - start)]
+            np.copyto(part, transposed[start : start + width])
+            if select:
+                part.partition(middle, axis=1)
+
+    parts = {
+        "copy": copy,
+        "stack": lambda: torch.stack([row.reshape(-1) for row in rows], out=into),
+        "transpose": transpose,
+        "block_copy": lambda: blocks(select=False),
+        "block_select": lambda: blocks(select=True),
+        "site_stack": lambda: stack.median(rows),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in parts}
+    for _ in range(runs):
+        for name, work in parts.items():
+            started = time.process_time()
+            work()
+            seconds[name].append(time.process_time() - started)
+    out = {name: statistics.median(times) for name, times in seconds.items()}
+    out["select"] = out.pop("block_select") - out.pop("block_copy")
+    return out
+
+
+def median_floor(sites: int, dims, runs: int) -> None:
+    """``median_parts`` of each stage-2 field of one class, summed, against the copy."""
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    totals: dict[str, float] = {}
+    values = 0
+    for name in schema.trained_in(Phase.STAGE2):
+        shape = schema.BY_NAME[name].shape(dims)
+        rows = [torch.randn(shape, generator=generator) for _ in range(sites)]
+        values += sites * math.prod(shape)
+        for part, seconds in median_parts(rows, runs).items():
+            totals[part] = totals.get(part, 0.0) + seconds
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
+        f"{os.getloadavg()[0]:.1f}; {sites} sites × one class's stage-2 rows, "
+        f"{values * 4 / 2**20:.0f} MB; CPU ms, median of {runs} interleaved runs"
+    )
+    print("| part | CPU ms | ns a value | ÷ copy |")
+    print("|---|---|---|---|")
+    for part in ("copy", "stack", "transpose", "select", "site_stack"):
+        seconds = totals[part]
+        print(
+            f"| {part} | {seconds * 1e3:.1f} | {seconds * 1e9 / values:.2f} | "
+            f"{seconds / totals['copy']:.1f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sites", type=int, default=1000)
     parser.add_argument("--classes", type=int, default=35, help="classes every site carries")
     parser.add_argument("--dims", type=parse_dims, default=PAPER, help="d_txt,d_clip,d_vit,L")
     parser.add_argument("--threads", default="1,2", help="torch intra-op threads to try")
+    parser.add_argument("--median", action="store_true", help="the median's parts, one thread")
+    parser.add_argument("--runs", type=int, default=5, help="--median: interleaved runs")
     args = parser.parse_args()
+    if args.median:
+        median_floor(args.sites, args.dims, args.runs)
+        return
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     shapes = {
         name: (args.classes, *schema.BY_NAME[name].shape(args.dims))

@@ -15,8 +15,8 @@ two nothing tells the honest one from the other.
 The median needs every row of the class at once, so unlike the streamed mean this strategy
 holds the phase's updates until its end (views of the replies' bytes, which the coordinator
 holds anyway for the screening's two passes); beyond them it needs one field of one class at a
-time, stacked site by site (``SiteStack``): memory grows with the sites that hold a class, not
-with the classes.
+time, stacked site by site (``SiteStack``), and one cache-sized block of it transposed: memory
+grows with the sites that hold a class, not with the classes.
 """
 
 from __future__ import annotations
@@ -41,39 +41,63 @@ MIN_HOLDERS = 3  # below this, a median is no more robust than a mean
 # class's features, if larger), each distance on the scale of its count (``outlying_mixtures``).
 # In the default simulation the largest honest one is 7.8 × (docs/security.md, §1c, attack 3).
 MIXTURE_OUTLIER = 20.0
-# Rows transposed into the stack at a time: 16 float32 are one 64-byte cache line of it, where
-# one site at a time writes 4 bytes per line (half the time of the median at 1,000 sites went
-# there, docs/benchmarks.md#the-median-merge).
-SITES_AT_ONCE = 16
+# Sites transposed into a block at a time: each write puts 64 of a coordinate's values (four
+# 64-byte lines) side by side; 16 at a time (one line) was 1.2× slower in all at 1,000 sites.
+SITES_AT_ONCE = 64
+# The bytes of one block of coordinates with every site's values: small enough to stay in a
+# core's L2 cache (1-4 MB on today's server cores; blocks of 1, 2 and 4 MB measured the same on
+# one of 4 MB) while numpy's partition selects in it, which it does 1.3-1.8× faster there than
+# in a field-sized buffer in memory (docs/benchmarks.md#the-median-merge).
+BLOCK_BYTES = 2**21
 
 
 class SiteStack:
     """The lower median over sites, coordinate by coordinate, of one field's rows.
 
-    The rows go site by site along the last axis of one buffer, reused from field to field and
-    class to class, and numpy's in-place partition selects along that contiguous axis: torch's
-    ``median(dim=0)`` of a stack copies it to a contiguous layout and selects with indices: the
-    whole merge 4.7× slower at 1,000 sites (docs/benchmarks.md#the-median-merge). The k-th
-    smallest is the same value whatever selects it, so the result is what ``median`` gives (of
-    ``-0.0`` and ``0.0`` at the median, either may come).
+    The rows are stacked site by site in one buffer ([sites, coordinates], a copy); then, one
+    block of coordinates at a time, their values are transposed into a second, cache-sized
+    buffer with the sites on its last, contiguous axis, where numpy's in-place partition selects
+    the middle one. Both buffers are reused from field to field and class to class: memory is
+    one field of one class. torch's ``median(dim=0)`` of a stack copies it to a contiguous
+    layout and selects with indices: the whole merge 4.7× slower at 1,000 sites
+    (docs/benchmarks.md#the-median-merge). The k-th smallest is the same value whatever selects
+    it, so the result is what ``median`` gives (of ``-0.0`` and ``0.0`` at the median, either
+    may come).
     """
 
     def __init__(self) -> None:
-        self._buffer = torch.empty(0)
+        self._by_site = torch.empty(0)  # [sites, coordinates]: the field's rows
+        self._block = torch.empty(0)  # [coordinates of a block, sites]
 
     def median(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
         """The lower of the two middle values for an even number of rows (``torch.median``'s)."""
-        shape, sites = rows[0].shape, len(rows)
-        size = rows[0].numel() * sites
-        if self._buffer.numel() < size or self._buffer.dtype != rows[0].dtype:
-            self._buffer = torch.empty(size, dtype=rows[0].dtype)
-        by_coordinate = self._buffer[:size].numpy().reshape(-1, sites)
-        for start in range(0, sites, SITES_AT_ONCE):
-            group = torch.stack(list(rows[start : start + SITES_AT_ONCE]))
-            by_coordinate[:, start : start + len(group)] = group.reshape(len(group), -1).numpy().T
+        shape, sites, coordinates = rows[0].shape, len(rows), rows[0].numel()
+        dtype = rows[0].dtype
+        self._by_site = _at_least(self._by_site, sites * coordinates, dtype)
+        stacked = self._by_site[: sites * coordinates].view(sites, coordinates)
+        torch.stack([row.reshape(-1) for row in rows], out=stacked)
+        by_site = stacked.numpy()
+        width = max(1, min(coordinates, BLOCK_BYTES // (sites * stacked.element_size())))
+        self._block = _at_least(self._block, width * sites, dtype)
         middle = (sites - 1) // 2
-        by_coordinate.partition(middle, axis=1)
-        return torch.from_numpy(by_coordinate[:, middle].copy()).view(shape)
+        result = torch.empty(coordinates, dtype=dtype)
+        selected = result.numpy()
+        for start in range(0, coordinates, width):
+            stop = min(start + width, coordinates)
+            block = self._block[: (stop - start) * sites].numpy().reshape(stop - start, sites)
+            for first in range(0, sites, SITES_AT_ONCE):
+                last = first + SITES_AT_ONCE
+                block[:, first:last] = by_site[first:last, start:stop].T
+            block.partition(middle, axis=1)
+            selected[start:stop] = block[:, middle]
+        return result.view(shape)
+
+
+def _at_least(buffer: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``buffer`` if it holds ``size`` values of ``dtype``, else a new one that does."""
+    if buffer.numel() < size or buffer.dtype != dtype:
+        return torch.empty(size, dtype=dtype)
+    return buffer
 
 
 class MedianStrategy(Strategy):

@@ -15,7 +15,14 @@ import torch
 from starfed.server.change_scale import FILE, ChangeScale
 from starfed.server.field_bounds import PhaseScreen, reference_size
 from starfed.server.records import Exchange
-from starfed.server.robust import MERGE_STRATEGIES, MedianStrategy, SiteStack, with_merge
+from starfed.server.robust import (
+    BLOCK_BYTES,
+    MERGE_STRATEGIES,
+    SITES_AT_ONCE,
+    MedianStrategy,
+    SiteStack,
+    with_merge,
+)
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
@@ -76,12 +83,17 @@ def test_the_median_of_three_holders_ignores_one_outlier(make_codebook) -> None:
 
 
 def test_the_site_stack_gives_torch_median_bit_for_bit() -> None:
-    """``SiteStack`` selects with numpy's partition in a buffer reused across fields and
+    """``SiteStack`` selects with numpy's partition in buffers reused across fields and
     classes; each result is ``torch.median``'s (the lower middle for an even count), ties and
-    all, whatever the shapes and counts before it, and the rows are left as they were."""
+    all, whatever the shapes and counts before it, and the rows are left as they were. 130
+    sites of 5,200 coordinates take three groups of sites and two blocks of coordinates
+    (``SITES_AT_ONCE``, ``BLOCK_BYTES``), the last of each partial."""
+    assert 2 * SITES_AT_ONCE < 130 < 3 * SITES_AT_ONCE
+    assert 5_200 // 2 < BLOCK_BYTES // (130 * 4) < 5_200
     generator = torch.Generator().manual_seed(0)
     stack = SiteStack()
-    for sites, shape in [(7, (3, 4)), (4, (5,)), (50, (2, 8)), (3, ()), (2, (6,)), (1, (2, 2))]:
+    cases = [(7, (3, 4)), (4, (5,)), (130, (2, 2_600)), (50, (2, 8)), (3, ()), (2, (6,))]
+    for sites, shape in [*cases, (1, (2, 2))]:
         rows = [torch.randn(shape, generator=generator) for _ in range(sites)]
         rows += [rows[0].clone()] * (sites // 3)  # repeated rows: ties at the median
         before = [row.clone() for row in rows]
