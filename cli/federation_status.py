@@ -26,7 +26,7 @@ def print_status(status: Status) -> None:
     _print_sites(status, out, say)
     _print_findings(status, out, say)
     for kept_out, entry in status.quarantine.items():
-        since, why = entry.get("step", 0) + 1, entry.get("reason", "")
+        since, why = entry.step + 1, entry.reason
         say(
             f"quarantine {kept_out}: kept out since step {since} ({why}); remove it from "
             "quarantine.json to let it back in"

@@ -368,7 +368,7 @@ def test_a_lost_history_record_stays_counted(root: Path, capsys) -> None:
 
 #: A registry that is not JSON, and JSON that is not a registry (a list; an entry without its
 #: step): each fails a run with one line and is rebuilt by ``repair``, as every reader of the
-#: file reads it one way (``folder_files.read_registry``).
+#: file reads it one way (``registry.read_registry``).
 DAMAGED_REGISTRIES = ["{ not json", "[1, 2]", '{"Apple___healthy": {"sites": []}}']
 
 
