@@ -125,14 +125,14 @@ def prepare(root: Path, n: int, preset: str) -> dict[str, object]:
     folder = build(root, n, fingerprint=backbones.fingerprint, dims=backbones.dims)
     codebook = Federation.open(folder).checkpoints.codebook()
     lineage = Lineage.of(codebook)
-    held = root / "held.bin"
-    wire.write_file(held, replace(codebook.broadcast(), metadata=lineage.as_metadata()))
+    stored = root / "stored.bin"
+    wire.write_file(stored, replace(codebook.broadcast(), metadata=lineage.as_metadata()))
     for k in range(1, SITES + 1):
         state = root / f"site-{k}-state"
         state.mkdir()
-        os.link(held, state / CODEBOOK_FILE)
+        os.link(stored, state / CODEBOOK_FILE)
         (state / STATE_FILE).write_text(json.dumps({"federation": lineage.federation}))
-    held.unlink()
+    stored.unlink()
     site_folders(root)
     return {
         "classes": n,
@@ -201,15 +201,19 @@ def holds_the_codebook(root: Path) -> bool:
     """Site 6's held codebook is the server's broadcast: classes in order, version, lineage,
     counts, frozen flags and every value."""
     server = Federation.open(root / "server" / "federation").checkpoints.codebook().broadcast()
-    held = HeldCodebook(root / f"{JOINING}-state" / CODEBOOK_FILE).codebook()
-    return held is not None and same(held, server)
+    stored = HeldCodebook(root / f"{JOINING}-state" / CODEBOOK_FILE).codebook()
+    return stored is not None and same(stored, server)
 
 
-def same(held: Codebook, sent: Codebook) -> bool:
-    if (held.names, held.version, Lineage.of(held)) != (sent.names, sent.version, Lineage.of(sent)):
+def same(stored: Codebook, sent: Codebook) -> bool:
+    if (stored.names, stored.version, Lineage.of(stored)) != (
+        sent.names,
+        sent.version,
+        Lineage.of(sent),
+    ):
         return False
     for name in sent.names:
-        mine, theirs = held[name], sent[name]
+        mine, theirs = stored[name], sent[name]
         if (mine.count, mine.frozen, mine.values.keys()) != (
             theirs.count,
             theirs.frozen,

@@ -90,15 +90,15 @@ def server(n_classes: int, dtype: str, folder: Path) -> dict[str, object]:
 def site(n_classes: int, messages: int, folder: Path) -> dict[str, object]:
     """The site's side: each part staged as it arrives, then the codebook held."""
     baseline = _rss_mb()
-    held = HeldCodebook(folder / "state" / "codebook.bin", fingerprint=FINGERPRINT, dims=PAPER)
+    stored = HeldCodebook(folder / "state" / "codebook.bin", fingerprint=FINGERPRINT, dims=PAPER)
     stage_s = 0.0
     for index in range(messages):
         data = (folder / f"{index}.bin").read_bytes()
         t0 = time.perf_counter()
-        held.stage(data, index, messages, n_classes)
+        stored.stage(data, index, messages, n_classes)
         stage_s += time.perf_counter() - t0
         del data
-    assert held.version_for(LINE) == 1 and len(held.codebook() or ()) == n_classes
+    assert stored.version_for(LINE) == 1 and len(stored.codebook() or ()) == n_classes
     return {
         "site_stage_and_hold_s": round(stage_s, 2),
         "site_peak_rss_mb": _rss_mb(),

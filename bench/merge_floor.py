@@ -67,7 +67,7 @@ def merge(replies: list[bytes], shapes: dict, sent: dict, counts: torch.Tensor) 
     scratch = {name: torch.empty(shape) for name, shape in shapes.items()}
     sums = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in shapes.items()}
     wall = dict.fromkeys(("decode", "screen", "merge"), 0.0)
-    held = []
+    decoded = []
     for data in replies:
         started = time.perf_counter()
         whole, offset, arrays = np.frombuffer(data, dtype=np.float32), 0, {}
@@ -84,9 +84,9 @@ def merge(replies: list[bytes], shapes: dict, sent: dict, counts: torch.Tensor) 
             torch.linalg.vector_norm(scratch[name].reshape(len(rows), -1), dim=1)
         wall["decode"] += measured - started
         wall["screen"] += time.perf_counter() - measured
-        held.append(arrays)
+        decoded.append(arrays)
     started = time.perf_counter()
-    for site, arrays in enumerate(held):
+    for site, arrays in enumerate(decoded):
         for name, rows in arrays.items():
             weights = counts[site].view(-1, *[1] * (rows.dim() - 1))
             sums[name].addcmul_(rows, weights)

@@ -112,8 +112,10 @@ def epsilon_lower_bound(out: np.ndarray, into: np.ndarray, alpha: float) -> dict
     candidates = np.unique(np.concatenate([out[:half_out], into[:half_in]]))
     chosen = bounds(out[:half_out], into[:half_in], candidates, alpha)["epsilon_lower"]
     threshold = candidates[int(np.argmax(chosen))]
-    held = bounds(out[half_out:], into[half_in:], np.array([threshold]), alpha)
-    return {key: float(value[0]) for key, value in held.items()} | {"threshold": float(threshold)}
+    evaluated = bounds(out[half_out:], into[half_in:], np.array([threshold]), alpha)
+    return {key: float(value[0]) for key, value in evaluated.items()} | {
+        "threshold": float(threshold)
+    }
 
 
 def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:

@@ -64,11 +64,11 @@ def timed(work, repeat: int) -> float:
 
 
 def bench(classes: int, messages: int, private: bool, folder: Path) -> dict:
-    held = names(classes)
+    own = names(classes)
     task = SiteFolder(
-        folder, [SiteTask("t1", {n: [f"{n}/{i}.jpg" for i in range(10)] for n in held})]
+        folder, [SiteTask("t1", {n: [f"{n}/{i}.jpg" for i in range(10)] for n in own})]
     )
-    spent = {n: (3.21, 1e-6) for n in held} if private else {}
+    spent = {n: (3.21, 1e-6) for n in own} if private else {}
     reply = os.urandom(30 * classes)  # an evaluation report: ≈ 30 bytes a class
     record = ReleaseRecord(folder)
     check = timed(
@@ -92,7 +92,7 @@ def bench(classes: int, messages: int, private: bool, folder: Path) -> dict:
             "evaluate",
             0,
             42,
-            tuple(held),
+            tuple(own),
             ("evaluation",),
             len(reply),
             hashlib.sha256(reply).hexdigest(),

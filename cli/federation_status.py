@@ -25,8 +25,8 @@ def print_status(status: Status) -> None:
     _print_classes_and_steps(status, out)
     _print_sites(status, out, say)
     _print_findings(status, out, say)
-    for kept_out, held in status.quarantine.items():
-        since, why = held.get("step", 0) + 1, held.get("reason", "")
+    for kept_out, entry in status.quarantine.items():
+        since, why = entry.step + 1, entry.reason
         say(
             f"quarantine {kept_out}: kept out since step {since} ({why}); remove it from "
             "quarantine.json to let it back in"

@@ -14,7 +14,7 @@ from starfed.cli import _common
 from starfed.cli._common import emit_json, guard, server_folder
 from starfed.cli.flags import add_command
 from starfed.ops.exit_codes import EXIT_OK
-from starfed.server.folder_files import HistoryLines
+from starfed.server.history import HistoryLines
 
 
 def add_action(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

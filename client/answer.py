@@ -253,8 +253,8 @@ def _catch_up(
     site holds after it (0 until the last part)."""
     site.memory.join(message.federation)
     site.memory.catch_up(payload, part.index, part.count, part.classes)
-    held = str(site.memory.held_version(message.epoch)).encode()
-    return [Outgoing(HELD, held)], 0
+    version = str(site.memory.held_version(message.epoch)).encode()
+    return [Outgoing(HELD, version)], 0
 
 
 def _reply(

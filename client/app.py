@@ -25,6 +25,9 @@ Flower turns into an error reply the server logs. Raw images and features never 
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -61,7 +64,7 @@ def _handle(key: str, message: Message, context: Context) -> Message:
         if CODEBOOK_RECORD in content
         else b""
     )
-    worker = as_str(parse(context.node_config, "node-config"), "worker-socket")
+    worker = _worker_socket(frozenset(context.node_config.items()))
     if worker:
         records = request(worker, header, payload)
     else:
@@ -72,6 +75,16 @@ def _handle(key: str, message: Message, context: Context) -> Message:
         records = answer(header, payload)
     content = RecordDict({name: ConfigRecord({RECORD_DATA: data}) for name, data in records})
     return Message(content, reply_to=message)
+
+
+@functools.cache
+def _worker_socket(node_config: frozenset[tuple[str, Any]]) -> str:
+    """The node config's ``worker-socket``, the config parsed (= checked) once per node config
+    in a process: Flower 1.42's deployed ``flwr-clientapp`` process answers one message, but a
+    simulation's process answers many nodes', each with its own node config (``partition-id``),
+    so the parse is kept by the config, not once for the process. A bad config is not kept: it
+    raises on every message."""
+    return as_str(parse(dict(node_config), "node-config"), "worker-socket")
 
 
 def _register(message_type: str, key: str) -> None:

@@ -151,9 +151,9 @@ class SitePolicy:
             return f"pinned to federation {self.federation}, asked by {federation or 'none'}"
         if self.server_certificate and server_certificate != self.server_certificate:
             return f"pinned to server certificate {self.server_certificate[:16]}…, not this one"
-        withheld = [name for name in releases if name in self.withhold]
-        if withheld:
-            return f"release.withhold forbids {', '.join(withheld)}"
+        forbidden = [name for name in releases if name in self.withhold]
+        if forbidden:
+            return f"release.withhold forbids {', '.join(forbidden)}"
         if wire_dtype not in self.wire_dtypes:
             return f"wire dtype {wire_dtype} not in release.wire-dtypes {list(self.wire_dtypes)}"
         return self._privacy_refusal(privacy) if releases else None

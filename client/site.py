@@ -322,11 +322,11 @@ class Site:
         folder = self.scan()
         known = [i for i, task in enumerate(folder.tasks) if task.keys & row_of.keys()]
         tasks = folder.tasks[: known[-1] + 1] if known else []
-        held = set().union(*(task.keys for task in tasks))
+        had = set().union(*(task.keys for task in tasks))
         samples = [
             (path, row_of[key])
             for key, paths in folder.test.items()
-            if key in held and key in row_of
+            if key in had and key in row_of
             for path in paths
         ]
         metadata = {SITE: self.name}
@@ -371,8 +371,8 @@ def admitted(
             else:
                 kept[name] = paths
         tasks.append(SiteTask(task.name, kept))
-    held = {class_key(name) for name in left_out}
-    test = {key: paths for key, paths in folder.test.items() if key not in held}
+    refused = {class_key(name) for name in left_out}
+    test = {key: paths for key, paths in folder.test.items() if key not in refused}
     return SiteFolder(folder.root, tasks, test), left_out
 
 
@@ -384,8 +384,8 @@ def _say_phase(
     back)."""
     did = "fitted statistics of" if phase in STATISTICS else "trained"
     names = [entry.name for entry in sent]
-    held = [name for name in view.own if name not in names]
-    whose = "of none" if not names else ("of them" if not held else f"of {', '.join(names)}")
+    kept_back = [name for name in view.own if name not in names]
+    whose = "of none" if not names else ("of them" if not kept_back else f"of {', '.join(names)}")
     logger.info(
         "step %d · %s/%d: %s %s on %d images; sent %s %s%s",
         step + 1,
@@ -396,7 +396,7 @@ def _say_phase(
         len(view.labels),
         ", ".join(schema.trained_in(phase)),
         whose,
-        f" (held back: {', '.join(held)})" if names and held else "",
+        f" (held back: {', '.join(kept_back)})" if names and kept_back else "",
     )
 
 

@@ -146,7 +146,7 @@ def release(path: Path, me: Holder) -> None:
 
 
 @contextlib.contextmanager
-def held(path: Path, me: H, refuse: Callable[[LockError], Exception]) -> Iterator[H]:
+def hold(path: Path, me: H, refuse: Callable[[LockError], Exception]) -> Iterator[H]:
     """Hold the lock for the ``with`` block, released however it ends (an exception,
     SystemExit, KeyboardInterrupt; SIGKILL leaves a stale lock the next taker takes over).
     When it cannot be taken, ``refuse`` makes the caller's one-line error of why."""

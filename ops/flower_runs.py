@@ -264,24 +264,24 @@ def without_expected_failure(lines: Iterable[str]) -> Iterator[str]:
     "ServerApp raised an exception", the traceback, the "Exit Code: 201" box: it repeats the
     reason the ServerApp printed, which the command says again at its end. Any other
     exception's traceback passes whole; ``flwr log RUN --show`` keeps everything."""
-    held: list[str] = []
+    pending: list[str] = []
     box = 0  # lines of Flower's exit box still to drop
     for line in lines:
         plain = _ANSI.sub("", line)
         if box:
             box = 0 if "For more information" in plain else box - 1
-        elif held:
-            held.append(line)
+        elif pending:
+            pending.append(line)
             if plain.startswith(EXPECTED_FAILURE):
-                held, box = [], _BOX_LINES
+                pending, box = [], _BOX_LINES
             elif plain.strip() and not plain.startswith((" ", "Traceback")):
-                yield from held  # another exception: the user needs all of it
-                held = []
+                yield from pending  # another exception: the user needs all of it
+                pending = []
         elif "ServerApp raised an exception" in plain:
-            held = [line]
+            pending = [line]
         else:
             yield line
-    yield from held
+    yield from pending
 
 
 class LogStream:

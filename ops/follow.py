@@ -74,18 +74,18 @@ def open_channel(address: str, ca: Path | None, insecure: bool, max_bytes: int) 
 
 
 def _ask(
-    stub: pb_grpc.CodebookDistributionStub, held: Codebook | None, timeout: float
+    stub: pb_grpc.CodebookDistributionStub, cached: Codebook | None, timeout: float
 ) -> pb.FetchReply:
     request = pb.FetchRequest(
-        held_version=held.version if held else 0, federation=Lineage.of(held).federation
+        held_version=cached.version if cached else 0, federation=Lineage.of(cached).federation
     )
     reply: pb.FetchReply = stub.Fetch(request, timeout=timeout)  # generated stubs: untyped
     return reply
 
 
-def _receive(reply: pb.FetchReply, held: HeldCodebook) -> tuple[Codebook, str]:
+def _receive(reply: pb.FetchReply, cache: HeldCodebook) -> tuple[Codebook, str]:
     """The codebook a reply leads to from what is held; CodebookError if it does not fit."""
-    current = held.codebook()
+    current = cache.codebook()
     if reply.WhichOneof("answer") == "unchanged":
         if current is None or current.version != reply.version:
             raise CodebookError("the service says unchanged about a version not held here")
@@ -94,7 +94,7 @@ def _receive(reply: pb.FetchReply, held: HeldCodebook) -> tuple[Codebook, str]:
     status = "delta" if isinstance(received, Delta) else "full"
     if received.version != reply.version:
         raise CodebookError(f"reply for version {reply.version} holds {received.version}")
-    return held.receive(received), status
+    return cache.receive(received), status
 
 
 def _reason(address: str, ca: Path | None, err: grpc.RpcError) -> str:
@@ -115,19 +115,19 @@ def fetch(
     timeout: float = TIMEOUT_S,
 ) -> Fetched:
     """Bring the cached copy in ``cache_dir`` up to the service's current codebook."""
-    held = HeldCodebook(Path(cache_dir).expanduser() / CACHE_FILE)
+    cache = HeldCodebook(Path(cache_dir).expanduser() / CACHE_FILE)
     with open_channel(address, ca, insecure, max_bytes) as channel:
         stub = pb_grpc.CodebookDistributionStub(channel)
         try:
-            reply = _ask(stub, held.codebook(), timeout)
+            reply = _ask(stub, cache.codebook(), timeout)
             try:
-                codebook, status = _receive(reply, held)
+                codebook, status = _receive(reply, cache)
             except CodebookError:  # the held copy does not fit: start over, once
                 reply = _ask(stub, None, timeout)
-                codebook, status = _receive(reply, held)
+                codebook, status = _receive(reply, cache)
         except grpc.RpcError as err:
             reason = _reason(address, ca, err)
-            if (cached := held.codebook()) is None:
+            if (cached := cache.codebook()) is None:
                 raise DistributionError(reason) from None
             return Fetched(cached, "offline", reason=reason)
     return Fetched(codebook, status, reply.ByteSize())

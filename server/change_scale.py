@@ -22,6 +22,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from starfed.shared.files import write_atomic
 
@@ -48,12 +49,7 @@ class ChangeScale:
         if not path.is_file():
             return cls()
         try:
-            raw = json.loads(path.read_text())
-            fields = {
-                str(name): [float(v) for v in values][-KEPT:]
-                for name, values in raw["fields"].items()
-            }
-            return cls(fields, int(raw["through_step"]))
+            return cls.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
             logger.warning(
                 "%s is unreadable (%s): no scale of earlier steps until the next "
@@ -62,6 +58,18 @@ class ChangeScale:
                 err,
             )
             return cls()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"through_step": self.through_step, "fields": self.fields}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ChangeScale:
+        """The scale ``raw`` writes, the newest ``KEPT`` of each field (ValueError, TypeError,
+        KeyError, AttributeError: it does not)."""
+        fields = {
+            str(name): [float(v) for v in values][-KEPT:] for name, values in raw["fields"].items()
+        }
+        return cls(fields, int(raw["through_step"]))
 
     def reference(self, name: str) -> float | None:
         """The median observed change ÷ size of field ``name``; None before ``MIN_OBSERVED``."""
@@ -77,9 +85,8 @@ class ChangeScale:
         for name, values in observed.items():
             self.fields[name] = (self.fields.get(name, []) + values)[-KEPT:]
         self.through_step = step
-        value = {"through_step": step, "fields": self.fields}
         try:
-            write_atomic(Path(folder) / FILE, json.dumps(value, indent=1).encode())
+            write_atomic(Path(folder) / FILE, json.dumps(self.to_json(), indent=1).encode())
         except OSError as err:
             logger.warning(
                 "could not write %s (%s): step %d's changes are not kept",

@@ -4,9 +4,11 @@ A federation lives longer than any server run: sites bring new tasks whenever th
 each run performs aggregation steps over what they bring, continuing where the last one stopped
 (docs/federation.md). The folder is two things: its checkpoints — the current codebook and
 position, committed and recovered by ``starfed.server.checkpoints`` (``self.checkpoints``), their
-one owner — and its records (``starfed.server.records``: registry, history, quarantine,
-findings, withdrawals), written and read here. Its files are named in
-``starfed.server.folder_files``.
+one owner — and its records (the types in ``starfed.server.records``), each file read and
+written by its own module (``server.registry``, ``server.history``, ``server.quarantine``,
+``server.step_findings``, ``server.step_failures``; the withdrawals' log in
+``server.folder_files``, which names every file). ``Federation`` composes them: it decides
+when each is written in a step's close, not how.
 
 Closing a step has one commit point: ``codebook.bin`` written with the next position (its
 records are appended to the store before it; no reader reads a record no manifest names). The
@@ -45,31 +47,25 @@ from starfed.server.folder_files import (
     STEP_FINDINGS_FILE,
     WITHDRAWING_FILE,
     FederationError,
-    HistoryLines,
     Identity,
-    append_history,
-    append_step_failures,
     append_withdrawal,
-    read_quarantine,
-    read_registry,
-    read_step_findings,
     read_withdrawals,
     temporaries,
-    write_history,
-    write_quarantine,
-    write_registry,
-    write_step_findings,
 )
+from starfed.server.history import HistoryLines, append_history, write_history
+from starfed.server.quarantine import Quarantined, read_quarantine, write_quarantine
 from starfed.server.records import (
     Exchange,
     Finding,
     Outcome,
     Position,
-    Registration,
     StepRecord,
     Withdrawal,
     now,
 )
+from starfed.server.registry import Registration, read_registry, write_registry
+from starfed.server.step_failures import append_step_failures
+from starfed.server.step_findings import read_step_findings, write_step_findings
 from starfed.shared.codebook.framing import CodebookError
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
@@ -196,16 +192,14 @@ class Federation:
         kept codebook after its checkpoint (they hold the site's values)."""
         if record.rerun_from is not None:
             self._forget_steps(record.rerun_from)
-        self.registry = {n: r for n, r in self.registry.items() if n not in record.removed}
-        for registration in self.registry.values():
-            registration.sites.pop(record.site, None)
+        self.registry = {
+            n: r.without(record.site) for n, r in self.registry.items() if n not in record.removed
+        }
         self._write_registry()
         quarantine = self.quarantine()
-        quarantine[record.site] = {
-            "step": record.steps,
-            "since": record.when,
-            "reason": "withdrawn: a new `starfed server sites add` lets it back",
-        }
+        quarantine[record.site] = Quarantined(
+            record.steps, record.when, "withdrawn: a new `starfed server sites add` lets it back"
+        )
         write_quarantine(self.root, quarantine)
         kept = self.contributions().without(record.site, record.removed)
         self.save_contributions(kept, self.checkpoints.codebook())
@@ -268,7 +262,7 @@ class Federation:
         when = now()
         for name, sites in brought.items():
             for site in sites:
-                self.registry[name].sites.setdefault(site, when)
+                self.registry[name] = self.registry[name].brought_by(site, when)
         with self._mid_step("the registry of its new classes"):
             self._write_registry()
 
@@ -283,7 +277,7 @@ class Federation:
     def _write_registry(self) -> None:
         write_registry(self.root, self.registry)
 
-    def quarantine(self) -> dict[str, dict]:
+    def quarantine(self) -> dict[str, Quarantined]:
         """Sites kept out of later steps: site -> the step and reason that put it there."""
         return read_quarantine(self.root)
 
@@ -291,7 +285,7 @@ class Federation:
         """Keep ``sites`` (site -> why) out of later steps (``quarantine-persists``)."""
         quarantine = self.quarantine()
         for site, reason in sites.items():
-            quarantine.setdefault(site, {"step": step, "since": now(), "reason": reason})
+            quarantine.setdefault(site, Quarantined(step, now(), reason))
         with self._mid_step("the sites it quarantined"):
             write_quarantine(self.root, quarantine)
 

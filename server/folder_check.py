@@ -35,14 +35,14 @@ from starfed.server.folder_files import (
     WITHDRAWING_FILE,
     DamagedFile,
     FederationError,
-    HistoryLines,
     Identity,
-    read_registry,
-    read_step_findings,
     read_withdrawals,
     temporaries,
 )
-from starfed.server.records import Position, Registration, StepRecord
+from starfed.server.history import HistoryLines
+from starfed.server.records import Position, StepRecord
+from starfed.server.registry import Registration, read_registry
+from starfed.server.step_findings import read_step_findings
 from starfed.shared.codebook import store_layout
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.protocol import PHASES, SYNC

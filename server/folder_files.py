@@ -1,7 +1,8 @@
-"""The federation folder's files: their names, the folder's identity, and each record file's
-reader and writer, which need no ``Federation`` (``server.folder_check`` and ``folder_repair``
-work on damaged folders): the registry, the history, the quarantine, the step's findings (the
-change scale's are ``server.change_scale``'s). The folder holds::
+"""The federation folder's files: their names, the folder's identity, and the withdrawals' and
+exports' logs. Each other record file has its own reader and writer, which need no
+``Federation`` (``server.folder_check`` and ``folder_repair`` work on damaged folders):
+``server.registry``, ``server.history``, ``server.quarantine``, ``server.step_findings``,
+``server.step_failures``, ``server.change_scale``. The folder holds::
 
 
     federation.json   its identity: id, creation time, backbone fingerprint and dims
@@ -18,15 +19,16 @@ change scale's are ``server.change_scale``'s). The folder holds::
                       (every ``.bin`` here is a manifest; a folder written before the store had
                       whole codebooks there, moved into the store once, ``Federation.migrate``)
     registry.json     every class: the step that registered it, the sites that brought it, when
+                      (``server.registry``)
     history.jsonl     one ``StepRecord`` per finished step: status, phases, participation,
-                      screening findings, scores (written and read here only)
+                      screening findings, scores (``server.history``)
     step-end.json     the record of a step being closed, between its commit and its history
                       line (the next run finishes an interrupted close)
     lock.json         the run that writes the folder now (``server.folder_lock``)
     change-scale.json the scale of honest changes per field over completed steps, the
                       reference of a lone sender's bound (``server.change_scale``)
     quarantine.json   sites kept out of later steps (``quarantine-persists``; the operator
-                      deletes an entry to let a site back in)
+                      deletes an entry to let a site back in; ``server.quarantine``)
     step-findings.json  the screening's findings in the step in progress, written ahead of each
                       of its checkpoints: a resumed step keeps those of the phases it had done
     step-failures.jsonl the step in progress's failed and refused exchanges, a line each as they
@@ -45,18 +47,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from starfed.server.records import (
-    Exchange,
-    ExportRecord,
-    Finding,
-    Registration,
-    StepRecord,
-    Withdrawal,
-)
+from starfed.server.records import ExportRecord, Withdrawal
 from starfed.shared.codebook import store_layout
 from starfed.shared.codebook.framing import CodebookError, read_message
 from starfed.shared.codebook.schema import ModelDims
@@ -92,56 +87,6 @@ class DamagedFile(FederationError):
     def __init__(self, path: Path, why: Exception | str) -> None:
         super().__init__(f"{path} is damaged: {why}")
         self.why = str(why)
-
-
-def read_registry(root: Path) -> dict[str, Registration]:
-    """``registry.json`` of the federation folder ``root`` (none yet: empty); ``DamagedFile``
-    when it does not read. The one reader: a run, ``check`` and ``repair`` alike."""
-    path = root / REGISTRY_FILE
-    try:
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-        return {name: Registration(**entry) for name, entry in raw.items()}
-    except (OSError, ValueError, TypeError, AttributeError) as err:
-        raise DamagedFile(path, err) from None
-
-
-def registry_bytes(registry: Mapping[str, Registration]) -> bytes:
-    """``registry.json`` as ``read_registry`` reads it back."""
-    return json.dumps({name: asdict(entry) for name, entry in registry.items()}, indent=2).encode()
-
-
-def write_registry(root: Path, registry: Mapping[str, Registration]) -> None:
-    write_atomic(root / REGISTRY_FILE, registry_bytes(registry))
-
-
-def read_quarantine(root: Path) -> dict[str, dict]:
-    """``quarantine.json``: sites kept out of later steps, site -> the step and reason that put
-    it there (none yet: empty); ``DamagedFile`` when it is not site -> entry."""
-    path = root / QUARANTINE_FILE
-    try:
-        entries = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError) as err:
-        raise DamagedFile(path, err) from None
-    values = entries.values() if isinstance(entries, dict) else [None]
-    if not all(isinstance(v, dict) and isinstance(v.get("step"), int) for v in values):
-        raise DamagedFile(path, "not site -> entry")
-    return entries
-
-
-def write_quarantine(root: Path, entries: Mapping[str, dict]) -> None:
-    write_atomic(root / QUARANTINE_FILE, json.dumps(entries, indent=2).encode())
-
-
-def write_history(root: Path, records: Sequence[StepRecord]) -> None:
-    """``history.jsonl`` written anew with ``records`` (atomically)."""
-    write_atomic(root / HISTORY_FILE, "".join(r.to_json() + "\n" for r in records).encode())
-
-
-def append_history(root: Path, record: StepRecord) -> None:
-    """One line more in ``history.jsonl`` (the file written anew, atomically)."""
-    path = root / HISTORY_FILE
-    lines = path.read_text() if path.is_file() else ""
-    write_atomic(path, (lines + record.to_json() + "\n").encode())
 
 
 def read_withdrawals(root: Path) -> list[Withdrawal]:
@@ -181,79 +126,6 @@ def append_export(root: Path, record: ExportRecord) -> None:
     """One line more in ``exports.jsonl``, appended (an export does not lock the folder)."""
     with open(root / EXPORTS_FILE, "a") as file:
         file.write(record.to_json() + "\n")
-
-
-@dataclass(frozen=True)
-class HistoryLines:
-    """``history.jsonl`` line by line, as written: the records that read, in file order, and
-    each damaged line (its 1-based number, why). The one reader: a run refuses a damaged line,
-    ``check`` reports each, ``repair`` drops them."""
-
-    records: list[StepRecord]
-    damaged: list[tuple[int, str]]
-
-    @classmethod
-    def read(cls, root: Path, errors: str = "strict") -> HistoryLines:
-        """``OSError`` when the file cannot be read (``UnicodeDecodeError`` too, unless
-        ``errors`` replaces what does not decode); no file: no lines."""
-        path = root / HISTORY_FILE
-        text = path.read_text(errors=errors) if path.is_file() else ""
-        records, damaged = [], []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    records.append(StepRecord.from_json(line))
-                except (ValueError, TypeError) as err:
-                    damaged.append((number, str(err)))
-        return cls(records, damaged)
-
-
-def read_step_findings(root: Path) -> tuple[int | None, list[Finding]]:
-    """``step-findings.json`` of the federation folder ``root``: its step (None without the
-    file) and findings. FederationError when it is damaged (``starfed server repair`` sets it
-    aside)."""
-    path = root / STEP_FINDINGS_FILE
-    if not path.is_file():
-        return None, []
-    try:
-        value = json.loads(path.read_text())
-        return int(value["step"]), [Finding(**f) for f in value["findings"]]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise FederationError(
-            f"{path} is damaged ({err}); `starfed server repair` sets it aside (the step then "
-            "goes on without the findings so far)"
-        ) from None
-
-
-def write_step_findings(root: Path, step: int, findings: Sequence[Finding]) -> None:
-    """``step-findings.json``: what ``read_step_findings`` reads back."""
-    value = {"step": step, "findings": [asdict(f) for f in findings]}
-    write_atomic(root / STEP_FINDINGS_FILE, json.dumps(value, indent=1).encode())
-
-
-def append_step_failures(root: Path, exchanges: Sequence[Exchange]) -> None:
-    """Lines more in ``step-failures.jsonl``, appended and flushed as the exchanges end: a
-    journal for people, so an append (not an atomic rewrite) is enough; a line a crash tore is
-    skipped by the reader."""
-    if exchanges:
-        with (root / STEP_FAILURES_FILE).open("a") as out:
-            out.writelines(json.dumps(e.to_json()) + "\n" for e in exchanges)
-
-
-def read_step_failures(root: Path, step: int) -> list[Exchange]:
-    """The exchanges of ``step`` that ``append_step_failures`` journaled; lines that do not
-    read (torn by a crash, damaged) are skipped: the step's record is the account that counts."""
-    path = root / STEP_FAILURES_FILE
-    found = []
-    with contextlib.suppress(OSError):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                entry = Exchange.from_json(json.loads(line))
-            except (ValueError, TypeError, KeyError):
-                continue
-            if entry.step == step:
-                found.append(entry)
-    return found
 
 
 @dataclass(frozen=True)

@@ -92,5 +92,5 @@ def locked(root: Path, what: str) -> Iterator[Holder]:
     """Hold the folder's lock for the ``with`` block, released however it ends (an exception,
     SystemExit, KeyboardInterrupt; SIGKILL leaves a stale lock the next run takes over)."""
     refuse = functools.partial(_refused, root)
-    with locks.held(Path(root) / LOCK_FILE, Holder.me(what), refuse) as me:
+    with locks.hold(Path(root) / LOCK_FILE, Holder.me(what), refuse) as me:
         yield me

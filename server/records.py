@@ -1,5 +1,6 @@
-"""The federation's typed records: what a step's history line, a checkpoint's position and the
-folder's registry hold (``starfed.server.federation`` writes and reads them).
+"""The federation's typed records: what a step's history line, a checkpoint's position and a
+withdrawal hold (each record file's reader and writer is its own module: ``server.history``,
+``server.registry``, ``server.quarantine``, ``server.step_findings``, …).
 
 Each is a frozen (or plain) dataclass written as JSON exactly as the folders hold it, through
 explicit ``to_json``/``from_json``: an exchange's status as its text (``"ok"``, ``"no reply"``,
@@ -21,15 +22,6 @@ POSITION_KEY = "position"  # codebook metadata key of the protocol position
 
 def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-@dataclass
-class Registration:
-    """What the federation knows of one class besides its codebook entry."""
-
-    step: int  # the step that registered it
-    registered: str = field(default_factory=now)
-    sites: dict[str, str] = field(default_factory=dict)  # site -> when it first brought it
 
 
 @dataclass(frozen=True)
@@ -203,6 +195,13 @@ class Finding:
     reason: str
     name: str = ""  # the class, when the finding is about one class's row
 
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Finding:
+        return cls(**raw)
+
 
 @dataclass(frozen=True)
 class PhaseTime:
@@ -280,7 +279,7 @@ class StepRecord:
                 "sites": tuple(raw.get("sites", ())),
                 "phase_seconds": tuple(PhaseTime(**p) for p in raw.get("phase_seconds", ())),
                 "exchanges": tuple(Exchange.from_json(e) for e in raw.get("exchanges", ())),
-                "findings": tuple(Finding(**f) for f in raw.get("findings", ())),
+                "findings": tuple(Finding.from_json(f) for f in raw.get("findings", ())),
                 "quarantined": tuple(raw.get("quarantined", ())),
                 "replays": tuple(ReplayCost(**r) for r in raw.get("replays", ())),
             }

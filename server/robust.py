@@ -172,14 +172,14 @@ def _outlying_senders(updates: Sequence[ClientUpdate]) -> list[set[str]]:
     """For each update, the classes whose mixture it sent is left out of the pool
     (``outlying_mixtures``, per class and mixture field); logged, since the strategy does not
     know whose update it is."""
-    held: dict[tuple[str, str], list[tuple[int, GaussianMixture]]] = {}
+    sent_by: dict[tuple[str, str], list[tuple[int, GaussianMixture]]] = {}
     for index, update in enumerate(updates):
         for entry in update.entries:
             for field, value in entry.values.items():
                 if isinstance(value, GaussianMixture):
-                    held.setdefault((entry.name, field), []).append((index, value))
+                    sent_by.setdefault((entry.name, field), []).append((index, value))
     left_out: list[set[str]] = [set() for _ in updates]
-    for (name, field), sent in held.items():
+    for (name, field), sent in sent_by.items():
         if len(sent) < MIN_HOLDERS:
             continue
         for (index, _), far in zip(sent, outlying_mixtures([m for _, m in sent]), strict=True):

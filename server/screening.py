@@ -48,6 +48,7 @@ from typing import NamedTuple
 from starfed.server.change_scale import ChangeScale
 from starfed.server.decode import Decoded
 from starfed.server.messaging import reject
+from starfed.server.quarantine import Quarantined
 from starfed.server.records import CONTRADICTED, QUARANTINED, REJECTED, Exchange, Finding
 from starfed.shared import progress
 from starfed.shared.codebook.codebook import Codebook
@@ -191,7 +192,7 @@ class Screen:
         return name
 
     def sync(
-        self, named: list[Decoded], codebook: Codebook, quarantine: Mapping[str, dict]
+        self, named: list[Decoded], codebook: Codebook, quarantine: Mapping[str, Quarantined]
     ) -> list[Decoded]:
         """The syncs (``named``, by node id) that may take part: sites in the operator's
         ``quarantine``, a second node with a taken name, a node using a name registered
@@ -207,9 +208,7 @@ class Screen:
             )
             problem = None
             if site in quarantine:
-                problem = f"quarantined since step {quarantine[site].get('step', 0) + 1}: " + str(
-                    quarantine[site].get("reason", "")
-                )
+                problem = quarantine[site].line()
             elif site in names:
                 problem = f"site name {site!r} is taken in this step by node {names[site]}"
             elif borrowed:

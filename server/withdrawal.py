@@ -34,10 +34,9 @@ from starfed.server.folder_files import (
     FederationError,
     Identity,
     read_exports,
-    read_quarantine,
     read_withdrawals,
-    write_quarantine,
 )
+from starfed.server.quarantine import read_quarantine, write_quarantine
 from starfed.server.records import Withdrawal, now
 from starfed.server.robust import with_merge
 from starfed.server.strategy import PhaseState, Strategy

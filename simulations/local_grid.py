@@ -98,7 +98,7 @@ class LocalGrid:
     def codebooks_sent(self) -> dict[str, Codebook]:
         """The codebook each recorded message carried, keyed by message id: deltas are applied
         to what the same node was sent before, as the site does."""
-        held: dict[int, Codebook] = {}
+        stored: dict[int, Codebook] = {}  # each node's codebook, as its site holds it
         out = {}
         for message in self.sent:
             if CODEBOOK_RECORD not in message.content:
@@ -108,8 +108,8 @@ class LocalGrid:
                 record_bytes(message.content[CODEBOOK_RECORD][RECORD_DATA], CODEBOOK_RECORD)
             )
             if isinstance(received, Delta):
-                received = held[node].apply(received)
-            held[node] = out[message.metadata.message_id] = received
+                received = stored[node].apply(received)
+            stored[node] = out[message.metadata.message_id] = received
         return out
 
     def _context(self, node_id: int) -> Context:

@@ -328,6 +328,34 @@ def test_client_app_checks_run_and_node_config(
         answer.site_for(1, 1, run_config, node_config)
 
 
+def test_the_client_app_parses_a_node_config_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second message with the same node config is not parsed again; another node's config
+    (a simulation's process answers many nodes) is parsed once too; a bad one fails every
+    message."""
+    from starfed.client import app
+
+    parsed: list[dict] = []
+
+    def counted(raw: dict, table: str) -> dict:
+        parsed.append(dict(raw))
+        return config_parse(raw, table)
+
+    config_parse = app.parse
+    monkeypatch.setattr(app, "parse", counted)
+    app._worker_socket.cache_clear()
+    node_a = {"partition-id": 0, "num-partitions": 2}
+    node_b = {"partition-id": 1, "num-partitions": 2, "worker-socket": "/run/site.sock"}
+    for node_config in (node_a, node_a, node_b, node_b, node_a):
+        app._worker_socket(frozenset(node_config.items()))
+    assert parsed == [node_a, node_b]
+    assert app._worker_socket(frozenset(node_b.items())) == "/run/site.sock"
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"^unknown node-config key 'partition'"):
+            app._worker_socket(frozenset({"partition": 0}.items()))
+    assert len(parsed) == 4
+    app._worker_socket.cache_clear()
+
+
 def test_environment_knobs_are_read_typed_from_their_variables(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -260,6 +260,17 @@ def test_names_from_the_folders_are_text_on_the_page_never_markup(folder) -> Non
     assert hostile in names  # the data as it is; only the page escapes it
 
 
+def test_a_quarantined_site_is_shown_with_its_step_and_why(folder) -> None:
+    """The quarantine's entries, typed (``Quarantined``), on the page (the step 1-based) and in
+    the API's state as ``quarantine.json`` holds them."""
+    Federation.open(folder.federation).add_quarantine({"farm-m": "3 findings"}, 1)
+    client = _client(folder)
+    table = client.get("/live").text.partition("<h3>quarantined sites</h3>")[2]
+    assert "<td>farm-m</td><td>2</td><td>3 findings</td>" in table
+    entry = client.get("/api/state").json()["status"]["quarantine"]["farm-m"]
+    assert (entry["step"], entry["reason"]) == (1, "3 findings")
+
+
 def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
     return {
         str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).digest(), p.stat().st_mtime_ns)

@@ -39,8 +39,16 @@ from starfed.client.ops import site_options, supernode_log
 from starfed.host.process_identity import ProcessId
 from starfed.ops import clock, pki
 from starfed.proto import codebook_pb2 as pb
-from starfed.server import checkpoints, folder_check, folder_files, folder_lock
+from starfed.server import (
+    checkpoints,
+    folder_check,
+    folder_files,
+    folder_lock,
+    history,
+    step_findings,
+)
 from starfed.server import federation as federation_module
+from starfed.server import registry as registry_module
 from starfed.server.app import RunFailed
 from starfed.server.federation import Federation
 from starfed.server.folder_files import (
@@ -368,7 +376,7 @@ def test_a_lost_history_record_stays_counted(root: Path, capsys) -> None:
 
 #: A registry that is not JSON, and JSON that is not a registry (a list; an entry without its
 #: step): each fails a run with one line and is rebuilt by ``repair``, as every reader of the
-#: file reads it one way (``folder_files.read_registry``).
+#: file reads it one way (``registry.read_registry``).
 DAMAGED_REGISTRIES = ["{ not json", "[1, 2]", '{"Apple___healthy": {"sites": []}}']
 
 
@@ -400,7 +408,7 @@ def test_a_full_disk_while_closing_a_step_never_duplicates_it(
     says the disk is full and whether the commit point moved; the next run finishes the close
     (or the step) and records it once."""
     next_task(root)
-    modules = (federation_module, checkpoints, folder_files, wire)
+    modules = (federation_module, checkpoints, folder_files, history, wire)
     real = {module: module.write_atomic for module in modules}
 
     def full(module):
@@ -446,9 +454,8 @@ def test_a_full_disk_mid_step_is_one_line_and_the_step_resumes(
     move and nothing was lost, and what the next run does; the run fails (exit 1) and the next
     run completes the step, recorded once, in a folder ``check`` accepts."""
     next_task(root)
-    real = {
-        module: module.write_atomic for module in (federation_module, checkpoints, folder_files)
-    }
+    writers = (federation_module, checkpoints, folder_files, registry_module, step_findings)
+    real = {module: module.write_atomic for module in writers}
     seen: list[bytes] = []
 
     def full(module):

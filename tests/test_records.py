@@ -1,5 +1,7 @@
 """The federation's typed records read what folders written before them hold, and write it
-back byte for byte: an exchange's status and a position's phase rounds keep their text form."""
+back byte for byte: an exchange's status and a position's phase rounds keep their text form;
+each record file (registry, quarantine, the step's findings) through its own reader and
+writer."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import pytest
 from conftest import FINGERPRINT, TINY_DIMS
 
 from starfed.server.federation import Federation
-from starfed.server.folder_files import FederationError
+from starfed.server.folder_files import DamagedFile, FederationError
+from starfed.server.quarantine import Quarantined, read_quarantine, write_quarantine
 from starfed.server.records import (
     Exchange,
     ExchangeStatus,
@@ -21,6 +24,8 @@ from starfed.server.records import (
     Position,
     StepRecord,
 )
+from starfed.server.registry import Registration, read_registry, registry_bytes, write_registry
+from starfed.server.step_findings import read_step_findings, write_step_findings
 
 #: A history line as the federation wrote it when statuses and phase rounds were text.
 OLD_LINE = json.dumps(
@@ -174,3 +179,87 @@ def test_a_position_copies_and_pickles_with_its_phase_rounds() -> None:
         assert again == position and all(type(d) is PhaseRound for d in again.done)
         assert again.done[1].round == 2
     assert position.to_json()["done"] == ["sync/0", "stage1/2"]
+
+
+#: Record files as folders written before their typed readers hold them (``json.dumps`` of the
+#: dicts the federation kept: ``indent=2`` for the registry and the quarantine, 1 for findings).
+OLD_FILES = {
+    "registry.json": json.dumps(
+        {
+            "c1": {"step": 0, "registered": "2026-01-01T00:00:00+00:00", "sites": {}},
+            "c2": {
+                "step": 1,
+                "registered": "2026-01-02T00:00:00+00:00",
+                "sites": {"farm-a": "2026-01-02T00:00:01+00:00"},
+            },
+        },
+        indent=2,
+    ),
+    "quarantine.json": json.dumps(
+        {"farm-m": {"step": 2, "since": "2026-01-03T00:00:00+00:00", "reason": "3 findings"}},
+        indent=2,
+    ),
+    "step-findings.json": json.dumps(
+        {
+            "step": 2,
+            "findings": [
+                {
+                    "site": "farm-m",
+                    "phase": "stage1",
+                    "round": 0,
+                    "action": "rejected",
+                    "reason": "far",
+                    "name": "c2",
+                }
+            ],
+        },
+        indent=1,
+    ),
+}
+
+
+def test_each_record_file_reads_typed_and_writes_back_the_same(tmp_path: Path) -> None:
+    """The registry, the quarantine and the step's findings, each through its own module's
+    reader and writer, as a folder written before them holds them."""
+    for name, text in OLD_FILES.items():
+        (tmp_path / name).write_text(text)
+    registry = read_registry(tmp_path)
+    assert registry["c2"].sites == {"farm-a": "2026-01-02T00:00:01+00:00"}
+    assert registry_bytes(registry).decode() == OLD_FILES["registry.json"]
+    quarantine = read_quarantine(tmp_path)
+    assert quarantine == {"farm-m": Quarantined(2, "2026-01-03T00:00:00+00:00", "3 findings")}
+    assert quarantine["farm-m"].line() == "quarantined since step 3: 3 findings"
+    step, findings = read_step_findings(tmp_path)
+    assert step == 2 and findings[0].name == "c2"
+    for name in OLD_FILES:
+        (tmp_path / name).unlink()
+    write_registry(tmp_path, registry)
+    write_quarantine(tmp_path, quarantine)
+    write_step_findings(tmp_path, step, findings)
+    assert {name: (tmp_path / name).read_text() for name in OLD_FILES} == OLD_FILES
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("registry.json", '{"c1": {"step": 0, "sites": {}, "steps": 2}}'),
+        ("quarantine.json", '{"farm-m": {"since": "now"}}'),
+        ("quarantine.json", '["farm-m"]'),
+    ],
+)
+def test_a_record_file_that_is_not_its_record_is_damaged(
+    tmp_path: Path, name: str, text: str
+) -> None:
+    (tmp_path / name).write_text(text)
+    read = read_registry if name == "registry.json" else read_quarantine
+    with pytest.raises(DamagedFile, match=rf"^{tmp_path / name} is damaged: "):
+        read(tmp_path)
+
+
+def test_a_registration_changes_into_a_new_one() -> None:
+    """Frozen: a site that brought the class, or one withdrawn, makes a new entry; a site
+    already named keeps its first time."""
+    entry = Registration(1, "t0")
+    brought = entry.brought_by("farm-a", "t1").brought_by("farm-a", "t2")
+    assert entry.sites == {} and brought.sites == {"farm-a": "t1"}
+    assert brought.without("farm-a") == entry

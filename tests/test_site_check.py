@@ -48,7 +48,7 @@ def test_a_good_site_is_ready(tmp_path, fingerprint, capsys) -> None:
         {"name": "2026-03", "classes": {CLASSES[0]: 10, CLASSES[1]: 10}},
         {"name": "2026-05", "classes": {CLASSES[2]: 10}},
     ]
-    assert report["test_images"] == dict.fromkeys(CLASSES[0:3], 4) and not report["held_out"]
+    assert report["test_images"] == dict.fromkeys(CLASSES[0:3], 4) and not report["test_share"]
     assert report["fingerprint"] == fingerprint and report["unreadable"] == []
     assert {f["level"] for f in report["findings"]} == {"ok"}
 

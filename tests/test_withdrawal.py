@@ -285,10 +285,10 @@ KILLED = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     from starfed.cli import main
-    from starfed.server import checkpoints, federation, folder_files
+    from starfed.server import checkpoints, federation, folder_files, history, quarantine, registry
     from starfed.shared.codebook import store_io
     target = sys.argv[1]
-    for module in (checkpoints, federation, folder_files, store_io):
+    for module in (checkpoints, federation, folder_files, history, quarantine, registry, store_io):
         real = module.write_atomic
         def write(path, data, real=real):
             if Path(path).name == target:

@@ -29,7 +29,7 @@ from starfed.client.site import admitted
 from starfed.shared.codebook.framing import read_message
 from starfed.shared.config import parse
 from starfed.shared.data.images import DatasetError, decode_quietly
-from starfed.shared.data.site_folder import HELD_OUT_SHARE, TEST_FOLDER, SiteFolder, class_key
+from starfed.shared.data.site_folder import TEST_FOLDER, TEST_SHARE, SiteFolder, class_key
 from starfed.shared.knob import Values
 from starfed.shared.model.backbone_config import BackboneError, preset_config, read_backbone_config
 from starfed.shared.model.backbone_options import BackboneOptions
@@ -62,7 +62,7 @@ class SiteCheck:
     state: str
     tasks: list[Task] = field(default_factory=list)
     test_images: dict[str, int] = field(default_factory=dict)  # class -> test images
-    held_out: bool = False  # test images are a share of each class (no test/ folder)
+    test_share: bool = False  # test images are a share of each class (no test/ folder)
     unreadable: list[str] = field(default_factory=list)
     fingerprint: str | None = None
     federation_fingerprint: str | None = None
@@ -135,14 +135,14 @@ def _tasks(report: SiteCheck, folder: SiteFolder) -> None:
 
 
 def _test_images(report: SiteCheck, folder: SiteFolder) -> None:
-    report.held_out = not (folder.root / TEST_FOLDER).is_dir()
+    report.test_share = not (folder.root / TEST_FOLDER).is_dir()
     trained = {class_key(c): c for t in report.tasks for c, n in t.classes.items() if n}
     counts = {key: len(paths) for key, paths in folder.test.items()}
     report.test_images = {trained.get(key, key): n for key, n in counts.items()}
     missing = [name for key, name in trained.items() if not counts.get(key)]
     how = (
-        f"no {TEST_FOLDER}/ folder: {HELD_OUT_SHARE:.0%} of each class's images are held out"
-        if report.held_out
+        f"no {TEST_FOLDER}/ folder: {TEST_SHARE:.0%} of each class's images are held out"
+        if report.test_share
         else f"{TEST_FOLDER}/"
     )
     report.add(OK, "test images", f"{sum(report.test_images.values())} ({how})")
@@ -150,7 +150,7 @@ def _test_images(report: SiteCheck, folder: SiteFolder) -> None:
         names = ", ".join(missing)
         report.add(WARNING, "test images", f"none for {names}: this site cannot score them")
     strays = sorted(set(counts) - set(trained))
-    if strays and not report.held_out:
+    if strays and not report.test_share:
         names = ", ".join(strays)
         report.add(WARNING, "test images", f"{TEST_FOLDER}/ classes of no task: {names}")
 
@@ -271,9 +271,9 @@ def _state(report: SiteCheck, state: Path, data: Path) -> None:
     completed = remembered["completed"]
     tasks = ", ".join(completed) or "none"
     version = remembered["codebook_version"]
-    held = f", codebook v{version}" if version else ""
+    codebook = f", codebook v{version}" if version else ""
     federation = remembered["federation"][:8]
-    report.add(OK, "state", f"{state}: federation {federation}, completed tasks: {tasks}{held}")
+    report.add(OK, "state", f"{state}: federation {federation}, completed tasks: {tasks}{codebook}")
     gone = [t for t in completed if t not in {task.name for task in report.tasks}]
     if gone and report.tasks:
         report.add(WARNING, "state", f"completed tasks no longer in the data folder: {gone}")
@@ -348,10 +348,10 @@ def _remembered(state: Path) -> dict | None:
         "codebook_version": None,
         "codebook_fingerprint": None,
     }
-    held = state / memory.CODEBOOK_FILE
-    if held.is_file():
+    codebook_path = state / memory.CODEBOOK_FILE
+    if codebook_path.is_file():
         try:
-            message = read_message(held)
+            message = read_message(codebook_path)
         except (OSError, ValueError):  # damaged: the site downloads the whole codebook again
             return remembered
         remembered["codebook_version"] = message.version

@@ -92,5 +92,5 @@ def hold(data: Path, site: str, state: Path) -> Iterator[Holder]:
     site holds it."""
     path = lock_path(data)
     refuse = functools.partial(_refused, data, path)
-    with locks.held(path, Holder.me(site, state), refuse) as me:
+    with locks.hold(path, Holder.me(site, state), refuse) as me:
         yield me

@@ -176,7 +176,7 @@ def _state_lock(state: Path, name: str) -> Iterator[None]:
     """One SuperNode per state folder: two with one key would fight over one node id."""
     state.mkdir(parents=True, exist_ok=True)
     me = data_lock.Holder.me(name, state)
-    with locks.held(state / STATE_LOCK, me, functools.partial(_state_in_use, state)):
+    with locks.hold(state / STATE_LOCK, me, functools.partial(_state_in_use, state)):
         yield
 
 

@@ -37,11 +37,12 @@ from starfed.server.folder_files import (
     STEP_FINDINGS_FILE,
     WITHDRAWALS_FILE,
     FederationError,
-    read_step_failures,
 )
 from starfed.server.ops import sites, superlink
 from starfed.server.ops.layout import ServerFolder
+from starfed.server.quarantine import Quarantined
 from starfed.server.records import Exchange, Finding, Outcome, StepRecord
+from starfed.server.step_failures import read_step_failures
 
 RECENT_STEPS = 3  # steps whose failed exchanges and screening findings count as recent
 #: A site whose last exchanges failed, whatever Flower says of it (an online site can fail
@@ -153,7 +154,7 @@ class Status:
     errors: list[ErrorRow] = field(default_factory=list)
     refusals: list[ErrorRow] = field(default_factory=list)  # sites' answers that refused
     findings: list[FindingRow] = field(default_factory=list)  # of the last steps and this one
-    quarantine: dict[str, dict] = field(default_factory=dict)  # sites kept out of later steps
+    quarantine: dict[str, Quarantined] = field(default_factory=dict)  # kept out of later steps
     last_run: dict | None = None
     server: dict = field(default_factory=dict)
     runs: list[dict] = field(default_factory=list)  # unfinished runs on the SuperLink

@@ -126,9 +126,9 @@ def _header(file: BinaryIO, path: object, max_bytes: int | None) -> tuple[int, b
         raise CodebookError(f"{path}: not a starfed codebook file")
     if max_bytes is not None and length > max_bytes:
         raise CodebookError(f"{path}: payload of {length} bytes exceeds the limit {max_bytes}")
-    held = os.fstat(file.fileno()).st_size - _HEADER.size
-    if length != held:
-        raise CodebookError(f"{path}: header announces {length} bytes, file holds {held}")
+    size = os.fstat(file.fileno()).st_size - _HEADER.size
+    if length != size:
+        raise CodebookError(f"{path}: header announces {length} bytes, file holds {size}")
     return length, digest
 
 

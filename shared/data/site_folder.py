@@ -27,7 +27,7 @@ from pathlib import Path
 from starfed.shared.data.images import IMAGE_EXTENSIONS, DatasetError
 
 TEST_FOLDER = "test"
-HELD_OUT_SHARE = 0.2  # of each class's images, when the site has no test/ folder
+TEST_SHARE = 0.2  # of each class's images, when the site has no test/ folder
 PATIENT_SEPARATOR = "__"  # <patient>__<name>: an image's patient (the patient privacy unit)
 _SEPARATORS = re.compile(r"[\s_\-]+")
 
@@ -77,7 +77,7 @@ def _subfolders(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def _held_out(path: str, share: float) -> bool:
+def _in_test_share(path: str, share: float) -> bool:
     """Whether an image is a test image: a stable function of its class folder and name."""
     p = Path(path)
     digest = hashlib.sha256(f"{p.parent.name}/{p.name}".encode()).digest()
@@ -147,9 +147,9 @@ class SiteFolder:
         for task in tasks:
             train = {}
             for name, paths in task.train.items():
-                train[name] = [p for p in paths if not _held_out(p, HELD_OUT_SHARE)]
-                held = [p for p in paths if _held_out(p, HELD_OUT_SHARE)]
-                test.setdefault(class_key(name), []).extend(held)
+                train[name] = [p for p in paths if not _in_test_share(p, TEST_SHARE)]
+                tested = [p for p in paths if _in_test_share(p, TEST_SHARE)]
+                test.setdefault(class_key(name), []).extend(tested)
             split.append(SiteTask(task.name, train))
         return cls(root, split, test)
 
