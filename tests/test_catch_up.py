@@ -442,7 +442,7 @@ SLOW_PART_S = 20.0  # far above a tiny phase, however loaded the machine
 class SlowReaderGrid(LocalGrid):
     """The local runtime with Flower's pushes and pulls: each node answers its messages in
     order in a thread of its own, as a SuperNode does, and node 2 takes ``SLOW_PART_S`` to
-    read each catch-up part (``close`` wakes it)."""
+    read each catch-up part, however it is sent (``close`` wakes it)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -465,14 +465,17 @@ class SlowReaderGrid(LocalGrid):
         return [f.result() for f in done if not f.cancelled() and f.result() is not None]
 
     def _answer(self, message: Message, message_id: str) -> Message | None:
-        if message.metadata.dst_node_id == 2 and message.metadata.message_type == CATCH_UP_MESSAGE:
-            self.closed.wait(SLOW_PART_S)
-            self.parts_read.append(time.monotonic())
         reply = self._deliver(message)  # which gives the message an id of its own: put back
         message.metadata.__dict__["_message_id"] = message_id
         if reply is not None:
             reply.metadata.__dict__["_reply_to_message_id"] = message_id
         return reply
+
+    def _deliver(self, message):  # type: ignore[no-untyped-def]
+        if message.metadata.dst_node_id == 2 and message.metadata.message_type == CATCH_UP_MESSAGE:
+            self.closed.wait(SLOW_PART_S)
+            self.parts_read.append(time.monotonic())
+        return super()._deliver(message)
 
     def close(self) -> None:
         self.closed.set()
