@@ -441,8 +441,10 @@ SLOW_PART_S = 20.0  # far above a tiny phase, however loaded the machine
 
 class SlowReaderGrid(LocalGrid):
     """The local runtime with Flower's pushes and pulls: each node answers its messages in
-    order in a thread of its own, as a SuperNode does, and node 2 takes ``SLOW_PART_S`` to
-    read each catch-up part, however it is sent (``close`` wakes it)."""
+    order in a thread of its own, as a SuperNode does, and node 2 takes ``part_s`` to read
+    each catch-up part, however it is sent (``close`` wakes it)."""
+
+    part_s: float = SLOW_PART_S
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -473,7 +475,7 @@ class SlowReaderGrid(LocalGrid):
 
     def _deliver(self, message):  # type: ignore[no-untyped-def]
         if message.metadata.dst_node_id == 2 and message.metadata.message_type == CATCH_UP_MESSAGE:
-            self.closed.wait(SLOW_PART_S)
+            self.closed.wait(self.part_s)
             self.parts_read.append(time.monotonic())
         return super()._deliver(message)
 
@@ -523,3 +525,33 @@ def test_a_site_reading_its_parts_slowly_stalls_no_one(
     assert attacked["site_accuracy"]["farm-a"] == pytest.approx(
         baseline["site_accuracy"]["farm-a"], abs=1.0
     )
+
+
+def test_a_site_reading_its_parts_at_once_joins_the_step_on_a_grid_that_pushes_and_pulls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread
+) -> None:
+    """The same join with parts read at once: farm-b's stream ends within the step, it joins
+    the phases after (the one it was found behind in, when its stream ends before farm-a
+    answered), with no finding, and ends the step with the server's codebook."""
+    farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4]}
+    assert _run(tmp_path, {"farm-a": farm_a}, LocalGrid)["status"] == "completed"
+    founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    monkeypatch.setattr(parts, "PART_BYTES", one_class_parts(founded, slack=64))
+    monkeypatch.setattr(SlowReaderGrid, "part_s", 0.0)
+    grids: list[SlowReaderGrid] = []
+
+    def grid(*args, **kwargs) -> SlowReaderGrid:  # type: ignore[no-untyped-def]
+        grids.append(SlowReaderGrid(*args, **kwargs))
+        return grids[-1]
+
+    try:
+        joined = _run(tmp_path, {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}, grid)
+    finally:
+        grids[0].close()
+    assert joined["status"] == "completed"
+    theirs = [e for e in joined["exchanges"] if e["site"] == "farm-b"]
+    assert [e["round"] for e in theirs if e["phase"] == CATCH_UP_KEY] == [0, 1, 2, 3]
+    answered = {e["phase"] for e in theirs if e["status"] == "ok"} - {"sync", CATCH_UP_KEY}
+    assert "evaluate" in answered, answered
+    server = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    _same(HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook(), server)
