@@ -40,6 +40,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from starfed.server.messaging import (
     PushPullGrid,
@@ -149,7 +150,8 @@ def before_phase(
         if ledger.started[node] >= CATCH_UPS_PER_STEP:
             findings[node] = f"refused a catch-up: {CATCH_UPS_PER_STEP} already in step {step + 1}"
             continue
-        start(grid, codebook, node, step, dtype, sites, timeout, ledger)
+        sent = partial(send, grid, codebook, node, step, dtype, sites, timeout)
+        start(grid, ledger, node, codebook.version, sent)
     if set(nodes) <= set(late):  # no one else to stall
         for node in set(nodes) & set(ledger.streams):
             ledger.streams[node].done.wait()
@@ -162,23 +164,17 @@ def before_phase(
 
 
 def start(
-    grid: SiteGrid,
-    codebook: Codebook,
-    node: int,
-    step: int,
-    dtype: str,
-    sites: Mapping[int, str],
-    timeout: float,
-    ledger: Ledger,
+    grid: SiteGrid, ledger: Ledger, node: int, version: int, sent: Callable[[Stream], bool]
 ) -> None:
-    """``node``'s catch-up to ``codebook`` (counted in ``ledger``): in a thread of its own on a
-    grid that pushes and pulls, to its end before returning on one that answers at once."""
-    stream = ledger.streams[node] = Stream(codebook.version)
+    """``node``'s catch-up to codebook ``version`` (counted in ``ledger``), whose parts ``sent``
+    sends (``send``, whether it caught the node up): in a thread of its own on a grid that
+    pushes and pulls, to its end before returning on one that answers at once."""
+    stream = ledger.streams[node] = Stream(version)
     ledger.started[node] += 1
 
     def run() -> None:
         try:
-            stream.caught = send(grid, codebook, node, step, dtype, sites, timeout, stream)
+            stream.caught = sent(stream)
         finally:
             stream.done.set()
 
