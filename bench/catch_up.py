@@ -9,8 +9,17 @@ as it arrives (decoded, written) and after the last writes the held file from th
 decodes it. Bytes and messages are what the wire would carry, the phase message's empty delta
 left out.
 
+``--slow-site S`` measures instead what one slow site costs the others (issue 43, attack 7):
+the send and collect of one phase (``catch_up.before_phase``, the phase's message, the streams
+that ended meanwhile: what ``Coordinator._send_phase`` does) over a grid of two sites, one that
+holds the codebook and answers the phase in 0.1 s, one joining that reads each of ``--parts``
+parts (paper-dims classes) in S seconds, the grid pushing and pulling as Flower's does (its
+sites in threads of their own). ``--inline`` gives the same grid without pushes and pulls: every
+catch-up runs to its end before the phase, as every catch-up did before the streams.
+
     python bench/catch_up.py                        # 100, 1000, 10000 classes, float32
     python bench/catch_up.py --classes 100 1000 --dtype float16
+    python bench/catch_up.py --slow-site 1 --parts 6 [--inline]
 """
 
 from __future__ import annotations
@@ -23,18 +32,28 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from codebook_sizes import PAPER
+from flwr.app import ConfigRecord, Message, RecordDict
 
+from starfed.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server import catch_up
+from starfed.server.messaging import exchange, message_config
+from starfed.server.participants import Participants
 from starfed.shared.codebook import parts, schema
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.held import HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
+from starfed.shared.protocol import CATCH_UP, HELD, RECORD_DATA
 
 FINGERPRINT = "ab" * 32
 LINE = Lineage("bench", "epoch-1")
@@ -106,6 +125,93 @@ def site(n_classes: int, messages: int, folder: Path) -> dict[str, object]:
     }
 
 
+# --- one slow site (--slow-site) ---------------------------------------------------------------
+
+PHASE_S = 0.1  # the honest site's answer to the phase
+PHASE_MESSAGE = "train.stage1"
+
+
+class TwoSites:
+    """A grid of two sites answering in threads of their own, as SuperNodes do: node 1 answers
+    a phase in ``PHASE_S``, node 2 each catch-up part in ``part_s`` (its last reply: the version
+    it holds). This one has no pushes and pulls: a send waits for every reply."""
+
+    def __init__(self, part_s: float, version: int) -> None:
+        self.part_s, self.version = part_s, version
+        self.workers = {node: ThreadPoolExecutor(1) for node in (1, 2)}
+        self.replies: dict[str, Future[Message]] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return [1, 2]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        return [self.replies.pop(i).result() for i in self._submit(messages)]
+
+    def _submit(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            ids.append(uuid.uuid4().hex)
+            message.metadata.__dict__["_message_id"] = ids[-1]
+            worker = self.workers[message.metadata.dst_node_id]
+            self.replies[ids[-1]] = worker.submit(self._answer, message)
+        return ids
+
+    def _answer(self, message: Message) -> Message:
+        config = message.content["config"]
+        if CATCH_UP not in config:
+            time.sleep(PHASE_S)
+            return Message(RecordDict(), reply_to=message)
+        time.sleep(self.part_s)
+        index, count, _ = config[CATCH_UP]
+        held = str(self.version if index == count - 1 else 0).encode()
+        return Message(RecordDict({HELD: ConfigRecord({RECORD_DATA: held})}), reply_to=message)
+
+
+class Pushing(TwoSites):
+    """The same sites on a grid that pushes and pulls, as Flower's does."""
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        return self._submit(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        done = [i for i in message_ids if self.replies[i].done()]
+        return [self.replies.pop(i).result() for i in done]
+
+
+def slow_site(part_s: float, n_parts: int, inline: bool) -> dict[str, object]:
+    """One phase's send and collect with node 2 joining: its wall, and node 1's reply time."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        setattr(TaskIdentity, name, value)  # what a ServerApp's process has
+    codebook = federation(n_parts)
+    one = replace(codebook, entries={codebook.names[0]: codebook[codebook.names[0]]})
+    parts.PART_BYTES = parts.broadcast_bytes(one, 0, "float32") * 3 // 2
+    grid = (TwoSites if inline else Pushing)(part_s, codebook.version)
+    participants = Participants(node_ids=[1, 2], versions={1: codebook.version})
+    sites, ledger = {1: "farm-a", 2: "farm-b"}, catch_up.Ledger()
+    config = message_config(0, 0, codebook, "float32")
+    t0 = time.perf_counter()
+    caught = catch_up.before_phase(
+        grid, codebook, participants, [1, 2], 0, "float32", sites, 600, ledger
+    )
+    good, _ = exchange(grid, PHASE_MESSAGE, "stage1", 0, 0, config, caught.nodes, sites, None, 600)
+    joined = catch_up.joined(ledger, participants, codebook.version)
+    wall = time.perf_counter() - t0
+    for stream in ledger.streams.values():
+        stream.stop.set()
+    return {
+        "grid": "answers at once (before)" if inline else "pushes and pulls (streams)",
+        "parts": n_parts,
+        "part_s": part_s,
+        "phase_wall_s": round(wall, 2),
+        "phase_nodes": caught.nodes + joined.nodes,
+        "caught_up_in_phase": 2 in caught.nodes + joined.nodes,
+        "answers": len(good),
+        "threads": threading.active_count(),
+    }
+
+
 def _rss_mb() -> int:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
@@ -121,10 +227,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--classes", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    parser.add_argument("--slow-site", type=float, metavar="S", help="seconds a part, one site")
+    parser.add_argument("--parts", type=int, default=6)
+    parser.add_argument("--inline", action="store_true", help="a grid without pushes and pulls")
     parser.add_argument("--side", choices=["server", "site"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.slow_site is not None:
+        print(json.dumps(slow_site(args.slow_site, args.parts, args.inline)))
+        _machine()
+        return
     if args.side == "server":
         print(json.dumps(server(args.classes[0], args.dtype, args.folder)))
         return
@@ -147,6 +260,10 @@ def main() -> None:
                 tmp,
             )
         print(json.dumps(row), flush=True)
+    _machine()
+
+
+def _machine() -> None:
     load = os.getloadavg()[0]
     print(json.dumps({"machine": platform.node(), "cpus": os.cpu_count(), "load_1min": load}))
 

@@ -5,29 +5,50 @@ codebook. Once the federation's codebook passes what one message may carry
 (``starfed.shared.codebook.parts.PART_BYTES``), a site that holds nothing recent — one joining
 late, one that lost its state — could not receive it at all. So before a codebook phase's
 message the coordinator finds the nodes whose broadcast would pass a part (``behind``) and sends
-them the codebook split by classes (``send``): one catch-up message per part
+each of them the codebook split by classes (``send``): one catch-up message per part
 (``CATCH_UP_MESSAGE``, its own message type: a site answers it apart from the phases), whose
-config says which part it is (``CATCH_UP``), all behind nodes served part by part. A site stages the
-parts and holds the codebook only after the last (``HeldCodebook.stage``); its last reply says
-the version it now holds (``HELD``), and the phase's own message then carries the empty delta
-from it. A node that fails a part (an error, no reply, a part refused) leaves the catch-up and
-sits that phase out; the next phase starts its catch-up again from the first part, so a site
-that went away mid-way costs only a restart. The server encodes one part at a time. A catch-up
-costs the whole codebook, so the step counts them (``Ledger``): a failed one, a site behind
-again after completing one, and one refused past ``CATCH_UPS_PER_STEP`` are screening findings
-(``CaughtUp.findings``), which count toward ``quarantine-after``.
+config says which part it is (``CATCH_UP``). A site stages the parts and holds the codebook
+only after the last (``HeldCodebook.stage``); its last reply says the version it now holds
+(``HELD``), and the phase's own message then carries the empty delta from it. A node that fails
+a part (an error, no reply, a part refused) leaves the catch-up and sits that phase out; the
+next phase starts its catch-up again from the first part, so a site that went away mid-way
+costs only a restart. The server encodes one part at a time.
 
-Costs: a catch-up sends the broadcast's bytes once per behind node, in ⌈bytes / PART_BYTES⌉
-messages; deciding who is behind is one pass over the classes' versions per phase.
+Each node's parts are its own stream (``Stream``), so that a site reading its parts slowly
+stalls no one (issue 43, attack 7: 1 s a part took every site's phase from 0.15 s to 6.25 s).
+On a grid that pushes and pulls (Flower's) a stream runs in a thread of its own, each part with
+its own timeout, while the phase is sent to the nodes that hold a recent codebook: a node whose
+stream completes while the phase runs is sent the phase after the others answered
+(``joined``), one whose stream is still going sits the phase out and joins a later phase; a
+phase with no other node waits for its streams. A stream not done when its step ends is
+stopped, a finding (``abandon``). A grid that answers at once (the local runtime, whose nodes
+run one after another in one thread) runs each stream to its end before the phase, as before.
+
+A catch-up costs the whole codebook, so the step counts them (``Ledger``): a failed one, a site
+behind again after completing one, one refused past ``CATCH_UPS_PER_STEP`` and one the step's
+end stopped are screening findings (``CaughtUp.findings``), which count toward
+``quarantine-after``.
+
+Costs: a catch-up sends (and encodes, one part at a time) the broadcast's bytes once per behind
+node, in ⌈bytes / PART_BYTES⌉ messages; deciding who is behind is one pass over the classes'
+versions per phase; on a grid that pushes and pulls, a thread per node in a catch-up.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
-from starfed.server.messaging import SiteGrid, exchange, message_config, reject
+from starfed.server.messaging import (
+    PushPullGrid,
+    SiteGrid,
+    exchange,
+    message_config,
+    reject,
+)
 from starfed.server.participants import Participants
 from starfed.server.records import Exchange
 from starfed.shared.codebook import parts
@@ -50,11 +71,27 @@ CATCH_UPS_PER_STEP = 2
 
 
 @dataclass
+class Stream:
+    """One node's catch-up: the version it is sent, in how many parts, the log entry of each
+    part answered so far (appended as they go), whether it ended (``done``) and caught the
+    node up (``caught``); ``stop`` ends it before its next part."""
+
+    version: int
+    parts: int = 0  # how many it sends, once planned
+    exchanges: list[Exchange] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
+    caught: bool = False
+
+
+@dataclass
 class Ledger:
-    """One step's catch-ups: how many each node started, and the nodes that completed one."""
+    """One step's catch-ups: how many each node started, the nodes that completed one, and the
+    streams in progress or ended but not yet read (node -> its stream)."""
 
     started: Counter[int] = field(default_factory=Counter)
     completed: set[int] = field(default_factory=set)
+    streams: dict[int, Stream] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,80 +133,143 @@ def before_phase(
     timeout: float,
     ledger: Ledger,
 ) -> CaughtUp:
-    """Catch up the ``nodes`` of a phase that are ``behind`` (``send``), at most
-    ``CATCH_UPS_PER_STEP`` times each in the step (``ledger``), and note what each holds after;
-    the nodes to send the phase to — all but those behind that were not caught up (they sit
-    the phase out, and may start again at the next) — the log of every part, and the
-    findings."""
+    """The streams that ended since the last phase read (``joined``), then a catch-up started
+    (``start``) for each of the ``nodes`` of a phase that is ``behind`` and has none in
+    progress, at most ``CATCH_UPS_PER_STEP`` times each in the step (``ledger``); the nodes to
+    send the phase to — all but those behind that are not caught up (they sit the phase out,
+    and may join a later one) — the log of every part of the streams that ended, and the
+    findings. A phase whose every node is behind waits for their catch-ups: it stalls no one."""
+    ended = joined(ledger, participants, codebook.version)
+    findings, exchanges = dict(ended.findings), list(ended.exchanges)
     late = behind(codebook, participants.versions, nodes, dtype)
-    findings = {
-        node: f"behind again after completing a catch-up in step {step + 1}"
-        for node in late
-        if node in ledger.completed
-    }
-    sending = [node for node in late if ledger.started[node] < CATCH_UPS_PER_STEP]
-    for node in set(late) - set(sending):
-        findings[node] = f"refused a catch-up: {CATCH_UPS_PER_STEP} already in step {step + 1}"
-    ledger.started.update(sending)
-    caught, exchanges = (
-        send(grid, codebook, sending, step, dtype, sites, timeout) if sending else (set(), [])
-    )
-    for node in sending:
-        participants.set_version(node, codebook.version if node in caught else None)
-    ledger.completed |= caught
-    for entry in exchanges:
-        if entry.failed:
-            findings.setdefault(entry.node_id, f"failed its catch-up at part {entry.round + 1}")
-    left = set(late) - caught
+    for node in late:
+        if node in ledger.streams:
+            continue  # its catch-up is still going
+        if node in ledger.completed:
+            findings[node] = f"behind again after completing a catch-up in step {step + 1}"
+        if ledger.started[node] >= CATCH_UPS_PER_STEP:
+            findings[node] = f"refused a catch-up: {CATCH_UPS_PER_STEP} already in step {step + 1}"
+            continue
+        sent = partial(send, grid, codebook, node, step, dtype, sites, timeout)
+        start(grid, ledger, node, codebook.version, sent)
+    if set(nodes) <= set(late):  # no one else to stall
+        for node in set(nodes) & set(ledger.streams):
+            ledger.streams[node].done.wait()
+    now = joined(ledger, participants, codebook.version)
+    exchanges += now.exchanges
+    for node, why in now.findings.items():
+        findings.setdefault(node, why)
+    left = set(late) - set(now.nodes)
     return CaughtUp([node for node in nodes if node not in left], exchanges, findings)
+
+
+def start(
+    grid: SiteGrid, ledger: Ledger, node: int, version: int, sent: Callable[[Stream], bool]
+) -> None:
+    """``node``'s catch-up to codebook ``version`` (counted in ``ledger``), whose parts ``sent``
+    sends (``send``, whether it caught the node up): in a thread of its own on a grid that
+    pushes and pulls, to its end before returning on one that answers at once."""
+    stream = ledger.streams[node] = Stream(version)
+    ledger.started[node] += 1
+
+    def run() -> None:
+        try:
+            stream.caught = sent(stream)
+        finally:
+            stream.done.set()
+
+    if isinstance(grid, PushPullGrid):
+        threading.Thread(target=run, name=f"catch-up node {node}", daemon=True).start()
+    else:
+        run()
+
+
+def joined(ledger: Ledger, participants: Participants, version: int) -> CaughtUp:
+    """The streams that ended, read out of ``ledger``: what each node holds now, the nodes that
+    hold ``version`` (the phase's codebook: they may be sent the phase), the log of their parts
+    and a finding for each that failed."""
+    nodes: list[int] = []
+    exchanges: list[Exchange] = []
+    findings: dict[int, str] = {}
+    for node, stream in list(ledger.streams.items()):
+        if not stream.done.is_set():
+            continue
+        del ledger.streams[node]
+        exchanges += stream.exchanges
+        participants.set_version(node, stream.version if stream.caught else None)
+        if stream.caught and stream.version == version:
+            ledger.completed.add(node)
+            nodes.append(node)
+        for entry in stream.exchanges:
+            if entry.failed:
+                findings.setdefault(node, f"failed its catch-up at part {entry.round + 1}")
+    return CaughtUp(nodes, exchanges, findings)
+
+
+def abandon(ledger: Ledger, participants: Participants, step: int) -> CaughtUp:
+    """At the step's end, the streams that ended read (``joined``: none joins a phase now) and
+    those still going stopped before their next part, each a finding, its parts answered so
+    far logged; a stopped stream's part in flight is answered, or times out, in its thread
+    (not logged)."""
+    ended = joined(ledger, participants, version=-1)
+    for node, stream in ledger.streams.items():
+        stream.stop.set()
+        answered = list(stream.exchanges)
+        ended.exchanges.extend(answered)
+        ended.findings[node] = (
+            f"its catch-up was not done at the end of step {step + 1} "
+            f"({len(answered)} of {stream.parts} parts answered)"
+        )
+        participants.set_version(node, None)
+    ledger.streams.clear()
+    return ended
 
 
 def send(
     grid: SiteGrid,
     codebook: Codebook,
-    nodes: Sequence[int],
+    node: int,
     step: int,
     dtype: str,
     sites: Mapping[int, str],
     timeout: float,
-) -> tuple[set[int], list[Exchange]]:
-    """Send ``codebook`` in parts to ``nodes``, its lineage in its metadata and in each part's
-    message config (``message_config``, round = part); the nodes that now hold it, and the log
-    entry of every part sent (phase ``catch_up``)."""
+    stream: Stream,
+) -> bool:
+    """Send ``codebook`` in parts to ``node``, its lineage in its metadata and in each part's
+    message config (``message_config``, round = part), each part with its own ``timeout``,
+    until ``stream.stop``; whether the node now holds it. The log entry of every part sent
+    (phase ``catch_up``) goes to ``stream.exchanges`` as it is answered."""
     config = message_config(step, 0, codebook, dtype)
     lineage = Lineage.of(codebook).as_metadata()
     plan = parts.plan(replace(codebook, metadata=lineage), dtype)
-    count = len(plan.parts)
-    pending, logs = list(nodes), []
+    count = stream.parts = len(plan.parts)
     for index in range(count):
-        if not pending:
-            break
-        data = plan.encoded(index)
+        if stream.stop.is_set():
+            return False
         message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)]}
-        good, exchanges = exchange(
+        good, [entry] = exchange(
             grid,
             CATCH_UP_MESSAGE,
             CATCH_UP_KEY,
             step,
             index,
             message,
-            pending,
+            [node],
             sites,
-            _constant(data),
+            _constant(plan.encoded(index)),
             timeout,
         )
-        if index == count - 1:
-            for entry, reply in good:
-                raw = reply.content[HELD][RECORD_DATA] if HELD in reply.content else b""
-                said = raw if isinstance(raw, bytes) else b""  # anything else: rejected
-                if said != str(codebook.version).encode():
-                    reject(
-                        entry,
-                        f"holds {said[:20]!r} after the last part, not version {codebook.version}",
-                    )
-        logs += exchanges
-        pending = [entry.node_id for entry in exchanges if not entry.failed]
-    return set(pending), logs
+        if index == count - 1 and good:
+            [(_, reply)] = good
+            raw = reply.content[HELD][RECORD_DATA] if HELD in reply.content else b""
+            said = raw if isinstance(raw, bytes) else b""  # anything else: rejected
+            if said != str(codebook.version).encode():
+                why = f"holds {said[:20]!r} after the last part, not version {codebook.version}"
+                reject(entry, why)
+        stream.exchanges.append(entry)
+        if entry.failed:
+            return False
+    return True
 
 
 def _constant(data: bytes) -> Callable[[int], bytes]:

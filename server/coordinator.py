@@ -222,6 +222,7 @@ class Coordinator:
             self.grid.get_node_ids()
             status, reason = FAILED, str(err)
             logger.error("step %d failed: %s; rolled back", step + 1, reason)
+        self._caught_up(catch_up.abandon(self.catch_ups, self.participants, step))
         if status != FAILED and (
             any(e.failed for e in self.tally.exchanges) or self.screen.findings
         ):
@@ -303,8 +304,9 @@ class Coordinator:
 
     def _send_phase(self, plan: PhasePlan) -> list[Reply]:
         """The send and collect stages: the plan's nodes too far behind for one message caught
-        up first (``catch_up.before_phase``), then the phase sent to each; the good replies. A
-        site that answered holds the codebook it was sent."""
+        up first (``catch_up.before_phase``: a slow one sits the phase out), then the phase sent
+        to each, and to those whose catch-up ended while it ran (``catch_up.joined``); the good
+        replies. A site that answered holds the codebook it was sent."""
         state, spec = plan.state, plan.parts[0].spec
         caught_up = catch_up.before_phase(
             self.grid,
@@ -317,14 +319,24 @@ class Coordinator:
             self.protocol.timeout_s,
             self.catch_ups,
         )
+        payload = self.participants.payloads(state.codebook, self.protocol.wire_dtype)
+        replies = self._send(
+            spec, state.step, state.round, plan.config, self._caught_up(caught_up), payload
+        )
+        late = catch_up.joined(self.catch_ups, self.participants, state.codebook.version)
+        if nodes := self._caught_up(late):
+            replies += self._send(spec, state.step, state.round, plan.config, nodes, payload)
+        return replies
+
+    def _caught_up(self, caught_up: catch_up.CaughtUp) -> list[int]:
+        """The catch-ups' parts logged and their findings noted (a catch-up costs the whole
+        codebook); of their nodes, those still in the step (not quarantined)."""
         self._logged(caught_up.exchanges)
         names = self._site_names()
-        for node, why in caught_up.findings.items():  # a catch-up costs the whole codebook
+        for node, why in caught_up.findings.items():
             self.screen.note(names.get(node, f"node-{node}"), CATCH_UP_KEY, 0, REJECTED, why)
         self.participants.leave(self.screen.quarantined)
-        nodes = [node for node in caught_up.nodes if node in self.participants.node_ids]
-        payload = self.participants.payloads(state.codebook, self.protocol.wire_dtype)
-        return self._send(spec, state.step, state.round, plan.config, nodes, payload)
+        return [node for node in caught_up.nodes if node in self.participants.node_ids]
 
     def _evaluate(self, replies: list[Reply], state: PhaseState) -> None:
         """The evaluation's decode, screen and merge: the step's scores (recorded when the step

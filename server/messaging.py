@@ -12,10 +12,9 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.serverapp import Grid
 
 from starfed.server.records import Exchange, ExchangeStatus, Outcome
 from starfed.shared.codebook.codebook import Codebook
@@ -51,6 +50,17 @@ class SiteGrid(Protocol):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]: ...
+
+
+@runtime_checkable
+class PushPullGrid(SiteGrid, Protocol):
+    """A grid whose messages are pushed, and their replies pulled, apart (Flower's ``Grid``):
+    its sites answer concurrently, so one exchange need not wait for another
+    (``server.catch_up``'s streams)."""
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]: ...
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]: ...
 
 
 def message_config(
@@ -125,7 +135,7 @@ def send_and_receive(grid: SiteGrid, messages: list[Message], timeout: float) ->
     ``timeout`` passed. Flower's ``Grid.send_and_receive`` sleeps 3 s between pulls, which a
     deployed step would pay in every phase (docs/benchmarks.md). Grids without push/pull (test
     grids that answer at once) use their own ``send_and_receive``."""
-    if not isinstance(grid, Grid):
+    if not isinstance(grid, PushPullGrid):
         return list(grid.send_and_receive(messages, timeout=timeout))
     pending = set(grid.push_messages(messages))
     replies: list[Message] = []

@@ -9,9 +9,13 @@ at the next phase, and it ends the step holding the server's codebook.
 from __future__ import annotations
 
 import itertools
+import re
 import shutil
+import threading
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -294,8 +298,10 @@ def test_a_catch_up_part_is_its_own_message_which_a_site_reads_apart_from_the_sy
     for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
         monkeypatch.setattr(TaskIdentity, name, value)  # what a ServerApp's process has
     grid = HeldGrid(codebook.version)
-    caught, exchanges = catch_up.send(grid, codebook, [1], 0, "float32", {1: "farm-b"}, 1.0)
-    assert caught == {1} and len(exchanges) == len(codebook)
+    stream = catch_up.Stream(codebook.version)
+    assert catch_up.send(grid, codebook, 1, 0, "float32", {1: "farm-b"}, 1.0, stream)
+    exchanges = stream.exchanges
+    assert len(exchanges) == len(codebook)
     assert set(grid.types) == {CATCH_UP_MESSAGE} and len(grid.types) == len(codebook)
     assert {e.phase for e in exchanges} == {CATCH_UP_KEY}
 
@@ -330,7 +336,9 @@ class GarblingGrid(LocalGrid):
 
 
 def _run(
-    tmp: Path, sites: dict[str, dict[str, list[str]]], grid: type[LocalGrid] = GarblingGrid
+    tmp: Path,
+    sites: dict[str, dict[str, list[str]]],
+    grid: Callable[..., LocalGrid] = GarblingGrid,
 ) -> dict:
     config = {**TINY_RUN, "max-steps": 1, "federation-dir": str(tmp / "federation")}
     nodes = {
@@ -424,3 +432,126 @@ def test_a_site_behind_before_every_phase_is_capped_found_and_quarantined(
     assert attacked["site_accuracy"]["farm-a"] == pytest.approx(
         baseline["site_accuracy"]["farm-a"], abs=1.0
     )
+
+
+# --- a site that reads its parts slowly (issue 43, attack 7) ---------------------------------
+
+SLOW_PART_S = 20.0  # far above a tiny phase, however loaded the machine
+
+
+class SlowReaderGrid(LocalGrid):
+    """The local runtime with Flower's pushes and pulls: each node answers its messages in
+    order in a thread of its own, as a SuperNode does, and node 2 takes ``part_s`` to read
+    each catch-up part, however it is sent (``close`` wakes it)."""
+
+    part_s: float = SLOW_PART_S
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.workers = {node: ThreadPoolExecutor(1) for node in self.node_configs}
+        self.replies: dict[str, Future[Message | None]] = {}
+        self.closed = threading.Event()
+        self.parts_read: list[float] = []  # when node 2 finished reading each part
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            ids.append(uuid.uuid4().hex)
+            message.metadata.__dict__["_message_id"] = ids[-1]  # as a grid's push does
+            node = message.metadata.dst_node_id
+            self.replies[ids[-1]] = self.workers[node].submit(self._answer, message, ids[-1])
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        done = [self.replies.pop(i) for i in list(message_ids) if self.replies[i].done()]
+        return [f.result() for f in done if not f.cancelled() and f.result() is not None]
+
+    def _answer(self, message: Message, message_id: str) -> Message | None:
+        reply = self._deliver(message)  # which gives the message an id of its own: put back
+        message.metadata.__dict__["_message_id"] = message_id
+        if reply is not None:
+            reply.metadata.__dict__["_reply_to_message_id"] = message_id
+        return reply
+
+    def _deliver(self, message):  # type: ignore[no-untyped-def]
+        if message.metadata.dst_node_id == 2 and message.metadata.message_type == CATCH_UP_MESSAGE:
+            self.closed.wait(self.part_s)
+            self.parts_read.append(time.monotonic())
+        return super()._deliver(message)
+
+    def close(self) -> None:
+        self.closed.set()
+        for worker in self.workers.values():
+            worker.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.adversarial
+def test_a_site_reading_its_parts_slowly_stalls_no_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread
+) -> None:
+    """farm-b joins a federation of four classes (four parts) and reads each part in 20 s: on
+    a grid whose sites answer concurrently, farm-a's phases go on without it (each phase of the
+    step ends before farm-b has read a second part), farm-b sits them out and its unfinished
+    catch-up is a finding at the step's end; farm-a's results are those of the same step
+    without farm-b. Before the parts went in a stream per site, every phase waited 80 s."""
+    farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4]}
+    assert _run(tmp_path, {"farm-a": farm_a}, LocalGrid)["status"] == "completed"
+    founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    monkeypatch.setattr(parts, "PART_BYTES", one_class_parts(founded, slack=64))
+    alone = tmp_path / "alone"
+    shutil.copytree(tmp_path, alone)
+
+    grids: list[SlowReaderGrid] = []
+
+    def grid(*args, **kwargs) -> SlowReaderGrid:  # type: ignore[no-untyped-def]
+        grids.append(SlowReaderGrid(*args, **kwargs))
+        return grids[-1]
+
+    t0 = time.monotonic()
+    try:
+        attacked = _run(tmp_path, {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}, grid)
+        step_s = time.monotonic() - t0
+    finally:
+        grids[0].close()
+    assert len([t for t in grids[0].parts_read if t < t0 + step_s]) <= 1  # farm-b still reading
+    [step] = [s for s in Federation.open(tmp_path / "federation").history() if s.step == 1]
+    assert {p.phase for p in step.phase_seconds} >= {"stage1", "stage2", "evaluate"}
+    mine = [f for f in step.findings if f.site == "farm-b"]
+    assert [(f.phase, f.action) for f in mine] == [(CATCH_UP_KEY, "rejected")], mine
+    assert re.search(r"not done at the end of step 2 \([01] of 4 parts answered\)", mine[0].reason)
+    phases = {e["phase"] for e in attacked["exchanges"] if e["site"] == "farm-b"}
+    assert phases <= {"sync", CATCH_UP_KEY}  # it sat every phase out
+    baseline = _run(alone, {"farm-a": farm_a}, LocalGrid)
+    assert attacked["site_accuracy"]["farm-a"] == pytest.approx(
+        baseline["site_accuracy"]["farm-a"], abs=1.0
+    )
+
+
+def test_a_site_reading_its_parts_at_once_joins_the_step_on_a_grid_that_pushes_and_pulls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread
+) -> None:
+    """The same join with parts read at once: farm-b's stream ends within the step, it joins
+    the phases after (the one it was found behind in, when its stream ends before farm-a
+    answered), with no finding, and ends the step with the server's codebook."""
+    farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4]}
+    assert _run(tmp_path, {"farm-a": farm_a}, LocalGrid)["status"] == "completed"
+    founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    monkeypatch.setattr(parts, "PART_BYTES", one_class_parts(founded, slack=64))
+    monkeypatch.setattr(SlowReaderGrid, "part_s", 0.0)
+    grids: list[SlowReaderGrid] = []
+
+    def grid(*args, **kwargs) -> SlowReaderGrid:  # type: ignore[no-untyped-def]
+        grids.append(SlowReaderGrid(*args, **kwargs))
+        return grids[-1]
+
+    try:
+        joined = _run(tmp_path, {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}, grid)
+    finally:
+        grids[0].close()
+    assert joined["status"] == "completed"
+    theirs = [e for e in joined["exchanges"] if e["site"] == "farm-b"]
+    assert [e["round"] for e in theirs if e["phase"] == CATCH_UP_KEY] == [0, 1, 2, 3]
+    answered = {e["phase"] for e in theirs if e["status"] == "ok"} - {"sync", CATCH_UP_KEY}
+    assert "evaluate" in answered, answered
+    server = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    _same(HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook(), server)

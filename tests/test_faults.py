@@ -297,6 +297,33 @@ def test_one_flipped_byte_in_the_current_base_keeps_the_last_completed_step(
     assert not store_files(current) & kept_store_files(root)  # parted again after the repair
 
 
+def test_a_step_checkpoint_sharing_the_current_base_is_parted_by_the_next_step(
+    root: Path, capsys
+) -> None:
+    """A folder of the layout before the kept step checkpoints had a store of their own (their
+    manifest a copy of ``codebook.bin``'s, naming its base and log) opens and checks whole;
+    its next step parts them, after which a flipped byte in the current base loses no
+    completed step."""
+    current = folder(root) / CODEBOOK_FILE
+    shutil.copyfile(current, folder(root) / "checkpoints" / "step-0001.bin")
+    assert store_files(current) == kept_store_files(root)
+    server = str(root / "server")
+    code, out, _ = starfed(capsys, "server", "check", "--dir", server)
+    assert code == 0, out
+    next_task(root)
+    run_two_sites(root)
+    assert finished_steps(root) == [0, 1]
+    assert not store_files(current) & kept_store_files(root)
+    base = folder(root) / STORE_DIR / min(store_files(current))
+    data = bytearray(base.read_bytes())
+    data[len(data) // 2] ^= 1
+    base.write_bytes(bytes(data))
+    code, out, _ = starfed(capsys, "server", "status", "--dir", server)
+    assert code == 1 and "DAMAGED    codebook.bin: " in out, out
+    assert "restore codebook.bin from checkpoints/step-0002.bin" in repaired(root, capsys)
+    assert finished_steps(root) == [0, 1]
+
+
 def test_a_missing_base_is_one_line_naming_it_and_the_repair(root: Path, capsys) -> None:
     base = min(store_files(folder(root) / CODEBOOK_FILE))
     (folder(root) / STORE_DIR / base).unlink()
