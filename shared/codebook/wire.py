@@ -330,9 +330,21 @@ def write_file(path: str | os.PathLike[str], codebook: Codebook, dtype: str = "f
     the module docstring)."""
     if not isinstance(codebook, Codebook):
         raise TypeError(f"a file holds a whole codebook, not a {type(codebook).__name__}")
-    payload = encode(codebook, dtype)
-    decode_codebook(payload, fingerprint=codebook.fingerprint, dims=codebook.dims, max_bytes=None)
-    write_atomic(path, frame(payload))
+    written, kept_dtype, framed = _last_written
+    if written is not codebook or kept_dtype != dtype:
+        payload = encode(codebook, dtype)
+        decode_codebook(
+            payload, fingerprint=codebook.fingerprint, dims=codebook.dims, max_bytes=None
+        )
+        framed = frame(payload)
+        _last_written[:] = [codebook, dtype, framed]
+    write_atomic(path, framed)
+
+
+#: The last codebook ``write_file`` wrote (kept with it: its id stays its own), its dtype and
+#: framed bytes: a simulation's process writes one received codebook into thousands of sites'
+#: folders, and an immutable ``Codebook`` encodes to the same bytes every time.
+_last_written: list = [None, "", b""]
 
 
 def read_version(
