@@ -18,6 +18,7 @@ import logging
 import os
 from collections import OrderedDict
 from pathlib import Path
+from typing import TypeVar
 
 from starfed.shared.codebook import parts, store_io, store_layout, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
@@ -35,6 +36,13 @@ SHARED_KEPT = 4
 LOADED_KEPT = 1 << 16
 
 
+#: A payload and the backbones it is decoded against; a held file and the same.
+DecodeKey = tuple[bytes, str | None, ModelDims | None]
+FileKey = tuple[Path, str | None, ModelDims | None]
+K = TypeVar("K")
+V = TypeVar("V")
+
+
 class Shared:
     """What every receiver in a process computes alike, computed once: a simulation's process
     answers for thousands of sites, and each message of a phase carries the same bytes to each
@@ -45,18 +53,18 @@ class Shared:
     many sites). A deployed site, one message per process, only ever misses."""
 
     def __init__(self) -> None:
-        self.decoded: OrderedDict[tuple, Codebook | Delta] = OrderedDict()
+        self.decoded: OrderedDict[DecodeKey, Codebook | Delta] = OrderedDict()
         self.applied: OrderedDict[tuple[int, int], tuple[Codebook, Delta, Codebook]] = OrderedDict()
         # (path, fingerprint, dims) -> (mtime and size when read, the codebook, its store state)
         self.loaded: OrderedDict[
-            tuple, tuple[tuple[int, int], Codebook, store_io.Stored | None]
+            FileKey, tuple[tuple[int, int], Codebook, store_io.Stored | None]
         ] = OrderedDict()
 
     def decode(
         self, data: bytes, fingerprint: str | None, dims: ModelDims | None
     ) -> Codebook | Delta:
         """``wire.decode_broadcast`` of ``data``, decoded once per distinct bytes."""
-        key = (data, fingerprint, dims)
+        key: DecodeKey = (data, fingerprint, dims)
         value = self.decoded.get(key)
         if value is None:
             value = wire.decode_broadcast(data, fingerprint=fingerprint, dims=dims)
@@ -82,7 +90,7 @@ class Shared:
         return None if kept is None or kept[0] != file.stamp else (kept[1], kept[2])
 
 
-def _keep(kept: OrderedDict, key: object, value: object, limit: int) -> None:
+def _keep(kept: OrderedDict[K, V], key: K, value: V, limit: int) -> None:
     kept[key] = value
     kept.move_to_end(key)
     while len(kept) > limit:
@@ -122,7 +130,7 @@ class HeldCodebook:
         self._stamp: tuple[int, int] = (0, 0)  # the file's mtime and size when read
 
     @property
-    def identity(self) -> tuple:
+    def identity(self) -> FileKey:
         """The file and the backbones it is read against (``Shared``'s key)."""
         return self.path, self.fingerprint, self.dims
 
