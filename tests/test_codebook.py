@@ -15,6 +15,7 @@ import torch
 
 from starfed.cli import main as cli_main
 from starfed.proto import codebook_pb2 as pb
+from starfed.shared.codebook import held as held_module
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook, CodebookError, Delta
 from starfed.shared.codebook.entry import ClassBank, ClassEntry
@@ -587,6 +588,40 @@ def test_a_held_codebook_takes_a_delta_only_of_its_lineage_and_version(
     assert held.codebook() is None and not path.exists()
     with pytest.raises(CodebookError, match="not held"):
         held.receive(replace(newest.delta(since=6), metadata=line.as_metadata()))
+
+
+def test_receivers_of_one_process_share_what_they_decode_and_each_writes_its_own_file(
+    codebook: Codebook, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A simulation's process answers for many sites, each sent the same bytes: they are
+    decoded once, a delta is applied once, and a held file unchanged since this process read
+    or wrote it is not decoded again (``held.Shared``) — yet every site's file is written and
+    reads back, in another process, as the codebook it was sent."""
+    line = Lineage("fed-1", "epoch-a").as_metadata()
+    first = replace(codebook.broadcast(), metadata=line)
+    newer = codebook.set_values({"class_1": {"key": torch.ones(codebook.dims.d_clip)}})
+    delta = wire.encode(replace(newer.delta(since=5), metadata=line))
+    whole = wire.encode(first)
+    sites = [
+        HeldCodebook(tmp_path / f"site-{i}" / "codebook.bin", fingerprint=codebook.fingerprint)
+        for i in range(3)
+    ]
+    decoded = [site.receive(whole) for site in sites]
+    assert decoded[0] is decoded[1] is decoded[2]
+    rebuilt = [HeldCodebook(site.path, fingerprint=codebook.fingerprint) for site in sites]
+    decodes = []
+    monkeypatch.setattr(held_module.store_io, "load", lambda *a, **k: decodes.append(a))
+    assert all(site.codebook() is decoded[0] for site in rebuilt)  # remembered, not decoded
+    monkeypatch.undo()
+    applied = [site.receive(delta) for site in rebuilt]
+    assert applied[0] is applied[1] is applied[2] and decodes == []
+    for site in sites:  # as another process reads them: from the disk
+        assert_entries_equal(HeldCodebook(site.path).codebook(), newer.broadcast())
+    changed = sites[0].path
+    os.utime(changed, ns=(0, 0))  # the file changed since: read again
+    reread = HeldCodebook(changed, fingerprint=codebook.fingerprint).codebook()
+    assert reread is not applied[0]
+    assert_entries_equal(reread, newer.broadcast())
 
 
 # --- command line --------------------------------------------------------------------------------

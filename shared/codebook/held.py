@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from pathlib import Path
+from typing import TypeVar
 
 from starfed.shared.codebook import parts, store_io, store_layout, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
@@ -27,6 +29,76 @@ from starfed.shared.files import write_atomic
 logger = logging.getLogger(__name__)
 
 STAGING_DIR = "codebook-parts"  # beside the held file: the parts of a codebook being received
+#: How many payloads, and deltas applied, a process keeps decoded (``Shared``).
+SHARED_KEPT = 4
+#: How many held files a process remembers decoded (``Shared.loaded``): a few hundred bytes
+#: each, the codebooks themselves shared.
+LOADED_KEPT = 1 << 16
+
+
+#: A payload and the backbones it is decoded against; a held file and the same.
+DecodeKey = tuple[bytes, str | None, ModelDims | None]
+FileKey = tuple[Path, str | None, ModelDims | None]
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Shared:
+    """What every receiver in a process computes alike, computed once: a simulation's process
+    answers for thousands of sites, and each message of a phase carries the same bytes to each
+    of them (the delta from the version they all hold). Decoding those bytes, applying that
+    delta to that codebook, and reading a held file unchanged since it was last read give the
+    same immutable value (``Codebook``: nobody modifies one in place), so each is kept and
+    shared — at 1000 simulated sites they were half of what the sites did (docs/benchmarks.md,
+    many sites). A deployed site, one message per process, only ever misses."""
+
+    def __init__(self) -> None:
+        self.decoded: OrderedDict[DecodeKey, Codebook | Delta] = OrderedDict()
+        self.applied: OrderedDict[tuple[int, int], tuple[Codebook, Delta, Codebook]] = OrderedDict()
+        # (path, fingerprint, dims) -> (mtime and size when read, the codebook, its store state)
+        self.loaded: OrderedDict[
+            FileKey, tuple[tuple[int, int], Codebook, store_io.Stored | None]
+        ] = OrderedDict()
+
+    def decode(
+        self, data: bytes, fingerprint: str | None, dims: ModelDims | None
+    ) -> Codebook | Delta:
+        """``wire.decode_broadcast`` of ``data``, decoded once per distinct bytes."""
+        key: DecodeKey = (data, fingerprint, dims)
+        value = self.decoded.get(key)
+        if value is None:
+            value = wire.decode_broadcast(data, fingerprint=fingerprint, dims=dims)
+        _keep(self.decoded, key, value, SHARED_KEPT)
+        return value
+
+    def apply(self, held: Codebook, delta: Delta) -> Codebook:
+        """``held.apply(delta)``, once per (codebook, delta) pair."""
+        key = (id(held), id(delta))
+        kept = self.applied.get(key)  # kept with both, so the ids stay theirs
+        result = kept[2] if kept is not None else held.apply(delta)
+        _keep(self.applied, key, (held, delta, result), SHARED_KEPT)
+        return result
+
+    def remember(self, file: HeldCodebook, held: Codebook, stored: store_io.Stored | None) -> None:
+        """``file`` holds ``held`` (stored as ``stored``) while its stamp is what it is now."""
+        _keep(self.loaded, file.identity, (file.stamp, held, stored), LOADED_KEPT)
+
+    def recall(self, file: HeldCodebook) -> tuple[Codebook, store_io.Stored | None] | None:
+        """What ``file`` held when it last had its present stamp, read by a receiver with the
+        same backbones, if remembered."""
+        kept = self.loaded.get(file.identity)
+        return None if kept is None or kept[0] != file.stamp else (kept[1], kept[2])
+
+
+def _keep(kept: OrderedDict[K, V], key: K, value: V, limit: int) -> None:
+    kept[key] = value
+    kept.move_to_end(key)
+    while len(kept) > limit:
+        kept.popitem(last=False)
+
+
+#: This process's.
+SHARED = Shared()
 
 
 class HeldCodebook:
@@ -57,6 +129,15 @@ class HeldCodebook:
         self._stored: store_io.Stored | None = None  # the held codebook as its store has it
         self._stamp: tuple[int, int] = (0, 0)  # the file's mtime and size when read
 
+    @property
+    def identity(self) -> FileKey:
+        """The file and the backbones it is read against (``Shared``'s key)."""
+        return self.path, self.fingerprint, self.dims
+
+    @property
+    def stamp(self) -> tuple[int, int]:
+        return self._stamp
+
     def codebook(self) -> Codebook | None:
         """The held codebook, if there is one and it is intact (a damaged file is ignored: it
         costs one whole codebook)."""
@@ -68,12 +149,15 @@ class HeldCodebook:
         if self._held is None or self._stamp != (stat.st_mtime_ns, stat.st_size):
             self._held, self._stored = None, None
             self._stamp = (stat.st_mtime_ns, stat.st_size)
+            recalled = SHARED.recall(self)
             try:
-                self._held, self._stored = store_io.load(
+                self._held, self._stored = recalled or store_io.load(
                     self.path, fingerprint=self.fingerprint, dims=self.dims
                 )
             except (OSError, CodebookError) as err:
                 logger.warning("ignoring the held codebook: %s", err)
+            else:
+                SHARED.remember(self, self._held, self._stored)
         return self._held
 
     def version_for(self, lineage: Lineage) -> int:
@@ -105,9 +189,7 @@ class HeldCodebook:
         written as one file; a delta as what it changed, appended to a store beside it (the
         whole file moved in as its base, once)."""
         if isinstance(received, bytes | bytearray | memoryview):
-            received = wire.decode_broadcast(
-                bytes(received), fingerprint=self.fingerprint, dims=self.dims
-            )
+            received = SHARED.decode(bytes(received), self.fingerprint, self.dims)
         self.drop_staging()  # a catch-up left unfinished is started again, if needed
         folder = self.path.parent / store_layout.STORE_DIR
         if isinstance(received, Delta):
@@ -117,7 +199,7 @@ class HeldCodebook:
                     f"a delta from version {received.base_version} arrived, but that codebook "
                     "is not held here"
                 )
-            received = held.apply(received)
+            received = SHARED.apply(held, received)
             since = self._stored or self._moved_in(held, folder)
             self._stored, manifest = store_io.save(folder, received, since)
             write_atomic(self.path, manifest)
@@ -129,6 +211,7 @@ class HeldCodebook:
             store_layout.collect(folder, [self.path])  # the bases no longer held
         stat = self.path.stat()
         self._held, self._stamp = received, (stat.st_mtime_ns, stat.st_size)
+        SHARED.remember(self, received, self._stored)
         return received
 
     def stage(self, data: bytes, index: int, count: int, classes: int) -> Codebook | None:

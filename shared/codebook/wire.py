@@ -330,9 +330,23 @@ def write_file(path: str | os.PathLike[str], codebook: Codebook, dtype: str = "f
     the module docstring)."""
     if not isinstance(codebook, Codebook):
         raise TypeError(f"a file holds a whole codebook, not a {type(codebook).__name__}")
-    payload = encode(codebook, dtype)
-    decode_codebook(payload, fingerprint=codebook.fingerprint, dims=codebook.dims, max_bytes=None)
-    write_atomic(path, frame(payload))
+    kept = _last_written.get(dtype)
+    if kept is not None and kept[0] is codebook:
+        framed = kept[1]
+    else:
+        payload = encode(codebook, dtype)
+        decode_codebook(
+            payload, fingerprint=codebook.fingerprint, dims=codebook.dims, max_bytes=None
+        )
+        framed = frame(payload)
+        _last_written[dtype] = codebook, framed
+    write_atomic(path, framed)
+
+
+#: The last codebook ``write_file`` wrote in each dtype (kept with it: its id stays its own),
+#: with its framed bytes: a simulation's process writes one received codebook into thousands of
+#: sites' folders, and an immutable ``Codebook`` encodes to the same bytes every time.
+_last_written: dict[str, tuple[Codebook, bytes]] = {}
 
 
 def read_version(
