@@ -237,25 +237,33 @@ class FlowerCli:
     def stop(self, run_id: int) -> None:
         self.ask("stop", str(run_id))
 
-    def stream_logs(self, run_id: int, sink: IO | None = None) -> LogStream:
+    def stream_logs(
+        self, run_id: int, sink: IO | None = None, kept: Path | None = None
+    ) -> LogStream:
         """``flwr log --stream`` in the background onto ``sink`` (our stdout when None): the
         ServerApp's progress, less Flower's report of an expected failure
-        (:func:`without_expected_failure`). It ends by itself once the run has finished. Its
-        own messages (stderr) are dropped: the follower reports a lost SuperLink in one line,
-        where the stream would print Flower's "Connection to the SuperLink is unavailable"
-        box."""
+        (:func:`without_expected_failure`). With ``kept``, every line goes to that file and
+        Flower's own chatter (:data:`FLOWER_CHATTER`) there only. It ends by itself once the
+        run has finished. Its own messages (stderr) are dropped: the follower reports a lost
+        SuperLink in one line, where the stream would print Flower's "Connection to the
+        SuperLink is unavailable" box."""
         command = self.command("log", str(run_id), "--stream")
         options = self.process_options
         popen = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, **options
         )
-        return LogStream(popen, sink)
+        return LogStream(popen, sink, kept)
 
 
 #: How an expected failure of the ServerApp ends Flower's traceback (``server.app.RunFailed``,
 #: raised after the ServerApp printed its reason as one line).
 EXPECTED_FAILURE = "starfed.server.app.RunFailed: "
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: Flower's lines in a run's log that say nothing to the person following it: its logger's INFO
+#: and DEBUG lines ("INFO :      Start `flwr-serverapp` process", an empty "INFO :"), ``flwr
+#: log``'s banner ("Using SuperLink: …") and its app installer's ("Successfully installed …").
+#: Its warnings and errors are shown, with the ServerApp's own lines.
+FLOWER_CHATTER = re.compile(r"^(?:(?:INFO|DEBUG) *:|Using SuperLink: |Successfully installed )")
 _BOX_LINES = 8  # Flower's "Exit Code: 201" box after the traceback, at most
 
 
@@ -285,23 +293,36 @@ def without_expected_failure(lines: Iterable[str]) -> Iterator[str]:
 
 
 class LogStream:
-    """A run's log streaming in the background (``flwr log --stream``), filtered onto a sink."""
+    """A run's log streaming in the background (``flwr log --stream``), filtered onto a sink;
+    all of it kept in a file when one is given."""
 
-    def __init__(self, popen: subprocess.Popen, sink: IO | None) -> None:
+    def __init__(self, popen: subprocess.Popen, sink: IO | None, kept: Path | None = None) -> None:
         self.popen = popen
-        self._pump = threading.Thread(target=self._copy, args=(sink,), daemon=True)
+        self._pump = threading.Thread(target=self._copy, args=(sink, kept), daemon=True)
         self._pump.start()
 
-    def _copy(self, sink: IO | None) -> None:
+    def _copy(self, sink: IO | None, kept: Path | None) -> None:
         stdout = self.popen.stdout
         assert stdout is not None  # started with stdout=PIPE
         lines = (raw.decode(errors="replace") for raw in iter(stdout.readline, b""))
         out = sink or sys.stdout
         coloured = out.isatty()  # Flower colours its levels; a file or a pipe gets plain text
-        for line in without_expected_failure(lines):
-            with contextlib.suppress(OSError, ValueError):
-                out.write(line if coloured else _ANSI.sub("", line))
-                out.flush()
+        with contextlib.ExitStack() as files:
+            log = None
+            if kept is not None:
+                with contextlib.suppress(OSError):  # no file: all of it on the sink, as without
+                    kept.parent.mkdir(parents=True, exist_ok=True)
+                    log = files.enter_context(kept.open("a", encoding="utf-8"))
+            for line in without_expected_failure(lines):
+                plain = _ANSI.sub("", line)
+                with contextlib.suppress(OSError, ValueError):
+                    if log is not None:
+                        log.write(plain)
+                        log.flush()
+                        if FLOWER_CHATTER.match(plain):
+                            continue
+                    out.write(line if coloured else plain)
+                    out.flush()
 
     def wait(self, timeout: float) -> None:
         """Until the stream ended (TimeoutExpired if it has not) and all of it was copied."""
@@ -351,6 +372,7 @@ def run_to_end(
     *,
     federation_config: Mapping[str, object] | None = None,
     log_sink: IO | None = None,
+    kept_log: Callable[[int], Path] | None = None,
     timeout_s: float | None = None,
     on_submitted: Callable[[int], None] | None = None,
     on_poll: Callable[[], None] | None = None,
@@ -359,7 +381,8 @@ def run_to_end(
 
     Ctrl-C (KeyboardInterrupt) and the timeout stop the run itself (``flwr stop``): only
     stopping our follower would leave the ServerApp working. FlowerRunError when the run cannot
-    be submitted or followed.
+    be submitted or followed. ``kept_log``: the file (by run id) that keeps the whole log, and
+    Flower's chatter only there.
     """
     run_id: int | None = None
     logs: LogStream | None = None
@@ -368,7 +391,7 @@ def run_to_end(
         run_id = cli.submit(app, overrides, federation_config)
         if on_submitted is not None:
             on_submitted(run_id)
-        logs = cli.stream_logs(run_id, log_sink)
+        logs = cli.stream_logs(run_id, log_sink, None if kept_log is None else kept_log(run_id))
         while True:
             if on_poll is not None:
                 on_poll()

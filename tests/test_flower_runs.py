@@ -6,6 +6,7 @@ finished, ``stop``, a working folder that holds a ``starfed/`` checkout."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import tomllib
@@ -231,3 +232,30 @@ def test_a_streamed_log_written_to_a_file_has_no_colour_codes(tmp_path: Path) ->
         stream = flower_runs.LogStream(popen, sink)
         stream.wait(10)
     assert (tmp_path / "out.txt").read_text() == "INFO :      step 1: 4 classes\n"
+
+
+#: The start of a real run's stream, Flower 1.42 (`starfed server run` with no site online).
+RUN_START = """\
+Using SuperLink: starfed (127.0.0.1:43903)
+\x1b[92mINFO \x1b[0m:      Start `flwr-serverapp` process
+Successfully installed starfed to /srv/flwr-home/apps/starfed.starfed.0.1.0.4ba81cc9.
+starfed server: federation 08e992ba in /srv/federation · 0 steps so far
+\x1b[92mINFO \x1b[0m:
+\x1b[93mWARNING \x1b[0m:   a warning of Flower's
+0 sites connected, 1 needed (waited 3s)
+"""
+
+
+def test_flowers_chatter_goes_to_the_kept_log_only(tmp_path: Path) -> None:
+    """`server run`'s terminal showed Flower's INFO lines where docs/deployment.md shows none
+    (issue 47): they go to the run's log file, with everything else; warnings stay in view."""
+    popen = subprocess.Popen(["printf", "%s", RUN_START], stdout=subprocess.PIPE)
+    kept = tmp_path / "logs" / "run-42.log"
+    with (tmp_path / "out.txt").open("w") as sink:
+        flower_runs.LogStream(popen, sink, kept).wait(10)
+    assert (tmp_path / "out.txt").read_text() == (
+        "starfed server: federation 08e992ba in /srv/federation · 0 steps so far\n"
+        "WARNING :   a warning of Flower's\n"
+        "0 sites connected, 1 needed (waited 3s)\n"
+    )
+    assert kept.read_text() == re.sub(r"\x1b\[[0-9;]*m", "", RUN_START)
