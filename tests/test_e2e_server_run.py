@@ -2,19 +2,28 @@
 
 A started server and two ``starfed site start`` SuperNodes holding different classes
 (``deployed.deployment``), ``starfed server run`` (exit 0), ``status --json`` (the classes and
-who brought them), a new task folder at one site, ``run`` again (only the new classes train);
-leaving the deployment stops the sites and the server and checks that nothing is left. Several
-minutes on 2 cores: each message costs a ClientApp process.
+who brought them), a new task folder at one site, ``run`` again and Ctrl-C on its terminal once
+its step has begun, ``resume`` (only the new classes train); leaving the deployment stops the
+sites with Ctrl-C on theirs and the server, and checks that nothing is left. Several minutes on 2
+cores: each message costs a ClientApp process.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from deployed import RUN_TIMEOUT_S, deployment, run_settings, starfed
+from deployed import RUN_TIMEOUT_S, Deployment, deployment, run_settings, starfed
 from site_folders import CLASSES, site_folder
+from terminal import Terminal
+
+from starfed.host.process_identity import ProcessId
+from starfed.ops.exit_codes import EXIT_INTERRUPTED
+from starfed.ops.flower_runs import FLOWER_CHATTER
+from starfed.ops.processes import descendants, wait_gone
 
 pytestmark = [
     pytest.mark.e2e,
@@ -27,10 +36,19 @@ def test_two_sites_two_runs_on_a_started_server(tmp_path, monkeypatch) -> None:
     settings = run_settings("--json")
     with deployment(tmp_path, monkeypatch, sites) as deployed:
         log = deployed.log
+        before = log.stat().st_size
+        at = {"start": time.monotonic()}
         code, out = starfed("server", "run", *settings, log=log, timeout=RUN_TIMEOUT_S)
+        at["run"] = time.monotonic()
         first = json.loads(out)
         assert code == 0 and first["status"] == "completed", log.read_text()[-3000:]
         assert first["metrics"]["steps"] == 1
+        # the streamed log (stderr with --json): starfed's lines, Flower's in the run's log file
+        streamed = log.read_text()[before:]
+        assert "step 1: 4 new classes from 2 sites" in streamed, streamed
+        assert not any(FLOWER_CHATTER.match(line) for line in streamed.splitlines()), streamed
+        kept = deployed.server.run_log(first["run_id"]).read_text()
+        assert "INFO :      Start `flwr-serverapp` process" in kept and "step 1: " in kept
 
         code, out = starfed("server", "status", "--json", log=log)
         status = json.loads(out)
@@ -45,17 +63,48 @@ def test_two_sites_two_runs_on_a_started_server(tmp_path, monkeypatch) -> None:
         }
 
         site_folder(tmp_path / "farm-a", {"2026-06": CLASSES[4:6]}, train=8, test=3)  # new task
-        code, out = starfed("server", "run", *settings, log=log, timeout=RUN_TIMEOUT_S)
+        at["status"] = time.monotonic()
+        interrupted_by_ctrl_c(deployed, tmp_path / "interrupted.log")
+        at["stopped"] = time.monotonic()
+        code, out = starfed("server", "resume", *settings, log=log, timeout=RUN_TIMEOUT_S)
+        at["resumed"] = time.monotonic()
+        print(  # what the Ctrl-C costs the suite: the interrupted run, and resume against run
+            f"server run e2e: run {at['run'] - at['start']:.0f}s, until Ctrl-C and its end "
+            f"{at['stopped'] - at['status']:.0f}s, resume {at['resumed'] - at['stopped']:.0f}s"
+        )
         second = json.loads(out)
         assert code == 0 and second["status"] == "completed", log.read_text()[-3000:]
+        assert "continuing step 2 after its completed phases (sync/0" in log.read_text()
         metrics = second["metrics"]
         assert metrics["steps"] == 2 and len(metrics["steps_this_run"]) == 1
-        # (a stage-1 reply without rows: two empty updates, stage 1's and its statistics')
+        # only the new classes train, which only farm-a holds: said on each site's terminal,
+        # whichever run sent stage 1 (the Ctrl-C lands after the sync, a phase or two later)
         trained = {
-            e["site"]
-            for e in metrics["exchanges"]
-            if e["phase"] == "stage1" and e["bytes_up"] > 200
+            name: [
+                line for line in site.text().splitlines() if "step 2 · stage1/0: trained" in line
+            ]
+            for name, site in deployed.sites.items()
         }
-        assert trained == {"farm-a"}  # only the new classes, which only farm-a holds
+        assert trained["farm-b"] == [] and trained["farm-a"], trained
+        assert all(c in line for line in trained["farm-a"] for c in CLASSES[4:6]), trained
+        assert not any(c in line for line in trained["farm-a"] for c in CLASSES[0:2]), trained
         assert {n for n, c in metrics["classes"].items() if c["step"] == 1} == set(CLASSES[4:6])
         assert set(metrics["site_accuracy"]) == {"farm-a", "farm-b"}
+
+
+def interrupted_by_ctrl_c(deployed: Deployment, output: Path) -> None:
+    """``server run`` on the operator's terminal, Ctrl-C once its step has synced (the sites
+    get Ctrl-C the same way when the deployment ends): exit 130, one line saying how to
+    continue, and nothing it started left running, the ServerApp included."""
+    command = [sys.executable, "-m", "starfed.cli", "server", "run", *run_settings()]
+    run = Terminal(command, output)
+    deployed.wait_for_checkpoint("sync/0", timeout=RUN_TIMEOUT_S, step=1)
+    root = ProcessId.of(run.pid)
+    assert root is not None, run.text()
+    started = descendants([root]) | set(deployed.serverapps())
+    run.ctrl_c()
+    code, said = run.wait(120), run.text()
+    assert code == EXIT_INTERRUPTED and "Traceback" not in said, said
+    assert said.splitlines()[-1].removeprefix("^C").startswith("stopped run "), said  # ^C: echo
+    assert f"continue it: starfed server resume --dir {deployed.server.root}" in said, said
+    assert wait_gone(started, 60) == set(), said
