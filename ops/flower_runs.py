@@ -46,7 +46,13 @@ CONNECTION = "starfed"  # the one SuperLink connection in every Flower config st
 FINISHED = "finished"
 COMPLETED = "finished:completed"
 INTERRUPTED = "interrupted"
+#: How often the follower of a run wakes: for the caller's ``on_poll``, the deadline, and the end
+#: of the run's log stream, which Flower ends once the run has finished.
 POLL_S = 3.0
+#: How often it asks the SuperLink for the run's status while that stream still runs (a stream
+#: that hung would be caught): each ``flwr ls`` is a Python process of ≈ 1.5 s of CPU, so asking
+#: every ``POLL_S`` took half a core for the whole run from the run it follows.
+STATUS_POLL_S = 30.0
 FLWR_TIMEOUT_S = 120.0
 #: The deployment's apps (``starfed server run``); a simulation passes its own ServerApp.
 APP_COMPONENTS = {"serverapp": "starfed.server.app:app", "clientapp": "starfed.client.app:app"}
@@ -324,6 +330,17 @@ class LogStream:
                     out.write(line if coloured else plain)
                     out.flush()
 
+    def ended(self) -> bool:
+        return self.popen.poll() is not None
+
+    def wait_ended(self, timeout: float) -> None:
+        """``timeout`` seconds, or less if the stream ends meanwhile."""
+        if self.ended():
+            time.sleep(timeout)
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+
     def wait(self, timeout: float) -> None:
         """Until the stream ended (TimeoutExpired if it has not) and all of it was copied."""
         self.popen.wait(timeout)
@@ -392,16 +409,19 @@ def run_to_end(
         if on_submitted is not None:
             on_submitted(run_id)
         logs = cli.stream_logs(run_id, log_sink, None if kept_log is None else kept_log(run_id))
+        ask_at = 0.0  # when to ask the status while the log still streams
         while True:
             if on_poll is not None:
                 on_poll()
-            status = cli.status(run_id)
-            if status.startswith(FINISHED):
-                return RunOutcome(run_id, status)
+            if logs.ended() or time.monotonic() >= ask_at:
+                status = cli.status(run_id)
+                if status.startswith(FINISHED):
+                    return RunOutcome(run_id, status)
+                ask_at = time.monotonic() + STATUS_POLL_S
             if deadline is not None and time.monotonic() > deadline:
                 cli.stop(run_id)
                 return RunOutcome(run_id, f"timed out after {timeout_s:.0f}s")
-            time.sleep(POLL_S)
+            logs.wait_ended(POLL_S)
     except KeyboardInterrupt:
         if run_id is not None:
             with contextlib.suppress(FlowerRunError):  # best effort: it may just have ended

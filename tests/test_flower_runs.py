@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import time
 import tomllib
 import zipfile
@@ -98,6 +99,19 @@ def test_a_run_is_submitted_streamed_and_followed_to_its_end(fake_flwr, tmp_path
     polls = [call for call in calls if call[0] == "ls"]  # the log stream runs alongside
     assert polls == [["ls", "starfed", "--run-id", "42", "--format", "json"]] * 3
     assert "ServerApp: step 1" in capfd.readouterr().out
+
+
+def test_while_the_log_streams_the_status_is_asked_seldom(fake_flwr, tmp_path) -> None:
+    """Flower ends a run's log stream once the run has finished: the follower waits on that
+    and asks the status (each ``flwr ls`` a Python process) at the start, at the stream's end
+    and every ``STATUS_POLL_S``, not every ``POLL_S`` (issue 47: the suite's end-to-end time)."""
+    fake.set_state(fake_flwr, statuses=["running", "finished:completed"], streaming=True)
+    finish = threading.Timer(1.0, (fake_flwr / "finished").touch)
+    finish.start()
+    outcome = flower_runs.run_to_end(_cli(tmp_path), tmp_path / "app", {})
+    finish.join()
+    assert outcome == RunOutcome(42, "finished:completed")
+    assert [call[0] for call in _calls(fake_flwr)].count("ls") == 2
 
 
 def test_an_error_answer_with_exit_code_0_is_an_error(fake_flwr, tmp_path) -> None:
