@@ -138,16 +138,12 @@ class Deployment:
             return None
         return Federation.open(self.federation).checkpoints.last_checkpoint()
 
-    def wait_for_checkpoint(self, done: str, timeout: float, step: int = 0) -> Checkpoint:
-        """Poll the federation folder until step ``step`` (from 0) has finished phase ``done``."""
+    def wait_for_checkpoint(self, done: str, timeout: float) -> Checkpoint:
+        """Poll the federation folder until the running step has finished phase ``done``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             checkpoint = self.checkpoint()
-            if (
-                checkpoint is not None
-                and checkpoint.position.step == step
-                and done in checkpoint.position.to_json()["done"]
-            ):
+            if checkpoint is not None and done in checkpoint.position.to_json()["done"]:
                 return checkpoint
             time.sleep(0.2)
         raise AssertionError(f"no checkpoint after {done} within {timeout:.0f}s; {self.log}")
