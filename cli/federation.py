@@ -187,6 +187,7 @@ def _run(args: argparse.Namespace, resume: bool) -> int:
                 app,
                 overrides,
                 log_sink=sys.stderr if args.json else None,  # stdout: one JSON object
+                kept_log=folder.run_log,
                 on_submitted=lambda run_id: say(
                     f"run {run_id} on {record.internal_address} · federation {federation_dir}"
                 ),

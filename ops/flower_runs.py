@@ -46,7 +46,13 @@ CONNECTION = "starfed"  # the one SuperLink connection in every Flower config st
 FINISHED = "finished"
 COMPLETED = "finished:completed"
 INTERRUPTED = "interrupted"
+#: How often the follower of a run wakes: for the caller's ``on_poll``, the deadline, and the end
+#: of the run's log stream, which Flower ends once the run has finished.
 POLL_S = 3.0
+#: How often it asks the SuperLink for the run's status while that stream still runs (a stream
+#: that hung would be caught): each ``flwr ls`` is a Python process of ≈ 1.5 s of CPU, so asking
+#: every ``POLL_S`` took half a core for the whole run from the run it follows.
+STATUS_POLL_S = 30.0
 FLWR_TIMEOUT_S = 120.0
 #: The deployment's apps (``starfed server run``); a simulation passes its own ServerApp.
 APP_COMPONENTS = {"serverapp": "starfed.server.app:app", "clientapp": "starfed.client.app:app"}
@@ -237,25 +243,33 @@ class FlowerCli:
     def stop(self, run_id: int) -> None:
         self.ask("stop", str(run_id))
 
-    def stream_logs(self, run_id: int, sink: IO | None = None) -> LogStream:
+    def stream_logs(
+        self, run_id: int, sink: IO | None = None, kept: Path | None = None
+    ) -> LogStream:
         """``flwr log --stream`` in the background onto ``sink`` (our stdout when None): the
         ServerApp's progress, less Flower's report of an expected failure
-        (:func:`without_expected_failure`). It ends by itself once the run has finished. Its
-        own messages (stderr) are dropped: the follower reports a lost SuperLink in one line,
-        where the stream would print Flower's "Connection to the SuperLink is unavailable"
-        box."""
+        (:func:`without_expected_failure`). With ``kept``, every line goes to that file and
+        Flower's own chatter (:data:`FLOWER_CHATTER`) there only. It ends by itself once the
+        run has finished. Its own messages (stderr) are dropped: the follower reports a lost
+        SuperLink in one line, where the stream would print Flower's "Connection to the
+        SuperLink is unavailable" box."""
         command = self.command("log", str(run_id), "--stream")
         options = self.process_options
         popen = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, **options
         )
-        return LogStream(popen, sink)
+        return LogStream(popen, sink, kept)
 
 
 #: How an expected failure of the ServerApp ends Flower's traceback (``server.app.RunFailed``,
 #: raised after the ServerApp printed its reason as one line).
 EXPECTED_FAILURE = "starfed.server.app.RunFailed: "
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: Flower's lines in a run's log that say nothing to the person following it: its logger's INFO
+#: and DEBUG lines ("INFO :      Start `flwr-serverapp` process", an empty "INFO :"), ``flwr
+#: log``'s banner ("Using SuperLink: …") and its app installer's ("Successfully installed …").
+#: Its warnings and errors are shown, with the ServerApp's own lines.
+FLOWER_CHATTER = re.compile(r"^(?:(?:INFO|DEBUG) *:|Using SuperLink: |Successfully installed )")
 _BOX_LINES = 8  # Flower's "Exit Code: 201" box after the traceback, at most
 
 
@@ -285,23 +299,47 @@ def without_expected_failure(lines: Iterable[str]) -> Iterator[str]:
 
 
 class LogStream:
-    """A run's log streaming in the background (``flwr log --stream``), filtered onto a sink."""
+    """A run's log streaming in the background (``flwr log --stream``), filtered onto a sink;
+    all of it kept in a file when one is given."""
 
-    def __init__(self, popen: subprocess.Popen, sink: IO | None) -> None:
+    def __init__(self, popen: subprocess.Popen, sink: IO | None, kept: Path | None = None) -> None:
         self.popen = popen
-        self._pump = threading.Thread(target=self._copy, args=(sink,), daemon=True)
+        self._pump = threading.Thread(target=self._copy, args=(sink, kept), daemon=True)
         self._pump.start()
 
-    def _copy(self, sink: IO | None) -> None:
+    def _copy(self, sink: IO | None, kept: Path | None) -> None:
         stdout = self.popen.stdout
         assert stdout is not None  # started with stdout=PIPE
         lines = (raw.decode(errors="replace") for raw in iter(stdout.readline, b""))
         out = sink or sys.stdout
         coloured = out.isatty()  # Flower colours its levels; a file or a pipe gets plain text
-        for line in without_expected_failure(lines):
-            with contextlib.suppress(OSError, ValueError):
-                out.write(line if coloured else _ANSI.sub("", line))
-                out.flush()
+        with contextlib.ExitStack() as files:
+            log = None
+            if kept is not None:
+                with contextlib.suppress(OSError):  # no file: all of it on the sink, as without
+                    kept.parent.mkdir(parents=True, exist_ok=True)
+                    log = files.enter_context(kept.open("a", encoding="utf-8"))
+            for line in without_expected_failure(lines):
+                plain = _ANSI.sub("", line)
+                with contextlib.suppress(OSError, ValueError):
+                    if log is not None:
+                        log.write(plain)
+                        log.flush()
+                        if FLOWER_CHATTER.match(plain):
+                            continue
+                    out.write(line if coloured else plain)
+                    out.flush()
+
+    def ended(self) -> bool:
+        return self.popen.poll() is not None
+
+    def wait_ended(self, timeout: float) -> None:
+        """``timeout`` seconds, or less if the stream ends meanwhile."""
+        if self.ended():
+            time.sleep(timeout)
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
 
     def wait(self, timeout: float) -> None:
         """Until the stream ended (TimeoutExpired if it has not) and all of it was copied."""
@@ -351,6 +389,7 @@ def run_to_end(
     *,
     federation_config: Mapping[str, object] | None = None,
     log_sink: IO | None = None,
+    kept_log: Callable[[int], Path] | None = None,
     timeout_s: float | None = None,
     on_submitted: Callable[[int], None] | None = None,
     on_poll: Callable[[], None] | None = None,
@@ -359,7 +398,8 @@ def run_to_end(
 
     Ctrl-C (KeyboardInterrupt) and the timeout stop the run itself (``flwr stop``): only
     stopping our follower would leave the ServerApp working. FlowerRunError when the run cannot
-    be submitted or followed.
+    be submitted or followed. ``kept_log``: the file (by run id) that keeps the whole log, and
+    Flower's chatter only there.
     """
     run_id: int | None = None
     logs: LogStream | None = None
@@ -368,17 +408,20 @@ def run_to_end(
         run_id = cli.submit(app, overrides, federation_config)
         if on_submitted is not None:
             on_submitted(run_id)
-        logs = cli.stream_logs(run_id, log_sink)
+        logs = cli.stream_logs(run_id, log_sink, None if kept_log is None else kept_log(run_id))
+        ask_at = 0.0  # when to ask the status while the log still streams
         while True:
             if on_poll is not None:
                 on_poll()
-            status = cli.status(run_id)
-            if status.startswith(FINISHED):
-                return RunOutcome(run_id, status)
+            if logs.ended() or time.monotonic() >= ask_at:
+                status = cli.status(run_id)
+                if status.startswith(FINISHED):
+                    return RunOutcome(run_id, status)
+                ask_at = time.monotonic() + STATUS_POLL_S
             if deadline is not None and time.monotonic() > deadline:
                 cli.stop(run_id)
                 return RunOutcome(run_id, f"timed out after {timeout_s:.0f}s")
-            time.sleep(POLL_S)
+            logs.wait_ended(POLL_S)
     except KeyboardInterrupt:
         if run_id is not None:
             with contextlib.suppress(FlowerRunError):  # best effort: it may just have ended

@@ -19,11 +19,21 @@ from rich.progress import Progress
 PIPED_WIDTH = 240
 
 
+class _Console(Console):
+    """rich's console, but a reader that went away (``starfed evaluate … | head``) is Python's
+    ``BrokenPipeError``, which ``cli.main`` answers with the shell's code for SIGPIPE as for a
+    plain ``print``: rich's own answer is a silent exit 1, which reads as a failure."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # what is still buffered is dropped, not written again
+        raise BrokenPipeError
+
+
 def console(stderr: bool = False) -> Console:
     """The console a command prints through (on stdout, or stderr for progress and logs): the
     terminal's width in a terminal; piped, ``PIPED_WIDTH`` columns and plain lines not
     wrapped. No highlighting: names and paths are printed as they are."""
-    out = Console(stderr=stderr, highlight=False)
+    out = _Console(stderr=stderr, highlight=False)
     if not out.is_terminal:
         columns = os.environ.get("COLUMNS", "")
         out.width = max(PIPED_WIDTH, int(columns) if columns.isdigit() else 0)

@@ -2,10 +2,11 @@
 
 Every step is a real command: ``starfed server start --insecure`` (loopback only: TLS and node
 authentication are covered by tests/test_deploy_e2e.py), one ``starfed site start`` per site,
-and at the end Ctrl-C to every site and ``starfed server stop``. Every process started here
-inherits an environment marker, so the end checks by PID (``process_sampler.marked``),
-independently of starfed's own bookkeeping, that nothing is left; each site's processes also
-carry the site's name, so a test can kill one site's whole machine. Tiny backbones, one epoch
+and at the end Ctrl-C to every site, on its own terminal as a person would (``terminal``), and
+``starfed server stop``. Every process started here inherits an environment marker, so the end
+checks by PID (``process_sampler.marked``), independently of starfed's own bookkeeping, that
+nothing is left; each site's processes also carry the site's name, so a test can kill one
+site's whole machine. Tiny backbones, one epoch
 everywhere, a few images per class: several minutes per round on 2 cores all the same.
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 from process_sampler import marked
 from site_folders import site_folder
+from terminal import Terminal
 
 from starfed.ops.processes import ProcessId, descendants, free_port, send_signal
 from starfed.server.federation import Federation
@@ -78,7 +80,7 @@ class Deployment:
     root: Path
     public: str
     log: Path
-    sites: dict[str, subprocess.Popen] = field(default_factory=dict)
+    sites: dict[str, Terminal] = field(default_factory=dict)
 
     @property
     def server(self) -> ServerFolder:
@@ -89,33 +91,31 @@ class Deployment:
         return self.server.federation
 
     def start_site(self, name: str) -> None:
-        """``starfed site start`` for the data folder ``ROOT/NAME`` (state ``ROOT/NAME-state``)."""
+        """``starfed site start`` for the data folder ``ROOT/NAME`` (state ``ROOT/NAME-state``),
+        on a terminal of its own (its output in ``ROOT/NAME.log``)."""
         env = {**os.environ, SITE_MARKER: name}
-        with (self.root / f"{name}.log").open("ab") as output:
-            self.sites[name] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "starfed.cli",
-                    "site",
-                    "start",
-                    "--insecure",
-                    "--server",
-                    self.public,
-                    "--data",
-                    str(self.root / name),
-                    "--state",
-                    str(self.root / f"{name}-state"),
-                    "--name",
-                    name,
-                    "--device",
-                    "cpu",
-                ],
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
+        self.sites[name] = Terminal(
+            [
+                sys.executable,
+                "-m",
+                "starfed.cli",
+                "site",
+                "start",
+                "--insecure",
+                "--server",
+                self.public,
+                "--data",
+                str(self.root / name),
+                "--state",
+                str(self.root / f"{name}-state"),
+                "--name",
+                name,
+                "--device",
+                "cpu",
+            ],
+            self.root / f"{name}.log",
+            env,
+        )
 
     def site_processes(self, name: str) -> dict[ProcessId, str]:
         """Every live process of one site (its ``site start`` and all it started)."""
@@ -179,7 +179,7 @@ def deployment(
     finally:
         for site in deployed.sites.values():
             if site.poll() is None:
-                site.send_signal(signal.SIGINT)  # Ctrl-C: the site's SuperNode goes offline
+                site.ctrl_c()  # the site's SuperNode goes offline
         for site in deployed.sites.values():
             try:
                 site.wait(60)
@@ -190,7 +190,7 @@ def deployment(
         left = marked(f"{MARKER}={root}")
         send_signal(left, signal.SIGKILL)  # never leak into the rest of the session
     assert code == 0 and json.loads(out)["survivors"] == [], out
-    assert {name: site.returncode for name, site in deployed.sites.items()} == dict.fromkeys(
-        sites, 0
-    )
+    assert {name: site.poll() for name, site in deployed.sites.items()} == dict.fromkeys(sites, 0)
+    said = {name: site.text() for name, site in deployed.sites.items()}
+    assert not [name for name, text in said.items() if "Traceback" in text], said
     assert left == {}, f"processes left running: {left}"

@@ -10,7 +10,8 @@ logged to ``calls.jsonl`` with its arguments and working folder.
 Two statuses act: ``"gone"`` kills the process ``state["superlink"]`` names and answers as
 Flower does once the SuperLink is unreachable (``log`` too, from then on: ``state["killed"]``);
 a run-config ``federation-dir`` gets ``state["metrics"]`` as its ``metrics.json`` when the run
-is submitted (the ServerApp's result).
+is submitted (the ServerApp's result). With ``state["streaming"]``, ``log`` streams, as Flower's
+does, until the run has finished: until a file ``finished`` appears beside the state.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ UNAVAILABLE = (
 )
 
 SCRIPT = """\
-import json, os, signal, sys
+import json, os, signal, sys, time
 from pathlib import Path
 here = Path(__file__).parent
 args = sys.argv[1:]
@@ -47,6 +48,8 @@ def answer(**fields):
 action = args[0]
 if action == "log":
     print("ServerApp: step 1 ...", flush=True)
+    while state.get("streaming") and not (here / "finished").exists():
+        time.sleep(0.05)  # Flower ends the stream once the run has finished
     if state.get("killed"):  # only once `ls` killed it: before, it still answered (a race)
         print("Error: " + UNAVAILABLE, file=sys.stderr)
         sys.exit(1)

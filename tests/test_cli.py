@@ -24,6 +24,7 @@ from starfed.cli import simulate as simulate_cli
 from starfed.cli import train_local as train_local_cli
 from starfed.cli.command_knobs import TABLES
 from starfed.ops.exit_codes import EXIT_PIPE_CLOSED
+from starfed.shared.codebook import wire
 from starfed.shared.knob import show
 
 FLAG_NAMES = {
@@ -400,17 +401,14 @@ def test_an_interrupted_simulation_continues_with_resume(tmp_path, monkeypatch, 
     assert line.startswith(f"starfed simulate: error: --resume {tmp_path}: no readable simulation")
 
 
-def test_a_reader_that_went_away_is_no_traceback(tmp_path: Path) -> None:
-    """``starfed predict … | head`` printed a BrokenPipeError traceback once ``head`` had its
-    lines, and a guarded command such as ``site keygen`` "error: [Errno 32] Broken pipe"
-    (issue 47's walkthrough). A pipe whose reader is closed before the first write: the command
-    stops quietly with the shell's code for SIGPIPE."""
-    command = ["site", "keygen", "--out", str(tmp_path / "site.key")]
+def into_a_closed_pipe(*argv: str | Path) -> subprocess.CompletedProcess[str]:
+    """``starfed ARGV`` in its own process, its stdout a pipe whose reader is closed before the
+    first write (``starfed … | true``)."""
     read, write = os.pipe()
     os.close(read)
     try:
-        result = subprocess.run(
-            [sys.executable, "-P", "-m", "starfed.cli", *command],
+        return subprocess.run(
+            [sys.executable, "-P", "-m", "starfed.cli", *map(str, argv)],
             stdout=write,
             stderr=subprocess.PIPE,
             text=True,
@@ -418,9 +416,20 @@ def test_a_reader_that_went_away_is_no_traceback(tmp_path: Path) -> None:
         )
     finally:
         os.close(write)
-    assert result.returncode == EXIT_PIPE_CLOSED, result.stderr
-    assert result.stderr == ""
+
+
+def test_a_reader_that_went_away_is_no_traceback(tmp_path: Path, make_codebook) -> None:
+    """``starfed predict … | head`` printed a BrokenPipeError traceback once ``head`` had its
+    lines, and a guarded command such as ``site keygen`` "error: [Errno 32] Broken pipe"
+    (issue 47's walkthrough): the command stops quietly with the shell's code for SIGPIPE. A
+    command printing through rich's console (``codebook inspect``; ``evaluate`` in
+    tests/test_inference.py) exited 1 without a word, rich's own answer."""
+    result = into_a_closed_pipe("site", "keygen", "--out", tmp_path / "site.key")
+    assert (result.returncode, result.stderr) == (EXIT_PIPE_CLOSED, "")
     assert (tmp_path / "site.pub").is_file()  # what it did, it did; only its report was lost
+    wire.write_file(tmp_path / "codebook.bin", make_codebook())
+    result = into_a_closed_pipe("codebook", "inspect", tmp_path / "codebook.bin")
+    assert (result.returncode, result.stderr) == (EXIT_PIPE_CLOSED, "")
 
 
 def test_following_a_run_with_no_superlink_there_is_one_line(capsys, monkeypatch) -> None:

@@ -6,7 +6,9 @@ finished, ``stop``, a working folder that holds a ``starfed/`` checkout."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import threading
 import time
 import tomllib
 import zipfile
@@ -97,6 +99,19 @@ def test_a_run_is_submitted_streamed_and_followed_to_its_end(fake_flwr, tmp_path
     polls = [call for call in calls if call[0] == "ls"]  # the log stream runs alongside
     assert polls == [["ls", "starfed", "--run-id", "42", "--format", "json"]] * 3
     assert "ServerApp: step 1" in capfd.readouterr().out
+
+
+def test_while_the_log_streams_the_status_is_asked_seldom(fake_flwr, tmp_path) -> None:
+    """Flower ends a run's log stream once the run has finished: the follower waits on that
+    and asks the status (each ``flwr ls`` a Python process) at the start, at the stream's end
+    and every ``STATUS_POLL_S``, not every ``POLL_S`` (issue 47: the suite's end-to-end time)."""
+    fake.set_state(fake_flwr, statuses=["running", "finished:completed"], streaming=True)
+    finish = threading.Timer(1.0, (fake_flwr / "finished").touch)
+    finish.start()
+    outcome = flower_runs.run_to_end(_cli(tmp_path), tmp_path / "app", {})
+    finish.join()
+    assert outcome == RunOutcome(42, "finished:completed")
+    assert [call[0] for call in _calls(fake_flwr)].count("ls") == 2
 
 
 def test_an_error_answer_with_exit_code_0_is_an_error(fake_flwr, tmp_path) -> None:
@@ -231,3 +246,30 @@ def test_a_streamed_log_written_to_a_file_has_no_colour_codes(tmp_path: Path) ->
         stream = flower_runs.LogStream(popen, sink)
         stream.wait(10)
     assert (tmp_path / "out.txt").read_text() == "INFO :      step 1: 4 classes\n"
+
+
+#: The start of a real run's stream, Flower 1.42 (`starfed server run` with no site online).
+RUN_START = """\
+Using SuperLink: starfed (127.0.0.1:43903)
+\x1b[92mINFO \x1b[0m:      Start `flwr-serverapp` process
+Successfully installed starfed to /srv/flwr-home/apps/starfed.starfed.0.1.0.4ba81cc9.
+starfed server: federation 08e992ba in /srv/federation · 0 steps so far
+\x1b[92mINFO \x1b[0m:
+\x1b[93mWARNING \x1b[0m:   a warning of Flower's
+0 sites connected, 1 needed (waited 3s)
+"""
+
+
+def test_flowers_chatter_goes_to_the_kept_log_only(tmp_path: Path) -> None:
+    """`server run`'s terminal showed Flower's INFO lines where docs/deployment.md shows none
+    (issue 47): they go to the run's log file, with everything else; warnings stay in view."""
+    popen = subprocess.Popen(["printf", "%s", RUN_START], stdout=subprocess.PIPE)
+    kept = tmp_path / "logs" / "run-42.log"
+    with (tmp_path / "out.txt").open("w") as sink:
+        flower_runs.LogStream(popen, sink, kept).wait(10)
+    assert (tmp_path / "out.txt").read_text() == (
+        "starfed server: federation 08e992ba in /srv/federation · 0 steps so far\n"
+        "WARNING :   a warning of Flower's\n"
+        "0 sites connected, 1 needed (waited 3s)\n"
+    )
+    assert kept.read_text() == re.sub(r"\x1b\[[0-9;]*m", "", RUN_START)

@@ -22,6 +22,7 @@ import torch
 
 from starfed.cli import main
 from starfed.client import app as client_app
+from starfed.ops.exit_codes import EXIT_PIPE_CLOSED
 from starfed.ops.follow import CACHE_FILE
 from starfed.ops.processes import free_port
 from starfed.proto import codebook_pb2 as pb
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import random_entries
 from in_process import TINY_RUN, run_grid, starfed
 from site_folders import BUNDLED, CLASSES, site_folder
+from test_cli import into_a_closed_pipe
 
 TRAINED = CLASSES[0:4]
 ONE_BATCH = "256"  # >= the test images: one forward pass, like the server's evaluation
@@ -248,6 +250,19 @@ def test_evaluate_leaves_out_classes_the_codebook_lacks(federation, exported, tm
     )
     assert code == 0 and "codebook v" in out and " on " in out and ": 20 images · " in out
     assert f"left out: 20 images of 1 class the codebook lacks ({CLASSES[9]})" in out
+
+
+def test_evaluate_into_a_reader_that_went_away_exits_as_predict_does(
+    federation, exported, tmp_path
+):
+    """``starfed evaluate … | true`` exited 1 without a word (rich's answer to a closed pipe)
+    where ``predict … | head`` exits 141 (issue 47)."""
+    plot = tmp_path / "c.png"
+    result = into_a_closed_pipe(
+        "evaluate", "--codebook", exported, "--data", federation["test"], "--plot", plot
+    )
+    assert (result.returncode, result.stderr) == (EXIT_PIPE_CLOSED, "")
+    assert plot.is_file()  # what it did, it did; only its report was lost
 
 
 def test_predict_json_and_one_warning_per_unreadable_image(exported, tmp_path, capsys):

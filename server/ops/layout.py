@@ -86,6 +86,11 @@ class ServerFolder:
     superlink_log = _Place("superlink.log", logs)
     gateway_log = _Place("gateway.log", logs)
 
+    def run_log(self, run_id: int) -> Path:
+        """What ``server run`` streamed of a run's log, with Flower's lines the terminal leaves
+        out (``flwr log RUN --show`` has it too, while the SuperLink keeps the run)."""
+        return self.logs / f"run-{run_id}.log"
+
     def output_log(self, process: str) -> Path:
         """A managed process's stdout and stderr (start-up errors before its own log opens)."""
         return self.logs / f"{process}.out"
