@@ -121,7 +121,6 @@ class SyncAhead:
     with it: the nodes it went to, its good replies and its log entries, what the step starts
     from instead of sending its own (``Coordinator.run_step``)."""
 
-    step: int
     node_ids: list[int]
     replies: list[Reply]
     exchanges: list[Exchange]
@@ -227,8 +226,6 @@ class Coordinator:
         run's ``last``, its evaluation travels with the next step's sync."""
         step = self.position.step
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.step != step:
-            ahead = None  # the step before failed to end: its sync is not this step's
         if self.before_step is not None and ahead is None:
             self.before_step(step)
         status, reason = COMPLETED, ""
@@ -369,8 +366,9 @@ class Coordinator:
 
     def _evaluate_with_next_sync(self, step: int) -> None:
         """The evaluation travelling with the next step's sync: the next step's folders
-        written (``before_step``), then its sync sent to every connected node, with the
-        codebook and the evaluation's config to this step's participants (caught up first);
+        written (``before_step``), then its sync sent to every connected node and this step's
+        participants, with the codebook and the evaluation's config to the latter (caught up
+        first);
         their reports are the step's scores (``_evaluate``), the replies the next step's sync
         (``self.ahead``)."""
         t0 = time.perf_counter()
@@ -382,7 +380,7 @@ class Coordinator:
         codebook = self.participants.payloads(state.codebook, self.protocol.wire_dtype)
         if self.before_step is not None:
             self.before_step(step + 1)
-        online = sorted(self.grid.get_node_ids())
+        nodes = sorted({*self.grid.get_node_ids(), *evaluating})  # as its own message would
         plain = sync_config(step + 1, state.codebook, self.protocol.wire_dtype)
         riding = {**self._config(spec, state), **plain, TRAVELLING: [spec.phase.key]}
         good, exchanges = exchange(
@@ -392,14 +390,14 @@ class Coordinator:
             step + 1,
             0,
             lambda node: riding if node in evaluating else plain,
-            online,
+            nodes,
             self._site_names(),
             lambda node: codebook(node) if node in evaluating else b"",
             self.protocol.timeout_s,
         )
         self.log.exchanges.extend(exchanges)  # the next step's: its tally gets them
         self.federation.journal_failures(exchanges)
-        self.ahead = SyncAhead(step + 1, online, good, exchanges)
+        self.ahead = SyncAhead(nodes, good, exchanges)
         parts, reports = evaluation_parts(step, exchanges, good, evaluating)
         self._logged(parts)
         self._evaluate(reports, state, spec.phase.key)
