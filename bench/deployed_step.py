@@ -1,26 +1,31 @@
 """A warm deployed step against the same step simulated with Flower, interleaved in one run.
 
 Deployed: ``starfed server start`` and two ``starfed site start`` SuperNodes on 127.0.0.1, as
-an operator runs them (tests/deployed.py does the same for the end-to-end tests); each step is
-one ``starfed server run`` in which both sites bring a task of one class (all its bundled
-images: 80 training, 20 test). Simulated: ``starfed simulate`` with Flower (SuperLink, Ray),
-two simulated sites, two classes per task split between them — as many classes and images per step.
-One epoch everywhere. The step's seconds are the server's own (``wall_s`` and per phase,
-``phase_seconds``, in the federation's ``history.jsonl``); a step is warm from the second on
-(the first loads backbones, Ray and its actors, the site workers).
+an operator runs them (tests/deployed.py does the same for the end-to-end tests); each run is
+one ``starfed server run`` of ``--steps`` steps, in each of which both sites bring a task of one
+class (all its bundled images: 80 training, 20 test) — several steps in one run, as a run's
+evaluation travels with the next step's sync and only its last step evaluates on its own (the
+run ends with a sync that finds nothing new, which carries it). Simulated: ``starfed simulate``
+with Flower (SuperLink, Ray), two simulated sites, two classes per task split between them — as
+many classes and images per step. One epoch everywhere. The step's seconds are the server's
+own (``wall_s`` and per phase, ``phase_seconds``, in the federation's ``history.jsonl``); a
+step is warm from the second on (the first loads backbones, Ray and its actors, the site
+workers). Messages per step: the lines of farm-a's release record (one per message it
+answered) over the steps.
 
 (``command_s``: the whole ``starfed server run``, with the run's submission and the
-ServerApp's start.) The two alternate — deployed step 1, simulation 1, deployed step 2,
-simulation 2, ... — so the machine's load falls on both alike; the 1-minute load average is
+ServerApp's start.) The two alternate — deployed run 1, simulation 1, deployed run 2,
+simulation 2 — so the machine's load falls on both alike; the 1-minute load average is
 recorded around each part.
 
-    python bench/deployed_step.py --steps 4 --json /tmp/deployed-step.json
+    python bench/deployed_step.py --runs 2 --steps 3 --json /tmp/deployed-step.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -31,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from starfed.client.release_record import Release, ReleaseRecord
 from starfed.shared.data.cropdiseases import bundled_dataset_root
 
 RUN_CONFIG = {
@@ -133,14 +139,16 @@ class Deployment:
                     stdin=subprocess.DEVNULL,
                 )
 
-    def run(self) -> dict:
+    def run(self, steps: int) -> dict:
+        """One ``server run`` until no site brings a new class (``steps`` steps); its step
+        rows and the messages farm-a answered."""
         settings = [f"--run-config={k}={v}" for k, v in RUN_CONFIG.items()]
         started = time.monotonic()
+        answered = len(self.answered())
         code, _ = starfed(
             "server",
             "run",
             *settings,
-            "--steps=1",
             "--min-sites=2",
             "--wait-s=300",
             "--timeout-s=300",
@@ -149,8 +157,19 @@ class Deployment:
         )
         if code != 0:
             raise SystemExit(f"server run failed ({code}): {self.log}")
-        row = step_row(history(self.root / "server" / "federation")[-1])
-        return {**row, "command_s": round(time.monotonic() - started, 2)}
+        rows = [step_row(r) for r in history(self.root / "server" / "federation")[-steps:]]
+        messages = self.answered()[answered:]
+        return {
+            "steps": rows,
+            "command_s": round(time.monotonic() - started, 2),
+            "messages": len(messages),
+            "messages_per_step": round(len(messages) / steps, 2),
+            "message_keys": [f"{line.step + 1}:{line.phase}" for line in messages],
+        }
+
+    def answered(self) -> list[Release]:
+        """The lines of farm-a's release record: a message answered (or refused) each."""
+        return list(ReleaseRecord(self.root / f"{SITES[0]}-state").releases())
 
     def stop(self) -> None:
         for site in self.sites.values():
@@ -164,13 +183,14 @@ class Deployment:
         starfed("server", "stop", log=self.log)
 
 
-def simulate(root: Path, steps: int, index: int) -> list[dict]:
-    """One Flower simulation of ``steps`` steps; its step rows."""
+def simulate(root: Path, steps: int, index: int, runtime: str) -> list[dict]:
+    """One simulation of ``steps`` steps on ``runtime``; its step rows (none when it failed: a
+    Flower simulation on a loaded machine may, and the deployed rows are kept)."""
     settings = [f"--run-config={k}={v}" for k, v in RUN_CONFIG.items()]
     code, _ = starfed(
         "simulate",
         "--runtime",
-        "flower",
+        runtime,
         "--sites",
         "2",
         "--tasks",
@@ -185,18 +205,24 @@ def simulate(root: Path, steps: int, index: int) -> list[dict]:
         log=root / "simulate.log",
     )
     if code != 0:
-        raise SystemExit(f"simulate failed ({code}): {root / 'simulate.log'}")
+        print(f"simulate failed ({code}): {root / 'simulate.log'}", file=sys.stderr, flush=True)
+        return []
     (found,) = (root / "sim" / f"sim-{index}").rglob("history.jsonl")
     return [step_row(record) for record in history(found.parent)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2, help="deployed runs and simulations")
     parser.add_argument(
         "--steps",
         type=int,
-        default=4,
-        help="deployed steps (and steps per simulation); the warm ones are the second on",
+        default=3,
+        help="steps per deployed run and per simulation; the warm ones are all but the first "
+        "deployed step and each simulation's first",
+    )
+    parser.add_argument(
+        "--runtime", choices=("flower", "local"), default="flower", help="the simulation's"
     )
     parser.add_argument("--root", type=Path, help="working folder (default: a temporary one)")
     parser.add_argument("--json", type=Path, help="write the results here too")
@@ -212,34 +238,36 @@ def main() -> int:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("FLWR_HOME", str(root / "flwr-home"))
     classes = sorted(p.name for p in (bundled_dataset_root() / "train").iterdir())
-    for i, site in enumerate(SITES):
-        add_task(root / site, "task-00", classes[i])
+    if 2 * args.runs * args.steps > len(classes):
+        raise SystemExit(f"the bundled set has {len(classes)} classes: fewer runs or steps")
     results: dict = {"deployed": [], "simulated": [], "load": []}
     deployment = Deployment(root)
     try:
-        for step in range(args.steps):
-            if step:
+        for run in range(args.runs):
+            for step in range(run * args.steps, (run + 1) * args.steps):
                 for i, site in enumerate(SITES):
                     add_task(root / site, f"task-{step:02d}", classes[2 * step + i])
             before = load()
-            results["deployed"].append(deployment.run())
-            results["load"].append(("deployed", step, before, load()))
+            results["deployed"].append(deployment.run(args.steps))
+            results["load"].append(("deployed", run, before, load()))
             print("deployed", results["deployed"][-1], flush=True)
-            if step < args.steps - 1:
-                before = load()
-                results["simulated"].append(simulate(root, args.steps, step))
-                results["load"].append(("simulated", step, before, load()))
-                print("simulated", results["simulated"][-1], flush=True)
+            before = load()
+            results["simulated"].append(simulate(root, args.steps, run, args.runtime))
+            results["load"].append(("simulated", run, before, load()))
+            print("simulated", results["simulated"][-1], flush=True)
     finally:
         deployment.stop()
-    deployed = [row["wall_s"] for row in results["deployed"][1:]]
+    steps = [row for run in results["deployed"] for row in run["steps"]]
+    deployed = [row["wall_s"] for row in steps[1:]]
     simulated = [row["wall_s"] for run in results["simulated"] for row in run[1:]]
+    median = statistics.median(simulated) if simulated else math.nan
     results["summary"] = {
+        "messages_per_step": [run["messages_per_step"] for run in results["deployed"]],
         "warm_deployed_s": deployed,
         "warm_simulated_s": simulated,
         "median_deployed_s": statistics.median(deployed),
-        "median_simulated_s": statistics.median(simulated),
-        "ratio": statistics.median(deployed) / statistics.median(simulated),
+        "median_simulated_s": median,
+        "ratio": statistics.median(deployed) / median,
         "load_1min": [round(x, 2) for entry in results["load"] for x in entry[2:]],
     }
     print(json.dumps(results["summary"], indent=1))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,10 @@ from starfed.shared.protocol import (
     CATCH_UP_KEY,
     CLASS_STEPS,
     CLASSIFY_WITH_KEYS,
+    EVALUATION_REFUSED,
     FROZEN,
     HELD,
+    POLICY_REFUSED,
     REPORT_RECORD,
     ROUND,
     STEP,
@@ -193,6 +195,8 @@ class Incoming:
             asks = CatchUpPart(*(int(value) for value in config[CATCH_UP]))
         else:
             asks = Phase[key.upper()]
+        travelling = tuple(Phase[str(k).upper()] for k in config.get(TRAVELLING, []))
+        evaluates = Phase.EVALUATE in (asks, *travelling)
         return cls(
             asks,
             int(config[STEP]),
@@ -200,9 +204,9 @@ class Incoming:
             str(config[FEDERATION_KEY]),
             str(config[EPOCH_KEY]) if asks is Phase.SYNC or key == CATCH_UP_KEY else "",
             str(config.get(WIRE_DTYPE, "float32")),
-            tuple(Phase[str(k).upper()] for k in config.get(TRAVELLING, [])),
+            travelling,
             tuple(str(name) for name in config.get(FROZEN, [])),
-            tuple(int(s) for s in config[CLASS_STEPS]) if asks is Phase.EVALUATE else (),
+            tuple(int(s) for s in config[CLASS_STEPS]) if evaluates else (),
             bool(config.get(CLASSIFY_WITH_KEYS, False)),
         )
 
@@ -241,9 +245,29 @@ def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
     release_gate.admit(site, request)
     if isinstance(asks, CatchUpPart):
         records, version = _catch_up(site, message, asks, payload)
+    elif asks is Phase.SYNC and Phase.EVALUATE in message.travelling:
+        evaluation, version = _travelling_evaluation(site, message, request, payload)
+        records = [*_reply(site, message, asks, b"")[0], evaluation]
     else:
         records, version = _reply(site, message, asks, payload)
     return release_gate.release(site, request, records, version)
+
+
+def _travelling_evaluation(
+    site: Site, message: Incoming, sync: release_gate.Request, payload: bytes
+) -> tuple[Outgoing, int]:
+    """The previous step's evaluation, travelling with a sync: the report of the codebook the
+    sync carries, made before the sync's own answer (which then says this codebook is held),
+    or, when the site's policy withholds evaluations, the refusal (recorded as the site's
+    refusal of an ``evaluate``; the sync is still answered)."""
+    key = Phase.EVALUATE.key
+    request = replace(sync, phase=key, releases=releases_of(Phase.EVALUATE, ()))
+    reason = release_gate.refused(site, request)
+    if reason is not None:
+        return Outgoing(EVALUATION_REFUSED, f"{POLICY_REFUSED}: {reason}".encode()), 0
+    reply, version = _reply(site, message, Phase.EVALUATE, payload)
+    (report,) = reply
+    return replace(report, name=key), version
 
 
 def _catch_up(

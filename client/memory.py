@@ -6,8 +6,10 @@ offline for steps, so what a site must remember lives on disk (docs/sites.md):
 * ``codebook.bin``: the last codebook received, so the server can send only what changed (a
   ``Delta``) — a site that lost it simply receives the whole codebook again, in parts when it
   is too large for one message (staged in ``codebook-parts/`` until the last arrived);
-* ``site.json``: which federation that codebook belongs to, and which of the site's tasks are
-  completed (all their classes frozen) and at which federation step;
+* ``site.json``: which federation that codebook belongs to, which of the site's tasks are
+  completed (all their classes frozen) and at which federation step, and the task folders its
+  last sync saw (what the step's evaluation covers, even when it travels with the next step's
+  sync and a task folder appeared in between);
 * ``privacy.json``, for a site with the privacy setting: what it has released of each class's
   images, and which class each protected unit is in (``PrivacyLedger``), so a restart never
   resets its privacy budget. It belongs to the images, not to a federation: joining another
@@ -118,6 +120,7 @@ class SiteMemory:
         self.dims = dims
         self.federation = ""  # id of the federation whose codebook is held
         self.completed: dict[str, int] = {}  # task folder name -> federation step
+        self.synced: tuple[str, ...] | None = None  # task folders at the last sync (None: none)
         self.held = HeldCodebook(self.root / CODEBOOK_FILE, fingerprint=fingerprint, dims=dims)
 
     def _read_state(self) -> None:
@@ -127,6 +130,8 @@ class SiteMemory:
             state = json.loads(path.read_text())
             self.federation = str(state.get("federation", ""))
             self.completed = {str(k): int(v) for k, v in state.get("completed", {}).items()}
+            synced = state.get("synced")
+            self.synced = None if synced is None else tuple(str(name) for name in synced)
 
     def join(self, federation: str) -> None:
         """Follow ``federation``; a site that moves to another one starts its memory afresh."""
@@ -134,7 +139,7 @@ class SiteMemory:
         if federation != self.federation:
             if self.federation:
                 logger.warning("state of federation %s replaced by %s", self.federation, federation)
-            self.federation, self.completed = federation, {}
+            self.federation, self.completed, self.synced = federation, {}, None
             self.held.forget()
             self._save()
 
@@ -183,6 +188,15 @@ class SiteMemory:
             if after != before:  # a scan that met no new unit writes nothing
                 write_atomic(self.root / PRIVACY_FILE, after.encode())
 
+    def saw(self, tasks: list[str]) -> None:
+        """The task folders the site's sync saw (``synced``)."""
+        self._read_state()
+        if self.synced != tuple(tasks):
+            self.synced = tuple(tasks)
+            self._save()
+
     def _save(self) -> None:
-        state = {"federation": self.federation, "completed": self.completed}
+        state: dict[str, object] = {"federation": self.federation, "completed": self.completed}
+        if self.synced is not None:
+            state["synced"] = list(self.synced)
         write_atomic(self.root / STATE_FILE, json.dumps(state, indent=2).encode())

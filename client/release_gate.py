@@ -65,6 +65,14 @@ class Outgoing:
 
 def admit(site: Site, request: Request) -> None:
     """Refuse (``PolicyRefusal``, recorded) a request the site's policy forbids."""
+    reason = refused(site, request)
+    if reason is not None:
+        raise PolicyRefusal(reason)
+
+
+def refused(site: Site, request: Request) -> str | None:
+    """Why the site's policy forbids ``request`` (the refusal recorded), None when it allows
+    it: a phase travelling with a message the site answers is refused on its own."""
     setting = None if site.private is None else site.private.setting
     terms = (
         None
@@ -75,7 +83,8 @@ def admit(site: Site, request: Request) -> None:
         request.releases, request.wire_dtype, request.federation, request.server, terms
     )
     if reason is not None:
-        refuse(site, request, reason)
+        _record_refusal(site, request, reason)
+    return reason
 
 
 def release(
@@ -95,9 +104,13 @@ def release(
 
 def refuse(site: Site, request: Request, reason: str, codebook_version: int = 0) -> None:
     """Record the refusal, then raise it."""
+    _record_refusal(site, request, reason, codebook_version)
+    raise PolicyRefusal(reason)
+
+
+def _record_refusal(site: Site, request: Request, reason: str, codebook_version: int = 0) -> None:
     line = replace(request.release(codebook_version), refused=reason)
     ReleaseRecord(site.memory.root).append(line)
-    raise PolicyRefusal(reason)
 
 
 def _spent(private: PrivateReleases, classes: tuple[str, ...]) -> dict[str, tuple[float, float]]:

@@ -214,6 +214,7 @@ class Site:
         current = self.current(folder, frozen)
         for task in folder.tasks[: None if current is None else current[0]]:
             self.memory.complete(task.name, step)
+        self.memory.saw([task.name for task in folder.tasks])
         test_images = sum(len(paths) for paths in folder.test.values())
         # what the server bounds this site's evaluation reports by (server/screening.py)
         entries, metadata = [], {SITE: self.name, TASK: "", TEST_IMAGES: str(test_images)}
@@ -313,15 +314,19 @@ class Site:
     def evaluate(
         self, codebook: Codebook, class_steps: list[int], use_keys: bool = False
     ) -> EvaluationReport:
-        """Counts on the site's test images of every class it has held — its tasks up to the
-        last one the federation knows a class of — that the codebook knows. ``class_steps``
-        are the steps that registered the codebook's classes (a prompt selection is right when
-        it picks a key of the image class's step); ``use_keys``: predict with the first-level
-        keys alone (the keys ablation's evaluate config)."""
+        """Counts on the site's test images of every class it has had — of the tasks its
+        last sync saw, up to the last one the federation knows a class of — that the codebook
+        knows (a task folder that appeared since waits for the next step's evaluation, which
+        may travel with the next sync). ``class_steps`` are the steps that registered the
+        codebook's classes (a prompt selection is right when it picks a key of the image
+        class's step); ``use_keys``: predict with the first-level keys alone (the keys
+        ablation's evaluate config)."""
         row_of = {class_key(name): i for i, name in enumerate(codebook.names)}
         folder = self.scan()
-        known = [i for i, task in enumerate(folder.tasks) if task.keys & row_of.keys()]
-        tasks = folder.tasks[: known[-1] + 1] if known else []
+        synced = self.memory.synced
+        seen = [task for task in folder.tasks if synced is None or task.name in synced]
+        known = [i for i, task in enumerate(seen) if task.keys & row_of.keys()]
+        tasks = seen[: known[-1] + 1] if known else []
         had = set().union(*(task.keys for task in tasks))
         samples = [
             (path, row_of[key])

@@ -22,8 +22,12 @@ docs/design.md#one-step):
 
 A phase that travels with another is asked for in that phase's message and runs stages 3-7 on
 the same replies, right after it — a message less per step — unless a resumed step checkpointed
-the phase it travels with before it. The codebook is the single source of truth: each phase
-replaces it with a new value, checkpointed so an interrupted step can resume.
+the phase it travels with before it. The evaluation travels with the next step's sync
+(``_evaluate_with_next_sync``), unless the step is the run's last: that sync is sent when the
+step's statistics are done, the next step's folders written first, with the codebook to the
+sites that evaluate; their reports end the step, and the next step starts from the sync's
+replies (``SyncAhead``). The codebook is the single source of truth: each phase replaces it with
+a new value, checkpointed so an interrupted step can resume.
 
 A run performs steps until no site brings a new class (or ``max_steps``). A phase in which no
 class in play gets an update fails the step (rolled back); a step in which some site failed or
@@ -43,7 +47,15 @@ from starfed.server import catch_up, decode, replay, step_records
 from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import Federation
 from starfed.server.field_bounds import Screened, screen_phase
-from starfed.server.messaging import Reply, SiteGrid, exchange, message_config
+from starfed.server.messaging import (
+    Reply,
+    SiteGrid,
+    exchange,
+    message_config,
+    note_error,
+    record_size,
+    reject,
+)
 from starfed.server.participants import Participants, new_classes, sync_config
 from starfed.server.records import (
     REJECTED,
@@ -68,7 +80,10 @@ from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import (
     CATCH_UP_KEY,
     CLASS_STEPS,
+    EVALUATION_REFUSED,
     PHASES,
+    RECORD_DATA,
+    REPORT_RECORD,
     SPECS,
     STATISTICS,
     SYNC,
@@ -98,6 +113,17 @@ class Part:
     spec: PhaseSpec
     done: PhaseRound  # its mark in the position once committed
     record: str  # the reply record of its updates
+
+
+@dataclass(frozen=True)
+class SyncAhead:
+    """A step's sync, sent at the end of the step before with that step's evaluation travelling
+    with it: the nodes it went to, its good replies and its log entries, what the step starts
+    from instead of sending its own (``Coordinator.run_step``)."""
+
+    node_ids: list[int]
+    replies: list[Reply]
+    exchanges: list[Exchange]
 
 
 @dataclass(frozen=True)
@@ -150,6 +176,7 @@ class Coordinator:
         self.screen: Screen
         self.catch_ups = catch_up.Ledger()
         self.configured: dict[PhaseRound, dict[str, ConfigValue]] = {}
+        self.ahead: SyncAhead | None = None  # the next step's sync, sent with an evaluation
 
     @property
     def in_play(self) -> tuple[str, ...]:
@@ -164,7 +191,8 @@ class Coordinator:
         if not self._wait_for_sites():
             return self.log
         while max_steps is None or len(self.log.steps) < max_steps:
-            record = self.run_step()
+            last = max_steps is not None and len(self.log.steps) + 1 >= max_steps
+            record = self.run_step(last=last)
             if record is None:
                 line = self.log.end_without_step(self.tally.exchanges)
                 logger.log(RUN_END_LEVELS.get(self.log.status, logging.INFO), line)
@@ -192,11 +220,13 @@ class Coordinator:
                 return False
             time.sleep(WAIT_POLL_S)
 
-    def run_step(self) -> StepRecord | None:
+    def run_step(self, *, last: bool = True) -> StepRecord | None:
         """One aggregation step, or the rest of an interrupted one; its history record, or
-        None when no site brings anything new (nothing is recorded then)."""
+        None when no site brings anything new (nothing is recorded then). Unless it is the
+        run's ``last``, its evaluation travels with the next step's sync."""
         step = self.position.step
-        if self.before_step is not None:
+        ahead, self.ahead = self.ahead, None
+        if self.before_step is not None and ahead is None:
             self.before_step(step)
         status, reason = COMPLETED, ""
         self.tally = StepTally()
@@ -205,15 +235,18 @@ class Coordinator:
         self.configured = {}
         if SYNCED in self.position.done:
             self._restore_findings(step)
-        self.participants.node_ids = sorted(self.grid.get_node_ids())
         t0 = time.perf_counter()
-        if not self._sync(step):
+        if not self._sync(step, ahead):
             return None  # nothing new: no step
         self.tally.seconds.append(PhaseTime(SYNC.phase.key, 0, time.perf_counter() - t0))
         try:
             for spec in PHASES:
                 for round_index in range(self._rounds(spec.phase)):
-                    if PhaseRound(spec.phase.key, round_index) not in self.position.done:
+                    if PhaseRound(spec.phase.key, round_index) in self.position.done:
+                        continue
+                    if spec.travels_with is Phase.SYNC and not last:
+                        self._evaluate_with_next_sync(step)
+                    else:
                         self._run_phase(spec, step, round_index)
         except StepFailed as err:
             # Sites that all stop answering may be a run that was stopped (`flwr stop`): then
@@ -222,7 +255,7 @@ class Coordinator:
             self.grid.get_node_ids()
             status, reason = FAILED, str(err)
             logger.error("step %d failed: %s; rolled back", step + 1, reason)
-        self._caught_up(catch_up.abandon(self.catch_ups, self.participants, step))
+        self._taking_part(catch_up.abandon(self.catch_ups, self.participants, step))
         if status != FAILED and (
             any(e.failed for e in self.tally.exchanges) or self.screen.findings
         ):
@@ -304,31 +337,36 @@ class Coordinator:
 
     def _send_phase(self, plan: PhasePlan) -> list[Reply]:
         """The send and collect stages: the plan's nodes too far behind for one message caught
-        up first (``catch_up.before_phase``: a slow one sits the phase out), then the phase sent
-        to each, and to those whose catch-up ended while it ran (``catch_up.joined``); the good
-        replies. A site that answered holds the codebook it was sent."""
+        up first (``_caught_up``: a slow one sits the phase out), then the phase sent to each,
+        and to those whose catch-up ended while it ran (``catch_up.joined``); the good replies.
+        A site that answered holds the codebook it was sent."""
         state, spec = plan.state, plan.parts[0].spec
+        payload = self.participants.payloads(state.codebook, self.protocol.wire_dtype)
+        nodes = self._caught_up(state, plan.nodes)
+        replies = self._send(spec, state.step, state.round, plan.config, nodes, payload)
+        late = catch_up.joined(self.catch_ups, self.participants, state.codebook.version)
+        if nodes := self._taking_part(late):
+            replies += self._send(spec, state.step, state.round, plan.config, nodes, payload)
+        return replies
+
+    def _caught_up(self, state: PhaseState, nodes: list[int]) -> list[int]:
+        """Of ``nodes``, those taking part once the ones too far behind for one message were
+        caught up in parts (``catch_up.before_phase``; a slow one's parts go on beside the
+        phase); a failed catch-up is a finding."""
         caught_up = catch_up.before_phase(
             self.grid,
             state.codebook,
             self.participants,
-            plan.nodes,
+            nodes,
             state.step,
             self.protocol.wire_dtype,
             self._site_names(),
             self.protocol.timeout_s,
             self.catch_ups,
         )
-        payload = self.participants.payloads(state.codebook, self.protocol.wire_dtype)
-        replies = self._send(
-            spec, state.step, state.round, plan.config, self._caught_up(caught_up), payload
-        )
-        late = catch_up.joined(self.catch_ups, self.participants, state.codebook.version)
-        if nodes := self._caught_up(late):
-            replies += self._send(spec, state.step, state.round, plan.config, nodes, payload)
-        return replies
+        return self._taking_part(caught_up)
 
-    def _caught_up(self, caught_up: catch_up.CaughtUp) -> list[int]:
+    def _taking_part(self, caught_up: catch_up.CaughtUp) -> list[int]:
         """The catch-ups' parts logged and their findings noted (a catch-up costs the whole
         codebook); of their nodes, those still in the step (not quarantined)."""
         self._logged(caught_up.exchanges)
@@ -338,10 +376,51 @@ class Coordinator:
         self.participants.leave(self.screen.quarantined)
         return [node for node in caught_up.nodes if node in self.participants.node_ids]
 
-    def _evaluate(self, replies: list[Reply], state: PhaseState) -> None:
+    def _evaluate_with_next_sync(self, step: int) -> None:
+        """The evaluation travelling with the next step's sync: the next step's folders
+        written (``before_step``), then its sync sent to every connected node and this step's
+        participants, with the codebook and the evaluation's config to the latter (caught up
+        first);
+        their reports are the step's scores (``_evaluate``), the replies the next step's sync
+        (``self.ahead``)."""
+        t0 = time.perf_counter()
+        spec, state = SPECS[Phase.EVALUATE], self._state(step, 0)
+        sample = self.participants.sample(
+            spec.phase, step, 0, self.in_play, self.protocol, self.train.seed
+        )
+        evaluating = set(self._caught_up(state, sample))
+        codebook = self.participants.payloads(state.codebook, self.protocol.wire_dtype)
+        if self.before_step is not None:
+            self.before_step(step + 1)
+        nodes = sorted({*self.grid.get_node_ids(), *evaluating})  # as its own message would
+        plain = sync_config(step + 1, state.codebook, self.protocol.wire_dtype)
+        riding = {**self._config(spec, state), **plain, TRAVELLING: [spec.phase.key]}
+        good, exchanges = exchange(
+            self.grid,
+            SYNC.message_type,
+            SYNC.phase.key,
+            step + 1,
+            0,
+            lambda node: riding if node in evaluating else plain,
+            nodes,
+            self._site_names(),
+            lambda node: codebook(node) if node in evaluating else b"",
+            self.protocol.timeout_s,
+        )
+        self.log.exchanges.extend(exchanges)  # the next step's: its tally gets them
+        self.federation.journal_failures(exchanges)
+        self.ahead = SyncAhead(nodes, good, exchanges)
+        parts, reports = evaluation_parts(step, exchanges, good, evaluating)
+        self._logged(parts)
+        self._evaluate(reports, state, spec.phase.key)
+        self.tally.seconds.append(PhaseTime(spec.phase.key, 0, time.perf_counter() - t0))
+
+    def _evaluate(
+        self, replies: list[Reply], state: PhaseState, record: str = REPORT_RECORD
+    ) -> None:
         """The evaluation's decode, screen and merge: the step's scores (recorded when the step
-        ends, which follows at once)."""
-        reports = self.screen.reports(decode.reports(replies, state.codebook))
+        ends, which follows at once); ``record``: the replies' record of the reports."""
+        reports = self.screen.reports(decode.reports(replies, state.codebook, record))
         self.tally.scores = scores = self.strategy.aggregate_evaluation(reports, state)
         logger.info(step_records.scores_line(state.step, len(self.codebook), scores))
 
@@ -496,14 +575,20 @@ class Coordinator:
 
     # --- the sync ----------------------------------------------------------------------
 
-    def _sync(self, step: int) -> bool:
+    def _sync(self, step: int, ahead: SyncAhead | None = None) -> bool:
         """The sync's send, collect, decode and screen: every connected site says what it
-        brings; those the screening accepts take part in the rest of the step
-        (``Participants.join``). A fresh step registers the classes the federation does not
-        know yet and begins (False when there are none: no step); a resumed step, synced
-        before, only learns who is here."""
-        config = sync_config(step, self.codebook, self.protocol.wire_dtype)
-        replies = self._send(SYNC, step, 0, config, self.participants.node_ids, None)
+        brings (``ahead``: it was sent with the step before's evaluation); those the screening
+        accepts take part in the rest of the step (``Participants.join``). A fresh step
+        registers the classes the federation does not know yet and begins (False when there
+        are none: no step); a resumed step, synced before, only learns who is here."""
+        if ahead is None:
+            self.participants.node_ids = sorted(self.grid.get_node_ids())
+            config = sync_config(step, self.codebook, self.protocol.wire_dtype)
+            replies = self._send(SYNC, step, 0, config, self.participants.node_ids, None)
+        else:
+            self.participants.node_ids = ahead.node_ids
+            self.tally.exchanges.extend(ahead.exchanges)
+            replies = ahead.replies
         bound = self.screen.max_entries(Phase.SYNC, self.codebook)
         named = self.screen.named(decode.updates(replies, Phase.SYNC, self.codebook, bound))
         accepted = self.screen.sync(named, self.codebook, self.federation.quarantine())
@@ -598,3 +683,38 @@ class Coordinator:
         self.log.exchanges.extend(exchanges)
         self.tally.exchanges.extend(exchanges)
         self.federation.journal_failures(exchanges)
+
+
+def evaluation_parts(
+    step: int, sent: list[Exchange], good: list[Reply], evaluating: set[int]
+) -> tuple[list[Exchange], list[Reply]]:
+    """An evaluation that travelled with the next step's sync, apart from the sync: a log entry
+    per node that evaluates (the codebook's bytes down, the report's up, the sync's failure if
+    it failed; the sync's entry keeps the whole reply's hash, as the site's record does), and
+    the replies that carry a report, each with its entry. The policy's refusal is a refusal; a
+    reply with neither is rejected — a site of a release before the evaluation travelled."""
+    key = Phase.EVALUATE.key
+    parts: dict[int, Exchange] = {}
+    for entry in sent:
+        if entry.node_id in evaluating:
+            parts[entry.node_id] = part = Exchange(
+                step, key, 0, entry.node_id, entry.site, entry.bytes_down
+            )
+            part.status, entry.bytes_down = entry.status, 0
+    reports = []
+    for entry, reply in good:
+        if entry.node_id not in parts:
+            continue
+        evaluation = parts[entry.node_id]
+        if key in reply.content:
+            evaluation.bytes_up = record_size(reply.content[key])
+            entry.bytes_up -= evaluation.bytes_up
+            reports.append((evaluation, reply))
+        elif EVALUATION_REFUSED in reply.content:
+            why = reply.content[EVALUATION_REFUSED].get(RECORD_DATA)
+            note_error(evaluation, why.decode(errors="replace") if isinstance(why, bytes) else None)
+        else:
+            reject(
+                evaluation, "its sync reply carries no evaluation (a site of an earlier release?)"
+            )
+    return list(parts.values()), reports

@@ -79,12 +79,15 @@ def updates(
     return decoded
 
 
-def reports(replies: list[Reply], codebook: Codebook) -> list[tuple[Exchange, EvaluationReport]]:
-    """The valid evaluation reports, with their log entries, in the order they came."""
+def reports(
+    replies: list[Reply], codebook: Codebook, record: str = REPORT_RECORD
+) -> list[tuple[Exchange, EvaluationReport]]:
+    """The valid evaluation reports (the replies' ``record``: one that travelled with a sync is
+    named after its phase), with their log entries, in the order they came."""
     decoded = []
     for entry, reply in replies:
         try:
-            data = record_bytes(reply.content[REPORT_RECORD][RECORD_DATA], REPORT_RECORD)
+            data = record_bytes(reply.content[record][RECORD_DATA], record)
             report = EvaluationReport.from_bytes(data, against=codebook)
         except (CodebookError, KeyError, TypeError) as err:
             reject(entry, str(err) if isinstance(err, CodebookError) else malformed(err))

@@ -82,21 +82,23 @@ def exchange(
     key: str,
     step: int,
     round_index: int,
-    config: dict,
+    config: Mapping[str, ConfigValue] | Callable[[int], Mapping[str, ConfigValue]],
     nodes: Sequence[int],
     sites: Mapping[int, str],
     payload: Callable[[int], bytes] | None,
     timeout: float,
 ) -> tuple[list[Reply], list[Exchange]]:
     """Send one message, of Flower's ``message_type``, to ``nodes`` (with ``payload(node)``,
-    the codebook or a part of it, when it carries one), logged under ``key`` (a phase's, or the
-    catch-up's); the good replies with their log entries, and every log entry."""
-    record = ConfigRecord(config)
+    the codebook or a part of it, when it carries one: none for a node it gives no bytes),
+    logged under ``key`` (a phase's, or the catch-up's); ``config`` is the message's config,
+    or each node's (``config(node)``: a sync some nodes get a travelling phase with). The good
+    replies with their log entries, and every log entry."""
+    record_of = _config_records(config)
     messages, exchanges = [], []
     for node in nodes:
-        content = RecordDict({CONFIG_RECORD: record})
+        content = RecordDict({CONFIG_RECORD: record_of(node)})
         data = payload(node) if payload else b""
-        if payload:
+        if data:
             content[CODEBOOK_RECORD] = ConfigRecord({RECORD_DATA: data})
         group = f"{step}/{key}/{round_index}"
         messages.append(Message(content, node, message_type, group_id=group))
@@ -128,6 +130,16 @@ def exchange(
             entry.status = ExchangeStatus(Outcome.NO_REPLY)
             logger.warning("%s sent no %s reply within %.0fs", who(entry), key, timeout)
     return good, exchanges
+
+
+def _config_records(
+    config: Mapping[str, ConfigValue] | Callable[[int], Mapping[str, ConfigValue]],
+) -> Callable[[int], ConfigRecord]:
+    """Each node's config record: one shared by all, or each node's own."""
+    if callable(config):
+        return lambda node: ConfigRecord(dict(config(node)))
+    record = ConfigRecord(dict(config))
+    return lambda node: record
 
 
 def send_and_receive(grid: SiteGrid, messages: list[Message], timeout: float) -> list[Message]:
@@ -187,8 +199,9 @@ def short_reason(reason: str | None, limit: int = 300) -> str:
 
 def content_bytes(content: RecordDict) -> int:
     """Payload bytes of a reply: serialised updates count fully, other records by their values."""
-    total = 0
-    for record in content.values():
-        for value in record.values():
-            total += len(value) if isinstance(value, bytes) else len(str(value).encode())
-    return total
+    return sum(record_size(record) for record in content.values())
+
+
+def record_size(record: Mapping[str, object]) -> int:
+    """Payload bytes of one record of a reply (``content_bytes``)."""
+    return sum(len(v) if isinstance(v, bytes) else len(str(v).encode()) for v in record.values())

@@ -2,7 +2,8 @@
 
 A step starts with the sync (``SYNC``, the ``query.sync`` message): every connected
 site says which classes its current task brings, with their image counts, and which codebook
-version it holds — names and counts only, no codebook either way. The server registers the new
+version it holds — names and counts only, no codebook either way (the step before's evaluation,
+travelling with it, brings the codebook to the sites that evaluate it). The server registers the new
 classes, then sends each codebook phase of ``PHASES`` to the synced sites in turn (the two
 training phases ``stage1-rounds`` and ``stage2-rounds`` times). For every message the table says
 which Flower message type carries it, whether it carries the codebook, what a site returns and
@@ -15,7 +16,14 @@ A phase that needs nothing the phase before it produced travels with that phase'
 the same reply, so the step costs one message less — each message waits for a deployed site's
 SuperNode to ask for work, every 3 s when idle (docs/benchmarks.md). The stage-1 statistics
 depend only on the frozen CLIP image features; they are sent on their own only when the step
-resumes after stage 1 was checkpointed without them.
+resumes after stage 1 was checkpointed without them. The evaluation travels with the sync — the
+*next* step's: that sync carries the codebook the step ended with to the sites that evaluate it,
+and their reports come back beside their sync updates; the run's last step (``--steps``,
+``max-steps``) evaluates in a message of its own.
+The stage-2 statistics cannot travel with stage 2: a site fits H_c on ViT features prompted by
+every bank class's A and Q as stage 2 *merged* them (its own classes' over their holders, other
+sites' classes in play), which the stage-2 message does not carry — travelling, they would be
+fitted on the values before stage 2 and change every later codebook value.
 
 Random streams are named so that a single site (``starfed train-local``) and a federation draw
 the same numbers for the same work (``starfed.shared.model.training.phase_generator``); the names
@@ -87,7 +95,13 @@ PHASES: tuple[PhaseSpec, ...] = (
     PhaseSpec(Phase.STAGE2, "train.stage2", True, UPDATE, "stage2", None),
     PhaseSpec(Phase.STAGE2_STATS, "query.stage2_stats", True, UPDATE, "stage2_stats", "replay2"),
     PhaseSpec(
-        Phase.EVALUATE, "evaluate", True, "metrics: accuracy on its own test images", None, None
+        Phase.EVALUATE,
+        "evaluate",
+        True,
+        "metrics: accuracy on its own test images",
+        None,
+        None,
+        travels_with=Phase.SYNC,  # the next step's
     ),
 )
 
@@ -111,7 +125,8 @@ WIRE_DTYPE = "wire-dtype"
 #: Sync-message config key: the classes the federation has frozen; a site brings
 #: them again as names only.
 FROZEN = "frozen"
-#: Evaluate-message config key: the step that registered each class, in the codebook's order.
+#: Evaluate-message config key (and a sync's the evaluation travels with): the step that
+#: registered each class, in the codebook's order.
 CLASS_STEPS = "class-steps"
 
 #: The key of the bytes in every record of a message or reply (each a ConfigRecord).
@@ -121,9 +136,14 @@ RECORD_DATA = "data"
 CONFIG_RECORD = "config"
 CODEBOOK_RECORD = "codebook"
 #: Reply records: a phase's update (a serialised ``ClientUpdate``; for the sync, the classes it
-#: brings) and an evaluation's report (a serialised ``EvaluationReport``).
+#: brings) and an evaluation's report (a serialised ``EvaluationReport``; one that travelled with
+#: a sync is in the record named after the phase's key, as every travelling phase's update).
 UPDATE_RECORD = "update"
 REPORT_RECORD = "report"
+#: Reply record, in place of a travelling evaluation's report: the site's policy refused to
+#: release it, and why (UTF-8, ``POLICY_REFUSED`` first), while the sync it travelled with is
+#: answered.
+EVALUATION_REFUSED = "evaluate-refused"
 #: Sync-update metadata keys: the name the site gives itself, its current task ("" when it
 #: brings nothing new) and the test images it holds (ASCII digits: what the server bounds its
 #: evaluation reports by, ``starfed.server.screening``). A report's metadata names its site too.

@@ -312,7 +312,8 @@ def test_an_evaluation_report_beyond_the_sites_test_images_is_rejected(
         reply.content["report"]["data"] = message.SerializeToString()
         return reply
 
-    metrics = federate(folders, tmp_path, {"evaluate": inflate})
+    # one step, the run's last: its evaluation has a message of its own, whose reply is edited
+    metrics = federate(folders, tmp_path, {"evaluate": inflate}, **{"max-steps": 1})
     assert_contained(metrics, honest)
     assert [(f.site, f.phase) for f in findings(tmp_path, "rejected")] == [("farm-m", "evaluate")]
     assert "farm-m" not in metrics["site_accuracy"]
@@ -339,7 +340,7 @@ def test_test_images_claimed_at_the_sync_do_not_set_the_federations_accuracy(
         return reply
 
     faults = {"query.sync": edit_update(declare), "evaluate": all_right}
-    metrics = federate(folders, tmp_path, faults)
+    metrics = federate(folders, tmp_path, faults, **{"max-steps": 1})  # evaluated on its own
     assert metrics["status"] == "completed"  # a claim consistent with its sync is no finding
     for site in ("farm-a", "farm-b"):
         got, want = metrics["site_accuracy"][site], honest["site_accuracy"][site]

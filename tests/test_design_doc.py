@@ -83,7 +83,10 @@ def test_protocol_table_matches_the_protocol() -> None:
     assert "order" not in SYNC.returns and not SYNC.sends_codebook
     assert set(HANDLERS) == {spec.phase for spec in PHASES} - {Phase.EVALUATE}
     for spec in PHASES:  # the message plan: which phase travels with which
-        if spec.travels_with is not None:
+        if spec.travels_with is Phase.SYNC:  # the next step's
+            said = f"`{spec.phase.key}` travels with the next step's `sync`"
+            assert said in DESIGN, said
+        elif spec.travels_with is not None:
             said = f"`{spec.phase.key}` travels with the last `{spec.travels_with.name.lower()}`"
             assert said in DESIGN, said
     travelling = sum(spec.travels_with is not None for spec in PHASES)

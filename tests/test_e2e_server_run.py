@@ -2,7 +2,8 @@
 
 A started server and two ``starfed site start`` SuperNodes holding different classes
 (``deployed.deployment``), ``starfed server run`` (exit 0), ``status --json`` (the classes and
-who brought them), a new task folder at one site, ``run`` again (only the new classes train);
+who brought them), a new task folder at one site, ``run`` again (only the new classes train)
+until no site brings a new class, the step's evaluation travelling with the closing sync;
 leaving the deployment stops the sites with Ctrl-C on their terminals and the server, and
 checks that nothing is left. Slow: a ``run`` Ctrl-C'd on the operator's terminal, then
 ``resume``. Several minutes on 2 cores: each message costs a ClientApp process.
@@ -19,6 +20,7 @@ from deployed import RUN_TIMEOUT_S, Deployment, deployment, run_settings, starfe
 from site_folders import CLASSES, site_folder
 from terminal import Terminal
 
+from starfed.client.release_record import ReleaseRecord
 from starfed.host.process_identity import ProcessId
 from starfed.ops.exit_codes import EXIT_INTERRUPTED
 from starfed.ops.flower_runs import FLOWER_CHATTER
@@ -60,11 +62,19 @@ def test_two_sites_two_runs_on_a_started_server(tmp_path, monkeypatch) -> None:
         }
 
         site_folder(tmp_path / "farm-a", {"2026-06": CLASSES[4:6]}, train=8, test=3)  # new task
-        code, out = starfed("server", "run", *settings, log=log, timeout=RUN_TIMEOUT_S)
+        # until no site brings a class: the step's evaluation travels with the closing sync
+        until_done = [arg for arg in settings if arg != "--steps=1"]
+        record = ReleaseRecord(tmp_path / "farm-a-state")
+        before = len(list(record.releases()))
+        code, out = starfed("server", "run", *until_done, log=log, timeout=RUN_TIMEOUT_S)
         second = json.loads(out)
         assert code == 0 and second["status"] == "completed", log.read_text()[-3000:]
+        answered = [line.phase for line in list(record.releases())[before:]]
+        assert answered == ["sync", "stage1", "stage2", "stage2_stats", "sync"]
         metrics = second["metrics"]
         assert metrics["steps"] == 2 and len(metrics["steps_this_run"]) == 1
+        evaluations = [e for e in metrics["exchanges"] if e["phase"] == "evaluate"]
+        assert {e["site"]: e["status"] for e in evaluations} == {"farm-a": "ok", "farm-b": "ok"}
         # (a stage-1 reply without rows: two empty updates, stage 1's and its statistics')
         trained = {
             e["site"]

@@ -62,7 +62,8 @@ BASE_CONFIG = {
 }
 UPDATE_TYPES = ("train.stage1", "query.stage1_stats", "train.stage2", "query.stage2_stats")
 ALL_TYPES = ("query.sync", *UPDATE_TYPES, "evaluate")
-MESSAGES_PER_STEP = len(ALL_TYPES) - 1  # the stage-1 statistics travel with stage 1
+# the stage-1 statistics travel with stage 1, the evaluation with the next step's sync
+MESSAGES_PER_STEP = len(ALL_TYPES) - 2
 STAGE1_FIELDS = schema.trained_in(Phase.STAGE1)
 STAGE2_FIELDS = schema.trained_in(Phase.STAGE2)
 # The server re-aligns the prediction head over all seen classes at every step (head replay,
@@ -293,8 +294,14 @@ def test_baseline_exchanges_all_ok(baseline):
     metrics = baseline.metrics
     n_nodes = len(baseline.grid.node_configs)
     assert metrics["steps"] == 2 and metrics["status"] == "completed"
-    # two steps, then a sync that finds nothing new and ends the run
-    assert len(metrics["exchanges"]) == (2 * MESSAGES_PER_STEP + 1) * n_nodes
+    # two steps, then a sync that finds nothing new, ends the run and carries the last
+    # step's evaluation; no evaluation has a message of its own
+    for node in range(1, n_nodes + 1):
+        sent = [m for m in baseline.grid.sent if m.metadata.dst_node_id == node]
+        assert len(sent) == 2 * MESSAGES_PER_STEP + 1
+        assert "evaluate" not in {m.metadata.message_type for m in sent}
+    # each message logged, and each evaluation apart from the sync it travelled with
+    assert len(metrics["exchanges"]) == (2 * MESSAGES_PER_STEP + 1 + 2) * n_nodes
     assert "stage1_stats" not in {e["phase"] for e in metrics["exchanges"]}
     assert {e["status"] for e in metrics["exchanges"]} == {"ok"}
     for e in metrics["exchanges"]:
@@ -631,15 +638,28 @@ def test_malformed_sync_replies_are_rejected(pair, tmp_path):
 
 
 def test_malformed_evaluate_reply_is_rejected(pair, tmp_path):
-    def bad_metrics(reply: Message) -> Message:
-        return Message(RecordDict({"other": ConfigRecord({"x": 1})}), reply_to=pair.sent[-1])
+    """A sync reply whose travelling evaluation is malformed (step 1's), or missing as from a
+    site of an earlier release (step 2's): each evaluation is rejected, the sync still counts."""
 
-    pair.faults[(2, "evaluate")] = bad_metrics
+    def bad_metrics(reply: Message) -> Message:
+        step, _ = sent_config(pair)
+        if TRAVELLING in pair.sent[-1].content["config"]:
+            if step == 1:
+                reply.content["evaluate"] = ConfigRecord({"x": 1})
+            else:
+                del reply.content["evaluate"]
+        return reply
+
+    pair.faults[(2, "query.sync")] = bad_metrics
     metrics = run(pair, tmp_path)
 
-    for e in exchanges(metrics, node=2, phase="evaluate"):
-        assert e["status"].startswith("rejected: malformed reply")
+    statuses = [e["status"] for e in exchanges(metrics, node=2, phase="evaluate")]
+    assert len(statuses) == 2 and statuses[0] == "rejected: malformed reply ('data')"
+    assert statuses[1] == (
+        "rejected: its sync reply carries no evaluation (a site of an earlier release?)"
+    )
     assert set(metrics["site_accuracy"]) == {"site-0"}
+    assert metrics["status"] == "degraded"
     # node 2's training replies still count
     trained = [e for e in exchanges(metrics, node=2) if e["phase"] != "evaluate"]
     assert {e["status"] for e in trained} == {"ok"}

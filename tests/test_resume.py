@@ -11,7 +11,8 @@ crashed, tensor by tensor: nothing learned before the crash is lost or merged tw
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+import json
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from starfed.server.folder_files import CODEBOOK_FILE
 from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared.codebook import wire
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.protocol import Phase
+from starfed.shared.protocol import TRAVELLING, Phase
 from starfed.simulations.local_grid import LocalGrid
 
 CONFIG = {**TINY_RUN, "stage1-rounds": 2}
@@ -42,8 +43,10 @@ ALL_PHASES = {
 _run_ids = itertools.count(7000)
 
 
-def run(tmp: Path, name: str, data: dict[str, Path], crash_at: str | None = None) -> dict:
-    config = {**CONFIG, "federation-dir": str(tmp / name)}
+def run(
+    tmp: Path, name: str, data: dict[str, Path], crash_at: str | None = None, **extra: object
+) -> dict:
+    config = {**CONFIG, "federation-dir": str(tmp / name), **extra}
     nodes = {
         i + 1: {
             "data-dir": str(path),
@@ -58,11 +61,19 @@ def run(tmp: Path, name: str, data: dict[str, Path], crash_at: str | None = None
         message_type, _, round_index = crash_at.partition("/")
 
         def crash(reply: Message) -> Message:
-            if int(grid.sent[-1].content["config"]["round"]) == int(round_index or 0):
+            sent = grid.sent[-1]
+            config = sent.content["config"]
+            # the evaluation: its own message, or the next step's sync it travels with
+            evaluation = sent.metadata.message_type == "evaluate" or TRAVELLING in config
+            if message_type == "evaluate" and not evaluation:
+                return reply
+            if int(config["round"]) == int(round_index or 0):
                 raise Crash(crash_at)
             return reply
 
         grid.faults[(2, message_type)] = crash
+        if message_type == "evaluate":
+            grid.faults[(2, "query.sync")] = crash
     return run_grid(grid, config)
 
 
@@ -76,11 +87,36 @@ def sites(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(sites, tmp_path_factory) -> Codebook:
+def clean(sites, tmp_path_factory) -> Path:
+    """The federation folder of a run that never crashed; its first step's evaluation
+    travelled with the second step's sync."""
     tmp = tmp_path_factory.mktemp("clean")
     metrics = run(tmp, "federation", sites)
     assert metrics["status"] == "completed" and metrics["steps"] == 2
-    return wire.read_file(tmp / "federation" / CODEBOOK_FILE)
+    return tmp / "federation"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(clean) -> Codebook:
+    return wire.read_file(clean / CODEBOOK_FILE)
+
+
+def test_an_evaluation_in_its_own_message_scores_as_one_that_travelled(
+    sites, clean, uninterrupted, tmp_path
+):
+    """Two runs of one step each — a run's last step evaluates in a message of its own — end
+    with the clean run's codebook and, step by step, its scores."""
+    for _ in range(2):
+        metrics = run(tmp_path, "federation", sites, **{"max-steps": 1})
+        assert metrics["status"] == "completed" and len(metrics["steps_this_run"]) == 1
+    folder = Federation.open(tmp_path / "federation")
+    same_entries(wire.read_file(folder.root / CODEBOOK_FILE), uninterrupted)
+    own = [record.scores for record in folder.history()]
+    travelled = [record.scores for record in Federation.open(clean).history()]
+    assert None not in own + travelled
+    assert [json.dumps(asdict(s)) for s in own if s] == [
+        json.dumps(asdict(s)) for s in travelled if s
+    ]
 
 
 def same_entries(a: Codebook, b: Codebook) -> None:

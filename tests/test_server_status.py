@@ -26,7 +26,8 @@ def root(tmp_path_factory, one_torch_thread) -> Path:
     root = tmp_path_factory.mktemp("status")
     site_folder(root / "farm-a", {"2026-03": CLASSES[0:2]})
     site_folder(root / "farm-b", {"2026-04": CLASSES[2:4]})
-    metrics = run_two_sites(root, {(2, "evaluate"): lambda reply: None})
+    silent = {(2, "evaluate"): lambda reply: None}  # a run's last step evaluates on its own
+    metrics = run_two_sites(root, silent, **{"max-steps": 1})
     assert metrics["status"] == "degraded"
     return root
 

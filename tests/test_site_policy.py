@@ -217,6 +217,23 @@ def test_a_phase_the_policy_forbids_is_refused_there(policy, phase, reason, tmp_
     assert [r.phase for r in record if r.refused] == [e["phase"] for e in refused]
 
 
+def test_a_withheld_evaluation_travelling_with_the_sync_is_refused_alone(tmp_path) -> None:
+    """Until no site brings a class: the step's evaluation travels with the closing sync, and
+    farm-b's policy refuses it alone — the sync is answered, the refusal recorded as its
+    evaluate's, with the reason, on both sides."""
+    policy = '[release]\nwithhold = ["evaluation"]\n'
+    metrics, state = federation(tmp_path, policy, **{"max-steps": 0})
+    exchanges = node_exchanges(metrics)
+    statuses = {(e["step"], e["phase"]): e["status"] for e in exchanges}
+    assert statuses[(0, "evaluate")] == (
+        f"refused: {POLICY_REFUSED}: release.withhold forbids evaluation"
+    )
+    assert statuses[(1, "sync")] == "ok"  # the closing sync it travelled with
+    record = list(ReleaseRecord(state).releases())
+    assert [(r.step, r.phase) for r in record if r.refused] == [(1, "evaluate")]
+    assert [r.phase for r in record if not r.refused][-1] == "sync"
+
+
 @pytest.mark.parametrize(
     "policy",
     [f'[classes]\ndeny = ["{B[1].lower()}"]\n', f'[classes]\nallow = ["{B[0]}"]\n', ""],
