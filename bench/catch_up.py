@@ -165,8 +165,8 @@ class TwoSites:
             return Message(RecordDict(), reply_to=message)
         time.sleep(self.part_s)
         index, count, _ = config[CATCH_UP]
-        held = str(self.version if index == count - 1 else 0).encode()
-        return Message(RecordDict({HELD: ConfigRecord({RECORD_DATA: held})}), reply_to=message)
+        version = str(self.version if index == count - 1 else 0).encode()
+        return Message(RecordDict({HELD: ConfigRecord({RECORD_DATA: version})}), reply_to=message)
 
 
 class Pushing(TwoSites):
