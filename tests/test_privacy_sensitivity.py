@@ -456,10 +456,11 @@ def test_ledger_updates_from_two_processes_are_not_lost(tmp_path):
     code = (
         "import sys\nfrom starfed.client.memory import SiteMemory\n"
         "from starfed.shared.codebook.schema import ModelDims\n"
+        "from starfed.shared.privacy.accountant import Release\n"
         "m = SiteMemory(sys.argv[1], 'f', ModelDims(8, 8, 8, 1))\n"
         "for _ in range(40):\n"
         "    with m.updating_ledger() as ledger:\n"
-        "        ledger.record([sys.argv[2]], 1.0)\n"
+        "        ledger.record([sys.argv[2]], Release(1.0))\n"
     )
     workers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), key]) for key in "ab"]
     assert [w.wait(timeout=120) for w in workers] == [0, 0]

@@ -14,6 +14,7 @@ features of augmented views, which change every epoch.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -194,7 +195,9 @@ def unit_gradients(
     def image_loss(at: dict[str, torch.Tensor], *one: torch.Tensor) -> torch.Tensor:
         return loss.of(at, *(x.unsqueeze(0) for x in one))
 
-    per_image = vmap(grad(image_loss), in_dims=(None, *(0,) * len(inputs)))(trained, *inputs)
+    with warnings.catch_warnings():  # attention's batching falls back to a loop: measured
+        warnings.filterwarnings("ignore", "There is a performance drop", UserWarning)
+        per_image = vmap(grad(image_loss), in_dims=(None, *(0,) * len(inputs)))(trained, *inputs)
     for total, name in zip(sums, trained, strict=True):
         total.index_add_(0, units.to(total.device), per_image[name])
     return sums
