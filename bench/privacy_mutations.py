@@ -84,8 +84,8 @@ MUTANTS = [
         "gradient-unclipped",
         "a DP-SGD step summing its units' gradients unclipped",
         "shared/privacy/mechanisms.py",
-        "scale = min(1.0, clip / max(norm, 1e-12))",
-        "scale = 1.0",
+        "scale = torch.clamp(clip / norms.clamp_min(1e-12), max=1.0)",
+        "scale = torch.ones_like(norms)",
     ),
     Mutant(
         "gradient-noise-clip",
@@ -105,7 +105,7 @@ MUTANTS = [
         "gradient-shared-views",
         "stage 2's DP-SGD views augmented from one stream, not per image",
         "shared/model/training.py",
-        "return augment_each(images[batch], on.private.seed())  # one unit's: views per image",
+        "return augment_each(images[batch], on.private.seed())  # a step's: each image's own",
         "return augment(images[batch], generator)",
     ),
     Mutant(

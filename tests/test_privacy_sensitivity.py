@@ -367,16 +367,18 @@ def test_private_gradient_clips_each_unit_then_adds_the_noise_asked_for():
     like = [torch.zeros(40, dtype=torch.float64), torch.zeros(2, 30)]
     big = [torch.full((40,), 5.0, dtype=torch.float64), torch.ones(2, 30)]  # norm 33
     small = [torch.full((40,), 0.01, dtype=torch.float64), torch.zeros(2, 30)]  # norm 0.06
-    total = private_gradient([big, small], like, 0.5, 0.0, np.random.default_rng(0))
+    units = [torch.stack(unit) for unit in zip(big, small, strict=True)]  # [unit, *shape] each
+    none = [torch.zeros(0, *p.shape, dtype=p.dtype) for p in like]
+    total = private_gradient(units, like, 0.5, 0.0, np.random.default_rng(0))
     flat = torch.cat([total[0], total[1].double().reshape(-1)])
     clipped = torch.cat([big[0], big[1].double().reshape(-1)])
     clipped = clipped * 0.5 / float(clipped.norm())
     torch.testing.assert_close(flat, clipped + torch.cat([small[0], torch.zeros(60)]))
     assert total[1].dtype == torch.float32  # each parameter keeps its dtype
-    noisy = private_gradient([], like, 0.5, 0.7, np.random.default_rng(1))
+    noisy = private_gradient(none, like, 0.5, 0.7, np.random.default_rng(1))
     flat = torch.cat([noisy[0], noisy[1].double().reshape(-1)])
     assert float(flat.std()) == pytest.approx(0.7, rel=0.15)  # 100 coordinates
-    many = [private_gradient([], like, 0.5, 0.7, np.random.default_rng(s))[0] for s in range(50)]
+    many = [private_gradient(none, like, 0.5, 0.7, np.random.default_rng(s))[0] for s in range(50)]
     assert float(torch.stack(many).std()) == pytest.approx(0.7, rel=0.03)
 
 
@@ -454,10 +456,11 @@ def test_ledger_updates_from_two_processes_are_not_lost(tmp_path):
     code = (
         "import sys\nfrom starfed.client.memory import SiteMemory\n"
         "from starfed.shared.codebook.schema import ModelDims\n"
+        "from starfed.shared.privacy.accountant import Release\n"
         "m = SiteMemory(sys.argv[1], 'f', ModelDims(8, 8, 8, 1))\n"
         "for _ in range(40):\n"
         "    with m.updating_ledger() as ledger:\n"
-        "        ledger.record([sys.argv[2]], 1.0)\n"
+        "        ledger.record([sys.argv[2]], Release(1.0))\n"
     )
     workers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), key]) for key in "ab"]
     assert [w.wait(timeout=120) for w in workers] == [0, 0]

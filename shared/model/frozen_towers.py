@@ -46,19 +46,26 @@ def enabled() -> bool:
 
 
 class _FrozenLinearFn(torch.autograd.Function):
-    """``y = base + x @ W.T (+ b)`` for a frozen ``W``: the backward forms only ``g @ W``."""
+    """``y = base + x @ W.T (+ b)`` for a frozen ``W``: the backward forms only ``g @ W``.
+    Written for ``torch.func`` too (``setup_context``, a generated vmap rule): a private site's
+    DP-SGD takes per-image gradients through the towers with ``vmap`` of ``grad``."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(
-        ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         base: torch.Tensor | None,
     ) -> torch.Tensor:
+        return _linear(x, weight, bias, base, in_place=False)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, weight, _, base = inputs
         ctx.save_for_backward(weight)
         ctx.has_base = base is not None
-        return _linear(x, weight, bias, base, in_place=False)
 
     @staticmethod
     def backward(

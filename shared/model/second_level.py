@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
@@ -82,7 +81,8 @@ def select_residuals(
     reference's ablation), which passes no gradient to the similarities.
     """
     selected = similarity.argmax(dim=-1)
-    onehot = F.one_hot(selected, similarity.shape[-1]).to(similarity.dtype)
+    classes = torch.arange(similarity.shape[-1], device=selected.device)
+    onehot = (selected.unsqueeze(-1) == classes).to(similarity.dtype)  # F.one_hot, vmap-able
     if confidence_modulation:
         weights = similarity - (similarity * (1 - onehot)).detach()
     else:

@@ -14,13 +14,15 @@ features of augmented views, which change every epoch.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from rich.progress import Progress
+from torch.func import grad, vmap
 
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.entry import ClassBank
@@ -132,7 +134,7 @@ class PrivateSteps:
     ``clip`` whatever the parameters, so the step is a Gaussian mechanism on a Poisson sample
     and what the phase releases is post-processing of the steps. ``rng`` is secret (the
     operating system's entropy): the sampling, the noise and stage 2's views are drawn from
-    it, each view from its own seed and image (``augment_each``)."""
+    it, each view from a step's seed and its image (``augment_each``)."""
 
     units: torch.Tensor  # the protected unit of each of the task's images, 0..U-1
     sampling: Sampling
@@ -141,15 +143,64 @@ class PrivateSteps:
     expected: float
     rng: np.random.Generator
 
-    def taken(self) -> Iterator[torch.Tensor]:
-        """The images of each unit one step takes (a Poisson sample of the units)."""
+    def sample(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One step's Poisson sample of the units: the images taken (indices into the task's),
+        the taken unit each belongs to (0..m−1) and m."""
         count = int(self.units.max()) + 1 if len(self.units) else 0
-        for unit in np.nonzero(self.rng.random(count) < self.sampling.rate)[0]:
-            yield torch.nonzero(self.units == int(unit)).squeeze(1)
+        taken = torch.from_numpy(self.rng.random(count) < self.sampling.rate)
+        images = torch.nonzero(taken[self.units]).squeeze(1)
+        rank = torch.cumsum(taken.long(), 0) - 1  # a taken unit's place among the taken
+        return images, rank[self.units[images]], int(taken.sum())
 
     def seed(self) -> int:
-        """A fresh secret seed of the views of one unit's images."""
+        """A fresh secret seed of the views of a step's images."""
         return int(self.rng.integers(2**62))
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """A training phase's loss, split where DP-SGD needs it: ``inputs(batch)``, what the
+    batch's images give (features, views, labels: nothing trained, drawn once a step), and
+    ``of(trained, *inputs)``, the batch's mean loss from them and the ``trained`` tensors by
+    name (those the optimizer steps). Split so that a private site's per-image gradients are
+    one ``vmap`` of ``grad`` over the inputs (``unit_gradients``); a site that is not private
+    calls the two in turn, the same operations as one closure."""
+
+    trained: dict[str, torch.Tensor]
+    inputs: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    of: Callable[..., torch.Tensor]
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.of(self.trained, *self.inputs(batch))
+
+
+def unit_gradients(
+    loss: StepLoss, images: torch.Tensor, units: torch.Tensor, count: int
+) -> list[torch.Tensor]:
+    """Each of ``count`` units' gradient of its images' summed loss (``units``: the unit of each
+    of ``images``), one ``[count, *shape]`` tensor per trained tensor.
+
+    Every image's gradient at once — ``torch.func``'s ``vmap`` of ``grad`` of the loss of a
+    batch of one (a mean over one image: its own loss, plus the data-free regulariser) — then
+    summed per unit (``index_add_``): a patient's images are one unit, clipped together. The
+    frozen towers run batched under ``vmap``; where the trained tensors enter once for the
+    whole batch (stage 1's prompts through the text tower), the forward runs once and only
+    the backward is per image."""
+    trained = {name: t.detach() for name, t in loss.trained.items()}
+    sums = [torch.zeros(count, *t.shape, dtype=t.dtype, device=t.device) for t in trained.values()]
+    if count == 0:
+        return sums
+    inputs = loss.inputs(images)
+
+    def image_loss(at: dict[str, torch.Tensor], *one: torch.Tensor) -> torch.Tensor:
+        return loss.of(at, *(x.unsqueeze(0) for x in one))
+
+    with warnings.catch_warnings():  # attention's batching falls back to a loop: measured
+        warnings.filterwarnings("ignore", "There is a performance drop", UserWarning)
+        per_image = vmap(grad(image_loss), in_dims=(None, *(0,) * len(inputs)))(trained, *inputs)
+    for total, name in zip(sums, trained, strict=True):
+        total.index_add_(0, units.to(total.device), per_image[name])
+    return sums
 
 
 @dataclass(frozen=True)
@@ -184,24 +235,24 @@ class TaskTraining:
         epochs: int,
         generator: torch.Generator,
         optimizer: torch.optim.Optimizer,
-        loss_of: Callable[[torch.Tensor], torch.Tensor],
+        loss: StepLoss,
         description: str,
         after_epoch: Callable[[], object] | None = None,
     ) -> None:
         """``epochs`` passes over the task's images, each in batches of a fresh permutation
-        drawn from ``generator``: one optimizer step per batch on ``loss_of(batch)`` (the
+        drawn from ``generator``: one optimizer step per batch on ``loss(batch)`` (the
         batch's image indices), the progress line advanced per batch; ``after_epoch``: called
         after each pass (stage 2's schedule). A private site's steps are DP-SGD's instead."""
         if self.private is not None:
-            self.train_privately(self.private, epochs, optimizer, loss_of, description, after_epoch)
+            self.train_privately(self.private, epochs, optimizer, loss, description, after_epoch)
             return
         n, size = len(self.labels), self.config.batch_size
         with progress_task(self.progress, description, epochs * -(-n // size)) as advance:
             for _ in range(epochs):
                 for batch in _batches(n, size, generator):
-                    loss = loss_of(batch)
+                    value = loss(batch)
                     optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
+                    value.backward()
                     optimizer.step()
                     advance()
                 if after_epoch is not None:
@@ -212,24 +263,20 @@ class TaskTraining:
         dp: PrivateSteps,
         epochs: int,
         optimizer: torch.optim.Optimizer,
-        loss_of: Callable[[torch.Tensor], torch.Tensor],
+        loss: StepLoss,
         description: str,
         after_epoch: Callable[[], object] | None = None,
     ) -> None:
         """``train``'s DP-SGD steps: a unit's gradient is that of its images' summed loss
-        (``loss_of`` of the unit's images × their number), so the noisy sum over the expected
-        images is a mean gradient like ``train``'s."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        (``unit_gradients``), so the noisy sum over the expected images is a mean gradient
+        like ``train``'s. ``loss.trained`` are the optimizer's tensors, in its order."""
+        params = list(loss.trained.values())
         per_epoch = max(1, dp.sampling.steps // epochs)
-
-        def gradients() -> Iterator[tuple[torch.Tensor, ...]]:
-            for images in dp.taken():
-                yield torch.autograd.grad(loss_of(images) * len(images), params)
-
         std = dp.noise_multiplier * dp.clip
         with progress_task(self.progress, description, dp.sampling.steps) as advance:
             for step in range(dp.sampling.steps):
-                noisy = private_gradient(gradients(), params, dp.clip, std, dp.rng)
+                gradients = unit_gradients(loss, *dp.sample())
+                noisy = private_gradient(gradients, params, dp.clip, std, dp.rng)
                 for param, gradient in zip(params, noisy, strict=True):
                     param.grad = gradient / dp.expected
                 optimizer.step()
@@ -248,13 +295,20 @@ def stage1(on: TaskTraining, image_features: torch.Tensor) -> None:
     past_keys, past_prompts = bank["key"][:n_past], bank["prompt"][:n_past]
     optimizer = torch.optim.SGD([prompts], lr=config.stage1_lr, momentum=0.0)
 
-    def loss_of(batch: torch.Tensor) -> torch.Tensor:
-        keys = torch.cat([past_keys, model.compute_keys(prompts, rows)])
-        logits = first_level_logits(image_features[batch], keys, model.encoder.logit_scale)
-        loss = masked_cross_entropy(logits, labels[batch], n_past)
-        return loss + config.lambda_op * prompt_orthogonality_loss(prompts, past_prompts)
+    def inputs(batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return image_features[batch], labels[batch]
 
-    on.train(config.stage1_epochs, generator, optimizer, loss_of, "stage 1: prompts")
+    def loss_of(
+        trained: dict[str, torch.Tensor], features: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        current = trained["prompt"]
+        keys = torch.cat([past_keys, model.compute_keys(current, rows)])
+        logits = first_level_logits(features, keys, model.encoder.logit_scale)
+        loss = masked_cross_entropy(logits, targets, n_past)
+        return loss + config.lambda_op * prompt_orthogonality_loss(current, past_prompts)
+
+    loss = StepLoss({"prompt": prompts}, inputs, loss_of)
+    on.train(config.stage1_epochs, generator, optimizer, loss, "stage 1: prompts")
     bank.set_rows("prompt", n_past, prompts)
 
 
@@ -342,26 +396,34 @@ def stage2(on: TaskTraining, images: torch.Tensor) -> None:
     optimizer = torch.optim.Adam(current.values(), lr=config.stage2_lr, fused=fused_adam() or None)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.stage2_epochs)
 
-    def seen(name: str) -> torch.Tensor:
-        return torch.cat([past[name], current[name]])
-
     def views_of(batch: torch.Tensor) -> torch.Tensor:
         if on.private is None:
             return augment(images[batch], generator)
-        return augment_each(images[batch], on.private.seed())  # one unit's: views per image
+        return augment_each(images[batch], on.private.seed())  # a step's: each image's own
 
-    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+    def inputs(batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
         vit_in, clip_in = views.pair(views_of(batch))
-        z = model.backbones.clip_image_features(clip_in)
+        return vit_in, model.backbones.clip_image_features(clip_in), labels[batch]
+
+    def loss_of(
+        trained: dict[str, torch.Tensor],
+        vit_in: torch.Tensor,
+        z: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
+        def seen(name: str) -> torch.Tensor:
+            return torch.cat([past[name], trained[name]])
+
         out = model.second_level(vit_in, z, seen("query_weight"), seen("query_prompt"))
         logits = F.linear(out.features, seen("head_weight"), seen("head_bias"))
-        loss = masked_cross_entropy(logits, labels[batch], n_past)
+        loss = masked_cross_entropy(logits, targets, n_past)
         return loss + config.lambda_oq * query_orthogonality_loss(
-            current["query_prompt"], past["query_prompt"]
+            trained["query_prompt"], past["query_prompt"]
         )
 
     description = "stage 2: residual prompts"
-    on.train(config.stage2_epochs, generator, optimizer, loss_of, description, scheduler.step)
+    loss = StepLoss(current, inputs, loss_of)
+    on.train(config.stage2_epochs, generator, optimizer, loss, description, scheduler.step)
     for name, value in current.items():
         bank.set_rows(name, n_past, value)
 

@@ -12,7 +12,7 @@ steps) and costs no privacy.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -94,7 +94,7 @@ def private_gaussian(
 
 
 def private_gradient(
-    gradients: Iterable[Sequence[torch.Tensor]],
+    gradients: Sequence[torch.Tensor],
     like: Sequence[torch.Tensor],
     clip: float,
     noise_std: float,
@@ -103,14 +103,13 @@ def private_gradient(
     """One DP-SGD step's gradient sum: each unit's gradient (all the parameters' as one
     vector) clipped to L2 norm ``clip``, summed, plus Gaussian noise of standard deviation
     ``noise_std`` per coordinate (the caller sets it to z × ``clip``: one unit moves the sum by
-    at most ``clip``). The sum has the shapes, dtypes and devices of the parameters ``like``."""
-    total = [torch.zeros(p.shape, dtype=torch.float64) for p in like]
-    for unit in gradients:
-        flat = [g.detach().to("cpu", torch.float64) for g in unit]
-        norm = float(torch.cat([g.reshape(-1) for g in flat]).norm())
-        scale = min(1.0, clip / max(norm, 1e-12))
-        for t, g in zip(total, flat, strict=True):
-            t += g * scale
+    at most ``clip``). ``gradients``: one tensor per parameter, the units along its first
+    dimension (``training.unit_gradients``). The sum has the shapes, dtypes and devices of the
+    parameters ``like``."""
+    flat = [g.detach().to("cpu", torch.float64) for g in gradients]
+    norms = torch.cat([g.flatten(1) for g in flat], dim=1).norm(dim=1)
+    scale = torch.clamp(clip / norms.clamp_min(1e-12), max=1.0)
+    total = [torch.einsum("u,u...->...", scale, g) for g in flat]
     return [
         (t + torch.from_numpy(rng.normal(0.0, noise_std, t.numel())).reshape(t.shape)).to(
             device=p.device, dtype=p.dtype
