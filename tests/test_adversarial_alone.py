@@ -40,20 +40,25 @@ M = 3  # farm-m's node id
 _run_ids = itertools.count(7500)
 
 
+#: A site's folder: 12 training and 5 test images of each of its classes.
+SITE_FOLDER = functools.partial(site_folder, train=12, test=5)
+
+
 def federate(
     sites: dict[str, dict[str, list[str]]],
     tmp: Path,
     faults=None,
     node_config: dict[str, dict] | None = None,
+    folder: Callable[[Path, dict[str, list[str]]], Path] = SITE_FOLDER,
     **config,
 ) -> dict:
     """One server run over ``sites`` (name -> task -> classes; farm-m is node 3), farm-m's
     replies of each message type in ``faults`` passed through it, each site's node config
-    with its ``node_config`` keys; the run's metrics."""
+    with its ``node_config`` keys, its data folder made by ``folder``; the run's metrics."""
     run_config = {**TINY_RUN, **config, "federation-dir": str(tmp / "federation")}
     nodes = {}
     for node, (name, tasks) in enumerate(sites.items(), start=1):
-        site_folder(tmp / name, tasks, train=12, test=5)
+        folder(tmp / name, tasks)
         nodes[node] = {
             "data-dir": str(tmp / name),
             "state-dir": str(tmp / f"{name}-state"),
@@ -213,32 +218,32 @@ def test_the_privacy_key_in_a_reply_lifts_no_bound(tmp_path, lone_honest) -> Non
 
 @pytest.fixture(scope="module")
 def private_honest(tmp_path_factory) -> dict:
-    """The lone scenario with farm-m a real private site (ε 32 in its node config), registered
-    so: two steps, and the federation's findings."""
+    """The lone scenario with farm-m a real private site (ε 32 in its node config, DP-SGD at the
+    run's clips), registered so, without ``reference-bound``: its rows are held by the bound
+    derived from its DP-SGD alone. Two steps, and the federation's findings."""
     tmp = tmp_path_factory.mktemp("private-honest")
-    metrics = federate(LONE, tmp, None, PRIVATE_NODE, **{"max-steps": 2, **PRIVATE_M})
+    run = {"max-steps": 2, **PRIVATE_M, "reference-bound": 0}
+    metrics = federate(LONE, tmp, None, PRIVATE_NODE, **run)
     return {**metrics, "findings": findings(tmp)}
 
 
 def test_a_registered_private_site_passes_with_no_finding(private_honest) -> None:
-    """farm-m's rows carry its release's noise (clipped, noised updates; one Gaussian per
-    class): held to its release's bound, not to the others' scale of training, they pass, and
-    its replies' privacy key agrees with its registration. Both steps complete."""
+    """farm-m's rows carry its release's noise (DP-SGD's steps; one Gaussian per class): held
+    to the bound derived from its DP-SGD (``TrainingRelease.row_bound``), not to the others'
+    scale of training, they pass, and its replies' privacy key agrees with its registration.
+    Both steps complete."""
     assert private_honest["findings"] == []
     assert (private_honest["status"], private_honest["steps"]) == ("completed", 2)
 
 
 def test_a_registered_private_sites_rows_past_its_release_are_rejected(tmp_path) -> None:
-    """The same private farm-m alone trains X in step 2 with rows × 10⁴: past its clip plus
-    the noise its release can reach (``release_bound``, at the largest noise multiplier) —
-    without ``reference-bound``, that bound is the one that holds it. Rejected, the step
-    rolled back; the honest sites keep step 1's (farm-m's noise is the operating system's, so
-    each run's step 1 differs: its honest sites' accuracy is not compared)."""
+    """The same private farm-m alone trains X in step 2 with rows × 10⁴: past the most its
+    DP-SGD can move them (``TrainingRelease.row_bound``, at the run's clips) — without
+    ``reference-bound``, that bound is the one that holds it. Rejected, the step rolled back;
+    the honest sites keep step 1's (farm-m's noise is the operating system's, so each run's
+    step 1 differs: its honest sites' accuracy is not compared)."""
     faults = {t: edit_update(scaled(1e4, {X})) for t in TRAINING}
-    # the clips the allowance was derived at (a clipped update's); DP-SGD's defaults (a unit's
-    # gradient, 20 and 5) give an allowance a thousand times as wide
-    clips = {"privacy-stage1-clip": 0.02, "privacy-stage2-clip": 0.05}
-    run = {**PRIVATE_M, **clips, "reference-bound": 0}
+    run = {**PRIVATE_M, "reference-bound": 0}
     rolled_back(LONE, tmp_path, faults, PRIVATE_NODE, **run)
     rejected = [f for f in findings(tmp_path) if f.action == "rejected"]
     assert rejected and {(f.site, f.name) for f in rejected} == {("farm-m", X)}
