@@ -299,14 +299,14 @@ def test_rows_for_a_frozen_class_are_a_finding(tmp_path, lone_honest) -> None:
     assert "frozen" in found[0].reason
 
 
-def along_a1s_head(folder: Path) -> Callable[[pb.ClientUpdate], None]:
-    """X's H_c (``vit_mixture``) means moved by twice their norm along the head row of farm-a's
-    own class A1 (finished in step 1, in the codebook of ``folder``), so the head's replay learns
-    X where A1's images lie. Within every bound the screening has."""
+def along_a1s_head(folder: Path, name: str = X) -> Callable[[pb.ClientUpdate], None]:
+    """``name``'s H_c (``vit_mixture``) means moved by twice their norm along the head row of
+    farm-a's own class A1 (trained in step 1, in the codebook of ``folder``), so the head's
+    replay learns ``name`` where A1's images lie. Within every bound the screening has."""
 
     def edit(message: pb.ClientUpdate) -> None:
         for entry in message.entries:
-            if entry.name == X and entry.HasField("vit_mixture"):
+            if entry.name == name and entry.HasField("vit_mixture"):
                 head = wire.read_file(folder / "federation" / "codebook.bin")[A1]
                 direction = head.values["head_weight"].double().numpy()
                 direction /= np.linalg.norm(direction)
@@ -332,6 +332,29 @@ def test_a_lone_class_along_another_sites_head_is_left_out(tmp_path, lone_honest
     assert [(f.site, f.name, f.phase) for f in rejected] == [("farm-m", X, "stage2_stats")]
     assert f"toward the head row of {A1!r}, a class farm-m does not hold" in rejected[0].reason
     assert_as_after_step_1(metrics, lone_honest)
+
+
+@pytest.mark.slow
+def test_a_lone_class_placed_in_the_first_step_is_checked_at_the_next(
+    tmp_path, lone_honest
+) -> None:
+    """Issue 43, attack 4's gap: farm-m's lone M1 of step 1 with its H_c along A1's head row.
+    Step 1 runs no head replay, so nothing checks M1 then, and M1 is finished; step 2's replay
+    is the first to use its H_c (``replay.first_replayed``): the replay's change of M1's row
+    points at A1's, a finding against farm-m, M1 left out of the step (unregistered), and the
+    replay run again without it. Step 2 completes with farm-m's X; no honest site is below
+    the honest run's by more than ``TOLERANCE`` (they may be above it: M1 is one class fewer
+    for their images to be taken by — farm-a 0 → 40 % at seed 1993)."""
+    faults = {"query.stage2_stats": edit_update(along_a1s_head(tmp_path, M1), UPDATE_RECORDS)}
+    metrics = federate(LONE, tmp_path, faults, **{"max-steps": 2})
+    rejected = [f for f in findings(tmp_path) if f.action == "rejected"]
+    assert [(f.site, f.name, f.phase) for f in rejected] == [("farm-m", M1, "stage2_stats")]
+    assert f"toward the head row of {A1!r}, a class farm-m does not hold" in rejected[0].reason
+    (one, two) = Federation.open(tmp_path / "federation").history()
+    assert (one.status, two.status) == ("completed", "degraded")
+    for site in ("farm-a", "farm-b"):
+        got, want = metrics["site_accuracy"][site], lone_honest["site_accuracy"][site]
+        assert got >= want - TOLERANCE, (site, got, want)
 
 
 # --- one vote per site: farm-m brings ten more classes than the others ------------------------
