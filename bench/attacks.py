@@ -9,14 +9,23 @@ leaves the step before's), its change against the clean run, the findings agains
 the run's status and wall. The goal (issue 43): no attack costs an honest site more than 5
 points unseen — an attack with findings is seen, one without must cost nothing.
 
+The tests' folders have 5 test images per class: one image is 10 points of a site of two
+classes, too coarse to tell 5 points from noise. The bench's sites keep the tests' 12 training
+images per class and test on ``--test-images`` (48 by default) of the same class: the bundled
+set's 20 test images and its last training images, which no site trains on (the folders take
+the first 12): one image is about 1 point. They are real images, not augmented copies, but few
+(the bundled set has 80 + 20 a class) and the same at every site that holds the class.
+
     python bench/attacks.py                         # seeds 1993 1994 1995, every attack
     python bench/attacks.py --seeds 1993 --attacks 1 3
+    python bench/attacks.py --test-images 5         # the tests' folders
     python bench/attacks.py --json results.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -27,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import test_adversarial_accuracy as accuracy_tests
+from site_folders import BUNDLED, site_folder
 from test_adversarial import (
     STATISTICS,
     TRAINING,
@@ -41,6 +51,26 @@ from starfed.server.federation import Federation
 from starfed.shared.protocol import PRIVACY_EPSILON
 
 HONEST = ("farm-a", "farm-b")
+#: Training images per class at each site: the tests' (``test_adversarial_alone.SITE_FOLDER``).
+TRAIN_IMAGES = 12
+
+
+def site_with_tests(root: Path, tasks: dict[str, list[str]], test_images: int) -> Path:
+    """A site's folder of ``TRAIN_IMAGES`` training images a class and ``test_images`` test
+    images: the bundled test split's, then the bundled training split's last (never trained
+    on: the folder trains on its first ``TRAIN_IMAGES``)."""
+    folder = site_folder(root, tasks, train=TRAIN_IMAGES, test=test_images)
+    for source in {spec.partition("=")[0] for classes in tasks.values() for spec in classes}:
+        test = folder / "test" / source
+        extra = test_images - len(list(test.iterdir()))
+        unused = sorted((BUNDLED / "train" / source).iterdir())[TRAIN_IMAGES:]
+        if extra > len(unused):
+            raise SystemExit(f"{source} has {len(unused)} images to spare, not {extra}")
+        for image in unused[len(unused) - extra :] if extra > 0 else []:
+            link = test / f"held-{image.name}"
+            if not link.exists():
+                link.symlink_to(image)
+    return folder
 
 
 def _private_scaled(message: pb.ClientUpdate) -> None:
@@ -132,13 +162,16 @@ def run(
     seed: int,
     faults: Callable[[Path], dict],
     attack: int,
+    test_images: int,
     config: tuple[tuple[str, str], ...] = (),
 ) -> Run:
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
         start = time.perf_counter()
+        make = functools.partial(site_with_tests, test_images=test_images)
+        settings = {"max-steps": steps, "seed": seed, **dict(config)}
         try:
-            federate(sites, tmp, faults(tmp), **{"max-steps": steps, "seed": seed, **dict(config)})
+            federate(sites, tmp, faults(tmp), folder=make, **settings)
         except Exception as err:  # a rolled-back step: its record says so
             print(f"  run ended: {str(err)[:120]}", flush=True)
         wall = time.perf_counter() - start
@@ -156,6 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1993, 1994, 1995])
     parser.add_argument("--attacks", type=int, nargs="+", default=[a.number for a in ATTACKS])
+    parser.add_argument("--test-images", type=int, default=48, help="per class and site")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     chosen = [a for a in ATTACKS if a.number in args.attacks]
@@ -170,9 +204,19 @@ def main() -> None:
                     for name, tasks in attack.sites.items()
                     if not (attack.without_attacker and name == "farm-m")
                 }
-                clean[scenario] = run(sites, attack.steps, seed, lambda _: {}, 0, attack.config)
+                clean[scenario] = run(
+                    sites, attack.steps, seed, lambda _: {}, 0, args.test_images, attack.config
+                )
                 runs.append(clean[scenario])
-            got = run(attack.sites, attack.steps, seed, attack.faults, attack.number, attack.config)
+            got = run(
+                attack.sites,
+                attack.steps,
+                seed,
+                attack.faults,
+                attack.number,
+                args.test_images,
+                attack.config,
+            )
             runs.append(got)
             # after as many completed steps (a rolled-back step leaves the one before)
             after = len(got.steps)

@@ -25,13 +25,13 @@ import torch
 
 from starfed.server.decode import Decoded, refused_classes, without_cyclic_gc
 from starfed.server.records import CAPPED, REJECTED, Finding
+from starfed.server.release_bounds import TrainingRelease
+from starfed.server.robust import MIN_HOLDERS, MIXTURE_OUTLIER, ROBUST_MERGE, mixture_distances
 from starfed.server.screening import Furthest, Screen
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 from starfed.shared.data.site_folder import class_key
-from starfed.shared.privacy.accountant import MAX_NOISE_MULTIPLIER
-from starfed.shared.privacy.mechanisms import release_bound
 from starfed.shared.protocol import Phase
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ def reference_size(sent: torch.Tensor) -> float:
 @dataclass(frozen=True)
 class Change:
     """One row's change in a tensor field, its class's reference size (``reference_size``),
-    and for a private site's row the most its release can move it (``release_bound``)."""
+    and for a private site's row the most its release can move it
+    (``TrainingRelease.row_bound``)."""
 
     site: str
     cls: str
@@ -96,7 +97,8 @@ class Change:
 class MixtureRow:
     """What one row's mixture field measures: the largest variance of a component (averaged
     over dimensions), the smallest variance, the largest norm of a component's mean, the
-    dimension, and the second moment (``second_moment``)."""
+    dimension, and the second moment (``second_moment``); and the mixture itself, with its
+    count as capped (``outlying_mixtures`` compares it with the class's other sites')."""
 
     site: str
     cls: str
@@ -105,6 +107,7 @@ class MixtureRow:
     norm: float
     dim: int
     moment: float
+    mixture: GaussianMixture = field(compare=False, repr=False)
 
 
 @dataclass
@@ -193,11 +196,18 @@ class PhaseScreen:
         self.rejected: set[tuple[str, str]] = set()  # (site, class)
         self.capped: dict[tuple[str, str], int] = {}  # (site, class) -> count
         options = screen.options
-        # a private site's per-unit gradient clip of the phase (DP-SGD, client.privacy): the
-        # allowance its rows are held to is computed from it (``release_bound``)
-        self.clip = {Phase.STAGE1: options.stage1_clip, Phase.STAGE2: options.stage2_clip}.get(
-            phase
-        )
+        # a private site's DP-SGD in a training phase, as the run config fixes it
+        # (client.privacy): the bound on its rows is derived from it
+        self.release = None
+        if phase in (Phase.STAGE1, Phase.STAGE2):
+            one = phase is Phase.STAGE1
+            self.release = TrainingRelease.of(
+                phase,
+                options.batch_size,
+                options.stage1_epochs if one else options.stage2_epochs,
+                options.stage1_clip if one else options.stage2_clip,
+                options.privacy_delta,
+            )
 
     def _note(self, site: str, action: str, reason: str, name: str = "") -> None:
         self.screen.note(site, self.phase.key, self.round, action, reason, name)
@@ -208,8 +218,11 @@ class PhaseScreen:
             return
         self.screen.privacy_claim(site, self.phase.key, self.round, update.metadata)
         private = self.screen.private(site)
-        classes = len(update.entries)  # the K classes of its release
         caps = self.screen.caps(site)
+        # the released counts of its task's classes, as capped: its DP-SGD's sampling
+        released = [
+            min(e.count, cap) for e in update.entries if (cap := caps.get(class_key(e.name)))
+        ]
         for entry in update.entries:
             key = (site, entry.name)
             cap = caps.get(class_key(entry.name))
@@ -237,6 +250,7 @@ class PhaseScreen:
                             float(value.means.norm(dim=1).max()),
                             value.dim,
                             second_moment(value),
+                            replace(value, count=min(value.count, cap)),
                         )
                     )
                 elif name in sent:
@@ -248,19 +262,19 @@ class PhaseScreen:
                             entry.name,
                             change,
                             reference_size(before),
-                            self._release_bound(private, classes, value.numel()),
+                            self._release_bound(private, released, before),
                         )
                     )
 
-    def _release_bound(self, private: bool, classes: int, coordinates: int) -> float | None:
-        """The most a private site's release of ``classes`` classes in a training phase moves a
-        row of ``coordinates`` values (``release_bound`` at the largest noise multiplier a site
-        releases with: its ε sets its multiplier, and its past releases can raise that to
-        ``MAX_NOISE_MULTIPLIER``); None for a site that is not private, or a phase without a
-        clipped release."""
-        if not private or self.clip is None:
+    def _release_bound(
+        self, private: bool, counts: list[int], before: torch.Tensor
+    ) -> float | None:
+        """The most a private site's training release of a task of ``counts`` released images
+        per class moves the row that was ``before`` (``TrainingRelease.row_bound``); None for
+        a site that is not private, or a phase without a training release."""
+        if not private or self.release is None or not counts:
             return None
-        return release_bound(self.clip, MAX_NOISE_MULTIPLIER, classes, coordinates)
+        return self.release.row_bound(counts, before.numel(), float(before.norm()))
 
     def frozen_rows(self, site: str, names: list[str]) -> None:
         """Rows for finished (frozen) classes: no site trains them (``client.site``), so they
@@ -277,6 +291,9 @@ class PhaseScreen:
         if self.screen.options.mixture_bound:
             for name, stats in self.rows.mixtures.items():
                 self._bound_mixtures(name, stats)
+        if self.screen.options.merge == ROBUST_MERGE:
+            for name, stats in self.rows.mixtures.items():
+                self._outlying_mixtures(name, stats)
         self._note_furthest()
 
     def _reject_row(self, site: str, cls: str, problem: str) -> None:
@@ -355,12 +372,12 @@ class PhaseScreen:
                         f"{options.reference_bound:g} × the class's size {size:.3g}",
                     )
                 )
-            if row.released is not None:
+            if row.released is not None and self.release is not None:
                 limits.append(
                     (
                         row.released,
-                        f"the bound of its privacy release {row.released:.3g} (clip "
-                        f"{self.clip:g} plus its noise at multiplier {MAX_NOISE_MULTIPLIER:g})",
+                        f"the bound of its privacy release {row.released:.3g} (its DP-SGD: "
+                        f"{self.release.optimizer.value}, clip {self.release.clip:g})",
                     )
                 )
             elif options.history_bound and scale is not None and not self.screen.private(site):
@@ -442,6 +459,28 @@ class PhaseScreen:
                 )
             if problem:
                 self._reject_row(row.site, row.cls, problem)
+
+    def _outlying_mixtures(self, name: str, rows: list[MixtureRow]) -> None:
+        """Where ``MIN_HOLDERS`` or more sites' mixtures of a class are left after the bounds,
+        a site's whose mean lies far from the others' (``outlying_mixtures``) is rejected: a
+        finding against the site, counted toward ``quarantine-after`` (issue 43, attack 3: the
+        median merge left it out of the pool with only a log line, the strategy not knowing
+        whose update it was)."""
+        by_class: dict[str, list[MixtureRow]] = {}
+        for row in rows:
+            if (row.site, row.cls) not in self.rejected and row.site not in self.screen.quarantined:
+                by_class.setdefault(row.cls, []).append(row)
+        for cls, held in by_class.items():
+            if len(held) < MIN_HOLDERS:
+                continue
+            for row, far in zip(held, mixture_distances([r.mixture for r in held]), strict=True):
+                if far > MIXTURE_OUTLIER:
+                    self._reject_row(
+                        row.site,
+                        cls,
+                        f"{name}'s mean {far:.3g} × as far from the median of {len(held)} "
+                        f"sites' as theirs are, over {MIXTURE_OUTLIER:g}",
+                    )
 
     def _note_furthest(self) -> None:
         """Per class, the kept row that went furthest (``Screen.furthest``), from what the first

@@ -91,22 +91,39 @@ class Impersonation:
         )
 
 
+def first_replayed(merged: Codebook) -> list[str]:
+    """The finished classes no head replay has moved yet: their aligned head row is still their
+    trained one (the federation's first step runs none; ``replay_head`` copies the row)."""
+    return [
+        name
+        for name, entry in merged.entries.items()
+        if entry.frozen
+        and "aligned_head_weight" in entry.values
+        and torch.equal(entry.tensor("aligned_head_weight"), entry.tensor("head_weight"))
+    ]
+
+
 def impersonations(
     merged: Codebook,
     replayed: Codebook,
     in_play: Iterable[str],
     holders: Mapping[str, Collection[str]],
 ) -> list[Impersonation]:
-    """The classes in play that one site alone holds (``holders``: the registry's) whose change
-    by the head's replay, from their trained row in ``merged`` to their aligned row in
-    ``replayed``, points at the trained head row of a class that site does not hold by more than
-    ``IMPERSONATION_BOUND``. An honest class's replay moves its row toward no class in
-    particular; one whose H_c was placed along another class's head is pulled along it, and
-    then takes that class's images. Its cost: none in a step without a lone class in play; else
+    """The classes in play, and the finished ones this replay is the first to move
+    (``first_replayed``: a class of the federation's first step, which runs no head replay),
+    that one site alone holds (``holders``: the registry's) whose change by the head's replay,
+    from their trained row in ``merged`` to their aligned row in ``replayed``, points at the
+    trained head row of a class that site does not hold by more than ``IMPERSONATION_BOUND``.
+    An honest class's replay moves its row toward no class in particular; one whose H_c was
+    placed along another class's head is pulled along it, and then takes that class's images —
+    from the first replay that uses its H_c on, so a class of the first step is checked at the
+    next (issue 43, attack 4). Its cost: none in a step without a lone class to check; else
     every class's head row stacked (O(classes × d_vit): about 0.25 s and 61 MB at 10,000 classes
     of 768, CPU) and one cosine per class for each lone class, O(lone classes × classes × d_vit),
-    besides the replay's O(epochs × classes × samples × classes × d_vit)."""
-    lone = [name for name in in_play if len(holders.get(name, ())) == 1]
+    besides the replay's O(epochs × classes × samples × classes × d_vit); ``first_replayed``
+    compares each finished class's two rows, O(classes × d_vit)."""
+    checked = [*first_replayed(merged), *in_play]
+    lone = [name for name in checked if len(holders.get(name, ())) == 1]
     if not lone:  # the usual step: nothing to stack
         return []
     names = merged.names

@@ -8,9 +8,10 @@ its count: ``merge = median`` (the default) makes this the default strategy, and
 ``with_merge`` gives a baseline's strategy the same merge (``MERGE_STRATEGIES``: each value of
 the ``merge`` knob and its strategy). Classes held by one or two sites merge as in
 ``MeanStrategy`` (the weighted mean). Mixtures are pooled by count as there, each site's
-components kept, except that where three or more sites send a class's mixture, a site whose
-mixture's mean lies far from the others' is left out of the pool (``outlying_mixtures``): with
-two nothing tells the honest one from the other.
+components kept; where three or more sites send a class's mixture, a site's whose mean lies
+far from the others' (``mixture_distances``) never reaches the pool: the screen stage rejects
+it, a finding against its site (``server.field_bounds``, under this merge). With two nothing
+tells the honest one from the other.
 
 The median needs every row of the class at once, so unlike the streamed mean this strategy
 holds the phase's updates until its end (views of the replies' bytes, which the coordinator
@@ -21,7 +22,6 @@ grows with the sites that hold a class, not with the classes.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -33,13 +33,13 @@ from starfed.shared.codebook.merge import MergeAccumulator
 from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.knob import ConfigError
 
-logger = logging.getLogger(__name__)
-
 MIN_HOLDERS = 3  # below this, a median is no more robust than a mean
-# A mixture is left out of its class's pool when its mean is more than this many times further
-# from the median of the senders' means than the senders' median distance (or the spread of the
-# class's features, if larger), each distance on the scale of its count (``outlying_mixtures``).
-# In the default simulation the largest honest one is 7.8 × (docs/security.md, §1c, attack 3).
+#: The ``merge`` knob's value of this strategy: the screen holds mixtures to it as well.
+ROBUST_MERGE = "median"
+# A mixture is rejected when its mean is more than this many times further from the median of
+# the senders' means than the senders' median distance (or the spread of the class's features,
+# if larger), each distance on the scale of its count (``mixture_distances``). In the default
+# simulation the largest honest one is 7.8 × (docs/security.md, §1c, attack 3).
 MIXTURE_OUTLIER = 20.0
 # Sites transposed into a block at a time: each write puts 64 of a coordinate's values (four
 # 64-byte lines) side by side; 16 at a time (one line) was 1.2× slower in all at 1,000 sites.
@@ -107,8 +107,8 @@ class MedianStrategy(Strategy):
     @staticmethod
     def merge(updates: Iterable[ClientUpdate], state: PhaseState) -> Codebook:
         """Tensor rows are held per class until the end; the classes with enough holders get
-        one row, their median, with their summed count; the rest merge as in ``MeanStrategy``,
-        the mixtures ``outlying_mixtures`` finds left out."""
+        one row, their median, with their summed count; the rest merge as in ``MeanStrategy``
+        (the screen has rejected the mixtures ``mixture_distances`` finds far)."""
         received = list(updates)
         rows: dict[str, list[ClassEntry]] = {}
         for update in received:
@@ -117,8 +117,8 @@ class MedianStrategy(Strategy):
                     rows.setdefault(entry.name, []).append(entry)
         robust = {name for name, entries in rows.items() if len(entries) >= MIN_HOLDERS}
         merge = MergeAccumulator(state.codebook, n_components=state.train.mixture_components)
-        for update, outlying in zip(received, _outlying_senders(received), strict=True):
-            merge.add(update.only({e.name for e in update.entries} - robust - outlying))
+        for update in received:
+            merge.add(update.only({e.name for e in update.entries} - robust))
         stack = SiteStack()  # one buffer for every field of every class
         medians = tuple(_median_entry(rows[name], stack) for name in sorted(robust))
         if medians:
@@ -140,17 +140,17 @@ def _median_entry(entries: Sequence[ClassEntry], stack: SiteStack) -> ClassEntry
     return ClassEntry(entries[0].name, sum(e.count for e in entries), values)
 
 
-def outlying_mixtures(mixtures: Sequence[GaussianMixture]) -> list[bool]:
-    """Which of one class's mixtures (one per site, ``MIN_HOLDERS`` or more) to leave out of its
-    pool: those whose mean's distance to the coordinate-wise median of the means, on its
-    count's scale, is over ``MIXTURE_OUTLIER`` × the senders' median of the same.
+def mixture_distances(mixtures: Sequence[GaussianMixture]) -> list[float]:
+    """For each of one class's mixtures (one per site, ``MIN_HOLDERS`` or more), how far its
+    mean lies from the coordinate-wise median of the means, on its count's scale, in units of
+    the senders' median of the same: over ``MIXTURE_OUTLIER`` it is an outlier.
 
     A site's mean of n features misses the class's by about their spread × √(1/n), and the
     median misses it by about that of a typical site's count (the median count, n₀), so each
     distance is divided by √(1/n + 1/n₀): every honest site is on one scale, whatever its
     count. A site that claims many images to weigh more in the pool is held to about the
     distance of a site of n₀, so its pull on the pooled mean stays within ``MIXTURE_OUTLIER`` ×
-    an honest site's. The scale is at least the spread of the class's features (the median over
+    an honest site's. The unit is at least the spread of the class's features (the median over
     senders of each mixture's total standard deviation), which an honest site's distance is
     about: where most sites' means agree exactly (sites with the same images) it is that."""
     means = torch.stack([m.mean() for m in mixtures])
@@ -159,7 +159,7 @@ def outlying_mixtures(mixtures: Sequence[GaussianMixture]) -> list[bool]:
     spread = (means - centre).norm(dim=1) / (1 / counts + 1 / counts.median()).sqrt()
     features = torch.stack([_total_deviation(m) for m in mixtures]).median()
     scale = max(float(spread.median()), float(features))
-    return [float(s) > MIXTURE_OUTLIER * scale for s in spread]
+    return [float(s) / max(scale, 1e-300) for s in spread]
 
 
 def _total_deviation(mixture: GaussianMixture) -> torch.Tensor:
@@ -168,35 +168,9 @@ def _total_deviation(mixture: GaussianMixture) -> torch.Tensor:
     return (mixture.weights @ offsets).sum().sqrt()
 
 
-def _outlying_senders(updates: Sequence[ClientUpdate]) -> list[set[str]]:
-    """For each update, the classes whose mixture it sent is left out of the pool
-    (``outlying_mixtures``, per class and mixture field); logged, since the strategy does not
-    know whose update it is."""
-    sent_by: dict[tuple[str, str], list[tuple[int, GaussianMixture]]] = {}
-    for index, update in enumerate(updates):
-        for entry in update.entries:
-            for field, value in entry.values.items():
-                if isinstance(value, GaussianMixture):
-                    sent_by.setdefault((entry.name, field), []).append((index, value))
-    left_out: list[set[str]] = [set() for _ in updates]
-    for (name, field), sent in sent_by.items():
-        if len(sent) < MIN_HOLDERS:
-            continue
-        for (index, _), far in zip(sent, outlying_mixtures([m for _, m in sent]), strict=True):
-            if far:
-                left_out[index].add(name)
-                logger.warning(
-                    "merge: one of %d %s of %s left out: its mean is far from the others'",
-                    len(sent),
-                    field,
-                    name[:60],
-                )
-    return left_out
-
-
 #: Each value of the ``merge`` knob (``shared.config.MERGES``) and the strategy it names: a new
 #: merge rule is a line here, and ``run_server`` (``server/app.py``) needs no change.
-MERGE_STRATEGIES: dict[str, type[Strategy]] = {"mean": MeanStrategy, "median": MedianStrategy}
+MERGE_STRATEGIES: dict[str, type[Strategy]] = {"mean": MeanStrategy, ROBUST_MERGE: MedianStrategy}
 
 
 def with_merge(strategy: Strategy | None, merge: str) -> Strategy:

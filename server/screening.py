@@ -78,9 +78,14 @@ class ScreeningOptions(Options):
     reference_bound: float = knob("reference-bound")
     history_bound: float = knob("history-bound")
     mixture_bound: float = knob("mixture-bound")
-    # the clip of a private site's training release, per stage (the run's: ``client.privacy``)
+    # what fixes a private site's training release (the run's: ``client.privacy``): the bound
+    # on its rows is derived from it (``server.release_bounds``)
     stage1_clip: float = knob("privacy-stage1-clip")
     stage2_clip: float = knob("privacy-stage2-clip")
+    batch_size: int = knob("batch-size")
+    stage1_epochs: int = knob("stage1-epochs")
+    stage2_epochs: int = knob("stage2-epochs")
+    privacy_delta: float = knob("privacy-delta")
     max_class_share: float = knob("max-class-share")
     quarantine_after: int = knob("quarantine-after")
     quarantine_persists: bool = knob("quarantine-persists")
@@ -91,6 +96,9 @@ class ScreeningOptions(Options):
     # whether a site's rows carry noise: its registration's word, or the run's, never a reply's
     site_privacy: str = knob("site-privacy")
     privacy_epsilon: float = knob("privacy-epsilon")
+    # ``median`` (the default) also holds a shared class's mixture to its other sites'
+    # (``robust.outlying_mixtures``): the robust merge's, a finding where it fails
+    merge: str = knob("merge")
 
 
 class Furthest(NamedTuple):

@@ -134,16 +134,20 @@ def moved(message: pb.ClientUpdate) -> None:
                 value.means.data = (np.frombuffer(value.means.data, np.float64) * 4).tobytes()
 
 
-def test_a_shared_classs_mixture_far_from_the_others_is_left_out_of_its_pool(
-    tmp_path, shared_honest
-) -> None:
+def test_a_shared_classs_mixture_far_from_the_others_is_a_finding(tmp_path, shared_honest) -> None:
     """Attack 3's rest: farm-m's mixtures of C0 moved far (``moved``) pass every bound and were
     pooled by count. Its G_c's mean lies 55 × the spread of C0's features from farm-a's and
-    farm-b's (on ``outlying_mixtures``' scale), so the median merge leaves it out: C0's G_c is
+    farm-b's (on ``mixture_distances``' scale), so the screen rejects it — a finding against
+    farm-m naming C0, where until then the merge left it out with only a log line: C0's G_c is
     theirs alone (their count), and the others' accuracy is the honest run's. (Its H_c lies 14 ×
     that spread away, under ``MIXTURE_OUTLIER``, and is pooled: this step runs no head replay.)"""
     faults = {t: edit_update(moved, UPDATE_RECORDS) for t in STATISTICS}
     federate(SHARED, tmp_path, faults, **{"max-steps": 1})
+    (finding,) = findings(tmp_path)
+    assert (finding.site, finding.name, finding.action) == ("farm-m", C0, "rejected")
+    assert finding.reason.startswith("clip_mixture's mean") and "over 20" in finding.reason
+    (record,) = Federation.open(tmp_path / "federation").history()
+    assert record.status == "degraded"
     codebook = wire.read_file(tmp_path / "federation" / "codebook.bin")
     assert codebook[C0].values["clip_mixture"].count == 2 * 12
     assert_honest_within_noise(accuracy(tmp_path), shared_honest)

@@ -84,9 +84,11 @@ def test_each_group_of_knobs_is_read_by_its_options() -> None:
     assert _knobs_read(ScenarioConfig) == _group("scenario")
     assert _knobs_read(ProtocolOptions) == _group("protocol")
     # + the run's privacy: whether sites' rows carry noise is the run's (or the registration's)
-    # word, never a reply's; and the clip a private site's release is held to
-    privacy = {"privacy-epsilon", "privacy-stage1-clip", "privacy-stage2-clip"}
-    assert _knobs_read(ScreeningOptions) == _group("screening") | privacy
+    # word, never a reply's; and what fixes a private site's DP-SGD, whose bound its rows are
+    # held to (server/release_bounds.py); and the merge (the median's holds mixtures too)
+    privacy = {"privacy-epsilon", "privacy-stage1-clip", "privacy-stage2-clip", "privacy-delta"}
+    dp_sgd = {"stage1-epochs", "stage2-epochs", "batch-size", "merge"}
+    assert _knobs_read(ScreeningOptions) == _group("screening") | privacy | dp_sgd
     # + train-local's single-site ablation (a federation's is its strategy, starfed-no-replay)
     assert _knobs_read(TrainConfig) == _group("training") | {"seed", "generative-replay"}
     assert _knobs_read(BackboneOptions) == _group("backbones") - {"device"}  # load(device)

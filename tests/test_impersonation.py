@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from starfed.server.replay import impersonations
+from starfed.server.replay import first_replayed, impersonations
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.schema import ModelDims
 
@@ -64,3 +64,29 @@ def test_an_honest_replays_change_points_at_no_class(merged) -> None:
         change = torch.randn(DIMS.d_vit, generator=generator)
         assert impersonations(merged, _replayed(merged, x, change), [x], holders) == []
     assert impersonations(merged, merged, [x], holders) == []
+
+
+@pytest.mark.adversarial
+def test_a_first_step_class_is_checked_at_the_replay_that_first_moves_it(merged) -> None:
+    """Issue 43, attack 4's gap: the federation's first step runs no head replay, so a lone
+    class placed then is finished before any replay moved its row. The next step's replay is
+    the first to use its H_c: the class is checked then, though not in play (its aligned row
+    was its trained row, ``first_replayed``); a finished class a replay has moved before is
+    not checked again."""
+    x, of_a, of_b, of_m = merged.names
+    holders = {x: {"m"}, of_a: {"a"}, of_b: {"b"}, of_m: {"m", "a"}}
+    step_one = merged.set_values(
+        {x: {"aligned_head_weight": merged[x].tensor("head_weight")}}, freeze=[x]
+    )
+    assert first_replayed(step_one) == [x]
+    change = 3 * merged[of_a].tensor("head_weight")
+    found = impersonations(step_one, _replayed(step_one, x, change), [of_b], holders)
+    assert [(f.name, f.site, f.other) for f in found] == [(x, "m", of_a)]
+    replayed_before = step_one.set_values(
+        {x: {"aligned_head_weight": merged[of_b].tensor("head_weight")}}
+    )
+    assert first_replayed(replayed_before) == []
+    assert (
+        impersonations(replayed_before, _replayed(replayed_before, x, change), [of_b], holders)
+        == []
+    )

@@ -1,14 +1,17 @@
-"""The median strategy's merge of a shared class's mixtures (issue 43, attack 3): each site's
-components pooled by count, except a site's whose mean lies far from the others'
-(``outlying_mixtures``), where three or more sites send the class's mixture."""
+"""A shared class's mixtures under the median merge (issue 43, attack 3): each site's components
+pooled by count, except a site's whose mean lies far from the others' (``mixture_distances``),
+where three or more sites send the class's mixture: the screen rejects it, a finding against
+the site."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from starfed.server import robust
-from starfed.server.robust import MIXTURE_OUTLIER, MedianStrategy, outlying_mixtures
+from starfed.server.field_bounds import PhaseScreen
+from starfed.server.records import Exchange
+from starfed.server.robust import MIXTURE_OUTLIER, MedianStrategy, mixture_distances
+from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import MeanStrategy, PhaseState
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
 from starfed.shared.codebook.entry import ClassEntry
@@ -41,9 +44,42 @@ def _statistics(codebook: Codebook, name: str, mixture: GaussianMixture) -> Clie
 
 
 def _merged(strategy, codebook: Codebook, name: str, mixtures: list[GaussianMixture]):
+    return _merged_updates(
+        strategy, codebook, name, [_statistics(codebook, name, m) for m in mixtures]
+    )
+
+
+def _merged_updates(strategy, codebook: Codebook, name: str, updates: list[ClientUpdate]):
     state = PhaseState(0, 0, codebook, (name,), {}, None, TrainConfig())
-    updates = [_statistics(codebook, name, m) for m in mixtures]
     return strategy.merge(iter(updates), state)[name]
+
+
+def _outlying(mixtures: list[GaussianMixture], bound: float = MIXTURE_OUTLIER) -> list[bool]:
+    return [far > bound for far in mixture_distances(mixtures)]
+
+
+def _screened(codebook: Codebook, name: str, mixtures: list[GaussianMixture]):
+    """Sites s0, s1, … each sending its mixture of ``name`` (their sync reported its count),
+    through the screen of a stage-1 statistics phase: the updates kept, and the findings."""
+    screen = Screen(ScreeningOptions(), step=0)
+    sites = [f"s{i}" for i in range(len(mixtures))]
+    synced = [
+        (Exchange(0, "sync", 0, node, site, 0), _sync(codebook, name, m.count))
+        for node, (site, m) in enumerate(zip(sites, mixtures, strict=True), start=1)
+    ]
+    assert len(screen.sync(synced, codebook, {})) == len(sites)
+    phase = PhaseScreen(screen, Phase.STAGE1_STATS, 0, codebook)
+    updates = [_statistics(codebook, name, m) for m in mixtures]
+    for site, update in zip(sites, updates, strict=True):
+        phase.observe(site, update)
+    phase.decide()
+    kept = [phase.apply(site, u) for site, u in zip(sites, updates, strict=True)]
+    return [u for u in kept if u is not None], screen.findings
+
+
+def _sync(codebook: Codebook, name: str, count: int) -> ClientUpdate:
+    entries = [ClassEntry(name, count)]
+    return ClientUpdate(codebook.fingerprint, codebook.dims, Phase.SYNC, 0, entries)
 
 
 def _same(a: GaussianMixture, b: GaussianMixture) -> bool:
@@ -54,18 +90,23 @@ def _same(a: GaussianMixture, b: GaussianMixture) -> bool:
 
 @pytest.mark.adversarial
 @pytest.mark.parametrize("honest_sites", [2, 3])
-def test_a_far_mixture_of_a_class_three_sites_hold_is_left_out(make_codebook, honest_sites):
+def test_a_far_mixture_of_a_class_three_sites_hold_is_a_finding(make_codebook, honest_sites):
     """m's mean lies 3 × the class's size from the honest sites' (inside ``mixture-bound``,
-    1000 ×): with three or more holders its components are left out of the pool, and the class
-    is the honest sites' pool, with their count."""
+    1000 ×): with three or more holders the screen rejects it, a finding against m that names
+    the class, and the class is the honest sites' pool, with their count."""
     codebook = make_codebook(n_classes=1)
     (name,) = codebook.names
     generator = torch.Generator().manual_seed(0)
     centre = torch.randn(codebook.dims.d_clip, generator=generator, dtype=torch.float64)
     honest = [_site(generator, centre, count) for count in (10, 25, 4)[:honest_sites]]
     far = _site(generator, 4 * centre, 10)
-    assert outlying_mixtures([*honest, far]) == [False] * honest_sites + [True]
-    got = _merged(MedianStrategy, codebook, name, [*honest, far])
+    assert _outlying([*honest, far]) == [False] * honest_sites + [True]
+    kept, findings = _screened(codebook, name, [*honest, far])
+    (finding,) = findings
+    m = f"s{honest_sites}"
+    assert (finding.site, finding.name, finding.action) == (m, name, "rejected")
+    assert f"over {MIXTURE_OUTLIER:g}" in finding.reason
+    got = _merged_updates(MedianStrategy, codebook, name, kept)
     assert _same(
         got.values["clip_mixture"],
         _merged(MeanStrategy, codebook, name, honest).values["clip_mixture"],
@@ -74,23 +115,24 @@ def test_a_far_mixture_of_a_class_three_sites_hold_is_left_out(make_codebook, ho
 
 
 def test_with_two_holders_nothing_tells_the_far_mixture_apart(make_codebook) -> None:
-    """Two holders: the median of two means is no judge of either, so both are pooled by
-    count, as the mean strategy pools them."""
+    """Two holders: the median of two means is no judge of either, so both pass the screen and
+    are pooled by count, as the mean strategy pools them."""
     codebook = make_codebook(n_classes=1)
     (name,) = codebook.names
     generator = torch.Generator().manual_seed(1)
     centre = torch.randn(codebook.dims.d_clip, generator=generator, dtype=torch.float64)
     pair = [_site(generator, centre, 10), _site(generator, 4 * centre, 10)]
-    got = _merged(MedianStrategy, codebook, name, pair).values["clip_mixture"]
+    kept, findings = _screened(codebook, name, pair)
+    assert not findings and len(kept) == 2
+    got = _merged_updates(MedianStrategy, codebook, name, kept).values["clip_mixture"]
     assert _same(got, _merged(MeanStrategy, codebook, name, pair).values["clip_mixture"])
     assert got.count == 20
 
 
-def test_honest_sites_of_any_counts_are_kept(monkeypatch) -> None:
+def test_honest_sites_of_any_counts_are_kept() -> None:
     """Sites whose features come from one class are never left out, whatever their counts,
     even at half the bound: 300 draws of 3-8 sites of 1-100 features each, and one site of
     1,000 among sites of one (whose mean the median of the others misses most)."""
-    monkeypatch.setattr(robust, "MIXTURE_OUTLIER", MIXTURE_OUTLIER / 2)
     generator = torch.Generator().manual_seed(2)
     centre = torch.randn(16, generator=generator, dtype=torch.float64)
     draws = [
@@ -101,7 +143,7 @@ def test_honest_sites_of_any_counts_are_kept(monkeypatch) -> None:
     ]
     for counts in [*draws, [1, 1, 1, 1000]]:
         mixtures = [_site(generator, centre, count) for count in counts]
-        assert not any(outlying_mixtures(mixtures)), counts
+        assert not any(_outlying(mixtures, MIXTURE_OUTLIER / 2)), counts
 
 
 def test_sites_with_the_same_images_hold_the_others_to_their_features_spread() -> None:
@@ -112,5 +154,5 @@ def test_sites_with_the_same_images_hold_the_others_to_their_features_spread() -
     centre = torch.randn(16, generator=generator, dtype=torch.float64)
     same = _site(generator, centre, 12)
     honest, far = _site(generator, centre, 12), _site(generator, 4 * centre, 12)
-    assert outlying_mixtures([same, same, honest]) == [False, False, False]
-    assert outlying_mixtures([same, same, far]) == [False, False, True]
+    assert _outlying([same, same, honest]) == [False, False, False]
+    assert _outlying([same, same, far]) == [False, False, True]

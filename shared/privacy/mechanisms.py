@@ -19,9 +19,6 @@ import torch
 
 from starfed.shared.codebook.mixture import DEFAULT_REG, GaussianMixture
 
-#: The probability with which a release's noise may exceed ``release_bound``'s allowance.
-RELEASE_FAILURE = 1e-9
-
 #: L2 sensitivity of the moments (Σ(x−c)/R, Σ((x−c)/R)²) to adding or removing one clipped
 #: image: √(‖u‖² + ‖u²‖²) ≤ √2 for ‖u‖ ≤ 1.
 MOMENTS_SENSITIVITY = math.sqrt(2.0)
@@ -116,29 +113,3 @@ def private_gradient(
         )
         for t, p in zip(total, like, strict=True)
     ]
-
-
-def release_bound(
-    clip: float,
-    noise_multiplier: float,
-    classes: int,
-    coordinates: int,
-    failure: float = RELEASE_FAILURE,
-) -> float:
-    """The allowance the server holds a private site's row of ``coordinates`` values to
-    (``server.field_bounds``): C + σ(√d + s), σ = ``noise_multiplier`` · 2 · ``clip`` · √K
-    for ``classes`` classes, s = √(2 ln(1/``failure``)).
-
-    It was derived for the release it was written with, a class's update clipped to C as a
-    whole plus Gaussian noise of σ per coordinate: by Gaussian concentration (Borell–TIS) the
-    noise's norm over d coordinates exceeds σ(√d + s) with probability at most ``failure``.
-    Since issue 44 a private site trains by DP-SGD (``private_gradient``): C bounds one unit's
-    gradient and the released change is the optimizer's over the phase's noisy steps, not a
-    clipped update. That change is not derived here: at the defaults it is far inside this
-    allowance (stage 1's SGD moves a row by at most lr × steps × (C × the units a step takes
-    + the noise) / the batch), so the allowance rejects no honest private row but is loose,
-    and ``reference-bound`` is what holds a private row in practice (docs/security.md §1c).
-    """
-    sigma = noise_multiplier * 2.0 * clip * math.sqrt(classes)
-    tail = math.sqrt(2.0 * math.log(1.0 / failure))
-    return clip + sigma * (math.sqrt(coordinates) + tail)
