@@ -470,15 +470,15 @@ class PhaseScreen:
         for row in rows:
             if (row.site, row.cls) not in self.rejected and row.site not in self.screen.quarantined:
                 by_class.setdefault(row.cls, []).append(row)
-        for cls, held in by_class.items():
-            if len(held) < MIN_HOLDERS:
+        for cls, sent in by_class.items():
+            if len(sent) < MIN_HOLDERS:
                 continue
-            for row, far in zip(held, mixture_distances([r.mixture for r in held]), strict=True):
+            for row, far in zip(sent, mixture_distances([r.mixture for r in sent]), strict=True):
                 if far > MIXTURE_OUTLIER:
                     self._reject_row(
                         row.site,
                         cls,
-                        f"{name}'s mean {far:.3g} × as far from the median of {len(held)} "
+                        f"{name}'s mean {far:.3g} × as far from the median of {len(sent)} "
                         f"sites' as theirs are, over {MIXTURE_OUTLIER:g}",
                     )
 

@@ -6,7 +6,6 @@ where its numbers are easy to check.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import replace
 
@@ -35,7 +34,7 @@ from starfed.shared.codebook.mixture import GaussianMixture
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import MERGES
 from starfed.shared.knob import ConfigError
-from starfed.shared.model.training import PrivateSteps, TaskTraining, TrainConfig
+from starfed.shared.model.training import PrivateSteps, StepLoss, TaskTraining, TrainConfig
 from starfed.shared.privacy.accountant import MAX_NOISE_MULTIPLIER, Sampling
 from starfed.shared.protocol import PRIVACY_EPSILON, Phase
 from starfed.simulations.methods.no_replay import NoReplay
@@ -374,8 +373,8 @@ def _private_training(
         optimizer = torch.optim.Adam([trained], lr=release.lr)
         after = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=release.epochs).step
     on = TaskTraining(None, labels, 0, TrainConfig(), 0, private=dp)  # type: ignore[arg-type]
-    loss_of = functools.partial(push, trained)
-    on.train_privately(dp, release.epochs, optimizer, loss_of, "test", after)
+    loss = StepLoss({"rows": trained}, lambda batch: (batch,), lambda t, b: push(t["rows"], b))
+    on.train_privately(dp, release.epochs, optimizer, loss, "test", after)
     return (trained.detach() - rows).norm(dim=1)
 
 
