@@ -6,7 +6,9 @@ real ClientApp on the local runtime (``LocalGrid``, tiny backbones, the default 
 replies edited as protobuf bytes. Per seed, each scenario runs once clean (farm-m honest) and
 once per attack; the row is each honest site's accuracy after the run (a rolled-back step
 leaves the step before's), its change against the clean run, the findings against farm-m and
-the run's status and wall. The goal (issue 43): no attack costs an honest site more than 5
+the run's status and wall. An attack that adds what an honest site could add is measured
+against that honest site instead (``Attack.against``: ten invented classes against ten genuine
+ones). The goal (issue 43): no attack costs an honest site more than 5
 points unseen — an attack with findings is seen, one without must cost nothing.
 
 The tests' folders have 5 test images per class: one image is 10 points of a site of two
@@ -44,7 +46,16 @@ from test_adversarial import (
     claim_classes,
     edit_update,
 )
-from test_adversarial_alone import LONE, REGISTERED, X, along_a1s_head, federate, scaled
+from test_adversarial_alone import (
+    FEW_INVENTED,
+    FEW_REAL,
+    LONE,
+    REGISTERED,
+    X,
+    along_a1s_head,
+    federate,
+    scaled,
+)
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.federation import Federation
@@ -60,8 +71,9 @@ def site_with_tests(root: Path, tasks: dict[str, list[str]], test_images: int) -
     images: the bundled test split's, then the bundled training split's last (never trained
     on: the folder trains on its first ``TRAIN_IMAGES``)."""
     folder = site_folder(root, tasks, train=TRAIN_IMAGES, test=test_images)
-    for source in {spec.partition("=")[0] for classes in tasks.values() for spec in classes}:
-        test = folder / "test" / source
+    for spec in {spec for classes in tasks.values() for spec in classes}:
+        source, _, spelling = spec.partition("=")
+        test = folder / "test" / (spelling or source)
         extra = test_images - len(list(test.iterdir()))
         unused = sorted((BUNDLED / "train" / source).iterdir())[TRAIN_IMAGES:]
         if extra > len(unused):
@@ -90,9 +102,9 @@ class Attack:
     sites: dict
     steps: int
     faults: Callable[[Path], dict]
-    #: the run it is measured against: farm-m honest, or (an attack whose site sits the step
-    #: out) farm-m absent
-    without_attacker: bool = False
+    #: the sites of the run it is measured against, where not ``sites`` with farm-m honest:
+    #: farm-m absent (an attack whose site sits the step out), or farm-m's genuine counterpart
+    against: dict | None = None
     config: tuple[tuple[str, str], ...] = ()
 
 
@@ -141,7 +153,15 @@ ATTACKS = (
         accuracy_tests.SHARED,
         1,
         lambda _: {"query.sync": claim_classes(998)},
-        without_attacker=True,
+        against={name: tasks for name, tasks in accuracy_tests.SHARED.items() if name != "farm-m"},
+    ),
+    Attack(
+        5,
+        "ten invented classes of another site's class's images (against ten genuine classes)",
+        FEW_INVENTED,
+        2,
+        lambda _: {},
+        against=FEW_REAL,
     ),
 )
 
@@ -149,6 +169,7 @@ ATTACKS = (
 @dataclass(frozen=True)
 class Run:
     attack: int  # 0: a clean run
+    what: str  # the attack's ``what``; "clean"
     seed: int
     steps: list[dict[str, float]]  # each completed step's honest sites' accuracy
     findings: int
@@ -162,6 +183,7 @@ def run(
     seed: int,
     faults: Callable[[Path], dict],
     attack: int,
+    what: str,
     test_images: int,
     config: tuple[tuple[str, str], ...] = (),
 ) -> Run:
@@ -182,7 +204,7 @@ def run(
             if r.status != "failed"
         ]
         found = [f for r in history for f in r.findings if f.site == "farm-m"]
-        return Run(attack, seed, accuracy, len(found), history[-1].status, wall)
+        return Run(attack, what, seed, accuracy, len(found), history[-1].status, wall)
 
 
 def main() -> None:
@@ -197,15 +219,18 @@ def main() -> None:
     for seed in args.seeds:
         clean: dict[tuple, Run] = {}
         for attack in chosen:
-            scenario = (id(attack.sites), attack.steps, attack.without_attacker, attack.config)
+            against = attack.against or attack.sites
+            scenario = (id(against), attack.steps, attack.config)
             if scenario not in clean:
-                sites = {
-                    name: tasks
-                    for name, tasks in attack.sites.items()
-                    if not (attack.without_attacker and name == "farm-m")
-                }
                 clean[scenario] = run(
-                    sites, attack.steps, seed, lambda _: {}, 0, args.test_images, attack.config
+                    against,
+                    attack.steps,
+                    seed,
+                    lambda _: {},
+                    0,
+                    "clean",
+                    args.test_images,
+                    attack.config,
                 )
                 runs.append(clean[scenario])
             got = run(
@@ -214,6 +239,7 @@ def main() -> None:
                 seed,
                 attack.faults,
                 attack.number,
+                attack.what,
                 args.test_images,
                 attack.config,
             )
