@@ -148,6 +148,15 @@ ATTACKS = (
         lambda folder: {"query.stage2_stats": edit_update(along_a1s_head(folder), UPDATE_RECORDS)},
     ),
     Attack(
+        4,
+        "the same pulled 0.05 x their norm: its replayed row's cosine under the check's 0.6",
+        LONE,
+        2,
+        lambda folder: {
+            "query.stage2_stats": edit_update(along_a1s_head(folder, pull=0.05), UPDATE_RECORDS)
+        },
+    ),
+    Attack(
         5,
         "998 invented classes at the sync",
         accuracy_tests.SHARED,

@@ -299,9 +299,11 @@ def test_rows_for_a_frozen_class_are_a_finding(tmp_path, lone_honest) -> None:
     assert "frozen" in found[0].reason
 
 
-def along_a1s_head(folder: Path, name: str = X) -> Callable[[pb.ClientUpdate], None]:
-    """``name``'s H_c (``vit_mixture``) means moved by twice their norm along the head row of
-    farm-a's own class A1 (trained in step 1, in the codebook of ``folder``), so the head's
+def along_a1s_head(
+    folder: Path, name: str = X, pull: float = 2.0
+) -> Callable[[pb.ClientUpdate], None]:
+    """``name``'s H_c (``vit_mixture``) means moved by ``pull`` × their norm along the head row
+    of farm-a's own class A1 (trained in step 1, in the codebook of ``folder``), so the head's
     replay learns ``name`` where A1's images lie. Within every bound the screening has."""
 
     def edit(message: pb.ClientUpdate) -> None:
@@ -313,7 +315,7 @@ def along_a1s_head(folder: Path, name: str = X) -> Callable[[pb.ClientUpdate], N
                 mixture = entry.vit_mixture
                 means = np.frombuffer(mixture.means.data, np.float64).reshape(-1, len(direction))
                 radius = np.linalg.norm(means, axis=1, keepdims=True)
-                mixture.means.data = (means + 2 * radius * direction).tobytes()
+                mixture.means.data = (means + pull * radius * direction).tobytes()
 
     return edit
 
