@@ -85,6 +85,24 @@ def site_with_tests(root: Path, tasks: dict[str, list[str]], test_images: int) -
     return folder
 
 
+def others_images(root: Path, tasks: dict[str, list[str]], test_images: int) -> Path:
+    """``site_with_tests``, with each class respelled from another (``source=spelling``) trained
+    on the source's training images ``TRAIN_IMAGES`` to 2 × ``TRAIN_IMAGES`` instead of its
+    first: images of that class which no site trains on (attack 5 aimed: not a copy of the
+    other site's class, more images of it)."""
+    folder = site_with_tests(root, tasks, test_images)
+    for task, classes in tasks.items():
+        for source, _, spelling in (spec.partition("=") for spec in classes):
+            if spelling:
+                target = folder / task / spelling
+                for link in target.iterdir():
+                    link.unlink()
+                images = sorted((BUNDLED / "train" / source).iterdir())
+                for image in images[TRAIN_IMAGES : 2 * TRAIN_IMAGES]:
+                    (target / image.name).symlink_to(image)
+    return folder
+
+
 def _private_scaled(message: pb.ClientUpdate) -> None:
     """Attack 2: X's rows × 20 and the privacy key (ε 8) in the reply's metadata, from a site
     registered without the privacy setting (``REGISTERED``)."""
@@ -106,6 +124,8 @@ class Attack:
     #: farm-m absent (an attack whose site sits the step out), or farm-m's genuine counterpart
     against: dict | None = None
     config: tuple[tuple[str, str], ...] = ()
+    #: how each site's folder is made (given its root, tasks and test images)
+    folder: Callable[[Path, dict[str, list[str]], int], Path] = site_with_tests
 
 
 ATTACKS = (
@@ -172,6 +192,15 @@ ATTACKS = (
         lambda _: {},
         against=FEW_REAL,
     ),
+    Attack(
+        5,
+        "ten invented classes of another site's class's other images (against ten genuine)",
+        FEW_INVENTED,
+        2,
+        lambda _: {},
+        against=FEW_REAL,
+        folder=others_images,
+    ),
 )
 
 
@@ -195,11 +224,12 @@ def run(
     what: str,
     test_images: int,
     config: tuple[tuple[str, str], ...] = (),
+    folder: Callable[[Path, dict[str, list[str]], int], Path] = site_with_tests,
 ) -> Run:
-    with tempfile.TemporaryDirectory() as folder:
-        tmp = Path(folder)
+    with tempfile.TemporaryDirectory() as temporary:
+        tmp = Path(temporary)
         start = time.perf_counter()
-        make = functools.partial(site_with_tests, test_images=test_images)
+        make = functools.partial(folder, test_images=test_images)
         settings = {"max-steps": steps, "seed": seed, **dict(config)}
         try:
             federate(sites, tmp, faults(tmp), folder=make, **settings)
@@ -251,6 +281,7 @@ def main() -> None:
                 attack.what,
                 args.test_images,
                 attack.config,
+                attack.folder,
             )
             runs.append(got)
             # after as many completed steps (a rolled-back step leaves the one before)
