@@ -375,10 +375,11 @@ def test_a_few_invented_classes_cost_what_as_many_genuine_ones_do(tmp_path) -> N
     from farm-a's A1 images (``FEW_INVENTED``). Their statistics are of real images, so no
     check can tell them from a genuine new class (docs/security.md, §1c, attack 5: at the tiny
     preset an honest class's H_c lies as near another's as these copies lie to A1's), and
-    none is a finding. What they cost the honest sites is what ten genuine new classes cost
-    (``FEW_REAL``): the harm of a step's classes competing with the others in the head, not of
-    their invention. They are recorded: in step 2's record and the registry, farm-m their one
-    holder."""
+    none is a finding. What these copies cost the honest sites is what ten genuine new classes
+    cost (``FEW_REAL``): the harm of a step's classes competing with the others in the head,
+    not of their invention (within 5 points at 48 test images, seeds 1993-1995; ten classes
+    of A1's images no site trains on can cost more: security.md). They are recorded only as
+    classes: in step 2's record and the registry, farm-m their one holder."""
     invented = federate(FEW_INVENTED, tmp_path / "invented", **{"max-steps": 2})
     genuine = federate(FEW_REAL, tmp_path / "genuine", **{"max-steps": 2})
     assert (invented["status"], genuine["status"]) == ("completed", "completed")
