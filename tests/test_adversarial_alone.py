@@ -378,8 +378,9 @@ def test_a_few_invented_classes_cost_what_as_many_genuine_ones_do(tmp_path) -> N
     none is a finding. What these copies cost the honest sites is what ten genuine new classes
     cost (``FEW_REAL``): the harm of a step's classes competing with the others in the head,
     not of their invention (within 5 points at 48 test images, seeds 1993-1995; ten classes
-    of A1's images no site trains on can cost more: security.md). They are recorded only as
-    classes: in step 2's record and the registry, farm-m their one holder."""
+    of A1's images no site trains on cost 14.6 points more in one draw: security.md). They
+    are recorded only as classes: in step 2's record and the registry, farm-m their one
+    holder."""
     invented = federate(FEW_INVENTED, tmp_path / "invented", **{"max-steps": 2})
     genuine = federate(FEW_REAL, tmp_path / "genuine", **{"max-steps": 2})
     assert (invented["status"], genuine["status"]) == ("completed", "completed")
