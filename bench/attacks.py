@@ -6,7 +6,9 @@ real ClientApp on the local runtime (``LocalGrid``, tiny backbones, the default 
 replies edited as protobuf bytes. Per seed, each scenario runs once clean (farm-m honest) and
 once per attack; the row is each honest site's accuracy after the run (a rolled-back step
 leaves the step before's), its change against the clean run, the findings against farm-m and
-the run's status and wall. The goal (issue 43): no attack costs an honest site more than 5
+the run's status and wall. An attack that adds what an honest site could add is measured
+against that honest site instead (``Attack.against``: ten invented classes against ten genuine
+ones). The goal (issue 43): no attack costs an honest site more than 5
 points unseen — an attack with findings is seen, one without must cost nothing.
 
 The tests' folders have 5 test images per class: one image is 10 points of a site of two
@@ -44,7 +46,16 @@ from test_adversarial import (
     claim_classes,
     edit_update,
 )
-from test_adversarial_alone import LONE, REGISTERED, X, along_a1s_head, federate, scaled
+from test_adversarial_alone import (
+    FEW_INVENTED,
+    FEW_REAL,
+    LONE,
+    REGISTERED,
+    X,
+    along_a1s_head,
+    federate,
+    scaled,
+)
 
 from starfed.proto import codebook_pb2 as pb
 from starfed.server.federation import Federation
@@ -60,8 +71,9 @@ def site_with_tests(root: Path, tasks: dict[str, list[str]], test_images: int) -
     images: the bundled test split's, then the bundled training split's last (never trained
     on: the folder trains on its first ``TRAIN_IMAGES``)."""
     folder = site_folder(root, tasks, train=TRAIN_IMAGES, test=test_images)
-    for source in {spec.partition("=")[0] for classes in tasks.values() for spec in classes}:
-        test = folder / "test" / source
+    for spec in {spec for classes in tasks.values() for spec in classes}:
+        source, _, spelling = spec.partition("=")
+        test = folder / "test" / (spelling or source)
         extra = test_images - len(list(test.iterdir()))
         unused = sorted((BUNDLED / "train" / source).iterdir())[TRAIN_IMAGES:]
         if extra > len(unused):
@@ -70,6 +82,24 @@ def site_with_tests(root: Path, tasks: dict[str, list[str]], test_images: int) -
             link = test / f"held-{image.name}"
             if not link.exists():
                 link.symlink_to(image)
+    return folder
+
+
+def others_images(root: Path, tasks: dict[str, list[str]], test_images: int) -> Path:
+    """``site_with_tests``, with each class respelled from another (``source=spelling``) trained
+    on the source's training images ``TRAIN_IMAGES`` to 2 × ``TRAIN_IMAGES`` instead of its
+    first: images of that class which no site trains on (attack 5 aimed: not a copy of the
+    other site's class, more images of it)."""
+    folder = site_with_tests(root, tasks, test_images)
+    for task, classes in tasks.items():
+        for source, _, spelling in (spec.partition("=") for spec in classes):
+            if spelling:
+                target = folder / task / spelling
+                for link in target.iterdir():
+                    link.unlink()
+                images = sorted((BUNDLED / "train" / source).iterdir())
+                for image in images[TRAIN_IMAGES : 2 * TRAIN_IMAGES]:
+                    (target / image.name).symlink_to(image)
     return folder
 
 
@@ -90,10 +120,12 @@ class Attack:
     sites: dict
     steps: int
     faults: Callable[[Path], dict]
-    #: the run it is measured against: farm-m honest, or (an attack whose site sits the step
-    #: out) farm-m absent
-    without_attacker: bool = False
+    #: the sites of the run it is measured against, where not ``sites`` with farm-m honest:
+    #: farm-m absent (an attack whose site sits the step out), or farm-m's genuine counterpart
+    against: dict | None = None
     config: tuple[tuple[str, str], ...] = ()
+    #: how each site's folder is made (given its root, tasks and test images)
+    folder: Callable[[Path, dict[str, list[str]], int], Path] = site_with_tests
 
 
 ATTACKS = (
@@ -136,12 +168,38 @@ ATTACKS = (
         lambda folder: {"query.stage2_stats": edit_update(along_a1s_head(folder), UPDATE_RECORDS)},
     ),
     Attack(
+        4,
+        "the same pulled 0.05 x their norm: its replayed row's cosine under the check's 0.6",
+        LONE,
+        2,
+        lambda folder: {
+            "query.stage2_stats": edit_update(along_a1s_head(folder, pull=0.05), UPDATE_RECORDS)
+        },
+    ),
+    Attack(
         5,
         "998 invented classes at the sync",
         accuracy_tests.SHARED,
         1,
         lambda _: {"query.sync": claim_classes(998)},
-        without_attacker=True,
+        against={name: tasks for name, tasks in accuracy_tests.SHARED.items() if name != "farm-m"},
+    ),
+    Attack(
+        5,
+        "ten invented classes of another site's class's images (against ten genuine classes)",
+        FEW_INVENTED,
+        2,
+        lambda _: {},
+        against=FEW_REAL,
+    ),
+    Attack(
+        5,
+        "ten invented classes of another site's class's other images (against ten genuine)",
+        FEW_INVENTED,
+        2,
+        lambda _: {},
+        against=FEW_REAL,
+        folder=others_images,
     ),
 )
 
@@ -149,6 +207,7 @@ ATTACKS = (
 @dataclass(frozen=True)
 class Run:
     attack: int  # 0: a clean run
+    what: str  # the attack's ``what``; "clean"
     seed: int
     steps: list[dict[str, float]]  # each completed step's honest sites' accuracy
     findings: int
@@ -162,13 +221,15 @@ def run(
     seed: int,
     faults: Callable[[Path], dict],
     attack: int,
+    what: str,
     test_images: int,
     config: tuple[tuple[str, str], ...] = (),
+    folder: Callable[[Path, dict[str, list[str]], int], Path] = site_with_tests,
 ) -> Run:
-    with tempfile.TemporaryDirectory() as folder:
-        tmp = Path(folder)
+    with tempfile.TemporaryDirectory() as temporary:
+        tmp = Path(temporary)
         start = time.perf_counter()
-        make = functools.partial(site_with_tests, test_images=test_images)
+        make = functools.partial(folder, test_images=test_images)
         settings = {"max-steps": steps, "seed": seed, **dict(config)}
         try:
             federate(sites, tmp, faults(tmp), folder=make, **settings)
@@ -182,7 +243,7 @@ def run(
             if r.status != "failed"
         ]
         found = [f for r in history for f in r.findings if f.site == "farm-m"]
-        return Run(attack, seed, accuracy, len(found), history[-1].status, wall)
+        return Run(attack, what, seed, accuracy, len(found), history[-1].status, wall)
 
 
 def main() -> None:
@@ -197,15 +258,18 @@ def main() -> None:
     for seed in args.seeds:
         clean: dict[tuple, Run] = {}
         for attack in chosen:
-            scenario = (id(attack.sites), attack.steps, attack.without_attacker, attack.config)
+            against = attack.against or attack.sites
+            scenario = (id(against), attack.steps, attack.config)
             if scenario not in clean:
-                sites = {
-                    name: tasks
-                    for name, tasks in attack.sites.items()
-                    if not (attack.without_attacker and name == "farm-m")
-                }
                 clean[scenario] = run(
-                    sites, attack.steps, seed, lambda _: {}, 0, args.test_images, attack.config
+                    against,
+                    attack.steps,
+                    seed,
+                    lambda _: {},
+                    0,
+                    "clean",
+                    args.test_images,
+                    attack.config,
                 )
                 runs.append(clean[scenario])
             got = run(
@@ -214,8 +278,10 @@ def main() -> None:
                 seed,
                 attack.faults,
                 attack.number,
+                attack.what,
                 args.test_images,
                 attack.config,
+                attack.folder,
             )
             runs.append(got)
             # after as many completed steps (a rolled-back step leaves the one before)
