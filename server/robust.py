@@ -103,8 +103,8 @@ class SiteStack:
     row into a cache-sized buffer with the sites on its last, contiguous axis
     (``_gather_block``), where numpy's in-place partition selects the middle one. The buffer is
     reused from field to field and class to class: memory is one block. Stacking the rows and
-    transposing the stack's blocks with numpy instead made the whole merge 1.3x slower at 1,000
-    sites, and a compiled selection (a branch-free quickselect) 1.8x slower than numpy's, which
+    transposing the stack's blocks with numpy instead made the whole merge 1.4x slower at 1,000
+    sites, and a compiled selection (a branch-free quickselect) is 1.9x slower than numpy's, which
     is SIMD (docs/benchmarks.md#the-median-merge). The k-th smallest is the same value whatever
     selects it, so the result is what ``torch.median`` gives (of ``-0.0`` and ``0.0`` at the
     median, either may come).
@@ -119,8 +119,8 @@ class SiteStack:
         if any(row.shape != shape or row.dtype != rows[0].dtype for row in rows):
             # the kernel reads every row as long as the first: decoding checked them, this holds
             raise ValueError(f"rows of one field differ in shape or type: {shape} first")
-        held = [row.contiguous() for row in rows]  # the addresses below point into these
-        addresses = np.array([row.data_ptr() for row in held], dtype=np.int64)
+        laid_out = [row.contiguous() for row in rows]  # the addresses below point into these
+        addresses = np.array([row.data_ptr() for row in laid_out], dtype=np.int64)
         result = torch.empty(coordinates, dtype=rows[0].dtype)
         selected = result.numpy()
         width = max(1, min(coordinates, BLOCK_BYTES // (sites * selected.itemsize)))
