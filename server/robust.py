@@ -116,9 +116,11 @@ class SiteStack:
     def median(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
         """The lower of the two middle values for an even number of rows (``torch.median``'s)."""
         shape, sites, coordinates = rows[0].shape, len(rows), rows[0].numel()
-        if any(row.shape != shape or row.dtype != rows[0].dtype for row in rows):
-            # the kernel reads every row as long as the first: decoding checked them, this holds
-            raise ValueError(f"rows of one field differ in shape or type: {shape} first")
+        if any(
+            row.shape != shape or row.dtype != rows[0].dtype or row.device.type != "cpu"
+            for row in rows
+        ):  # the kernel reads every row's memory as long as the first's: decoding checked them
+            raise ValueError(f"rows of one field differ in shape, type or device: {shape} first")
         laid_out = [row.contiguous() for row in rows]  # the addresses below point into these
         addresses = np.array([row.data_ptr() for row in laid_out], dtype=np.int64)
         result = torch.empty(coordinates, dtype=rows[0].dtype)

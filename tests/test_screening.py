@@ -98,7 +98,7 @@ def test_the_site_stack_gives_torch_median_bit_for_bit() -> None:
     only finite values through, signed zeros among them: where ``0.0`` and ``-0.0`` meet at the
     middle either may come (equal; which one torch's ``nth_element`` picks is its own), and
     infinities (a local caller's) are ordered as torch orders them. Rows of different shapes
-    are refused, not read past their ends."""
+    or devices are refused, not read past their ends."""
     assert LANES > 12
     assert 5_200 // 2 < BLOCK_BYTES // (130 * 4) < 5_200
     generator = torch.Generator().manual_seed(0)
@@ -117,8 +117,13 @@ def test_the_site_stack_gives_torch_median_bit_for_bit() -> None:
         got = stack.median(rows)
         assert got.shape == expected.shape and torch.equal(got, expected), (sites, shape)
         assert all(torch.equal(a, b) for a, b in zip(rows, before, strict=True))
-    for odd in (torch.zeros(3), torch.zeros(2, 2, dtype=torch.float64)):
-        with pytest.raises(ValueError, match=r"^rows of one field differ in shape or type"):
+    odd_rows = (
+        torch.zeros(3),
+        torch.zeros(2, 2, dtype=torch.float64),
+        torch.zeros(2, 2, device="meta"),
+    )
+    for odd in odd_rows:
+        with pytest.raises(ValueError, match=r"^rows of one field differ in shape, type or device"):
             stack.median([torch.zeros(2, 2), odd, torch.zeros(2, 2)])
 
 
