@@ -15,9 +15,10 @@ and numpy, against the same copy ``merge_scale.py`` measures, in the same proces
 
 ``--median`` asks the same of the median merge (``server.robust.SiteStack``), one thread, by
 part, on one class's stage-2 rows from every site (sites × 18,433 values at the paper's dims):
-the stack of the rows, the transposition of cache-sized blocks (sites on the last axis) and
-numpy's partition in them, each against a copy of the same bytes — the selection alone is the
-floor of any merge that selects with numpy.
+the compiled gather of cache-sized blocks from the rows (sites on the last axis) and numpy's
+partition in them, each against a copy of the same bytes — the selection alone is the floor of
+any merge that selects with numpy — and, for comparison, what the gather replaced: the stack of
+the rows and the numpy transposition of its blocks, 64 sites at a time.
 
     python bench/merge_floor.py --median            # 1000 sites, median of 5 interleaved runs
 """
@@ -31,14 +32,17 @@ import platform
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from codebook_sizes import PAPER, parse_dims
 
-from starfed.server.robust import BLOCK_BYTES, SITES_AT_ONCE, SiteStack
+from starfed.server.robust import BLOCK_BYTES, SiteStack, _gather_block
 from starfed.shared.codebook import schema
 from starfed.shared.protocol import Phase
+
+SITES_AT_ONCE = 64  # the numpy transposition's groups of sites, before the compiled gather
 
 
 def packed_replies(sites: int, shapes: dict, generator: torch.Generator) -> list[bytes]:
@@ -94,11 +98,25 @@ def merge(replies: list[bytes], shapes: dict, sent: dict, counts: torch.Tensor) 
     return wall
 
 
+def interleaved(parts: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
+    """The CPU seconds of each part, the median of ``runs`` in which the parts take turns (each
+    under the same load)."""
+    seconds: dict[str, list[float]] = {name: [] for name in parts}
+    for _ in range(runs):
+        for name, work in parts.items():
+            started = time.process_time()
+            work()
+            seconds[name].append(time.process_time() - started)
+    return {name: statistics.median(times) for name, times in seconds.items()}
+
+
 def median_parts(rows: list[torch.Tensor], runs: int) -> dict[str, float]:
     """CPU seconds (median of ``runs``, the parts interleaved) of one field's median by part:
-    ``copy`` (each row's bytes once), ``stack``, ``transpose`` (the stack's blocks, sites last),
-    ``select`` (numpy's partition of each block, in cache: a copy of the block into a cache-sized
-    buffer and its partition, less that copy) and ``site_stack`` (``SiteStack.median``)."""
+    ``copy`` (each row's bytes once), ``gather`` (``SiteStack``'s: blocks from the rows, sites
+    last), ``stack`` and ``transpose`` (the stack's blocks, sites last: what the gather
+    replaced), ``select`` (numpy's partition of each block, in cache: a copy of the block into a
+    cache-sized buffer and its partition, less that copy) and ``site_stack``
+    (``SiteStack.median``)."""
     sites, coordinates = len(rows), rows[0].numel()
     width = max(1, min(coordinates, BLOCK_BYTES // (sites * 4)))
     stacked = torch.stack([row.reshape(-1) for row in rows]).numpy()
@@ -110,6 +128,12 @@ def median_parts(rows: list[torch.Tensor], runs: int) -> dict[str, float]:
     def copy() -> None:
         for row in rows:
             bytearray(row.numpy().reshape(-1).view(np.uint8))
+
+    addresses = np.array([row.data_ptr() for row in rows], dtype=np.int64)
+
+    def gather() -> None:
+        for start in range(0, coordinates, width):
+            _gather_block(addresses, start, block[: min(width, coordinates - start)], block)
 
     def transpose() -> None:
         for start in range(0, coordinates, width):
@@ -128,19 +152,14 @@ def median_parts(rows: list[torch.Tensor], runs: int) -> dict[str, float]:
 
     parts = {
         "copy": copy,
+        "gather": gather,
         "stack": lambda: torch.stack([row.reshape(-1) for row in rows], out=into),
         "transpose": transpose,
         "block_copy": lambda: blocks(select=False),
         "block_select": lambda: blocks(select=True),
         "site_stack": lambda: stack.median(rows),
     }
-    seconds: dict[str, list[float]] = {name: [] for name in parts}
-    for _ in range(runs):
-        for name, work in parts.items():
-            started = time.process_time()
-            work()
-            seconds[name].append(time.process_time() - started)
-    out = {name: statistics.median(times) for name, times in seconds.items()}
+    out = interleaved(parts, runs)
     out["select"] = out.pop("block_select") - out.pop("block_copy")
     return out
 
@@ -164,7 +183,7 @@ def median_floor(sites: int, dims, runs: int) -> None:
     )
     print("| part | CPU ms | ns a value | ÷ copy |")
     print("|---|---|---|---|")
-    for part in ("copy", "stack", "transpose", "select", "site_stack"):
+    for part in ("copy", "gather", "stack", "transpose", "select", "site_stack"):
         seconds = totals[part]
         print(
             f"| {part} | {seconds * 1e3:.1f} | {seconds * 1e9 / values:.2f} | "

@@ -37,7 +37,7 @@ from codebook_sizes import PAPER, parse_dims, random_codebook, random_mixture
 from starfed.server.decode import without_cyclic_gc
 from starfed.server.field_bounds import PhaseScreen
 from starfed.server.records import Exchange
-from starfed.server.robust import MedianStrategy
+from starfed.server.robust import MIN_HOLDERS, MedianStrategy, SiteStack
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.strategy import PhaseState
 from starfed.shared.codebook import schema, wire
@@ -128,6 +128,7 @@ def run_case(
     )
     warm_up.result()
     del warm_up
+    SiteStack().median([torch.zeros(3)] * MIN_HOLDERS)  # a process's first median: its kernel
     replies = [site_update(codebook, phase, site, n_components) for site in range(sites)]
     wall = dict.fromkeys(PARTS, 0.0)
     cpu = dict.fromkeys(PARTS, 0.0)

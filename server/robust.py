@@ -15,16 +15,21 @@ tells the honest one from the other.
 
 The median needs every row of the class at once, so unlike the streamed mean this strategy
 holds the phase's updates until its end (views of the replies' bytes, which the coordinator
-holds anyway for the screening's two passes); beyond them it needs one field of one class at a
-time, stacked site by site (``SiteStack``), and one cache-sized block of it transposed: memory
-grows with the sites that hold a class, not with the classes.
+holds anyway for the screening's two passes); beyond them it needs one cache-sized block of
+one field's values, gathered from the rows with the sites side by side (``SiteStack``, a loop
+numba compiles): memory grows with the sites that hold a class, not with the classes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
+import numba
+import numpy as np
 import torch
+from numba import types
+from numba.extending import intrinsic
 
 from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
@@ -41,63 +46,96 @@ ROBUST_MERGE = "median"
 # if larger), each distance on the scale of its count (``mixture_distances``). In the default
 # simulation the largest honest one is 7.8 × (docs/security.md, §1c, attack 3).
 MIXTURE_OUTLIER = 20.0
-# Sites transposed into a block at a time: each write puts 64 of a coordinate's values (four
-# 64-byte lines) side by side; 16 at a time (one line) was 1.2× slower in all at 1,000 sites.
-SITES_AT_ONCE = 64
+# Coordinates gathered from every row at a time: one 64-byte line of float32 from each row, the
+# block's rows written 16 at a time (at 1,000 sites 16 measured 1.2x faster than 8 and 1.9x
+# faster than 64: docs/benchmarks.md#the-median-merge).
+LANES = 16
 # The bytes of one block of coordinates with every site's values: small enough to stay in a
 # core's L2 cache (1-4 MB on today's server cores; blocks of 1, 2 and 4 MB measured the same on
-# one of 4 MB) while numpy's partition selects in it, which it does 1.3-1.8× faster there than
+# one of 4 MB) while numpy's partition selects in it, which it does 1.3-1.8x faster there than
 # in a field-sized buffer in memory (docs/benchmarks.md#the-median-merge).
 BLOCK_BYTES = 2**21
+
+
+def _as_pointer(typingctx, address, like):
+    """``_pointer``'s signature and machine code (numba's ``intrinsic``)."""
+    signature = types.CPointer(like.dtype)(address, like)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return signature, codegen
+
+
+#: ``_pointer(address, like)`` in compiled code: the integer ``address`` (a row's ``data_ptr``)
+#: as a pointer to ``like``'s element type, read as an array
+_pointer: Any = intrinsic(_as_pointer)
+
+
+def _compiled(function: Callable[..., None]) -> Callable[..., None]:
+    """``function`` compiled by numba on its first call, the machine code cached on disk: next
+    to this module (``__pycache__``) if that folder is writable, else under the user's cache
+    folder (``~/.cache/numba``), or where ``NUMBA_CACHE_DIR`` says. With none writable (a
+    read-only install and home) numba refuses to cache; then each process compiles it again
+    (seconds: docs/benchmarks.md#the-median-merge) rather than the import failing."""
+    try:
+        return numba.njit(cache=True, nogil=True)(function)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return numba.njit(nogil=True)(function)
+
+
+@_compiled
+def _gather_block(addresses, start, block, like):
+    """``block[c, s]`` = row ``s``'s value ``start + c``, ``LANES`` coordinates at a time."""
+    width, sites = block.shape
+    for first in range(0, width, LANES):
+        last = min(first + LANES, width)
+        for s in range(sites):
+            row = _pointer(addresses[s], like)
+            for c in range(first, last):
+                block[c, s] = row[start + c]
 
 
 class SiteStack:
     """The lower median over sites, coordinate by coordinate, of one field's rows.
 
-    The rows are stacked site by site in one buffer ([sites, coordinates], a copy); then, one
-    block of coordinates at a time, their values are transposed into a second, cache-sized
-    buffer with the sites on its last, contiguous axis, where numpy's in-place partition selects
-    the middle one. Both buffers are reused from field to field and class to class: memory is
-    one field of one class. torch's ``median(dim=0)`` of a stack copies it to a contiguous
-    layout and selects with indices: the whole merge 4.7× slower at 1,000 sites
-    (docs/benchmarks.md#the-median-merge). The k-th smallest is the same value whatever selects
-    it, so the result is what ``median`` gives (of ``-0.0`` and ``0.0`` at the median, either
-    may come).
+    One block of coordinates at a time, a compiled loop reads their values straight from every
+    row into a cache-sized buffer with the sites on its last, contiguous axis
+    (``_gather_block``), where numpy's in-place partition selects the middle one. The buffer is
+    reused from field to field and class to class: memory is one block. Stacking the rows and
+    transposing the stack's blocks with numpy instead made the whole merge 1.4x slower at 1,000
+    sites, and a compiled selection (a branch-free quickselect) is 1.9x slower than numpy's, which
+    is SIMD (docs/benchmarks.md#the-median-merge). The k-th smallest is the same value whatever
+    selects it, so the result is what ``torch.median`` gives (of ``-0.0`` and ``0.0`` at the
+    median, either may come).
     """
 
     def __init__(self) -> None:
-        self._by_site = torch.empty(0)  # [sites, coordinates]: the field's rows
-        self._block = torch.empty(0)  # [coordinates of a block, sites]
+        self._block = np.empty(0, np.float32)  # [coordinates of a block, sites]
 
     def median(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
         """The lower of the two middle values for an even number of rows (``torch.median``'s)."""
         shape, sites, coordinates = rows[0].shape, len(rows), rows[0].numel()
-        dtype = rows[0].dtype
-        self._by_site = _at_least(self._by_site, sites * coordinates, dtype)
-        stacked = self._by_site[: sites * coordinates].view(sites, coordinates)
-        torch.stack([row.reshape(-1) for row in rows], out=stacked)
-        by_site = stacked.numpy()
-        width = max(1, min(coordinates, BLOCK_BYTES // (sites * stacked.element_size())))
-        self._block = _at_least(self._block, width * sites, dtype)
-        middle = (sites - 1) // 2
-        result = torch.empty(coordinates, dtype=dtype)
+        if any(
+            row.shape != shape or row.dtype != rows[0].dtype or row.device.type != "cpu"
+            for row in rows
+        ):  # the kernel reads every row's memory as long as the first's: decoding checked them
+            raise ValueError(f"rows of one field differ in shape, type or device: {shape} first")
+        laid_out = [row.contiguous() for row in rows]  # the addresses below point into these
+        addresses = np.array([row.data_ptr() for row in laid_out], dtype=np.int64)
+        result = torch.empty(coordinates, dtype=rows[0].dtype)
         selected = result.numpy()
+        width = max(1, min(coordinates, BLOCK_BYTES // (sites * selected.itemsize)))
+        if self._block.size < width * sites or self._block.dtype != selected.dtype:
+            self._block = np.empty(width * sites, selected.dtype)
+        middle = (sites - 1) // 2
         for start in range(0, coordinates, width):
             stop = min(start + width, coordinates)
-            block = self._block[: (stop - start) * sites].numpy().reshape(stop - start, sites)
-            for first in range(0, sites, SITES_AT_ONCE):
-                last = first + SITES_AT_ONCE
-                block[:, first:last] = by_site[first:last, start:stop].T
+            block = self._block[: (stop - start) * sites].reshape(stop - start, sites)
+            _gather_block(addresses, start, block, selected)
             block.partition(middle, axis=1)
             selected[start:stop] = block[:, middle]
         return result.view(shape)
-
-
-def _at_least(buffer: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``buffer`` if it holds ``size`` values of ``dtype``, else a new one that does."""
-    if buffer.numel() < size or buffer.dtype != dtype:
-        return torch.empty(size, dtype=dtype)
-    return buffer
 
 
 class MedianStrategy(Strategy):

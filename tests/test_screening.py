@@ -9,18 +9,20 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numba
 import numpy as np
 import pytest
 import torch
 
+from starfed.server import robust
 from starfed.server.change_scale import FILE, ChangeScale
 from starfed.server.field_bounds import INIT_SCALE, PhaseScreen, reference_size
 from starfed.server.records import Exchange
 from starfed.server.release_bounds import Optimizer, TrainingRelease, adam_step
 from starfed.server.robust import (
     BLOCK_BYTES,
+    LANES,
     MERGE_STRATEGIES,
-    SITES_AT_ONCE,
     MedianStrategy,
     SiteStack,
     with_merge,
@@ -84,25 +86,60 @@ def test_the_median_of_three_holders_ignores_one_outlier(make_codebook) -> None:
     assert torch.equal(merged[second].values["prompt"], mean[second].values["prompt"])
 
 
+ZEROS_AND_INFINITIES = torch.tensor([0.0, -0.0, math.inf, -math.inf])
+
+
 def test_the_site_stack_gives_torch_median_bit_for_bit() -> None:
-    """``SiteStack`` selects with numpy's partition in buffers reused across fields and
+    """``SiteStack`` selects with numpy's partition in a buffer reused across fields and
     classes; each result is ``torch.median``'s (the lower middle for an even count), ties and
-    all, whatever the shapes and counts before it, and the rows are left as they were. 130
-    sites of 5,200 coordinates take three groups of sites and two blocks of coordinates
-    (``SITES_AT_ONCE``, ``BLOCK_BYTES``), the last of each partial."""
-    assert 2 * SITES_AT_ONCE < 130 < 3 * SITES_AT_ONCE
+    all, whatever the shapes and counts before it, and the rows are left as they were, a
+    non-contiguous one too. 130 sites of 5,200 coordinates take two blocks of coordinates
+    (``BLOCK_BYTES``), the last partial; 12 coordinates, fewer than ``LANES``. Decoding lets
+    only finite values through, signed zeros among them: where ``0.0`` and ``-0.0`` meet at the
+    middle either may come (equal; which one torch's ``nth_element`` picks is its own), and
+    infinities (a local caller's) are ordered as torch orders them. Rows of different shapes
+    or devices are refused, not read past their ends."""
+    assert LANES > 12
     assert 5_200 // 2 < BLOCK_BYTES // (130 * 4) < 5_200
     generator = torch.Generator().manual_seed(0)
     stack = SiteStack()
     cases = [(7, (3, 4)), (4, (5,)), (130, (2, 2_600)), (50, (2, 8)), (3, ()), (2, (6,))]
     for sites, shape in [*cases, (1, (2, 2))]:
         rows = [torch.randn(shape, generator=generator) for _ in range(sites)]
+        axes = tuple(reversed(range(len(shape))))  # the last row not contiguous, if 2 axes
+        rows[-1] = torch.randn(tuple(reversed(shape)), generator=generator).permute(axes)
         rows += [rows[0].clone()] * (sites // 3)  # repeated rows: ties at the median
+        rows += [ZEROS_AND_INFINITIES[torch.randint(0, 4, shape, generator=generator)]] * (
+            sites // 2
+        )
         before = [row.clone() for row in rows]
         expected = torch.stack(rows).median(dim=0).values
         got = stack.median(rows)
         assert got.shape == expected.shape and torch.equal(got, expected), (sites, shape)
         assert all(torch.equal(a, b) for a, b in zip(rows, before, strict=True))
+    odd_rows = (
+        torch.zeros(3),
+        torch.zeros(2, 2, dtype=torch.float64),
+        torch.zeros(2, 2, device="meta"),
+    )
+    for odd in odd_rows:
+        with pytest.raises(ValueError, match=r"^rows of one field differ in shape, type or device"):
+            stack.median([torch.zeros(2, 2), odd, torch.zeros(2, 2)])
+
+
+def test_the_site_stacks_kernel_compiles_without_a_cache_folder(monkeypatch) -> None:
+    """Where no folder can hold numba's cache (a read-only install and home), the kernel is
+    compiled in the process rather than the import failing; it gathers as the cached one."""
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+    monkeypatch.setattr(numba.config, "CACHE_LOCATOR_CLASSES", "UserProvidedCacheLocator")
+    with pytest.raises(RuntimeError, match="no locator available"):
+        numba.njit(cache=True)(robust._gather_block.py_func)
+    gather = robust._compiled(robust._gather_block.py_func)
+    rows = [torch.arange(20, dtype=torch.float32) * site for site in range(3)]
+    block = np.empty((18, 3), np.float32)
+    addresses = np.array([row.data_ptr() for row in rows], dtype=np.int64)
+    gather(addresses, 2, block, block)
+    assert np.array_equal(block, torch.stack(rows).T[2:].numpy())
 
 
 def test_a_baseline_merges_with_the_median_by_default_and_keeps_its_own_hooks() -> None:
