@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from starfed.server import folder_lock, replay
+from starfed.server import folder_lock
 from starfed.server.contributions import Contributions, owners
 from starfed.server.federation import Federation
 from starfed.server.folder_files import (
@@ -38,17 +39,19 @@ from starfed.server.folder_files import (
 )
 from starfed.server.quarantine import read_quarantine, write_quarantine
 from starfed.server.records import Withdrawal, now
-from starfed.server.robust import with_merge
-from starfed.server.strategy import PhaseState, Strategy
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.framing import read_message
 from starfed.shared.config import ProtocolOptions, parse
 from starfed.shared.model.backbone_options import BackboneOptions
-from starfed.shared.model.backbones import Backbones
-from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import PHASES
 from starfed.shared.run_status import FAILED
+
+if TYPE_CHECKING:  # imported where a withdrawal runs: they load the backbones' libraries and
+    # the merge's (seconds of imports) that every `starfed` command would pay, `--help` included
+    from starfed.server.strategy import Strategy
+    from starfed.shared.model.backbones import Backbones
+    from starfed.shared.model.training import TrainConfig
 
 
 class WithdrawalError(FederationError):
@@ -188,6 +191,8 @@ def _exact(federation: Federation, first: int) -> str:
 def replayed(working: Codebook, chosen: Plan, setting: Setting, order: list[str]) -> Codebook:
     """``merged_without``'s codebook after the replays run again with the last step's seeds
     (the module docstring), in the class ``order`` (the codebook's, less the removed)."""
+    from starfed.server import replay  # not at the top: see TYPE_CHECKING above
+
     last, names = max(chosen.steps - 1, 0), set(chosen.remerged)
     backbones, train = setting.backbones, setting.train
     if names:
@@ -206,6 +211,8 @@ def merged_without(
     """``codebook`` with ``chosen.site``'s lone classes removed and its shared classes merged
     again, phase by phase, from the other holders' ``rows`` by the strategy's ``merge``; those
     thawed and last, as the first-level replay wants the classes it trains."""
+    from starfed.server.strategy import PhaseState  # not at the top: see TYPE_CHECKING above
+
     out = codebook.without(chosen.removed)
     others = rows.without(chosen.site, chosen.removed)
     lost = [n for n in chosen.remerged if not others.holders(n)]
@@ -240,6 +247,9 @@ class Setting:
     def of(cls, federation: Federation) -> Setting:
         """The merge, backbones and training config of the last server run (its
         ``metrics.json``); ``WithdrawalError`` when there is none or it names other backbones."""
+        from starfed.server.robust import with_merge  # not at the top: see TYPE_CHECKING above
+        from starfed.shared.model.training import TrainConfig
+
         run_config = federation.metrics().get("config", {}).get("run_config")
         if not run_config:
             raise WithdrawalError(
