@@ -24,16 +24,19 @@ run: $(STAMP)  ## the default job: a federated simulation on the bundled data
 	$(BIN)/starfed simulate
 
 # The fast suite in TEST_WORKERS pytest-xdist workers (0: serially). `--dist loadgroup` with the
-# groups of tests/conftest.py: every end-to-end test on one worker, one after another (two
-# deployments side by side on 2 cores missed their start-up deadlines), each other module whole
-# on a worker (its module fixtures built once), the longest tiers first. 2 workers: 529 s against
-# 794 s serially (docs/benchmarks.md#the-test-suites-cost).
+# groups of tests/conftest.py (its scheduler: xdist's own reads no group under pytest 9): the
+# modules that start a SuperLink on one worker, one after another (two deployments side by side
+# on 2 cores missed their start-up deadlines), each other module whole on a worker (its module
+# fixtures built once), handed out in the order tests/conftest.py gives them
+# (`--no-loadscope-reorder`: xdist would sort the groups by their count of tests): those
+# modules first, then the longest tiers first. 2 workers: 529 s against 794 s serially
+# (docs/benchmarks.md#the-test-suites-cost).
 TEST_WORKERS ?= 2
 test: $(STAMP)  ## lint + format + types + the fast suite (what CI runs)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) typecheck
-	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test-all: $(STAMP)  ## every test, including the long ones
 	$(BIN)/python -m pytest

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from xdist.scheduler import LoadScopeScheduling
 
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook
@@ -83,29 +85,74 @@ TIERS = {
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
 
 #: The tiers from the longest tests to the shortest. ``make test TEST_WORKERS=n`` hands whole
-#: groups to its workers in collection order (``--dist loadgroup``), so a module of the longest
-#: tier goes first: a long module started last would leave the other workers idle at the end.
+#: groups to its workers in collection order (``--dist loadgroup --no-loadscope-reorder``), so a
+#: module of the longest tier goes first: a long module started last would leave the other
+#: workers idle at the end.
 LONGEST_FIRST = ("e2e", "inprocess", "meta", "unit")
 
-#: The xdist group of every end-to-end test: they run one after another on one worker. Two
-#: deployments started side by side on 2 cores missed their start-up deadlines (120 s) where
-#: each alone meets them (bench/results/test_suite.md); the other workers run the rest, a module
-#: whole on one worker (its group is its module), so a module fixture is built once.
+#: The modules whose tests start Flower's SuperLink and SuperNodes (a deployment, a Flower
+#: simulation): with pytest-xdist they are one group (``PROCESSES``), run one after another on
+#: one worker, handed out first. Two deployments started side by side on 2 cores missed their
+#: start-up deadlines (120 s) where each alone meets them (bench/results/test_suite.md). Every
+#: other module is a group of its own, run whole on one worker (a module fixture built once),
+#: its end-to-end tests included: they start lighter processes (a gateway, a refused ``site
+#: start``, a wheel's venv, a gRPC server), as an in-process module does.
+DEPLOYMENTS = (
+    "test_deploy_e2e",
+    "test_e2e_federation",
+    "test_e2e_flwr",
+    "test_e2e_resume",
+    "test_e2e_server_run",
+    "test_e2e_site_lost",
+    "test_e2e_site_policy",
+    "test_ray_cluster",
+)
 PROCESSES = "processes"
 
 
+def group_of(nodeid: str) -> str:
+    """A test's xdist group, from its id (``tests/test_x.py::test_y[...]``): ``PROCESSES`` or
+    its module."""
+    module = Path(nodeid.split("::", 1)[0]).stem
+    return PROCESSES if module in DEPLOYMENTS else module
+
+
+class ModuleGroups(LoadScopeScheduling):
+    """``--dist loadgroup`` with the groups of :func:`group_of`. xdist's own reads the
+    ``xdist_group`` marks through the test's id, which pytest 9 no longer lets it change
+    (xdist 3.8 sets ``item._nodeid``, which pytest 9's ``nodeid`` does not read): every test
+    was a group of its own, deployments ran side by side and a module fixture was built on
+    each worker."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group_of(nodeid)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> ModuleGroups | None:
+    """Our groups for ``--dist loadgroup``; xdist's own scheduler for any other mode."""
+    return ModuleGroups(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test gets its tier's marker, so that one tier is one ``-m``, and its xdist group;
-    the modules are run in ``LONGEST_FIRST`` order of their longest tier, each module's tests in
-    their own order."""
+    """Each test gets its tier's marker, so that one tier is one ``-m``; ``PROCESSES`` first,
+    its modules of fewest tests (a whole run each) first, then the modules in ``LONGEST_FIRST``
+    order of their longest tier. xdist gives a worker more work once 2 of its tests are left,
+    so the one running ``PROCESSES`` takes more only near its end; with
+    ``--no-loadscope-reorder`` it hands the groups out in this order."""
     rank: dict[Path, int] = {}
     for item in items:
         tier = "e2e" if item.get_closest_marker("e2e") else TIER_OF.get(item.path.stem, "unit")
         if tier != "unit" or not item.get_closest_marker("slow"):
             item.add_marker(tier)
-        item.add_marker(pytest.mark.xdist_group(PROCESSES if tier == "e2e" else item.path.stem))
         rank[item.path] = min(rank.get(item.path, len(LONGEST_FIRST)), LONGEST_FIRST.index(tier))
-    items.sort(key=lambda item: rank[item.path])  # stable: a module's tests stay together
+    size = Counter(item.path for item in items)
+
+    def order(item: pytest.Item) -> tuple[int, int]:
+        if group_of(item.nodeid) == PROCESSES:
+            return (-1, size[item.path])
+        return (rank[item.path], 0)
+
+    items.sort(key=order)  # stable: a module's tests stay together
 
 
 FINGERPRINT = "ab" * 32

@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from conftest import TIER_OF, TIERS
+from conftest import DEPLOYMENTS, TIER_OF, TIERS
 from test_layers import IMPORTS
 
 from starfed.cli import build_parser
@@ -180,3 +180,14 @@ def test_the_test_tiers_name_modules_of_the_tree() -> None:
     for tier in ("unit", *TIERS):
         assert f'"{tier}: ' in markers and f"`pytest -m {tier}`" in START_HERE, tier
     assert [m for m in TIER_OF if not (ROOT / "tests" / f"{m}.py").is_file()] == []
+
+
+def test_every_module_that_starts_a_deployment_is_in_one_group() -> None:
+    """A module that starts a deployment (``tests/deployed.py``) is one of ``DEPLOYMENTS``,
+    run one after another on one worker: two deployments side by side missed their deadlines;
+    each module ``DEPLOYMENTS`` names exists."""
+    modules = {p.stem: p.read_text() for p in (ROOT / "tests").glob("test_*.py")}
+    imports = re.compile(r"^from deployed import", re.M)
+    deploying = {m for m, text in modules.items() if imports.search(text)}
+    assert deploying - set(DEPLOYMENTS) == set()
+    assert set(DEPLOYMENTS) - set(modules) == set()
