@@ -52,7 +52,7 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_privacy_sensitivity import (  # the tests' site harness
     BLACK,
-    IMAGES,
+    CLASSES,
     data_folder,
     release,
     task_images,
@@ -68,6 +68,9 @@ PHASES = {"G_c": Phase.STAGE1_STATS, "H_c": Phase.STAGE2_STATS}
 EPSILONS = (1.0, 4.0, 8.0)
 #: The site's setting (noise off: its target sets only which classes clear the threshold).
 SETTING = PrivacySetting(8.0, DELTA, 0.4, 1.0, 1e-4, 1e-4, 1, 1)
+#: Bundled images of each class: at this setting a class is announced from 12 images (the
+#: count's noise multiplier 2.36), so the canary's class clears it with and without the canary.
+PER_CLASS = 16
 #: Score bins of the histogram, in units of σ: wide enough that no run falls outside.
 STEP = 0.005
 
@@ -78,8 +81,8 @@ def shift(released_in, released_out, phase: Phase, name: str) -> tuple[float, fl
     change = float(
         np.linalg.norm(released_in.moments[phase][name] - released_out.moments[phase][name])
     )
-    (z,) = set(released_in.charged[phase][class_key(name)])
-    return change, released_in.noise[phase][0] / z
+    (charged,) = set(released_in.charged[phase][class_key(name)])
+    return change, released_in.noise[phase][0] / charged.noise_multiplier
 
 
 def lower_bound(mu: float, runs: int, alpha: float, rng: np.random.Generator) -> float:
@@ -156,11 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     backbones = create_backbones("tiny", seed=0)
-    canary = IMAGES[0][0]  # the class the black image is added to (task_images)
+    canary = CLASSES[0]  # the class the black image is added to (task_images)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
-        images = task_images(root)
+        images = task_images(root, PER_CLASS)
         without = [image for image in images if image[2] != BLACK]
         for control in ("none", "unclipped", "noise-quarter"):
             with broken(control):
@@ -173,11 +176,16 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     for world, kept in (("in", images), ("out", without))
                 }
+            unannounced = sorted(w for w, out in worlds.items() if canary not in out.counts)
+            if unannounced:
+                print(f"the canary's class is not announced in world {unannounced}: no audit")
+                return 1
             for statistic, phase in PHASES.items():
                 change, sensitivity = shift(worlds["in"], worlds["out"], phase, canary)
                 row = {
                     "release": control,
                     "statistic": statistic,
+                    "class_images": worlds["in"].counts[canary],
                     "canary_shift": change,
                     "sensitivity_drawn_for": sensitivity,
                     "runs_per_world": args.runs,

@@ -333,7 +333,7 @@ def test_site_at_its_budget_refuses_and_the_federation_goes_on(cache_dir, tmp_pa
     assert len(codebook.frozen) == 4
 
 
-@pytest.mark.slow  # a real site six times, and 10⁸ audit runs per world: 7 s idle, 91 s loaded
+@pytest.mark.slow  # a real site six times, and 10⁸ audit runs per world: 45 s at load 5
 def test_the_audit_through_a_site_flags_broken_releases_and_not_the_site():
     """bench/privacy_audit_site.py: the honest release is never flagged, and each broken one
     (features summed unclipped; a quarter of the noise) is, at some ε (docs/results.md)."""

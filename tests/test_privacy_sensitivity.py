@@ -120,12 +120,17 @@ def backbones():
     return create_backbones("tiny", seed=0)
 
 
+def bundled_images(per_class: int) -> list[tuple[str, Path]]:
+    """The first ``per_class`` bundled training images of each class, in class order."""
+    return [
+        (name, path)
+        for name in CLASSES
+        for path in sorted((bundled_dataset_root() / "train" / name).iterdir())[:per_class]
+    ]
+
+
 #: The bundled training images of the task, in class order: (class, image) pairs.
-IMAGES = [
-    (name, path)
-    for name in CLASSES
-    for path in sorted((bundled_dataset_root() / "train" / name).iterdir())[:PER_CLASS]
-]
+IMAGES = bundled_images(PER_CLASS)
 
 
 #: A black image of the first class: its CLIP feature lies 1.8 radii from the mid-gray centre,
@@ -133,11 +138,13 @@ IMAGES = [
 BLACK = "black.png"
 
 
-def task_images(root: Path) -> list[tuple[str, Path, str]]:
-    """The task's images as ``(class, image, file)``: the bundled ones, then a black one."""
+def task_images(root: Path, per_class: int = PER_CLASS) -> list[tuple[str, Path, str]]:
+    """The task's images as ``(class, image, file)``: ``per_class`` bundled ones of each class,
+    then a black one."""
     black = root / BLACK
     Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(black)
-    return [(name, path, path.name) for name, path in IMAGES] + [(CLASSES[0], black, BLACK)]
+    bundled = bundled_images(per_class)
+    return [(name, path, path.name) for name, path in bundled] + [(CLASSES[0], black, BLACK)]
 
 
 def data_folder(root: Path, images: list[tuple[str, Path, str]]) -> Path:
@@ -216,6 +223,8 @@ def site_step(
     out.epsilon[Phase.SYNC] = sync.metadata[PRIVACY_EPSILON]
     spent(Phase.SYNC)
     names = sorted(out.counts)
+    if not names:
+        raise ValueError("no class cleared the sync's announcing threshold: nothing to train")
     codebook = Codebook(backbones.fingerprint, backbones.dims)
     codebook = codebook.register(StarPrompt(backbones).new_entries(names, seed=0))
     for phase in (Phase.STAGE1, Phase.STAGE1_STATS, Phase.STAGE2, Phase.STAGE2_STATS):
