@@ -12,20 +12,18 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterable
 from pathlib import Path
 
 from starfed.ops.processes import ProcessId, send_signal
 
 
-def marked(marker: str, also: str | None = None, skip: Iterable[int] = ()) -> dict[ProcessId, str]:
+def marked(marker: str, also: str | None = None) -> dict[ProcessId, str]:
     """Live processes whose environment holds the entry ``marker`` (and, if given, an entry
-    that starts with ``also``), with their command lines; PIDs in ``skip`` are not read."""
+    that starts with ``also``), with their command lines; this process is not read."""
     wanted, prefix = marker.encode(), (also or "").encode()
-    skipped = {os.getpid(), *skip}
     found = {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) in skipped:
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             environ = Path(entry.path, "environ").read_bytes().split(b"\0")
@@ -51,7 +49,10 @@ class ProcessSampler(threading.Thread):
 
     def run(self) -> None:
         while not self._done.wait(0.3):
-            self.seen |= marked(self.marker, skip={p.pid for p in self.seen})
+            # every marked process is read again, not only new PIDs: a process caught between
+            # its fork and its exec shows its parent's command line (a `flwr-simulation` seen as
+            # the SuperLink that starts it), which the next look replaces with its own
+            self.seen |= marked(self.marker)
 
     def stop(self) -> dict[ProcessId, str]:
         """Stop sampling; the recorded processes still alive, each then killed (SIGKILL) so a
