@@ -17,7 +17,8 @@ docs/design.md#one-step):
    (``server.field_bounds``, ``server.screening``): the updates kept and the findings;
 5. **merge** — the strategy's (``server.strategy``): a new codebook, or the step's scores;
 6. **replay** — after a statistics phase, the server's generative replay (``server.replay``;
-   after the head's, a lone class that impersonates another site's is rejected);
+   before the first level's, a lone class whose G_c is another site's class's, ``server.copies``,
+   and after the head's, a lone class that impersonates another site's are rejected);
 7. **commit** — the codebook checkpointed with the position (``server.federation``).
 
 A phase that travels with another is asked for in that phase's message and runs stages 3-7 on
@@ -40,10 +41,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from starfed.server import catch_up, decode, replay, step_records
+from starfed.server import catch_up, copies, decode, replay, step_records
 from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import Federation
 from starfed.server.field_bounds import Screened, screen_phase
@@ -439,12 +440,17 @@ class Coordinator:
 
     def _replay(self, phase: Phase, codebook: Codebook, state: PhaseState) -> Codebook:
         """The replay stage, after a statistics phase: classes no site sent statistics for
-        unregistered, then the strategy's replay over the classes left; after the head's, a
-        lone class whose statistics impersonate another site's class is rejected, and the
-        replay runs again without it (``_impersonators_left_out``)."""
+        unregistered; before the first level's replay, a lone class whose G_c is another
+        site's class's (``copies.copies``) is rejected; then the strategy's replay over the
+        classes left; after the head's, a lone class whose statistics impersonate another
+        site's class is rejected, and the replay runs again without it
+        (``_impersonators_left_out``)."""
         if phase not in STATISTICS:
             return codebook
         codebook = self._drop_unfitted(codebook, phase)
+        if phase is Phase.STAGE1_STATS:
+            found = copies.copies(codebook, self.in_play, self._holders())
+            codebook = self._left_out(codebook, phase, state.round, found)
         t0 = time.perf_counter()
         replayed = self.strategy.replay(phase, codebook, replace(state, in_play=self.in_play))
         if phase is Phase.STAGE2_STATS:
@@ -467,20 +473,33 @@ class Coordinator:
         self, merged: Codebook, replayed: Codebook, round_index: int
     ) -> Codebook:
         """``merged`` without the lone classes whose replayed head row moved toward another
-        site's class (``replay.impersonations``), each a finding against its site and
-        unregistered for the step, as a class without statistics is; ``merged`` itself when
+        site's class (``replay.impersonations``)."""
+        found = replay.impersonations(merged, replayed, self.in_play, self._holders())
+        return self._left_out(merged, Phase.STAGE2_STATS, round_index, found)
+
+    def _holders(self) -> dict[str, set[str]]:
+        """Each registered class's sites (the registry's)."""
+        return {name: set(entry.sites) for name, entry in self.federation.registry.items()}
+
+    def _left_out(
+        self,
+        codebook: Codebook,
+        phase: Phase,
+        round_index: int,
+        found: Sequence[copies.Copy | replay.Impersonation],
+    ) -> Codebook:
+        """``codebook`` without the lone classes a check of ``phase``'s statistics found
+        (``copies.copies``, ``replay.impersonations``), each a finding against its site and
+        unregistered for the step, as a class without statistics is; ``codebook`` itself when
         there are none. None of the step's classes left fails the step."""
-        holders = {name: set(entry.sites) for name, entry in self.federation.registry.items()}
-        found = replay.impersonations(merged, replayed, self.in_play, holders)
         if not found:
-            return merged
-        key = Phase.STAGE2_STATS.key
+            return codebook
         for one in found:
-            self.screen.note(one.site, key, round_index, REJECTED, one.reason, one.name)
+            self.screen.note(one.site, phase.key, round_index, REJECTED, one.reason, one.name)
         names = [one.name for one in found]
         if set(names) >= set(self.in_play):
-            raise step_records.no_update(Phase.STAGE2_STATS, self.screen, names)
-        return self._unregistered(merged, names)
+            raise step_records.no_update(phase, self.screen, names)
+        return self._unregistered(codebook, names)
 
     def _commit(
         self, phase: Phase, codebook: Codebook, done: PhaseRound, screened: Screened

@@ -195,15 +195,9 @@ def mixture_distances(mixtures: Sequence[GaussianMixture]) -> list[float]:
     counts = torch.tensor([m.count for m in mixtures], dtype=torch.float64)
     centre = means.median(dim=0).values
     spread = (means - centre).norm(dim=1) / (1 / counts + 1 / counts.median()).sqrt()
-    features = torch.stack([_total_deviation(m) for m in mixtures]).median()
+    features = torch.stack([m.deviation() for m in mixtures]).median()
     scale = max(float(spread.median()), float(features))
     return [float(s) / max(scale, 1e-300) for s in spread]
-
-
-def _total_deviation(mixture: GaussianMixture) -> torch.Tensor:
-    """√(E‖x - mean‖²) of a mixture: the spread of the features it summarises."""
-    offsets = (mixture.means - mixture.mean()) ** 2 + mixture.variances
-    return (mixture.weights @ offsets).sum().sqrt()
 
 
 #: Each value of the ``merge`` knob (``shared.config.MERGES``) and the strategy it names: a new

@@ -369,27 +369,53 @@ FEW_INVENTED = {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, *INVENTED]}}
 FEW_REAL = {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, *OWN]}}
 
 
+#: farm-m brings X and one class of A1's images.
+ONE_COPY = {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, INVENTED[0]]}}
+
+
+def test_a_class_of_another_sites_images_is_refused(tmp_path, lone_honest) -> None:
+    """Issue 43, attack 5's few, one of them: in step 2 farm-m brings, beside X, a class made
+    of farm-a's A1 images under a new name. Its rows and statistics are real ones, but its G_c
+    is A1's (the same images' CLIP features: 0 standard errors apart, ``server.copies``): a
+    finding against farm-m, the class left out of the step. Step 2 goes on with X, and the
+    honest sites end as in the run where farm-m brings X alone. Before the check the copy took
+    A1's test images (attack 5: A1 from 4/8 to 0/8)."""
+    metrics = federate(ONE_COPY, tmp_path, **{"max-steps": 2})
+    copy = INVENTED[0].partition("=")[2]
+    [found] = findings(tmp_path)
+    assert (found.site, found.phase, found.action, found.name) == (
+        "farm-m",
+        "stage1_stats",
+        "rejected",
+        copy,
+    )
+    assert f"are those of {A1!r}, a class farm-m does not hold" in found.reason
+    (one, two) = Federation.open(tmp_path / "federation").history()
+    assert (one.status, two.status) == ("completed", "degraded")
+    assert set(two.classes) == {X}
+    assert copy not in Federation.open(tmp_path / "federation").registry
+    assert_contained(metrics, lone_honest)
+
+
 @pytest.mark.slow
-def test_a_few_invented_classes_cost_what_as_many_genuine_ones_do(tmp_path) -> None:
-    """Issue 43, attack 5's few: in step 2 farm-m brings, beside X, ten classes it invented
-    from farm-a's A1 images (``FEW_INVENTED``). Their statistics are of real images, so no
-    check can tell them from a genuine new class (docs/security.md, §1c, attack 5: at the tiny
-    preset an honest class's H_c lies as near another's as these copies lie to A1's), and
-    none is a finding. What these copies cost the honest sites is what ten genuine new classes
-    cost (``FEW_REAL``): the harm of a step's classes competing with the others in the head,
-    not of their invention (within 5 points at 48 test images, seeds 1993-1995; ten classes
-    of A1's images no site trains on cost 14.6 points more in one draw: security.md). They
-    are recorded only as classes: in step 2's record and the registry, farm-m their one
-    holder."""
-    invented = federate(FEW_INVENTED, tmp_path / "invented", **{"max-steps": 2})
-    genuine = federate(FEW_REAL, tmp_path / "genuine", **{"max-steps": 2})
-    assert (invented["status"], genuine["status"]) == ("completed", "completed")
-    assert not findings(tmp_path / "invented")
-    assert_contained(invented, genuine)
-    federation = Federation.open(tmp_path / "invented" / "federation")
-    names = {spec.partition("=")[2] for spec in INVENTED}
-    assert names <= set(federation.history()[1].classes)
-    assert all(set(federation.registry[name].sites) == {"farm-m"} for name in names)
+def test_ten_classes_of_another_sites_images_are_refused_and_quarantine_their_site(
+    tmp_path, lone_honest
+) -> None:
+    """The same with ten copies (``FEW_INVENTED``): each a finding, the third quarantines
+    farm-m, whose X then gets no stage-2 update: step 2 fails and is rolled back, the honest
+    sites as the federation was after step 1 (the run without farm-m's step). Before the
+    check the ten took farm-a from 6.2-28.1 % to 0-10 % at 48 test images, unseen."""
+    with pytest.raises(RunFailed, match="no site's stage2 update arrived"):
+        federate(FEW_INVENTED, tmp_path, **{"max-steps": 2})
+    metrics = json.loads((tmp_path / "federation" / "metrics.json").read_text())
+    assert_as_after_step_1(metrics, lone_honest)
+    found = findings(tmp_path)
+    copies = {spec.partition("=")[2] for spec in INVENTED}
+    assert {f.name for f in found if f.action == "rejected"} == copies
+    assert {f.site for f in found} == {"farm-m"}
+    assert "farm-m" in {f.site for f in found if f.action == "quarantined"}
+    (one, two) = Federation.open(tmp_path / "federation").history()
+    assert (one.status, two.status) == ("completed", "failed")
 
 
 # --- one vote per site: farm-m brings ten more classes than the others ------------------------

@@ -95,6 +95,11 @@ class GaussianMixture:
         """Overall mean of the mixture, [D]."""
         return self.weights @ self.means
 
+    def deviation(self) -> torch.Tensor:
+        """√(E‖x − mean‖²): the spread of the features the mixture summarises (a scalar)."""
+        offsets = (self.means - self.mean()) ** 2 + self.variances
+        return (self.weights @ offsets).sum().sqrt()
+
 
 @dataclass(frozen=True)
 class MixtureStack:
