@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.device import check as check_device
 from starfed.shared.knob import (
     ConfigError,
@@ -125,6 +126,18 @@ SCHEMA: tuple[Knob, ...] = (
         "seconds the server waits for the replies of one phase",
         "protocol",
         gt=0,
+    ),
+    Knob(
+        "part-bytes",
+        int,
+        DEFAULT_MAX_BYTES,
+        "the most bytes of one message carrying the codebook to a site: a site whose codebook "
+        "would pass it is caught up in parts of at most this many (each within timeout-s); less "
+        "than a site's limit (the default) where a proxy in front of the server carries less, "
+        "or a slow link must deliver each part in time; at least what one class needs",
+        "protocol",
+        ge=1,
+        le=DEFAULT_MAX_BYTES,
     ),
     Knob("results-dir", str, "results", "folder of the run folders", "protocol", path=True),
     Knob(
@@ -715,6 +728,7 @@ class ProtocolOptions(Options):
     stage1_rounds: int = knob("stage1-rounds")
     stage2_rounds: int = knob("stage2-rounds")
     timeout_s: float = knob("timeout-s")
+    part_bytes: int = knob("part-bytes")  # of a catch-up's part (server/catch_up.py)
     wire_dtype: str = knob("wire-dtype")
     results_dir: str = knob("results-dir")
     run_name: str | None = knob("run-name", optional)
