@@ -20,7 +20,8 @@ On a grid that pushes and pulls (Flower's) a stream runs in a thread of its own,
 its own timeout, while the phase is sent to the nodes that hold a recent codebook: a node whose
 stream completes while the phase runs is sent the phase after the others answered
 (``joined``), one whose stream is still going sits the phase out and joins a later phase; a
-phase with no other node waits for its streams. A stream not done when its step ends is
+phase with no other node waits for the first stream that catches its node up (or for all to
+end), the others going on beside it. A stream not done when its step ends is
 stopped, a finding (``abandon``). A grid that answers at once (the local runtime, whose nodes
 run one after another in one thread) runs each stream to its end before the phase, as before.
 
@@ -92,6 +93,7 @@ class Ledger:
     started: Counter[int] = field(default_factory=Counter)
     completed: set[int] = field(default_factory=set)
     streams: dict[int, Stream] = field(default_factory=dict)
+    ended: threading.Event = field(default_factory=threading.Event)  # set as each stream ends
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,8 @@ def before_phase(
     progress, at most ``CATCH_UPS_PER_STEP`` times each in the step (``ledger``); the nodes to
     send the phase to — all but those behind that are not caught up (they sit the phase out,
     and may join a later one) — the log of every part of the streams that ended, and the
-    findings. A phase whose every node is behind waits for their catch-ups: it stalls no one."""
+    findings. A phase whose every node is behind waits for the first catch-up that succeeds (or
+    for every one to end): the others go on beside it, so even then a slow one stalls no one."""
     ended = joined(ledger, participants, codebook.version)
     findings, exchanges = dict(ended.findings), list(ended.exchanges)
     late = behind(codebook, participants.versions, nodes, dtype, part_bytes)
@@ -159,9 +162,9 @@ def before_phase(
             continue
         sent = partial(send, grid, codebook, node, step, dtype, part_bytes, sites, timeout)
         start(grid, ledger, node, codebook.version, sent)
-    if set(nodes) <= set(late):  # no one else to stall
-        for node in set(nodes) & set(ledger.streams):
-            ledger.streams[node].done.wait()
+    if set(nodes) <= set(late):  # no node to send the phase to until a catch-up succeeds
+        going = [ledger.streams[n] for n in set(nodes) & set(ledger.streams)]
+        _first_caught(ledger, going, codebook.version)
     now = joined(ledger, participants, codebook.version)
     exchanges += now.exchanges
     for node, why in now.findings.items():
@@ -184,11 +187,22 @@ def start(
             stream.caught = sent(stream)
         finally:
             stream.done.set()
+            ledger.ended.set()
 
     if isinstance(grid, PushPullGrid):
         threading.Thread(target=run, name=f"catch-up node {node}", daemon=True).start()
     else:
         run()
+
+
+def _first_caught(ledger: Ledger, streams: Sequence[Stream], version: int) -> None:
+    """Wait until one of ``streams`` caught its node up to codebook ``version`` (the phase's: a
+    stream an earlier phase started may send an older one), or every one ended."""
+    while not all(s.done.is_set() for s in streams) and not any(
+        s.done.is_set() and s.caught and s.version == version for s in streams
+    ):
+        ledger.ended.wait()  # set after a stream's done: a stream that ends now is seen next
+        ledger.ended.clear()
 
 
 def joined(ledger: Ledger, participants: Participants, version: int) -> CaughtUp:

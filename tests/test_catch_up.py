@@ -517,16 +517,23 @@ class SlowReaderGrid(LocalGrid):
 
 
 @pytest.mark.adversarial
+@pytest.mark.parametrize(
+    "farm_a_behind", [False, pytest.param(True, marks=pytest.mark.slow, id="farm-a-behind-too")]
+)
 def test_a_site_reading_its_parts_slowly_stalls_no_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread, farm_a_behind: bool
 ) -> None:
     """farm-b joins a federation of four classes (four parts) and reads each part in 20 s: on
     a grid whose sites answer concurrently, farm-a's phases go on without it (each phase of the
     step ends before farm-b has read a second part), farm-b sits them out and its unfinished
     catch-up is a finding at the step's end; farm-a's results are those of the same step
-    without farm-b. Before the parts went in a stream per site, every phase waited 80 s."""
+    without farm-b. Before the parts went in a stream per site, every phase waited 80 s. With
+    ``farm_a_behind`` farm-a lost its codebook too: it is caught up itself before the step's first
+    phase, which then goes on with it alone (it waited for farm-b's catch-up before)."""
     farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4]}
     assert _run(tmp_path, {"farm-a": farm_a}, LocalGrid)["status"] == "completed"
+    if farm_a_behind:  # it holds nothing now, and remembers its first task done
+        (tmp_path / "farm-a-state" / CODEBOOK_FILE).unlink()
     founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
     size = one_class_parts(founded, slack=64)
     alone = tmp_path / "alone"
