@@ -184,7 +184,7 @@ class Staging:
             self.folder.mkdir(parents=True)
             staged = Staged(lineage.federation, lineage.epoch, part.version, parts, classes, 0)
         else:
-            staged = self._staged()
+            staged = self.staged()
             expected = (
                 staged.federation,
                 staged.epoch,
@@ -212,7 +212,8 @@ class Staging:
             raise CodebookError(f"{what} is a delta, not a codebook's classes")
         return part
 
-    def _staged(self) -> Staged:
+    def staged(self) -> Staged:
+        """What the staging holds; CodebookError when it holds nothing."""
         try:
             raw = json.loads((self.folder / STAGED_FILE).read_text())
             return Staged(**raw)
