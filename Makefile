@@ -43,7 +43,7 @@ test-all: $(STAMP)  ## every test, including the long ones
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
-	$(BIN)/python -m starfed.shared.config --write-pyproject pyproject.toml --check
+	$(BIN)/python -m starfed.shared.pyproject_table --write-pyproject pyproject.toml --check
 
 # mypy cannot follow the editable install (pyproject.toml's package-dir renames the folders), so
 # it reads them as `starfed.*` through a folder of links; settings in pyproject.toml [tool.mypy].
@@ -55,7 +55,7 @@ typecheck: $(STAMP)  ## mypy: strict on shared/, untyped bodies checked elsewher
 	$(BIN)/mypy $(addprefix -p starfed.,$(PACKAGES))
 
 pyproject: $(STAMP)  ## write pyproject.toml's [tool.flwr.app.config] from the knob table
-	$(BIN)/python -m starfed.shared.config --write-pyproject pyproject.toml
+	$(BIN)/python -m starfed.shared.pyproject_table --write-pyproject pyproject.toml
 
 bench: $(STAMP)  ## speed benchmarks (logs in bench/results/, summary in docs/benchmarks.md)
 	$(BIN)/python bench/train_local.py

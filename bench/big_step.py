@@ -159,9 +159,12 @@ class MeteredGrid(LocalGrid):
             self.client_written += wchar() - written
 
 
-def step(root: Path, preset: str) -> dict[str, object]:
-    """Run the step over the prepared folders; what it cost, and what site 6 received."""
+def step(root: Path, preset: str, part_bytes: int | None = None) -> dict[str, object]:
+    """Run the step over the prepared folders (``part_bytes``: the run config's, None its
+    default); what it cost, and what site 6 received."""
     config = run_config(root, preset)
+    if part_bytes is not None:
+        config["part-bytes"] = part_bytes
     folder = Path(str(config["federation-dir"]))
     values = parse(config)
     BackboneOptions.from_config(values).load(str(values["device"]))  # the pair run_server loads

@@ -2,12 +2,12 @@
 
 For a federation of C paper-dims classes (random tensors: float bytes do not compress), what a
 site that holds nothing receives before its first phase: the codebook in parts of at most
-``parts.PART_BYTES`` (``starfed.server.catch_up``). Measured without Flower (the wire is a folder),
-each end in a fresh process so that its peak RSS is its own: the server (holding the codebook)
-decides who is behind, plans and encodes every part, one at a time; the site stages each part
-as it arrives (decoded, written) and after the last writes the held file from the parts and
-decodes it. Bytes and messages are what the wire would carry, the phase message's empty delta
-left out.
+``part-bytes``, its default (``starfed.server.catch_up``). Measured without Flower (the wire is
+a folder), each end in a fresh process so that its peak RSS is its own: the server (holding the
+codebook) decides who is behind, plans and encodes every part, one at a time; the site stages
+each part as it arrives (decoded, written) and after the last writes the held file from the
+parts and decodes it. Bytes and messages are what the wire would carry, the phase message's
+empty delta left out.
 
 ``--slow-site S`` measures instead what one slow site costs the others (issue 43, attack 7):
 the send and collect of one phase (``catch_up.before_phase``, the phase's message, the streams
@@ -53,9 +53,11 @@ from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.held import HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
+from starfed.shared.config import ProtocolOptions
 from starfed.shared.protocol import CATCH_UP, HELD, RECORD_DATA
 
 FINGERPRINT = "ab" * 32
+PART_BYTES = ProtocolOptions().part_bytes  # the run config's part-bytes, by default
 LINE = Lineage("bench", "epoch-1")
 
 
@@ -83,8 +85,8 @@ def server(n_classes: int, dtype: str, folder: Path) -> dict[str, object]:
     codebook = federation(n_classes)
     rss_before = _rss_mb()
     t0 = time.perf_counter()
-    late = catch_up.behind(codebook, {}, [1], dtype)
-    plan = parts.plan(codebook, dtype)
+    late = catch_up.behind(codebook, {}, [1], dtype, PART_BYTES)
+    plan = parts.plan(codebook, PART_BYTES, dtype)
     encode_s, sent = time.perf_counter() - t0, 0
     for index in range(len(plan.parts)):
         t0 = time.perf_counter()
@@ -99,7 +101,7 @@ def server(n_classes: int, dtype: str, folder: Path) -> dict[str, object]:
         "behind": late == [1],
         "messages": len(plan.parts),
         "bytes": sent,
-        "part_limit": parts.PART_BYTES,
+        "part_limit": PART_BYTES,
         "server_encode_s": round(encode_s, 2),
         "server_peak_rss_mb": _rss_mb(),
         "server_codebook_rss_mb": rss_before,
@@ -186,14 +188,14 @@ def slow_site(part_s: float, n_parts: int, inline: bool) -> dict[str, object]:
         setattr(TaskIdentity, name, value)  # what a ServerApp's process has
     codebook = federation(n_parts)
     one = replace(codebook, entries={codebook.names[0]: codebook[codebook.names[0]]})
-    parts.PART_BYTES = parts.broadcast_bytes(one, 0, "float32") * 3 // 2
+    part_bytes = parts.broadcast_bytes(one, 0, "float32") * 3 // 2
     grid = (TwoSites if inline else Pushing)(part_s, codebook.version)
     participants = Participants(node_ids=[1, 2], versions={1: codebook.version})
     sites, ledger = {1: "farm-a", 2: "farm-b"}, catch_up.Ledger()
     config = message_config(0, 0, codebook, "float32")
     t0 = time.perf_counter()
     caught = catch_up.before_phase(
-        grid, codebook, participants, [1, 2], 0, "float32", sites, 600, ledger
+        grid, codebook, participants, [1, 2], 0, "float32", part_bytes, sites, 600, ledger
     )
     good, _ = exchange(grid, PHASE_MESSAGE, "stage1", 0, 0, config, caught.nodes, sites, None, 600)
     joined = catch_up.joined(ledger, participants, codebook.version)

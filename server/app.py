@@ -36,6 +36,8 @@ from starfed.server.step_records import RUN_END_LEVELS, RunLog
 from starfed.server.strategy import Strategy
 from starfed.server.test_set import ServerTestSet
 from starfed.shared import progress
+from starfed.shared.codebook import parts
+from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import ProtocolOptions, parse, run_dir
 from starfed.shared.files import write_atomic
 from starfed.shared.knob import writable_dir
@@ -146,6 +148,7 @@ def _run_locked(
         before_step=before_step,
         screening=ScreeningOptions.from_config(values),
     )
+    _check_part_bytes(coordinator.codebook, protocol)
     log = coordinator.run(protocol.max_steps or None)
     metrics = summarize(federation, log, time.perf_counter() - started)
     metrics["config"] = {
@@ -171,6 +174,19 @@ def _run_locked(
     if log.status == FAILED:
         raise RunFailed(log.reason)
     return metrics
+
+
+def _check_part_bytes(codebook: Codebook, protocol: ProtocolOptions) -> None:
+    """Fail the run, before any step, when a catch-up's part could not hold one class at these
+    dims (``part-bytes`` is checked against the dims only once the backbones are known)."""
+    least = parts.least_part_bytes(codebook, protocol.wire_dtype)
+    if protocol.part_bytes < least:
+        reason = (
+            f"part-bytes = {protocol.part_bytes}: one class of these backbones takes up to "
+            f"{least} bytes in a {protocol.wire_dtype} part; set at least {least}"
+        )
+        logger.error(reason)
+        raise RunFailed(reason)
 
 
 def strategy_name(strategy: Strategy) -> str:

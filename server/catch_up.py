@@ -1,18 +1,18 @@
 """The catch-up: a codebook too large for one message, sent to the sites far behind in parts.
 
 A phase's message carries each site the delta from the codebook version it holds, or the whole
-codebook. Once the federation's codebook passes what one message may carry
-(``starfed.shared.codebook.parts.PART_BYTES``), a site that holds nothing recent — one joining
-late, one that lost its state — could not receive it at all. So before a codebook phase's
-message the coordinator finds the nodes whose broadcast would pass a part (``behind``) and sends
-each of them the codebook split by classes (``send``): one catch-up message per part
+codebook. Once the federation's codebook passes what one message may carry (the run config's
+``part-bytes``: by default the site's own message limit), a site that holds nothing recent — one
+joining late, one that lost its state — could not receive it at all. So before a codebook
+phase's message the coordinator finds the nodes whose broadcast would pass a part (``behind``)
+and sends each of them the codebook split by classes (``send``): one catch-up message per part
 (``CATCH_UP_MESSAGE``, its own message type: a site answers it apart from the phases), whose
-config says which part it is (``CATCH_UP``). A site stages the parts and holds the codebook
-only after the last (``HeldCodebook.stage``); its last reply says the version it now holds
+config says which part it is (``CATCH_UP``). A site stages the parts and holds the codebook only
+after the last (``HeldCodebook.stage``); its last reply says the version it now holds
 (``HELD``), and the phase's own message then carries the empty delta from it. A node that fails
 a part (an error, no reply, a part refused) leaves the catch-up and sits that phase out; the
-next phase starts its catch-up again from the first part, so a site that went away mid-way
-costs only a restart. The server encodes one part at a time.
+next phase starts its catch-up again from the first part, so a site that went away mid-way costs
+only a restart. The server encodes one part at a time.
 
 Each node's parts are its own stream (``Stream``), so that a site reading its parts slowly
 stalls no one (issue 43, attack 7: 1 s a part took every site's phase from 0.15 s to 6.25 s).
@@ -20,7 +20,8 @@ On a grid that pushes and pulls (Flower's) a stream runs in a thread of its own,
 its own timeout, while the phase is sent to the nodes that hold a recent codebook: a node whose
 stream completes while the phase runs is sent the phase after the others answered
 (``joined``), one whose stream is still going sits the phase out and joins a later phase; a
-phase with no other node waits for its streams. A stream not done when its step ends is
+phase with no other node waits for the first stream that catches its node up (or for all to
+end), the others going on beside it. A stream not done when its step ends is
 stopped, a finding (``abandon``). A grid that answers at once (the local runtime, whose nodes
 run one after another in one thread) runs each stream to its end before the phase, as before.
 
@@ -30,7 +31,7 @@ end stopped are screening findings (``CaughtUp.findings``), which count toward
 ``quarantine-after``.
 
 Costs: a catch-up sends (and encodes, one part at a time) the broadcast's bytes once per behind
-node, in ⌈bytes / PART_BYTES⌉ messages; deciding who is behind is one pass over the classes'
+node, in ⌈bytes / part-bytes⌉ messages; deciding who is behind is one pass over the classes'
 versions per phase; on a grid that pushes and pulls, a thread per node in a catch-up.
 """
 
@@ -92,6 +93,7 @@ class Ledger:
     started: Counter[int] = field(default_factory=Counter)
     completed: set[int] = field(default_factory=set)
     streams: dict[int, Stream] = field(default_factory=dict)
+    ended: threading.Event = field(default_factory=threading.Event)  # set as each stream ends
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,15 @@ class CaughtUp:
 
 
 def behind(
-    codebook: Codebook, versions: Mapping[int, int], nodes: Sequence[int], dtype: str
+    codebook: Codebook,
+    versions: Mapping[int, int],
+    nodes: Sequence[int],
+    dtype: str,
+    part_bytes: int,
 ) -> list[int]:
     """The nodes whose broadcast (the delta from the version ``versions`` says they hold, else the
-    whole codebook) could pass one part (``parts.broadcast_bytes``: an upper bound)."""
+    whole codebook) could pass one part of ``part_bytes`` (``parts.broadcast_bytes``: an upper
+    bound)."""
     sizes: dict[int, int] = {}  # base version -> the bound of its broadcast
     late = []
     for node in nodes:
@@ -117,7 +124,7 @@ def behind(
         since = since if 0 < since <= codebook.version else 0
         if since not in sizes:
             sizes[since] = parts.broadcast_bytes(codebook, since, dtype)
-        if sizes[since] > parts.PART_BYTES:
+        if sizes[since] > part_bytes:
             late.append(node)
     return late
 
@@ -129,19 +136,22 @@ def before_phase(
     nodes: Sequence[int],
     step: int,
     dtype: str,
+    part_bytes: int,
     sites: Mapping[int, str],
     timeout: float,
     ledger: Ledger,
 ) -> CaughtUp:
     """The streams that ended since the last phase read (``joined``), then a catch-up started
-    (``start``) for each of the ``nodes`` of a phase that is ``behind`` and has none in
+    (``start``) for each of the ``nodes`` of a phase that is ``behind`` (in parts of
+    ``part_bytes``) and has none in
     progress, at most ``CATCH_UPS_PER_STEP`` times each in the step (``ledger``); the nodes to
     send the phase to — all but those behind that are not caught up (they sit the phase out,
     and may join a later one) — the log of every part of the streams that ended, and the
-    findings. A phase whose every node is behind waits for their catch-ups: it stalls no one."""
+    findings. A phase whose every node is behind waits for the first catch-up that succeeds (or
+    for every one to end): the others go on beside it, so even then a slow one stalls no one."""
     ended = joined(ledger, participants, codebook.version)
     findings, exchanges = dict(ended.findings), list(ended.exchanges)
-    late = behind(codebook, participants.versions, nodes, dtype)
+    late = behind(codebook, participants.versions, nodes, dtype, part_bytes)
     for node in late:
         if node in ledger.streams:
             continue  # its catch-up is still going
@@ -150,11 +160,11 @@ def before_phase(
         if ledger.started[node] >= CATCH_UPS_PER_STEP:
             findings[node] = f"refused a catch-up: {CATCH_UPS_PER_STEP} already in step {step + 1}"
             continue
-        sent = partial(send, grid, codebook, node, step, dtype, sites, timeout)
+        sent = partial(send, grid, codebook, node, step, dtype, part_bytes, sites, timeout)
         start(grid, ledger, node, codebook.version, sent)
-    if set(nodes) <= set(late):  # no one else to stall
-        for node in set(nodes) & set(ledger.streams):
-            ledger.streams[node].done.wait()
+    if set(nodes) <= set(late):  # no node to send the phase to until a catch-up succeeds
+        going = [ledger.streams[n] for n in set(nodes) & set(ledger.streams)]
+        _first_caught(ledger, going, codebook.version)
     now = joined(ledger, participants, codebook.version)
     exchanges += now.exchanges
     for node, why in now.findings.items():
@@ -177,11 +187,22 @@ def start(
             stream.caught = sent(stream)
         finally:
             stream.done.set()
+            ledger.ended.set()
 
     if isinstance(grid, PushPullGrid):
         threading.Thread(target=run, name=f"catch-up node {node}", daemon=True).start()
     else:
         run()
+
+
+def _first_caught(ledger: Ledger, streams: Sequence[Stream], version: int) -> None:
+    """Wait until one of ``streams`` caught its node up to codebook ``version`` (the phase's: a
+    stream an earlier phase started may send an older one), or every one ended."""
+    while not all(s.done.is_set() for s in streams) and not any(
+        s.done.is_set() and s.caught and s.version == version for s in streams
+    ):
+        ledger.ended.wait()  # set after a stream's done: a stream that ends now is seen next
+        ledger.ended.clear()
 
 
 def joined(ledger: Ledger, participants: Participants, version: int) -> CaughtUp:
@@ -231,17 +252,18 @@ def send(
     node: int,
     step: int,
     dtype: str,
+    part_bytes: int,
     sites: Mapping[int, str],
     timeout: float,
     stream: Stream,
 ) -> bool:
-    """Send ``codebook`` in parts to ``node``, its lineage in its metadata and in each part's
-    message config (``message_config``, round = part), each part with its own ``timeout``,
-    until ``stream.stop``; whether the node now holds it. The log entry of every part sent
-    (phase ``catch_up``) goes to ``stream.exchanges`` as it is answered."""
+    """Send ``codebook`` in parts of at most ``part_bytes`` to ``node``, its lineage in its metadata
+    and in each part's message config (``message_config``, round = part), each part with its own
+    ``timeout``, until ``stream.stop``; whether the node now holds it. The log entry of every
+    part sent (phase ``catch_up``) goes to ``stream.exchanges`` as it is answered."""
     config = message_config(step, 0, codebook, dtype)
     lineage = Lineage.of(codebook).as_metadata()
-    plan = parts.plan(replace(codebook, metadata=lineage), dtype)
+    plan = parts.plan(replace(codebook, metadata=lineage), part_bytes, dtype)
     count = stream.parts = len(plan.parts)
     for index in range(count):
         if stream.stop.is_set():

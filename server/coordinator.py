@@ -361,6 +361,7 @@ class Coordinator:
             nodes,
             state.step,
             self.protocol.wire_dtype,
+            self.protocol.part_bytes,
             self._site_names(),
             self.protocol.timeout_s,
             self.catch_ups,

@@ -10,8 +10,7 @@ Everything else is derived from the table. The typed options the code reads
 ``LocalRunOptions``) declare their fields with :func:`knob`, which takes the default from the
 knob, and are filled from parsed values by :meth:`Options.from_config`, so nothing downstream
 re-checks them. ``pyproject.toml``'s ``[tool.flwr.app.config]`` (Flower reads the run-config
-defaults there) is written from the table: ``python -m starfed.shared.config --write-pyproject
-pyproject.toml`` (``make pyproject``); ``--check`` is the CI check.
+defaults there) is written from the table (``starfed.shared.pyproject_table``).
 
 One knob and the typed reading of its value are ``starfed.shared.knob``; the commands' own
 knobs live with the commands (``starfed.simulations.research_knobs``: ``train-local``'s,
@@ -23,16 +22,14 @@ Flower are loaded.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.device import check as check_device
 from starfed.shared.knob import (
     ConfigError,
@@ -43,7 +40,6 @@ from starfed.shared.knob import (
     existing_dir,
     existing_file,
     optional,
-    show,
 )
 from starfed.shared.model.backbone_config import PRESETS, read_backbone_config
 from starfed.shared.registered_sites import parse_site_names, parse_site_privacy
@@ -125,6 +121,18 @@ SCHEMA: tuple[Knob, ...] = (
         "seconds the server waits for the replies of one phase",
         "protocol",
         gt=0,
+    ),
+    Knob(
+        "part-bytes",
+        int,
+        DEFAULT_MAX_BYTES,
+        "the most bytes of one message carrying the codebook to a site: a site whose codebook "
+        "would pass it is caught up in parts of at most this many (each within timeout-s); less "
+        "than a site's limit (the default) where a proxy in front of the server carries less, "
+        "or a slow link must deliver each part in time; at least what one class needs",
+        "protocol",
+        ge=1,
+        le=DEFAULT_MAX_BYTES,
     ),
     Knob("results-dir", str, "results", "folder of the run folders", "protocol", path=True),
     Knob(
@@ -715,6 +723,7 @@ class ProtocolOptions(Options):
     stage1_rounds: int = knob("stage1-rounds")
     stage2_rounds: int = knob("stage2-rounds")
     timeout_s: float = knob("timeout-s")
+    part_bytes: int = knob("part-bytes")  # of a catch-up's part (server/catch_up.py)
     wire_dtype: str = knob("wire-dtype")
     results_dir: str = knob("results-dir")
     run_name: str | None = knob("run-name", optional)
@@ -727,74 +736,3 @@ class ProtocolOptions(Options):
     min_train_sites: int = knob("min-train-sites")
     server_test_dir: str | None = knob("server-test-dir", optional)
     merge: str = knob("merge")  # the default strategy's estimator (server/robust.py)
-
-
-# --- pyproject.toml's run-config table, written from the knobs -----------------------------
-
-PYPROJECT_TABLE = "[tool.flwr.app.config]"
-
-
-def _toml(value: Value) -> str:
-    """A default as a TOML value (a JSON string is a TOML basic string)."""
-    return json.dumps(value) if isinstance(value, str) else show(value)
-
-
-def run_config_table() -> list[str]:
-    """The lines of ``[tool.flwr.app.config]``: every run-config knob with its default, by
-    group. Flower needs every key the apps read there, and takes the defaults from it."""
-    lines, group = [], None
-    for k in TABLES["run-config"].values():
-        if k.group != group:
-            lines.append(f"# {k.group}\n")
-            group = k.group
-        lines.append(f"{k.key} = {_toml(k.default)}\n")
-    return lines
-
-
-def with_run_config_table(text: str) -> str:
-    """``text`` (a pyproject.toml) with its run-config table written from the knobs: the lines
-    from the table's header to its first blank line (or the next table) are replaced, every
-    other byte is kept."""
-    lines = text.splitlines(keepends=True)
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip() == PYPROJECT_TABLE) + 1
-    except StopIteration:
-        raise ConfigError(f"no {PYPROJECT_TABLE} table") from None
-    end = start
-    while end < len(lines) and lines[end].strip() and not lines[end].startswith("["):
-        end += 1
-    return "".join(lines[:start] + run_config_table() + lines[end:])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m starfed.shared.config --write-pyproject pyproject.toml [--check]``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m starfed.shared.config",
-        description=f"Write {PYPROJECT_TABLE} of a pyproject.toml from the knob table.",
-    )
-    parser.add_argument("--write-pyproject", type=Path, required=True, metavar="PYPROJECT")
-    parser.add_argument("--check", action="store_true", help="exit 1 if it is not written")
-    args = parser.parse_args(argv)
-    path: Path = args.write_pyproject
-    try:
-        text = path.read_text(encoding="utf-8")
-        written = with_run_config_table(text)
-    except (OSError, ConfigError) as err:
-        print(f"{parser.prog}: error: {path}: {err}", file=sys.stderr)
-        return 2
-    if args.check:
-        if written == text:
-            return 0
-        print(
-            f"{path}: {PYPROJECT_TABLE} is not the knob table's (shared/config.py); write it: "
-            f"python -m starfed.shared.config --write-pyproject {path}",
-            file=sys.stderr,
-        )
-        return 1
-    if written != text:
-        path.write_text(written, encoding="utf-8")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

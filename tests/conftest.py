@@ -77,6 +77,7 @@ TIERS = {
         "test_adversarial_decode",
         "test_adversarial_site_data",
         "test_deploy_operator",
+        "test_e2e_catch_up",
         "test_flower_runs",
         "test_locks",
         "test_wheel",
@@ -99,6 +100,7 @@ LONGEST_FIRST = ("e2e", "inprocess", "meta", "unit")
 #: start``, a wheel's venv, a gRPC server), as an in-process module does.
 DEPLOYMENTS = (
     "test_deploy_e2e",
+    "test_e2e_catch_up",
     "test_e2e_federation",
     "test_e2e_flwr",
     "test_e2e_resume",

@@ -37,6 +37,7 @@ from starfed.server.records import Checkpoint
 MARKER = "STARFED_ROUND_TEST"
 SITE_MARKER = "STARFED_ROUND_TEST_SITE"  # which site a process belongs to
 RUN_TIMEOUT_S = 480
+TRAIN_IMAGES, TEST_IMAGES = 8, 3  # of each class, in a site's data folder
 RUN_CONFIG = {
     "stage1-epochs": 1,
     "stage2-epochs": 1,
@@ -117,6 +118,16 @@ class Deployment:
             env,
         )
 
+    def join(self, name: str, tasks: dict[str, list[str]]) -> None:
+        """A site that joins later: its data folder ``ROOT/NAME`` written, then ``start_site``."""
+        site_folder(self.root / name, tasks, train=TRAIN_IMAGES, test=TEST_IMAGES)
+        self.start_site(name)
+
+    def stop_site(self, name: str) -> int:
+        """Ctrl-C to one site's ``site start``, as its operator would; its exit code."""
+        self.sites[name].ctrl_c()
+        return self.sites[name].wait(60)
+
     def site_processes(self, name: str) -> dict[ProcessId, str]:
         """Every live process of one site (its ``site start`` and all it started)."""
         return marked(f"{SITE_MARKER}={name}", also=f"{MARKER}={self.root}")
@@ -159,7 +170,7 @@ def deployment(
     monkeypatch.setenv(MARKER, str(root))  # every process started here inherits it
     monkeypatch.setenv("STARFED_SERVER_DIR", str(root / "server"))
     for name, tasks in sites.items():
-        site_folder(root / name, tasks, train=8, test=3)
+        site_folder(root / name, tasks, train=TRAIN_IMAGES, test=TEST_IMAGES)
     deployed = Deployment(root, f"127.0.0.1:{free_port()}", root / "commands.log")
     try:
         code, _ = starfed(
@@ -190,7 +201,9 @@ def deployment(
         left = marked(f"{MARKER}={root}")
         send_signal(left, signal.SIGKILL)  # never leak into the rest of the session
     assert code == 0 and json.loads(out)["survivors"] == [], out
-    assert {name: site.poll() for name, site in deployed.sites.items()} == dict.fromkeys(sites, 0)
+    assert {name: site.poll() for name, site in deployed.sites.items()} == dict.fromkeys(
+        deployed.sites, 0
+    )
     said = {name: site.text() for name, site in deployed.sites.items()}
     assert not [name for name, text in said.items() if "Traceback" in text], said
     assert left == {}, f"processes left running: {left}"

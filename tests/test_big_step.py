@@ -12,8 +12,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 from starfed.server.federation import Federation
 from starfed.shared.codebook import parts
 
@@ -24,15 +22,13 @@ CLASSES = 60
 
 
 def test_a_site_joining_a_federation_is_caught_up_in_parts_through_the_real_apps(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread: None
+    tmp_path: Path, one_torch_thread: None
 ) -> None:
     prepared = big_step.prepare(tmp_path, CLASSES, "tiny")
     assert prepared["codebook_version"] == 1
     founded = Federation.open(tmp_path / "server" / "federation").checkpoints.codebook()
     # half the founding codebook: the 20 new classes' delta fits one part, the whole does not
-    monkeypatch.setattr(parts, "PART_BYTES", parts.broadcast_bytes(founded, 0, "float32") // 2)
-
-    got = big_step.step(tmp_path, "tiny")
+    got = big_step.step(tmp_path, "tiny", parts.broadcast_bytes(founded, 0, "float32") // 2)
 
     assert got["status"] == "completed", got
     assert got["classes_after"] == CLASSES + big_step.SITES * big_step.NEW_CLASSES

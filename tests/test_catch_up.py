@@ -1,7 +1,7 @@
 """A codebook too large for one message reaches a site in parts (issue 34, part 1).
 
-The split and the staging on small codebooks with the part size made small
-(``parts.PART_BYTES``); then a site joining a federation through the real apps on the local
+The split and the staging on small codebooks with the part size made small (the run config's
+``part-bytes``); then a site joining a federation through the real apps on the local
 runtime: it catches up in several parts, a garbled part is refused and its catch-up starts again
 at the next phase, and it ends the step holding the server's codebook.
 """
@@ -30,13 +30,18 @@ from starfed.client.answer import CatchUpPart, Incoming
 from starfed.client.memory import CODEBOOK_FILE
 from starfed.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server import catch_up
+from starfed.server.app import RunFailed
 from starfed.server.federation import Federation
 from starfed.server.participants import Participants
-from starfed.shared.codebook import parts, wire
+from starfed.shared.codebook import parts, schema, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
+from starfed.shared.codebook.decoding import MAX_NAME_LENGTH
+from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
 from starfed.shared.codebook.held import STAGING_DIR, HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
+from starfed.shared.config import parse
+from starfed.shared.knob import ConfigError
 from starfed.shared.protocol import (
     CATCH_UP,
     CATCH_UP_KEY,
@@ -51,7 +56,7 @@ LINE = Lineage("fed-1", "epoch-a")
 _run_ids = itertools.count(9500)
 
 
-def _same(held: Codebook, sent: Codebook) -> None:
+def same_codebook(held: Codebook, sent: Codebook) -> None:
     """``held`` is ``sent``'s broadcast: its classes in order, version, lineage, counts, frozen
     flags and every value."""
     sent = sent.broadcast()
@@ -81,10 +86,8 @@ def codebook(make_entries, tiny_dims, fingerprint) -> Codebook:
 
 
 @pytest.fixture
-def small_parts(monkeypatch: pytest.MonkeyPatch, codebook: Codebook) -> int:
-    size = one_class_parts(codebook)
-    monkeypatch.setattr(parts, "PART_BYTES", size)
-    return size
+def small_parts(codebook: Codebook) -> int:
+    return one_class_parts(codebook)
 
 
 def test_the_bounds_hold_for_a_whole_codebook_and_a_delta(
@@ -104,10 +107,36 @@ def test_the_bounds_hold_for_a_whole_codebook_and_a_delta(
     assert parts.broadcast_bytes(newer, 0, "float16") < 1.05 * whole
 
 
+def test_a_part_of_the_least_size_holds_any_class(codebook: Codebook) -> None:
+    """``least_part_bytes`` (what ``part-bytes`` must reach) holds a class with every field and
+    the longest name a decoder accepts, in 4-byte characters: each in a part of its own."""
+    longest = replace(codebook[codebook.names[1]], name="\U0001d538" * MAX_NAME_LENGTH)
+    big = replace(codebook, entries={**codebook.entries, longest.name: longest})
+    assert set(schema.BROADCAST) <= set(longest.values)
+    for dtype in ("float32", "float16"):
+        least = parts.least_part_bytes(big, dtype)
+        plan = parts.plan(big, least, dtype)
+        assert (longest.name,) in plan.parts
+        assert all(len(plan.encoded(i)) <= least for i in range(len(plan.parts)))
+
+
+def test_part_bytes_out_of_range_or_below_one_class_is_one_line(
+    tmp_path: Path, codebook: Codebook, one_torch_thread
+) -> None:
+    """The knob's range is checked with the run config; what one class needs, once the run
+    knows its backbones' dims: the run fails before its first step, saying the least."""
+    for bad in ("0", str(DEFAULT_MAX_BYTES + 1)):
+        with pytest.raises(ConfigError, match=rf"^part-bytes={bad}: expected an integer"):
+            parse({"part-bytes": bad})
+    with pytest.raises(RunFailed, match=r"^part-bytes = 4096: one class .* set at least \d+$"):
+        _run(tmp_path, {"farm-a": {"t1": CLASSES[0:1]}}, LocalGrid, part_bytes=4096)
+    assert not (tmp_path / "federation" / "history.jsonl").exists()
+
+
 def test_a_codebook_in_parts_is_held_only_after_the_last_part(
     tmp_path: Path, codebook: Codebook, small_parts: int
 ) -> None:
-    plan = parts.plan(codebook)
+    plan = parts.plan(codebook, small_parts)
     assert len(plan.parts) == len(codebook) >= 3
     held = HeldCodebook(
         tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
@@ -119,7 +148,7 @@ def test_a_codebook_in_parts_is_held_only_after_the_last_part(
         got = held.stage(data, index, len(plan.parts), len(codebook))
         assert (got is None) == (index < len(plan.parts) - 1)
     assert held.version_for(LINE) == codebook.version
-    _same(HeldCodebook(held.path, fingerprint=codebook.fingerprint).codebook(), codebook)
+    same_codebook(HeldCodebook(held.path, fingerprint=codebook.fingerprint).codebook(), codebook)
     assert not (tmp_path / STAGING_DIR).exists()
     # the phase's message that follows: the empty delta from the version now held
     assert held.receive(codebook.delta(codebook.version)).version == codebook.version
@@ -130,7 +159,7 @@ def test_an_abandoned_catch_up_leaves_nothing_on_the_site_disk(
 ) -> None:
     """Parts staged for a catch-up the server gave up on, and an assembled file a killed site
     left: dropped when the next step's sync (or a codebook) arrives (``drop_staging``)."""
-    plan = parts.plan(codebook)
+    plan = parts.plan(codebook, small_parts)
     held = HeldCodebook(
         tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
     )
@@ -153,7 +182,7 @@ def _another_version(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, i
 
 def _another_lineage(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
     rolled_back = Lineage(LINE.federation, "epoch-b").as_metadata()
-    elsewhere = parts.Plan(replace(plan.codebook, metadata=rolled_back), plan.parts, plan.dtype)
+    elsewhere = replace(plan, codebook=replace(plan.codebook, metadata=rolled_back))
     return [(plan.encoded(0), 0), (elsewhere.encoded(1), 1)]
 
 
@@ -180,7 +209,7 @@ def test_a_part_out_of_order_of_another_codebook_or_garbled_drops_the_staging(
     tmp_path: Path, codebook: Codebook, small_parts: int, sent, why: str | None
 ) -> None:
     newer = codebook.set_values({}, counts={codebook.names[0]: 99})
-    plan, other = parts.plan(codebook), parts.plan(newer)
+    plan, other = parts.plan(codebook, small_parts), parts.plan(newer, small_parts)
     count = len(plan.parts)
     held = HeldCodebook(
         tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
@@ -201,7 +230,7 @@ def test_parts_that_do_not_make_the_announced_codebook_are_not_held(
 ) -> None:
     """Every part good, but one more class announced than they hold: nothing is held, nothing
     is left behind, and a catch-up that announces the codebook as it is then succeeds."""
-    plan = parts.plan(codebook)
+    plan = parts.plan(codebook, small_parts)
     held = HeldCodebook(
         tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
     )
@@ -212,7 +241,7 @@ def test_parts_that_do_not_make_the_announced_codebook_are_not_held(
     for i in range(len(plan.parts)):
         held.stage(plan.encoded(i), i, len(plan.parts), len(codebook))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["codebook.bin"]
-    _same(held.codebook(), codebook)
+    same_codebook(held.codebook(), codebook)
 
 
 def test_a_class_sent_in_two_parts_is_refused_and_not_held(
@@ -220,7 +249,7 @@ def test_a_class_sent_in_two_parts_is_refused_and_not_held(
 ) -> None:
     """Two parts carrying the same class, as many classes as announced: the assembled codebook
     is refused (its decoding finds the class twice), nothing is held or left behind."""
-    plan = parts.plan(codebook)
+    plan = parts.plan(codebook, small_parts)
     held = HeldCodebook(
         tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
     )
@@ -236,7 +265,7 @@ def test_the_nodes_behind_are_those_whose_broadcast_passes_a_part(
     newer = codebook.set_values({codebook.names[1]: {"prompt": torch.zeros(codebook.dims.d_txt)}})
     held = {1: codebook.version, 2: 0, 3: codebook.version - 1, 4: newer.version}
     # 1: the delta of one class fits; 2: nothing held; 3: every class changed since; 4: current
-    assert catch_up.behind(newer, held, [1, 2, 3, 4], "float32") == [2, 3]
+    assert catch_up.behind(newer, held, [1, 2, 3, 4], "float32", small_parts) == [2, 3]
 
 
 class HeldGrid:
@@ -276,7 +305,7 @@ def test_catch_ups_past_the_first_completed_one_are_findings_and_capped(
         participants.set_version(1, None)  # it claims to hold nothing
         grid = HeldGrid(codebook.version)
         return catch_up.before_phase(
-            grid, codebook, participants, [1], 0, "float32", {1: "farm-b"}, 1.0, ledger
+            grid, codebook, participants, [1], 0, "float32", small_parts, {1: "farm-b"}, 1.0, ledger
         )
 
     first = before_phase()
@@ -299,7 +328,8 @@ def test_a_catch_up_part_is_its_own_message_which_a_site_reads_apart_from_the_sy
         monkeypatch.setattr(TaskIdentity, name, value)  # what a ServerApp's process has
     grid = HeldGrid(codebook.version)
     stream = catch_up.Stream(codebook.version)
-    assert catch_up.send(grid, codebook, 1, 0, "float32", {1: "farm-b"}, 1.0, stream)
+    sites = {1: "farm-b"}
+    assert catch_up.send(grid, codebook, 1, 0, "float32", small_parts, sites, 1.0, stream)
     exchanges = stream.exchanges
     assert len(exchanges) == len(codebook)
     assert set(grid.types) == {CATCH_UP_MESSAGE} and len(grid.types) == len(codebook)
@@ -339,8 +369,11 @@ def _run(
     tmp: Path,
     sites: dict[str, dict[str, list[str]]],
     grid: Callable[..., LocalGrid] = GarblingGrid,
+    part_bytes: int | None = None,  # None: the default (a tiny codebook is then never in parts)
 ) -> dict:
     config = {**TINY_RUN, "max-steps": 1, "federation-dir": str(tmp / "federation")}
+    if part_bytes is not None:
+        config["part-bytes"] = part_bytes
     nodes = {
         node: {
             "data-dir": str(site_folder(tmp / name, tasks, train=4, test=2)),
@@ -367,8 +400,7 @@ def test_a_site_joining_late_catches_up_in_parts_and_recovers_from_a_garbled_par
 
     founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
     size = one_class_parts(founded, slack=2 * len(CLASSES[3]))  # for the fourth class's name
-    monkeypatch.setattr(parts, "PART_BYTES", size)
-    second = _run(tmp_path, {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}})
+    second = _run(tmp_path, {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}, part_bytes=size)
     assert second["status"] == "degraded"  # farm-b failed a part
     server = Federation.open(tmp_path / "federation").checkpoints.codebook()
     assert len(server) == 4
@@ -382,7 +414,7 @@ def test_a_site_joining_late_catches_up_in_parts_and_recovers_from_a_garbled_par
     assert "stage1" not in phases and phases.count(CATCH_UP_KEY) == 6
 
     held = HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook()
-    _same(held, server)
+    same_codebook(held, server)
     assert not (tmp_path / "farm-b-state" / STAGING_DIR).exists()
 
 
@@ -414,13 +446,12 @@ def test_a_site_behind_before_every_phase_is_capped_found_and_quarantined(
     assert _run(tmp_path, {"farm-a": farm_a}, LocalGrid)["status"] == "completed"
     founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
     size = one_class_parts(founded, slack=64)
-    monkeypatch.setattr(parts, "PART_BYTES", size)
     alone = tmp_path / "alone"
     shutil.copytree(tmp_path, alone)
 
     sites = {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}
-    attacked = _run(tmp_path, sites, StaleClaimGrid)
-    baseline = _run(alone, {"farm-a": farm_a}, LocalGrid)
+    attacked = _run(tmp_path, sites, StaleClaimGrid, size)
+    baseline = _run(alone, {"farm-a": farm_a}, LocalGrid, size)
     [step] = [s for s in Federation.open(tmp_path / "federation").history() if s.step == 1]
     mine = [f for f in step.findings if f.site == "farm-b"]
     assert [f.action for f in mine] == ["rejected"] * 3 + ["quarantined"], mine
@@ -486,18 +517,25 @@ class SlowReaderGrid(LocalGrid):
 
 
 @pytest.mark.adversarial
+@pytest.mark.parametrize(
+    "farm_a_behind", [False, pytest.param(True, marks=pytest.mark.slow, id="farm-a-behind-too")]
+)
 def test_a_site_reading_its_parts_slowly_stalls_no_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread, farm_a_behind: bool
 ) -> None:
     """farm-b joins a federation of four classes (four parts) and reads each part in 20 s: on
     a grid whose sites answer concurrently, farm-a's phases go on without it (each phase of the
     step ends before farm-b has read a second part), farm-b sits them out and its unfinished
     catch-up is a finding at the step's end; farm-a's results are those of the same step
-    without farm-b. Before the parts went in a stream per site, every phase waited 80 s."""
+    without farm-b. Before the parts went in a stream per site, every phase waited 80 s. With
+    ``farm_a_behind`` farm-a lost its codebook too: it is caught up itself before the step's first
+    phase, which then goes on with it alone (it waited for farm-b's catch-up before)."""
     farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4]}
     assert _run(tmp_path, {"farm-a": farm_a}, LocalGrid)["status"] == "completed"
+    if farm_a_behind:  # it holds nothing now, and remembers its first task done
+        (tmp_path / "farm-a-state" / CODEBOOK_FILE).unlink()
     founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
-    monkeypatch.setattr(parts, "PART_BYTES", one_class_parts(founded, slack=64))
+    size = one_class_parts(founded, slack=64)
     alone = tmp_path / "alone"
     shutil.copytree(tmp_path, alone)
 
@@ -509,7 +547,8 @@ def test_a_site_reading_its_parts_slowly_stalls_no_one(
 
     t0 = time.monotonic()
     try:
-        attacked = _run(tmp_path, {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}, grid)
+        sites = {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}
+        attacked = _run(tmp_path, sites, grid, size)
         step_s = time.monotonic() - t0
     finally:
         grids[0].close()
@@ -521,7 +560,7 @@ def test_a_site_reading_its_parts_slowly_stalls_no_one(
     assert re.search(r"not done at the end of step 2 \([01] of 4 parts answered\)", mine[0].reason)
     phases = {e["phase"] for e in attacked["exchanges"] if e["site"] == "farm-b"}
     assert phases <= {"sync", CATCH_UP_KEY}  # it sat every phase out
-    baseline = _run(alone, {"farm-a": farm_a}, LocalGrid)
+    baseline = _run(alone, {"farm-a": farm_a}, LocalGrid, size)
     assert attacked["site_accuracy"]["farm-a"] == pytest.approx(
         baseline["site_accuracy"]["farm-a"], abs=1.0
     )
@@ -536,7 +575,7 @@ def test_a_site_reading_its_parts_at_once_joins_the_step_on_a_grid_that_pushes_a
     farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4]}
     assert _run(tmp_path, {"farm-a": farm_a}, LocalGrid)["status"] == "completed"
     founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
-    monkeypatch.setattr(parts, "PART_BYTES", one_class_parts(founded, slack=64))
+    size = one_class_parts(founded, slack=64)
     monkeypatch.setattr(SlowReaderGrid, "part_s", 0.0)
     grids: list[SlowReaderGrid] = []
 
@@ -545,7 +584,8 @@ def test_a_site_reading_its_parts_at_once_joins_the_step_on_a_grid_that_pushes_a
         return grids[-1]
 
     try:
-        joined = _run(tmp_path, {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}, grid)
+        sites = {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}
+        joined = _run(tmp_path, sites, grid, size)
     finally:
         grids[0].close()
     assert joined["status"] == "completed"
@@ -554,4 +594,4 @@ def test_a_site_reading_its_parts_at_once_joins_the_step_on_a_grid_that_pushes_a
     answered = {e["phase"] for e in theirs if e["status"] == "ok"} - {"sync", CATCH_UP_KEY}
     assert "evaluate" in answered, answered
     server = Federation.open(tmp_path / "federation").checkpoints.codebook()
-    _same(HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook(), server)
+    same_codebook(HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook(), server)

@@ -16,23 +16,24 @@ from starfed.client import answer
 from starfed.client.privacy import PrivacySetting
 from starfed.server.app import run_server
 from starfed.server.screening import ScreeningOptions
-from starfed.shared.config import Options, ProtocolOptions, with_run_config_table
+from starfed.shared.config import Options, ProtocolOptions
 from starfed.shared.data.scenario import ScenarioConfig
 from starfed.shared.knob import ConfigError, writable_dir
 from starfed.shared.model.backbone_config import PRESETS, preset_config
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
+from starfed.shared.pyproject_table import with_run_config_table
 from starfed.shared.retired_names import RUN_CONFIG as RETIRED
 from starfed.shared.retired_names import current_keys
 from starfed.simulations.train_local import LocalRunOptions
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
-WRITE = [sys.executable, "-m", "starfed.shared.config", "--write-pyproject"]
+WRITE = [sys.executable, "-m", "starfed.shared.pyproject_table", "--write-pyproject"]
 
 
 def test_pyproject_run_config_table_is_written_from_the_knobs() -> None:
-    """The CI check: `python -m starfed.shared.config --write-pyproject pyproject.toml` (make
-    pyproject) writes the table; --check says whether it is written."""
+    """The CI check: `python -m starfed.shared.pyproject_table --write-pyproject
+    pyproject.toml` (make pyproject) writes the table; --check says whether it is written."""
     result = subprocess.run([*WRITE, str(PYPROJECT), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
@@ -46,7 +47,7 @@ def test_the_writer_replaces_only_the_table_and_check_names_the_command(tmp_path
     result = subprocess.run([*WRITE, str(path), "--check"], capture_output=True, text=True)
     assert result.returncode == 1 and path.read_text() == stale
     assert result.stderr.strip().endswith(
-        f"write it: python -m starfed.shared.config --write-pyproject {path}"
+        f"write it: python -m starfed.shared.pyproject_table --write-pyproject {path}"
     )
     assert subprocess.run([*WRITE, str(path)]).returncode == 0
     assert path.read_text() == text

@@ -5,8 +5,11 @@ docs/benchmarks.md), but a message a receiver decodes is limited (``DEFAULT_MAX_
 receiver that holds nothing the sender can make a small delta from — a site joining late, one
 that lost its state — therefore receives the codebook in parts (the coordinator's catch-up,
 ``starfed.server.catch_up``): the broadcast split by classes, in codebook order, into parts of at
-most ``PART_BYTES`` each. Every part is itself a whole codebook of some classes, at the
-sender's version and with its lineage, so each is decoded (= validated) as any broadcast is.
+most ``part_bytes`` each (the run config's ``part-bytes``: at most the receiver's limit, by
+default that limit; less where a proxy in front of the server carries less, or where each part
+must arrive within its own timeout on a slow link). Every part is itself a whole codebook of
+some classes, at the sender's version and with its lineage, so each is decoded (= validated)
+as any broadcast is.
 
 The receiver stages the parts on disk (``Staging``: a deployed site answers every message in a
 fresh process) and holds nothing new until the last part arrived and the assembled codebook
@@ -25,7 +28,7 @@ import itertools
 import json
 import math
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -33,14 +36,12 @@ import numpy as np
 
 from starfed.shared.codebook import schema, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError, Delta
+from starfed.shared.codebook.decoding import MAX_NAME_LENGTH
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, header, read_payload
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
 
-#: The most bytes of one part: the receiver's own message limit, which binds (Flower 1.42
-#: carries a message's config record as one object of up to 2 GiB − 1, docs/design.md).
-PART_BYTES = DEFAULT_MAX_BYTES
 #: Bytes of a message besides the tensors' data, counted generously: a tensor's tags, dtype and
 #: shape; a class's tags, count, versions and frozen flag; the message's fingerprint, dims and
 #: versions. A bound, not an estimate: a part never passes what was planned for it.
@@ -56,18 +57,19 @@ class Plan:
     codebook: Codebook
     parts: tuple[tuple[str, ...], ...]
     dtype: str
+    part_bytes: int
 
     def encoded(self, index: int) -> bytes:
         """Part ``index``'s message (checked against the limit it was planned for)."""
         entries = {name: self.codebook[name] for name in self.parts[index]}
         data = wire.encode(replace(self.codebook, entries=entries).broadcast(), self.dtype)
-        if len(data) > PART_BYTES:  # the plan counts an upper bound: never reached
-            raise ValueError(f"part {index} is {len(data)} bytes, over {PART_BYTES}")
+        if len(data) > self.part_bytes:  # the plan counts an upper bound: never reached
+            raise ValueError(f"part {index} is {len(data)} bytes, over {self.part_bytes}")
         return data
 
 
-def plan(codebook: Codebook, dtype: str = "float32") -> Plan:
-    """The split of ``codebook`` into parts of at most ``PART_BYTES``, each as many classes as
+def plan(codebook: Codebook, part_bytes: int, dtype: str = "float32") -> Plan:
+    """The split of ``codebook`` into parts of at most ``part_bytes``, each as many classes as
     their bounds (``class_bytes``) allow."""
     header = _header_bytes(codebook)
     split: list[tuple[str, ...]] = []
@@ -75,15 +77,25 @@ def plan(codebook: Codebook, dtype: str = "float32") -> Plan:
     size = header
     for name in codebook.names:
         more = class_bytes(codebook, name, dtype)
-        if header + more > PART_BYTES:
+        if header + more > part_bytes:
             raise ValueError(f"class {name!r} takes up to {more} bytes, more than a part")
-        if size + more > PART_BYTES:
+        if size + more > part_bytes:
             split.append(tuple(names))
             names, size = [], header
         names.append(name)
         size += more
     split.append(tuple(names))
-    return Plan(codebook, tuple(split), dtype)
+    return Plan(codebook, tuple(split), dtype, part_bytes)
+
+
+def least_part_bytes(codebook: Codebook, dtype: str) -> int:
+    """The most one part of one class of ``codebook``'s dims may take, its lineage in its
+    metadata (as the catch-up sends it): every field sites read, a name of the longest a
+    decoder accepts (``MAX_NAME_LENGTH`` characters of up to 4 bytes). A ``part_bytes`` below
+    it could meet a class no part holds."""
+    header = _header_bytes(replace(codebook, metadata=Lineage.of(codebook).as_metadata()))
+    fields = _fields_bytes(codebook.dims, schema.BROADCAST, dtype)
+    return header + fields + 4 * MAX_NAME_LENGTH + CLASS_SLACK
 
 
 def broadcast_bytes(codebook: Codebook, since: int, dtype: str) -> int:
@@ -105,14 +117,20 @@ def broadcast_bytes(codebook: Codebook, since: int, dtype: str) -> int:
 def class_bytes(codebook: Codebook, name: str, dtype: str, since: int = 0) -> int:
     """An upper bound on the bytes class ``name`` adds to a broadcast: its fields sites read
     (those changed after version ``since``, all with 0), its name, ``CLASS_SLACK``."""
-    entry, itemsize = codebook[name], np.dtype(dtype).itemsize
-    fields = (
-        schema.BY_NAME[f]
+    entry = codebook[name]
+    fields = [
+        f
         for f in entry.values
         if f in schema.BROADCAST and (not since or entry.field_versions.get(f, 0) > since)
-    )
-    data = sum(math.prod(f.shape(codebook.dims)) * itemsize + TENSOR_SLACK for f in fields)
-    return data + len(name.encode()) + CLASS_SLACK
+    ]
+    return _fields_bytes(codebook.dims, fields, dtype) + len(name.encode()) + CLASS_SLACK
+
+
+def _fields_bytes(dims: ModelDims, fields: Iterable[str], dtype: str) -> int:
+    """An upper bound on the bytes of these fields' tensors in a message."""
+    itemsize = np.dtype(dtype).itemsize
+    shapes = (schema.BY_NAME[f].shape(dims) for f in fields)
+    return sum(math.prod(shape) * itemsize + TENSOR_SLACK for shape in shapes)
 
 
 def _header_bytes(codebook: Codebook) -> int:
@@ -166,7 +184,7 @@ class Staging:
             self.folder.mkdir(parents=True)
             staged = Staged(lineage.federation, lineage.epoch, part.version, parts, classes, 0)
         else:
-            staged = self._staged()
+            staged = self.staged()
             expected = (
                 staged.federation,
                 staged.epoch,
@@ -194,7 +212,8 @@ class Staging:
             raise CodebookError(f"{what} is a delta, not a codebook's classes")
         return part
 
-    def _staged(self) -> Staged:
+    def staged(self) -> Staged:
+        """What the staging holds; CodebookError when it holds nothing."""
         try:
             raw = json.loads((self.folder / STAGED_FILE).read_text())
             return Staged(**raw)
