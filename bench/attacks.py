@@ -33,8 +33,8 @@ less the genuine one of its seed and spelling. Each site's differences get their
 t interval of it, their spread and range; the JSON is written after every run, so a run that
 dies keeps its rows (bench/results/attacks_spread.md):
 
-    nice -n 10 python bench/attacks.py --spread --seeds 1993 1994 1995 1996 1997 \\
-        --spellings 3 --json spread.json
+    nice -n 10 python bench/attacks.py --spread --seeds $(seq 1993 2007) --spellings 3 \\
+        --json spread.json
 """
 
 from __future__ import annotations
@@ -280,6 +280,8 @@ SPELLINGS = (
     "class {:03d}",
     "extra {}",
     "m class {}",
+    "farm-m class {}",
+    "class {} of farm-m",
 )
 
 
@@ -321,45 +323,71 @@ class Spread:
     site: str
     pairs: int
     mean: float
-    low: float  # the mean's 95 % t interval (pairs taken as independent)
+    low: float  # the mean's 95 % t interval, the pairs taken as independent
     high: float
+    #: the same over the seeds' means (the mean of the seeds' mean differences): no
+    #: independence assumed between one seed's pairs, which share its first step
+    seeds: int
+    seeds_low: float
+    seeds_high: float
     sd: float
     smallest: float
     largest: float
 
 
-def differences(draws: list[Draw], ten: Ten, site: str) -> list[float]:
-    """``Spread``'s pairs: per seed, ``ten``'s draw less the genuine one of its spelling; for
-    ``Ten.GENUINE`` each genuine draw less each later spelling's."""
+def differences(draws: list[Draw], ten: Ten, site: str) -> list[tuple[int, float]]:
+    """``Spread``'s pairs, each with its seed: per seed, ``ten``'s draw less the genuine one
+    of its spelling; for ``Ten.GENUINE`` each genuine draw less each later spelling's."""
     genuine = {(d.run.seed, d.spelling): d.after()[site] for d in draws if d.ten is Ten.GENUINE}
     if ten is Ten.GENUINE:
         seeds = sorted({seed for seed, _ in genuine})
         order = {spelling: i for i, spelling in enumerate(SPELLINGS)}
         return [
-            genuine[seed, one] - genuine[seed, two]
+            (seed, genuine[seed, one] - genuine[seed, two])
             for seed in seeds
             for one, two in itertools.combinations(
                 sorted((s for t, s in genuine if t == seed), key=order.__getitem__), 2
             )
         ]
     return [
-        d.after()[site] - genuine[d.run.seed, d.spelling]
+        (d.run.seed, d.after()[site] - genuine[d.run.seed, d.spelling])
         for d in draws
         if d.ten is ten and (d.run.seed, d.spelling) in genuine
     ]
+
+
+def interval(values: np.ndarray) -> tuple[float, float]:
+    """The 95 % t interval of ``values``' mean (nan for fewer than two)."""
+    if len(values) < 2:
+        return float("nan"), float("nan")
+    half = stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    return float(values.mean() - half), float(values.mean() + half)
 
 
 def spread(draws: list[Draw]) -> list[Spread]:
     """Each kind's and site's ``Spread``, where there are two pairs or more."""
     rows = []
     for ten, site in itertools.product(Ten, HONEST):
-        got = np.array(differences(draws, ten, site))
-        if len(got) < 2:
+        pairs = differences(draws, ten, site)
+        if len(pairs) < 2:
             continue
-        mean, sd = float(got.mean()), float(got.std(ddof=1))
-        half = float(stats.t.ppf(0.975, len(got) - 1)) * sd / np.sqrt(len(got))
+        got = np.array([d for _, d in pairs])
+        by_seed = np.array(
+            [np.mean([d for s, d in pairs if s == seed]) for seed in sorted({s for s, _ in pairs})]
+        )
         rows.append(
-            Spread(ten, site, len(got), mean, mean - half, mean + half, sd, got.min(), got.max())
+            Spread(
+                ten,
+                site,
+                len(got),
+                float(got.mean()),
+                *interval(got),
+                len(by_seed),
+                *interval(by_seed),
+                float(got.std(ddof=1)),
+                float(got.min()),
+                float(got.max()),
+            )
         )
     return rows
 
@@ -367,13 +395,15 @@ def spread(draws: list[Draw]) -> list[Spread]:
 def table(rows: list[Spread]) -> str:
     """``rows`` as a markdown table, points after step 2."""
     lines = [
-        "| ten classes, less genuine | site | pairs | mean | 95 % interval | sd | range |",
-        "|---|---|---|---|---|---|---|",
+        "| ten classes, less genuine | site | pairs | mean | 95 % interval: pairs | seeds "
+        "| sd | range |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.ten.value} | {r.site} | {r.pairs} | {r.mean:+.1f} | "
-            f"{r.low:+.1f} to {r.high:+.1f} | {r.sd:.1f} | {r.smallest:+.1f} to {r.largest:+.1f} |"
+            f"{r.low:+.1f} to {r.high:+.1f} | {r.seeds_low:+.1f} to {r.seeds_high:+.1f} "
+            f"({r.seeds}) | {r.sd:.1f} | {r.smallest:+.1f} to {r.largest:+.1f} |"
         )
     return "\n".join(lines)
 
