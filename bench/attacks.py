@@ -35,6 +35,7 @@ dies keeps its rows (bench/results/attacks_spread.md):
 
     nice -n 10 python bench/attacks.py --spread --seeds $(seq 1993 2007) --spellings 3 \\
         --json spread.json
+    python bench/attacks.py --summary spread.json   # its table again, from the draws
 """
 
 from __future__ import annotations
@@ -333,6 +334,9 @@ class Spread:
     sd: float
     smallest: float
     largest: float
+    #: pairs below -5 points: draws past issue 43's bound, were the pair's genuine draw the
+    #: reference
+    past_5: int
 
 
 def differences(draws: list[Draw], ten: Ten, site: str) -> list[tuple[int, float]]:
@@ -387,6 +391,7 @@ def spread(draws: list[Draw]) -> list[Spread]:
                 float(got.std(ddof=1)),
                 float(got.min()),
                 float(got.max()),
+                int((got < -5).sum()),
             )
         )
     return rows
@@ -396,16 +401,24 @@ def table(rows: list[Spread]) -> str:
     """``rows`` as a markdown table, points after step 2."""
     lines = [
         "| ten classes, less genuine | site | pairs | mean | 95 % interval: pairs | seeds "
-        "| sd | range |",
-        "|---|---|---|---|---|---|---|---|",
+        "| sd | range | below −5 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.ten.value} | {r.site} | {r.pairs} | {r.mean:+.1f} | "
             f"{r.low:+.1f} to {r.high:+.1f} | {r.seeds_low:+.1f} to {r.seeds_high:+.1f} "
-            f"({r.seeds}) | {r.sd:.1f} | {r.smallest:+.1f} to {r.largest:+.1f} |"
+            f"({r.seeds}) | {r.sd:.1f} | {r.smallest:+.1f} to {r.largest:+.1f} | {r.past_5} |"
         )
     return "\n".join(lines)
+
+
+def read_draws(path: Path) -> list[Draw]:
+    """The draws a ``--spread --json`` file holds."""
+    return [
+        Draw(Ten(d["ten"]), d["spelling"], Run(**d["run"]))
+        for d in json.loads(path.read_text())["draws"]
+    ]
 
 
 def measure_spread(seeds: list[int], spellings: int, test_images: int, out: Path | None) -> None:
@@ -445,7 +458,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--spread", action="store_true", help="attack 5's ten classes over draws")
     parser.add_argument("--spellings", type=int, default=2, help="draws per seed (--spread)")
+    parser.add_argument("--summary", type=Path, help="a --spread --json file's table, again")
     args = parser.parse_args()
+    if args.summary:
+        print(table(spread(read_draws(args.summary))))
+        return
     if args.spread:
         measure_spread(args.seeds, args.spellings, args.test_images, args.json)
         return
