@@ -35,7 +35,7 @@ dies keeps its rows (bench/results/attacks_spread.md):
 
     nice -n 10 python bench/attacks.py --spread --seeds $(seq 1993 2007) --spellings 3 \\
         --json spread.json
-    python bench/attacks.py --summary spread.json   # its table again, from the draws
+    python bench/attacks.py --summary spread.json more.json   # their draws' table
 """
 
 from __future__ import annotations
@@ -458,10 +458,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--spread", action="store_true", help="attack 5's ten classes over draws")
     parser.add_argument("--spellings", type=int, default=2, help="draws per seed (--spread)")
-    parser.add_argument("--summary", type=Path, help="a --spread --json file's table, again")
+    parser.add_argument(
+        "--summary", type=Path, nargs="+", help="--spread --json files' table, their draws together"
+    )
     args = parser.parse_args()
     if args.summary:
-        print(table(spread(read_draws(args.summary))))
+        print(table(spread([d for path in args.summary for d in read_draws(path)])))
         return
     if args.spread:
         measure_spread(args.seeds, args.spellings, args.test_images, args.json)
