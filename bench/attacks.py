@@ -29,9 +29,9 @@ class's name seeds its initial values, so each spelling is another draw of the s
 federation), the ten genuine (``FEW_REAL``'s classes), invented (copies of A1's training
 images, ``FEW_INVENTED``) and aimed (A1's images no site trains on, ``others_images``). The
 noise is the difference of two genuine draws of one seed; the attack's cost, an invented draw
-less the genuine one of its seed and spelling. Each site's differences get their mean, a 95 %
-t interval of it, their spread and range; the JSON is written after every run, so a run that
-dies keeps its rows (bench/results/attacks_spread.md):
+less the genuine one of its seed and spelling. Each site's differences get their mean, its
+95 % t intervals (over the pairs, and over the seeds' means), their spread and range; the JSON
+is written after every run, so a run that dies keeps its rows (bench/results/attacks_spread.md):
 
     nice -n 10 python bench/attacks.py --spread --seeds $(seq 1993 2007) --spellings 3 \\
         --json spread.json
@@ -273,7 +273,8 @@ def run(
 
 #: Spellings of farm-m's ten classes, each another draw of the same federation: a class's name
 #: seeds its initial values (``class_init_generator``, shared/model/star_prompt.py). The first
-#: two are security.md's draws of attack 5 (the second's took farm-b 14.6 points at seed 1995).
+#: two are security.md's draws of attack 5 (the second's aimed copies: farm-b −14.6 points at
+#: seed 1995 against ``FEW_REAL``'s names, −8.3 against ten genuine classes of its own names).
 SPELLINGS = (
     "invented class {}",
     "invented class {:02d}",
