@@ -22,12 +22,28 @@ the first 12): one image is about 1 point. They are real images, not augmented c
     python bench/attacks.py --seeds 1993 --attacks 1 3
     python bench/attacks.py --test-images 5         # the tests' folders
     python bench/attacks.py --json results.json
+
+Is attack 5's cost of a few invented classes noise? ``--spread`` runs, instead of the attacks,
+farm-m's ten classes over draws: per seed and per spelling of the ten names (``SPELLINGS``: a
+class's name seeds its initial values, so each spelling is another draw of the same
+federation), the ten genuine (``FEW_REAL``'s classes), invented (copies of A1's training
+images, ``FEW_INVENTED``) and aimed (A1's images no site trains on, ``others_images``). The
+noise is the difference of two genuine draws of one seed; the attack's cost, an invented draw
+less the genuine one of its seed and spelling. Each site's differences get their mean, its
+95 % t intervals (over the pairs, and over the seeds' means), their spread and range; the JSON
+is written after every run, so a run that dies keeps its rows (bench/results/attacks_spread.md):
+
+    nice -n 10 python bench/attacks.py --spread --seeds $(seq 1993 2007) --spellings 3 \\
+        --json spread.json
+    python bench/attacks.py --summary spread.json more.json   # their draws' table
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import functools
+import itertools
 import json
 import sys
 import tempfile
@@ -35,6 +51,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
+from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import test_adversarial_accuracy as accuracy_tests
@@ -47,9 +66,13 @@ from test_adversarial import (
     edit_update,
 )
 from test_adversarial_alone import (
+    A1,
+    C0,
     FEW_INVENTED,
     FEW_REAL,
     LONE,
+    M1,
+    OWN,
     REGISTERED,
     X,
     along_a1s_head,
@@ -246,13 +269,206 @@ def run(
         return Run(attack, what, seed, accuracy, len(found), history[-1].status, wall)
 
 
+# --- the spread: attack 5's ten classes over draws (``--spread``) ----------------------------
+
+#: Spellings of farm-m's ten classes, each another draw of the same federation: a class's name
+#: seeds its initial values (``class_init_generator``, shared/model/star_prompt.py). The first
+#: two are security.md's draws of attack 5 (the second's aimed copies: farm-b −14.6 points at
+#: seed 1995 against ``FEW_REAL``'s names, −8.3 against ten genuine classes of its own names).
+SPELLINGS = (
+    "invented class {}",
+    "invented class {:02d}",
+    "new class {}",
+    "class {:03d}",
+    "extra {}",
+    "m class {}",
+    "farm-m class {}",
+    "class {} of farm-m",
+)
+
+
+class Ten(enum.Enum):
+    """What farm-m's ten classes beside X are in a draw."""
+
+    GENUINE = "genuine"  # ``FEW_REAL``'s: classes of images no other site holds
+    INVENTED = "invented"  # ``FEW_INVENTED``'s: copies of A1's 12 training images
+    OTHERS = "others"  # A1's training images 12-23, which no site trains on (``others_images``)
+
+
+def ten_classes(ten: Ten, spelling: str) -> dict:
+    """``LONE`` with farm-m bringing, beside X in step 2, ten classes spelled ``spelling``."""
+    sources = OWN if ten is Ten.GENUINE else [A1] * len(OWN)
+    classes = [f"{source}={spelling.format(i)}" for i, source in enumerate(sources)]
+    return {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, *classes]}}
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One run of the spread: its ten classes, their spelling, the run (seed, accuracy, ...)."""
+
+    ten: Ten
+    spelling: str
+    run: Run
+
+    def after(self) -> dict[str, float]:
+        """The honest sites' accuracy after step 2 (the run's last completed step)."""
+        return self.run.steps[-1]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A site's accuracy differences, in points, between draws of one seed: ``ten``'s draw
+    less the genuine one of its spelling, or for ``Ten.GENUINE`` (the noise) a genuine draw
+    less a later spelling's, every pair (whose sign is the spellings' order)."""
+
+    ten: Ten
+    site: str
+    pairs: int
+    mean: float
+    low: float  # the mean's 95 % t interval, the pairs taken as independent
+    high: float
+    #: the same over the seeds' means (the mean of the seeds' mean differences): no
+    #: independence assumed between one seed's pairs, which share its first step
+    seeds: int
+    seeds_low: float
+    seeds_high: float
+    sd: float
+    smallest: float
+    largest: float
+    #: pairs below -5 points: draws past issue 43's bound, were the pair's genuine draw the
+    #: reference
+    past_5: int
+
+
+def differences(draws: list[Draw], ten: Ten, site: str) -> list[tuple[int, float]]:
+    """``Spread``'s pairs, each with its seed: per seed, ``ten``'s draw less the genuine one
+    of its spelling; for ``Ten.GENUINE`` each genuine draw less each later spelling's."""
+    genuine = {(d.run.seed, d.spelling): d.after()[site] for d in draws if d.ten is Ten.GENUINE}
+    if ten is Ten.GENUINE:
+        seeds = sorted({seed for seed, _ in genuine})
+        order = {spelling: i for i, spelling in enumerate(SPELLINGS)}
+        return [
+            (seed, genuine[seed, one] - genuine[seed, two])
+            for seed in seeds
+            for one, two in itertools.combinations(
+                sorted((s for t, s in genuine if t == seed), key=order.__getitem__), 2
+            )
+        ]
+    return [
+        (d.run.seed, d.after()[site] - genuine[d.run.seed, d.spelling])
+        for d in draws
+        if d.ten is ten and (d.run.seed, d.spelling) in genuine
+    ]
+
+
+def interval(values: np.ndarray) -> tuple[float, float]:
+    """The 95 % t interval of ``values``' mean (nan for fewer than two)."""
+    if len(values) < 2:
+        return float("nan"), float("nan")
+    half = stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    return float(values.mean() - half), float(values.mean() + half)
+
+
+def spread(draws: list[Draw]) -> list[Spread]:
+    """Each kind's and site's ``Spread``, where there are two pairs or more."""
+    rows = []
+    for ten, site in itertools.product(Ten, HONEST):
+        pairs = differences(draws, ten, site)
+        if len(pairs) < 2:
+            continue
+        got = np.array([d for _, d in pairs])
+        by_seed = np.array(
+            [np.mean([d for s, d in pairs if s == seed]) for seed in sorted({s for s, _ in pairs})]
+        )
+        rows.append(
+            Spread(
+                ten,
+                site,
+                len(got),
+                float(got.mean()),
+                *interval(got),
+                len(by_seed),
+                *interval(by_seed),
+                float(got.std(ddof=1)),
+                float(got.min()),
+                float(got.max()),
+                int((got < -5).sum()),
+            )
+        )
+    return rows
+
+
+def table(rows: list[Spread]) -> str:
+    """``rows`` as a markdown table, points after step 2."""
+    lines = [
+        "| ten classes, less genuine | site | pairs | mean | 95 % interval: pairs | seeds "
+        "| sd | range | below −5 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.ten.value} | {r.site} | {r.pairs} | {r.mean:+.1f} | "
+            f"{r.low:+.1f} to {r.high:+.1f} | {r.seeds_low:+.1f} to {r.seeds_high:+.1f} "
+            f"({r.seeds}) | {r.sd:.1f} | {r.smallest:+.1f} to {r.largest:+.1f} | {r.past_5} |"
+        )
+    return "\n".join(lines)
+
+
+def read_draws(path: Path) -> list[Draw]:
+    """The draws a ``--spread --json`` file holds."""
+    return [
+        Draw(Ten(d["ten"]), d["spelling"], Run(**d["run"]))
+        for d in json.loads(path.read_text())["draws"]
+    ]
+
+
+def measure_spread(seeds: list[int], spellings: int, test_images: int, out: Path | None) -> None:
+    """The spread's draws, spelling by spelling (each spelling over every seed: a
+    measurement cut short keeps whole spellings), ``out`` rewritten after each run."""
+    draws: list[Draw] = []
+    for spelling, seed, ten in itertools.product(SPELLINGS[:spellings], seeds, Ten):
+        folder = others_images if ten is Ten.OTHERS else site_with_tests
+        got = run(
+            ten_classes(ten, spelling),
+            2,
+            seed,
+            lambda _: {},
+            5,
+            ten.value,
+            test_images,
+            folder=folder,
+        )
+        draws.append(Draw(ten, spelling, got))
+        print(
+            f"seed {seed} {spelling!r} {ten.value}: {got.steps[-1]} after step {len(got.steps)}, "
+            f"{got.findings} findings, {got.status}, {got.wall_s:.0f} s",
+            flush=True,
+        )
+        if out:
+            rows = {"draws": draws, "spread": spread(draws)}
+            record = {key: [asdict(row) for row in value] for key, value in rows.items()}
+            out.write_text(json.dumps(record, indent=1, default=lambda value: value.value))
+    print(table(spread(draws)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1993, 1994, 1995])
     parser.add_argument("--attacks", type=int, nargs="+", default=[a.number for a in ATTACKS])
     parser.add_argument("--test-images", type=int, default=48, help="per class and site")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--spread", action="store_true", help="attack 5's ten classes over draws")
+    parser.add_argument("--spellings", type=int, default=2, help="draws per seed (--spread)")
+    parser.add_argument(
+        "--summary", type=Path, nargs="+", help="--spread --json files' table, their draws together"
+    )
     args = parser.parse_args()
+    if args.summary:
+        print(table(spread([d for path in args.summary for d in read_draws(path)])))
+        return
+    if args.spread:
+        measure_spread(args.seeds, args.spellings, args.test_images, args.json)
+        return
     chosen = [a for a in ATTACKS if a.number in args.attacks]
     runs: list[Run] = []
     for seed in args.seeds:
