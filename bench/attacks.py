@@ -27,7 +27,8 @@ Is attack 5's cost of a few invented classes noise? ``--spread`` runs, instead o
 farm-m's ten classes over draws: per seed and per spelling of the ten names (``SPELLINGS``: a
 class's name seeds its initial values, so each spelling is another draw of the same
 federation), the ten genuine (``FEW_REAL``'s classes), invented (copies of A1's training
-images, ``FEW_INVENTED``) and aimed (A1's images no site trains on, ``others_images``). The
+images, ``FEW_INVENTED``), aimed (A1's images no site trains on, ``others_images``) and aimed
+apart (a share each of those images, ``disjoint_images``; ``--tens`` picks the kinds). The
 noise is the difference of two genuine draws of one seed; the attack's cost, an invented draw
 less the genuine one of its seed and spelling. Each site's differences get their mean, its
 95 % t intervals (over the pairs, and over the seeds' means), their spread and range; the JSON
@@ -123,6 +124,37 @@ def others_images(root: Path, tasks: dict[str, list[str]], test_images: int) -> 
                 images = sorted((BUNDLED / "train" / source).iterdir())
                 for image in images[TRAIN_IMAGES : 2 * TRAIN_IMAGES]:
                     (target / image.name).symlink_to(image)
+    return folder
+
+
+def disjoint_images(root: Path, tasks: dict[str, list[str]], test_images: int) -> Path:
+    """``site_with_tests``, with the classes respelled from one source each trained on a share
+    of its own of the source's images no site trains on and no site tests on (training images
+    ``TRAIN_IMAGES`` on, up to the test images the folders take from the end): attack 5 aimed
+    apart, ten classes each a different sample of A1's class, which ``server.copies`` cannot
+    tell from an honest class of that kind."""
+    folder = site_with_tests(root, tasks, test_images)
+    specs = [spec.partition("=") for classes in tasks.values() for spec in classes]
+    respelled: dict[str, list[str]] = {}
+    for source, _, spelling in specs:
+        if spelling:
+            respelled.setdefault(source, []).append(spelling)
+    for task, classes in tasks.items():
+        for source, _, spelling in (spec.partition("=") for spec in classes):
+            if not spelling:
+                continue
+            images = sorted((BUNDLED / "train" / source).iterdir())
+            tested = test_images - len(list((BUNDLED / "test" / source).iterdir()))
+            free = images[TRAIN_IMAGES : len(images) - max(tested, 0)]
+            share = len(free) // len(respelled[source])
+            if share < 2:
+                raise SystemExit(f"{source} has {len(free)} images to share, under 2 a class")
+            i = respelled[source].index(spelling)
+            target = folder / task / spelling
+            for link in target.iterdir():
+                link.unlink()
+            for image in free[i * share : (i + 1) * share]:
+                (target / image.name).symlink_to(image)
     return folder
 
 
@@ -293,6 +325,7 @@ class Ten(enum.Enum):
     GENUINE = "genuine"  # ``FEW_REAL``'s: classes of images no other site holds
     INVENTED = "invented"  # ``FEW_INVENTED``'s: copies of A1's 12 training images
     OTHERS = "others"  # A1's training images 12-23, which no site trains on (``others_images``)
+    DISJOINT = "disjoint"  # a share each of A1's images no site trains on (``disjoint_images``)
 
 
 def ten_classes(ten: Ten, spelling: str) -> dict:
@@ -422,12 +455,18 @@ def read_draws(path: Path) -> list[Draw]:
     ]
 
 
-def measure_spread(seeds: list[int], spellings: int, test_images: int, out: Path | None) -> None:
-    """The spread's draws, spelling by spelling (each spelling over every seed: a
+#: How each kind of ten classes' site folders are made.
+FOLDERS = {Ten.OTHERS: others_images, Ten.DISJOINT: disjoint_images}
+
+
+def measure_spread(
+    seeds: list[int], spellings: int, test_images: int, out: Path | None, tens: list[Ten]
+) -> None:
+    """The spread's draws of ``tens``, spelling by spelling (each spelling over every seed: a
     measurement cut short keeps whole spellings), ``out`` rewritten after each run."""
     draws: list[Draw] = []
-    for spelling, seed, ten in itertools.product(SPELLINGS[:spellings], seeds, Ten):
-        folder = others_images if ten is Ten.OTHERS else site_with_tests
+    for spelling, seed, ten in itertools.product(SPELLINGS[:spellings], seeds, tens):
+        folder = FOLDERS.get(ten, site_with_tests)
         got = run(
             ten_classes(ten, spelling),
             2,
@@ -460,6 +499,15 @@ def main() -> None:
     parser.add_argument("--spread", action="store_true", help="attack 5's ten classes over draws")
     parser.add_argument("--spellings", type=int, default=2, help="draws per seed (--spread)")
     parser.add_argument(
+        "--tens",
+        nargs="+",
+        type=Ten,
+        default=list(Ten),
+        choices=list(Ten),
+        metavar="TEN",
+        help=f"the ten classes' kinds (--spread): {', '.join(t.value for t in Ten)}",
+    )
+    parser.add_argument(
         "--summary", type=Path, nargs="+", help="--spread --json files' table, their draws together"
     )
     args = parser.parse_args()
@@ -467,7 +515,7 @@ def main() -> None:
         print(table(spread([d for path in args.summary for d in read_draws(path)])))
         return
     if args.spread:
-        measure_spread(args.seeds, args.spellings, args.test_images, args.json)
+        measure_spread(args.seeds, args.spellings, args.test_images, args.json, args.tens)
         return
     chosen = [a for a in ATTACKS if a.number in args.attacks]
     runs: list[Run] = []

@@ -389,7 +389,7 @@ def test_a_class_of_another_sites_images_is_refused(tmp_path, lone_honest) -> No
         "rejected",
         copy,
     )
-    assert f"are those of {A1!r}, a class farm-m does not hold" in found.reason
+    assert f"are those of {A1!r} (brought by farm-a): the same images" in found.reason
     (one, two) = Federation.open(tmp_path / "federation").history()
     assert (one.status, two.status) == ("completed", "degraded")
     assert set(two.classes) == {X}

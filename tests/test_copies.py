@@ -1,6 +1,6 @@
-"""A lone class cannot be another site's class under a new name (issue 43, attack 5):
-``copies.copies`` names a class in play one site alone holds whose G_c is, within
-``COPY_BOUND`` standard errors, the G_c of a class that site does not hold."""
+"""A lone class cannot be another class under a new name (issue 43, attack 5): ``copies.copies``
+names a class in play one site alone holds whose G_c is, within ``COPY_BOUND`` standard errors,
+the G_c of another class — any but a lone class another site brings in the same step."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_a_lone_class_with_another_sites_statistics_is_named(codebook) -> None:
     found = copies(codebook, [x], holders)
     assert [(f.name, f.site, f.other) for f in found] == [(x, "m", of_a)]
     assert found[0].distance == 0.0
-    assert f"those of {of_a!r}, a class m does not hold" in found[0].reason
+    assert f"those of {of_a!r} (brought by a): the same images" in found[0].reason
 
 
 def test_another_sample_of_the_same_class_is_no_copy(codebook) -> None:
@@ -53,15 +53,20 @@ def test_another_sample_of_the_same_class_is_no_copy(codebook) -> None:
     assert float((mixture.mean() - other.mean()).norm() / error) > 2 * COPY_BOUND
 
 
-def test_a_copy_of_a_class_its_site_holds_or_of_a_lone_class_of_the_step_is_not_named(
-    codebook,
-) -> None:
-    """The reference is a class the checked site does not hold, held by two sites or brought
-    before the step: a copy of its own class is no one else's harm, and of two lone classes of
-    one step nothing tells which is the copy (docs/security.md, §1c, attack 5)."""
+def test_a_copy_of_a_lone_class_another_site_brings_in_the_step_is_not_named(codebook) -> None:
+    """Of two lone classes of two sites in one step, nothing tells which is the copy: neither
+    is named; a class two sites bring, or one of an earlier step, is the reference."""
     x, of_a, _, _ = codebook.names
-    assert copies(codebook, [x], {x: {"m"}, of_a: {"a", "m"}}) == []
-    assert copies(codebook, [x], {x: {"m", "b"}, of_a: {"a"}}) == []
     assert copies(codebook, [x, of_a], {x: {"m"}, of_a: {"a"}}) == []
     found = copies(codebook, [x, of_a], {x: {"m"}, of_a: {"a", "b"}})
-    assert [(f.name, f.other) for f in found] == [(x, of_a)]
+    assert [(f.name, f.other, f.holders) for f in found] == [(x, of_a, ("a", "b"))]
+
+
+def test_copies_of_a_class_of_the_same_site_are_named(codebook) -> None:
+    """A site's class copying one of its own, or a class it shares, or two of its new classes
+    of the same images (attack 5's aimed variant: ten classes of A1's other images): each is
+    named — ten names for one class's images crowd the others' images as ten classes would."""
+    x, of_a, _, _ = codebook.names
+    assert [f.other for f in copies(codebook, [x], {x: {"m"}, of_a: {"a", "m"}})] == [of_a]
+    twins = copies(codebook, [x, of_a], {x: {"m"}, of_a: {"m"}})
+    assert sorted((f.name, f.other) for f in twins) == sorted([(x, of_a), (of_a, x)])
