@@ -158,6 +158,23 @@ def disjoint_images(root: Path, tasks: dict[str, list[str]], test_images: int) -
     return folder
 
 
+#: Training images of each respelled class in ``few_images``: ``disjoint_images``'s share.
+FEW = 4
+
+
+def few_images(root: Path, tasks: dict[str, list[str]], test_images: int) -> Path:
+    """``site_with_tests``, with each respelled class trained on its first ``FEW`` images
+    only: the genuine ten at the disjoint variant's size, to tell what its few images cost
+    from what its aim does."""
+    folder = site_with_tests(root, tasks, test_images)
+    for task, classes in tasks.items():
+        for _, _, spelling in (spec.partition("=") for spec in classes):
+            if spelling:
+                for link in sorted((folder / task / spelling).iterdir())[FEW:]:
+                    link.unlink()
+    return folder
+
+
 def _private_scaled(message: pb.ClientUpdate) -> None:
     """Attack 2: X's rows × 20 and the privacy key (ε 8) in the reply's metadata, from a site
     registered without the privacy setting (``REGISTERED``)."""
@@ -326,11 +343,12 @@ class Ten(enum.Enum):
     INVENTED = "invented"  # ``FEW_INVENTED``'s: copies of A1's 12 training images
     OTHERS = "others"  # A1's training images 12-23, which no site trains on (``others_images``)
     DISJOINT = "disjoint"  # a share each of A1's images no site trains on (``disjoint_images``)
+    GENUINE_FEW = "genuine-few"  # the genuine ten on ``FEW`` images each (``few_images``)
 
 
 def ten_classes(ten: Ten, spelling: str) -> dict:
     """``LONE`` with farm-m bringing, beside X in step 2, ten classes spelled ``spelling``."""
-    sources = OWN if ten is Ten.GENUINE else [A1] * len(OWN)
+    sources = OWN if ten in (Ten.GENUINE, Ten.GENUINE_FEW) else [A1] * len(OWN)
     classes = [f"{source}={spelling.format(i)}" for i, source in enumerate(sources)]
     return {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, *classes]}}
 
@@ -456,7 +474,11 @@ def read_draws(path: Path) -> list[Draw]:
 
 
 #: How each kind of ten classes' site folders are made.
-FOLDERS = {Ten.OTHERS: others_images, Ten.DISJOINT: disjoint_images}
+FOLDERS = {
+    Ten.OTHERS: others_images,
+    Ten.DISJOINT: disjoint_images,
+    Ten.GENUINE_FEW: few_images,
+}
 
 
 def measure_spread(
