@@ -344,11 +344,30 @@ class Ten(enum.Enum):
     OTHERS = "others"  # A1's training images 12-23, which no site trains on (``others_images``)
     DISJOINT = "disjoint"  # a share each of A1's images no site trains on (``disjoint_images``)
     GENUINE_FEW = "genuine-few"  # the genuine ten on ``FEW`` images each (``few_images``)
+    NEAR_FEW = "near-few"  # ten genuine classes nearest A1 and B1 (``NEAR``), ``FEW`` images each
+
+
+#: The ten bundled classes no site of ``LONE`` holds whose G_c lie nearest A1's or B1's — by
+#: ``‖μ_c − μ_k‖ / s_k`` (``server.copies``'s distance without the counts) in the default
+#: simulation's codebook (tiny preset, 80 images a class), 0.32-0.73: what honest classes
+#: alike to the victims' cost, beside the disjoint variant's aimed ones.
+NEAR = [
+    "Tomato___Leaf_Mold",
+    "Tomato___healthy",
+    "Tomato___Tomato_mosaic_virus",
+    "Tomato___Target_Spot",
+    "Tomato___Early_blight",
+    "Tomato___Septoria_leaf_spot",
+    "Tomato___Late_blight",
+    "Pepper,_bell___healthy",
+    "Potato___Late_blight",
+    "Raspberry___healthy",
+]
 
 
 def ten_classes(ten: Ten, spelling: str) -> dict:
     """``LONE`` with farm-m bringing, beside X in step 2, ten classes spelled ``spelling``."""
-    sources = OWN if ten in (Ten.GENUINE, Ten.GENUINE_FEW) else [A1] * len(OWN)
+    sources = {Ten.GENUINE: OWN, Ten.GENUINE_FEW: OWN, Ten.NEAR_FEW: NEAR}.get(ten, [A1] * 10)
     classes = [f"{source}={spelling.format(i)}" for i, source in enumerate(sources)]
     return {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, *classes]}}
 
@@ -478,6 +497,7 @@ FOLDERS = {
     Ten.OTHERS: others_images,
     Ten.DISJOINT: disjoint_images,
     Ten.GENUINE_FEW: few_images,
+    Ten.NEAR_FEW: few_images,
 }
 
 
