@@ -30,7 +30,7 @@ replies); a copy brought in the same step as the class it copies when both are l
 Cost: none in a step without a lone class in play; else each class's mean and spread,
 O(classes × components × d_clip), and one distance per pair, O(lone × classes × d_clip), one
 matrix product: at 10,000 classes of the paper's CLIP width (768) and the 100 classes a step
-may bring, 1.1 s wall, 0.84 CPU-s (docs/benchmarks.md, `bench/copy_check.py`).
+may bring, 0.66 s wall, 0.76 CPU-s (idle) (docs/benchmarks.md, `bench/copy_check.py`).
 """
 
 from __future__ import annotations
@@ -95,11 +95,10 @@ def copies(
     lone = sorted(site_of)
     rows = torch.tensor([index[name] for name in lone])
     mine = means[rows]  # [L, D]
-    # ‖a − b‖² as ‖a‖² + ‖b‖² − 2a·b: one product for every pair; the nearest pair's distance
-    # is then taken again exactly (a copy's is 0, not the expansion's rounding)
-    squared = (mine**2).sum(1, keepdim=True) + (means**2).sum(1) - 2 * mine @ means.T
-    error = scales * (1 / counts[rows, None] + 1 / counts).sqrt()  # [L, K]
-    distance = squared.clamp_min(0).sqrt() / error.clamp_min(1e-300)
+    error = (scales * (1 / counts[rows, None] + 1 / counts).sqrt()).clamp_min(1e-300)  # [L, K]
+    # every pair at once (cdist: one matrix product); the nearest pair's distance is then taken
+    # again exactly (a copy's is 0, not the product's rounding)
+    distance = torch.cdist(mine, means) / error
     usable = {  # per checked site, the classes it may be a copy of
         site: torch.tensor([site_of.get(n, site) == site for n in names])
         for site in set(site_of.values())
@@ -111,7 +110,7 @@ def copies(
         if not bool(mask.any()):
             continue
         best = int(distance[row].masked_fill(~mask, torch.inf).argmin())
-        exact = float((means[best] - mine[row]).norm() / error[row, best].clamp_min(1e-300))
+        exact = float((means[best] - mine[row]).norm() / error[row, best])
         if exact < COPY_BOUND:
             other = names[best]
             theirs = tuple(sorted(holders.get(other, ())))
