@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +58,7 @@ from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import test_adversarial_accuracy as accuracy_tests
-from site_folders import BUNDLED, site_folder
+from site_folders import BUNDLED, TRAIN_IMAGES, disjoint_images, site_with_tests
 from test_adversarial import (
     STATISTICS,
     TRAINING,
@@ -86,27 +86,6 @@ from starfed.server.federation import Federation
 from starfed.shared.protocol import PRIVACY_EPSILON
 
 HONEST = ("farm-a", "farm-b")
-#: Training images per class at each site: the tests' (``test_adversarial_alone.SITE_FOLDER``).
-TRAIN_IMAGES = 12
-
-
-def site_with_tests(root: Path, tasks: dict[str, list[str]], test_images: int) -> Path:
-    """A site's folder of ``TRAIN_IMAGES`` training images a class and ``test_images`` test
-    images: the bundled test split's, then the bundled training split's last (never trained
-    on: the folder trains on its first ``TRAIN_IMAGES``)."""
-    folder = site_folder(root, tasks, train=TRAIN_IMAGES, test=test_images)
-    for spec in {spec for classes in tasks.values() for spec in classes}:
-        source, _, spelling = spec.partition("=")
-        test = folder / "test" / (spelling or source)
-        extra = test_images - len(list(test.iterdir()))
-        unused = sorted((BUNDLED / "train" / source).iterdir())[TRAIN_IMAGES:]
-        if extra > len(unused):
-            raise SystemExit(f"{source} has {len(unused)} images to spare, not {extra}")
-        for image in unused[len(unused) - extra :] if extra > 0 else []:
-            link = test / f"held-{image.name}"
-            if not link.exists():
-                link.symlink_to(image)
-    return folder
 
 
 def others_images(root: Path, tasks: dict[str, list[str]], test_images: int) -> Path:
@@ -124,37 +103,6 @@ def others_images(root: Path, tasks: dict[str, list[str]], test_images: int) -> 
                 images = sorted((BUNDLED / "train" / source).iterdir())
                 for image in images[TRAIN_IMAGES : 2 * TRAIN_IMAGES]:
                     (target / image.name).symlink_to(image)
-    return folder
-
-
-def disjoint_images(root: Path, tasks: dict[str, list[str]], test_images: int) -> Path:
-    """``site_with_tests``, with the classes respelled from one source each trained on a share
-    of its own of the source's images no site trains on and no site tests on (training images
-    ``TRAIN_IMAGES`` on, up to the test images the folders take from the end): attack 5 aimed
-    apart, ten classes each a different sample of A1's class, which ``server.copies`` cannot
-    tell from an honest class of that kind."""
-    folder = site_with_tests(root, tasks, test_images)
-    specs = [spec.partition("=") for classes in tasks.values() for spec in classes]
-    respelled: dict[str, list[str]] = {}
-    for source, _, spelling in specs:
-        if spelling:
-            respelled.setdefault(source, []).append(spelling)
-    for task, classes in tasks.items():
-        for source, _, spelling in (spec.partition("=") for spec in classes):
-            if not spelling:
-                continue
-            images = sorted((BUNDLED / "train" / source).iterdir())
-            tested = test_images - len(list((BUNDLED / "test" / source).iterdir()))
-            free = images[TRAIN_IMAGES : len(images) - max(tested, 0)]
-            share = len(free) // len(respelled[source])
-            if share < 2:
-                raise SystemExit(f"{source} has {len(free)} images to share, under 2 a class")
-            i = respelled[source].index(spelling)
-            target = folder / task / spelling
-            for link in target.iterdir():
-                link.unlink()
-            for image in free[i * share : (i + 1) * share]:
-                (target / image.name).symlink_to(image)
     return folder
 
 
@@ -285,6 +233,9 @@ class Run:
     findings: int
     status: str  # of the last step
     wall_s: float
+    #: per honest site, the points the last completed step's record says farm-m's new classes
+    #: took from its earlier classes (``server.taken``; a site not here: none over the bound)
+    taken: dict[str, float] = field(default_factory=dict)
 
 
 def run(
@@ -315,7 +266,9 @@ def run(
             if r.status != "failed"
         ]
         found = [f for r in history for f in r.findings if f.site == "farm-m"]
-        return Run(attack, what, seed, accuracy, len(found), history[-1].status, wall)
+        last = [r for r in history if r.status != "failed"][-1]
+        took = {t.site: t.points for t in last.taken if "farm-m" in t.by}
+        return Run(attack, what, seed, accuracy, len(found), history[-1].status, wall, took)
 
 
 # --- the spread: attack 5's ten classes over draws (``--spread``) ----------------------------
@@ -408,26 +361,34 @@ class Spread:
     #: pairs below -5 points: draws past issue 43's bound, were the pair's genuine draw the
     #: reference
     past_5: int
+    #: of them, those whose draw's record says nothing farm-m's classes took from the site
+    #: (``server.taken``): past the bound unseen
+    unseen: int
 
 
-def differences(draws: list[Draw], ten: Ten, site: str) -> list[tuple[int, float]]:
-    """``Spread``'s pairs, each with its seed: per seed, ``ten``'s draw less the genuine one
-    of its spelling; for ``Ten.GENUINE`` each genuine draw less each later spelling's."""
-    genuine = {(d.run.seed, d.spelling): d.after()[site] for d in draws if d.ten is Ten.GENUINE}
+def differences(draws: list[Draw], ten: Ten, site: str) -> list[tuple[int, float, bool]]:
+    """``Spread``'s pairs, each with its seed and whether the draw's record names what farm-m
+    took from ``site``: per seed, ``ten``'s draw less the genuine one of its spelling; for
+    ``Ten.GENUINE`` each genuine draw less each later spelling's (recorded: the later's)."""
+    genuine = {(d.run.seed, d.spelling): d for d in draws if d.ten is Ten.GENUINE}
     if ten is Ten.GENUINE:
         seeds = sorted({seed for seed, _ in genuine})
         order = {spelling: i for i, spelling in enumerate(SPELLINGS)}
-        return [
-            (seed, genuine[seed, one] - genuine[seed, two])
+        pairs = [
+            (genuine[seed, one], genuine[seed, two])
             for seed in seeds
             for one, two in itertools.combinations(
                 sorted((s for t, s in genuine if t == seed), key=order.__getitem__), 2
             )
         ]
+    else:
+        pairs = [
+            (d, genuine[d.run.seed, d.spelling])
+            for d in draws
+            if d.ten is ten and (d.run.seed, d.spelling) in genuine
+        ]
     return [
-        (d.run.seed, d.after()[site] - genuine[d.run.seed, d.spelling])
-        for d in draws
-        if d.ten is ten and (d.run.seed, d.spelling) in genuine
+        (d.run.seed, d.after()[site] - less.after()[site], site in d.run.taken) for d, less in pairs
     ]
 
 
@@ -446,10 +407,9 @@ def spread(draws: list[Draw]) -> list[Spread]:
         pairs = differences(draws, ten, site)
         if len(pairs) < 2:
             continue
-        got = np.array([d for _, d in pairs])
-        by_seed = np.array(
-            [np.mean([d for s, d in pairs if s == seed]) for seed in sorted({s for s, _ in pairs})]
-        )
+        got = np.array([d for _, d, _ in pairs])
+        seeds = sorted({s for s, _, _ in pairs})
+        by_seed = np.array([np.mean([d for s, d, _ in pairs if s == seed]) for seed in seeds])
         rows.append(
             Spread(
                 ten,
@@ -463,6 +423,7 @@ def spread(draws: list[Draw]) -> list[Spread]:
                 float(got.min()),
                 float(got.max()),
                 int((got < -5).sum()),
+                sum(d < -5 and not seen for _, d, seen in pairs),
             )
         )
     return rows
@@ -472,14 +433,15 @@ def table(rows: list[Spread]) -> str:
     """``rows`` as a markdown table, points after step 2."""
     lines = [
         "| ten classes, less genuine | site | pairs | mean | 95 % interval: pairs | seeds "
-        "| sd | range | below −5 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| sd | range | below −5 | of them unseen |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.ten.value} | {r.site} | {r.pairs} | {r.mean:+.1f} | "
             f"{r.low:+.1f} to {r.high:+.1f} | {r.seeds_low:+.1f} to {r.seeds_high:+.1f} "
-            f"({r.seeds}) | {r.sd:.1f} | {r.smallest:+.1f} to {r.largest:+.1f} | {r.past_5} |"
+            f"({r.seeds}) | {r.sd:.1f} | {r.smallest:+.1f} to {r.largest:+.1f} | {r.past_5} "
+            f"| {r.unseen} |"
         )
     return "\n".join(lines)
 

@@ -192,3 +192,26 @@ def _print_findings(status: Status, out: Console, say: Callable[[str], None]) ->
         out.print(table)
     else:
         say("screening  nothing capped or rejected in the last steps")
+    if status.taken:  # docs/security.md#1c-honest-sites-keep-their-accuracy-issue-43, item 5
+        table = Table(
+            "site",
+            "step",
+            "taken by",
+            "points",
+            "by the classes",
+            title="what new classes took from sites' earlier classes (their reports)",
+        )
+        for took in status.taken:
+            more = " …" if len(took.classes) > 3 else ""
+            table.add_row(
+                took.site,
+                str(took.step + 1),
+                ", ".join(took.by),
+                f"{took.points:.1f}",
+                ", ".join(took.classes[:3]) + more,
+            )
+        out.print(table)
+        say(
+            "           a site's word, not a finding; `starfed server sites withdraw SITE "
+            "--dry-run` shows what its leaving takes out"
+        )

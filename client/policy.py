@@ -36,7 +36,8 @@ from starfed.shared.protocol import POLICY_REFUSED, Phase
 POLICY_FILE = "policy.toml"
 SERVER_FILE = "server-certificate"
 #: What a sync releases (class names and image counts) and what an evaluation does (counts of
-#: right answers): the names the policy withholds them by, beside the codebook's fields.
+#: right answers, and of test images taken by the newest step's classes of other sites): the
+#: names the policy withholds them by, beside the codebook's fields.
 COUNTS, EVALUATION = "counts", "evaluation"
 RELEASES = (COUNTS, *(f.name for f in schema.FIELDS if f.trained_in is not None), EVALUATION)
 WIRE_DTYPES = ("float32", "float16")

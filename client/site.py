@@ -353,7 +353,13 @@ class Site:
             images,
             in_folder,
         )
-        return EvaluationReport.of(codebook, scores, **metadata)
+        newest = max(class_steps)
+        takers = {  # the newest step's classes not the site's: whose takings it reports
+            row
+            for row, name in enumerate(codebook.names)
+            if class_steps[row] == newest and class_key(name) not in had
+        }
+        return EvaluationReport.of(codebook, scores, takers, **metadata)
 
 
 def admitted(

@@ -163,16 +163,26 @@ class ClientUpdate(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., base_version: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., backbone_fingerprint: _Optional[str] = ..., dims: _Optional[_Union[ModelDims, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[ClassEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ClassScore(_message.Message):
-    __slots__ = ("name", "images", "correct", "selection_hits")
+    __slots__ = ("name", "images", "correct", "selection_hits", "taken_by")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
     SELECTION_HITS_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_BY_FIELD_NUMBER: _ClassVar[int]
     name: str
     images: int
     correct: int
     selection_hits: int
-    def __init__(self, name: _Optional[str] = ..., images: _Optional[int] = ..., correct: _Optional[int] = ..., selection_hits: _Optional[int] = ...) -> None: ...
+    taken_by: _containers.RepeatedCompositeFieldContainer[ClassCount]
+    def __init__(self, name: _Optional[str] = ..., images: _Optional[int] = ..., correct: _Optional[int] = ..., selection_hits: _Optional[int] = ..., taken_by: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ...) -> None: ...
+
+class ClassCount(_message.Message):
+    __slots__ = ("name", "images")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    images: int
+    def __init__(self, name: _Optional[str] = ..., images: _Optional[int] = ...) -> None: ...
 
 class EvaluationReport(_message.Message):
     __slots__ = ("schema_version", "backbone_fingerprint", "codebook_version", "classes", "metadata")

@@ -72,6 +72,7 @@ from starfed.server.records import (
 from starfed.server.screening import Screen, ScreeningOptions
 from starfed.server.step_records import RUN_END_LEVELS, RunLog, StepFailed, StepTally
 from starfed.server.strategy import MeanStrategy, PhaseState, Strategy
+from starfed.server.taken import taken
 from starfed.shared import progress
 from starfed.shared.codebook import schema
 from starfed.shared.codebook.codebook import Codebook, CodebookError
@@ -425,6 +426,9 @@ class Coordinator:
         reports = self.screen.reports(decode.reports(replies, state.codebook, record))
         self.tally.scores = scores = self.strategy.aggregate_evaluation(reports, state)
         logger.info(step_records.scores_line(state.step, len(self.codebook), scores))
+        self.tally.taken = taken(reports, state.class_steps, self._holders(), state.step)
+        for took in self.tally.taken:
+            logger.warning(took.line(state.step))
 
     def _merge(self, phase: Phase, screened: Screened, state: PhaseState) -> Codebook:
         """The merge stage: the screened updates reduced by the strategy into a new codebook;

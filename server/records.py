@@ -11,6 +11,7 @@ before these types read unchanged.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
@@ -225,6 +226,34 @@ class ReplayCost:
     new_classes: int
 
 
+@dataclass(frozen=True)
+class Taken:
+    """What a step's new classes took (``server.taken``): ``images`` of ``site``'s test images
+    of classes it held before the step (``of`` in all), predicted as the step's new classes
+    ``classes``, brought by ``by``."""
+
+    site: str
+    by: tuple[str, ...]  # the sites that brought the classes
+    classes: tuple[str, ...]
+    images: int
+    of: int
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Taken:
+        return cls(**{**raw, "by": tuple(raw["by"]), "classes": tuple(raw["classes"])})
+
+    @property
+    def points(self) -> float:
+        return 100.0 * self.images / self.of if self.of else math.nan
+
+    def line(self, step: int) -> str:
+        return (
+            f"step {step}'s classes of {', '.join(self.by)} took {self.points:.1f} points of "
+            f"{self.site}'s accuracy on its earlier classes ({self.images} of {self.of} test "
+            f"images, to {', '.join(self.classes[:5])}{' …' if len(self.classes) > 5 else ''})"
+        )
+
+
 @dataclass
 class StepScores:
     """The federation's scores after one step, by arrival step (``server.scores.aggregate``)."""
@@ -256,6 +285,7 @@ class StepRecord:
     findings: tuple[Finding, ...] = ()  # contributions capped or rejected (``server.screening``)
     quarantined: tuple[str, ...] = ()  # sites excluded from the rest of the step
     replays: tuple[ReplayCost, ...] = ()  # the server's replays of this run of the step
+    taken: tuple[Taken, ...] = ()  # what its new classes took from the sites' earlier ones
 
     @property
     def ended(self) -> float:
@@ -265,6 +295,8 @@ class StepRecord:
         raw = {**asdict(self), "exchanges": [e.to_json() for e in self.exchanges]}
         if not self.replays:  # none ran (or a line from before issue 43): read back the same
             del raw["replays"]
+        if not self.taken:  # nothing over the bound (or a line from before): read back the same
+            del raw["taken"]
         return json.dumps({k: v for k, v in raw.items() if v is not None})
 
     @classmethod
@@ -282,6 +314,7 @@ class StepRecord:
                 "findings": tuple(Finding.from_json(f) for f in raw.get("findings", ())),
                 "quarantined": tuple(raw.get("quarantined", ())),
                 "replays": tuple(ReplayCost(**r) for r in raw.get("replays", ())),
+                "taken": tuple(Taken.from_json(t) for t in raw.get("taken", ())),
             }
         )
 

@@ -25,6 +25,7 @@ from starfed.server.records import (
     ReplayCost,
     StepRecord,
     StepScores,
+    Taken,
 )
 from starfed.server.screening import Screen
 from starfed.shared import progress
@@ -88,6 +89,7 @@ class StepTally:
     seconds: list[PhaseTime] = field(default_factory=list)
     replays: list[ReplayCost] = field(default_factory=list)
     scores: StepScores | None = None
+    taken: tuple[Taken, ...] = ()  # what the step's new classes took (``server.taken``)
 
 
 def step_record(
@@ -121,6 +123,7 @@ def step_record(
         findings=tuple(screen.findings),
         quarantined=tuple(screen.quarantined),
         replays=tuple(tally.replays),
+        taken=tally.taken,
     )
 
 

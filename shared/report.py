@@ -7,6 +7,7 @@ validates, like every message from a site.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,9 @@ class ClassScore:
     images: int
     correct: int
     selection_hits: int  # of images × n_layers prompt selections
+    # of the wrong predictions, those into classes of the newest step the site has not held:
+    # (class, images) pairs, each class once (``server.taken``)
+    taken_by: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -34,10 +38,21 @@ class EvaluationReport:
     metadata: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, codebook: Codebook, scores: ClassScores, **metadata: str) -> EvaluationReport:
+    def of(
+        cls,
+        codebook: Codebook,
+        scores: ClassScores,
+        takers: Collection[int] = (),
+        **metadata: str,
+    ) -> EvaluationReport:
         """The report of ``scores`` counted on the codebook's classes (rows), for the classes
-        that had test images."""
+        that had test images; ``takers``: the rows whose wrong predictions it says per class
+        (the newest step's classes the site has not held: what the server attributes)."""
         report = cls(codebook.fingerprint, codebook.version, metadata=dict(metadata))
+        taken: dict[int, list[tuple[str, int]]] = {}
+        for true, predicted, images in scores.mistaken.tolist():
+            if predicted in takers:
+                taken.setdefault(true, []).append((codebook.names[predicted], images))
         for row in torch.nonzero(scores.images).flatten().tolist():
             report.classes.append(
                 ClassScore(
@@ -45,6 +60,7 @@ class EvaluationReport:
                     int(scores.images[row]),
                     int(scores.correct[row]),
                     int(scores.selection_hits[row]),
+                    tuple(taken.get(row, ())),
                 )
             )
         return report
@@ -62,6 +78,7 @@ class EvaluationReport:
                 images=score.images,
                 correct=score.correct,
                 selection_hits=score.selection_hits,
+                taken_by=[pb.ClassCount(name=n, images=i) for n, i in score.taken_by],
             )
         return message.SerializeToString(deterministic=True)
 
@@ -80,7 +97,7 @@ class EvaluationReport:
                 f"report on codebook version {message.codebook_version}, "
                 f"the codebook is at {against.version}"
             )
-        n_layers = against.dims.n_layers
+        n_layers, names = against.dims.n_layers, set(against.names)
         seen: set[str] = set()
         scores = []
         for score in message.classes:
@@ -88,12 +105,20 @@ class EvaluationReport:
             if problem or score.name not in against or score.name in seen:
                 raise CodebookError(problem or f"report names class {score.name[:60]!r} badly")
             seen.add(score.name)
+            taken_by = tuple((taker.name, taker.images) for taker in score.taken_by)
+            takers = {name for name, _ in taken_by}
             if not (
                 0 <= score.correct <= score.images
                 and 0 <= score.selection_hits <= score.images * n_layers
+                and all(images > 0 for _, images in taken_by)
+                and sum(images for _, images in taken_by) <= score.images - score.correct
             ):
                 raise CodebookError(f"report counts of {score.name[:60]!r} are inconsistent")
-            scores.append(ClassScore(score.name, score.images, score.correct, score.selection_hits))
+            if len(takers) < len(taken_by) or score.name in takers or not takers <= names:
+                raise CodebookError(f"report names the takers of {score.name[:60]!r} badly")
+            scores.append(
+                ClassScore(score.name, score.images, score.correct, score.selection_hits, taken_by)
+            )
         return cls(
             message.backbone_fingerprint, message.codebook_version, scores, dict(message.metadata)
         )

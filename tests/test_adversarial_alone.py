@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Message
-from in_process import TINY_RUN, run_grid
-from site_folders import CLASSES, site_folder
+from in_process import TINY_RUN, run_grid, starfed
+from site_folders import CLASSES, disjoint_images, site_folder
 from test_adversarial import STATISTICS, TOLERANCE, TRAINING, UPDATE_RECORDS, edit_update
 
 from starfed.client import app as client_app
@@ -28,6 +28,7 @@ from starfed.proto import codebook_pb2 as pb
 from starfed.server.app import RunFailed
 from starfed.server.change_scale import ChangeScale
 from starfed.server.federation import Federation
+from starfed.server.taken import TAKEN_BOUND
 from starfed.shared.codebook import wire
 from starfed.shared.protocol import PRIVACY_EPSILON
 from starfed.simulations.local_grid import LocalGrid
@@ -369,6 +370,13 @@ FEW_INVENTED = {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, *INVENTED]}}
 FEW_REAL = {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, *OWN]}}
 
 
+#: farm-m's ten classes each a share of A1's images no site trains or tests on
+#: (``site_folders.disjoint_images``): attack 5's disjoint variant.
+FEW_DISJOINT = {
+    **LONE,
+    "farm-m": {"t1": [C0, M1], "t2": [X, *(f"{A1}=apple {i}" for i in range(10))]},
+}
+
 #: farm-m brings X and one class of A1's images.
 ONE_COPY = {**LONE, "farm-m": {"t1": [C0, M1], "t2": [X, INVENTED[0]]}}
 
@@ -416,6 +424,35 @@ def test_ten_classes_of_another_sites_images_are_refused_and_quarantine_their_si
     assert "farm-m" in {f.site for f in found if f.action == "quarantined"}
     (one, two) = Federation.open(tmp_path / "federation").history()
     assert (one.status, two.status) == ("completed", "failed")
+
+
+def test_classes_of_other_images_of_another_sites_class_are_recorded_with_what_they_took(
+    tmp_path, capsys
+) -> None:
+    """Attack 5's disjoint variant: farm-m's ten classes beside X are each a different share
+    of A1's images no site trains or tests on — samples of A1's class as an honest class of
+    that kind would be, which ``server.copies`` cannot tell from one. The sites' own reports
+    show what they took: step 2's record names farm-m's classes and the points of the honest
+    sites' accuracy on their step-1 classes that went to them (``server.taken``), over the
+    bound for farm-b, whose apple leaves they crowd; ``server status`` shows it. A record, not
+    a finding: nothing is rejected, no one quarantined."""
+    folder = functools.partial(disjoint_images, test_images=5)
+    federate(FEW_DISJOINT, tmp_path, folder=folder, **{"max-steps": 2})
+    (one, two) = Federation.open(tmp_path / "federation").history()
+    assert (one.status, two.status, two.findings) == ("completed", "completed", ())
+    took = {t.site: t for t in two.taken}
+    assert set(took) <= {"farm-a", "farm-b"} and "farm-b" in took
+    farm_b = took["farm-b"]
+    assert farm_b.by == ("farm-m",) and set(farm_b.classes) <= set(two.classes) - {X}
+    assert farm_b.points > TAKEN_BOUND and farm_b.of == 10  # C0's and B1's 5 test images
+    assert one.taken == ()  # the first step's classes take from no earlier ones
+    federation = tmp_path / "federation"
+    argv = ("server", "status", "--dir", tmp_path / "none", "--federation", federation)
+    code, out, _ = starfed(capsys, *argv, "--json")
+    rows = {row["site"]: row for row in json.loads(out)["taken"]}
+    assert code == 0 and rows["farm-b"]["by"] == ["farm-m"] and rows["farm-b"]["step"] == 1
+    code, out, _ = starfed(capsys, *argv)
+    assert code == 0 and "what new classes took from sites' earlier classes" in out
 
 
 # --- one vote per site: farm-m brings ten more classes than the others ------------------------

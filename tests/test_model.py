@@ -199,6 +199,11 @@ def test_scores_count_per_class_and_group(backbones) -> None:
     assert counts.images.tolist() == [4, 4, 4]
     assert (counts.selections == 4 * backbones.dims.n_layers).all()
     assert (counts.correct <= counts.images).all()
+    true, predicted, images = counts.mistaken.T  # each wrong (true, predicted) pair, once
+    pairs = set(zip(true.tolist(), predicted.tolist(), strict=True))
+    assert (true != predicted).all() and len(pairs) == len(true)
+    wrong = torch.zeros(3, dtype=torch.int64).index_add_(0, true, images)
+    assert wrong.tolist() == (counts.images - counts.correct).tolist()
     scores = group_scores(counts, groups, 2)
     expected = 100 * int(counts.correct[:2].sum()) / 8
     assert scores.accuracy[0] == pytest.approx(expected)

@@ -141,6 +141,18 @@ class FindingRow:
 
 
 @dataclass
+class TakenRow:
+    """What a step's new classes, brought by ``by``, took from a site's earlier classes: points
+    of its accuracy there (``server.taken``; a record, not a finding)."""
+
+    site: str
+    step: int
+    by: list[str]
+    points: float
+    classes: list[str]
+
+
+@dataclass
 class Status:
     server_dir: str
     federation_dir: str
@@ -154,6 +166,7 @@ class Status:
     errors: list[ErrorRow] = field(default_factory=list)
     refusals: list[ErrorRow] = field(default_factory=list)  # sites' answers that refused
     findings: list[FindingRow] = field(default_factory=list)  # of the last steps and this one
+    taken: list[TakenRow] = field(default_factory=list)  # of the last steps
     quarantine: dict[str, Quarantined] = field(default_factory=dict)  # kept out of later steps
     last_run: dict | None = None
     server: dict = field(default_factory=dict)
@@ -344,6 +357,12 @@ def _federation(status: Status, federation: Federation) -> list[StepRecord]:
     status.findings = [
         FindingRow(f.site, step, f.phase, f.round, f.action, f.name, f.reason)
         for step, f in findings
+    ]
+    status.taken = [
+        TakenRow(t.site, r.step, list(t.by), round(t.points, 1), list(t.classes))
+        for r in history
+        if r.step in recent
+        for t in r.taken
     ]
     status.quarantine = _guarded(status, root / QUARANTINE_FILE, federation.quarantine, {})
     if rerun := _guarded(status, root / WITHDRAWALS_FILE, federation.rerunning, None):

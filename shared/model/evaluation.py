@@ -21,12 +21,15 @@ from starfed.shared.model.star_prompt import StarPrompt
 @dataclass
 class ClassScores:
     """Counts per bank row: test images, correct predictions, and prompt selections whose key
-    belongs to the image class's group, out of ``selections`` (images × blocks)."""
+    belongs to the image class's group, out of ``selections`` (images × blocks); and the wrong
+    predictions by pair, sparse (a dense true × predicted matrix is 800 MB at 10,000 classes,
+    the pairs are at most the test images)."""
 
     images: torch.Tensor  # int64 [C]
     correct: torch.Tensor  # int64 [C]
     selection_hits: torch.Tensor  # int64 [C]
     selections: torch.Tensor  # int64 [C]
+    mistaken: torch.Tensor  # int64 [K, 3]: true row, predicted row, images; each pair once
 
 
 @dataclass
@@ -52,6 +55,7 @@ def score_classes(
     images_, correct, hits, selections = counts  # counted on the device, read once at the end
     groups = group_of_row.to(device)
     pairs = None if confusion is None else torch.zeros_like(confusion, device=device)
+    wrong_pairs = []  # true row × n + predicted row of each wrong prediction
     views = Views.of(model.backbones)
     batches = device_batches(images, EVAL_BATCH_SIZE, device)
     for i, batch in zip(range(0, len(rows), EVAL_BATCH_SIZE), batches, strict=True):
@@ -65,11 +69,17 @@ def score_classes(
         correct.index_add_(0, target, (predicted == target).long())
         hits.index_add_(0, target, same_group.sum(1))
         selections.index_add_(0, target, torch.full_like(target, same_group.shape[1]))
+        wrong = predicted != target
+        wrong_pairs.append(target[wrong] * n + predicted[wrong])
         if pairs is not None:
             pairs.index_put_((target, predicted), torch.ones_like(target), accumulate=True)
     if confusion is not None and pairs is not None:  # pairs: counted when confusion is asked
         confusion += pairs.cpu()
-    return ClassScores(*(count.cpu() for count in counts))
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    codes, times = torch.unique(torch.cat([none, *wrong_pairs]), return_counts=True)
+    mistaken = torch.stack([codes // n, codes % n, times]).T.cpu()
+    images_, correct, hits, selections = (count.cpu() for count in counts)
+    return ClassScores(images_, correct, hits, selections, mistaken)
 
 
 def group_scores(scores: ClassScores, group_of_row: torch.Tensor, n_groups: int) -> TaskScores:
