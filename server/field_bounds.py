@@ -312,14 +312,13 @@ class PhaseScreen:
 
     def _bound_changes(self, name: str, rows: list[Change]) -> None:
         """Every row is held to the tighter of ``reference-bound`` × its class's own size and
-        ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (× ``SGD_TAIL``
-        for stage 1's rows) — a private
-        site's to its release's bound instead of the second (its noise is not the scale of
-        training) — whatever the number of senders (``_bound_rows``). Where ``MIN_SITES`` sites
-        or more moved the field, also to ``update-bound`` × the median over sites of their
-        changes (and the kept rows of sites that are not private are this step's observations of
-        the scale of honest changes); where fewer did, their median is no bound (a lone
-        sender's is its own change)."""
+        ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (×
+        ``SGD_TAIL`` for stage 1's rows) — a private site's to its release's bound instead of
+        the second (its noise is not the scale of training) — whatever the number of senders
+        (``_bound_rows``). Where ``MIN_SITES`` sites or more moved the field, also to
+        ``update-bound`` × the median over sites of their changes (and the kept rows of sites
+        that are not private are this step's observations of the scale of honest changes);
+        where fewer did, their median is no bound (a lone sender's is its own change)."""
         options = self.screen.options
         # Rows that did not move say nothing of how far training moves one: a site that holds
         # a single class of its task has a one-logit loss and sends its rows back unchanged,
