@@ -8,7 +8,8 @@ field measured how far honest training moves a row relative to its class's size:
 site's median of change ÷ size over its kept rows is one observation (one vote per site). The
 median of the newest ``KEPT`` observations per field, kept in the federation folder
 (``FILE``), is a reference no sender of a later phase can move; ``history-bound`` × it ×
-the class's size is the tighter bound of every row, however many sites send its field, once
+the class's size (× ``field_bounds.SGD_TAIL`` for stage 1's rows, trained by plain SGD) is the
+tighter bound of every row, however many sites send its field, once
 ``MIN_OBSERVED`` observations exist (docs/security.md). A step adds its observations once it
 completed (``through_step``); a failed step adds none, and a step resumed after a crash adds
 those of the phases it ran after.

@@ -25,7 +25,7 @@ import torch
 
 from starfed.server.decode import Decoded, refused_classes, without_cyclic_gc
 from starfed.server.records import CAPPED, REJECTED, Finding
-from starfed.server.release_bounds import TrainingRelease
+from starfed.server.release_bounds import Optimizer, TrainingRelease
 from starfed.server.robust import MIN_HOLDERS, MIXTURE_OUTLIER, ROBUST_MERGE, mixture_distances
 from starfed.server.screening import Furthest, Screen
 from starfed.shared.codebook.codebook import ClientUpdate, Codebook
@@ -45,6 +45,15 @@ MIN_SITES = 3
 #: The smallest per-element scale a tensor field starts at (prompts and heads are drawn with
 #: std 0.02, shared/model; head biases start at 0): a class's reference size is at least this.
 INIT_SCALE = 0.02
+#: How much further than Adam's an honest plain-SGD change reaches past the scale of earlier
+#: steps: ``history-bound`` is this many times wider for stage 1's rows. SGD steps by the mean
+#: gradient of the batch, so an epoch's partial batch (N mod batch-size images) gives its few
+#: images a whole step: an honest class with 2 of a 4-image batch moved its prompt 27.5 × the
+#: scale (its gradient 36, against 1.3 in the full batch), and one image alone would move it
+#: about twice as far; Adam moves each coordinate by about its rate whatever the batch (at most
+#: 2.2 × the scale measured). Counts cannot say how small a site's partial batch is: a site
+#: declares them (docs/security.md §1b).
+SGD_TAIL = 5
 
 
 def _distance(value: torch.Tensor, sent: torch.Tensor) -> float:
@@ -303,13 +312,13 @@ class PhaseScreen:
 
     def _bound_changes(self, name: str, rows: list[Change]) -> None:
         """Every row is held to the tighter of ``reference-bound`` × its class's own size and
-        ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size — a private
-        site's to its release's bound instead of the second (its noise is not the scale of
-        training) — whatever the number of senders (``_bound_rows``). Where ``MIN_SITES`` sites
-        or more moved the field, also to ``update-bound`` × the median over sites of their
-        changes (and the kept rows of sites that are not private are this step's observations of
-        the scale of honest changes); where fewer did, their median is no bound (a lone
-        sender's is its own change)."""
+        ``history-bound`` × the scale of earlier steps (``ChangeScale``) × that size (×
+        ``SGD_TAIL`` for stage 1's rows) — a private site's to its release's bound instead of
+        the second (its noise is not the scale of training) — whatever the number of senders
+        (``_bound_rows``). Where ``MIN_SITES`` sites or more moved the field, also to
+        ``update-bound`` × the median over sites of their changes (and the kept rows of sites
+        that are not private are this step's observations of the scale of honest changes);
+        where fewer did, their median is no bound (a lone sender's is its own change)."""
         options = self.screen.options
         # Rows that did not move say nothing of how far training moves one: a site that holds
         # a single class of its task has a one-logit loss and sends its rows back unchanged,
@@ -356,9 +365,13 @@ class PhaseScreen:
     def _bound_rows(self, name: str, rows: list[Change], senders: int) -> None:
         """Every row held to references no sender of the phase moves, whatever the number of
         senders: a class one site alone holds in a phase where three send is that site's as
-        much as in a phase it sends alone (issue 43, attack 1)."""
+        much as in a phase it sends alone (issue 43, attack 1). A row trained by plain SGD
+        (stage 1) is allowed ``SGD_TAIL`` × the history bound: a partial batch moves it
+        further."""
         options = self.screen.options
         scale = self.screen.scale.reference(name)
+        sgd = self.release is not None and self.release.optimizer is Optimizer.SGD
+        history = options.history_bound * (SGD_TAIL if sgd else 1)
         sent_by = f"sent by {senders} site{'s' * (senders > 1)}" + (
             ": no median" if senders < MIN_SITES else ""
         )
@@ -380,11 +393,11 @@ class PhaseScreen:
                         f"{self.release.optimizer.value}, clip {self.release.clip:g})",
                     )
                 )
-            elif options.history_bound and scale is not None and not self.screen.private(site):
+            elif history and scale is not None and not self.screen.private(site):
                 limits.append(
                     (
-                        options.history_bound * scale * size,
-                        f"{options.history_bound:g} × the scale of honest changes in "
+                        history * scale * size,
+                        f"{history:g} × the scale of honest changes in "
                         f"earlier steps ({scale:.3g} × the class's size {size:.3g})",
                     )
                 )

@@ -228,7 +228,8 @@ SCHEMA: tuple[Knob, ...] = (
         20.0,
         "also reject a row whose change is over this multiple of the scale of honest changes "
         "in earlier steps (the median change ÷ class size of each site, where 3 or more sites "
-        "sent the field; kept in change-scale.json) × the class's size; 0: no bound",
+        "sent the field; kept in change-scale.json) × the class's size, 5 × it for stage 1's "
+        "rows (plain SGD's partial batches move them further); 0: no bound",
         "screening",
         ge=0,
     ),

@@ -6,11 +6,21 @@ federation folder, farm-a's state folder given back after: the measured run), on
 joining, the run's ``part-bytes`` small enough that farm-b's catch-up is four parts and farm-a's
 deltas one message. Once farm-b has answered its first part (its staging shows a second one),
 every process of farm-b (its ``site start``, SuperNode, SuperExec, the ClientApp answering) is
-stopped with SIGSTOP: a site that stops reading. The step goes on with farm-a in about the time
-of the step without farm-b (not a part timeout: ``timeout-s`` is set far above it), farm-b's
-unfinished catch-up is a finding (phase ``catch_up``) and farm-a's accuracy is that of the step
-without farm-b. After SIGCONT a third run catches farm-b up: it ends holding the server's
-codebook. Slow: five steps in four server runs and two site restarts, minutes on 2 cores.
+stopped with SIGSTOP: a site that stops reading. The step goes on with farm-a: farm-a's first
+phase is answered while farm-b's catch-up is still going (its parts are logged only once it
+ended), farm-b's unfinished catch-up is a finding (phase ``catch_up``) and farm-a's accuracy is
+that of the step without farm-b. After SIGCONT a third run catches farm-b up: it ends holding
+the server's codebook. Slow: five steps in four server runs and two site restarts, minutes on 2
+cores.
+
+Why no ratio of seconds: the two steps run at different times, so at different loads (a ratio
+``with farm-b < 2 × without`` failed once in four runs beside other tests). That farm-a did not
+wait is read from the order of the run's log instead, which no load changes; and a step that
+waited for a site that never answers would end only when the part timed out (``timeout-s``, set
+far above the step) or when Flower found farm-b's SuperNode gone (no heartbeat for 2 × 30 s:
+33-60 s after the stop) — the step's wall is held under the first, its log order rules out both.
+The third run races farm-b's two parts against farm-a's four phases before the evaluation:
+each is a ClientApp process of its own, so load slows both alike.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from starfed.server.records import StepRecord
 from starfed.shared.codebook import parts
 from starfed.shared.codebook.codebook import CodebookError
 from starfed.shared.codebook.held import STAGING_DIR, HeldCodebook
-from starfed.shared.protocol import CATCH_UP_KEY
+from starfed.shared.protocol import CATCH_UP_KEY, Phase
 
 pytestmark = [
     pytest.mark.e2e,
@@ -155,11 +165,14 @@ def test_a_site_that_stops_reading_its_parts_times_out_alone(tmp_path, monkeypat
         assert attacked_run.returncode == 3 and attacked["status"] == "degraded", out
         with_b = _step(deployed.federation, 1)
 
-        # farm-a went on alone, in about the step's time without farm-b, with its results
-        assert with_b.wall_s < timeout_s and with_b.wall_s < 2 * without_b.wall_s, (
-            with_b.wall_s,
-            without_b.wall_s,
-        )
+        # farm-a went on alone, with its results: its first phase (sent beside farm-b's first
+        # part) was answered while farm-b's catch-up was still going — a catch-up's parts are
+        # logged once it ended, by the step's end or by a part failing (Flower's heartbeat) —
+        # and the step ended before a part's timeout
+        logged = [(e["site"], e["phase"]) for e in attacked["metrics"]["exchanges"]]
+        parts_logged = logged.index(("farm-b", CATCH_UP_KEY))
+        assert ("farm-a", Phase.STAGE1.key) in logged[:parts_logged], logged
+        assert with_b.wall_s < timeout_s, (with_b.wall_s, timeout_s)
         findings = [f for f in with_b.findings if f.site == "farm-b"]
         assert findings and {f.phase for f in findings} == {CATCH_UP_KEY}, findings
         assert re.search(
