@@ -33,7 +33,7 @@ from starfed.client.policy import (
 from starfed.client.privacy import PrivacySetting
 from starfed.client.release_gate import Outgoing
 from starfed.client.site import Site
-from starfed.shared.codebook import schema, wire
+from starfed.shared.codebook import parts, schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.codebook.lineage import EPOCH_KEY, FEDERATION_KEY
 from starfed.shared.config import environment, parse, run_dir
@@ -43,6 +43,7 @@ from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import (
     CATCH_UP,
     CATCH_UP_KEY,
+    CATCH_UP_PARTS,
     CLASS_STEPS,
     CLASSIFY_WITH_KEYS,
     EVALUATION_REFUSED,
@@ -51,6 +52,7 @@ from starfed.shared.protocol import (
     POLICY_REFUSED,
     REPORT_RECORD,
     ROUND,
+    STAGED,
     STEP,
     TRAVELLING,
     UPDATE_RECORD,
@@ -161,14 +163,9 @@ def _build_site(run_id: int, node_id: int, run_config: dict, node_config: dict) 
     return Site(name, data_dir, memory, backbones, config, cache_dir, privacy, policy)
 
 
-@dataclass(frozen=True)
-class CatchUpPart:
-    """What a catch-up message asks: stage part ``index`` of ``count`` of a codebook of
-    ``classes`` classes (``CATCH_UP``)."""
-
-    index: int
-    count: int
-    classes: int
+#: What a catch-up message asks: stage a part (``CATCH_UP``, with ``CATCH_UP_PARTS`` on the
+#: first of a catch-up).
+CatchUpPart = parts.Label
 
 
 @dataclass(frozen=True)
@@ -192,7 +189,9 @@ class Incoming:
         """The message of ``key`` (a phase's key, or ``CATCH_UP_KEY``) with ``config``."""
         asks: Phase | CatchUpPart
         if key == CATCH_UP_KEY:
-            asks = CatchUpPart(*(int(value) for value in config[CATCH_UP]))
+            index, count, classes = (int(value) for value in config[CATCH_UP])
+            manifest = tuple(str(k) for k in config.get(CATCH_UP_PARTS, []))
+            asks = CatchUpPart(index, count, classes, manifest)
         else:
             asks = Phase[key.upper()]
         travelling = tuple(Phase[str(k).upper()] for k in config.get(TRAVELLING, []))
@@ -274,11 +273,11 @@ def _catch_up(
     site: Site, message: Incoming, part: CatchUpPart, payload: bytes
 ) -> tuple[list[Outgoing], int]:
     """A part of a codebook too large for one message, staged; the reply says the version the
-    site holds after it (0 until the last part)."""
+    site holds after it (0 until the last part) and the parts it has staged."""
     site.memory.join(message.federation)
-    site.memory.catch_up(payload, part.index, part.count, part.classes)
+    staged = site.memory.catch_up(payload, part, message.step, message.wire_dtype)
     version = str(site.memory.held_version(message.epoch)).encode()
-    return [Outgoing(HELD, version)], 0
+    return [Outgoing(HELD, version), Outgoing(STAGED, staged)], 0
 
 
 def _reply(
@@ -287,7 +286,7 @@ def _reply(
     """A phase's reply records, and the version of the codebook the message carried (0:
     none)."""
     if phase is Phase.SYNC:
-        site.memory.held.drop_staging()  # a new step: a catch-up left unfinished is abandoned
+        site.memory.held.drop_idle_staging(message.step)  # a catch-up gone quiet is abandoned
         update = site.sync(message.step, list(message.frozen), message.federation, message.epoch)
         return [_update(UPDATE_RECORD, update, message.wire_dtype, (COUNTS,))], 0
     site.memory.join(message.federation)

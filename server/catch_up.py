@@ -43,6 +43,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
+from flwr.app import RecordDict
+
 from starfed.server.messaging import (
     PushPullGrid,
     SiteGrid,
@@ -59,9 +61,11 @@ from starfed.shared.protocol import (
     CATCH_UP,
     CATCH_UP_KEY,
     CATCH_UP_MESSAGE,
+    CATCH_UP_PARTS,
     HELD,
     RECORD_DATA,
     ROUND,
+    STAGED,
 )
 
 #: Catch-ups one site may start in one step. An honest site needs one (it joined, or lost its
@@ -73,38 +77,64 @@ CATCH_UPS_PER_STEP = 2
 
 @dataclass
 class Stream:
-    """One node's catch-up: the version it is sent, in how many parts, the log entry of each
-    part answered so far (appended as they go), whether it ended (``done``) and caught the
-    node up (``caught``); ``stop`` ends it before its next part."""
+    """One node's catch-up: the version it is sent, in how many parts, the keys of the parts
+    the node said it has staged (``staged``: at the start, its last word in an earlier
+    catch-up; then its reply to each part), the log entry of each part answered so far
+    (appended as they go), whether it ended (``done``) and caught the node up (``caught``);
+    ``stop`` ends it before its next part."""
 
     version: int
-    parts: int = 0  # how many it sends, once planned
+    staged: frozenset[str] = frozenset()
+    parts: int = 0  # how many the codebook is in, once planned
     exchanges: list[Exchange] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
     caught: bool = False
 
+    @property
+    def progressed(self) -> bool:
+        """Whether the node staged a part in it (a part answered without fault)."""
+        return any(not entry.failed for entry in self.exchanges)
+
 
 @dataclass
 class Ledger:
-    """One step's catch-ups: how many each node started, the nodes that completed one, and the
-    streams in progress or ended but not yet read (node -> its stream)."""
+    """One step's catch-ups: how many each node started, the nodes that completed one, the
+    streams in progress or ended but not yet read (node -> its stream); and, kept from step to
+    step (``next_step``), the keys of the parts each node said it has staged when its last
+    catch-up ended (what a resumed one skips)."""
 
     started: Counter[int] = field(default_factory=Counter)
     completed: set[int] = field(default_factory=set)
     streams: dict[int, Stream] = field(default_factory=dict)
     ended: threading.Event = field(default_factory=threading.Event)  # set as each stream ends
+    staged: dict[int, frozenset[str]] = field(default_factory=dict)
+
+    def next_step(self) -> Ledger:
+        """The next step's ledger: what the nodes have staged, nothing else."""
+        return Ledger(staged=self.staged)
+
+    def ending(self, node: int, stream: Stream) -> None:
+        """``node``'s stream read out: what it has staged kept for its next catch-up."""
+        del self.streams[node]
+        if stream.staged:
+            self.staged[node] = stream.staged
+        else:
+            self.staged.pop(node, None)
 
 
 @dataclass(frozen=True)
 class CaughtUp:
     """What the catch-up before a phase did: the nodes to send the phase to, the log entry of
-    every part, and why each node that failed its catch-up, came back behind after completing
-    one, or passed ``CATCH_UPS_PER_STEP`` is a screening finding (node -> reason)."""
+    every part, why each node that failed its catch-up, came back behind after completing
+    one, or passed ``CATCH_UPS_PER_STEP`` is a screening finding (node -> reason), and, at the
+    step's end, why each node whose catch-up was stopped after it staged parts is noted (a
+    finding that does not count toward quarantine: it resumes at the next step)."""
 
     nodes: list[int]
     exchanges: list[Exchange]
     findings: dict[int, str]
+    noted: dict[int, str] = field(default_factory=dict)
 
 
 def behind(
@@ -179,7 +209,7 @@ def start(
     """``node``'s catch-up to codebook ``version`` (counted in ``ledger``), whose parts ``sent``
     sends (``send``, whether it caught the node up): in a thread of its own on a grid that
     pushes and pulls, to its end before returning on one that answers at once."""
-    stream = ledger.streams[node] = Stream(version)
+    stream = ledger.streams[node] = Stream(version, ledger.staged.get(node, frozenset()))
     ledger.started[node] += 1
 
     def run() -> None:
@@ -215,7 +245,7 @@ def joined(ledger: Ledger, participants: Participants, version: int) -> CaughtUp
     for node, stream in list(ledger.streams.items()):
         if not stream.done.is_set():
             continue
-        del ledger.streams[node]
+        ledger.ending(node, stream)
         exchanges += stream.exchanges
         participants.set_version(node, stream.version if stream.caught else None)
         if stream.caught and stream.version == version:
@@ -229,20 +259,25 @@ def joined(ledger: Ledger, participants: Participants, version: int) -> CaughtUp
 
 def abandon(ledger: Ledger, participants: Participants, step: int) -> CaughtUp:
     """At the step's end, the streams that ended read (``joined``: none joins a phase now) and
-    those still going stopped before their next part, each a finding, its parts answered so
-    far logged; a stopped stream's part in flight is answered, or times out, in its thread
-    (not logged)."""
+    those still going stopped before their next part, their parts answered so far logged; a
+    stopped stream's part in flight is answered, or times out, in its thread (not logged).
+    One stopped after the node staged a part is noted (it resumes at the next step with the
+    parts staged: a slow link makes progress), one that staged none a finding."""
     ended = joined(ledger, participants, version=-1)
-    for node, stream in ledger.streams.items():
+    for node, stream in list(ledger.streams.items()):
         stream.stop.set()
         answered = list(stream.exchanges)
         ended.exchanges.extend(answered)
-        ended.findings[node] = (
+        why = (
             f"its catch-up was not done at the end of step {step + 1} "
             f"({len(answered)} of {stream.parts} parts answered)"
         )
+        if stream.progressed:
+            ended.noted[node] = f"{why}; it resumes with the parts staged"
+        else:
+            ended.findings[node] = why
+        ledger.ending(node, stream)
         participants.set_version(node, None)
-    ledger.streams.clear()
     return ended
 
 
@@ -257,18 +292,29 @@ def send(
     timeout: float,
     stream: Stream,
 ) -> bool:
-    """Send ``codebook`` in parts of at most ``part_bytes`` to ``node``, its lineage in its metadata
-    and in each part's message config (``message_config``, round = part), each part with its own
-    ``timeout``, until ``stream.stop``; whether the node now holds it. The log entry of every
-    part sent (phase ``catch_up``) goes to ``stream.exchanges`` as it is answered."""
+    """Send ``node`` the parts of ``codebook`` (of at most ``part_bytes``) it has not staged,
+    in order, its lineage in its metadata and in each part's message config
+    (``message_config``, round = part), the first message with the manifest
+    (``CATCH_UP_PARTS``), each part with its own ``timeout``, until ``stream.stop``; whether
+    the node now holds it (a reply says so: after the last part, or one that completed the
+    parts staged; the last part's reply that does not is a failure). Each reply says which
+    parts the node has staged (``STAGED``): those are skipped, and kept in ``stream.staged``
+    for a catch-up that resumes. At least one part is sent (the node assembles the codebook
+    on a part's arrival). The log entry of every part sent (phase ``catch_up``) goes to
+    ``stream.exchanges`` as it is answered."""
     config = message_config(step, 0, codebook, dtype)
     lineage = Lineage.of(codebook).as_metadata()
     plan = parts.plan(replace(codebook, metadata=lineage), part_bytes, dtype)
+    keys = plan.keys
     count = stream.parts = len(plan.parts)
+    first = {CATCH_UP_PARTS: list(keys)}
     for index in range(count):
         if stream.stop.is_set():
             return False
-        message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)]}
+        if keys[index] in stream.staged and (index < count - 1 or not first):
+            continue
+        message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)], **first}
+        first = {}
         good, [entry] = exchange(
             grid,
             CATCH_UP_MESSAGE,
@@ -281,17 +327,38 @@ def send(
             _constant(plan.encoded(index)),
             timeout,
         )
-        if index == count - 1 and good:
+        said = b""
+        if good:
             [(_, reply)] = good
-            raw = reply.content[HELD][RECORD_DATA] if HELD in reply.content else b""
-            said = raw if isinstance(raw, bytes) else b""  # anything else: rejected
-            if said != str(codebook.version).encode():
-                why = f"holds {said[:20]!r} after the last part, not version {codebook.version}"
-                reject(entry, why)
+            stream.staged = _staged(reply.content, keys)
+            said = _record(reply.content, HELD)
+        else:
+            stream.staged = frozenset()  # a site drops a staging whose part it refused
+        caught = said == str(codebook.version).encode()
+        if good and not caught and all(key in stream.staged for key in keys[index + 1 :]):
+            why = f"holds {said[:20]!r} after the last part, not version {codebook.version}"
+            reject(entry, why)
         stream.exchanges.append(entry)
-        if entry.failed:
-            return False
-    return True
+        if entry.failed or caught:
+            return caught
+    return False
+
+
+def _record(content: RecordDict, name: str) -> bytes:
+    """A reply's record ``name`` (anything but bytes, or none: no bytes)."""
+    raw = content[name][RECORD_DATA] if name in content else b""
+    return raw if isinstance(raw, bytes) else b""
+
+
+def _staged(content: RecordDict, keys: Sequence[str]) -> frozenset[str]:
+    """The keys of the parts a reply says are staged (``STAGED``: a bit a part); none when it
+    is not a bit for each of ``keys``. Trusted only to skip parts: a site that says it holds a
+    part it lacks cannot assemble the codebook, and its reply to the last part then says it
+    holds none (a failed catch-up, a finding)."""
+    bits = _record(content, STAGED)
+    if len(bits) != (len(keys) + 7) // 8:
+        return frozenset()
+    return frozenset(key for i, key in enumerate(keys) if bits[i // 8] >> (i % 8) & 1)
 
 
 def _constant(data: bytes) -> Callable[[int], bytes]:

@@ -164,9 +164,15 @@ CATCH_UP_MESSAGE = "query.catch_up"
 #: Catch-up-message config key: [the part's index, the number of parts, the classes of the whole
 #: codebook].
 CATCH_UP = "catch-up"
+#: Catch-up-message config key of a catch-up's first message: the manifest, every part's key in
+#: order (``starfed.shared.codebook.parts.part_key``).
+CATCH_UP_PARTS = "catch-up-parts"
 #: Reply record of a catch-up part: the codebook version the site holds after it (ASCII
 #: digits), 0 until the last part arrived and the assembled codebook passed its checks.
 HELD = "held"
+#: Reply record of a catch-up part: which parts of the manifest the site has staged, a bit each
+#: (``Staging.held``); the server skips them, and trusts it for nothing else.
+STAGED = "staged"
 #: The key a catch-up's exchanges are recorded under (the step's exchanges, logs, the site's
 #: release record), as a phase's are under its key.
 CATCH_UP_KEY = "catch_up"

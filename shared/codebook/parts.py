@@ -11,14 +11,24 @@ must arrive within its own timeout on a slow link). Every part is itself a whole
 some classes, at the sender's version and with its lineage, so each is decoded (= validated)
 as any broadcast is.
 
+A part is named by its key (``part_key``): its lineage, the wire dtype and each of its classes
+with the version at which that class last changed. A class that did not change (a frozen class:
+most of a large codebook) keeps its version, so a part of unchanged classes keeps its key from
+one codebook version to the next: a catch-up the sender stopped (a step's end) resumes at the
+next one with only the parts the receiver lacks. The first message of each catch-up carries
+the manifest (every part's key, in codebook order); the receiver answers each part with the
+manifest's parts it holds (``Staging.held``), and the sender skips those.
+
 The receiver stages the parts on disk (``Staging``: a deployed site answers every message in a
-fresh process) and holds nothing new until the last part arrived and the assembled codebook
-passed its checks — a staged codebook is never "held". A part of another lineage or version,
-one out of order, or bytes that do not decode are refused with ``CodebookError`` and the
-staging is dropped: the next catch-up starts again from the first part. Each part is held in
-memory alone, on both sides: the sender encodes one at a time, and the receiver writes the
-whole codebook file from the staged parts' messages, one after the other, then decodes it as
-it decodes any held codebook.
+fresh process) and holds nothing new until every part of the manifest is staged and the
+assembled codebook passed its checks — a staged codebook is never "held". A new manifest prunes
+the staged parts it does not name (so the staging never holds more than one codebook's parts);
+a part of another lineage or version than the manifest staged, one whose classes are not the
+manifest's, or bytes that do not decode are refused with ``CodebookError`` and the staging is
+dropped. Each part is held in memory alone, on both sides: the sender encodes one at a time,
+and the receiver writes the whole codebook file from the staged parts' messages, one after the
+other in the manifest's order, then decodes it as it decodes any held codebook. When a staging
+is abandoned for good is the receiver's rule (``starfed.shared.codebook.held``).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +58,8 @@ from starfed.shared.files import write_atomic
 #: versions. A bound, not an estimate: a part never passes what was planned for it.
 TENSOR_SLACK, CLASS_SLACK, HEADER_SLACK = 32, 64, 4096
 STAGED_FILE = "staged.json"
+#: Hex characters of a part's key (``part_key``): 128 bits of a SHA-256.
+KEY_CHARS = 32
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,18 @@ class Plan:
     parts: tuple[tuple[str, ...], ...]
     dtype: str
     part_bytes: int
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The manifest: each part's key (``part_key``), in order."""
+        return tuple(
+            part_key(
+                Lineage.of(self.codebook),
+                self.dtype,
+                ((n, self.codebook[n].version) for n in names),
+            )
+            for names in self.parts
+        )
 
     def encoded(self, index: int) -> bytes:
         """Part ``index``'s message (checked against the limit it was planned for)."""
@@ -86,6 +111,20 @@ def plan(codebook: Codebook, part_bytes: int, dtype: str = "float32") -> Plan:
         size += more
     split.append(tuple(names))
     return Plan(codebook, tuple(split), dtype, part_bytes)
+
+
+def part_key(lineage: Lineage, dtype: str, classes: Iterable[tuple[str, int]]) -> str:
+    """A part's key: its lineage, wire dtype, and its classes' names and versions (the codebook
+    version at which each last changed), in order. Within a lineage a class's version names its
+    values (a rollback starts another lineage: docs/federation.md), so a staged part of the
+    same key holds what a new one would."""
+    named = [
+        lineage.federation,
+        lineage.epoch,
+        dtype,
+        [[name, version] for name, version in classes],
+    ]
+    return hashlib.sha256(json.dumps(named).encode()).hexdigest()[:KEY_CHARS]
 
 
 def least_part_bytes(codebook: Codebook, dtype: str) -> int:
@@ -139,9 +178,22 @@ def _header_bytes(codebook: Codebook) -> int:
 
 
 @dataclass(frozen=True)
+class Label:
+    """What a catch-up message says of its part: part ``index`` of ``count`` of a codebook of
+    ``classes`` classes; the first message of a catch-up also carries the ``manifest`` (every
+    part's key, in order)."""
+
+    index: int
+    count: int
+    classes: int
+    manifest: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Staged:
-    """What a staging holds: the codebook it assembles, the parts received so far and the
-    classes they carry (the staging folder's one record)."""
+    """What a staging holds (the staging folder's one record): the manifest of the codebook it
+    assembles (its lineage, version, classes, wire dtype and parts' keys), how many of those
+    parts are staged, and the step of the last one (``held``'s rule for when it is abandoned)."""
 
     federation: str
     epoch: str
@@ -149,12 +201,18 @@ class Staged:
     parts: int
     classes: int
     received: int
-    carried: int = 0
+    dtype: str = "float32"
+    keys: tuple[str, ...] = ()
+    step: int = 0
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Staged:
+        return cls(**{**raw, "keys": tuple(str(key) for key in raw.get("keys", ()))})
 
 
 class Staging:
     """Parts received so far, in ``folder`` (beside the held codebook): ``staged.json`` and one
-    checksummed file per part."""
+    checksummed file per part, named by its key."""
 
     def __init__(
         self, folder: Path, *, fingerprint: str | None = None, dims: ModelDims | None = None
@@ -162,49 +220,57 @@ class Staging:
         self.folder = folder
         self.fingerprint, self.dims = fingerprint, dims
 
-    def add(self, data: bytes, index: int, parts: int, classes: int, target: Path) -> bool:
-        """Stage part ``index`` of ``parts`` (of a codebook of ``classes`` classes); after the
-        last, write the whole codebook file ``target`` (True). Part 0 starts a new staging.
+    def add(self, data: bytes, label: Label, step: int, dtype: str, target: Path) -> bool:
+        """Stage ``data``, the part ``label`` names, sent in ``step`` in ``dtype``; once every
+        part of the manifest is staged, write the whole codebook file ``target`` (True). A
+        label with a manifest starts the codebook it names, keeping the staged parts it names.
 
-        Raises CodebookError (and drops the staging) for a part that does not decode or
-        is not the next of the codebook staged, or an assembled codebook that is not whole."""
+        Raises CodebookError (and drops the staging) for a part that does not decode or is
+        not the manifest's, or parts that do not make a whole codebook."""
         try:
-            return self._add(data, index, parts, classes, target)
+            return self._add(data, label, step, dtype, target)
         except CodebookError:
             self.drop()
             raise
 
-    def _add(self, data: bytes, index: int, parts: int, classes: int, target: Path) -> bool:
-        if not 0 <= index < parts:
-            raise CodebookError(f"part {index} of {parts} does not exist")
-        part = self._decoded(data, f"part {index}")
+    def _add(self, data: bytes, label: Label, step: int, dtype: str, target: Path) -> bool:
+        if not 0 <= label.index < label.count:
+            raise CodebookError(f"part {label.index} of {label.count} does not exist")
+        part = self._decoded(data, f"part {label.index}")
         lineage = Lineage.of(part)
-        if index == 0:
-            self.drop()
-            self.folder.mkdir(parents=True)
-            staged = Staged(lineage.federation, lineage.epoch, part.version, parts, classes, 0)
-        else:
-            staged = self.staged()
-            expected = (
-                staged.federation,
-                staged.epoch,
-                staged.version,
-                staged.parts,
-                staged.classes,
+        sent = Staged(
+            lineage.federation, lineage.epoch, part.version, label.count, label.classes, 0, dtype
+        )
+        staged = self._begin(sent, label.manifest, step) if label.manifest else self.staged()
+        if replace(staged, received=0, keys=(), step=0) != sent:
+            raise CodebookError(
+                f"part {label.index} belongs to another codebook than the one staged"
             )
-            if (lineage.federation, lineage.epoch, part.version, parts, classes) != expected:
-                raise CodebookError(f"part {index} belongs to another codebook than the one staged")
-            if index != staged.received:
-                raise CodebookError(f"part {index} arrived, part {staged.received} was next")
-        write_atomic(self.folder / f"part-{index:06d}.bin", frame(data))
-        staged = replace(staged, received=index + 1, carried=staged.carried + len(part))
+        classes = ((name, entry.version) for name, entry in part.entries.items())
+        key = part_key(lineage, dtype, classes)
+        if key != staged.keys[label.index]:
+            raise CodebookError(f"part {label.index} holds other classes than the manifest names")
+        write_atomic(self._file(key), frame(data))
+        staged = replace(staged, received=len(self._present(staged)), step=step)
         write_atomic(self.folder / STAGED_FILE, json.dumps(asdict(staged)).encode())
-        if staged.received < parts:
+        if staged.received < staged.parts:
             return False
-        if staged.carried != staged.classes:
-            raise CodebookError(f"the parts hold {staged.carried} classes, {classes} announced")
-        self._write(staged, target)
+        self._write(staged, wire.encode(replace(part, entries={})), target)
         return True
+
+    def _begin(self, sent: Staged, manifest: tuple[str, ...], step: int) -> Staged:
+        """The codebook ``sent`` of parts ``manifest`` staged from now on: the staged parts it
+        does not name pruned."""
+        if len(manifest) != sent.parts or not all(_is_key(key) for key in manifest):
+            raise CodebookError(f"the manifest is not {sent.parts} part keys")
+        if len(set(manifest)) != len(manifest):
+            raise CodebookError("the manifest names a part twice")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        named = {self._file(key) for key in manifest}
+        for path in self.folder.glob("part-*.bin"):
+            if path not in named:
+                path.unlink()
+        return replace(sent, keys=manifest, step=step)
 
     def _decoded(self, data: bytes, what: str) -> Codebook:
         part = wire.decode_broadcast(data, fingerprint=self.fingerprint, dims=self.dims)
@@ -215,30 +281,59 @@ class Staging:
     def staged(self) -> Staged:
         """What the staging holds; CodebookError when it holds nothing."""
         try:
-            raw = json.loads((self.folder / STAGED_FILE).read_text())
-            return Staged(**raw)
+            return Staged.from_json(json.loads((self.folder / STAGED_FILE).read_text()))
         except (OSError, ValueError, TypeError) as err:
             raise CodebookError(f"no staged codebook to add a part to ({err})") from None
 
-    def _write(self, staged: Staged, target: Path) -> None:
+    def held(self) -> bytes:
+        """Which parts of the staged manifest are staged: bit ``i % 8`` of byte ``i // 8`` for
+        part ``i`` (nothing staged: no bytes). What the receiver tells the sender, which skips
+        them (``starfed.server.catch_up``)."""
+        try:
+            staged = self.staged()
+        except CodebookError:
+            return b""
+        bits = bytearray((staged.parts + 7) // 8)
+        for index in self._present(staged):
+            bits[index // 8] |= 1 << (index % 8)
+        return bytes(bits)
+
+    def _present(self, staged: Staged) -> list[int]:
+        return [i for i, key in enumerate(staged.keys) if self._file(key).is_file()]
+
+    def _file(self, key: str) -> Path:
+        return self.folder / f"part-{key}.bin"
+
+    def _write(self, staged: Staged, trailer: bytes, target: Path) -> None:
         """The staged parts as one codebook file at ``target``, one part in memory at a time:
-        their messages one after the other, which protobuf reads as one message holding every
-        part's classes in order (each part's other fields are the same: lineage and version
-        checked as they arrived, fingerprint and dims the receiver's). The receiver then
-        decodes the file whole (``HeldCodebook.stage``), which refuses a class sent twice; the
-        parts are not parsed again here (each was decoded as it arrived)."""
+        their messages one after the other in the manifest's order, then ``trailer`` (the
+        codebook's header without classes: a part staged at an earlier version says that
+        version, and protobuf keeps a field's last value), which protobuf reads as one message
+        holding every part's classes in order (each part's other fields are the same: lineage
+        checked as they arrived, fingerprint and dims the receiver's). The receiver then decodes
+        the file whole (``HeldCodebook.stage``), which refuses a class sent twice; the parts are
+        not parsed again here (each was decoded as it arrived)."""
         digest, length = hashlib.sha256(), 0
-        for payload in self._payloads(staged):
+        for payload in self._payloads(staged, trailer):
             digest.update(payload)
             length += len(payload)
-        pieces = itertools.chain([header(length, digest.digest())], self._payloads(staged))
+        pieces = itertools.chain([header(length, digest.digest())], self._payloads(staged, trailer))
         write_atomic(target, pieces)
         self.drop()
 
-    def _payloads(self, staged: Staged) -> Iterator[bytes]:
-        for index in range(staged.parts):
-            yield read_payload(self.folder / f"part-{index:06d}.bin", DEFAULT_MAX_BYTES)
+    def _payloads(self, staged: Staged, trailer: bytes) -> Iterator[bytes]:
+        for key in staged.keys:
+            yield read_payload(self._file(key), DEFAULT_MAX_BYTES)
+        yield trailer
 
     def drop(self) -> None:
         """Forget every staged part."""
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _is_key(value: object) -> bool:
+    return (
+        isinstance(value, str)
+        and len(value) == KEY_CHARS
+        and all(c in "0123456789abcdef" for c in value)
+    )
