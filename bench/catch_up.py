@@ -95,6 +95,7 @@ def server(n_classes: int, dtype: str, folder: Path) -> dict[str, object]:
         sent += len(data)
         (folder / f"{index}.bin").write_bytes(data)
         del data
+    (folder / "manifest.json").write_text(json.dumps({"dtype": dtype, "keys": plan.keys}))
     return {
         "classes": n_classes,
         "dtype": dtype,
@@ -113,10 +114,13 @@ def site(n_classes: int, messages: int, folder: Path) -> dict[str, object]:
     baseline = _rss_mb()
     stored = HeldCodebook(folder / "state" / "codebook.bin", fingerprint=FINGERPRINT, dims=PAPER)
     stage_s = 0.0
+    sent = json.loads((folder / "manifest.json").read_text())
+    manifest = tuple(sent["keys"])
     for index in range(messages):
         data = (folder / f"{index}.bin").read_bytes()
+        label = parts.Label(index, messages, n_classes, manifest if index == 0 else ())
         t0 = time.perf_counter()
-        stored.stage(data, index, messages, n_classes)
+        stored.stage(data, label, 0, sent["dtype"])
         stage_s += time.perf_counter() - t0
         del data
     assert stored.version_for(LINE) == 1 and len(stored.codebook() or ()) == n_classes

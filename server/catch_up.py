@@ -53,7 +53,7 @@ from starfed.server.messaging import (
     reject,
 )
 from starfed.server.participants import Participants
-from starfed.server.records import Exchange
+from starfed.server.records import Exchange, Outcome
 from starfed.shared.codebook import parts
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.lineage import Lineage
@@ -296,25 +296,24 @@ def send(
     in order, its lineage in its metadata and in each part's message config
     (``message_config``, round = part), the first message with the manifest
     (``CATCH_UP_PARTS``), each part with its own ``timeout``, until ``stream.stop``; whether
-    the node now holds it (a reply says so: after the last part, or one that completed the
-    parts staged; the last part's reply that does not is a failure). Each reply says which
-    parts the node has staged (``STAGED``): those are skipped, and kept in ``stream.staged``
-    for a catch-up that resumes. At least one part is sent (the node assembles the codebook
-    on a part's arrival). The log entry of every part sent (phase ``catch_up``) goes to
-    ``stream.exchanges`` as it is answered."""
+    the node now holds it (a reply says so, once every part is staged). Each reply says which
+    parts the node has staged (``STAGED``): the next part sent is the first it lacks (at the
+    start, by ``stream.staged``: its word in an earlier catch-up), and ``stream.staged`` is
+    kept for a catch-up that resumes. Each part is sent at most once (at least one is: the
+    node assembles the codebook on a part's arrival): a reply that lacks a part sent, or
+    lacks none and does not hold the codebook, fails the catch-up. The log entry of every
+    part sent (phase ``catch_up``) goes to ``stream.exchanges`` as it is answered."""
     config = message_config(step, 0, codebook, dtype)
     lineage = Lineage.of(codebook).as_metadata()
     plan = parts.plan(replace(codebook, metadata=lineage), part_bytes, dtype)
     keys = plan.keys
     count = stream.parts = len(plan.parts)
-    first = {CATCH_UP_PARTS: list(keys)}
-    for index in range(count):
-        if stream.stop.is_set():
-            return False
-        if keys[index] in stream.staged and (index < count - 1 or not first):
-            continue
+    sent: set[int] = set()
+    index = _next(keys, stream.staged)
+    while not stream.stop.is_set():
+        first = {} if sent else {CATCH_UP_PARTS: list(keys)}
         message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)], **first}
-        first = {}
+        sent.add(index)
         good, [entry] = exchange(
             grid,
             CATCH_UP_MESSAGE,
@@ -327,21 +326,27 @@ def send(
             _constant(plan.encoded(index)),
             timeout,
         )
-        said = b""
+        caught = False
         if good:
             [(_, reply)] = good
-            stream.staged = _staged(reply.content, keys)
+            stream.staged = _staged(reply.content, keys, sent)
             said = _record(reply.content, HELD)
-        else:
-            stream.staged = frozenset()  # a site drops a staging whose part it refused
-        caught = said == str(codebook.version).encode()
-        if good and not caught and all(key in stream.staged for key in keys[index + 1 :]):
-            why = f"holds {said[:20]!r} after the last part, not version {codebook.version}"
-            reject(entry, why)
+            caught = said == str(codebook.version).encode()
+            index = _next(keys, stream.staged)
+            if not caught and (index in sent or all(key in stream.staged for key in keys)):
+                why = f"holds {said[:20]!r} after its parts, not version {codebook.version}"
+                reject(entry, why)  # each part once: a site that loses what it staged fails
+        if caught or entry.status.outcome is Outcome.ERROR:
+            stream.staged = frozenset()  # held: nothing staged; refused: the staging dropped
         stream.exchanges.append(entry)
         if entry.failed or caught:
-            return caught
+            return not entry.failed
     return False
+
+
+def _next(keys: Sequence[str], staged: frozenset[str]) -> int:
+    """The first part not ``staged`` (all are: the last, on which the node assembles them)."""
+    return next((i for i, key in enumerate(keys) if key not in staged), len(keys) - 1)
 
 
 def _record(content: RecordDict, name: str) -> bytes:
@@ -350,11 +355,14 @@ def _record(content: RecordDict, name: str) -> bytes:
     return raw if isinstance(raw, bytes) else b""
 
 
-def _staged(content: RecordDict, keys: Sequence[str]) -> frozenset[str]:
-    """The keys of the parts a reply says are staged (``STAGED``: a bit a part); none when it
-    is not a bit for each of ``keys``. Trusted only to skip parts: a site that says it holds a
-    part it lacks cannot assemble the codebook, and its reply to the last part then says it
-    holds none (a failed catch-up, a finding)."""
+def _staged(content: RecordDict, keys: Sequence[str], sent: set[int]) -> frozenset[str]:
+    """The keys of the parts a reply says are staged (``STAGED``: a bit a part; a record that
+    is not a bit for each of ``keys``: none). A reply without the record (a site of an earlier
+    release, which stages the parts in order) has staged those ``sent``. Trusted only to skip
+    parts: a site that says it holds a part it lacks cannot assemble the codebook, and one
+    that says it lacks a part it was sent fails its catch-up (``send``)."""
+    if STAGED not in content:
+        return frozenset(keys[i] for i in sent)
     bits = _record(content, STAGED)
     if len(bits) != (len(keys) + 7) // 8:
         return frozenset()

@@ -49,6 +49,7 @@ from starfed.shared.protocol import (
     CATCH_UP_PARTS,
     HELD,
     RECORD_DATA,
+    STAGED,
     Phase,
 )
 from starfed.simulations.local_grid import LocalGrid
@@ -372,6 +373,191 @@ def test_a_catch_up_part_is_its_own_message_which_a_site_reads_apart_from_the_sy
     assert sync.asks is Phase.SYNC and sync.key == "sync"
 
 
+# --- a catch-up longer than a step resumes (issue 43, attack 7) -------------------------------
+
+
+class StagingSite:
+    """Node 1 stages its catch-up parts as a site does (``HeldCodebook.stage``; its reply as
+    ``client.answer``'s: ``HELD`` and ``STAGED``, which ``staged`` may rewrite: a site that
+    lies), reading at most ``budget`` parts a step: the step's others it never answers (a slow
+    link: the step ends first). Node 2 holds the codebook. Pushes and pulls, as Flower's grid."""
+
+    def __init__(self, folder: Path, codebook: Codebook, budget: int) -> None:
+        self.held = HeldCodebook(
+            folder / CODEBOOK_FILE, fingerprint=codebook.fingerprint, dims=codebook.dims
+        )
+        self.budget = budget
+        self.staged: Callable[[bytes], bytes] = lambda bits: bits
+        self.read: list[tuple[int, int, int]] = []  # (step, part, bytes) of each part read
+        self.replies: dict[str, Message] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return [1, 2]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            ids.append(uuid.uuid4().hex)
+            message.metadata.__dict__["_message_id"] = ids[-1]  # as a grid's push does
+            step = message.content["config"]["step"]
+            if sum(read[0] == step for read in self.read) < self.budget:
+                self.replies[ids[-1]] = self._answer(message)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self.replies.pop(i) for i in message_ids if i in self.replies]
+
+    def _answer(self, message: Message) -> Message:
+        config, data = message.content["config"], message.content["codebook"]["data"]
+        index, count, classes = config[CATCH_UP]
+        part = parts.Label(index, count, classes, tuple(config.get(CATCH_UP_PARTS, [])))
+        self.held.stage(data, part, config["step"], config["wire-dtype"])
+        self.read.append((config["step"], index, len(data)))
+        held = str(self.held.version_for(LINE)).encode()
+        staged = self.staged(self.held.staged_parts())
+        records = {HELD: held, STAGED: staged}
+        content = RecordDict({k: ConfigRecord({RECORD_DATA: v}) for k, v in records.items()})
+        return Message(content, reply_to=message)
+
+
+def _step(
+    site: StagingSite, codebook: Codebook, ledger: catch_up.Ledger, step: int, size: int
+) -> tuple[catch_up.CaughtUp, catch_up.CaughtUp]:
+    """One step of a federation whose node 2 holds ``codebook``: node 1's catch-up started
+    before a phase (``before_phase``), run until it ends or has read ``budget`` parts, read
+    (``joined``: what a phase then does), then the step's end (``abandon``)."""
+    participants = Participants(node_ids=[1, 2], versions={2: codebook.version})
+    sites = {1: "farm-b", 2: "farm-a"}
+    catch_up.before_phase(
+        site, codebook, participants, [1, 2], step, "float32", size, sites, 2.0, ledger
+    )
+    stream = ledger.streams[1]
+    deadline = time.monotonic() + 30
+    while not stream.done.is_set() and len(stream.exchanges) < site.budget:
+        assert time.monotonic() < deadline, stream.exchanges
+        time.sleep(0.01)
+    stream.done.wait(0.2)  # a stream whose parts were all read ends at once
+    ended = catch_up.joined(ledger, participants, codebook.version)
+    return ended, catch_up.abandon(ledger, participants, step)
+
+
+def test_a_catch_up_longer_than_a_step_resumes_with_the_parts_the_site_lacks(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site that reads three parts a step joins a codebook of five, then six, parts: in the
+    first step it stages three (its catch-up stopped at the step's end: noted, no finding);
+    in the second the codebook changed one of the classes it staged and gained one, and it is
+    sent that stale part again and the two it lacks; in the third the one part left, and it
+    holds the codebook. No other part is sent twice, the bytes it received are the parts it
+    lacked, and the staging is gone."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)  # what a ServerApp's process has
+    site, ledger = StagingSite(tmp_path, codebook, budget=3), catch_up.Ledger()
+    _, first = _step(site, codebook, ledger, 0, small_parts)
+    assert [i for _, i, _ in site.read] == [0, 1, 2]
+    assert not first.findings and "(3 of 5 parts answered)" in first.noted[1]
+
+    stale = codebook.names[1]
+    newer = codebook.set_values({stale: {"prompt": torch.ones(codebook.dims.d_txt)}})
+    newer = newer.register([replace(newer[stale], name="a new class", frozen=False)])
+    plan = parts.plan(newer, small_parts)
+    ledger = ledger.next_step()
+    _, second = _step(site, newer, ledger, 1, small_parts)
+    assert [i for s, i, _ in site.read if s == 1] == [1, 3, 4]  # 0 and 2 kept: frozen, unchanged
+    assert not second.findings and 1 in second.noted
+
+    ledger = ledger.next_step()
+    joined, third = _step(site, newer, ledger, 2, small_parts)
+    assert [i for s, i, _ in site.read if s == 2] == [5]
+    assert joined.nodes == [1] and not joined.findings and not third.noted
+    same_codebook(site.held.codebook(), newer)
+    assert not (tmp_path / STAGING_DIR).exists() and 1 not in ledger.staged
+    assert [(s, i) for s, i, _ in site.read].count((1, 1)) == 1
+    received = sum(size for s, _, size in site.read if s > 0)
+    assert received == sum(len(plan.encoded(i)) for i in (1, 3, 4, 5))
+
+
+def test_a_staging_abandoned_for_good_is_dropped_and_a_new_catch_up_starts_again(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The site's staging past ``STAGING_IDLE_STEPS`` steps without a part is dropped at its
+    sync; the server still remembers the parts it had, sends the first it lacks with the
+    manifest, learns from the reply that the site holds nothing, and goes back to part 0: the
+    catch-up completes in the step, each part sent once."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    site, ledger = StagingSite(tmp_path, codebook, budget=2), catch_up.Ledger()
+    _step(site, codebook, ledger, 0, small_parts)
+    site.held.drop_idle_staging(1 + STAGING_IDLE_STEPS)  # the sync of a step much later
+    assert not (tmp_path / STAGING_DIR).exists() and len(ledger.staged[1]) == 2
+    site.budget = len(codebook)
+    later, _ = _step(site, codebook, ledger.next_step(), 1, small_parts)
+    assert [i for s, i, _ in site.read if s == 1] == [2, 0, 1, 3, 4]
+    assert later.nodes == [1] and not later.findings
+    same_codebook(site.held.codebook(), codebook)
+
+
+@pytest.mark.adversarial
+def test_a_site_that_lies_about_its_staged_parts_gains_nothing(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site that says it staged every part (after its first, holding none of the others) is
+    sent that one part each catch-up, fails each (a finding: it holds no codebook), and is
+    refused past ``CATCH_UPS_PER_STEP``; one whose word is no bit a part (10 kB of ones) is
+    taken to hold none, so fails (it lacks the part just sent). Honest again, it is sent the
+    parts it lacks, once each. The server goes on throughout."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    count = len(parts.plan(codebook, small_parts).parts)
+    site, ledger = StagingSite(tmp_path, codebook, budget=99), catch_up.Ledger()
+    site.staged = lambda bits: b"\xff" * ((count + 7) // 8)
+    participants = Participants(node_ids=[1, 2], versions={2: codebook.version})
+    sites = {1: "farm-b", 2: "farm-a"}
+    found = []
+    for _ in range(catch_up.CATCH_UPS_PER_STEP + 1):
+        participants.set_version(1, None)
+        before = catch_up.before_phase(
+            site, codebook, participants, [1, 2], 0, "float32", small_parts, sites, 2.0, ledger
+        )
+        if 1 in ledger.streams:
+            ledger.streams[1].done.wait(10)
+        after = catch_up.joined(ledger, participants, codebook.version)
+        assert 1 not in before.nodes + after.nodes  # never sent a phase
+        found.append(before.findings.get(1) or after.findings.get(1))
+    assert [i for _, i, _ in site.read] == [0, count - 1]  # one part a catch-up
+    assert [why.split(" at ")[0] for why in found[:2]] == ["failed its catch-up"] * 2
+    assert found[2] == "refused a catch-up: 2 already in step 1"
+    assert site.held.version_for(LINE) == 0
+
+    site.read.clear()
+    site.staged = lambda bits: b"\xff" * 10_000  # no bit a part: it has staged none
+    garbled, _ = _step(site, codebook, ledger.next_step(), 1, small_parts)
+    # the last (by its earlier word), then the first it lacks by this one, which it lacks again
+    assert [i for _, i, _ in site.read] == [count - 1, 0] and "failed" in garbled.findings[1]
+    site.read.clear()
+    site.staged = lambda bits: bits  # honest again: sent from the first part, then what it lacks
+    honest, _ = _step(site, codebook, ledger.next_step(), 2, small_parts)
+    assert [i for _, i, _ in site.read] == list(range(count - 1)) and not honest.findings
+    same_codebook(site.held.codebook(), codebook)
+
+
+def test_a_catch_up_stopped_without_a_part_staged_is_a_finding(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site that reads no part in the step: its stopped catch-up is a finding (it counts
+    toward quarantine), not noted."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    site, ledger = StagingSite(tmp_path, codebook, budget=0), catch_up.Ledger()
+    _, ended = _step(site, codebook, ledger, 0, small_parts)
+    assert not ended.noted and "(0 of 5 parts answered)" in ended.findings[1]
+
+
 # --- through the real apps ------------------------------------------------------------------
 
 
@@ -451,14 +637,13 @@ def test_a_site_joining_late_catches_up_in_parts_and_recovers_from_a_garbled_par
 
 
 class StaleClaimGrid(LocalGrid):
-    """The local runtime, where node 2 receives every catch-up part and then claims to hold an
-    old version (its reply to the last part rewritten): it is behind again before every phase."""
+    """The local runtime, where node 2 receives every catch-up part and claims to hold an old
+    version (its replies rewritten): it is behind again before every phase."""
 
     def _deliver(self, message):  # type: ignore[no-untyped-def]
         reply = super()._deliver(message)
-        config = message.content["config"]
-        last = CATCH_UP in config and config[CATCH_UP][0] == config[CATCH_UP][1] - 1
-        if reply is not None and message.metadata.dst_node_id == 2 and last:
+        part = CATCH_UP in message.content["config"]
+        if reply is not None and message.metadata.dst_node_id == 2 and part:
             reply.content[HELD] = ConfigRecord({RECORD_DATA: b"1"})
         return reply
 
