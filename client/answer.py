@@ -44,6 +44,7 @@ from starfed.shared.protocol import (
     CATCH_UP,
     CATCH_UP_KEY,
     CATCH_UP_PARTS,
+    CATCH_UP_VERSIONS,
     CLASS_STEPS,
     CLASSIFY_WITH_KEYS,
     EVALUATION_REFUSED,
@@ -163,8 +164,8 @@ def _build_site(run_id: int, node_id: int, run_config: dict, node_config: dict) 
     return Site(name, data_dir, memory, backbones, config, cache_dir, privacy, policy)
 
 
-#: What a catch-up message asks: stage a part (``CATCH_UP``, with ``CATCH_UP_PARTS`` on the
-#: first of a catch-up).
+#: What a catch-up message asks: stage a part (``CATCH_UP``, with the manifest on the first of a
+#: catch-up: ``CATCH_UP_PARTS``, ``CATCH_UP_VERSIONS``).
 CatchUpPart = parts.Label
 
 
@@ -190,8 +191,9 @@ class Incoming:
         asks: Phase | CatchUpPart
         if key == CATCH_UP_KEY:
             index, count, classes = (int(value) for value in config[CATCH_UP])
-            manifest = tuple(str(k) for k in config.get(CATCH_UP_PARTS, []))
-            asks = CatchUpPart(index, count, classes, manifest)
+            keys = tuple(str(key) for key in config.get(CATCH_UP_PARTS, []))
+            changed = tuple(int(version) for version in config.get(CATCH_UP_VERSIONS, []))
+            asks = CatchUpPart(index, count, classes, keys, changed)
         else:
             asks = Phase[key.upper()]
         travelling = tuple(Phase[str(k).upper()] for k in config.get(TRAVELLING, []))

@@ -37,6 +37,7 @@ versions per phase; on a grid that pushes and pulls, a thread per node in a catc
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -62,6 +63,7 @@ from starfed.shared.protocol import (
     CATCH_UP_KEY,
     CATCH_UP_MESSAGE,
     CATCH_UP_PARTS,
+    CATCH_UP_VERSIONS,
     HELD,
     RECORD_DATA,
     ROUND,
@@ -77,14 +79,14 @@ CATCH_UPS_PER_STEP = 2
 
 @dataclass
 class Stream:
-    """One node's catch-up: the version it is sent, in how many parts, the keys of the parts
-    the node said it has staged (``staged``: at the start, its last word in an earlier
-    catch-up; then its reply to each part), the log entry of each part answered so far
+    """One node's catch-up: the version it is sent, in how many parts, the version the node
+    said each part is staged at, by key (``staged``: at the start, its last word in an
+    earlier catch-up; then its reply to each part), the log entry of each part answered so far
     (appended as they go), whether it ended (``done``) and caught the node up (``caught``);
     ``stop`` ends it before its next part."""
 
     version: int
-    staged: frozenset[str] = frozenset()
+    staged: dict[str, int] = field(default_factory=dict)
     parts: int = 0  # how many the codebook is in, once planned
     exchanges: list[Exchange] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
@@ -101,14 +103,14 @@ class Stream:
 class Ledger:
     """One step's catch-ups: how many each node started, the nodes that completed one, the
     streams in progress or ended but not yet read (node -> its stream); and, kept from step to
-    step (``next_step``), the keys of the parts each node said it has staged when its last
-    catch-up ended (what a resumed one skips)."""
+    step (``next_step``), the version each node said each part is staged at when its last
+    catch-up ended (what a resumed one sends only the changes of)."""
 
     started: Counter[int] = field(default_factory=Counter)
     completed: set[int] = field(default_factory=set)
     streams: dict[int, Stream] = field(default_factory=dict)
     ended: threading.Event = field(default_factory=threading.Event)  # set as each stream ends
-    staged: dict[int, frozenset[str]] = field(default_factory=dict)
+    staged: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def next_step(self) -> Ledger:
         """The next step's ledger: what the nodes have staged, nothing else."""
@@ -209,7 +211,7 @@ def start(
     """``node``'s catch-up to codebook ``version`` (counted in ``ledger``), whose parts ``sent``
     sends (``send``, whether it caught the node up): in a thread of its own on a grid that
     pushes and pulls, to its end before returning on one that answers at once."""
-    stream = ledger.streams[node] = Stream(version, ledger.staged.get(node, frozenset()))
+    stream = ledger.streams[node] = Stream(version, ledger.staged.get(node, {}))
     ledger.started[node] += 1
 
     def run() -> None:
@@ -306,13 +308,16 @@ def send(
     config = message_config(step, 0, codebook, dtype)
     lineage = Lineage.of(codebook).as_metadata()
     plan = parts.plan(replace(codebook, metadata=lineage), part_bytes, dtype)
-    keys = plan.keys
+    keys, changed = plan.keys, plan.changed
     count = stream.parts = len(plan.parts)
+    manifest: dict[str, list[str] | list[int]]
+    manifest = {CATCH_UP_PARTS: list(keys), CATCH_UP_VERSIONS: list(changed)}
     sent: set[int] = set()
-    index = _next(keys, stream.staged)
+    index = _next(plan, stream.staged)
     while not stream.stop.is_set():
-        first = {} if sent else {CATCH_UP_PARTS: list(keys)}
-        message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)], **first}
+        message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)]}
+        since = stream.staged.get(keys[index], 0)
+        data = plan.encoded(index, since)
         sent.add(index)
         good, [entry] = exchange(
             grid,
@@ -320,33 +325,41 @@ def send(
             CATCH_UP_KEY,
             step,
             index,
-            message,
+            message if len(sent) > 1 else {**message, **manifest},
             [node],
             sites,
-            _constant(plan.encoded(index)),
+            _constant(data),
             timeout,
         )
         caught = False
         if good:
             [(_, reply)] = good
-            stream.staged = _staged(reply.content, keys, sent)
+            stream.staged = _staged(reply.content, plan, sent)
             said = _record(reply.content, HELD)
             caught = said == str(codebook.version).encode()
-            index = _next(keys, stream.staged)
-            if not caught and (index in sent or all(key in stream.staged for key in keys)):
+            index = _next(plan, stream.staged)
+            if not caught and (index in sent or _current(plan, stream.staged) == count):
                 why = f"holds {said[:20]!r} after its parts, not version {codebook.version}"
                 reject(entry, why)  # each part once: a site that loses what it staged fails
         if caught or entry.status.outcome is Outcome.ERROR:
-            stream.staged = frozenset()  # held: nothing staged; refused: the staging dropped
+            stream.staged = {}  # held: nothing staged; refused: the staging dropped
         stream.exchanges.append(entry)
         if entry.failed or caught:
             return not entry.failed
     return False
 
 
-def _next(keys: Sequence[str], staged: frozenset[str]) -> int:
-    """The first part not ``staged`` (all are: the last, on which the node assembles them)."""
-    return next((i for i, key in enumerate(keys) if key not in staged), len(keys) - 1)
+def _current(plan: parts.Plan, staged: Mapping[str, int]) -> int:
+    """How many parts are ``staged`` at their version or later."""
+    pairs = zip(plan.keys, plan.changed, strict=True)
+    return sum(staged.get(key, 0) >= version for key, version in pairs)
+
+
+def _next(plan: parts.Plan, staged: Mapping[str, int]) -> int:
+    """The first part not ``staged`` at its version (all are: the last, on whose arrival the
+    node assembles them)."""
+    pairs = enumerate(zip(plan.keys, plan.changed, strict=True))
+    return next((i for i, (k, v) in pairs if staged.get(k, 0) < v), len(plan.keys) - 1)
 
 
 def _record(content: RecordDict, name: str) -> bytes:
@@ -355,18 +368,23 @@ def _record(content: RecordDict, name: str) -> bytes:
     return raw if isinstance(raw, bytes) else b""
 
 
-def _staged(content: RecordDict, keys: Sequence[str], sent: set[int]) -> frozenset[str]:
-    """The keys of the parts a reply says are staged (``STAGED``: a bit a part; a record that
-    is not a bit for each of ``keys``: none). A reply without the record (a site of an earlier
-    release, which stages the parts in order) has staged those ``sent``. Trusted only to skip
-    parts: a site that says it holds a part it lacks cannot assemble the codebook, and one
-    that says it lacks a part it was sent fails its catch-up (``send``)."""
+def _staged(content: RecordDict, plan: parts.Plan, sent: set[int]) -> dict[str, int]:
+    """The version each part is staged at by a reply (``STAGED``: a little-endian 64-bit
+    integer a part, none past the codebook's version; anything else: none staged). A reply
+    without the record (a site of an earlier release, which stages whole parts in order) has
+    staged those ``sent``. Trusted only to send less: a site that says it holds a part it
+    lacks cannot assemble the codebook, and one that says it lacks a part it was sent fails
+    its catch-up (``send``)."""
+    keys, version = plan.keys, plan.codebook.version
     if STAGED not in content:
-        return frozenset(keys[i] for i in sent)
-    bits = _record(content, STAGED)
-    if len(bits) != (len(keys) + 7) // 8:
-        return frozenset()
-    return frozenset(key for i, key in enumerate(keys) if bits[i // 8] >> (i % 8) & 1)
+        return {keys[i]: version for i in sent}
+    raw = _record(content, STAGED)
+    if len(raw) != 8 * len(keys):
+        return {}
+    versions = struct.unpack(f"<{len(keys)}Q", raw)
+    if max(versions) > version:
+        return {}
+    return {key: v for key, v in zip(keys, versions, strict=True) if v}
 
 
 def _constant(data: bytes) -> Callable[[int], bytes]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import re
 import shutil
+import struct
 import threading
 import time
 import uuid
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Error, Message, RecordDict
 from in_process import TINY_RUN, run_grid
 from site_folders import CLASSES, site_folder
 
@@ -47,6 +48,7 @@ from starfed.shared.protocol import (
     CATCH_UP_KEY,
     CATCH_UP_MESSAGE,
     CATCH_UP_PARTS,
+    CATCH_UP_VERSIONS,
     HELD,
     RECORD_DATA,
     STAGED,
@@ -95,7 +97,9 @@ def small_parts(codebook: Codebook) -> int:
 def label(plan: parts.Plan, index: int, first: bool = False, classes: int | None = None):  # type: ignore[no-untyped-def]
     """Part ``index``'s label, with the manifest when it is the ``first`` of its catch-up."""
     count, announced = len(plan.parts), len(plan.codebook) if classes is None else classes
-    return parts.Label(index, count, announced, plan.keys if first else ())
+    if not first:
+        return parts.Label(index, count, announced)
+    return parts.Label(index, count, announced, plan.keys, plan.changed)
 
 
 def stage(held: HeldCodebook, plan: parts.Plan, index: int, first: bool = False, step: int = 0):  # type: ignore[no-untyped-def]
@@ -183,7 +187,7 @@ def test_an_abandoned_catch_up_leaves_nothing_on_the_site_disk(
     assert len(list((tmp_path / STAGING_DIR).iterdir())) == 3  # staged.json and two parts
     for step in range(3, 4 + STAGING_IDLE_STEPS):
         held.drop_idle_staging(step)
-        assert held.staged_parts() == b"\x03" and assembled.exists()
+        assert held.staged_parts() == struct.pack("<5Q", 5, 5, 0, 0, 0) and assembled.exists()
     held.drop_idle_staging(4 + STAGING_IDLE_STEPS)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     stage(held, plan, 0, first=True)
@@ -272,18 +276,18 @@ def test_a_class_sent_in_two_parts_is_refused_and_not_held(
     held = HeldCodebook(
         tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
     )
-    twice = parts.Label(0, 2, 2, (plan.keys[0], plan.keys[0]))
+    twice = parts.Label(0, 2, 2, (plan.keys[0], plan.keys[0]), (5, 5))
     with pytest.raises(CodebookError, match="names a part twice"):
         held.stage(plan.encoded(0), twice, 0, "float32")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     name = codebook.names[0]
-    newer = codebook.set_values({name: {"prompt": torch.zeros(codebook.dims.d_txt)}})
-    one = parts.plan(replace(newer, entries={name: newer[name]}), small_parts)
-    stale = parts.plan(replace(newer, entries={name: codebook[name]}), small_parts)
-    both = parts.Label(0, 2, 2, (one.keys[0], stale.keys[0]))
+    one = parts.plan(replace(codebook, entries={name: codebook[name]}), small_parts)
+    renamed = {"other": replace(codebook[name], name="other")}
+    other = parts.plan(replace(codebook, entries=renamed), small_parts)
+    both = parts.Label(0, 2, 2, (one.keys[0], other.keys[0]), (5, 5))
     assert held.stage(one.encoded(0), both, 0, "float32") is None
-    with pytest.raises(CodebookError, match="twice"):
-        held.stage(stale.encoded(0), replace(both, index=1, manifest=()), 0, "float32")
+    with pytest.raises(CodebookError, match="other classes than the manifest names"):
+        held.stage(one.encoded(0), replace(both, index=1, keys=(), changed=()), 0, "float32")
     assert held.version_for(LINE) == 0 and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -366,8 +370,8 @@ def test_a_catch_up_part_is_its_own_message_which_a_site_reads_apart_from_the_sy
     config = {"step": 0, "round": 1, **LINE.as_metadata(), CATCH_UP: [1, 5, 5]}
     part = Incoming.of(CATCH_UP_KEY, config)
     assert part.asks == CatchUpPart(1, 5, 5) and part.key == CATCH_UP_KEY
-    first = Incoming.of(CATCH_UP_KEY, {**config, CATCH_UP_PARTS: ["k0", "k1"]})
-    assert first.asks == CatchUpPart(1, 5, 5, ("k0", "k1"))
+    first = Incoming.of(CATCH_UP_KEY, {**config, CATCH_UP_PARTS: ["k0"], CATCH_UP_VERSIONS: [3]})
+    assert first.asks == CatchUpPart(1, 5, 5, ("k0",), (3,))
     assert part.epoch == LINE.epoch and part.federation == LINE.federation
     sync = Incoming.of(Phase.SYNC.key, config)
     assert sync.asks is Phase.SYNC and sync.key == "sync"
@@ -387,7 +391,7 @@ class StagingSite:
             folder / CODEBOOK_FILE, fingerprint=codebook.fingerprint, dims=codebook.dims
         )
         self.budget = budget
-        self.staged: Callable[[bytes], bytes] = lambda bits: bits
+        self.staged: Callable[[bytes], bytes] = lambda versions: versions
         self.read: list[tuple[int, int, int]] = []  # (step, part, bytes) of each part read
         self.replies: dict[str, Message] = {}
 
@@ -415,8 +419,12 @@ class StagingSite:
     def _answer(self, message: Message) -> Message:
         config, data = message.content["config"], message.content["codebook"]["data"]
         index, count, classes = config[CATCH_UP]
-        part = parts.Label(index, count, classes, tuple(config.get(CATCH_UP_PARTS, [])))
-        self.held.stage(data, part, config["step"], config["wire-dtype"])
+        keys, changed = config.get(CATCH_UP_PARTS, []), config.get(CATCH_UP_VERSIONS, [])
+        part = parts.Label(index, count, classes, tuple(keys), tuple(changed))
+        try:
+            self.held.stage(data, part, config["step"], config["wire-dtype"])
+        except CodebookError as err:  # the app's error reply
+            return Message(error=Error(0, str(err)), reply_to=message)
         self.read.append((config["step"], index, len(data)))
         held = str(self.held.version_for(LINE)).encode()
         staged = self.staged(self.held.staged_parts())
@@ -452,9 +460,9 @@ def test_a_catch_up_longer_than_a_step_resumes_with_the_parts_the_site_lacks(
     """A site that reads three parts a step joins a codebook of five, then six, parts: in the
     first step it stages three (its catch-up stopped at the step's end: noted, no finding);
     in the second the codebook changed one of the classes it staged and gained one, and it is
-    sent that stale part again and the two it lacks; in the third the one part left, and it
-    holds the codebook. No other part is sent twice, the bytes it received are the parts it
-    lacked, and the staging is gone."""
+    sent that part's change (a delta of its class) and the two parts it lacks; in the third
+    the one part left, and it holds the codebook. No part is sent whole twice, the bytes it
+    received are what it lacked, and the staging is gone."""
     for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
         monkeypatch.setattr(TaskIdentity, name, value)  # what a ServerApp's process has
     site, ledger = StagingSite(tmp_path, codebook, budget=3), catch_up.Ledger()
@@ -468,7 +476,7 @@ def test_a_catch_up_longer_than_a_step_resumes_with_the_parts_the_site_lacks(
     plan = parts.plan(newer, small_parts)
     ledger = ledger.next_step()
     _, second = _step(site, newer, ledger, 1, small_parts)
-    assert [i for s, i, _ in site.read if s == 1] == [1, 3, 4]  # 0 and 2 kept: frozen, unchanged
+    assert [i for s, i, _ in site.read if s == 1] == [1, 3, 4]  # 0 and 2 kept: unchanged
     assert not second.findings and 1 in second.noted
 
     ledger = ledger.next_step()
@@ -477,9 +485,10 @@ def test_a_catch_up_longer_than_a_step_resumes_with_the_parts_the_site_lacks(
     assert joined.nodes == [1] and not joined.findings and not third.noted
     same_codebook(site.held.codebook(), newer)
     assert not (tmp_path / STAGING_DIR).exists() and 1 not in ledger.staged
-    assert [(s, i) for s, i, _ in site.read].count((1, 1)) == 1
+    change = len(plan.encoded(1, since=codebook.version))  # its prompt: a fifth of the class
+    assert change < len(plan.encoded(1)) // 2
     received = sum(size for s, _, size in site.read if s > 0)
-    assert received == sum(len(plan.encoded(i)) for i in (1, 3, 4, 5))
+    assert received == change + sum(len(plan.encoded(i)) for i in (3, 4, 5))
 
 
 def test_a_staging_abandoned_for_good_is_dropped_and_a_new_catch_up_starts_again(
@@ -506,19 +515,21 @@ def test_a_staging_abandoned_for_good_is_dropped_and_a_new_catch_up_starts_again
 def test_a_site_that_lies_about_its_staged_parts_gains_nothing(
     tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A site that says it staged every part (after its first, holding none of the others) is
-    sent that one part each catch-up, fails each (a finding: it holds no codebook), and is
-    refused past ``CATCH_UPS_PER_STEP``; one whose word is no bit a part (10 kB of ones) is
-    taken to hold none, so fails (it lacks the part just sent). Honest again, it is sent the
-    parts it lacks, once each. The server goes on throughout."""
+    """A site that says it staged every part at the codebook's version, after its first part
+    (it holds none of the others), is sent that part and fails (a finding: it holds no
+    codebook); its next catch-up is the last part's change from that version, which it cannot
+    apply (a finding, its staging dropped); a third is refused (``CATCH_UPS_PER_STEP``). One
+    whose word is no version a part (10 kB) is taken to hold none, so it lacks the part just
+    sent and fails. Honest again, it is sent every part once. The server goes on throughout,
+    and the site never holds a codebook it was not sent."""
     for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
         monkeypatch.setattr(TaskIdentity, name, value)
     count = len(parts.plan(codebook, small_parts).parts)
     site, ledger = StagingSite(tmp_path, codebook, budget=99), catch_up.Ledger()
-    site.staged = lambda bits: b"\xff" * ((count + 7) // 8)
+    site.staged = lambda versions: struct.pack(f"<{count}Q", *[codebook.version] * count)
     participants = Participants(node_ids=[1, 2], versions={2: codebook.version})
     sites = {1: "farm-b", 2: "farm-a"}
-    found = []
+    found, rounds = [], []
     for _ in range(catch_up.CATCH_UPS_PER_STEP + 1):
         participants.set_version(1, None)
         before = catch_up.before_phase(
@@ -529,20 +540,20 @@ def test_a_site_that_lies_about_its_staged_parts_gains_nothing(
         after = catch_up.joined(ledger, participants, codebook.version)
         assert 1 not in before.nodes + after.nodes  # never sent a phase
         found.append(before.findings.get(1) or after.findings.get(1))
-    assert [i for _, i, _ in site.read] == [0, count - 1]  # one part a catch-up
+        rounds.append([e.round for e in before.exchanges + after.exchanges])
+    assert rounds == [[0], [count - 1], []] and [i for _, i, _ in site.read] == [0]
     assert [why.split(" at ")[0] for why in found[:2]] == ["failed its catch-up"] * 2
     assert found[2] == "refused a catch-up: 2 already in step 1"
-    assert site.held.version_for(LINE) == 0
+    assert site.held.version_for(LINE) == 0 and not (tmp_path / STAGING_DIR).exists()
 
     site.read.clear()
-    site.staged = lambda bits: b"\xff" * 10_000  # no bit a part: it has staged none
+    site.staged = lambda versions: b"\xff" * 10_000  # no version a part: it has staged none
     garbled, _ = _step(site, codebook, ledger.next_step(), 1, small_parts)
-    # the last (by its earlier word), then the first it lacks by this one, which it lacks again
-    assert [i for _, i, _ in site.read] == [count - 1, 0] and "failed" in garbled.findings[1]
+    assert [i for _, i, _ in site.read] == [0] and "failed" in garbled.findings[1]
     site.read.clear()
-    site.staged = lambda bits: bits  # honest again: sent from the first part, then what it lacks
+    site.staged = lambda versions: versions  # honest again
     honest, _ = _step(site, codebook, ledger.next_step(), 2, small_parts)
-    assert [i for _, i, _ in site.read] == list(range(count - 1)) and not honest.findings
+    assert [i for _, i, _ in site.read] == list(range(count)) and not honest.findings
     same_codebook(site.held.codebook(), codebook)
 
 
@@ -585,8 +596,9 @@ def _run(
     sites: dict[str, dict[str, list[str]]],
     grid: Callable[..., LocalGrid] = GarblingGrid,
     part_bytes: int | None = None,  # None: the default (a tiny codebook is then never in parts)
+    **run: object,  # other run config (``max-steps`` is 1 unless given)
 ) -> dict:
-    config = {**TINY_RUN, "max-steps": 1, "federation-dir": str(tmp / "federation")}
+    config = {**TINY_RUN, "max-steps": 1, "federation-dir": str(tmp / "federation"), **run}
     if part_bytes is not None:
         config["part-bytes"] = part_bytes
     nodes = {

@@ -251,8 +251,9 @@ class HeldCodebook:
         return codebook
 
     def staged_parts(self) -> bytes:
-        """Which parts of the catch-up in progress are staged (``Staging.held``)."""
-        return self._staging().held()
+        """The version each part of the catch-up in progress is staged at
+        (``Staging.versions``)."""
+        return self._staging().versions()
 
     def drop_idle_staging(self, step: int) -> None:
         """At the sync of ``step``: forget a catch-up's parts when none was staged in the last

@@ -38,6 +38,7 @@ import itertools
 import json
 import math
 import shutil
+import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -74,20 +75,23 @@ class Plan:
 
     @property
     def keys(self) -> tuple[str, ...]:
-        """The manifest: each part's key (``part_key``), in order."""
-        return tuple(
-            part_key(
-                Lineage.of(self.codebook),
-                self.dtype,
-                ((n, self.codebook[n].version) for n in names),
-            )
-            for names in self.parts
-        )
+        """The manifest's keys: each part's (``part_key``), in order."""
+        lineage = Lineage.of(self.codebook)
+        return tuple(part_key(lineage, self.dtype, names) for names in self.parts)
 
-    def encoded(self, index: int) -> bytes:
-        """Part ``index``'s message (checked against the limit it was planned for)."""
-        entries = {name: self.codebook[name] for name in self.parts[index]}
-        data = wire.encode(replace(self.codebook, entries=entries).broadcast(), self.dtype)
+    @property
+    def changed(self) -> tuple[int, ...]:
+        """Each part's version: the codebook version at which one of its classes last changed
+        (a part staged at it, or later, holds what this one would)."""
+        return tuple(max(self.codebook[n].version for n in names) for names in self.parts)
+
+    def encoded(self, index: int, since: int = 0) -> bytes:
+        """Part ``index``'s message: its classes whole, or with ``since`` (a version of the part
+        the receiver staged) what changed in them since, a delta of its classes (checked
+        against the limit the part was planned for: a delta carries no more of a class)."""
+        part = replace(self.codebook, entries={n: self.codebook[n] for n in self.parts[index]})
+        value = part.delta(since) if since else part.broadcast()
+        data = wire.encode(value, self.dtype)
         if len(data) > self.part_bytes:  # the plan counts an upper bound: never reached
             raise ValueError(f"part {index} is {len(data)} bytes, over {self.part_bytes}")
         return data
@@ -113,17 +117,11 @@ def plan(codebook: Codebook, part_bytes: int, dtype: str = "float32") -> Plan:
     return Plan(codebook, tuple(split), dtype, part_bytes)
 
 
-def part_key(lineage: Lineage, dtype: str, classes: Iterable[tuple[str, int]]) -> str:
-    """A part's key: its lineage, wire dtype, and its classes' names and versions (the codebook
-    version at which each last changed), in order. Within a lineage a class's version names its
-    values (a rollback starts another lineage: docs/federation.md), so a staged part of the
-    same key holds what a new one would."""
-    named = [
-        lineage.federation,
-        lineage.epoch,
-        dtype,
-        [[name, version] for name, version in classes],
-    ]
+def part_key(lineage: Lineage, dtype: str, names: Iterable[str]) -> str:
+    """A part's key: its lineage, wire dtype and classes, in order. What a staged part of the
+    key holds is said by its version (``Plan.changed``): a class's version names its values
+    within a lineage (a rollback starts another: docs/federation.md)."""
+    named = [lineage.federation, lineage.epoch, dtype, list(names)]
     return hashlib.sha256(json.dumps(named).encode()).hexdigest()[:KEY_CHARS]
 
 
@@ -180,20 +178,22 @@ def _header_bytes(codebook: Codebook) -> int:
 @dataclass(frozen=True)
 class Label:
     """What a catch-up message says of its part: part ``index`` of ``count`` of a codebook of
-    ``classes`` classes; the first message of a catch-up also carries the ``manifest`` (every
-    part's key, in order)."""
+    ``classes`` classes; the first message of a catch-up also carries the manifest: every
+    part's key and version (``Plan.keys``, ``Plan.changed``), in order."""
 
     index: int
     count: int
     classes: int
-    manifest: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+    changed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Staged:
     """What a staging holds (the staging folder's one record): the manifest of the codebook it
-    assembles (its lineage, version, classes, wire dtype and parts' keys), how many of those
-    parts are staged, and the step of the last one (``held``'s rule for when it is abandoned)."""
+    assembles (its lineage, version, classes, wire dtype, and each part's key and version),
+    how many of its parts are staged at their version or later, and the step of the last
+    part staged (``held``'s rule for when a staging is abandoned)."""
 
     federation: str
     epoch: str
@@ -203,16 +203,19 @@ class Staged:
     received: int
     dtype: str = "float32"
     keys: tuple[str, ...] = ()
+    changed: tuple[int, ...] = ()
     step: int = 0
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Staged:
-        return cls(**{**raw, "keys": tuple(str(key) for key in raw.get("keys", ()))})
+        keys = tuple(str(key) for key in raw.get("keys", ()))
+        changed = tuple(int(version) for version in raw.get("changed", ()))
+        return cls(**{**raw, "keys": keys, "changed": changed})
 
 
 class Staging:
     """Parts received so far, in ``folder`` (beside the held codebook): ``staged.json`` and one
-    checksummed file per part, named by its key."""
+    checksummed file per part, named by its key and version (``part-<key>-<version>.bin``)."""
 
     def __init__(
         self, folder: Path, *, fingerprint: str | None = None, dims: ModelDims | None = None
@@ -221,12 +224,15 @@ class Staging:
         self.fingerprint, self.dims = fingerprint, dims
 
     def add(self, data: bytes, label: Label, step: int, dtype: str, target: Path) -> bool:
-        """Stage ``data``, the part ``label`` names, sent in ``step`` in ``dtype``; once every
-        part of the manifest is staged, write the whole codebook file ``target`` (True). A
-        label with a manifest starts the codebook it names, keeping the staged parts it names.
+        """Stage ``data``, the part ``label`` names, sent in ``step`` in ``dtype``: its classes
+        whole, or a delta of them from the version of the part staged; once every part of the
+        manifest is staged at its version or later, write the whole codebook file ``target``
+        (True). A label with a manifest starts the codebook it names, keeping the staged
+        parts it names.
 
         Raises CodebookError (and drops the staging) for a part that does not decode or is
-        not the manifest's, or parts that do not make a whole codebook."""
+        not the manifest's, a delta from a version not staged, or parts that do not make a
+        whole codebook."""
         try:
             return self._add(data, label, step, dtype, target)
         except CodebookError:
@@ -236,47 +242,57 @@ class Staging:
     def _add(self, data: bytes, label: Label, step: int, dtype: str, target: Path) -> bool:
         if not 0 <= label.index < label.count:
             raise CodebookError(f"part {label.index} of {label.count} does not exist")
-        part = self._decoded(data, f"part {label.index}")
-        lineage = Lineage.of(part)
-        sent = Staged(
-            lineage.federation, lineage.epoch, part.version, label.count, label.classes, 0, dtype
+        sent = wire.decode_broadcast(data, fingerprint=self.fingerprint, dims=self.dims)
+        lineage = Lineage.of(sent)
+        announced = Staged(
+            lineage.federation, lineage.epoch, sent.version, label.count, label.classes, 0, dtype
         )
-        staged = self._begin(sent, label.manifest, step) if label.manifest else self.staged()
-        if replace(staged, received=0, keys=(), step=0) != sent:
+        staged = self._begin(announced, label, step) if label.keys else self.staged()
+        if replace(staged, received=0, keys=(), changed=(), step=0) != announced:
             raise CodebookError(
                 f"part {label.index} belongs to another codebook than the one staged"
             )
-        classes = ((name, entry.version) for name, entry in part.entries.items())
-        key = part_key(lineage, dtype, classes)
-        if key != staged.keys[label.index]:
+        key = staged.keys[label.index]
+        if isinstance(sent, Delta):
+            data = self._patched(key, sent, dtype, f"part {label.index}")
+            part = wire.decode_broadcast(data, fingerprint=self.fingerprint, dims=self.dims)
+        else:
+            part = sent
+        if not isinstance(part, Codebook) or part_key(lineage, dtype, part.names) != key:
             raise CodebookError(f"part {label.index} holds other classes than the manifest names")
-        write_atomic(self._file(key), frame(data))
-        staged = replace(staged, received=len(self._present(staged)), step=step)
+        for old in self.folder.glob(f"part-{key}-*.bin"):
+            old.unlink()
+        write_atomic(self._file(key, part.version), frame(data))
+        staged = replace(staged, received=len(self._current(staged)), step=step)
         write_atomic(self.folder / STAGED_FILE, json.dumps(asdict(staged)).encode())
         if staged.received < staged.parts:
             return False
         self._write(staged, wire.encode(replace(part, entries={})), target)
         return True
 
-    def _begin(self, sent: Staged, manifest: tuple[str, ...], step: int) -> Staged:
-        """The codebook ``sent`` of parts ``manifest`` staged from now on: the staged parts it
-        does not name pruned."""
-        if len(manifest) != sent.parts or not all(_is_key(key) for key in manifest):
-            raise CodebookError(f"the manifest is not {sent.parts} part keys")
-        if len(set(manifest)) != len(manifest):
+    def _begin(self, header: Staged, label: Label, step: int) -> Staged:
+        """The codebook ``header`` of the manifest ``label`` carries staged from now on: the
+        staged parts it does not name pruned."""
+        keys, changed = label.keys, label.changed
+        if not (len(keys) == len(changed) == header.parts) or not all(map(_is_key, keys)):
+            raise CodebookError(f"the manifest is not {header.parts} part keys and versions")
+        if len(set(keys)) != len(keys):
             raise CodebookError("the manifest names a part twice")
         self.folder.mkdir(parents=True, exist_ok=True)
-        named = {self._file(key) for key in manifest}
         for path in self.folder.glob("part-*.bin"):
-            if path not in named:
+            if path.stem.split("-")[1] not in keys:
                 path.unlink()
-        return replace(sent, keys=manifest, step=step)
+        return replace(header, keys=keys, changed=changed, step=step)
 
-    def _decoded(self, data: bytes, what: str) -> Codebook:
-        part = wire.decode_broadcast(data, fingerprint=self.fingerprint, dims=self.dims)
-        if isinstance(part, Delta):
-            raise CodebookError(f"{what} is a delta, not a codebook's classes")
-        return part
+    def _patched(self, key: str, delta: Delta, dtype: str, what: str) -> bytes:
+        """The staged part ``key`` with ``delta`` applied, encoded."""
+        if self._versions().get(key) != delta.base_version:
+            raise CodebookError(f"{what} changes version {delta.base_version}, not the one staged")
+        old = read_payload(self._file(key, delta.base_version), DEFAULT_MAX_BYTES)
+        staged = wire.decode_broadcast(old, fingerprint=self.fingerprint, dims=self.dims)
+        if isinstance(staged, Delta):  # never written: a part is staged whole
+            raise CodebookError(f"the staged {what} is a delta")
+        return wire.encode(staged.apply(delta), dtype)
 
     def staged(self) -> Staged:
         """What the staging holds; CodebookError when it holds nothing."""
@@ -285,24 +301,33 @@ class Staging:
         except (OSError, ValueError, TypeError) as err:
             raise CodebookError(f"no staged codebook to add a part to ({err})") from None
 
-    def held(self) -> bytes:
-        """Which parts of the staged manifest are staged: bit ``i % 8`` of byte ``i // 8`` for
-        part ``i`` (nothing staged: no bytes). What the receiver tells the sender, which skips
-        them (``starfed.server.catch_up``)."""
+    def versions(self) -> bytes:
+        """The version each part of the staged manifest is staged at (0: not staged), as
+        little-endian 64-bit integers (nothing staged: no bytes). What the receiver tells the
+        sender, which sends only what changed since (``starfed.server.catch_up``)."""
         try:
             staged = self.staged()
         except CodebookError:
             return b""
-        bits = bytearray((staged.parts + 7) // 8)
-        for index in self._present(staged):
-            bits[index // 8] |= 1 << (index % 8)
-        return bytes(bits)
+        versions = self._versions()
+        return struct.pack(f"<{staged.parts}Q", *(versions.get(k, 0) for k in staged.keys))
 
-    def _present(self, staged: Staged) -> list[int]:
-        return [i for i, key in enumerate(staged.keys) if self._file(key).is_file()]
+    def _current(self, staged: Staged) -> list[int]:
+        """The parts staged at their version or later."""
+        versions = self._versions()
+        pairs = enumerate(zip(staged.keys, staged.changed, strict=True))
+        return [i for i, (key, changed) in pairs if versions.get(key, 0) >= changed]
 
-    def _file(self, key: str) -> Path:
-        return self.folder / f"part-{key}.bin"
+    def _versions(self) -> dict[str, int]:
+        """Each staged part's version, by key (from the files' names)."""
+        versions = {}
+        for path in self.folder.glob("part-*-*.bin"):
+            _, key, version = path.stem.split("-")
+            versions[key] = int(version)
+        return versions
+
+    def _file(self, key: str, version: int) -> Path:
+        return self.folder / f"part-{key}-{version}.bin"
 
     def _write(self, staged: Staged, trailer: bytes, target: Path) -> None:
         """The staged parts as one codebook file at ``target``, one part in memory at a time:
@@ -322,8 +347,9 @@ class Staging:
         self.drop()
 
     def _payloads(self, staged: Staged, trailer: bytes) -> Iterator[bytes]:
+        versions = self._versions()
         for key in staged.keys:
-            yield read_payload(self._file(key), DEFAULT_MAX_BYTES)
+            yield read_payload(self._file(key, versions[key]), DEFAULT_MAX_BYTES)
         yield trailer
 
     def drop(self) -> None:
