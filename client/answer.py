@@ -44,6 +44,7 @@ from starfed.shared.protocol import (
     CATCH_UP,
     CATCH_UP_KEY,
     CATCH_UP_PARTS,
+    CATCH_UP_PATCHED,
     CATCH_UP_VERSIONS,
     CLASS_STEPS,
     CLASSIFY_WITH_KEYS,
@@ -193,7 +194,8 @@ class Incoming:
             index, count, classes = (int(value) for value in config[CATCH_UP])
             keys = tuple(str(key) for key in config.get(CATCH_UP_PARTS, []))
             changed = tuple(int(version) for version in config.get(CATCH_UP_VERSIONS, []))
-            asks = CatchUpPart(index, count, classes, keys, changed)
+            patched = tuple(int(part) for part in config.get(CATCH_UP_PATCHED, []))
+            asks = CatchUpPart(index, count, classes, keys, changed, patched)
         else:
             asks = Phase[key.upper()]
         travelling = tuple(Phase[str(k).upper()] for k in config.get(TRAVELLING, []))

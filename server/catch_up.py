@@ -63,6 +63,7 @@ from starfed.shared.protocol import (
     CATCH_UP_KEY,
     CATCH_UP_MESSAGE,
     CATCH_UP_PARTS,
+    CATCH_UP_PATCHED,
     CATCH_UP_VERSIONS,
     HELD,
     RECORD_DATA,
@@ -316,16 +317,23 @@ def send(
     index = _next(plan, stream.staged)
     while not stream.stop.is_set():
         message = {**config, ROUND: index, CATCH_UP: [index, count, len(codebook)]}
-        since = stream.staged.get(keys[index], 0)
-        data = plan.encoded(index, since)
-        sent.add(index)
+        if not sent:
+            message.update(manifest)
+        patched = _stale(plan, stream.staged, index, sent)
+        if patched:
+            since = min(stream.staged[keys[i]] for i in patched)
+            data = plan.patch(patched, since)
+            message[CATCH_UP_PATCHED] = patched
+        else:
+            data = plan.encoded(index)
+        sent.update(patched or [index])
         good, [entry] = exchange(
             grid,
             CATCH_UP_MESSAGE,
             CATCH_UP_KEY,
             step,
             index,
-            message if len(sent) > 1 else {**message, **manifest},
+            message,
             [node],
             sites,
             _constant(data),
@@ -347,6 +355,25 @@ def send(
         if entry.failed or caught:
             return not entry.failed
     return False
+
+
+def _stale(plan: parts.Plan, staged: Mapping[str, int], index: int, sent: set[int]) -> list[int]:
+    """When part ``index`` is ``staged`` at an earlier version: it and the next parts staged
+    at an earlier version and not ``sent``, as many as one delta of their classes fits a part
+    (``Plan.patch_bytes``); else none (the part is sent whole)."""
+    keys, changed = plan.keys, plan.changed
+    group: list[int] = []
+    for i in range(index, len(keys)):
+        since = staged.get(keys[i], 0)
+        if i in sent or not 0 < since < changed[i]:
+            if i == index:
+                return []
+            continue
+        oldest = min([since, *(staged[keys[k]] for k in group)])
+        if plan.patch_bytes([*group, i], oldest) > plan.part_bytes:
+            break
+        group.append(i)
+    return group
 
 
 def _current(plan: parts.Plan, staged: Mapping[str, int]) -> int:

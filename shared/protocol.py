@@ -168,6 +168,9 @@ CATCH_UP = "catch-up"
 #: version in order (``starfed.shared.codebook.parts.Plan``).
 CATCH_UP_PARTS = "catch-up-parts"
 CATCH_UP_VERSIONS = "catch-up-versions"
+#: Catch-up-message config key of a change of staged parts (a delta of their classes): their
+#: indices.
+CATCH_UP_PATCHED = "catch-up-patched"
 #: Reply record of a catch-up part: the codebook version the site holds after it (ASCII
 #: digits), 0 until the last part arrived and the assembled codebook passed its checks.
 HELD = "held"

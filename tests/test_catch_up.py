@@ -48,6 +48,7 @@ from starfed.shared.protocol import (
     CATCH_UP_KEY,
     CATCH_UP_MESSAGE,
     CATCH_UP_PARTS,
+    CATCH_UP_PATCHED,
     CATCH_UP_VERSIONS,
     HELD,
     RECORD_DATA,
@@ -420,7 +421,8 @@ class StagingSite:
         config, data = message.content["config"], message.content["codebook"]["data"]
         index, count, classes = config[CATCH_UP]
         keys, changed = config.get(CATCH_UP_PARTS, []), config.get(CATCH_UP_VERSIONS, [])
-        part = parts.Label(index, count, classes, tuple(keys), tuple(changed))
+        patched = tuple(config.get(CATCH_UP_PATCHED, []))
+        part = parts.Label(index, count, classes, tuple(keys), tuple(changed), patched)
         try:
             self.held.stage(data, part, config["step"], config["wire-dtype"])
         except CodebookError as err:  # the app's error reply
@@ -485,10 +487,36 @@ def test_a_catch_up_longer_than_a_step_resumes_with_the_parts_the_site_lacks(
     assert joined.nodes == [1] and not joined.findings and not third.noted
     same_codebook(site.held.codebook(), newer)
     assert not (tmp_path / STAGING_DIR).exists() and 1 not in ledger.staged
-    change = len(plan.encoded(1, since=codebook.version))  # its prompt: a fifth of the class
+    change = len(plan.patch([1], codebook.version))  # its prompt: a fifth of the class
     assert change < len(plan.encoded(1)) // 2
     received = sum(size for s, _, size in site.read if s > 0)
     assert received == change + sum(len(plan.encoded(i)) for i in (3, 4, 5))
+
+
+def test_the_changes_of_the_parts_staged_travel_in_one_message(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step's replay changes every class's aligned head, so a catch-up resumed a step
+    later finds each part it staged changed a little: their changes go in one delta of their
+    classes (as many as fit a part), then the parts it lacks whole."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    site, ledger = StagingSite(tmp_path, codebook, budget=3), catch_up.Ledger()
+    _step(site, codebook, ledger, 0, small_parts)
+    aligned = {n: {"aligned_head_bias": torch.tensor(1.0)} for n in codebook.names}
+    newer = codebook.set_values(aligned)
+    plan = parts.plan(newer, small_parts)
+    site.budget = 99
+    joined, _ = _step(site, newer, ledger.next_step(), 1, small_parts)
+    assert joined.nodes == [1] and not joined.findings
+    change = len(plan.patch([0, 1, 2], codebook.version))
+    assert [(i, size) for s, i, size in site.read if s == 1] == [
+        (0, change),  # parts 0, 1 and 2: a bias each
+        (3, len(plan.encoded(3))),
+        (4, len(plan.encoded(4))),
+    ]
+    assert change < len(plan.encoded(0)) // 2
+    same_codebook(site.held.codebook(), newer)
 
 
 def test_a_staging_abandoned_for_good_is_dropped_and_a_new_catch_up_starts_again(
@@ -517,11 +545,11 @@ def test_a_site_that_lies_about_its_staged_parts_gains_nothing(
 ) -> None:
     """A site that says it staged every part at the codebook's version, after its first part
     (it holds none of the others), is sent that part and fails (a finding: it holds no
-    codebook); its next catch-up is the last part's change from that version, which it cannot
-    apply (a finding, its staging dropped); a third is refused (``CATCH_UPS_PER_STEP``). One
-    whose word is no version a part (10 kB) is taken to hold none, so it lacks the part just
-    sent and fails. Honest again, it is sent every part once. The server goes on throughout,
-    and the site never holds a codebook it was not sent."""
+    codebook); its next catch-up is the last part alone (on whose arrival a site assembles
+    the parts), and fails the same; a third is refused (``CATCH_UPS_PER_STEP``). One whose
+    word is no version a part (10 kB) is taken to hold none, so it lacks a part just sent
+    and fails. Honest again, it is sent the parts it lacks. The server goes on throughout,
+    and the site never holds a codebook it was not sent whole."""
     for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
         monkeypatch.setattr(TaskIdentity, name, value)
     count = len(parts.plan(codebook, small_parts).parts)
@@ -541,19 +569,20 @@ def test_a_site_that_lies_about_its_staged_parts_gains_nothing(
         assert 1 not in before.nodes + after.nodes  # never sent a phase
         found.append(before.findings.get(1) or after.findings.get(1))
         rounds.append([e.round for e in before.exchanges + after.exchanges])
-    assert rounds == [[0], [count - 1], []] and [i for _, i, _ in site.read] == [0]
+    assert rounds == [[0], [count - 1], []] and [i for _, i, _ in site.read] == [0, count - 1]
     assert [why.split(" at ")[0] for why in found[:2]] == ["failed its catch-up"] * 2
     assert found[2] == "refused a catch-up: 2 already in step 1"
-    assert site.held.version_for(LINE) == 0 and not (tmp_path / STAGING_DIR).exists()
+    assert site.held.version_for(LINE) == 0
 
     site.read.clear()
     site.staged = lambda versions: b"\xff" * 10_000  # no version a part: it has staged none
     garbled, _ = _step(site, codebook, ledger.next_step(), 1, small_parts)
-    assert [i for _, i, _ in site.read] == [0] and "failed" in garbled.findings[1]
+    # the last (by its earlier word), then the first it lacks by this one, which it lacks again
+    assert [i for _, i, _ in site.read] == [count - 1, 0] and "failed" in garbled.findings[1]
     site.read.clear()
-    site.staged = lambda versions: versions  # honest again
+    site.staged = lambda versions: versions  # honest again: it has the first and the last
     honest, _ = _step(site, codebook, ledger.next_step(), 2, small_parts)
-    assert [i for _, i, _ in site.read] == list(range(count)) and not honest.findings
+    assert [i for _, i, _ in site.read] == list(range(count - 1)) and not honest.findings
     same_codebook(site.held.codebook(), codebook)
 
 

@@ -39,7 +39,7 @@ import json
 import math
 import shutil
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -85,15 +85,30 @@ class Plan:
         (a part staged at it, or later, holds what this one would)."""
         return tuple(max(self.codebook[n].version for n in names) for names in self.parts)
 
-    def encoded(self, index: int, since: int = 0) -> bytes:
-        """Part ``index``'s message: its classes whole, or with ``since`` (a version of the part
-        the receiver staged) what changed in them since, a delta of its classes (checked
-        against the limit the part was planned for: a delta carries no more of a class)."""
-        part = replace(self.codebook, entries={n: self.codebook[n] for n in self.parts[index]})
-        value = part.delta(since) if since else part.broadcast()
+    def encoded(self, index: int) -> bytes:
+        """Part ``index``'s message (checked against the limit it was planned for)."""
+        return self._checked(self._of(self.parts[index]).broadcast(), f"part {index}")
+
+    def patch(self, indices: Sequence[int], since: int) -> bytes:
+        """What changed in parts ``indices`` since version ``since`` (each staged by the
+        receiver at it or later): one delta of their classes (checked against the limit)."""
+        value = self._of(self._names(indices)).delta(since)
+        return self._checked(value, f"the change of parts {list(indices)}")
+
+    def patch_bytes(self, indices: Sequence[int], since: int) -> int:
+        """An upper bound on ``patch``'s bytes (``broadcast_bytes``)."""
+        return broadcast_bytes(self._of(self._names(indices)), since, self.dtype)
+
+    def _names(self, indices: Sequence[int]) -> list[str]:
+        return [name for index in indices for name in self.parts[index]]
+
+    def _of(self, names: Iterable[str]) -> Codebook:
+        return replace(self.codebook, entries={n: self.codebook[n] for n in names})
+
+    def _checked(self, value: Codebook | Delta, what: str) -> bytes:
         data = wire.encode(value, self.dtype)
         if len(data) > self.part_bytes:  # the plan counts an upper bound: never reached
-            raise ValueError(f"part {index} is {len(data)} bytes, over {self.part_bytes}")
+            raise ValueError(f"{what} is {len(data)} bytes, over {self.part_bytes}")
         return data
 
 
@@ -178,14 +193,16 @@ def _header_bytes(codebook: Codebook) -> int:
 @dataclass(frozen=True)
 class Label:
     """What a catch-up message says of its part: part ``index`` of ``count`` of a codebook of
-    ``classes`` classes; the first message of a catch-up also carries the manifest: every
-    part's key and version (``Plan.keys``, ``Plan.changed``), in order."""
+    ``classes`` classes, or with ``patched`` the change of those staged parts (a delta of
+    their classes: ``Plan.patch``); the first message of a catch-up also carries the manifest:
+    every part's key and version (``Plan.keys``, ``Plan.changed``), in order."""
 
     index: int
     count: int
     classes: int
     keys: tuple[str, ...] = ()
     changed: tuple[int, ...] = ()
+    patched: tuple[int, ...] = ()  # the parts a delta changes (none: the part is whole)
 
 
 @dataclass(frozen=True)
@@ -252,22 +269,26 @@ class Staging:
             raise CodebookError(
                 f"part {label.index} belongs to another codebook than the one staged"
             )
-        key = staged.keys[label.index]
         if isinstance(sent, Delta):
-            data = self._patched(key, sent, dtype, f"part {label.index}")
-            part = wire.decode_broadcast(data, fingerprint=self.fingerprint, dims=self.dims)
+            if not label.patched:
+                raise CodebookError(f"part {label.index} is a delta of no staged part")
+            for index in label.patched:
+                if not 0 <= index < staged.parts:
+                    raise CodebookError(f"part {index} of {staged.parts} does not exist")
+                self._patch(staged.keys[index], sent, dtype, f"part {index}")
         else:
-            part = sent
-        if not isinstance(part, Codebook) or part_key(lineage, dtype, part.names) != key:
-            raise CodebookError(f"part {label.index} holds other classes than the manifest names")
-        for old in self.folder.glob(f"part-{key}-*.bin"):
-            old.unlink()
-        write_atomic(self._file(key, part.version), frame(data))
+            key = staged.keys[label.index]
+            if part_key(lineage, dtype, sent.names) != key:
+                raise CodebookError(
+                    f"part {label.index} holds other classes than the manifest names"
+                )
+            self._put(key, sent.version, data)
         staged = replace(staged, received=len(self._current(staged)), step=step)
         write_atomic(self.folder / STAGED_FILE, json.dumps(asdict(staged)).encode())
         if staged.received < staged.parts:
             return False
-        self._write(staged, wire.encode(replace(part, entries={})), target)
+        header_only = Codebook(sent.fingerprint, sent.dims, {}, sent.version, sent.metadata)
+        self._write(staged, wire.encode(header_only), target)
         return True
 
     def _begin(self, header: Staged, label: Label, step: int) -> Staged:
@@ -284,15 +305,31 @@ class Staging:
                 path.unlink()
         return replace(header, keys=keys, changed=changed, step=step)
 
-    def _patched(self, key: str, delta: Delta, dtype: str, what: str) -> bytes:
-        """The staged part ``key`` with ``delta`` applied, encoded."""
-        if self._versions().get(key) != delta.base_version:
-            raise CodebookError(f"{what} changes version {delta.base_version}, not the one staged")
-        old = read_payload(self._file(key, delta.base_version), DEFAULT_MAX_BYTES)
-        staged = wire.decode_broadcast(old, fingerprint=self.fingerprint, dims=self.dims)
-        if isinstance(staged, Delta):  # never written: a part is staged whole
+    def _patch(self, key: str, delta: Delta, dtype: str, what: str) -> None:
+        """The staged part ``key`` changed by ``delta`` (whose entries hold their values at the
+        delta's version: applied to the part staged at the delta's base version or later,
+        each gets its value at the delta's version), staged at that version."""
+        version = self._versions().get(key, 0)
+        if not delta.base_version <= version <= delta.version:
+            raise CodebookError(
+                f"{what}: a change from version {delta.base_version}, staged at {version}"
+            )
+        old = read_payload(self._file(key, version), DEFAULT_MAX_BYTES)
+        part = wire.decode_broadcast(old, fingerprint=self.fingerprint, dims=self.dims)
+        if isinstance(part, Delta):  # never written: a part is staged whole
             raise CodebookError(f"the staged {what} is a delta")
-        return wire.encode(staged.apply(delta), dtype)
+        changes = {n: delta.entries[n] for n in part.names if n in delta.entries}
+        names = tuple(part.names)
+        mine = Delta(
+            part.fingerprint, part.dims, delta.version, version, names, changes, delta.metadata
+        )
+        self._put(key, delta.version, wire.encode(part.apply(mine), dtype))
+
+    def _put(self, key: str, version: int, data: bytes) -> None:
+        """Part ``key`` staged at ``version`` (its earlier version gone)."""
+        for old in self.folder.glob(f"part-{key}-*.bin"):
+            old.unlink()
+        write_atomic(self._file(key, version), frame(data))
 
     def staged(self) -> Staged:
         """What the staging holds; CodebookError when it holds nothing."""
