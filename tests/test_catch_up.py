@@ -854,3 +854,96 @@ def test_a_site_reading_its_parts_at_once_joins_the_step_on_a_grid_that_pushes_a
     assert "evaluate" in answered, answered
     server = Federation.open(tmp_path / "federation").checkpoints.codebook()
     same_codebook(HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook(), server)
+
+
+PART_TIMEOUT_S = 60  # a part's (and a phase's): far above a tiny step
+
+
+class BudgetGrid(SlowReaderGrid):
+    """The pushing and pulling grid where node 2 reads at most ``budget`` catch-up messages a
+    step (by the message's step) and never answers the step's others: a link too slow for
+    its catch-up to end within a step."""
+
+    budget: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.read_in: dict[int, list[int]] = {}  # step -> the parts node 2 read in it
+        self.part_s = 0.0
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            config = message.content["config"]
+            if message.metadata.dst_node_id == 2 and CATCH_UP in config:
+                read = self.read_in.setdefault(config["step"], [])
+                if len(read) >= self.budget:
+                    ids.append(uuid.uuid4().hex)
+                    message.metadata.__dict__["_message_id"] = ids[-1]
+                    self.replies[ids[-1]] = Future()  # never answered
+                    continue
+                read.append(config[CATCH_UP][0])
+            ids += super().push_messages([message])
+        return ids
+
+
+@pytest.mark.adversarial
+def test_a_site_whose_catch_up_takes_steps_joins_after_them_holding_no_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread
+) -> None:
+    """farm-b joins a federation of three classes as farm-a brings one a step, reading three
+    catch-up messages a step (parts of one class; the step's others never answered): every
+    step completes for farm-a without waiting for farm-b, farm-b's catch-up stopped at the
+    first step's end is noted (no finding toward quarantine), the next resumes with the
+    changes of the three parts it staged (one message) and the two it lacks, farm-b joins
+    the phases of that step after it (at least the evaluation) and the next step whole, and
+    ends holding the server's codebook. Before, its catch-up restarted from the first part
+    every step, and never ended."""
+    farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4], "t3": CLASSES[4:5], "t4": CLASSES[5:6]}
+    assert _run(tmp_path, {"farm-a": {"t1": farm_a["t1"]}}, LocalGrid)["status"] == "completed"
+    founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    size = one_class_parts(founded, slack=64)
+    grids: list[BudgetGrid] = []
+
+    def grid(*args, **kwargs) -> BudgetGrid:  # type: ignore[no-untyped-def]
+        grids.append(BudgetGrid(*args, **kwargs))
+        return grids[-1]
+
+    sites = {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}
+    try:
+        settings = {"max-steps": 3, "timeout-s": PART_TIMEOUT_S}
+        joined = _run(tmp_path, sites, grid, size, **settings)
+    finally:
+        grids[0].close()
+    history = [s for s in Federation.open(tmp_path / "federation").history() if s.step >= 1]
+    assert [s.wall_s < PART_TIMEOUT_S for s in history] == [True] * 3  # none waited for it
+    assert [s.status for s in history] == ["degraded", "completed", "completed"]
+    [noted] = history[0].findings
+    assert (noted.site, noted.phase, noted.action) == ("farm-b", CATCH_UP_KEY, "noted")
+    assert "(3 of 4 parts answered)" in noted.reason
+    done = {"stage1", "stage2", "evaluate"}
+    for step in (1, 2, 3):
+        for name in ("farm-a", "farm-b") if step == 3 else ("farm-a",):
+            answered = {
+                e["phase"]
+                for e in joined["exchanges"]
+                if e["site"] == name and e["step"] == step and e["status"] == "ok"
+            }
+            assert done <= answered, (step, name, answered)
+    caught = [e for e in joined["exchanges"] if e["phase"] == CATCH_UP_KEY]
+    assert [(e["step"], e["round"]) for e in caught] == [
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (2, 0),
+        (2, 3),
+        (2, 4),
+    ]
+    # step 3's first message: the changes of the three parts staged in step 2 (their aligned
+    # heads: the replay's), not the parts again
+    assert caught[3]["bytes_down"] < caught[0]["bytes_down"] / 2
+    theirs = {e["phase"] for e in joined["exchanges"] if e["site"] == "farm-b" and e["step"] == 2}
+    assert "evaluate" in theirs  # it joined the step its catch-up ended in (its later phases)
+    server = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    same_codebook(HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook(), server)
+    assert not (tmp_path / "farm-b-state" / STAGING_DIR).exists()
