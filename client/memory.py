@@ -159,7 +159,7 @@ class SiteMemory:
     def catch_up(self, data: bytes, label: parts.Label, step: int, dtype: str) -> bytes:
         """Stage the part ``label`` names of a codebook too large for one message; once every
         part is, it is held (``HeldCodebook.stage``; ``CodebookError`` for a part it refuses).
-        Which parts are staged now (``Staging.held``)."""
+        The version each part is staged at now (``Staging.versions``)."""
         self.held.stage(data, label, step, dtype)
         return self.held.staged_parts()
 

@@ -10,9 +10,17 @@ and sends each of them the codebook split by classes (``send``): one catch-up me
 config says which part it is (``CATCH_UP``). A site stages the parts and holds the codebook only
 after the last (``HeldCodebook.stage``); its last reply says the version it now holds
 (``HELD``), and the phase's own message then carries the empty delta from it. A node that fails
-a part (an error, no reply, a part refused) leaves the catch-up and sits that phase out; the
-next phase starts its catch-up again from the first part, so a site that went away mid-way costs
-only a restart. The server encodes one part at a time.
+a part (an error, no reply, a part refused) leaves the catch-up and sits that phase out. The
+server encodes one part at a time.
+
+A catch-up resumes (issue 43, attack 7: one longer than a step restarted every step, and never
+ended): every reply says the version the site has each part staged at (``STAGED``), the server
+keeps that word from step to step (``Ledger.staged``), and the next catch-up sends the parts
+the site lacks whole and, for those it staged before their classes changed (every step's
+replay realigns every class's head), the change, one delta of as many such parts as fit one
+(``send``; the parts' keys and versions: ``starfed.shared.codebook.parts``). The word is
+trusted for nothing but sending less: a site that claims what it lacks cannot assemble the
+codebook, and fails.
 
 Each node's parts are its own stream (``Stream``), so that a site reading its parts slowly
 stalls no one (issue 43, attack 7: 1 s a part took every site's phase from 0.15 s to 6.25 s).
@@ -21,18 +29,23 @@ its own timeout, while the phase is sent to the nodes that hold a recent codeboo
 stream completes while the phase runs is sent the phase after the others answered
 (``joined``), one whose stream is still going sits the phase out and joins a later phase; a
 phase with no other node waits for the first stream that catches its node up (or for all to
-end), the others going on beside it. A stream not done when its step ends is
-stopped, a finding (``abandon``). A grid that answers at once (the local runtime, whose nodes
-run one after another in one thread) runs each stream to its end before the phase, as before.
+end), the others going on beside it. A stream not done when its step ends is stopped
+(``abandon``). A grid that answers at once (the local runtime, whose nodes run one after
+another in one thread) runs each stream to its end before the phase, as before.
 
-A catch-up costs the whole codebook, so the step counts them (``Ledger``): a failed one, a site
-behind again after completing one, one refused past ``CATCH_UPS_PER_STEP`` and one the step's
-end stopped are screening findings (``CaughtUp.findings``), which count toward
-``quarantine-after``.
+A catch-up costs up to the whole codebook, so the step counts them (``Ledger``): a failed one, a
+site behind again after completing one, one refused past ``CATCH_UPS_PER_STEP``, and one the
+step's end stopped before the site staged a part are screening findings
+(``CaughtUp.findings``), which count toward ``quarantine-after``. One the step's end stopped
+after the site staged parts is noted (``CaughtUp.noted``: recorded, not counted): it resumes at
+the next step, and a slow link that makes progress is no fault. A site that never stages a
+part still meets the rule.
 
 Costs: a catch-up sends (and encodes, one part at a time) the broadcast's bytes once per behind
-node, in ⌈bytes / part-bytes⌉ messages; deciding who is behind is one pass over the classes'
-versions per phase; on a grid that pushes and pulls, a thread per node in a catch-up.
+node, in ⌈bytes / part-bytes⌉ messages (a resumed one: what the site lacks, and the changes of
+what it staged); the server keeps a key and a version per part a node has staged; deciding who
+is behind is one pass over the classes' versions per phase; on a grid that pushes and pulls, a
+thread per node in a catch-up.
 """
 
 from __future__ import annotations

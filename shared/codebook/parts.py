@@ -11,20 +11,23 @@ must arrive within its own timeout on a slow link). Every part is itself a whole
 some classes, at the sender's version and with its lineage, so each is decoded (= validated)
 as any broadcast is.
 
-A part is named by its key (``part_key``): its lineage, the wire dtype and each of its classes
-with the version at which that class last changed. A class that did not change (a frozen class:
-most of a large codebook) keeps its version, so a part of unchanged classes keeps its key from
-one codebook version to the next: a catch-up the sender stopped (a step's end) resumes at the
-next one with only the parts the receiver lacks. The first message of each catch-up carries
-the manifest (every part's key, in codebook order); the receiver answers each part with the
-manifest's parts it holds (``Staging.held``), and the sender skips those.
+A part is named by its key (``part_key``: its lineage, the wire dtype and its classes) and has
+a version (``Plan.changed``: the latest of its classes' versions). The first message of each
+catch-up carries the manifest (every part's key and version, in codebook order); the receiver
+answers each part with the version it has each part of the manifest staged at
+(``Staging.versions``). A catch-up the sender stopped (a step's end) thus resumes with only
+what the receiver lacks: the parts it has none of, whole, and for a part staged before its
+classes changed the change (``Plan.patch``: one delta of the classes of as many such parts as
+fit a part; a class's changed fields, a fraction of it when only its aligned head was
+realigned), which the receiver applies to the parts staged (``Staging.add``).
 
 The receiver stages the parts on disk (``Staging``: a deployed site answers every message in a
 fresh process) and holds nothing new until every part of the manifest is staged and the
 assembled codebook passed its checks — a staged codebook is never "held". A new manifest prunes
 the staged parts it does not name (so the staging never holds more than one codebook's parts);
 a part of another lineage or version than the manifest staged, one whose classes are not the
-manifest's, or bytes that do not decode are refused with ``CodebookError`` and the staging is
+manifest's, a change of a part not staged at its base version or later, or bytes that do not
+decode are refused with ``CodebookError`` and the staging is
 dropped. Each part is held in memory alone, on both sides: the sender encodes one at a time,
 and the receiver writes the whole codebook file from the staged parts' messages, one after the
 other in the manifest's order, then decodes it as it decodes any held codebook. When a staging
