@@ -261,11 +261,10 @@ class HeldCodebook:
         quarantined it, or went away). A catch-up stopped at a step's end resumes at the next
         step with the parts staged so far."""
         try:
-            staged = self._staging().staged()
-        except CodebookError:
-            self._assembled().unlink(missing_ok=True)
-            return
-        if step - staged.step > STAGING_IDLE_STEPS:
+            idle = step - self._staging().staged().step > STAGING_IDLE_STEPS
+        except CodebookError:  # none, or one no catch-up can resume (an earlier release's)
+            idle = True
+        if idle:
             self.drop_staging()
 
     def drop_staging(self) -> None:
