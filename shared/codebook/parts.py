@@ -44,6 +44,7 @@ import shutil
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +77,13 @@ class Plan:
     dtype: str
     part_bytes: int
 
-    @property
+    @cached_property
     def keys(self) -> tuple[str, ...]:
         """The manifest's keys: each part's (``part_key``), in order."""
         lineage = Lineage.of(self.codebook)
         return tuple(part_key(lineage, self.dtype, names) for names in self.parts)
 
-    @property
+    @cached_property
     def changed(self) -> tuple[int, ...]:
         """Each part's version: the codebook version at which one of its classes last changed
         (a part staged at it, or later, holds what this one would)."""
