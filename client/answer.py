@@ -165,17 +165,12 @@ def _build_site(run_id: int, node_id: int, run_config: dict, node_config: dict) 
     return Site(name, data_dir, memory, backbones, config, cache_dir, privacy, policy)
 
 
-#: What a catch-up message asks: stage a part (``CATCH_UP``, with the manifest on the first of a
-#: catch-up: ``CATCH_UP_PARTS``, ``CATCH_UP_VERSIONS``).
-CatchUpPart = parts.Label
-
-
 @dataclass(frozen=True)
 class Incoming:
     """One message as the site reads it: its header converted once, where it enters (a bad
     value raises here, which Flower turns into an error reply), then trusted."""
 
-    asks: Phase | CatchUpPart  # a phase's work, or a catch-up part staged
+    asks: Phase | parts.Label  # a phase's work, or a catch-up part to stage
     step: int
     round: int
     federation: str
@@ -189,13 +184,13 @@ class Incoming:
     @classmethod
     def of(cls, key: str, config: dict) -> Incoming:
         """The message of ``key`` (a phase's key, or ``CATCH_UP_KEY``) with ``config``."""
-        asks: Phase | CatchUpPart
+        asks: Phase | parts.Label
         if key == CATCH_UP_KEY:
             index, count, classes = (int(value) for value in config[CATCH_UP])
             keys = tuple(str(key) for key in config.get(CATCH_UP_PARTS, []))
             changed = tuple(int(version) for version in config.get(CATCH_UP_VERSIONS, []))
             patched = tuple(int(part) for part in config.get(CATCH_UP_PATCHED, []))
-            asks = CatchUpPart(index, count, classes, keys, changed, patched)
+            asks = parts.Label(index, count, classes, keys, changed, patched)
         else:
             asks = Phase[key.upper()]
         travelling = tuple(Phase[str(k).upper()] for k in config.get(TRAVELLING, []))
@@ -216,7 +211,7 @@ class Incoming:
     @property
     def key(self) -> str:
         """Its one spelling in the site's release record: the phase's key, or the catch-up's."""
-        return CATCH_UP_KEY if isinstance(self.asks, CatchUpPart) else self.asks.key
+        return CATCH_UP_KEY if isinstance(self.asks, parts.Label) else self.asks.key
 
 
 def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
@@ -242,11 +237,11 @@ def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
         message.round,
         message.federation,
         message.wire_dtype,
-        () if isinstance(asks, CatchUpPart) else releases_of(asks, message.travelling),
+        () if isinstance(asks, parts.Label) else releases_of(asks, message.travelling),
         server_certificate(site.memory.root),
     )
     release_gate.admit(site, request)
-    if isinstance(asks, CatchUpPart):
+    if isinstance(asks, parts.Label):
         records, version = _catch_up(site, message, asks, payload)
     elif asks is Phase.SYNC and Phase.EVALUATE in message.travelling:
         evaluation, version = _travelling_evaluation(site, message, request, payload)
@@ -274,10 +269,11 @@ def _travelling_evaluation(
 
 
 def _catch_up(
-    site: Site, message: Incoming, part: CatchUpPart, payload: bytes
+    site: Site, message: Incoming, part: parts.Label, payload: bytes
 ) -> tuple[list[Outgoing], int]:
     """A part of a codebook too large for one message, staged; the reply says the version the
-    site holds after it (0 until the last part) and the parts it has staged."""
+    site holds after it (0 until every part is staged) and the version each part is staged
+    at."""
     site.memory.join(message.federation)
     staged = site.memory.catch_up(payload, part, message.step, message.wire_dtype)
     version = str(site.memory.held_version(message.epoch)).encode()

@@ -27,7 +27,7 @@ from in_process import TINY_RUN, run_grid
 from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
-from starfed.client.answer import CatchUpPart, Incoming
+from starfed.client.answer import Incoming
 from starfed.client.memory import CODEBOOK_FILE
 from starfed.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server import catch_up
@@ -370,9 +370,9 @@ def test_a_catch_up_part_is_its_own_message_which_a_site_reads_apart_from_the_sy
 
     config = {"step": 0, "round": 1, **LINE.as_metadata(), CATCH_UP: [1, 5, 5]}
     part = Incoming.of(CATCH_UP_KEY, config)
-    assert part.asks == CatchUpPart(1, 5, 5) and part.key == CATCH_UP_KEY
+    assert part.asks == parts.Label(1, 5, 5) and part.key == CATCH_UP_KEY
     first = Incoming.of(CATCH_UP_KEY, {**config, CATCH_UP_PARTS: ["k0"], CATCH_UP_VERSIONS: [3]})
-    assert first.asks == CatchUpPart(1, 5, 5, ("k0",), (3,))
+    assert first.asks == parts.Label(1, 5, 5, ("k0",), (3,))
     assert part.epoch == LINE.epoch and part.federation == LINE.federation
     sync = Incoming.of(Phase.SYNC.key, config)
     assert sync.asks is Phase.SYNC and sync.key == "sync"
