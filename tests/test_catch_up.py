@@ -519,6 +519,32 @@ def test_the_changes_of_the_parts_staged_travel_in_one_message(
     same_codebook(site.held.codebook(), newer)
 
 
+def test_a_catch_up_ends_on_the_change_of_its_last_parts(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site holding the last two parts, staged before their classes changed, and a server
+    that does not know it (a new run): it is sent the first part, learns what the site holds
+    from the reply, sends the two parts it lacks, then the two staged parts' change, on which
+    the site assembles the codebook."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    site = StagingSite(tmp_path, codebook, budget=99)
+    plan = parts.plan(codebook, small_parts)
+    for index in (3, 4):
+        stage(site.held, plan, index, first=index == 3)
+    newer = codebook.set_values({n: {"head_bias": torch.tensor(2.0)} for n in codebook.names})
+    joined, _ = _step(site, newer, catch_up.Ledger(), 1, small_parts)
+    assert joined.nodes == [1] and not joined.findings
+    later = parts.plan(newer, small_parts)
+    assert [(i, size) for _, i, size in site.read] == [
+        (0, len(later.encoded(0))),
+        (1, len(later.encoded(1))),
+        (2, len(later.encoded(2))),
+        (3, len(later.patch([3, 4], codebook.version))),
+    ]
+    same_codebook(site.held.codebook(), newer)
+
+
 def test_a_staging_abandoned_for_good_is_dropped_and_a_new_catch_up_starts_again(
     tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
