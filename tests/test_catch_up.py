@@ -34,6 +34,8 @@ from starfed.server import catch_up
 from starfed.server.app import RunFailed
 from starfed.server.federation import Federation
 from starfed.server.participants import Participants
+from starfed.server.records import NOTED, REJECTED
+from starfed.server.screening import Screen, ScreeningOptions
 from starfed.shared.codebook import parts, schema, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.decoding import MAX_NAME_LENGTH
@@ -610,6 +612,17 @@ def test_a_site_that_lies_about_its_staged_parts_gains_nothing(
     honest, _ = _step(site, codebook, ledger.next_step(), 2, small_parts)
     assert [i for _, i, _ in site.read] == list(range(count - 1)) and not honest.findings
     same_codebook(site.held.codebook(), codebook)
+
+
+def test_a_noted_finding_does_not_count_toward_quarantine() -> None:
+    """Two noted catch-ups and one rejected with ``quarantine-after`` 2: recorded, and the site
+    not quarantined until a second finding that counts."""
+    screen = Screen(ScreeningOptions(quarantine_after=2), step=0)
+    for action in (NOTED, NOTED, REJECTED):
+        screen.note("farm-b", CATCH_UP_KEY, 0, action, "its catch-up was not done")
+    assert len(screen.findings) == 3 and not screen.quarantined
+    screen.note("farm-b", CATCH_UP_KEY, 0, REJECTED, "failed its catch-up at part 1")
+    assert screen.quarantined["farm-b"] == "2 findings in step 1"
 
 
 def test_a_catch_up_stopped_without_a_part_staged_is_a_finding(
