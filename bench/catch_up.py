@@ -242,7 +242,7 @@ class StagingSite:
     seconds it spent staging."""
 
     def __init__(self, folder: Path) -> None:
-        self.held = HeldCodebook(folder / "codebook.bin", fingerprint=FINGERPRINT, dims=PAPER)
+        self.stored = HeldCodebook(folder / "codebook.bin", fingerprint=FINGERPRINT, dims=PAPER)
         self.seconds = 0.0
 
     def get_node_ids(self) -> list[int]:
@@ -263,11 +263,11 @@ class StagingSite:
             tuple(config.get(CATCH_UP_PATCHED, [])),
         )
         t0 = time.perf_counter()
-        self.held.stage(data, label, config["step"], config["wire-dtype"])
+        self.stored.stage(data, label, config["step"], config["wire-dtype"])
         self.seconds += time.perf_counter() - t0
         records = {
-            HELD: str(self.held.version_for(LINE)).encode(),
-            STAGED: self.held.staged_parts(),
+            HELD: str(self.stored.version_for(LINE)).encode(),
+            STAGED: self.stored.staged_parts(),
         }
         content = RecordDict({k: ConfigRecord({RECORD_DATA: v}) for k, v in records.items()})
         return Message(content, reply_to=message)
@@ -301,16 +301,16 @@ def resume(n_classes: int, dtype: str) -> dict[str, object]:
         for index in range(count - 1):  # the first step: all but the last part
             manifest = (first.keys, first.changed) if index == 0 else ()
             label = parts.Label(index, count, n_classes, *manifest)
-            site.held.stage(first.encoded(index), label, 0, dtype)
+            site.stored.stage(first.encoded(index), label, 0, dtype)
         site.seconds = 0.0
-        said = struct.unpack(f"<{count}Q", site.held.staged_parts())  # its last reply
+        said = struct.unpack(f"<{count}Q", site.stored.staged_parts())  # its last reply
         known = {key: version for key, version in zip(first.keys, said, strict=True) if version}
         stream = catch_up.Stream(realigned.version, known)
         sites = {1: "farm-b"}
         t0 = time.perf_counter()
         caught = catch_up.send(site, realigned, 1, 1, dtype, PART_BYTES, sites, 600, stream)
         wall = time.perf_counter() - t0
-        assert caught and len(site.held.codebook() or ()) == n_classes
+        assert caught and len(site.stored.codebook() or ()) == n_classes
     resumed = sum(e.bytes_down for e in stream.exchanges)
     whole = parts.broadcast_bytes(realigned, 0, dtype)
     return {
