@@ -70,6 +70,7 @@ from starfed.server.participants import Participants
 from starfed.server.records import Exchange, Outcome
 from starfed.shared.codebook import parts
 from starfed.shared.codebook.codebook import Codebook
+from starfed.shared.codebook.held import STAGING_IDLE_STEPS
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.protocol import (
     CATCH_UP,
@@ -101,6 +102,7 @@ class Stream:
 
     version: int
     staged: dict[str, int] = field(default_factory=dict)
+    step: int = 0  # the step it runs in
     parts: int = 0  # how many the codebook is in, once planned
     exchanges: list[Exchange] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
@@ -124,7 +126,7 @@ class Ledger:
     completed: set[int] = field(default_factory=set)
     streams: dict[int, Stream] = field(default_factory=dict)
     ended: threading.Event = field(default_factory=threading.Event)  # set as each stream ends
-    staged: dict[int, dict[str, int]] = field(default_factory=dict)
+    staged: dict[int, StagedWord] = field(default_factory=dict)
 
     def next_step(self) -> Ledger:
         """The next step's ledger: what the nodes have staged, nothing else."""
@@ -134,9 +136,26 @@ class Ledger:
         """``node``'s stream read out: what it has staged kept for its next catch-up."""
         del self.streams[node]
         if stream.staged:
-            self.staged[node] = stream.staged
+            self.staged[node] = StagedWord(stream.step, stream.staged)
         else:
             self.staged.pop(node, None)
+
+    def known(self, node: int, step: int) -> dict[str, int]:
+        """What ``node`` has staged, as far as a catch-up in ``step`` can tell: nothing when
+        its word is older than the site keeps an idle staging (``STAGING_IDLE_STEPS``)."""
+        word = self.staged.get(node)
+        if word is None or step - word.step > STAGING_IDLE_STEPS:
+            return {}
+        return word.versions
+
+
+@dataclass(frozen=True)
+class StagedWord:
+    """A node's last word on its staged parts: the step it said it in, and the version each
+    part is staged at, by key."""
+
+    step: int
+    versions: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -207,7 +226,7 @@ def before_phase(
             findings[node] = f"refused a catch-up: {CATCH_UPS_PER_STEP} already in step {step + 1}"
             continue
         sent = partial(send, grid, codebook, node, step, dtype, part_bytes, sites, timeout)
-        start(grid, ledger, node, codebook.version, sent)
+        start(grid, ledger, node, codebook.version, step, sent)
     if set(nodes) <= set(late):  # no node to send the phase to until a catch-up succeeds
         going = [ledger.streams[n] for n in set(nodes) & set(ledger.streams)]
         _first_caught(ledger, going, codebook.version)
@@ -220,12 +239,19 @@ def before_phase(
 
 
 def start(
-    grid: SiteGrid, ledger: Ledger, node: int, version: int, sent: Callable[[Stream], bool]
+    grid: SiteGrid,
+    ledger: Ledger,
+    node: int,
+    version: int,
+    step: int,
+    sent: Callable[[Stream], bool],
 ) -> None:
-    """``node``'s catch-up to codebook ``version`` (counted in ``ledger``), whose parts ``sent``
-    sends (``send``, whether it caught the node up): in a thread of its own on a grid that
-    pushes and pulls, to its end before returning on one that answers at once."""
-    stream = ledger.streams[node] = Stream(version, ledger.staged.get(node, {}))
+    """``node``'s catch-up to codebook ``version`` in ``step`` (counted in ``ledger``, from what
+    the node last said it has staged), whose parts ``sent`` sends (``send``, whether it caught
+    the node up): in a thread of its own on a grid that pushes and pulls, to its end before
+    returning on one that answers at once."""
+    stream = Stream(version, ledger.known(node, step), step)
+    ledger.streams[node] = stream
     ledger.started[node] += 1
 
     def run() -> None:

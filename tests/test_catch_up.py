@@ -551,15 +551,18 @@ def test_a_staging_abandoned_for_good_is_dropped_and_a_new_catch_up_starts_again
     tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The site's staging past ``STAGING_IDLE_STEPS`` steps without a part is dropped at its
-    sync; the server still remembers the parts it had, sends the first it lacks with the
-    manifest, learns from the reply that the site holds nothing, and goes back to part 0: the
-    catch-up completes in the step, each part sent once."""
+    sync, and the server forgets its word then too. A site that dropped its staging sooner:
+    the server still remembers the parts it had, sends the first it lacks with the manifest,
+    learns from the reply that the site holds nothing, and goes back to part 0: the catch-up
+    completes in the step, each part sent once."""
     for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
         monkeypatch.setattr(TaskIdentity, name, value)
     site, ledger = StagingSite(tmp_path, codebook, budget=2), catch_up.Ledger()
     _step(site, codebook, ledger, 0, small_parts)
     site.held.drop_idle_staging(1 + STAGING_IDLE_STEPS)  # the sync of a step much later
-    assert not (tmp_path / STAGING_DIR).exists() and len(ledger.staged[1]) == 2
+    assert not (tmp_path / STAGING_DIR).exists() and len(ledger.staged[1].versions) == 2
+    assert ledger.known(1, 1 + STAGING_IDLE_STEPS) == {}  # the server forgets it then too
+    # ... but here a step sooner: the site dropped its staging, the server still knows it
     site.budget = len(codebook)
     later, _ = _step(site, codebook, ledger.next_step(), 1, small_parts)
     assert [i for s, i, _ in site.read if s == 1] == [2, 0, 1, 3, 4]
