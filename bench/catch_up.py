@@ -20,6 +20,12 @@ catch-up runs to its end before the phase, as every catch-up did before the stre
     python bench/catch_up.py                        # 100, 1000, 10000 classes, float32
     python bench/catch_up.py --classes 100 1000 --dtype float16
     python bench/catch_up.py --slow-site 1 --parts 6 [--inline]
+    python bench/catch_up.py --resume --classes 1000 3000
+
+``--resume``: a site that staged every part but the last when its catch-up stopped at a step's
+end, caught up a step later, when that step's replay had realigned every class's head: what
+the resumed catch-up sends (the changes of the staged parts, then the last part), against the
+whole codebook.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import json
 import os
 import platform
 import resource
+import struct
 import subprocess
 import sys
 import tempfile
@@ -54,7 +61,15 @@ from starfed.shared.codebook.entry import ClassEntry
 from starfed.shared.codebook.held import HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.config import ProtocolOptions
-from starfed.shared.protocol import CATCH_UP, HELD, RECORD_DATA
+from starfed.shared.protocol import (
+    CATCH_UP,
+    CATCH_UP_PARTS,
+    CATCH_UP_PATCHED,
+    CATCH_UP_VERSIONS,
+    HELD,
+    RECORD_DATA,
+    STAGED,
+)
 
 FINGERPRINT = "ab" * 32
 PART_BYTES = ProtocolOptions().part_bytes  # the run config's part-bytes, by default
@@ -95,6 +110,7 @@ def server(n_classes: int, dtype: str, folder: Path) -> dict[str, object]:
         sent += len(data)
         (folder / f"{index}.bin").write_bytes(data)
         del data
+    (folder / "manifest.json").write_text(json.dumps({"dtype": dtype, "keys": plan.keys}))
     return {
         "classes": n_classes,
         "dtype": dtype,
@@ -113,10 +129,13 @@ def site(n_classes: int, messages: int, folder: Path) -> dict[str, object]:
     baseline = _rss_mb()
     stored = HeldCodebook(folder / "state" / "codebook.bin", fingerprint=FINGERPRINT, dims=PAPER)
     stage_s = 0.0
+    sent = json.loads((folder / "manifest.json").read_text())
+    manifest = tuple(sent["keys"])
     for index in range(messages):
         data = (folder / f"{index}.bin").read_bytes()
+        label = parts.Label(index, messages, n_classes, manifest if index == 0 else ())
         t0 = time.perf_counter()
-        stored.stage(data, index, messages, n_classes)
+        stored.stage(data, label, 0, sent["dtype"])
         stage_s += time.perf_counter() - t0
         del data
     assert stored.version_for(LINE) == 1 and len(stored.codebook() or ()) == n_classes
@@ -214,6 +233,99 @@ def slow_site(part_s: float, n_parts: int, inline: bool) -> dict[str, object]:
     }
 
 
+# --- a catch-up resumed a step later (--resume) ------------------------------------------------
+
+
+class StagingSite:
+    """One site (node 1) staging its catch-up parts in ``folder`` as a site does
+    (``HeldCodebook.stage``), its reply as ``client.answer``'s (``HELD``, ``STAGED``); the
+    seconds it spent staging."""
+
+    def __init__(self, folder: Path) -> None:
+        self.stored = HeldCodebook(folder / "codebook.bin", fingerprint=FINGERPRINT, dims=PAPER)
+        self.seconds = 0.0
+
+    def get_node_ids(self) -> list[int]:
+        return [1]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        return [self._answer(message) for message in messages]
+
+    def _answer(self, message: Message) -> Message:
+        message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as a grid's push does
+        config, data = message.content["config"], message.content["codebook"]["data"]
+        label = parts.Label(
+            *config[CATCH_UP],
+            tuple(config.get(CATCH_UP_PARTS, [])),
+            tuple(config.get(CATCH_UP_VERSIONS, [])),
+            tuple(config.get(CATCH_UP_PATCHED, [])),
+        )
+        t0 = time.perf_counter()
+        self.stored.stage(data, label, config["step"], config["wire-dtype"])
+        self.seconds += time.perf_counter() - t0
+        records = {
+            HELD: str(self.stored.version_for(LINE)).encode(),
+            STAGED: self.stored.staged_parts(),
+        }
+        content = RecordDict({k: ConfigRecord({RECORD_DATA: v}) for k, v in records.items()})
+        return Message(content, reply_to=message)
+
+
+def resume(n_classes: int, dtype: str) -> dict[str, object]:
+    """A site that staged every part but the last of a codebook of ``n_classes`` when its
+    catch-up stopped (the step's end), caught up a step later, when the step's replay had
+    realigned every class's head (``aligned_head_*``): what the resumed catch-up sends, in how
+    many messages, against the whole codebook; the site's seconds to stage it and hold the
+    codebook."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        setattr(TaskIdentity, name, value)  # what a ServerApp's process has
+    codebook = federation(n_classes)
+    first = parts.plan(codebook, PART_BYTES, dtype)
+    generator = torch.Generator().manual_seed(1)
+    realigned = codebook.set_values(
+        {
+            name: {
+                "aligned_head_weight": torch.randn(PAPER.d_vit, generator=generator),
+                "aligned_head_bias": torch.randn((), generator=generator),
+            }
+            for name in codebook.names
+        }
+    )
+    count = len(first.parts)
+    if count < 2:
+        raise SystemExit(f"{n_classes} classes are one part: nothing to resume")
+    with tempfile.TemporaryDirectory() as tmp:
+        site = StagingSite(Path(tmp))
+        for index in range(count - 1):  # the first step: all but the last part
+            manifest = (first.keys, first.changed) if index == 0 else ()
+            label = parts.Label(index, count, n_classes, *manifest)
+            site.stored.stage(first.encoded(index), label, 0, dtype)
+        site.seconds = 0.0
+        said = struct.unpack(f"<{count}Q", site.stored.staged_parts())  # its last reply
+        known = {key: version for key, version in zip(first.keys, said, strict=True) if version}
+        stream = catch_up.Stream(realigned.version, known)
+        sites = {1: "farm-b"}
+        t0 = time.perf_counter()
+        caught = catch_up.send(site, realigned, 1, 1, dtype, PART_BYTES, sites, 600, stream)
+        wall = time.perf_counter() - t0
+        assert caught and len(site.stored.codebook() or ()) == n_classes
+    resumed = sum(e.bytes_down for e in stream.exchanges)
+    whole = parts.broadcast_bytes(realigned, 0, dtype)
+    return {
+        "classes": n_classes,
+        "dtype": dtype,
+        "parts": count,
+        "whole_bytes_bound": whole,
+        "resumed_messages": len(stream.exchanges),
+        "resumed_bytes": resumed,
+        "last_part_bytes": len(parts.plan(realigned, PART_BYTES, dtype).encoded(count - 1)),
+        "resume_wall_s": round(wall, 2),
+        "site_stage_and_hold_s": round(site.seconds, 2),
+    }
+
+
 def _rss_mb() -> int:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
@@ -232,10 +344,16 @@ def main() -> None:
     parser.add_argument("--slow-site", type=float, metavar="S", help="seconds a part, one site")
     parser.add_argument("--parts", type=int, default=6)
     parser.add_argument("--inline", action="store_true", help="a grid without pushes and pulls")
+    parser.add_argument("--resume", action="store_true", help="a catch-up resumed a step later")
     parser.add_argument("--side", choices=["server", "site"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.resume:
+        for n in args.classes:
+            print(json.dumps(resume(n, args.dtype)), flush=True)
+        _machine()
+        return
     if args.slow_site is not None:
         print(json.dumps(slow_site(args.slow_site, args.parts, args.inline)))
         _machine()

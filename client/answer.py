@@ -33,7 +33,7 @@ from starfed.client.policy import (
 from starfed.client.privacy import PrivacySetting
 from starfed.client.release_gate import Outgoing
 from starfed.client.site import Site
-from starfed.shared.codebook import schema, wire
+from starfed.shared.codebook import parts, schema, wire
 from starfed.shared.codebook.codebook import ClientUpdate
 from starfed.shared.codebook.lineage import EPOCH_KEY, FEDERATION_KEY
 from starfed.shared.config import environment, parse, run_dir
@@ -43,6 +43,9 @@ from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import (
     CATCH_UP,
     CATCH_UP_KEY,
+    CATCH_UP_PARTS,
+    CATCH_UP_PATCHED,
+    CATCH_UP_VERSIONS,
     CLASS_STEPS,
     CLASSIFY_WITH_KEYS,
     EVALUATION_REFUSED,
@@ -51,6 +54,7 @@ from starfed.shared.protocol import (
     POLICY_REFUSED,
     REPORT_RECORD,
     ROUND,
+    STAGED,
     STEP,
     TRAVELLING,
     UPDATE_RECORD,
@@ -162,21 +166,11 @@ def _build_site(run_id: int, node_id: int, run_config: dict, node_config: dict) 
 
 
 @dataclass(frozen=True)
-class CatchUpPart:
-    """What a catch-up message asks: stage part ``index`` of ``count`` of a codebook of
-    ``classes`` classes (``CATCH_UP``)."""
-
-    index: int
-    count: int
-    classes: int
-
-
-@dataclass(frozen=True)
 class Incoming:
     """One message as the site reads it: its header converted once, where it enters (a bad
     value raises here, which Flower turns into an error reply), then trusted."""
 
-    asks: Phase | CatchUpPart  # a phase's work, or a catch-up part staged
+    asks: Phase | parts.Label  # a phase's work, or a catch-up part to stage
     step: int
     round: int
     federation: str
@@ -190,9 +184,13 @@ class Incoming:
     @classmethod
     def of(cls, key: str, config: dict) -> Incoming:
         """The message of ``key`` (a phase's key, or ``CATCH_UP_KEY``) with ``config``."""
-        asks: Phase | CatchUpPart
+        asks: Phase | parts.Label
         if key == CATCH_UP_KEY:
-            asks = CatchUpPart(*(int(value) for value in config[CATCH_UP]))
+            index, count, classes = (int(value) for value in config[CATCH_UP])
+            keys = tuple(str(key) for key in config.get(CATCH_UP_PARTS, []))
+            changed = tuple(int(version) for version in config.get(CATCH_UP_VERSIONS, []))
+            patched = tuple(int(part) for part in config.get(CATCH_UP_PATCHED, []))
+            asks = parts.Label(index, count, classes, keys, changed, patched)
         else:
             asks = Phase[key.upper()]
         travelling = tuple(Phase[str(k).upper()] for k in config.get(TRAVELLING, []))
@@ -213,7 +211,7 @@ class Incoming:
     @property
     def key(self) -> str:
         """Its one spelling in the site's release record: the phase's key, or the catch-up's."""
-        return CATCH_UP_KEY if isinstance(self.asks, CatchUpPart) else self.asks.key
+        return CATCH_UP_KEY if isinstance(self.asks, parts.Label) else self.asks.key
 
 
 def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
@@ -239,11 +237,11 @@ def answer(header: dict[str, Any], payload: bytes) -> list[tuple[str, bytes]]:
         message.round,
         message.federation,
         message.wire_dtype,
-        () if isinstance(asks, CatchUpPart) else releases_of(asks, message.travelling),
+        () if isinstance(asks, parts.Label) else releases_of(asks, message.travelling),
         server_certificate(site.memory.root),
     )
     release_gate.admit(site, request)
-    if isinstance(asks, CatchUpPart):
+    if isinstance(asks, parts.Label):
         records, version = _catch_up(site, message, asks, payload)
     elif asks is Phase.SYNC and Phase.EVALUATE in message.travelling:
         evaluation, version = _travelling_evaluation(site, message, request, payload)
@@ -271,14 +269,15 @@ def _travelling_evaluation(
 
 
 def _catch_up(
-    site: Site, message: Incoming, part: CatchUpPart, payload: bytes
+    site: Site, message: Incoming, part: parts.Label, payload: bytes
 ) -> tuple[list[Outgoing], int]:
     """A part of a codebook too large for one message, staged; the reply says the version the
-    site holds after it (0 until the last part)."""
+    site holds after it (0 until every part is staged) and the version each part is staged
+    at."""
     site.memory.join(message.federation)
-    site.memory.catch_up(payload, part.index, part.count, part.classes)
+    staged = site.memory.catch_up(payload, part, message.step, message.wire_dtype)
     version = str(site.memory.held_version(message.epoch)).encode()
-    return [Outgoing(HELD, version)], 0
+    return [Outgoing(HELD, version), Outgoing(STAGED, staged)], 0
 
 
 def _reply(
@@ -287,7 +286,7 @@ def _reply(
     """A phase's reply records, and the version of the codebook the message carried (0:
     none)."""
     if phase is Phase.SYNC:
-        site.memory.held.drop_staging()  # a new step: a catch-up left unfinished is abandoned
+        site.memory.held.drop_idle_staging(message.step)  # a catch-up gone quiet is abandoned
         update = site.sync(message.step, list(message.frozen), message.federation, message.epoch)
         return [_update(UPDATE_RECORD, update, message.wire_dtype, (COUNTS,))], 0
     site.memory.join(message.federation)

@@ -5,7 +5,8 @@ offline for steps, so what a site must remember lives on disk (docs/sites.md):
 
 * ``codebook.bin``: the last codebook received, so the server can send only what changed (a
   ``Delta``) — a site that lost it simply receives the whole codebook again, in parts when it
-  is too large for one message (staged in ``codebook-parts/`` until the last arrived);
+  is too large for one message (staged in ``codebook-parts/`` until the last arrived, kept
+  across steps while the catch-up goes on: ``HeldCodebook.drop_idle_staging``);
 * ``site.json``: which federation that codebook belongs to, which of the site's tasks are
   completed (all their classes frozen) and at which federation step, and the task folders its
   last sync saw (what the step's evaluation covers, even when it travels with the next step's
@@ -28,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from starfed.shared.codebook import parts
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.codebook.held import HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
@@ -154,10 +156,12 @@ class SiteMemory:
         codebook next)."""
         return self.held.receive(data)
 
-    def catch_up(self, data: bytes, index: int, count: int, classes: int) -> None:
-        """Stage part ``index`` of ``count`` of a codebook too large for one message; after the
-        last, it is held (``HeldCodebook.stage``; ``CodebookError`` for a part it refuses)."""
-        self.held.stage(data, index, count, classes)
+    def catch_up(self, data: bytes, label: parts.Label, step: int, dtype: str) -> bytes:
+        """Stage the part ``label`` names of a codebook too large for one message; once every
+        part is, it is held (``HeldCodebook.stage``; ``CodebookError`` for a part it refuses).
+        The version each part is staged at now (``Staging.versions``)."""
+        self.held.stage(data, label, step, dtype)
+        return self.held.staged_parts()
 
     def complete(self, task: str, step: int) -> None:
         self._read_state()

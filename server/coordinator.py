@@ -59,6 +59,7 @@ from starfed.server.messaging import (
 )
 from starfed.server.participants import Participants, new_classes, sync_config
 from starfed.server.records import (
+    NOTED,
     REJECTED,
     Exchange,
     Outcome,
@@ -233,7 +234,7 @@ class Coordinator:
         status, reason = COMPLETED, ""
         self.tally = StepTally()
         self.screen = Screen(self.screening, step, ChangeScale.read(self.federation.root))
-        self.catch_ups = catch_up.Ledger()
+        self.catch_ups = self.catch_ups.next_step()
         self.configured = {}
         if SYNCED in self.position.done:
             self._restore_findings(step)
@@ -376,6 +377,8 @@ class Coordinator:
         names = self._site_names()
         for node, why in caught_up.findings.items():
             self.screen.note(names.get(node, f"node-{node}"), CATCH_UP_KEY, 0, REJECTED, why)
+        for node, why in caught_up.noted.items():
+            self.screen.note(names.get(node, f"node-{node}"), CATCH_UP_KEY, 0, NOTED, why)
         self.participants.leave(self.screen.quarantined)
         return [node for node in caught_up.nodes if node in self.participants.node_ids]
 

@@ -181,6 +181,9 @@ CAPPED, REJECTED, QUARANTINED = "capped", "rejected", "quarantined"  # a finding
 #: A finding's action for a claim the server knows better (a reply's privacy key against the
 #: site's registration): recorded and counted, and nothing is changed by it.
 CONTRADICTED = "contradicted"
+#: A finding's action for what an operator should see but is no fault of the site's (a catch-up
+#: the step's end stopped after the site staged parts: it resumes): recorded, not counted.
+NOTED = "noted"
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,7 @@ class Finding:
     site: str
     phase: str
     round: int
-    action: str  # CAPPED, REJECTED, CONTRADICTED or QUARANTINED
+    action: str  # CAPPED, REJECTED, CONTRADICTED, NOTED or QUARANTINED
     reason: str
     name: str = ""  # the class, when the finding is about one class's row
 

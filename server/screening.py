@@ -49,7 +49,14 @@ from starfed.server.change_scale import ChangeScale
 from starfed.server.decode import Decoded
 from starfed.server.messaging import reject
 from starfed.server.quarantine import Quarantined
-from starfed.server.records import CONTRADICTED, QUARANTINED, REJECTED, Exchange, Finding
+from starfed.server.records import (
+    CONTRADICTED,
+    NOTED,
+    QUARANTINED,
+    REJECTED,
+    Exchange,
+    Finding,
+)
 from starfed.shared import progress
 from starfed.shared.codebook.codebook import Codebook
 from starfed.shared.config import Options, knob
@@ -59,6 +66,10 @@ from starfed.shared.registered_sites import parse_site_names, parse_site_privacy
 from starfed.shared.report import EvaluationReport
 
 logger = logging.getLogger(__name__)
+
+#: A finding's actions that do not count toward ``quarantine-after``: the quarantine itself, and
+#: what is noted without fault (a catch-up stopped after progress, ``server.catch_up``).
+UNCOUNTED = (QUARANTINED, NOTED)
 
 #: Images of one class at one site, at most: far beyond any real site, and a sum of such counts
 #: over any number of sites a federation can have stays inside the wire's 64-bit counts.
@@ -151,7 +162,8 @@ class Screen:
     def note(
         self, site: str, phase: str, round_index: int, action: str, reason: str, name: str = ""
     ) -> None:
-        """Record one finding; a site reaching ``quarantine-after`` findings is quarantined."""
+        """Record one finding; a site reaching ``quarantine-after`` findings (``UNCOUNTED``
+        actions aside) is quarantined."""
         self.findings.append(Finding(site, phase, round_index, action, reason, name))
         logger.warning(
             "screening: %s %s of %s%s: %s",
@@ -163,7 +175,7 @@ class Screen:
         )
         limit = self.options.quarantine_after
         if limit and site not in self.quarantined:
-            mine = sum(f.site == site and f.action != QUARANTINED for f in self.findings)
+            mine = sum(f.site == site and f.action not in UNCOUNTED for f in self.findings)
             if mine >= limit:
                 why = f"{progress.counted(mine, 'finding')} in step {self.step + 1}"
                 self.quarantined[site] = why

@@ -164,9 +164,20 @@ CATCH_UP_MESSAGE = "query.catch_up"
 #: Catch-up-message config key: [the part's index, the number of parts, the classes of the whole
 #: codebook].
 CATCH_UP = "catch-up"
+#: Catch-up-message config keys of a catch-up's first message: the manifest, every part's key and
+#: version in order (``starfed.shared.codebook.parts.Plan``).
+CATCH_UP_PARTS = "catch-up-parts"
+CATCH_UP_VERSIONS = "catch-up-versions"
+#: Catch-up-message config key of a change of staged parts (a delta of their classes): their
+#: indices.
+CATCH_UP_PATCHED = "catch-up-patched"
 #: Reply record of a catch-up part: the codebook version the site holds after it (ASCII
 #: digits), 0 until the last part arrived and the assembled codebook passed its checks.
 HELD = "held"
+#: Reply record of a catch-up part: the version each part of the manifest is staged at
+#: (``Staging.versions``); the server sends only what changed since, and trusts it for nothing
+#: else.
+STAGED = "staged"
 #: The key a catch-up's exchanges are recorded under (the step's exchanges, logs, the site's
 #: release record), as a phase's are under its key.
 CATCH_UP_KEY = "catch_up"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import re
 import shutil
+import struct
 import threading
 import time
 import uuid
@@ -21,23 +22,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Error, Message, RecordDict
 from in_process import TINY_RUN, run_grid
 from site_folders import CLASSES, site_folder
 
 from starfed.client import app as client_app
-from starfed.client.answer import CatchUpPart, Incoming
+from starfed.client.answer import Incoming
 from starfed.client.memory import CODEBOOK_FILE
 from starfed.ops.flower_internals import SUPERLINK_NODE_ID, TaskIdentity
 from starfed.server import catch_up
 from starfed.server.app import RunFailed
 from starfed.server.federation import Federation
 from starfed.server.participants import Participants
+from starfed.server.records import NOTED, REJECTED
+from starfed.server.screening import Screen, ScreeningOptions
 from starfed.shared.codebook import parts, schema, wire
 from starfed.shared.codebook.codebook import Codebook, CodebookError
 from starfed.shared.codebook.decoding import MAX_NAME_LENGTH
 from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES
-from starfed.shared.codebook.held import STAGING_DIR, HeldCodebook
+from starfed.shared.codebook.held import STAGING_DIR, STAGING_IDLE_STEPS, HeldCodebook
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.config import parse
@@ -46,8 +49,12 @@ from starfed.shared.protocol import (
     CATCH_UP,
     CATCH_UP_KEY,
     CATCH_UP_MESSAGE,
+    CATCH_UP_PARTS,
+    CATCH_UP_PATCHED,
+    CATCH_UP_VERSIONS,
     HELD,
     RECORD_DATA,
+    STAGED,
     Phase,
 )
 from starfed.simulations.local_grid import LocalGrid
@@ -88,6 +95,19 @@ def codebook(make_entries, tiny_dims, fingerprint) -> Codebook:
 @pytest.fixture
 def small_parts(codebook: Codebook) -> int:
     return one_class_parts(codebook)
+
+
+def label(plan: parts.Plan, index: int, first: bool = False, classes: int | None = None):  # type: ignore[no-untyped-def]
+    """Part ``index``'s label, with the manifest when it is the ``first`` of its catch-up."""
+    count, announced = len(plan.parts), len(plan.codebook) if classes is None else classes
+    if not first:
+        return parts.Label(index, count, announced)
+    return parts.Label(index, count, announced, plan.keys, plan.changed)
+
+
+def stage(held: HeldCodebook, plan: parts.Plan, index: int, first: bool = False, step: int = 0):  # type: ignore[no-untyped-def]
+    """Part ``index`` of ``plan`` staged as a site stages it."""
+    return held.stage(plan.encoded(index), label(plan, index, first), step, plan.dtype)
 
 
 def test_the_bounds_hold_for_a_whole_codebook_and_a_delta(
@@ -142,10 +162,9 @@ def test_a_codebook_in_parts_is_held_only_after_the_last_part(
         tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
     )
     for index in range(len(plan.parts)):
-        data = plan.encoded(index)
-        assert len(data) <= small_parts
+        assert len(plan.encoded(index)) <= small_parts
         assert held.version_for(LINE) == 0 and held.codebook() is None  # staged, not held
-        got = held.stage(data, index, len(plan.parts), len(codebook))
+        got = stage(held, plan, index, first=index == 0)
         assert (got is None) == (index < len(plan.parts) - 1)
     assert held.version_for(LINE) == codebook.version
     same_codebook(HeldCodebook(held.path, fingerprint=codebook.fingerprint).codebook(), codebook)
@@ -158,22 +177,29 @@ def test_an_abandoned_catch_up_leaves_nothing_on_the_site_disk(
     tmp_path: Path, codebook: Codebook, small_parts: int
 ) -> None:
     """Parts staged for a catch-up the server gave up on, and an assembled file a killed site
-    left: dropped when the next step's sync (or a codebook) arrives (``drop_staging``)."""
+    left: kept by the syncs of the next ``STAGING_IDLE_STEPS`` steps (the catch-up resumes),
+    dropped by the one after (``drop_idle_staging``), or when a codebook arrives."""
     plan = parts.plan(codebook, small_parts)
     held = HeldCodebook(
         tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
     )
     for index in range(2):
-        held.stage(plan.encoded(index), index, len(plan.parts), len(codebook))
+        stage(held, plan, index, first=index == 0, step=3)
     assembled = tmp_path / ".codebook.bin.assembled"
     assembled.write_bytes(b"half")
     assert len(list((tmp_path / STAGING_DIR).iterdir())) == 3  # staged.json and two parts
-    held.drop_staging()
+    for step in range(3, 4 + STAGING_IDLE_STEPS):
+        held.drop_idle_staging(step)
+        assert held.staged_parts() == struct.pack("<5Q", 5, 5, 0, 0, 0) and assembled.exists()
+    held.drop_idle_staging(4 + STAGING_IDLE_STEPS)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+    stage(held, plan, 0, first=True)
+    held.receive(codebook)  # a codebook arrived: nothing to resume
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["codebook.bin"]
 
 
-def _out_of_order(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
-    return [(plan.encoded(0), 0), (plan.encoded(2), 2)]
+def _not_the_manifests(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
+    return [(plan.encoded(0), 0), (plan.encoded(2), 1)]
 
 
 def _another_version(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int]]:
@@ -198,30 +224,29 @@ def _no_first_part(plan: parts.Plan, other: parts.Plan) -> list[tuple[bytes, int
 @pytest.mark.parametrize(
     ("sent", "why"),
     [
-        (_out_of_order, "part 2 arrived, part 1 was next"),
+        (_not_the_manifests, "part 1 holds other classes than the manifest names"),
         (_another_version, "another codebook than the one staged"),
         (_another_lineage, "another codebook than the one staged"),
         (_garbled, None),  # whatever the cut leaves undecodable
         (_no_first_part, "no staged codebook"),
     ],
 )
-def test_a_part_out_of_order_of_another_codebook_or_garbled_drops_the_staging(
+def test_a_part_not_the_manifests_of_another_codebook_or_garbled_drops_the_staging(
     tmp_path: Path, codebook: Codebook, small_parts: int, sent, why: str | None
 ) -> None:
     newer = codebook.set_values({}, counts={codebook.names[0]: 99})
     plan, other = parts.plan(codebook, small_parts), parts.plan(newer, small_parts)
-    count = len(plan.parts)
     held = HeldCodebook(
         tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
     )
     *good, (bad, index) = sent(plan, other)
     for data, i in good:
-        assert held.stage(data, i, count, len(codebook)) is None
+        assert held.stage(data, label(plan, i, first=i == 0), 0, "float32") is None
     with pytest.raises(CodebookError, match=why):
-        held.stage(bad, index, count, len(codebook))
+        held.stage(bad, label(plan, index, first=index == 0), 0, "float32")
     assert not (tmp_path / STAGING_DIR).exists() and held.version_for(LINE) == 0
-    for i in range(count):  # the next catch-up starts again, from the first part
-        held.stage(plan.encoded(i), i, count, len(codebook))
+    for i in range(len(plan.parts)):  # the next catch-up starts again, from the first part
+        stage(held, plan, i, first=i == 0)
     assert held.version_for(LINE) == codebook.version
 
 
@@ -236,10 +261,10 @@ def test_parts_that_do_not_make_the_announced_codebook_are_not_held(
     )
     with pytest.raises(CodebookError, match="the parts hold 5 classes, 6 announced"):
         for i in range(len(plan.parts)):
-            held.stage(plan.encoded(i), i, len(plan.parts), len(codebook) + 1)
+            held.stage(plan.encoded(i), label(plan, i, i == 0, len(codebook) + 1), 0, "float32")
     assert held.version_for(LINE) == 0 and sorted(p.name for p in tmp_path.iterdir()) == []
     for i in range(len(plan.parts)):
-        held.stage(plan.encoded(i), i, len(plan.parts), len(codebook))
+        stage(held, plan, i, first=i == 0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["codebook.bin"]
     same_codebook(held.codebook(), codebook)
 
@@ -247,15 +272,25 @@ def test_parts_that_do_not_make_the_announced_codebook_are_not_held(
 def test_a_class_sent_in_two_parts_is_refused_and_not_held(
     tmp_path: Path, codebook: Codebook, small_parts: int
 ) -> None:
-    """Two parts carrying the same class, as many classes as announced: the assembled codebook
-    is refused (its decoding finds the class twice), nothing is held or left behind."""
+    """Two parts carrying the same class, as many classes as announced: a manifest naming one
+    part twice is refused, and so is an assembled codebook whose decoding finds a class twice
+    (two parts of one class, at two versions); nothing is held or left behind."""
     plan = parts.plan(codebook, small_parts)
     held = HeldCodebook(
         tmp_path / "codebook.bin", fingerprint=codebook.fingerprint, dims=codebook.dims
     )
-    assert held.stage(plan.encoded(0), 0, 2, 2) is None
-    with pytest.raises(CodebookError, match="twice"):
-        held.stage(plan.encoded(0), 1, 2, 2)
+    twice = parts.Label(0, 2, 2, (plan.keys[0], plan.keys[0]), (5, 5))
+    with pytest.raises(CodebookError, match="names a part twice"):
+        held.stage(plan.encoded(0), twice, 0, "float32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    name = codebook.names[0]
+    one = parts.plan(replace(codebook, entries={name: codebook[name]}), small_parts)
+    renamed = {"other": replace(codebook[name], name="other")}
+    other = parts.plan(replace(codebook, entries=renamed), small_parts)
+    both = parts.Label(0, 2, 2, (one.keys[0], other.keys[0]), (5, 5))
+    assert held.stage(one.encoded(0), both, 0, "float32") is None
+    with pytest.raises(CodebookError, match="other classes than the manifest names"):
+        held.stage(one.encoded(0), replace(both, index=1, keys=(), changed=()), 0, "float32")
     assert held.version_for(LINE) == 0 and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -337,10 +372,272 @@ def test_a_catch_up_part_is_its_own_message_which_a_site_reads_apart_from_the_sy
 
     config = {"step": 0, "round": 1, **LINE.as_metadata(), CATCH_UP: [1, 5, 5]}
     part = Incoming.of(CATCH_UP_KEY, config)
-    assert part.asks == CatchUpPart(1, 5, 5) and part.key == CATCH_UP_KEY
+    assert part.asks == parts.Label(1, 5, 5) and part.key == CATCH_UP_KEY
+    first = Incoming.of(CATCH_UP_KEY, {**config, CATCH_UP_PARTS: ["k0"], CATCH_UP_VERSIONS: [3]})
+    assert first.asks == parts.Label(1, 5, 5, ("k0",), (3,))
     assert part.epoch == LINE.epoch and part.federation == LINE.federation
     sync = Incoming.of(Phase.SYNC.key, config)
     assert sync.asks is Phase.SYNC and sync.key == "sync"
+
+
+# --- a catch-up longer than a step resumes (issue 43, attack 7) -------------------------------
+
+
+class StagingSite:
+    """Node 1 stages its catch-up parts as a site does (``HeldCodebook.stage``; its reply as
+    ``client.answer``'s: ``HELD`` and ``STAGED``, which ``staged`` may rewrite: a site that
+    lies), reading at most ``budget`` parts a step: the step's others it never answers (a slow
+    link: the step ends first). Node 2 holds the codebook. Pushes and pulls, as Flower's grid."""
+
+    def __init__(self, folder: Path, codebook: Codebook, budget: int) -> None:
+        self.held = HeldCodebook(
+            folder / CODEBOOK_FILE, fingerprint=codebook.fingerprint, dims=codebook.dims
+        )
+        self.budget = budget
+        self.staged: Callable[[bytes], bytes] = lambda versions: versions
+        self.read: list[tuple[int, int, int]] = []  # (step, part, bytes) of each part read
+        self.replies: dict[str, Message] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return [1, 2]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            ids.append(uuid.uuid4().hex)
+            message.metadata.__dict__["_message_id"] = ids[-1]  # as a grid's push does
+            step = message.content["config"]["step"]
+            if sum(read[0] == step for read in self.read) < self.budget:
+                self.replies[ids[-1]] = self._answer(message)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self.replies.pop(i) for i in message_ids if i in self.replies]
+
+    def _answer(self, message: Message) -> Message:
+        config, data = message.content["config"], message.content["codebook"]["data"]
+        index, count, classes = config[CATCH_UP]
+        keys, changed = config.get(CATCH_UP_PARTS, []), config.get(CATCH_UP_VERSIONS, [])
+        patched = tuple(config.get(CATCH_UP_PATCHED, []))
+        part = parts.Label(index, count, classes, tuple(keys), tuple(changed), patched)
+        try:
+            self.held.stage(data, part, config["step"], config["wire-dtype"])
+        except CodebookError as err:  # the app's error reply
+            return Message(error=Error(0, str(err)), reply_to=message)
+        self.read.append((config["step"], index, len(data)))
+        held = str(self.held.version_for(LINE)).encode()
+        staged = self.staged(self.held.staged_parts())
+        records = {HELD: held, STAGED: staged}
+        content = RecordDict({k: ConfigRecord({RECORD_DATA: v}) for k, v in records.items()})
+        return Message(content, reply_to=message)
+
+
+def _step(
+    site: StagingSite, codebook: Codebook, ledger: catch_up.Ledger, step: int, size: int
+) -> tuple[catch_up.CaughtUp, catch_up.CaughtUp]:
+    """One step of a federation whose node 2 holds ``codebook``: node 1's catch-up started
+    before a phase (``before_phase``), run until it ends or has read ``budget`` parts, read
+    (``joined``: what a phase then does), then the step's end (``abandon``)."""
+    participants = Participants(node_ids=[1, 2], versions={2: codebook.version})
+    sites = {1: "farm-b", 2: "farm-a"}
+    catch_up.before_phase(
+        site, codebook, participants, [1, 2], step, "float32", size, sites, 2.0, ledger
+    )
+    stream = ledger.streams[1]
+    deadline = time.monotonic() + 30
+    while not stream.done.is_set() and len(stream.exchanges) < site.budget:
+        assert time.monotonic() < deadline, stream.exchanges
+        time.sleep(0.01)
+    stream.done.wait(0.2)  # a stream whose parts were all read ends at once
+    ended = catch_up.joined(ledger, participants, codebook.version)
+    return ended, catch_up.abandon(ledger, participants, step)
+
+
+def test_a_catch_up_longer_than_a_step_resumes_with_the_parts_the_site_lacks(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site that reads three parts a step joins a codebook of five, then six, parts: in the
+    first step it stages three (its catch-up stopped at the step's end: noted, no finding);
+    in the second the codebook changed one of the classes it staged and gained one, and it is
+    sent that part's change (a delta of its class) and the two parts it lacks; in the third
+    the one part left, and it holds the codebook. No part is sent whole twice, the bytes it
+    received are what it lacked, and the staging is gone."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)  # what a ServerApp's process has
+    site, ledger = StagingSite(tmp_path, codebook, budget=3), catch_up.Ledger()
+    _, first = _step(site, codebook, ledger, 0, small_parts)
+    assert [i for _, i, _ in site.read] == [0, 1, 2]
+    assert not first.findings and "(3 of 5 parts answered)" in first.noted[1]
+
+    stale = codebook.names[1]
+    newer = codebook.set_values({stale: {"prompt": torch.ones(codebook.dims.d_txt)}})
+    newer = newer.register([replace(newer[stale], name="a new class", frozen=False)])
+    plan = parts.plan(newer, small_parts)
+    ledger = ledger.next_step()
+    _, second = _step(site, newer, ledger, 1, small_parts)
+    assert [i for s, i, _ in site.read if s == 1] == [1, 3, 4]  # 0 and 2 kept: unchanged
+    assert not second.findings and 1 in second.noted
+
+    ledger = ledger.next_step()
+    joined, third = _step(site, newer, ledger, 2, small_parts)
+    assert [i for s, i, _ in site.read if s == 2] == [5]
+    assert joined.nodes == [1] and not joined.findings and not third.noted
+    same_codebook(site.held.codebook(), newer)
+    assert not (tmp_path / STAGING_DIR).exists() and 1 not in ledger.staged
+    change = len(plan.patch([1], codebook.version))  # its prompt: a fifth of the class
+    assert change < len(plan.encoded(1)) // 2
+    received = sum(size for s, _, size in site.read if s > 0)
+    assert received == change + sum(len(plan.encoded(i)) for i in (3, 4, 5))
+
+
+def test_the_changes_of_the_parts_staged_travel_in_one_message(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step's replay changes every class's aligned head, so a catch-up resumed a step
+    later finds each part it staged changed a little: their changes go in one delta of their
+    classes (as many as fit a part), then the parts it lacks whole."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    site, ledger = StagingSite(tmp_path, codebook, budget=3), catch_up.Ledger()
+    _step(site, codebook, ledger, 0, small_parts)
+    aligned = {n: {"aligned_head_bias": torch.tensor(1.0)} for n in codebook.names}
+    newer = codebook.set_values(aligned)
+    plan = parts.plan(newer, small_parts)
+    site.budget = 99
+    joined, _ = _step(site, newer, ledger.next_step(), 1, small_parts)
+    assert joined.nodes == [1] and not joined.findings
+    change = len(plan.patch([0, 1, 2], codebook.version))
+    assert [(i, size) for s, i, size in site.read if s == 1] == [
+        (0, change),  # parts 0, 1 and 2: a bias each
+        (3, len(plan.encoded(3))),
+        (4, len(plan.encoded(4))),
+    ]
+    assert change < len(plan.encoded(0)) // 2
+    same_codebook(site.held.codebook(), newer)
+
+
+def test_a_catch_up_ends_on_the_change_of_its_last_parts(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site holding the last two parts, staged before their classes changed, and a server
+    that does not know it (a new run): it is sent the first part, learns what the site holds
+    from the reply, sends the two parts it lacks, then the two staged parts' change, on which
+    the site assembles the codebook."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    site = StagingSite(tmp_path, codebook, budget=99)
+    plan = parts.plan(codebook, small_parts)
+    for index in (3, 4):
+        stage(site.held, plan, index, first=index == 3)
+    newer = codebook.set_values({n: {"head_bias": torch.tensor(2.0)} for n in codebook.names})
+    joined, _ = _step(site, newer, catch_up.Ledger(), 1, small_parts)
+    assert joined.nodes == [1] and not joined.findings
+    later = parts.plan(newer, small_parts)
+    assert [(i, size) for _, i, size in site.read] == [
+        (0, len(later.encoded(0))),
+        (1, len(later.encoded(1))),
+        (2, len(later.encoded(2))),
+        (3, len(later.patch([3, 4], codebook.version))),
+    ]
+    same_codebook(site.held.codebook(), newer)
+
+
+def test_a_staging_abandoned_for_good_is_dropped_and_a_new_catch_up_starts_again(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The site's staging past ``STAGING_IDLE_STEPS`` steps without a part is dropped at its
+    sync, and the server forgets its word then too. A site that dropped its staging sooner:
+    the server still remembers the parts it had, sends the first it lacks with the manifest,
+    learns from the reply that the site holds nothing, and goes back to part 0: the catch-up
+    completes in the step, each part sent once."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    site, ledger = StagingSite(tmp_path, codebook, budget=2), catch_up.Ledger()
+    _step(site, codebook, ledger, 0, small_parts)
+    site.held.drop_idle_staging(1 + STAGING_IDLE_STEPS)  # the sync of a step much later
+    assert not (tmp_path / STAGING_DIR).exists() and len(ledger.staged[1].versions) == 2
+    assert ledger.known(1, 1 + STAGING_IDLE_STEPS) == {}  # the server forgets it then too
+    # ... but here a step sooner: the site dropped its staging, the server still knows it
+    site.budget = len(codebook)
+    later, _ = _step(site, codebook, ledger.next_step(), 1, small_parts)
+    assert [i for s, i, _ in site.read if s == 1] == [2, 0, 1, 3, 4]
+    assert later.nodes == [1] and not later.findings
+    same_codebook(site.held.codebook(), codebook)
+
+
+@pytest.mark.adversarial
+def test_a_site_that_lies_about_its_staged_parts_gains_nothing(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site that says it staged every part at the codebook's version, after its first part
+    (it holds none of the others), is sent that part and fails (a finding: it holds no
+    codebook); its next catch-up is the last part alone (on whose arrival a site assembles
+    the parts), and fails the same; a third is refused (``CATCH_UPS_PER_STEP``). One whose
+    word is no version a part (10 kB) is taken to hold none, so it lacks a part just sent
+    and fails. Honest again, it is sent the parts it lacks. The server goes on throughout,
+    and the site never holds a codebook it was not sent whole."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    count = len(parts.plan(codebook, small_parts).parts)
+    site, ledger = StagingSite(tmp_path, codebook, budget=99), catch_up.Ledger()
+    site.staged = lambda versions: struct.pack(f"<{count}Q", *[codebook.version] * count)
+    participants = Participants(node_ids=[1, 2], versions={2: codebook.version})
+    sites = {1: "farm-b", 2: "farm-a"}
+    found, rounds = [], []
+    for _ in range(catch_up.CATCH_UPS_PER_STEP + 1):
+        participants.set_version(1, None)
+        before = catch_up.before_phase(
+            site, codebook, participants, [1, 2], 0, "float32", small_parts, sites, 2.0, ledger
+        )
+        if 1 in ledger.streams:
+            ledger.streams[1].done.wait(10)
+        after = catch_up.joined(ledger, participants, codebook.version)
+        assert 1 not in before.nodes + after.nodes  # never sent a phase
+        found.append(before.findings.get(1) or after.findings.get(1))
+        rounds.append([e.round for e in before.exchanges + after.exchanges])
+    assert rounds == [[0], [count - 1], []] and [i for _, i, _ in site.read] == [0, count - 1]
+    assert [why.split(" at ")[0] for why in found[:2]] == ["failed its catch-up"] * 2
+    assert found[2] == "refused a catch-up: 2 already in step 1"
+    assert site.held.version_for(LINE) == 0
+
+    site.read.clear()
+    site.staged = lambda versions: b"\xff" * 10_000  # no version a part: it has staged none
+    garbled, _ = _step(site, codebook, ledger.next_step(), 1, small_parts)
+    # the last (by its earlier word), then the first it lacks by this one, which it lacks again
+    assert [i for _, i, _ in site.read] == [count - 1, 0] and "failed" in garbled.findings[1]
+    site.read.clear()
+    site.staged = lambda versions: versions  # honest again: it has the first and the last
+    honest, _ = _step(site, codebook, ledger.next_step(), 2, small_parts)
+    assert [i for _, i, _ in site.read] == list(range(count - 1)) and not honest.findings
+    same_codebook(site.held.codebook(), codebook)
+
+
+def test_a_noted_finding_does_not_count_toward_quarantine() -> None:
+    """Two noted catch-ups and one rejected with ``quarantine-after`` 2: recorded, and the site
+    not quarantined until a second finding that counts."""
+    screen = Screen(ScreeningOptions(quarantine_after=2), step=0)
+    for action in (NOTED, NOTED, REJECTED):
+        screen.note("farm-b", CATCH_UP_KEY, 0, action, "its catch-up was not done")
+    assert len(screen.findings) == 3 and not screen.quarantined
+    screen.note("farm-b", CATCH_UP_KEY, 0, REJECTED, "failed its catch-up at part 1")
+    assert screen.quarantined["farm-b"] == "2 findings in step 1"
+
+
+def test_a_catch_up_stopped_without_a_part_staged_is_a_finding(
+    tmp_path: Path, codebook: Codebook, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site that reads no part in the step: its stopped catch-up is a finding (it counts
+    toward quarantine), not noted."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    site, ledger = StagingSite(tmp_path, codebook, budget=0), catch_up.Ledger()
+    _, ended = _step(site, codebook, ledger, 0, small_parts)
+    assert not ended.noted and "(0 of 5 parts answered)" in ended.findings[1]
 
 
 # --- through the real apps ------------------------------------------------------------------
@@ -370,8 +667,9 @@ def _run(
     sites: dict[str, dict[str, list[str]]],
     grid: Callable[..., LocalGrid] = GarblingGrid,
     part_bytes: int | None = None,  # None: the default (a tiny codebook is then never in parts)
+    **run: object,  # other run config (``max-steps`` is 1 unless given)
 ) -> dict:
-    config = {**TINY_RUN, "max-steps": 1, "federation-dir": str(tmp / "federation")}
+    config = {**TINY_RUN, "max-steps": 1, "federation-dir": str(tmp / "federation"), **run}
     if part_bytes is not None:
         config["part-bytes"] = part_bytes
     nodes = {
@@ -422,14 +720,13 @@ def test_a_site_joining_late_catches_up_in_parts_and_recovers_from_a_garbled_par
 
 
 class StaleClaimGrid(LocalGrid):
-    """The local runtime, where node 2 receives every catch-up part and then claims to hold an
-    old version (its reply to the last part rewritten): it is behind again before every phase."""
+    """The local runtime, where node 2 receives every catch-up part and claims to hold an old
+    version (its replies rewritten): it is behind again before every phase."""
 
     def _deliver(self, message):  # type: ignore[no-untyped-def]
         reply = super()._deliver(message)
-        config = message.content["config"]
-        last = CATCH_UP in config and config[CATCH_UP][0] == config[CATCH_UP][1] - 1
-        if reply is not None and message.metadata.dst_node_id == 2 and last:
+        part = CATCH_UP in message.content["config"]
+        if reply is not None and message.metadata.dst_node_id == 2 and part:
             reply.content[HELD] = ConfigRecord({RECORD_DATA: b"1"})
         return reply
 
@@ -556,8 +853,12 @@ def test_a_site_reading_its_parts_slowly_stalls_no_one(
     [step] = [s for s in Federation.open(tmp_path / "federation").history() if s.step == 1]
     assert {p.phase for p in step.phase_seconds} >= {"stage1", "stage2", "evaluate"}
     mine = [f for f in step.findings if f.site == "farm-b"]
-    assert [(f.phase, f.action) for f in mine] == [(CATCH_UP_KEY, "rejected")], mine
-    assert re.search(r"not done at the end of step 2 \([01] of 4 parts answered\)", mine[0].reason)
+    answered = re.search(
+        r"not done at the end of step 2 \(([01]) of 4 parts answered\)", mine[0].reason
+    )
+    assert answered, mine
+    action = "noted" if answered.group(1) == "1" else "rejected"  # progress: it resumes
+    assert [(f.phase, f.action) for f in mine] == [(CATCH_UP_KEY, action)], mine
     phases = {e["phase"] for e in attacked["exchanges"] if e["site"] == "farm-b"}
     assert phases <= {"sync", CATCH_UP_KEY}  # it sat every phase out
     baseline = _run(alone, {"farm-a": farm_a}, LocalGrid, size)
@@ -595,3 +896,96 @@ def test_a_site_reading_its_parts_at_once_joins_the_step_on_a_grid_that_pushes_a
     assert "evaluate" in answered, answered
     server = Federation.open(tmp_path / "federation").checkpoints.codebook()
     same_codebook(HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook(), server)
+
+
+PART_TIMEOUT_S = 60  # a part's (and a phase's): far above a tiny step
+
+
+class BudgetGrid(SlowReaderGrid):
+    """The pushing and pulling grid where node 2 reads at most ``budget`` catch-up messages a
+    step (by the message's step) and never answers the step's others: a link too slow for
+    its catch-up to end within a step."""
+
+    budget: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.read_in: dict[int, list[int]] = {}  # step -> the parts node 2 read in it
+        self.part_s = 0.0
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            config = message.content["config"]
+            if message.metadata.dst_node_id == 2 and CATCH_UP in config:
+                read = self.read_in.setdefault(config["step"], [])
+                if len(read) >= self.budget:
+                    ids.append(uuid.uuid4().hex)
+                    message.metadata.__dict__["_message_id"] = ids[-1]
+                    self.replies[ids[-1]] = Future()  # never answered
+                    continue
+                read.append(config[CATCH_UP][0])
+            ids += super().push_messages([message])
+        return ids
+
+
+@pytest.mark.adversarial
+def test_a_site_whose_catch_up_takes_steps_joins_after_them_holding_no_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread
+) -> None:
+    """farm-b joins a federation of three classes as farm-a brings one a step, reading three
+    catch-up messages a step (parts of one class; the step's others never answered): every
+    step completes for farm-a without waiting for farm-b, farm-b's catch-up stopped at the
+    first step's end is noted (no finding toward quarantine), the next resumes with the
+    changes of the three parts it staged (one message) and the two it lacks, farm-b joins
+    the phases of that step after it (at least the evaluation) and the next step whole, and
+    ends holding the server's codebook. Before, its catch-up restarted from the first part
+    every step, and never ended."""
+    farm_a = {"t1": CLASSES[0:3], "t2": CLASSES[3:4], "t3": CLASSES[4:5], "t4": CLASSES[5:6]}
+    assert _run(tmp_path, {"farm-a": {"t1": farm_a["t1"]}}, LocalGrid)["status"] == "completed"
+    founded = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    size = one_class_parts(founded, slack=64)
+    grids: list[BudgetGrid] = []
+
+    def grid(*args, **kwargs) -> BudgetGrid:  # type: ignore[no-untyped-def]
+        grids.append(BudgetGrid(*args, **kwargs))
+        return grids[-1]
+
+    sites = {"farm-a": farm_a, "farm-b": {"t1": CLASSES[3:4]}}
+    try:
+        settings = {"max-steps": 3, "timeout-s": PART_TIMEOUT_S}
+        joined = _run(tmp_path, sites, grid, size, **settings)
+    finally:
+        grids[0].close()
+    history = [s for s in Federation.open(tmp_path / "federation").history() if s.step >= 1]
+    assert [s.wall_s < PART_TIMEOUT_S for s in history] == [True] * 3  # none waited for it
+    assert [s.status for s in history] == ["degraded", "completed", "completed"]
+    [noted] = history[0].findings
+    assert (noted.site, noted.phase, noted.action) == ("farm-b", CATCH_UP_KEY, "noted")
+    assert "(3 of 4 parts answered)" in noted.reason
+    done = {"stage1", "stage2", "evaluate"}
+    for step in (1, 2, 3):
+        for name in ("farm-a", "farm-b") if step == 3 else ("farm-a",):
+            answered = {
+                e["phase"]
+                for e in joined["exchanges"]
+                if e["site"] == name and e["step"] == step and e["status"] == "ok"
+            }
+            assert done <= answered, (step, name, answered)
+    caught = [e for e in joined["exchanges"] if e["phase"] == CATCH_UP_KEY]
+    assert [(e["step"], e["round"]) for e in caught] == [
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (2, 0),
+        (2, 3),
+        (2, 4),
+    ]
+    # step 3's first message: the changes of the three parts staged in step 2 (their aligned
+    # heads: the replay's), not the parts again
+    assert caught[3]["bytes_down"] < caught[0]["bytes_down"] / 2
+    theirs = {e["phase"] for e in joined["exchanges"] if e["site"] == "farm-b" and e["step"] == 2}
+    assert "evaluate" in theirs  # it joined the step its catch-up ended in (its later phases)
+    server = Federation.open(tmp_path / "federation").checkpoints.codebook()
+    same_codebook(HeldCodebook(tmp_path / "farm-b-state" / CODEBOOK_FILE).codebook(), server)
+    assert not (tmp_path / "farm-b-state" / STAGING_DIR).exists()

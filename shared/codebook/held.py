@@ -7,7 +7,9 @@ applies. A whole codebook received is written as one file; the first delta after
 that file into a codebook store beside it as its base (``store_layout``, ``store_io``: linked, not
 copied) and the file becomes the store's manifest, so a delta writes what it changed, not the
 whole codebook. A codebook too large for one message arrives in parts (``stage``), staged
-beside the file and held only once the last part arrived. The file is replaced atomically and
+beside the file and held only once the last part arrived; a catch-up stopped part-way resumes
+with the parts staged, until a codebook arrives or ``STAGING_IDLE_STEPS`` steps pass without a
+part. The file is replaced atomically and
 read again whenever it changed on disk, as several worker processes of a simulation may answer
 for the same site.
 """
@@ -29,6 +31,9 @@ from starfed.shared.files import write_atomic
 logger = logging.getLogger(__name__)
 
 STAGING_DIR = "codebook-parts"  # beside the held file: the parts of a codebook being received
+#: Steps a catch-up's staging is kept without a new part: past them it is dropped at the sync
+#: (``HeldCodebook.drop_idle_staging``). A staging holds at most one codebook's parts.
+STAGING_IDLE_STEPS = 2
 #: How many payloads, and deltas applied, a process keeps decoded (``Shared``).
 SHARED_KEPT = 4
 #: How many held files a process remembers decoded (``Shared.loaded``): a few hundred bytes
@@ -190,7 +195,7 @@ class HeldCodebook:
         whole file moved in as its base, once)."""
         if isinstance(received, bytes | bytearray | memoryview):
             received = SHARED.decode(bytes(received), self.fingerprint, self.dims)
-        self.drop_staging()  # a catch-up left unfinished is started again, if needed
+        self.drop_staging()  # a codebook arrived: no catch-up to resume
         folder = self.path.parent / store_layout.STORE_DIR
         if isinstance(received, Delta):
             held = self.codebook()
@@ -214,21 +219,25 @@ class HeldCodebook:
         SHARED.remember(self, received, self._stored)
         return received
 
-    def stage(self, data: bytes, index: int, count: int, classes: int) -> Codebook | None:
-        """Part ``index`` of a codebook sent in ``count`` parts (``parts``): staged, and after
-        the last part the codebook they make, decoded (= validated) from the file they were
-        written to and held from now on (None before). Until then nothing new is held:
-        ``version_for`` says what it said before the first part.
+    def stage(self, data: bytes, label: parts.Label, step: int, dtype: str) -> Codebook | None:
+        """The part ``label`` names of a codebook sent in parts (``parts``), in ``step`` in
+        ``dtype``: staged, and once every part is, the codebook they make, decoded (=
+        validated) from the file they were written to and held from now on (None before).
+        Until then nothing new is held: ``version_for`` says what it said before.
 
         Raises CodebookError (the staging dropped: the next catch-up starts again) for a part
-        that does not decode, belongs to another codebook or comes out of order, or parts that
-        do not make a valid codebook."""
+        that does not decode or is not the manifest's, or parts that do not make a valid
+        codebook of the classes announced."""
         assembled = self._assembled()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self._staging().add(data, index, count, classes, assembled):
+        if not self._staging().add(data, label, step, dtype, assembled):
             return None
         try:
             codebook = wire.read_file(assembled, fingerprint=self.fingerprint, dims=self.dims)
+            if len(codebook) != label.classes:
+                raise CodebookError(
+                    f"the parts hold {len(codebook)} classes, {label.classes} announced"
+                )
         except CodebookError:
             assembled.unlink(missing_ok=True)
             raise
@@ -241,10 +250,27 @@ class HeldCodebook:
         self._held, self._stamp = codebook, (stat.st_mtime_ns, stat.st_size)
         return codebook
 
+    def staged_parts(self) -> bytes:
+        """The version each part of the catch-up in progress is staged at
+        (``Staging.versions``)."""
+        return self._staging().versions()
+
+    def drop_idle_staging(self, step: int) -> None:
+        """At the sync of ``step``: forget a catch-up's parts when none was staged in the last
+        ``STAGING_IDLE_STEPS`` steps (a sender that no longer catches this receiver up: it
+        quarantined it, or went away). A catch-up stopped at a step's end resumes at the next
+        step with the parts staged so far."""
+        try:
+            idle = step - self._staging().staged().step > STAGING_IDLE_STEPS
+        except CodebookError:  # none, or one no catch-up can resume (an earlier release's)
+            idle = True
+        if idle:
+            self.drop_staging()
+
     def drop_staging(self) -> None:
         """Forget a catch-up's parts and its assembled file (up to twice the codebook on disk):
-        when a codebook or a step's sync arrives, a catch-up left unfinished is abandoned (the
-        server starts any new one from its first part)."""
+        when a codebook arrives (nothing to catch up), or the staging is idle
+        (``drop_idle_staging``)."""
         self._staging().drop()
         self._assembled().unlink(missing_ok=True)
 

@@ -11,14 +11,27 @@ must arrive within its own timeout on a slow link). Every part is itself a whole
 some classes, at the sender's version and with its lineage, so each is decoded (= validated)
 as any broadcast is.
 
+A part is named by its key (``part_key``: its lineage, the wire dtype and its classes) and has
+a version (``Plan.changed``: the latest of its classes' versions). The first message of each
+catch-up carries the manifest (every part's key and version, in codebook order); the receiver
+answers each part with the version it has each part of the manifest staged at
+(``Staging.versions``). A catch-up the sender stopped (a step's end) thus resumes with only
+what the receiver lacks: the parts it has none of, whole, and for a part staged before its
+classes changed the change (``Plan.patch``: one delta of the classes of as many such parts as
+fit a part; a class's changed fields, a fraction of it when only its aligned head was
+realigned), which the receiver applies to the parts staged (``Staging.add``).
+
 The receiver stages the parts on disk (``Staging``: a deployed site answers every message in a
-fresh process) and holds nothing new until the last part arrived and the assembled codebook
-passed its checks — a staged codebook is never "held". A part of another lineage or version,
-one out of order, or bytes that do not decode are refused with ``CodebookError`` and the
-staging is dropped: the next catch-up starts again from the first part. Each part is held in
-memory alone, on both sides: the sender encodes one at a time, and the receiver writes the
-whole codebook file from the staged parts' messages, one after the other, then decodes it as
-it decodes any held codebook.
+fresh process) and holds nothing new until every part of the manifest is staged and the
+assembled codebook passed its checks — a staged codebook is never "held". A new manifest prunes
+the staged parts it does not name (so the staging never holds more than one codebook's parts);
+a part of another lineage or version than the manifest staged, one whose classes are not the
+manifest's, a change of a part not staged at its base version or later, or bytes that do not
+decode are refused with ``CodebookError`` and the staging is
+dropped. Each part is held in memory alone, on both sides: the sender encodes one at a time,
+and the receiver writes the whole codebook file from the staged parts' messages, one after the
+other in the manifest's order, then decodes it as it decodes any held codebook. When a staging
+is abandoned for good is the receiver's rule (``starfed.shared.codebook.held``).
 """
 
 from __future__ import annotations
@@ -28,9 +41,12 @@ import itertools
 import json
 import math
 import shutil
-from collections.abc import Iterable, Iterator
+import struct
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +63,8 @@ from starfed.shared.files import write_atomic
 #: versions. A bound, not an estimate: a part never passes what was planned for it.
 TENSOR_SLACK, CLASS_SLACK, HEADER_SLACK = 32, 64, 4096
 STAGED_FILE = "staged.json"
+#: Hex characters of a part's key (``part_key``): 128 bits of a SHA-256.
+KEY_CHARS = 32
 
 
 @dataclass(frozen=True)
@@ -59,12 +77,42 @@ class Plan:
     dtype: str
     part_bytes: int
 
+    @cached_property
+    def keys(self) -> tuple[str, ...]:
+        """The manifest's keys: each part's (``part_key``), in order."""
+        lineage = Lineage.of(self.codebook)
+        return tuple(part_key(lineage, self.dtype, names) for names in self.parts)
+
+    @cached_property
+    def changed(self) -> tuple[int, ...]:
+        """Each part's version: the codebook version at which one of its classes last changed
+        (a part staged at it, or later, holds what this one would)."""
+        return tuple(max(self.codebook[n].version for n in names) for names in self.parts)
+
     def encoded(self, index: int) -> bytes:
         """Part ``index``'s message (checked against the limit it was planned for)."""
-        entries = {name: self.codebook[name] for name in self.parts[index]}
-        data = wire.encode(replace(self.codebook, entries=entries).broadcast(), self.dtype)
+        return self._checked(self._of(self.parts[index]).broadcast(), f"part {index}")
+
+    def patch(self, indices: Sequence[int], since: int) -> bytes:
+        """What changed in parts ``indices`` since version ``since`` (each staged by the
+        receiver at it or later): one delta of their classes (checked against the limit)."""
+        value = self._of(self._names(indices)).delta(since)
+        return self._checked(value, f"the change of parts {list(indices)}")
+
+    def patch_bytes(self, indices: Sequence[int], since: int) -> int:
+        """An upper bound on ``patch``'s bytes (``broadcast_bytes``)."""
+        return broadcast_bytes(self._of(self._names(indices)), since, self.dtype)
+
+    def _names(self, indices: Sequence[int]) -> list[str]:
+        return [name for index in indices for name in self.parts[index]]
+
+    def _of(self, names: Iterable[str]) -> Codebook:
+        return replace(self.codebook, entries={n: self.codebook[n] for n in names})
+
+    def _checked(self, value: Codebook | Delta, what: str) -> bytes:
+        data = wire.encode(value, self.dtype)
         if len(data) > self.part_bytes:  # the plan counts an upper bound: never reached
-            raise ValueError(f"part {index} is {len(data)} bytes, over {self.part_bytes}")
+            raise ValueError(f"{what} is {len(data)} bytes, over {self.part_bytes}")
         return data
 
 
@@ -86,6 +134,14 @@ def plan(codebook: Codebook, part_bytes: int, dtype: str = "float32") -> Plan:
         size += more
     split.append(tuple(names))
     return Plan(codebook, tuple(split), dtype, part_bytes)
+
+
+def part_key(lineage: Lineage, dtype: str, names: Iterable[str]) -> str:
+    """A part's key: its lineage, wire dtype and classes, in order. What a staged part of the
+    key holds is said by its version (``Plan.changed``): a class's version names its values
+    within a lineage (a rollback starts another: docs/federation.md)."""
+    named = [lineage.federation, lineage.epoch, dtype, list(names)]
+    return hashlib.sha256(json.dumps(named).encode()).hexdigest()[:KEY_CHARS]
 
 
 def least_part_bytes(codebook: Codebook, dtype: str) -> int:
@@ -139,9 +195,26 @@ def _header_bytes(codebook: Codebook) -> int:
 
 
 @dataclass(frozen=True)
+class Label:
+    """What a catch-up message says of its part: part ``index`` of ``count`` of a codebook of
+    ``classes`` classes, or with ``patched`` the change of those staged parts (a delta of
+    their classes: ``Plan.patch``); the first message of a catch-up also carries the manifest:
+    every part's key and version (``Plan.keys``, ``Plan.changed``), in order."""
+
+    index: int
+    count: int
+    classes: int
+    keys: tuple[str, ...] = ()
+    changed: tuple[int, ...] = ()
+    patched: tuple[int, ...] = ()  # the parts a delta changes (none: the part is whole)
+
+
+@dataclass(frozen=True)
 class Staged:
-    """What a staging holds: the codebook it assembles, the parts received so far and the
-    classes they carry (the staging folder's one record)."""
+    """What a staging holds (the staging folder's one record): the manifest of the codebook it
+    assembles (its lineage, version, classes, wire dtype, and each part's key and version),
+    how many of its parts are staged at their version or later, and the step of the last
+    part staged (``held``'s rule for when a staging is abandoned)."""
 
     federation: str
     epoch: str
@@ -149,12 +222,21 @@ class Staged:
     parts: int
     classes: int
     received: int
-    carried: int = 0
+    dtype: str = "float32"
+    keys: tuple[str, ...] = ()
+    changed: tuple[int, ...] = ()
+    step: int = 0
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Staged:
+        keys = tuple(str(key) for key in raw.get("keys", ()))
+        changed = tuple(int(version) for version in raw.get("changed", ()))
+        return cls(**{**raw, "keys": keys, "changed": changed})
 
 
 class Staging:
     """Parts received so far, in ``folder`` (beside the held codebook): ``staged.json`` and one
-    checksummed file per part."""
+    checksummed file per part, named by its key and version (``part-<key>-<version>.bin``)."""
 
     def __init__(
         self, folder: Path, *, fingerprint: str | None = None, dims: ModelDims | None = None
@@ -162,83 +244,163 @@ class Staging:
         self.folder = folder
         self.fingerprint, self.dims = fingerprint, dims
 
-    def add(self, data: bytes, index: int, parts: int, classes: int, target: Path) -> bool:
-        """Stage part ``index`` of ``parts`` (of a codebook of ``classes`` classes); after the
-        last, write the whole codebook file ``target`` (True). Part 0 starts a new staging.
+    def add(self, data: bytes, label: Label, step: int, dtype: str, target: Path) -> bool:
+        """Stage ``data``, the part ``label`` names, sent in ``step`` in ``dtype``: its classes
+        whole, or a delta of them from the version of the part staged; once every part of the
+        manifest is staged at its version or later, write the whole codebook file ``target``
+        (True). A label with a manifest starts the codebook it names, keeping the staged
+        parts it names.
 
-        Raises CodebookError (and drops the staging) for a part that does not decode or
-        is not the next of the codebook staged, or an assembled codebook that is not whole."""
+        Raises CodebookError (and drops the staging) for a part that does not decode or is
+        not the manifest's, a delta from a version not staged, or parts that do not make a
+        whole codebook."""
         try:
-            return self._add(data, index, parts, classes, target)
+            return self._add(data, label, step, dtype, target)
         except CodebookError:
             self.drop()
             raise
 
-    def _add(self, data: bytes, index: int, parts: int, classes: int, target: Path) -> bool:
-        if not 0 <= index < parts:
-            raise CodebookError(f"part {index} of {parts} does not exist")
-        part = self._decoded(data, f"part {index}")
-        lineage = Lineage.of(part)
-        if index == 0:
-            self.drop()
-            self.folder.mkdir(parents=True)
-            staged = Staged(lineage.federation, lineage.epoch, part.version, parts, classes, 0)
-        else:
-            staged = self.staged()
-            expected = (
-                staged.federation,
-                staged.epoch,
-                staged.version,
-                staged.parts,
-                staged.classes,
+    def _add(self, data: bytes, label: Label, step: int, dtype: str, target: Path) -> bool:
+        if not 0 <= label.index < label.count:
+            raise CodebookError(f"part {label.index} of {label.count} does not exist")
+        sent = wire.decode_broadcast(data, fingerprint=self.fingerprint, dims=self.dims)
+        lineage = Lineage.of(sent)
+        announced = Staged(
+            lineage.federation, lineage.epoch, sent.version, label.count, label.classes, 0, dtype
+        )
+        staged = self._begin(announced, label, step) if label.keys else self.staged()
+        if replace(staged, received=0, keys=(), changed=(), step=0) != announced:
+            raise CodebookError(
+                f"part {label.index} belongs to another codebook than the one staged"
             )
-            if (lineage.federation, lineage.epoch, part.version, parts, classes) != expected:
-                raise CodebookError(f"part {index} belongs to another codebook than the one staged")
-            if index != staged.received:
-                raise CodebookError(f"part {index} arrived, part {staged.received} was next")
-        write_atomic(self.folder / f"part-{index:06d}.bin", frame(data))
-        staged = replace(staged, received=index + 1, carried=staged.carried + len(part))
+        if isinstance(sent, Delta):
+            if not label.patched:
+                raise CodebookError(f"part {label.index} is a delta of no staged part")
+            for index in label.patched:
+                if not 0 <= index < staged.parts:
+                    raise CodebookError(f"part {index} of {staged.parts} does not exist")
+                self._patch(staged.keys[index], sent, dtype, f"part {index}")
+        else:
+            key = staged.keys[label.index]
+            if part_key(lineage, dtype, sent.names) != key:
+                raise CodebookError(
+                    f"part {label.index} holds other classes than the manifest names"
+                )
+            self._put(key, sent.version, data)
+        staged = replace(staged, received=len(self._current(staged)), step=step)
         write_atomic(self.folder / STAGED_FILE, json.dumps(asdict(staged)).encode())
-        if staged.received < parts:
+        if staged.received < staged.parts:
             return False
-        if staged.carried != staged.classes:
-            raise CodebookError(f"the parts hold {staged.carried} classes, {classes} announced")
-        self._write(staged, target)
+        header_only = Codebook(sent.fingerprint, sent.dims, {}, sent.version, sent.metadata)
+        self._write(staged, wire.encode(header_only), target)
         return True
 
-    def _decoded(self, data: bytes, what: str) -> Codebook:
-        part = wire.decode_broadcast(data, fingerprint=self.fingerprint, dims=self.dims)
-        if isinstance(part, Delta):
-            raise CodebookError(f"{what} is a delta, not a codebook's classes")
-        return part
+    def _begin(self, header: Staged, label: Label, step: int) -> Staged:
+        """The codebook ``header`` of the manifest ``label`` carries staged from now on: the
+        staged parts it does not name pruned."""
+        keys, changed = label.keys, label.changed
+        if not (len(keys) == len(changed) == header.parts) or not all(map(_is_key, keys)):
+            raise CodebookError(f"the manifest is not {header.parts} part keys and versions")
+        if len(set(keys)) != len(keys):
+            raise CodebookError("the manifest names a part twice")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for path in self.folder.glob("part-*.bin"):
+            if path.stem.split("-")[1] not in keys:
+                path.unlink()
+        return replace(header, keys=keys, changed=changed, step=step)
+
+    def _patch(self, key: str, delta: Delta, dtype: str, what: str) -> None:
+        """The staged part ``key`` changed by ``delta`` (whose entries hold their values at the
+        delta's version: applied to the part staged at the delta's base version or later,
+        each gets its value at the delta's version), staged at that version."""
+        version = self._versions().get(key, 0)
+        if not delta.base_version <= version <= delta.version:
+            raise CodebookError(
+                f"{what}: a change from version {delta.base_version}, staged at {version}"
+            )
+        old = read_payload(self._file(key, version), DEFAULT_MAX_BYTES)
+        part = wire.decode_broadcast(old, fingerprint=self.fingerprint, dims=self.dims)
+        if isinstance(part, Delta):  # never written: a part is staged whole
+            raise CodebookError(f"the staged {what} is a delta")
+        changes = {n: delta.entries[n] for n in part.names if n in delta.entries}
+        names = tuple(part.names)
+        mine = Delta(
+            part.fingerprint, part.dims, delta.version, version, names, changes, delta.metadata
+        )
+        self._put(key, delta.version, wire.encode(part.apply(mine), dtype))
+
+    def _put(self, key: str, version: int, data: bytes) -> None:
+        """Part ``key`` staged at ``version`` (its earlier version gone)."""
+        for old in self.folder.glob(f"part-{key}-*.bin"):
+            old.unlink()
+        write_atomic(self._file(key, version), frame(data))
 
     def staged(self) -> Staged:
         """What the staging holds; CodebookError when it holds nothing."""
         try:
-            raw = json.loads((self.folder / STAGED_FILE).read_text())
-            return Staged(**raw)
+            return Staged.from_json(json.loads((self.folder / STAGED_FILE).read_text()))
         except (OSError, ValueError, TypeError) as err:
             raise CodebookError(f"no staged codebook to add a part to ({err})") from None
 
-    def _write(self, staged: Staged, target: Path) -> None:
+    def versions(self) -> bytes:
+        """The version each part of the staged manifest is staged at (0: not staged), as
+        little-endian 64-bit integers (nothing staged: no bytes). What the receiver tells the
+        sender, which sends only what changed since (``starfed.server.catch_up``)."""
+        try:
+            staged = self.staged()
+        except CodebookError:
+            return b""
+        versions = self._versions()
+        return struct.pack(f"<{staged.parts}Q", *(versions.get(k, 0) for k in staged.keys))
+
+    def _current(self, staged: Staged) -> list[int]:
+        """The parts staged at their version or later."""
+        versions = self._versions()
+        pairs = enumerate(zip(staged.keys, staged.changed, strict=True))
+        return [i for i, (key, changed) in pairs if versions.get(key, 0) >= changed]
+
+    def _versions(self) -> dict[str, int]:
+        """Each staged part's version, by key (from the files' names)."""
+        versions = {}
+        for path in self.folder.glob("part-*-*.bin"):
+            _, key, version = path.stem.split("-")
+            versions[key] = int(version)
+        return versions
+
+    def _file(self, key: str, version: int) -> Path:
+        return self.folder / f"part-{key}-{version}.bin"
+
+    def _write(self, staged: Staged, trailer: bytes, target: Path) -> None:
         """The staged parts as one codebook file at ``target``, one part in memory at a time:
-        their messages one after the other, which protobuf reads as one message holding every
-        part's classes in order (each part's other fields are the same: lineage and version
-        checked as they arrived, fingerprint and dims the receiver's). The receiver then
-        decodes the file whole (``HeldCodebook.stage``), which refuses a class sent twice; the
-        parts are not parsed again here (each was decoded as it arrived)."""
+        their messages one after the other in the manifest's order, then ``trailer`` (the
+        codebook's header without classes: a part staged at an earlier version says that
+        version, and protobuf keeps a field's last value), which protobuf reads as one message
+        holding every part's classes in order (each part's other fields are the same: lineage
+        checked as they arrived, fingerprint and dims the receiver's). The receiver then decodes
+        the file whole (``HeldCodebook.stage``), which refuses a class sent twice; the parts are
+        not parsed again here (each was decoded as it arrived)."""
         digest, length = hashlib.sha256(), 0
-        for payload in self._payloads(staged):
+        for payload in self._payloads(staged, trailer):
             digest.update(payload)
             length += len(payload)
-        pieces = itertools.chain([header(length, digest.digest())], self._payloads(staged))
+        pieces = itertools.chain([header(length, digest.digest())], self._payloads(staged, trailer))
         write_atomic(target, pieces)
         self.drop()
 
-    def _payloads(self, staged: Staged) -> Iterator[bytes]:
-        for index in range(staged.parts):
-            yield read_payload(self.folder / f"part-{index:06d}.bin", DEFAULT_MAX_BYTES)
+    def _payloads(self, staged: Staged, trailer: bytes) -> Iterator[bytes]:
+        versions = self._versions()
+        for key in staged.keys:
+            yield read_payload(self._file(key, versions[key]), DEFAULT_MAX_BYTES)
+        yield trailer
 
     def drop(self) -> None:
         """Forget every staged part."""
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _is_key(value: object) -> bool:
+    return (
+        isinstance(value, str)
+        and len(value) == KEY_CHARS
+        and all(c in "0123456789abcdef" for c in value)
+    )
