@@ -455,6 +455,33 @@ def test_classes_of_other_images_of_another_sites_class_are_recorded_with_what_t
     assert code == 0 and "what new classes took from sites' earlier classes" in out
 
 
+def test_the_recorded_sites_exact_withdrawal_gives_the_honest_sites_the_run_without_it(
+    tmp_path, capsys
+) -> None:
+    """What the record points to: farm-m joins at step 2 with the disjoint ten beside farm-a's
+    new class; the record names it; the operator withdraws it exactly (``sites withdraw
+    --exact``), the next run runs step 2 again without it, and the honest sites' accuracy is
+    that of the federation farm-m never joined, to the image."""
+    folder = functools.partial(disjoint_images, test_images=5)
+    first = {"farm-a": {"t1": [C0, A1]}, "farm-b": {"t1": [C0, B1]}}
+    honest = {"farm-a": {"t1": [C0, A1], "t2": [M1]}, "farm-b": first["farm-b"]}
+    attacked = {**honest, "farm-m": {"t2": FEW_DISJOINT["farm-m"]["t2"]}}
+    for tmp, second in ((tmp_path / "joined", attacked), (tmp_path / "never", honest)):
+        federate(first, tmp, folder=folder, **{"max-steps": 1})
+        federate(second, tmp, folder=folder, **{"max-steps": 1})
+    took = Federation.open(tmp_path / "joined" / "federation").history()[-1].taken
+    assert "farm-b" in {t.site for t in took} and {t.by for t in took} == {("farm-m",)}
+    federation = tmp_path / "joined" / "federation"
+    argv = ("server", "sites", "withdraw", "farm-m", "--dir", tmp_path / "none")
+    code, _, err = starfed(capsys, *argv, "--federation", federation, "--yes", "--exact")
+    assert code == 0, err
+    again = federate(attacked, tmp_path / "joined", folder=folder, **{"max-steps": 1})
+    never = json.loads((tmp_path / "never" / "federation" / "metrics.json").read_text())
+    assert again["site_accuracy"] == never["site_accuracy"]  # farm-m refused at the sync
+    without = Federation.open(tmp_path / "never" / "federation").history()[-1].taken
+    assert Federation.open(federation).history()[-1].taken == without  # farm-a's class's
+
+
 # --- one vote per site: farm-m brings ten more classes than the others ------------------------
 
 MANY = {
