@@ -369,7 +369,7 @@ class Spread:
 def differences(draws: list[Draw], ten: Ten, site: str) -> list[tuple[int, float, bool]]:
     """``Spread``'s pairs, each with its seed and whether the draw's record names what farm-m
     took from ``site``: per seed, ``ten``'s draw less the genuine one of its spelling; for
-    ``Ten.GENUINE`` each genuine draw less each later spelling's (recorded: the later's)."""
+    ``Ten.GENUINE`` each genuine draw less each later spelling's (recorded: the earlier's)."""
     genuine = {(d.run.seed, d.spelling): d for d in draws if d.ten is Ten.GENUINE}
     if ten is Ten.GENUINE:
         seeds = sorted({seed for seed, _ in genuine})

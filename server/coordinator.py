@@ -431,7 +431,7 @@ class Coordinator:
         logger.info(step_records.scores_line(state.step, len(self.codebook), scores))
         self.tally.taken = taken(reports, state.class_steps, self._holders(), state.step)
         for took in self.tally.taken:
-            logger.warning(took.line(state.step))
+            logger.warning(took.line(state.step + 1))
 
     def _merge(self, phase: Phase, screened: Screened, state: PhaseState) -> Codebook:
         """The merge stage: the screened updates reduced by the strategy into a new codebook;

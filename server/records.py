@@ -250,6 +250,7 @@ class Taken:
         return 100.0 * self.images / self.of if self.of else math.nan
 
     def line(self, step: int) -> str:
+        """The log's line; ``step`` as numbered for people (from 1)."""
         return (
             f"step {step}'s classes of {', '.join(self.by)} took {self.points:.1f} points of "
             f"{self.site}'s accuracy on its earlier classes ({self.images} of {self.of} test "

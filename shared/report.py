@@ -97,7 +97,7 @@ class EvaluationReport:
                 f"report on codebook version {message.codebook_version}, "
                 f"the codebook is at {against.version}"
             )
-        n_layers, names = against.dims.n_layers, set(against.names)
+        n_layers = against.dims.n_layers
         seen: set[str] = set()
         scores = []
         for score in message.classes:
@@ -114,7 +114,11 @@ class EvaluationReport:
                 and sum(images for _, images in taken_by) <= score.images - score.correct
             ):
                 raise CodebookError(f"report counts of {score.name[:60]!r} are inconsistent")
-            if len(takers) < len(taken_by) or score.name in takers or not takers <= names:
+            if (
+                len(takers) < len(taken_by)
+                or score.name in takers
+                or not all(name in against for name in takers)
+            ):
                 raise CodebookError(f"report names the takers of {score.name[:60]!r} badly")
             scores.append(
                 ClassScore(score.name, score.images, score.correct, score.selection_hits, taken_by)

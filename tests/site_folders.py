@@ -31,7 +31,8 @@ def site_folder(root: Path, tasks: dict[str, list[str]], train: int = 10, test: 
     return root
 
 
-#: Training images per class at each site: the tests' (``test_adversarial_alone.SITE_FOLDER``).
+#: Training images per class at each site of the attack tests (``test_adversarial_alone``) and
+#: their benchmark (bench/attacks.py).
 TRAIN_IMAGES = 12
 
 

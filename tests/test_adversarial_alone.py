@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flwr.app import Message
 from in_process import TINY_RUN, run_grid, starfed
-from site_folders import CLASSES, disjoint_images, site_folder
+from site_folders import CLASSES, TRAIN_IMAGES, disjoint_images, site_folder
 from test_adversarial import STATISTICS, TOLERANCE, TRAINING, UPDATE_RECORDS, edit_update
 
 from starfed.client import app as client_app
@@ -42,7 +42,7 @@ _run_ids = itertools.count(7500)
 
 
 #: A site's folder: 12 training and 5 test images of each of its classes.
-SITE_FOLDER = functools.partial(site_folder, train=12, test=5)
+SITE_FOLDER = functools.partial(site_folder, train=TRAIN_IMAGES, test=5)
 
 
 def federate(
