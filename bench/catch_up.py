@@ -63,9 +63,6 @@ from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.config import ProtocolOptions
 from starfed.shared.protocol import (
     CATCH_UP,
-    CATCH_UP_PARTS,
-    CATCH_UP_PATCHED,
-    CATCH_UP_VERSIONS,
     HELD,
     RECORD_DATA,
     STAGED,
@@ -110,7 +107,8 @@ def server(n_classes: int, dtype: str, folder: Path) -> dict[str, object]:
         sent += len(data)
         (folder / f"{index}.bin").write_bytes(data)
         del data
-    (folder / "manifest.json").write_text(json.dumps({"dtype": dtype, "keys": plan.keys}))
+    manifest = {"dtype": dtype, "keys": plan.keys, "changed": plan.changed}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
     return {
         "classes": n_classes,
         "dtype": dtype,
@@ -130,10 +128,11 @@ def site(n_classes: int, messages: int, folder: Path) -> dict[str, object]:
     stored = HeldCodebook(folder / "state" / "codebook.bin", fingerprint=FINGERPRINT, dims=PAPER)
     stage_s = 0.0
     sent = json.loads((folder / "manifest.json").read_text())
-    manifest = tuple(sent["keys"])
+    keys, changed = tuple(sent["keys"]), tuple(sent["changed"])
     for index in range(messages):
         data = (folder / f"{index}.bin").read_bytes()
-        label = parts.Label(index, messages, n_classes, manifest if index == 0 else ())
+        manifest = (keys, changed) if index == 0 else ((), ())
+        label = parts.Label(index, messages, n_classes, *manifest)
         t0 = time.perf_counter()
         stored.stage(data, label, 0, sent["dtype"])
         stage_s += time.perf_counter() - t0
@@ -256,12 +255,7 @@ class StagingSite:
     def _answer(self, message: Message) -> Message:
         message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as a grid's push does
         config, data = message.content["config"], message.content["codebook"]["data"]
-        label = parts.Label(
-            *config[CATCH_UP],
-            tuple(config.get(CATCH_UP_PARTS, [])),
-            tuple(config.get(CATCH_UP_VERSIONS, [])),
-            tuple(config.get(CATCH_UP_PATCHED, [])),
-        )
+        label = parts.Label.of(config)
         t0 = time.perf_counter()
         self.stored.stage(data, label, config["step"], config["wire-dtype"])
         self.seconds += time.perf_counter() - t0

@@ -41,11 +41,7 @@ from starfed.shared.knob import as_int, as_str
 from starfed.shared.model.backbone_options import BackboneOptions
 from starfed.shared.model.training import TrainConfig
 from starfed.shared.protocol import (
-    CATCH_UP,
     CATCH_UP_KEY,
-    CATCH_UP_PARTS,
-    CATCH_UP_PATCHED,
-    CATCH_UP_VERSIONS,
     CLASS_STEPS,
     CLASSIFY_WITH_KEYS,
     EVALUATION_REFUSED,
@@ -186,11 +182,7 @@ class Incoming:
         """The message of ``key`` (a phase's key, or ``CATCH_UP_KEY``) with ``config``."""
         asks: Phase | parts.Label
         if key == CATCH_UP_KEY:
-            index, count, classes = (int(value) for value in config[CATCH_UP])
-            keys = tuple(str(key) for key in config.get(CATCH_UP_PARTS, []))
-            changed = tuple(int(version) for version in config.get(CATCH_UP_VERSIONS, []))
-            patched = tuple(int(part) for part in config.get(CATCH_UP_PATCHED, []))
-            asks = parts.Label(index, count, classes, keys, changed, patched)
+            asks = parts.Label.of(config)
         else:
             asks = Phase[key.upper()]
         travelling = tuple(Phase[str(k).upper()] for k in config.get(TRAVELLING, []))

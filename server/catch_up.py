@@ -70,7 +70,7 @@ from starfed.server.participants import Participants
 from starfed.server.records import Exchange, Outcome
 from starfed.shared.codebook import parts
 from starfed.shared.codebook.codebook import Codebook
-from starfed.shared.codebook.held import STAGING_IDLE_STEPS
+from starfed.shared.codebook.held import staging_idle
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.protocol import (
     CATCH_UP,
@@ -109,6 +109,10 @@ class Stream:
     stop: threading.Event = field(default_factory=threading.Event)
     caught: bool = False
 
+    def holds(self, version: int) -> bool:
+        """Whether it caught its node up to codebook ``version``."""
+        return self.caught and self.version == version
+
     @property
     def progressed(self) -> bool:
         """Whether the node staged a part in it (a part answered without fault)."""
@@ -144,7 +148,7 @@ class Ledger:
         """What ``node`` has staged, as far as a catch-up in ``step`` can tell: nothing when
         its word is older than the site keeps an idle staging (``STAGING_IDLE_STEPS``)."""
         word = self.staged.get(node)
-        if word is None or step - word.step > STAGING_IDLE_STEPS:
+        if word is None or staging_idle(step, word.step):
             return {}
         return word.versions
 
@@ -271,7 +275,7 @@ def _first_caught(ledger: Ledger, streams: Sequence[Stream], version: int) -> No
     """Wait until one of ``streams`` caught its node up to codebook ``version`` (the phase's: a
     stream an earlier phase started may send an older one), or every one ended."""
     while not all(s.done.is_set() for s in streams) and not any(
-        s.done.is_set() and s.caught and s.version == version for s in streams
+        s.done.is_set() and s.holds(version) for s in streams
     ):
         ledger.ended.wait()  # set after a stream's done: a stream that ends now is seen next
         ledger.ended.clear()
@@ -290,7 +294,7 @@ def joined(ledger: Ledger, participants: Participants, version: int) -> CaughtUp
         ledger.ending(node, stream)
         exchanges += stream.exchanges
         participants.set_version(node, stream.version if stream.caught else None)
-        if stream.caught and stream.version == version:
+        if stream.holds(version):
             ledger.completed.add(node)
             nodes.append(node)
         for entry in stream.exchanges:
@@ -385,7 +389,9 @@ def send(
             said = _record(reply.content, HELD)
             caught = said == str(codebook.version).encode()
             index = _next(plan, stream.staged)
-            if not caught and (index in sent or _current(plan, stream.staged) == count):
+            if not caught and (
+                index in sent or parts.current(plan.keys, plan.changed, stream.staged) == count
+            ):
                 why = f"holds {said[:20]!r} after its parts, not version {codebook.version}"
                 reject(entry, why)  # each part once: a site that loses what it staged fails
         if caught or entry.status.outcome is Outcome.ERROR:
@@ -413,12 +419,6 @@ def _stale(plan: parts.Plan, staged: Mapping[str, int], index: int, sent: set[in
             break
         group.append(i)
     return group
-
-
-def _current(plan: parts.Plan, staged: Mapping[str, int]) -> int:
-    """How many parts are ``staged`` at their version or later."""
-    pairs = zip(plan.keys, plan.changed, strict=True)
-    return sum(staged.get(key, 0) >= version for key, version in pairs)
 
 
 def _next(plan: parts.Plan, staged: Mapping[str, int]) -> int:

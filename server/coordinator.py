@@ -375,10 +375,9 @@ class Coordinator:
         codebook); of their nodes, those still in the step (not quarantined)."""
         self._logged(caught_up.exchanges)
         names = self._site_names()
-        for node, why in caught_up.findings.items():
-            self.screen.note(names.get(node, f"node-{node}"), CATCH_UP_KEY, 0, REJECTED, why)
-        for node, why in caught_up.noted.items():
-            self.screen.note(names.get(node, f"node-{node}"), CATCH_UP_KEY, 0, NOTED, why)
+        for said, action in ((caught_up.findings, REJECTED), (caught_up.noted, NOTED)):
+            for node, why in said.items():
+                self.screen.note(names.get(node, f"node-{node}"), CATCH_UP_KEY, 0, action, why)
         self.participants.leave(self.screen.quarantined)
         return [node for node in caught_up.nodes if node in self.participants.node_ids]
 

@@ -172,7 +172,7 @@ CATCH_UP_VERSIONS = "catch-up-versions"
 #: indices.
 CATCH_UP_PATCHED = "catch-up-patched"
 #: Reply record of a catch-up part: the codebook version the site holds after it (ASCII
-#: digits), 0 until the last part arrived and the assembled codebook passed its checks.
+#: digits), 0 until every part is staged and the assembled codebook passed its checks.
 HELD = "held"
 #: Reply record of a catch-up part: the version each part of the manifest is staged at
 #: (``Staging.versions``); the server sends only what changed since, and trusts it for nothing

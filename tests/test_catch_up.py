@@ -50,7 +50,6 @@ from starfed.shared.protocol import (
     CATCH_UP_KEY,
     CATCH_UP_MESSAGE,
     CATCH_UP_PARTS,
-    CATCH_UP_PATCHED,
     CATCH_UP_VERSIONS,
     HELD,
     RECORD_DATA,
@@ -421,10 +420,8 @@ class StagingSite:
 
     def _answer(self, message: Message) -> Message:
         config, data = message.content["config"], message.content["codebook"]["data"]
-        index, count, classes = config[CATCH_UP]
-        keys, changed = config.get(CATCH_UP_PARTS, []), config.get(CATCH_UP_VERSIONS, [])
-        patched = tuple(config.get(CATCH_UP_PATCHED, []))
-        part = parts.Label(index, count, classes, tuple(keys), tuple(changed), patched)
+        part = parts.Label.of(config)
+        index = part.index
         try:
             self.held.stage(data, part, config["step"], config["wire-dtype"])
         except CodebookError as err:  # the app's error reply

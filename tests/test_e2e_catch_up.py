@@ -8,7 +8,8 @@ deltas one message. Once farm-b has answered its first part (its staging shows a
 every process of farm-b (its ``site start``, SuperNode, SuperExec, the ClientApp answering) is
 stopped with SIGSTOP: a site that stops reading. The step goes on with farm-a: farm-a's first
 phase is answered while farm-b's catch-up is still going (its parts are logged only once it
-ended), farm-b's unfinished catch-up is a finding (phase ``catch_up``) and farm-a's accuracy is
+ended), farm-b's unfinished catch-up is in the step's findings (phase ``catch_up``; noted, since
+it staged a part: it resumes) and farm-a's accuracy is
 that of the step without farm-b. After SIGCONT a third run catches farm-b up: it ends holding
 the server's codebook. Slow: five steps in four server runs and two site restarts, minutes on 2
 cores.

@@ -7,7 +7,7 @@ applies. A whole codebook received is written as one file; the first delta after
 that file into a codebook store beside it as its base (``store_layout``, ``store_io``: linked, not
 copied) and the file becomes the store's manifest, so a delta writes what it changed, not the
 whole codebook. A codebook too large for one message arrives in parts (``stage``), staged
-beside the file and held only once the last part arrived; a catch-up stopped part-way resumes
+beside the file and held only once every part is staged; a catch-up stopped part-way resumes
 with the parts staged, until a codebook arrives or ``STAGING_IDLE_STEPS`` steps pass without a
 part. The file is replaced atomically and
 read again whenever it changed on disk, as several worker processes of a simulation may answer
@@ -34,6 +34,14 @@ STAGING_DIR = "codebook-parts"  # beside the held file: the parts of a codebook 
 #: Steps a catch-up's staging is kept without a new part: past them it is dropped at the sync
 #: (``HeldCodebook.drop_idle_staging``). A staging holds at most one codebook's parts.
 STAGING_IDLE_STEPS = 2
+
+
+def staging_idle(step: int, last: int) -> bool:
+    """Whether a staging whose last part was staged at step ``last`` is abandoned at ``step``:
+    the receiver's rule, and the sender's for what it may still take as staged."""
+    return step - last > STAGING_IDLE_STEPS
+
+
 #: How many payloads, and deltas applied, a process keeps decoded (``Shared``).
 SHARED_KEPT = 4
 #: How many held files a process remembers decoded (``Shared.loaded``): a few hundred bytes
@@ -261,7 +269,7 @@ class HeldCodebook:
         quarantined it, or went away). A catch-up stopped at a step's end resumes at the next
         step with the parts staged so far."""
         try:
-            idle = step - self._staging().staged().step > STAGING_IDLE_STEPS
+            idle = staging_idle(step, self._staging().staged().step)
         except CodebookError:  # none, or one no catch-up can resume (an earlier release's)
             idle = True
         if idle:

@@ -42,7 +42,7 @@ import json
 import math
 import shutil
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -57,6 +57,7 @@ from starfed.shared.codebook.framing import DEFAULT_MAX_BYTES, frame, header, re
 from starfed.shared.codebook.lineage import Lineage
 from starfed.shared.codebook.schema import ModelDims
 from starfed.shared.files import write_atomic
+from starfed.shared.protocol import CATCH_UP, CATCH_UP_PARTS, CATCH_UP_PATCHED, CATCH_UP_VERSIONS
 
 #: Bytes of a message besides the tensors' data, counted generously: a tensor's tags, dtype and
 #: shape; a class's tags, count, versions and frozen flag; the message's fingerprint, dims and
@@ -194,6 +195,12 @@ def _header_bytes(codebook: Codebook) -> int:
     return HEADER_SLACK + len(codebook.fingerprint) + metadata
 
 
+def current(keys: Sequence[str], changed: Sequence[int], staged: Mapping[str, int]) -> int:
+    """How many of a manifest's parts (``keys``, ``changed``) are ``staged`` at their version
+    or later: the receiver's count and the sender's reading of its word."""
+    return sum(staged.get(key, 0) >= version for key, version in zip(keys, changed, strict=True))
+
+
 @dataclass(frozen=True)
 class Label:
     """What a catch-up message says of its part: part ``index`` of ``count`` of a codebook of
@@ -207,6 +214,19 @@ class Label:
     keys: tuple[str, ...] = ()
     changed: tuple[int, ...] = ()
     patched: tuple[int, ...] = ()  # the parts a delta changes (none: the part is whole)
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> Label:
+        """The label a catch-up message's config carries (``server.catch_up.send`` writes it)."""
+        index, count, classes = (int(value) for value in config[CATCH_UP])
+        return cls(
+            index,
+            count,
+            classes,
+            tuple(str(key) for key in config.get(CATCH_UP_PARTS, [])),
+            tuple(int(version) for version in config.get(CATCH_UP_VERSIONS, [])),
+            tuple(int(part) for part in config.get(CATCH_UP_PATCHED, [])),
+        )
 
 
 @dataclass(frozen=True)
@@ -287,7 +307,9 @@ class Staging:
                     f"part {label.index} holds other classes than the manifest names"
                 )
             self._put(key, sent.version, data)
-        staged = replace(staged, received=len(self._current(staged)), step=step)
+        staged = replace(
+            staged, received=current(staged.keys, staged.changed, self._versions()), step=step
+        )
         write_atomic(self.folder / STAGED_FILE, json.dumps(asdict(staged)).encode())
         if staged.received < staged.parts:
             return False
@@ -352,12 +374,6 @@ class Staging:
             return b""
         versions = self._versions()
         return struct.pack(f"<{staged.parts}Q", *(versions.get(k, 0) for k in staged.keys))
-
-    def _current(self, staged: Staged) -> list[int]:
-        """The parts staged at their version or later."""
-        versions = self._versions()
-        pairs = enumerate(zip(staged.keys, staged.changed, strict=True))
-        return [i for i, (key, changed) in pairs if versions.get(key, 0) >= changed]
 
     def _versions(self) -> dict[str, int]:
         """Each staged part's version, by key (from the files' names)."""
